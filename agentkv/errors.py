@@ -1,0 +1,138 @@
+"""Typed errors shared by the store, the worker and the SDK, and their gRPC status codes.
+
+Domain code raises these; one server interceptor turns them into a status, a message and
+trailing metadata; the SDK turns a status back into the same class.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+ERROR_KEY = "agentkv-error"
+GENERATION_KEY = "agentkv-current-generation"
+
+
+class AgentKVError(Exception):
+    """Base of every agentkv error; `code` is the gRPC status it travels as."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((ERROR_KEY, type(self).__name__),)
+
+
+class InvalidArgument(AgentKVError):
+    """A request is malformed: a bad id, dtype, shape, byte count or size."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(AgentKVError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AgentNotFound(NotFound):
+    pass
+
+
+class BlockNotFound(NotFound):
+    pass
+
+
+class AgentExists(AgentKVError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(AgentKVError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class FingerprintMismatch(FailedPrecondition):
+    """A block or agent was written under another model or KV format."""
+
+
+class GenerationConflict(AgentKVError):
+    """A compare-and-swap commit lost: the agent is at another generation."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, current_generation: int) -> None:
+        super().__init__(message)
+        self.current_generation = current_generation
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (*super().trailing_metadata(), (GENERATION_KEY, str(self.current_generation)))
+
+
+class CorruptBlock(AgentKVError):
+    """A payload failed its checksum, was truncated or vanished; it has been quarantined."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class QuotaExceeded(AgentKVError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DiskFull(QuotaExceeded):
+    pass
+
+
+class Unavailable(AgentKVError):
+    """The peer could not be reached (SDK side only)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(AgentKVError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+ERRORS: dict[str, type[AgentKVError]] = {
+    cls.__name__: cls
+    for cls in (
+        AgentKVError,
+        InvalidArgument,
+        NotFound,
+        AgentNotFound,
+        BlockNotFound,
+        AgentExists,
+        FailedPrecondition,
+        FingerprintMismatch,
+        GenerationConflict,
+        CorruptBlock,
+        QuotaExceeded,
+        DiskFull,
+        Unavailable,
+        DeadlineExceeded,
+    )
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AgentExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: GenerationConflict,
+    grpc.StatusCode.DATA_LOSS: CorruptBlock,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
+    """Rebuilds the typed error a server raised from the status and trailing metadata."""
+    code = error.code()
+    message = error.details() or code.name
+    metadata = dict(error.trailing_metadata() or ())
+    cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
+    if issubclass(cls, GenerationConflict):
+        return cls(message, int(metadata.get(GENERATION_KEY, "0")))
+    result = cls(message)
+    result.code = code
+    return result

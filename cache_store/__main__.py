@@ -1,0 +1,63 @@
+"""agentkv-store: the cache store process."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from agentkv import logs
+from cache_store.config import StoreConfig
+from cache_store.server import serve
+
+
+def parse_size(text: str) -> int:
+    """'512M', '20G', '1048576' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def build_config(argv: list[str] | None = None) -> StoreConfig:
+    p = argparse.ArgumentParser(prog="agentkv-store", description=__doc__)
+    p.add_argument("--data-dir", type=Path, required=True, help="where the index and payloads live")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (port 0 picks one) or unix:/path/to.sock; default loopback",
+    )
+    p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
+    p.add_argument("--quota", type=parse_size, default=0, help="payload byte quota, e.g. 20G")
+    p.add_argument(
+        "--evict-agents",
+        action="store_true",
+        help="under quota pressure, also evict whole least-recently-used agents",
+    )
+    p.add_argument("--lease-seconds", type=int, default=60)
+    p.add_argument("--workers", type=int, default=16, help="RPC threads")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    try:
+        return StoreConfig(
+            data_dir=a.data_dir,
+            listen=a.listen,
+            metrics_listen=a.metrics_listen,
+            quota_bytes=a.quota,
+            evict_agents=a.evict_agents,
+            lease_seconds=a.lease_seconds,
+            workers=a.workers,
+            log_level=a.log_level,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = build_config(argv)
+    logs.configure(config.log_level)
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()

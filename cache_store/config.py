@@ -1,0 +1,62 @@
+"""The store process's configuration, filled once from the command line."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentkv.wire import MAX_CHUNK_BYTES
+
+
+@dataclass(slots=True)
+class StoreConfig:
+    data_dir: Path
+    listen: str = "127.0.0.1:50051"  # host:port, or unix:/path/to.sock
+    metrics_listen: str | None = None  # host:port for Prometheus; None disables
+    quota_bytes: int = 0  # payload bytes; 0 = only the disk limits
+    evict_agents: bool = False  # under quota pressure, also evict whole cold agents
+    lease_seconds: int = 60
+    max_lease_seconds: int = 600
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
+    max_block_bytes: int = 1 << 30
+    max_block_tokens: int = 1 << 16
+    max_agent_tokens: int = 1 << 21
+    max_message_bytes: int = 16 << 20  # gRPC transport limit, above every chunk and manifest
+    lmdb_map_bytes: int = 64 << 30  # sparse; LMDB only uses what it writes
+    workers: int = 16
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).resolve()
+        if self.quota_bytes < 0:
+            raise ValueError(f"quota_bytes must be >= 0, got {self.quota_bytes}")
+        if not 1 <= self.lease_seconds <= self.max_lease_seconds:
+            raise ValueError(f"lease_seconds must be in 1..{self.max_lease_seconds}")
+        if not 1 <= self.max_chunk_bytes < self.max_message_bytes:
+            raise ValueError("max_chunk_bytes must be positive and below max_message_bytes")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        listen_host(self.listen)
+
+    @property
+    def is_loopback(self) -> bool:
+        host = listen_host(self.listen)
+        if host is None:
+            return True
+        try:
+            return ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+
+def listen_host(listen: str) -> str | None:
+    """The host part of a listen address; None for a unix socket. Raises ValueError if malformed."""
+    if listen.startswith("unix:"):
+        if len(listen) <= len("unix:"):
+            raise ValueError("unix socket address needs a path: unix:/path/to.sock")
+        return None
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"listen address must be HOST:PORT or unix:PATH, got {listen!r}")
+    return host

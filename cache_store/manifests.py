@@ -1,0 +1,198 @@
+"""Agent manifests: compare-and-swap commits, forks and deletes, each inside one LMDB write.
+
+LMDB serializes write transactions, so reading the generation and writing the new manifest
+in the same transaction makes the compare-and-swap atomic across threads and processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lmdb
+
+from agentkv.errors import (
+    AgentExists,
+    AgentNotFound,
+    BlockNotFound,
+    FingerprintMismatch,
+    GenerationConflict,
+    InvalidArgument,
+)
+from agentkv.keys import ROOT_KEY
+from cache_store.index import Index
+from cache_store.records import AgentRecord, BlockRecord
+
+
+@dataclass(slots=True)
+class Commit:
+    namespace: str
+    agent_id: str
+    fingerprint: str
+    expected_generation: int
+    token_ids: list[int]
+    block_keys: list[bytes]
+    metadata: dict[str, str] = field(default_factory=dict)
+    phase: str = ""
+
+
+@dataclass(slots=True)
+class AgentView:
+    """A manifest plus what the store knows about its blocks now."""
+
+    record: AgentRecord
+    missing_block_keys: list[bytes]
+    num_bytes: int
+
+
+def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> AgentRecord:
+    old = index.get_agent(txn, c.namespace, c.agent_id)
+    current = old.generation if old else 0
+    if c.expected_generation != current:
+        state = f"is at generation {current}" if old else "does not exist (generation 0)"
+        raise GenerationConflict(
+            f"agent {c.agent_id!r} in namespace {c.namespace!r} {state}; "
+            f"the commit expected generation {c.expected_generation}",
+            current,
+        )
+    blocks = _chain(index, txn, c.namespace, c.fingerprint, c.block_keys)
+    _check_tokens(blocks, c.token_ids)
+    record = AgentRecord(
+        namespace=c.namespace,
+        agent_id=c.agent_id,
+        fingerprint=c.fingerprint,
+        token_ids=c.token_ids,
+        block_keys=[b.key for b in blocks],
+        block_num_tokens=[len(b.token_ids) for b in blocks],
+        metadata=c.metadata,
+        phase=c.phase,
+        created_ms=old.created_ms if old else now_ms,
+        updated_ms=now_ms,
+        generation=current + 1,
+    )
+    _move_refs(index, txn, c.namespace, old.block_keys if old else [], record.block_keys)
+    index.put_agent(txn, record, created=old is None)
+    return record
+
+
+def fork(
+    index: Index,
+    txn: lmdb.Transaction,
+    namespace: str,
+    source_id: str,
+    new_id: str,
+    num_tokens: int,
+    phase: str,
+    metadata: dict[str, str],
+    now_ms: int,
+) -> AgentRecord:
+    source = get(index, txn, namespace, source_id)
+    if index.get_agent(txn, namespace, new_id) is not None:
+        raise AgentExists(f"agent {new_id!r} already exists in namespace {namespace!r}")
+    keep = num_tokens or len(source.token_ids)
+    if keep > len(source.token_ids):
+        raise InvalidArgument(
+            f"cannot fork {keep} tokens: agent {source_id!r} has {len(source.token_ids)}"
+        )
+    keys, counts, covered = [], [], 0
+    for key, n in zip(source.block_keys, source.block_num_tokens, strict=True):
+        if covered + n > keep or index.get_block(txn, namespace, key) is None:
+            break  # a block past the cut, or one lost to quarantine, ends the shared chain
+        keys.append(key)
+        counts.append(n)
+        covered += n
+    record = AgentRecord(
+        namespace=namespace,
+        agent_id=new_id,
+        fingerprint=source.fingerprint,
+        token_ids=source.token_ids[:keep],
+        block_keys=keys,
+        block_num_tokens=counts,
+        metadata=metadata or dict(source.metadata),
+        phase=phase or source.phase,
+        created_ms=now_ms,
+        updated_ms=now_ms,
+        generation=1,
+    )
+    _move_refs(index, txn, namespace, [], keys)
+    index.put_agent(txn, record, created=True)
+    return record
+
+
+def delete(
+    index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str, expected_generation: int
+) -> int:
+    record = get(index, txn, namespace, agent_id)
+    if expected_generation and expected_generation != record.generation:
+        raise GenerationConflict(
+            f"agent {agent_id!r} is at generation {record.generation}; "
+            f"the delete expected generation {expected_generation}",
+            record.generation,
+        )
+    _move_refs(index, txn, namespace, record.block_keys, [])
+    index.delete_agent(txn, record)
+    return len(record.block_keys)
+
+
+def get(index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str) -> AgentRecord:
+    record = index.get_agent(txn, namespace, agent_id)
+    if record is None:
+        raise AgentNotFound(f"agent {agent_id!r} not found in namespace {namespace!r}")
+    return record
+
+
+def view(index: Index, txn: lmdb.Transaction, record: AgentRecord) -> AgentView:
+    missing: list[bytes] = []
+    num_bytes = 0
+    for key in record.block_keys:
+        block = index.get_block(txn, record.namespace, key)
+        if block is None:
+            missing.append(key)
+        else:
+            num_bytes += block.num_bytes
+    return AgentView(record, missing, num_bytes)
+
+
+def _chain(
+    index: Index, txn: lmdb.Transaction, namespace: str, fingerprint: str, keys: list[bytes]
+) -> list[BlockRecord]:
+    blocks: list[BlockRecord] = []
+    parent = ROOT_KEY
+    for i, key in enumerate(keys):
+        block = index.get_block(txn, namespace, key)
+        if block is None:
+            raise BlockNotFound(f"block_keys[{i}] {key.hex()} not found in namespace {namespace!r}")
+        if block.fingerprint != fingerprint:
+            raise FingerprintMismatch(
+                f"block_keys[{i}] {key.hex()} was written under fingerprint "
+                f"{block.fingerprint!r}, not {fingerprint!r}"
+            )
+        if block.parent_key != parent:
+            raise InvalidArgument(
+                f"block_keys[{i}] {key.hex()} does not follow block_keys[{i - 1}]: "
+                f"its parent is {block.parent_key.hex() or 'the root'}"
+            )
+        blocks.append(block)
+        parent = key
+    return blocks
+
+
+def _check_tokens(blocks: list[BlockRecord], token_ids: list[int]) -> None:
+    pos = 0
+    for i, block in enumerate(blocks):
+        end = pos + len(block.token_ids)
+        if token_ids[pos:end] != block.token_ids:
+            raise InvalidArgument(
+                f"block_keys[{i}] {block.key.hex()} holds tokens that differ from "
+                f"token_ids[{pos}:{end}]"
+            )
+        pos = end
+
+
+def _move_refs(
+    index: Index, txn: lmdb.Transaction, namespace: str, old: list[bytes], new: list[bytes]
+) -> None:
+    old_set, new_set = set(old), set(new)
+    for key in new_set - old_set:
+        index.add_ref(txn, namespace, key, +1)
+    for key in old_set - new_set:
+        index.add_ref(txn, namespace, key, -1)

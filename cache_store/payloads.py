@@ -1,0 +1,279 @@
+"""Block payload files: safetensors on disk, written durably, read back with checksums.
+
+Layout under the data directory:
+  blocks/<namespace>/<first two hex of key>/<key hex>.safetensors   one immutable file per block
+  tmp/<random>.part                                                 uploads in flight
+  quarantine/<namespace>/<key hex>.<unix ms>.safetensors            payloads that failed a check
+
+A file is the safetensors header (tensors in upload order, layers ascending, so each layer's
+tensors are one contiguous range) followed by the data. Each layer's range, and the header,
+carries its own xxh3_64 checksum in the index, so a reader of some layers verifies only those.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import xxhash
+
+from agentkv.errors import CorruptBlock, DiskFull, InvalidArgument
+from cache_store.records import HEADER_LAYER, BlockRecord, Segment
+from cache_store.validation import TensorLayout
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+SUFFIX = ".safetensors"
+
+
+def safetensors_header(layout: Sequence[TensorLayout], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file, padded to 8 bytes."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    for t in layout:
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [t.offset, t.offset + t.num_bytes],
+        }
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def layer_ranges(layout: Sequence[TensorLayout]) -> list[tuple[int, int, int]]:
+    """(layer, start, end) data-section ranges, one per layer, in order."""
+    ranges: list[tuple[int, int, int]] = []
+    for t in layout:
+        end = t.offset + t.num_bytes
+        if ranges and ranges[-1][0] == t.layer:
+            ranges[-1] = (t.layer, ranges[-1][1], end)
+        else:
+            ranges.append((t.layer, t.offset, end))
+    return ranges
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _disk_error(exc: OSError, what: str) -> Exception:
+    if exc.errno in _NO_SPACE:
+        return DiskFull(f"no space left on the store's disk while {what}")
+    return exc
+
+
+class BlockWriter:
+    """Writes one block to a temporary file, checksumming each layer as bytes arrive."""
+
+    def __init__(self, tmp_path: Path, layout: list[TensorLayout], header: bytes) -> None:
+        self.tmp_path = tmp_path
+        self.header_len = len(header)
+        self.expected = sum(t.num_bytes for t in layout)
+        self.written = 0
+        self._ranges = layer_ranges(layout)
+        self._segments = [Segment(HEADER_LAYER, 0, len(header), xxhash.xxh3_64_intdigest(header))]
+        self._hasher = xxhash.xxh3_64()
+        self._fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self._write_all(memoryview(header))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, data: memoryview) -> None:
+        if self.written + len(data) > self.expected:
+            raise InvalidArgument(
+                f"block sends more bytes than its tensors declare ({self.expected} bytes)"
+            )
+        self._write_all(data)
+        self._hash(data)
+
+    def finish(self, final_path: Path) -> list[Segment]:
+        """fsyncs the data and renames it into place; returns the checksummed segments."""
+        if self.written != self.expected:
+            raise InvalidArgument(
+                f"block received {self.written} bytes but its tensors declare {self.expected}"
+            )
+        self._close_finished_segments()
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            final_path.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self.tmp_path, final_path)
+            _fsync_dir(final_path.parent)
+        except OSError as exc:
+            raise _disk_error(exc, "saving a block") from exc
+        return self._segments
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.tmp_path.unlink(missing_ok=True)
+
+    def _write_all(self, data: memoryview) -> None:
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as exc:
+            raise _disk_error(exc, "writing a block") from exc
+
+    def _hash(self, data: memoryview) -> None:
+        while True:
+            self._close_finished_segments()
+            if not data:
+                return
+            end = self._ranges[len(self._segments) - 1][2]
+            take = min(len(data), end - self.written)
+            self._hasher.update(data[:take])
+            self.written += take
+            data = data[take:]
+
+    def _close_finished_segments(self) -> None:
+        while len(self._segments) <= len(self._ranges):
+            layer, start, end = self._ranges[len(self._segments) - 1]
+            if self.written != end:
+                return
+            checksum = self._hasher.intdigest()
+            self._segments.append(Segment(layer, self.header_len + start, end - start, checksum))
+            self._hasher.reset()
+
+
+class Payloads:
+    """The payload files of every block, under one data directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tmp_dir = root / "tmp"
+        self.quarantine_dir = root / "quarantine"
+        for d in (root / "blocks", self.tmp_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def relpath(namespace: str, key: bytes) -> str:
+        h = key.hex()
+        return f"blocks/{namespace}/{h[:2]}/{h}{SUFFIX}"
+
+    def path(self, relpath: str) -> Path:
+        return self.root / relpath
+
+    def writer(self, header: bytes, layout: list[TensorLayout]) -> BlockWriter:
+        tmp = self.tmp_dir / f"{secrets.token_hex(8)}.part"
+        try:
+            return BlockWriter(tmp, layout, header)
+        except OSError as exc:
+            raise _disk_error(exc, "starting a block") from exc
+
+    def read(
+        self, record: BlockRecord, segments: Sequence[Segment], max_run: int
+    ) -> Iterator[memoryview]:
+        """Yields the segments' bytes in runs of about max_run bytes, each verified first.
+
+        A view is only valid until the next one is requested (the buffer is reused).
+        Raises CorruptBlock for a missing, short or mismatching file.
+        """
+        try:
+            fd = os.open(self.path(record.relpath), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise CorruptBlock(f"block {record.key.hex()} payload file is missing") from exc
+        try:
+            buffer = bytearray(max(max_run, max((s.num_bytes for s in segments), default=0)))
+            for run in _runs(segments, max_run):
+                yield self._read_run(fd, record, run, buffer)
+        finally:
+            os.close(fd)
+
+    def _read_run(
+        self, fd: int, record: BlockRecord, run: list[Segment], buffer: bytearray
+    ) -> memoryview:
+        start, size = run[0].offset, sum(s.num_bytes for s in run)
+        view = memoryview(buffer)[:size]
+        got = os.preadv(fd, [view], start)
+        if got != size:
+            raise CorruptBlock(
+                f"block {record.key.hex()} payload is truncated: wanted {size} bytes at {start}, "
+                f"file has {got}"
+            )
+        pos = 0
+        for s in run:
+            if xxhash.xxh3_64_intdigest(view[pos : pos + s.num_bytes]) != s.checksum:
+                raise CorruptBlock(
+                    f"block {record.key.hex()} failed its checksum (layer {s.layer}, "
+                    f"bytes {s.offset}..{s.offset + s.num_bytes})"
+                )
+            pos += s.num_bytes
+        return view
+
+    def verify(self, record: BlockRecord) -> None:
+        """Reads and checks the whole file; raises CorruptBlock."""
+        size = self._size(record)
+        if size != record.num_bytes:
+            raise CorruptBlock(
+                f"block {record.key.hex()} payload is {size} bytes, index says {record.num_bytes}"
+            )
+        for _ in self.read(record, record.segments, 8 << 20):
+            pass
+
+    def _size(self, record: BlockRecord) -> int:
+        try:
+            return self.path(record.relpath).stat().st_size
+        except FileNotFoundError as exc:
+            raise CorruptBlock(f"block {record.key.hex()} payload file is missing") from exc
+
+    def quarantine(self, record: BlockRecord) -> Path | None:
+        """Moves a bad payload aside for inspection; None if the file was already gone."""
+        src = self.path(record.relpath)
+        dest_dir = self.quarantine_dir / record.namespace
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        dest = dest_dir / f"{record.key.hex()}.{int(time.time() * 1000)}{SUFFIX}"
+        try:
+            os.rename(src, dest)
+        except FileNotFoundError:
+            return None
+        _fsync_dir(dest_dir)
+        _fsync_dir(src.parent)
+        return dest
+
+    def delete(self, record: BlockRecord) -> None:
+        path = self.path(record.relpath)
+        path.unlink(missing_ok=True)
+
+    def sweep_tmp(self) -> int:
+        count = 0
+        for part in self.tmp_dir.iterdir():
+            part.unlink(missing_ok=True)
+            count += 1
+        return count
+
+    def block_files(self) -> Iterator[str]:
+        """Relative paths of every payload file under blocks/."""
+        for path in (self.root / "blocks").glob(f"*/*/*{SUFFIX}"):
+            yield str(path.relative_to(self.root))
+
+    def disk_free(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+
+def _runs(segments: Sequence[Segment], max_run: int) -> Iterator[list[Segment]]:
+    """Groups adjacent segments into runs of at most max_run bytes (a bigger segment alone)."""
+    run: list[Segment] = []
+    size = 0
+    for s in segments:
+        adjacent = run and run[-1].offset + run[-1].num_bytes == s.offset
+        if run and (not adjacent or size + s.num_bytes > max_run):
+            yield run
+            run, size = [], 0
+        run.append(s)
+        size += s.num_bytes
+    if run:
+        yield run

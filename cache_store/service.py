@@ -1,0 +1,335 @@
+"""The CacheStore gRPC servicer: parse, call the domain, build the reply.
+
+PutBlocks and GetBlocks carry payload chunks through the raw fast path in agentkv.wire; every
+other method uses the generated message classes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from agentkv import wire
+from agentkv.errors import InvalidArgument
+from agentkv.v1 import store_pb2 as pb
+from cache_store import manifests
+from cache_store.records import BlockRecord
+from cache_store.store import CacheStore, PutHeader, Selection
+from cache_store.validation import TensorLayout
+
+SERVICE_NAME = "agentkv.v1.CacheStore"
+
+
+class CacheStoreServicer:
+    def __init__(self, store: CacheStore) -> None:
+        self.store = store
+
+    def PutBlocks(
+        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
+    ) -> pb.PutBlocksResponse:
+        start = time.perf_counter()
+        results, lease_id, expires = self.store.put_stream(_put_items(request_iterator))
+        self.store.metrics.put_seconds.observe(time.perf_counter() - start)
+        return pb.PutBlocksResponse(
+            blocks=[
+                pb.PutBlockResult(
+                    key=r.key,
+                    num_tokens=r.num_tokens,
+                    num_bytes=r.num_bytes,
+                    deduplicated=r.deduplicated,
+                )
+                for r in results
+            ],
+            lease_id=lease_id,
+            lease_expires_unix_ms=expires,
+        )
+
+    def GetBlocks(
+        self, request: pb.GetBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        start = time.perf_counter()
+        selections = self.store.select(
+            request.namespace, request.fingerprint, request.keys, request.layers
+        )
+        chunk = wire.DEFAULT_CHUNK_BYTES
+        with self.store.reading(selections):
+            for selection in selections:
+                yield pb.GetBlocksResponse(header=_block_header(selection)).SerializeToString()
+                for run in self.store.read(selection, max_run=4 * chunk):
+                    for offset in range(0, len(run), chunk):
+                        yield wire.encode_chunk(run[offset : offset + chunk])
+        self.store.metrics.get_seconds.observe(time.perf_counter() - start)
+
+    def LocateBlocks(
+        self, request: pb.LocateBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.LocateBlocksResponse:
+        lease_id, expires, selections = self.store.locate(
+            request.namespace,
+            request.fingerprint,
+            request.keys,
+            request.layers,
+            request.lease_seconds,
+        )
+        return pb.LocateBlocksResponse(
+            lease_id=lease_id,
+            lease_expires_unix_ms=expires,
+            checksum_algorithm="xxh3_64",
+            blocks=[_location(s, self.store.path_of(s.record)) for s in selections],
+        )
+
+    def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseLeaseResponse:
+        return pb.ReleaseLeaseResponse(released=self.store.leases.release(request.lease_id))
+
+    def ReportCorruptBlock(
+        self, request: pb.ReportCorruptBlockRequest, context: grpc.ServicerContext
+    ) -> pb.ReportCorruptBlockResponse:
+        done = self.store.report_corrupt(request.namespace, request.key, request.reason)
+        return pb.ReportCorruptBlockResponse(quarantined=done)
+
+    def FindLongestPrefix(
+        self, request: pb.FindLongestPrefixRequest, context: grpc.ServicerContext
+    ) -> pb.FindLongestPrefixResponse:
+        chain = self.store.longest_prefix(request.namespace, request.fingerprint, request.token_ids)
+        counts = [len(b.token_ids) for b in chain]
+        return pb.FindLongestPrefixResponse(
+            num_tokens=sum(counts), keys=[b.key for b in chain], block_num_tokens=counts
+        )
+
+    def CommitAgent(
+        self, request: pb.CommitAgentRequest, context: grpc.ServicerContext
+    ) -> pb.CommitAgentResponse:
+        commit = manifests.Commit(
+            namespace=request.namespace,
+            agent_id=request.agent_id,
+            fingerprint=request.fingerprint,
+            expected_generation=request.expected_generation,
+            token_ids=list(request.token_ids),
+            block_keys=list(request.block_keys),
+            metadata=dict(request.metadata),
+            phase=request.phase,
+        )
+        view = self.store.commit_agent(commit, request.release_lease_id)
+        return pb.CommitAgentResponse(agent=_manifest(view))
+
+    def GetAgent(
+        self, request: pb.GetAgentRequest, context: grpc.ServicerContext
+    ) -> pb.GetAgentResponse:
+        view = self.store.get_agent(request.namespace, request.agent_id, request.fingerprint)
+        return pb.GetAgentResponse(agent=_manifest(view))
+
+    def ListAgents(
+        self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
+    ) -> pb.ListAgentsResponse:
+        views = self.store.list_agents(request.namespace, request.page_token, request.page_size)
+        agents = [_agent_summary(v) for v in views]
+        full = len(views) == min(request.page_size or 100, 1000)
+        return pb.ListAgentsResponse(
+            agents=agents, next_page_token=agents[-1].agent_id if agents and full else ""
+        )
+
+    def DeleteAgent(
+        self, request: pb.DeleteAgentRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteAgentResponse:
+        released = self.store.delete_agent(
+            request.namespace, request.agent_id, request.expected_generation
+        )
+        return pb.DeleteAgentResponse(num_blocks_released=released)
+
+    def ForkAgent(
+        self, request: pb.ForkAgentRequest, context: grpc.ServicerContext
+    ) -> pb.ForkAgentResponse:
+        view = self.store.fork_agent(
+            request.namespace,
+            request.source_agent_id,
+            request.new_agent_id,
+            request.num_tokens,
+            request.phase,
+            dict(request.metadata),
+        )
+        return pb.ForkAgentResponse(agent=_manifest(view))
+
+    def ListNamespaces(
+        self, request: pb.ListNamespacesRequest, context: grpc.ServicerContext
+    ) -> pb.ListNamespacesResponse:
+        return pb.ListNamespacesResponse(
+            namespaces=[
+                pb.NamespaceInfo(
+                    name=name, num_agents=u["agents"], num_blocks=u["blocks"], num_bytes=u["bytes"]
+                )
+                for name, u in sorted(self.store.list_namespaces().items())
+            ]
+        )
+
+    def ListBlocks(
+        self, request: pb.ListBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.ListBlocksResponse:
+        try:
+            after = bytes.fromhex(request.page_token)
+        except ValueError as exc:
+            raise InvalidArgument(f"invalid page_token {request.page_token!r}") from exc
+        records = self.store.list_blocks(request.namespace, after, request.page_size)
+        full = len(records) == min(request.page_size or 100, 1000)
+        return pb.ListBlocksResponse(
+            blocks=[_block_summary(r, self.store.last_access_ms(r)) for r in records],
+            next_page_token=records[-1].key.hex() if records and full else "",
+        )
+
+    def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.ServicerContext
+    ) -> pb.GetStatsResponse:
+        return pb.GetStatsResponse(**self.store.stats())
+
+    def VerifyBlocks(
+        self, request: pb.VerifyBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.VerifyBlocksResponse:
+        checked, num_bytes, corrupt = self.store.verify(request.namespace)
+        return pb.VerifyBlocksResponse(
+            num_checked=checked,
+            num_bytes=num_bytes,
+            corrupt=[
+                pb.CorruptBlockInfo(namespace=r.namespace, key=r.key, reason=reason)
+                for r, reason in corrupt
+            ],
+        )
+
+    def CollectGarbage(
+        self, request: pb.CollectGarbageRequest, context: grpc.ServicerContext
+    ) -> pb.CollectGarbageResponse:
+        deleted, freed, orphans = self.store.collect_garbage(request.namespace)
+        return pb.CollectGarbageResponse(
+            num_blocks_deleted=deleted, num_bytes_freed=freed, num_orphans_removed=orphans
+        )
+
+
+def _put_items(raw_messages: Iterator[bytes]) -> Iterator[PutHeader | memoryview]:
+    for raw in raw_messages:
+        try:
+            item = wire.decode(raw, pb.PutBlocksRequest)
+        except wire.DecodeError as exc:
+            raise InvalidArgument(f"malformed PutBlocksRequest: {exc}") from exc
+        if isinstance(item, memoryview):
+            yield item
+        elif item.WhichOneof("item") == "header":
+            h = item.header
+            yield PutHeader(
+                h.namespace,
+                h.fingerprint,
+                h.parent_key,
+                list(h.token_ids),
+                [(t.name, t.dtype, list(t.shape)) for t in h.tensors],
+            )
+        else:
+            raise InvalidArgument("PutBlocksRequest holds neither a header nor a chunk")
+
+
+def _tensor_info(t: TensorLayout) -> pb.TensorInfo:
+    return pb.TensorInfo(
+        name=t.name,
+        dtype=t.dtype,
+        shape=t.shape,
+        layer=t.layer,
+        file_offset=t.offset,
+        num_bytes=t.num_bytes,
+    )
+
+
+def _block_header(s: Selection) -> pb.BlockHeader:
+    r = s.record
+    return pb.BlockHeader(
+        key=r.key,
+        parent_key=r.parent_key,
+        token_ids=r.token_ids,
+        tensors=[_tensor_info(t) for t in s.tensors],
+        num_bytes=s.num_bytes,
+    )
+
+
+def _location(s: Selection, path: str) -> pb.BlockLocation:
+    r = s.record
+    return pb.BlockLocation(
+        key=r.key,
+        parent_key=r.parent_key,
+        token_ids=r.token_ids,
+        path=path,
+        tensors=[_tensor_info(t) for t in s.tensors],
+        segments=[
+            pb.Segment(layer=g.layer, offset=g.offset, num_bytes=g.num_bytes, checksum=g.checksum)
+            for g in s.segments
+        ],
+    )
+
+
+def _manifest(view: manifests.AgentView) -> pb.AgentManifest:
+    r = view.record
+    return pb.AgentManifest(
+        namespace=r.namespace,
+        agent_id=r.agent_id,
+        fingerprint=r.fingerprint,
+        token_ids=r.token_ids,
+        block_keys=r.block_keys,
+        block_num_tokens=r.block_num_tokens,
+        metadata=r.metadata,
+        phase=r.phase,
+        created_unix_ms=r.created_ms,
+        updated_unix_ms=r.updated_ms,
+        generation=r.generation,
+        missing_block_keys=view.missing_block_keys,
+        num_bytes=view.num_bytes,
+    )
+
+
+def _agent_summary(view: manifests.AgentView) -> pb.AgentSummary:
+    r = view.record
+    return pb.AgentSummary(
+        agent_id=r.agent_id,
+        fingerprint=r.fingerprint,
+        num_tokens=len(r.token_ids),
+        num_blocks=len(r.block_keys),
+        num_bytes=view.num_bytes,
+        phase=r.phase,
+        updated_unix_ms=r.updated_ms,
+        generation=r.generation,
+    )
+
+
+def _block_summary(r: BlockRecord, last_access_ms: int) -> pb.BlockSummary:
+    return pb.BlockSummary(
+        key=r.key,
+        parent_key=r.parent_key,
+        fingerprint=r.fingerprint,
+        num_tokens=len(r.token_ids),
+        num_bytes=r.num_bytes,
+        refcount=r.refcount,
+        last_access_unix_ms=last_access_ms,
+    )
+
+
+def rpc_handlers(servicer: CacheStoreServicer) -> grpc.GenericRpcHandler:
+    """Method handlers for every RPC in the proto; the two payload streams skip protobuf."""
+    service = pb.DESCRIPTOR.services_by_name["CacheStore"]
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in service.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        behaviour = getattr(servicer, method.name)
+        if method.name == "PutBlocks":
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+                behaviour,
+                request_deserializer=None,
+                response_serializer=response.SerializeToString,
+            )
+        elif method.name == "GetBlocks":
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                behaviour, request_deserializer=request.FromString, response_serializer=None
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                behaviour,
+                request_deserializer=request.FromString,
+                response_serializer=response.SerializeToString,
+            )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,1 @@
+"""Python SDK for agentkv: store client and locate reader."""

@@ -1,0 +1,211 @@
+"""StoreClient: every CacheStore RPC, with typed errors and the raw-chunk fast path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from agentkv import wire
+from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
+from agentkv.rpc import message_options
+from agentkv.v1 import store_pb2 as pb
+from agentkv.v1 import store_pb2_grpc
+from client.blocks import Block, StoredBlock, block_from_header, chunk_payloads, read_location
+
+T = TypeVar("T")
+_METHOD = "/agentkv.v1.CacheStore/"
+
+
+def _typed(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+
+
+class StoreClient:
+    """A connection to one cache store. Thread-safe; close() when done."""
+
+    def __init__(self, address: str, timeout: float = 60.0, max_message_bytes: int = 16 << 20):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
+        self.stub = store_pb2_grpc.CacheStoreStub(self.channel)
+        self._put = self.channel.stream_unary(
+            _METHOD + "PutBlocks",
+            request_serializer=None,
+            response_deserializer=pb.PutBlocksResponse.FromString,
+        )
+        self._get = self.channel.unary_stream(
+            _METHOD + "GetBlocks",
+            request_serializer=pb.GetBlocksRequest.SerializeToString,
+            response_deserializer=None,
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """Any unary RPC by name, e.g. call("GetAgent", pb.GetAgentRequest(...))."""
+        rpc = getattr(self.stub, method)
+        return _typed(lambda: rpc(request, timeout=timeout or self.timeout))
+
+    # payloads
+
+    def put_blocks(
+        self, namespace: str, fingerprint: str, blocks: Iterable[Block],
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
+    ) -> pb.PutBlocksResponse:  # fmt: skip
+        """Uploads blocks in one stream; each block's parent must already be stored or precede it."""
+        messages = _put_messages(namespace, fingerprint, blocks, chunk_bytes)
+        return _typed(lambda: self._put(messages, timeout=self.timeout))
+
+    def get_blocks(
+        self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int] = ()
+    ) -> Iterator[StoredBlock]:
+        """Streams blocks back; each is yielded once all its bytes have arrived."""
+        request = pb.GetBlocksRequest(
+            namespace=namespace, fingerprint=fingerprint, keys=keys, layers=layers
+        )
+        stream = self._get(request, timeout=self.timeout)
+        try:
+            yield from _assemble(stream)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def read_blocks_local(
+        self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int] = ()
+    ) -> list[StoredBlock]:
+        """Same-host restore: locate under a lease, read the files directly, release.
+
+        A checksum failure is reported to the store (which quarantines the file) and raised.
+        """
+        located = self.call(
+            "LocateBlocks",
+            pb.LocateBlocksRequest(
+                namespace=namespace, fingerprint=fingerprint, keys=keys, layers=layers
+            ),
+        )
+        try:
+            return [self._read_one(namespace, location) for location in located.blocks]
+        finally:
+            self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
+
+    def _read_one(self, namespace: str, location: pb.BlockLocation) -> StoredBlock:
+        try:
+            return read_location(location)
+        except CorruptBlock as exc:
+            request = pb.ReportCorruptBlockRequest(
+                namespace=namespace, key=location.key, reason=exc.message
+            )
+            try:
+                self.call("ReportCorruptBlock", request)
+            except AgentKVError:
+                pass  # the store may have quarantined it already; the read still failed
+            raise
+
+    # manifests
+
+    def commit_agent(self, **fields: Any) -> pb.AgentManifest:
+        return self.call("CommitAgent", pb.CommitAgentRequest(**fields)).agent
+
+    def get_agent(self, namespace: str, agent_id: str, fingerprint: str = "") -> pb.AgentManifest:
+        request = pb.GetAgentRequest(
+            namespace=namespace, agent_id=agent_id, fingerprint=fingerprint
+        )
+        return self.call("GetAgent", request).agent
+
+    def list_agents(self, namespace: str) -> Iterator[pb.AgentSummary]:
+        token = ""
+        while True:
+            page = self.call(
+                "ListAgents", pb.ListAgentsRequest(namespace=namespace, page_token=token)
+            )
+            yield from page.agents
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
+        request = pb.DeleteAgentRequest(
+            namespace=namespace, agent_id=agent_id, expected_generation=expected_generation
+        )
+        return self.call("DeleteAgent", request).num_blocks_released
+
+    def fork_agent(
+        self, namespace: str, source: str, new: str, num_tokens: int = 0
+    ) -> pb.AgentManifest:
+        request = pb.ForkAgentRequest(
+            namespace=namespace, source_agent_id=source, new_agent_id=new, num_tokens=num_tokens
+        )
+        return self.call("ForkAgent", request).agent
+
+    def longest_prefix(
+        self, namespace: str, fingerprint: str, token_ids: Sequence[int]
+    ) -> pb.FindLongestPrefixResponse:
+        request = pb.FindLongestPrefixRequest(
+            namespace=namespace, fingerprint=fingerprint, token_ids=token_ids
+        )
+        return self.call("FindLongestPrefix", request)
+
+    def list_blocks(self, namespace: str) -> Iterator[pb.BlockSummary]:
+        token = ""
+        while True:
+            page = self.call(
+                "ListBlocks", pb.ListBlocksRequest(namespace=namespace, page_token=token)
+            )
+            yield from page.blocks
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self.call("GetStats", pb.GetStatsRequest())
+
+
+def _put_messages(
+    namespace: str, fingerprint: str, blocks: Iterable[Block], chunk_bytes: int
+) -> Iterator[bytes]:
+    for block in blocks:
+        header = pb.PutBlockHeader(
+            namespace=namespace,
+            fingerprint=fingerprint,
+            parent_key=block.parent_key,
+            token_ids=block.token_ids,
+            tensors=[
+                pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape) for t in block.tensors
+            ],
+        )
+        yield pb.PutBlocksRequest(header=header).SerializeToString()
+        for pieces in chunk_payloads(block.tensors, chunk_bytes):
+            size = sum(len(p) for p in pieces)
+            yield b"".join([wire.chunk_prefix(size), *pieces])
+
+
+def _assemble(stream: Iterable[bytes]) -> Iterator[StoredBlock]:
+    header: pb.BlockHeader | None = None
+    buffer = memoryview(b"")
+    filled = 0
+    for raw in stream:
+        item = wire.decode(raw, pb.GetBlocksResponse)
+        if isinstance(item, memoryview):
+            if header is None or filled + len(item) > len(buffer):
+                raise CorruptBlock("GetBlocks stream sent more bytes than its header declared")
+            buffer[filled : filled + len(item)] = item
+            filled += len(item)
+        else:
+            header = item.header
+            buffer, filled = memoryview(bytearray(header.num_bytes)), 0
+        if header is not None and filled == len(buffer):
+            yield block_from_header(header, buffer)
+            header = None
+    if header is not None:
+        raise CorruptBlock(f"GetBlocks stream ended inside block {header.key.hex()}")

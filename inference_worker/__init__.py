@@ -1,0 +1,1 @@
+"""MLX inference worker (built in a later issue)."""
