@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -61,10 +62,13 @@ class StoreClient:
     # payloads
 
     def put_blocks(
-        self, namespace: str, fingerprint: str, blocks: Iterable[Block],
+        self,
+        namespace: str,
+        fingerprint: str,
+        blocks: Iterable[Block],
         chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
-    ) -> pb.PutBlocksResponse:  # fmt: skip
-        """Uploads blocks in one stream; each block's parent must already be stored or precede it."""
+    ) -> pb.PutBlocksResponse:
+        """Uploads blocks in one stream; a block's parent must be stored already or precede it."""
         messages = _put_messages(namespace, fingerprint, blocks, chunk_bytes)
         return _typed(lambda: self._put(messages, timeout=self.timeout))
 
@@ -106,10 +110,9 @@ class StoreClient:
             request = pb.ReportCorruptBlockRequest(
                 namespace=namespace, key=location.key, reason=exc.message
             )
-            try:
+            # The store may have quarantined it already; the read failed either way.
+            with contextlib.suppress(AgentKVError):
                 self.call("ReportCorruptBlock", request)
-            except AgentKVError:
-                pass  # the store may have quarantined it already; the read still failed
             raise
 
     # manifests
