@@ -28,7 +28,7 @@ from cache_store.index import Index
 from cache_store.leases import BlockId, Leases
 from cache_store.metrics import StoreMetrics
 from cache_store.payloads import BlockWriter, Payloads, safetensors_header
-from cache_store.records import BlockRecord, Segment
+from cache_store.records import AgentRecord, BlockRecord, Segment
 from cache_store.validation import TensorLayout
 
 log = logging.getLogger("agentkv.store")
@@ -495,19 +495,29 @@ class CacheStore:
         return False
 
     def _evict_one_agent(self) -> bool:
+        """Deletes the least recently used agent whose blocks would then become evictable."""
         with self.index.read() as txn:
-            agents = list(self.index.agents(txn, None))
-        if not agents:
+            agents = sorted(self.index.agents(txn, None), key=self._agent_last_access)
+            victim = next((a for a in agents if self._frees_space(txn, a)), None)
+        if victim is None:
             return False
-        victim = min(
-            agents, key=lambda a: self._agent_access.get((a.namespace, a.agent_id), a.updated_ms)
-        )
         with self.index.write() as txn:
             manifests.delete(self.index, txn, victim.namespace, victim.agent_id, 0)
             self.index.bump(txn, "evicted_agents")
+        self._agent_access.pop((victim.namespace, victim.agent_id), None)
         self.metrics.evictions.labels("agent").inc()
         log.info("agent evicted", extra={"namespace": victim.namespace, "agent": victim.agent_id})
         return True
+
+    def _agent_last_access(self, agent: AgentRecord) -> int:
+        return self._agent_access.get((agent.namespace, agent.agent_id), agent.updated_ms)
+
+    def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
+        for key in agent.block_keys:
+            block = self.index.get_block(txn, agent.namespace, key)
+            if block and block.refcount == 1 and not self.leases.is_held((agent.namespace, key)):
+                return True
+        return False
 
     def _delete_unreferenced(self, block: BlockId, count_eviction: bool) -> int:
         """Deletes a block if still unreferenced and unleased; returns bytes freed."""

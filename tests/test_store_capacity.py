@@ -1,0 +1,159 @@
+"""Quota: LRU eviction of unreferenced blocks, then of cold agents; leases protect blocks."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from agentkv.errors import DiskFull, QuotaExceeded
+from agentkv.v1 import store_pb2 as pb
+from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+
+BLOCK_TOKENS = 64
+
+
+def block_bytes(store_client) -> int:
+    blocks, _ = make_chain(list(range(BLOCK_TOKENS)), block_tokens=BLOCK_TOKENS, seed=99)
+    put = store_client.put_blocks("probe", FP, blocks)
+    return put.blocks[0].num_bytes
+
+
+@pytest.fixture
+def quota_store(tmp_path, request):
+    """A store whose quota holds 4 blocks; parametrize with extra args via indirect marks."""
+    args = getattr(request, "param", [])
+    probe = StoreProcess(tmp_path / "probe", tmp_path / "probe.log").start()
+    with probe.client() as c:
+        size = block_bytes(c)
+    probe.stop()
+    quota = ["--quota", str(4 * size + size // 2), *args]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", extra_args=quota).start()
+    yield proc, size
+    proc.stop()
+
+
+def put_agent(client, agent_id: str, first_token: int, commit: bool = True):
+    tokens = list(range(first_token, first_token + BLOCK_TOKENS))
+    blocks, keys = make_chain(tokens, block_tokens=BLOCK_TOKENS, seed=first_token)
+    put = client.put_blocks(NS, FP, blocks)
+    if commit:
+        client.commit_agent(
+            namespace=NS,
+            agent_id=agent_id,
+            fingerprint=FP,
+            expected_generation=0,
+            token_ids=tokens,
+            block_keys=keys,
+            release_lease_id=put.lease_id,
+        )
+    return blocks, keys
+
+
+def test_unreferenced_blocks_are_evicted_oldest_first(quota_store):
+    proc, _ = quota_store
+    with proc.client() as c:
+        loose = []
+        for i in range(3):
+            blocks, _ = make_chain([50_000 + 100 * i] * BLOCK_TOKENS, seed=i)
+            put = c.put_blocks(NS, FP, blocks)
+            c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+            loose.append(put.blocks[0].key)
+        kept, kept_keys = put_agent(c, "marco", 0)
+        list(c.get_blocks(NS, FP, loose[:1]))  # touch the oldest: it becomes the newest
+        gone_after = []
+        for i in range(3):
+            put_agent(c, f"agent{i}", 1000 * (i + 1))
+            remaining = {b.key for b in c.list_blocks(NS)}
+            gone_after.append([k for k in loose if k not in remaining])
+            assert set(kept_keys) <= remaining  # referenced: never evicted by the block pass
+        assert gone_after == [[loose[1]], [loose[1], loose[2]], loose]
+        assert c.stats().num_evicted_blocks == 3
+        assert same_bytes(kept[0], next(c.get_blocks(NS, FP, kept_keys)))
+
+
+def test_quota_full_of_referenced_blocks_is_resource_exhausted(quota_store):
+    proc, _ = quota_store
+    with proc.client() as c:
+        for i in range(4):
+            put_agent(c, f"agent{i}", 1000 * i)
+        before = c.stats()
+        with pytest.raises(QuotaExceeded) as err:
+            put_agent(c, "one-too-many", 9000)
+        assert "quota" in err.value.message and "nothing can be evicted" in err.value.message
+        after = c.stats()
+        assert (after.num_blocks, after.num_agents) == (before.num_blocks, before.num_agents)
+        assert not list((proc.data_dir / "tmp").iterdir())
+
+
+def test_leased_blocks_survive_eviction(quota_store):
+    proc, _ = quota_store
+    with proc.client() as c:
+        blocks, keys = put_agent(c, "reader", 0, commit=False)  # put lease held
+        located = c.call(
+            "LocateBlocks", pb.LocateBlocksRequest(namespace=NS, fingerprint=FP, keys=keys)
+        )
+        for i in range(3):
+            put_agent(c, f"agent{i}", 1000 * (i + 1))
+        with pytest.raises(QuotaExceeded):
+            put_agent(c, "agent3", 4000)
+        assert {b.key for b in c.list_blocks(NS)} >= set(keys)
+        c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
+        assert same_bytes(blocks[0], c.read_blocks_local(NS, FP, keys)[0])
+
+
+@pytest.mark.parametrize("quota_store", [["--evict-agents"]], indirect=True)
+def test_evict_agents_drops_the_least_recently_used_agent(quota_store):
+    proc, _ = quota_store
+    with proc.client() as c:
+        for i in range(4):
+            put_agent(c, f"agent{i}", 1000 * i)
+        c.get_agent(NS, "agent0")  # agent1 is now the coldest
+        put_agent(c, "newcomer", 9000)
+        ids = {a.agent_id for a in c.list_agents(NS)}
+        assert ids == {"agent0", "agent2", "agent3", "newcomer"}
+        assert c.stats().num_evicted_agents == 1
+
+
+def test_collect_garbage_keeps_referenced_and_leased(store):
+    blocks, keys = make_chain(list(range(200)), block_tokens=64)
+    put = store.put_blocks(NS, FP, blocks)
+    store.commit_agent(
+        namespace=NS, agent_id="a", fingerprint=FP, token_ids=list(range(64)), block_keys=keys[:1]
+    )
+    assert store.call("CollectGarbage", pb.CollectGarbageRequest()).num_blocks_deleted == 0
+    store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+    gc = store.call("CollectGarbage", pb.CollectGarbageRequest(namespace=NS))
+    assert gc.num_blocks_deleted == 3 and gc.num_bytes_freed > 0
+    assert [b.key for b in store.list_blocks(NS)] == keys[:1]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_is_resource_exhausted_and_nothing_is_corrupt(tiny_disk, tmp_path):
+    proc = StoreProcess(tiny_disk / "data", tmp_path / "store.log").start()
+    try:
+        with proc.client() as c:
+            stored = []
+            with pytest.raises(DiskFull) as err:
+                for i in range(200):
+                    stored.append(put_agent(c, f"agent{i}", 1000 * i))
+            assert err.value.code.name == "RESOURCE_EXHAUSTED" and "disk" in err.value.message
+            assert not list((proc.data_dir / "tmp").iterdir())
+            verify = c.call("VerifyBlocks", pb.VerifyBlocksRequest())
+            assert not verify.corrupt and verify.num_checked == len(stored)
+            for blocks, keys in stored:
+                assert same_bytes(blocks[0], next(c.get_blocks(NS, FP, keys)))
+    finally:
+        proc.stop()

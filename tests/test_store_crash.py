@@ -1,0 +1,150 @@
+"""kill -9 of the store at many points: after restart the index points only at whole files."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import grpc
+import pytest
+
+from agentkv import wire
+from agentkv.errors import AgentKVError
+from agentkv.v1 import store_pb2 as pb
+from client.blocks import chunk_payloads
+from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+
+SHAPE = {"num_layers": 8, "kv_heads": 4, "head_dim": 128}  # 288 KiB a block: 3 messages
+
+
+def put_messages(blocks, on_message):
+    """The PutBlocks stream, calling on_message(i) before sending message i."""
+    i = 0
+    for block in blocks:
+        header = pb.PutBlockHeader(
+            namespace=NS,
+            fingerprint=FP,
+            parent_key=block.parent_key,
+            token_ids=block.token_ids,
+            tensors=[
+                pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape) for t in block.tensors
+            ],
+        )
+        for raw in [pb.PutBlocksRequest(header=header).SerializeToString()] + [
+            wire.encode_chunk(b"".join(bytes(p) for p in pieces))
+            for pieces in chunk_payloads(block.tensors, 256 << 10)
+        ]:
+            on_message(i)
+            i += 1
+            yield raw
+
+
+def assert_consistent(client, proc: StoreProcess, sent: dict[bytes, object]) -> None:
+    """Whole files only, no leftovers, refcounts match manifests, every indexed block intact."""
+    verify = client.call("VerifyBlocks", pb.VerifyBlocksRequest())
+    assert not verify.corrupt
+    assert not list((proc.data_dir / "tmp").iterdir())
+    indexed = {b.key: b.refcount for b in client.list_blocks(NS)}
+    files = {p.stem for p in (proc.data_dir / "blocks").rglob("*.safetensors")}
+    assert files == {k.hex() for k in indexed}
+    refs = Counter(
+        k for a in client.list_agents(NS) for k in client.get_agent(NS, a.agent_id).block_keys
+    )
+    assert {k: refs.get(k, 0) for k in indexed} == indexed
+    for key in indexed:
+        (back,) = client.get_blocks(NS, FP, [key])
+        assert same_bytes(sent[key], back)
+
+
+@pytest.fixture
+def crash_store(tmp_path):
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("kill_at", [0, 1, 2, 3, 4, 5, 7, 8, 13, 16, 21, 25, 28])
+def test_kill9_during_streaming_put(crash_store, kill_at):
+    tokens = list(range(64 * 12))
+    blocks, keys = make_chain(tokens, block_tokens=64, **SHAPE)
+    sent = dict(zip(keys, blocks, strict=True))
+    with crash_store.client() as c:
+        committed = c.put_blocks(NS, FP, blocks[:2])
+        c.commit_agent(
+            namespace=NS,
+            agent_id="before",
+            fingerprint=FP,
+            token_ids=tokens[:128],
+            block_keys=keys[:2],
+            release_lease_id=committed.lease_id,
+        )
+
+        def maybe_kill(i: int) -> None:
+            if i == kill_at:
+                crash_store.kill9()
+
+        with pytest.raises((grpc.RpcError, AgentKVError)):
+            c._put(put_messages(blocks[2:], maybe_kill), timeout=30)
+    crash_store.start()
+    with crash_store.client() as c:
+        agent = c.get_agent(NS, "before")
+        assert list(agent.block_keys) == keys[:2] and not agent.missing_block_keys
+        assert_consistent(c, crash_store, sent)
+
+
+def test_kill9_during_commits_and_puts(crash_store):
+    """A writer thread commits a growing agent while the store is killed under it."""
+    tokens = list(range(64 * 20))
+    blocks, keys = make_chain(tokens, block_tokens=64, **SHAPE)
+    sent = dict(zip(keys, blocks, strict=True))
+    progress = threading.Event()
+
+    def writer() -> None:
+        with crash_store.client(timeout=10) as c:
+            generation = 0
+            for n in range(1, len(blocks) + 1):
+                try:
+                    put = c.put_blocks(NS, FP, blocks[n - 1 : n])
+                    generation = c.commit_agent(
+                        namespace=NS,
+                        agent_id="grower",
+                        fingerprint=FP,
+                        expected_generation=generation,
+                        token_ids=tokens[: 64 * n],
+                        block_keys=keys[:n],
+                        release_lease_id=put.lease_id,
+                    ).generation
+                except AgentKVError:
+                    return
+                if n == 5:
+                    progress.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert progress.wait(60)
+    crash_store.kill9()
+    thread.join(60)
+    crash_store.start()
+    with crash_store.client() as c:
+        agent = c.get_agent(NS, "grower")
+        n = len(agent.block_keys)
+        assert n >= 5 and list(agent.block_keys) == keys[:n] and not agent.missing_block_keys
+        assert list(agent.token_ids) == tokens[: 64 * n]
+        assert_consistent(c, crash_store, sent)
+
+
+def test_startup_sweeps_partial_uploads_and_orphans(crash_store):
+    blocks, keys = make_chain(list(range(128)), block_tokens=64)
+    with crash_store.client() as c:
+        c.put_blocks(NS, FP, blocks)
+    crash_store.kill9()
+    data = crash_store.data_dir
+    (data / "tmp" / "deadbeef.part").write_bytes(b"half a block")
+    orphan = data / "blocks" / NS / "ab" / ("ab" * 32 + ".safetensors")
+    orphan.parent.mkdir(parents=True, exist_ok=True)
+    orphan.write_bytes(b"renamed, never indexed")
+    crash_store.start()
+    assert not orphan.exists() and not list((data / "tmp").iterdir())
+    with crash_store.client() as c:
+        assert [b.key for b in c.get_blocks(NS, FP, keys)] == keys
+        assert c.stats().num_blocks == 2

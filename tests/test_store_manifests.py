@@ -1,0 +1,140 @@
+"""Manifests: dedup across agents, compare-and-swap commits, forks, reference counts, prefixes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agentkv.errors import GenerationConflict
+from tests.helpers import FP, NS, make_chain
+
+
+def commit(store, agent_id, tokens, keys, generation=0, **extra):
+    return store.commit_agent(
+        namespace=NS,
+        agent_id=agent_id,
+        fingerprint=FP,
+        expected_generation=generation,
+        token_ids=tokens,
+        block_keys=keys,
+        **extra,
+    )
+
+
+def refcounts(store) -> dict[bytes, int]:
+    return {b.key: b.refcount for b in store.list_blocks(NS)}
+
+
+def test_shared_prefix_is_stored_once(store):
+    shared = list(range(128))
+    a_blocks, a_keys = make_chain(shared + [1000 + i for i in range(64)], block_tokens=64)
+    b_blocks, b_keys = make_chain(shared + [2000 + i for i in range(64)], block_tokens=64)
+    store.put_blocks(NS, FP, a_blocks)
+    put_b = store.put_blocks(NS, FP, b_blocks)
+    assert [r.deduplicated for r in put_b.blocks] == [True, True, False]
+    assert a_keys[:2] == b_keys[:2]
+    commit(store, "a", shared + [1000 + i for i in range(64)], a_keys)
+    commit(store, "b", shared + [2000 + i for i in range(64)], b_keys)
+    assert store.stats().num_blocks == 4
+    counts = refcounts(store)
+    assert [counts[k] for k in a_keys] == [2, 2, 1]
+    assert counts[b_keys[2]] == 1
+
+
+def test_commit_is_compare_and_swap(store):
+    tokens = list(range(100))
+    blocks, keys = make_chain(tokens, block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    assert commit(store, "marco", tokens, keys).generation == 1
+    outcomes: list[object] = []
+    barrier = threading.Barrier(8)
+
+    def racer(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes.append(commit(store, "marco", tokens, keys, generation=1, phase=f"p{i}"))
+        except GenerationConflict as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wins = [o for o in outcomes if not isinstance(o, Exception)]
+    losses = [o for o in outcomes if isinstance(o, GenerationConflict)]
+    assert len(wins) == 1 and len(losses) == 7
+    assert all(e.current_generation == 2 and "generation 2" in e.message for e in losses)
+    assert store.get_agent(NS, "marco").phase == wins[0].phase
+
+
+def test_recommit_moves_references(store):
+    tokens = list(range(200))
+    blocks, keys = make_chain(tokens, block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    commit(store, "marco", tokens[:128], keys[:2])
+    m = commit(store, "marco", tokens, keys, generation=1)
+    assert m.generation == 2 and list(m.block_keys) == keys
+    assert [refcounts(store)[k] for k in keys] == [1, 1, 1, 1]
+    commit(store, "marco", tokens[:64], keys[:1], generation=2)
+    assert [refcounts(store)[k] for k in keys] == [1, 0, 0, 0]
+
+
+def test_fork_shares_blocks_and_counts_references(store):
+    tokens = list(range(300))
+    blocks, keys = make_chain(tokens, block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    commit(store, "warden", tokens, keys)
+    before = store.stats().num_blocks
+    fork = store.fork_agent(NS, "warden", "analyst", num_tokens=150)
+    assert list(fork.token_ids) == tokens[:150]
+    assert list(fork.block_keys) == keys[:2]  # the block straddling token 150 is not shared
+    assert fork.generation == 1 and store.stats().num_blocks == before
+    assert [refcounts(store)[k] for k in keys] == [2, 2, 1, 1, 1]
+    assert store.delete_agent(NS, "warden") == 5
+    assert [refcounts(store)[k] for k in keys] == [1, 1, 0, 0, 0]
+    assert [b.key for b in store.get_blocks(NS, FP, list(fork.block_keys))] == keys[:2]
+
+
+def test_delete_checks_generation_when_asked(store):
+    blocks, keys = make_chain(list(range(64)), block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    commit(store, "a", list(range(64)), keys)
+    with pytest.raises(GenerationConflict) as err:
+        store.delete_agent(NS, "a", expected_generation=3)
+    assert err.value.current_generation == 1
+    assert store.delete_agent(NS, "a", expected_generation=1) == 1
+
+
+def test_manifest_keeps_uncovered_tail_tokens(store):
+    tokens = list(range(100))
+    blocks, keys = make_chain(tokens[:64], block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    m = commit(store, "a", tokens, keys, metadata={"role": "warden"}, phase="interrogation")
+    got = store.get_agent(NS, "a", fingerprint=FP)
+    assert list(got.token_ids) == tokens and list(got.block_num_tokens) == [64]
+    assert dict(got.metadata) == {"role": "warden"} and got.phase == "interrogation"
+    assert got.created_unix_ms == m.created_unix_ms <= got.updated_unix_ms
+
+
+def test_longest_prefix_follows_full_and_partial_blocks(store):
+    tokens = list(range(300))
+    blocks, keys = make_chain(tokens, block_tokens=128)  # 128, 128, 44
+    store.put_blocks(NS, FP, blocks)
+    assert store.longest_prefix(NS, FP, tokens + [7, 8]).num_tokens == 300
+    hit = store.longest_prefix(NS, FP, tokens[:270] + [9999])
+    assert hit.num_tokens == 256 and list(hit.keys) == keys[:2]
+    assert list(store.longest_prefix(NS, FP, tokens[:300]).block_num_tokens) == [128, 128, 44]
+    assert store.longest_prefix(NS, FP, [5, 6, 7]).num_tokens == 0
+    assert store.longest_prefix(NS, FP + "-other", tokens).num_tokens == 0
+
+
+def test_list_agents_pages(store):
+    blocks, keys = make_chain(list(range(64)), block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    for i in range(130):
+        commit(store, f"agent-{i:03d}", list(range(64)), keys)
+    ids = [a.agent_id for a in store.list_agents(NS)]
+    assert ids == [f"agent-{i:03d}" for i in range(130)]
+    assert store.stats().num_agents == 130
