@@ -1,0 +1,92 @@
+"""Starting agentkv services as separate processes, the way a user does, and waiting for them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ServiceProcess:
+    """A service started with `python -m MODULE ARGS`; ready once it logs the "serving" event."""
+
+    module: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+    address: str = ""
+
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.touch()
+        offset = self.log_path.stat().st_size
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args], stdout=log, stderr=log, env=env
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            serving = self._find_event("serving", offset)
+            if serving is not None:
+                self.address = serving["address"]
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.module} exited {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+        self.kill9()
+        raise TimeoutError(f"{self.module} did not start within {timeout}s:\n{self.log_tail()}")
+
+    def _find_event(self, event: str, offset: int) -> dict | None:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            for line in f.read().decode(errors="replace").splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if entry.get("event") == event:
+                    return entry
+        return None
+
+    def log_tail(self, chars: int = 5000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.running:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for a graceful exit; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.proc.returncode
+
+
+def store_process(
+    data_dir: Path, log_path: Path, listen: str = "127.0.0.1:0", extra_args: Sequence[str] = ()
+) -> ServiceProcess:
+    """An `agentkv-store` process (not yet started)."""
+    args = ["--data-dir", str(data_dir), "--listen", listen, *extra_args]
+    return ServiceProcess("cache_store", args, log_path)
