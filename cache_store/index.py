@@ -5,6 +5,8 @@ Sub-databases:
   blocks      ns/key     -> BlockRecord
   children    ns/parent  -> child key (dupsort), for longest-prefix search
   unref       ns/key     -> ""  (blocks no manifest references: first to evict)
+  lost        ns/key     -> uint64 references held by manifests on a quarantined block, so a
+                            re-upload of the same block comes back with its reference count
   agents      ns/agent   -> AgentRecord
   namespaces  ns         -> {agents, blocks, bytes}
   counters    name       -> uint64 (evictions, quarantines)
@@ -49,6 +51,7 @@ class Index:
         self._blocks = self.env.open_db(b"blocks")
         self._children = self.env.open_db(b"children", dupsort=True)
         self._unref = self.env.open_db(b"unref")
+        self._lost = self.env.open_db(b"lost")
         self._agents = self.env.open_db(b"agents")
         self._namespaces = self.env.open_db(b"namespaces")
         self._counters = self.env.open_db(b"counters")
@@ -80,23 +83,29 @@ class Index:
 
     def put_block(self, txn: lmdb.Transaction, record: BlockRecord) -> None:
         k = ns_key(record.namespace, record.key)
+        lost = txn.pop(k, db=self._lost)
+        record.refcount = _U64.unpack(lost)[0] if lost else record.refcount
         txn.put(k, record.encode(), db=self._blocks)
         txn.put(ns_key(record.namespace, record.parent_key), _child(record), db=self._children)
         if record.refcount == 0:
             txn.put(k, b"", db=self._unref)
         self._add_usage(txn, record.namespace, blocks=1, num_bytes=record.num_bytes)
 
-    def delete_block(self, txn: lmdb.Transaction, record: BlockRecord) -> None:
+    def delete_block(self, txn: lmdb.Transaction, record: BlockRecord, lost: bool = False) -> None:
+        """Drops a block; `lost` (quarantine) remembers its references for a re-upload."""
         k = ns_key(record.namespace, record.key)
+        if lost and record.refcount:
+            txn.put(k, _U64.pack(record.refcount), db=self._lost)
         txn.delete(k, db=self._blocks)
         txn.delete(ns_key(record.namespace, record.parent_key), _child(record), db=self._children)
         txn.delete(k, db=self._unref)
         self._add_usage(txn, record.namespace, blocks=-1, num_bytes=-record.num_bytes)
 
     def add_ref(self, txn: lmdb.Transaction, namespace: str, key: bytes, delta: int) -> None:
-        """Moves a block's reference count; a block gone to quarantine is skipped."""
+        """Moves a block's reference count, or that remembered for a quarantined block."""
         record = self.get_block(txn, namespace, key)
         if record is None:
+            self._add_lost_ref(txn, ns_key(namespace, key), delta)
             return
         record.refcount = max(0, record.refcount + delta)
         k = ns_key(namespace, key)
@@ -105,6 +114,14 @@ class Index:
             txn.put(k, b"", db=self._unref)
         else:
             txn.delete(k, db=self._unref)
+
+    def _add_lost_ref(self, txn: lmdb.Transaction, k: bytes, delta: int) -> None:
+        raw = txn.get(k, db=self._lost)
+        count = (_U64.unpack(raw)[0] if raw else 0) + delta
+        if count > 0:
+            txn.put(k, _U64.pack(count), db=self._lost)
+        else:
+            txn.delete(k, db=self._lost)
 
     def children(
         self, txn: lmdb.Transaction, namespace: str, parent: bytes

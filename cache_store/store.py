@@ -554,7 +554,7 @@ class CacheStore:
         with self.index.write() as txn:
             if self.index.get_block(txn, record.namespace, record.key) is None:
                 return  # someone else got there first
-            self.index.delete_block(txn, record)
+            self.index.delete_block(txn, record, lost=True)
             self.index.bump(txn, "quarantined")
         dest = self.payloads.quarantine(record)
         self.metrics.quarantines.inc()

@@ -138,3 +138,26 @@ def test_list_agents_pages(store):
     ids = [a.agent_id for a in store.list_agents(NS)]
     assert ids == [f"agent-{i:03d}" for i in range(130)]
     assert store.stats().num_agents == 130
+
+
+def test_reuploaded_quarantined_block_keeps_its_references(store, store_process):
+    from agentkv.errors import CorruptBlock
+
+    tokens = list(range(128))
+    blocks, keys = make_chain(tokens, block_tokens=64)
+    store.put_blocks(NS, FP, blocks)
+    commit(store, "a", tokens, keys)
+    store.fork_agent(NS, "a", "b")
+    victim = (
+        store_process.data_dir / "blocks" / NS / keys[1].hex()[:2] / f"{keys[1].hex()}.safetensors"
+    )
+    victim.unlink()
+    with pytest.raises(CorruptBlock):
+        list(store.get_blocks(NS, FP, keys))
+    assert list(store.get_agent(NS, "a").missing_block_keys) == keys[1:]
+    store.delete_agent(NS, "b")  # releases a reference on the quarantined block too
+    store.put_blocks(NS, FP, blocks[1:])
+    assert refcounts(store) == {keys[0]: 1, keys[1]: 1}
+    assert not store.get_agent(NS, "a").missing_block_keys
+    store.delete_agent(NS, "a")
+    assert refcounts(store) == {keys[0]: 0, keys[1]: 0}

@@ -1,0 +1,157 @@
+"""A guided tour of the cache store: the README's main command until the worker lands.
+
+Starts `agentkv-store` as its own process on a temporary directory, then stores, dedups,
+restores (both paths), forks, races, corrupts and heals Llama-3.1-8B-shaped Q4 KV blocks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from agentkv.errors import CorruptBlock, GenerationConflict
+from agentkv.launch import store_process
+from agentkv.v1 import store_pb2 as pb
+from client.store import StoreClient
+from client.synthetic import make_chain
+
+NS = "walkthrough"
+FP = "llama-3.1-8b-shaped:q4g64:walkthrough"
+LLAMA_8B = {"num_layers": 32, "kv_heads": 8, "head_dim": 128}
+BLOCK = 256
+SYSTEM = list(range(1, 513))  # a 512-token system prompt every agent shares
+
+
+def step(title: str) -> None:
+    print(f"\n== {title}")
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def store_agent(c: StoreClient, agent_id: str, tokens: list[int], seed: int):
+    blocks, keys = make_chain(tokens, FP, BLOCK, seed=seed, **LLAMA_8B)
+    put, seconds = timed(c.put_blocks, NS, FP, blocks)
+    mb = sum(r.num_bytes for r in put.blocks) / 1e6
+    dedup = sum(r.deduplicated for r in put.blocks)
+    c.commit_agent(
+        namespace=NS,
+        agent_id=agent_id,
+        fingerprint=FP,
+        token_ids=tokens,
+        block_keys=keys,
+        release_lease_id=put.lease_id,
+        phase="interrogation",
+    )
+    print(
+        f"{agent_id}: {len(tokens)} tokens, {len(keys)} blocks, {mb:.1f} MB, "
+        f"{dedup} already stored (deduplicated); put in {seconds * 1000:.0f} ms"
+    )
+    return blocks, keys
+
+
+def restore(c: StoreClient, keys: list[bytes], blocks) -> None:
+    streamed, t_stream = timed(lambda: list(c.get_blocks(NS, FP, keys)))
+    located, t_locate = timed(c.read_blocks_local, NS, FP, keys)
+    mb = sum(len(t.data) for b in streamed for t in b.tensors) / 1e6
+    exact = all(
+        bytes(a.data) == bytes(s.data) == bytes(l_.data)
+        for block, s_block, l_block in zip(blocks, streamed, located, strict=True)
+        for a, s, l_ in zip(block.tensors, s_block.tensors, l_block.tensors, strict=True)
+    )
+    print(f"gRPC stream:           {t_stream * 1000:6.0f} ms  ({mb / t_stream:,.0f} MB/s)")
+    print(f"locate + direct read:  {t_locate * 1000:6.0f} ms  ({mb / t_locate:,.0f} MB/s)")
+    print(f"bit-exact on both paths: {exact}")
+
+
+def corrupt_and_heal(c: StoreClient, data_dir: Path, agent_id: str, blocks, keys) -> None:
+    victim = keys[-1]
+    path = data_dir / "blocks" / NS / victim.hex()[:2] / f"{victim.hex()}.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(raw)
+    print(f"flipped one byte in {path.name[:16]}...")
+    try:
+        list(c.get_blocks(NS, FP, [victim]))
+    except CorruptBlock as exc:
+        print(f"read -> {exc.code.name}: {exc.message}")
+    agent = c.get_agent(NS, agent_id)
+    print(
+        f"{agent_id}'s manifest survives; missing blocks: "
+        f"{[k.hex()[:16] for k in agent.missing_block_keys]}"
+    )
+    print(
+        f"quarantine now holds: {[p.name[:16] for p in (data_dir / 'quarantine' / NS).iterdir()]}"
+    )
+    put = c.put_blocks(NS, FP, blocks[-1:])
+    c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+    healed = c.get_agent(NS, agent_id)
+    print(
+        f"re-put the block (a worker would re-prefill it): missing now "
+        f"{len(healed.missing_block_keys)}"
+    )
+
+
+def race(c: StoreClient, agent_id: str) -> None:
+    current = c.get_agent(NS, agent_id)
+    fields = dict(
+        namespace=NS,
+        agent_id=agent_id,
+        fingerprint=FP,
+        token_ids=current.token_ids,
+        block_keys=current.block_keys,
+        expected_generation=current.generation,
+    )
+    first = c.commit_agent(**fields, phase="the-yard")
+    print(f"worker 1 commits at generation {current.generation} -> now {first.generation}")
+    try:
+        c.commit_agent(**fields, phase="final-reckoning")
+    except GenerationConflict as exc:
+        print(
+            f"worker 2 commits at generation {current.generation} -> {exc.code.name}: {exc.message}"
+        )
+
+
+def tour(c: StoreClient, data_dir: Path) -> None:
+    from agentkv.cli import cmd_agents, cmd_blocks, cmd_stats
+
+    step("1. Store agents' Q4 KV blocks (Llama-3.1-8B shape: 32 layers, 8 KV heads, dim 128)")
+    warden = store_agent(c, "warden", SYSTEM + list(range(1000, 1512)), seed=0)
+    prisoner = store_agent(c, "prisoner-a", SYSTEM + list(range(2000, 2256)), seed=0)
+    step("2. Restore the warden's attention state, both ways")
+    restore(c, *reversed(warden))
+    step("3. A new conversation asks for its longest cached prefix")
+    hit = c.longest_prefix(NS, FP, SYSTEM + [7, 7, 7])
+    print(f"{hit.num_tokens} of {len(SYSTEM) + 3} tokens are cached in {len(hit.keys)} blocks")
+    step("4. Fork an analyst from the warden's first 512 tokens (shares blocks, copies nothing)")
+    fork = c.fork_agent(NS, "warden", "analyst", num_tokens=512)
+    print(f"analyst: {len(fork.token_ids)} tokens over {len(fork.block_keys)} shared blocks")
+    cmd_blocks(c, type("A", (), {"namespace": NS}))
+    step("5. Two workers race to commit the same agent")
+    race(c, "warden")
+    step("6. Corruption is caught, quarantined, and healed")
+    corrupt_and_heal(c, data_dir, "prisoner-a", *prisoner)
+    step("7. What the store holds")
+    cmd_agents(c, type("A", (), {"namespace": NS}))
+    print()
+    cmd_stats(c, None)
+
+
+def run(keep: bool = False) -> None:
+    root = Path(tempfile.mkdtemp(prefix="agentkv-walkthrough-"))
+    service = store_process(root / "data", root / "store.log").start()
+    print(f"agentkv-store running as pid {service.proc.pid} on {service.address}, data in {root}")
+    try:
+        with StoreClient(service.address) as client:
+            tour(client, root / "data")
+    finally:
+        service.stop()
+        if keep:
+            print(f"\ndata and log kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
