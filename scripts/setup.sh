@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up agentkv on a fresh Debian/Ubuntu machine (or anything with Python >= 3.10):
+# a virtualenv in .venv with the project and its dev tools installed. Idempotent.
+# Usage: source scripts/setup.sh   (leaves the venv active)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${AGENTKV_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+
+if ! command -v "$PY" >/dev/null || ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  echo "setup: installing python3 (need >= 3.10)" >&2
+  as_root apt-get update -qq && as_root apt-get install -y -qq python3 python3-venv python3-dev
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  if ! "$PY" -m venv "$VENV" 2>/dev/null; then
+    echo "setup: installing python3-venv" >&2
+    rm -rf "$VENV"
+    as_root apt-get update -qq && as_root apt-get install -y -qq python3-venv
+    "$PY" -m venv "$VENV"
+  fi
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install -q --upgrade pip 2>&1 | grep -v -i "warning" || true
+python -m pip install -q -e "$ROOT[dev]" 2>&1 | grep -v -i "warning" || true
+python -c "import agentkv, cache_store, client" || { echo "setup: install failed" >&2; exit 1; }
