@@ -74,11 +74,17 @@ class CorruptBlock(AgentKVError):
     code = grpc.StatusCode.DATA_LOSS
 
 
-class QuotaExceeded(AgentKVError):
+class ResourceExhausted(AgentKVError):
+    """Out of a resource: a quota, the disk, or gRPC's message-size limit."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class DiskFull(QuotaExceeded):
+class QuotaExceeded(ResourceExhausted):
+    pass
+
+
+class DiskFull(ResourceExhausted):
     pass
 
 
@@ -105,6 +111,7 @@ ERRORS: dict[str, type[AgentKVError]] = {
         FingerprintMismatch,
         GenerationConflict,
         CorruptBlock,
+        ResourceExhausted,
         QuotaExceeded,
         DiskFull,
         Unavailable,
@@ -119,7 +126,7 @@ _BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.ABORTED: GenerationConflict,
     grpc.StatusCode.DATA_LOSS: CorruptBlock,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }

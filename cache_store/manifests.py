@@ -167,9 +167,10 @@ def _chain(
                 f"{block.fingerprint!r}, not {fingerprint!r}"
             )
         if block.parent_key != parent:
+            expected = f"follow block_keys[{i - 1}]" if i else "be a first block"
             raise InvalidArgument(
-                f"block_keys[{i}] {key.hex()} does not follow block_keys[{i - 1}]: "
-                f"its parent is {block.parent_key.hex() or 'the root'}"
+                f"block_keys[{i}] {key.hex()} should {expected}, but its parent is "
+                f"{block.parent_key.hex() or 'the root'}"
             )
         blocks.append(block)
         parent = key

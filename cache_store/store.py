@@ -338,6 +338,8 @@ class CacheStore:
     ) -> manifests.AgentView:
         ns = validation.namespace(namespace)
         validation.agent_id(agent_id)
+        if fingerprint:
+            validation.fingerprint(fingerprint)
         with self.index.read() as txn:
             record = manifests.get(self.index, txn, ns, agent_id)
             if fingerprint and record.fingerprint != fingerprint:
@@ -600,8 +602,8 @@ class BlockUpload:
     def write(self, data: memoryview) -> None:
         if self.received + len(data) > self.expected:
             raise InvalidArgument(
-                f"block {self.record.key.hex()} sends more bytes than its tensors declare "
-                f"({self.expected})"
+                f"block {self.record.key.hex()} sent {self.received + len(data)}+ bytes but its "
+                f"tensors declare {self.expected}"
             )
         self.received += len(data)
         if self.writer is not None:

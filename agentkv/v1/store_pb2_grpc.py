@@ -123,6 +123,8 @@ class CacheStoreServicer:
 
     def PutBlocks(self, request_iterator, context):
         """Uploads blocks: for each block, one header then its tensor bytes as chunks.
+        Each block is stored durably as soon as its bytes are complete; if the stream fails later,
+        the blocks before the failure stay stored (unreferenced, so collectable) and the rest do not.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

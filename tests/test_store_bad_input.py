@@ -1,0 +1,598 @@
+"""Bad input gets the precise status and a message naming the bad value, and changes nothing.
+
+Every test here runs against one seeded store process and compares a snapshot of everything it
+holds (counters, manifests, block summaries, payload and temp files, bytes read back) before
+and after the refused call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from agentkv import wire
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    AgentNotFound,
+    BlockNotFound,
+    FingerprintMismatch,
+    GenerationConflict,
+    InvalidArgument,
+    ResourceExhausted,
+    from_rpc_error,
+)
+from agentkv.keys import block_key
+from agentkv.v1 import store_pb2 as pb
+from client.store import StoreClient
+from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+AGENT = "alpha"
+TOKENS = list(range(100))  # two blocks: 64 + 36 tokens
+OTHER_FP = "other-model:q4g64:v2"
+OTHER_NS = "other"
+UNKNOWN_KEY = bytes(range(32))
+NEW_KEY = block_key(FP, b"", [7])  # the key of the one-token block the raw puts below declare
+
+
+@dataclass
+class Seeded:
+    """A store holding agent AGENT over a two-block chain, plus one block under OTHER_FP."""
+
+    proc: StoreProcess
+    client: StoreClient
+    keys: list[bytes]
+    other_key: bytes
+
+    def snapshot(self) -> tuple:
+        stats = self.client.stats()
+        stats.ClearField("disk_free_bytes")
+        namespaces = self.client.call("ListNamespaces", pb.ListNamespacesRequest())
+        agents = [self.client.get_agent(NS, a.agent_id) for a in self.client.list_agents(NS)]
+        blocks = [
+            (b.key, b.parent_key, b.fingerprint, b.num_tokens, b.num_bytes, b.refcount)
+            for b in self.client.list_blocks(NS)
+        ]
+        read_back = [
+            (t.name, bytes(t.data))
+            for b in self.client.get_blocks(NS, FP, self.keys)
+            for t in b.tensors
+        ]
+        return stats, namespaces, agents, blocks, read_back, self.files()
+
+    def files(self) -> dict[str, str]:
+        """Every payload, temp and quarantined file with a hash of its bytes."""
+        root = self.proc.data_dir
+        return {
+            str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for d in ("blocks", "tmp", "quarantine")
+            for p in (root / d).rglob("*")
+            if p.is_file()
+        }
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory) -> Iterator[Seeded]:
+    root = tmp_path_factory.mktemp("bad-input")
+    proc = StoreProcess(root / "data", root / "store.log").start()
+    client = proc.client()
+    blocks, keys = make_chain(TOKENS)
+    put = client.put_blocks(NS, FP, blocks)
+    client.commit_agent(
+        namespace=NS,
+        agent_id=AGENT,
+        fingerprint=FP,
+        token_ids=TOKENS,
+        block_keys=keys,
+        release_lease_id=put.lease_id,
+    )
+    other_blocks, (other_key,) = make_chain([1, 2, 3], fingerprint=OTHER_FP, num_layers=1)
+    other = client.put_blocks(NS, OTHER_FP, other_blocks)
+    client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=other.lease_id))
+    assert all(map(same_bytes, blocks, client.get_blocks(NS, FP, keys)))
+    yield Seeded(proc, client, keys, other_key)
+    client.close()
+    proc.stop()
+
+
+def label(value: str) -> str:
+    return repr(value) if len(value) <= 20 else f"{len(value)}-chars"
+
+
+def shown(value: str) -> str:
+    """A prefix of the repr the store quotes a value with (it cuts values after 80 chars)."""
+    return repr(value)[:60]
+
+
+@contextmanager
+def refused(
+    seeded: Seeded, cls: type[AgentKVError], code: grpc.StatusCode, *named: str
+) -> Iterator[pytest.ExceptionInfo]:
+    """Expects an error of exactly `cls` and `code` naming every value in `named`, and no change."""
+    before = seeded.snapshot()
+    with pytest.raises(cls) as info:
+        yield info
+    assert type(info.value) is cls
+    assert info.value.code == code
+    for value in named:
+        assert value in info.value.message
+    assert seeded.snapshot() == before
+
+
+def put_raw(client: StoreClient, *messages: bytes) -> pb.PutBlocksResponse:
+    try:
+        return client._put(iter(messages), timeout=30)
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+
+
+def header(
+    tensors: tuple = (("layers.0.keys", "U8", (4,)),),
+    token_ids: tuple = (7,),
+    parent_key: bytes = b"",
+) -> bytes:
+    spec = [pb.TensorSpec(name=n, dtype=d, shape=s) for n, d, s in tensors]
+    h = pb.PutBlockHeader(
+        namespace=NS, fingerprint=FP, parent_key=parent_key, token_ids=token_ids, tensors=spec
+    )
+    return pb.PutBlocksRequest(header=h).SerializeToString()
+
+
+def chunk(num_bytes: int) -> bytes:
+    return wire.encode_chunk(bytes(num_bytes))
+
+
+# ids, namespaces, fingerprints and keys
+
+BAD_IDS = ["", "a" * 129, "../etc", "a/b", ".hidden", "has space", "nul\x00byte", "agent-\u00e9"]
+AGENT_ID_CALLS: dict[str, tuple[str, Callable[[StoreClient, str], object]]] = {
+    "GetAgent": ("agent_id", lambda c, bad: c.get_agent(NS, bad)),
+    "CommitAgent": (
+        "agent_id",
+        lambda c, bad: c.commit_agent(namespace=NS, agent_id=bad, fingerprint=FP, token_ids=[1]),
+    ),
+    "DeleteAgent": ("agent_id", lambda c, bad: c.delete_agent(NS, bad)),
+    "ForkAgent.source": ("source_agent_id", lambda c, bad: c.fork_agent(NS, bad, "fresh")),
+    "ForkAgent.new": ("new_agent_id", lambda c, bad: c.fork_agent(NS, AGENT, bad)),
+}
+
+
+@pytest.mark.parametrize("rpc", AGENT_ID_CALLS)
+@pytest.mark.parametrize("bad", BAD_IDS, ids=label)
+def test_invalid_agent_id(seeded, rpc, bad):
+    field, call = AGENT_ID_CALLS[rpc]
+    with refused(seeded, InvalidArgument, INVALID, f"invalid {field} {shown(bad)}"):
+        call(seeded.client, bad)
+
+
+BAD_NAMESPACES = ["UPPER", "a/b", "..", "n" * 64, "-dash", "sp ace"]
+NAMESPACE_CALLS: dict[str, Callable[[Seeded, str], object]] = {
+    "GetAgent": lambda s, ns: s.client.get_agent(ns, AGENT),
+    "ListAgents": lambda s, ns: list(s.client.list_agents(ns)),
+    "GetBlocks": lambda s, ns: list(s.client.get_blocks(ns, FP, s.keys)),
+    "PutBlocks": lambda s, ns: s.client.put_blocks(ns, FP, make_chain([7])[0]),
+    "CommitAgent": lambda s, ns: s.client.commit_agent(
+        namespace=ns, agent_id=AGENT, fingerprint=FP, token_ids=[1]
+    ),
+}
+
+
+@pytest.mark.parametrize("rpc", NAMESPACE_CALLS)
+@pytest.mark.parametrize("bad", BAD_NAMESPACES, ids=label)
+def test_invalid_namespace(seeded, rpc, bad):
+    with refused(seeded, InvalidArgument, INVALID, f"invalid namespace {shown(bad)}"):
+        NAMESPACE_CALLS[rpc](seeded, bad)
+
+
+BAD_FINGERPRINTS = ["short", "has space!", "fp/with/slash", "x" * 129, "tiny-llama\u00e9:q4"]
+FINGERPRINT_CALLS: dict[str, Callable[[Seeded, str], object]] = {
+    "PutBlocks": lambda s, fp: s.client.put_blocks(NS, fp, make_chain([7])[0]),
+    "GetBlocks": lambda s, fp: list(s.client.get_blocks(NS, fp, s.keys)),
+    "LocateBlocks": lambda s, fp: s.client.read_blocks_local(NS, fp, s.keys),
+    "CommitAgent": lambda s, fp: s.client.commit_agent(
+        namespace=NS, agent_id="beta", fingerprint=fp, token_ids=[1]
+    ),
+    "FindLongestPrefix": lambda s, fp: s.client.longest_prefix(NS, fp, TOKENS),
+    "GetAgent": lambda s, fp: s.client.get_agent(NS, AGENT, fingerprint=fp),
+}
+
+
+@pytest.mark.parametrize("rpc", list(FINGERPRINT_CALLS))
+@pytest.mark.parametrize("bad", BAD_FINGERPRINTS, ids=label)
+def test_invalid_fingerprint(seeded, rpc, bad):
+    with refused(seeded, InvalidArgument, INVALID, f"invalid fingerprint {shown(bad)}"):
+        FINGERPRINT_CALLS[rpc](seeded, bad)
+
+
+SHORT_KEY, LONG_KEY = b"\x01" * 5, b"\x02" * 33
+KEY_CALLS: dict[str, tuple[str, Callable[[Seeded, bytes], object]]] = {
+    "GetBlocks": ("key", lambda s, k: list(s.client.get_blocks(NS, FP, [s.keys[0], k]))),
+    "LocateBlocks": ("key", lambda s, k: s.client.read_blocks_local(NS, FP, [k])),
+    "CommitAgent": (
+        "block_keys[1]",
+        lambda s, k: s.client.commit_agent(
+            namespace=NS,
+            agent_id="beta",
+            fingerprint=FP,
+            token_ids=TOKENS,
+            block_keys=[s.keys[0], k],
+        ),
+    ),
+    "PutBlocks.parent_key": ("parent_key", lambda s, k: put_raw(s.client, header(parent_key=k))),
+    "ReportCorruptBlock": (
+        "key",
+        lambda s, k: s.client.call(
+            "ReportCorruptBlock", pb.ReportCorruptBlockRequest(namespace=NS, key=k)
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("rpc", KEY_CALLS)
+@pytest.mark.parametrize("bad", [SHORT_KEY, LONG_KEY], ids=["5-bytes", "33-bytes"])
+def test_key_of_wrong_length(seeded, rpc, bad):
+    field, call = KEY_CALLS[rpc]
+    with refused(seeded, InvalidArgument, INVALID, f"invalid {field} {bad.hex()!r}", "32 bytes"):
+        call(seeded, bad)
+
+
+# unknown agents and blocks
+
+UNKNOWN_AGENT_CALLS: dict[str, Callable[[StoreClient], object]] = {
+    "GetAgent": lambda c: c.get_agent(NS, "ghost"),
+    "DeleteAgent": lambda c: c.delete_agent(NS, "ghost"),
+    "ForkAgent": lambda c: c.fork_agent(NS, "ghost", "fresh"),
+}
+
+
+@pytest.mark.parametrize("rpc", UNKNOWN_AGENT_CALLS)
+def test_unknown_agent_is_not_found(seeded, rpc):
+    with refused(seeded, AgentNotFound, NOT_FOUND, "'ghost'", f"namespace {NS!r}"):
+        UNKNOWN_AGENT_CALLS[rpc](seeded.client)
+
+
+UNKNOWN_BLOCK_CALLS: dict[str, Callable[[Seeded], object]] = {
+    "GetBlocks": lambda s: list(s.client.get_blocks(NS, FP, [s.keys[0], UNKNOWN_KEY])),
+    "LocateBlocks": lambda s: s.client.read_blocks_local(NS, FP, [s.keys[0], UNKNOWN_KEY]),
+    "ReportCorruptBlock": lambda s: s.client.call(
+        "ReportCorruptBlock", pb.ReportCorruptBlockRequest(namespace=NS, key=UNKNOWN_KEY)
+    ),
+    "CommitAgent": lambda s: s.client.commit_agent(
+        namespace=NS, agent_id="beta", fingerprint=FP, token_ids=[1], block_keys=[UNKNOWN_KEY]
+    ),
+}
+
+
+@pytest.mark.parametrize("rpc", UNKNOWN_BLOCK_CALLS)
+def test_unknown_block_is_not_found(seeded, rpc):
+    with refused(seeded, BlockNotFound, NOT_FOUND, UNKNOWN_KEY.hex(), f"namespace {NS!r}"):
+        UNKNOWN_BLOCK_CALLS[rpc](seeded)
+
+
+# PutBlocks
+
+LAYER0 = ("layers.0.keys", "U8", (4,))
+BAD_PUTS: dict[str, tuple[list[bytes], type[AgentKVError], list[str]]] = {
+    "too-few-bytes": (
+        [header(), chunk(3)],
+        InvalidArgument,
+        [NEW_KEY.hex(), "received 3 bytes", "declare 4"],
+    ),
+    "too-many-bytes": (
+        [header(), chunk(5)],
+        InvalidArgument,
+        [NEW_KEY.hex(), "sent 5+ bytes", "declare 4"],
+    ),
+    "too-many-bytes-over-two-chunks": (
+        [header(), chunk(3), chunk(3)],
+        InvalidArgument,
+        [NEW_KEY.hex(), "sent 6+ bytes", "declare 4"],
+    ),
+    "too-few-bytes-then-next-block": (
+        [header(), chunk(2), header(token_ids=(8,)), chunk(4)],
+        InvalidArgument,
+        [NEW_KEY.hex(), "received 2 bytes"],
+    ),
+    "unknown-dtype": (
+        [header(tensors=(("layers.0.keys", "F8", (4,)),)), chunk(4)],
+        InvalidArgument,
+        ["'layers.0.keys'", "unknown dtype 'F8'"],
+    ),
+    "shape-larger-than-sent": (
+        [header(tensors=(("layers.0.keys", "U32", (2, 3)),)), chunk(6)],
+        InvalidArgument,
+        [NEW_KEY.hex(), "received 6 bytes", "declare 24"],
+    ),
+    "bad-tensor-name": (
+        [header(tensors=(("layer0.keys", "U8", (4,)),)), chunk(4)],
+        InvalidArgument,
+        ["invalid tensor name 'layer0.keys'"],
+    ),
+    "non-numeric-layer": (
+        [header(tensors=(("layers.x.keys", "U8", (4,)),)), chunk(4)],
+        InvalidArgument,
+        ["invalid tensor name 'layers.x.keys'"],
+    ),
+    "layers-out-of-order": (
+        [header(tensors=(("layers.1.keys", "U8", (4,)), LAYER0)), chunk(8)],
+        InvalidArgument,
+        ["'layers.0.keys'", "ascending order"],
+    ),
+    "duplicate-tensor": (
+        [header(tensors=(LAYER0, LAYER0)), chunk(8)],
+        InvalidArgument,
+        ["'layers.0.keys' declared twice"],
+    ),
+    "no-tensors": ([header(tensors=())], InvalidArgument, ["at least one tensor"]),
+    "block-too-big": (
+        [header(tensors=(("layers.0.keys", "U8", (1 << 31,)),))],
+        InvalidArgument,
+        ["2147483648", "limit 1073741824"],
+    ),
+    "zero-tokens": ([header(token_ids=()), chunk(4)], InvalidArgument, ["at least one token"]),
+    "too-many-tokens": (
+        [header(token_ids=tuple(range(65537))), chunk(4)],
+        InvalidArgument,
+        ["65537 tokens", "limit 65536"],
+    ),
+    "chunk-before-header": ([chunk(4)], InvalidArgument, ["before any block header"]),
+    "empty-message": (
+        [header(), pb.PutBlocksRequest().SerializeToString()],
+        InvalidArgument,
+        ["neither a header nor a chunk"],
+    ),
+    "malformed-protobuf": ([b"\x0a\xff\xff"], InvalidArgument, ["malformed PutBlocksRequest"]),
+    "malformed-after-header": (
+        [header(), b"\x12\x05ab"],
+        InvalidArgument,
+        ["malformed PutBlocksRequest"],
+    ),
+    "oversized-chunk": (
+        [header(), chunk(5 << 20)],
+        InvalidArgument,
+        ["chunk of 5242880 bytes", "limit 4194304"],
+    ),
+    "parent-not-stored": (
+        [header(parent_key=UNKNOWN_KEY), chunk(4)],
+        BlockNotFound,
+        [f"parent_key {UNKNOWN_KEY.hex()} not found"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PUTS)
+def test_bad_put_is_refused_and_leaves_nothing(seeded, case):
+    messages, cls, named = BAD_PUTS[case]
+    with refused(seeded, cls, cls.code, *named):
+        put_raw(seeded.client, *messages)
+
+
+def test_bad_put_of_a_block_the_store_already_holds(seeded):
+    dedup = header(tensors=(LAYER0,), token_ids=tuple(TOKENS[:64]))
+    with refused(seeded, InvalidArgument, INVALID, seeded.keys[0].hex(), "received 3 bytes"):
+        put_raw(seeded.client, dedup, chunk(3))
+
+
+def test_message_above_the_transport_limit_is_resource_exhausted(seeded):
+    before = seeded.snapshot()
+    big = StoreClient(seeded.proc.address, max_message_bytes=64 << 20)
+    with big, pytest.raises(AgentKVError) as info:
+        put_raw(big, header(tensors=(("layers.0.keys", "U8", (20 << 20,)),)), chunk(20 << 20))
+    assert type(info.value) is ResourceExhausted  # not a quota: gRPC's own size limit
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in info.value.message and "16777216" in info.value.message
+    # grpc ends the call on the transport; the handler thread may clean up just after
+    deadline = time.monotonic() + 5
+    while seeded.snapshot() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seeded.snapshot() == before
+
+
+# fingerprints
+
+FOREIGN_CALLS: dict[str, Callable[[Seeded], object]] = {
+    "GetBlocks": lambda s: list(s.client.get_blocks(NS, OTHER_FP, s.keys)),
+    "LocateBlocks": lambda s: s.client.read_blocks_local(NS, OTHER_FP, s.keys),
+}
+
+
+@pytest.mark.parametrize("rpc", FOREIGN_CALLS)
+def test_block_read_under_another_fingerprint(seeded, rpc):
+    named = (seeded.keys[0].hex(), repr(FP), repr(OTHER_FP))
+    with refused(seeded, FingerprintMismatch, PRECONDITION, *named):
+        FOREIGN_CALLS[rpc](seeded)
+
+
+def test_agent_read_under_another_fingerprint(seeded):
+    with refused(seeded, FingerprintMismatch, PRECONDITION, repr(AGENT), repr(FP), repr(OTHER_FP)):
+        seeded.client.get_agent(NS, AGENT, fingerprint=OTHER_FP)
+
+
+def test_commit_naming_blocks_of_another_fingerprint(seeded):
+    named = (f"block_keys[0] {seeded.other_key.hex()}", repr(OTHER_FP), repr(FP))
+    with refused(seeded, FingerprintMismatch, PRECONDITION, *named):
+        seeded.client.commit_agent(
+            namespace=NS,
+            agent_id="beta",
+            fingerprint=FP,
+            token_ids=[1, 2, 3],
+            block_keys=[seeded.other_key],
+        )
+
+
+# CommitAgent
+
+
+def commit_alpha(seeded: Seeded, **fields) -> pb.AgentManifest:
+    defaults = dict(
+        namespace=NS,
+        agent_id=AGENT,
+        fingerprint=FP,
+        expected_generation=1,
+        token_ids=TOKENS,
+        block_keys=seeded.keys,
+    )
+    return seeded.client.commit_agent(**{**defaults, **fields})
+
+
+def test_commit_of_blocks_not_chained(seeded):
+    k0 = seeded.keys[0]
+    with refused(
+        seeded, InvalidArgument, INVALID, f"block_keys[1] {k0.hex()}", "should follow block_keys[0]"
+    ):
+        commit_alpha(seeded, token_ids=TOKENS[:64] * 2, block_keys=[k0, k0])
+
+
+def test_commit_starting_mid_chain(seeded):
+    k0, k1 = seeded.keys
+    with refused(
+        seeded, InvalidArgument, INVALID, f"block_keys[0] {k1.hex()}", "be a first block", k0.hex()
+    ):
+        commit_alpha(seeded, token_ids=TOKENS[64:], block_keys=[k1])
+
+
+@pytest.mark.parametrize(
+    "token_ids, named",
+    [
+        (list(range(1, 101)), "block_keys[0]"),
+        (TOKENS[:64] + [0] * 36, "block_keys[1]"),
+        (TOKENS[:80], "block_keys[1]"),
+    ],
+    ids=["first-block-differs", "second-block-differs", "too-few-tokens"],
+)
+def test_commit_with_tokens_not_matching_the_blocks(seeded, token_ids, named):
+    with refused(seeded, InvalidArgument, INVALID, named, "differ from token_ids"):
+        commit_alpha(seeded, token_ids=token_ids)
+
+
+@pytest.mark.parametrize("expected", [0, 2, 99])
+def test_commit_at_the_wrong_generation(seeded, expected):
+    named = ("generation 1", f"expected generation {expected}")
+    with refused(seeded, GenerationConflict, grpc.StatusCode.ABORTED, *named) as info:
+        commit_alpha(seeded, expected_generation=expected)
+    assert info.value.current_generation == 1
+
+
+def test_delete_at_the_wrong_generation(seeded):
+    with refused(seeded, GenerationConflict, grpc.StatusCode.ABORTED, "generation 1", "7"):
+        seeded.client.delete_agent(NS, AGENT, expected_generation=7)
+
+
+@pytest.mark.parametrize(
+    "metadata, named",
+    [
+        ({f"k{i}": "v" for i in range(65)}, "65 entries"),
+        ({"": "v"}, "metadata entry ''"),
+        ({"k" * 65: "v"}, "k" * 60),
+        ({"big": "v" * 4097}, "metadata entry 'big'"),
+    ],
+    ids=["65-entries", "empty-key", "long-key", "long-value"],
+)
+def test_commit_with_bad_metadata(seeded, metadata, named):
+    with refused(seeded, InvalidArgument, INVALID, named):
+        commit_alpha(seeded, metadata=metadata)
+
+
+# ForkAgent and layers
+
+
+def test_fork_to_an_existing_id(seeded):
+    with refused(seeded, AgentExists, grpc.StatusCode.ALREADY_EXISTS, repr(AGENT), "exists"):
+        seeded.client.fork_agent(NS, AGENT, AGENT)
+
+
+def test_fork_of_more_tokens_than_the_source_has(seeded):
+    with refused(seeded, InvalidArgument, INVALID, "101 tokens", repr(AGENT), "has 100"):
+        seeded.client.fork_agent(NS, AGENT, "fresh", num_tokens=101)
+
+
+LAYER_CALLS: dict[str, Callable[[Seeded, list[int]], object]] = {
+    "GetBlocks": lambda s, layers: list(s.client.get_blocks(NS, FP, s.keys, layers)),
+    "LocateBlocks": lambda s, layers: s.client.read_blocks_local(NS, FP, s.keys, layers),
+}
+
+
+@pytest.mark.parametrize("rpc", LAYER_CALLS)
+def test_read_of_a_layer_the_block_lacks(seeded, rpc):
+    with refused(seeded, InvalidArgument, INVALID, seeded.keys[0].hex(), "no layer [4, 9]"):
+        LAYER_CALLS[rpc](seeded, [0, 4, 9])
+
+
+MISC_CALLS: dict[str, tuple[Callable[[StoreClient], object], list[str]]] = {
+    "GetBlocks-no-keys": (lambda c: list(c.get_blocks(NS, FP, [])), ["no keys"]),
+    "LocateBlocks-lease-too-long": (
+        lambda c: c.call(
+            "LocateBlocks",
+            pb.LocateBlocksRequest(
+                namespace=NS, fingerprint=FP, keys=[UNKNOWN_KEY], lease_seconds=601
+            ),
+        ),
+        ["lease_seconds 601", "limit 600"],
+    ),
+    "ListBlocks-bad-page-token": (
+        lambda c: c.call("ListBlocks", pb.ListBlocksRequest(namespace=NS, page_token="zz")),
+        ["invalid page_token 'zz'"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MISC_CALLS)
+def test_other_malformed_requests(seeded, case):
+    call, named = MISC_CALLS[case]
+    with refused(seeded, InvalidArgument, INVALID, *named):
+        call(seeded.client)
+
+
+# namespaces are tenants
+
+FOREIGN_NS_CALLS: dict[str, tuple[type[AgentKVError], Callable[[Seeded], object]]] = {
+    "GetAgent": (AgentNotFound, lambda s: s.client.get_agent(OTHER_NS, AGENT)),
+    "ForkAgent": (AgentNotFound, lambda s: s.client.fork_agent(OTHER_NS, AGENT, "fresh")),
+    "DeleteAgent": (AgentNotFound, lambda s: s.client.delete_agent(OTHER_NS, AGENT)),
+    "GetBlocks": (BlockNotFound, lambda s: list(s.client.get_blocks(OTHER_NS, FP, s.keys))),
+    "LocateBlocks": (BlockNotFound, lambda s: s.client.read_blocks_local(OTHER_NS, FP, s.keys)),
+    "CommitAgent": (
+        BlockNotFound,
+        lambda s: s.client.commit_agent(
+            namespace=OTHER_NS, agent_id=AGENT, fingerprint=FP, token_ids=TOKENS, block_keys=s.keys
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("rpc", FOREIGN_NS_CALLS)
+def test_another_namespace_sees_nothing(seeded, rpc):
+    cls, call = FOREIGN_NS_CALLS[rpc]
+    with refused(seeded, cls, NOT_FOUND, f"namespace {OTHER_NS!r}"):
+        call(seeded)
+
+
+def test_another_namespace_finds_no_prefix(seeded):
+    before = seeded.snapshot()
+    assert seeded.client.longest_prefix(NS, FP, TOKENS).num_tokens == 100
+    assert seeded.client.longest_prefix(OTHER_NS, FP, TOKENS).num_tokens == 0
+    assert list(seeded.client.list_blocks(OTHER_NS)) == []
+    assert seeded.snapshot() == before
+
+
+def test_dedup_never_crosses_namespaces(store, store_process):
+    blocks, keys = make_chain(TOKENS)
+    put_a = store.put_blocks("a", FP, blocks)
+    put_b = store.put_blocks("b", FP, blocks)
+    assert [r.deduplicated for r in [*put_a.blocks, *put_b.blocks]] == [False] * 4
+    assert store.stats().num_blocks == 4
+    assert [r.deduplicated for r in store.put_blocks("a", FP, blocks).blocks] == [True, True]
+    files = sorted(
+        p.relative_to(store_process.data_dir) for p in store_process.data_dir.glob("blocks/*/*/*")
+    )
+    assert [p.parts[1] for p in files] == ["a", "a", "b", "b"]
+    assert [b.key for b in store.list_blocks("b")] == sorted(keys)
