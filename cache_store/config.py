@@ -38,6 +38,10 @@ class StoreConfig:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         listen_host(self.listen)
+        if self.metrics_listen is not None and self.metrics_listen.startswith("unix:"):
+            raise ValueError(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
+        if self.metrics_listen is not None:
+            listen_host(self.metrics_listen)
 
     @property
     def is_loopback(self) -> bool:

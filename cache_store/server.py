@@ -75,17 +75,15 @@ def serve(config: StoreConfig) -> None:
             "listening beyond loopback with no authentication", extra={"listen": config.listen}
         )
     running = create_server(config)
+    metrics = None
     if config.metrics_listen:
         host, _, port = config.metrics_listen.rpartition(":")
-        start_http_server(int(port), addr=host, registry=running.store.metrics.registry)
+        httpd, _ = start_http_server(int(port), addr=host, registry=running.store.metrics.registry)
+        metrics = f"{host}:{httpd.server_port}"
     running.server.start()
     log.info(
         "serving",
-        extra={
-            "address": running.address,
-            "data_dir": str(config.data_dir),
-            "metrics": config.metrics_listen,
-        },
+        extra={"address": running.address, "data_dir": str(config.data_dir), "metrics": metrics},
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,167 @@
+"""The store as a user runs it: health, reflection, metrics, logs, the CLI, the walkthrough."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from agentkv.launch import ServiceProcess
+from cache_store.__main__ import build_config, parse_size
+from tests.helpers import FP, NS, StoreProcess, make_chain
+
+
+def test_health_and_reflection(store_process):
+    with grpc.insecure_channel(store_process.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "agentkv.v1.CacheStore"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (reply,) = stub.ServerReflectionInfo(iter([request]), timeout=10)
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"agentkv.v1.CacheStore", "grpc.health.v1.Health"} <= names
+
+
+def test_metrics_endpoint_counts_what_happened(tmp_path):
+    proc = StoreProcess(
+        tmp_path / "data", tmp_path / "log", extra_args=["--metrics-listen", "127.0.0.1:0"]
+    ).start()
+    try:
+        with proc.client() as c:
+            blocks, keys = make_chain(list(range(100)), block_tokens=64)
+            c.put_blocks(NS, FP, blocks)
+            c.put_blocks(NS, FP, blocks)
+            list(c.get_blocks(NS, FP, keys))
+            c.longest_prefix(NS, FP, [123456])
+            stored = c.stats().num_bytes
+        serving = proc.service._find_event("serving", 0)
+        text = urllib.request.urlopen(f"http://{serving['metrics']}/metrics", timeout=10).read()
+        metrics = _samples(text.decode())
+        assert metrics["agentkv_store_blocks"] == 2
+        assert metrics["agentkv_store_bytes"] == stored
+        assert metrics["agentkv_store_dedup_hits_total"] == 2
+        assert metrics["agentkv_store_prefix_misses_total"] == 1
+        assert metrics["agentkv_store_get_bytes_total"] > 0
+        assert metrics["agentkv_store_put_seconds_count"] == 2
+    finally:
+        proc.stop()
+
+
+def _samples(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_logs_are_json_lines_and_sigterm_stops_cleanly(store_process, store):
+    store.stats()
+    assert store_process.stop() == 0
+    entries = [json.loads(line) for line in store_process.log_path.read_text().splitlines()]
+    assert [e["event"] for e in entries][:2] == ["recovered", "serving"]
+    assert entries[-1]["event"] == "stopping"
+    assert all({"ts", "level", "logger", "event"} <= e.keys() for e in entries)
+
+
+def test_store_never_imports_mlx():
+    code = (
+        "import sys, cache_store.__main__, cache_store.server, client.store, agentkv.cli;"
+        "sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--listen", "0.0.0.0"], "HOST:PORT or unix:PATH"),
+        (["--listen", "unix:"], "needs a path"),
+        (["--quota", "-5"], "quota_bytes must be >= 0"),
+        (["--metrics-listen", "9464"], "must be HOST:PORT"),
+        (["--metrics-listen", "unix:/tmp/m.sock"], "metrics_listen must be HOST:PORT"),
+    ],
+)
+def test_bad_command_lines_are_refused(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        build_config(["--data-dir", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_sizes_parse():
+    assert [parse_size(s) for s in ("1048576", "512M", "20G", "1.5GiB")] == [
+        1 << 20,
+        512 << 20,
+        20 << 30,
+        3 << 29,
+    ]
+
+
+def test_default_bind_is_loopback(tmp_path):
+    config = build_config(["--data-dir", str(tmp_path)])
+    assert config.listen == "127.0.0.1:50051" and config.is_loopback
+
+
+def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
+    prefix = ["--store", store] if store else []
+    return subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", args[0], *prefix, *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_inspects_verifies_and_collects(store_process, store):
+    blocks, keys = make_chain(list(range(100)), block_tokens=64)
+    put = store.put_blocks(NS, FP, blocks)
+    store.commit_agent(
+        namespace=NS,
+        agent_id="warden",
+        fingerprint=FP,
+        token_ids=list(range(64)),
+        block_keys=keys[:1],
+        release_lease_id=put.lease_id,
+    )
+    address = store_process.address
+    agents = cli("store", "agents", store=address)
+    assert agents.returncode == 0 and "warden" in agents.stdout
+    agent = cli("store", "agent", "warden", store=address)
+    assert keys[0].hex()[:16] in agent.stdout and "ok" in agent.stdout
+    assert re.search(r"^blocks +2 *$", cli("store", "stats", store=address).stdout, re.M)
+    assert "checked 2 blocks" in cli("store", "verify", store=address).stdout
+    assert "deleted 1 unreferenced" in cli("store", "gc", store=address).stdout
+    missing = cli("store", "agent", "nobody", store=address)
+    assert missing.returncode == 2 and "AgentNotFound (NOT_FOUND)" in missing.stderr
+
+
+def test_walkthrough_runs_end_to_end():
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "walkthrough"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "bit-exact on both paths: True" in out
+    assert "2 already stored (deduplicated)" in out
+    assert "512 of 515 tokens are cached" in out
+    assert "ABORTED" in out and "DATA_LOSS" in out and "missing now 0" in out
+
+
+def test_service_process_reports_a_crash_at_start(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    proc = ServiceProcess("cache_store", ["--data-dir", str(tmp_path / "file")], tmp_path / "log")
+    with pytest.raises(RuntimeError, match="exited"):
+        proc.start(timeout=30)
