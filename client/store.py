@@ -69,7 +69,7 @@ class StoreClient:
         chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
     ) -> pb.PutBlocksResponse:
         """Uploads blocks in one stream; a block's parent must be stored already or precede it."""
-        messages = _put_messages(namespace, fingerprint, blocks, chunk_bytes)
+        messages = put_messages(namespace, fingerprint, blocks, chunk_bytes)
         return _typed(lambda: self._put(messages, timeout=self.timeout))
 
     def get_blocks(
@@ -114,6 +114,36 @@ class StoreClient:
             with contextlib.suppress(AgentKVError):
                 self.call("ReportCorruptBlock", request)
             raise
+
+    def save_agent(
+        self,
+        namespace: str,
+        agent_id: str,
+        fingerprint: str,
+        token_ids: Sequence[int],
+        blocks: Sequence[Block],
+        expected_generation: int = 0,
+        stored_keys: Sequence[bytes] = (),
+        **fields: Any,
+    ) -> tuple[pb.PutBlocksResponse, pb.AgentManifest]:
+        """Uploads an agent's new blocks and commits its manifest over its whole chain.
+
+        `stored_keys` are the chain's leading blocks the store already holds; `blocks` follow
+        them. The new blocks stay leased from upload to commit. Raises GenerationConflict when
+        another writer committed first; the uploaded blocks stay (deduplicated on a retry).
+        """
+        put = self.put_blocks(namespace, fingerprint, blocks)
+        manifest = self.commit_agent(
+            namespace=namespace,
+            agent_id=agent_id,
+            fingerprint=fingerprint,
+            expected_generation=expected_generation,
+            token_ids=token_ids,
+            block_keys=[*stored_keys, *(r.key for r in put.blocks)],
+            release_lease_id=put.lease_id,
+            **fields,
+        )
+        return put, manifest
 
     # manifests
 
@@ -174,9 +204,10 @@ class StoreClient:
         return self.call("GetStats", pb.GetStatsRequest())
 
 
-def _put_messages(
+def put_messages(
     namespace: str, fingerprint: str, blocks: Iterable[Block], chunk_bytes: int
 ) -> Iterator[bytes]:
+    """The serialized PutBlocks stream: per block, its header, then its bytes as chunks."""
     for block in blocks:
         header = pb.PutBlockHeader(
             namespace=namespace,

@@ -36,21 +36,12 @@ def timed(fn, *args, **kwargs):
 
 def store_agent(c: StoreClient, agent_id: str, tokens: list[int], seed: int):
     blocks, keys = make_chain(tokens, FP, BLOCK, seed=seed, **LLAMA_8B)
-    put, seconds = timed(c.put_blocks, NS, FP, blocks)
+    (put, _), seconds = timed(c.save_agent, NS, agent_id, FP, tokens, blocks, phase="interrogation")
     mb = sum(r.num_bytes for r in put.blocks) / 1e6
     dedup = sum(r.deduplicated for r in put.blocks)
-    c.commit_agent(
-        namespace=NS,
-        agent_id=agent_id,
-        fingerprint=FP,
-        token_ids=tokens,
-        block_keys=keys,
-        release_lease_id=put.lease_id,
-        phase="interrogation",
-    )
     print(
         f"{agent_id}: {len(tokens)} tokens, {len(keys)} blocks, {mb:.1f} MB, "
-        f"{dedup} already stored (deduplicated); put in {seconds * 1000:.0f} ms"
+        f"{dedup} already stored (deduplicated); saved in {seconds * 1000:.0f} ms"
     )
     return blocks, keys
 

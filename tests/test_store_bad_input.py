@@ -86,15 +86,7 @@ def seeded(tmp_path_factory) -> Iterator[Seeded]:
     proc = StoreProcess(root / "data", root / "store.log").start()
     client = proc.client()
     blocks, keys = make_chain(TOKENS)
-    put = client.put_blocks(NS, FP, blocks)
-    client.commit_agent(
-        namespace=NS,
-        agent_id=AGENT,
-        fingerprint=FP,
-        token_ids=TOKENS,
-        block_keys=keys,
-        release_lease_id=put.lease_id,
-    )
+    client.save_agent(NS, AGENT, FP, TOKENS, blocks)
     other_blocks, (other_key,) = make_chain([1, 2, 3], fingerprint=OTHER_FP, num_layers=1)
     other = client.put_blocks(NS, OTHER_FP, other_blocks)
     client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=other.lease_id))

@@ -36,17 +36,10 @@ def quota_store(tmp_path, request):
 def put_agent(client, agent_id: str, first_token: int, commit: bool = True):
     tokens = list(range(first_token, first_token + BLOCK_TOKENS))
     blocks, keys = make_chain(tokens, block_tokens=BLOCK_TOKENS, seed=first_token)
-    put = client.put_blocks(NS, FP, blocks)
     if commit:
-        client.commit_agent(
-            namespace=NS,
-            agent_id=agent_id,
-            fingerprint=FP,
-            expected_generation=0,
-            token_ids=tokens,
-            block_keys=keys,
-            release_lease_id=put.lease_id,
-        )
+        client.save_agent(NS, agent_id, FP, tokens, blocks)
+    else:
+        client.put_blocks(NS, FP, blocks)
     return blocks, keys
 
 

@@ -8,35 +8,19 @@ from collections import Counter
 import grpc
 import pytest
 
-from agentkv import wire
 from agentkv.errors import AgentKVError
 from agentkv.v1 import store_pb2 as pb
-from client.blocks import chunk_payloads
+from client.store import put_messages
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
 
 SHAPE = {"num_layers": 8, "kv_heads": 4, "head_dim": 128}  # 288 KiB a block: 3 messages
 
 
-def put_messages(blocks, on_message):
-    """The PutBlocks stream, calling on_message(i) before sending message i."""
-    i = 0
-    for block in blocks:
-        header = pb.PutBlockHeader(
-            namespace=NS,
-            fingerprint=FP,
-            parent_key=block.parent_key,
-            token_ids=block.token_ids,
-            tensors=[
-                pb.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape) for t in block.tensors
-            ],
-        )
-        for raw in [pb.PutBlocksRequest(header=header).SerializeToString()] + [
-            wire.encode_chunk(b"".join(bytes(p) for p in pieces))
-            for pieces in chunk_payloads(block.tensors, 256 << 10)
-        ]:
-            on_message(i)
-            i += 1
-            yield raw
+def hooked(messages, on_message):
+    """Calls on_message(i) before sending message i of a stream."""
+    for i, raw in enumerate(messages):
+        on_message(i)
+        yield raw
 
 
 def assert_consistent(client, proc: StoreProcess, sent: dict[bytes, object]) -> None:
@@ -69,22 +53,14 @@ def test_kill9_during_streaming_put(crash_store, kill_at):
     blocks, keys = make_chain(tokens, block_tokens=64, **SHAPE)
     sent = dict(zip(keys, blocks, strict=True))
     with crash_store.client() as c:
-        committed = c.put_blocks(NS, FP, blocks[:2])
-        c.commit_agent(
-            namespace=NS,
-            agent_id="before",
-            fingerprint=FP,
-            token_ids=tokens[:128],
-            block_keys=keys[:2],
-            release_lease_id=committed.lease_id,
-        )
+        c.save_agent(NS, "before", FP, tokens[:128], blocks[:2])
 
         def maybe_kill(i: int) -> None:
             if i == kill_at:
                 crash_store.kill9()
 
         with pytest.raises((grpc.RpcError, AgentKVError)):
-            c._put(put_messages(blocks[2:], maybe_kill), timeout=30)
+            c._put(hooked(put_messages(NS, FP, blocks[2:], 256 << 10), maybe_kill), timeout=30)
     crash_store.start()
     with crash_store.client() as c:
         agent = c.get_agent(NS, "before")
@@ -104,16 +80,16 @@ def test_kill9_during_commits_and_puts(crash_store):
             generation = 0
             for n in range(1, len(blocks) + 1):
                 try:
-                    put = c.put_blocks(NS, FP, blocks[n - 1 : n])
-                    generation = c.commit_agent(
-                        namespace=NS,
-                        agent_id="grower",
-                        fingerprint=FP,
+                    _, manifest = c.save_agent(
+                        NS,
+                        "grower",
+                        FP,
+                        tokens[: 64 * n],
+                        blocks[n - 1 : n],
                         expected_generation=generation,
-                        token_ids=tokens[: 64 * n],
-                        block_keys=keys[:n],
-                        release_lease_id=put.lease_id,
-                    ).generation
+                        stored_keys=keys[: n - 1],
+                    )
+                    generation = manifest.generation
                 except AgentKVError:
                     return
                 if n == 5:

@@ -48,15 +48,7 @@ class Stored:
 @pytest.fixture
 def stored(store_process, store) -> Stored:
     blocks, keys = make_chain(TOKENS)
-    put = store.put_blocks(NS, FP, blocks)
-    store.commit_agent(
-        namespace=NS,
-        agent_id=AGENT,
-        fingerprint=FP,
-        token_ids=TOKENS,
-        block_keys=keys,
-        release_lease_id=put.lease_id,
-    )
+    store.save_agent(NS, AGENT, FP, TOKENS, blocks)
     return Stored(store_process, store, blocks, keys)
 
 
