@@ -17,6 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -84,7 +85,8 @@ class Index:
     def put_block(self, txn: lmdb.Transaction, record: BlockRecord) -> None:
         k = ns_key(record.namespace, record.key)
         lost = txn.pop(k, db=self._lost)
-        record.refcount = _U64.unpack(lost)[0] if lost else record.refcount
+        if lost:
+            record = replace(record, refcount=_U64.unpack(lost)[0])
         txn.put(k, record.encode(), db=self._blocks)
         txn.put(ns_key(record.namespace, record.parent_key), _child(record), db=self._children)
         if record.refcount == 0:
@@ -107,7 +109,7 @@ class Index:
         if record is None:
             self._add_lost_ref(txn, ns_key(namespace, key), delta)
             return
-        record.refcount = max(0, record.refcount + delta)
+        record = replace(record, refcount=max(0, record.refcount + delta))
         k = ns_key(namespace, key)
         txn.put(k, record.encode(), db=self._blocks)
         if record.refcount == 0:

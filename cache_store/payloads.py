@@ -96,8 +96,8 @@ class BlockWriter:
         self._write_all(data)
         self._hash(data)
 
-    def finish(self, final_path: Path) -> list[Segment]:
-        """fsyncs the data and renames it into place; returns the checksummed segments."""
+    def seal(self) -> list[Segment]:
+        """Checks the byte count and fsyncs the data; returns the checksummed segments."""
         if self.written != self.expected:
             raise InvalidArgument(
                 f"block received {self.written} bytes but its tensors declare {self.expected}"
@@ -107,12 +107,18 @@ class BlockWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
+        except OSError as exc:
+            raise _disk_error(exc, "saving a block") from exc
+        return self._segments
+
+    def publish(self, final_path: Path) -> None:
+        """Renames the sealed file into place and makes the rename durable."""
+        try:
             final_path.parent.mkdir(parents=True, exist_ok=True)
             os.rename(self.tmp_path, final_path)
             _fsync_dir(final_path.parent)
         except OSError as exc:
             raise _disk_error(exc, "saving a block") from exc
-        return self._segments
 
     def abort(self) -> None:
         if self._fd >= 0:
@@ -195,17 +201,19 @@ class Payloads:
     def _read_run(
         self, fd: int, record: BlockRecord, run: list[Segment], buffer: bytearray
     ) -> memoryview:
-        start, size = run[0].offset, sum(s.num_bytes for s in run)
+        """One preadv and one hash per segment, so each layer is hashed while still in cache."""
+        size = sum(s.num_bytes for s in run)
         view = memoryview(buffer)[:size]
-        got = os.preadv(fd, [view], start)
-        if got != size:
-            raise CorruptBlock(
-                f"block {record.key.hex()} payload is truncated: wanted {size} bytes at {start}, "
-                f"file has {got}"
-            )
         pos = 0
         for s in run:
-            if xxhash.xxh3_64_intdigest(view[pos : pos + s.num_bytes]) != s.checksum:
+            segment = view[pos : pos + s.num_bytes]
+            got = os.preadv(fd, [segment], s.offset)
+            if got != s.num_bytes:
+                raise CorruptBlock(
+                    f"block {record.key.hex()} payload is truncated: wanted {s.num_bytes} bytes "
+                    f"at {s.offset}, file has {got}"
+                )
+            if xxhash.xxh3_64_intdigest(segment) != s.checksum:
                 raise CorruptBlock(
                     f"block {record.key.hex()} failed its checksum (layer {s.layer}, "
                     f"bytes {s.offset}..{s.offset + s.num_bytes})"

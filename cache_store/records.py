@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import msgpack
@@ -22,7 +23,7 @@ class Segment:
     checksum: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class BlockRecord:
     namespace: str
     key: bytes
@@ -60,8 +61,13 @@ class BlockRecord:
             }
         )
 
+    @staticmethod
+    def decode(raw: bytes) -> BlockRecord:
+        """Decoding is memoized on the exact bytes: records are immutable and read often."""
+        return _decode_block(raw)
+
     @classmethod
-    def decode(cls, raw: bytes) -> BlockRecord:
+    def _decode(cls, raw: bytes) -> BlockRecord:
         d = msgpack.unpackb(raw)
         return cls(
             namespace=d["ns"],
@@ -76,6 +82,11 @@ class BlockRecord:
             created_ms=d["c"],
             refcount=d["rc"],
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_block(raw: bytes) -> BlockRecord:
+    return BlockRecord._decode(raw)
 
 
 @dataclass(slots=True)

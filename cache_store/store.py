@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentkv.errors import (
@@ -192,24 +192,32 @@ class CacheStore:
         return result
 
     def _publish(self, upload: BlockUpload) -> PutResult:
-        record, writer = upload.record, upload.writer
+        """fsync, then, one upload at a time: rename into place and index (or find a twin)."""
+        writer, draft = upload.writer, upload.record
         assert writer is not None
         try:
+            segments = writer.seal()
+            tensors = [_shift(t, writer.header_len) for t in upload.layout]
+            record = replace(draft, segments=segments, tensors=tensors)
             with self._publish_lock:
-                record.segments = writer.finish(self.payloads.path(record.relpath))
-                record.tensors = [_shift(t, writer.header_len) for t in upload.layout]
-                self._index_block(record)
+                with self.index.read() as txn:
+                    twin = self.index.get_block(txn, record.namespace, record.key)
+                if twin is None:  # else a concurrent upload of the same block got there first
+                    writer.publish(self.payloads.path(record.relpath))
+                    self._index_block(record)
         finally:
             self._release(upload)
         self._touch(record.namespace, record.key)
+        if twin is not None:
+            self.metrics.dedup_hits.inc()
+            return PutResult(twin.key, len(twin.token_ids), twin.num_bytes, deduplicated=True)
         self.metrics.put_bytes.inc(record.num_bytes)
         return PutResult(record.key, len(record.token_ids), record.num_bytes, deduplicated=False)
 
     def _index_block(self, record: BlockRecord) -> None:
         try:
             with self.index.write() as txn:
-                if self.index.get_block(txn, record.namespace, record.key) is None:
-                    self.index.put_block(txn, record)
+                self.index.put_block(txn, record)
         except BaseException:
             self.payloads.delete(record)  # renamed but never indexed: not a block
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from agentkv.errors import InvalidArgument
 from agentkv.keys import KEY_BYTES
@@ -37,9 +37,8 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class TensorLayout:
-    """A validated tensor: where its bytes sit within the block's data section."""
+class TensorLayout(NamedTuple):
+    """A validated tensor: where its bytes sit (a tuple: records decode thousands of these)."""
 
     name: str
     dtype: str

@@ -13,7 +13,15 @@ from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
 from agentkv.rpc import message_options
 from agentkv.v1 import store_pb2 as pb
 from agentkv.v1 import store_pb2_grpc
-from client.blocks import Block, StoredBlock, block_from_header, chunk_payloads, read_location
+from client.blocks import (
+    Block,
+    StoredBlock,
+    alloc,
+    block_from_header,
+    chunk_payloads,
+    located_bytes,
+    read_location,
+)
 
 T = TypeVar("T")
 _METHOD = "/agentkv.v1.CacheStore/"
@@ -86,26 +94,39 @@ class StoreClient:
             raise from_rpc_error(exc) from None
 
     def read_blocks_local(
-        self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int] = ()
+        self,
+        namespace: str,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        layers: Sequence[int] = (),
+        buffer: memoryview | None = None,
     ) -> list[StoredBlock]:
         """Same-host restore: locate under a lease, read the files directly, release.
 
-        A checksum failure is reported to the store (which quarantines the file) and raised.
+        All blocks land back to back in `buffer` (reuse one across restores to skip page
+        faults) or in one fresh buffer. A checksum failure is reported to the store, which
+        quarantines the file, and raised.
         """
-        located = self.call(
-            "LocateBlocks",
-            pb.LocateBlocksRequest(
-                namespace=namespace, fingerprint=fingerprint, keys=keys, layers=layers
-            ),
+        request = pb.LocateBlocksRequest(
+            namespace=namespace, fingerprint=fingerprint, keys=keys, layers=layers
         )
+        located = self.call("LocateBlocks", request)
         try:
-            return [self._read_one(namespace, location) for location in located.blocks]
+            sizes = [located_bytes(loc) for loc in located.blocks]
+            view = buffer if buffer is not None and len(buffer) >= sum(sizes) else alloc(sum(sizes))
+            blocks, pos = [], 0
+            for location, size in zip(located.blocks, sizes, strict=True):
+                blocks.append(self._read_one(namespace, location, view[pos : pos + size]))
+                pos += size
+            return blocks
         finally:
             self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
 
-    def _read_one(self, namespace: str, location: pb.BlockLocation) -> StoredBlock:
+    def _read_one(
+        self, namespace: str, location: pb.BlockLocation, view: memoryview
+    ) -> StoredBlock:
         try:
-            return read_location(location)
+            return read_location(location, view)
         except CorruptBlock as exc:
             request = pb.ReportCorruptBlockRequest(
                 namespace=namespace, key=location.key, reason=exc.message
@@ -237,7 +258,7 @@ def _assemble(stream: Iterable[bytes]) -> Iterator[StoredBlock]:
             filled += len(item)
         else:
             header = item.header
-            buffer, filled = memoryview(bytearray(header.num_bytes)), 0
+            buffer, filled = alloc(header.num_bytes), 0
         if header is not None and filled == len(buffer):
             yield block_from_header(header, buffer)
             header = None

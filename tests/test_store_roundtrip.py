@@ -69,3 +69,26 @@ def test_unix_socket_listener(tmp_path):
             assert same_bytes(blocks[1], list(client.get_blocks(NS, FP, keys))[1])
     finally:
         proc.stop()
+
+
+def test_racing_uploads_of_one_block_keep_file_and_index_in_step(store):
+    """Two workers upload the same span at once (bytes may differ in the last bit): one wins."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client.store import StoreClient
+
+    tokens = list(range(64))
+    versions = [make_chain(tokens, block_tokens=64, seed=seed)[0] for seed in range(8)]
+
+    def upload(blocks):
+        with StoreClient(store.address) as c:
+            return c.put_blocks(NS, FP, blocks).blocks[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(upload, versions))
+    assert sum(not r.deduplicated for r in results) == 1
+    verify = store.call("VerifyBlocks", pb.VerifyBlocksRequest())
+    assert verify.num_checked == 1 and not verify.corrupt
+    (back,) = store.get_blocks(NS, FP, [results[0].key])
+    winner = versions[[r.deduplicated for r in results].index(False)][0]
+    assert same_bytes(winner, back)
