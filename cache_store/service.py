@@ -6,10 +6,13 @@ other method uses the generated message classes.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 
 import grpc
+from google.protobuf.message import Message
 
 from agentkv import wire
 from agentkv.errors import InvalidArgument
@@ -22,9 +25,37 @@ from cache_store.validation import TensorLayout
 SERVICE_NAME = "agentkv.v1.CacheStore"
 
 
+class MessageCache:
+    """Built reply messages for immutable blocks: a block header carries hundreds of tensor
+    entries, and building them again on every restore costs more than reading the bytes."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple, Message] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(
+        self, key: tuple, build: Callable[[Selection], Message], selection: Selection
+    ) -> Message:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        message = build(selection)
+        with self._lock:
+            self._items[key] = message
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return message
+
+
 class CacheStoreServicer:
     def __init__(self, store: CacheStore) -> None:
         self.store = store
+        self._messages = MessageCache()
+
+    def _location(self, selection: Selection) -> pb.BlockLocation:
+        return _location(selection, self.store.path_of(selection.record))
 
     def PutBlocks(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
@@ -56,7 +87,10 @@ class CacheStoreServicer:
         chunk = wire.DEFAULT_CHUNK_BYTES
         with self.store.reading(selections):
             for selection in selections:
-                yield pb.GetBlocksResponse(header=_block_header(selection)).SerializeToString()
+                header = self._messages.get(
+                    ("header", *selection.identity), _block_header, selection
+                )
+                yield pb.GetBlocksResponse(header=header).SerializeToString()
                 for run in self.store.read(selection, max_run=4 * chunk):
                     for offset in range(0, len(run), chunk):
                         yield wire.encode_chunk(run[offset : offset + chunk])
@@ -76,7 +110,9 @@ class CacheStoreServicer:
             lease_id=lease_id,
             lease_expires_unix_ms=expires,
             checksum_algorithm="xxh3_64",
-            blocks=[_location(s, self.store.path_of(s.record)) for s in selections],
+            blocks=[
+                self._messages.get(("location", *s.identity), self._location, s) for s in selections
+            ],
         )
 
     def ReleaseLease(

@@ -67,6 +67,17 @@ class Selection:
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.segments)
 
+    @property
+    def identity(self) -> tuple:
+        """Names these exact bytes: a re-uploaded block gets a new created_ms and checksums."""
+        r = self.record
+        return (
+            r.namespace,
+            r.key,
+            r.created_ms,
+            tuple((s.layer, s.checksum) for s in self.segments),
+        )
+
 
 class CacheStore:
     def __init__(self, config: StoreConfig, metrics: StoreMetrics | None = None) -> None:

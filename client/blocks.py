@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,33 +90,75 @@ def located_bytes(location: pb.BlockLocation) -> int:
     return sum(s.num_bytes for s in location.segments)
 
 
+class CorruptFile(CorruptBlock):
+    """A located file failed a check at this reader; `key` names the block to report."""
+
+    def __init__(self, message: str, key: bytes) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 def read_location(location: pb.BlockLocation, buffer: memoryview | None = None) -> StoredBlock:
-    """Reads a located block straight from its file and verifies every segment's checksum.
+    """Reads one located block straight from its file and verifies every segment's checksum.
 
     `buffer` (at least located_bytes(location) long) is filled and viewed by the result; by
-    default a fresh one. Raises CorruptBlock (the caller should report it to the store) on a
-    missing, short or mismatching file.
+    default a fresh one. Raises CorruptFile on a missing, short or mismatching file.
     """
-    total = located_bytes(location)
-    view = (buffer if buffer is not None else alloc(total))[:total]
-    try:
-        fd = os.open(location.path, os.O_RDONLY)
-    except FileNotFoundError as exc:
-        raise CorruptBlock(f"block {location.key.hex()} file {location.path} is missing") from exc
-    try:
-        _read_segments(fd, location, view)
-    finally:
-        os.close(fd)
+    view = (buffer if buffer is not None else alloc(located_bytes(location)))[
+        : located_bytes(location)
+    ]
+    _read_file(location, view)
+    _verify(location, view)
     return block_from_header(location, view)
 
 
-def _read_segments(fd: int, location: pb.BlockLocation, view: memoryview) -> None:
-    """One preadv and one hash per segment, so each layer is hashed while still in cache."""
+def read_locations(
+    locations: Sequence[pb.BlockLocation], view: memoryview, reader: Executor
+) -> list[StoredBlock]:
+    """Reads located blocks back to back into `view`, verifying each.
+
+    The reader thread's preadv releases the GIL, so the next block is read while this
+    thread checksums the last one. Raises CorruptFile for the first bad block.
+    """
+    slices, pos = [], 0
+    for location in locations:
+        slices.append(view[pos : pos + located_bytes(location)])
+        pos += len(slices[-1])
+    pending = [reader.submit(_read_file, loc, v) for loc, v in zip(locations, slices, strict=True)]
+    try:
+        blocks = []
+        for location, block_view, read in zip(locations, slices, pending, strict=True):
+            read.result()
+            _verify(location, block_view)
+            blocks.append(block_from_header(location, block_view))
+        return blocks
+    finally:
+        for read in pending:
+            read.cancel()
+        wait(pending)  # nothing may still write into the caller's buffer
+
+
+def _read_file(location: pb.BlockLocation, view: memoryview) -> None:
+    key = location.key
+    try:
+        fd = os.open(location.path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise CorruptFile(f"block {key.hex()} file {location.path} is missing", key) from exc
+    try:
+        pos = 0
+        for s in location.segments:
+            if os.preadv(fd, [view[pos : pos + s.num_bytes]], s.offset) != s.num_bytes:
+                raise CorruptFile(f"block {key.hex()} file is truncated at {s.offset}", key)
+            pos += s.num_bytes
+    finally:
+        os.close(fd)
+
+
+def _verify(location: pb.BlockLocation, view: memoryview) -> None:
     pos = 0
     for s in location.segments:
-        segment = view[pos : pos + s.num_bytes]
-        if os.preadv(fd, [segment], s.offset) != s.num_bytes:
-            raise CorruptBlock(f"block {location.key.hex()} file is truncated at {s.offset}")
-        if xxhash.xxh3_64_intdigest(segment) != s.checksum:
-            raise CorruptBlock(f"block {location.key.hex()} layer {s.layer} failed its checksum")
+        if xxhash.xxh3_64_intdigest(view[pos : pos + s.num_bytes]) != s.checksum:
+            raise CorruptFile(
+                f"block {location.key.hex()} layer {s.layer} failed its checksum", location.key
+            )
         pos += s.num_bytes

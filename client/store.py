@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -15,12 +17,13 @@ from agentkv.v1 import store_pb2 as pb
 from agentkv.v1 import store_pb2_grpc
 from client.blocks import (
     Block,
+    CorruptFile,
     StoredBlock,
     alloc,
     block_from_header,
     chunk_payloads,
     located_bytes,
-    read_location,
+    read_locations,
 )
 
 T = TypeVar("T")
@@ -42,6 +45,8 @@ class StoreClient:
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
         self.stub = store_pb2_grpc.CacheStoreStub(self.channel)
+        self._lock = threading.Lock()
+        self._read_pool: ThreadPoolExecutor | None = None
         self._put = self.channel.stream_unary(
             _METHOD + "PutBlocks",
             request_serializer=None,
@@ -55,6 +60,8 @@ class StoreClient:
 
     def close(self) -> None:
         self.channel.close()
+        if self._read_pool is not None:
+            self._read_pool.shutdown()
 
     def __enter__(self) -> StoreClient:
         return self
@@ -112,29 +119,26 @@ class StoreClient:
         )
         located = self.call("LocateBlocks", request)
         try:
-            sizes = [located_bytes(loc) for loc in located.blocks]
-            view = buffer if buffer is not None and len(buffer) >= sum(sizes) else alloc(sum(sizes))
-            blocks, pos = [], 0
-            for location, size in zip(located.blocks, sizes, strict=True):
-                blocks.append(self._read_one(namespace, location, view[pos : pos + size]))
-                pos += size
-            return blocks
+            total = sum(located_bytes(loc) for loc in located.blocks)
+            view = buffer if buffer is not None and len(buffer) >= total else alloc(total)
+            return read_locations(located.blocks, view, self._reader())
+        except CorruptFile as exc:
+            self._report(namespace, exc)
+            raise
         finally:
             self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
 
-    def _read_one(
-        self, namespace: str, location: pb.BlockLocation, view: memoryview
-    ) -> StoredBlock:
-        try:
-            return read_location(location, view)
-        except CorruptBlock as exc:
-            request = pb.ReportCorruptBlockRequest(
-                namespace=namespace, key=location.key, reason=exc.message
-            )
-            # The store may have quarantined it already; the read failed either way.
-            with contextlib.suppress(AgentKVError):
-                self.call("ReportCorruptBlock", request)
-            raise
+    def _reader(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-read")
+            return self._read_pool
+
+    def _report(self, namespace: str, exc: CorruptFile) -> None:
+        request = pb.ReportCorruptBlockRequest(namespace=namespace, key=exc.key, reason=exc.message)
+        # The store may have quarantined it already; the read failed either way.
+        with contextlib.suppress(AgentKVError):
+            self.call("ReportCorruptBlock", request)
 
     def save_agent(
         self,
