@@ -85,8 +85,12 @@ class ServiceProcess:
 
 
 def store_process(
-    data_dir: Path, log_path: Path, listen: str = "127.0.0.1:0", extra_args: Sequence[str] = ()
+    data_dir: Path,
+    log_path: Path,
+    listen: str = "127.0.0.1:0",
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     """An `agentkv-store` process (not yet started)."""
     args = ["--data-dir", str(data_dir), "--listen", listen, *extra_args]
-    return ServiceProcess("cache_store", args, log_path)
+    return ServiceProcess("cache_store", args, log_path, env)
