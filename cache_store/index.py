@@ -23,7 +23,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from agentkv.errors import DiskFull, QuotaExceeded
+from agentkv.errors import BlockNotFound, DiskFull, FingerprintMismatch, QuotaExceeded
 from cache_store.records import AgentRecord, BlockRecord
 
 SEP = b"\x00"
@@ -81,6 +81,20 @@ class Index:
     def get_block(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> BlockRecord | None:
         raw = txn.get(ns_key(namespace, key), db=self._blocks)
         return BlockRecord.decode(raw) if raw is not None else None
+
+    def require_block(
+        self, txn: lmdb.Transaction, namespace: str, fingerprint: str, key: bytes, field: str
+    ) -> BlockRecord:
+        """The block, or BlockNotFound / FingerprintMismatch naming `field`."""
+        record = self.get_block(txn, namespace, key)
+        if record is None:
+            raise BlockNotFound(f"{field} {key.hex()} not found in namespace {namespace!r}")
+        if record.fingerprint != fingerprint:
+            raise FingerprintMismatch(
+                f"{field} {key.hex()} was written under fingerprint {record.fingerprint!r}, "
+                f"not {fingerprint!r}"
+            )
+        return record
 
     def put_block(self, txn: lmdb.Transaction, record: BlockRecord) -> None:
         k = ns_key(record.namespace, record.key)

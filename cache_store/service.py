@@ -19,7 +19,8 @@ from agentkv.errors import InvalidArgument
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests
 from cache_store.records import BlockRecord
-from cache_store.store import CacheStore, PutHeader, Selection
+from cache_store.store import CacheStore, Selection
+from cache_store.uploads import PutHeader
 from cache_store.validation import TensorLayout
 
 SERVICE_NAME = "agentkv.v1.CacheStore"

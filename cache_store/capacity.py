@@ -1,0 +1,151 @@
+"""The byte quota: reservations for uploads in flight, and LRU eviction to make room.
+
+Unreferenced blocks go first, least recently used first; with `evict_agents`, then whole
+least-recently-used agents whose deletion frees a block. Leased blocks are never deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from agentkv.errors import QuotaExceeded
+from cache_store import manifests
+from cache_store.config import StoreConfig
+from cache_store.index import Index
+from cache_store.leases import BlockId, Leases
+from cache_store.metrics import StoreMetrics
+from cache_store.payloads import Payloads
+from cache_store.records import AgentRecord
+
+log = logging.getLogger("agentkv.store")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Capacity:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        payloads: Payloads,
+        leases: Leases,
+        metrics: StoreMetrics,
+    ) -> None:
+        self.config, self.index, self.payloads = config, index, payloads
+        self.leases, self.metrics = leases, metrics
+        self._lock = threading.Lock()  # reservations and evictions
+        self._reserved = 0
+        self._block_access: dict[BlockId, int] = {}
+        self._agent_access: dict[tuple[str, str], int] = {}
+
+    # recency
+
+    def touch_block(self, block: BlockId) -> None:
+        self._block_access[block] = now_ms()
+
+    def touch_agent(self, namespace: str, agent_id: str) -> None:
+        self._agent_access[(namespace, agent_id)] = now_ms()
+
+    def forget_agent(self, namespace: str, agent_id: str) -> None:
+        self._agent_access.pop((namespace, agent_id), None)
+
+    def block_last_access(self, block: BlockId, created_ms: int) -> int:
+        return self._block_access.get(block, created_ms)
+
+    # reservations
+
+    def reserve(self, size: int) -> None:
+        """Claims `size` bytes for an upload, evicting to make room; QuotaExceeded if it can't."""
+        with self._lock:
+            if self.config.quota_bytes:
+                self._make_room(size, self.config.quota_bytes)
+            self._reserved += size
+
+    def unreserve(self, size: int) -> None:
+        with self._lock:
+            self._reserved -= size
+
+    def collect(self, namespace: str | None) -> tuple[int, int]:
+        """Deletes every unreferenced, unleased block; returns (blocks, bytes)."""
+        with self.index.read() as txn:
+            candidates = self.index.unreferenced(txn, namespace)
+        deleted = freed = 0
+        with self._lock:
+            for block in candidates:
+                size = self._delete_unreferenced(block, count_eviction=False)
+                deleted, freed = deleted + (size > 0), freed + size
+        return deleted, freed
+
+    # eviction
+
+    def _make_room(self, size: int, quota: int) -> None:
+        if size > quota:
+            raise QuotaExceeded(f"block of {size} bytes exceeds the store quota of {quota} bytes")
+        while self._used() + self._reserved + size > quota:
+            if self._evict_one_block() or (self.config.evict_agents and self._evict_one_agent()):
+                continue
+            raise QuotaExceeded(
+                f"store quota of {quota} bytes reached ({self._used()} used, {self._reserved} "
+                f"in flight) and nothing can be evicted: every block is referenced or leased"
+            )
+
+    def _used(self) -> int:
+        with self.index.read() as txn:
+            return self.index.usage_bytes(txn)
+
+    def _evict_one_block(self) -> bool:
+        with self.index.read() as txn:
+            candidates = [
+                b for b in self.index.unreferenced(txn, None) if not self.leases.is_held(b)
+            ]
+            created = {b: self.index.get_block(txn, *b).created_ms for b in candidates}
+        for block in sorted(candidates, key=lambda b: self.block_last_access(b, created[b])):
+            if self._delete_unreferenced(block, count_eviction=True):
+                self.metrics.evictions.labels("block").inc()
+                return True
+        return False
+
+    def _evict_one_agent(self) -> bool:
+        """Deletes the least recently used agent whose blocks would then become evictable."""
+        with self.index.read() as txn:
+            agents = sorted(self.index.agents(txn, None), key=self._agent_last_access)
+            victim = next((a for a in agents if self._frees_space(txn, a)), None)
+        if victim is None:
+            return False
+        with self.index.write() as txn:
+            manifests.delete(self.index, txn, victim.namespace, victim.agent_id, 0)
+            self.index.bump(txn, "evicted_agents")
+        self.forget_agent(victim.namespace, victim.agent_id)
+        self.metrics.evictions.labels("agent").inc()
+        log.info("agent evicted", extra={"namespace": victim.namespace, "agent": victim.agent_id})
+        return True
+
+    def _agent_last_access(self, agent: AgentRecord) -> int:
+        return self._agent_access.get((agent.namespace, agent.agent_id), agent.updated_ms)
+
+    def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
+        for key in agent.block_keys:
+            block = self.index.get_block(txn, agent.namespace, key)
+            if block and block.refcount == 1 and not self.leases.is_held((agent.namespace, key)):
+                return True
+        return False
+
+    def _delete_unreferenced(self, block: BlockId, count_eviction: bool) -> int:
+        """Deletes a block if still unreferenced and unleased; returns bytes freed."""
+        if self.leases.is_held(block):
+            return 0
+        with self.index.write() as txn:
+            record = self.index.get_block(txn, *block)
+            if record is None or record.refcount:
+                return 0
+            self.index.delete_block(txn, record)
+            if count_eviction:
+                self.index.bump(txn, "evicted_blocks")
+        self.payloads.delete(record)
+        self._block_access.pop(block, None)
+        return record.num_bytes
