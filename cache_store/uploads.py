@@ -94,13 +94,15 @@ class Uploads:
             for item in items:
                 if isinstance(item, PutHeader):
                     if upload is not None:
-                        results.append(self._finish(upload, lease_id))
+                        self._finish(upload, lease_id)  # raises: the open block is short
                     upload = self.begin(item)
                 else:
                     self._write(upload, item)
+                if upload.received == upload.expected:  # durable now, not at the next header
+                    results.append(self._finish(upload, lease_id))
+                    upload = None
             if upload is not None:
-                results.append(self._finish(upload, lease_id))
-                upload = None
+                self._finish(upload, lease_id)  # raises: the stream ended inside a block
         except BaseException:
             if upload is not None:
                 self._release(upload)
@@ -147,7 +149,7 @@ class Uploads:
 
     def _write(self, upload: BlockUpload | None, chunk: memoryview) -> None:
         if upload is None:
-            raise InvalidArgument("a chunk arrived before any block header")
+            raise InvalidArgument("a chunk arrived with no block open: send a header first")
         if len(chunk) > self.config.max_chunk_bytes:
             limit = self.config.max_chunk_bytes
             raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds the limit {limit}")

@@ -25,8 +25,8 @@ def make_chain(
 
 
 def same_bytes(a: Block, b) -> bool:
-    return [(t.name, t.dtype, t.shape, bytes(t.data)) for t in a.tensors] == [
-        (t.name, t.dtype, t.shape, bytes(t.data)) for t in b.tensors
+    return [(t.name, t.dtype, tuple(t.shape), bytes(t.data)) for t in a.tensors] == [
+        (t.name, t.dtype, tuple(t.shape), bytes(t.data)) for t in b.tensors
     ]
 
 

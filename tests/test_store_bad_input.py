@@ -336,7 +336,7 @@ BAD_PUTS: dict[str, tuple[list[bytes], type[AgentKVError], list[str]]] = {
         InvalidArgument,
         ["65537 tokens", "limit 65536"],
     ),
-    "chunk-before-header": ([chunk(4)], InvalidArgument, ["before any block header"]),
+    "chunk-before-header": ([chunk(4)], InvalidArgument, ["no block open: send a header first"]),
     "empty-message": (
         [header(), pb.PutBlocksRequest().SerializeToString()],
         InvalidArgument,

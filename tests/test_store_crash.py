@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +17,8 @@ from agentkv.errors import AgentKVError
 from agentkv.v1 import store_pb2 as pb
 from client.store import put_messages
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SHAPE = {"num_layers": 8, "kv_heads": 4, "head_dim": 128}  # 288 KiB a block: 3 messages
 
@@ -124,3 +131,52 @@ def test_startup_sweeps_partial_uploads_and_orphans(crash_store):
     with crash_store.client() as c:
         assert [b.key for b in c.get_blocks(NS, FP, keys)] == keys
         assert c.stats().num_blocks == 2
+
+
+CLIENT_DIES_MIDWAY = """
+import sys, time
+from client.store import StoreClient, put_messages
+from tests.helpers import FP, NS, make_chain
+from tests.test_store_crash import SHAPE
+
+blocks, _ = make_chain(list(range(64 * 4)), block_tokens=64, **SHAPE)
+
+def stream():
+    for i, raw in enumerate(put_messages(NS, FP, blocks, 64 << 10)):
+        if i == 14:  # inside the third block (6 messages each), its tmp file half written
+            print("midway", flush=True)
+            time.sleep(600)
+        yield raw
+
+StoreClient(sys.argv[1])._put(stream(), timeout=600)
+"""
+
+
+def test_client_killed_mid_put_leaves_no_partial_block(crash_store, tmp_path):
+    script = tmp_path / "dying_client.py"
+    script.write_text(CLIENT_DIES_MIDWAY)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    client = subprocess.Popen(
+        [sys.executable, str(script), crash_store.address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert client.stdout.readline().strip() == "midway"
+    tmp = crash_store.data_dir / "tmp"
+    with crash_store.client() as c:
+        deadline = time.monotonic() + 30
+        while not (list(tmp.iterdir()) and c.stats().num_blocks == 2):
+            assert time.monotonic() < deadline, "the upload never reached its third block"
+            time.sleep(0.02)
+    client.kill()
+    client.wait()
+    deadline = time.monotonic() + 30
+    while list(tmp.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp.iterdir())
+    blocks, keys = make_chain(list(range(64 * 4)), block_tokens=64, **SHAPE)
+    with crash_store.client() as c:
+        assert {b.key for b in c.list_blocks(NS)} == set(keys[:2])
+        assert_consistent(c, crash_store, dict(zip(keys, blocks, strict=True)))
+        assert c.stats().num_leases == 0  # the dead upload's lease went with it
