@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -14,18 +15,20 @@ from agentkv.errors import CorruptBlock
 from agentkv.v1 import store_pb2 as pb
 
 
-@dataclass(slots=True)
-class Tensor:
-    """One tensor's bytes; `data` may be bytes, a bytearray or any buffer (numpy, mlx)."""
+class Tensor(NamedTuple):
+    """One tensor's bytes: `data` is any C-contiguous buffer (bytes, numpy, a memoryview).
+
+    A tuple, because a restore builds thousands of these.
+    """
 
     name: str  # "layers.<i>.<part>"
     dtype: str  # safetensors dtype, e.g. "U32", "F16"
-    shape: tuple[int, ...]
-    data: memoryview
+    shape: Sequence[int]  # a read-back tensor's shape is its header's repeated field
+    data: Any
 
-    def __post_init__(self) -> None:
-        self.data = memoryview(self.data).cast("B")
-        self.shape = tuple(self.shape)
+    @property
+    def num_bytes(self) -> int:
+        return memoryview(self.data).nbytes
 
 
 @dataclass(slots=True)
@@ -57,7 +60,7 @@ def block_from_header(header: pb.BlockHeader | pb.BlockLocation, buffer: memoryv
     """Cuts a buffer holding the selected tensors back to back into Tensor views."""
     tensors, pos = [], 0
     for t in header.tensors:
-        tensors.append(Tensor(t.name, t.dtype, tuple(t.shape), buffer[pos : pos + t.num_bytes]))
+        tensors.append(Tensor(t.name, t.dtype, t.shape, buffer[pos : pos + t.num_bytes]))
         pos += t.num_bytes
     return StoredBlock(header.key, header.parent_key, list(header.token_ids), tensors)
 
@@ -67,7 +70,7 @@ def chunk_payloads(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[list
     pieces: list[memoryview] = []
     size = 0
     for t in tensors:
-        data = t.data
+        data = memoryview(t.data).cast("B")
         while data:
             take = min(len(data), chunk_bytes - size)
             pieces.append(data[:take])
@@ -139,6 +142,7 @@ def read_locations(
 
 
 def _read_file(location: pb.BlockLocation, view: memoryview) -> None:
+    """One preadv per run of adjacent segments: one syscall (and one GIL release) a block."""
     key = location.key
     try:
         fd = os.open(location.path, os.O_RDONLY)
@@ -146,12 +150,25 @@ def _read_file(location: pb.BlockLocation, view: memoryview) -> None:
         raise CorruptFile(f"block {key.hex()} file {location.path} is missing", key) from exc
     try:
         pos = 0
-        for s in location.segments:
-            if os.preadv(fd, [view[pos : pos + s.num_bytes]], s.offset) != s.num_bytes:
-                raise CorruptFile(f"block {key.hex()} file is truncated at {s.offset}", key)
-            pos += s.num_bytes
+        for offset, size in _runs(location.segments):
+            if os.preadv(fd, [view[pos : pos + size]], offset) != size:
+                raise CorruptFile(f"block {key.hex()} file is truncated at {offset}", key)
+            pos += size
     finally:
         os.close(fd)
+
+
+def _runs(segments: Sequence[pb.Segment]) -> Iterator[tuple[int, int]]:
+    """(offset, size) of each run of segments that lie back to back in the file."""
+    offset, size = -1, 0
+    for s in segments:
+        if s.offset != offset + size:
+            if size:
+                yield offset, size
+            offset, size = s.offset, 0
+        size += s.num_bytes
+    if size:
+        yield offset, size
 
 
 def _verify(location: pb.BlockLocation, view: memoryview) -> None:

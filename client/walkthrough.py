@@ -49,7 +49,7 @@ def store_agent(c: StoreClient, agent_id: str, tokens: list[int], seed: int):
 def restore(c: StoreClient, keys: list[bytes], blocks) -> None:
     streamed, t_stream = timed(lambda: list(c.get_blocks(NS, FP, keys)))
     located, t_locate = timed(c.read_blocks_local, NS, FP, keys)
-    mb = sum(len(t.data) for b in streamed for t in b.tensors) / 1e6
+    mb = sum(t.num_bytes for b in streamed for t in b.tensors) / 1e6
     exact = all(
         bytes(a.data) == bytes(s.data) == bytes(l_.data)
         for block, s_block, l_block in zip(blocks, streamed, located, strict=True)
