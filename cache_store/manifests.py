@@ -13,8 +13,6 @@ import lmdb
 from agentkv.errors import (
     AgentExists,
     AgentNotFound,
-    BlockNotFound,
-    FingerprintMismatch,
     GenerationConflict,
     InvalidArgument,
 )
@@ -158,14 +156,7 @@ def _chain(
     blocks: list[BlockRecord] = []
     parent = ROOT_KEY
     for i, key in enumerate(keys):
-        block = index.get_block(txn, namespace, key)
-        if block is None:
-            raise BlockNotFound(f"block_keys[{i}] {key.hex()} not found in namespace {namespace!r}")
-        if block.fingerprint != fingerprint:
-            raise FingerprintMismatch(
-                f"block_keys[{i}] {key.hex()} was written under fingerprint "
-                f"{block.fingerprint!r}, not {fingerprint!r}"
-            )
+        block = index.require_block(txn, namespace, fingerprint, key, f"block_keys[{i}]")
         if block.parent_key != parent:
             expected = f"follow block_keys[{i - 1}]" if i else "be a first block"
             raise InvalidArgument(
