@@ -13,6 +13,14 @@ if ! command -v "$PY" >/dev/null || ! "$PY" -c 'import sys; sys.exit(sys.version
   echo "setup: installing python3 (need >= 3.10)" >&2
   as_root apt-get update -qq && as_root apt-get install -y -qq python3 python3-venv python3-dev
 fi
+# An optimized BLAS for MLX on Linux CPUs (10-30x faster float32 matmul; inference_worker/blas.py).
+if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null \
+   && ! ldconfig -p 2>/dev/null | grep -q "libopenblas.so.0"; then
+  echo "setup: installing OpenBLAS (libopenblas0-pthread)" >&2
+  as_root apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+    || { as_root apt-get update -qq && as_root apt-get install -y -qq libopenblas0-pthread >/dev/null; } \
+    || echo "setup: no OpenBLAS; MLX falls back to its slow reference BLAS" >&2
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   if ! "$PY" -m venv "$VENV" 2>/dev/null; then
     echo "setup: installing python3-venv" >&2

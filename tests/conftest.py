@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from client.store import StoreClient
+from inference_worker.blas import load_optimized_blas
 from tests.helpers import StoreProcess
+
+load_optimized_blas()  # before anything imports mlx
 
 
 @pytest.fixture
@@ -20,3 +24,24 @@ def store_process(tmp_path) -> Iterator[StoreProcess]:
 def store(store_process) -> Iterator[StoreClient]:
     with store_process.client() as client:
         yield client
+
+
+ARCHS = ("llama", "gemma3_text", "deepseek_v2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random-weight model directory per architecture, built once per session."""
+    from inference_worker.model_kit import build_tiny_model, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = tiny_tokenizer()
+    return {arch: build_tiny_model(arch, root / arch, tokenizer) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model_dirs):
+    """(model, tokenizer) per architecture, loaded with mlx_lm.load."""
+    from mlx_lm import load
+
+    return {arch: load(str(path)) for arch, path in tiny_model_dirs.items()}

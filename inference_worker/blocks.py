@@ -1,0 +1,72 @@
+"""An agent's KV caches as store blocks, and back.
+
+Blocks cut the token sequence at multiples of `block_tokens` from the first token, so two
+agents that share a prefix produce the same blocks (the store keeps them once). The last
+block of an agent may be shorter; it is replaced by a fuller one on a later turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from agentkv.keys import ROOT_KEY, block_key
+from client.blocks import Block, StoredBlock
+from inference_worker.kv_cache import PARTS, KVFormat, QuantizedKV, arrays_from_tensors
+
+
+def block_spans(start: int, end: int, block_tokens: int) -> list[tuple[int, int]]:
+    """[a, b) spans covering [start, end), cut at multiples of block_tokens."""
+    spans, a = [], start
+    while a < end:
+        b = min((a // block_tokens + 1) * block_tokens, end)
+        spans.append((a, b))
+        a = b
+    return spans
+
+
+def cache_blocks(
+    caches: Sequence[QuantizedKV],
+    token_ids: Sequence[int],
+    fingerprint: str,
+    block_tokens: int,
+    start: int = 0,
+    parent_key: bytes = ROOT_KEY,
+) -> tuple[list[Block], list[bytes]]:
+    """Blocks (and keys) for tokens [start, offset) of the caches; `start` must be a block
+    boundary and `parent_key` the key of the block ending there."""
+    if start % block_tokens:
+        raise ValueError(f"start {start} is not a multiple of block_tokens {block_tokens}")
+    end = caches[0].offset
+    mx.eval([a for c in caches for a in c.state_arrays()])
+    blocks, keys, parent = [], [], parent_key
+    for a, b in block_spans(start, end, block_tokens):
+        span = list(token_ids[a:b])
+        tensors = [t for layer, c in enumerate(caches) for t in c.span_tensors(layer, a, b)]
+        blocks.append(Block(parent, span, tensors))
+        parent = block_key(fingerprint, parent, span)
+        keys.append(parent)
+    return blocks, keys
+
+
+def caches_from_blocks(
+    blocks: Sequence[StoredBlock], num_layers: int, fmt: KVFormat, quantized_query_max: int = 1
+) -> list[QuantizedKV]:
+    """Per-layer caches holding the blocks' tokens, in order; bit for bit what was stored."""
+    per_block = [arrays_from_tensors(b.tensors) for b in blocks]
+    caches = []
+    for layer in range(num_layers):
+        cache = QuantizedKV(fmt, quantized_query_max)
+        if per_block:
+            keys, values = (
+                tuple(
+                    mx.concatenate([a[f"layers.{layer}.{kv}.{p}"] for a in per_block], axis=2)
+                    for p in PARTS
+                )
+                for kv in ("keys", "values")
+            )
+            cache.load(keys, values)
+        caches.append(cache)
+    mx.eval([a for c in caches for a in c.state_arrays()])
+    return caches

@@ -1,0 +1,217 @@
+"""Quantized KV caches that speak mlx-lm's cache protocol, and their blocks.
+
+Attention path, per query length (DESIGN.md, measured on CPU):
+- a prefill chunk attends over the dequantized past plus its own full-precision K/V, then
+  stores them quantized: faster on CPU and closer to fp than attending over Q4;
+- a decode step (queries <= `quantized_query_max`) attends over the Q4 cache directly with
+  quantized matmul. mlx-lm takes that path when the cache has a `bits` attribute, so `bits`
+  exists only while the last fetch returned quantized arrays. K and V bits that differ
+  always take the dequantize path, since mlx-lm's quantized attention has one `bits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from client.blocks import Tensor
+
+PARTS = ("packed", "scales", "biases")
+SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.float16: "F16", mx.float32: "F32"}
+NUMPY_DTYPES = {"U32": np.uint32, "F16": np.float16, "F32": np.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """How K and V are stored: bits each, quantization group, and the scales' dtype."""
+
+    k_bits: int = 4
+    v_bits: int = 4
+    group_size: int = 64
+    scale_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if bits not in (2, 3, 4, 5, 6, 8):
+                raise ValueError(f"{name} must be one of 2, 3, 4, 5, 6, 8; got {bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
+        if self.scale_dtype not in ("float16", "float32"):
+            raise ValueError(f"scale_dtype must be float16 or float32; got {self.scale_dtype}")
+
+    @property
+    def name(self) -> str:
+        """e.g. "k4v4g64f16": part of the model fingerprint."""
+        scales = "f16" if self.scale_dtype == "float16" else "f32"
+        return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"
+
+    @property
+    def mx_scale_dtype(self) -> mx.Dtype:
+        return getattr(mx, self.scale_dtype)
+
+
+QTensor = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
+
+
+class QuantizedKV:
+    """One layer's K and V, quantized, growing in steps of `step` tokens."""
+
+    step = 256
+
+    def __init__(self, fmt: KVFormat, quantized_query_max: int = 1) -> None:
+        self.fmt = fmt
+        self.group_size = fmt.group_size
+        self.quantized_query_max = quantized_query_max
+        self.keys: QTensor | None = None
+        self.values: QTensor | None = None
+        self.offset = 0
+        self._quantized_fetch = False
+
+    @property
+    def bits(self) -> int:
+        """Present only after a fetch that returned quantized arrays (see the module doc)."""
+        if not self._quantized_fetch:
+            raise AttributeError("bits")
+        return self.fmt.k_bits
+
+    # the protocol
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        prev, num = self.offset, keys.shape[2]
+        self._store(keys, values)
+        fmt = self.fmt
+        if num <= self.quantized_query_max and fmt.k_bits == fmt.v_bits:
+            self._quantized_fetch = True
+            return self.quantized(self.offset)
+        self._quantized_fetch = False
+        if prev == 0:
+            return keys, values
+        past_k, past_v = self.dequantized(prev, keys.dtype)
+        return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
+
+    def quantized(self, end: int) -> tuple[QTensor, QTensor]:
+        assert self.keys is not None and self.values is not None
+        return _cut(self.keys, 0, end), _cut(self.values, 0, end)
+
+    def dequantized(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        k, v = self.quantized(end)
+        g, fmt = self.group_size, self.fmt
+        return (
+            mx.dequantize(*k, group_size=g, bits=fmt.k_bits).astype(dtype),
+            mx.dequantize(*v, group_size=g, bits=fmt.v_bits).astype(dtype),
+        )
+
+    def _store(self, keys: mx.array, values: mx.array) -> None:
+        fmt, prev = self.fmt, self.offset
+        qk = mx.quantize(
+            keys.astype(fmt.mx_scale_dtype), group_size=fmt.group_size, bits=fmt.k_bits
+        )
+        qv = mx.quantize(
+            values.astype(fmt.mx_scale_dtype), group_size=fmt.group_size, bits=fmt.v_bits
+        )
+        self._reserve(prev + keys.shape[2], qk, qv)
+        for stored, new in ((self.keys, qk), (self.values, qv)):
+            for dest, src in zip(stored, new, strict=True):
+                dest[..., prev : prev + keys.shape[2], :] = src
+        self.offset = prev + keys.shape[2]
+
+    def _reserve(self, needed: int, qk: QTensor, qv: QTensor) -> None:
+        capacity = 0 if self.keys is None else self.keys[0].shape[2]
+        if needed <= capacity:
+            return
+        steps = (needed + self.step - 1) // self.step * self.step
+        self.keys = _grow(self.keys, qk, self.offset, steps)
+        self.values = _grow(self.values, qv, self.offset, steps)
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every array this cache holds, for mx.eval before handing work to another thread."""
+        return [*self.keys, *self.values] if self.keys is not None else []
+
+    @property
+    def state(self) -> tuple[QTensor, QTensor]:
+        return self.quantized(self.offset)
+
+    @state.setter
+    def state(self, value: tuple[QTensor, QTensor]) -> None:
+        self.keys, self.values = value
+        self.offset = self.keys[0].shape[2]
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        fmt = self.fmt
+        return tuple(map(str, (fmt.k_bits, fmt.v_bits, fmt.group_size, self.quantized_query_max)))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        from mlx_lm.models.cache import create_attention_mask
+
+        return create_attention_mask(n, self.offset, return_array, window_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tokens held (not of spare capacity)."""
+        if self.keys is None:
+            return 0
+        k, v = self.quantized(self.offset)
+        return sum(a.nbytes for a in (*k, *v))
+
+    # blocks
+
+    def span_tensors(self, layer: int, start: int, end: int) -> list[Tensor]:
+        """Tokens [start, end) of this layer as named tensors for a block."""
+        k, v = _cut(self.keys, start, end), _cut(self.values, start, end)
+        return [
+            _tensor(f"layers.{layer}.{kv}.{part}", array)
+            for kv, parts in (("keys", k), ("values", v))
+            for part, array in zip(PARTS, parts, strict=True)
+        ]
+
+    def load(self, keys: QTensor, values: QTensor) -> None:
+        """Restores tokens [0, n) from quantized arrays (from blocks); replaces what was held."""
+        self.keys, self.values = keys, values
+        self.offset = keys[0].shape[2]
+        self._quantized_fetch = False
+
+
+def _cut(q: QTensor, start: int, end: int) -> QTensor:
+    return tuple(x[..., start:end, :] for x in q)  # type: ignore[return-value]
+
+
+def _grow(old: QTensor | None, like: QTensor, used: int, steps: int) -> QTensor:
+    shape = like[0].shape[:2]
+    fresh = tuple(mx.zeros((*shape, steps, x.shape[-1]), dtype=x.dtype) for x in like)
+    if old is None or used == 0:
+        return fresh  # type: ignore[return-value]
+    return tuple(
+        mx.concatenate([o[..., :used, :], f[..., used:, :]], axis=2)
+        for o, f in zip(old, fresh, strict=True)
+    )  # type: ignore[return-value]
+
+
+def _tensor(name: str, array: mx.array) -> Tensor:
+    host = np.array(array, copy=True)  # evaluated, contiguous, owned by numpy
+    return Tensor(name, SAFETENSORS_DTYPES[array.dtype], host.shape, host)
+
+
+def arrays_from_tensors(tensors: list[Tensor]) -> dict[str, mx.array]:
+    """Block tensors (any buffers) back into MLX arrays, by name."""
+    return {
+        t.name: mx.array(np.frombuffer(t.data, dtype=NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape)))
+        for t in tensors
+    }
