@@ -85,17 +85,26 @@ class CacheStoreServicer:
         selections = self.store.select(
             request.namespace, request.fingerprint, request.keys, request.layers
         )
-        chunk = wire.DEFAULT_CHUNK_BYTES
+        last = None
         with self.store.reading(selections):
-            for selection in selections:
-                header = self._messages.get(
-                    ("header", *selection.identity), _block_header, selection
-                )
-                yield pb.GetBlocksResponse(header=header).SerializeToString()
-                for run in self.store.read(selection, max_run=4 * chunk):
-                    for offset in range(0, len(run), chunk):
-                        yield wire.encode_chunk(run[offset : offset + chunk])
+            for message in self._stream(selections):
+                if last is not None:
+                    yield last
+                last = message
+        # The lease ends before the last message goes out (its bytes are already copied),
+        # so a client that has everything never sees the read's lease still held.
+        if last is not None:
+            yield last
         self.store.metrics.get_seconds.observe(time.perf_counter() - start)
+
+    def _stream(self, selections: list[Selection]) -> Iterator[bytes]:
+        chunk = wire.DEFAULT_CHUNK_BYTES
+        for selection in selections:
+            header = self._messages.get(("header", *selection.identity), _block_header, selection)
+            yield pb.GetBlocksResponse(header=header).SerializeToString()
+            for run in self.store.read(selection, max_run=4 * chunk):
+                for offset in range(0, len(run), chunk):
+                    yield wire.encode_chunk(run[offset : offset + chunk])
 
     def LocateBlocks(
         self, request: pb.LocateBlocksRequest, context: grpc.ServicerContext
