@@ -68,6 +68,12 @@ class GenerationConflict(AgentKVError):
         return (*super().trailing_metadata(), (GENERATION_KEY, str(self.current_generation)))
 
 
+class OutOfRange(AgentKVError):
+    """A context would grow past the model's limit."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 class CorruptBlock(AgentKVError):
     """A payload failed its checksum, was truncated or vanished; it has been quarantined."""
 
@@ -110,6 +116,7 @@ ERRORS: dict[str, type[AgentKVError]] = {
         FailedPrecondition,
         FingerprintMismatch,
         GenerationConflict,
+        OutOfRange,
         CorruptBlock,
         ResourceExhausted,
         QuotaExceeded,
@@ -125,6 +132,7 @@ _BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AgentExists,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.ABORTED: GenerationConflict,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRange,
     grpc.StatusCode.DATA_LOSS: CorruptBlock,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,

@@ -94,3 +94,16 @@ def store_process(
     """An `agentkv-store` process (not yet started)."""
     args = ["--data-dir", str(data_dir), "--listen", listen, *extra_args]
     return ServiceProcess("cache_store", args, log_path, env)
+
+
+def worker_process(
+    model: str,
+    store: str,
+    log_path: Path,
+    listen: str = "127.0.0.1:0",
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    """An `agentkv-worker` process (not yet started)."""
+    args = ["--model", model, "--store", store, "--listen", listen, *extra_args]
+    return ServiceProcess("inference_worker", args, log_path, env)

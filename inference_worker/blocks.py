@@ -13,7 +13,8 @@ import mlx.core as mx
 
 from agentkv.keys import ROOT_KEY, block_key
 from client.blocks import Block, StoredBlock
-from inference_worker.kv_cache import PARTS, KVFormat, QuantizedKV, arrays_from_tensors
+from inference_worker.kv_cache import PARTS, QuantizedKV, arrays_from_tensors
+from inference_worker.kv_format import KVFormat
 
 
 def block_spans(start: int, end: int, block_tokens: int) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import xxhash
 
-from inference_worker.kv_cache import KVFormat
+from inference_worker.kv_format import KVFormat
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -11,46 +11,17 @@ Attention path, per query length (DESIGN.md, measured on CPU):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from client.blocks import Tensor
+from inference_worker.kv_format import KVFormat
 
 PARTS = ("packed", "scales", "biases")
 SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.float16: "F16", mx.float32: "F32"}
 NUMPY_DTYPES = {"U32": np.uint32, "F16": np.float16, "F32": np.float32}
-
-
-@dataclass(frozen=True, slots=True)
-class KVFormat:
-    """How K and V are stored: bits each, quantization group, and the scales' dtype."""
-
-    k_bits: int = 4
-    v_bits: int = 4
-    group_size: int = 64
-    scale_dtype: str = "float16"
-
-    def __post_init__(self) -> None:
-        for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
-            if bits not in (2, 3, 4, 5, 6, 8):
-                raise ValueError(f"{name} must be one of 2, 3, 4, 5, 6, 8; got {bits}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
-        if self.scale_dtype not in ("float16", "float32"):
-            raise ValueError(f"scale_dtype must be float16 or float32; got {self.scale_dtype}")
-
-    @property
-    def name(self) -> str:
-        """e.g. "k4v4g64f16": part of the model fingerprint."""
-        scales = "f16" if self.scale_dtype == "float16" else "f32"
-        return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"
-
-    @property
-    def mx_scale_dtype(self) -> mx.Dtype:
-        return getattr(mx, self.scale_dtype)
 
 
 QTensor = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
@@ -107,10 +78,10 @@ class QuantizedKV:
     def _store(self, keys: mx.array, values: mx.array) -> None:
         fmt, prev = self.fmt, self.offset
         qk = mx.quantize(
-            keys.astype(fmt.mx_scale_dtype), group_size=fmt.group_size, bits=fmt.k_bits
+            keys.astype(getattr(mx, fmt.scale_dtype)), group_size=fmt.group_size, bits=fmt.k_bits
         )
         qv = mx.quantize(
-            values.astype(fmt.mx_scale_dtype), group_size=fmt.group_size, bits=fmt.v_bits
+            values.astype(getattr(mx, fmt.scale_dtype)), group_size=fmt.group_size, bits=fmt.v_bits
         )
         self._reserve(prev + keys.shape[2], qk, qv)
         for stored, new in ((self.keys, qk), (self.values, qv)):

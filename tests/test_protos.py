@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.v1 import store_pb2
+from agentkv.worker.v1 import worker_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,14 +32,20 @@ def test_regenerating_stubs_changes_nothing(tmp_path):
         assert checked_in.read_bytes() == content, f"{rel} is stale; run scripts/gen_protos.py"
 
 
-def test_every_rpc_has_its_own_messages_and_every_field_a_comment():
-    service = store_pb2.DESCRIPTOR.services_by_name["CacheStore"]
-    for method in service.methods:
+@pytest.mark.parametrize(
+    "module, service, proto",
+    [
+        (store_pb2, "CacheStore", "agentkv/v1/store.proto"),
+        (worker_pb2, "InferenceWorker", "agentkv/worker/v1/worker.proto"),
+    ],
+)
+def test_every_rpc_has_its_own_messages_and_every_field_a_comment(module, service, proto):
+    for method in module.DESCRIPTOR.services_by_name[service].methods:
         assert method.input_type.name == f"{method.name}Request"
         assert method.output_type.name == f"{method.name}Response"
-    text = (ROOT / "protos" / "agentkv" / "v1" / "store.proto").read_text()
-    lines = text.splitlines()
+    lines = (ROOT / "protos" / proto).read_text().splitlines()
     field = re.compile(r"^\s+(repeated |map<[^>]+> )?[\w.<>, ]+ \w+ = \d+;")
+    assert sum(bool(field.match(line)) for line in lines) > 10
     for i, line in enumerate(lines):
         if field.match(line):
             assert lines[i - 1].strip().startswith("//"), f"field without a comment: {line.strip()}"

@@ -1,0 +1,70 @@
+"""agentkv-worker: the inference worker process."""
+
+from __future__ import annotations
+
+import argparse
+
+from agentkv import logs
+from cache_store.__main__ import parse_size
+
+
+def build_config(argv: list[str] | None = None):
+    from inference_worker.config import RESTORE_PATHS, WorkerConfig
+    from inference_worker.kv_format import KVFormat
+
+    p = argparse.ArgumentParser(prog="agentkv-worker", description=__doc__)
+    p.add_argument("--model", required=True, help="mlx-lm model directory or hub id")
+    p.add_argument("--store", required=True, help="cache store address, HOST:PORT or unix:PATH")
+    p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (0 picks) or unix:PATH")
+    p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
+    p.add_argument("--k-bits", type=int, default=4, help="bits per key element (default 4)")
+    p.add_argument("--v-bits", type=int, default=4, help="bits per value element (default 4)")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument(
+        "--quantized-query-max",
+        type=int,
+        default=None,
+        help="longest query that attends over Q4 directly (default: 1 on CPU)",
+    )
+    p.add_argument("--hot-budget", type=parse_size, default=2 << 30, help="RAM for hot caches")
+    p.add_argument(
+        "--restore-path",
+        choices=RESTORE_PATHS,
+        default="auto",
+        help="how to read the store: locate (same host), stream, or auto",
+    )
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    try:
+        return WorkerConfig(
+            model=a.model,
+            store=a.store,
+            listen=a.listen,
+            metrics_listen=a.metrics_listen,
+            kv=KVFormat(a.k_bits, a.v_bits, a.group_size),
+            block_tokens=a.block_tokens,
+            prefill_chunk=a.prefill_chunk,
+            quantized_query_max=a.quantized_query_max,
+            hot_budget_bytes=a.hot_budget,
+            restore_path=a.restore_path,
+            log_level=a.log_level,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = build_config(argv)
+    logs.configure(config.log_level)
+    from inference_worker.blas import load_optimized_blas
+
+    blas = load_optimized_blas()  # before anything imports mlx
+    from inference_worker.server import serve
+
+    serve(config, blas)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Agents in this worker's RAM, and the hot tier that bounds them.
+
+An agent is evicted only once its KV is durable in the store: every token in its cache is
+covered by a committed manifest and no write for it is still in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from inference_worker.kv_cache import QuantizedKV
+
+log = logging.getLogger("agentkv.worker")
+
+AgentId = tuple[str, str]  # (namespace, agent_id)
+
+
+@dataclass(slots=True)
+class Agent:
+    namespace: str
+    agent_id: str
+    tokens: list[int]  # the whole context; the cache holds tokens[:cached]
+    caches: list[QuantizedKV]
+    generation: int = 0  # of the store manifest this worker last committed or read
+    persisted_tokens: int = 0  # cache tokens durable in the store
+    queued_full_keys: list[bytes] = field(default_factory=list)  # full blocks stored or queued
+    reply_open: bool = False  # the last tokens are a generated reply not yet closed
+    phase: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    pending: Future | None = None  # the store write in flight, if any
+    persist_failed: bool = False  # the last write failed: rewrite the whole chain next time
+    stale: bool = False  # another writer committed: reload from the store before use
+
+    @property
+    def id(self) -> AgentId:
+        return (self.namespace, self.agent_id)
+
+    @property
+    def cached(self) -> int:
+        return self.caches[0].offset if self.caches else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def durable(self) -> bool:
+        return (self.pending is None or self.pending.done()) and (
+            self.persisted_tokens >= self.cached
+        )
+
+
+class HotTier:
+    """LRU agents under a byte budget; owned by the MLX thread (no locking needed)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._agents: OrderedDict[AgentId, Agent] = OrderedDict()
+
+    def get(self, agent_id: AgentId) -> Agent | None:
+        agent = self._agents.get(agent_id)
+        if agent is not None:
+            self._agents.move_to_end(agent_id)
+        return agent
+
+    def put(self, agent: Agent) -> None:
+        self._agents[agent.id] = agent
+        self._agents.move_to_end(agent.id)
+
+    def pop(self, agent_id: AgentId) -> Agent | None:
+        return self._agents.pop(agent_id, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._agents.values())
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def enforce(self, keep: AgentId | None = None) -> list[Agent]:
+        """Evicts least recently used durable agents until under budget; returns them."""
+        evicted = []
+        for agent_id in list(self._agents):
+            if self.nbytes <= self.budget_bytes:
+                break
+            agent = self._agents[agent_id]
+            if agent_id != keep and agent.durable:
+                evicted.append(self._agents.pop(agent_id))
+        if self.nbytes > self.budget_bytes:
+            log.warning(
+                "hot tier over budget: agents not yet durable",
+                extra={"bytes": self.nbytes, "budget": self.budget_bytes},
+            )
+        return evicted

@@ -1,0 +1,46 @@
+"""The worker process's configuration, filled once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cache_store.config import listen_host
+from inference_worker.kv_format import KVFormat
+
+RESTORE_PATHS = ("auto", "locate", "stream")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model: str  # a local mlx-lm model directory or a hub id
+    store: str  # the cache store's address, HOST:PORT or unix:PATH
+    listen: str = "127.0.0.1:50061"
+    metrics_listen: str | None = None
+    kv: KVFormat = field(default_factory=KVFormat)
+    block_tokens: int = 256
+    prefill_chunk: int = 512
+    # Queries up to this length attend over Q4 with quantized matmul; longer ones dequantize
+    # first (DESIGN.md, CPU). None picks per device: 1 on CPU, 32 on a GPU.
+    quantized_query_max: int | None = None
+    hot_budget_bytes: int = 2 << 30
+    restore_path: str = "auto"  # auto: locate when the store's files are visible here
+    store_timeout: float = 60.0
+    max_stop_strings: int = 16
+    workers: int = 16
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model is required")
+        listen_host(self.store)
+        listen_host(self.listen)
+        if self.block_tokens < 16 or self.block_tokens % 16:
+            raise ValueError(f"block_tokens must be a positive multiple of 16: {self.block_tokens}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.hot_budget_bytes < 0:
+            raise ValueError(f"hot_budget_bytes must be >= 0, got {self.hot_budget_bytes}")
+        if self.restore_path not in RESTORE_PATHS:
+            raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
+        if self.metrics_listen is not None:
+            listen_host(self.metrics_listen)

@@ -1,0 +1,31 @@
+"""The KV format: how keys and values are quantized. No MLX import, so configs can use it
+before the optimized BLAS is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """How K and V are stored: bits each, quantization group, and the scales' dtype."""
+
+    k_bits: int = 4
+    v_bits: int = 4
+    group_size: int = 64
+    scale_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if bits not in (2, 3, 4, 5, 6, 8):
+                raise ValueError(f"{name} must be one of 2, 3, 4, 5, 6, 8; got {bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
+        if self.scale_dtype not in ("float16", "float32"):
+            raise ValueError(f"scale_dtype must be float16 or float32; got {self.scale_dtype}")
+
+    @property
+    def name(self) -> str:
+        """e.g. "k4v4g64f16": part of the model fingerprint."""
+        scales = "f16" if self.scale_dtype == "float16" else "f32"
+        return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"

@@ -1,0 +1,101 @@
+"""Writing agents to the store after every turn, off the MLX thread.
+
+The MLX thread cuts the new blocks (evaluated, copied to host memory) and queues them; one
+writer thread uploads them and commits the manifest with compare-and-swap, in turn order.
+A reply never waits for the disk. A crash loses only work never committed.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from agentkv.errors import AgentKVError, GenerationConflict
+from client.blocks import Block
+from client.store import StoreClient
+from inference_worker.agents import Agent
+from inference_worker.blocks import cache_blocks
+
+log = logging.getLogger("agentkv.worker")
+REPLY_OPEN = "agentkv.reply_open"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One agent's state at the end of a turn, ready to write."""
+
+    tokens: list[int]
+    blocks: list[Block]  # new blocks, from the last full-block boundary on
+    stored_keys: list[bytes]  # the full blocks before them, stored or queued earlier
+    new_full_keys: list[bytes]
+    cached: int
+    phase: str
+    metadata: dict[str, str]
+
+
+def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
+    """Cuts the agent's unsaved blocks. Runs on the MLX thread (it evaluates arrays)."""
+    if agent.persist_failed:
+        agent.queued_full_keys, agent.persist_failed = [], False  # start the chain afresh
+    stored = list(agent.queued_full_keys)
+    start = len(stored) * block_tokens
+    parent = stored[-1] if stored else b""
+    blocks, keys = cache_blocks(
+        agent.caches, agent.tokens, fingerprint, block_tokens, start, parent
+    )
+    full = [k for k, b in zip(keys, blocks, strict=True) if len(b.token_ids) == block_tokens]
+    agent.queued_full_keys = stored + full
+    metadata = {**agent.metadata, REPLY_OPEN: "1" if agent.reply_open else "0"}
+    return Snapshot(list(agent.tokens), blocks, stored, full, agent.cached, agent.phase, metadata)
+
+
+class Persister:
+    def __init__(self, client: StoreClient, fingerprint: str, on_result=None) -> None:
+        self.client = client
+        self.fingerprint = fingerprint
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-persist")
+        self._on_result = on_result or (lambda outcome: None)
+
+    def submit(self, agent: Agent, snap: Snapshot) -> Future:
+        agent.pending = self._pool.submit(self._save, agent, snap)
+        return agent.pending
+
+    def _save(self, agent: Agent, snap: Snapshot) -> str:
+        try:
+            _, manifest = self.client.save_agent(
+                agent.namespace,
+                agent.agent_id,
+                self.fingerprint,
+                snap.tokens,
+                snap.blocks,
+                expected_generation=agent.generation,
+                stored_keys=snap.stored_keys,
+                phase=snap.phase,
+                metadata=snap.metadata,
+            )
+        except GenerationConflict as exc:
+            agent.stale = True  # another worker owns the newer state; reload before use
+            log.warning(
+                "agent committed elsewhere",
+                extra={"agent": agent.agent_id, "generation": exc.current_generation},
+            )
+            return self._report("conflict")
+        except AgentKVError as exc:
+            agent.persist_failed = True
+            log.warning("persist failed", extra={"agent": agent.agent_id, "error": exc.message})
+            return self._report("failed")
+        agent.generation = manifest.generation
+        agent.persisted_tokens = snap.cached
+        return self._report("ok")
+
+    def _report(self, outcome: str) -> str:
+        self._on_result(outcome)
+        return outcome
+
+    def flush(self) -> None:
+        """Waits for every queued write."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

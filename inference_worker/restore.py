@@ -1,0 +1,91 @@
+"""Warm restore: an agent's stored Q4 blocks back into caches, failing closed.
+
+The manifest says which tokens the agent has and which blocks hold their KV. Any failure to
+read those blocks (a missing or corrupt block, an unreachable or refusing store) leaves the
+caches empty: the turn then re-prefills from the manifest's tokens. Wrong KV is never used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from agentkv.errors import AgentKVError
+from client.store import StoreClient
+from inference_worker.agents import Agent
+from inference_worker.blocks import caches_from_blocks
+from inference_worker.kv_cache import QuantizedKV
+from inference_worker.kv_format import KVFormat
+from inference_worker.persistence import REPLY_OPEN
+
+log = logging.getLogger("agentkv.worker")
+
+
+@dataclass(slots=True)
+class Restored:
+    agent: Agent
+    tokens_restored: int
+    path: str  # "locate", "stream", or "" when nothing was read
+    failure: str  # why the blocks could not be used, or ""
+
+
+@dataclass(slots=True)
+class Restorer:
+    client: StoreClient
+    fingerprint: str
+    fmt: KVFormat
+    num_layers: int
+    block_tokens: int
+    path: str  # "locate" or "stream"
+    quantized_query_max: int = 1
+
+    def restore(self, namespace: str, agent_id: str) -> Restored:
+        """Raises AgentNotFound / FingerprintMismatch / Unavailable from the manifest read;
+        block failures are not raised but reported in `failure`."""
+        manifest = self.client.get_agent(namespace, agent_id, fingerprint=self.fingerprint)
+        missing = set(manifest.missing_block_keys)
+        keys, counts = [], []
+        for key, n in zip(manifest.block_keys, manifest.block_num_tokens, strict=True):
+            if key in missing:
+                break
+            keys.append(key)
+            counts.append(n)
+        agent = Agent(
+            namespace,
+            agent_id,
+            list(manifest.token_ids),
+            self._empty(),
+            generation=manifest.generation,
+            phase=manifest.phase,
+            metadata={k: v for k, v in manifest.metadata.items() if k != REPLY_OPEN},
+            reply_open=manifest.metadata.get(REPLY_OPEN) == "1",
+        )
+        failure = f"{len(missing)} block(s) missing in the store" if missing else ""
+        if not keys:
+            return Restored(agent, 0, "", failure)
+        try:
+            blocks = self._read(namespace, keys)
+            agent.caches = caches_from_blocks(
+                blocks, self.num_layers, self.fmt, self.quantized_query_max
+            )
+        except (AgentKVError, OSError, KeyError, ValueError) as exc:
+            log.warning(
+                "restore failed, re-prefilling", extra={"agent": agent_id, "error": str(exc)}
+            )
+            return Restored(agent, 0, self.path, f"{type(exc).__name__}: {exc}")
+        covered = sum(counts)
+        agent.persisted_tokens = covered
+        agent.queued_full_keys = [
+            k for k, n in zip(keys, counts, strict=True) if n == self.block_tokens
+        ]
+        if len(agent.queued_full_keys) < len(keys) - 1:  # a short block mid-chain: recut
+            agent.queued_full_keys = []
+        return Restored(agent, covered, self.path, failure)
+
+    def _read(self, namespace: str, keys: list[bytes]):
+        if self.path == "locate":
+            return self.client.read_blocks_local(namespace, self.fingerprint, keys)
+        return list(self.client.get_blocks(namespace, self.fingerprint, keys))
+
+    def _empty(self) -> list[QuantizedKV]:
+        return [QuantizedKV(self.fmt, self.quantized_query_max) for _ in range(self.num_layers)]

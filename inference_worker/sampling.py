@@ -1,0 +1,74 @@
+"""Sampling parameters, checked, and the samplers and stop-string matching they make."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from agentkv.errors import InvalidArgument
+
+MAX_TEMPERATURE = 10.0
+MAX_STOP_CHARS = 256
+
+
+@dataclass(slots=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def validate(self, max_stop_strings: int) -> Sampling:
+        t = self.temperature
+        if not math.isfinite(t) or not 0 <= t <= MAX_TEMPERATURE:
+            raise InvalidArgument(f"temperature {t} must be in [0, {MAX_TEMPERATURE}]")
+        if not math.isfinite(self.top_p) or not 0 <= self.top_p <= 1:
+            raise InvalidArgument(f"top_p {self.top_p} must be in [0, 1] (0 turns it off)")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k {self.top_k} must be >= 0 (0 turns it off)")
+        if len(self.stop) > max_stop_strings:
+            raise InvalidArgument(f"{len(self.stop)} stop strings, limit {max_stop_strings}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise InvalidArgument(f"stop string {s[:40]!r} must have 1..{MAX_STOP_CHARS} chars")
+        return self
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        """Takes log-probabilities of shape (1, vocab); returns the chosen token id(s)."""
+        if self.temperature > 0 and self.seed:
+            mx.random.seed(self.seed)
+        return make_sampler(self.temperature, self.top_p, top_k=self.top_k)
+
+
+class StopMatcher:
+    """Holds back just enough text that a stop string is never sent, even split over tokens."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Returns (text safe to send now, whether a stop string was reached)."""
+        self.text += piece
+        hits = [
+            i for s in self.stops if (i := self.text.find(s, max(0, self.sent - self.hold))) >= 0
+        ]
+        if hits:
+            end = min(hits)
+            out, self.sent = self.text[self.sent : end], end
+            return out, True
+        safe = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent : safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out

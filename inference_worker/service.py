@@ -1,0 +1,83 @@
+"""The InferenceWorker gRPC servicer: parse, hand the engine its work, build the reply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import grpc
+
+from agentkv.worker.v1 import worker_pb2 as pb
+from agentkv.worker.v1 import worker_pb2_grpc
+from inference_worker.chat import ChatMessage
+from inference_worker.engine import END, AgentInfo, Engine, TokenEvent, TurnJob
+from inference_worker.sampling import Sampling
+
+SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
+
+
+class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
+    def __init__(self, engine: Engine, info: dict) -> None:
+        self.engine = engine
+        self.info = info  # static facts: model, fingerprint, kv format, device, blas...
+
+    def CreateAgent(self, request: pb.CreateAgentRequest, context) -> pb.CreateAgentResponse:
+        info = self.engine.submit(
+            self.engine.create_agent,
+            request.namespace,
+            request.agent_id,
+            request.system_prompt,
+            request.phase,
+            dict(request.metadata),
+        ).result()
+        return pb.CreateAgentResponse(agent=_state(info))
+
+    def Turn(
+        self, request: pb.TurnRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TurnResponse]:
+        s = request.sampling
+        sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
+        job = TurnJob(
+            request.namespace,
+            request.agent_id,
+            [ChatMessage(m.role, m.content) for m in request.messages],
+            sampling.validate(self.engine.config.max_stop_strings),
+            request.phase,
+        )
+        context.add_callback(job.cancelled.set)
+        done = self.engine.submit(self.engine.turn, job)
+        while (event := job.events.get()) is not END:
+            if isinstance(event, TokenEvent):
+                yield pb.TurnResponse(
+                    tokens=pb.TokenChunk(text=event.text, token_ids=event.token_ids)
+                )
+            else:
+                yield pb.TurnResponse(usage=pb.Usage(**asdict(event)))
+        done.result()  # raises what the turn raised
+
+    def EvictAgent(self, request: pb.EvictAgentRequest, context) -> pb.EvictAgentResponse:
+        evicted, freed = self.engine.submit(
+            self.engine.evict, request.namespace, request.agent_id
+        ).result()
+        return pb.EvictAgentResponse(evicted=evicted, bytes_freed=freed)
+
+    def DescribeAgent(self, request: pb.DescribeAgentRequest, context) -> pb.DescribeAgentResponse:
+        info = self.engine.submit(self.engine.describe, request.namespace, request.agent_id)
+        return pb.DescribeAgentResponse(agent=_state(info.result()))
+
+    def DeleteAgent(self, request: pb.DeleteAgentRequest, context) -> pb.DeleteAgentResponse:
+        deleted = self.engine.submit(self.engine.delete, request.namespace, request.agent_id)
+        return pb.DeleteAgentResponse(deleted=deleted.result())
+
+    def GetWorkerInfo(self, request: pb.GetWorkerInfoRequest, context) -> pb.GetWorkerInfoResponse:
+        hot = self.engine.hot  # owned by the MLX thread: read it there
+        budget, used, count = self.engine.submit(
+            lambda: (hot.budget_bytes, hot.nbytes, len(hot))
+        ).result()
+        return pb.GetWorkerInfoResponse(
+            **self.info, hot_budget_bytes=budget, hot_bytes=used, num_hot_agents=count
+        )
+
+
+def _state(info: AgentInfo) -> pb.AgentState:
+    return pb.AgentState(**asdict(info))
