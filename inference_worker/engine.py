@@ -82,8 +82,7 @@ class Engine:
     def __init__(
         self,
         config: WorkerConfig,
-        model: Any,
-        tokenizer: Any,
+        load_model: Callable[[], tuple[Any, Any]],
         fingerprint: str,
         client: StoreClient,
         metrics: WorkerMetrics,
@@ -91,11 +90,16 @@ class Engine:
         restore_path: str,
         quantized_query_max: int,
     ) -> None:
-        self.config, self.model, self.tokenizer = config, model, tokenizer
-        self.fingerprint, self.client, self.metrics = fingerprint, client, metrics
-        self.max_context, self.qmax = max_context, quantized_query_max
-        self.num_layers = len(model.layers)
-        self.chat = ChatFormat(tokenizer)
+        """Starts the MLX thread, which loads the model itself: MLX ties arrays to the thread
+        that made them, so the model must live where it runs."""
+        self.config, self.fingerprint, self.client = config, fingerprint, client
+        self.metrics, self.max_context, self.qmax = metrics, max_context, quantized_query_max
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
+        self._thread.start()
+        self.model, self.tokenizer = self.submit(load_model).result()
+        self.num_layers = len(self.model.layers)
+        self.chat = ChatFormat(self.tokenizer)
         self.hot = HotTier(config.hot_budget_bytes)
         self.persister = Persister(
             client, fingerprint, lambda outcome: metrics.persists.labels(outcome=outcome).inc()
@@ -109,9 +113,6 @@ class Engine:
             restore_path,
             quantized_query_max,
         )
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
-        self._thread.start()
 
     # the MLX thread
 

@@ -49,12 +49,24 @@ class RunningWorker:
 
 
 def model_dir(model: str) -> Path:
-    """The local directory of a model path or an already downloaded hub id."""
+    """The local directory of a model path, or of a hub id (downloaded if not cached)."""
     if Path(model).is_dir():
         return Path(model)
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, local_files_only=True))
+    return Path(
+        snapshot_download(
+            model,
+            allow_patterns=[
+                "*.json",
+                "*.safetensors",
+                "*.py",
+                "tokenizer.model",
+                "*.tiktoken",
+                "*.txt",
+            ],
+        )
+    )
 
 
 def default_restore_path(config: WorkerConfig) -> str:
@@ -68,7 +80,6 @@ def default_restore_path(config: WorkerConfig) -> str:
 
 
 def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
-    model, tokenizer = load(config.model)
     path = model_dir(config.model)
     fingerprint = model_fingerprint(path, config.kv, config.block_tokens)
     model_config = json.loads((path / "config.json").read_text())
@@ -79,7 +90,14 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
     client = StoreClient(config.store, timeout=config.store_timeout)
     restore_path = default_restore_path(config)
     engine = Engine(
-        config, model, tokenizer, fingerprint, client, metrics, max_context, restore_path, qmax
+        config,
+        lambda: load(str(path)),
+        fingerprint,
+        client,
+        metrics,
+        max_context,
+        restore_path,
+        qmax,
     )
     info = {
         "model": config.model,

@@ -45,3 +45,25 @@ def tiny_models(tiny_model_dirs):
     from mlx_lm import load
 
     return {arch: load(str(path)) for arch, path in tiny_model_dirs.items()}
+
+
+@pytest.fixture
+def start_worker(store_process, tmp_path):
+    """Starts `agentkv-worker` processes against the test's store; stops them afterwards."""
+    from agentkv.launch import worker_process
+
+    started = []
+
+    def start(model_dir: Path, *args: str, name: str = "worker"):
+        proc = worker_process(
+            str(model_dir),
+            store_process.address,
+            tmp_path / f"{name}.log",
+            extra_args=["--block-tokens", "64", *args],
+        )
+        started.append(proc.start())
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()

@@ -1,0 +1,95 @@
+"""WorkerClient: the InferenceWorker RPCs with typed errors, and turns collected into results."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from agentkv.errors import from_rpc_error
+from agentkv.worker.v1 import worker_pb2 as pb
+from agentkv.worker.v1 import worker_pb2_grpc
+
+
+@dataclass(slots=True)
+class TurnResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    usage: pb.Usage | None = None
+
+
+class WorkerClient:
+    """A connection to one inference worker. Thread-safe; close() when done."""
+
+    def __init__(self, address: str, timeout: float = 300.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def create_agent(
+        self, namespace: str, agent_id: str, system: str = "", **fields: Any
+    ) -> pb.AgentState:
+        request = pb.CreateAgentRequest(
+            namespace=namespace, agent_id=agent_id, system_prompt=system, **fields
+        )
+        return self.call("CreateAgent", request).agent
+
+    def stream_turn(
+        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **sampling: Any
+    ) -> Iterator[pb.TurnResponse]:
+        """Streams a turn's responses: token chunks, then the usage."""
+        request = pb.TurnRequest(
+            namespace=namespace,
+            agent_id=agent_id,
+            messages=[pb.Message(role=r, content=c) for r, c in messages],
+            sampling=pb.SamplingParams(**sampling),
+        )
+        try:
+            yield from self.stub.Turn(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def turn(
+        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **sampling: Any
+    ) -> TurnResult:
+        """A whole turn: the reply's text, its token ids and the usage."""
+        result = TurnResult()
+        for response in self.stream_turn(namespace, agent_id, messages, **sampling):
+            if response.HasField("tokens"):
+                result.text += response.tokens.text
+                result.token_ids += response.tokens.token_ids
+            else:
+                result.usage = response.usage
+        return result
+
+    def evict(self, namespace: str, agent_id: str) -> pb.EvictAgentResponse:
+        return self.call("EvictAgent", pb.EvictAgentRequest(namespace=namespace, agent_id=agent_id))
+
+    def describe(self, namespace: str, agent_id: str) -> pb.AgentState:
+        request = pb.DescribeAgentRequest(namespace=namespace, agent_id=agent_id)
+        return self.call("DescribeAgent", request).agent
+
+    def delete(self, namespace: str, agent_id: str) -> bool:
+        request = pb.DeleteAgentRequest(namespace=namespace, agent_id=agent_id)
+        return self.call("DeleteAgent", request).deleted
+
+    def info(self) -> pb.GetWorkerInfoResponse:
+        return self.call("GetWorkerInfo", pb.GetWorkerInfoRequest())

@@ -1,0 +1,208 @@
+"""The worker end to end: store and worker as separate processes, driven through the stubs.
+
+Greedy continuations match token for token whether the agent stayed hot, was restored by
+streaming or by locate, or its worker was killed and restarted; a corrupt block costs a
+re-prefill, never a wrong answer; bad input gets a precise status and the worker serves on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from agentkv.errors import (
+    AgentExists,
+    AgentNotFound,
+    FingerprintMismatch,
+    InvalidArgument,
+    OutOfRange,
+)
+from agentkv.v1 import store_pb2
+from client.worker import WorkerClient
+from tests.conftest import ARCHS
+
+SYSTEM = "You are the warden of the prison. " * 12  # about 100 tokens: a full block and more
+Q1 = [("user", "Where were you on the night of the fourteenth?")]
+Q2 = [("user", "Prove it, prisoner.")]
+
+
+def wait_durable(worker: WorkerClient, ns: str, agent_id: str, timeout: float = 30) -> None:
+    """Until every cached token is committed to the store."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        a = worker.describe(ns, agent_id)
+        if a.tier == "hot" and a.persisted_tokens >= a.num_tokens - 1:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{ns}/{agent_id} never became durable")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuations_match_across_evict_restore_and_restart(
+    tiny_model_dirs, start_worker, arch
+):
+    model = tiny_model_dirs[arch]
+    locate = WorkerClient(start_worker(model, "--restore-path", "locate", name="locate").address)
+    stream = WorkerClient(start_worker(model, "--restore-path", "stream", name="stream").address)
+    doomed = start_worker(model, name="doomed")
+    workers = {
+        "hot": locate,
+        "stream": stream,
+        "locate": locate,
+        "restart": WorkerClient(doomed.address),
+    }
+    for ns, w in workers.items():
+        w.create_agent(ns, "warden", SYSTEM)
+        assert len(w.turn(ns, "warden", Q1, max_tokens=8).token_ids) == 8
+    stream.evict("stream", "warden")
+    locate.evict("locate", "warden")
+    wait_durable(workers["restart"], "restart", "warden")
+    doomed.kill9()
+    workers["restart"] = WorkerClient(start_worker(model, name="reborn").address)
+    replies = {ns: w.turn(ns, "warden", Q2, max_tokens=32) for ns, w in workers.items()}
+    hot = replies["hot"]
+    assert hot.usage.cache_state == "hot" and len(hot.token_ids) == 32
+    for ns in ("stream", "locate", "restart"):
+        r = replies[ns]
+        assert r.token_ids == hot.token_ids, ns
+        assert r.usage.cache_state == "warm" and not r.usage.restore_failure
+        assert r.usage.restore_path == ("stream" if ns == "stream" else "locate")
+        assert r.usage.reused_store_tokens == hot.usage.reused_hot_tokens
+        assert r.usage.prefilled_tokens == hot.usage.prefilled_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch):
+    """In-process engine against the real store: hot and restored next-token logits."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from client.store import StoreClient
+    from inference_worker.chat import ChatMessage
+    from inference_worker.config import WorkerConfig
+    from inference_worker.engine import Engine, TurnJob
+    from inference_worker.fingerprint import model_fingerprint
+    from inference_worker.metrics import WorkerMetrics
+    from inference_worker.sampling import Sampling
+
+    path = tiny_model_dirs[arch]
+    config = WorkerConfig(str(path), store_process.address, block_tokens=64)
+    fp = model_fingerprint(path, config.kv, 64)
+    client = StoreClient(store_process.address)
+    engine = Engine(config, lambda: load(str(path)), fp, client, WorkerMetrics(), 4096, "stream", 1)
+    try:
+        engine.submit(engine.create_agent, "default", "a", SYSTEM, "", {}).result()
+        job = TurnJob("default", "a", [ChatMessage(*Q1[0])], Sampling(max_tokens=0))
+        engine.submit(engine.turn, job).result()
+        engine.persister.flush()
+
+        def compare():
+            hot = engine.hot.get(("default", "a"))
+            warm = engine.restorer.restore("default", "a").agent
+            assert warm.tokens == hot.tokens and warm.cached == hot.cached
+            x = mx.array([[hot.tokens[-1]]])
+            for c in hot.caches + warm.caches:
+                c.trim(1)
+            model = engine.model
+            return mx.array_equal(model(x, cache=hot.caches), model(x, cache=warm.caches)).item()
+
+        assert engine.submit(compare).result()
+    finally:
+        engine.close()
+        client.close()
+
+
+def test_multi_turn_context_equals_the_whole_conversation_tokenized(
+    tiny_models, tiny_model_dirs, start_worker, store
+):
+    _, tokenizer = tiny_models["llama"]
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("default", "analyst", "You analyse.")
+    conversation = [
+        ("user", "First question?"),
+        ("assistant", "First answer."),
+        ("user", "Second question?"),
+        ("assistant", "Second answer."),
+    ]
+    for i in range(0, 4, 2):
+        w.turn("default", "analyst", conversation[i : i + 2], max_tokens=0)
+    wait_durable(w, "default", "analyst")
+    messages = [{"role": "system", "content": "You analyse."}] + [
+        {"role": r, "content": c} for r, c in conversation
+    ]
+    whole = tokenizer.apply_chat_template(messages)
+    fp = w.info().fingerprint
+    assert list(store.get_agent("default", "analyst", fingerprint=fp).token_ids) == whole
+    reply = w.turn("default", "analyst", [("user", "Third?")], max_tokens=5)
+    wait_durable(w, "default", "analyst")
+    asked = tokenizer.apply_chat_template(
+        messages + [{"role": "user", "content": "Third?"}], add_generation_prompt=True
+    )
+    stored = list(store.get_agent("default", "analyst").token_ids)
+    assert stored == asked + reply.token_ids
+    assert stored.count(tokenizer.bos_token_id) == 1
+
+
+def test_corrupt_block_costs_a_reprefill_not_a_wrong_answer(
+    tiny_model_dirs, start_worker, store_process, store
+):
+    """One agent gets a flipped byte; its twin in another namespace (so no shared blocks)
+    loses every file. Both must re-prefill and so answer alike."""
+    proc = start_worker(tiny_model_dirs["llama"], "--metrics-listen", "127.0.0.1:0")
+    w = WorkerClient(proc.address)
+    fp = w.info().fingerprint
+    located = {}
+    for ns in ("flipped", "wiped"):
+        w.create_agent(ns, "warden", SYSTEM)
+        w.turn(ns, "warden", Q1, max_tokens=8)
+        w.evict(ns, "warden")
+        keys = store.get_agent(ns, "warden").block_keys
+        request = store_pb2.LocateBlocksRequest(namespace=ns, fingerprint=fp, keys=keys)
+        located[ns] = store.call("LocateBlocks", request).blocks
+    with open(located["flipped"][-1].path, "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for location in located["wiped"]:
+        os.remove(location.path)
+    flipped = w.turn("flipped", "warden", Q2, max_tokens=16)
+    wiped = w.turn("wiped", "warden", Q2, max_tokens=16)
+    assert flipped.token_ids == wiped.token_ids
+    for reply in (flipped, wiped):
+        assert reply.usage.cache_state == "cold" and reply.usage.restore_failure
+        assert reply.usage.prefilled_tokens == reply.usage.prompt_tokens
+    assert "checksum" in flipped.usage.restore_failure
+    assert "missing" in wiped.usage.restore_failure
+    serving = proc._find_event("serving", 0)
+    text = urllib.request.urlopen(f"http://{serving['metrics']}/metrics", timeout=10).read()
+    assert b"agentkv_worker_restore_failures_total 2.0" in text
+
+
+def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dirs, start_worker):
+    llama = WorkerClient(start_worker(tiny_model_dirs["llama"], name="llama").address)
+    gemma = WorkerClient(start_worker(tiny_model_dirs["gemma3_text"], name="gemma").address)
+    llama.create_agent("tenant-a", "warden", SYSTEM)
+    cases = [
+        (lambda: llama.turn("tenant-a", "nobody", Q1, max_tokens=4), AgentNotFound, "nobody"),
+        (lambda: llama.turn("tenant-b", "warden", Q1, max_tokens=4), AgentNotFound, "tenant-b"),
+        (lambda: llama.turn("tenant-a", "warden", Q1, max_tokens=5000), OutOfRange, "4096"),
+        (lambda: llama.turn("tenant-a", "warden", Q1, temperature=-1), InvalidArgument, "-1"),
+        (lambda: llama.turn("tenant-a", "warden", Q1, top_p=2.0), InvalidArgument, "top_p"),
+        (lambda: llama.turn("tenant-a", "warden", Q1, stop=[""]), InvalidArgument, "stop"),
+        (lambda: llama.turn("tenant-a", "warden", [("robot", "hi")]), InvalidArgument, "robot"),
+        (lambda: llama.turn("tenant-a", "bad/id", Q1), InvalidArgument, "bad/id"),
+        (lambda: llama.create_agent("tenant-a", "warden"), AgentExists, "warden"),
+        (lambda: gemma.turn("tenant-a", "warden", Q1, max_tokens=4), FingerprintMismatch, "llama"),
+    ]
+    for call, error, named in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert named in info.value.message, info.value.message
+        assert info.value.code != grpc.StatusCode.INTERNAL
+    reply = llama.turn("tenant-a", "warden", Q1, max_tokens=4)
+    assert len(reply.token_ids) == 4 and reply.usage.cache_state == "hot"
