@@ -180,6 +180,7 @@ class Engine:
         usage.prefilled_tokens, logits = self._prefill(agent, job.sampling.max_tokens > 0)
         if job.sampling.max_tokens > 0:
             self._generate(agent, job, logits, usage)
+            self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
         self._finish_turn(agent)
         self.metrics.turns.labels(state=usage.cache_state).inc()
         job.events.put(usage)

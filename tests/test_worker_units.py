@@ -1,0 +1,90 @@
+"""Fast unit tests of the worker's pure parts: sampling checks, stop strings, the hot tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from agentkv.errors import InvalidArgument
+from inference_worker.agents import Agent, HotTier
+from inference_worker.sampling import Sampling, StopMatcher
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"temperature": -0.5}, "temperature -0.5"),
+        ({"temperature": float("nan")}, "temperature nan"),
+        ({"temperature": 11.0}, "temperature 11.0"),
+        ({"top_p": 1.5}, "top_p 1.5"),
+        ({"top_k": -1}, "top_k -1"),
+        ({"stop": [""]}, "stop string"),
+        ({"stop": ["x" * 300]}, "stop string"),
+        ({"stop": ["a"] * 17}, "17 stop strings"),
+    ],
+)
+def test_bad_sampling_is_refused_naming_the_value(fields, named):
+    with pytest.raises(InvalidArgument, match=named):
+        Sampling(**fields).validate(max_stop_strings=16)
+
+
+def test_good_sampling_passes():
+    Sampling(temperature=0.7, top_p=0.9, top_k=40, stop=["\n\n"]).validate(16)
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = ""
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out += text
+        if stopped:
+            return out, True
+    return out + matcher.flush(), False
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, expected",
+    [
+        (["Hello", " wor", "ld"], [], ("Hello world", False)),
+        (["Hello", " END", " more"], ["END"], ("Hello ", True)),
+        (["Hel", "lo E", "N", "D!"], ["END"], ("Hello ", True)),  # split across tokens
+        (["abc"], ["c", "bc"], ("a", True)),  # the earliest stop wins
+        (["E", "N", "X"], ["END"], ("ENX", False)),  # a near miss is sent in full
+    ],
+)
+def test_stop_strings_are_never_sent(pieces, stops, expected):
+    assert feed_all(StopMatcher(stops), pieces) == expected
+
+
+@dataclass
+class FakeCache:
+    """Stands in for a layer cache: the hot tier only reads offset and nbytes."""
+
+    offset: int
+    nbytes: int
+
+
+def agent(name: str, nbytes: int, durable: bool = True) -> Agent:
+    a = Agent("ns", name, list(range(10)), [FakeCache(10, nbytes)])
+    a.persisted_tokens = 10 if durable else 0
+    return a
+
+
+def test_hot_tier_evicts_least_recently_used_durable_agents():
+    tier = HotTier(budget_bytes=250)
+    for name in ("a", "b", "c"):
+        tier.put(agent(name, 100))
+    tier.get(("ns", "a"))  # a is now the most recent; b is the oldest
+    evicted = tier.enforce()
+    assert [a.agent_id for a in evicted] == ["b"] and tier.nbytes == 200
+
+
+def test_hot_tier_never_evicts_what_is_not_durable():
+    tier = HotTier(budget_bytes=100)
+    tier.put(agent("unsaved", 100, durable=False))
+    tier.put(agent("saved", 100))
+    tier.put(agent("current", 100, durable=False))
+    evicted = tier.enforce(keep=("ns", "current"))
+    assert [a.agent_id for a in evicted] == ["saved"]
+    assert tier.nbytes == 200  # over budget until the others are written, never lost
