@@ -206,3 +206,22 @@ def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dir
         assert info.value.code != grpc.StatusCode.INTERNAL
     reply = llama.turn("tenant-a", "warden", Q1, max_tokens=4)
     assert len(reply.token_ids) == 4 and reply.usage.cache_state == "hot"
+
+
+def test_seeded_sampling_repeats_and_stop_strings_cut(tiny_model_dirs, start_worker):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    for agent in ("one", "two", "three"):
+        w.create_agent("default", agent, SYSTEM)
+    sampled = {
+        agent: w.turn("default", agent, Q1, max_tokens=24, temperature=1.5, seed=seed).token_ids
+        for agent, seed in (("one", 42), ("two", 42), ("three", 43))
+    }
+    assert sampled["one"] == sampled["two"]
+    assert sampled["one"] != sampled["three"]
+    w.create_agent("default", "stopper", SYSTEM)
+    free = w.turn("default", "stopper", Q1, max_tokens=24, temperature=1.5, seed=42)
+    stop = free.text[5:8]
+    w.create_agent("default", "stopper2", SYSTEM)
+    cut = w.turn("default", "stopper2", Q1, max_tokens=24, temperature=1.5, seed=42, stop=[stop])
+    assert cut.usage.finish_reason == "stop" and stop not in cut.text
+    assert free.text.startswith(cut.text) and len(cut.text) < len(free.text)
