@@ -11,17 +11,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from agentkv.cli import table
 from agentkv.errors import CorruptBlock, GenerationConflict
-from agentkv.launch import store_process
+from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 from client.synthetic import make_chain
+from client.worker import WorkerClient
 
 NS = "walkthrough"
 FP = "llama-3.1-8b-shaped:q4g64:walkthrough"
 LLAMA_8B = {"num_layers": 32, "kv_heads": 8, "head_dim": 128}
 BLOCK = 256
 SYSTEM = list(range(1, 513))  # a 512-token system prompt every agent shares
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "agentkv-default"
+MARCO = "You are Marco, a Python expert. " + "You answer from the standard library. " * 60
 
 
 def step(title: str) -> None:
@@ -133,6 +137,47 @@ def tour(c: StoreClient, data_dir: Path) -> None:
     cmd_stats(c, None)
 
 
+def worker_tour(store_address: str, root: Path) -> None:
+    """The worker over the store: cold, hot, warm after eviction, warm after a restart."""
+    step(f"8. agentkv-worker serves the default model ({DEFAULT_MODEL.name}) over the store")
+    worker = worker_process(str(DEFAULT_MODEL), store_address, root / "worker.log").start()
+    rows = []
+    try:
+        w = WorkerClient(worker.address)
+        info = w.info()
+        print(f"worker pid {worker.proc.pid}: {info.fingerprint}, BLAS {Path(info.blas).name}")
+        t = time.perf_counter()
+        w.create_agent("demo", "marco", MARCO)
+        print(
+            f"marco: {w.describe('demo', 'marco').num_tokens}-token system prompt prefilled "
+            f"(cold) in {(time.perf_counter() - t) * 1000:.0f} ms"
+        )
+        rows.append(ask(w, "What does join in posixpath do?"))
+        rows.append(ask(w, "What does sorted do?"))
+        w.evict("demo", "marco")
+        rows.append(ask(w, "What does open do?"))
+        worker.stop()
+        worker = worker_process(str(DEFAULT_MODEL), store_address, root / "worker.log").start()
+        rows.append(ask(WorkerClient(worker.address), "What does print do?"))
+    finally:
+        worker.stop()
+    print(table(["turn", "cache", "ttft ms", "reused", "prefilled", "reply"], rows))
+
+
+def ask(w: WorkerClient, question: str) -> list[object]:
+    r = w.turn("demo", "marco", [("user", question)], max_tokens=24)
+    u = r.usage
+    reused = u.reused_hot_tokens + u.reused_store_tokens
+    return [
+        question,
+        u.cache_state,
+        f"{u.time_to_first_token_ms:.1f}",
+        reused,
+        u.prefilled_tokens,
+        r.text.strip()[:40],
+    ]
+
+
 def run(keep: bool = False) -> None:
     root = Path(tempfile.mkdtemp(prefix="agentkv-walkthrough-"))
     service = store_process(root / "data", root / "store.log").start()
@@ -140,6 +185,7 @@ def run(keep: bool = False) -> None:
     try:
         with StoreClient(service.address) as client:
             tour(client, root / "data")
+        worker_tour(service.address, root)
     finally:
         service.stop()
         if keep:

@@ -158,6 +158,13 @@ def test_walkthrough_runs_end_to_end():
     assert "2 already stored (deduplicated)" in out
     assert "512 of 515 tokens are cached" in out
     assert "ABORTED" in out and "DATA_LOSS" in out and "missing now 0" in out
+    worker_rows = out.split("agentkv-worker serves", 1)[1].splitlines()
+    states = [
+        re.search(r"\s(hot|warm|cold)\s+[\d.]+\s+\d+\s+\d+", row).group(1)
+        for row in worker_rows
+        if row.startswith("What does")
+    ]
+    assert states == ["hot", "hot", "warm", "warm"]  # evicted, then after a restart
 
 
 def test_service_process_reports_a_crash_at_start(tmp_path):
