@@ -1,12 +1,18 @@
-"""gRPC plumbing shared by the store and the worker: the error interceptor and channel options."""
+"""gRPC plumbing shared by the store and the worker: errors, limits, health, binding, metrics."""
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from agentkv.errors import ERROR_KEY, AgentKVError
 
@@ -71,3 +77,52 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             self._on_error(code)
         context.set_trailing_metadata(trailers)
         context.abort(code, message)
+
+
+def new_server(
+    workers: int, max_message_bytes: int, on_error: Callable[[grpc.StatusCode], None]
+) -> grpc.Server:
+    """A gRPC server with our error interceptor and message limits."""
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        interceptors=[ErrorInterceptor(on_error)],
+        options=message_options(max_message_bytes),
+    )
+
+
+def add_health_and_reflection(server: grpc.Server, service: str) -> health.HealthServicer:
+    """grpc.health.v1 (SERVING for "" and `service`) and server reflection."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", service):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((service, health_name, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+def bind(server: grpc.Server, listen: str) -> str:
+    """Binds `listen` (port 0 picks one); returns the address clients dial."""
+    port = server.add_insecure_port(listen)
+    if not port:
+        raise OSError(f"could not bind {listen}")
+    if listen.startswith("unix:"):
+        return listen
+    return f"{listen.rpartition(':')[0]}:{port}"
+
+
+def start_metrics(listen: str | None, registry: CollectorRegistry) -> str | None:
+    """Serves Prometheus metrics on HOST:PORT (port 0 picks one); returns the bound address."""
+    if not listen:
+        return None
+    host, _, port = listen.rpartition(":")
+    httpd, _ = start_http_server(int(port), addr=host, registry=registry)
+    return f"{host}:{httpd.server_port}"
+
+
+def wait_for_signal() -> None:
+    """Blocks until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

@@ -45,13 +45,18 @@ class StoreConfig:
 
     @property
     def is_loopback(self) -> bool:
-        host = listen_host(self.listen)
-        if host is None:
-            return True
-        try:
-            return ipaddress.ip_address(host.strip("[]")).is_loopback
-        except ValueError:
-            return host == "localhost"
+        return is_loopback(self.listen)
+
+
+def is_loopback(address: str) -> bool:
+    """True for a unix socket or a loopback host: this machine only."""
+    host = listen_host(address)
+    if host is None:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def listen_host(listen: str) -> str | None:

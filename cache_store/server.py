@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from grpc_health.v1 import health
 
-from agentkv.rpc import ErrorInterceptor, message_options
-from agentkv.v1 import store_pb2
-from cache_store.config import StoreConfig, listen_host
+from agentkv.rpc import add_health_and_reflection, bind, new_server, start_metrics, wait_for_signal
+from cache_store.config import StoreConfig
 from cache_store.service import SERVICE_NAME, CacheStoreServicer, rpc_handlers
 from cache_store.store import CacheStore
 
@@ -38,33 +32,18 @@ class RunningStore:
 def create_server(config: StoreConfig) -> RunningStore:
     """Opens the store and binds the server (port 0 picks a free port); does not start it."""
     store = CacheStore(config)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
-        interceptors=[
-            ErrorInterceptor(lambda code: store.metrics.rpc_errors.labels(code.name).inc())
-        ],
-        options=message_options(config.max_message_bytes),
+    server = new_server(
+        config.workers,
+        config.max_message_bytes,
+        lambda code: store.metrics.rpc_errors.labels(code.name).inc(),
     )
     server.add_generic_rpc_handlers((rpc_handlers(CacheStoreServicer(store)),))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (
-            store_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    port = server.add_insecure_port(config.listen)
-    if not port:
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
+    try:
+        address = bind(server, config.listen)
+    except OSError:
         store.close()
-        raise OSError(f"could not bind {config.listen}")
-    address = config.listen
-    if listen_host(config.listen) is not None:
-        address = f"{listen_host(config.listen)}:{port}"
+        raise
     return RunningStore(server, address, store, health_servicer)
 
 
@@ -75,19 +54,12 @@ def serve(config: StoreConfig) -> None:
             "listening beyond loopback with no authentication", extra={"listen": config.listen}
         )
     running = create_server(config)
-    metrics = None
-    if config.metrics_listen:
-        host, _, port = config.metrics_listen.rpartition(":")
-        httpd, _ = start_http_server(int(port), addr=host, registry=running.store.metrics.registry)
-        metrics = f"{host}:{httpd.server_port}"
+    metrics = start_metrics(config.metrics_listen, running.store.metrics.registry)
     running.server.start()
     log.info(
         "serving",
         extra={"address": running.address, "data_dir": str(config.data_dir), "metrics": metrics},
     )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal()
     log.info("stopping")
     running.stop()

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-import threading
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import mlx.core as mx
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from mlx_lm import load
-from prometheus_client import start_http_server
 
-from agentkv.rpc import ErrorInterceptor, message_options
-from agentkv.worker.v1 import worker_pb2, worker_pb2_grpc
-from cache_store.config import StoreConfig
+from agentkv.rpc import add_health_and_reflection, bind, new_server, start_metrics, wait_for_signal
+from agentkv.worker.v1 import worker_pb2_grpc
+from cache_store.config import is_loopback
 from client.store import StoreClient
 from inference_worker.config import WorkerConfig
 from inference_worker.engine import Engine
@@ -73,10 +68,7 @@ def default_restore_path(config: WorkerConfig) -> str:
     """locate when the store is on this host (unix socket or loopback), else stream."""
     if config.restore_path != "auto":
         return config.restore_path
-    local = (
-        config.store.startswith("unix:") or StoreConfig(Path("."), listen=config.store).is_loopback
-    )
-    return "locate" if local else "stream"
+    return "locate" if is_loopback(config.store) else "stream"
 
 
 def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
@@ -108,32 +100,17 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         "device": device,
         "blas": blas or "reference",
     }
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
-        interceptors=[ErrorInterceptor(lambda code: metrics.rpc_errors.labels(code.name).inc())],
-        options=message_options(16 << 20),
+    server = new_server(
+        config.workers, 16 << 20, lambda code: metrics.rpc_errors.labels(code.name).inc()
     )
-    worker_pb2_grpc.add_InferenceWorkerServicer_to_server(
-        InferenceWorkerServicer(engine, info), server
-    )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (
-            worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    port = server.add_insecure_port(config.listen)
-    if not port:
+    servicer = InferenceWorkerServicer(engine, info)
+    worker_pb2_grpc.add_InferenceWorkerServicer_to_server(servicer, server)
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
+    try:
+        address = bind(server, config.listen)
+    except OSError:
         engine.close()
-        raise OSError(f"could not bind {config.listen}")
-    host = config.listen.rpartition(":")[0]
-    address = config.listen if config.listen.startswith("unix:") else f"{host}:{port}"
+        raise
     log.info(
         "model loaded", extra={**info, "restore_path": restore_path, "quantized_query_max": qmax}
     )
@@ -141,19 +118,13 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
 
 
 def serve(config: WorkerConfig, blas: str | None) -> None:
+    """Runs until SIGTERM or SIGINT, then drains RPCs and finishes queued store writes."""
     running = create_server(config, blas)
-    metrics = None
-    if config.metrics_listen:
-        host, _, port = config.metrics_listen.rpartition(":")
-        httpd, _ = start_http_server(int(port), addr=host, registry=running.metrics.registry)
-        metrics = f"{host}:{httpd.server_port}"
+    metrics = start_metrics(config.metrics_listen, running.metrics.registry)
     running.server.start()
     log.info(
         "serving", extra={"address": running.address, "store": config.store, "metrics": metrics}
     )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal()
     log.info("stopping")
     running.stop()
