@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from agentkv.keys import ROOT_KEY, block_key
-from client.blocks import Block, StoredBlock
-from inference_worker.kv_cache import PARTS, QuantizedKV, arrays_from_tensors
+from client.blocks import Block, StoredBlock, Tensor
+from inference_worker.kv_cache import NUMPY_DTYPES, PARTS, QuantizedKV
 from inference_worker.kv_format import KVFormat
 
 
@@ -54,20 +55,38 @@ def cache_blocks(
 def caches_from_blocks(
     blocks: Sequence[StoredBlock], num_layers: int, fmt: KVFormat, quantized_query_max: int = 1
 ) -> list[QuantizedKV]:
-    """Per-layer caches holding the blocks' tokens, in order; bit for bit what was stored."""
-    per_block = [arrays_from_tensors(b.tensors) for b in blocks]
-    caches = []
-    for layer in range(num_layers):
-        cache = QuantizedKV(fmt, quantized_query_max)
-        if per_block:
-            keys, values = (
-                tuple(
-                    mx.concatenate([a[f"layers.{layer}.{kv}.{p}"] for a in per_block], axis=2)
-                    for p in PARTS
-                )
-                for kv in ("keys", "values")
+    """Per-layer caches holding the blocks' tokens, in order; bit for bit what was stored.
+
+    Each part is assembled once in host memory, already sized to the cache's growth step,
+    and copied into MLX once: no concatenation in MLX, no regrowth on the next token.
+    """
+    caches = [QuantizedKV(fmt, quantized_query_max) for _ in range(num_layers)]
+    if not blocks:
+        return caches
+    by_name = [{t.name: t for t in b.tensors} for b in blocks]
+    total = sum(len(b.token_ids) for b in blocks)
+    capacity = -(-total // QuantizedKV.step) * QuantizedKV.step
+    for layer, cache in enumerate(caches):
+        keys, values = (
+            tuple(
+                _stacked([t[f"layers.{layer}.{kv}.{p}"] for t in by_name], capacity) for p in PARTS
             )
-            cache.load(keys, values)
-        caches.append(cache)
+            for kv in ("keys", "values")
+        )
+        cache.load(keys, values, total)
     mx.eval([a for c in caches for a in c.state_arrays()])
     return caches
+
+
+def _stacked(tensors: list[Tensor], capacity: int) -> mx.array:
+    """Tensors of shape (B, H, n_i, D) joined along tokens into (B, H, capacity, D)."""
+    first = tensors[0]
+    dtype = NUMPY_DTYPES[first.dtype]
+    b, h, _, d = first.shape
+    out = np.zeros((b, h, capacity, d), dtype=dtype)
+    pos = 0
+    for t in tensors:
+        n = t.shape[2]
+        out[:, :, pos : pos + n] = np.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape))
+        pos += n
+    return mx.array(out)

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from agentkv.errors import AgentKVError
+from client.blocks import alloc
 from client.store import StoreClient
 from inference_worker.agents import Agent
 from inference_worker.blocks import caches_from_blocks
@@ -38,6 +39,7 @@ class Restorer:
     block_tokens: int
     path: str  # "locate" or "stream"
     quantized_query_max: int = 1
+    _buffer: memoryview | None = None  # reused across restores; the caches copy out of it
 
     def restore(self, namespace: str, agent_id: str) -> Restored:
         """Raises AgentNotFound / FingerprintMismatch / Unavailable from the manifest read;
@@ -84,7 +86,13 @@ class Restorer:
 
     def _read(self, namespace: str, keys: list[bytes]):
         if self.path == "locate":
-            return self.client.read_blocks_local(namespace, self.fingerprint, keys)
+            blocks = self.client.read_blocks_local(
+                namespace, self.fingerprint, keys, buffer=self._buffer
+            )
+            used = sum(t.num_bytes for b in blocks for t in b.tensors)
+            if self._buffer is None or used > len(self._buffer):
+                self._buffer = alloc(2 * used)  # the next restore reads in place
+            return blocks
         return list(self.client.get_blocks(namespace, self.fingerprint, keys))
 
     def _empty(self) -> list[QuantizedKV]:
