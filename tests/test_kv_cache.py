@@ -9,7 +9,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from agentkv.keys import chain_keys
 from inference_worker.blocks import block_spans, cache_blocks, caches_from_blocks
-from inference_worker.kv_cache import KVFormat, QuantizedKV
+from inference_worker.kv_cache import QuantizedKV
+from inference_worker.kv_format import KVFormat
 from tests.conftest import ARCHS
 
 NS = "default"

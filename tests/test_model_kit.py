@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from inference_worker.fingerprint import model_fingerprint
-from inference_worker.kv_cache import KVFormat
+from inference_worker.kv_format import KVFormat
 from inference_worker.model_kit import BOS
 from tests.conftest import ARCHS
 
