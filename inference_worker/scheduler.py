@@ -1,0 +1,181 @@
+"""Which requests run in the next model step: continuous batching in plain Python (no MLX).
+
+Each step spends a token budget. Every running request that is decoding gets its one token
+first, so streams stay smooth; what is left goes to prefill chunks, oldest first within the
+highest priority, so a long prefill is cut into pieces instead of freezing the others. New
+requests join between any two steps, while memory (hot tier + live batch) and the batch size
+allow; the rest wait in a bounded queue, and past it a request is refused at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from agentkv.errors import ResourceExhausted
+
+
+class State(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+_ORDER = itertools.count()
+
+
+@dataclass(slots=True)
+class Request:
+    """A turn as the scheduler sees it: token counts, a memory claim, and when it must end."""
+
+    request_id: str
+    prompt_tokens: int  # tokens still to prefill when it starts
+    max_tokens: int
+    memory_bytes: int  # KV bytes it will hold in the live batch at its longest
+    priority: int = 0  # higher runs first
+    deadline: float | None = None  # on the scheduler's clock; past it the request expires
+    state: State = State.WAITING
+    prefilled: int = 0
+    generated: int = 0
+    order: int = field(default_factory=lambda: next(_ORDER))  # arrival order, for FCFS
+
+    @property
+    def done(self) -> bool:
+        return self.state in (State.FINISHED, State.CANCELLED, State.EXPIRED)
+
+
+@dataclass(slots=True)
+class Step:
+    """One model step: decode one token for each of `decode`, prefill `prefill` chunks."""
+
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
+    admitted: list[Request] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_batch: int,
+        step_tokens: int,
+        prefill_chunk: int,
+        queue_limit: int,
+        memory_budget: int,
+    ) -> None:
+        if max_batch < 1 or step_tokens < max_batch or prefill_chunk < 1 or queue_limit < 0:
+            raise ValueError("need max_batch >= 1, step_tokens >= max_batch, prefill_chunk >= 1")
+        self.max_batch, self.step_tokens, self.prefill_chunk = max_batch, step_tokens, prefill_chunk
+        self.queue_limit, self.memory_budget = queue_limit, memory_budget
+        self.hot_bytes = 0  # set by the engine: RAM its hot tier holds outside the batch
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    # requests in and out
+
+    def submit(self, request: Request) -> None:
+        """Queues a request, or raises ResourceExhausted when it could never or may not wait."""
+        if request.memory_bytes > self.memory_budget:
+            raise ResourceExhausted(
+                f"request {request.request_id} needs {request.memory_bytes} bytes of KV, more "
+                f"than the worker's whole memory budget of {self.memory_budget}"
+            )
+        if len(self.waiting) >= self.queue_limit:
+            raise ResourceExhausted(
+                f"worker busy: {len(self.running)} running, {len(self.waiting)} queued "
+                f"(queue limit {self.queue_limit}); retry later"
+            )
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stops a request now; its slot and memory are free for the next step."""
+        for pool in (self.running, self.waiting):
+            for request in pool:
+                if request.request_id == request_id:
+                    pool.remove(request)
+                    request.state = State.CANCELLED
+                    return request
+        return None
+
+    def finish(self, request: Request) -> None:
+        """The engine saw EOS, a stop string or max_tokens: the request leaves the batch."""
+        if request in self.running:
+            self.running.remove(request)
+        request.state = State.FINISHED
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r.memory_bytes for r in self.running)
+
+    # one step
+
+    def schedule(self, now: float) -> Step:
+        step = Step(expired=self._expire(now))
+        step.admitted = self._admit()
+        budget = self.step_tokens
+        for request in self._by_priority(self.running):
+            if request.state is State.DECODING and budget > 0:
+                step.decode.append(request)
+                budget -= 1
+        for request in self._by_priority(self.running):
+            if request.state is State.PREFILLING and budget > 0:
+                n = min(self.prefill_chunk, budget, request.prompt_tokens - request.prefilled)
+                step.prefill.append((request, n))
+                budget -= n
+        return step
+
+    def complete(self, step: Step) -> None:
+        """Records what a step did: prefill progress, and one more token per decoder."""
+        for request, n in step.prefill:
+            request.prefilled += n
+            if request.prefilled >= request.prompt_tokens:
+                request.state = State.DECODING
+                if request.max_tokens == 0:
+                    self.finish(request)  # an append-only turn ends with its prefill
+                else:
+                    request.generated += 1  # the last chunk's logits give the first token
+        for request in step.decode:
+            request.generated += 1
+        for request in list(self.running):
+            if request.generated >= request.max_tokens and request.state is State.DECODING:
+                self.finish(request)
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        for request in self._by_priority(self.waiting):
+            if len(self.running) >= self.max_batch:
+                break
+            free = self.memory_budget - self.hot_bytes - self.reserved_bytes
+            if request.memory_bytes > free:
+                break  # first come, first served: no one overtakes the head for memory
+            self.waiting.remove(request)
+            request.state = State.PREFILLING if request.prompt_tokens else State.DECODING
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _expire(self, now: float) -> list[Request]:
+        expired = [
+            r for r in self.waiting + self.running if r.deadline is not None and now > r.deadline
+        ]
+        for request in expired:
+            (self.waiting if request in self.waiting else self.running).remove(request)
+            request.state = State.EXPIRED
+        return expired
+
+    @staticmethod
+    def _by_priority(requests: Iterable[Request]) -> list[Request]:
+        return sorted(requests, key=lambda r: (-r.priority, r.order))

@@ -1,0 +1,134 @@
+"""The scheduler's policies, fast and without MLX: continuous batching, chunked prefill under a
+token budget, batch size, FCFS and priorities, deadlines, cancellation and memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.errors import ResourceExhausted
+from inference_worker.scheduler import Request, Scheduler, State
+
+
+def sched(**overrides) -> Scheduler:
+    settings = {
+        "max_batch": 4,
+        "step_tokens": 64,
+        "prefill_chunk": 32,
+        "queue_limit": 8,
+        "memory_budget": 1000,
+    }
+    return Scheduler(**{**settings, **overrides})
+
+
+def req(name: str, prompt: int = 8, max_tokens: int = 4, memory: int = 100, **kw) -> Request:
+    return Request(name, prompt, max_tokens, memory, **kw)
+
+
+def run_step(s: Scheduler, now: float = 0.0):
+    step = s.schedule(now)
+    s.complete(step)
+    return step
+
+
+def test_new_requests_join_between_decode_steps():
+    s = sched()
+    a = req("a", max_tokens=10)
+    s.submit(a)
+    run_step(s)  # a prefills (8 tokens) and gets its first token
+    assert a.state is State.DECODING
+    b = req("b")
+    s.submit(b)
+    step = run_step(s)
+    assert step.admitted == [b] and step.decode == [a] and step.prefill == [(b, 8)]
+
+
+def test_long_prefill_is_chunked_and_never_freezes_decoders():
+    s = sched(step_tokens=40, prefill_chunk=32)
+    a = req("a", prompt=4, max_tokens=100)
+    s.submit(a)
+    run_step(s)
+    long = req("long", prompt=200)
+    s.submit(long)
+    chunks = []
+    while long.state is State.PREFILLING or long.state is State.WAITING:
+        step = run_step(s)
+        assert a in step.decode  # a decodes every single step
+        assert step.num_tokens <= 40
+        chunks += [n for r, n in step.prefill if r is long]
+    assert sum(chunks) == 200 and max(chunks) <= 32
+
+
+def test_batch_size_is_capped_and_the_rest_wait_in_order():
+    s = sched(max_batch=2)
+    for name in "abc":
+        s.submit(req(name))
+    step = run_step(s)
+    assert [r.request_id for r in step.admitted] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_priority_first_then_first_come_first_served():
+    s = sched(max_batch=1)
+    for name, priority in [("low1", 0), ("high", 5), ("low2", 0)]:
+        s.submit(req(name, priority=priority))
+    order = []
+    while s.waiting or s.running:
+        order += [r.request_id for r in run_step(s).admitted]
+    assert order == ["high", "low1", "low2"]
+
+
+def test_deadlines_expire_waiting_and_running_requests():
+    s = sched(max_batch=1)
+    running = req("running", max_tokens=100, deadline=5.0)
+    waiting = req("waiting", deadline=1.0)
+    s.submit(running)
+    s.submit(waiting)
+    run_step(s, now=0.0)
+    step = run_step(s, now=2.0)
+    assert step.expired == [waiting] and waiting.state is State.EXPIRED
+    step = run_step(s, now=6.0)
+    assert step.expired == [running] and not s.running
+
+
+def test_cancel_frees_the_slot_for_the_next_step():
+    s = sched(max_batch=1)
+    a, b = req("a", max_tokens=100), req("b")
+    s.submit(a)
+    s.submit(b)
+    run_step(s)
+    assert s.cancel("a") is a and a.state is State.CANCELLED
+    assert run_step(s).admitted == [b]
+    assert s.cancel("nobody") is None
+
+
+def test_memory_budget_counts_the_hot_tier_and_the_live_batch():
+    s = sched(memory_budget=500)
+    s.hot_bytes = 200
+    s.submit(req("a", memory=200))
+    s.submit(req("b", memory=200))  # 200 hot + 200 a + 200 b > 500: b waits
+    s.submit(req("c", memory=10))  # fits, but may not overtake b
+    assert [r.request_id for r in run_step(s).admitted] == ["a"]
+    s.hot_bytes = 0  # the engine evicted hot agents to the store
+    assert [r.request_id for r in run_step(s).admitted] == ["b", "c"]
+
+
+def test_a_full_queue_and_an_impossible_request_are_refused():
+    s = sched(max_batch=1, queue_limit=2, memory_budget=500)
+    with pytest.raises(ResourceExhausted, match=r"1000 bytes.*budget of 500"):
+        s.submit(req("huge", memory=1000))
+    s.submit(req("a"))
+    s.submit(req("b"))
+    with pytest.raises(ResourceExhausted, match="queue limit 2"):
+        s.submit(req("c"))
+
+
+def test_requests_finish_at_max_tokens_and_append_only_turns_at_prefill():
+    s = sched()
+    gen, append = req("gen", max_tokens=3), req("append", max_tokens=0)
+    s.submit(gen)
+    s.submit(append)
+    run_step(s)
+    assert append.state is State.FINISHED and gen.generated == 1
+    run_step(s)
+    run_step(s)
+    assert gen.state is State.FINISHED and gen.generated == 3 and not s.running
