@@ -1,0 +1,166 @@
+"""Several agents' quantized KV caches decoded together: one layer, left-padded.
+
+Sequence i of a batch holds its tokens at positions [left_padding[i], idx); `offset[i]` is its
+own length, which RoPE reads. `merge` builds a batch from single-agent caches (any lengths,
+empty ones included), `extend` adds more, `filter` drops finished ones and `extract` gives
+one back as a single-agent cache, bit for bit what the batch held. The attention path follows
+QuantizedKV: dequantize for prefill chunks, quantized matmul for decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from inference_worker.kv_cache import QTensor, QuantizedKV
+from inference_worker.kv_format import KVFormat
+
+
+class BatchQuantizedKV:
+    step = 256
+
+    def __init__(self, fmt: KVFormat, left_padding: Sequence[int], quantized_query_max: int = 1):
+        self.fmt = fmt
+        self.group_size = fmt.group_size
+        self.quantized_query_max = quantized_query_max
+        self.keys: QTensor | None = None
+        self.values: QTensor | None = None
+        self.idx = 0
+        self.left_padding = mx.array(list(left_padding), dtype=mx.int32)
+        self.offset = -self.left_padding
+        self._quantized_fetch = False
+
+    @property
+    def bits(self) -> int:
+        if not self._quantized_fetch:
+            raise AttributeError("bits")
+        return self.fmt.k_bits
+
+    @property
+    def batch_size(self) -> int:
+        return self.left_padding.shape[0]
+
+    # the protocol
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        prev, num = self.idx, keys.shape[2]
+        single = QuantizedKV(self.fmt)  # reuse its quantize-and-grow logic on our arrays
+        single.keys, single.values, single.offset = self.keys, self.values, prev
+        single._store(keys, values)
+        self.keys, self.values, self.idx = single.keys, single.values, single.offset
+        self.offset = self.offset + num
+        if num <= self.quantized_query_max and self.fmt.k_bits == self.fmt.v_bits:
+            self._quantized_fetch = True
+            return single.quantized(self.idx)
+        self._quantized_fetch = False
+        if prev == 0:
+            return keys, values
+        past_k, past_v = single.dequantized(prev, keys.dtype)
+        return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return create_causal_mask(
+            n, offset=self.idx, left_padding=self.left_padding, window_size=window_size
+        )
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def size(self) -> int:
+        return self.idx
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(x[..., : self.idx, :].nbytes for x in (*self.keys, *self.values))
+
+    def state_arrays(self) -> list[mx.array]:
+        return [*self.keys, *self.values] if self.keys is not None else []
+
+    # batch operations
+
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedKV], quantized_query_max: int = 1) -> BatchQuantizedKV:
+        """One batch of single-agent caches, right-aligned (left-padded) to the longest."""
+        fmt = caches[0].fmt
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        batch = cls(fmt, [longest - n for n in lengths], quantized_query_max)
+        template = next((c for c in caches if c.keys is not None), None)
+        if template is None or longest == 0:
+            return batch
+        capacity = -(-longest // cls.step) * cls.step
+        batch.keys = _stack([c.keys for c in caches], lengths, template.keys, longest, capacity)
+        batch.values = _stack(
+            [c.values for c in caches], lengths, template.values, longest, capacity
+        )
+        batch.idx = longest
+        batch.offset = mx.array(lengths, dtype=mx.int32)  # each sequence's own position
+        return batch
+
+    def extract(self, i: int) -> QuantizedKV:
+        """Sequence i as a single-agent cache holding exactly its tokens."""
+        cache = QuantizedKV(self.fmt, self.quantized_query_max)
+        pad = int(self.left_padding[i].item())
+        n = self.idx - pad
+        if self.keys is None or n == 0:
+            return cache
+        capacity = -(-n // QuantizedKV.step) * QuantizedKV.step
+        keys, values = (
+            tuple(_padded(x[i : i + 1, :, pad : self.idx, :], capacity) for x in q)
+            for q in (self.keys, self.values)
+        )
+        cache.load(keys, values, n)
+        return cache
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keeps the sequences at `keep` (in that order); drops padding they all share."""
+        index = mx.array(list(keep), dtype=mx.int32)
+        self.left_padding, self.offset = self.left_padding[index], self.offset[index]
+        if self.keys is not None:
+            self.keys = tuple(x[index] for x in self.keys)  # type: ignore[assignment]
+            self.values = tuple(x[index] for x in self.values)  # type: ignore[assignment]
+        shared = int(mx.min(self.left_padding).item()) if len(keep) else 0
+        if shared and self.keys is not None:
+            self.keys = tuple(x[..., shared:, :] for x in self.keys)  # type: ignore[assignment]
+            self.values = tuple(x[..., shared:, :] for x in self.values)  # type: ignore[assignment]
+            self.idx -= shared
+            self.left_padding = self.left_padding - shared
+
+    def extend(self, caches: Sequence[QuantizedKV]) -> None:
+        """Adds single-agent caches to the batch (re-aligning everyone to the longest)."""
+        held = [self.extract(i) for i in range(self.batch_size)]
+        merged = BatchQuantizedKV.merge([*held, *caches], self.quantized_query_max)
+        self.keys, self.values, self.idx = merged.keys, merged.values, merged.idx
+        self.left_padding, self.offset = merged.left_padding, merged.offset
+
+
+def _stack(
+    parts: list[QTensor | None], lengths: list[int], template: QTensor, longest: int, capacity: int
+) -> QTensor:
+    """Each sequence's tokens placed at [longest - n, longest) of a zeroed (B, H, cap, D)."""
+    out = []
+    for j, like in enumerate(template):
+        rows = []
+        for q, n in zip(parts, lengths, strict=True):
+            row = mx.zeros((1, like.shape[1], capacity, like.shape[3]), dtype=like.dtype)
+            if n:
+                row[..., longest - n : longest, :] = q[j][..., :n, :]
+            rows.append(row)
+        out.append(mx.concatenate(rows, axis=0))
+    return tuple(out)  # type: ignore[return-value]
+
+
+def _padded(x: mx.array, capacity: int) -> mx.array:
+    n = x.shape[2]
+    if n == capacity:
+        return x
+    pad = mx.zeros((*x.shape[:2], capacity - n, x.shape[3]), dtype=x.dtype)
+    return mx.concatenate([x, pad], axis=2)
