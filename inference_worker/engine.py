@@ -255,7 +255,7 @@ class Engine:
         detok.reset()
         first = time.perf_counter()
         for i in range(job.sampling.max_tokens):
-            token = int(sampler((logits - mx.logsumexp(logits))[None]).item())
+            token = sampler(logits - mx.logsumexp(logits))
             agent.tokens.append(token)
             if i == 0:
                 first = time.perf_counter()

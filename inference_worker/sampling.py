@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from agentkv.errors import InvalidArgument
 
@@ -39,11 +40,28 @@ class Sampling:
                 raise InvalidArgument(f"stop string {s[:40]!r} must have 1..{MAX_STOP_CHARS} chars")
         return self
 
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        """Takes log-probabilities of shape (1, vocab); returns the chosen token id(s)."""
-        if self.temperature > 0 and self.seed:
-            mx.random.seed(self.seed)
-        return make_sampler(self.temperature, self.top_p, top_k=self.top_k)
+    def sampler(self) -> Callable[[mx.array], int]:
+        """Takes one sequence's log-probabilities (vocab,), returns a token id. A sampled
+        request draws from its own random key (seeded, or not), so batching with others
+        never changes what it draws."""
+        if self.temperature == 0:
+            return lambda logprobs: int(mx.argmax(logprobs).item())
+        key = mx.random.key(self.seed or secrets.randbits(63))
+        filters = []
+        if 0 < self.top_p < 1:
+            filters.append(lambda x: apply_top_p(x, self.top_p))
+        if self.top_k > 0:
+            filters.append(lambda x: apply_top_k(x, self.top_k))
+
+        def sample(logprobs: mx.array) -> int:
+            nonlocal key
+            x = logprobs[None]
+            for keep in filters:
+                x = keep(x)
+            key, draw = mx.random.split(key)
+            return int(mx.random.categorical(x * (1 / self.temperature), key=draw).item())
+
+        return sample
 
 
 class StopMatcher:
