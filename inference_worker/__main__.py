@@ -28,7 +28,25 @@ def build_config(argv: list[str] | None = None):
         default=None,
         help="longest query that attends over Q4 directly (default: 1 on CPU)",
     )
-    p.add_argument("--hot-budget", type=parse_size, default=2 << 30, help="RAM for hot caches")
+    p.add_argument(
+        "--hot-budget",
+        type=parse_size,
+        default=2 << 30,
+        help="RAM for KV caches: the hot tier and the live batch together",
+    )
+    p.add_argument("--max-batch", type=int, default=8, help="agents decoded together")
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=512,
+        help="tokens per model step: every decoder's next token, then prefill chunks",
+    )
+    p.add_argument(
+        "--queue-limit",
+        type=int,
+        default=64,
+        help="turns that may wait for a slot; past it RESOURCE_EXHAUSTED",
+    )
     p.add_argument(
         "--restore-path",
         choices=RESTORE_PATHS,
@@ -49,6 +67,9 @@ def build_config(argv: list[str] | None = None):
             quantized_query_max=a.quantized_query_max,
             hot_budget_bytes=a.hot_budget,
             restore_path=a.restore_path,
+            max_batch=a.max_batch,
+            step_tokens=a.step_tokens,
+            queue_limit=a.queue_limit,
             log_level=a.log_level,
         )
     except ValueError as exc:

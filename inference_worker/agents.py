@@ -80,14 +80,17 @@ class HotTier:
     def __len__(self) -> int:
         return len(self._agents)
 
-    def enforce(self, keep: AgentId | None = None) -> list[Agent]:
+    def agents(self) -> list[Agent]:
+        return list(self._agents.values())
+
+    def enforce(self, keep: set[AgentId] | frozenset[AgentId] = frozenset()) -> list[Agent]:
         """Evicts least recently used durable agents until under budget; returns them."""
         evicted = []
         for agent_id in list(self._agents):
             if self.nbytes <= self.budget_bytes:
                 break
             agent = self._agents[agent_id]
-            if agent_id != keep and agent.durable:
+            if agent_id not in keep and agent.durable:
                 evicted.append(self._agents.pop(agent_id))
         if self.nbytes > self.budget_bytes:
             log.warning(

@@ -22,7 +22,10 @@ class WorkerConfig:
     # Queries up to this length attend over Q4 with quantized matmul; longer ones dequantize
     # first (DESIGN.md, CPU). None picks per device: 1 on CPU, 32 on a GPU.
     quantized_query_max: int | None = None
-    hot_budget_bytes: int = 2 << 30
+    hot_budget_bytes: int = 2 << 30  # RAM for KV: the hot tier and the live batch together
+    max_batch: int = 8
+    step_tokens: int = 512  # tokens one model step may process: decodes first, then prefill
+    queue_limit: int = 64
     restore_path: str = "auto"  # auto: locate when the store's files are visible here
     store_timeout: float = 60.0
     max_stop_strings: int = 16
@@ -40,6 +43,8 @@ class WorkerConfig:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.hot_budget_bytes < 0:
             raise ValueError(f"hot_budget_bytes must be >= 0, got {self.hot_budget_bytes}")
+        if self.max_batch < 1 or self.step_tokens < 1 or self.queue_limit < 0:
+            raise ValueError("max_batch and step_tokens must be >= 1, queue_limit >= 0")
         if self.restore_path not in RESTORE_PATHS:
             raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
         if self.metrics_listen is not None:

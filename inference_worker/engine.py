@@ -6,76 +6,40 @@ event queue. Arrays that leave this thread (blocks for the store) are evaluated 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from agentkv.errors import AgentExists, AgentNotFound, OutOfRange, Unavailable
+from agentkv.errors import (
+    AgentExists,
+    AgentNotFound,
+    FailedPrecondition,
+    OutOfRange,
+    Unavailable,
+)
 from cache_store import validation
 from client.store import StoreClient
 from inference_worker.agents import Agent, HotTier
+from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatMessage
 from inference_worker.config import WorkerConfig
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import Persister, snapshot
 from inference_worker.restore import Restorer
-from inference_worker.sampling import Sampling, StopMatcher
+from inference_worker.sampling import StopMatcher
+from inference_worker.scheduler import Request, Scheduler
+from inference_worker.turns import END, AgentInfo, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
-END = object()  # closes a turn's event stream
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    text: str
-    token_ids: list[int]
-
-
-@dataclass(slots=True)
-class UsageEvent:
-    prompt_tokens: int = 0
-    reused_hot_tokens: int = 0
-    reused_store_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    time_to_first_token_ms: float = 0.0
-    decode_tokens_per_second: float = 0.0
-    cache_state: str = ""
-    finish_reason: str = "none"
-    restore_path: str = ""
-    restore_failure: str = ""
-
-
-@dataclass(slots=True)
-class TurnJob:
-    namespace: str
-    agent_id: str
-    messages: list[ChatMessage]
-    sampling: Sampling
-    phase: str = ""
-    started: float = field(default_factory=time.perf_counter)
-    events: queue.Queue = field(default_factory=queue.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(slots=True)
-class AgentInfo:
-    namespace: str
-    agent_id: str
-    tier: str
-    num_tokens: int
-    num_bytes: int
-    persisted_tokens: int
-    generation: int
-    phase: str
+_IDLE = object()  # no job arrived while turns are in flight
 
 
 class Engine:
@@ -95,6 +59,7 @@ class Engine:
         self.config, self.fingerprint, self.client = config, fingerprint, client
         self.metrics, self.max_context, self.qmax = metrics, max_context, quantized_query_max
         self._jobs: queue.Queue = queue.Queue()
+        self.batcher: Batcher | None = None  # made once the model is loaded
         self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
         self._thread.start()
         self.model, self.tokenizer = self.submit(load_model).result()
@@ -104,6 +69,16 @@ class Engine:
         self.persister = Persister(
             client, fingerprint, lambda outcome: metrics.persists.labels(outcome=outcome).inc()
         )
+        self.scheduler = Scheduler(
+            config.max_batch,
+            max(config.step_tokens, config.max_batch),
+            config.prefill_chunk,
+            config.queue_limit,
+            config.hot_budget_bytes,
+        )
+        self._turn_ids = itertools.count(1)
+        self._bytes_per_token = 0.0
+        self.batcher = self._new_batcher()
         self.restorer = Restorer(
             client,
             fingerprint,
@@ -122,19 +97,58 @@ class Engine:
         return future
 
     def _loop(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            fn, args, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
+        """Runs queued work; while turns are in flight, one model step between jobs."""
+        while True:
             try:
-                future.set_result(fn(*args))
-            except BaseException as exc:
-                future.set_exception(exc)
+                item = self._jobs.get(block=not self._busy)
+            except queue.Empty:
+                item = _IDLE
+            if item is None:
+                return
+            if item is not _IDLE:
+                self._run(*item)
+            if self._busy:
+                self._step()
+
+    @property
+    def _busy(self) -> bool:
+        return self.batcher is not None and bool(self.batcher.active)
+
+    def _run(self, fn: Callable[..., Any], args: tuple, future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _step(self) -> None:
+        self.scheduler.hot_bytes = sum(
+            a.nbytes for a in self.hot.agents() if not self.batcher.holds(a)
+        )
+        try:
+            self.batcher.step()
+        except Exception as exc:  # a failed step fails every turn in flight, not the worker
+            log.exception("model step failed")
+            for turn in list(self.batcher.active.values()):
+                turn.job.error = exc
+                turn.job.events.put(END)
+            self.batcher = self._new_batcher()
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
         self.persister.close()
+
+    def _new_batcher(self) -> Batcher:
+        return Batcher(
+            self.model,
+            self.chat.eos_ids,
+            self.scheduler,
+            self.qmax,
+            self._turn_done,
+            self.metrics.batch_size.observe,
+        )
 
     # agents (each runs on the MLX thread)
 
@@ -159,17 +173,20 @@ class Engine:
         self._finish_turn(agent)
         return self._info(agent, "hot")
 
-    def turn(self, job: TurnJob) -> None:
-        """Runs a turn, streaming TokenEvents then one UsageEvent into job.events; END last,
-        whatever happens (an error travels through the submit future)."""
+    def start_turn(self, job: TurnJob) -> None:
+        """Prepares a turn and queues it for the batch; its tokens, usage and END arrive on
+        job.events. Errors before it is queued are raised (and END is sent)."""
         try:
-            self._turn(job)
-        finally:
+            self.batcher.add(self._prepare(job))
+        except BaseException:
             job.events.put(END)
+            raise
 
-    def _turn(self, job: TurnJob) -> None:
+    def _prepare(self, job: TurnJob) -> ActiveTurn:
         usage = UsageEvent()
         agent = self._checkout(job.namespace, job.agent_id, usage)
+        if self.batcher.holds(agent):
+            raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
         close = self.chat.close_reply(agent.tokens) if agent.reply_open else []
         appended = close + self.chat.append(job.messages, job.sampling.max_tokens > 0)
         self._check_context(agent, len(appended) + job.sampling.max_tokens)
@@ -177,18 +194,60 @@ class Engine:
         agent.reply_open = False
         agent.phase = job.phase or agent.phase
         usage.prompt_tokens = len(agent.tokens)
-        usage.prefilled_tokens, logits = self._prefill(agent, job.sampling.max_tokens > 0)
-        if job.sampling.max_tokens > 0:
-            self._generate(agent, job, logits, usage)
+        if job.sampling.max_tokens > 0 and agent.cached == len(agent.tokens):
+            for cache in agent.caches:
+                cache.trim(1)  # re-run the last token to get its logits
+        pending = agent.tokens[agent.cached :]
+        usage.prefilled_tokens = len(pending)
+        deadline = time.monotonic() + job.deadline_ms / 1000 if job.deadline_ms else None
+        request = Request(
+            f"{next(self._turn_ids)}",
+            len(pending),
+            job.sampling.max_tokens,
+            self._memory_for(agent, job.sampling.max_tokens),
+            job.priority,
+            deadline,
+        )
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        return ActiveTurn(
+            job,
+            agent,
+            usage,
+            request,
+            pending,
+            job.sampling.sampler(),
+            detok,
+            StopMatcher(job.sampling.stop),
+        )
+
+    def _turn_done(self, turn: ActiveTurn) -> None:
+        """A turn left the batch: persist the agent, send its usage, close its stream."""
+        usage, agent = turn.usage, turn.agent
+        if usage.generated_tokens:
+            agent.reply_open = True
+            self.metrics.generated_tokens.inc(usage.generated_tokens)
             self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
+        if usage.generated_tokens > 1:
+            elapsed = max(time.perf_counter() - turn.first_at, 1e-9)
+            usage.decode_tokens_per_second = (usage.generated_tokens - 1) / elapsed
         self._finish_turn(agent)
         self.metrics.turns.labels(state=usage.cache_state).inc()
-        job.events.put(usage)
+        turn.job.events.put(usage)
+        turn.job.events.put(END)
+
+    def _memory_for(self, agent: Agent, max_tokens: int) -> int:
+        """KV bytes the agent will hold at the end of this turn, at its bytes per token."""
+        if agent.cached:
+            self._bytes_per_token = agent.nbytes / agent.cached
+        return int(self._bytes_per_token * (len(agent.tokens) + max_tokens))
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         agent = self.hot.get((ns, agent_id))
         if agent is None:
             return False, 0
+        if self.batcher.holds(agent):
+            raise FailedPrecondition(f"agent {agent_id!r} is mid-turn; evict it after the turn")
         self._make_durable(agent)
         self.hot.pop(agent.id)
         return True, agent.nbytes
@@ -249,50 +308,14 @@ class Engine:
             mx.eval(logits)
         return len(pending), (logits[0, -1] if logits is not None else None)
 
-    def _generate(self, agent: Agent, job: TurnJob, logits: mx.array, usage: UsageEvent) -> None:
-        sampler, stops = job.sampling.sampler(), StopMatcher(job.sampling.stop)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        first = time.perf_counter()
-        for i in range(job.sampling.max_tokens):
-            token = sampler(logits - mx.logsumexp(logits))
-            agent.tokens.append(token)
-            if i == 0:
-                first = time.perf_counter()
-                usage.time_to_first_token_ms = (first - job.started) * 1000
-            usage.generated_tokens = i + 1
-            reason = self._emit(job, token, detok, stops)
-            if reason or i + 1 == job.sampling.max_tokens:
-                usage.finish_reason = reason or "length"
-                break
-            logits = self.model(mx.array([[token]]), cache=agent.caches)[0, -1]
-        if usage.generated_tokens > 1:
-            rate = (usage.generated_tokens - 1) / max(time.perf_counter() - first, 1e-9)
-            usage.decode_tokens_per_second = rate
-        agent.reply_open = True
-        self.metrics.generated_tokens.inc(usage.generated_tokens)
-
-    def _emit(self, job: TurnJob, token: int, detok: Any, stops: StopMatcher) -> str:
-        """Sends a token; returns why generation must end, or ""."""
-        if token in self.chat.eos_ids:
-            detok.finalize()
-            text, _ = stops.feed(detok.last_segment)
-            job.events.put(TokenEvent(text + stops.flush(), [token]))
-            return "stop"
-        detok.add_token(token)
-        text, stopped = stops.feed(detok.last_segment)
-        job.events.put(TokenEvent(text, [token]))
-        if stopped:
-            return "stop"
-        return "cancelled" if job.cancelled.is_set() else ""
-
     def _finish_turn(self, agent: Agent) -> None:
         """Queues the store write, then keeps the hot tier within budget."""
         agent.pending = self.persister.submit(
             agent, snapshot(agent, self.fingerprint, self.config.block_tokens)
         )
         self.hot.put(agent)
-        for evicted in self.hot.enforce(keep=agent.id):
+        busy = {t.agent.id for t in self.batcher.active.values()} | {agent.id}
+        for evicted in self.hot.enforce(keep=busy):
             log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
         self.metrics.hot_bytes.set(self.hot.nbytes)
 

@@ -25,6 +25,12 @@ class WorkerMetrics:
         self.ttft = Histogram(
             "agentkv_worker_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r
         )
+        self.batch_size = Histogram(
+            "agentkv_worker_batch_size",
+            "Agents per decode step",
+            buckets=(1, 2, 4, 8, 16, 32),
+            registry=r,
+        )
         self.hot_bytes = Gauge("agentkv_worker_hot_bytes", "Bytes of hot caches", registry=r)
         self.rpc_errors = Counter(
             "agentkv_worker_rpc_errors", "RPCs that failed", ["code"], registry=r

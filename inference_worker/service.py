@@ -10,8 +10,9 @@ import grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.chat import ChatMessage
-from inference_worker.engine import END, AgentInfo, Engine, TokenEvent, TurnJob
+from inference_worker.engine import Engine
 from inference_worker.sampling import Sampling
+from inference_worker.turns import END, AgentInfo, TokenEvent, TurnJob
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 
@@ -43,9 +44,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             [ChatMessage(m.role, m.content) for m in request.messages],
             sampling.validate(self.engine.config.max_stop_strings),
             request.phase,
+            priority=request.priority,
+            deadline_ms=request.deadline_ms,
         )
-        context.add_callback(job.cancelled.set)
-        done = self.engine.submit(self.engine.turn, job)
+        context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
+        started = self.engine.submit(self.engine.start_turn, job)
         while (event := job.events.get()) is not END:
             if isinstance(event, TokenEvent):
                 yield pb.TurnResponse(
@@ -53,7 +56,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 )
             else:
                 yield pb.TurnResponse(usage=pb.Usage(**asdict(event)))
-        done.result()  # raises what the turn raised
+        started.result()  # raises what preparing the turn raised
+        if job.error is not None:
+            raise job.error
 
     def EvictAgent(self, request: pb.EvictAgentRequest, context) -> pb.EvictAgentResponse:
         evicted, freed = self.engine.submit(

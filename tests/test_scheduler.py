@@ -132,3 +132,11 @@ def test_requests_finish_at_max_tokens_and_append_only_turns_at_prefill():
     run_step(s)
     run_step(s)
     assert gen.state is State.FINISHED and gen.generated == 3 and not s.running
+
+
+def test_the_scheduler_imports_no_mlx():
+    import subprocess
+    import sys
+
+    code = "import sys, inference_worker.scheduler; sys.exit('mlx.core' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -84,10 +84,11 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
     from client.store import StoreClient
     from inference_worker.chat import ChatMessage
     from inference_worker.config import WorkerConfig
-    from inference_worker.engine import Engine, TurnJob
+    from inference_worker.engine import Engine
     from inference_worker.fingerprint import model_fingerprint
     from inference_worker.metrics import WorkerMetrics
     from inference_worker.sampling import Sampling
+    from inference_worker.turns import END, TurnJob
 
     path = tiny_model_dirs[arch]
     config = WorkerConfig(str(path), store_process.address, block_tokens=64)
@@ -97,7 +98,9 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
     try:
         engine.submit(engine.create_agent, "default", "a", SYSTEM, "", {}).result()
         job = TurnJob("default", "a", [ChatMessage(*Q1[0])], Sampling(max_tokens=0))
-        engine.submit(engine.turn, job).result()
+        engine.submit(engine.start_turn, job).result()
+        while job.events.get() is not END:
+            pass
         engine.persister.flush()
 
         def compare():

@@ -85,6 +85,6 @@ def test_hot_tier_never_evicts_what_is_not_durable():
     tier.put(agent("unsaved", 100, durable=False))
     tier.put(agent("saved", 100))
     tier.put(agent("current", 100, durable=False))
-    evicted = tier.enforce(keep=("ns", "current"))
+    evicted = tier.enforce(keep={("ns", "current")})
     assert [a.agent_id for a in evicted] == ["saved"]
     assert tier.nbytes == 200  # over budget until the others are written, never lost

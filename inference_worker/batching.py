@@ -1,0 +1,169 @@
+"""Turns in flight, advanced one model step at a time on the MLX thread.
+
+Each step decodes one token for every agent in the batch (one batched forward over their
+quantized caches), then runs the prefill chunks the scheduler granted; an agent whose
+prefill completes takes its first token and joins the batch for the next step. An agent that
+finishes, is cancelled or runs out of time leaves the batch with its cache extracted, bit for
+bit what a single-agent turn would hold, and is handed back to be persisted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from agentkv.errors import DeadlineExceeded
+from inference_worker.agents import Agent
+from inference_worker.batch_cache import BatchQuantizedKV
+from inference_worker.sampling import StopMatcher
+from inference_worker.scheduler import Request, Scheduler, State
+from inference_worker.turns import END, TokenEvent, TurnJob, UsageEvent
+
+
+@dataclass(slots=True)
+class ActiveTurn:
+    job: TurnJob
+    agent: Agent
+    usage: UsageEvent
+    request: Request
+    pending: list[int]  # the tokens this turn prefills
+    sample: Callable[[mx.array], int]
+    detok: Any
+    stops: StopMatcher
+    prefilled: int = 0
+    next_token: int = -1  # generated, not yet fed through the model
+    first_at: float = 0.0
+
+
+class Batcher:
+    def __init__(
+        self,
+        model: Any,
+        eos_ids: set[int],
+        scheduler: Scheduler,
+        quantized_query_max: int,
+        on_done: Callable[[ActiveTurn], None],
+        on_decode: Callable[[int], None] = lambda batch_size: None,
+    ) -> None:
+        self.model, self.eos_ids, self.scheduler = model, eos_ids, scheduler
+        self.qmax, self.on_done, self.on_decode = quantized_query_max, on_done, on_decode
+        self.active: dict[str, ActiveTurn] = {}
+        self.rows: list[str] = []  # request ids, in batch order
+        self.batch: list[BatchQuantizedKV] | None = None
+
+    def add(self, turn: ActiveTurn) -> None:
+        self.scheduler.submit(turn.request)  # raises ResourceExhausted when full
+        self.active[turn.request.request_id] = turn
+
+    def holds(self, agent: Agent) -> bool:
+        return any(t.agent is agent for t in self.active.values())
+
+    def step(self) -> None:
+        for turn in [t for t in self.active.values() if t.job.cancelled.is_set()]:
+            self._leave(turn, "cancelled")
+        step = self.scheduler.schedule(time.monotonic())
+        for request in step.expired:
+            self._expire(self.active[request.request_id])
+        if self.rows:
+            self._decode()
+        for request, n in step.prefill:
+            if request.request_id in self.active:
+                self._prefill(self.active[request.request_id], n)
+        self.scheduler.complete(step)
+
+    # decode and prefill
+
+    def _decode(self) -> None:
+        self.on_decode(len(self.rows))
+        tokens = mx.array([[self.active[rid].next_token] for rid in self.rows])
+        logits = self.model(tokens, cache=self.batch)[:, -1]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        for row, rid in enumerate(list(self.rows)):
+            self._take(self.active[rid], logprobs[row])
+
+    def _prefill(self, turn: ActiveTurn, n: int) -> None:
+        chunk = turn.pending[turn.prefilled : turn.prefilled + n]
+        logits = self.model(mx.array([chunk]), cache=turn.agent.caches)
+        mx.eval(logits)
+        turn.prefilled += n
+        if turn.prefilled < len(turn.pending):
+            return
+        if turn.request.max_tokens == 0:
+            self._leave(turn, "none")
+            return
+        last = logits[0, -1]
+        if self._take(turn, last - mx.logsumexp(last)):
+            self._join(turn)
+
+    def _take(self, turn: ActiveTurn, logprobs: mx.array) -> bool:
+        """Samples and sends one token; returns whether the turn goes on."""
+        token = turn.sample(logprobs)
+        turn.agent.tokens.append(token)
+        u = turn.usage
+        u.generated_tokens += 1
+        if u.generated_tokens == 1:
+            turn.first_at = time.perf_counter()
+            u.time_to_first_token_ms = (turn.first_at - turn.job.started) * 1000
+        reason = self._emit(turn, token)
+        if not reason and u.generated_tokens >= turn.request.max_tokens:
+            reason = "length"
+        if reason:
+            self._leave(turn, reason)
+            return False
+        turn.next_token = token
+        return True
+
+    def _emit(self, turn: ActiveTurn, token: int) -> str:
+        if token in self.eos_ids:
+            turn.detok.finalize()
+            text, _ = turn.stops.feed(turn.detok.last_segment)
+            turn.job.events.put(TokenEvent(text + turn.stops.flush(), [token]))
+            return "stop"
+        turn.detok.add_token(token)
+        text, stopped = turn.stops.feed(turn.detok.last_segment)
+        turn.job.events.put(TokenEvent(text, [token]))
+        return "stop" if stopped else ""
+
+    # joining and leaving the batch
+
+    def _join(self, turn: ActiveTurn) -> None:
+        if self.batch is None:
+            self.batch = [BatchQuantizedKV.merge([c], self.qmax) for c in turn.agent.caches]
+        else:
+            for layer, cache in zip(self.batch, turn.agent.caches, strict=True):
+                layer.extend([cache])
+        self.rows.append(turn.request.request_id)
+
+    def _leave(self, turn: ActiveTurn, reason: str) -> None:
+        rid = turn.request.request_id
+        if rid in self.rows:
+            row = self.rows.index(rid)
+            turn.agent.caches = [layer.extract(row) for layer in self.batch]
+            keep = [i for i in range(len(self.rows)) if i != row]
+            self.rows.pop(row)
+            if self.rows:
+                for layer in self.batch:
+                    layer.filter(keep)
+            else:
+                self.batch = None
+        if turn.request.state in (State.WAITING, State.PREFILLING, State.DECODING):
+            self.scheduler.cancel(rid) if reason == "cancelled" else self.scheduler.finish(
+                turn.request
+            )
+        self.active.pop(rid, None)
+        turn.usage.finish_reason = reason
+        self.on_done(turn)
+
+    def _expire(self, turn: ActiveTurn) -> None:
+        if turn.usage.generated_tokens or turn.prefilled:
+            self._leave(turn, "deadline")
+            return
+        self.active.pop(turn.request.request_id, None)
+        turn.job.error = DeadlineExceeded(
+            f"turn for agent {turn.agent.agent_id!r} did not start within its deadline"
+        )
+        turn.job.events.put(END)

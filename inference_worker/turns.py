@@ -1,0 +1,61 @@
+"""What a turn carries between the RPC thread and the MLX thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from inference_worker.chat import ChatMessage
+from inference_worker.sampling import Sampling
+
+END = object()  # closes a turn's event stream
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class UsageEvent:
+    prompt_tokens: int = 0
+    reused_hot_tokens: int = 0
+    reused_store_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token_ms: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    cache_state: str = ""
+    finish_reason: str = "none"
+    restore_path: str = ""
+    restore_failure: str = ""
+
+
+@dataclass(slots=True)
+class TurnJob:
+    namespace: str
+    agent_id: str
+    messages: list[ChatMessage]
+    sampling: Sampling
+    phase: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    priority: int = 0
+    deadline_ms: int = 0
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None  # set when the turn failed after it started
+
+
+@dataclass(slots=True)
+class AgentInfo:
+    namespace: str
+    agent_id: str
+    tier: str
+    num_tokens: int
+    num_bytes: int
+    persisted_tokens: int
+    generation: int
+    phase: str

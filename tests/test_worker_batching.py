@@ -1,0 +1,99 @@
+"""Continuous batching through the worker process: concurrent turns decode together and say
+exactly what they would alone; a cancelled stream frees its slot; a full queue refuses."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from agentkv.errors import ResourceExhausted
+from agentkv.worker.v1 import worker_pb2 as pb
+from client.worker import WorkerClient
+
+PROMPTS = {f"agent{i}": "You are the warden. " * (3 + 11 * i) for i in range(4)}
+QUESTION = [("user", "Where were you?")]
+
+
+def test_concurrent_turns_batch_and_match_sequential(tiny_model_dirs, start_worker):
+    model = tiny_model_dirs["llama"]
+    alone = WorkerClient(start_worker(model, "--max-batch", "1", name="alone").address)
+    proc = start_worker(
+        model, "--max-batch", "4", "--metrics-listen", "127.0.0.1:0", name="batched"
+    )
+    batched = WorkerClient(proc.address)
+    expected = {}
+    for agent, system in PROMPTS.items():
+        alone.create_agent("seq", agent, system)
+        expected[agent] = alone.turn("seq", agent, QUESTION, max_tokens=48).token_ids
+        batched.create_agent("par", agent, system)
+    got, barrier = {}, threading.Barrier(len(PROMPTS))
+
+    def run(agent: str) -> None:
+        barrier.wait()
+        got[agent] = batched.turn("par", agent, QUESTION, max_tokens=48).token_ids
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == expected
+    serving = proc._find_event("serving", 0)
+    text = urllib.request.urlopen(f"http://{serving['metrics']}/metrics", timeout=10).read()
+    single = next(
+        line
+        for line in text.decode().splitlines()
+        if line.startswith('agentkv_worker_batch_size_bucket{le="1.0"}')
+    )
+    total = next(
+        line
+        for line in text.decode().splitlines()
+        if line.startswith("agentkv_worker_batch_size_count")
+    )
+    assert float(single.split()[-1]) < float(total.split()[-1])  # some steps decoded several
+
+
+def long_turn(worker: WorkerClient, agent: str):
+    request = pb.TurnRequest(
+        namespace="default",
+        agent_id=agent,
+        messages=[pb.Message(role="user", content="Talk.")],
+        sampling=pb.SamplingParams(max_tokens=3000, stop=["\x00"]),
+    )
+    return worker.stub.Turn(request, timeout=120)
+
+
+def test_cancelled_stream_frees_its_slot_and_keeps_the_agent(tiny_model_dirs, start_worker):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--max-batch", "1").address)
+    w.create_agent("default", "talker", "You talk.")
+    w.create_agent("default", "next", "You wait.")
+    call = long_turn(w, "talker")
+    next(call)  # generating now, holding the only slot
+    call.cancel()
+    start = time.monotonic()
+    reply = w.turn("default", "next", QUESTION, max_tokens=4)
+    assert len(reply.token_ids) == 4 and time.monotonic() - start < 30
+    again = w.turn("default", "talker", QUESTION, max_tokens=4)  # the agent is intact
+    assert len(again.token_ids) == 4 and again.usage.cache_state == "hot"
+
+
+def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model_dirs, start_worker):
+    w = WorkerClient(
+        start_worker(tiny_model_dirs["llama"], "--max-batch", "1", "--queue-limit", "1").address
+    )
+    for agent in ("a", "b", "c"):
+        w.create_agent("default", agent, "You talk.")
+    running = long_turn(w, "a")
+    next(running)
+    waiting = long_turn(w, "b")  # queued behind a
+    time.sleep(0.5)
+    with pytest.raises(ResourceExhausted, match="queue limit 1"):
+        w.turn("default", "c", QUESTION, max_tokens=4)
+    running.cancel()
+    waiting.cancel()
+    with pytest.raises(grpc.RpcError):
+        next(running)
