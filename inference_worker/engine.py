@@ -175,51 +175,55 @@ class Engine:
 
     def start_turn(self, job: TurnJob) -> None:
         """Prepares a turn and queues it for the batch; its tokens, usage and END arrive on
-        job.events. Errors before it is queued are raised (and END is sent)."""
+        job.events. Errors before it is queued are raised (and END is sent); a refused turn
+        leaves the agent exactly as it was, so the client may retry."""
         try:
-            self.batcher.add(self._prepare(job))
+            turn, tokens = self._prepare(job)
+            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
         except BaseException:
             job.events.put(END)
             raise
+        agent = turn.agent
+        if len(turn.pending) > len(tokens) - agent.cached:
+            for cache in agent.caches:
+                cache.trim(1)  # the last token runs again, for its logits
+        agent.tokens, agent.reply_open = tokens, False
+        agent.phase = job.phase or agent.phase
 
-    def _prepare(self, job: TurnJob) -> ActiveTurn:
+    def _prepare(self, job: TurnJob) -> tuple[ActiveTurn, list[int]]:
+        """The turn and the agent's new context, computed without changing the agent."""
         usage = UsageEvent()
         agent = self._checkout(job.namespace, job.agent_id, usage)
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
+        sampling = job.sampling
         close = self.chat.close_reply(agent.tokens) if agent.reply_open else []
-        appended = close + self.chat.append(job.messages, job.sampling.max_tokens > 0)
-        self._check_context(agent, len(appended) + job.sampling.max_tokens)
-        agent.tokens += appended
-        agent.reply_open = False
-        agent.phase = job.phase or agent.phase
-        usage.prompt_tokens = len(agent.tokens)
-        if job.sampling.max_tokens > 0 and agent.cached == len(agent.tokens):
-            for cache in agent.caches:
-                cache.trim(1)  # re-run the last token to get its logits
-        pending = agent.tokens[agent.cached :]
-        usage.prefilled_tokens = len(pending)
+        tokens = agent.tokens + close + self.chat.append(job.messages, sampling.max_tokens > 0)
+        self._check_context(agent, len(tokens) - len(agent.tokens) + sampling.max_tokens)
+        rerun = 1 if sampling.max_tokens > 0 and agent.cached == len(tokens) else 0
+        pending = tokens[agent.cached - rerun :]
+        usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         deadline = time.monotonic() + job.deadline_ms / 1000 if job.deadline_ms else None
+        memory = self._memory_for(agent, len(tokens) + sampling.max_tokens)
         request = Request(
             f"{next(self._turn_ids)}",
             len(pending),
-            job.sampling.max_tokens,
-            self._memory_for(agent, job.sampling.max_tokens),
+            sampling.max_tokens,
+            memory,
             job.priority,
             deadline,
         )
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        return ActiveTurn(
+        turn = ActiveTurn(
             job,
             agent,
             usage,
             request,
             pending,
-            job.sampling.sampler(),
-            detok,
-            StopMatcher(job.sampling.stop),
+            sampling.sampler(),
+            self.tokenizer.detokenizer,
+            StopMatcher(sampling.stop),
         )
+        return turn, tokens
 
     def _turn_done(self, turn: ActiveTurn) -> None:
         """A turn left the batch: persist the agent, send its usage, close its stream."""
@@ -236,11 +240,11 @@ class Engine:
         turn.job.events.put(usage)
         turn.job.events.put(END)
 
-    def _memory_for(self, agent: Agent, max_tokens: int) -> int:
-        """KV bytes the agent will hold at the end of this turn, at its bytes per token."""
+    def _memory_for(self, agent: Agent, num_tokens: int) -> int:
+        """KV bytes `num_tokens` of this agent take, at its (or the last seen) bytes per token."""
         if agent.cached:
             self._bytes_per_token = agent.nbytes / agent.cached
-        return int(self._bytes_per_token * (len(agent.tokens) + max_tokens))
+        return int(self._bytes_per_token * num_tokens)
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         agent = self.hot.get((ns, agent_id))

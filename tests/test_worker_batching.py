@@ -91,9 +91,14 @@ def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model_dirs, start_
     next(running)
     waiting = long_turn(w, "b")  # queued behind a
     time.sleep(0.5)
+    before = w.describe("default", "c").num_tokens
     with pytest.raises(ResourceExhausted, match="queue limit 1"):
         w.turn("default", "c", QUESTION, max_tokens=4)
     running.cancel()
     waiting.cancel()
     with pytest.raises(grpc.RpcError):
         next(running)
+    assert w.describe("default", "c").num_tokens == before  # the refused turn left no trace
+    retried = w.turn("default", "c", QUESTION, max_tokens=4)
+    assert retried.usage.reused_hot_tokens == before  # no message was half-appended
+    assert retried.usage.prompt_tokens == before + retried.usage.prefilled_tokens
