@@ -20,24 +20,33 @@ from inference_worker.kv_format import KVFormat
 
 
 class BatchQuantizedKV:
-    step = 256
+    step = QuantizedKV.step
 
     def __init__(self, fmt: KVFormat, left_padding: Sequence[int], quantized_query_max: int = 1):
         self.fmt = fmt
         self.group_size = fmt.group_size
         self.quantized_query_max = quantized_query_max
-        self.keys: QTensor | None = None
-        self.values: QTensor | None = None
-        self.idx = 0
+        # Every row's tokens at [0, idx): storage, growth and the attention path are the
+        # single cache's; the batch adds left padding and a position per sequence.
+        self.kv = QuantizedKV(fmt, quantized_query_max)
         self.left_padding = mx.array(list(left_padding), dtype=mx.int32)
         self.offset = -self.left_padding
-        self._quantized_fetch = False
 
     @property
     def bits(self) -> int:
-        if not self._quantized_fetch:
-            raise AttributeError("bits")
-        return self.fmt.k_bits
+        return self.kv.bits  # raises AttributeError unless the last fetch was quantized
+
+    @property
+    def idx(self) -> int:
+        return self.kv.offset
+
+    @property
+    def keys(self) -> QTensor | None:
+        return self.kv.keys
+
+    @property
+    def values(self) -> QTensor | None:
+        return self.kv.values
 
     @property
     def batch_size(self) -> int:
@@ -46,20 +55,8 @@ class BatchQuantizedKV:
     # the protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        prev, num = self.idx, keys.shape[2]
-        single = QuantizedKV(self.fmt)  # reuse its quantize-and-grow logic on our arrays
-        single.keys, single.values, single.offset = self.keys, self.values, prev
-        single._store(keys, values)
-        self.keys, self.values, self.idx = single.keys, single.values, single.offset
-        self.offset = self.offset + num
-        if num <= self.quantized_query_max and self.fmt.k_bits == self.fmt.v_bits:
-            self._quantized_fetch = True
-            return single.quantized(self.idx)
-        self._quantized_fetch = False
-        if prev == 0:
-            return keys, values
-        past_k, past_v = single.dequantized(prev, keys.dtype)
-        return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
+        self.offset = self.offset + keys.shape[2]
+        return self.kv.update_and_fetch(keys, values)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         return create_causal_mask(
@@ -77,12 +74,10 @@ class BatchQuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(x[..., : self.idx, :].nbytes for x in (*self.keys, *self.values))
+        return self.kv.nbytes
 
     def state_arrays(self) -> list[mx.array]:
-        return [*self.keys, *self.values] if self.keys is not None else []
+        return self.kv.state_arrays()
 
     # batch operations
 
@@ -97,11 +92,9 @@ class BatchQuantizedKV:
         if template is None or longest == 0:
             return batch
         capacity = -(-longest // cls.step) * cls.step
-        batch.keys = _stack([c.keys for c in caches], lengths, template.keys, longest, capacity)
-        batch.values = _stack(
-            [c.values for c in caches], lengths, template.values, longest, capacity
-        )
-        batch.idx = longest
+        keys = _stack([c.keys for c in caches], lengths, template.keys, longest, capacity)
+        values = _stack([c.values for c in caches], lengths, template.values, longest, capacity)
+        batch.kv.load(keys, values, longest)
         batch.offset = mx.array(lengths, dtype=mx.int32)  # each sequence's own position
         return batch
 
@@ -124,22 +117,20 @@ class BatchQuantizedKV:
         """Keeps the sequences at `keep` (in that order); drops padding they all share."""
         index = mx.array(list(keep), dtype=mx.int32)
         self.left_padding, self.offset = self.left_padding[index], self.offset[index]
-        if self.keys is not None:
-            self.keys = tuple(x[index] for x in self.keys)  # type: ignore[assignment]
-            self.values = tuple(x[index] for x in self.values)  # type: ignore[assignment]
+        if self.keys is None:
+            return
         shared = int(mx.min(self.left_padding).item()) if len(keep) else 0
-        if shared and self.keys is not None:
-            self.keys = tuple(x[..., shared:, :] for x in self.keys)  # type: ignore[assignment]
-            self.values = tuple(x[..., shared:, :] for x in self.values)  # type: ignore[assignment]
-            self.idx -= shared
-            self.left_padding = self.left_padding - shared
+        keys, values = (
+            tuple(x[index][..., shared:, :] for x in q) for q in (self.keys, self.values)
+        )
+        self.kv.load(keys, values, self.idx - shared)
+        self.left_padding = self.left_padding - shared
 
     def extend(self, caches: Sequence[QuantizedKV]) -> None:
         """Adds single-agent caches to the batch (re-aligning everyone to the longest)."""
         held = [self.extract(i) for i in range(self.batch_size)]
         merged = BatchQuantizedKV.merge([*held, *caches], self.quantized_query_max)
-        self.keys, self.values, self.idx = merged.keys, merged.values, merged.idx
-        self.left_padding, self.offset = merged.left_padding, merged.offset
+        self.kv, self.left_padding, self.offset = merged.kv, merged.left_padding, merged.offset
 
 
 def _stack(
