@@ -190,6 +190,7 @@ def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dir
     llama = WorkerClient(start_worker(tiny_model_dirs["llama"], name="llama").address)
     gemma = WorkerClient(start_worker(tiny_model_dirs["gemma3_text"], name="gemma").address)
     llama.create_agent("tenant-a", "warden", SYSTEM)
+    wait_durable(llama, "tenant-a", "warden")  # the gemma worker reads it from the store
     cases = [
         (lambda: llama.turn("tenant-a", "nobody", Q1, max_tokens=4), AgentNotFound, "nobody"),
         (lambda: llama.turn("tenant-b", "warden", Q1, max_tokens=4), AgentNotFound, "tenant-b"),
