@@ -179,7 +179,8 @@ class Engine:
         leaves the agent exactly as it was, so the client may retry."""
         try:
             turn, tokens = self._prepare(job)
-            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
+            if turn.pending:
+                self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
         except BaseException:
             job.events.put(END)
             raise
@@ -189,6 +190,9 @@ class Engine:
                 cache.trim(1)  # the last token runs again, for its logits
         agent.tokens, agent.reply_open = tokens, False
         agent.phase = job.phase or agent.phase
+        if not turn.pending:  # nothing to run: an empty append-only turn ends here
+            turn.usage.finish_reason = "none"
+            self._turn_done(turn)
 
     def _prepare(self, job: TurnJob) -> tuple[ActiveTurn, list[int]]:
         """The turn and the agent's new context, computed without changing the agent."""

@@ -102,3 +102,11 @@ def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model_dirs, start_
     retried = w.turn("default", "c", QUESTION, max_tokens=4)
     assert retried.usage.reused_hot_tokens == before  # no message was half-appended
     assert retried.usage.prompt_tokens == before + retried.usage.prefilled_tokens
+
+
+def test_an_empty_append_only_turn_ends_at_once(tiny_model_dirs, start_worker):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=30)
+    w.create_agent("default", "quiet", "You wait.")
+    reply = w.turn("default", "quiet", [], max_tokens=0)
+    assert reply.usage.finish_reason == "none" and reply.usage.prefilled_tokens == 0
+    assert len(w.turn("default", "quiet", QUESTION, max_tokens=3).token_ids) == 3
