@@ -70,9 +70,13 @@ class Batcher:
             self._expire(self.active[request.request_id])
         if self.rows:
             self._decode()
+        joining = []
         for request, n in step.prefill:
-            if request.request_id in self.active:
-                self._prefill(self.active[request.request_id], n)
+            turn = self.active.get(request.request_id)
+            if turn is not None and self._prefill(turn, n):
+                joining.append(turn)
+        if joining:
+            self._join(joining)  # one re-merge for everyone whose prefill finished
         self.scheduler.complete(step)
 
     # decode and prefill
@@ -85,19 +89,19 @@ class Batcher:
         for row, rid in enumerate(list(self.rows)):
             self._take(self.active[rid], logprobs[row])
 
-    def _prefill(self, turn: ActiveTurn, n: int) -> None:
+    def _prefill(self, turn: ActiveTurn, n: int) -> bool:
+        """Runs a prefill chunk; returns whether the turn now joins the batch to decode."""
         chunk = turn.pending[turn.prefilled : turn.prefilled + n]
         logits = self.model(mx.array([chunk]), cache=turn.agent.caches)
         mx.eval(logits)
         turn.prefilled += n
         if turn.prefilled < len(turn.pending):
-            return
+            return False
         if turn.request.max_tokens == 0:
             self._leave(turn, "none")
-            return
+            return False
         last = logits[0, -1]
-        if self._take(turn, last - mx.logsumexp(last)):
-            self._join(turn)
+        return self._take(turn, last - mx.logsumexp(last))
 
     def _take(self, turn: ActiveTurn, logprobs: mx.array) -> bool:
         """Samples and sends one token; returns whether the turn goes on."""
@@ -130,13 +134,14 @@ class Batcher:
 
     # joining and leaving the batch
 
-    def _join(self, turn: ActiveTurn) -> None:
+    def _join(self, turns: list[ActiveTurn]) -> None:
+        per_layer = list(zip(*(t.agent.caches for t in turns), strict=True))
         if self.batch is None:
-            self.batch = [BatchQuantizedKV.merge([c], self.qmax) for c in turn.agent.caches]
+            self.batch = [BatchQuantizedKV.merge(list(caches), self.qmax) for caches in per_layer]
         else:
-            for layer, cache in zip(self.batch, turn.agent.caches, strict=True):
-                layer.extend([cache])
-        self.rows.append(turn.request.request_id)
+            for layer, caches in zip(self.batch, per_layer, strict=True):
+                layer.extend(list(caches))
+        self.rows += [t.request.request_id for t in turns]
 
     def _leave(self, turn: ActiveTurn, reason: str) -> None:
         rid = turn.request.request_id

@@ -75,11 +75,14 @@ class Scheduler:
         prefill_chunk: int,
         queue_limit: int,
         memory_budget: int,
+        prefill_while_decoding: int = 128,
     ) -> None:
         if max_batch < 1 or step_tokens < max_batch or prefill_chunk < 1 or queue_limit < 0:
             raise ValueError("need max_batch >= 1, step_tokens >= max_batch, prefill_chunk >= 1")
         self.max_batch, self.step_tokens, self.prefill_chunk = max_batch, step_tokens, prefill_chunk
         self.queue_limit, self.memory_budget = queue_limit, memory_budget
+        # While anyone decodes, a step prefills at most this much: it bounds their token gap.
+        self.prefill_while_decoding = prefill_while_decoding
         self.hot_bytes = 0  # set by the engine: RAM its hot tier holds outside the batch
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -130,6 +133,8 @@ class Scheduler:
             if request.state is State.DECODING and budget > 0:
                 step.decode.append(request)
                 budget -= 1
+        if step.decode:
+            budget = min(budget, self.prefill_while_decoding)
         for request in self._by_priority(self.running):
             if request.state is State.PREFILLING and budget > 0:
                 n = min(self.prefill_chunk, budget, request.prompt_tokens - request.prefilled)

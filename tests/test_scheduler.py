@@ -140,3 +140,17 @@ def test_the_scheduler_imports_no_mlx():
 
     code = "import sys, inference_worker.scheduler; sys.exit('mlx.core' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_prefill_shrinks_while_others_decode_to_bound_their_gaps():
+    s = sched(step_tokens=512, prefill_chunk=512, prefill_while_decoding=128)
+    alone = req("alone", prompt=1000)
+    s.submit(alone)
+    assert run_step(s).prefill == [(alone, 512)]  # nobody decodes: the whole budget
+    s.cancel("alone")
+    a = req("a", prompt=4, max_tokens=50)
+    s.submit(a)
+    run_step(s)
+    b = req("b", prompt=1000)
+    s.submit(b)
+    assert run_step(s).prefill == [(b, 128)]  # a decodes: b's chunk is capped
