@@ -306,17 +306,6 @@ def stream_turn(
     return stream
 
 
-def wait_durable(worker: WorkerClient, agent: str, timeout: float = 120) -> None:
-    """Until the agent's last store write is committed, so none competes with a measurement."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = worker.describe(NS, agent)
-        if state.persisted_tokens >= state.num_tokens - 1:  # a generated token is not cached
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"{agent!r} was not durable within {timeout:.0f} s")
-
-
 def new_base(worker: WorkerClient, name: str, system: str) -> str:
     """An agent with this system prompt, evicted once durable (only measured copies are hot)."""
     worker.create_agent(NS, name, system)
@@ -349,7 +338,7 @@ def hot_copies(svc: Services, bases: list[str], tag: str) -> list[str]:
         svc.store.fork_agent(NS, base, name)
         worker.turn(NS, name, [("user", PROMPT)], max_tokens=0)
     for name in names:
-        wait_durable(worker, name)
+        worker.wait_durable(NS, name)
     return names
 
 
@@ -477,7 +466,7 @@ def staggered(svc: Services, tokenizer: Any, args: argparse.Namespace) -> list[S
             names = [f"stagger-{mode}-p{p}-{x}" for x in "ab"]
             for name in names:
                 worker.create_agent(NS, name)
-                wait_durable(worker, name)
+                worker.wait_durable(NS, name)
             texts = (text_a, text_b)
             jobs = [(n, [("user", t)], STAGGER_TOKENS) for n, t in zip(names, texts, strict=True)]
             a, b = fire(worker, jobs, delays=(0.0, STAGGER_S))

@@ -374,21 +374,10 @@ def run_context(
     return run
 
 
-def wait_durable(worker: WorkerClient, agent: str, timeout: float = 120) -> None:
-    """Until the last turn's store write is committed, so it does not compete with the next."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = worker.describe(NS, agent)
-        if state.persisted_tokens >= state.num_tokens - 1:  # a generated token is not cached
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"{agent!r} was not durable within {timeout:.0f} s")
-
-
 def one_pass(svc: Services, run: ContextRun, agent: str, p: int) -> None:
     """hot, evict, fork a twin for the stream worker, warm (locate), warm (stream), and
     the twin's hot turn on the stream worker."""
-    wait_durable(svc.locate, agent)
+    svc.locate.wait_durable(NS, agent)
     run.turns["hot"].append(check(timed_turn(svc.locate, agent, SHORT), "hot", agent))
     svc.locate.evict(NS, agent)
     twin = f"{agent}-stream{p}"
@@ -398,7 +387,7 @@ def one_pass(svc: Services, run: ContextRun, agent: str, p: int) -> None:
     run.turns["warm (stream)"].append(
         check(timed_turn(svc.stream, twin, SHORT), "warm (stream)", twin)
     )
-    wait_durable(svc.stream, twin)
+    svc.stream.wait_durable(NS, twin)
     own_hot = timed_turn(svc.stream, twin, SHORT)
     run.turns["hot (stream worker)"].append(check(own_hot, "hot (stream worker)", twin))
     svc.stream.evict(NS, twin)

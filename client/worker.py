@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,17 @@ class WorkerClient:
     def describe(self, namespace: str, agent_id: str) -> pb.AgentState:
         request = pb.DescribeAgentRequest(namespace=namespace, agent_id=agent_id)
         return self.call("DescribeAgent", request).agent
+
+    def wait_durable(self, namespace: str, agent_id: str, timeout: float = 60.0) -> None:
+        """Waits until every token in the agent's cache is committed to the store (a reply
+        never waits for the disk; this does). Raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.describe(namespace, agent_id)
+            if state.persisted_tokens >= state.num_tokens - 1:  # a last generated token
+                return  # is not in the cache until the next turn feeds it
+            time.sleep(0.01)
+        raise TimeoutError(f"{namespace}/{agent_id} was not durable within {timeout:.0f} s")
 
     def delete(self, namespace: str, agent_id: str) -> bool:
         request = pb.DeleteAgentRequest(namespace=namespace, agent_id=agent_id)

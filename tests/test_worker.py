@@ -8,7 +8,6 @@ re-prefill, never a wrong answer; bad input gets a precise status and the worker
 from __future__ import annotations
 
 import os
-import time
 import urllib.request
 
 import grpc
@@ -30,17 +29,6 @@ Q1 = [("user", "Where were you on the night of the fourteenth?")]
 Q2 = [("user", "Prove it, prisoner.")]
 
 
-def wait_durable(worker: WorkerClient, ns: str, agent_id: str, timeout: float = 30) -> None:
-    """Until every cached token is committed to the store."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        a = worker.describe(ns, agent_id)
-        if a.tier == "hot" and a.persisted_tokens >= a.num_tokens - 1:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{ns}/{agent_id} never became durable")
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_continuations_match_across_evict_restore_and_restart(
     tiny_model_dirs, start_worker, arch
@@ -60,7 +48,7 @@ def test_greedy_continuations_match_across_evict_restore_and_restart(
         assert len(w.turn(ns, "warden", Q1, max_tokens=8).token_ids) == 8
     stream.evict("stream", "warden")
     locate.evict("locate", "warden")
-    wait_durable(workers["restart"], "restart", "warden")
+    workers["restart"].wait_durable("restart", "warden")
     doomed.kill9()
     workers["restart"] = WorkerClient(start_worker(model, name="reborn").address)
     replies = {ns: w.turn(ns, "warden", Q2, max_tokens=32) for ns, w in workers.items()}
@@ -133,7 +121,7 @@ def test_multi_turn_context_equals_the_whole_conversation_tokenized(
     ]
     for i in range(0, 4, 2):
         w.turn("default", "analyst", conversation[i : i + 2], max_tokens=0)
-    wait_durable(w, "default", "analyst")
+    w.wait_durable("default", "analyst")
     messages = [{"role": "system", "content": "You analyse."}] + [
         {"role": r, "content": c} for r, c in conversation
     ]
@@ -141,7 +129,7 @@ def test_multi_turn_context_equals_the_whole_conversation_tokenized(
     fp = w.info().fingerprint
     assert list(store.get_agent("default", "analyst", fingerprint=fp).token_ids) == whole
     reply = w.turn("default", "analyst", [("user", "Third?")], max_tokens=5)
-    wait_durable(w, "default", "analyst")
+    w.wait_durable("default", "analyst")
     asked = tokenizer.apply_chat_template(
         messages + [{"role": "user", "content": "Third?"}], add_generation_prompt=True
     )
@@ -190,7 +178,7 @@ def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dir
     llama = WorkerClient(start_worker(tiny_model_dirs["llama"], name="llama").address)
     gemma = WorkerClient(start_worker(tiny_model_dirs["gemma3_text"], name="gemma").address)
     llama.create_agent("tenant-a", "warden", SYSTEM)
-    wait_durable(llama, "tenant-a", "warden")  # the gemma worker reads it from the store
+    llama.wait_durable("tenant-a", "warden")  # the gemma worker reads it from the store
     cases = [
         (lambda: llama.turn("tenant-a", "nobody", Q1, max_tokens=4), AgentNotFound, "nobody"),
         (lambda: llama.turn("tenant-b", "warden", Q1, max_tokens=4), AgentNotFound, "tenant-b"),
