@@ -101,20 +101,6 @@ class CorruptFile(CorruptBlock):
         self.key = key
 
 
-def read_location(location: pb.BlockLocation, buffer: memoryview | None = None) -> StoredBlock:
-    """Reads one located block straight from its file and verifies every segment's checksum.
-
-    `buffer` (at least located_bytes(location) long) is filled and viewed by the result; by
-    default a fresh one. Raises CorruptFile on a missing, short or mismatching file.
-    """
-    view = (buffer if buffer is not None else alloc(located_bytes(location)))[
-        : located_bytes(location)
-    ]
-    _read_file(location, view)
-    _verify(location, view)
-    return block_from_header(location, view)
-
-
 def read_locations(
     locations: Sequence[pb.BlockLocation], view: memoryview, reader: Executor
 ) -> list[StoredBlock]:

@@ -20,7 +20,7 @@ from agentkv.errors import DeadlineExceeded
 from inference_worker.agents import Agent
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
-from inference_worker.scheduler import Request, Scheduler, State
+from inference_worker.scheduler import Request, Scheduler
 from inference_worker.turns import END, TokenEvent, TurnJob, UsageEvent
 
 
@@ -155,10 +155,10 @@ class Batcher:
                     layer.filter(keep)
             else:
                 self.batch = None
-        if turn.request.state in (State.WAITING, State.PREFILLING, State.DECODING):
-            self.scheduler.cancel(rid) if reason == "cancelled" else self.scheduler.finish(
-                turn.request
-            )
+        if reason == "cancelled":
+            self.scheduler.cancel(rid)  # from the queue or the batch; a no-op if gone
+        elif not turn.request.done:
+            self.scheduler.finish(turn.request)
         self.active.pop(rid, None)
         turn.usage.finish_reason = reason
         self.on_done(turn)

@@ -123,9 +123,10 @@ class Engine:
             future.set_exception(exc)
 
     def _step(self) -> None:
-        self.scheduler.hot_bytes = sum(
-            a.nbytes for a in self.hot.agents() if not self.batcher.holds(a)
-        )
+        if self.scheduler.waiting:  # only admitting a waiting turn reads it
+            busy = {t.agent.id for t in self.batcher.active.values()}
+            idle = (a for a in self.hot.agents() if a.id not in busy)
+            self.scheduler.hot_bytes = sum(a.nbytes for a in idle)
         try:
             self.batcher.step()
         except Exception as exc:  # a failed step fails every turn in flight, not the worker
