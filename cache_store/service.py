@@ -19,7 +19,7 @@ from agentkv.errors import InvalidArgument
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests
 from cache_store.records import BlockRecord
-from cache_store.store import CacheStore, Selection
+from cache_store.store import CacheStore, Selection, page_size_limit
 from cache_store.uploads import PutHeader
 from cache_store.validation import TensorLayout
 
@@ -172,7 +172,7 @@ class CacheStoreServicer:
     ) -> pb.ListAgentsResponse:
         views = self.store.list_agents(request.namespace, request.page_token, request.page_size)
         agents = [_agent_summary(v) for v in views]
-        full = len(views) == min(request.page_size or 100, 1000)
+        full = len(views) == page_size_limit(request.page_size)
         return pb.ListAgentsResponse(
             agents=agents, next_page_token=agents[-1].agent_id if agents and full else ""
         )
@@ -218,7 +218,7 @@ class CacheStoreServicer:
         except ValueError as exc:
             raise InvalidArgument(f"invalid page_token {request.page_token!r}") from exc
         records = self.store.list_blocks(request.namespace, after, request.page_size)
-        full = len(records) == min(request.page_size or 100, 1000)
+        full = len(records) == page_size_limit(request.page_size)
         return pb.ListBlocksResponse(
             blocks=[_block_summary(r, self.store.last_access_ms(r)) for r in records],
             next_page_token=records[-1].key.hex() if records and full else "",

@@ -253,7 +253,7 @@ class CacheStore:
     ) -> list[manifests.AgentView]:
         ns = validation.namespace(namespace)
         with self.index.read() as txn:
-            page = self.index.agent_page(txn, ns, page_token, _page_size(page_size))
+            page = self.index.agent_page(txn, ns, page_token, page_size_limit(page_size))
             return [manifests.view(self.index, txn, r) for r in page]
 
     def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
@@ -292,7 +292,7 @@ class CacheStore:
     def list_blocks(self, namespace: str, page_token: bytes, page_size: int) -> list[BlockRecord]:
         ns = validation.namespace(namespace)
         with self.index.read() as txn:
-            return self.index.block_page(txn, ns, page_token, _page_size(page_size))
+            return self.index.block_page(txn, ns, page_token, page_size_limit(page_size))
 
     def last_access_ms(self, record: BlockRecord) -> int:
         return self.capacity.block_last_access((record.namespace, record.key), record.created_ms)
@@ -391,5 +391,6 @@ def _select(record: BlockRecord, layers: set[int]) -> Selection:
     )
 
 
-def _page_size(page_size: int) -> int:
+def page_size_limit(page_size: int) -> int:
+    """The page size a listing uses: 100 by default, 1000 at most."""
     return min(page_size or 100, 1000)
