@@ -127,10 +127,39 @@ class BatchQuantizedKV:
         self.left_padding = self.left_padding - shared
 
     def extend(self, caches: Sequence[QuantizedKV]) -> None:
-        """Adds single-agent caches to the batch (re-aligning everyone to the longest)."""
-        held = [self.extract(i) for i in range(self.batch_size)]
-        merged = BatchQuantizedKV.merge([*held, *caches], self.quantized_query_max)
-        self.kv, self.left_padding, self.offset = merged.kv, merged.left_padding, merged.offset
+        """Adds single-agent caches to the batch, all right-aligned to the longest. The held
+        rows move only when a newcomer is longer: they gain that much left padding."""
+        lengths = [c.offset for c in caches]
+        longest = max(self.idx, *lengths)
+        shift = longest - self.idx
+        if self.keys is not None or any(c.keys is not None for c in caches):
+            capacity = -(-longest // self.step) * self.step
+            keys = self._joined(self.keys, [c.keys for c in caches], lengths, shift, capacity)
+            values = self._joined(self.values, [c.values for c in caches], lengths, shift, capacity)
+            self.kv.load(keys, values, longest)
+        pads = mx.array([longest - n for n in lengths], dtype=mx.int32)
+        self.left_padding = mx.concatenate([self.left_padding + shift, pads])
+        self.offset = mx.concatenate([self.offset, mx.array(lengths, dtype=mx.int32)])
+
+    def _joined(
+        self,
+        held: QTensor | None,
+        parts: list[QTensor | None],
+        lengths: list[int],
+        shift: int,
+        capacity: int,
+    ) -> QTensor:
+        """The held rows (moved right by `shift`) above the newcomers, all at `capacity`."""
+        longest = self.idx + shift
+        if held is None:  # every held row is empty: zero rows above the newcomers
+            empty = self.batch_size
+            template = next(q for q in parts if q is not None)
+            return _stack(
+                [None] * empty + parts, [0] * empty + lengths, template, longest, capacity
+            )
+        new = _stack(parts, lengths, held, longest, capacity)
+        moved = (_shifted(x[..., : self.idx, :], shift, capacity) for x in held)
+        return tuple(mx.concatenate(p, axis=0) for p in zip(moved, new, strict=True))  # type: ignore[return-value]
 
 
 def _stack(
@@ -147,6 +176,17 @@ def _stack(
             rows.append(row)
         out.append(mx.concatenate(rows, axis=0))
     return tuple(out)  # type: ignore[return-value]
+
+
+def _shifted(x: mx.array, shift: int, capacity: int) -> mx.array:
+    """x's tokens moved right by `shift`, in a zeroed array of `capacity` positions."""
+    n = x.shape[2]
+    parts = [x]
+    if shift:
+        parts.insert(0, mx.zeros((*x.shape[:2], shift, x.shape[3]), dtype=x.dtype))
+    if shift + n < capacity:
+        parts.append(mx.zeros((*x.shape[:2], capacity - shift - n, x.shape[3]), dtype=x.dtype))
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else x
 
 
 def _padded(x: mx.array, capacity: int) -> mx.array:

@@ -31,7 +31,7 @@ class ActiveTurn:
     usage: UsageEvent
     request: Request
     pending: list[int]  # the tokens this turn prefills
-    sample: Callable[[mx.array], int]
+    sample: Callable[[mx.array], int] | None  # None: greedy, taken from the batch's argmax
     detok: Any
     stops: StopMatcher
     prefilled: int = 0
@@ -63,8 +63,9 @@ class Batcher:
         return any(t.agent is agent for t in self.active.values())
 
     def step(self) -> None:
-        for turn in [t for t in self.active.values() if t.job.cancelled.is_set()]:
-            self._leave(turn, "cancelled")
+        self._leave_all(
+            [(t, "cancelled") for t in self.active.values() if t.job.cancelled.is_set()]
+        )
         step = self.scheduler.schedule(time.monotonic())
         for request in step.expired:
             self._expire(self.active[request.request_id])
@@ -83,11 +84,21 @@ class Batcher:
 
     def _decode(self) -> None:
         self.on_decode(len(self.rows))
-        tokens = mx.array([[self.active[rid].next_token] for rid in self.rows])
+        turns = [self.active[rid] for rid in self.rows]
+        tokens = mx.array([[t.next_token] for t in turns])
         logits = self.model(tokens, cache=self.batch)[:, -1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        for row, rid in enumerate(list(self.rows)):
-            self._take(self.active[rid], logprobs[row])
+        # Greedy rows share one argmax and one sync; sampled rows draw from their own keys.
+        greedy = (
+            mx.argmax(logprobs, axis=-1).tolist() if any(t.sample is None for t in turns) else []
+        )
+        finished = []
+        for row, turn in enumerate(turns):
+            token = greedy[row] if turn.sample is None else turn.sample(logprobs[row])
+            reason = self._accept(turn, token)
+            if reason:
+                finished.append((turn, reason))
+        self._leave_all(finished)  # one filter of the batch, however many rows leave
 
     def _prefill(self, turn: ActiveTurn, n: int) -> bool:
         """Runs a prefill chunk; returns whether the turn now joins the batch to decode."""
@@ -101,11 +112,16 @@ class Batcher:
             self._leave(turn, "none")
             return False
         last = logits[0, -1]
-        return self._take(turn, last - mx.logsumexp(last))
+        logprobs = last - mx.logsumexp(last)
+        sample = turn.sample or (lambda x: int(mx.argmax(x).item()))
+        reason = self._accept(turn, sample(logprobs))
+        if reason:
+            self._leave(turn, reason)
+            return False
+        return True
 
-    def _take(self, turn: ActiveTurn, logprobs: mx.array) -> bool:
-        """Samples and sends one token; returns whether the turn goes on."""
-        token = turn.sample(logprobs)
+    def _accept(self, turn: ActiveTurn, token: int) -> str:
+        """Records and sends one generated token; returns why the turn ends, or ""."""
         turn.agent.tokens.append(token)
         u = turn.usage
         u.generated_tokens += 1
@@ -115,11 +131,8 @@ class Batcher:
         reason = self._emit(turn, token)
         if not reason and u.generated_tokens >= turn.request.max_tokens:
             reason = "length"
-        if reason:
-            self._leave(turn, reason)
-            return False
         turn.next_token = token
-        return True
+        return reason
 
     def _emit(self, turn: ActiveTurn, token: int) -> str:
         if token in self.eos_ids:
@@ -144,17 +157,31 @@ class Batcher:
         self.rows += [t.request.request_id for t in turns]
 
     def _leave(self, turn: ActiveTurn, reason: str) -> None:
-        rid = turn.request.request_id
-        if rid in self.rows:
-            row = self.rows.index(rid)
-            turn.agent.caches = [layer.extract(row) for layer in self.batch]
-            keep = [i for i in range(len(self.rows)) if i != row]
-            self.rows.pop(row)
+        self._leave_all([(turn, reason)])
+
+    def _leave_all(self, finished: list[tuple[ActiveTurn, str]]) -> None:
+        """Extracts the caches of the finished turns in the batch, then filters it once."""
+        if not finished:
+            return
+        gone = {t.request.request_id for t, _ in finished}
+        for turn, _ in finished:
+            rid = turn.request.request_id
+            if rid in self.rows:
+                row = self.rows.index(rid)
+                turn.agent.caches = [layer.extract(row) for layer in self.batch]
+        if gone.intersection(self.rows):
+            keep = [i for i, rid in enumerate(self.rows) if rid not in gone]
+            self.rows = [self.rows[i] for i in keep]
             if self.rows:
                 for layer in self.batch:
                     layer.filter(keep)
             else:
                 self.batch = None
+        for turn, reason in finished:
+            self._finish(turn, reason)
+
+    def _finish(self, turn: ActiveTurn, reason: str) -> None:
+        rid = turn.request.request_id
         if reason == "cancelled":
             self.scheduler.cancel(rid)  # from the queue or the batch; a no-op if gone
         elif not turn.request.done:

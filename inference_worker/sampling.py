@@ -40,12 +40,13 @@ class Sampling:
                 raise InvalidArgument(f"stop string {s[:40]!r} must have 1..{MAX_STOP_CHARS} chars")
         return self
 
-    def sampler(self) -> Callable[[mx.array], int]:
-        """Takes one sequence's log-probabilities (vocab,), returns a token id. A sampled
-        request draws from its own random key (seeded, or not), so batching with others
-        never changes what it draws."""
+    def sampler(self) -> Callable[[mx.array], int] | None:
+        """Takes one sequence's log-probabilities (vocab,), returns a token id; None when
+        greedy (the batch takes one argmax for all its greedy rows). A sampled request draws
+        from its own random key (seeded, or not), so batching with others never changes what
+        it draws."""
         if self.temperature == 0:
-            return lambda logprobs: int(mx.argmax(logprobs).item())
+            return None
         key = mx.random.key(self.seed or secrets.randbits(63))
         filters = []
         if 0 < self.top_p < 1:

@@ -49,11 +49,20 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         )
         context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
         started = self.engine.submit(self.engine.start_turn, job)
-        while (event := job.events.get()) is not END:
+        pending = None  # what came after a run of token events
+        while (event := pending or job.events.get()) is not END:
+            pending = None
             if isinstance(event, TokenEvent):
-                yield pb.TurnResponse(
-                    tokens=pb.TokenChunk(text=event.text, token_ids=event.token_ids)
-                )
+                # Tokens queued while the stream was busy go out as one chunk.
+                text, ids = [event.text], list(event.token_ids)
+                while pending is None and not job.events.empty():
+                    more = job.events.get_nowait()
+                    if isinstance(more, TokenEvent):
+                        text.append(more.text)
+                        ids += more.token_ids
+                    else:
+                        pending = more
+                yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
             else:
                 yield pb.TurnResponse(usage=pb.Usage(**asdict(event)))
         started.result()  # raises what preparing the turn raised

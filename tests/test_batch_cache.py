@@ -97,23 +97,46 @@ def test_an_agent_leaving_mid_batch_changes_nothing_for_the_rest(tiny_models, ar
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_an_agent_joining_mid_batch(tiny_models, arch):
+@pytest.mark.parametrize("joiner", [2, 0], ids=["shorter joins", "longer joins"])
+def test_an_agent_joining_mid_batch(tiny_models, arch, joiner):
+    """A shorter joiner is padded to the batch; a longer one shifts the held rows right."""
     model, _ = tiny_models[arch]
     refs = references(model)
     caches, current = start(model)
-    batch = merge(caches[:2])
-    for _ in range(3):  # agent 2 runs alone to step 3, then joins the batch there
-        out = model(mx.array([[current[2]]]), cache=caches[2])[0, -1]
-        current[2] = int(mx.argmax(out).item())
-    active = current[:2]
+    held = [i for i in range(3) if i != joiner]
+    batch = merge([caches[i] for i in held])
+    for _ in range(3):  # the joiner runs alone to step 3, then joins the batch there
+        out = model(mx.array([[current[joiner]]]), cache=caches[joiner])[0, -1]
+        current[joiner] = int(mx.argmax(out).item())
+    rows, active = held, [current[i] for i in held]
     for step in range(STEPS):
         if step == 3:
-            for layer, joining in zip(batch, caches[2], strict=True):
+            for layer, joining in zip(batch, caches[joiner], strict=True):
                 layer.extend([joining])
-            active = [*active, current[2]]
+            rows, active = [*rows, joiner], [*active, current[joiner]]
         logits, active = batched_step(model, batch, active)
-        for i in range(len(active)):
-            assert mx.array_equal(logits[i], refs[i][1][step]).item(), (i, step)
+        for row, i in enumerate(rows):
+            assert mx.array_equal(logits[row], refs[i][1][step]).item(), (i, step)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_agents_joining_a_batch_of_new_agents(tiny_models, arch):
+    """Extending an all-empty batch takes each of K's and V's shapes from the newcomers (K8V4:
+    the packed K and V differ; deepseek_v2: so do their head dims)."""
+    fmt = KVFormat(8, 4)
+    model, _ = tiny_models[arch]
+    refs = references(model, lengths=(90, 40), fmt=fmt)
+    caches, current = start(model, lengths=(90, 40), fmt=fmt)
+    empty = [QuantizedKV(fmt) for _ in model.layers]
+    ref_empty = sequential(model, [QuantizedKV(fmt) for _ in model.layers], 7)
+    batch = merge([empty])
+    for layer, *joining in zip(batch, *caches, strict=True):
+        layer.extend(joining)
+    current = [7, *current]
+    for step in range(STEPS):
+        logits, current = batched_step(model, batch, current)
+        for row, ref in enumerate([ref_empty, *refs]):
+            assert mx.array_equal(logits[row], ref[1][step]).item(), (row, step)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
