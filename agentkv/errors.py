@@ -16,6 +16,7 @@ class AgentKVError(Exception):
     """Base of every agentkv error; `code` is the gRPC status it travels as."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    remote = False  # raised by an agentkv server (not by the transport or the SDK)
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -147,7 +148,9 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
     metadata = dict(error.trailing_metadata() or ())
     cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
     if issubclass(cls, GenerationConflict):
-        return cls(message, int(metadata.get(GENERATION_KEY, "0")))
-    result = cls(message)
-    result.code = code
+        result = cls(message, int(metadata.get(GENERATION_KEY, "0")))
+    else:
+        result = cls(message)
+        result.code = code
+    result.remote = ERROR_KEY in metadata
     return result

@@ -199,10 +199,14 @@ class StoreClient:
         return self.call("DeleteAgent", request).num_blocks_released
 
     def fork_agent(
-        self, namespace: str, source: str, new: str, num_tokens: int = 0
+        self, namespace: str, source: str, new: str, num_tokens: int = 0, phase: str = ""
     ) -> pb.AgentManifest:
         request = pb.ForkAgentRequest(
-            namespace=namespace, source_agent_id=source, new_agent_id=new, num_tokens=num_tokens
+            namespace=namespace,
+            source_agent_id=source,
+            new_agent_id=new,
+            num_tokens=num_tokens,
+            phase=phase,
         )
         return self.call("ForkAgent", request).agent
 

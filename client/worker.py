@@ -54,32 +54,73 @@ class WorkerClient:
         return self.call("CreateAgent", request).agent
 
     def stream_turn(
-        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **sampling: Any
+        self,
+        namespace: str,
+        agent_id: str,
+        messages: Sequence[tuple[str, str]],
+        *,
+        phase: str = "",
+        priority: int = 0,
+        deadline_ms: int = 0,
+        durable: bool = False,
+        timeout: float | None = None,
+        **sampling: Any,
     ) -> Iterator[pb.TurnResponse]:
         """Streams a turn's responses: token chunks, then the usage."""
         request = pb.TurnRequest(
             namespace=namespace,
             agent_id=agent_id,
-            messages=[pb.Message(role=r, content=c) for r, c in messages],
+            messages=_messages(messages),
             sampling=pb.SamplingParams(**sampling),
+            phase=phase,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            durable=durable,
         )
         try:
-            yield from self.stub.Turn(request, timeout=self.timeout)
+            yield from self.stub.Turn(request, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
     def turn(
-        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **sampling: Any
+        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **options: Any
     ) -> TurnResult:
-        """A whole turn: the reply's text, its token ids and the usage."""
+        """A whole turn: the reply's text, its token ids and the usage. Takes stream_turn's
+        options and sampling fields."""
         result = TurnResult()
-        for response in self.stream_turn(namespace, agent_id, messages, **sampling):
+        for response in self.stream_turn(namespace, agent_id, messages, **options):
             if response.HasField("tokens"):
                 result.text += response.tokens.text
                 result.token_ids += response.tokens.token_ids
             else:
                 result.usage = response.usage
         return result
+
+    def inject(
+        self,
+        namespace: str,
+        agent_id: str,
+        messages: Sequence[tuple[str, str]],
+        *,
+        phase: str = "",
+        durable: bool = False,
+    ) -> pb.InjectContextResponse:
+        """Appends messages to the agent's context; only they are prefilled."""
+        request = pb.InjectContextRequest(
+            namespace=namespace,
+            agent_id=agent_id,
+            messages=_messages(messages),
+            phase=phase,
+            durable=durable,
+        )
+        return self.call("InjectContext", request)
+
+    def fork(self, namespace: str, source: str, agent_id: str, phase: str = "") -> pb.AgentState:
+        """A new agent that starts from `source`'s context, sharing its blocks in the store."""
+        request = pb.ForkAgentRequest(
+            namespace=namespace, source_agent_id=source, agent_id=agent_id, phase=phase
+        )
+        return self.call("ForkAgent", request).agent
 
     def evict(self, namespace: str, agent_id: str) -> pb.EvictAgentResponse:
         return self.call("EvictAgent", pb.EvictAgentRequest(namespace=namespace, agent_id=agent_id))
@@ -105,3 +146,7 @@ class WorkerClient:
 
     def info(self) -> pb.GetWorkerInfoResponse:
         return self.call("GetWorkerInfo", pb.GetWorkerInfoRequest())
+
+
+def _messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
+    return [pb.Message(role=role, content=content) for role, content in messages]

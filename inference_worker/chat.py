@@ -78,7 +78,9 @@ class ChatFormat:
 
 
 def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:
-    for m in messages:
+    for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidArgument(f"message role {m.role!r} is not one of {', '.join(ROLES)}")
+        if not m.content.strip():
+            raise InvalidArgument(f"message {i} ({m.role}) is empty")
     return [{"role": m.role, "content": m.content} for m in messages]

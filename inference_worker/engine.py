@@ -242,8 +242,23 @@ class Engine:
             usage.decode_tokens_per_second = (usage.generated_tokens - 1) / elapsed
         self._finish_turn(agent)
         self.metrics.turns.labels(state=usage.cache_state).inc()
-        turn.job.events.put(usage)
-        turn.job.events.put(END)
+        job = turn.job
+        if job.durable and agent.pending is not None:
+            agent.pending.add_done_callback(lambda write: self._end_durable(job, agent, usage))
+            return
+        job.events.put(usage)
+        job.events.put(END)
+
+    @staticmethod
+    def _end_durable(job: TurnJob, agent: Agent, usage: UsageEvent) -> None:
+        """Ends a durable turn once its commit is done (on the writer thread)."""
+        if agent.persist_failed or agent.stale:
+            job.error = Unavailable(
+                f"the turn of agent {agent.agent_id!r} ran but its cache was not committed "
+                "to the store; it stays in this worker's RAM"
+            )
+        job.events.put(usage)
+        job.events.put(END)
 
     def _memory_for(self, agent: Agent, num_tokens: int) -> int:
         """KV bytes `num_tokens` of this agent take, at its (or the last seen) bytes per token."""
@@ -272,6 +287,22 @@ class Engine:
         return AgentInfo(
             ns, agent_id, tier, len(m.token_ids), m.num_bytes, covered, m.generation, m.phase
         )
+
+    def fork(self, ns: str, source_id: str, agent_id: str, phase: str) -> AgentInfo:
+        """A new agent whose context is the source's: the store shares the source's blocks."""
+        ns, source_id = validation.namespace(ns), validation.agent_id(source_id)
+        agent_id = validation.agent_id(agent_id)
+        if self.hot.get((ns, agent_id)) is not None:
+            raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
+        source = self.hot.get((ns, source_id))
+        if source is not None and not source.stale:
+            if self.batcher.holds(source):
+                raise FailedPrecondition(f"agent {source_id!r} is mid-turn; fork it after the turn")
+            self._make_durable(source)
+        else:  # only the store holds it: it must be this model's
+            self.client.get_agent(ns, source_id, fingerprint=self.fingerprint)
+        self.client.fork_agent(ns, source_id, agent_id, phase=phase)
+        return self.describe(ns, agent_id)
 
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)

@@ -1,8 +1,10 @@
 """Quantized KV caches that speak mlx-lm's cache protocol, and their blocks.
 
 Attention path, per query length (DESIGN.md, measured on CPU):
-- a prefill chunk attends over the dequantized past plus its own full-precision K/V, then
-  stores them quantized: faster on CPU and closer to fp than attending over Q4;
+- a prefill chunk stores its K/V quantized, then attends over the whole cache dequantized
+  (its own tokens included): faster on CPU than quantized matmul, and what it attends is
+  exactly what is stored, so the result does not depend on how a prefill is split into
+  chunks, nor on whether the past was prefilled here or restored;
 - a decode step (queries <= `quantized_query_max`) attends over the Q4 cache directly with
   quantized matmul. mlx-lm takes that path when the cache has a `bits` attribute, so `bits`
   exists only while the last fetch returned quantized arrays. K and V bits that differ
@@ -51,17 +53,14 @@ class QuantizedKV:
     # the protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        prev, num = self.offset, keys.shape[2]
+        num = keys.shape[2]
         self._store(keys, values)
         fmt = self.fmt
         if num <= self.quantized_query_max and fmt.k_bits == fmt.v_bits:
             self._quantized_fetch = True
             return self.quantized(self.offset)
         self._quantized_fetch = False
-        if prev == 0:
-            return keys, values
-        past_k, past_v = self.dequantized(prev, keys.dtype)
-        return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
+        return self.dequantized(self.offset, keys.dtype)
 
     def quantized(self, end: int) -> tuple[QTensor, QTensor]:
         assert self.keys is not None and self.values is not None

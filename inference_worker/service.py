@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import grpc
 
+from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.chat import ChatMessage
@@ -38,15 +39,46 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     ) -> Iterator[pb.TurnResponse]:
         s = request.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
-        job = TurnJob(
+        job = self._job(request, sampling.validate(self.engine.config.max_stop_strings))
+        yield from self._run(job, context)
+
+    def InjectContext(
+        self, request: pb.InjectContextRequest, context: grpc.ServicerContext
+    ) -> pb.InjectContextResponse:
+        if not request.messages:
+            raise InvalidArgument("InjectContext needs at least one message")
+        job = self._job(request, Sampling(max_tokens=0))
+        usage = None
+        for response in self._run(job, context):
+            usage = response.usage
+        agent = self.engine.submit(self.engine.describe, request.namespace, request.agent_id)
+        return pb.InjectContextResponse(agent=_state(agent.result()), usage=usage)
+
+    def ForkAgent(self, request: pb.ForkAgentRequest, context) -> pb.ForkAgentResponse:
+        info = self.engine.submit(
+            self.engine.fork,
+            request.namespace,
+            request.source_agent_id,
+            request.agent_id,
+            request.phase,
+        )
+        return pb.ForkAgentResponse(agent=_state(info.result()))
+
+    @staticmethod
+    def _job(request: pb.TurnRequest | pb.InjectContextRequest, sampling: Sampling) -> TurnJob:
+        return TurnJob(
             request.namespace,
             request.agent_id,
             [ChatMessage(m.role, m.content) for m in request.messages],
-            sampling.validate(self.engine.config.max_stop_strings),
+            sampling,
             request.phase,
             priority=request.priority,
             deadline_ms=request.deadline_ms,
+            durable=request.durable,
         )
+
+    def _run(self, job: TurnJob, context: grpc.ServicerContext) -> Iterator[pb.TurnResponse]:
+        """Starts the job on the engine and streams its events until it ends."""
         context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
         started = self.engine.submit(self.engine.start_turn, job)
         pending = None  # what came after a run of token events

@@ -44,6 +44,7 @@ class TurnJob:
     started: float = field(default_factory=time.perf_counter)
     priority: int = 0
     deadline_ms: int = 0
+    durable: bool = False  # the usage waits for the store commit
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started

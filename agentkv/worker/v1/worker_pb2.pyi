@@ -58,7 +58,7 @@ class CreateAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class TurnRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -73,7 +74,8 @@ class TurnRequest(_message.Message):
     phase: str
     priority: int
     deadline_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    durable: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -116,6 +118,50 @@ class TurnResponse(_message.Message):
     tokens: TokenChunk
     usage: Usage
     def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class InjectContextRequest(_message.Message):
+    __slots__ = ("namespace", "agent_id", "messages", "phase", "priority", "deadline_ms", "durable")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    agent_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    phase: str
+    priority: int
+    deadline_ms: int
+    durable: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class InjectContextResponse(_message.Message):
+    __slots__ = ("agent", "usage")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    agent: AgentState
+    usage: Usage
+    def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ForkAgentRequest(_message.Message):
+    __slots__ = ("namespace", "source_agent_id", "agent_id", "phase")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    source_agent_id: str
+    agent_id: str
+    phase: str
+    def __init__(self, namespace: _Optional[str] = ..., source_agent_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class ForkAgentResponse(_message.Message):
+    __slots__ = ("agent",)
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    agent: AgentState
+    def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ...) -> None: ...
 
 class EvictAgentRequest(_message.Message):
     __slots__ = ("namespace", "agent_id")

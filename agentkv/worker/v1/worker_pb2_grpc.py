@@ -45,6 +45,16 @@ class InferenceWorkerStub:
                 request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.TurnRequest.SerializeToString,
                 response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.TurnResponse.FromString,
                 _registered_method=True)
+        self.InjectContext = channel.unary_unary(
+                '/agentkv.worker.v1.InferenceWorker/InjectContext',
+                request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.InjectContextRequest.SerializeToString,
+                response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.InjectContextResponse.FromString,
+                _registered_method=True)
+        self.ForkAgent = channel.unary_unary(
+                '/agentkv.worker.v1.InferenceWorker/ForkAgent',
+                request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.ForkAgentRequest.SerializeToString,
+                response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.ForkAgentResponse.FromString,
+                _registered_method=True)
         self.EvictAgent = channel.unary_unary(
                 '/agentkv.worker.v1.InferenceWorker/EvictAgent',
                 request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.EvictAgentRequest.SerializeToString,
@@ -80,6 +90,21 @@ class InferenceWorkerServicer:
 
     def Turn(self, request, context):
         """Appends messages to an agent's context and, unless max_tokens is 0, generates a reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InjectContext(self, request, context):
+        """Cross-phase context injection: appends messages to an agent's context without generating.
+        Only the injected tokens are prefilled; the agent's past is never recomputed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkAgent(self, request, context):
+        """Creates an agent whose context starts as another agent's; the store shares their blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +150,16 @@ def add_InferenceWorkerServicer_to_server(servicer, server):
                     servicer.Turn,
                     request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.TurnRequest.FromString,
                     response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.TurnResponse.SerializeToString,
+            ),
+            'InjectContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectContext,
+                    request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.InjectContextRequest.FromString,
+                    response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.InjectContextResponse.SerializeToString,
+            ),
+            'ForkAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkAgent,
+                    request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.ForkAgentRequest.FromString,
+                    response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.ForkAgentResponse.SerializeToString,
             ),
             'EvictAgent': grpc.unary_unary_rpc_method_handler(
                     servicer.EvictAgent,
@@ -202,6 +237,60 @@ class InferenceWorker:
             '/agentkv.worker.v1.InferenceWorker/Turn',
             agentkv_dot_worker_dot_v1_dot_worker__pb2.TurnRequest.SerializeToString,
             agentkv_dot_worker_dot_v1_dot_worker__pb2.TurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentkv.worker.v1.InferenceWorker/InjectContext',
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.InjectContextRequest.SerializeToString,
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.InjectContextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentkv.worker.v1.InferenceWorker/ForkAgent',
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.ForkAgentRequest.SerializeToString,
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.ForkAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,58 @@
+"""Which worker serves an agent: rendezvous hashing, with failover past workers that are down.
+
+Every agent ranks every worker by a hash of (worker, agent) and goes to the highest that is
+up. The ranking depends on nothing else, so every client sends an agent to the same worker
+(which holds it hot), and a worker joining or leaving moves only the agents it wins or held.
+A worker that fails to answer is skipped for `down_for` seconds; the agent's next-ranked
+worker restores it warm from the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+
+
+def rank(workers: Sequence[str], key: str) -> list[str]:
+    """Workers in rendezvous order for `key`: highest hash of (worker, key) first."""
+
+    def score(worker: str) -> bytes:
+        return hashlib.blake2b(f"{worker}\0{key}".encode(), digest_size=8).digest()
+
+    return sorted(workers, key=score, reverse=True)
+
+
+class Router:
+    """Rendezvous order with failover. Thread-safe."""
+
+    def __init__(self, workers: Sequence[str], down_for: float = 5.0) -> None:
+        if not workers:
+            raise ValueError("at least one worker address is needed")
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"worker addresses repeat: {list(workers)}")
+        self.workers = list(workers)
+        self.down_for = down_for
+        self._down: dict[str, float] = {}  # worker -> when it may be tried again
+        self._lock = threading.Lock()
+
+    def candidates(self, key: str) -> list[str]:
+        """Workers to try for `key`, in order: those up by rank, then those down by rank."""
+        ranked = rank(self.workers, key)
+        now = time.monotonic()
+        with self._lock:
+            down = {w for w, until in self._down.items() if until > now}
+        return [w for w in ranked if w not in down] + [w for w in ranked if w in down]
+
+    def home(self, key: str) -> str:
+        """The worker `key` goes to now."""
+        return self.candidates(key)[0]
+
+    def mark_down(self, worker: str) -> None:
+        with self._lock:
+            self._down[worker] = time.monotonic() + self.down_for
+
+    def mark_up(self, worker: str) -> None:
+        with self._lock:
+            self._down.pop(worker, None)

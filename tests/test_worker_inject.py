@@ -1,0 +1,115 @@
+"""Cross-phase context injection and forks, through real store and worker processes.
+
+Injecting messages then taking a turn gives the same greedy tokens as one agent that saw the
+same messages in a single prefill, while prefilling only what was injected; a fork shares its
+source's blocks in the store, so the store grows only by the fork's new blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.errors import AgentExists, AgentNotFound, InvalidArgument
+from client.worker import WorkerClient
+from tests.conftest import ARCHS
+
+SYSTEM = "You are the warden of the prison. " * 12
+Q1 = [("user", "Where were you on the night of the fourteenth?")]
+HEARD = [("user", "Prisoner B said: I was at home, ask my mother.")]
+Q2 = [("user", "Prove it, prisoner.")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inject_then_say_equals_one_prefill(tiny_model_dirs, start_worker, arch):
+    w = WorkerClient(start_worker(tiny_model_dirs[arch]).address)
+    for agent in ("injected", "single"):
+        w.create_agent("ns", agent, SYSTEM)
+        w.turn("ns", agent, Q1, max_tokens=6)  # an open reply: injection must close it
+    injected = w.inject("ns", "injected", HEARD, phase="p2")
+    reply = w.turn("ns", "injected", Q2, max_tokens=16)
+    single = w.turn("ns", "single", HEARD + Q2, max_tokens=16)
+
+    assert reply.token_ids == single.token_ids and len(reply.token_ids) == 16
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    # Only the injected tokens were prefilled, then only the new question: never the past.
+    assert injected.usage.cache_state == "hot" and injected.usage.generated_tokens == 0
+    assert injected.usage.finish_reason == "none"
+    assert injected.usage.prefilled_tokens + reply.usage.prefilled_tokens == (
+        single.usage.prefilled_tokens
+    )
+    assert injected.agent.phase == "p2" and injected.agent.tier == "hot"
+    assert injected.agent.num_tokens == injected.usage.prompt_tokens
+
+
+def test_inject_into_a_warm_agent_restores_it_first(tiny_model_dirs, start_worker):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    for agent in ("evicted", "hot"):
+        w.create_agent("ns", agent, SYSTEM)
+    w.evict("ns", "evicted")
+    injected = w.inject("ns", "evicted", HEARD)
+    assert injected.usage.cache_state == "warm" and injected.usage.reused_store_tokens > 0
+    w.inject("ns", "hot", HEARD)
+    a, b = (w.turn("ns", agent, Q2, max_tokens=12) for agent in ("evicted", "hot"))
+    assert a.token_ids == b.token_ids
+
+
+def test_a_fork_shares_its_source_blocks(tiny_model_dirs, start_worker, store):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("ns", "source", SYSTEM)
+    w.turn("ns", "source", Q1, max_tokens=8, durable=True)
+    before = store.stats()
+    before_keys = set(store.get_agent("ns", "source").block_keys)
+
+    fork = w.fork("ns", "source", "fork", phase="what-if")
+    assert fork.tier == "warm" and fork.phase == "what-if"
+    assert fork.num_tokens == w.describe("ns", "source").num_tokens
+    after_fork = store.stats()
+    assert after_fork.num_bytes == before.num_bytes  # not one block copied
+    assert after_fork.num_blocks == before.num_blocks
+
+    sampling = {"max_tokens": 12, "durable": True}
+    a = w.turn("ns", "fork", Q2, **sampling)
+    b = w.turn("ns", "source", Q2, **sampling)
+    assert a.token_ids == b.token_ids  # the fork continues exactly where its source stood
+    assert a.usage.cache_state == "warm"
+    source_keys = list(store.get_agent("ns", "source").block_keys)
+    fork_keys = list(store.get_agent("ns", "fork").block_keys)
+    shared = sum(1 for x, y in zip(source_keys, fork_keys, strict=False) if x == y)
+    assert shared >= 2  # the system prompt's blocks and more
+    # The store grew only by blocks the two turns wrote (the same content dedups to one key).
+    new = (set(source_keys) | set(fork_keys)) - before_keys
+    assert store.stats().num_blocks - before.num_blocks <= len(new) <= 4
+
+
+def test_a_durable_turn_ends_once_committed(tiny_model_dirs, start_worker, store):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("ns", "a", SYSTEM)
+    reply = w.turn("ns", "a", Q1, max_tokens=8, durable=True)
+    manifest = store.get_agent("ns", "a")
+    assert list(manifest.token_ids)[-8:] == reply.token_ids  # committed before the reply ended
+
+
+def test_bad_injections_and_forks_get_precise_errors(tiny_model_dirs, start_worker):
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("ns", "a", SYSTEM)
+    w.create_agent("ns", "b", SYSTEM)
+    state = w.describe("ns", "a")
+    with pytest.raises(InvalidArgument, match="at least one message"):
+        w.inject("ns", "a", [])
+    with pytest.raises(InvalidArgument, match="empty"):
+        w.inject("ns", "a", [("user", "  ")])
+    with pytest.raises(InvalidArgument, match="empty"):
+        w.turn("ns", "a", [("user", "")], max_tokens=4)
+    with pytest.raises(InvalidArgument, match="role"):
+        w.inject("ns", "a", [("narrator", "hello")])
+    with pytest.raises(AgentNotFound):
+        w.inject("ns", "ghost", HEARD)
+    with pytest.raises(AgentNotFound):
+        w.fork("ns", "ghost", "c")
+    with pytest.raises(AgentExists):
+        w.fork("ns", "a", "b")
+    with pytest.raises(InvalidArgument):
+        w.fork("ns", "a", "bad id!")
+    after = w.describe("ns", "a")
+    assert (after.num_tokens, after.generation) == (state.num_tokens, state.generation)
+    assert w.turn("ns", "a", Q1, max_tokens=4).usage.cache_state == "hot"
