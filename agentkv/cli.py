@@ -1,7 +1,10 @@
 """agentkv: the command line.
 
+agentkv demo                 start a store and a worker, run the prisoner's dilemma workflow
+agentkv run SCENARIO         run a workflow scenario (a YAML file, or a shipped one by name)
+agentkv agents               list agents with their tier (hot, warm, cold), tokens and bytes
 agentkv store stats|namespaces|agents|agent|blocks|verify|gc   inspect and maintain a store
-agentkv walkthrough                                           a guided tour of the store
+agentkv walkthrough          a guided tour of the store and the worker
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 
 from agentkv.errors import AgentKVError
 from agentkv.v1 import store_pb2 as pb
@@ -183,7 +187,74 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("agent_id")
     walk = sub.add_parser("walkthrough", help="start a store and tour what it does")
     walk.add_argument("--keep", action="store_true", help="keep the data directory afterwards")
+    demo = sub.add_parser("demo", help="start a store and a worker and run a workflow")
+    demo.add_argument("--model", help="an mlx-lm model directory (default: the shipped one)")
+    demo.add_argument("--keep", action="store_true", help="keep data and logs afterwards")
+    demo.add_argument("--no-cold", action="store_true", help="skip the re-prefill comparison")
+    run = sub.add_parser("run", help="run a workflow scenario against running services")
+    run.add_argument("scenario", help="a YAML file, or a shipped scenario's name")
+    run.add_argument("--mode", choices=("persistent", "cold"), default="persistent")
+    run.add_argument("--no-reset", action="store_true", help="keep agents of an earlier run")
+    agents = sub.add_parser("agents", help="list agents: tier, tokens, bytes, phase")
+    for p in (run, agents):
+        _service_flags(p)
+    agents.add_argument("-n", "--namespace", default="default")
+    run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
     return parser
+
+
+def _service_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        default=os.environ.get("AGENTKV_STORE", "127.0.0.1:50051"),
+        help="store address (env AGENTKV_STORE)",
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        help="worker address; repeat for several (env AGENTKV_WORKERS, comma-separated)",
+    )
+
+
+def _workers(args: argparse.Namespace) -> list[str]:
+    return args.worker or os.environ.get("AGENTKV_WORKERS", "127.0.0.1:50061").split(",")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from client.demo import print_record, scenario_path
+    from client.memory import AgentMemory
+    from client.scenario import load_scenario, run_scenario
+
+    scenario = load_scenario(scenario_path(args.scenario))
+    namespace = args.namespace or scenario.namespace
+    print(f"{scenario.name} ({args.mode}) in namespace {namespace!r}: {scenario.description}")
+    with AgentMemory(_workers(args), args.store, namespace) as mem:
+        run_scenario(
+            scenario,
+            mem,
+            mode=args.mode,
+            on_record=print_record,
+            on_phase=lambda name: print(f"  phase {name}"),
+            reset=not args.no_reset,
+        )
+
+
+def cmd_list_agents(args: argparse.Namespace) -> None:
+    from client.memory import AgentMemory
+
+    with AgentMemory(_workers(args), args.store, args.namespace) as mem:
+        rows = [
+            [
+                a.agent_id,
+                a.tier,
+                a.num_tokens,
+                _size(a.num_bytes),
+                a.phase,
+                mem.worker_for(a.agent_id),
+            ]
+            for a in mem.agents()
+        ]
+    print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,6 +264,16 @@ def main(argv: list[str] | None = None) -> None:
             from client.walkthrough import run
 
             run(keep=args.keep)
+            return
+        if args.command == "demo":
+            from client import demo
+
+            demo.run(
+                Path(args.model) if args.model else demo.DEFAULT_MODEL, args.keep, not args.no_cold
+            )
+            return
+        if args.command in ("run", "agents"):
+            (cmd_run if args.command == "run" else cmd_list_agents)(args)
             return
         with StoreClient(args.store, timeout=60) as client:
             STORE_COMMANDS[args.store_command][0](client, args)

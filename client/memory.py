@@ -15,6 +15,7 @@ classes mapped from gRPC status codes; every call has a deadline (`timeout`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -167,7 +168,10 @@ class Agent:
                 temperature=temperature,
                 **options,
             )
-            return Reply(self, stream, next(stream), worker.address)  # a worker down raises here
+            first = next(stream, None)  # a worker that is down raises here
+            if first is None:
+                raise Unavailable(f"worker {worker.address} ended the turn of {self!r} at once")
+            return Reply(self, stream, first, worker.address)
 
         return mem.route(self.id, start)
 
@@ -223,21 +227,39 @@ class Reply:
     ):
         self.agent, self.worker = agent, worker
         self._stream, self._first = stream, first
-        self._pieces: list[str] = []
+        self._pieces: list[str] = []  # non-empty text pieces so far
         self._ids: list[int] = []
+        self._error: Exception | None = None  # raised again to every later reader
+        self._lock = threading.Lock()  # one reader pulls from the stream at a time
         self.usage: pb.Usage | None = None
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._pieces
-        while self.usage is None:
+        """Every piece from the start; several readers (threads included) may iterate."""
+        seen = 0
+        while True:
+            with self._lock:
+                while seen == len(self._pieces) and self.usage is None:
+                    self._pull()
+                pieces = self._pieces[seen:]
+            seen += len(pieces)
+            yield from pieces
+            if not pieces and self.usage is not None:
+                return
+
+    def _pull(self) -> None:
+        if self._error is not None:
+            raise self._error
+        try:
             response = self._next()
-            if response.HasField("tokens"):
+        except Exception as exc:
+            self._error = exc
+            raise
+        if response.HasField("tokens"):
+            self._ids += response.tokens.token_ids
+            if response.tokens.text:
                 self._pieces.append(response.tokens.text)
-                self._ids += response.tokens.token_ids
-                if response.tokens.text:
-                    yield response.tokens.text
-            else:
-                self.usage = response.usage
+        else:
+            self.usage = response.usage
 
     def _next(self) -> pb.TurnResponse:
         if self._first is not None:

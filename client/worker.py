@@ -70,7 +70,7 @@ class WorkerClient:
         request = pb.TurnRequest(
             namespace=namespace,
             agent_id=agent_id,
-            messages=_messages(messages),
+            messages=pb_messages(messages),
             sampling=pb.SamplingParams(**sampling),
             phase=phase,
             priority=priority,
@@ -109,7 +109,7 @@ class WorkerClient:
         request = pb.InjectContextRequest(
             namespace=namespace,
             agent_id=agent_id,
-            messages=_messages(messages),
+            messages=pb_messages(messages),
             phase=phase,
             durable=durable,
         )
@@ -148,5 +148,5 @@ class WorkerClient:
         return self.call("GetWorkerInfo", pb.GetWorkerInfoRequest())
 
 
-def _messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
+def pb_messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
     return [pb.Message(role=role, content=content) for role, content in messages]

@@ -1,0 +1,167 @@
+"""The demo: a multi-phase workflow whose agents keep their KV caches across phases.
+
+1. Starts `agentkv-store` and `agentkv-worker` (the shipped model) as separate processes.
+2. Runs the prisoner's dilemma scenario (client/scenarios/prisoners_dilemma.yaml): a warden
+   and two prisoners carry their caches through 5 phases; an analyst appears in phase 5.
+   Every turn prints its time to first token and where the agent's cache was.
+3. Restarts the worker and runs one more phase: every agent resumes warm from the store.
+4. Runs the same scenario with caches cleared every phase (re-prefill, the paper's
+   baseline) and compares time to first token phase by phase.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+
+from agentkv.cli import table
+from agentkv.launch import ServiceProcess, store_process, worker_process
+from client.memory import AgentMemory
+from client.scenario import PhaseSpec, Turn, load_scenario, run_scenario
+from client.workflow import Record, Workflow
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "agentkv-default"
+EPILOGUE = PhaseSpec(
+    "epilogue",
+    "A year has passed. The warden visits the prisoners once more.",
+    (
+        Turn("warden", "Ask each prisoner what they learned."),
+        Turn("alice", "Answer the warden."),
+        Turn("bob", "Answer the warden."),
+    ),
+)
+
+
+def scenario_path(name: str) -> Path:
+    """A shipped scenario by name (e.g. "prisoners_dilemma"), or a path as given."""
+    shipped = resources.files("client") / "scenarios" / f"{name}.yaml"
+    return Path(str(shipped)) if shipped.is_file() else Path(name)
+
+
+@contextmanager
+def progress(label: str) -> Iterator[None]:
+    """Shows a long step while it runs, then how long it took."""
+    print(f"  {label} ...", end="", flush=True)
+    started = time.perf_counter()
+    yield
+    print(f" {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def print_record(record: Record) -> None:
+    verb = f"{record.kind:<6}"
+    timing = "ttft" if record.kind == "say" else "call"
+    text = " ".join(record.text.split())[:48]
+    print(
+        f"    {verb} {record.agent:<8} {record.cache_state:<4}  {timing} {record.ms:7.1f} ms  "
+        f"prefilled {record.prefilled_tokens:4d} of {record.context_tokens:4d}  {text}"
+    )
+
+
+def phase_summary(persistent: Workflow, cold: Workflow | None) -> str:
+    """Per phase: mean time to first token of its turns, persistent against cold."""
+    rows = []
+    for phase in dict.fromkeys(r.phase for r in persistent.records):
+        records = [r for r in persistent.records if r.phase == phase]
+        says = [r for r in records if r.kind == "say"]
+        ttft = statistics.mean(r.ms for r in says)
+        setup = [r.ms for r in records if r.kind != "say"]
+        row = [
+            phase,
+            len(says),
+            " ".join(sorted({r.cache_state for r in records})),
+            f"{ttft:.1f}",
+            f"{statistics.mean(setup):.1f}" if setup else "-",
+            sum(r.prefilled_tokens for r in records),
+        ]
+        cold_says = [r for r in cold.records if r.phase == phase] if cold else []
+        if cold_says:
+            cold_ttft = statistics.mean(r.ms for r in cold_says)
+            row += [
+                f"{cold_ttft:.1f}",
+                sum(r.prefilled_tokens for r in cold_says),
+                f"{cold_ttft / ttft:.1f}x",
+            ]
+        elif cold is not None:
+            row += ["-", "-", "-"]
+        rows.append(row)
+    headers = ["phase", "turns", "cache", "ttft ms", "create/inject ms", "prefilled"]
+    if cold is not None:
+        headers += ["cold ttft ms", "cold prefilled", "cold/persistent"]
+    return table(headers, rows)
+
+
+def run(model: Path = DEFAULT_MODEL, keep: bool = False, cold: bool = True) -> None:
+    scenario = load_scenario(scenario_path("prisoners_dilemma"))
+    root = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
+    store: ServiceProcess | None = None
+    worker: ServiceProcess | None = None
+    listen = f"127.0.0.1:{free_port()}"  # a restarted worker comes back at the same address
+    print(f"agentkv demo: {scenario.description}\nmodel {model}, data in {root}\n")
+    try:
+        with progress("starting agentkv-store"):
+            store = store_process(root / "data", root / "store.log").start()
+        with progress(f"starting agentkv-worker (loading {model.name})"):
+            worker = worker_process(str(model), store.address, root / "worker.log", listen).start()
+        print(f"  store pid {store.proc.pid} on {store.address}")
+        print(f"  worker pid {worker.proc.pid} on {worker.address}\n")
+        with AgentMemory(worker.address, store.address, scenario.namespace) as mem:
+            flow = run_scenario(
+                scenario,
+                mem,
+                on_record=print_record,
+                on_phase=lambda name: print(f"  phase {name}"),
+            )
+            print("\nrestarting the worker: its RAM is gone, the store keeps every cache")
+            worker.stop()
+            with progress("starting a new agentkv-worker"):
+                worker = worker_process(str(model), store.address, root / "worker.log", listen)
+                worker.start()
+            print(f"  phase {EPILOGUE.name}")
+            run_scenario(scenario, mem, workflow=flow, phases=(EPILOGUE,))
+            resumed = [r for r in flow.records if r.phase == EPILOGUE.name]
+            warm = sorted({r.agent for r in resumed if r.cache_state == "warm"})
+            print(f"  resumed warm from the store: {', '.join(warm)}")
+            print("\nagents now:")
+            rows = [[a.agent_id, a.tier, a.num_tokens, a.num_bytes, a.phase] for a in mem.agents()]
+            print(table(["agent", "tier", "tokens", "bytes", "phase"], rows))
+
+        baseline = None
+        if cold:
+            with (
+                progress("the same scenario with caches cleared every phase (re-prefill)"),
+                AgentMemory(worker.address, store.address, f"{scenario.namespace}-cold") as mem,
+            ):
+                baseline = run_scenario(scenario, mem, mode="cold")
+        print("\nper phase (mean time to first token of the phase's turns):")
+        print(phase_summary(flow, baseline))
+    finally:
+        for service in (worker, store):
+            if service is not None:
+                service.stop()
+        if keep:
+            print(f"\ndata and logs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    model = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MODEL
+    run(model)
+
+
+if __name__ == "__main__":
+    main()

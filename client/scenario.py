@@ -1,0 +1,267 @@
+"""Workflow scenarios written in YAML: roles, phases and turns, checked before anything runs.
+
+    name: prisoners_dilemma
+    namespace: prisoners            # optional; defaults to the name
+    sampling: {max_tokens: 48}      # optional; any SamplingParams field
+    agents:
+      - id: warden
+        system: You are the warden.
+        permanent: true             # optional; false makes it live for one phase
+        hears: [a, b]               # optional; default: everyone
+        document: {module: json, chars: 14000}   # optional priming text (see below)
+    phases:
+      - name: arrest
+        brief: Two prisoners are arrested.   # optional; injected into every agent
+        evict_after: false                   # optional; evict every agent at the end
+        turns:
+          - {agent: warden, say: Tell the prisoners why they are here.}
+
+A `document` is text an agent sees ahead of its first message: `{text: ...}`, or
+`{module: NAME, chars: N}` for the first N characters of a Python standard-library module's
+source as this interpreter ships it (PSF License; read at run time, nothing copied).
+Every error names the file and the place in it.
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentkv.errors import InvalidArgument
+from cache_store.validation import AGENT_ID_RE, NAMESPACE_RE
+from client.memory import AgentMemory
+from client.workflow import Record, Role, Workflow
+
+SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class ScenarioError(InvalidArgument):
+    """A scenario file that cannot run, with where and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    agent: str
+    say: str
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseSpec:
+    name: str
+    brief: str
+    turns: tuple[Turn, ...]
+    evict_after: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    namespace: str
+    description: str
+    roles: tuple[Role, ...]
+    phases: tuple[PhaseSpec, ...]
+    sampling: dict[str, Any]
+
+
+def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenario:
+    """Reads and checks a scenario file. `document_chars` caps every module document (tests
+    run the shipped scenarios on tiny models with short contexts)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ScenarioError(f"{path}:{where}: not valid YAML: {problem}") from None
+    return parse_scenario(data, str(path), document_chars)
+
+
+def parse_scenario(data: Any, source: str = "scenario", document_chars: int | None = None):
+    check = _Checker(source)
+    top = check.mapping(
+        data, "", {"name", "namespace", "description", "sampling"}, {"agents", "phases"}
+    )
+    name = check.text(top.get("name", Path(source).stem), "name")
+    sampling = check.mapping(top.get("sampling", {}), "sampling", SAMPLING_FIELDS)
+    roles = tuple(
+        _role(check, item, f"agents[{i}]", document_chars)
+        for i, item in enumerate(check.sequence(top["agents"], "agents"))
+    )
+    ids = [r.id for r in roles]
+    for i, role in enumerate(roles):
+        if ids.index(role.id) != i:
+            check.fail(f"agents[{i}].id", f"agent {role.id!r} is defined twice")
+        for heard in role.hears or ():
+            if heard not in ids:
+                check.fail(f"agents[{i}].hears", f"unknown agent {heard!r}")
+    phases = tuple(
+        _phase(check, item, f"phases[{i}]", ids)
+        for i, item in enumerate(check.sequence(top["phases"], "phases"))
+    )
+    names = [p.name for p in phases]
+    for i, phase in enumerate(phases):
+        if names.index(phase.name) != i:
+            check.fail(f"phases[{i}].name", f"phase {phase.name!r} is defined twice")
+    return Scenario(
+        name,
+        check.ident(top.get("namespace", name), "namespace", NAMESPACE_RE),
+        check.text(top.get("description", ""), "description", empty=True),
+        roles,
+        phases,
+        dict(sampling),
+    )
+
+
+def run_scenario(
+    scenario: Scenario,
+    memory: AgentMemory,
+    *,
+    mode: str = "persistent",
+    on_record: Callable[[Record], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    reset: bool = True,
+    workflow: Workflow | None = None,
+    phases: tuple[PhaseSpec, ...] | None = None,
+) -> Workflow:
+    """Runs the scenario's phases (or `phases`) in `memory` (whose namespace should be the
+    scenario's). With `reset`, agents left by an earlier run are deleted first. Pass a
+    `workflow` to go on with one that ran before."""
+    if workflow is None:
+        workflow = Workflow(
+            memory, scenario.roles, mode=mode, sampling=scenario.sampling, on_record=on_record
+        )
+        if reset:
+            for role in scenario.roles:
+                memory.agent(role.id).delete()
+    for spec in phases if phases is not None else scenario.phases:
+        if on_phase is not None:
+            on_phase(spec.name)
+        with workflow.phase(spec.name, spec.brief, evict_after=spec.evict_after) as phase:
+            for turn in spec.turns:
+                extra = {} if turn.max_tokens is None else {"max_tokens": turn.max_tokens}
+                phase.say(turn.agent, turn.say, **extra)
+    return workflow
+
+
+def _role(check: _Checker, item: Any, where: str, document_chars: int | None) -> Role:
+    fields = check.mapping(item, where, {"system", "permanent", "hears", "document"}, {"id"})
+    hears = fields.get("hears")
+    if hears is not None:
+        hears = tuple(
+            check.ident(h, f"{where}.hears[{j}]")
+            for j, h in enumerate(check.sequence(hears, f"{where}.hears", empty=True))
+        )
+    document = ""
+    if "document" in fields:
+        document = _document(check, fields["document"], f"{where}.document", document_chars)
+    return Role(
+        check.ident(fields["id"], f"{where}.id"),
+        check.text(fields.get("system", ""), f"{where}.system", empty=True),
+        check.flag(fields.get("permanent", True), f"{where}.permanent"),
+        hears,
+        document,
+    )
+
+
+def _document(check: _Checker, item: Any, where: str, cap: int | None) -> str:
+    fields = check.mapping(item, where, {"text", "module", "chars"})
+    if ("text" in fields) == ("module" in fields):
+        check.fail(where, "give exactly one of text or module")
+    if "text" in fields:
+        return check.text(fields["text"], f"{where}.text")
+    module = check.text(fields["module"], f"{where}.module")
+    chars = fields.get("chars", 14000)
+    if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
+        check.fail(f"{where}.chars", f"must be a positive integer, not {chars!r}")
+    origin = _stdlib_source(module) if _MODULE.fullmatch(module) else None
+    if origin is None:
+        check.fail(f"{where}.module", f"{module!r} is not a pure-Python standard-library module")
+    text = origin.read_text(encoding="utf-8")
+    return text[: min(chars, cap or chars)]
+
+
+def _stdlib_source(module: str) -> Path | None:
+    """The source file of a standard-library module, found without importing anything."""
+    base = Path(sysconfig.get_paths()["stdlib"]).joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
+    fields = check.mapping(item, where, {"brief", "evict_after"}, {"name", "turns"})
+    turns = []
+    for j, turn in enumerate(check.sequence(fields["turns"], f"{where}.turns")):
+        at = f"{where}.turns[{j}]"
+        t = check.mapping(turn, at, {"max_tokens"}, {"agent", "say"})
+        agent = check.ident(t["agent"], f"{at}.agent")
+        if agent not in ids:
+            check.fail(f"{at}.agent", f"unknown agent {agent!r} (agents: {', '.join(ids)})")
+        max_tokens = t.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            check.fail(f"{at}.max_tokens", f"must be a positive integer, not {max_tokens!r}")
+        turns.append(Turn(agent, check.text(t["say"], f"{at}.say"), max_tokens))
+    return PhaseSpec(
+        check.text(fields["name"], f"{where}.name"),
+        check.text(fields.get("brief", ""), f"{where}.brief", empty=True),
+        tuple(turns),
+        check.flag(fields.get("evict_after", False), f"{where}.evict_after"),
+    )
+
+
+class _Checker:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, message: str):
+        raise ScenarioError(f"{self.source}: {where or 'top level'}: {message}")
+
+    def mapping(self, value: Any, where: str, optional: set, required: set = frozenset()):
+        if not isinstance(value, dict):
+            self.fail(where, f"must be a mapping, not {type(value).__name__}")
+        unknown = sorted(set(map(str, value)) - optional - required)
+        if unknown:
+            allowed = ", ".join(sorted(optional | required))
+            self.fail(where, f"unknown key {unknown[0]!r} (allowed: {allowed})")
+        missing = sorted(required - set(value))
+        if missing:
+            self.fail(where, f"missing key {missing[0]!r}")
+        return value
+
+    def sequence(self, value: Any, where: str, empty: bool = False) -> list:
+        if not isinstance(value, list):
+            self.fail(where, f"must be a list, not {type(value).__name__}")
+        if not value and not empty:
+            self.fail(where, "must not be empty")
+        return value
+
+    def text(self, value: Any, where: str, empty: bool = False) -> str:
+        if not isinstance(value, str):
+            self.fail(where, f"must be text, not {type(value).__name__}")
+        if not empty and not value.strip():
+            self.fail(where, "must not be empty")
+        return value
+
+    def ident(self, value: Any, where: str, pattern: re.Pattern = AGENT_ID_RE) -> str:
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            self.fail(where, f"{value!r} is not a valid id (it must match {pattern.pattern})")
+        return value
+
+    def flag(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(where, f"must be true or false, not {value!r}")
+        return value

@@ -1,0 +1,261 @@
+"""Multi-phase workflows: permanent agents carry their caches across phases, and what they
+missed between phases is injected into their caches, never recomputed.
+
+    flow = Workflow(mem, [Role("warden", WARDEN), Role("a", PRISONER_A), Role("b", PRISONER_B)])
+    with flow.phase("interrogation", brief="The warden questions each prisoner.") as phase:
+        phase.say("warden", "Ask prisoner A where he was.")
+        phase.say("a", "Answer the warden.")
+
+Who hears whom: a role hears every other role's replies unless its `hears` names the roles it
+hears. When a phase starts, each permanent agent that exists gets one injected message with
+the phase's brief and the replies it heard since it last spoke or was injected. A turn sends
+what the speaker heard since then together with its prompt. Ephemeral roles exist for one
+phase: created with the transcript they hear, deleted when the phase ends.
+
+Mode "cold" is the baseline the paper compares against: every phase starts from nothing, so
+each agent's first turn in a phase re-prefills its whole history as messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentkv.errors import InvalidArgument
+from client.memory import Agent, AgentMemory
+
+MODES = ("persistent", "cold")
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    id: str
+    system: str
+    permanent: bool = True
+    hears: tuple[str, ...] | None = None  # None: every other role
+    document: str = ""  # sent ahead of its first turn's message (priming)
+
+
+@dataclass(frozen=True, slots=True)
+class Said:
+    phase: str
+    speaker: str
+    text: str
+
+
+@dataclass(slots=True)
+class Record:
+    """One thing the workflow did to an agent: "create" (its system prompt prefilled), "say"
+    (a turn) or "inject" (what it missed, appended)."""
+
+    kind: str
+    phase: str
+    agent: str
+    cache_state: str  # where the agent's cache was when this began: hot, warm or cold
+    ms: float  # a turn: time to first token; create and inject: the whole call
+    prefilled_tokens: int
+    context_tokens: int
+    generated_tokens: int = 0
+    worker: str = ""
+    text: str = ""
+
+
+@dataclass(slots=True)
+class _Member:
+    role: Role
+    agent: Agent | None = None  # None until created (or after a cold phase reset)
+    heard: int = 0  # transcript entries before this index were delivered (or its own)
+    history: list[tuple[str, str]] = field(default_factory=list)  # messages, for cold mode
+    pending: list[str] = field(default_factory=list)  # briefs not yet delivered
+
+
+class Workflow:
+    def __init__(
+        self,
+        memory: AgentMemory,
+        roles: Sequence[Role],
+        *,
+        mode: str = "persistent",
+        sampling: dict[str, Any] | None = None,
+        on_record: Callable[[Record], None] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise InvalidArgument(f"mode {mode!r} is not one of {', '.join(MODES)}")
+        ids = [r.id for r in roles]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument(f"role ids repeat: {ids}")
+        for role in roles:
+            for heard in role.hears or ():
+                if heard not in ids:
+                    raise InvalidArgument(f"role {role.id!r} hears {heard!r}, which is no role")
+        self.memory, self.mode = memory, mode
+        self.sampling = {"max_tokens": 64, **(sampling or {})}
+        self.members = {r.id: _Member(r) for r in roles}
+        self.transcript: list[Said] = []
+        self.records: list[Record] = []
+        self.on_record = on_record or (lambda record: None)
+        self.current: Phase | None = None
+
+    def phase(self, name: str, brief: str = "", *, evict_after: bool = False) -> Phase:
+        """A phase; `evict_after` evicts every agent to the store when it ends (as memory
+        pressure would), so the next phase finds them warm."""
+        return Phase(self, name, brief, evict_after)
+
+    def member(self, agent_id: str) -> _Member:
+        member = self.members.get(agent_id)
+        if member is None:
+            raise InvalidArgument(
+                f"agent {agent_id!r} is not in the workflow (roles: {', '.join(self.members)})"
+            )
+        return member
+
+    # phases
+
+    def _begin(self, phase: Phase) -> None:
+        if self.current is not None:
+            raise InvalidArgument(f"phase {phase.name!r} starts inside {self.current.name!r}")
+        self.current = phase
+        for member in self.members.values():
+            if phase.brief:
+                member.pending.append(f"[{phase.name}] {phase.brief}")
+            if member.agent is None or not member.role.permanent:
+                continue  # created at their first turn, with everything they heard
+            if self.mode == "cold":
+                self._reset(member)
+            else:
+                self._inject(member, phase.name)
+
+    def _end(self, phase: Phase) -> None:
+        for member in phase.ephemeral:
+            member.agent.delete()
+            member.agent, member.heard, member.history = None, 0, []
+        if phase.evict_after:
+            for member in self.members.values():
+                if member.agent is not None:
+                    member.agent.evict()
+        self.current = None
+
+    def _reset(self, member: _Member) -> None:
+        """Cold mode: the agent's caches are dropped; its next turn re-prefills its history."""
+        if member.agent is not None:
+            member.agent.delete()
+            member.agent = None
+
+    # turns
+
+    def say(self, agent_id: str, prompt: str, **sampling: Any) -> Record:
+        phase = self.current
+        if phase is None:
+            raise InvalidArgument("say() runs inside a phase: with workflow.phase(name): ...")
+        member = self.member(agent_id)
+        if not prompt.strip():
+            raise InvalidArgument(f"the prompt for {agent_id!r} in phase {phase.name!r} is empty")
+        news = self._news(member)
+        message = "\n\n".join([*news, prompt]) if news else prompt
+        messages = [("user", message)]
+        if member.agent is None:
+            if not member.history and member.role.document:
+                message = f"{member.role.document}\n\n{message}"
+                messages = [("user", message)]
+            messages = [*self._create(member, phase.name), *messages]
+            if not member.role.permanent:
+                phase.ephemeral.append(member)
+        reply = member.agent.say(messages, phase=phase.name, **{**self.sampling, **sampling})
+        text = reply.text
+        usage = reply.usage
+        member.history += [("user", message), ("assistant", text or "...")]
+        self.transcript.append(Said(phase.name, agent_id, text))
+        member.heard = len(self.transcript)
+        return self._record(
+            Record(
+                "say",
+                phase.name,
+                agent_id,
+                usage.cache_state,
+                usage.time_to_first_token_ms,
+                usage.prefilled_tokens,
+                usage.prompt_tokens,
+                usage.generated_tokens,
+                reply.worker,
+                text,
+            )
+        )
+
+    def _create(self, member: _Member, phase: str) -> list[tuple[str, str]]:
+        """Creates the member's agent; returns the messages its first turn must carry first.
+
+        Persistent mode prefills the system prompt now (a cold prefill, recorded). Cold mode
+        sends the system prompt and the whole history with the turn, so that its time to
+        first token counts the full re-prefill."""
+        role = member.role
+        if self.mode == "cold":
+            member.agent = self.memory.agent(role.id, "", phase=phase)
+            system = [("system", role.system)] if role.system else []
+            return [*system, *member.history]
+        started = time.perf_counter()
+        member.agent = self.memory.agent(role.id, role.system, phase=phase)
+        state = member.agent.state
+        if member.agent.created and state is not None:
+            ms = (time.perf_counter() - started) * 1000
+            self._record(
+                Record("create", phase, role.id, "cold", ms, state.num_tokens, state.num_tokens)
+            )
+        return []
+
+    def _inject(self, member: _Member, phase: str) -> None:
+        news = self._news(member)
+        if not news:
+            return
+        message = "\n\n".join(news)
+        started = time.perf_counter()
+        result = member.agent.inject(message, phase=phase)
+        member.history.append(("user", message))
+        self._record(
+            Record(
+                "inject",
+                phase,
+                member.role.id,
+                result.usage.cache_state,
+                (time.perf_counter() - started) * 1000,
+                result.usage.prefilled_tokens,
+                result.agent.num_tokens,
+            )
+        )
+
+    def _news(self, member: _Member) -> list[str]:
+        """Briefs and heard replies not yet delivered to the member; marks them delivered."""
+        hears = member.role.hears
+        heard = [
+            f"[{said.phase}] {said.speaker}: {said.text}"
+            for said in self.transcript[member.heard :]
+            if said.speaker != member.role.id and (hears is None or said.speaker in hears)
+        ]
+        news = [*member.pending, *heard]
+        member.pending, member.heard = [], len(self.transcript)
+        return news
+
+    def _record(self, record: Record) -> Record:
+        self.records.append(record)
+        self.on_record(record)
+        return record
+
+
+class Phase:
+    def __init__(self, workflow: Workflow, name: str, brief: str, evict_after: bool) -> None:
+        if not name.strip():
+            raise InvalidArgument("a phase needs a name")
+        self.workflow, self.name, self.brief = workflow, name, brief
+        self.evict_after = evict_after
+        self.ephemeral: list[_Member] = []
+
+    def __enter__(self) -> Phase:
+        self.workflow._begin(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.workflow._end(self)
+
+    def say(self, agent_id: str, prompt: str, **sampling: Any) -> Record:
+        return self.workflow.say(agent_id, prompt, **sampling)

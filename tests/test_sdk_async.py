@@ -1,0 +1,149 @@
+"""The asyncio SDK (client/aio.py) against real store and worker processes.
+
+It gives the sync SDK's greedy tokens for the same history, streams what `.text` holds,
+moves an agent to the next worker warm when its own dies (a reply cut short says its turn
+was not committed), and raises the same typed errors. Each test runs its coroutine with
+asyncio.run: the channels live in that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
+from client.aio import AsyncAgentMemory, AsyncReply
+from client.memory import AgentMemory
+
+SYSTEM = "You are the warden of the prison. " * 12
+Q1 = "Where were you on the night of the fourteenth?"
+HEARD = "Prisoner B said: I was at home, ask my mother."
+Q2 = "Prove it, prisoner."
+
+
+async def collect(reply: AsyncReply) -> list[str]:
+    return [piece async for piece in reply]
+
+
+def free_address() -> str:
+    """A loopback address where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_async_sdk_gives_the_sync_sdks_tokens(tiny_model_dirs, start_worker, store_process):
+    address = start_worker(tiny_model_dirs["llama"]).address
+    with AgentMemory(address, durable=True) as mem:
+        agent = mem.agent("sync", system=SYSTEM)
+        first = agent.say(Q1, max_tokens=8).token_ids
+        agent.inject(HEARD)
+        second = agent.say(Q2, max_tokens=12).token_ids
+
+    async def run() -> tuple[list[int], list[int], list]:
+        async with AsyncAgentMemory(address, store_process.address, durable=True) as mem:
+            agent = await mem.agent("async", system=SYSTEM)
+            assert agent.created and agent.state.tier == "hot"
+            a = await (await agent.say(Q1, max_tokens=8)).wait()
+            injected = await agent.inject(HEARD)
+            assert injected.usage.generated_tokens == 0 and agent.state == injected.agent
+            b = await (await agent.say(Q2, max_tokens=12)).wait()
+            assert not (await mem.agent("async", system=SYSTEM)).created  # exists: a handle
+            return a.token_ids, b.token_ids, await mem.agents()
+
+    a, b, agents = asyncio.run(run())
+    assert (a, b) == (first, second) and len(b) > 0
+    assert sorted(s.agent_id for s in agents) == ["async", "sync"]
+    assert {s.tier for s in agents} == {"hot"}
+
+
+def test_a_reply_streams_its_text(tiny_model_dirs, start_worker):
+    address = start_worker(tiny_model_dirs["llama"]).address
+
+    async def run() -> None:
+        async with AsyncAgentMemory(address) as mem:
+            agent = await mem.agent("a", system=SYSTEM)
+            reply = await agent.say(Q1, max_tokens=24)
+            assert reply.worker == address and not reply.done
+            with pytest.raises(RuntimeError, match="still streaming"):
+                _ = reply.text
+            # Two consumers at once each get every piece, from the start.
+            pieces, again = await asyncio.gather(collect(reply), collect(reply))
+            assert pieces == again and len(pieces) > 0 and all(pieces)
+            assert "".join(pieces) == reply.text
+            assert reply.usage.generated_tokens == len(reply.token_ids) > 0
+            assert reply.cache_state == "hot" and reply.time_to_first_token_ms > 0
+            assert await collect(reply) == pieces  # a finished reply replays
+            fork = await agent.fork("a-fork", phase="what-if")
+            assert fork.created and fork.state.phase == "what-if"
+            assert (await fork.describe()).num_tokens == (await agent.describe()).num_tokens
+            assert await fork.delete() and not await fork.delete()
+
+    asyncio.run(run())
+
+
+def test_a_lost_worker_moves_its_agents_to_the_next(tiny_model_dirs, start_worker):
+    a, b = (start_worker(tiny_model_dirs["llama"], name=name) for name in ("a", "b"))
+
+    async def run() -> None:
+        workers = [a.address, b.address]
+        async with AsyncAgentMemory(workers, durable=True, retries=1, backoff=0.05) as mem:
+            ids = (f"agent-{i}" for i in range(1000))
+            agent_id = next(i for i in ids if mem.worker_for(i) == a.address)
+            control_id = next(i for i in ids if mem.worker_for(i) == b.address)
+            agent = await mem.agent(agent_id, system=SYSTEM)
+            control = await mem.agent(control_id, system=SYSTEM)
+            for one in (agent, control):
+                assert (await (await one.say(Q1, max_tokens=8)).wait()).cache_state == "hot"
+
+            inflight = await agent.say(Q2, max_tokens=1024)  # about 1.5 s of decoding
+            a.kill9()
+            with pytest.raises(Unavailable, match="the turn was not committed: say it again"):
+                await inflight.wait()
+            with pytest.raises(Unavailable, match="not committed"):
+                await collect(inflight)  # and again, for any later reader
+            reply = await (await agent.say(Q2, max_tokens=12)).wait()
+            assert reply.worker == b.address and reply.cache_state == "warm"
+            assert reply.usage.reused_store_tokens > 0
+            assert mem.worker_for(agent_id) == b.address  # a is down: not tried first
+            expected = await (await control.say(Q2, max_tokens=12)).wait()
+            # Nothing lost in the move, and nothing of the lost turn kept.
+            assert reply.token_ids == expected.token_ids
+            assert (await agent.describe()).tier == "hot"
+
+    asyncio.run(run())
+
+
+def test_bad_input_and_no_worker_get_typed_errors(tiny_model_dirs, start_worker):
+    address = start_worker(tiny_model_dirs["llama"]).address
+
+    async def run() -> None:
+        async with AsyncAgentMemory(address) as mem:
+            agent = await mem.agent("a", system=SYSTEM)
+            state = await agent.describe()
+            with pytest.raises(InvalidArgument, match="empty"):
+                await agent.say("", max_tokens=4)
+            with pytest.raises(InvalidArgument, match="role"):
+                await agent.inject(HEARD, role="narrator")
+            ghost = await mem.agent("ghost")
+            with pytest.raises(AgentNotFound):
+                await ghost.say(Q1, max_tokens=4)
+            with pytest.raises(AgentNotFound):
+                await ghost.fork("ghost-fork")
+            with pytest.raises(InvalidArgument, match="needs the store"):
+                await mem.agents()
+            assert (await agent.describe()).num_tokens == state.num_tokens  # unharmed
+            assert (await (await agent.say(Q1, max_tokens=4)).wait()).cache_state == "hot"
+
+        nowhere = free_address()
+        async with AsyncAgentMemory(nowhere, retries=2, backoff=0.05) as mem:
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="no worker could be reached") as caught:
+                await mem.agent("a", system=SYSTEM)
+            assert time.monotonic() - start < 5 and not caught.value.remote
+            assert "3 tries" in caught.value.message
+
+    asyncio.run(run())

@@ -1,0 +1,294 @@
+"""The SDK's workflows and routing, through real store and worker processes on tiny models.
+
+Both shipped scenarios run end to end with the cache-state sequence asserted; routing keeps
+an agent on its worker, and when that worker is killed the agent's next turn succeeds on
+another one, warm, with the tokens it would have had. Bad scenarios and messages get clear
+errors. Who-hears-whom is checked without a model, on a recording fake.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentkv.errors import AgentNotFound, InvalidArgument
+from client.demo import scenario_path
+from client.memory import AgentMemory
+from client.scenario import ScenarioError, load_scenario, parse_scenario, run_scenario
+from client.workflow import Role, Workflow
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "client" / "scenarios"
+
+
+# who hears whom, on a fake memory
+
+
+class FakeAgent:
+    def __init__(self, log: list, agent_id: str) -> None:
+        self.log, self.id, self.created, self.state = log, agent_id, True, None
+
+    def say(self, messages, **options):
+        self.log.append(("say", self.id, list(messages)))
+        return FakeReply(f"{self.id} speaks")
+
+    def inject(self, message, **options):
+        self.log.append(("inject", self.id, message))
+
+        class Result:
+            class usage:
+                cache_state, prefilled_tokens = "hot", 1
+
+            class agent:
+                num_tokens = 1
+
+        return Result
+
+    def delete(self):
+        self.log.append(("delete", self.id, None))
+
+    def evict(self):
+        self.log.append(("evict", self.id, None))
+
+
+class FakeReply:
+    worker = "fake"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+        class usage:
+            cache_state, time_to_first_token_ms = "hot", 1.0
+            prefilled_tokens = prompt_tokens = generated_tokens = 1
+
+        self.usage = usage
+
+
+class FakeMemory:
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def agent(self, agent_id, system=None, phase=""):
+        self.log.append(("create", agent_id, system))
+        return FakeAgent(self.log, agent_id)
+
+
+def test_permanent_agents_are_injected_with_what_they_heard_and_nothing_else():
+    mem = FakeMemory()
+    flow = Workflow(
+        mem,
+        [
+            Role("warden", "W"),
+            Role("a", "A", hears=("warden",)),
+            Role("b", "B", hears=("warden",)),
+            Role("analyst", "X", permanent=False),
+        ],
+    )
+    with flow.phase("one", brief="Day one.") as p:
+        p.say("warden", "Speak.")
+        p.say("a", "Answer.")
+        p.say("b", "Answer.")
+    mem.log.clear()
+    with flow.phase("two") as p:
+        p.say("analyst", "Explain.")
+    injected = {agent: text for kind, agent, text in mem.log if kind == "inject"}
+    assert set(injected) == {"warden"}  # a and b heard nothing new: nobody injected them
+    assert "a speaks" in injected["warden"] and "b speaks" in injected["warden"]
+    creates = [agent for kind, agent, _ in mem.log if kind == "create"]
+    assert creates == ["analyst"]
+    (_, _, messages), *_ = [e for e in mem.log if e[0] == "say"]
+    heard = messages[-1][1]
+    assert "Day one." in heard and "warden speaks" in heard and "a speaks" in heard
+    assert ("delete", "analyst", None) in mem.log  # ephemeral: gone when its phase ends
+    first_b = [e for e in flow.records if e.agent == "b" and e.kind == "say"]
+    assert first_b and flow.transcript[2].speaker == "b"
+
+
+def test_the_prisoners_never_hear_each_other():
+    mem = FakeMemory()
+    scenario = load_scenario(SCENARIOS / "prisoners_dilemma.yaml")
+    run_scenario(scenario, mem, reset=False)
+    for kind, agent, payload in mem.log:
+        text = str(payload)
+        if agent == "alice" and kind in ("say", "inject"):
+            assert "bob:" not in text
+        if agent == "bob" and kind in ("say", "inject"):
+            assert "alice:" not in text
+
+
+# real processes
+
+
+def test_prisoners_dilemma_end_to_end(tiny_model_dirs, start_worker, store_process):
+    scenario = load_scenario(scenario_path("prisoners_dilemma"))
+    worker = start_worker(tiny_model_dirs["llama"])
+    with AgentMemory(worker.address, store_process.address, scenario.namespace) as mem:
+        flow = run_scenario(scenario, mem)
+        by_phase: dict[str, list] = {}
+        for r in flow.records:
+            by_phase.setdefault(r.phase, []).append(r)
+        assert list(by_phase) == [p.name for p in scenario.phases]
+        first = by_phase["arrest"]
+        assert [(r.kind, r.cache_state) for r in first if r.kind == "create"] == [
+            ("create", "cold")
+        ] * 3
+        for phase in list(by_phase)[1:]:  # permanent agents are warm or hot after phase 1
+            for r in by_phase[phase]:
+                if r.agent != "analyst":
+                    assert r.cache_state in ("hot", "warm"), (phase, r)
+        assert [r.kind for r in by_phase["verdict"] if r.agent == "analyst"] == ["create", "say"]
+        with pytest.raises(AgentNotFound):
+            mem.agent("analyst").describe()  # ephemeral: deleted when its phase ended
+        tiers = {a.agent_id: a.tier for a in mem.agents()}
+        assert tiers == {"warden": "hot", "alice": "hot", "bob": "hot"}
+        says = [r for r in flow.records if r.kind == "say"]
+        assert all(r.generated_tokens > 0 for r in says)
+        # Persistent agents never re-prefill their past: each turn prefills little.
+        later = [r for r in says if r.phase != "arrest" and r.agent != "analyst"]
+        assert all(r.prefilled_tokens < r.context_tokens / 3 for r in later)
+
+
+def test_expert_routing_end_to_end(tiny_model_dirs, start_worker, store_process):
+    scenario = load_scenario(scenario_path("expert_routing"), document_chars=1200)
+    worker = start_worker(tiny_model_dirs["llama"])
+    with AgentMemory(worker.address, store_process.address, scenario.namespace) as mem:
+        flow = run_scenario(scenario, mem)
+    says = {
+        p.name: [r for r in flow.records if r.phase == p.name and r.kind == "say"]
+        for p in scenario.phases
+    }
+    assert len(says["priming"]) == 10 and len(says["repeated"]) == 3
+    assert all(r.prefilled_tokens > 250 for r in says["priming"])  # the document went in
+    first_query = {}
+    for r in says["queries"]:
+        first_query.setdefault(r.agent, r.cache_state)
+    experts = {k: v for k, v in first_query.items() if k != "reporter"}
+    assert set(experts.values()) == {"warm"}  # evicted after priming, restored from the store
+    assert all(r.cache_state == "hot" for r in says["repeated"])
+
+
+def test_routing_affinity_and_failover_lose_nothing(tiny_model_dirs, start_worker, store_process):
+    model = tiny_model_dirs["llama"]
+    workers = [start_worker(model, name=f"w{i}") for i in range(2)]
+    by_address = {w.address: w for w in workers}
+    mem = AgentMemory([w.address for w in workers], store_process.address, "route", durable=True)
+    ids = [f"agent-{i}" for i in range(8)]
+    homes = {agent_id: mem.worker_for(agent_id) for agent_id in ids}
+    assert len(set(homes.values())) == 2  # rendezvous spreads agents over both
+    agents = {agent_id: mem.agent(agent_id, "You are a helpful agent.") for agent_id in ids}
+    for agent_id, agent in agents.items():
+        first = agent.say("Hello there.", max_tokens=4).wait()
+        second = agent.say("And again.", max_tokens=4).wait()
+        assert first.worker == second.worker == homes[agent_id]
+        assert second.cache_state == "hot"
+
+    # A reference agent on a worker that never dies, with the same history.
+    victim_id = ids[0]
+    victim = by_address[homes[victim_id]]
+    survivor = next(w for w in workers if w is not victim)
+    ref = AgentMemory(survivor.address, store_process.address, "route-ref")
+    ref_agent = ref.agent(victim_id, "You are a helpful agent.")
+    ref_agent.say("Hello there.", max_tokens=4).wait()
+    ref_agent.say("And again.", max_tokens=4).wait()
+
+    victim.kill9()
+    reply = agents[victim_id].say("Where were we?", max_tokens=12)
+    assert reply.worker == survivor.address
+    assert reply.cache_state == "warm"  # restored from the store: nothing lost
+    assert reply.token_ids == ref_agent.say("Where were we?", max_tokens=12).token_ids
+    state = agents[victim_id].describe()
+    assert state.tier == "hot" and state.num_tokens == ref_agent.describe().num_tokens
+    mem.close()
+    ref.close()
+
+
+def test_bad_scenarios_and_messages_get_clear_errors(tmp_path, tiny_model_dirs, start_worker):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agents: [\n  - id: a\n phases: {")
+    with pytest.raises(ScenarioError, match=r"bad.yaml: line \d+, column \d+: not valid YAML"):
+        load_scenario(bad)
+    base = {"agents": [{"id": "a", "system": "S"}], "phases": [{"name": "p", "turns": []}]}
+    cases = [
+        (
+            {**base, "phases": [{"name": "p", "turns": [{"agent": "ghost", "say": "hi"}]}]},
+            r"phases\[0\].turns\[0\].agent: unknown agent 'ghost'",
+        ),
+        (
+            {**base, "phases": [{"name": "p", "turns": [{"agent": "a", "say": " "}]}]},
+            r"phases\[0\].turns\[0\].say: must not be empty",
+        ),
+        (
+            {**base, "phases": [{"name": "p", "turns": [{"agent": "a"}]}]},
+            r"phases\[0\].turns\[0\]: missing key 'say'",
+        ),
+        ({**base, "agents": [{"id": "a", "hears": ["zed"]}]}, r"agents\[0\].hears: unknown agent"),
+        ({**base, "agents": [{"id": "a"}, {"id": "a"}]}, "defined twice"),
+        ({**base, "agents": [{"id": "a", "colour": "red"}]}, "unknown key 'colour'"),
+        ({**base, "agents": [{"id": "bad id"}]}, r"agents\[0\].id: 'bad id' is not a valid id"),
+        (
+            {**base, "agents": [{"id": "a", "document": {"module": "no.such.module"}}]},
+            "is not a pure-Python standard-library module",
+        ),
+        ({"agents": [{"id": "a"}]}, "missing key 'phases'"),
+        ([1, 2], "must be a mapping"),
+    ]
+    for data, message in cases:
+        with pytest.raises(ScenarioError, match=message):
+            parse_scenario(data, "case.yaml")
+
+    worker = start_worker(tiny_model_dirs["llama"])
+    with AgentMemory(worker.address, namespace="bad") as mem:
+        agent = mem.agent("a", "You are terse.")
+        with pytest.raises(InvalidArgument, match="empty"):
+            agent.say("")
+        flow = Workflow(mem, [Role("a", "You are terse.")])
+        with pytest.raises(InvalidArgument, match="inside a phase"):
+            flow.say("a", "hello")
+        with flow.phase("p") as p:
+            with pytest.raises(InvalidArgument, match="not in the workflow"):
+                p.say("ghost", "hello")
+            with pytest.raises(InvalidArgument, match="empty"):
+                p.say("a", "  ")
+        with pytest.raises(InvalidArgument, match="listing agents needs the store"):
+            mem.agents()
+        assert agent.describe().num_tokens > 0  # still intact
+
+
+def test_cli_runs_a_scenario_and_lists_agents(
+    tmp_path, tiny_model_dirs, start_worker, store_process
+):
+    worker = start_worker(tiny_model_dirs["llama"])
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(
+        "name: tiny\nagents:\n  - {id: a, system: You are A.}\n  - {id: b, system: You are B.}\n"
+        "phases:\n  - name: one\n    turns:\n      - {agent: a, say: Hello.}\n"
+        "      - {agent: b, say: Answer A.}\n  - name: two\n    turns:\n"
+        "      - {agent: a, say: Go on.}\n"
+    )
+    flags = ["--store", store_process.address, "--worker", worker.address]
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "run", str(scenario), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "phase two" in run.stdout and "inject a" in run.stdout.replace("  ", " ")
+    listed = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "agents", "-n", "tiny", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()[2:]]
+    assert sorted(r[0] for r in rows) == ["a", "b"] and {r[1] for r in rows} == {"hot"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "run", str(tmp_path / "missing.yaml"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
