@@ -8,6 +8,7 @@ errors. Who-hears-whom is checked without a model, on a recording fake.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,22 @@ def test_cli_runs_a_scenario_and_lists_agents(
         timeout=60,
     )
     assert bad.returncode == 2 and "cannot read" in bad.stderr
+
+
+def test_the_demo_runs_end_to_end():
+    """The README's main command, on the shipped model: every agent resumes warm."""
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for phase in ("arrest", "interrogation", "deal", "pressure", "verdict", "epilogue"):
+        assert f"phase {phase}" in out
+    assert "resumed warm from the store: alice, bob, warden" in out
+    summary = out.split("per phase", 1)[1]
+    assert re.search(r"^verdict +4 ", summary, re.M)
+    ratios = [float(x) for x in re.findall(r"([\d.]+)x\s*$", summary, re.M)]
+    assert len(ratios) == 5 and all(r > 0 for r in ratios)  # timings vary: no speed claims
