@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from agentkv import logs
 from cache_store.__main__ import parse_size
@@ -53,8 +54,19 @@ def build_config(argv: list[str] | None = None):
         default="auto",
         help="how to read the store: locate (same host), stream, or auto",
     )
+    p.add_argument(
+        "--blas-threads",
+        type=int,
+        default=0,
+        help="OpenBLAS threads (default: its own choice, one per core); on CPU one thread is "
+        "faster for single-agent decode, more for large batches and prefill",
+    )
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
+    if a.blas_threads < 0:
+        p.error(f"--blas-threads {a.blas_threads} must be >= 0")
+    if a.blas_threads:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(a.blas_threads)  # read when OpenBLAS loads
     try:
         return WorkerConfig(
             model=a.model,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -88,3 +89,15 @@ def test_hot_tier_never_evicts_what_is_not_durable():
     evicted = tier.enforce(keep={("ns", "current")})
     assert [a.agent_id for a in evicted] == ["saved"]
     assert tier.nbytes == 200  # over budget until the others are written, never lost
+
+
+def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, capsys):
+    from inference_worker.__main__ import build_config
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    base = ["--model", "m", "--store", "127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        build_config([*base, "--blas-threads", "-1"])
+    assert "--blas-threads -1 must be >= 0" in capsys.readouterr().err
+    build_config([*base, "--blas-threads", "1"])
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
