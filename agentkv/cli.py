@@ -5,6 +5,7 @@ agentkv run SCENARIO         run a workflow scenario (a YAML file, or a shipped 
 agentkv agents               list agents with their tier (hot, warm, cold), tokens and bytes
 agentkv store stats|namespaces|agents|agent|blocks|verify|gc   inspect and maintain a store
 agentkv walkthrough          a guided tour of the store and the worker
+agentkv plan --config NAME --context 8K --budget 10.2Gi   how many agents' KV caches fit
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 from agentkv.errors import AgentKVError
+from agentkv.layers import describe, layer_specs
+from agentkv.planner import TABLE14_NOTES, load_config, parse_size, parse_tokens, plan, table14
 from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 
@@ -200,7 +204,37 @@ def build_parser() -> argparse.ArgumentParser:
         _service_flags(p)
     agents.add_argument("-n", "--namespace", default="default")
     run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
+    _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
     return parser
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a config.json, a model directory, or a shipped name")
+    p.add_argument(
+        "--context",
+        action="append",
+        type=_parsed(parse_tokens),
+        help="context tokens, e.g. 8192 or 8K; repeat for several",
+    )
+    p.add_argument("--budget", type=_parsed(parse_size), help="e.g. 10.2Gi (2^30) or 10.2G (10^9)")
+    p.add_argument("--bits", type=int, default=4, help="quantized K/V bits (default 4)")
+    p.add_argument("--group-size", type=int, default=64, help="elements per scale and bias")
+    p.add_argument(
+        "--chunk", type=int, default=0, help="prefill chunk in flight, held beyond the window"
+    )
+    p.add_argument(
+        "--table14", action="store_true", help="the paper's Table 14 beside this planner's"
+    )
+
+
+def _parsed(parse: Callable[[str], int]) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def _service_flags(p: argparse.ArgumentParser) -> None:
@@ -257,6 +291,73 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
     print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
 
 
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB"
+
+
+def _notes(lines: Sequence[str]) -> str:
+    wrap = textwrap.TextWrapper(width=100, initial_indent="  - ", subsequent_indent="    ")
+    return "notes:\n" + "\n".join(wrap.fill(line) for line in lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    if args.table14:
+        print_table14()
+        return
+    if not (args.config and args.context and args.budget):
+        raise ValueError("plan needs --config, --context and --budget (or --table14)")
+    config = load_config(args.config)
+    specs = layer_specs(config)
+    bits, group = args.bits, args.group_size
+    caps = [
+        plan(config, n, args.budget, bits, group, chunk_tokens=args.chunk) for n in args.context
+    ]
+    print(f"{args.config}: {describe(specs)}")
+    print(
+        f"budget {_gib(args.budget)} ({args.budget:,} bytes); "
+        f"Q{bits} = {bits}-bit values, an fp16 scale and bias per {group}\n"
+    )
+    headers = ["context", "FP16/agent", f"Q{bits}/agent", f"Q{bits} window/agent"]
+    headers += ["FP16 agents", f"Q{bits} agents", f"Q{bits} window agents"]
+    rows = [
+        (c.context_tokens, _gib(c.fp16_bytes), _gib(c.q_bytes), _gib(c.q_window_bytes))
+        + (c.num_fp16_agents, c.num_q_agents, c.num_q_window_agents)
+        for c in caps
+    ]
+    print(table(headers, rows) + "\n")
+    sliding = any(s.kind == "sliding" for s in specs)
+    print(
+        _notes(
+            [
+                "per agent: the KV cache only, no weights, activations or allocator slack",
+                f"FP16 and Q{bits}: every layer holds the whole context, as the paper counts",
+                f"Q{bits} window: a sliding layer holds min(context, window + chunk - 1) tokens "
+                "(mlx-lm's RotatingKVCache; a cache trimmed at block boundaries holds up to a "
+                "block more)"
+                if sliding
+                else f"no sliding-window layers: Q{bits} window = Q{bits}",
+                "the paper's '10.2 GB' budget is --budget 10.2Gi; --table14 compares with it",
+            ]
+        )
+    )
+
+
+def print_table14() -> None:
+    rows = table14()
+    budget = rows[0].ours.budget_bytes
+    print(f"Table 14 (M4 Pro, 10.2 GB cache budget) beside this planner at {_gib(budget)}\n")
+    headers = ["model", "context", "FP16 paper", "FP16 here", "Q4 paper", "Q4 here"]
+    cells = [
+        (r.model, f"{r.ours.context_tokens // 1024}K", r.paper_fp16, r.ours.num_fp16_agents)
+        + (r.paper_q4, r.ours.num_q_agents, r.ours.num_q_window_agents)
+        for r in rows
+    ]
+    print(table([*headers, "Q4 window here"], cells) + "\n")
+    print("cells that differ:")
+    print("\n".join(f"  {d}" for r in rows for d in r.differences()) + "\n")
+    print(_notes(TABLE14_NOTES))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
@@ -271,6 +372,13 @@ def main(argv: list[str] | None = None) -> None:
             demo.run(
                 Path(args.model) if args.model else demo.DEFAULT_MODEL, args.keep, not args.no_cold
             )
+            return
+        if args.command == "plan":
+            try:
+                cmd_plan(args)
+            except (ValueError, OSError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                sys.exit(2)
             return
         if args.command in ("run", "agents"):
             (cmd_run if args.command == "run" else cmd_list_agents)(args)
