@@ -55,6 +55,11 @@ def build_config(argv: list[str] | None = None):
         help="how to read the store: locate (same host), stream, or auto",
     )
     p.add_argument(
+        "--full-window-layers",
+        action="store_true",
+        help="keep sliding-window layers at full length in RAM and restore (default: window)",
+    )
+    p.add_argument(
         "--blas-threads",
         type=int,
         default=0,
@@ -79,6 +84,7 @@ def build_config(argv: list[str] | None = None):
             quantized_query_max=a.quantized_query_max,
             hot_budget_bytes=a.hot_budget,
             restore_path=a.restore_path,
+            window_caches=not a.full_window_layers,
             max_batch=a.max_batch,
             step_tokens=a.step_tokens,
             queue_limit=a.queue_limit,

@@ -27,6 +27,7 @@ class Agent:
     generation: int = 0  # of the store manifest this worker last committed or read
     persisted_tokens: int = 0  # cache tokens durable in the store
     queued_full_keys: list[bytes] = field(default_factory=list)  # full blocks stored or queued
+    committed_full_keys: list[bytes] = field(default_factory=list)  # full blocks committed
     reply_open: bool = False  # the last tokens are a generated reply not yet closed
     phase: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
@@ -45,6 +46,12 @@ class Agent:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
+
+    def keep_undurable(self) -> None:
+        """Tells the caches which positions are not yet in the store: a sliding-window layer
+        must keep those until they are, whatever its window."""
+        for cache in self.caches:
+            cache.keep_from = self.persisted_tokens
 
     @property
     def durable(self) -> bool:

@@ -22,15 +22,27 @@ from inference_worker.kv_format import KVFormat
 class BatchQuantizedKV:
     step = QuantizedKV.step
 
-    def __init__(self, fmt: KVFormat, left_padding: Sequence[int], quantized_query_max: int = 1):
+    def __init__(
+        self,
+        fmt: KVFormat,
+        left_padding: Sequence[int],
+        quantized_query_max: int = 1,
+        window: int | None = None,
+        align: int = 256,
+    ):
         self.fmt = fmt
         self.group_size = fmt.group_size
         self.quantized_query_max = quantized_query_max
+        self.window, self.align = window, align
         # Every row's tokens at [0, idx): storage, growth and the attention path are the
         # single cache's; the batch adds left padding and a position per sequence.
         self.kv = QuantizedKV(fmt, quantized_query_max)
         self.left_padding = mx.array(list(left_padding), dtype=mx.int32)
         self.offset = -self.left_padding
+        # Per row, on the host: absolute position of its first held token, its position,
+        # and where its not-yet-durable tokens begin (a sliding layer keeps those).
+        n = len(left_padding)
+        self.row_start, self.row_offset, self.row_keep = [0] * n, [0] * n, [0] * n
 
     @property
     def bits(self) -> int:
@@ -55,12 +67,20 @@ class BatchQuantizedKV:
     # the protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        self._drop_out_of_reach()
         self.offset = self.offset + keys.shape[2]
+        self.row_offset = [o + keys.shape[2] for o in self.row_offset]
         return self.kv.update_and_fetch(keys, values)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        """The mask for the next update's layout (after it drops what is out of reach).
+        Rows are right-aligned, so a window is the same span of columns for every row."""
+        cut = self._cut()
         return create_causal_mask(
-            n, offset=self.idx, left_padding=self.left_padding, window_size=window_size
+            n,
+            offset=self.idx - cut,
+            left_padding=mx.maximum(self.left_padding - cut, 0),
+            window_size=window_size,
         )
 
     def empty(self) -> bool:
@@ -84,25 +104,30 @@ class BatchQuantizedKV:
     @classmethod
     def merge(cls, caches: Sequence[QuantizedKV], quantized_query_max: int = 1) -> BatchQuantizedKV:
         """One batch of single-agent caches, right-aligned (left-padded) to the longest."""
-        fmt = caches[0].fmt
-        lengths = [c.offset for c in caches]
-        longest = max(lengths)
-        batch = cls(fmt, [longest - n for n in lengths], quantized_query_max)
+        first = caches[0]
+        held = [c.offset - c.start for c in caches]
+        longest = max(held)
+        batch = cls(
+            first.fmt, [longest - n for n in held], quantized_query_max, first.window, first.align
+        )
+        batch._rows(caches)
         template = next((c for c in caches if c.keys is not None), None)
         if template is None or longest == 0:
             return batch
         capacity = -(-longest // cls.step) * cls.step
-        keys = _stack([c.keys for c in caches], lengths, template.keys, longest, capacity)
-        values = _stack([c.values for c in caches], lengths, template.values, longest, capacity)
+        keys = _stack([c.keys for c in caches], held, template.keys, longest, capacity)
+        values = _stack([c.values for c in caches], held, template.values, longest, capacity)
         batch.kv.load(keys, values, longest)
-        batch.offset = mx.array(lengths, dtype=mx.int32)  # each sequence's own position
+        batch.offset = mx.array(batch.row_offset, dtype=mx.int32)  # each sequence's position
         return batch
 
     def extract(self, i: int) -> QuantizedKV:
         """Sequence i as a single-agent cache holding exactly its tokens."""
-        cache = QuantizedKV(self.fmt, self.quantized_query_max)
+        cache = QuantizedKV(self.fmt, self.quantized_query_max, self.window, self.align)
         pad = int(self.left_padding[i].item())
         n = self.idx - pad
+        cache.offset = cache.start = self.row_offset[i]
+        cache.keep_from = self.row_keep[i]
         if self.keys is None or n == 0:
             return cache
         capacity = -(-n // QuantizedKV.step) * QuantizedKV.step
@@ -110,13 +135,17 @@ class BatchQuantizedKV:
             tuple(_padded(x[i : i + 1, :, pad : self.idx, :], capacity) for x in q)
             for q in (self.keys, self.values)
         )
-        cache.load(keys, values, n)
+        cache.load(keys, values, self.row_offset[i], self.row_start[i])
+        cache.keep_from = self.row_keep[i]
         return cache
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keeps the sequences at `keep` (in that order); drops padding they all share."""
         index = mx.array(list(keep), dtype=mx.int32)
         self.left_padding, self.offset = self.left_padding[index], self.offset[index]
+        self.row_start = [self.row_start[i] for i in keep]
+        self.row_offset = [self.row_offset[i] for i in keep]
+        self.row_keep = [self.row_keep[i] for i in keep]
         if self.keys is None:
             return
         shared = int(mx.min(self.left_padding).item()) if len(keep) else 0
@@ -129,7 +158,7 @@ class BatchQuantizedKV:
     def extend(self, caches: Sequence[QuantizedKV]) -> None:
         """Adds single-agent caches to the batch, all right-aligned to the longest. The held
         rows move only when a newcomer is longer: they gain that much left padding."""
-        lengths = [c.offset for c in caches]
+        lengths = [c.offset - c.start for c in caches]
         longest = max(self.idx, *lengths)
         shift = longest - self.idx
         if self.keys is not None or any(c.keys is not None for c in caches):
@@ -139,7 +168,8 @@ class BatchQuantizedKV:
             self.kv.load(keys, values, longest)
         pads = mx.array([longest - n for n in lengths], dtype=mx.int32)
         self.left_padding = mx.concatenate([self.left_padding + shift, pads])
-        self.offset = mx.concatenate([self.offset, mx.array(lengths, dtype=mx.int32)])
+        self.offset = mx.concatenate([self.offset, mx.array([c.offset for c in caches], mx.int32)])
+        self._rows(caches, extend=True)
 
     def _joined(
         self,
@@ -160,6 +190,43 @@ class BatchQuantizedKV:
         new = _stack(parts, lengths, held, longest, capacity)
         moved = (_shifted(x[..., : self.idx, :], shift, capacity) for x in held)
         return tuple(mx.concatenate(p, axis=0) for p in zip(moved, new, strict=True))  # type: ignore[return-value]
+
+    def _rows(self, caches: Sequence[QuantizedKV], extend: bool = False) -> None:
+        rows = (
+            [c.start for c in caches],
+            [c.offset for c in caches],
+            [c.keep_from for c in caches],
+        )
+        if extend:
+            self.row_start += rows[0]
+            self.row_offset += rows[1]
+            self.row_keep += rows[2]
+        else:
+            self.row_start, self.row_offset, self.row_keep = map(list, rows)
+
+    def _cut(self) -> int:
+        """Columns the next update drops: those no row can attend again or still has to
+        persist, a block of `align` tokens at a time, as a single sliding-window cache would."""
+        if self.window is None or self.keys is None:
+            return 0
+        cut = self.idx
+        for pad, start, offset, keep in zip(
+            self.left_padding.tolist(), self.row_start, self.row_offset, self.row_keep, strict=True
+        ):
+            view = max(start, (offset - self.window + 1) // self.align * self.align)
+            reach = min(view, keep // self.align * self.align)
+            cut = min(cut, pad + max(0, reach - start))
+        return cut if cut >= self.align else 0
+
+    def _drop_out_of_reach(self) -> None:
+        cut = self._cut()
+        if not cut:
+            return
+        keys, values = (tuple(x[..., cut:, :] for x in q) for q in (self.keys, self.values))
+        self.kv.load(keys, values, self.idx - cut)
+        for i, pad in enumerate(self.left_padding.tolist()):
+            self.row_start[i] += max(0, cut - pad)
+        self.left_padding = mx.maximum(self.left_padding - cut, 0)
 
 
 def _stack(

@@ -103,6 +103,7 @@ class Batcher:
     def _prefill(self, turn: ActiveTurn, n: int) -> bool:
         """Runs a prefill chunk; returns whether the turn now joins the batch to decode."""
         chunk = turn.pending[turn.prefilled : turn.prefilled + n]
+        turn.agent.keep_undurable()
         logits = self.model(mx.array([chunk]), cache=turn.agent.caches)
         mx.eval(logits)
         turn.prefilled += n

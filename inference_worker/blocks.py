@@ -52,28 +52,64 @@ def cache_blocks(
     return blocks, keys
 
 
+def window_starts(windows: Sequence[int | None], total: int, align: int) -> list[int]:
+    """Per layer, the first position a cache of `total` tokens still needs: 0 for a full
+    layer; for a sliding one, its view start (see QuantizedKV) less what precedes it in the
+    block holding it."""
+    return [0 if w is None else max(0, (total - w + 1) // align * align) for w in windows]
+
+
+def block_layers(
+    counts: Sequence[int], windows: Sequence[int | None], align: int
+) -> list[tuple[int, ...]]:
+    """Per block (of `counts` tokens each, in order), the layers a restore must read: every
+    full layer, and a sliding layer only where the block reaches into its window. An empty
+    tuple means every layer."""
+    starts = window_starts(windows, sum(counts), align)
+    out, pos = [], 0
+    for n in counts:
+        layers = tuple(i for i, s in enumerate(starts) if pos + n > s)
+        out.append(() if len(layers) == len(windows) else layers)
+        pos += n
+    return out
+
+
 def caches_from_blocks(
-    blocks: Sequence[StoredBlock], num_layers: int, fmt: KVFormat, quantized_query_max: int = 1
+    blocks: Sequence[StoredBlock],
+    num_layers: int,
+    fmt: KVFormat,
+    quantized_query_max: int = 1,
+    windows: Sequence[int | None] | None = None,
+    align: int = QuantizedKV.step,
 ) -> list[QuantizedKV]:
     """Per-layer caches holding the blocks' tokens, in order; bit for bit what was stored.
 
-    Each part is assembled once in host memory, already sized to the cache's growth step,
-    and copied into MLX once: no concatenation in MLX, no regrowth on the next token.
+    A sliding layer (`windows[i]` not None) takes only the blocks that reach into its window
+    (block_layers); the others need not carry it. Each part is assembled once in host memory,
+    already sized to the cache's growth step, and copied into MLX once.
     """
-    caches = [QuantizedKV(fmt, quantized_query_max) for _ in range(num_layers)]
+    windows = list(windows) if windows is not None else [None] * num_layers
+    caches = [QuantizedKV(fmt, quantized_query_max, w, align) for w in windows]
     if not blocks:
         return caches
     by_name = [{t.name: t for t in b.tensors} for b in blocks]
-    total = sum(len(b.token_ids) for b in blocks)
-    capacity = -(-total // QuantizedKV.step) * QuantizedKV.step
-    for layer, cache in enumerate(caches):
+    counts = [len(b.token_ids) for b in blocks]
+    total = sum(counts)
+    positions = [sum(counts[:i]) for i in range(len(counts))]
+    for layer, (cache, need) in enumerate(
+        zip(caches, window_starts(windows, total, align), strict=True)
+    ):
+        first = max(i for i, p in enumerate(positions) if p <= need)  # the block holding it
+        start = positions[first]
+        capacity = -(-(total - start) // QuantizedKV.step) * QuantizedKV.step
         keys, values = (
             tuple(
-                _stacked([t[f"layers.{layer}.{kv}.{p}"] for t in by_name], capacity) for p in PARTS
+                _stacked([t[f"layers.{layer}.{kv}.{p}"] for t in by_name[first:]], capacity)
+                for p in PARTS
             )
             for kv in ("keys", "values")
         )
-        cache.load(keys, values, total)
+        cache.load(keys, values, total, start)
     mx.eval([a for c in caches for a in c.state_arrays()])
     return caches
 

@@ -27,6 +27,9 @@ class WorkerConfig:
     step_tokens: int = 512  # tokens one model step may process: decodes first, then prefill
     queue_limit: int = 64
     restore_path: str = "auto"  # auto: locate when the store's files are visible here
+    # Sliding-window layers keep only their window in RAM and restore only the blocks that
+    # reach into it. False keeps every layer at full length (the paper's reference).
+    window_caches: bool = True
     store_timeout: float = 60.0
     max_stop_strings: int = 16
     workers: int = 16

@@ -31,6 +31,7 @@ from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatMessage
 from inference_worker.config import WorkerConfig
 from inference_worker.kv_cache import QuantizedKV
+from inference_worker.layer_spec import model_layers
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import Persister, snapshot
 from inference_worker.restore import Restorer
@@ -63,7 +64,10 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
         self._thread.start()
         self.model, self.tokenizer = self.submit(load_model).result()
-        self.num_layers = len(self.model.layers)
+        self.layers = self.submit(model_layers, self.model).result()
+        self.num_layers = len(self.layers)
+        # Sliding-window layers keep only their window (and restore only blocks reaching it).
+        self.windows = [layer.window if config.window_caches else None for layer in self.layers]
         self.chat = ChatFormat(self.tokenizer)
         self.hot = HotTier(config.hot_budget_bytes)
         self.persister = Persister(
@@ -87,6 +91,7 @@ class Engine:
             config.block_tokens,
             restore_path,
             quantized_query_max,
+            self.windows,
         )
 
     # the MLX thread
@@ -330,6 +335,7 @@ class Engine:
         usage.reused_store_tokens = restored.tokens_restored
         usage.cache_state = "warm" if restored.tokens_restored else "cold"
         usage.restore_path, usage.restore_failure = restored.path, restored.failure
+        usage.restored_bytes = restored.bytes_read
         if restored.failure:
             self.metrics.restore_failures.inc()
         self.hot.put(restored.agent)
@@ -343,6 +349,7 @@ class Engine:
         pending = agent.tokens[agent.cached :]
         logits = None
         step = self.config.prefill_chunk
+        agent.keep_undurable()
         for start in range(0, len(pending), step):
             logits = self.model(mx.array([pending[start : start + step]]), cache=agent.caches)
             mx.eval(logits)
@@ -350,22 +357,31 @@ class Engine:
 
     def _finish_turn(self, agent: Agent) -> None:
         """Queues the store write, then keeps the hot tier within budget."""
-        agent.pending = self.persister.submit(
-            agent, snapshot(agent, self.fingerprint, self.config.block_tokens)
-        )
+        self._persist(agent)
         self.hot.put(agent)
         busy = {t.agent.id for t in self.batcher.active.values()} | {agent.id}
         for evicted in self.hot.enforce(keep=busy):
             log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
         self.metrics.hot_bytes.set(self.hot.nbytes)
 
+    def _persist(self, agent: Agent) -> None:
+        """Cuts the agent's unsaved blocks and queues their write."""
+        try:
+            snap = snapshot(agent, self.fingerprint, self.config.block_tokens)
+        except ValueError as exc:  # blocks it would rewrite have left a window cache
+            log.error("cannot persist agent", extra={"agent": agent.agent_id, "error": str(exc)})
+            agent.persist_failed = True
+            self.metrics.persists.labels(outcome="failed").inc()
+            return
+        agent.pending = self.persister.submit(agent, snap)
+
     def _make_durable(self, agent: Agent) -> None:
         if agent.pending is not None:
             agent.pending.result()
         if agent.persist_failed or agent.persisted_tokens < agent.cached:
-            self.persister.submit(
-                agent, snapshot(agent, self.fingerprint, self.config.block_tokens)
-            ).result()
+            self._persist(agent)
+            if agent.pending is not None:
+                agent.pending.result()
         if not agent.durable or agent.persist_failed:
             raise Unavailable(
                 f"agent {agent.agent_id!r} cannot be made durable: the store "
@@ -390,7 +406,8 @@ class Engine:
         return True
 
     def _caches(self) -> list[QuantizedKV]:
-        return [QuantizedKV(self.config.kv, self.qmax) for _ in range(self.num_layers)]
+        block = self.config.block_tokens
+        return [QuantizedKV(self.config.kv, self.qmax, w, block) for w in self.windows]
 
     def _info(self, agent: Agent, tier: str) -> AgentInfo:
         return AgentInfo(

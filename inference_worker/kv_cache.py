@@ -30,17 +30,36 @@ QTensor = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
 
 class QuantizedKV:
-    """One layer's K and V, quantized, growing in steps of `step` tokens."""
+    """One layer's K and V, quantized, growing in steps of `step` tokens.
+
+    A sliding-window layer (`window` W) keeps only what attention can still read: the last
+    W - 1 tokens before each update, from a start aligned down to `align` tokens (the block
+    size), so the layout depends only on the position and a restored cache matches a hot one
+    block for block. Tokens not yet durable in the store (from `keep_from` on) are kept too,
+    so that persistence can still cut them into blocks. `offset` is the absolute position
+    (RoPE reads it); the arrays hold positions [start, offset).
+    """
 
     step = 256
 
-    def __init__(self, fmt: KVFormat, quantized_query_max: int = 1) -> None:
+    def __init__(
+        self,
+        fmt: KVFormat,
+        quantized_query_max: int = 1,
+        window: int | None = None,
+        align: int = 256,
+    ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window {window} must be >= 1")
         self.fmt = fmt
         self.group_size = fmt.group_size
         self.quantized_query_max = quantized_query_max
+        self.window, self.align = window, align
         self.keys: QTensor | None = None
         self.values: QTensor | None = None
         self.offset = 0
+        self.start = 0  # absolute position of the arrays' first token
+        self.keep_from = 0  # tokens from here on may not be dropped (not yet durable)
         self._quantized_fetch = False
 
     @property
@@ -50,33 +69,61 @@ class QuantizedKV:
             raise AttributeError("bits")
         return self.fmt.k_bits
 
+    @property
+    def view_start(self) -> int:
+        """First position the next update attends over: all of them, or the window's."""
+        if self.window is None:
+            return self.start
+        return max(self.start, (self.offset - self.window + 1) // self.align * self.align)
+
     # the protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         num = keys.shape[2]
+        view = self.view_start
+        self._drop_before(min(view, self.keep_from // self.align * self.align))
         self._store(keys, values)
         fmt = self.fmt
+        a, b = view - self.start, self.offset - self.start
         if num <= self.quantized_query_max and fmt.k_bits == fmt.v_bits:
             self._quantized_fetch = True
-            return self.quantized(self.offset)
+            return _cut(self.keys, a, b), _cut(self.values, a, b)
         self._quantized_fetch = False
-        return self.dequantized(self.offset, keys.dtype)
+        return self.dequantized(a, b, keys.dtype)
 
     def quantized(self, end: int) -> tuple[QTensor, QTensor]:
+        """K and V of positions [start, end), quantized."""
         assert self.keys is not None and self.values is not None
-        return _cut(self.keys, 0, end), _cut(self.values, 0, end)
+        n = end - self.start
+        return _cut(self.keys, 0, n), _cut(self.values, 0, n)
 
-    def dequantized(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """K and V of tokens [0, end) in `dtype`. The small scales and biases are cast, not
+    def dequantized(self, a: int, b: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """K and V of array rows [a, b) in `dtype`. The small scales and biases are cast, not
         the big result: 3x faster on CPU than dequantizing in fp16 and casting after."""
         g, fmt = self.group_size, self.fmt
         return tuple(
-            mx.dequantize(q, s.astype(dtype), b.astype(dtype), group_size=g, bits=bits)
-            for (q, s, b), bits in zip(self.quantized(end), (fmt.k_bits, fmt.v_bits), strict=True)
+            mx.dequantize(q, s.astype(dtype), b_.astype(dtype), group_size=g, bits=bits)
+            for (q, s, b_), bits in zip(
+                (_cut(self.keys, a, b), _cut(self.values, a, b)),
+                (fmt.k_bits, fmt.v_bits),
+                strict=True,
+            )
         )  # type: ignore[return-value]
 
+    def _drop_before(self, position: int) -> None:
+        """Forgets positions before `position` (a sliding layer's past out of reach)."""
+        drop = position - self.start
+        if drop <= 0 or self.keys is None:
+            return
+        held = self.offset - self.start
+        capacity = -(-(held - drop) // self.step) * self.step or self.step
+        self.keys, self.values = (
+            tuple(_fit(x[..., drop:held, :], capacity) for x in q) for q in (self.keys, self.values)
+        )
+        self.start = position
+
     def _store(self, keys: mx.array, values: mx.array) -> None:
-        fmt, prev = self.fmt, self.offset
+        fmt, prev = self.fmt, self.offset - self.start
         qk = mx.quantize(
             keys.astype(getattr(mx, fmt.scale_dtype)), group_size=fmt.group_size, bits=fmt.k_bits
         )
@@ -87,15 +134,16 @@ class QuantizedKV:
         for stored, new in ((self.keys, qk), (self.values, qv)):
             for dest, src in zip(stored, new, strict=True):
                 dest[..., prev : prev + keys.shape[2], :] = src
-        self.offset = prev + keys.shape[2]
+        self.offset += keys.shape[2]
 
     def _reserve(self, needed: int, qk: QTensor, qv: QTensor) -> None:
         capacity = 0 if self.keys is None else self.keys[0].shape[2]
         if needed <= capacity:
             return
         steps = (needed + self.step - 1) // self.step * self.step
-        self.keys = _grow(self.keys, qk, self.offset, steps)
-        self.values = _grow(self.values, qv, self.offset, steps)
+        held = self.offset - self.start
+        self.keys = _grow(self.keys, qk, held, steps)
+        self.values = _grow(self.values, qv, held, steps)
 
     def state_arrays(self) -> list[mx.array]:
         """Every array this cache holds, for mx.eval before handing work to another thread."""
@@ -108,7 +156,7 @@ class QuantizedKV:
     @state.setter
     def state(self, value: tuple[QTensor, QTensor]) -> None:
         self.keys, self.values = value
-        self.offset = self.keys[0].shape[2]
+        self.start, self.offset = 0, self.keys[0].shape[2]
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -119,7 +167,7 @@ class QuantizedKV:
         return True
 
     def trim(self, n: int) -> int:
-        n = min(self.offset, n)
+        n = min(self.offset - self.start, n)
         self.offset -= n
         return n
 
@@ -130,9 +178,10 @@ class QuantizedKV:
         return self.keys is None
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        """The mask for the next update's layout: keys from view_start on."""
         from mlx_lm.models.cache import create_attention_mask
 
-        return create_attention_mask(n, self.offset, return_array, window_size)
+        return create_attention_mask(n, self.offset - self.view_start, return_array, window_size)
 
     @property
     def nbytes(self) -> int:
@@ -145,24 +194,36 @@ class QuantizedKV:
     # blocks
 
     def span_tensors(self, layer: int, start: int, end: int) -> list[Tensor]:
-        """Tokens [start, end) of this layer as named tensors for a block."""
-        k, v = _cut(self.keys, start, end), _cut(self.values, start, end)
+        """Positions [start, end) of this layer as named tensors for a block."""
+        if start < self.start:
+            raise ValueError(f"positions before {self.start} left this layer's window")
+        a, b = start - self.start, end - self.start
+        k, v = _cut(self.keys, a, b), _cut(self.values, a, b)
         return [
             _tensor(f"layers.{layer}.{kv}.{part}", array)
             for kv, parts in (("keys", k), ("values", v))
             for part, array in zip(PARTS, parts, strict=True)
         ]
 
-    def load(self, keys: QTensor, values: QTensor, offset: int) -> None:
-        """Restores tokens [0, offset) from quantized arrays (from blocks), which may have
-        spare capacity past `offset`; replaces what was held."""
+    def load(self, keys: QTensor, values: QTensor, offset: int, start: int = 0) -> None:
+        """Restores positions [start, offset) from quantized arrays (from blocks), which may
+        have spare capacity past them; replaces what was held. They count as durable."""
         self.keys, self.values = keys, values
-        self.offset = offset
+        self.offset, self.start, self.keep_from = offset, start, offset
         self._quantized_fetch = False
 
 
 def _cut(q: QTensor, start: int, end: int) -> QTensor:
     return tuple(x[..., start:end, :] for x in q)  # type: ignore[return-value]
+
+
+def _fit(x: mx.array, capacity: int) -> mx.array:
+    """x along tokens, cut or zero-padded to `capacity` positions."""
+    n = x.shape[2]
+    if n >= capacity:
+        return x[..., :capacity, :]
+    pad = mx.zeros((*x.shape[:2], capacity - n, x.shape[3]), dtype=x.dtype)
+    return mx.concatenate([x, pad], axis=2)
 
 
 def _grow(old: QTensor | None, like: QTensor, used: int, steps: int) -> QTensor:

@@ -37,7 +37,13 @@ class Snapshot:
 def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
     """Cuts the agent's unsaved blocks. Runs on the MLX thread (it evaluates arrays)."""
     if agent.persist_failed:
-        agent.queued_full_keys, agent.persist_failed = [], False  # start the chain afresh
+        # Cut again from the last committed block on; or from the first, so that blocks the
+        # store lost are healed, where the caches still hold every position (a sliding-window
+        # layer forgets what left its window once committed).
+        held_from = max((c.start for c in agent.caches), default=0)
+        keep = -(-held_from // block_tokens)
+        agent.queued_full_keys = list(agent.committed_full_keys[:keep])
+        agent.persist_failed = False
     stored = list(agent.queued_full_keys)
     start = len(stored) * block_tokens
     parent = stored[-1] if stored else b""
@@ -86,6 +92,7 @@ class Persister:
             log.warning("persist failed", extra={"agent": agent.agent_id, "error": exc.message})
             return self._report("failed")
         agent.generation = manifest.generation
+        agent.committed_full_keys = snap.stored_keys + snap.new_full_keys
         agent.persisted_tokens = snap.cached
         return self._report("ok")
 

@@ -32,6 +32,7 @@ class UsageEvent:
     finish_reason: str = "none"
     restore_path: str = ""
     restore_failure: str = ""
+    restored_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61gentkv/worker/v1/worker.proto\x12\x11\x61gentkv.worker.v1\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"s\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xd7\x01\n\x12\x43reateAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x45\n\x08metadata\x18\x05 \x03(\x0b\x32\x33.agentkv.worker.v1.CreateAgentRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x13\x43reateAgentResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\"\xdc\x01\n\x0bTurnRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.agentkv.worker.v1.Message\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.agentkv.worker.v1.SamplingParams\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\"-\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xa7\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11reused_hot_tokens\x18\x02 \x01(\r\x12\x1b\n\x13reused_store_tokens\x18\x03 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x06 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x07 \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_state\x18\x08 \x01(\t\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x14\n\x0crestore_path\x18\n \x01(\t\x12\x17\n\x0frestore_failure\x18\x0b \x01(\t\"r\n\x0cTurnResponse\x12/\n\x06tokens\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.TokenChunkH\x00\x12)\n\x05usage\x18\x02 \x01(\x0b\x32\x18.agentkv.worker.v1.UsageH\x00\x42\x06\n\x04item\"\xb0\x01\n\x14InjectContextRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.agentkv.worker.v1.Message\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\"n\n\x15InjectContextResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.agentkv.worker.v1.Usage\"_\n\x10\x46orkAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x17\n\x0fsource_agent_id\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\"A\n\x11\x46orkAgentResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\"8\n\x11\x45victAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\":\n\x12\x45victAgentResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\";\n\x14\x44\x65scribeAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"\xa3\x01\n\nAgentState\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x18\n\x10persisted_tokens\x18\x06 \x01(\r\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12\r\n\x05phase\x18\x08 \x01(\t\"E\n\x15\x44\x65scribeAgentResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\"9\n\x12\x44\x65leteAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"&\n\x13\x44\x65leteAgentResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x16\n\x14GetWorkerInfoRequest\"\xdc\x01\n\x15GetWorkerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x11\n\tkv_format\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0c\n\x04\x62las\x18\x07 \x01(\t\x12\x18\n\x10hot_budget_bytes\x18\x08 \x01(\x04\x12\x11\n\thot_bytes\x18\t \x01(\x04\x12\x16\n\x0enum_hot_agents\x18\n \x01(\r2\xf7\x05\n\x0fInferenceWorker\x12\\\n\x0b\x43reateAgent\x12%.agentkv.worker.v1.CreateAgentRequest\x1a&.agentkv.worker.v1.CreateAgentResponse\x12I\n\x04Turn\x12\x1e.agentkv.worker.v1.TurnRequest\x1a\x1f.agentkv.worker.v1.TurnResponse0\x01\x12\x62\n\rInjectContext\x12\'.agentkv.worker.v1.InjectContextRequest\x1a(.agentkv.worker.v1.InjectContextResponse\x12V\n\tForkAgent\x12#.agentkv.worker.v1.ForkAgentRequest\x1a$.agentkv.worker.v1.ForkAgentResponse\x12Y\n\nEvictAgent\x12$.agentkv.worker.v1.EvictAgentRequest\x1a%.agentkv.worker.v1.EvictAgentResponse\x12\x62\n\rDescribeAgent\x12\'.agentkv.worker.v1.DescribeAgentRequest\x1a(.agentkv.worker.v1.DescribeAgentResponse\x12\\\n\x0b\x44\x65leteAgent\x12%.agentkv.worker.v1.DeleteAgentRequest\x1a&.agentkv.worker.v1.DeleteAgentResponse\x12\x62\n\rGetWorkerInfo\x12\'.agentkv.worker.v1.GetWorkerInfoRequest\x1a(.agentkv.worker.v1.GetWorkerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61gentkv/worker/v1/worker.proto\x12\x11\x61gentkv.worker.v1\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"s\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xd7\x01\n\x12\x43reateAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x45\n\x08metadata\x18\x05 \x03(\x0b\x32\x33.agentkv.worker.v1.CreateAgentRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x13\x43reateAgentResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\"\xdc\x01\n\x0bTurnRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.agentkv.worker.v1.Message\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.agentkv.worker.v1.SamplingParams\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\"-\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xbf\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11reused_hot_tokens\x18\x02 \x01(\r\x12\x1b\n\x13reused_store_tokens\x18\x03 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x06 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x07 \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_state\x18\x08 \x01(\t\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x14\n\x0crestore_path\x18\n \x01(\t\x12\x17\n\x0frestore_failure\x18\x0b \x01(\t\x12\x16\n\x0erestored_bytes\x18\x0c \x01(\x04\"r\n\x0cTurnResponse\x12/\n\x06tokens\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.TokenChunkH\x00\x12)\n\x05usage\x18\x02 \x01(\x0b\x32\x18.agentkv.worker.v1.UsageH\x00\x42\x06\n\x04item\"\xb0\x01\n\x14InjectContextRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.agentkv.worker.v1.Message\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\"n\n\x15InjectContextResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.agentkv.worker.v1.Usage\"_\n\x10\x46orkAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x17\n\x0fsource_agent_id\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\"A\n\x11\x46orkAgentResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\"8\n\x11\x45victAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\":\n\x12\x45victAgentResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\x08\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\";\n\x14\x44\x65scribeAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"\xa3\x01\n\nAgentState\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x18\n\x10persisted_tokens\x18\x06 \x01(\r\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12\r\n\x05phase\x18\x08 \x01(\t\"E\n\x15\x44\x65scribeAgentResponse\x12,\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentkv.worker.v1.AgentState\"9\n\x12\x44\x65leteAgentRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"&\n\x13\x44\x65leteAgentResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x16\n\x14GetWorkerInfoRequest\"\xdc\x01\n\x15GetWorkerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x11\n\tkv_format\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0c\n\x04\x62las\x18\x07 \x01(\t\x12\x18\n\x10hot_budget_bytes\x18\x08 \x01(\x04\x12\x11\n\thot_bytes\x18\t \x01(\x04\x12\x16\n\x0enum_hot_agents\x18\n \x01(\r2\xf7\x05\n\x0fInferenceWorker\x12\\\n\x0b\x43reateAgent\x12%.agentkv.worker.v1.CreateAgentRequest\x1a&.agentkv.worker.v1.CreateAgentResponse\x12I\n\x04Turn\x12\x1e.agentkv.worker.v1.TurnRequest\x1a\x1f.agentkv.worker.v1.TurnResponse0\x01\x12\x62\n\rInjectContext\x12\'.agentkv.worker.v1.InjectContextRequest\x1a(.agentkv.worker.v1.InjectContextResponse\x12V\n\tForkAgent\x12#.agentkv.worker.v1.ForkAgentRequest\x1a$.agentkv.worker.v1.ForkAgentResponse\x12Y\n\nEvictAgent\x12$.agentkv.worker.v1.EvictAgentRequest\x1a%.agentkv.worker.v1.EvictAgentResponse\x12\x62\n\rDescribeAgent\x12\'.agentkv.worker.v1.DescribeAgentRequest\x1a(.agentkv.worker.v1.DescribeAgentResponse\x12\\\n\x0b\x44\x65leteAgent\x12%.agentkv.worker.v1.DeleteAgentRequest\x1a&.agentkv.worker.v1.DeleteAgentResponse\x12\x62\n\rGetWorkerInfo\x12\'.agentkv.worker.v1.GetWorkerInfoRequest\x1a(.agentkv.worker.v1.GetWorkerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_start=722
   _globals['_TOKENCHUNK']._serialized_end=767
   _globals['_USAGE']._serialized_start=770
-  _globals['_USAGE']._serialized_end=1065
-  _globals['_TURNRESPONSE']._serialized_start=1067
-  _globals['_TURNRESPONSE']._serialized_end=1181
-  _globals['_INJECTCONTEXTREQUEST']._serialized_start=1184
-  _globals['_INJECTCONTEXTREQUEST']._serialized_end=1360
-  _globals['_INJECTCONTEXTRESPONSE']._serialized_start=1362
-  _globals['_INJECTCONTEXTRESPONSE']._serialized_end=1472
-  _globals['_FORKAGENTREQUEST']._serialized_start=1474
-  _globals['_FORKAGENTREQUEST']._serialized_end=1569
-  _globals['_FORKAGENTRESPONSE']._serialized_start=1571
-  _globals['_FORKAGENTRESPONSE']._serialized_end=1636
-  _globals['_EVICTAGENTREQUEST']._serialized_start=1638
-  _globals['_EVICTAGENTREQUEST']._serialized_end=1694
-  _globals['_EVICTAGENTRESPONSE']._serialized_start=1696
-  _globals['_EVICTAGENTRESPONSE']._serialized_end=1754
-  _globals['_DESCRIBEAGENTREQUEST']._serialized_start=1756
-  _globals['_DESCRIBEAGENTREQUEST']._serialized_end=1815
-  _globals['_AGENTSTATE']._serialized_start=1818
-  _globals['_AGENTSTATE']._serialized_end=1981
-  _globals['_DESCRIBEAGENTRESPONSE']._serialized_start=1983
-  _globals['_DESCRIBEAGENTRESPONSE']._serialized_end=2052
-  _globals['_DELETEAGENTREQUEST']._serialized_start=2054
-  _globals['_DELETEAGENTREQUEST']._serialized_end=2111
-  _globals['_DELETEAGENTRESPONSE']._serialized_start=2113
-  _globals['_DELETEAGENTRESPONSE']._serialized_end=2151
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=2153
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=2175
-  _globals['_GETWORKERINFORESPONSE']._serialized_start=2178
-  _globals['_GETWORKERINFORESPONSE']._serialized_end=2398
-  _globals['_INFERENCEWORKER']._serialized_start=2401
-  _globals['_INFERENCEWORKER']._serialized_end=3160
+  _globals['_USAGE']._serialized_end=1089
+  _globals['_TURNRESPONSE']._serialized_start=1091
+  _globals['_TURNRESPONSE']._serialized_end=1205
+  _globals['_INJECTCONTEXTREQUEST']._serialized_start=1208
+  _globals['_INJECTCONTEXTREQUEST']._serialized_end=1384
+  _globals['_INJECTCONTEXTRESPONSE']._serialized_start=1386
+  _globals['_INJECTCONTEXTRESPONSE']._serialized_end=1496
+  _globals['_FORKAGENTREQUEST']._serialized_start=1498
+  _globals['_FORKAGENTREQUEST']._serialized_end=1593
+  _globals['_FORKAGENTRESPONSE']._serialized_start=1595
+  _globals['_FORKAGENTRESPONSE']._serialized_end=1660
+  _globals['_EVICTAGENTREQUEST']._serialized_start=1662
+  _globals['_EVICTAGENTREQUEST']._serialized_end=1718
+  _globals['_EVICTAGENTRESPONSE']._serialized_start=1720
+  _globals['_EVICTAGENTRESPONSE']._serialized_end=1778
+  _globals['_DESCRIBEAGENTREQUEST']._serialized_start=1780
+  _globals['_DESCRIBEAGENTREQUEST']._serialized_end=1839
+  _globals['_AGENTSTATE']._serialized_start=1842
+  _globals['_AGENTSTATE']._serialized_end=2005
+  _globals['_DESCRIBEAGENTRESPONSE']._serialized_start=2007
+  _globals['_DESCRIBEAGENTRESPONSE']._serialized_end=2076
+  _globals['_DELETEAGENTREQUEST']._serialized_start=2078
+  _globals['_DELETEAGENTREQUEST']._serialized_end=2135
+  _globals['_DELETEAGENTRESPONSE']._serialized_start=2137
+  _globals['_DELETEAGENTRESPONSE']._serialized_end=2175
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=2177
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=2199
+  _globals['_GETWORKERINFORESPONSE']._serialized_start=2202
+  _globals['_GETWORKERINFORESPONSE']._serialized_end=2422
+  _globals['_INFERENCEWORKER']._serialized_start=2425
+  _globals['_INFERENCEWORKER']._serialized_end=3184
 # @@protoc_insertion_point(module_scope)

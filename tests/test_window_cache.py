@@ -1,0 +1,188 @@
+"""Sliding-window layers kept at window size, on gemma3_text's local layers (window 64 in the
+tiny model, 5 of its 6 layers): chunked prefill equals one-shot prefill, the window cache
+agrees with an unbounded Q4 cache plus a window mask, a restore that reads only the window
+equals a full restore bit for bit, and batched decode over window caches equals decoding
+them one by one."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from inference_worker.batch_cache import BatchQuantizedKV
+from inference_worker.blocks import block_layers, cache_blocks, caches_from_blocks
+from inference_worker.kv_cache import QuantizedKV
+from inference_worker.kv_format import KVFormat
+from inference_worker.layer_spec import cache_windows
+
+BLOCK = 64
+NS = "default"
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [5 + (seed * 11 + 7 * i) % 400 for i in range(n)]
+
+
+def window_caches(model, durable: bool = True) -> list[QuantizedKV]:
+    """Window caches; `durable` lets them drop what leaves the window at once (as if every
+    token were already in the store)."""
+    caches = [QuantizedKV(KVFormat(), 1, w, BLOCK) for w in cache_windows(model)]
+    for c in caches:
+        c.keep_from = 1 << 40 if durable else 0
+    return caches
+
+
+def full_caches(model) -> list[QuantizedKV]:
+    return [QuantizedKV(KVFormat()) for _ in model.layers]
+
+
+def prefill(model, caches, ids, chunk):
+    for i in range(0, len(ids), chunk):
+        logits = model(mx.array([ids[i : i + chunk]]), cache=caches)
+    return logits[0, -1]
+
+
+def decode(model, caches, first, n=10):
+    out, token = [], first
+    for _ in range(n):
+        logits = model(mx.array([[token]]), cache=caches)[0, -1]
+        token = int(mx.argmax(logits).item())
+        out.append((token, logits))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_models):
+    model, _ = tiny_models["gemma3_text"]
+    windows = cache_windows(model)
+    assert windows.count(64) == 5 and windows.count(None) == 1
+    return model
+
+
+def test_window_caches_hold_only_the_window(gemma):
+    caches = window_caches(gemma)
+    prefill(gemma, caches, tokens(400), 50)
+    decode(gemma, caches, 9, n=30)
+    for cache, window in zip(caches, cache_windows(gemma), strict=True):
+        held = cache.offset - cache.start
+        assert cache.offset == 430
+        if window is None:
+            assert cache.start == 0
+        else:  # the window (63 tokens before the next) plus less than one block
+            assert window - 1 <= held < window - 1 + BLOCK + 50
+    full = full_caches(gemma)
+    prefill(gemma, full, tokens(400), 50)
+    decode(gemma, full, 9, n=30)
+    assert sum(c.nbytes for c in caches) < 0.45 * sum(c.nbytes for c in full)
+
+
+def test_tokens_not_yet_durable_are_kept(gemma):
+    caches = window_caches(gemma, durable=False)
+    prefill(gemma, caches, tokens(300), 64)
+    assert all(c.start == 0 for c in caches)  # nothing is in the store yet: all kept
+    for c in caches:
+        c.keep_from = 256  # blocks before 256 are now durable
+    decode(gemma, caches, 9, n=2)
+    assert {c.start for c in caches} == {0, 192}  # the window's start, aligned to a block
+
+
+class _MaskIgnored(QuantizedKV):
+    """The reference implementation's bug: the window mask ignored in chunked prefill."""
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return super().make_mask(n, return_array, None)
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 64, 128])
+def test_chunked_prefill_equals_one_shot_prefill(gemma, chunk):
+    """Up to Q4 rounding: K and V computed in matmuls of other shapes differ in their last
+    bits, and a value on a rounding edge lands in the next Q4 step (measured here: at most
+    0.2 on a logit). A window mask ignored in chunked prefill is off by more than 2."""
+    one_shot = window_caches(gemma)
+    ref = prefill(gemma, one_shot, tokens(300), 300)
+    chunked = window_caches(gemma)
+    got = prefill(gemma, chunked, tokens(300), chunk)
+    assert mx.abs(got - ref).max().item() < 0.5
+    broken = [_MaskIgnored(KVFormat(), 1, None, BLOCK) for _ in gemma.layers]
+    assert mx.abs(prefill(gemma, broken, tokens(300), 64) - ref).max().item() > 2.0
+
+
+def test_window_cache_equals_an_unbounded_cache_with_a_window_mask(gemma):
+    """Same chunks on both: the window cache drops what the mask hides, nothing else."""
+    window, full = window_caches(gemma), full_caches(gemma)
+    a = prefill(gemma, window, tokens(333), 64)
+    b = prefill(gemma, full, tokens(333), 64)
+    assert mx.array_equal(a, b).item()
+    for (t1, l1), (t2, l2) in zip(decode(gemma, window, 3), decode(gemma, full, 3), strict=True):
+        assert t1 == t2
+        assert mx.array_equal(l1, l2).item()  # decode: the same Q4 keys, the rest masked
+
+
+def test_a_window_restore_equals_a_full_restore_bit_for_bit(gemma, store):
+    """Through the real store: the window read fetches local layers only for the blocks that
+    reach into the window, and the caches it builds equal those of a full read, and of the
+    hot caches they came from."""
+    fp = "test-gemma-window:k4v4g64f16:b64"
+    ids = tokens(300)
+    hot = window_caches(gemma, durable=False)
+    first = int(mx.argmax(prefill(gemma, hot, ids, 64)).item())
+    blocks, keys = cache_blocks(hot, ids, fp, BLOCK)  # every layer of every block
+    store.put_blocks(NS, fp, blocks)
+    windows = cache_windows(gemma)
+    plan = block_layers([len(b.token_ids) for b in blocks], windows, BLOCK)
+    assert plan[:3] == [(5,)] * 3 and plan[3:] == [(), ()]  # blocks 3, 4 reach the window
+    full_read = list(store.get_blocks(NS, fp, keys))
+    window_read = [
+        *store.get_blocks(NS, fp, keys[:3], layers=[5]),
+        *store.read_blocks_local(NS, fp, keys[3:]),
+    ]
+    assert sum(t.num_bytes for b in window_read for t in b.tensors) < 0.5 * sum(
+        t.num_bytes for b in full_read for t in b.tensors
+    )
+    restored = [
+        caches_from_blocks(read, len(windows), KVFormat(), 1, windows, BLOCK)
+        for read in (full_read, window_read)
+    ]
+    for c in hot:
+        c.keep_from = 1 << 40  # now durable
+    runs = [decode(gemma, caches, first) for caches in (hot, *restored)]
+    for step in range(len(runs[0])):
+        assert runs[0][step][0] == runs[1][step][0] == runs[2][step][0]
+        assert mx.array_equal(runs[1][step][1], runs[2][step][1]).item()
+        assert mx.array_equal(runs[0][step][1], runs[1][step][1]).item()
+
+
+def test_batched_window_decode_equals_sequential(gemma):
+    """Rows of 300, 70 and 150 tokens (one past its window, two not): batched equals alone,
+    logit for logit, across the step where the batch drops a block nobody can reach."""
+    lengths = (300, 70, 150)
+    singles, firsts = [], []
+    for seed, n in enumerate(lengths):
+        caches = window_caches(gemma)
+        firsts.append(int(mx.argmax(prefill(gemma, caches, tokens(n, seed), 64)).item()))
+        singles.append(caches)
+    refs = [decode(gemma, c, f, n=40) for c, f in zip(singles, firsts, strict=True)]
+    batch_caches = []
+    for seed, n in enumerate(lengths):
+        caches = window_caches(gemma)
+        prefill(gemma, caches, tokens(n, seed), 64)
+        batch_caches.append(caches)
+    batch = [BatchQuantizedKV.merge(list(layer)) for layer in zip(*batch_caches, strict=True)]
+    current = firsts
+    widths = set()
+    for step in range(40):
+        logits = gemma(mx.array([[t] for t in current]), cache=batch)[:, -1]
+        current = [int(mx.argmax(logits[i]).item()) for i in range(3)]
+        widths.add(batch[0].idx)
+        for i, ref in enumerate(refs):
+            assert mx.array_equal(logits[i], ref[step][1]).item(), (i, step)
+    assert min(widths) < max(widths)  # the batch dropped columns out of everyone's reach
+    for i, single in enumerate(singles):  # extracted: what the single cache holds, or more
+        for alone, batched in zip(single, batch, strict=True):
+            got = batched.extract(i)
+            assert got.offset == alone.offset and got.start <= alone.start
+            skip = alone.start - got.start
+            for a, b in zip(
+                (*alone.state[0], *alone.state[1]), (*got.state[0], *got.state[1]), strict=True
+            ):
+                assert mx.array_equal(a, b[..., skip:, :]).item()
