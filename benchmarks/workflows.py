@@ -77,13 +77,13 @@ PAPER_TABLE8 = {
 }
 TARGET_PHASE, TARGET_RATIO = 5, PAPER_TABLE7["Gemma 3"][4][2]
 TARGET_SPEEDUP = 24.0  # the paper: "24x warm/cold" (Gemma 3, 24.2x)
-GROUPS = (
-    ("priming", "priming (cold: document prefilled in the turn)"),
-    ("queries_warm", "queries, first touch (warm)"),
-    ("queries_hot", "queries, expert asked again (hot)"),
-    ("reporter", "reporter turns"),
-    ("repeated", "repeated (hot)"),
-    ("other", "unexpected cache state"),
+GROUPS = (  # key, table row, chart label
+    ("priming", "priming (cold: document prefilled in the turn)", "priming\n(cold)"),
+    ("queries_warm", "queries, first touch (warm)", "queries\n(warm)"),
+    ("queries_hot", "queries, expert asked again (hot)", "queries again\n(hot)"),
+    ("reporter", "reporter turns", "reporter"),
+    ("repeated", "repeated (hot)", "repeated\n(hot)"),
+    ("other", "unexpected cache state", "other"),
 )
 _T0 = time.perf_counter()
 
@@ -376,7 +376,7 @@ def routing_table(rt: Routing) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     paper_key = {"priming": "priming", "queries_warm": "queries", "repeated": "repeated"}
-    for key, title in GROUPS:
+    for key, title, _ in GROUPS:
         rows = rt.records(key)
         every = [r for rs in rows for r in rs]
         if not every and key == "other":
@@ -447,7 +447,7 @@ def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
     return goals
 
 
-def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str) -> list[str]:
+def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: int) -> list[str]:
     notes = [fit]
     if cp is not None:
         last = cp.phases[-1]
@@ -455,7 +455,8 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str) -> list[str]:
         notes.append(
             f"cross-phase: persistent context at phase {len(cp.phases)} is "
             f"{fmt(cp.med('persistent', last, 'context'), 0)} tokens per turn on average; "
-            f"replies average {fmt(gen)} generated tokens (the model often stops early with EOS)"
+            f"replies average {fmt(gen)} generated tokens of max_tokens {max_tokens} (greedy "
+            "replies end early with EOS, which a turn cannot ignore)"
         )
         if {r.cache_state for p in cp.passes for r in p["cold"]} == {"hot"}:
             notes.append(
@@ -501,10 +502,10 @@ def plot(cp: CrossPhase | None, rt: Routing | None, header: dict[str, Any], path
         left.set_title("prisoner's dilemma", fontsize=9)
         left.legend(fontsize=7)
     if rt is not None:
-        keys = [(k, t) for k, t in GROUPS if any(rt.records(k))]
+        keys = [(k, short) for k, _, short in GROUPS if any(rt.records(k))]
         values = [rt.pass_mean(k) or 0.0 for k, _ in keys]
         right.bar(range(len(keys)), values)
-        right.set_xticks(range(len(keys)), [t.split(" (")[0] for _, t in keys], fontsize=7)
+        right.set_xticks(range(len(keys)), [short for _, short in keys], fontsize=7)
         right.set_yscale("log")
         right.set_ylabel("mean TTFT, ms (median of passes, log)")
         right.set_title("expert routing", fontsize=9)
@@ -569,7 +570,7 @@ def report(
     header |= {"device": svc_info.device, "max_context": svc_info.max_context}
     header |= {"kv_format": svc_info.kv_format, "max_tokens": args.max_tokens}
     header |= {"passes": args.passes, "routing_passes": args.routing_passes}
-    notes = notes_for(cp, rt, fit)
+    notes = notes_for(cp, rt, fit, args.max_tokens)
     print_report(cp, rt, header, notes)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"workflows-{datetime.now():%Y%m%d-%H%M%S}"
@@ -590,7 +591,7 @@ def report(
                     "median_ms": rt.all_median(key),
                     "pass_means_ms": [mean([r.ms for r in rs]) for rs in rt.records(key)],
                 }
-                for key, _ in GROUPS
+                for key, _, _ in GROUPS
             },
             "speedups": {g: rt.speedups(g) for g in ("queries_warm", "queries_hot", "repeated")},
             "passes": [records_json(p) for p in rt.passes],

@@ -53,7 +53,7 @@ class Record:
     kind: str
     phase: str
     agent: str
-    cache_state: str  # where the agent's cache was when this began: hot, warm or cold
+    cache_state: str  # where its cache was: hot, warm, or cold (also: created for this turn)
     ms: float  # a turn: time to first token; create and inject: the whole call
     prefilled_tokens: int
     context_tokens: int
@@ -155,7 +155,8 @@ class Workflow:
         news = self._news(member)
         message = "\n\n".join([*news, prompt]) if news else prompt
         messages = [("user", message)]
-        if member.agent is None:
+        created = member.agent is None
+        if created:
             if not member.history and member.role.document:
                 message = f"{member.role.document}\n\n{message}"
                 messages = [("user", message)]
@@ -165,6 +166,9 @@ class Workflow:
         reply = member.agent.say(messages, phase=phase.name, **{**self.sampling, **sampling})
         text = reply.text
         usage = reply.usage
+        # An agent made for this turn had no cache for what the turn prefills: it is cold,
+        # though the worker finds the empty agent (or its system prompt) hot.
+        state = "cold" if created else usage.cache_state
         member.history += [("user", message), ("assistant", text or "...")]
         self.transcript.append(Said(phase.name, agent_id, text))
         member.heard = len(self.transcript)
@@ -173,7 +177,7 @@ class Workflow:
                 "say",
                 phase.name,
                 agent_id,
-                usage.cache_state,
+                state,
                 usage.time_to_first_token_ms,
                 usage.prefilled_tokens,
                 usage.prompt_tokens,
@@ -189,19 +193,18 @@ class Workflow:
         Persistent mode prefills the system prompt now (a cold prefill, recorded). Cold mode
         sends the system prompt and the whole history with the turn, so that its time to
         first token counts the full re-prefill."""
-        role = member.role
-        if self.mode == "cold":
-            member.agent = self.memory.agent(role.id, "", phase=phase)
-            system = [("system", role.system)] if role.system else []
-            return [*system, *member.history]
+        role, cold = member.role, self.mode == "cold"
         started = time.perf_counter()
-        member.agent = self.memory.agent(role.id, role.system, phase=phase)
+        member.agent = self.memory.agent(role.id, "" if cold else role.system, phase=phase)
         state = member.agent.state
         if member.agent.created and state is not None:
             ms = (time.perf_counter() - started) * 1000
             self._record(
                 Record("create", phase, role.id, "cold", ms, state.num_tokens, state.num_tokens)
             )
+        if cold:
+            system = [("system", role.system)] if role.system else []
+            return [*system, *member.history]
         return []
 
     def _inject(self, member: _Member, phase: str) -> None:
