@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 
 from agentkv import logs
 from cache_store.__main__ import parse_size
 
 
 def build_config(argv: list[str] | None = None):
-    from inference_worker.config import RESTORE_PATHS, WorkerConfig
+    from inference_worker.config import DTYPES, RESTORE_PATHS, WorkerConfig
     from inference_worker.kv_format import KVFormat
 
     p = argparse.ArgumentParser(prog="agentkv-worker", description=__doc__)
@@ -55,6 +57,12 @@ def build_config(argv: list[str] | None = None):
         help="how to read the store: locate (same host), stream, or auto",
     )
     p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="dtype the weights compute in (auto: float32 on CPU, the weights' own on a GPU)",
+    )
+    p.add_argument(
         "--full-window-layers",
         action="store_true",
         help="keep sliding-window layers at full length in RAM and restore (default: window)",
@@ -85,6 +93,7 @@ def build_config(argv: list[str] | None = None):
             hot_budget_bytes=a.hot_budget,
             restore_path=a.restore_path,
             window_caches=not a.full_window_layers,
+            dtype=a.dtype,
             max_batch=a.max_batch,
             step_tokens=a.step_tokens,
             queue_limit=a.queue_limit,
@@ -102,7 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     blas = load_optimized_blas()  # before anything imports mlx
     from inference_worker.server import serve
 
-    serve(config, blas)
+    try:
+        serve(config, blas)
+    except RuntimeError as exc:  # the model cannot run here: say why, once, and stop
+        logging.getLogger("agentkv.worker").error("cannot start", extra={"error": str(exc)})
+        sys.exit(2)
 
 
 if __name__ == "__main__":

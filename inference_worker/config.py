@@ -8,6 +8,7 @@ from cache_store.config import listen_host
 from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(slots=True)
@@ -30,6 +31,9 @@ class WorkerConfig:
     # Sliding-window layers keep only their window in RAM and restore only the blocks that
     # reach into it. False keeps every layer at full length (the paper's reference).
     window_caches: bool = True
+    # The dtype the weights compute in: "auto" is float32 on CPU (fastest with BLAS, and
+    # MoE's gather matmul needs it there) and the weights' own on a GPU.
+    dtype: str = "auto"
     store_timeout: float = 60.0
     max_stop_strings: int = 16
     workers: int = 16
@@ -50,5 +54,7 @@ class WorkerConfig:
             raise ValueError("max_batch and step_tokens must be >= 1, queue_limit >= 0")
         if self.restore_path not in RESTORE_PATHS:
             raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}: {self.dtype!r}")
         if self.metrics_listen is not None:
             listen_host(self.metrics_listen)

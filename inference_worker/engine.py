@@ -64,7 +64,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
         self._thread.start()
         self.model, self.tokenizer = self.submit(load_model).result()
-        self.layers = self.submit(model_layers, self.model).result()
+        try:  # one probe token through the model: also proves it runs here
+            self.layers = self.submit(model_layers, self.model).result()
+        except RuntimeError as exc:
+            self._jobs.put(None)
+            self._thread.join(timeout=60)
+            raise RuntimeError(
+                f"the model does not run on this device in this dtype: {exc} "
+                "(on CPU, --dtype float32 runs everything)"
+            ) from exc
         self.num_layers = len(self.layers)
         # Sliding-window layers keep only their window (and restore only blocks reaching it).
         self.windows = [layer.window if config.window_caches else None for layer in self.layers]
@@ -374,6 +382,17 @@ class Engine:
             self.metrics.persists.labels(outcome="failed").inc()
             return
         agent.pending = self.persister.submit(agent, snap)
+        if any(w is not None for w in self.windows):
+            agent.pending.add_done_callback(lambda write: self.submit(self._release, agent))
+
+    def _release(self, agent: Agent) -> None:
+        """Once committed, window caches let go of what only persistence still needed."""
+        if self.batcher.holds(agent) or self.hot.get(agent.id) is not agent:
+            return  # mid-turn (the batch drops it), or no longer held here
+        agent.keep_undurable()
+        for cache in agent.caches:
+            cache.release()
+        self.metrics.hot_bytes.set(self.hot.nbytes)
 
     def _make_durable(self, agent: Agent) -> None:
         if agent.pending is not None:

@@ -1,8 +1,9 @@
 """The model fingerprint: one name for everything that makes stored KV bytes valid.
 
-It covers the weights (every byte of every weight file), the config, the tokenizer files,
-the KV format (bits for K and V, group size, scales' dtype) and the block size. Any change
-to any of them changes the fingerprint, and the store never serves blocks across it.
+It covers the weights (every byte of every weight file), the dtype they compute in, the
+config, the tokenizer files, the KV format (bits for K and V, group size, scales' dtype) and
+the block size. Any change to any of them changes the fingerprint, and the store never
+serves blocks across it.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ def _hash_file(digest: xxhash.xxh3_128, path: Path) -> None:
             digest.update(chunk)
 
 
-def model_fingerprint(model_dir: Path, fmt: KVFormat, block_tokens: int) -> str:
-    """e.g. "llama-5f0c...:k4v4g64f16:b256" (at most 128 characters, store-safe)."""
+def model_fingerprint(model_dir: Path, fmt: KVFormat, block_tokens: int, dtype: str = "") -> str:
+    """e.g. "llama-5f0c...:k4v4g64f16:b256" (at most 128 characters, store-safe). `dtype`, the
+    dtype the weights are cast to ("" if none), is hashed too: it changes the KV computed."""
     digest = xxhash.xxh3_128()
+    if dtype:
+        digest.update(f"dtype:{dtype}\0".encode())
     config = json.loads((model_dir / "config.json").read_text())
     digest.update(json.dumps(config, sort_keys=True).encode())
     for name in TOKENIZER_FILES:

@@ -81,7 +81,7 @@ class QuantizedKV:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         num = keys.shape[2]
         view = self.view_start
-        self._drop_before(min(view, self.keep_from // self.align * self.align))
+        self.release()
         self._store(keys, values)
         fmt = self.fmt
         a, b = view - self.start, self.offset - self.start
@@ -109,6 +109,10 @@ class QuantizedKV:
                 strict=True,
             )
         )  # type: ignore[return-value]
+
+    def release(self) -> None:
+        """Drops now what the next update would: positions out of the window and durable."""
+        self._drop_before(min(self.view_start, self.keep_from // self.align * self.align))
 
     def _drop_before(self, position: int) -> None:
         """Forgets positions before `position` (a sliding layer's past out of reach)."""

@@ -64,6 +64,21 @@ def model_dir(model: str) -> Path:
     )
 
 
+def compute_dtype(requested: str, device: str) -> str:
+    """The dtype the model computes in; "" keeps the weights' own. On CPU "auto" is float32:
+    the fastest there with BLAS, and what MoE's gather matmul needs on CPU."""
+    if requested == "auto":
+        return "float32" if device == "cpu" else ""
+    return requested
+
+
+def load_model(path: Path, dtype: str):
+    model, tokenizer = load(str(path))
+    if dtype:
+        model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
+    return model, tokenizer
+
+
 def default_restore_path(config: WorkerConfig) -> str:
     """locate when the store is on this host (unix socket or loopback), else stream."""
     if config.restore_path != "auto":
@@ -73,17 +88,18 @@ def default_restore_path(config: WorkerConfig) -> str:
 
 def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
     path = model_dir(config.model)
-    fingerprint = model_fingerprint(path, config.kv, config.block_tokens)
+    device = mx.default_device().type.name
+    dtype = compute_dtype(config.dtype, device)
+    fingerprint = model_fingerprint(path, config.kv, config.block_tokens, dtype)
     model_config = json.loads((path / "config.json").read_text())
     max_context = int(model_config.get("max_position_embeddings") or 1 << 17)
-    device = mx.default_device().type.name
     qmax = config.quantized_query_max or (1 if device == "cpu" else 32)
     metrics = WorkerMetrics()
     client = StoreClient(config.store, timeout=config.store_timeout)
     restore_path = default_restore_path(config)
     engine = Engine(
         config,
-        lambda: load(str(path)),
+        lambda: load_model(path, dtype),
         fingerprint,
         client,
         metrics,
@@ -98,6 +114,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         "block_tokens": config.block_tokens,
         "max_context": max_context,
         "device": device,
+        "dtype": dtype or "as stored",
         "blas": blas or "reference",
     }
     server = new_server(

@@ -53,6 +53,7 @@ def test_fingerprint_covers_weights_config_tokenizer_and_format(tiny_model_dirs,
     assert model_fingerprint(src, KVFormat(), 256) == base
     assert model_fingerprint(src, KVFormat(8, 4), 256) != base
     assert model_fingerprint(src, KVFormat(), 128) != base
+    assert model_fingerprint(src, KVFormat(), 256, "float32") != base
     for name, change in [
         ("model.safetensors", lambda b: b[:-1] + bytes([b[-1] ^ 1])),
         ("config.json", lambda b: json.dumps({**json.loads(b), "rope_theta": 1.0}).encode()),

@@ -6,6 +6,8 @@ them one by one."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import pytest
 
@@ -186,3 +188,41 @@ def test_batched_window_decode_equals_sequential(gemma):
                 (*alone.state[0], *alone.state[1]), (*got.state[0], *got.state[1]), strict=True
             ):
                 assert mx.array_equal(a, b[..., skip:, :]).item()
+
+
+def held_bytes(w, ns: str, agent_id: str) -> int:
+    """The agent's hot bytes once settled: a window cache lets go of its committed past on
+    the worker's MLX thread, just after the commit."""
+    for _ in range(200):
+        before = w.describe(ns, agent_id).num_bytes
+        time.sleep(0.01)
+        if w.describe(ns, agent_id).num_bytes == before:
+            return before
+    raise AssertionError("hot bytes never settled")
+
+
+def test_worker_restores_only_the_window_and_answers_the_same(tiny_model_dirs, start_worker):
+    """Two workers on gemma3_text, one keeping local layers at full length: the same greedy
+    tokens hot, after eviction and after a turn past the window; the window-aware one holds
+    and reads a fraction of the bytes."""
+    from client.worker import WorkerClient
+
+    model = tiny_model_dirs["gemma3_text"]
+    window = WorkerClient(start_worker(model, name="window").address)
+    full = WorkerClient(start_worker(model, "--full-window-layers", name="full").address)
+    system = "You are the warden of the prison, and you keep order. " * 30  # ~400 tokens
+    replies = {}
+    for ns, w in (("window", window), ("full", full)):  # one store: a namespace each
+        w.create_agent(ns, "a", system)
+        first = w.turn(ns, "a", [("user", "Who are you?")], max_tokens=80)
+        w.wait_durable(ns, "a")
+        hot = held_bytes(w, ns, "a")
+        w.evict(ns, "a")
+        second = w.turn(ns, "a", [("user", "And now?")], max_tokens=8)
+        replies[ns] = (first, second, hot)
+    (wf, ws, whot), (ff, fs, fhot) = replies["window"], replies["full"]
+    assert wf.token_ids == ff.token_ids and ws.token_ids == fs.token_ids
+    assert ws.usage.cache_state == fs.usage.cache_state == "warm"
+    assert not ws.usage.restore_failure and ws.usage.reused_store_tokens > 400
+    assert ws.usage.restored_bytes < 0.5 * fs.usage.restored_bytes
+    assert whot < 0.5 * fhot
