@@ -24,6 +24,7 @@ from agentkv.errors import (
     OutOfRange,
     Unavailable,
 )
+from agentkv.layers import KVStorage
 from cache_store import validation
 from client.store import StoreClient
 from inference_worker.agents import Agent, HotTier
@@ -89,7 +90,15 @@ class Engine:
             config.hot_budget_bytes,
         )
         self._turn_ids = itertools.count(1)
-        self._bytes_per_token = 0.0
+        fmt = config.kv
+        k_store, v_store = (
+            KVStorage(bits, fmt.group_size, 2 if fmt.scale_dtype == "float16" else 4)
+            for bits in (fmt.k_bits, fmt.v_bits)
+        )
+        self._token_bytes = sum(  # one token of context in every layer's Q4 cache
+            s.kv_heads * (k_store.vector_bytes(s.k_head_dim) + v_store.vector_bytes(s.v_head_dim))
+            for s in self.layers
+        )
         self.batcher = self._new_batcher()
         self.restorer = Restorer(
             client,
@@ -274,10 +283,10 @@ class Engine:
         job.events.put(END)
 
     def _memory_for(self, agent: Agent, num_tokens: int) -> int:
-        """KV bytes `num_tokens` of this agent take, at its (or the last seen) bytes per token."""
-        if agent.cached:
-            self._bytes_per_token = agent.nbytes / agent.cached
-        return int(self._bytes_per_token * num_tokens)
+        """KV bytes the agent holds at its longest in a turn reaching `num_tokens`: what it
+        holds now, plus every new token in every layer (a window layer keeps them too until
+        they are committed, after the turn)."""
+        return agent.nbytes + max(0, num_tokens - agent.cached) * self._token_bytes
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         agent = self.hot.get((ns, agent_id))
