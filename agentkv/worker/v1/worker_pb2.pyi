@@ -234,7 +234,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("model", "fingerprint", "kv_format", "block_tokens", "max_context", "device", "blas", "hot_budget_bytes", "hot_bytes", "num_hot_agents")
+    __slots__ = ("model", "fingerprint", "kv_format", "block_tokens", "max_context", "device", "blas", "hot_budget_bytes", "hot_bytes", "num_hot_agents", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class GetWorkerInfoResponse(_message.Message):
     HOT_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_HOT_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     kv_format: str
@@ -255,4 +256,5 @@ class GetWorkerInfoResponse(_message.Message):
     hot_budget_bytes: int
     hot_bytes: int
     num_hot_agents: int
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
