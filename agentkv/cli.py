@@ -1,6 +1,7 @@
 """agentkv: the command line.
 
 agentkv demo                 start a store and a worker, run the prisoner's dilemma workflow
+agentkv bench --quick|--full run every benchmark, write one report with the paper's tables
 agentkv run SCENARIO         run a workflow scenario (a YAML file, or a shipped one by name)
 agentkv agents               list agents with their tier (hot, warm, cold), tokens and bytes
 agentkv store stats|namespaces|agents|agent|blocks|verify|gc   inspect and maintain a store
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -191,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("agent_id")
     walk = sub.add_parser("walkthrough", help="start a store and tour what it does")
     walk.add_argument("--keep", action="store_true", help="keep the data directory afterwards")
+    sub.add_parser("bench", help="run the benchmarks and write one report (from a source checkout)")
     demo = sub.add_parser("demo", help="start a store and a worker and run a workflow")
     demo.add_argument("--model", help="an mlx-lm model directory (default: the shipped one)")
     demo.add_argument("--keep", action="store_true", help="keep data and logs afterwards")
@@ -252,6 +255,17 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
 
 def _workers(args: argparse.Namespace) -> list[str]:
     return args.worker or os.environ.get("AGENTKV_WORKERS", "127.0.0.1:50061").split(",")
+
+
+def cmd_bench(rest: list[str]) -> int:
+    """Runs benchmarks/report.py, which lives in the source tree, not in the package."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "report.py"
+    if not script.exists():
+        print(
+            f"error: {script} not found: agentkv bench runs from a source checkout", file=sys.stderr
+        )
+        return 2
+    return subprocess.call([sys.executable, str(script), *rest], cwd=script.parent.parent)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -359,6 +373,9 @@ def print_table14() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every other argument is benchmarks/report.py's
+        sys.exit(cmd_bench(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         if args.command == "walkthrough":

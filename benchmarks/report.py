@@ -1,0 +1,285 @@
+"""One benchmark command, one report: the paper's tables side by side with ours.
+
+    python benchmarks/report.py --quick     # minutes: every section, small and once
+    python benchmarks/report.py --full      # the real thing (about an hour on 2 cores)
+    agentkv bench --quick                   # the same, from the CLI
+
+Each section is one of the benchmark scripts beside this file, run as its own process with
+its own store and worker processes. The report gathers what each printed (its Markdown
+tables, its MET/MISS target lines, its notes), the plots it saved and its raw JSON, and
+writes REPORT.md (headline targets first), report.json and the PNGs into one directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    title: str
+    script: str
+    paper: str  # the paper's tables this reproduces
+    quick: tuple[str, ...]
+    full: tuple[str, ...] = ()
+
+
+SECTIONS = (
+    Section(
+        "ttft",
+        "Time to first token: cold, warm, hot",
+        "ttft.py",
+        "Tables 3 and 13",
+        ("--quick", "--models", "default"),
+        ("--contexts", "1024,2048,4096,8192,16384", "--passes", "5"),
+    ),
+    Section(
+        "capacity",
+        "Capacity: window-aware restore and agents that fit",
+        "windows.py",
+        "Tables 2 and 14",
+        ("--quick",),
+    ),
+    Section(
+        "throughput",
+        "Single against concurrent throughput",
+        "batching.py",
+        "Table 4, Figure 3",
+        ("--quick",),
+    ),
+    Section(
+        "head_to_head",
+        "Head to head: agentkv, mlx-lm's prompt cache, re-prefill",
+        "head_to_head.py",
+        "Table 5",
+        ("--quick",),
+    ),
+    Section(
+        "ablation", "Ablation: what each component buys", "ablation.py", "Table 6", ("--quick",)
+    ),
+    Section(
+        "workflows",
+        "Cross-phase injection and expert routing",
+        "workflows.py",
+        "Tables 7 and 8",
+        ("--quick",),
+    ),
+    Section(
+        "perplexity",
+        "Perplexity through the real store: FP16, Q4, Q8, K8V4",
+        "perplexity.py",
+        "Table 9",
+        ("--quick",),
+    ),
+    Section(
+        "restore_path",
+        "Restore paths against the machine's limit",
+        "store_io.py",
+        "Section 4 (restore bandwidth)",
+        ("--mb", "24", "--repeats", "2"),
+    ),
+)
+TARGET = re.compile(r"^(MET|MISS|PASS|FAIL)\b\s*(.*)$")
+
+
+@dataclass
+class Result:
+    section: str
+    title: str
+    paper: str
+    command: list[str]
+    returncode: int
+    seconds: float
+    tables: str = ""  # the Markdown it printed: headings and tables
+    targets: list[tuple[str, str]] = field(default_factory=list)  # (MET|MISS, text)
+    notes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # copied into the report directory
+    error: str = ""
+
+
+def machine() -> dict[str, str]:
+    """What the report's numbers depend on, gathered without importing MLX."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    from inference_worker.blas import find_openblas
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "blas": (find_openblas() or "reference (none found)")
+        if sys.platform != "darwin"
+        else "Accelerate",
+        "mlx": version("mlx"),
+        "mlx-lm": version("mlx-lm"),
+        "model": "models/agentkv-default (4.2M-parameter llama, float32 on CPU)",
+        "kv format": "Q4, group 64, fp16 scales (k4v4g64f16) unless a table says otherwise",
+    }
+
+
+def run_section(section: Section, full: bool, raw: Path, echo: bool) -> Result:
+    """Runs one benchmark script, echoing its progress, and keeps what it printed."""
+    out = raw / section.name
+    out.mkdir(parents=True, exist_ok=True)
+    args = section.full if full else section.quick
+    command = [sys.executable, str(HERE / section.script), *args, "--out", str(out)]
+    shown = [Path(command[0]).name, f"benchmarks/{section.script}", *args]
+    result = Result(section.name, section.title, section.paper, shown, -1, 0.0)
+    if not (HERE / section.script).exists():
+        result.error = f"benchmarks/{section.script} is missing"
+        return result
+    started = time.perf_counter()
+    lines: list[str] = []
+    with subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
+                print(f"  {section.name}: {line.rstrip()}", flush=True)
+    result.returncode = proc.returncode
+    result.seconds = time.perf_counter() - started
+    parse_output(lines, result)
+    if result.returncode != 0:
+        result.error = "\n".join(lines[-30:])
+    result.files = sorted(str(p.relative_to(raw.parent)) for p in out.glob("*.png"))
+    return result
+
+
+def parse_output(lines: list[str], result: Result) -> None:
+    """Keeps the Markdown (### headings and | tables), target lines and notes."""
+    kept: list[str] = []
+    for line in lines:
+        if m := TARGET.match(line):
+            verdict = "MET" if m.group(1) in ("MET", "PASS") else "MISS"
+            result.targets.append((verdict, m.group(2).strip()))
+        elif line.startswith(("note:", "INFO")):
+            result.notes.append(line.split(None, 1)[1].strip() if " " in line else line)
+        elif line.startswith(("|", "###")):
+            if line.startswith("###") and kept:
+                kept.append("")
+            kept.append(line)
+            if line.startswith("###"):
+                kept.append("")
+    result.tables = "\n".join(kept).strip()
+
+
+def render(results: list[Result], facts: dict[str, str], mode: str) -> str:
+    out = [
+        "# agentkv benchmark report",
+        "",
+        f"Mode `{mode}`, made by `python benchmarks/report.py --{mode}` (or `agentkv bench "
+        f"--{mode}`). Absolute times are this machine's; compare the ratios.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in facts.items()),
+        "",
+        "## Targets",
+        "",
+        "| section | paper | verdict | target and measurement |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        for verdict, text in r.targets:
+            out.append(f"| {r.section} | {r.paper} | **{verdict}** | {text} |")
+        if r.error:
+            out.append(f"| {r.section} | {r.paper} | **FAILED TO RUN** | see below |")
+    for r in results:
+        out += ["", f"## {r.title} ({r.paper})", ""]
+        out.append(f"`{' '.join(r.command)}`: {r.seconds:.0f} s, exit {r.returncode}.")
+        out.append("")
+        if r.error:
+            out += ["```", r.error, "```", ""]
+        if r.tables:
+            out += [r.tables, ""]
+        for verdict, text in r.targets:
+            out.append(f"- **{verdict}** {text}")
+        for note in r.notes:
+            out.append(f"- {note}")
+        for png in r.files:
+            out += ["", f"![{r.section}]({png})"]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="every section, small (default)")
+    mode.add_argument("--full", action="store_true", help="every section at full size")
+    p.add_argument("--only", action="append", choices=[s.name for s in SECTIONS], default=[])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/report"))
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mode = "full" if args.full else "quick"
+    sections = [s for s in SECTIONS if not args.only or s.name in args.only]
+    out: Path = args.out
+    if out.exists():
+        shutil.rmtree(out)
+    raw = out / "raw"
+    raw.mkdir(parents=True)
+    facts = machine()
+    results = []
+    for i, section in enumerate(sections, 1):
+        print(f"[{i}/{len(sections)}] {section.title} (benchmarks/{section.script})", flush=True)
+        result = run_section(section, args.full, raw, not args.quiet)
+        status = "failed" if result.error else f"{len(result.targets)} targets"
+        print(f"    done in {result.seconds:.0f} s: {status}", flush=True)
+        results.append(result)
+    (out / "REPORT.md").write_text(render(results, facts, mode))
+    (out / "report.json").write_text(
+        json.dumps(
+            {"mode": mode, "machine": facts, "sections": [asdict(r) for r in results]}, indent=2
+        )
+    )
+    met = sum(v == "MET" for r in results for v, _ in r.targets)
+    missed = sum(v == "MISS" for r in results for v, _ in r.targets)
+    failed = [r.section for r in results if r.error]
+    print(f"wrote {out / 'REPORT.md'}: {met} targets met, {missed} missed", end="")
+    print(f", failed to run: {', '.join(failed)}" if failed else "")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
