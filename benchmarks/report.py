@@ -92,7 +92,8 @@ SECTIONS = (
         "Restore paths against the machine's limit",
         "store_io.py",
         "Section 4 (restore bandwidth)",
-        ("--mb", "24", "--repeats", "2"),
+        ("--mb", "24", "--repeats", "2", "--locate-target", "1.3"),
+        ("--locate-target", "1.3"),
     ),
 )
 TARGET = re.compile(r"^(MET|MISS|PASS|FAIL)\b\s*(.*)$")
