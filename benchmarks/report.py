@@ -86,6 +86,7 @@ SECTIONS = (
         "perplexity.py",
         "Table 9",
         ("--quick",),
+        ("--tokens", "32000"),
     ),
     Section(
         "restore_path",
