@@ -1,0 +1,40 @@
+"""The one benchmark command, run --quick end to end so that no section can rot: every
+section runs its own store and worker processes, and the report gathers their tables,
+targets and plots. No timing is asserted: only that everything ran and was reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_writes_the_whole_report(tmp_path):
+    out = tmp_path / "report"
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "bench", "--quick", "--quiet", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    from benchmarks.report import SECTIONS
+
+    assert [s["section"] for s in report["sections"]] == [s.name for s in SECTIONS]
+    for section in report["sections"]:
+        assert section["returncode"] == 0 and not section["error"], section["section"]
+        assert "|" in section["tables"], section["section"]  # it printed a table
+        for png in section["files"]:
+            assert (out / png).stat().st_size > 0
+    text = (out / "REPORT.md").read_text()
+    for key in ("date", "cpu", "cores", "blas", "mlx", "model"):
+        assert f"| {key} |" in text
+    verdicts = [v for s in report["sections"] for v, _ in s["targets"]]
+    assert len(verdicts) >= 8 and set(verdicts) <= {"MET", "MISS"}
+    for s in SECTIONS:
+        assert f"## {s.title} ({s.paper})" in text
