@@ -51,10 +51,18 @@ SECTIONS = (
     ),
     Section(
         "capacity",
-        "Capacity: window-aware restore and agents that fit",
-        "windows.py",
+        "Capacity from the planner: agents that fit, FP16 against Q4 against Q4 window-aware",
+        "capacity.py",
         "Tables 2 and 14",
         ("--quick",),
+    ),
+    Section(
+        "windows",
+        "Capacity measured: window-aware restore and hot bytes on a Gemma-3-shaped worker",
+        "windows.py",
+        "Table 14 (measured), sliding-window layers",
+        ("--quick",),
+        ("--contexts", "4096,8192,16384,32768"),
     ),
     Section(
         "throughput",
