@@ -47,7 +47,7 @@ SECTIONS = (
         "ttft.py",
         "Tables 3 and 13",
         ("--quick", "--models", "default"),
-        ("--contexts", "1024,2048,4096,8192,16384", "--passes", "5"),
+        ("--contexts", "1024,2048,4096,8192,16384", "--passes", "3"),
     ),
     Section(
         "capacity",
