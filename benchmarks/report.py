@@ -261,22 +261,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the sections; with --only into an existing report, reruns just those and keeps
+    the others' results (so one section can be measured again)."""
     args = parse_args(argv)
     mode = "full" if args.full else "quick"
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     out: Path = args.out
-    if out.exists():
+    previous: dict[str, Result] = {}
+    if args.only and (out / "report.json").exists():
+        old = json.loads((out / "report.json").read_text())
+        if old.get("mode") == mode:
+            for r in old["sections"]:
+                r["targets"] = [tuple(t) for t in r["targets"]]
+                previous[r["section"]] = Result(**r)
+    if not previous and out.exists():
         shutil.rmtree(out)
     raw = out / "raw"
-    raw.mkdir(parents=True)
+    for section in sections:
+        shutil.rmtree(raw / section.name, ignore_errors=True)
+    raw.mkdir(parents=True, exist_ok=True)
     facts = machine()
-    results = []
     for i, section in enumerate(sections, 1):
         print(f"[{i}/{len(sections)}] {section.title} (benchmarks/{section.script})", flush=True)
         result = run_section(section, args.full, raw, not args.quiet)
         status = "failed" if result.error else f"{len(result.targets)} targets"
         print(f"    done in {result.seconds:.0f} s: {status}", flush=True)
-        results.append(result)
+        previous[section.name] = result
+    results = [previous[s.name] for s in SECTIONS if s.name in previous]
     (out / "REPORT.md").write_text(render(results, facts, mode))
     (out / "report.json").write_text(
         json.dumps(
