@@ -62,7 +62,6 @@ SECTIONS = (
         "windows.py",
         "Table 14 (measured), sliding-window layers",
         ("--quick",),
-        ("--contexts", "4096,8192,16384,32768"),
     ),
     Section(
         "throughput",

@@ -40,7 +40,7 @@ CONFIG = {
     "head_dim": 64,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "max_position_embeddings": 16384,
+    "max_position_embeddings": 32768,
     "tie_word_embeddings": True,
 }
 SYSTEM_PROMPTS = ["You are a helpful Python expert.", "Answer briefly.", ""]
