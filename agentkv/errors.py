@@ -105,6 +105,18 @@ class DeadlineExceeded(AgentKVError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(AgentKVError):
+    """No bearer token, or one the server does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(AgentKVError):
+    """A valid token used for a namespace it may not touch."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 ERRORS: dict[str, type[AgentKVError]] = {
     cls.__name__: cls
     for cls in (
@@ -124,6 +136,8 @@ ERRORS: dict[str, type[AgentKVError]] = {
         DiskFull,
         Unavailable,
         DeadlineExceeded,
+        Unauthenticated,
+        PermissionDenied,
     )
 }
 
@@ -138,6 +152,8 @@ _BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -80,12 +80,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 def new_server(
-    workers: int, max_message_bytes: int, on_error: Callable[[grpc.StatusCode], None]
+    workers: int,
+    max_message_bytes: int,
+    on_error: Callable[[grpc.StatusCode], None],
+    interceptors: list[grpc.ServerInterceptor] | None = None,
 ) -> grpc.Server:
-    """A gRPC server with our error interceptor and message limits."""
+    """A gRPC server with our error interceptor and message limits; `interceptors` (auth)
+    run first, outside it."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
-        interceptors=[ErrorInterceptor(on_error)],
+        interceptors=[*(interceptors or []), ErrorInterceptor(on_error)],
         options=message_options(max_message_bytes),
     )
 
@@ -101,9 +105,13 @@ def add_health_and_reflection(server: grpc.Server, service: str) -> health.Healt
     return health_servicer
 
 
-def bind(server: grpc.Server, listen: str) -> str:
-    """Binds `listen` (port 0 picks one); returns the address clients dial."""
-    port = server.add_insecure_port(listen)
+def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
+    """Binds `listen` (port 0 picks one), with TLS when given `credentials`; returns the
+    address clients dial."""
+    if credentials is not None:
+        port = server.add_secure_port(listen, credentials)
+    else:
+        port = server.add_insecure_port(listen)
     if not port:
         raise OSError(f"could not bind {listen}")
     if listen.startswith("unix:"):

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from agentkv import logs
+from agentkv.security import add_server_flags, server_security
 from cache_store.config import StoreConfig
 from cache_store.server import serve
 
@@ -37,6 +38,7 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
     p.add_argument("--lease-seconds", type=int, default=60)
     p.add_argument("--workers", type=int, default=16, help="RPC threads")
     p.add_argument("--log-level", default="info")
+    add_server_flags(p)
     a = p.parse_args(argv)
     try:
         return StoreConfig(
@@ -48,6 +50,7 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
             lease_seconds=a.lease_seconds,
             workers=a.workers,
             log_level=a.log_level,
+            security=server_security(a),
         )
     except ValueError as exc:
         p.error(str(exc))

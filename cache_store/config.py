@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentkv.security import ServerSecurity
 from agentkv.wire import MAX_CHUNK_BYTES
 
 
@@ -26,6 +27,7 @@ class StoreConfig:
     lmdb_map_bytes: int = 64 << 30  # sparse; LMDB only uses what it writes
     workers: int = 16
     log_level: str = "info"
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()
@@ -42,6 +44,7 @@ class StoreConfig:
             raise ValueError(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
         if self.metrics_listen is not None:
             listen_host(self.metrics_listen)
+        self.security.check(self.listen, self.is_loopback)
 
     @property
     def is_loopback(self) -> bool:

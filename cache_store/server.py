@@ -36,11 +36,12 @@ def create_server(config: StoreConfig) -> RunningStore:
         config.workers,
         config.max_message_bytes,
         lambda code: store.metrics.rpc_errors.labels(code.name).inc(),
+        config.security.interceptors(),
     )
     server.add_generic_rpc_handlers((rpc_handlers(CacheStoreServicer(store)),))
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
-        address = bind(server, config.listen)
+        address = bind(server, config.listen, config.security.credentials())
     except OSError:
         store.close()
         raise
@@ -49,9 +50,11 @@ def create_server(config: StoreConfig) -> RunningStore:
 
 def serve(config: StoreConfig) -> None:
     """Runs until SIGTERM or SIGINT, then drains in-flight RPCs and closes the index."""
-    if not config.is_loopback:
+    if not config.is_loopback and not config.security.auth_tokens:
         log.warning(
-            "listening beyond loopback with no authentication", extra={"listen": config.listen}
+            "LISTENING BEYOND LOOPBACK WITH NO AUTHENTICATION: anyone who can reach "
+            f"{config.listen} can read and write every namespace",
+            extra={"listen": config.listen},
         )
     running = create_server(config)
     metrics = start_metrics(config.metrics_listen, running.store.metrics.registry)

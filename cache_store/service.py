@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 import grpc
 from google.protobuf.message import Message
 
-from agentkv import wire
+from agentkv import security, wire
 from agentkv.errors import InvalidArgument
 from agentkv.v1 import store_pb2 as pb
-from cache_store import manifests
+from cache_store import manifests, validation
 from cache_store.records import BlockRecord
 from cache_store.store import CacheStore, Selection, page_size_limit
 from cache_store.uploads import PutHeader
@@ -81,6 +81,7 @@ class CacheStoreServicer:
     def GetBlocks(
         self, request: pb.GetBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
+        _allowed(request.namespace)
         start = time.perf_counter()
         selections = self.store.select(
             request.namespace, request.fingerprint, request.keys, request.layers
@@ -109,6 +110,7 @@ class CacheStoreServicer:
     def LocateBlocks(
         self, request: pb.LocateBlocksRequest, context: grpc.ServicerContext
     ) -> pb.LocateBlocksResponse:
+        _allowed(request.namespace)
         lease_id, expires, selections = self.store.locate(
             request.namespace,
             request.fingerprint,
@@ -133,12 +135,14 @@ class CacheStoreServicer:
     def ReportCorruptBlock(
         self, request: pb.ReportCorruptBlockRequest, context: grpc.ServicerContext
     ) -> pb.ReportCorruptBlockResponse:
+        _allowed(request.namespace)
         done = self.store.report_corrupt(request.namespace, request.key, request.reason)
         return pb.ReportCorruptBlockResponse(quarantined=done)
 
     def FindLongestPrefix(
         self, request: pb.FindLongestPrefixRequest, context: grpc.ServicerContext
     ) -> pb.FindLongestPrefixResponse:
+        _allowed(request.namespace)
         chain = self.store.longest_prefix(request.namespace, request.fingerprint, request.token_ids)
         counts = [len(b.token_ids) for b in chain]
         return pb.FindLongestPrefixResponse(
@@ -148,6 +152,7 @@ class CacheStoreServicer:
     def CommitAgent(
         self, request: pb.CommitAgentRequest, context: grpc.ServicerContext
     ) -> pb.CommitAgentResponse:
+        _allowed(request.namespace)
         commit = manifests.Commit(
             namespace=request.namespace,
             agent_id=request.agent_id,
@@ -164,12 +169,14 @@ class CacheStoreServicer:
     def GetAgent(
         self, request: pb.GetAgentRequest, context: grpc.ServicerContext
     ) -> pb.GetAgentResponse:
+        _allowed(request.namespace)
         view = self.store.get_agent(request.namespace, request.agent_id, request.fingerprint)
         return pb.GetAgentResponse(agent=_manifest(view))
 
     def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
     ) -> pb.ListAgentsResponse:
+        _allowed(request.namespace)
         views = self.store.list_agents(request.namespace, request.page_token, request.page_size)
         agents = [_agent_summary(v) for v in views]
         full = len(views) == page_size_limit(request.page_size)
@@ -180,6 +187,7 @@ class CacheStoreServicer:
     def DeleteAgent(
         self, request: pb.DeleteAgentRequest, context: grpc.ServicerContext
     ) -> pb.DeleteAgentResponse:
+        _allowed(request.namespace)
         released = self.store.delete_agent(
             request.namespace, request.agent_id, request.expected_generation
         )
@@ -188,6 +196,7 @@ class CacheStoreServicer:
     def ForkAgent(
         self, request: pb.ForkAgentRequest, context: grpc.ServicerContext
     ) -> pb.ForkAgentResponse:
+        _allowed(request.namespace)
         view = self.store.fork_agent(
             request.namespace,
             request.source_agent_id,
@@ -206,13 +215,14 @@ class CacheStoreServicer:
                 pb.NamespaceInfo(
                     name=name, num_agents=u["agents"], num_blocks=u["blocks"], num_bytes=u["bytes"]
                 )
-                for name, u in sorted(self.store.list_namespaces().items())
+                for name, u in sorted(security.visible(self.store.list_namespaces()).items())
             ]
         )
 
     def ListBlocks(
         self, request: pb.ListBlocksRequest, context: grpc.ServicerContext
     ) -> pb.ListBlocksResponse:
+        _allowed(request.namespace)
         try:
             after = bytes.fromhex(request.page_token)
         except ValueError as exc:
@@ -227,11 +237,13 @@ class CacheStoreServicer:
     def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.ServicerContext
     ) -> pb.GetStatsResponse:
+        security.check_all_namespaces("read the whole store's stats")
         return pb.GetStatsResponse(**self.store.stats())
 
     def VerifyBlocks(
         self, request: pb.VerifyBlocksRequest, context: grpc.ServicerContext
     ) -> pb.VerifyBlocksResponse:
+        _allowed_or_all(request.namespace, "verify every namespace")
         checked, num_bytes, corrupt = self.store.verify(request.namespace)
         return pb.VerifyBlocksResponse(
             num_checked=checked,
@@ -245,10 +257,23 @@ class CacheStoreServicer:
     def CollectGarbage(
         self, request: pb.CollectGarbageRequest, context: grpc.ServicerContext
     ) -> pb.CollectGarbageResponse:
+        _allowed_or_all(request.namespace, "collect garbage in every namespace")
         deleted, freed, orphans = self.store.collect_garbage(request.namespace)
         return pb.CollectGarbageResponse(
             num_blocks_deleted=deleted, num_bytes_freed=freed, num_orphans_removed=orphans
         )
+
+
+def _allowed(namespace: str) -> None:
+    """The caller's token must cover the namespace (checked before any of its data is read)."""
+    security.check_namespace(validation.namespace(namespace))
+
+
+def _allowed_or_all(namespace: str, what: str) -> None:
+    if namespace:
+        _allowed(namespace)
+    else:
+        security.check_all_namespaces(what)
 
 
 def _put_items(raw_messages: Iterator[bytes]) -> Iterator[PutHeader | memoryview]:
@@ -261,6 +286,7 @@ def _put_items(raw_messages: Iterator[bytes]) -> Iterator[PutHeader | memoryview
             yield item
         elif item.WhichOneof("item") == "header":
             h = item.header
+            _allowed(h.namespace)
             yield PutHeader(
                 h.namespace,
                 h.fingerprint,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from agentkv.errors import AgentExists, InvalidArgument, Unavailable
+from agentkv.security import ClientSecurity
 from agentkv.worker.v1 import worker_pb2 as pb
 from client.routing import Router
 from client.store import StoreClient
@@ -51,14 +52,16 @@ class AgentMemory:
         backoff: float = 0.25,
         down_for: float = 5.0,
         durable: bool = False,
+        security: ClientSecurity | None = None,
     ) -> None:
         """`retries`: rounds over every worker when none answers, `backoff` seconds apart
         (doubling). `durable`: turns end only once committed to the store, so losing a
-        worker right after a reply loses nothing (costs the commit's latency per turn)."""
+        worker right after a reply loses nothing (costs the commit's latency per turn).
+        `security`: TLS and a bearer token for every worker and the store."""
         addresses = [workers] if isinstance(workers, str) else list(workers)
         self.router = Router(addresses, down_for)
-        self.workers = {a: WorkerClient(a, timeout) for a in addresses}
-        self.store = StoreClient(store) if store else None
+        self.workers = {a: WorkerClient(a, timeout, security) for a in addresses}
+        self.store = StoreClient(store, security=security) if store else None
         self.namespace = namespace
         self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
 

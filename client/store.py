@@ -13,6 +13,7 @@ import grpc
 from agentkv import wire
 from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
 from agentkv.rpc import message_options
+from agentkv.security import ClientSecurity
 from agentkv.v1 import store_pb2 as pb
 from agentkv.v1 import store_pb2_grpc
 from client.blocks import (
@@ -40,10 +41,19 @@ def _typed(call: Callable[[], T]) -> T:
 class StoreClient:
     """A connection to one cache store. Thread-safe; close() when done."""
 
-    def __init__(self, address: str, timeout: float = 60.0, max_message_bytes: int = 16 << 20):
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 60.0,
+        max_message_bytes: int = 16 << 20,
+        security: ClientSecurity | None = None,
+    ):
+        """`security`: TLS and a bearer token (agentkv.security); none for plain loopback."""
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
+        self.channel = (security or ClientSecurity()).channel(
+            address, message_options(max_message_bytes)
+        )
         self.stub = store_pb2_grpc.CacheStoreStub(self.channel)
         self._lock = threading.Lock()
         self._read_pool: ThreadPoolExecutor | None = None

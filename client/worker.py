@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from agentkv.errors import from_rpc_error
+from agentkv.security import ClientSecurity
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 
@@ -24,10 +25,12 @@ class TurnResult:
 class WorkerClient:
     """A connection to one inference worker. Thread-safe; close() when done."""
 
-    def __init__(self, address: str, timeout: float = 300.0) -> None:
+    def __init__(
+        self, address: str, timeout: float = 300.0, security: ClientSecurity | None = None
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.channel = (security or ClientSecurity()).channel(address)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from agentkv import logs
+from agentkv.security import ClientSecurity, add_server_flags, read_token, server_security
 from cache_store.__main__ import parse_size
 
 
@@ -75,6 +76,11 @@ def build_config(argv: list[str] | None = None):
         "faster for single-agent decode, more for large batches and prefill",
     )
     p.add_argument("--log-level", default="info")
+    add_server_flags(p)
+    p.add_argument("--store-token-file", default="", help="file holding the store's bearer token")
+    p.add_argument("--store-tls-ca", default="", help="PEM CA the store's certificate chains to")
+    p.add_argument("--store-tls-cert", default="", help="PEM client certificate (store mTLS)")
+    p.add_argument("--store-tls-key", default="", help="PEM key of --store-tls-cert")
     a = p.parse_args(argv)
     if a.blas_threads < 0:
         p.error(f"--blas-threads {a.blas_threads} must be >= 0")
@@ -94,12 +100,16 @@ def build_config(argv: list[str] | None = None):
             restore_path=a.restore_path,
             window_caches=not a.full_window_layers,
             dtype=a.dtype,
+            security=server_security(a),
+            store_security=ClientSecurity(
+                read_token(a.store_token_file), a.store_tls_ca, a.store_tls_cert, a.store_tls_key
+            ),
             max_batch=a.max_batch,
             step_tokens=a.step_tokens,
             queue_limit=a.queue_limit,
             log_level=a.log_level,
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         p.error(str(exc))
 
 

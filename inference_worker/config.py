@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentkv.security import ClientSecurity, ServerSecurity
 from cache_store.config import listen_host
 from inference_worker.kv_format import KVFormat
 
@@ -34,6 +35,8 @@ class WorkerConfig:
     # The dtype the weights compute in: "auto" is float32 on CPU (fastest with BLAS, and
     # MoE's gather matmul needs it there) and the weights' own on a GPU.
     dtype: str = "auto"
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # its own server
+    store_security: ClientSecurity = field(default_factory=ClientSecurity)  # to the store
     store_timeout: float = 60.0
     max_stop_strings: int = 16
     workers: int = 16
@@ -58,3 +61,6 @@ class WorkerConfig:
             raise ValueError(f"dtype must be one of {DTYPES}: {self.dtype!r}")
         if self.metrics_listen is not None:
             listen_host(self.metrics_listen)
+        from cache_store.config import is_loopback
+
+        self.security.check(self.listen, is_loopback(self.listen))

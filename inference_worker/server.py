@@ -95,7 +95,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
     max_context = int(model_config.get("max_position_embeddings") or 1 << 17)
     qmax = config.quantized_query_max or (1 if device == "cpu" else 32)
     metrics = WorkerMetrics()
-    client = StoreClient(config.store, timeout=config.store_timeout)
+    client = StoreClient(config.store, timeout=config.store_timeout, security=config.store_security)
     restore_path = default_restore_path(config)
     engine = Engine(
         config,
@@ -118,13 +118,16 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         "blas": blas or "reference",
     }
     server = new_server(
-        config.workers, 16 << 20, lambda code: metrics.rpc_errors.labels(code.name).inc()
+        config.workers,
+        16 << 20,
+        lambda code: metrics.rpc_errors.labels(code.name).inc(),
+        config.security.interceptors(),
     )
     servicer = InferenceWorkerServicer(engine, info)
     worker_pb2_grpc.add_InferenceWorkerServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
-        address = bind(server, config.listen)
+        address = bind(server, config.listen, config.security.credentials())
     except OSError:
         engine.close()
         raise
@@ -136,6 +139,12 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
 
 def serve(config: WorkerConfig, blas: str | None) -> None:
     """Runs until SIGTERM or SIGINT, then drains RPCs and finishes queued store writes."""
+    if not is_loopback(config.listen) and not config.security.auth_tokens:
+        log.warning(
+            "LISTENING BEYOND LOOPBACK WITH NO AUTHENTICATION: anyone who can reach "
+            f"{config.listen} can use every agent",
+            extra={"listen": config.listen},
+        )
     running = create_server(config, blas)
     metrics = start_metrics(config.metrics_listen, running.metrics.registry)
     running.server.start()

@@ -7,9 +7,11 @@ from dataclasses import asdict
 
 import grpc
 
+from agentkv import security
 from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
+from cache_store import validation
 from inference_worker.chat import ChatMessage
 from inference_worker.engine import Engine
 from inference_worker.sampling import Sampling
@@ -24,6 +26,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         self.info = info  # static facts: model, fingerprint, kv format, device, blas...
 
     def CreateAgent(self, request: pb.CreateAgentRequest, context) -> pb.CreateAgentResponse:
+        _allowed(request.namespace)
         info = self.engine.submit(
             self.engine.create_agent,
             request.namespace,
@@ -37,6 +40,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def Turn(
         self, request: pb.TurnRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TurnResponse]:
+        _allowed(request.namespace)
         s = request.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
         job = self._job(request, sampling.validate(self.engine.config.max_stop_strings))
@@ -45,6 +49,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def InjectContext(
         self, request: pb.InjectContextRequest, context: grpc.ServicerContext
     ) -> pb.InjectContextResponse:
+        _allowed(request.namespace)
         if not request.messages:
             raise InvalidArgument("InjectContext needs at least one message")
         job = self._job(request, Sampling(max_tokens=0))
@@ -55,6 +60,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         return pb.InjectContextResponse(agent=_state(agent.result()), usage=usage)
 
     def ForkAgent(self, request: pb.ForkAgentRequest, context) -> pb.ForkAgentResponse:
+        _allowed(request.namespace)
         info = self.engine.submit(
             self.engine.fork,
             request.namespace,
@@ -102,16 +108,19 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             raise job.error
 
     def EvictAgent(self, request: pb.EvictAgentRequest, context) -> pb.EvictAgentResponse:
+        _allowed(request.namespace)
         evicted, freed = self.engine.submit(
             self.engine.evict, request.namespace, request.agent_id
         ).result()
         return pb.EvictAgentResponse(evicted=evicted, bytes_freed=freed)
 
     def DescribeAgent(self, request: pb.DescribeAgentRequest, context) -> pb.DescribeAgentResponse:
+        _allowed(request.namespace)
         info = self.engine.submit(self.engine.describe, request.namespace, request.agent_id)
         return pb.DescribeAgentResponse(agent=_state(info.result()))
 
     def DeleteAgent(self, request: pb.DeleteAgentRequest, context) -> pb.DeleteAgentResponse:
+        _allowed(request.namespace)
         deleted = self.engine.submit(self.engine.delete, request.namespace, request.agent_id)
         return pb.DeleteAgentResponse(deleted=deleted.result())
 
@@ -123,6 +132,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         return pb.GetWorkerInfoResponse(
             **self.info, hot_budget_bytes=budget, hot_bytes=used, num_hot_agents=count
         )
+
+
+def _allowed(namespace: str) -> None:
+    """The caller's token must cover the namespace, checked on the RPC thread."""
+    security.check_namespace(validation.namespace(namespace))
 
 
 def _state(info: AgentInfo) -> pb.AgentState:

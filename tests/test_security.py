@@ -1,0 +1,307 @@
+"""TLS and per-namespace bearer tokens on real store and worker processes.
+
+A call without a valid token gets UNAUTHENTICATED; a token for namespace A never reads,
+lists, forks or writes namespace B, nor sees the store's totals; deduplication never crosses
+namespaces; TLS and mTLS connect only clients that trust the server (and that it trusts);
+and a server never listens beyond loopback without tokens unless told so loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agentkv.errors import PermissionDenied, Unauthenticated, Unavailable
+from agentkv.launch import store_process
+from agentkv.security import ClientSecurity, ServerSecurity, TokenTable
+from client.store import StoreClient
+from client.synthetic import make_chain
+
+TEAM_A = "team-a-token-0123456789"
+OPS = "ops-token-0123456789abcdef"
+
+
+@pytest.fixture
+def tokens_file(tmp_path) -> Path:
+    path = tmp_path / "tokens.json"
+    import hashlib
+
+    path.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"name": "team-a", "token": TEAM_A, "namespaces": ["a"]},
+                    {
+                        "name": "ops",
+                        "sha256": hashlib.sha256(OPS.encode()).hexdigest(),
+                        "namespaces": ["*"],
+                    },
+                ]
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def secured_store(tmp_path, tokens_file):
+    proc = store_process(
+        tmp_path / "data", tmp_path / "store.log", extra_args=["--auth-tokens", str(tokens_file)]
+    ).start()
+    yield proc
+    proc.stop()
+
+
+def put_agent(client: StoreClient, ns: str, agent_id: str, seed: int = 0):
+    fp = "fp-security:k4v4g64f16:b16"
+    tokens = list(range(1 + seed, 33 + seed))
+    blocks, keys = make_chain(tokens, fp, 16, seed=seed, num_layers=2, kv_heads=1)
+    put = client.put_blocks(ns, fp, blocks)
+    client.commit_agent(
+        namespace=ns,
+        agent_id=agent_id,
+        fingerprint=fp,
+        token_ids=tokens,
+        block_keys=keys,
+        release_lease_id=put.lease_id,
+    )
+    return put
+
+
+def namespaces(client: StoreClient) -> list[str]:
+    from agentkv.v1 import store_pb2 as pb
+
+    return sorted(
+        n.name for n in client.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
+    )
+
+
+def test_tokens_scope_every_rpc_to_their_namespaces(secured_store):
+    addr = secured_store.address
+    anonymous = StoreClient(addr)
+    wrong = StoreClient(addr, security=ClientSecurity(token="not-a-known-token-at-all"))
+    team_a = StoreClient(addr, security=ClientSecurity(token=TEAM_A))
+    ops = StoreClient(addr, security=ClientSecurity(token=OPS))
+
+    for client in (anonymous, wrong):
+        with pytest.raises(Unauthenticated):
+            client.get_agent("a", "x")
+        with pytest.raises(Unauthenticated):
+            list(client.list_agents("a"))
+        with pytest.raises(Unauthenticated):
+            put_agent(client, "a", "x")
+
+    put_agent(team_a, "a", "alice")
+    put_agent(ops, "b", "bob")
+    assert [a.agent_id for a in team_a.list_agents("a")] == ["alice"]
+    for call in (
+        lambda: team_a.get_agent("b", "bob"),
+        lambda: list(team_a.list_agents("b")),
+        lambda: team_a.fork_agent("b", "bob", "mine"),
+        lambda: team_a.delete_agent("b", "bob"),
+        lambda: put_agent(team_a, "b", "intruder"),
+        lambda: list(team_a.list_blocks("b")),
+        lambda: team_a.stats(),
+    ):
+        with pytest.raises(PermissionDenied):
+            call()
+    with pytest.raises(PermissionDenied, match="may not use namespace 'b'"):
+        team_a.get_agent("b", "bob")
+    assert namespaces(team_a) == ["a"]
+    assert namespaces(ops) == ["a", "b"]
+    assert ops.stats().num_agents == 2
+    assert ops.get_agent("b", "bob").agent_id == "bob"  # nothing of b was touched
+
+
+def test_deduplication_never_crosses_namespaces(secured_store):
+    ops = StoreClient(secured_store.address, security=ClientSecurity(token=OPS))
+    first = put_agent(ops, "a", "one", seed=7)
+    again = put_agent(ops, "a", "two", seed=7)
+    other = put_agent(ops, "b", "three", seed=7)
+    assert not any(b.deduplicated for b in first.blocks)
+    assert all(b.deduplicated for b in again.blocks)
+    assert not any(b.deduplicated for b in other.blocks)  # same bytes, another namespace
+
+
+def test_health_needs_no_token(secured_store):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(secured_store.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_tables_and_safe_defaults_are_checked(tmp_path):
+    for body, message in (
+        ({"tokens": [{"token": "short", "namespaces": ["a"]}]}, "at least 16"),
+        ({"tokens": [{"sha256": "abc", "namespaces": ["a"]}]}, "64 hex digits"),
+        ({"tokens": [{"token": TEAM_A, "namespaces": []}]}, "must list namespaces"),
+        ({"tokens": []}, "non-empty list"),
+    ):
+        (tmp_path / "t.json").write_text(json.dumps(body))
+        with pytest.raises(ValueError, match=message):
+            TokenTable.load(tmp_path / "t.json")
+    with pytest.raises(ValueError, match="needs --auth-tokens"):
+        ServerSecurity().check("0.0.0.0:50051", loopback=False)
+    ServerSecurity(allow_unauthenticated=True).check("0.0.0.0:50051", loopback=False)
+    ServerSecurity().check("127.0.0.1:50051", loopback=True)
+    with pytest.raises(ValueError, match="go together"):
+        ServerSecurity(tls_cert="c.pem").check("127.0.0.1:1", loopback=True)
+
+
+def test_a_bad_token_file_stops_the_store_at_start(tmp_path):
+    (tmp_path / "short.json").write_text(
+        json.dumps({"tokens": [{"token": "x", "namespaces": ["a"]}]})
+    )
+    proc = store_process(
+        tmp_path / "data",
+        tmp_path / "log",
+        extra_args=["--auth-tokens", str(tmp_path / "short.json")],
+    )
+    with pytest.raises(RuntimeError, match="at least 16 characters"):
+        proc.start(timeout=30)
+
+
+# TLS
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def certs(tmp_path) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make test certificates")
+    d = tmp_path / "certs"
+    d.mkdir()
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=agentkv test CA",
+        cwd=d,
+    )
+    for name, extra in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        (d / f"{name}.ext").write_text(extra + "\n")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
+    return d
+
+
+def test_tls_and_mtls(tmp_path, certs):
+    c = certs
+    tls = store_process(
+        tmp_path / "tls",
+        tmp_path / "tls.log",
+        extra_args=["--tls-cert", str(c / "server.pem"), "--tls-key", str(c / "server.key")],
+    ).start()
+    mtls = store_process(
+        tmp_path / "mtls",
+        tmp_path / "mtls.log",
+        extra_args=[
+            "--tls-cert",
+            str(c / "server.pem"),
+            "--tls-key",
+            str(c / "server.key"),
+            "--tls-client-ca",
+            str(c / "ca.pem"),
+        ],
+    ).start()
+    try:
+        trusted = ClientSecurity(tls_ca=str(c / "ca.pem"))
+        assert StoreClient(tls.address, security=trusted).stats().num_agents == 0
+        with pytest.raises(Unavailable):
+            StoreClient(tls.address, timeout=5).stats()  # plaintext to a TLS server
+        with pytest.raises(Unavailable):
+            StoreClient(mtls.address, timeout=5, security=trusted).stats()  # no client cert
+        mutual = ClientSecurity(
+            tls_ca=str(c / "ca.pem"), tls_cert=str(c / "client.pem"), tls_key=str(c / "client.key")
+        )
+        assert StoreClient(mtls.address, security=mutual).stats().num_agents == 0
+    finally:
+        tls.stop()
+        mtls.stop()
+
+
+def test_worker_enforces_tokens_and_reaches_a_secured_store(
+    tmp_path, tokens_file, secured_store, tiny_model_dirs
+):
+    from agentkv.launch import worker_process
+    from client.worker import WorkerClient
+
+    (tmp_path / "store.token").write_text(OPS + "\n")
+    worker = worker_process(
+        str(tiny_model_dirs["llama"]),
+        secured_store.address,
+        tmp_path / "worker.log",
+        extra_args=[
+            "--block-tokens",
+            "64",
+            "--auth-tokens",
+            str(tokens_file),
+            "--store-token-file",
+            str(tmp_path / "store.token"),
+        ],
+    ).start()
+    try:
+        team_a = WorkerClient(worker.address, security=ClientSecurity(token=TEAM_A))
+        team_a.create_agent("a", "alice", "You are Alice. " * 10)
+        assert len(team_a.turn("a", "alice", [("user", "Hi")], max_tokens=4).token_ids) == 4
+        with pytest.raises(PermissionDenied):
+            team_a.create_agent("b", "bob", "You are Bob.")
+        with pytest.raises(PermissionDenied):
+            team_a.turn("b", "alice", [("user", "Hi")], max_tokens=4)
+        with pytest.raises(Unauthenticated):
+            WorkerClient(worker.address).describe("a", "alice")
+        team_a.wait_durable("a", "alice")  # the worker's own token reached the store
+        ops = StoreClient(secured_store.address, security=ClientSecurity(token=OPS))
+        assert ops.get_agent("a", "alice").agent_id == "alice"
+    finally:
+        worker.stop()
