@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("AGENTKV_STORE", "127.0.0.1:50051"),
         help="store address, HOST:PORT or unix:PATH (env AGENTKV_STORE)",
     )
+    _security_flags(store)
     store_sub = store.add_subparsers(dest="store_command", required=True)
     for name, (_, help_text) in STORE_COMMANDS.items():
         p = store_sub.add_parser(name, help=help_text)
@@ -251,6 +252,27 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         help="worker address; repeat for several (env AGENTKV_WORKERS, comma-separated)",
     )
+    _security_flags(p)
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("AGENTKV_TOKEN_FILE", ""),
+        help="file holding a bearer token (env AGENTKV_TOKEN_FILE; or env AGENTKV_TOKEN)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("AGENTKV_TLS_CA", ""),
+        help="PEM CA to trust: connect with TLS (env AGENTKV_TLS_CA)",
+    )
+
+
+def _security(args: argparse.Namespace):
+    from agentkv.security import ClientSecurity, read_token
+
+    token = read_token(args.token_file) if args.token_file else os.environ.get("AGENTKV_TOKEN", "")
+    return ClientSecurity(token=token, tls_ca=args.tls_ca)
 
 
 def _workers(args: argparse.Namespace) -> list[str]:
@@ -276,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     scenario = load_scenario(scenario_path(args.scenario))
     namespace = args.namespace or scenario.namespace
     print(f"{scenario.name} ({args.mode}) in namespace {namespace!r}: {scenario.description}")
-    with AgentMemory(_workers(args), args.store, namespace) as mem:
+    with AgentMemory(_workers(args), args.store, namespace, security=_security(args)) as mem:
         run_scenario(
             scenario,
             mem,
@@ -290,7 +312,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 def cmd_list_agents(args: argparse.Namespace) -> None:
     from client.memory import AgentMemory
 
-    with AgentMemory(_workers(args), args.store, args.namespace) as mem:
+    with AgentMemory(_workers(args), args.store, args.namespace, security=_security(args)) as mem:
         rows = [
             [
                 a.agent_id,
@@ -400,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command in ("run", "agents"):
             (cmd_run if args.command == "run" else cmd_list_agents)(args)
             return
-        with StoreClient(args.store, timeout=60) as client:
+        with StoreClient(args.store, timeout=60, security=_security(args)) as client:
             STORE_COMMANDS[args.store_command][0](client, args)
     except AgentKVError as exc:
         print(f"error: {type(exc).__name__} ({exc.code.name}): {exc.message}", file=sys.stderr)

@@ -305,3 +305,24 @@ def test_worker_enforces_tokens_and_reaches_a_secured_store(
         assert ops.get_agent("a", "alice").agent_id == "alice"
     finally:
         worker.stop()
+
+
+def test_cli_carries_a_token(secured_store, tmp_path):
+    import os
+    import sys
+
+    def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "agentkv.cli", "store", "--store", secured_store.address, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+
+    refused = cli("stats")
+    assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
+    assert cli("stats", AGENTKV_TOKEN=OPS).returncode == 0
+    (tmp_path / "a.token").write_text(TEAM_A)
+    denied = cli("--token-file", str(tmp_path / "a.token"), "agents", "-n", "b")
+    assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr
