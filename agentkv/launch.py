@@ -23,6 +23,7 @@ class ServiceProcess:
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
     address: str = ""
+    prefix: Sequence[str] = ()  # e.g. ("ip", "netns", "exec", NAME): run it elsewhere
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,7 +32,10 @@ class ServiceProcess:
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args], stdout=log, stderr=log, env=env
+                [*self.prefix, sys.executable, "-m", self.module, *self.args],
+                stdout=log,
+                stderr=log,
+                env=env,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -90,10 +94,11 @@ def store_process(
     listen: str = "127.0.0.1:0",
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> ServiceProcess:
     """An `agentkv-store` process (not yet started)."""
     args = ["--data-dir", str(data_dir), "--listen", listen, *extra_args]
-    return ServiceProcess("cache_store", args, log_path, env)
+    return ServiceProcess("cache_store", args, log_path, env, prefix=prefix)
 
 
 def worker_process(
