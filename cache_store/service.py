@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from agentkv import security, wire
 from agentkv.errors import InvalidArgument
+from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests, validation
 from cache_store.records import BlockRecord
@@ -382,26 +383,10 @@ def _block_summary(r: BlockRecord, last_access_ms: int) -> pb.BlockSummary:
 
 def rpc_handlers(servicer: CacheStoreServicer) -> grpc.GenericRpcHandler:
     """Method handlers for every RPC in the proto; the two payload streams skip protobuf."""
-    service = pb.DESCRIPTOR.services_by_name["CacheStore"]
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
-    for method in service.methods:
-        request = getattr(pb, method.input_type.name)
-        response = getattr(pb, method.output_type.name)
-        behaviour = getattr(servicer, method.name)
-        if method.name == "PutBlocks":
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
-                behaviour,
-                request_deserializer=None,
-                response_serializer=response.SerializeToString,
-            )
-        elif method.name == "GetBlocks":
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                behaviour, request_deserializer=request.FromString, response_serializer=None
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                behaviour,
-                request_deserializer=request.FromString,
-                response_serializer=response.SerializeToString,
-            )
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    return service_handlers(
+        pb.DESCRIPTOR.services_by_name["CacheStore"],
+        pb,
+        servicer,
+        raw_requests=frozenset({"PutBlocks"}),
+        raw_responses=frozenset({"GetBlocks"}),
+    )

@@ -15,8 +15,15 @@ import mlx.core as mx
 from grpc_health.v1 import health
 from mlx_lm import load
 
-from agentkv.rpc import add_health_and_reflection, bind, new_server, start_metrics, wait_for_signal
-from agentkv.worker.v1 import worker_pb2_grpc
+from agentkv.rpc import (
+    add_health_and_reflection,
+    bind,
+    new_server,
+    service_handlers,
+    start_metrics,
+    wait_for_signal,
+)
+from agentkv.worker.v1 import worker_pb2
 from cache_store.config import is_loopback
 from client.store import StoreClient
 from inference_worker.config import WorkerConfig
@@ -124,7 +131,13 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         config.security.interceptors(),
     )
     servicer = InferenceWorkerServicer(engine, info)
-    worker_pb2_grpc.add_InferenceWorkerServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers(
+        (
+            service_handlers(
+                worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"], worker_pb2, servicer
+            ),
+        )
+    )
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
         address = bind(server, config.listen, config.security.credentials())
