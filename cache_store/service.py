@@ -172,7 +172,7 @@ class CacheStoreServicer:
     ) -> pb.GetAgentResponse:
         _allowed(request.namespace)
         view = self.store.get_agent(request.namespace, request.agent_id, request.fingerprint)
-        return pb.GetAgentResponse(agent=_manifest(view))
+        return pb.GetAgentResponse(agent=_manifest(view, request.summary_only))
 
     def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
@@ -336,15 +336,15 @@ def _location(s: Selection, path: str) -> pb.BlockLocation:
     )
 
 
-def _manifest(view: manifests.AgentView) -> pb.AgentManifest:
+def _manifest(view: manifests.AgentView, summary_only: bool = False) -> pb.AgentManifest:
     r = view.record
     return pb.AgentManifest(
         namespace=r.namespace,
         agent_id=r.agent_id,
         fingerprint=r.fingerprint,
-        token_ids=r.token_ids,
-        block_keys=r.block_keys,
-        block_num_tokens=r.block_num_tokens,
+        token_ids=() if summary_only else r.token_ids,
+        block_keys=() if summary_only else r.block_keys,
+        block_num_tokens=() if summary_only else r.block_num_tokens,
         metadata=r.metadata,
         phase=r.phase,
         created_unix_ms=r.created_ms,

@@ -185,9 +185,14 @@ class StoreClient:
     def commit_agent(self, **fields: Any) -> pb.AgentManifest:
         return self.call("CommitAgent", pb.CommitAgentRequest(**fields)).agent
 
-    def get_agent(self, namespace: str, agent_id: str, fingerprint: str = "") -> pb.AgentManifest:
+    def get_agent(
+        self, namespace: str, agent_id: str, fingerprint: str = "", summary_only: bool = False
+    ) -> pb.AgentManifest:
         request = pb.GetAgentRequest(
-            namespace=namespace, agent_id=agent_id, fingerprint=fingerprint
+            namespace=namespace,
+            agent_id=agent_id,
+            fingerprint=fingerprint,
+            summary_only=summary_only,
         )
         return self.call("GetAgent", request).agent
 

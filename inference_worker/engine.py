@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from agentkv.errors import (
     AgentExists,
+    AgentKVError,
     AgentNotFound,
     FailedPrecondition,
     OutOfRange,
@@ -342,7 +343,7 @@ class Engine:
     def _checkout(self, ns: str, agent_id: str, usage: UsageEvent) -> Agent:
         ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
         agent = self.hot.get((ns, agent_id))
-        if agent is not None and agent.stale:
+        if agent is not None and (agent.stale or not self._still_current(agent)):
             self.hot.pop(agent.id)
             agent = None
         if agent is not None:
@@ -357,6 +358,20 @@ class Engine:
             self.metrics.restore_failures.inc()
         self.hot.put(restored.agent)
         return restored.agent
+
+    def _still_current(self, agent: Agent) -> bool:
+        """Whether the RAM copy is the agent's latest state: another worker may have committed
+        turns since (a client that failed over and came back). One small store read; while
+        our own write is in flight, or the store cannot be reached, the RAM copy stands."""
+        if agent.pending is not None and not agent.pending.done():
+            return True
+        try:
+            stored = self.client.get_agent(agent.namespace, agent.agent_id, summary_only=True)
+        except AgentNotFound:
+            return False  # deleted elsewhere: the restore below says NOT_FOUND
+        except AgentKVError:
+            return True
+        return stored.generation == agent.generation
 
     def _prefill(self, agent: Agent, need_logits: bool) -> tuple[int, mx.array | None]:
         """Runs the tokens the cache lacks through the model in chunks; the last logits."""

@@ -77,3 +77,21 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(tiny_model_dirs, s
     # The loser reloads the winner's state before its next turn: both continue alike.
     x = loser.turn("ns", "shared", [("user", "Go on.")], max_tokens=6)
     assert x.usage.cache_state == "warm"
+
+
+def test_a_worker_never_answers_from_a_stale_hot_copy(tiny_model_dirs, start_worker):
+    """A client fails over to b and later comes back to a, which still holds the agent hot
+    from before: a notices the store's newer generation and restores it, turns and all."""
+    model = tiny_model_dirs["llama"]
+    a = WorkerClient(start_worker(model, name="a").address)
+    b = WorkerClient(start_worker(model, name="b").address)
+    a.create_agent("ns", "moving", SYSTEM)
+    a.turn("ns", "moving", Q1, max_tokens=6, durable=True)
+    assert a.describe("ns", "moving").tier == "hot"
+    b.turn("ns", "moving", [("user", "Note this: a storm is coming.")], max_tokens=6, durable=True)
+    latest = b.describe("ns", "moving")
+
+    back = a.turn("ns", "moving", Q2, max_tokens=8, durable=True)
+    assert back.usage.cache_state == "warm"  # not the stale RAM copy
+    assert back.usage.prompt_tokens > latest.num_tokens  # b's turn is in its context
+    assert a.describe("ns", "moving").generation == latest.generation + 1
