@@ -43,6 +43,7 @@ from inference_worker.turns import END, AgentInfo, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 _IDLE = object()  # no job arrived while turns are in flight
+CATCH_UP_SECONDS = 2.0  # how often an idle worker retries writes the store refused
 
 
 class Engine:
@@ -120,10 +121,12 @@ class Engine:
         return future
 
     def _loop(self) -> None:
-        """Runs queued work; while turns are in flight, one model step between jobs."""
+        """Runs queued work; while turns are in flight, one model step between jobs. Between
+        turns, now and then, it retries writes the store refused (_catch_up)."""
+        last_catch_up = time.monotonic()
         while True:
             try:
-                item = self._jobs.get(block=not self._busy)
+                item = self._jobs.get(block=not self._busy, timeout=CATCH_UP_SECONDS)
             except queue.Empty:
                 item = _IDLE
             if item is None:
@@ -132,6 +135,9 @@ class Engine:
                 self._run(*item)
             if self._busy:
                 self._step()
+            elif time.monotonic() - last_catch_up >= CATCH_UP_SECONDS and self.batcher:
+                last_catch_up = time.monotonic()
+                self._catch_up()
 
     @property
     def _busy(self) -> bool:
@@ -358,6 +364,14 @@ class Engine:
             self.metrics.restore_failures.inc()
         self.hot.put(restored.agent)
         return restored.agent
+
+    def _catch_up(self) -> None:
+        """Retries the writes of hot agents whose last persist failed (the store was down or
+        full): once the store is back, every turn served meanwhile becomes durable."""
+        for agent in self.hot.agents():
+            waiting = agent.pending is not None and not agent.pending.done()
+            if agent.persist_failed and not waiting and not agent.stale:
+                self._persist(agent)
 
     def _still_current(self, agent: Agent) -> bool:
         """Whether the RAM copy is the agent's latest state: another worker may have committed

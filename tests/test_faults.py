@@ -95,3 +95,61 @@ def test_a_worker_never_answers_from_a_stale_hot_copy(tiny_model_dirs, start_wor
     assert back.usage.cache_state == "warm"  # not the stale RAM copy
     assert back.usage.prompt_tokens > latest.num_tokens  # b's turn is in its context
     assert a.describe("ns", "moving").generation == latest.generation + 1
+
+
+def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
+    """The store stops mid-session: hot agents keep answering, their writes fail and wait;
+    when the store is back the worker catches up on its own, and a new worker restores every
+    turn served meanwhile."""
+    import socket
+    import time
+
+    from agentkv.launch import store_process, worker_process
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        listen = f"127.0.0.1:{s.getsockname()[1]}"
+    data = tmp_path / "data"
+    store = store_process(data, tmp_path / "store.log", listen=listen).start()
+    worker = worker_process(
+        str(tiny_model_dirs["llama"]),
+        store.address,
+        tmp_path / "worker.log",
+        extra_args=["--block-tokens", "64"],
+    ).start()
+    try:
+        w = WorkerClient(worker.address)
+        w.create_agent("ns", "keeper", SYSTEM)
+        w.turn("ns", "keeper", Q1, max_tokens=6, durable=True)
+        store.stop()  # the store goes away
+        during = w.turn("ns", "keeper", Q2, max_tokens=6)
+        assert during.usage.cache_state == "hot" and len(during.token_ids) == 6
+        with pytest.raises(Unavailable, match="not committed"):
+            w.turn("ns", "keeper", [("user", "Log it.")], max_tokens=4, durable=True)
+        served = w.describe("ns", "keeper")
+        assert served.persisted_tokens < served.num_tokens - 1  # not durable yet
+
+        store = store_process(data, tmp_path / "store.log", listen=listen).start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # no new turn: the worker catches up by itself
+            state = w.describe("ns", "keeper")
+            if state.persisted_tokens >= state.num_tokens - 1:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the worker never caught up its writes")
+        worker.stop()
+        fresh = worker_process(
+            str(tiny_model_dirs["llama"]),
+            store.address,
+            tmp_path / "worker2.log",
+            extra_args=["--block-tokens", "64"],
+        ).start()
+        try:
+            restored = WorkerClient(fresh.address).describe("ns", "keeper")
+            assert restored.tier == "warm" and restored.num_tokens == served.num_tokens
+        finally:
+            fresh.stop()
+    finally:
+        worker.stop()
+        store.stop()
