@@ -27,6 +27,7 @@ from agentkv.errors import (
     Unavailable,
     from_rpc_error,
 )
+from agentkv.security import ClientSecurity
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
@@ -41,10 +42,12 @@ DESCRIBE_CONCURRENCY = 16  # agents() describes this many agents at once
 class AsyncWorkerClient:
     """An asyncio connection to one inference worker; `await close()` when done."""
 
-    def __init__(self, address: str, timeout: float = 300.0) -> None:
+    def __init__(
+        self, address: str, timeout: float = 300.0, security: ClientSecurity | None = None
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = (security or ClientSecurity()).aio_channel(address)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
     async def close(self) -> None:
@@ -177,15 +180,18 @@ class AsyncAgentMemory:
         backoff: float = 0.25,
         down_for: float = 5.0,
         durable: bool = False,
+        security: ClientSecurity | None = None,
     ) -> None:
         """`retries`: rounds over every worker when none answers, `backoff` seconds apart
         (doubling). `durable`: turns end only once committed to the store, so losing a
-        worker right after a reply loses nothing (costs the commit's latency per turn)."""
+        worker right after a reply loses nothing (costs the commit's latency per turn).
+        `security`: TLS and a bearer token for every worker and the store."""
         addresses = [workers] if isinstance(workers, str) else list(workers)
         self.router = Router(addresses, down_for)
-        self.workers = {a: AsyncWorkerClient(a, timeout) for a in addresses}
+        security = security or ClientSecurity()
+        self.workers = {a: AsyncWorkerClient(a, timeout, security) for a in addresses}
         self.store = store
-        self._store_channel = grpc.aio.insecure_channel(store) if store else None
+        self._store_channel = security.aio_channel(store) if store else None
         self.namespace = namespace
         self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
 

@@ -301,6 +301,24 @@ def test_worker_enforces_tokens_and_reaches_a_secured_store(
         with pytest.raises(Unauthenticated):
             WorkerClient(worker.address).describe("a", "alice")
         team_a.wait_durable("a", "alice")  # the worker's own token reached the store
+        import asyncio
+
+        from client.aio import AsyncAgentMemory
+
+        async def through_asyncio() -> tuple[int, str]:
+            async with AsyncAgentMemory(
+                worker.address, namespace="a", security=ClientSecurity(token=TEAM_A)
+            ) as mem:
+                state = await (await mem.agent("alice")).describe()
+            async with AsyncAgentMemory(worker.address, namespace="a") as anonymous:
+                try:
+                    await (await anonymous.agent("alice")).describe()
+                except Unauthenticated as exc:
+                    return state.num_tokens, type(exc).__name__
+            return state.num_tokens, "answered"
+
+        tokens, refused = asyncio.run(through_asyncio())
+        assert tokens > 0 and refused == "Unauthenticated"
         ops = StoreClient(secured_store.address, security=ClientSecurity(token=OPS))
         assert ops.get_agent("a", "alice").agent_id == "alice"
     finally:
