@@ -153,9 +153,7 @@ class Engine:
 
     def _step(self) -> None:
         if self.scheduler.waiting:  # only admitting a waiting turn reads it
-            busy = {t.agent.id for t in self.batcher.active.values()}
-            idle = (a for a in self.hot.agents() if a.id not in busy)
-            self.scheduler.hot_bytes = sum(a.nbytes for a in idle)
+            self._make_room()
         try:
             self.batcher.step()
         except Exception as exc:  # a failed step fails every turn in flight, not the worker
@@ -164,6 +162,27 @@ class Engine:
                 turn.job.error = exc
                 turn.job.events.put(END)
             self.batcher = self._new_batcher()
+
+    def _make_room(self) -> None:
+        """Idle hot agents give way to a waiting turn: the hot tier is a cache, and a turn
+        must not wait for RAM that only idle agents hold. Least recently used first, and
+        only durable ones (their state is in the store)."""
+        busy = {t.agent.id for t in self.batcher.active.values()}
+        idle = [a for a in self.hot.agents() if a.id not in busy]  # LRU first
+        held = sum(a.nbytes for a in idle)
+        need = min(r.memory_bytes for r in self.scheduler.waiting)
+        room = self.scheduler.memory_budget - self.scheduler.reserved_bytes - need
+        for agent in idle:
+            if held <= room:
+                break
+            if agent.durable and not agent.persist_failed:
+                self.hot.pop(agent.id)
+                held -= agent.nbytes
+                log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
+        self.scheduler.hot_bytes = held
+        self.metrics.hot_bytes.set(self.hot.nbytes)
+        if held > room and not self.scheduler.running:
+            time.sleep(0.005)  # nothing can run until a write lands: do not spin
 
     def close(self) -> None:
         self._jobs.put(None)

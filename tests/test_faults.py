@@ -153,3 +153,18 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
     finally:
         worker.stop()
         store.stop()
+
+
+def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worker):
+    """A hot budget that holds one agent: the next agent's turn evicts the idle one (it is
+    in the store) instead of waiting for RAM forever, and the evicted one comes back warm."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--hot-budget", "150K").address)
+    w.timeout = 60
+    w.create_agent("ns", "first", SYSTEM)
+    w.turn("ns", "first", Q1, max_tokens=4, durable=True)
+    w.create_agent("ns", "second", SYSTEM)
+    second = w.turn("ns", "second", Q1, max_tokens=4, durable=True)
+    assert len(second.token_ids) == 4
+    assert w.describe("ns", "first").tier == "warm"
+    back = w.turn("ns", "first", Q2, max_tokens=4)
+    assert back.usage.cache_state == "warm" and len(back.token_ids) == 4
