@@ -1,7 +1,7 @@
 """A bounded load test: many agents, several client threads, two workers, evictions and
 restores throughout; every turn is checked against a greedy replay.
 
-    python benchmarks/load.py                # 16 agents x 12 turns, 4 threads, 2 workers
+    python benchmarks/load.py                # 16 agents x 40 turns, 4 threads, 2 workers
     python benchmarks/load.py --quick        # the CI size: 16 agents, a few turns each
 
 Each agent has a fixed script of user messages. Client threads take agents from a queue
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--turns", type=int, default=12, help="turns per agent")
+    p.add_argument("--turns", type=int, default=40, help="turns per agent")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--evict-rate", type=float, default=0.25, help="chance of evicting after a turn")
     p.add_argument("--hot-budget", default="1M", help="each worker's RAM for KV caches")
