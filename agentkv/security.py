@@ -210,12 +210,8 @@ class ClientSecurity:
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
         options = options or []
-        if self.tls_ca or self.tls_cert:
-            creds = grpc.ssl_channel_credentials(
-                Path(self.tls_ca).read_bytes() if self.tls_ca else None,
-                Path(self.tls_key).read_bytes() if self.tls_key else None,
-                Path(self.tls_cert).read_bytes() if self.tls_cert else None,
-            )
+        creds = self._tls()
+        if creds is not None:
             channel = grpc.secure_channel(address, creds, options=options)
         else:
             channel = grpc.insecure_channel(address, options=options)
@@ -226,14 +222,20 @@ class ClientSecurity:
     def aio_channel(self, address: str, options: list[tuple[str, Any]] | None = None):
         """The same, as a grpc.aio channel."""
         interceptors = [_AioBearerToken(self.token)] if self.token else None
-        if self.tls_ca or self.tls_cert:
-            creds = grpc.ssl_channel_credentials(
-                Path(self.tls_ca).read_bytes() if self.tls_ca else None,
-                Path(self.tls_key).read_bytes() if self.tls_key else None,
-                Path(self.tls_cert).read_bytes() if self.tls_cert else None,
-            )
+        creds = self._tls()
+        if creds is not None:
             return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
+
+    def _tls(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials from the PEM files, or None for plaintext."""
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        return grpc.ssl_channel_credentials(
+            Path(self.tls_ca).read_bytes() if self.tls_ca else None,
+            Path(self.tls_key).read_bytes() if self.tls_key else None,
+            Path(self.tls_cert).read_bytes() if self.tls_cert else None,
+        )
 
 
 class _AioBearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):

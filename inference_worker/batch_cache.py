@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from inference_worker.kv_cache import QTensor, QuantizedKV
+from inference_worker.kv_cache import QTensor, QuantizedKV, fit_tokens
 from inference_worker.kv_format import KVFormat
 
 
@@ -132,7 +132,7 @@ class BatchQuantizedKV:
             return cache
         capacity = -(-n // QuantizedKV.step) * QuantizedKV.step
         keys, values = (
-            tuple(_padded(x[i : i + 1, :, pad : self.idx, :], capacity) for x in q)
+            tuple(fit_tokens(x[i : i + 1, :, pad : self.idx, :], capacity) for x in q)
             for q in (self.keys, self.values)
         )
         cache.load(keys, values, self.row_offset[i], self.row_start[i])
@@ -254,11 +254,3 @@ def _shifted(x: mx.array, shift: int, capacity: int) -> mx.array:
     if shift + n < capacity:
         parts.append(mx.zeros((*x.shape[:2], capacity - shift - n, x.shape[3]), dtype=x.dtype))
     return mx.concatenate(parts, axis=2) if len(parts) > 1 else x
-
-
-def _padded(x: mx.array, capacity: int) -> mx.array:
-    n = x.shape[2]
-    if n == capacity:
-        return x
-    pad = mx.zeros((*x.shape[:2], capacity - n, x.shape[3]), dtype=x.dtype)
-    return mx.concatenate([x, pad], axis=2)

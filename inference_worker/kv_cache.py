@@ -122,7 +122,8 @@ class QuantizedKV:
         held = self.offset - self.start
         capacity = -(-(held - drop) // self.step) * self.step or self.step
         self.keys, self.values = (
-            tuple(_fit(x[..., drop:held, :], capacity) for x in q) for q in (self.keys, self.values)
+            tuple(fit_tokens(x[..., drop:held, :], capacity) for x in q)
+            for q in (self.keys, self.values)
         )
         self.start = position
 
@@ -221,7 +222,7 @@ def _cut(q: QTensor, start: int, end: int) -> QTensor:
     return tuple(x[..., start:end, :] for x in q)  # type: ignore[return-value]
 
 
-def _fit(x: mx.array, capacity: int) -> mx.array:
+def fit_tokens(x: mx.array, capacity: int) -> mx.array:
     """x along tokens, cut or zero-padded to `capacity` positions."""
     n = x.shape[2]
     if n >= capacity:
