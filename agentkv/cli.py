@@ -39,6 +39,10 @@ def _size(num_bytes: int) -> str:
     raise AssertionError
 
 
+def _quota(num_bytes: int) -> str:
+    return _size(num_bytes) if num_bytes else "none"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain-text table with columns padded to fit."""
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
@@ -58,7 +62,7 @@ def cmd_stats(client: StoreClient, args: argparse.Namespace) -> None:
                 ("agents", s.num_agents),
                 ("blocks", s.num_blocks),
                 ("stored", _size(s.num_bytes)),
-                ("quota", _size(s.quota_bytes) if s.quota_bytes else "none"),
+                ("quota", _quota(s.quota_bytes)),
                 ("evicted blocks", s.num_evicted_blocks),
                 ("evicted agents", s.num_evicted_agents),
                 ("quarantined", s.num_quarantined),
@@ -71,8 +75,11 @@ def cmd_stats(client: StoreClient, args: argparse.Namespace) -> None:
 
 def cmd_namespaces(client: StoreClient, args: argparse.Namespace) -> None:
     reply = client.call("ListNamespaces", pb.ListNamespacesRequest())
-    rows = [(n.name, n.num_agents, n.num_blocks, _size(n.num_bytes)) for n in reply.namespaces]
-    print(table(["namespace", "agents", "blocks", "bytes"], rows))
+    rows = [
+        (n.name, n.num_agents, n.num_blocks, _size(n.num_bytes), _quota(n.quota_bytes))
+        for n in reply.namespaces
+    ]
+    print(table(["namespace", "agents", "blocks", "bytes", "quota"], rows))
 
 
 def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:

@@ -20,6 +20,17 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+def parse_namespace_quota(text: str) -> tuple[str, int]:
+    """'team-a=2G' -> ('team-a', 2 GiB); '*=1G' sets the default for every other namespace."""
+    name, sep, size = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE=SIZE or *=SIZE, got {text!r}")
+    try:
+        return name.strip(), parse_size(size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {size!r} in {text!r}") from None
+
+
 def build_config(argv: list[str] | None = None) -> StoreConfig:
     p = argparse.ArgumentParser(prog="agentkv-store", description=__doc__)
     p.add_argument("--data-dir", type=Path, required=True, help="where the index and payloads live")
@@ -30,6 +41,15 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
     )
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
     p.add_argument("--quota", type=parse_size, default=0, help="payload byte quota, e.g. 20G")
+    p.add_argument(
+        "--namespace-quota",
+        type=parse_namespace_quota,
+        action="append",
+        default=[],
+        metavar="NS=SIZE",
+        help="a namespace's payload byte quota, e.g. team-a=2G; '*=SIZE' for every namespace "
+        "not named; repeatable",
+    )
     p.add_argument(
         "--evict-agents",
         action="store_true",
@@ -46,6 +66,7 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
             listen=a.listen,
             metrics_listen=a.metrics_listen,
             quota_bytes=a.quota,
+            namespace_quotas=dict(a.namespace_quota),
             evict_agents=a.evict_agents,
             lease_seconds=a.lease_seconds,
             workers=a.workers,

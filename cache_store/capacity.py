@@ -1,7 +1,10 @@
-"""The byte quota: reservations for uploads in flight, and LRU eviction to make room.
+"""The byte quotas, store-wide and per namespace: reservations for uploads in flight, and LRU
+eviction to make room.
 
 Unreferenced blocks go first, least recently used first; with `evict_agents`, then whole
 least-recently-used agents whose deletion frees a block. Leased blocks are never deleted.
+A namespace at its own quota evicts only its own blocks and agents: one tenant never pushes
+out another's.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from agentkv.errors import QuotaExceeded
@@ -39,7 +43,7 @@ class Capacity:
         self.config, self.index, self.payloads = config, index, payloads
         self.leases, self.metrics = leases, metrics
         self._lock = threading.Lock()  # reservations and evictions
-        self._reserved = 0
+        self._reserved: Counter[str] = Counter()  # bytes in flight, per namespace
         self._block_access: dict[BlockId, int] = {}
         self._agent_access: dict[tuple[str, str], int] = {}
 
@@ -59,16 +63,19 @@ class Capacity:
 
     # reservations
 
-    def reserve(self, size: int) -> None:
-        """Claims `size` bytes for an upload, evicting to make room; QuotaExceeded if it can't."""
+    def reserve(self, size: int, namespace: str) -> None:
+        """Claims `size` bytes for an upload into `namespace`, evicting to make room within the
+        namespace's quota and then the store's; QuotaExceeded if it can't."""
         with self._lock:
+            if quota := self.config.namespace_quota(namespace):
+                self._make_room(size, quota, namespace)
             if self.config.quota_bytes:
-                self._make_room(size, self.config.quota_bytes)
-            self._reserved += size
+                self._make_room(size, self.config.quota_bytes, None)
+            self._reserved[namespace] += size
 
-    def unreserve(self, size: int) -> None:
+    def unreserve(self, size: int, namespace: str) -> None:
         with self._lock:
-            self._reserved -= size
+            self._reserved[namespace] -= size
 
     def collect(self, namespace: str | None) -> tuple[int, int]:
         """Deletes every unreferenced, unleased block; returns (blocks, bytes)."""
@@ -83,25 +90,33 @@ class Capacity:
 
     # eviction
 
-    def _make_room(self, size: int, quota: int) -> None:
+    def _make_room(self, size: int, quota: int, namespace: str | None) -> None:
+        """Evicts within `namespace` (None: the whole store) until `size` more bytes fit."""
+        scope = "store" if namespace is None else f"namespace {namespace!r}"
         if size > quota:
-            raise QuotaExceeded(f"block of {size} bytes exceeds the store quota of {quota} bytes")
-        while self._used() + self._reserved + size > quota:
-            if self._evict_one_block() or (self.config.evict_agents and self._evict_one_agent()):
+            raise QuotaExceeded(f"block of {size} bytes exceeds the {scope} quota of {quota} bytes")
+        while (used := self._used(namespace)) + self._in_flight(namespace) + size > quota:
+            if self._evict_one_block(namespace):
+                continue
+            if self.config.evict_agents and self._evict_one_agent(namespace):
                 continue
             raise QuotaExceeded(
-                f"store quota of {quota} bytes reached ({self._used()} used, {self._reserved} "
-                f"in flight) and nothing can be evicted: every block is referenced or leased"
+                f"{scope} quota of {quota} bytes reached ({used} used, "
+                f"{self._in_flight(namespace)} in flight) and nothing can be evicted: every "
+                "block is referenced or leased"
             )
 
-    def _used(self) -> int:
+    def _used(self, namespace: str | None) -> int:
         with self.index.read() as txn:
-            return self.index.usage_bytes(txn)
+            return self.index.usage_bytes(txn, namespace)
 
-    def _evict_one_block(self) -> bool:
+    def _in_flight(self, namespace: str | None) -> int:
+        return self._reserved[namespace] if namespace is not None else self._reserved.total()
+
+    def _evict_one_block(self, namespace: str | None) -> bool:
         with self.index.read() as txn:
             candidates = [
-                b for b in self.index.unreferenced(txn, None) if not self.leases.is_held(b)
+                b for b in self.index.unreferenced(txn, namespace) if not self.leases.is_held(b)
             ]
             created = {b: self.index.get_block(txn, *b).created_ms for b in candidates}
         for block in sorted(candidates, key=lambda b: self.block_last_access(b, created[b])):
@@ -110,10 +125,10 @@ class Capacity:
                 return True
         return False
 
-    def _evict_one_agent(self) -> bool:
+    def _evict_one_agent(self, namespace: str | None) -> bool:
         """Deletes the least recently used agent whose blocks would then become evictable."""
         with self.index.read() as txn:
-            agents = sorted(self.index.agents(txn, None), key=self._agent_last_access)
+            agents = sorted(self.index.agents(txn, namespace), key=self._agent_last_access)
             victim = next((a for a in agents if self._frees_space(txn, a)), None)
         if victim is None:
             return False

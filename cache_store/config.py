@@ -8,6 +8,9 @@ from pathlib import Path
 
 from agentkv.security import ServerSecurity
 from agentkv.wire import MAX_CHUNK_BYTES
+from cache_store.validation import NAMESPACE_RE
+
+ANY_NAMESPACE = "*"
 
 
 @dataclass(slots=True)
@@ -16,6 +19,9 @@ class StoreConfig:
     listen: str = "127.0.0.1:50051"  # host:port, or unix:/path/to.sock
     metrics_listen: str | None = None  # host:port for Prometheus; None disables
     quota_bytes: int = 0  # payload bytes; 0 = only the disk limits
+    # Per-namespace payload bytes; "*" applies to every namespace not named. The store-wide
+    # quota still holds on top.
+    namespace_quotas: dict[str, int] = field(default_factory=dict)
     evict_agents: bool = False  # under quota pressure, also evict whole cold agents
     lease_seconds: int = 60
     max_lease_seconds: int = 600
@@ -33,6 +39,11 @@ class StoreConfig:
         self.data_dir = Path(self.data_dir).resolve()
         if self.quota_bytes < 0:
             raise ValueError(f"quota_bytes must be >= 0, got {self.quota_bytes}")
+        for name, size in self.namespace_quotas.items():
+            if name != ANY_NAMESPACE and not NAMESPACE_RE.fullmatch(name):
+                raise ValueError(f"namespace quota for invalid namespace {name!r}")
+            if size <= 0:
+                raise ValueError(f"namespace quota for {name!r} must be > 0, got {size}")
         if not 1 <= self.lease_seconds <= self.max_lease_seconds:
             raise ValueError(f"lease_seconds must be in 1..{self.max_lease_seconds}")
         if not 1 <= self.max_chunk_bytes < self.max_message_bytes:
@@ -49,6 +60,10 @@ class StoreConfig:
     @property
     def is_loopback(self) -> bool:
         return is_loopback(self.listen)
+
+    def namespace_quota(self, namespace: str) -> int:
+        """The byte quota of one namespace; 0 when it has none."""
+        return self.namespace_quotas.get(namespace, self.namespace_quotas.get(ANY_NAMESPACE, 0))
 
 
 def is_loopback(address: str) -> bool:

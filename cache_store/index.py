@@ -195,7 +195,11 @@ class Index:
             k.decode(): msgpack.unpackb(v) for k, v in txn.cursor(db=self._namespaces).iternext()
         }
 
-    def usage_bytes(self, txn: lmdb.Transaction) -> int:
+    def usage_bytes(self, txn: lmdb.Transaction, namespace: str | None = None) -> int:
+        """Payload bytes in one namespace, or in all of them."""
+        if namespace is not None:
+            raw = txn.get(namespace.encode(), db=self._namespaces)
+            return msgpack.unpackb(raw)["bytes"] if raw else 0
         return sum(u["bytes"] for u in self.namespaces(txn).values())
 
     def counter(self, txn: lmdb.Transaction, name: str) -> int:

@@ -214,7 +214,11 @@ class CacheStoreServicer:
         return pb.ListNamespacesResponse(
             namespaces=[
                 pb.NamespaceInfo(
-                    name=name, num_agents=u["agents"], num_blocks=u["blocks"], num_bytes=u["bytes"]
+                    name=name,
+                    num_agents=u["agents"],
+                    num_blocks=u["blocks"],
+                    num_bytes=u["bytes"],
+                    quota_bytes=u["quota"],
                 )
                 for name, u in sorted(security.visible(self.store.list_namespaces()).items())
             ]

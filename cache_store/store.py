@@ -286,8 +286,10 @@ class CacheStore:
     # inspection and maintenance
 
     def list_namespaces(self) -> dict[str, dict[str, int]]:
+        """Each namespace's agents, blocks, bytes and quota (0: none of its own)."""
         with self.index.read() as txn:
-            return self.index.namespaces(txn)
+            usage = self.index.namespaces(txn)
+        return {n: {**u, "quota": self.config.namespace_quota(n)} for n, u in usage.items()}
 
     def list_blocks(self, namespace: str, page_token: bytes, page_size: int) -> list[BlockRecord]:
         ns = validation.namespace(namespace)

@@ -136,11 +136,11 @@ class Uploads:
         }
         file_header = safetensors_header(layout, meta)
         size = len(file_header) + sum(t.num_bytes for t in layout)
-        self.capacity.reserve(size)
+        self.capacity.reserve(size, ns)
         try:
             writer = self.payloads.writer(file_header, layout)
         except BaseException:
-            self.capacity.unreserve(size)
+            self.capacity.unreserve(size, ns)
             raise
         draft = BlockRecord(
             ns, key, parent, fp, tokens, [], [], size, self.payloads.relpath(ns, key), now_ms()
@@ -203,7 +203,7 @@ class Uploads:
         """Ends an upload's claim on disk space and its temporary file, whatever happened."""
         if upload.writer is not None:
             upload.writer.abort()
-            self.capacity.unreserve(upload.record.num_bytes)
+            self.capacity.unreserve(upload.record.num_bytes, upload.record.namespace)
             upload.writer = None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,3 +66,14 @@ class StoreProcess:
 
     def client(self, **kwargs) -> StoreClient:
         return StoreClient(self.address, **kwargs)
+
+
+def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
+    """`agentkv ARGS[0] [--store STORE] ARGS[1:]` as a user runs it."""
+    prefix = ["--store", store] if store else []
+    return subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", args[0], *prefix, *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 
 import pytest
 
 from agentkv.errors import DiskFull, QuotaExceeded
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+from tests.helpers import FP, NS, StoreProcess, cli, make_chain, same_bytes
 
 BLOCK_TOKENS = 64
 
@@ -19,27 +21,44 @@ def block_bytes(store_client) -> int:
     return put.blocks[0].num_bytes
 
 
-@pytest.fixture
-def quota_store(tmp_path, request):
-    """A store whose quota holds 4 blocks; parametrize with extra args via indirect marks."""
-    args = getattr(request, "param", [])
-    probe = StoreProcess(tmp_path / "probe", tmp_path / "probe.log").start()
+@pytest.fixture(scope="module")
+def block_size(tmp_path_factory) -> int:
+    """The payload bytes of one test block, as the store counts them."""
+    root = tmp_path_factory.mktemp("probe")
+    probe = StoreProcess(root / "data", root / "probe.log").start()
     with probe.client() as c:
         size = block_bytes(c)
     probe.stop()
-    quota = ["--quota", str(4 * size + size // 2), *args]
+    return size
+
+
+@pytest.fixture
+def quota_store(tmp_path, request, block_size):
+    """A store whose quota holds 4 blocks; parametrize with extra args via indirect marks."""
+    args = getattr(request, "param", [])
+    quota = ["--quota", str(4 * block_size + block_size // 2), *args]
     proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", extra_args=quota).start()
-    yield proc, size
+    yield proc, block_size
     proc.stop()
 
 
-def put_agent(client, agent_id: str, first_token: int, commit: bool = True):
+@pytest.fixture
+def ns_quota_store(tmp_path, request, block_size):
+    """A store where namespace team-a holds 3 blocks (others unlimited); extra args by param."""
+    args = getattr(request, "param", [])
+    quota = ["--namespace-quota", f"team-a={3 * block_size + block_size // 2}", *args]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", extra_args=quota).start()
+    yield proc
+    proc.stop()
+
+
+def put_agent(client, agent_id: str, first_token: int, commit: bool = True, ns: str = NS):
     tokens = list(range(first_token, first_token + BLOCK_TOKENS))
     blocks, keys = make_chain(tokens, block_tokens=BLOCK_TOKENS, seed=first_token)
     if commit:
-        client.save_agent(NS, agent_id, FP, tokens, blocks)
+        client.save_agent(ns, agent_id, FP, tokens, blocks)
     else:
-        client.put_blocks(NS, FP, blocks)
+        client.put_blocks(ns, FP, blocks)
     return blocks, keys
 
 
@@ -150,3 +169,102 @@ def test_full_disk_is_resource_exhausted_and_nothing_is_corrupt(tiny_disk, tmp_p
                 assert same_bytes(blocks[0], next(c.get_blocks(NS, FP, keys)))
     finally:
         proc.stop()
+
+
+def loose_blocks(client, ns: str, first_token: int, count: int) -> list[bytes]:
+    """Puts `count` unreferenced blocks into `ns` and lets their leases go; their keys."""
+    keys = []
+    for i in range(count):
+        blocks, _ = make_chain([first_token + i] * BLOCK_TOKENS, seed=first_token + i)
+        put = client.put_blocks(ns, FP, blocks)
+        client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+        keys.append(put.blocks[0].key)
+    return keys
+
+
+def test_a_namespace_at_its_quota_is_refused_while_others_write_on(ns_quota_store, block_size):
+    with ns_quota_store.client() as c:
+        kept = [put_agent(c, f"a{i}", 1000 * i, ns="team-a") for i in range(3)]
+        with pytest.raises(QuotaExceeded) as err:
+            put_agent(c, "a3", 3000, ns="team-a")
+        assert err.value.code.name == "RESOURCE_EXHAUSTED"
+        assert "namespace 'team-a' quota" in err.value.message
+        assert "nothing can be evicted" in err.value.message
+        for i in range(5):  # team-b has no quota of its own: five blocks go in
+            put_agent(c, f"b{i}", 1000 * i, ns="team-b")
+        usage = {n.name: n for n in c.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces}
+        assert (usage["team-a"].num_agents, usage["team-a"].num_blocks) == (3, 3)
+        assert usage["team-a"].quota_bytes == 3 * block_size + block_size // 2
+        assert (usage["team-b"].num_blocks, usage["team-b"].quota_bytes) == (5, 0)
+        for blocks, keys in kept:
+            assert same_bytes(blocks[0], next(c.get_blocks("team-a", FP, keys)))
+        assert not list((ns_quota_store.data_dir / "tmp").iterdir())
+    listing = cli("store", "namespaces", store=ns_quota_store.address).stdout
+    assert re.search(r"^team-a +3 +3 .*KiB +[\d.]+ KiB *$", listing, re.M), listing
+    assert re.search(r"^team-b +5 +5 .* none *$", listing, re.M), listing
+
+
+def test_a_namespace_evicts_only_its_own_unreferenced_blocks(ns_quota_store):
+    with ns_quota_store.client() as c:
+        theirs = loose_blocks(c, "team-b", 50_000, 3)  # the oldest blocks in the store
+        ours = loose_blocks(c, "team-a", 60_000, 2)
+        for i in range(3):
+            put_agent(c, f"a{i}", 1000 * i, ns="team-a")
+        assert not {b.key for b in c.list_blocks("team-a")} & set(ours)
+        assert {b.key for b in c.list_blocks("team-b")} == set(theirs)
+        assert c.stats().num_evicted_blocks == 2
+
+
+@pytest.mark.parametrize("ns_quota_store", [["--evict-agents"]], indirect=True)
+def test_a_namespace_evicts_only_its_own_agents(ns_quota_store):
+    with ns_quota_store.client() as c:
+        put_agent(c, "elder", 9000, ns="team-b")  # the coldest agent in the store
+        for i in range(3):
+            put_agent(c, f"a{i}", 1000 * i, ns="team-a")
+        c.get_agent("team-a", "a0")  # a1 is now team-a's coldest
+        put_agent(c, "newcomer", 5000, ns="team-a")
+        assert {a.agent_id for a in c.list_agents("team-a")} == {"a0", "a2", "newcomer"}
+        assert [a.agent_id for a in c.list_agents("team-b")] == ["elder"]
+
+
+def test_a_default_namespace_quota_and_an_override(tmp_path, block_size):
+    args = ["--namespace-quota", f"*={block_size + block_size // 2}"]
+    args += ["--namespace-quota", f"big={3 * block_size}"]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", extra_args=args).start()
+    try:
+        with proc.client() as c:
+            for ns in ("small", "other"):
+                put_agent(c, "one", 0, ns=ns)
+                with pytest.raises(QuotaExceeded, match=f"namespace '{ns}' quota"):
+                    put_agent(c, "two", 1000, ns=ns)
+            put_agent(c, "one", 0, ns="big")
+            put_agent(c, "two", 1000, ns="big")
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("team-a", "expected NAMESPACE=SIZE"),
+        ("=1G", "expected NAMESPACE=SIZE"),
+        ("team-a=lots", "invalid size 'lots'"),
+        ("Team A=1G", "invalid namespace 'Team A'"),
+        ("team-a=0", "must be > 0"),
+    ],
+)
+def test_bad_namespace_quota_flags_are_refused(flag, message, tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cache_store",
+            "--data-dir",
+            str(tmp_path),
+            "--namespace-quota",
+            flag,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2 and message in run.stderr

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from agentkv.launch import ServiceProcess
 from cache_store.__main__ import build_config, parse_size
-from tests.helpers import FP, NS, StoreProcess, make_chain
+from tests.helpers import FP, NS, StoreProcess, cli, make_chain
 
 
 def test_health_and_reflection(store_process):
@@ -110,16 +110,6 @@ def test_sizes_parse():
 def test_default_bind_is_loopback(tmp_path):
     config = build_config(["--data-dir", str(tmp_path)])
     assert config.listen == "127.0.0.1:50051" and config.is_loopback
-
-
-def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
-    prefix = ["--store", store] if store else []
-    return subprocess.run(
-        [sys.executable, "-m", "agentkv.cli", args[0], *prefix, *args[1:]],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_cli_inspects_verifies_and_collects(store_process, store):
