@@ -11,6 +11,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from agentkv.errors import AgentKVError
 from inference_worker.kv_cache import QuantizedKV
 
 log = logging.getLogger("agentkv.worker")
@@ -32,12 +33,17 @@ class Agent:
     phase: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     pending: Future | None = None  # the store write in flight, if any
-    persist_failed: bool = False  # the last write failed: rewrite the whole chain next time
+    # Why the last write failed (rewrite the whole chain next time); None when it did not.
+    persist_error: AgentKVError | None = None
     stale: bool = False  # another writer committed: reload from the store before use
 
     @property
     def id(self) -> AgentId:
         return (self.namespace, self.agent_id)
+
+    @property
+    def persist_failed(self) -> bool:
+        return self.persist_error is not None
 
     @property
     def cached(self) -> int:

@@ -23,7 +23,6 @@ from agentkv.errors import (
     AgentNotFound,
     FailedPrecondition,
     OutOfRange,
-    Unavailable,
 )
 from agentkv.layers import KVStorage
 from cache_store import validation
@@ -35,7 +34,7 @@ from inference_worker.config import WorkerConfig
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.layer_spec import model_layers
 from inference_worker.metrics import WorkerMetrics
-from inference_worker.persistence import Persister, snapshot
+from inference_worker.persistence import Persister, not_committed, snapshot
 from inference_worker.restore import Restorer
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler
@@ -292,19 +291,20 @@ class Engine:
         self.metrics.turns.labels(state=usage.cache_state).inc()
         job = turn.job
         if job.durable and agent.pending is not None:
-            agent.pending.add_done_callback(lambda write: self._end_durable(job, agent, usage))
+            agent.pending.add_done_callback(
+                lambda write: self._end_durable(job, agent, usage, write.result())
+            )
             return
         job.events.put(usage)
         job.events.put(END)
 
     @staticmethod
-    def _end_durable(job: TurnJob, agent: Agent, usage: UsageEvent) -> None:
+    def _end_durable(
+        job: TurnJob, agent: Agent, usage: UsageEvent, error: AgentKVError | None
+    ) -> None:
         """Ends a durable turn once its commit is done (on the writer thread)."""
-        if agent.persist_failed or agent.stale:
-            job.error = Unavailable(
-                f"the turn of agent {agent.agent_id!r} ran but its cache was not committed "
-                "to the store; it stays in this worker's RAM"
-            )
+        if error is not None or agent.stale:
+            job.error = not_committed(agent, error, "the turn ran, but the cache")
         job.events.put(usage)
         job.events.put(END)
 
@@ -401,7 +401,9 @@ class Engine:
         try:
             stored = self.client.get_agent(agent.namespace, agent.agent_id, summary_only=True)
         except AgentNotFound:
-            return False  # deleted elsewhere: the restore below says NOT_FOUND
+            # Never committed (the store was full or down since its creation): RAM is all
+            # there is. Committed once and gone now: deleted elsewhere, the restore says so.
+            return agent.generation == 0
         except AgentKVError:
             return True
         return stored.generation == agent.generation
@@ -435,7 +437,7 @@ class Engine:
             snap = snapshot(agent, self.fingerprint, self.config.block_tokens)
         except ValueError as exc:  # blocks it would rewrite have left a window cache
             log.error("cannot persist agent", extra={"agent": agent.agent_id, "error": str(exc)})
-            agent.persist_failed = True
+            agent.persist_error = FailedPrecondition(str(exc))
             self.metrics.persists.labels(outcome="failed").inc()
             return
         agent.pending = self.persister.submit(agent, snap)
@@ -452,6 +454,7 @@ class Engine:
         self.metrics.hot_bytes.set(self.hot.nbytes)
 
     def _make_durable(self, agent: Agent) -> None:
+        """Waits until the agent's whole cache is committed; raises why it could not be."""
         if agent.pending is not None:
             agent.pending.result()
         if agent.persist_failed or agent.persisted_tokens < agent.cached:
@@ -459,10 +462,7 @@ class Engine:
             if agent.pending is not None:
                 agent.pending.result()
         if not agent.durable or agent.persist_failed:
-            raise Unavailable(
-                f"agent {agent.agent_id!r} cannot be made durable: the store "
-                "refused or is unreachable; it stays in RAM"
-            )
+            raise not_committed(agent, agent.persist_error, "the cache")
 
     # helpers
 

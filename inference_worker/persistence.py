@@ -11,7 +11,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from agentkv.errors import AgentKVError, GenerationConflict
+from agentkv.errors import AgentKVError, GenerationConflict, ResourceExhausted, Unavailable
 from client.blocks import Block
 from client.store import StoreClient
 from inference_worker.agents import Agent
@@ -43,7 +43,7 @@ def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
         held_from = max((c.start for c in agent.caches), default=0)
         keep = -(-held_from // block_tokens)
         agent.queued_full_keys = list(agent.committed_full_keys[:keep])
-        agent.persist_failed = False
+        agent.persist_error = None
     stored = list(agent.queued_full_keys)
     start = len(stored) * block_tokens
     parent = stored[-1] if stored else b""
@@ -54,6 +54,18 @@ def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
     agent.queued_full_keys = stored + full
     metadata = {**agent.metadata, REPLY_OPEN: "1" if agent.reply_open else "0"}
     return Snapshot(list(agent.tokens), blocks, stored, full, agent.cached, agent.phase, metadata)
+
+
+def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:
+    """The error for `what`, which needed the agent durable, when the store refused: a full
+    store keeps its RESOURCE_EXHAUSTED (no other worker would fare better), all else is
+    UNAVAILABLE. Either way the agent stays in this worker's RAM and is written later."""
+    reason = error.message if error is not None else "the store is unreachable"
+    message = (
+        f"{what} of agent {agent.agent_id!r} was not committed to the store ({reason}); "
+        "it stays in this worker's RAM and is written once the store takes it"
+    )
+    return type(error)(message) if isinstance(error, ResourceExhausted) else Unavailable(message)
 
 
 class Persister:
@@ -67,7 +79,8 @@ class Persister:
         agent.pending = self._pool.submit(self._save, agent, snap)
         return agent.pending
 
-    def _save(self, agent: Agent, snap: Snapshot) -> str:
+    def _save(self, agent: Agent, snap: Snapshot) -> AgentKVError | None:
+        """Writes and commits one snapshot; the error that stopped it, or None."""
         try:
             _, manifest = self.client.save_agent(
                 agent.namespace,
@@ -86,19 +99,19 @@ class Persister:
                 "agent committed elsewhere",
                 extra={"agent": agent.agent_id, "generation": exc.current_generation},
             )
-            return self._report("conflict")
+            return self._report("conflict", exc)
         except AgentKVError as exc:
-            agent.persist_failed = True
+            agent.persist_error = exc
             log.warning("persist failed", extra={"agent": agent.agent_id, "error": exc.message})
-            return self._report("failed")
+            return self._report("failed", exc)
         agent.generation = manifest.generation
         agent.committed_full_keys = snap.stored_keys + snap.new_full_keys
         agent.persisted_tokens = snap.cached
-        return self._report("ok")
+        return self._report("ok", None)
 
-    def _report(self, outcome: str) -> str:
+    def _report(self, outcome: str, error: AgentKVError | None) -> AgentKVError | None:
         self._on_result(outcome)
-        return outcome
+        return error
 
     def flush(self) -> None:
         """Waits for every queued write."""

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,29 @@ def store_process(tmp_path) -> Iterator[StoreProcess]:
     proc = StoreProcess(tmp_path / "data", tmp_path / "store.log").start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator:
+    """Mounts a tmpfs of a given size (e.g. "3m") and returns its path; skips where mounting
+    is not allowed. Unmounted afterwards."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture

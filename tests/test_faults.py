@@ -5,10 +5,15 @@ and two workers committing the same agent at once: exactly one wins, the other r
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from agentkv.errors import AgentKVError, Unavailable
+from agentkv.errors import AgentKVError, DiskFull, QuotaExceeded, Unavailable
+from agentkv.launch import store_process, worker_process
+from agentkv.v1 import store_pb2 as pb
+from client.store import StoreClient
 from client.worker import WorkerClient
 
 SYSTEM = "You are the keeper of the lighthouse, and you log every ship. " * 8
@@ -102,9 +107,6 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
     when the store is back the worker catches up on its own, and a new worker restores every
     turn served meanwhile."""
     import socket
-    import time
-
-    from agentkv.launch import store_process, worker_process
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,3 +170,105 @@ def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worke
     assert w.describe("ns", "first").tier == "warm"
     back = w.turn("ns", "first", Q2, max_tokens=4)
     assert back.usage.cache_state == "warm" and len(back.token_ids) == 4
+
+
+def conversation(w: WorkerClient, agent: str, questions: list[str]) -> list[list[int]]:
+    """Creates `agent` and says each question in turn (greedy, 6 tokens); the replies."""
+    w.create_agent("ns", agent, SYSTEM)
+    return [w.turn("ns", agent, [("user", q)], max_tokens=6).token_ids for q in questions]
+
+
+def fill(disk: Path) -> Path:
+    """Writes a ballast file until the filesystem is full."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return ballast
+
+
+def wait_durable(w: WorkerClient, agent: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (state := w.describe("ns", agent)).persisted_tokens < state.num_tokens - 1:
+        assert time.monotonic() < deadline, f"{agent} never became durable: {state}"
+        time.sleep(0.2)
+
+
+def test_a_full_store_disk_refuses_durable_turns_and_loses_nothing(
+    tiny_model_dirs, small_disk, tmp_path
+):
+    """The store's disk fills up mid-session: a durable turn answers RESOURCE_EXHAUSTED with
+    the store's reason, hot turns go on, nothing stored is harmed; once space is back the
+    worker writes everything by itself, and a fresh worker restores every turn exactly."""
+    model = str(tiny_model_dirs["llama"])
+    disk = small_disk("16m")
+    store = store_process(disk / "data", tmp_path / "store.log").start()
+    flags = ["--block-tokens", "64"]
+    worker = worker_process(model, store.address, tmp_path / "w.log", extra_args=flags).start()
+    w = WorkerClient(worker.address)
+    questions = ["Which ships passed tonight?", "And the weather?", "Log it all.", "Who?"]
+    try:
+        w.create_agent("ns", "keeper", SYSTEM)
+        first = w.turn("ns", "keeper", [("user", questions[0])], max_tokens=6, durable=True)
+        said = [first.token_ids]
+        committed = w.describe("ns", "keeper")
+        ballast = fill(disk)
+        with pytest.raises(DiskFull) as err:
+            w.turn("ns", "keeper", [("user", questions[1])], max_tokens=6, durable=True)
+        assert err.value.code.name == "RESOURCE_EXHAUSTED"
+        assert "not committed" in err.value.message and "no space left" in err.value.message
+        said.append(None)  # the refused turn ran (its tokens are in the context), unseen
+        during = w.turn("ns", "keeper", [("user", questions[2])], max_tokens=6)
+        assert during.usage.cache_state == "hot"
+        said.append(during.token_ids)
+        with StoreClient(store.address) as c:
+            assert c.get_agent("ns", "keeper").generation == committed.generation
+            assert not c.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+        assert not list((disk / "data" / "tmp").iterdir())
+        with pytest.raises(DiskFull):
+            w.evict("ns", "keeper")  # it may not leave RAM before it is durable
+        ballast.unlink()
+        wait_durable(w, "keeper")
+        worker.stop()
+        fresh = worker_process(model, store.address, tmp_path / "w2.log", extra_args=flags)
+        f = WorkerClient(fresh.start().address)
+        reference = conversation(f, "reference", questions[:3])
+        assert [s for s in said if s is not None] == [reference[0], reference[2]]
+        last = f.turn("ns", "keeper", [("user", questions[3])], max_tokens=6)
+        assert last.usage.cache_state == "warm" and not last.usage.restore_failure
+        again = f.turn("ns", "reference", [("user", questions[3])], max_tokens=6)
+        assert last.token_ids == again.token_ids
+    finally:
+        worker.stop()
+        store.stop()
+
+
+def test_a_namespace_at_its_quota_refuses_only_its_own_turns(tiny_model_dirs, tmp_path):
+    """Two tenants on one worker: the one at its store quota gets RESOURCE_EXHAUSTED naming
+    its namespace and keeps its last committed state; the other commits on undisturbed."""
+    store = store_process(
+        tmp_path / "data", tmp_path / "store.log", extra_args=["--namespace-quota", "tight=1K"]
+    ).start()
+    flags = ["--block-tokens", "64"]
+    model = str(tiny_model_dirs["llama"])
+    worker = worker_process(model, store.address, tmp_path / "w.log", extra_args=flags).start()
+    w = WorkerClient(worker.address)
+    try:
+        for ns in ("tight", "roomy"):
+            w.create_agent(ns, "keeper", SYSTEM)
+        with pytest.raises(QuotaExceeded, match="namespace 'tight' quota of 1024 bytes"):
+            w.turn("tight", "keeper", Q1, max_tokens=6, durable=True)
+        w.turn("roomy", "keeper", Q1, max_tokens=6, durable=True)
+        tight = w.turn("tight", "keeper", Q2, max_tokens=6)  # still served, from RAM
+        assert tight.usage.cache_state == "hot" and len(tight.token_ids) == 6
+        with StoreClient(store.address) as c:
+            stored = c.get_agent("roomy", "keeper")
+            assert len(stored.token_ids) == w.describe("roomy", "keeper").num_tokens
+            assert not list(c.list_blocks("tight")) and not list(c.list_agents("tight"))
+    finally:
+        worker.stop()
+        store.stop()

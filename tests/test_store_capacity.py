@@ -140,21 +140,8 @@ def test_collect_garbage_keeps_referenced_and_leased(store):
     assert [b.key for b in store.list_blocks(NS)] == keys[:1]
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def test_full_disk_is_resource_exhausted_and_nothing_is_corrupt(tiny_disk, tmp_path):
-    proc = StoreProcess(tiny_disk / "data", tmp_path / "store.log").start()
+def test_full_disk_is_resource_exhausted_and_nothing_is_corrupt(small_disk, tmp_path):
+    proc = StoreProcess(small_disk("3m") / "data", tmp_path / "store.log").start()
     try:
         with proc.client() as c:
             stored = []
