@@ -223,13 +223,17 @@ class Payloads:
 
     def verify(self, record: BlockRecord) -> None:
         """Reads and checks the whole file; raises CorruptBlock."""
+        self.check_size(record)
+        for _ in self.read(record, record.segments, 8 << 20):
+            pass
+
+    def check_size(self, record: BlockRecord) -> None:
+        """Raises CorruptBlock when the file is missing or not the indexed size: one stat."""
         size = self._size(record)
         if size != record.num_bytes:
             raise CorruptBlock(
                 f"block {record.key.hex()} payload is {size} bytes, index says {record.num_bytes}"
             )
-        for _ in self.read(record, record.segments, 8 << 20):
-            pass
 
     def _size(self, record: BlockRecord) -> int:
         try:

@@ -67,7 +67,13 @@ class CacheStore:
         self.leases = Leases()
         self.capacity = Capacity(config, self.index, self.payloads, self.leases, self.metrics)
         self.uploads = Uploads(
-            config, self.index, self.payloads, self.leases, self.capacity, self.metrics
+            config,
+            self.index,
+            self.payloads,
+            self.leases,
+            self.capacity,
+            self.metrics,
+            self._quarantine,
         )
         self.recover()
         self.metrics.watch_usage(self.stats)
@@ -85,12 +91,10 @@ class CacheStore:
             records = list(self.index.blocks(txn, None))
         lost = 0
         for record in records:
-            path = self.payloads.path(record.relpath)
-            size = path.stat().st_size if path.exists() else -1
-            if size != record.num_bytes:
-                self._quarantine(
-                    record, f"file is {size} bytes at start-up, index says {record.num_bytes}"
-                )
+            try:
+                self.payloads.check_size(record)
+            except CorruptBlock as exc:
+                self._quarantine(record, f"at start-up: {exc.message}")
                 lost += 1
         log.info(
             "recovered",

@@ -8,10 +8,10 @@ the same block race harmlessly: the first to publish wins, the other is a dedup 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from agentkv.errors import InvalidArgument
+from agentkv.errors import CorruptBlock, InvalidArgument
 from agentkv.keys import block_key
 from cache_store import validation
 from cache_store.capacity import Capacity, now_ms
@@ -74,9 +74,11 @@ class Uploads:
         leases: Leases,
         capacity: Capacity,
         metrics: StoreMetrics,
+        quarantine: Callable[[BlockRecord, str], None],
     ) -> None:
         self.config, self.index, self.payloads = config, index, payloads
         self.leases, self.capacity, self.metrics = leases, capacity, metrics
+        self.quarantine = quarantine
         self.publish_lock = threading.Lock()  # rename..index commit, against the orphan sweep
 
     def put_stream(
@@ -123,7 +125,7 @@ class Uploads:
             if parent:
                 self.index.require_block(txn, ns, fp, parent, "parent_key")
             existing = self.index.get_block(txn, ns, key)
-        if existing is not None:
+        if existing is not None and self._intact(existing):
             self.capacity.touch_block((ns, key))
             return BlockUpload(existing, layout, writer=None)
         meta = {
@@ -146,6 +148,16 @@ class Uploads:
             ns, key, parent, fp, tokens, [], [], size, self.payloads.relpath(ns, key), now_ms()
         )
         return BlockUpload(draft, layout, writer)
+
+    def _intact(self, record: BlockRecord) -> bool:
+        """Whether a stored twin's file is whole (a stat); a lost one is quarantined, so this
+        upload replaces it and heals every manifest that references it."""
+        try:
+            self.payloads.check_size(record)
+        except CorruptBlock as exc:
+            self.quarantine(record, f"{exc.message} (found by a re-upload, which replaces it)")
+            return False
+        return True
 
     def _write(self, upload: BlockUpload | None, chunk: memoryview) -> None:
         if upload is None:

@@ -197,3 +197,21 @@ def test_report_of_a_sound_block_is_not_confirmed(stored):
     assert stored.client.stats().num_quarantined == 0
     assert list(stored.client.get_agent(NS, AGENT).missing_block_keys) == []
     assert all(map(same_bytes, stored.blocks, stored.client.get_blocks(NS, FP, stored.keys)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_reupload_replaces_a_lost_file_no_read_has_found(stored, damage):
+    """A file lost behind the store's back is not a dedup hit: the re-upload (a worker's
+    re-prefill writes its blocks again) quarantines the index entry, stores the new bytes,
+    and the agent's manifest is whole again, with its reference count intact."""
+    moved = DAMAGE[damage](stored.path(stored.victim))
+    put = stored.client.put_blocks(NS, FP, stored.blocks)
+    assert [b.deduplicated for b in put.blocks] == [True, False, True]
+    assert [p.read_bytes() for p in stored.quarantined(stored.victim)] == (
+        [] if moved is None else [moved]
+    )
+    agent = stored.client.get_agent(NS, AGENT)
+    assert list(agent.block_keys) == stored.keys and not agent.missing_block_keys
+    assert {b.key: b.refcount for b in stored.client.list_blocks(NS)}[stored.victim] == 1
+    back = stored.client.read_blocks_local(NS, FP, stored.keys)
+    assert all(map(same_bytes, stored.blocks, back))

@@ -141,13 +141,15 @@ def test_multi_turn_context_equals_the_whole_conversation_tokenized(
 def test_corrupt_block_costs_a_reprefill_not_a_wrong_answer(
     tiny_model_dirs, start_worker, store_process, store
 ):
-    """One agent gets a flipped byte; its twin in another namespace (so no shared blocks)
-    loses every file. Both must re-prefill and so answer alike."""
+    """One agent gets a flipped byte, its twin a truncated file, a third loses every file
+    (each in its own namespace, so no shared blocks). All must re-prefill and so answer
+    alike; the bad files are quarantined, so the next restore is clean."""
     proc = start_worker(tiny_model_dirs["llama"], "--metrics-listen", "127.0.0.1:0")
     w = WorkerClient(proc.address)
     fp = w.info().fingerprint
     located = {}
-    for ns in ("flipped", "wiped"):
+    damaged = ("flipped", "truncated", "wiped")
+    for ns in damaged:
         w.create_agent(ns, "warden", SYSTEM)
         w.turn(ns, "warden", Q1, max_tokens=8)
         w.evict(ns, "warden")
@@ -159,19 +161,27 @@ def test_corrupt_block_costs_a_reprefill_not_a_wrong_answer(
         byte = f.read(1)
         f.seek(-10, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
+    os.truncate(located["truncated"][0].path, os.path.getsize(located["truncated"][0].path) // 2)
     for location in located["wiped"]:
         os.remove(location.path)
-    flipped = w.turn("flipped", "warden", Q2, max_tokens=16)
-    wiped = w.turn("wiped", "warden", Q2, max_tokens=16)
-    assert flipped.token_ids == wiped.token_ids
-    for reply in (flipped, wiped):
+    replies = {ns: w.turn(ns, "warden", Q2, max_tokens=16) for ns in damaged}
+    assert replies["flipped"].token_ids == replies["truncated"].token_ids
+    assert replies["flipped"].token_ids == replies["wiped"].token_ids
+    for reply in replies.values():
         assert reply.usage.cache_state == "cold" and reply.usage.restore_failure
         assert reply.usage.prefilled_tokens == reply.usage.prompt_tokens
-    assert "checksum" in flipped.usage.restore_failure
-    assert "missing" in wiped.usage.restore_failure
+    assert "checksum" in replies["flipped"].usage.restore_failure
+    assert "missing" in replies["wiped"].usage.restore_failure
+    assert store.stats().num_quarantined >= 3
+    for ns in damaged:  # the re-prefill wrote the blocks anew: a clean warm restore now
+        w.wait_durable(ns, "warden")
+        w.evict(ns, "warden")
+        again = w.turn(ns, "warden", [("user", "Once more.")], max_tokens=4)
+        assert again.usage.cache_state == "warm", (ns, again.usage.restore_failure)
+        assert not again.usage.restore_failure
     serving = proc._find_event("serving", 0)
     text = urllib.request.urlopen(f"http://{serving['metrics']}/metrics", timeout=10).read()
-    assert b"agentkv_worker_restore_failures_total 2.0" in text
+    assert b"agentkv_worker_restore_failures_total 3.0" in text
 
 
 def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dirs, start_worker):
