@@ -106,6 +106,21 @@ def add_health_and_reflection(server: grpc.Server, service: str) -> health.Healt
     return health_servicer
 
 
+def start_health(
+    listen: str | None, servicer: health.HealthServicer
+) -> tuple[grpc.Server | None, str | None]:
+    """Serves grpc.health.v1 alone, in plaintext and without tokens, on HOST:PORT (port 0
+    picks one): for probes that cannot speak TLS, such as kubelet's grpc probe. It shares
+    `servicer`, so a graceful shutdown shows NOT_SERVING here too. Returns (server, address)."""
+    if not listen:
+        return None, None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    address = bind(server, listen)
+    server.start()
+    return server, address
+
+
 def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
     """Binds `listen` (port 0 picks one), with TLS when given `credentials`; returns the
     address clients dial."""

@@ -40,6 +40,11 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
         help="HOST:PORT (port 0 picks one) or unix:/path/to.sock; default loopback",
     )
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
+    p.add_argument(
+        "--health-listen",
+        default=None,
+        help="HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe)",
+    )
     p.add_argument("--quota", type=parse_size, default=0, help="payload byte quota, e.g. 20G")
     p.add_argument(
         "--namespace-quota",
@@ -65,6 +70,7 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
             data_dir=a.data_dir,
             listen=a.listen,
             metrics_listen=a.metrics_listen,
+            health_listen=a.health_listen,
             quota_bytes=a.quota,
             namespace_quotas=dict(a.namespace_quota),
             evict_agents=a.evict_agents,

@@ -18,6 +18,7 @@ class StoreConfig:
     data_dir: Path
     listen: str = "127.0.0.1:50051"  # host:port, or unix:/path/to.sock
     metrics_listen: str | None = None  # host:port for Prometheus; None disables
+    health_listen: str | None = None  # host:port for plaintext grpc.health.v1 alone
     quota_bytes: int = 0  # payload bytes; 0 = only the disk limits
     # Per-namespace payload bytes; "*" applies to every namespace not named. The store-wide
     # quota still holds on top.
@@ -51,10 +52,8 @@ class StoreConfig:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         listen_host(self.listen)
-        if self.metrics_listen is not None and self.metrics_listen.startswith("unix:"):
-            raise ValueError(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
-        if self.metrics_listen is not None:
-            listen_host(self.metrics_listen)
+        tcp_listen("metrics_listen", self.metrics_listen)
+        tcp_listen("health_listen", self.health_listen)
         self.security.check(self.listen, self.is_loopback)
 
     @property
@@ -75,6 +74,14 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def tcp_listen(name: str, listen: str | None) -> None:
+    """Checks an optional HOST:PORT setting (no unix sockets); ValueError naming it."""
+    if listen is not None and listen.startswith("unix:"):
+        raise ValueError(f"{name} must be HOST:PORT, got {listen!r}")
+    if listen is not None:
+        listen_host(listen)
 
 
 def listen_host(listen: str) -> str | None:

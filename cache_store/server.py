@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from agentkv.rpc import add_health_and_reflection, bind, new_server, start_metrics, wait_for_signal
+from agentkv.rpc import (
+    add_health_and_reflection,
+    bind,
+    new_server,
+    start_health,
+    start_metrics,
+    wait_for_signal,
+)
 from cache_store.config import StoreConfig
 from cache_store.service import SERVICE_NAME, CacheStoreServicer, rpc_handlers
 from cache_store.store import CacheStore
@@ -59,10 +66,18 @@ def serve(config: StoreConfig) -> None:
     running = create_server(config)
     metrics = start_metrics(config.metrics_listen, running.store.metrics.registry)
     running.server.start()
+    health_server, health_address = start_health(config.health_listen, running.health)
     log.info(
         "serving",
-        extra={"address": running.address, "data_dir": str(config.data_dir), "metrics": metrics},
+        extra={
+            "address": running.address,
+            "data_dir": str(config.data_dir),
+            "metrics": metrics,
+            "health": health_address,
+        },
     )
     wait_for_signal()
     log.info("stopping")
     running.stop()
+    if health_server is not None:
+        health_server.stop(0)

@@ -21,6 +21,11 @@ def build_config(argv: list[str] | None = None):
     p.add_argument("--store", required=True, help="cache store address, HOST:PORT or unix:PATH")
     p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (0 picks) or unix:PATH")
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
+    p.add_argument(
+        "--health-listen",
+        default=None,
+        help="HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe)",
+    )
     p.add_argument("--k-bits", type=int, default=4, help="bits per key element (default 4)")
     p.add_argument("--v-bits", type=int, default=4, help="bits per value element (default 4)")
     p.add_argument("--group-size", type=int, default=64)
@@ -92,6 +97,7 @@ def build_config(argv: list[str] | None = None):
             store=a.store,
             listen=a.listen,
             metrics_listen=a.metrics_listen,
+            health_listen=a.health_listen,
             kv=KVFormat(a.k_bits, a.v_bits, a.group_size),
             block_tokens=a.block_tokens,
             prefill_chunk=a.prefill_chunk,

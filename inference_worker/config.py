@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from agentkv.security import ClientSecurity, ServerSecurity
-from cache_store.config import listen_host
+from cache_store.config import listen_host, tcp_listen
 from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")
@@ -18,6 +18,7 @@ class WorkerConfig:
     store: str  # the cache store's address, HOST:PORT or unix:PATH
     listen: str = "127.0.0.1:50061"
     metrics_listen: str | None = None
+    health_listen: str | None = None  # HOST:PORT for plaintext grpc.health.v1 alone
     kv: KVFormat = field(default_factory=KVFormat)
     block_tokens: int = 256
     prefill_chunk: int = 512
@@ -59,8 +60,8 @@ class WorkerConfig:
             raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}: {self.dtype!r}")
-        if self.metrics_listen is not None:
-            listen_host(self.metrics_listen)
+        tcp_listen("metrics_listen", self.metrics_listen)
+        tcp_listen("health_listen", self.health_listen)
         from cache_store.config import is_loopback
 
         self.security.check(self.listen, is_loopback(self.listen))

@@ -20,6 +20,7 @@ from agentkv.rpc import (
     bind,
     new_server,
     service_handlers,
+    start_health,
     start_metrics,
     wait_for_signal,
 )
@@ -161,9 +162,18 @@ def serve(config: WorkerConfig, blas: str | None) -> None:
     running = create_server(config, blas)
     metrics = start_metrics(config.metrics_listen, running.metrics.registry)
     running.server.start()
+    health_server, health_address = start_health(config.health_listen, running.health)
     log.info(
-        "serving", extra={"address": running.address, "store": config.store, "metrics": metrics}
+        "serving",
+        extra={
+            "address": running.address,
+            "store": config.store,
+            "metrics": metrics,
+            "health": health_address,
+        },
     )
     wait_for_signal()
     log.info("stopping")
     running.stop()
+    if health_server is not None:
+        health_server.stop(0)

@@ -256,9 +256,14 @@ def test_kubernetes_probes_reach_the_service(workload, container):
     program, listen = argv[0], flag(argv, "--listen")
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container[kind]
-        if "grpc" in probe:  # kubelet's own probe: plaintext only
-            assert not serves_tls(argv), f"{kind}: a grpc probe cannot reach a TLS port"
-            assert probe["grpc"] == {"port": port(listen), "service": SERVICES[program]}
+        if "grpc" in probe:  # kubelet's own probe: plaintext only, so the health-only port
+            health = flag(argv, "--health-listen") if "--health-listen" in argv else listen
+            assert health == listen or port(health) != port(listen)
+            if health == listen:
+                assert not serves_tls(argv), f"{kind}: a grpc probe cannot reach a TLS port"
+            assert probe["grpc"] == {"port": port(health), "service": SERVICES[program]}
+            ports = {p["containerPort"] for p in container["ports"]}
+            assert port(health) in ports
             continue
         command = probe["exec"]["command"]
         assert command[0] == "agentkv-health"
@@ -392,7 +397,7 @@ def start_from_compose(service: str, module: str, tmp_path: Path, **swap: str) -
     argv = compose_command(service)
     argv = [a.replace("/run/secrets/", f"{tmp_path}/secrets/") for a in argv]
     argv = [swap.get(a, a) for a in argv]
-    for name in ("--listen", "--metrics-listen"):
+    for name in {"--listen", "--metrics-listen", "--health-listen"} & set(argv):
         i = argv.index(name) + 1
         argv[i] = argv[i].rpartition(":")[0] + ":0"
     return ServiceProcess(module, argv[1:], tmp_path / f"{service}.log").start(timeout=60)

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agentkv.errors import PermissionDenied, Unauthenticated, Unavailable
+from agentkv.errors import AgentKVError, PermissionDenied, Unauthenticated, Unavailable
 from agentkv.launch import store_process
 from agentkv.security import ClientSecurity, ServerSecurity, TokenTable
 from client.store import StoreClient
@@ -268,6 +268,38 @@ def test_tls_and_mtls(tmp_path, certs):
     finally:
         tls.stop()
         mtls.stop()
+
+
+def test_the_health_port_serves_health_alone_in_plaintext(tmp_path, certs, tokens_file):
+    """--health-listen: kubelet's plaintext grpc probe sees SERVING on an mTLS store with
+    tokens, and that port answers nothing else."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    c = certs
+    proc = store_process(
+        tmp_path / "data",
+        tmp_path / "store.log",
+        extra_args=[
+            *("--tls-cert", str(c / "server.pem"), "--tls-key", str(c / "server.key")),
+            *("--tls-client-ca", str(c / "ca.pem"), "--auth-tokens", str(tokens_file)),
+            *("--health-listen", "127.0.0.1:0"),
+        ],
+    ).start()
+    try:
+        health_at = proc._find_event("serving", 0)["health"]
+        assert health_at.rpartition(":")[2] != proc.address.rpartition(":")[2]
+        with grpc.insecure_channel(health_at) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "agentkv.v1.CacheStore"):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(Unavailable):
+            StoreClient(proc.address, timeout=5).stats()  # the service port is still mTLS
+        with pytest.raises(AgentKVError) as err:
+            StoreClient(health_at, timeout=5, security=ClientSecurity(token=OPS)).stats()
+        assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        proc.stop()
 
 
 def test_worker_enforces_tokens_and_reaches_a_secured_store(
