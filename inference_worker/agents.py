@@ -36,6 +36,8 @@ class Agent:
     # Why the last write failed (rewrite the whole chain next time); None when it did not.
     persist_error: AgentKVError | None = None
     stale: bool = False  # another writer committed: reload from the store before use
+    # Commits whose reply never came (id -> full block keys, tokens): one may be applied.
+    in_doubt: dict[str, tuple[list[bytes], int]] = field(default_factory=dict)
 
     @property
     def id(self) -> AgentId:

@@ -31,7 +31,6 @@ from inference_worker.agents import Agent, HotTier
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatMessage
 from inference_worker.config import WorkerConfig
-from inference_worker.kv_cache import QuantizedKV
 from inference_worker.layer_spec import model_layers
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import Persister, not_committed, snapshot
@@ -165,11 +164,12 @@ class Engine:
     def _make_room(self) -> None:
         """Idle hot agents give way to a waiting turn: the hot tier is a cache, and a turn
         must not wait for RAM that only idle agents hold. Least recently used first, and
-        only durable ones (their state is in the store)."""
+        only durable ones (their state is in the store). The room is the head's, whom
+        admission serves first: room for a smaller turn behind it would admit no one."""
         busy = {t.agent.id for t in self.batcher.active.values()}
         idle = [a for a in self.hot.agents() if a.id not in busy]  # LRU first
         held = sum(a.nbytes for a in idle)
-        need = min(r.memory_bytes for r in self.scheduler.waiting)
+        need = min(self.scheduler.waiting, key=lambda r: (-r.priority, r.order)).memory_bytes
         room = self.scheduler.memory_budget - self.scheduler.reserved_bytes - need
         for agent in idle:
             if held <= room:
@@ -212,7 +212,7 @@ class Engine:
             ns,
             agent_id,
             self.chat.first_turn(messages, False),
-            self._caches(),
+            self.restorer.empty_caches(),
             phase=phase,
             metadata=metadata,
         )
@@ -406,7 +406,9 @@ class Engine:
             return agent.generation == 0
         except AgentKVError:
             return True
-        return stored.generation == agent.generation
+        if stored.generation == agent.generation:
+            return True
+        return self.persister.adopt_own_commit(agent, stored)  # a commit whose reply was lost
 
     def _prefill(self, agent: Agent, need_logits: bool) -> tuple[int, mx.array | None]:
         """Runs the tokens the cache lacks through the model in chunks; the last logits."""
@@ -480,10 +482,6 @@ class Engine:
         except AgentNotFound:
             return False
         return True
-
-    def _caches(self) -> list[QuantizedKV]:
-        block = self.config.block_tokens
-        return [QuantizedKV(self.config.kv, self.qmax, w, block) for w in self.windows]
 
     def _info(self, agent: Agent, tier: str) -> AgentInfo:
         return AgentInfo(

@@ -3,15 +3,27 @@
 The MLX thread cuts the new blocks (evaluated, copied to host memory) and queues them; one
 writer thread uploads them and commits the manifest with compare-and-swap, in turn order.
 A reply never waits for the disk. A crash loses only work never committed.
+
+A commit whose reply is lost (the store died after applying it) is "in doubt". Each commit
+carries an id in the manifest's metadata, so when the store later shows a newer generation,
+the worker can tell its own commit from another writer's and keep the turns it served since.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from agentkv.errors import AgentKVError, GenerationConflict, ResourceExhausted, Unavailable
+from agentkv.errors import (
+    AgentKVError,
+    DeadlineExceeded,
+    GenerationConflict,
+    ResourceExhausted,
+    Unavailable,
+)
 from client.blocks import Block
 from client.store import StoreClient
 from inference_worker.agents import Agent
@@ -19,6 +31,8 @@ from inference_worker.blocks import cache_blocks
 
 log = logging.getLogger("agentkv.worker")
 REPLY_OPEN = "agentkv.reply_open"
+COMMIT_ID = "agentkv.commit"
+INTERNAL_METADATA = (REPLY_OPEN, COMMIT_ID)  # the worker's own, not the caller's
 
 
 @dataclass(slots=True)
@@ -27,6 +41,7 @@ class Snapshot:
 
     tokens: list[int]
     blocks: list[Block]  # new blocks, from the last full-block boundary on
+    keys: list[bytes]  # theirs
     stored_keys: list[bytes]  # the full blocks before them, stored or queued earlier
     new_full_keys: list[bytes]
     cached: int
@@ -53,7 +68,18 @@ def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
     full = [k for k, b in zip(keys, blocks, strict=True) if len(b.token_ids) == block_tokens]
     agent.queued_full_keys = stored + full
     metadata = {**agent.metadata, REPLY_OPEN: "1" if agent.reply_open else "0"}
-    return Snapshot(list(agent.tokens), blocks, stored, full, agent.cached, agent.phase, metadata)
+    return Snapshot(
+        list(agent.tokens), blocks, keys, stored, full, agent.cached, agent.phase, metadata
+    )
+
+
+def commit_id(expected_generation: int, snap: Snapshot) -> str:
+    """Names a commit by the generation it expects and what it writes: every retry of one
+    state has the same id, so a commit whose reply was lost is recognised afterwards."""
+    h = hashlib.blake2b(f"{expected_generation}:{len(snap.tokens)}:".encode(), digest_size=12)
+    for key in (*snap.stored_keys, *snap.keys):
+        h.update(key)
+    return h.hexdigest()
 
 
 def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:
@@ -66,6 +92,13 @@ def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentK
         "it stays in this worker's RAM and is written once the store takes it"
     )
     return type(error)(message) if isinstance(error, ResourceExhausted) else Unavailable(message)
+
+
+def _committed(agent: Agent, generation: int, full_keys: list[bytes], cached: int) -> None:
+    agent.generation = generation
+    agent.committed_full_keys = full_keys
+    agent.persisted_tokens = cached
+    agent.in_doubt.clear()
 
 
 class Persister:
@@ -81,6 +114,8 @@ class Persister:
 
     def _save(self, agent: Agent, snap: Snapshot) -> AgentKVError | None:
         """Writes and commits one snapshot; the error that stopped it, or None."""
+        expected = agent.generation
+        cid = commit_id(expected, snap)
         try:
             _, manifest = self.client.save_agent(
                 agent.namespace,
@@ -88,12 +123,14 @@ class Persister:
                 self.fingerprint,
                 snap.tokens,
                 snap.blocks,
-                expected_generation=agent.generation,
+                expected_generation=expected,
                 stored_keys=snap.stored_keys,
                 phase=snap.phase,
-                metadata=snap.metadata,
+                metadata={**snap.metadata, COMMIT_ID: cid},
             )
         except GenerationConflict as exc:
+            if self.adopt_own_commit(agent):
+                return self._save(agent, snap)  # ours after all: this one goes on top
             agent.stale = True  # another worker owns the newer state; reload before use
             log.warning(
                 "agent committed elsewhere",
@@ -101,13 +138,33 @@ class Persister:
             )
             return self._report("conflict", exc)
         except AgentKVError as exc:
+            if isinstance(exc, (Unavailable, DeadlineExceeded)):  # it may have been applied
+                agent.in_doubt[cid] = (snap.stored_keys + snap.new_full_keys, snap.cached)
             agent.persist_error = exc
             log.warning("persist failed", extra={"agent": agent.agent_id, "error": exc.message})
             return self._report("failed", exc)
-        agent.generation = manifest.generation
-        agent.committed_full_keys = snap.stored_keys + snap.new_full_keys
-        agent.persisted_tokens = snap.cached
+        _committed(agent, manifest.generation, snap.stored_keys + snap.new_full_keys, snap.cached)
         return self._report("ok", None)
+
+    def adopt_own_commit(self, agent: Agent, manifest: Any = None) -> bool:
+        """Whether the store's newer manifest (read when not given) is a commit of this
+        worker's whose reply was lost; if so the agent takes it as committed."""
+        if not agent.in_doubt:
+            return False
+        if manifest is None:
+            try:
+                manifest = self.client.get_agent(agent.namespace, agent.agent_id, summary_only=True)
+            except AgentKVError:
+                return False
+        mine = agent.in_doubt.get(manifest.metadata.get(COMMIT_ID, ""))
+        if mine is None or manifest.generation != agent.generation + 1:
+            return False
+        log.info(
+            "own commit adopted, its reply was lost",
+            extra={"agent": agent.agent_id, "generation": manifest.generation},
+        )
+        _committed(agent, manifest.generation, *mine)
+        return True
 
     def _report(self, outcome: str, error: AgentKVError | None) -> AgentKVError | None:
         self._on_result(outcome)

@@ -18,7 +18,7 @@ from inference_worker.agents import Agent
 from inference_worker.blocks import block_layers, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat
-from inference_worker.persistence import REPLY_OPEN
+from inference_worker.persistence import INTERNAL_METADATA, REPLY_OPEN
 
 log = logging.getLogger("agentkv.worker")
 
@@ -59,10 +59,10 @@ class Restorer:
             namespace,
             agent_id,
             list(manifest.token_ids),
-            self._empty(),
+            self.empty_caches(),
             generation=manifest.generation,
             phase=manifest.phase,
-            metadata={k: v for k, v in manifest.metadata.items() if k != REPLY_OPEN},
+            metadata={k: v for k, v in manifest.metadata.items() if k not in INTERNAL_METADATA},
             reply_open=manifest.metadata.get(REPLY_OPEN) == "1",
         )
         failure = f"{len(missing)} block(s) missing in the store" if missing else ""
@@ -115,7 +115,8 @@ class Restorer:
                 self._buffer = alloc(2 * used)  # the next restore reads in place
         return blocks
 
-    def _empty(self) -> list[QuantizedKV]:
+    def empty_caches(self) -> list[QuantizedKV]:
+        """One empty cache per layer, windowed where the layer is (a new agent's caches)."""
         windows = self.windows or [None] * self.num_layers
         return [
             QuantizedKV(self.fmt, self.quantized_query_max, w, self.block_tokens) for w in windows

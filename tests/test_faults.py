@@ -19,6 +19,9 @@ from client.worker import WorkerClient
 SYSTEM = "You are the keeper of the lighthouse, and you log every ship. " * 8
 Q1 = [("user", "Which ships passed tonight?")]
 Q2 = [("user", "And the weather?")]
+# Compared replies are sampled, seeded: greedy replies of the tiny random llama repeat one
+# token that hangs on the last few, so only sampling shows the whole context was used.
+SAMPLED = {"temperature": 1.0, "seed": 7}
 
 
 def test_a_worker_killed_mid_turn_loses_only_that_turn(tiny_model_dirs, start_worker):
@@ -41,8 +44,8 @@ def test_a_worker_killed_mid_turn_loses_only_that_turn(tiny_model_dirs, start_wo
     after = reborn.describe("ns", "keeper")
     assert (after.num_tokens, after.generation) == (committed.num_tokens, committed.generation)
     assert after.tier == "warm"
-    again = reborn.turn("ns", "keeper", Q2, max_tokens=12)
-    reference = reborn.turn("ns", "reference", Q2, max_tokens=12)
+    again = reborn.turn("ns", "keeper", Q2, max_tokens=12, **SAMPLED)
+    reference = reborn.turn("ns", "reference", Q2, max_tokens=12, **SAMPLED)
     assert again.usage.cache_state == "warm" and not again.usage.restore_failure
     assert again.token_ids == reference.token_ids  # as if the killed turn never happened
 
@@ -173,9 +176,11 @@ def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worke
 
 
 def conversation(w: WorkerClient, agent: str, questions: list[str]) -> list[list[int]]:
-    """Creates `agent` and says each question in turn (greedy, 6 tokens); the replies."""
+    """Creates `agent` and says each question in turn (6 tokens, SAMPLED); the replies."""
     w.create_agent("ns", agent, SYSTEM)
-    return [w.turn("ns", agent, [("user", q)], max_tokens=6).token_ids for q in questions]
+    return [
+        w.turn("ns", agent, [("user", q)], max_tokens=6, **SAMPLED).token_ids for q in questions
+    ]
 
 
 def fill(disk: Path) -> Path:
@@ -213,16 +218,18 @@ def test_a_full_store_disk_refuses_durable_turns_and_loses_nothing(
     questions = ["Which ships passed tonight?", "And the weather?", "Log it all.", "Who?"]
     try:
         w.create_agent("ns", "keeper", SYSTEM)
-        first = w.turn("ns", "keeper", [("user", questions[0])], max_tokens=6, durable=True)
+        first = w.turn(
+            "ns", "keeper", [("user", questions[0])], max_tokens=6, durable=True, **SAMPLED
+        )
         said = [first.token_ids]
         committed = w.describe("ns", "keeper")
         ballast = fill(disk)
         with pytest.raises(DiskFull) as err:
-            w.turn("ns", "keeper", [("user", questions[1])], max_tokens=6, durable=True)
+            w.turn("ns", "keeper", [("user", questions[1])], max_tokens=6, durable=True, **SAMPLED)
         assert err.value.code.name == "RESOURCE_EXHAUSTED"
         assert "not committed" in err.value.message and "no space left" in err.value.message
         said.append(None)  # the refused turn ran (its tokens are in the context), unseen
-        during = w.turn("ns", "keeper", [("user", questions[2])], max_tokens=6)
+        during = w.turn("ns", "keeper", [("user", questions[2])], max_tokens=6, **SAMPLED)
         assert during.usage.cache_state == "hot"
         said.append(during.token_ids)
         with StoreClient(store.address) as c:
@@ -238,9 +245,9 @@ def test_a_full_store_disk_refuses_durable_turns_and_loses_nothing(
         f = WorkerClient(fresh.start().address)
         reference = conversation(f, "reference", questions[:3])
         assert [s for s in said if s is not None] == [reference[0], reference[2]]
-        last = f.turn("ns", "keeper", [("user", questions[3])], max_tokens=6)
+        last = f.turn("ns", "keeper", [("user", questions[3])], max_tokens=6, **SAMPLED)
         assert last.usage.cache_state == "warm" and not last.usage.restore_failure
-        again = f.turn("ns", "reference", [("user", questions[3])], max_tokens=6)
+        again = f.turn("ns", "reference", [("user", questions[3])], max_tokens=6, **SAMPLED)
         assert last.token_ids == again.token_ids
     finally:
         worker.stop()
