@@ -1,17 +1,19 @@
 """A bounded load test: many agents, several client threads, two workers, evictions and
 restores throughout; every turn is checked against a greedy replay.
 
-    python benchmarks/load.py                # 16 agents x 40 turns, 4 threads, 2 workers
-    python benchmarks/load.py --quick        # the CI size: 16 agents, a few turns each
+    python benchmarks/load.py                # 3 minutes: 16 agents at once, 4 threads, 2 workers
+    python benchmarks/load.py --minutes 10   # longer
+    python benchmarks/load.py --quick        # the CI size: 16 agents, 3 turns each
 
-Each agent has a fixed script of user messages. Client threads take agents from a queue
-(one thread per agent at a time, so its history stays in order) and say the next message
-through AgentMemory (rendezvous routing, durable turns); now and then a thread evicts an
-agent, and each worker's hot budget holds only a few agents, so agents are restored warm all
-the time. Afterwards every agent's conversation is replayed, one turn after another, on a
-fresh agent of a fresh worker: every reply must match token for token (greedy decoding, and
-a restored or batched cache answers exactly like a hot one). The run fails if a turn was
-lost (missing from the store) or wrong.
+Client threads take agents from a queue (one thread per agent at a time, so its history
+stays in order) and say its next message through AgentMemory (durable turns); now and then
+a thread evicts an agent, and each worker's hot budget holds only a few agents, so agents
+are restored warm all the time. Until the time is up, an agent that reaches --turns turns
+retires (it stays in the store) and a fresh one takes its place: contexts stay bounded while
+the store grows. With --minutes 0 each agent takes --turns turns. Then every agent, retired
+ones too, is replayed turn by turn on fresh workers, many at once: every reply must match
+token for token (greedy decoding), and the store must hold each agent's every token. A turn
+lost (failed, or missing from the store) or wrong fails the run.
 """
 
 from __future__ import annotations
@@ -20,32 +22,279 @@ import argparse
 import json
 import queue
 import random
+import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentkv.launch import store_process, worker_process  # noqa: E402
+from agentkv.launch import ServiceProcess, store_process, worker_process  # noqa: E402
 from client.memory import AgentMemory  # noqa: E402
 
 MODEL = ROOT / "models" / "agentkv-default"
 TOPICS = ("json", "os.path", "sorted", "threading", "itertools", "re", "datetime", "heapq")
+SYSTEM = "You answer questions about the Python standard library, briefly."
+# What a worker logs when its hot budget pushes an agent out (inference_worker/engine.py).
+BUDGET_EVICTIONS = ("agent evicted to the store", "agent evicted for a waiting turn")
+TURN_TIMEOUT = 60.0  # seconds; a turn stuck longer fails the run instead of stalling it
+REPLAY_THREADS = 16  # over two fresh workers, which batch them
 
 
-def script(agent: int, turns: int) -> list[str]:
-    rng = random.Random(agent)
-    return [f"What does {rng.choice(TOPICS)} do? ({agent}.{t})" for t in range(turns)]
+def message(agent: str, turn: int) -> str:
+    """The agent's user message for `turn`, the same in the run and in its replay."""
+    topic = random.Random(f"{agent}/{turn}").choice(TOPICS)
+    return f"What does {topic} do? ({agent}.{turn})"
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def logged(path: Path, events: Iterable[str]) -> Counter[str]:
+    """How often each of `events` occurs in a JSON-lines service log."""
+    wanted, counts = set(events), Counter()
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line).get("event")
+        except (ValueError, AttributeError):
+            continue
+        if event in wanted:
+            counts[event] += 1
+    return counts
+
+
+@dataclass
+class Slot:
+    """A place for one agent at a time; a fresh agent takes it when its agent retires."""
+
+    index: int
+    generation: int = 1
+    taken: int = 0  # turns the current agent has taken
+
+    @property
+    def agent(self) -> str:
+        return f"agent-{self.index}" + (f".g{self.generation}" if self.generation > 1 else "")
+
+
+class Load:
+    """The load phase: client threads taking turns until the time or the turns run out."""
+
+    def __init__(self, mem: AgentMemory, args: argparse.Namespace) -> None:
+        self.mem, self.args, self.timed = mem, args, args.minutes > 0
+        self.records: list[dict] = []  # (list.append is atomic: threads share these lists)
+        self.errors: list[str] = []
+        self.agents: list[str] = []  # every agent started, retired ones too
+        self.evicted: list[str] = []  # agents an explicit eviction dropped from a worker's RAM
+        self.lock = threading.Lock()  # for `open`
+        self.seconds = 0.0
+        self.todo: queue.Queue[Slot] = queue.Queue()
+        self.open = args.agents  # slots still in play
+        for i in range(args.agents):
+            self.start(Slot(i))
+        self.deadline = time.monotonic() + (args.minutes * 60 if self.timed else float("inf"))
+
+    def run(self) -> Load:
+        """Takes turns in every client thread until the time or the turns run out."""
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.args.threads) as pool:
+            list(pool.map(self.client, range(self.args.threads)))
+        self.seconds = time.perf_counter() - t0
+        return self
+
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while (slot := self.next_slot()) is not None:
+            if self.take_turn(slot, rng):
+                self.after_turn(slot)
+
+    def next_slot(self) -> Slot | None:
+        """The next agent due a turn; None once the time is up or every agent is done."""
+        while time.monotonic() < self.deadline:
+            try:
+                return self.todo.get(timeout=0.2)
+            except queue.Empty:
+                with self.lock:
+                    if self.open == 0:
+                        return None
+        return None
+
+    def take_turn(self, slot: Slot, rng: random.Random) -> bool:
+        """Says the agent's next message, and now and then evicts it; False if that failed."""
+        name, turn = slot.agent, slot.taken
+        agent = self.mem.agent(name)
+        try:
+            reply = agent.say(message(name, turn), max_tokens=self.args.max_tokens).wait()
+            u = reply.usage
+            record = dict(agent=name, turn=turn, tokens=reply.token_ids, worker=reply.worker)
+            self.records.append(
+                record | dict(ttft_ms=u.time_to_first_token_ms, cache=u.cache_state)
+            )
+            slot.taken += 1
+            if rng.random() < self.args.evict_rate and agent.evict():
+                self.evicted.append(name)
+        except Exception as exc:  # counted as lost; the run fails
+            self.close(f"{name} turn {turn}: {type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def after_turn(self, slot: Slot) -> None:
+        """Queues the agent again, or retires it for a fresh one, or ends its slot."""
+        if slot.taken < self.args.turns:
+            self.todo.put(slot)
+        elif self.timed:
+            self.start(Slot(slot.index, slot.generation + 1))
+        else:
+            self.close()
+
+    def start(self, slot: Slot) -> None:
+        """Creates the slot's agent and queues it."""
+        try:
+            self.mem.agent(slot.agent, SYSTEM)
+        except Exception as exc:
+            self.close(f"{slot.agent} creation: {type(exc).__name__}: {exc}")
+            return
+        self.agents.append(slot.agent)
+        self.todo.put(slot)
+
+    def close(self, error: str = "") -> None:
+        """Ends a slot: its agent takes no more turns. An error, if any, fails the run."""
+        if error:
+            self.errors.append(error)
+        with self.lock:
+            self.open -= 1
+
+
+class Replay:
+    """Every agent's turns said again, one after another, by a fresh agent of its own."""
+
+    def __init__(self, mem: AgentMemory, stored: dict[str, int], records: list[dict]) -> None:
+        self.mem, self.stored = mem, stored
+        self.turns: dict[str, list[dict]] = {}
+        for r in sorted(records, key=lambda r: r["turn"]):
+            self.turns.setdefault(r["agent"], []).append(r)
+        self.wrong: list[str] = []
+        self.lost: list[str] = []
+        self.errors: list[str] = []
+        self.seconds = 0.0
+
+    def run(self, agents: list[str], max_tokens: int) -> Replay:
+        """Replays `agents`, REPLAY_THREADS at once."""
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(REPLAY_THREADS) as pool:
+            list(pool.map(lambda name: self.check(name, max_tokens), agents))
+        self.seconds = time.perf_counter() - t0
+        return self
+
+    def check(self, name: str, max_tokens: int) -> None:
+        """Each reply must match the run's; the store must hold every token of the agent."""
+        try:
+            fresh = self.mem.agent(name, SYSTEM)
+            for r in self.turns.get(name, []):
+                again = fresh.say(message(name, r["turn"]), max_tokens=max_tokens)
+                if again.token_ids != r["tokens"]:
+                    self.wrong.append(f"{name} turn {r['turn']}")
+            held = fresh.describe().num_tokens
+        except Exception as exc:
+            self.errors.append(f"replay of {name}: {type(exc).__name__}: {exc}")
+            return
+        if self.stored.get(name) != held:
+            stored = self.stored.get(name, "no")
+            self.lost.append(f"{name}: the store holds {stored} tokens, the replay {held}")
+
+
+def start_services(args: argparse.Namespace, root: Path) -> tuple[ServiceProcess, list]:
+    """The store and the two load workers, started."""
+    store = store_process(root / "data", root / "store.log").start()
+    flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
+    workers = [
+        worker_process(str(args.model), store.address, root / f"worker{i}.log", extra_args=flags)
+        for i in range(2)
+    ]
+    return store, [w.start() for w in workers]
+
+
+def replay_all(args: argparse.Namespace, store: ServiceProcess, root: Path, load: Load) -> Replay:
+    """Replays every agent of the run on two fresh workers, against what the store holds."""
+    model, logs = str(args.model), [root / f"replay{i}.log" for i in range(2)]
+    workers = [worker_process(model, store.address, log).start() for log in logs]
+    addresses = [w.address for w in workers]
+    with AgentMemory(addresses, store.address, "replay", timeout=TURN_TIMEOUT) as mem:
+        stored = {a.agent_id: a.num_tokens for a in mem.store.list_agents("load")}
+        replay = Replay(mem, stored, load.records).run(load.agents, args.max_tokens)
+    for w in workers:
+        w.stop()
+    return replay
+
+
+def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counter[str]) -> dict:
+    """The run's figures, as the JSON holds them."""
+    records, wall = load.records, load.seconds
+    ttft = [r["ttft_ms"] for r in records]
+    caches = {s: sum(r["cache"] == s for r in records) for s in ("hot", "warm", "cold")}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "agents": len(load.agents),
+        "agents_at_once": args.agents,
+        "threads": args.threads,
+        "turns": len(records),
+        "seconds": wall,
+        "replay_seconds": replay.seconds,
+        "turns_per_s": len(records) / wall,
+        "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
+        "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "cache_states": caches,
+        "restores": caches["warm"],
+        "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
+        "errors": load.errors + replay.errors,
+        "lost": replay.lost,
+        "wrong": replay.wrong,
+    }
+
+
+def report(result: dict) -> bool:
+    """Prints the table and the verdict; whether no turn was lost or wrong."""
+    ev, wrong = result["evictions"], result["wrong"]
+    lost = len(result["lost"]) + len(result["errors"])
+    print("\n### load test\n")
+    print(
+        "| agents (at once) | threads | workers | turns | s | turns/s | tokens/s | TTFT p50 ms "
+        "| TTFT p99 ms | hot | restored | evicted by clients | evicted by workers | lost | wrong |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| {result['agents']} ({result['agents_at_once']}) | {result['threads']} | 2 "
+        f"| {result['turns']} | {result['seconds']:.1f} | {result['turns_per_s']:.2f} "
+        f"| {result['tokens_per_s']:.1f} | {result['ttft_p50_ms']:.1f} "
+        f"| {result['ttft_p99_ms']:.1f} | {result['cache_states']['hot']} | {result['restores']} "
+        f"| {ev['client']} | {ev['workers']} | {lost} | {len(wrong)} |\n"
+    )
+    print(
+        f"{'MET' if not (lost or wrong) else 'MISS'}  no turn lost or wrong, checked against "
+        f"greedy replays: {lost} lost, {len(wrong)} wrong of {result['turns']} "
+        f"(replay {result['replay_seconds']:.1f} s)"
+    )
+    for line in result["errors"] + result["lost"] + wrong:
+        print(f"note: {line}")
+    return not (lost or wrong)
+
+
+def stop_workers(workers: list[ServiceProcess]) -> Counter[str]:
+    """Stops the workers; returns the evictions their hot budgets made, by log event."""
+    for w in workers:
+        w.stop()
+    return sum((logged(w.log_path, BUDGET_EVICTIONS) for w in workers), Counter())
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -55,150 +304,42 @@ def run(args: argparse.Namespace) -> dict:
     def say(text: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {text}", flush=True)
 
-    store = store_process(root / "data", root / "store.log").start()
-    model = str(args.model)
-    flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
-    workers = [
-        worker_process(model, store.address, root / f"worker{i}.log", extra_args=flags).start()
-        for i in range(2)
-    ]
-    say(
-        f"store and 2 workers up; {args.agents} agents x {args.turns} turns, {args.threads} threads"
-    )
-    mem = AgentMemory([w.address for w in workers], store.address, "load", durable=True)
-    system = "You answer questions about the Python standard library, briefly."
-    for i in range(args.agents):
-        mem.agent(f"agent-{i}", system)
-    todo: queue.Queue = queue.Queue()
-    for i in range(args.agents):
-        todo.put(i)
-    progress = [0] * args.agents
-    records: list[dict] = []
-    lock = threading.Lock()
-    errors: list[str] = []
-
-    def client(seed: int) -> None:
-        rng = random.Random(seed)
-        while True:
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
-            agent = mem.agent(f"agent-{i}")
-            message = script(i, args.turns)[progress[i]]
-            try:
-                reply = agent.say(message, max_tokens=args.max_tokens).wait()
-            except Exception as exc:  # counted as lost; the run fails
-                with lock:
-                    errors.append(f"agent-{i} turn {progress[i]}: {type(exc).__name__}: {exc}")
-                continue
-            with lock:
-                records.append(
-                    {
-                        "agent": i,
-                        "turn": progress[i],
-                        "tokens": reply.token_ids,
-                        "ttft_ms": reply.usage.time_to_first_token_ms,
-                        "cache": reply.usage.cache_state,
-                        "worker": reply.worker,
-                    }
-                )
-            progress[i] += 1
-            if rng.random() < args.evict_rate:
-                agent.evict()
-            if progress[i] < args.turns:
-                todo.put(i)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(s,)) for s in range(args.threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    say(f"{len(records)} turns in {wall:.1f} s; replaying every agent on a fresh worker")
-
-    replay_worker = worker_process(model, store.address, root / "replay.log").start()
-    replay = AgentMemory(replay_worker.address, store.address, "replay", durable=True)
-    wrong, lost = [], []
-    by_agent: dict[int, list[dict]] = {}
-    for r in records:
-        by_agent.setdefault(r["agent"], []).append(r)
-    for i in range(args.agents):
-        turns = sorted(by_agent.get(i, []), key=lambda r: r["turn"])
-        if len(turns) != args.turns:
-            lost.append(f"agent-{i}: {len(turns)} of {args.turns} turns")
-        stored = mem.agent(f"agent-{i}").describe()
-        fresh = replay.agent(f"agent-{i}", system)
-        for r in turns:
-            again = fresh.say(script(i, args.turns)[r["turn"]], max_tokens=args.max_tokens)
-            if again.token_ids != r["tokens"]:
-                wrong.append(f"agent-{i} turn {r['turn']}")
-        if stored.num_tokens != fresh.describe().num_tokens:
-            lost.append(
-                f"agent-{i}: the store holds {stored.num_tokens} tokens, the replay "
-                f"{fresh.describe().num_tokens}"
-            )
-    for proc in (*workers, replay_worker, store):
-        proc.stop()
-    ttft = [r["ttft_ms"] for r in records]
-    caches = {s: sum(r["cache"] == s for r in records) for s in ("hot", "warm", "cold")}
-    generated = sum(len(r["tokens"]) for r in records)
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "agents": args.agents,
-        "threads": args.threads,
-        "turns": len(records),
-        "seconds": wall,
-        "turns_per_s": len(records) / wall,
-        "tokens_per_s": generated / wall,
-        "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
-        "ttft_p99_ms": percentile(ttft, 0.99),
-        "cache_states": caches,
-        "errors": errors,
-        "lost": lost,
-        "wrong": wrong,
-    }
-    print("\n### load test\n")
-    print(
-        "| agents | threads | workers | turns | s | turns/s | tokens/s | TTFT p50 ms "
-        "| TTFT p99 ms | hot | warm (restored) | lost | wrong |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| {args.agents} | {args.threads} | 2 | {len(records)} | {wall:.1f} "
-        f"| {result['turns_per_s']:.2f} | {result['tokens_per_s']:.1f} "
-        f"| {result['ttft_p50_ms']:.1f} | {result['ttft_p99_ms']:.1f} | {caches['hot']} "
-        f"| {caches['warm']} | {len(lost) + len(errors)} | {len(wrong)} |\n"
-    )
-    ok = not (lost or wrong or errors)
-    print(
-        f"{'MET' if ok else 'MISS'}  no turn lost or wrong, checked against greedy replays: "
-        f"{len(lost) + len(errors)} lost, {len(wrong)} wrong of {len(records)}"
-    )
-    for line in errors + lost + wrong:
-        print(f"note: {line}")
+    store, workers = start_services(args, root)
+    bound = f"for {args.minutes:g} min, retiring at" if args.minutes > 0 else "x"
+    say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
+    addresses = [w.address for w in workers]
+    with AgentMemory(addresses, store.address, "load", durable=True, timeout=TURN_TIMEOUT) as mem:
+        load = Load(mem, args).run()
+    budget = stop_workers(workers)
+    say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s; replay")
+    replay = replay_all(args, store, root, load)
+    store.stop()
+    result = summary(args, load, replay, budget)
+    if report(result):
+        shutil.rmtree(root, ignore_errors=True)  # kept, logs and all, when the run failed
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"load-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps({**result, "records": records}, indent=2))
+    path.write_text(json.dumps({**result, "records": load.records}, indent=2))
     print(f"wrote {path}")
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--agents", type=int, default=16)
+    p.add_argument("--minutes", type=float, default=3.0, help="how long; 0: --turns per agent")
+    p.add_argument("--agents", type=int, default=16, help="agents at once")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--turns", type=int, default=40, help="turns per agent")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--evict-rate", type=float, default=0.25, help="chance of evicting after a turn")
-    p.add_argument("--hot-budget", default="1M", help="each worker's RAM for KV caches")
+    p.add_argument("--hot-budget", help="each worker's RAM for KV caches (1M; 256K with --quick)")
     p.add_argument("--model", type=Path, default=MODEL)
-    p.add_argument("--quick", action="store_true", help="16 agents, 3 turns each")
+    p.add_argument("--quick", action="store_true", help="16 agents, 3 turns each, no time bound")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.quick:
-        args.turns = 3
+        args.agents, args.turns, args.minutes = 16, 3, 0
+    args.hot_budget = args.hot_budget or ("256K" if args.quick else "1M")
     result = run(args)
     return 0 if not (result["lost"] or result["wrong"] or result["errors"]) else 1
 

@@ -164,13 +164,11 @@ class Engine:
     def _make_room(self) -> None:
         """Idle hot agents give way to a waiting turn: the hot tier is a cache, and a turn
         must not wait for RAM that only idle agents hold. Least recently used first, and
-        only durable ones (their state is in the store). The room is the head's, whom
-        admission serves first: room for a smaller turn behind it would admit no one."""
+        only durable ones (their state is in the store)."""
         busy = {t.agent.id for t in self.batcher.active.values()}
         idle = [a for a in self.hot.agents() if a.id not in busy]  # LRU first
         held = sum(a.nbytes for a in idle)
-        need = min(self.scheduler.waiting, key=lambda r: (-r.priority, r.order)).memory_bytes
-        room = self.scheduler.memory_budget - self.scheduler.reserved_bytes - need
+        room = self.scheduler.hot_room()
         for agent in idle:
             if held <= room:
                 break
@@ -178,6 +176,7 @@ class Engine:
                 self.hot.pop(agent.id)
                 held -= agent.nbytes
                 log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
+                self.metrics.evictions.labels(reason="waiting_turn").inc()
         self.scheduler.hot_bytes = held
         self.metrics.hot_bytes.set(self.hot.nbytes)
         if held > room and not self.scheduler.running:
@@ -431,6 +430,7 @@ class Engine:
         busy = {t.agent.id for t in self.batcher.active.values()} | {agent.id}
         for evicted in self.hot.enforce(keep=busy):
             log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
+            self.metrics.evictions.labels(reason="budget").inc()
         self.metrics.hot_bytes.set(self.hot.nbytes)
 
     def _persist(self, agent: Agent) -> None:

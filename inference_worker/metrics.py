@@ -31,6 +31,12 @@ class WorkerMetrics:
             buckets=(1, 2, 4, 8, 16, 32),
             registry=r,
         )
+        self.evictions = Counter(
+            "agentkv_worker_evictions",
+            "Agents dropped from RAM by the hot budget (theirs is in the store), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.hot_bytes = Gauge("agentkv_worker_hot_bytes", "Bytes of hot caches", registry=r)
         self.rpc_errors = Counter(
             "agentkv_worker_rpc_errors", "RPCs that failed", ["code"], registry=r

@@ -123,6 +123,12 @@ class Scheduler:
     def reserved_bytes(self) -> int:
         return sum(r.memory_bytes for r in self.running)
 
+    def hot_room(self) -> int:
+        """The most hot-tier bytes with which the first waiting request in line is admitted:
+        admission serves the line in order, so room for a smaller one behind admits no one."""
+        head = self._by_priority(self.waiting)[0]
+        return self.memory_budget - self.reserved_bytes - head.memory_bytes
+
     # one step
 
     def schedule(self, now: float) -> Step:

@@ -4,8 +4,10 @@ and two workers committing the same agent at once: exactly one wins, the other r
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -163,7 +165,10 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
 def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worker):
     """A hot budget that holds one agent: the next agent's turn evicts the idle one (it is
     in the store) instead of waiting for RAM forever, and the evicted one comes back warm."""
-    w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--hot-budget", "150K").address)
+    proc = start_worker(
+        tiny_model_dirs["llama"], "--hot-budget", "150K", "--metrics-listen", "127.0.0.1:0"
+    )
+    w = WorkerClient(proc.address)
     w.timeout = 60
     w.create_agent("ns", "first", SYSTEM)
     w.turn("ns", "first", Q1, max_tokens=4, durable=True)
@@ -173,6 +178,9 @@ def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worke
     assert w.describe("ns", "first").tier == "warm"
     back = w.turn("ns", "first", Q2, max_tokens=4)
     assert back.usage.cache_state == "warm" and len(back.token_ids) == 4
+    metrics = proc._find_event("serving", 0)["metrics"]
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    assert re.search(r'agentkv_worker_evictions_total\{reason="waiting_turn"\} [1-9]', text)
 
 
 def conversation(w: WorkerClient, agent: str, questions: list[str]) -> list[list[int]]:

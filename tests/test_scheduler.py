@@ -112,6 +112,22 @@ def test_memory_budget_counts_the_hot_tier_and_the_live_batch():
     assert [r.request_id for r in run_step(s).admitted] == ["b", "c"]
 
 
+def test_the_hot_room_is_the_head_of_the_lines():
+    """Idle agents must give way down to what the head of the line needs: sized for a
+    smaller request behind it (the old rule), nothing is ever admitted."""
+    s = sched(memory_budget=1000)
+    s.hot_bytes = 900
+    s.submit(req("head", memory=600))
+    s.submit(req("small", memory=400))
+    s.submit(req("urgent", memory=700, priority=1))  # first in line: it outranks both
+    assert s.hot_room() == 300
+    s.hot_bytes = 400  # room for "small" only: the line does not move
+    assert run_step(s).admitted == []
+    s.hot_bytes = s.hot_room()
+    assert [r.request_id for r in run_step(s).admitted] == ["urgent"]
+    assert s.hot_room() == 1000 - 700 - 600
+
+
 def test_a_full_queue_and_an_impossible_request_are_refused():
     s = sched(max_batch=1, queue_limit=2, memory_budget=500)
     with pytest.raises(ResourceExhausted, match=r"1000 bytes.*budget of 500"):
