@@ -31,8 +31,8 @@ from agentkv.security import ClientSecurity
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
-from client.memory import Messages, as_messages
-from client.routing import Router
+from client.memory import Messages, as_messages, cut_off
+from client.routing import Attempts, Router
 from client.worker import TurnResult, pb_messages
 
 T = TypeVar("T")
@@ -114,11 +114,7 @@ class AsyncWorkerClient:
         options and sampling fields."""
         result = TurnResult()
         async for response in self.stream_turn(namespace, agent_id, messages, **options):
-            if response.HasField("tokens"):
-                result.text += response.tokens.text
-                result.token_ids += response.tokens.token_ids
-            else:
-                result.usage = response.usage
+            result.add(response)
         return result
 
     async def inject(
@@ -263,25 +259,17 @@ class AsyncAgentMemory:
     async def route(self, agent_id: str, call: Callable[[AsyncWorkerClient], Awaitable[T]]) -> T:
         """Awaits `call` on the agent's worker; on a worker that cannot be reached, on the
         next one; after a round with none reachable, again after a backoff."""
-        key, tried = self._key(agent_id), []
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
-            for address in self.router.candidates(key):
-                try:
-                    result = await call(self.workers[address])
-                except Unavailable as exc:
-                    if exc.remote:  # the worker answered: its store is the trouble
-                        raise
-                    self.router.mark_down(address)
-                    tried.append(address)
-                    continue
-                self.router.mark_up(address)
-                return result
-        raise Unavailable(
-            f"no worker could be reached for agent {agent_id!r} "
-            f"({len(tried)} tries over {', '.join(self.workers)})"
-        )
+        attempts = Attempts(self.router, self._key(agent_id), self.retries, self.backoff)
+        for delay, address in attempts:
+            await asyncio.sleep(delay)
+            try:
+                result = await call(self.workers[address])
+            except Unavailable as exc:
+                attempts.failed(address, exc)
+                continue
+            attempts.succeeded(address)
+            return result
+        raise attempts.exhausted(agent_id)
 
     def _key(self, agent_id: str) -> str:
         return f"{self.namespace}/{agent_id}"
@@ -393,22 +381,24 @@ class AsyncReply:
     ) -> None:
         self.agent, self.worker = agent, worker
         self._stream, self._first = stream, first
-        self._pieces: list[str] = []
-        self._ids: list[int] = []
+        self._result = TurnResult()
         self._error: Exception | None = None
         self._lock = asyncio.Lock()  # one reader of the stream at a time
-        self.usage: pb.Usage | None = None
+
+    @property
+    def usage(self) -> pb.Usage | None:
+        """The turn's usage once the reply has ended, else None."""
+        return self._result.usage
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[str]:
-        seen = 0
+        seen, pieces = 0, self._result.pieces
         while True:
-            while seen < len(self._pieces):
-                piece, seen = self._pieces[seen], seen + 1
-                if piece:
-                    yield piece
+            while seen < len(pieces):
+                seen += 1
+                yield pieces[seen - 1]
             if self.done:
                 return
             await self._advance()
@@ -416,14 +406,8 @@ class AsyncReply:
     async def _advance(self) -> None:
         """Reads one more response into the reply, unless another consumer finished it."""
         async with self._lock:
-            if self.done:
-                return
-            response = await self._next()
-            if response.HasField("tokens"):
-                self._pieces.append(response.tokens.text)
-                self._ids += response.tokens.token_ids
-            else:
-                self.usage = response.usage
+            if not self.done:
+                self._result.add(await self._next())
 
     async def _next(self) -> pb.TurnResponse:
         if self._error is not None:
@@ -436,12 +420,7 @@ class AsyncReply:
         except StopAsyncIteration:
             self._error = Unavailable(f"the reply of {self.agent!r} ended without its usage")
         except AgentKVError as exc:  # kept, so a later read raises it again
-            self._error = exc
-            if isinstance(exc, Unavailable) and not exc.remote:
-                self._error = Unavailable(
-                    f"worker {self.worker} went away after {len(self._ids)} tokens of the reply "
-                    f"of {self.agent!r}; the turn was not committed: say it again"
-                )
+            self._error = cut_off(exc, self.worker, len(self._result.token_ids), self.agent)
         raise self._error
 
     @property
@@ -453,25 +432,23 @@ class AsyncReply:
             pass
         return self
 
-    def _whole(self) -> pb.Usage:
+    def _whole(self) -> TurnResult:
         if self.usage is None:
             raise RuntimeError(f"the reply of {self.agent!r} is still streaming: await wait()")
-        return self.usage
+        return self._result
 
     @property
     def text(self) -> str:
-        self._whole()
-        return "".join(self._pieces)
+        return self._whole().text
 
     @property
     def token_ids(self) -> list[int]:
-        self._whole()
-        return list(self._ids)
+        return list(self._whole().token_ids)
 
     @property
     def time_to_first_token_ms(self) -> float:
-        return self._whole().time_to_first_token_ms
+        return self._whole().usage.time_to_first_token_ms
 
     @property
     def cache_state(self) -> str:
-        return self._whole().cache_state
+        return self._whole().usage.cache_state

@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from agentkv.errors import AgentExists, InvalidArgument, Unavailable
+from agentkv.errors import AgentExists, AgentKVError, InvalidArgument, Unavailable
 from agentkv.security import ClientSecurity
 from agentkv.worker.v1 import worker_pb2 as pb
-from client.routing import Router
+from client.routing import Attempts, Router
 from client.store import StoreClient
-from client.worker import WorkerClient
+from client.worker import TurnResult, WorkerClient
 
 T = TypeVar("T")
 Messages = str | Sequence[tuple[str, str]]
@@ -108,25 +108,17 @@ class AgentMemory:
     def route(self, agent_id: str, call: Callable[[WorkerClient], T]) -> T:
         """Runs `call` on the agent's worker; on a worker that cannot be reached, on the next
         one; after a round with none reachable, again after a backoff."""
-        key, tried = self._key(agent_id), []
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            for address in self.router.candidates(key):
-                try:
-                    result = call(self.workers[address])
-                except Unavailable as exc:
-                    if exc.remote:  # the worker answered: its store is the trouble
-                        raise
-                    self.router.mark_down(address)
-                    tried.append(address)
-                    continue
-                self.router.mark_up(address)
-                return result
-        raise Unavailable(
-            f"no worker could be reached for agent {agent_id!r} "
-            f"({len(tried)} tries over {', '.join(self.workers)})"
-        )
+        attempts = Attempts(self.router, self._key(agent_id), self.retries, self.backoff)
+        for delay, address in attempts:
+            time.sleep(delay)
+            try:
+                result = call(self.workers[address])
+            except Unavailable as exc:
+                attempts.failed(address, exc)
+                continue
+            attempts.succeeded(address)
+            return result
+        raise attempts.exhausted(agent_id)
 
     def _key(self, agent_id: str) -> str:
         return f"{self.namespace}/{agent_id}"
@@ -221,6 +213,17 @@ class Agent:
         return mem.route(self.id, lambda w: w.delete(mem.namespace, self.id))
 
 
+def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
+    """What readers of a reply that `exc` cut short get: a worker that went away means the
+    turn was not committed; an answer of the worker's own stands."""
+    if isinstance(exc, Unavailable) and not exc.remote:
+        return Unavailable(
+            f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
+            "the turn was not committed: say it again"
+        )
+    return exc
+
+
 class Reply:
     """A reply streaming in: iterate for text pieces; `.text`, `.token_ids` and `.usage` wait
     for the end. `.worker` is the address that served it."""
@@ -230,39 +233,36 @@ class Reply:
     ):
         self.agent, self.worker = agent, worker
         self._stream, self._first = stream, first
-        self._pieces: list[str] = []  # non-empty text pieces so far
-        self._ids: list[int] = []
+        self._result = TurnResult()
         self._error: Exception | None = None  # raised again to every later reader
         self._lock = threading.Lock()  # one reader pulls from the stream at a time
-        self.usage: pb.Usage | None = None
+
+    @property
+    def usage(self) -> pb.Usage | None:
+        """The turn's usage once the reply has ended, else None."""
+        return self._result.usage
 
     def __iter__(self) -> Iterator[str]:
         """Every piece from the start; several readers (threads included) may iterate."""
-        seen = 0
+        seen, pieces = 0, self._result.pieces
         while True:
             with self._lock:
-                while seen == len(self._pieces) and self.usage is None:
+                while seen == len(pieces) and self.usage is None:
                     self._pull()
-                pieces = self._pieces[seen:]
-            seen += len(pieces)
-            yield from pieces
-            if not pieces and self.usage is not None:
+                new = pieces[seen:]
+            seen += len(new)
+            yield from new
+            if not new and self.usage is not None:
                 return
 
     def _pull(self) -> None:
         if self._error is not None:
             raise self._error
         try:
-            response = self._next()
+            self._result.add(self._next())
         except Exception as exc:
             self._error = exc
             raise
-        if response.HasField("tokens"):
-            self._ids += response.tokens.token_ids
-            if response.tokens.text:
-                self._pieces.append(response.tokens.text)
-        else:
-            self.usage = response.usage
 
     def _next(self) -> pb.TurnResponse:
         if self._first is not None:
@@ -272,13 +272,8 @@ class Reply:
             return next(self._stream)
         except StopIteration:
             raise Unavailable(f"the reply of {self.agent!r} ended without its usage") from None
-        except Unavailable as exc:
-            if exc.remote:
-                raise
-            raise Unavailable(
-                f"worker {self.worker} went away after {len(self._ids)} tokens of the reply of "
-                f"{self.agent!r}; the turn was not committed: say it again"
-            ) from None
+        except AgentKVError as exc:
+            raise cut_off(exc, self.worker, len(self._result.token_ids), self.agent) from None
 
     def wait(self) -> Reply:
         for _ in self:
@@ -287,13 +282,11 @@ class Reply:
 
     @property
     def text(self) -> str:
-        self.wait()
-        return "".join(self._pieces)
+        return self.wait()._result.text
 
     @property
     def token_ids(self) -> list[int]:
-        self.wait()
-        return list(self._ids)
+        return list(self.wait()._result.token_ids)
 
     @property
     def time_to_first_token_ms(self) -> float:

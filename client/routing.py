@@ -12,7 +12,10 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from agentkv.errors import Unavailable
 
 
 def rank(workers: Sequence[str], key: str) -> list[str]:
@@ -56,3 +59,40 @@ class Router:
     def mark_up(self, worker: str) -> None:
         with self._lock:
             self._down.pop(worker, None)
+
+
+@dataclass
+class Attempts:
+    """The tries of one routed call, I/O-free (the sync and asyncio SDKs share it): the
+    agent's workers in order, round after round, `backoff` seconds (doubling) between rounds.
+    """
+
+    router: Router
+    key: str
+    retries: int
+    backoff: float
+    tried: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[tuple[float, str]]:
+        """(seconds to wait first, worker address) for every try."""
+        for attempt in range(self.retries + 1):
+            delay = self.backoff * 2 ** (attempt - 1) if attempt else 0.0
+            for i, address in enumerate(self.router.candidates(self.key)):
+                yield (delay if i == 0 else 0.0), address
+
+    def failed(self, address: str, exc: Unavailable) -> None:
+        """A try found the worker unreachable; raises `exc` when the worker itself answered
+        UNAVAILABLE (its store is the trouble: another worker would fare no better)."""
+        if exc.remote:
+            raise exc
+        self.router.mark_down(address)
+        self.tried.append(address)
+
+    def succeeded(self, address: str) -> None:
+        self.router.mark_up(address)
+
+    def exhausted(self, agent_id: str) -> Unavailable:
+        return Unavailable(
+            f"no worker could be reached for agent {agent_id!r} "
+            f"({len(self.tried)} tries over {', '.join(self.router.workers)})"
+        )

@@ -17,9 +17,24 @@ from agentkv.worker.v1 import worker_pb2_grpc
 
 @dataclass(slots=True)
 class TurnResult:
-    text: str = ""
+    """A turn's reply as its responses arrive: text pieces, token ids, then the usage."""
+
+    pieces: list[str] = field(default_factory=list)  # the non-empty text pieces, in order
     token_ids: list[int] = field(default_factory=list)
     usage: pb.Usage | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def add(self, response: pb.TurnResponse) -> None:
+        """Takes one streamed response: a chunk of tokens, or the closing usage."""
+        if response.HasField("tokens"):
+            self.token_ids += response.tokens.token_ids
+            if response.tokens.text:
+                self.pieces.append(response.tokens.text)
+        else:
+            self.usage = response.usage
 
 
 class WorkerClient:
@@ -92,11 +107,7 @@ class WorkerClient:
         options and sampling fields."""
         result = TurnResult()
         for response in self.stream_turn(namespace, agent_id, messages, **options):
-            if response.HasField("tokens"):
-                result.text += response.tokens.text
-                result.token_ids += response.tokens.token_ids
-            else:
-                result.usage = response.usage
+            result.add(response)
         return result
 
     def inject(
