@@ -41,7 +41,7 @@ from inference_worker.turns import END, AgentInfo, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 _IDLE = object()  # no job arrived while turns are in flight
-CATCH_UP_SECONDS = 2.0  # how often an idle worker retries writes the store refused
+CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
 
 
 class Engine:
@@ -119,8 +119,9 @@ class Engine:
         return future
 
     def _loop(self) -> None:
-        """Runs queued work; while turns are in flight, one model step between jobs. Between
-        turns, now and then, it retries writes the store refused (_catch_up)."""
+        """Runs queued work; while turns are in flight, one model step between jobs. Every
+        few seconds it retries writes the store refused (_catch_up), busy or not: a turn may
+        be waiting for RAM that only those agents hold until they are durable."""
         last_catch_up = time.monotonic()
         while True:
             try:
@@ -133,7 +134,7 @@ class Engine:
                 self._run(*item)
             if self._busy:
                 self._step()
-            elif time.monotonic() - last_catch_up >= CATCH_UP_SECONDS and self.batcher:
+            if time.monotonic() - last_catch_up >= CATCH_UP_SECONDS and self.batcher:
                 last_catch_up = time.monotonic()
                 self._catch_up()
 
@@ -388,7 +389,8 @@ class Engine:
         full): once the store is back, every turn served meanwhile becomes durable."""
         for agent in self.hot.agents():
             waiting = agent.pending is not None and not agent.pending.done()
-            if agent.persist_failed and not waiting and not agent.stale:
+            mid_turn = self.batcher.holds(agent)  # its caches live in the batch now
+            if agent.persist_failed and not (waiting or mid_turn or agent.stale):
                 self._persist(agent)
 
     def _still_current(self, agent: Agent) -> bool:

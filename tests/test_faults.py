@@ -287,3 +287,64 @@ def test_a_namespace_at_its_quota_refuses_only_its_own_turns(tiny_model_dirs, tm
     finally:
         worker.stop()
         store.stop()
+
+
+def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_is_back(
+    tiny_model_dirs, tmp_path
+):
+    """While the store is down, agent a's turn pins it in RAM (it is not durable); b's long
+    turn then needs that RAM and waits. Once the store is back, the busy worker writes a, lets
+    it go and runs b's turn: no waiting until the deadline. The hot budget is sized from a
+    probe run of the same turns, so that a and b fit but b's turn does not beside a."""
+    import socket
+
+    model, flags = str(tiny_model_dirs["llama"]), ["--block-tokens", "64"]
+    long_turn = [("user", "Log every ship you saw tonight, one by one. " * 30)]
+
+    probe_store = store_process(tmp_path / "probe", tmp_path / "probe.log").start()
+    probe = worker_process(model, probe_store.address, tmp_path / "p.log", extra_args=flags)
+    p = WorkerClient(probe.start().address)
+    for agent in ("a", "b"):
+        p.create_agent("ns", agent, SYSTEM)
+        p.turn("ns", agent, Q1, max_tokens=4)
+    p.turn("ns", "a", Q2, max_tokens=4)
+    a, b = p.describe("ns", "a"), p.describe("ns", "b")
+    p.turn("ns", "b", long_turn, max_tokens=4)
+    # b's turn claims what b holds plus every token it adds (the worker's rule); the budget
+    # fits that, but not beside a: half of a's bytes short of both, half of them over.
+    claim = b.num_bytes * (p.describe("ns", "b").num_tokens + 1) // b.num_tokens
+    budget = claim + a.num_bytes // 2
+    probe.stop()
+    probe_store.stop()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        listen = f"127.0.0.1:{s.getsockname()[1]}"
+    data = tmp_path / "data"
+    store = store_process(data, tmp_path / "store.log", listen=listen).start()
+    worker = worker_process(
+        model, listen, tmp_path / "w.log", extra_args=[*flags, "--hot-budget", str(budget)]
+    ).start()
+    w = WorkerClient(worker.address, timeout=30)
+    try:
+        w.create_agent("ns", "a", SYSTEM)  # the probe's turns again, the store going down
+        w.turn("ns", "a", Q1, max_tokens=4, durable=True)
+        w.create_agent("ns", "b", SYSTEM)
+        w.turn("ns", "b", Q1, max_tokens=4, durable=True)
+        store.stop()
+        assert w.turn("ns", "a", Q2, max_tokens=4).usage.cache_state == "hot"
+        result: dict = {}
+        waiting = threading.Thread(
+            target=lambda: result.update(turn=w.turn("ns", "b", long_turn, max_tokens=4))
+        )
+        waiting.start()
+        waiting.join(3)
+        assert waiting.is_alive(), "b's turn ran beside a: the budget is not tight"
+        store = store_process(data, tmp_path / "store.log", listen=listen).start()
+        waiting.join(30)
+        assert "turn" in result, "b's turn never ran"
+        assert len(result["turn"].token_ids) == 4
+        assert w.describe("ns", "a").tier == "warm"  # written, then let go for b
+    finally:
+        worker.stop()
+        store.stop()
