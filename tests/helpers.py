@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -77,3 +78,10 @@ def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
         text=True,
         timeout=120,
     )
+
+
+def free_address() -> str:
+    """A loopback HOST:PORT free now: for a server that must restart on the same address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"

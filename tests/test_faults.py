@@ -17,6 +17,7 @@ from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 from client.worker import WorkerClient
+from tests.helpers import free_address
 
 SYSTEM = "You are the keeper of the lighthouse, and you log every ship. " * 8
 Q1 = [("user", "Which ships passed tonight?")]
@@ -111,11 +112,7 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
     """The store stops mid-session: hot agents keep answering, their writes fail and wait;
     when the store is back the worker catches up on its own, and a new worker restores every
     turn served meanwhile."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        listen = f"127.0.0.1:{s.getsockname()[1]}"
+    listen = free_address()
     data = tmp_path / "data"
     store = store_process(data, tmp_path / "store.log", listen=listen).start()
     worker = worker_process(
@@ -296,8 +293,6 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     turn then needs that RAM and waits. Once the store is back, the busy worker writes a, lets
     it go and runs b's turn: no waiting until the deadline. The hot budget is sized from a
     probe run of the same turns, so that a and b fit but b's turn does not beside a."""
-    import socket
-
     model, flags = str(tiny_model_dirs["llama"]), ["--block-tokens", "64"]
     long_turn = [("user", "Log every ship you saw tonight, one by one. " * 30)]
 
@@ -317,9 +312,7 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     probe.stop()
     probe_store.stop()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        listen = f"127.0.0.1:{s.getsockname()[1]}"
+    listen = free_address()
     data = tmp_path / "data"
     store = store_process(data, tmp_path / "store.log", listen=listen).start()
     worker = worker_process(

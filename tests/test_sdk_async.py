@@ -9,7 +9,6 @@ asyncio.run: the channels live in that loop.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
 from client.aio import AsyncAgentMemory, AsyncReply
 from client.memory import AgentMemory
+from tests.helpers import free_address
 
 SYSTEM = "You are the warden of the prison. " * 12
 Q1 = "Where were you on the night of the fourteenth?"
@@ -26,13 +26,6 @@ Q2 = "Prove it, prisoner."
 
 async def collect(reply: AsyncReply) -> list[str]:
     return [piece async for piece in reply]
-
-
-def free_address() -> str:
-    """A loopback address where nothing listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def test_async_sdk_gives_the_sync_sdks_tokens(tiny_model_dirs, start_worker, store_process):

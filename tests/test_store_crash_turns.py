@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import free_address
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "ns"
@@ -101,7 +102,7 @@ class Rig:
 
     tmp: Path
     model: str
-    listen: str = field(default_factory=lambda: _free_address())
+    listen: str = field(default_factory=free_address)
     started: list = field(default_factory=list)
 
     def store(self, point: str = ""):
@@ -126,12 +127,6 @@ def rig(tiny_model_dirs, tmp_path):
     yield rig
     for proc in reversed(rig.started):
         proc.stop()
-
-
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def until(done, what: str, timeout: float = 30.0) -> None:
