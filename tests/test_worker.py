@@ -61,6 +61,13 @@ def test_greedy_continuations_match_across_evict_restore_and_restart(
         assert r.usage.restore_path == ("stream" if ns == "stream" else "locate")
         assert r.usage.reused_store_tokens == hot.usage.reused_hot_tokens
         assert r.usage.prefilled_tokens == hot.usage.prefilled_tokens
+    # Seeded sampling too: the tiny llama's greedy reply repeats one token that hangs on the
+    # last few, while a sample at temperature 1 hangs on every logit.
+    sampled = {
+        ns: w.turn(ns, "warden", Q1, max_tokens=16, temperature=1.0, seed=11).token_ids
+        for ns, w in workers.items()
+    }
+    assert len(set(map(tuple, sampled.values()))) == 1, sampled
 
 
 @pytest.mark.parametrize("arch", ARCHS)
