@@ -21,6 +21,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     GenerationConflict,
+    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -52,11 +53,13 @@ class Snapshot:
 def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
     """Cuts the agent's unsaved blocks. Runs on the MLX thread (it evaluates arrays)."""
     if agent.persist_failed:
-        # Cut again from the last committed block on; or from the first, so that blocks the
-        # store lost are healed, where the caches still hold every position (a sliding-window
-        # layer forgets what left its window once committed).
-        held_from = max((c.start for c in agent.caches), default=0)
-        keep = -(-held_from // block_tokens)
+        # Cut again from the last committed block on. When the store has lost a block, from
+        # the first block on instead, which heals it, where the caches still hold every
+        # position (a sliding-window layer forgets what left its window once committed).
+        keep = len(agent.committed_full_keys)
+        if isinstance(agent.persist_error, NotFound):
+            held_from = max((c.start for c in agent.caches), default=0)
+            keep = -(-held_from // block_tokens)
         agent.queued_full_keys = list(agent.committed_full_keys[:keep])
         agent.persist_error = None
     stored = list(agent.queued_full_keys)

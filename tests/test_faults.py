@@ -341,3 +341,41 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     finally:
         worker.stop()
         store.stop()
+
+
+def test_a_block_lost_under_a_hot_agent_is_written_again(
+    tiny_model_dirs, start_worker, store_process
+):
+    """The store loses a committed block of an agent that is hot on a worker. The agent's
+    next commit names that block and is refused (NOT_FOUND); the worker then writes its chain
+    again from the first block, which heals the manifest, and a fresh worker restores the
+    agent warm and answers as a never-damaged reference does."""
+    model = tiny_model_dirs["llama"]
+    w = WorkerClient(start_worker(model, name="keeper").address)
+    w.create_agent("ns", "keeper", SYSTEM)
+    w.turn("ns", "keeper", Q1, max_tokens=6, durable=True)
+    with StoreClient(store_process.address) as c:
+        first = c.get_agent("ns", "keeper").block_keys[0]
+        request = pb.LocateBlocksRequest(namespace="ns", fingerprint=w.info().fingerprint)
+        request.keys.append(first)
+        located = c.call("LocateBlocks", request)
+        c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
+        Path(located.blocks[0].path).unlink()
+        assert c.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt  # quarantined
+        assert list(c.get_agent("ns", "keeper").missing_block_keys) == [first]
+        with pytest.raises(Unavailable, match="not committed"):
+            w.turn("ns", "keeper", Q2, max_tokens=6, durable=True)
+        w.wait_durable("ns", "keeper", timeout=30)  # the catch-up writes from block 0
+        healed = c.get_agent("ns", "keeper")
+        assert healed.block_keys[0] == first and not healed.missing_block_keys
+        assert not c.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+    fresh = WorkerClient(start_worker(model, name="fresh").address)
+    fresh.create_agent("ns", "reference", SYSTEM)  # the same conversation, never damaged
+    for q in (Q1, Q2):
+        fresh.turn("ns", "reference", q, max_tokens=6)
+    again, ref = (
+        fresh.turn("ns", a, [("user", "Log it.")], max_tokens=8, **SAMPLED)
+        for a in ("keeper", "reference")
+    )
+    assert again.usage.cache_state == "warm" and not again.usage.restore_failure
+    assert again.token_ids == ref.token_ids

@@ -88,7 +88,7 @@ def crashing_store(point: str, argv: list[str]) -> None:
 
 
 CASES = {  # one worker and store per case; the store restarts armed with the next point
-    "put_stream": ["msg:1.0", "msg:1.1", "msg:3.0", "msg:3.1", "msg:2.5", "msg:4.2", "msg:1.7"],
+    "put_stream": ["msg:1.0", "msg:1.1", "msg:3.0", "msg:3.1", "msg:2.5", "msg:4.2", "msg:1.3"],
     "after_publish": ["block:1", "block:2", "block:3", "block:4"],
     "before_commit": ["commit:1", "commit:2", "commit:3", "commit:4"],
     "mixed": ["msg:2.0", "block:3", "commit:2", "msg:4.1", "msg:3.3"],
