@@ -72,6 +72,21 @@ def tiny_models(tiny_model_dirs):
 
 
 @pytest.fixture
+def launched():
+    """launched(proc) starts an agentkv.launch process and returns it; every one is stopped
+    when the test ends, passed or failed, so no server outlives its test."""
+    started = []
+
+    def launch(proc, timeout: float = 60.0):
+        started.append(proc)
+        return proc.start(timeout)
+
+    yield launch
+    for proc in reversed(started):
+        proc.stop()
+
+
+@pytest.fixture
 def start_worker(store_process, tmp_path):
     """Starts `agentkv-worker` processes against the test's store; stops them afterwards."""
     from agentkv.launch import worker_process

@@ -209,85 +209,77 @@ def wait_durable(w: WorkerClient, agent: str, timeout: float = 30) -> None:
 
 
 def test_a_full_store_disk_refuses_durable_turns_and_loses_nothing(
-    tiny_model_dirs, small_disk, tmp_path
+    tiny_model_dirs, small_disk, launched, tmp_path
 ):
     """The store's disk fills up mid-session: a durable turn answers RESOURCE_EXHAUSTED with
     the store's reason, hot turns go on, nothing stored is harmed; once space is back the
     worker writes everything by itself, and a fresh worker restores every turn exactly."""
-    model = str(tiny_model_dirs["llama"])
+    model, flags = str(tiny_model_dirs["llama"]), ["--block-tokens", "64"]
     disk = small_disk("16m")
-    store = store_process(disk / "data", tmp_path / "store.log").start()
-    flags = ["--block-tokens", "64"]
-    worker = worker_process(model, store.address, tmp_path / "w.log", extra_args=flags).start()
+    store = launched(store_process(disk / "data", tmp_path / "store.log"))
+    worker = launched(worker_process(model, store.address, tmp_path / "w.log", extra_args=flags))
     w = WorkerClient(worker.address)
     questions = ["Which ships passed tonight?", "And the weather?", "Log it all.", "Who?"]
-    try:
-        w.create_agent("ns", "keeper", SYSTEM)
-        first = w.turn(
-            "ns", "keeper", [("user", questions[0])], max_tokens=6, durable=True, **SAMPLED
-        )
-        said = [first.token_ids]
-        committed = w.describe("ns", "keeper")
-        ballast = fill(disk)
-        with pytest.raises(DiskFull) as err:
-            w.turn("ns", "keeper", [("user", questions[1])], max_tokens=6, durable=True, **SAMPLED)
-        assert err.value.code.name == "RESOURCE_EXHAUSTED"
-        assert "not committed" in err.value.message and "no space left" in err.value.message
-        said.append(None)  # the refused turn ran (its tokens are in the context), unseen
-        during = w.turn("ns", "keeper", [("user", questions[2])], max_tokens=6, **SAMPLED)
-        assert during.usage.cache_state == "hot"
-        said.append(during.token_ids)
-        with StoreClient(store.address) as c:
-            assert c.get_agent("ns", "keeper").generation == committed.generation
-            assert not c.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
-        assert not list((disk / "data" / "tmp").iterdir())
-        with pytest.raises(DiskFull):
-            w.evict("ns", "keeper")  # it may not leave RAM before it is durable
-        ballast.unlink()
-        wait_durable(w, "keeper")
-        worker.stop()
-        fresh = worker_process(model, store.address, tmp_path / "w2.log", extra_args=flags)
-        f = WorkerClient(fresh.start().address)
-        reference = conversation(f, "reference", questions[:3])
-        assert [s for s in said if s is not None] == [reference[0], reference[2]]
-        last = f.turn("ns", "keeper", [("user", questions[3])], max_tokens=6, **SAMPLED)
-        assert last.usage.cache_state == "warm" and not last.usage.restore_failure
-        again = f.turn("ns", "reference", [("user", questions[3])], max_tokens=6, **SAMPLED)
-        assert last.token_ids == again.token_ids
-    finally:
-        worker.stop()
-        store.stop()
+
+    def say(q: str, **options):
+        return w.turn("ns", "keeper", [("user", q)], max_tokens=6, **SAMPLED, **options)
+
+    w.create_agent("ns", "keeper", SYSTEM)
+    said = [say(questions[0], durable=True).token_ids]
+    committed = w.describe("ns", "keeper")
+    ballast = fill(disk)
+    with pytest.raises(DiskFull) as err:
+        say(questions[1], durable=True)
+    assert err.value.code.name == "RESOURCE_EXHAUSTED"
+    assert "not committed" in err.value.message and "no space left" in err.value.message
+    during = say(questions[2])  # the refused turn ran: its tokens are in the context
+    assert during.usage.cache_state == "hot"
+    said.append(during.token_ids)
+    with StoreClient(store.address) as c:
+        assert c.get_agent("ns", "keeper").generation == committed.generation
+        assert not c.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+    assert not list((disk / "data" / "tmp").iterdir())
+    with pytest.raises(DiskFull):
+        w.evict("ns", "keeper")  # it may not leave RAM before it is durable
+    ballast.unlink()
+    wait_durable(w, "keeper")
+    worker.stop()
+    f = WorkerClient(
+        launched(
+            worker_process(model, store.address, tmp_path / "w2.log", extra_args=flags)
+        ).address
+    )
+    reference = conversation(f, "reference", questions[:3])
+    assert said == [reference[0], reference[2]]
+    last = f.turn("ns", "keeper", [("user", questions[3])], max_tokens=6, **SAMPLED)
+    assert last.usage.cache_state == "warm" and not last.usage.restore_failure
+    again = f.turn("ns", "reference", [("user", questions[3])], max_tokens=6, **SAMPLED)
+    assert last.token_ids == again.token_ids
 
 
-def test_a_namespace_at_its_quota_refuses_only_its_own_turns(tiny_model_dirs, tmp_path):
+def test_a_namespace_at_its_quota_refuses_only_its_own_turns(tiny_model_dirs, launched, tmp_path):
     """Two tenants on one worker: the one at its store quota gets RESOURCE_EXHAUSTED naming
     its namespace and keeps its last committed state; the other commits on undisturbed."""
-    store = store_process(
-        tmp_path / "data", tmp_path / "store.log", extra_args=["--namespace-quota", "tight=1K"]
-    ).start()
-    flags = ["--block-tokens", "64"]
-    model = str(tiny_model_dirs["llama"])
-    worker = worker_process(model, store.address, tmp_path / "w.log", extra_args=flags).start()
+    quota = ["--namespace-quota", "tight=1K"]
+    store = launched(store_process(tmp_path / "data", tmp_path / "store.log", extra_args=quota))
+    model, flags = str(tiny_model_dirs["llama"]), ["--block-tokens", "64"]
+    worker = launched(worker_process(model, store.address, tmp_path / "w.log", extra_args=flags))
     w = WorkerClient(worker.address)
-    try:
-        for ns in ("tight", "roomy"):
-            w.create_agent(ns, "keeper", SYSTEM)
-        with pytest.raises(QuotaExceeded, match="namespace 'tight' quota of 1024 bytes"):
-            w.turn("tight", "keeper", Q1, max_tokens=6, durable=True)
-        w.turn("roomy", "keeper", Q1, max_tokens=6, durable=True)
-        tight = w.turn("tight", "keeper", Q2, max_tokens=6)  # still served, from RAM
-        assert tight.usage.cache_state == "hot" and len(tight.token_ids) == 6
-        with StoreClient(store.address) as c:
-            stored = c.get_agent("roomy", "keeper")
-            assert len(stored.token_ids) == w.describe("roomy", "keeper").num_tokens
-            assert not list(c.list_blocks("tight")) and not list(c.list_agents("tight"))
-    finally:
-        worker.stop()
-        store.stop()
+    for ns in ("tight", "roomy"):
+        w.create_agent(ns, "keeper", SYSTEM)
+    with pytest.raises(QuotaExceeded, match="namespace 'tight' quota of 1024 bytes"):
+        w.turn("tight", "keeper", Q1, max_tokens=6, durable=True)
+    w.turn("roomy", "keeper", Q1, max_tokens=6, durable=True)
+    tight = w.turn("tight", "keeper", Q2, max_tokens=6)  # still served, from RAM
+    assert tight.usage.cache_state == "hot" and len(tight.token_ids) == 6
+    with StoreClient(store.address) as c:
+        stored = c.get_agent("roomy", "keeper")
+        assert len(stored.token_ids) == w.describe("roomy", "keeper").num_tokens
+        assert not list(c.list_blocks("tight")) and not list(c.list_agents("tight"))
 
 
 def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_is_back(
-    tiny_model_dirs, tmp_path
+    tiny_model_dirs, launched, tmp_path
 ):
     """While the store is down, agent a's turn pins it in RAM (it is not durable); b's long
     turn then needs that RAM and waits. Once the store is back, the busy worker writes a, lets
@@ -296,9 +288,11 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     model, flags = str(tiny_model_dirs["llama"]), ["--block-tokens", "64"]
     long_turn = [("user", "Log every ship you saw tonight, one by one. " * 30)]
 
-    probe_store = store_process(tmp_path / "probe", tmp_path / "probe.log").start()
-    probe = worker_process(model, probe_store.address, tmp_path / "p.log", extra_args=flags)
-    p = WorkerClient(probe.start().address)
+    probe_store = launched(store_process(tmp_path / "probe", tmp_path / "probe.log"))
+    probe = launched(
+        worker_process(model, probe_store.address, tmp_path / "p.log", extra_args=flags)
+    )
+    p = WorkerClient(probe.address)
     for agent in ("a", "b"):
         p.create_agent("ns", agent, SYSTEM)
         p.turn("ns", agent, Q1, max_tokens=4)
@@ -310,37 +304,30 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     claim = b.num_bytes * (p.describe("ns", "b").num_tokens + 1) // b.num_tokens
     budget = claim + a.num_bytes // 2
     probe.stop()
-    probe_store.stop()
 
-    listen = free_address()
-    data = tmp_path / "data"
-    store = store_process(data, tmp_path / "store.log", listen=listen).start()
-    worker = worker_process(
-        model, listen, tmp_path / "w.log", extra_args=[*flags, "--hot-budget", str(budget)]
-    ).start()
+    listen, data = free_address(), tmp_path / "data"
+    store = launched(store_process(data, tmp_path / "store.log", listen=listen))
+    budgeted = [*flags, "--hot-budget", str(budget)]
+    worker = launched(worker_process(model, listen, tmp_path / "w.log", extra_args=budgeted))
     w = WorkerClient(worker.address, timeout=30)
-    try:
-        w.create_agent("ns", "a", SYSTEM)  # the probe's turns again, the store going down
-        w.turn("ns", "a", Q1, max_tokens=4, durable=True)
-        w.create_agent("ns", "b", SYSTEM)
-        w.turn("ns", "b", Q1, max_tokens=4, durable=True)
-        store.stop()
-        assert w.turn("ns", "a", Q2, max_tokens=4).usage.cache_state == "hot"
-        result: dict = {}
-        waiting = threading.Thread(
-            target=lambda: result.update(turn=w.turn("ns", "b", long_turn, max_tokens=4))
-        )
-        waiting.start()
-        waiting.join(3)
-        assert waiting.is_alive(), "b's turn ran beside a: the budget is not tight"
-        store = store_process(data, tmp_path / "store.log", listen=listen).start()
-        waiting.join(30)
-        assert "turn" in result, "b's turn never ran"
-        assert len(result["turn"].token_ids) == 4
-        assert w.describe("ns", "a").tier == "warm"  # written, then let go for b
-    finally:
-        worker.stop()
-        store.stop()
+    w.create_agent("ns", "a", SYSTEM)  # the probe's turns again, the store going down
+    w.turn("ns", "a", Q1, max_tokens=4, durable=True)
+    w.create_agent("ns", "b", SYSTEM)
+    w.turn("ns", "b", Q1, max_tokens=4, durable=True)
+    store.stop()
+    assert w.turn("ns", "a", Q2, max_tokens=4).usage.cache_state == "hot"
+    result: dict = {}
+    waiting = threading.Thread(
+        target=lambda: result.update(turn=w.turn("ns", "b", long_turn, max_tokens=4))
+    )
+    waiting.start()
+    waiting.join(3)
+    assert waiting.is_alive(), "b's turn ran beside a: the budget is not tight"
+    launched(store_process(data, tmp_path / "store.log", listen=listen))
+    waiting.join(30)
+    assert "turn" in result, "b's turn never ran"
+    assert len(result["turn"].token_ids) == 4
+    assert w.describe("ns", "a").tier == "warm"  # written, then let go for b
 
 
 def test_a_block_lost_under_a_hot_agent_is_written_again(
