@@ -33,7 +33,7 @@ class Agent:
     phase: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     pending: Future | None = None  # the store write in flight, if any
-    # Why the last write failed (rewrite the whole chain next time); None when it did not.
+    # Why the last write failed (the next one re-cuts its blocks); None when it did not.
     persist_error: AgentKVError | None = None
     stale: bool = False  # another writer committed: reload from the store before use
     # Commits whose reply never came (id -> full block keys, tokens): one may be applied.
