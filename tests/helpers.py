@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,3 +86,26 @@ def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def assert_store_consistent(
+    client: StoreClient, data_dir: Path, namespace: str = NS, sent: dict | None = None
+) -> None:
+    """Whole files only and no leftovers, refcounts match the manifests, every block
+    checksums; with `sent` (key -> Block), every indexed block reads back bit-exact."""
+    from agentkv.v1 import store_pb2 as pb
+
+    assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+    assert not list((data_dir / "tmp").iterdir())
+    indexed = {b.key: b.refcount for b in client.list_blocks(namespace)}
+    files = {p.stem for p in (data_dir / "blocks").rglob("*.safetensors")}
+    assert files == {k.hex() for k in indexed}
+    refs = Counter(
+        k
+        for a in client.list_agents(namespace)
+        for k in client.get_agent(namespace, a.agent_id).block_keys
+    )
+    assert {k: refs.get(k, 0) for k in indexed} == indexed
+    for key in indexed if sent is not None else ():
+        (back,) = client.get_blocks(namespace, FP, [key])
+        assert same_bytes(sent[key], back)

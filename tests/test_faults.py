@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -134,14 +133,7 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
         assert served.persisted_tokens < served.num_tokens - 1  # not durable yet
 
         store = store_process(data, tmp_path / "store.log", listen=listen).start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # no new turn: the worker catches up by itself
-            state = w.describe("ns", "keeper")
-            if state.persisted_tokens >= state.num_tokens - 1:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the worker never caught up its writes")
+        w.wait_durable("ns", "keeper", timeout=30)  # no new turn: it catches up by itself
         worker.stop()
         fresh = worker_process(
             str(tiny_model_dirs["llama"]),
@@ -201,13 +193,6 @@ def fill(disk: Path) -> Path:
     return ballast
 
 
-def wait_durable(w: WorkerClient, agent: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while (state := w.describe("ns", agent)).persisted_tokens < state.num_tokens - 1:
-        assert time.monotonic() < deadline, f"{agent} never became durable: {state}"
-        time.sleep(0.2)
-
-
 def test_a_full_store_disk_refuses_durable_turns_and_loses_nothing(
     tiny_model_dirs, small_disk, launched, tmp_path
 ):
@@ -242,7 +227,7 @@ def test_a_full_store_disk_refuses_durable_turns_and_loses_nothing(
     with pytest.raises(DiskFull):
         w.evict("ns", "keeper")  # it may not leave RAM before it is durable
     ballast.unlink()
-    wait_durable(w, "keeper")
+    w.wait_durable("ns", "keeper", timeout=30)  # the worker catches up by itself
     worker.stop()
     f = WorkerClient(
         launched(

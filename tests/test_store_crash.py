@@ -7,16 +7,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import grpc
 import pytest
 
 from agentkv.errors import AgentKVError
-from agentkv.v1 import store_pb2 as pb
 from client.store import put_messages
-from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+from tests.helpers import FP, NS, StoreProcess, assert_store_consistent, make_chain
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,23 +26,6 @@ def hooked(messages, on_message):
     for i, raw in enumerate(messages):
         on_message(i)
         yield raw
-
-
-def assert_consistent(client, proc: StoreProcess, sent: dict[bytes, object]) -> None:
-    """Whole files only, no leftovers, refcounts match manifests, every indexed block intact."""
-    verify = client.call("VerifyBlocks", pb.VerifyBlocksRequest())
-    assert not verify.corrupt
-    assert not list((proc.data_dir / "tmp").iterdir())
-    indexed = {b.key: b.refcount for b in client.list_blocks(NS)}
-    files = {p.stem for p in (proc.data_dir / "blocks").rglob("*.safetensors")}
-    assert files == {k.hex() for k in indexed}
-    refs = Counter(
-        k for a in client.list_agents(NS) for k in client.get_agent(NS, a.agent_id).block_keys
-    )
-    assert {k: refs.get(k, 0) for k in indexed} == indexed
-    for key in indexed:
-        (back,) = client.get_blocks(NS, FP, [key])
-        assert same_bytes(sent[key], back)
 
 
 @pytest.fixture
@@ -74,7 +55,7 @@ def test_kill9_during_streaming_put(crash_store, kill_at):
     with crash_store.client() as c:
         agent = c.get_agent(NS, "before")
         assert list(agent.block_keys) == keys[:2] and not agent.missing_block_keys
-        assert_consistent(c, crash_store, sent)
+        assert_store_consistent(c, crash_store.data_dir, NS, sent)
 
 
 @pytest.mark.parametrize("after", [1, 5, 9])
@@ -116,7 +97,7 @@ def test_kill9_during_commits_and_puts(crash_store, after):
         n = len(agent.block_keys)
         assert n >= after and list(agent.block_keys) == keys[:n] and not agent.missing_block_keys
         assert list(agent.token_ids) == tokens[: 64 * n]
-        assert_consistent(c, crash_store, sent)
+        assert_store_consistent(c, crash_store.data_dir, NS, sent)
 
 
 def test_startup_sweeps_partial_uploads_and_orphans(crash_store):
@@ -181,5 +162,5 @@ def test_client_killed_mid_put_leaves_no_partial_block(crash_store, tmp_path):
     blocks, keys = make_chain(list(range(64 * 4)), block_tokens=64, **SHAPE)
     with crash_store.client() as c:
         assert {b.key for b in c.list_blocks(NS)} == set(keys[:2])
-        assert_consistent(c, crash_store, dict(zip(keys, blocks, strict=True)))
+        assert_store_consistent(c, crash_store.data_dir, NS, dict(zip(keys, blocks, strict=True)))
         assert c.stats().num_leases == 0  # the dead upload's lease went with it

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_address
+from tests.helpers import assert_store_consistent, free_address
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "ns"
@@ -148,21 +148,6 @@ def reaches_store(w) -> bool:
         return False
 
 
-def assert_consistent(client, data_dir: Path) -> None:
-    """Every block checksums, whole files only, refcounts match the manifests."""
-    from agentkv.v1 import store_pb2 as pb
-
-    assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
-    assert not list((data_dir / "tmp").iterdir())
-    indexed = {b.key: b.refcount for b in client.list_blocks(NS)}
-    files = {p.stem for p in (data_dir / "blocks").rglob("*.safetensors")}
-    assert files == {k.hex() for k in indexed}
-    refs = Counter(
-        k for a in client.list_agents(NS) for k in client.get_agent(NS, a.agent_id).block_keys
-    )
-    assert {k: refs.get(k, 0) for k in indexed} == indexed
-
-
 @pytest.mark.parametrize("points", CASES.values(), ids=CASES.keys())
 def test_store_kill9_during_worker_commits_loses_no_turn(rig, points):
     from agentkv.errors import Unavailable
@@ -211,7 +196,7 @@ def test_store_kill9_during_worker_commits_loses_no_turn(rig, points):
         until(caught_up, f"the worker never caught up after the kill at {last}", 20)
         if not dead():  # quiet now: no write in flight
             with StoreClient(rig.listen) as c:
-                assert_consistent(c, data)
+                assert_store_consistent(c, data, NS)
         for _ in range(8 if point else 1):  # turns until the store dies at the point
             for a in AGENTS:
                 if dead():
@@ -231,7 +216,7 @@ def test_store_kill9_during_worker_commits_loses_no_turn(rig, points):
     w.close()
     worker.stop()
     with StoreClient(rig.listen) as c:
-        assert_consistent(c, data)
+        assert_store_consistent(c, data, NS)
         final = {a: list(c.get_agent(NS, a).token_ids) for a in AGENTS}
 
     w = WorkerClient(rig.worker("fresh").address, timeout=60)  # every agent from the store
