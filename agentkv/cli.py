@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -203,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     walk.add_argument("--keep", action="store_true", help="keep the data directory afterwards")
     sub.add_parser("bench", help="run the benchmarks and write one report (from a source checkout)")
     demo = sub.add_parser("demo", help="start a store and a worker and run a workflow")
-    demo.add_argument("--model", help="an mlx-lm model directory (default: the shipped one)")
+    demo.add_argument(
+        "--model", help="a shipped name, GGUF file or mlx-lm model directory (default: SmolLM2)"
+    )
     demo.add_argument("--keep", action="store_true", help="keep data and logs afterwards")
     demo.add_argument("--no-cold", action="store_true", help="skip the re-prefill comparison")
     run = sub.add_parser("run", help="run a workflow scenario against running services")
@@ -216,7 +219,33 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("-n", "--namespace", default="default")
     run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
+    model = sub.add_parser("model", help="import GGUF models")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    imp = model_sub.add_parser("import", help="a GGUF file as an mlx-lm model directory")
+    imp.add_argument("file", help="a .gguf file, or a shipped model's name")
+    imp.add_argument("--out", type=Path, help="directory to write (default: the model cache)")
+    imp.add_argument(
+        "--weights",
+        default="float32",
+        choices=("float32", "float16", "bfloat16", "native"),
+        help="dequantize to a float dtype, or keep the file's own 4/8-bit layers (native)",
+    )
     return parser
+
+
+def cmd_model_import(args: argparse.Namespace) -> None:
+    from inference_worker.gguf_import import cached_import, import_gguf
+    from inference_worker.models import SHIPPED, is_gguf, shipped_file
+
+    path = shipped_file(args.file) if args.file in SHIPPED else Path(args.file)
+    if not path.is_file() or not is_gguf(path):
+        raise ValueError(f"{path} is not a GGUF file")
+    started = time.perf_counter()
+    if args.out:
+        out = import_gguf(path, args.out, args.weights)
+    else:
+        out = cached_import(path, args.weights)
+    print(f"{out}  ({time.perf_counter() - started:.1f} s; serve it with --model {out})")
 
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
@@ -415,13 +444,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "demo":
             from client import demo
 
-            demo.run(
-                Path(args.model) if args.model else demo.DEFAULT_MODEL, args.keep, not args.no_cold
-            )
+            demo.run(args.model or demo.DEFAULT_MODEL, args.keep, not args.no_cold)
             return
-        if args.command == "plan":
+        if args.command in ("plan", "model"):
             try:
-                cmd_plan(args)
+                (cmd_plan if args.command == "plan" else cmd_model_import)(args)
             except (ValueError, OSError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 sys.exit(2)

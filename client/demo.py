@@ -28,7 +28,7 @@ from client.memory import AgentMemory
 from client.scenario import PhaseSpec, Turn, load_scenario, run_scenario
 from client.workflow import Record, Workflow
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "agentkv-default"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the worker's own default (inference_worker/models.py)
 EPILOGUE = PhaseSpec(
     "epilogue",
     "A year has passed. The warden visits the prisoners once more.",
@@ -98,7 +98,7 @@ def phase_summary(persistent: Workflow, cold: Workflow | None) -> str:
     return table(headers, rows)
 
 
-def run(model: Path = DEFAULT_MODEL, keep: bool = False, cold: bool = True) -> None:
+def run(model: str = DEFAULT_MODEL, keep: bool = False, cold: bool = True) -> None:
     scenario = load_scenario(scenario_path("prisoners_dilemma"))
     root = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
     store: ServiceProcess | None = None
@@ -108,8 +108,8 @@ def run(model: Path = DEFAULT_MODEL, keep: bool = False, cold: bool = True) -> N
     try:
         with progress("starting agentkv-store"):
             store = store_process(root / "data", root / "store.log").start()
-        with progress(f"starting agentkv-worker (loading {model.name})"):
-            worker = worker_process(str(model), store.address, root / "worker.log", listen).start()
+        with progress(f"starting agentkv-worker (loading {Path(model).name})"):
+            worker = worker_process(model, store.address, root / "worker.log", listen).start()
         print(f"  store pid {store.proc.pid} on {store.address}")
         print(f"  worker pid {worker.proc.pid} on {worker.address}\n")
         with AgentMemory(worker.address, store.address, scenario.namespace) as mem:
@@ -122,7 +122,7 @@ def run(model: Path = DEFAULT_MODEL, keep: bool = False, cold: bool = True) -> N
             print("\nrestarting the worker: its RAM is gone, the store keeps every cache")
             worker.stop()
             with progress("starting a new agentkv-worker"):
-                worker = worker_process(str(model), store.address, root / "worker.log", listen)
+                worker = worker_process(model, store.address, root / "worker.log", listen)
                 worker.start()
             print(f"  phase {EPILOGUE.name}")
             run_scenario(scenario, mem, workflow=flow, phases=(EPILOGUE,))
@@ -159,8 +159,7 @@ def free_port() -> int:
 
 
 def main() -> None:
-    model = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MODEL
-    run(model)
+    run(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,24 @@ from cache_store.__main__ import parse_size
 
 
 def build_config(argv: list[str] | None = None):
-    from inference_worker.config import DTYPES, RESTORE_PATHS, WorkerConfig
+    from inference_worker.config import DTYPES, GGUF_WEIGHTS, RESTORE_PATHS, WorkerConfig
     from inference_worker.kv_format import KVFormat
+    from inference_worker.models import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="agentkv-worker", description=__doc__)
-    p.add_argument("--model", required=True, help="mlx-lm model directory or hub id")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a shipped model name, a GGUF file, an mlx-lm model directory or a hub id "
+        f"(default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--gguf-weights",
+        choices=GGUF_WEIGHTS,
+        default="auto",
+        help="what a GGUF's weights become: dequantized float32/float16/bfloat16, or native "
+        "(its own 4/8-bit layers); auto: float32 on CPU, native on a GPU",
+    )
     p.add_argument("--store", required=True, help="cache store address, HOST:PORT or unix:PATH")
     p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (0 picks) or unix:PATH")
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
@@ -106,6 +119,7 @@ def build_config(argv: list[str] | None = None):
             restore_path=a.restore_path,
             window_caches=not a.full_window_layers,
             dtype=a.dtype,
+            gguf_weights=a.gguf_weights,
             security=server_security(a),
             store_security=ClientSecurity(
                 read_token(a.store_token_file), a.store_tls_ca, a.store_tls_cert, a.store_tls_key
@@ -125,12 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     from inference_worker.blas import load_optimized_blas
 
     blas = load_optimized_blas()  # before anything imports mlx
+    from inference_worker.models import ModelError
     from inference_worker.server import serve
 
     try:
         serve(config, blas)
-    except RuntimeError as exc:  # the model cannot run here: say why, once, and stop
+    except (RuntimeError, ModelError) as exc:  # no model, or it cannot run here: say why
         logging.getLogger("agentkv.worker").error("cannot start", extra={"error": str(exc)})
+        print(f"agentkv-worker: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -10,11 +10,12 @@ from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+GGUF_WEIGHTS = ("auto", "float32", "float16", "bfloat16", "native")
 
 
 @dataclass(slots=True)
 class WorkerConfig:
-    model: str  # a local mlx-lm model directory or a hub id
+    model: str  # a shipped name, a GGUF file, an mlx-lm model directory or a hub id
     store: str  # the cache store's address, HOST:PORT or unix:PATH
     listen: str = "127.0.0.1:50061"
     metrics_listen: str | None = None
@@ -36,6 +37,9 @@ class WorkerConfig:
     # The dtype the weights compute in: "auto" is float32 on CPU (fastest with BLAS, and
     # MoE's gather matmul needs it there) and the weights' own on a GPU.
     dtype: str = "auto"
+    # What a GGUF's weights become on import: auto (float32 on CPU, native on a GPU),
+    # float32 / float16 / bfloat16 (dequantized), or native (its own 4/8-bit layers).
+    gguf_weights: str = "auto"
     security: ServerSecurity = field(default_factory=ServerSecurity)  # its own server
     store_security: ClientSecurity = field(default_factory=ClientSecurity)  # to the store
     store_timeout: float = 60.0
@@ -60,6 +64,8 @@ class WorkerConfig:
             raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}: {self.dtype!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}: {self.gguf_weights!r}")
         tcp_listen("metrics_listen", self.metrics_listen)
         tcp_listen("health_listen", self.health_listen)
         from cache_store.config import is_loopback

@@ -31,6 +31,7 @@ from inference_worker.config import WorkerConfig
 from inference_worker.engine import Engine
 from inference_worker.fingerprint import model_fingerprint
 from inference_worker.metrics import WorkerMetrics
+from inference_worker.models import resolve_model
 from inference_worker.service import SERVICE_NAME, InferenceWorkerServicer
 
 log = logging.getLogger("agentkv.worker")
@@ -49,27 +50,6 @@ class RunningWorker:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         self.engine.close()  # finishes queued store writes
-
-
-def model_dir(model: str) -> Path:
-    """The local directory of a model path, or of a hub id (downloaded if not cached)."""
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
-
-    return Path(
-        snapshot_download(
-            model,
-            allow_patterns=[
-                "*.json",
-                "*.safetensors",
-                "*.py",
-                "tokenizer.model",
-                "*.tiktoken",
-                "*.txt",
-            ],
-        )
-    )
 
 
 def compute_dtype(requested: str, device: str) -> str:
@@ -95,8 +75,8 @@ def default_restore_path(config: WorkerConfig) -> str:
 
 
 def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
-    path = model_dir(config.model)
     device = mx.default_device().type.name
+    path = resolve_model(config.model, config.gguf_weights, device)
     dtype = compute_dtype(config.dtype, device)
     fingerprint = model_fingerprint(path, config.kv, config.block_tokens, dtype)
     model_config = json.loads((path / "config.json").read_text())
@@ -117,6 +97,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
     )
     info = {
         "model": config.model,
+        "model_dir": str(path),
         "fingerprint": fingerprint,
         "kv_format": config.kv.name,
         "block_tokens": config.block_tokens,

@@ -1,0 +1,295 @@
+"""GGUF import: a llama.cpp model file as an mlx-lm model directory.
+
+`import_gguf(file, out, weights)` writes config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json, which `mlx_lm.load` opens offline. Weights are either dequantized
+(float32, float16, bfloat16) or kept quantized ("native": Q4_0, Q4_1 and Q8_0 are MLX affine
+quantization with group size 32, so they load as MLX quantized layers unchanged).
+`cached_import` does it once per file, keyed by the file's hash, which also enters the
+directory's config (and so the worker's fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
+
+WEIGHTS = ("float32", "float16", "bfloat16", "native")
+GROUP_SIZE = 32  # every GGUF block quantization MLX reads (Q4_0, Q4_1, Q8_0)
+FORMAT_VERSION = 1  # bump when the output of an import changes
+READ_CHUNK = 16 << 20
+
+
+# GGUF tensor names (after "blk.N.") to HF names (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Gemma 3 norms around attention and the MLP (llama.cpp's names for them).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """How one GGUF architecture maps onto an mlx-lm model type."""
+
+    model_type: str
+    config: Callable[[Callable[[str, object], object]], dict]
+    layer_names: dict[str, str] = field(default_factory=lambda: _LAYER_NAMES)
+    unpermute_qk: bool = False  # llama.cpp reorders Q/K rows for its RoPE on llama only
+    norm_shift: float = 0.0  # Gemma's converter stores RMSNorm weights as 1 + w
+
+
+def _dense(get) -> dict:
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+    }
+
+
+def _gemma3(get) -> dict:
+    config = _dense(get)
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    # llama.cpp's rule: Gemma 3 27B (62 layers) scales queries by hidden / heads.
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else head_dim
+    config.update(
+        rope_local_base_freq=10000.0,  # fixed for Gemma 3's local layers (llama.cpp too)
+        sliding_window=int(get("attention.sliding_window", 1024)),
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=scalar,
+    )
+    factor = get("rope.scaling.factor", None)
+    if factor is not None and float(factor) != 1.0:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return config
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", _dense, unpermute_qk=True),
+    "qwen2": Architecture("qwen2", _dense),
+    "qwen3": Architecture("qwen3", _dense),
+    "gemma3": Architecture("gemma3_text", _gemma3, _GEMMA3_LAYER_NAMES, norm_shift=1.0),
+}
+TENSOR_TYPES = "F32, F16, BF16, Q4_0, Q4_1 and Q8_0"
+
+
+def file_hash(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """(tensors, metadata) as MLX reads them; a file MLX cannot read is a GGUFError."""
+    import mlx.core as mx
+
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as exc:
+        raise GGUFError(
+            f"cannot read GGUF {path}: {exc} (agentkv reads tensor types {TENSOR_TYPES})"
+        ) from exc
+
+
+def _scalar(value):
+    import mlx.core as mx
+
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def architecture_of(meta: dict) -> tuple[str, Architecture]:
+    name = str(meta.get("general.architecture", ""))
+    if name not in ARCHITECTURES:
+        raise GGUFError(
+            f"GGUF architecture {name!r} is not supported "
+            f"(agentkv imports {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return name, ARCHITECTURES[name]
+
+
+def model_config(meta: dict, vocab_size: int, tied: bool) -> dict:
+    name, arch = architecture_of(meta)
+    missing = object()
+
+    def get(key: str, default=missing):
+        value = meta.get(f"{name}.{key}", default)
+        if value is missing:
+            raise GGUFError(f"GGUF metadata lacks {name}.{key}")
+        return _scalar(value)
+
+    config = {"model_type": arch.model_type, **arch.config(get)}
+    eos = [int(_scalar(meta[k])) for k in _EOS_KEYS if k in meta]
+    config.update(
+        vocab_size=vocab_size,
+        tie_word_embeddings=tied,
+        bos_token_id=int(_scalar(meta.get("tokenizer.ggml.bos_token_id", 0))),
+        eos_token_id=sorted(set(eos)) or None,
+    )
+    return config
+
+
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+
+
+def hf_name(gguf_name: str, arch: Architecture) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        if part not in arch.layer_names:
+            raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in {arch.model_type}")
+        return f"model.layers.{index}.{arch.layer_names[part]}.{suffix}"
+    if stem not in _TOP_NAMES:
+        raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in {arch.model_type}")
+    return f"{_TOP_NAMES[stem]}.{suffix}"
+
+
+def _unpermute(x, heads: int):
+    """Undoes llama.cpp's per-head row order for RoPE (the two halves interleaved)."""
+    rows = x.shape[0]
+    x = x.reshape(heads, rows // heads // 2, 2, *x.shape[1:])
+    return x.swapaxes(1, 2).reshape(rows, *x.shape[3:])
+
+
+def _bits(tensors: dict, stem: str) -> int:
+    packed, scales = tensors[f"{stem}.weight"], tensors[f"{stem}.scales"]
+    return packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+
+
+def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict]:
+    """HF-named weights and, for native, mlx-lm's per-layer quantization config."""
+    import mlx.core as mx
+
+    name, arch = architecture_of(meta)
+    heads = int(_scalar(meta[f"{name}.attention.head_count"]))
+    kv_heads = int(_scalar(meta.get(f"{name}.attention.head_count_kv", heads)))
+    quantized = {k.rpartition(".")[0] for k in tensors if k.endswith(".scales")}
+    out, quantization = {}, {}
+    for key, value in tensors.items():
+        stem = key.rpartition(".")[0]
+        if key.endswith((".scales", ".biases")) and stem in quantized:
+            continue  # travels with its packed weight
+        if stem in quantized:
+            group = {p: tensors[f"{stem}.{p}"] for p in ("weight", "scales", "biases")}
+            bits = _bits(tensors, stem)
+            if weights != "native":
+                group = {"weight": mx.dequantize(*group.values(), GROUP_SIZE, bits)}
+            else:
+                quantization[hf_name(key, arch).rpartition(".")[0]] = {
+                    "group_size": GROUP_SIZE,
+                    "bits": bits,
+                }
+        else:
+            group = {key.rpartition(".")[2]: value}
+        for part, array in group.items():
+            out[hf_name(f"{stem}.{part}", arch)] = _fix(stem, array, arch, heads, kv_heads)
+    if weights != "native":
+        out = {k: v.astype(getattr(mx, weights)) for k, v in out.items()}
+    return out, quantization
+
+
+def _fix(stem: str, array, arch: Architecture, heads: int, kv_heads: int):
+    """Undoes what llama.cpp's converter changed in one tensor."""
+    import mlx.core as mx
+
+    part = stem.rpartition(".")[2]
+    if arch.unpermute_qk and part in ("attn_q", "attn_k"):
+        array = _unpermute(array, heads if part == "attn_q" else kv_heads)
+    if arch.norm_shift and part.endswith("norm"):
+        array = (array.astype(mx.float32) - arch.norm_shift).astype(array.dtype)
+    return array
+
+
+def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
+    """Writes an mlx-lm model directory for the GGUF at `path` into `out`."""
+    import mlx.core as mx
+
+    if weights not in WEIGHTS:
+        raise GGUFError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
+    tensors, meta = read_gguf(path)
+    architecture_of(meta)  # refuse before any work
+    hf, quantization = convert_tensors(tensors, meta, weights)
+    tokenizer = build_tokenizer(meta)
+    tied = "lm_head.weight" not in hf
+    config = model_config(meta, int(hf["model.embed_tokens.weight"].shape[0]), tied)
+    if quantization:
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
+    config["agentkv_gguf"] = {
+        "file": path.name,
+        "xxh3_128": file_hash(path),
+        "weights": weights,
+        "format": FORMAT_VERSION,
+        "name": str(meta.get("general.name", "")),
+        "license": str(meta.get("general.license", "")),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), hf, metadata={"format": "mlx"})
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def default_cache_dir() -> Path:
+    """Where imported models live: $AGENTKV_MODEL_CACHE, else ~/.cache/agentkv/models."""
+    env = os.environ.get("AGENTKV_MODEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "agentkv" / "models"
+
+
+def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None = None) -> Path:
+    """The imported directory for `path`, made once per file content and weights choice.
+    The import is written beside and renamed into place, so a crash leaves none or all."""
+    cache_dir = cache_dir or default_cache_dir()
+    key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{FORMAT_VERSION}"
+    target = cache_dir / key
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+    try:
+        import_gguf(path, staging, weights)
+        try:
+            staging.rename(target)
+        except OSError:  # another process imported it first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

