@@ -203,11 +203,13 @@ def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict
         stem = key.rpartition(".")[0]
         if key.endswith((".scales", ".biases")) and stem in quantized:
             continue  # travels with its packed weight
-        if stem in quantized:
+        if stem in quantized and key.endswith(".weight"):
             group = {p: tensors[f"{stem}.{p}"] for p in ("weight", "scales", "biases")}
             bits = _bits(tensors, stem)
-            if weights != "native":
-                group = {"weight": mx.dequantize(*group.values(), GROUP_SIZE, bits)}
+            if weights != "native":  # in float32: fp16 scales would round every weight
+                packed, scales, biases = group.values()
+                f32 = (scales.astype(mx.float32), biases.astype(mx.float32))
+                group = {"weight": mx.dequantize(packed, *f32, GROUP_SIZE, bits)}
             else:
                 quantization[hf_name(key, arch).rpartition(".")[0]] = {
                     "group_size": GROUP_SIZE,

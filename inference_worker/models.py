@@ -82,7 +82,10 @@ def check_model_dir(path: Path) -> Path:
 
 
 def _looks_local(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") != 1
+    """A hub id is "org/name"; a path that starts like one, or whose folder is here, is not."""
+    if spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") != 1:
+        return True
+    return Path(spec).parent.is_dir()  # "models/typo": the folder is local, so is the typo
 
 
 def resolve_model(

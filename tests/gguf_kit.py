@@ -1,0 +1,130 @@
+"""Writes GGUF files the way llama.cpp's converter does, from models the tests build.
+
+An independent writer (PyPI `gguf`, llama.cpp's own Python package) with its own name map,
+so the importer's map is checked against it, not against itself: Q/K rows permuted for
+RoPE on llama, Gemma's norms stored as 1 + w, tensors optionally quantized by gguf's numpy
+reference quantizers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GEMMA3_LAYER = {
+    **LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf: str, arch: str) -> str:
+    stem, suffix = hf.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, index, part = stem.split(".", 3)
+        names = GEMMA3_LAYER if arch == "gemma3_text" else LAYER
+        return f"blk.{index}.{names[part]}.{suffix}"
+    return f"{TOP[stem]}.{suffix}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def converted(hf: str, w: np.ndarray, config: dict) -> np.ndarray:
+    arch = config["model_type"]
+    if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads"] if "q_proj" in hf else config["num_key_value_heads"]
+        return permute(w, heads)
+    if arch == "gemma3_text" and hf.endswith("norm.weight"):
+        return w + 1.0
+    return w
+
+
+def write_metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
+    a = GGUF_ARCH[arch]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_uint32(f"{a}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{a}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{a}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{a}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{a}.attention.head_count", heads)
+    writer.add_uint32(f"{a}.attention.head_count_kv", config["num_key_value_heads"])
+    writer.add_uint32(f"{a}.attention.key_length", head_dim)
+    writer.add_uint32(f"{a}.attention.value_length", head_dim)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    writer.add_float32(f"{a}.rope.freq_base", config["rope_theta"])
+    if arch == "gemma3_text":
+        writer.add_uint32(f"{a}.attention.sliding_window", config["sliding_window"])
+
+
+def write_tokenizer(writer: GGUFWriter, tokenizer_dir: Path) -> None:
+    """A byte-level BPE tokenizer.json (model_kit's) as llama.cpp's "gpt2" vocabulary."""
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", [3 if t in special else 1 for t in tokens])
+    writer.add_array("tokenizer.ggml.merges", merges)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", vocab[config["bos_token"]])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", vocab[config["eos_token"]])
+    writer.add_uint32("tokenizer.ggml.padding_token_id", vocab[config["pad_token"]])
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_string("tokenizer.chat_template", config["chat_template"])
+
+
+def write_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    config: dict,
+    tokenizer_dir: Path,
+    qtype: GGMLQuantizationType | None = None,
+    arch: str | None = None,
+) -> Path:
+    """`weights` (HF names, float32) as a GGUF; 2-D weights quantized to `qtype` if given."""
+    writer = GGUFWriter(str(path), arch or GGUF_ARCH[config["model_type"]])
+    write_metadata(writer, config["model_type"], config)
+    write_tokenizer(writer, tokenizer_dir)
+    for hf, w in sorted(weights.items()):
+        w = converted(hf, np.asarray(w, dtype=np.float32), config)
+        name = gguf_name(hf, config["model_type"])
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,197 @@
+"""GGUF import: files written as llama.cpp's converter writes them (tests/gguf_kit.py) load
+with the same logits as the weights they came from, for every supported architecture."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from mlx.utils import tree_flatten
+from mlx_lm import load
+
+from inference_worker.gguf_import import cached_import, import_gguf
+from inference_worker.gguf_tokenizer import build_tokenizer
+from inference_worker.model_kit import TINY_CONFIGS, random_model, save_model
+from inference_worker.models import ModelError, resolve_model
+from tests.gguf_kit import write_gguf
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
+TEXTS = [
+    "def f(x):\n    return x * 2  # twice",
+    "Numbers 1234567 and 3.14159, unicode café ünïcode 😀",
+    "  leading spaces,\ttabs\n\n\nand don't we'll they've",
+]
+Q = GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tiny_model_dirs):
+    """Per architecture: its model directory, the loaded model and its float32 weights."""
+    from inference_worker.model_kit import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("gguf-src")
+    tokenizer = tiny_tokenizer()
+    out = {}
+    for arch in ARCHS:
+        config = {**TINY_CONFIGS[arch], "vocab_size": tokenizer.get_vocab_size()}
+        path = save_model(root / arch, random_model(config, seed=3), config, tokenizer)
+        model, tok = load(str(path))
+        weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+        out[arch] = (path, config, model, tok, weights)
+    return out
+
+
+def logits(model, tokenizer) -> mx.array:
+    return model(mx.array([tokenizer.encode(TEXTS[0])]))
+
+
+@pytest.mark.parametrize("weights", ["float32", "native"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float_gguf_imports_bit_exact(sources, tmp_path, arch, weights):
+    path, config, model, tok, w = sources[arch]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    imported, _ = load(str(import_gguf(gguf, tmp_path / "out", weights)))
+    assert mx.array_equal(logits(imported, tok), logits(model, tok))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_gguf_matches_its_dequantized_weights(sources, tmp_path, arch, qtype):
+    """The reference is the source model with each 2-D weight passed through gguf's own
+    numpy quantize + dequantize. Dequantized (float32) and native (MLX quantized layers)
+    imports both match it up to float rounding, a thousandth of what quantization moved."""
+    path, config, model, tok, w = sources[arch]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path, qtype)
+    ref_weights = {
+        k: dequantize(quantize(v, qtype), qtype) if v.ndim == 2 else v for k, v in w.items()
+    }
+    reference = random_model(config)
+    reference.load_weights([(k, mx.array(v)) for k, v in ref_weights.items()])
+    expected = logits(reference, tok)
+    moved = float(mx.abs(expected - logits(model, tok)).max())  # what quantization did
+    assert moved > 0
+    for weights in ("float32", "native"):
+        imported, _ = load(str(import_gguf(gguf, tmp_path / weights, weights)))
+        imported.set_dtype(mx.float32)
+        diff = float(mx.abs(logits(imported, tok) - expected).max())
+        assert diff <= 1e-3 * moved, (weights, diff, moved)
+
+
+def test_byte_level_tokenizer_and_template_survive_import(sources, tmp_path):
+    path, config, _, tok, w = sources["llama"]
+    out = import_gguf(write_gguf(tmp_path / "m.gguf", w, config, path), tmp_path / "out")
+    _, imported = load(str(out))
+    for text in TEXTS:
+        assert imported.encode(text) == tok.encode(text)
+        assert imported.decode(imported.encode(text)) == text
+    chat = [{"role": "user", "content": "hi <|end|> there"}]
+    assert imported.apply_chat_template(chat, add_generation_prompt=True) == (
+        tok.apply_chat_template(chat, add_generation_prompt=True)
+    )
+    assert imported.eos_token_id == tok.eos_token_id
+
+
+def test_sentencepiece_vocabulary_rebuilds_the_same_ids():
+    """A sentencepiece BPE vocabulary with its merges dropped (as GGUF stores it) tokenizes
+    like the tokenizer it came from, leading whitespace aside (llama.cpp prefixes one '▁'
+    to the text, which `tokenizers`' Metaspace does not when the text starts with a space)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    from inference_worker.model_kit import read_texts, stdlib_files
+
+    specials = ["<unk>", "<s>", "</s>"]
+    spm = SentencePieceBPETokenizer()
+    texts = list(read_texts(stdlib_files(limit=30)))
+    spm.train_from_iterator(texts, vocab_size=600, special_tokens=specials, show_progress=False)
+    tokens = [t for t, _ in sorted(spm.get_vocab().items(), key=lambda kv: kv[1])]
+    meta = {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [-float(i) for i in range(len(tokens))],
+        "tokenizer.ggml.token_type": [3 if t in specials else 1 for t in tokens],
+        "tokenizer.ggml.add_space_prefix": True,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    rebuilt = build_tokenizer(meta)
+    lines = [ln.strip() for t in texts[:10] for ln in t.splitlines() if ln.strip()][:1500]
+    assert len(lines) > 500
+    assert [rebuilt.encode(ln).ids for ln in lines] == [spm.encode(ln).ids for ln in lines]
+    assert rebuilt.decode(rebuilt.encode("  two  spaces").ids) == "  two  spaces"
+
+
+def _bare_gguf(path, arch: str):
+    writer = GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.block_count", 1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unsupported_architecture_is_one_line(tmp_path):
+    gguf = _bare_gguf(tmp_path / "mamba.gguf", "mamba")
+    with pytest.raises(ModelError) as err:
+        resolve_model(str(gguf), "float32", cache_dir=tmp_path / "cache")
+    message = str(err.value)
+    assert "'mamba' is not supported" in message and "llama" in message and "\n" not in message
+    assert not list((tmp_path / "cache").glob("*"))  # nothing half-imported
+
+
+def test_worker_refuses_an_unsupported_gguf_in_one_line(tmp_path):
+    gguf = _bare_gguf(tmp_path / "rwkv.gguf", "rwkv6")
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_worker", "--model", str(gguf), "--store", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"AGENTKV_MODEL_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("agentkv-worker: error: GGUF architecture 'rwkv6' is not supported")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("models/agentkv-defualt", "no model at models/agentkv-defualt: no such file"),
+        ("/nonexistent/model.gguf", "no such file or directory"),
+        ("./relative-typo", "no such file or directory"),
+    ],
+)
+def test_a_missing_local_model_is_never_sent_to_the_hub(spec, says):
+    with pytest.raises(ModelError, match=says):
+        resolve_model(spec)
+
+
+def test_an_incomplete_model_directory_names_what_it_lacks(tmp_path):
+    with pytest.raises(ModelError, match=r"lacks config.json, \*.safetensors, a tokenizer"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match=r"lacks \*.safetensors, a tokenizer"):
+        resolve_model(str(tmp_path))
+
+
+def test_the_import_cache_is_keyed_by_content(sources, tmp_path):
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cache = tmp_path / "cache"
+    first = cached_import(gguf, "float32", cache)
+    assert cached_import(gguf, "float32", cache) == first
+    assert cached_import(gguf, "native", cache) != first
+    w2 = {**w, "model.norm.weight": w["model.norm.weight"] * 2}
+    changed = cached_import(write_gguf(tmp_path / "m.gguf", w2, config, path), "float32", cache)
+    assert (
+        changed != first
+        and (changed / "config.json").read_text() != (first / "config.json").read_text()
+    )
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no staging left
