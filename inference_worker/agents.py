@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from agentkv.errors import AgentKVError
+from inference_worker.chat import ChatState
 from inference_worker.kv_cache import QuantizedKV
 
 log = logging.getLogger("agentkv.worker")
@@ -29,7 +30,7 @@ class Agent:
     persisted_tokens: int = 0  # cache tokens durable in the store
     queued_full_keys: list[bytes] = field(default_factory=list)  # full blocks stored or queued
     committed_full_keys: list[bytes] = field(default_factory=list)  # full blocks committed
-    reply_open: bool = False  # the last tokens are a generated reply not yet closed
+    chat: ChatState = field(default_factory=ChatState)  # where its conversation stands
     phase: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     pending: Future | None = None  # the store write in flight, if any

@@ -1,9 +1,18 @@
-"""Appending messages to a conversation at the token level, through the model's chat template.
+"""A conversation at the token level, through the model's own chat template.
 
-The first turn renders the whole template (with its BOS). Later turns render only what new
-messages add: render(P + new) minus render(P) for a fixed placeholder conversation P, then
-tokenize that text with no special tokens added. The past is never re-tokenized, and no BOS
-appears mid-sequence. A generated reply is closed with the template's own closing text.
+Many templates render the start of a conversation differently depending on what follows:
+SmolLM2 and Qwen 2.5 add a default system prompt only when none is given, Gemma 3 folds the
+system prompt into the first user turn, Mistral writes it inside an [INST] block. So a new
+agent holds only the *stable prefix* of its conversation (what every first turn renders
+before its own words, the system prompt included, prefilled at creation), and its first turn
+renders the whole conversation at once; the cache keeps whatever of it matches.
+
+Later turns render only what new messages add: render(P + new) minus render(P), for a fixed
+placeholder conversation P ending with the same role as the agent's last message (so a
+template's alternation rule sees what the real conversation would), and tokenize that text
+alone. The past is never re-tokenized, no BOS appears mid-sequence, and a generated reply is
+closed with the template's own closing text. A template that refuses a conversation is an
+INVALID_ARGUMENT carrying the template's own message.
 """
 
 from __future__ import annotations
@@ -14,8 +23,15 @@ from dataclasses import dataclass
 from agentkv.errors import InvalidArgument
 
 ROLES = ("system", "user", "assistant")
-_PLACEHOLDER = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+_PING = {"role": "user", "content": "ping-q7Zx"}
+_PONG = {"role": "assistant", "content": "pong-q7Zx"}
+_PLACEHOLDERS = {  # a conversation ending with each role
+    "system": [{"role": "system", "content": "sys-q7Zx"}],
+    "user": [_PING],
+    "assistant": [_PING, _PONG],
+}
 _PROBE = "q7Zx"
+_FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is stable
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,31 +40,84 @@ class ChatMessage:
     content: str
 
 
+@dataclass(slots=True)
+class ChatState:
+    """Where an agent's conversation stands, besides its tokens."""
+
+    system: str = ""  # its system prompt, kept until the first turn renders it whole
+    opened: bool = True  # the first turn has rendered the conversation whole
+    last_role: str = "assistant"  # of the last message in the context
+    reply_open: bool = False  # the last tokens are a generated reply not yet closed
+
+
 class ChatFormat:
-    """Token-level appends for one tokenizer (an mlx-lm TokenizerWrapper or HF tokenizer)."""
+    """Token-level conversations for one tokenizer (an mlx-lm TokenizerWrapper or HF one)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._placeholder = self._render(_PLACEHOLDER, generation_prompt=False)
-        self.reply_closing = self._closing_tokens()
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self._closing = self._closing_text()  # what closes a reply, e.g. "<|im_end|>\n"
+        self.reply_closing = self._encode(self._closing) if self._closing else []
+        ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
+        self.eos_ids = {ids} if isinstance(ids, int) else set(ids)
 
-    def first_turn(self, messages: Sequence[ChatMessage], generation_prompt: bool) -> list[int]:
-        """Token ids of a new conversation, BOS included (once) as the template puts it."""
-        text = self._render(_dicts(messages), generation_prompt) if messages else ""
-        bos = getattr(self.tokenizer, "bos_token", None)
-        if not text:
-            return [self.tokenizer.bos_token_id] if bos else []
-        return self._encode(text)
+    def start(self, system: str) -> tuple[list[int], ChatState]:
+        """A new conversation: its stable prefix (the tokens every first user turn renders
+        before its own words), less the last token, whose spelling can depend on them."""
+        head = [ChatMessage("system", system)] if system else []
+        first = [
+            self._encode(self._render(_dicts([*head, ChatMessage("user", w)]), True))
+            for w in _FIRST_WORDS
+        ]
+        shared = common_prefix(*first)
+        return first[0][: max(0, shared - 1)], ChatState(system=system, opened=False)
 
-    def append(self, messages: Sequence[ChatMessage], generation_prompt: bool) -> list[int]:
-        """Token ids that `messages` add to an existing conversation."""
+    def extend(
+        self,
+        context: Sequence[int],
+        state: ChatState,
+        messages: Sequence[ChatMessage],
+        generation_prompt: bool,
+    ) -> tuple[list[int], ChatState]:
+        """The context after `messages` (and, if asked, the assistant's generation prompt)."""
+        last = messages[-1].role if messages else state.last_role
+        if not state.opened:
+            head = [ChatMessage("system", state.system)] if state.system else []
+            if not head and not messages:
+                return list(context), state  # nothing to render yet
+            text = self._render(_dicts([*head, *messages]), generation_prompt)
+            return self._encode(text), ChatState(last_role=last)
         if not messages and not generation_prompt:
-            return []
-        full = self._render(_PLACEHOLDER + _dicts(messages), generation_prompt)
-        if not full.startswith(self._placeholder):
-            raise InvalidArgument("the chat template does not render conversations append-only")
-        return self._encode(full[len(self._placeholder) :])
+            return list(context), state
+        close = self.close_reply(context) if state.reply_open else []
+        added = self.append(messages, generation_prompt, state.last_role)
+        return [*context, *close, *added], ChatState(last_role=last)
+
+    def append(
+        self, messages: Sequence[ChatMessage], generation_prompt: bool, after: str = "assistant"
+    ) -> list[int]:
+        """Token ids that `messages` add to a conversation whose last message is `after`'s."""
+        placeholder = _PLACEHOLDERS.get(after, _PLACEHOLDERS["assistant"])
+        before = self._render(placeholder, generation_prompt=False)
+        full = self._render(placeholder + _dicts(messages), generation_prompt)
+        if not full.startswith(before):  # e.g. Qwen3 renders a last reply differently
+            before = self._reply_end(full, placeholder[-1])
+        if before is None:
+            raise InvalidArgument(
+                "the model's chat template does not render this conversation append-only: "
+                f"appending {', '.join(m.role for m in messages) or 'a generation prompt'} "
+                f"after a {after} message rewrites what came before"
+            )
+        return self._encode(full[len(before) :])
+
+    def _reply_end(self, full: str, last: dict) -> str | None:
+        """The text of `full` up to the end of the placeholder's last reply and its closing,
+        for templates that render a conversation's last reply differently (Qwen3 gives it
+        an empty think block) from one that more messages follow."""
+        at = full.find(last["content"])
+        end = at + len(last["content"])
+        if last["role"] != "assistant" or at < 0 or not full.startswith(self._closing, end):
+            return None
+        return full[: end + len(self._closing)]
 
     def close_reply(self, context: Sequence[int]) -> list[int]:
         """What closes a generated reply (e.g. "<|end|>\\n"), less a closing token already
@@ -58,23 +127,35 @@ class ChatFormat:
             return closing[1:]
         return closing
 
-    def _closing_tokens(self) -> list[int]:
-        asked = self._render(_PLACEHOLDER[:1], generation_prompt=True)
-        answered = self._render(
-            [*_PLACEHOLDER[:1], {"role": "assistant", "content": _PROBE}], generation_prompt=False
-        )
-        head = asked + _PROBE
-        if not answered.startswith(head):
-            return []
-        return self._encode(answered[len(head) :])
+    def _closing_text(self) -> str:
+        asked = self._render([_PING], generation_prompt=True)
+        answered = self._render([_PING, {"role": "assistant", "content": _PROBE}], False)
+        at = answered.find(_PROBE, len(asked) if answered.startswith(asked) else 0)
+        return answered[at + len(_PROBE) :] if at >= 0 else ""
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:  # the template's own raise_exception, or a jinja error
+            roles = ", ".join(m["role"] for m in messages)
+            raise InvalidArgument(
+                f"the model's chat template refuses this conversation ({roles}): "
+                f"{str(exc).strip() or type(exc).__name__}"
+            ) from exc
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:

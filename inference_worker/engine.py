@@ -22,6 +22,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     FailedPrecondition,
+    InvalidArgument,
     OutOfRange,
 )
 from agentkv.layers import KVStorage
@@ -29,11 +30,17 @@ from cache_store import validation
 from client.store import StoreClient
 from inference_worker.agents import Agent, HotTier
 from inference_worker.batching import ActiveTurn, Batcher
-from inference_worker.chat import ChatFormat, ChatMessage
+from inference_worker.chat import ChatFormat, ChatState, common_prefix
 from inference_worker.config import WorkerConfig
 from inference_worker.layer_spec import model_layers
 from inference_worker.metrics import WorkerMetrics
-from inference_worker.persistence import Persister, not_committed, snapshot
+from inference_worker.persistence import (
+    MAX_SYSTEM_CHUNKS,
+    SYSTEM_CHUNK,
+    Persister,
+    not_committed,
+    snapshot,
+)
 from inference_worker.restore import Restorer
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler
@@ -207,14 +214,20 @@ class Engine:
         metadata = validation.metadata(metadata)
         if self.hot.get((ns, agent_id)) is not None or self._in_store(ns, agent_id):
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
-        messages = [ChatMessage("system", system)] if system else []
+        if len(system) > SYSTEM_CHUNK * MAX_SYSTEM_CHUNKS:
+            raise InvalidArgument(
+                f"system prompt of {len(system)} characters is over the "
+                f"{SYSTEM_CHUNK * MAX_SYSTEM_CHUNKS} an agent keeps until its first turn"
+            )
+        tokens, chat = self.chat.start(system)
         agent = Agent(
             ns,
             agent_id,
-            self.chat.first_turn(messages, False),
+            tokens,
             self.restorer.empty_caches(),
             phase=phase,
             metadata=metadata,
+            chat=chat,
         )
         self._check_context(agent, 0)
         self._prefill(agent, need_logits=False)
@@ -226,34 +239,45 @@ class Engine:
         job.events. Errors before it is queued are raised (and END is sent); a refused turn
         leaves the agent exactly as it was, so the client may retry."""
         try:
-            turn, tokens = self._prepare(job)
+            turn, tokens, chat = self._prepare(job)
             if turn.pending:
                 self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
         except BaseException:
             job.events.put(END)
             raise
         agent = turn.agent
-        if len(turn.pending) > len(tokens) - agent.cached:
-            for cache in agent.caches:
-                cache.trim(1)  # the last token runs again, for its logits
-        agent.tokens, agent.reply_open = tokens, False
+        reuse = len(tokens) - len(turn.pending)
+        if reuse < agent.cached:  # the last token runs again for its logits, or a first
+            for cache in agent.caches:  # turn rendered the prefix differently
+                cache.trim(agent.cached - reuse)
+        kept_blocks = common_prefix(agent.tokens, tokens) // self.config.block_tokens
+        del agent.queued_full_keys[kept_blocks:], agent.committed_full_keys[kept_blocks:]
+        agent.tokens, agent.chat = tokens, chat
         agent.phase = job.phase or agent.phase
         if not turn.pending:  # nothing to run: an empty append-only turn ends here
             turn.usage.finish_reason = "none"
             self._turn_done(turn)
 
-    def _prepare(self, job: TurnJob) -> tuple[ActiveTurn, list[int]]:
+    def _prepare(self, job: TurnJob) -> tuple[ActiveTurn, list[int], ChatState]:
         """The turn and the agent's new context, computed without changing the agent."""
         usage = UsageEvent()
         agent = self._checkout(job.namespace, job.agent_id, usage)
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
         sampling = job.sampling
-        close = self.chat.close_reply(agent.tokens) if agent.reply_open else []
-        tokens = agent.tokens + close + self.chat.append(job.messages, sampling.max_tokens > 0)
+        tokens, chat = self.chat.extend(
+            agent.tokens, agent.chat, job.messages, sampling.max_tokens > 0
+        )
         self._check_context(agent, len(tokens) - len(agent.tokens) + sampling.max_tokens)
-        rerun = 1 if sampling.max_tokens > 0 and agent.cached == len(tokens) else 0
-        pending = tokens[agent.cached - rerun :]
+        reuse = common_prefix(agent.tokens[: agent.cached], tokens)
+        if sampling.max_tokens > 0 and reuse == len(tokens):
+            reuse -= 1  # the last token runs again, for its logits
+        if reuse < max(c.start for c in agent.caches):
+            raise FailedPrecondition(
+                f"agent {agent.agent_id!r}: its first turn renders the conversation's start "
+                "differently, and its sliding-window caches no longer hold it"
+            )
+        pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         deadline = time.monotonic() + job.deadline_ms / 1000 if job.deadline_ms else None
         memory = self._memory_for(agent, len(tokens) + sampling.max_tokens)
@@ -275,13 +299,13 @@ class Engine:
             self.tokenizer.detokenizer,
             StopMatcher(sampling.stop),
         )
-        return turn, tokens
+        return turn, tokens, chat
 
     def _turn_done(self, turn: ActiveTurn) -> None:
         """A turn left the batch: persist the agent, send its usage, close its stream."""
         usage, agent = turn.usage, turn.agent
         if usage.generated_tokens:
-            agent.reply_open = True
+            agent.chat.reply_open, agent.chat.last_role = True, "assistant"
             self.metrics.generated_tokens.inc(usage.generated_tokens)
             self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
         if usage.generated_tokens > 1:

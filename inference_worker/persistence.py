@@ -29,11 +29,44 @@ from client.blocks import Block
 from client.store import StoreClient
 from inference_worker.agents import Agent
 from inference_worker.blocks import cache_blocks
+from inference_worker.chat import ChatState
 
 log = logging.getLogger("agentkv.worker")
 REPLY_OPEN = "agentkv.reply_open"
 COMMIT_ID = "agentkv.commit"
-INTERNAL_METADATA = (REPLY_OPEN, COMMIT_ID)  # the worker's own, not the caller's
+LAST_ROLE = "agentkv.last_role"
+OPENED = "agentkv.opened"
+SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
+INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
+SYSTEM_CHUNK = 4096  # the store's longest metadata value
+MAX_SYSTEM_CHUNKS = 16
+
+
+def chat_metadata(chat: ChatState) -> dict[str, str]:
+    """The conversation's state as manifest metadata (ChatState, which chat_state reads)."""
+    out = {
+        REPLY_OPEN: "1" if chat.reply_open else "0",
+        LAST_ROLE: chat.last_role,
+        OPENED: "1" if chat.opened else "0",
+    }
+    for i in range(0, len(chat.system) if not chat.opened else 0, SYSTEM_CHUNK):
+        out[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = chat.system[i : i + SYSTEM_CHUNK]
+    return out
+
+
+def chat_state(metadata: dict[str, str]) -> ChatState:
+    """ChatState from a manifest's metadata; a manifest without it is an opened one."""
+    chunks = sorted((int(k[len(SYSTEM) :]), v) for k, v in metadata.items() if k.startswith(SYSTEM))
+    return ChatState(
+        system="".join(v for _, v in chunks),
+        opened=metadata.get(OPENED, "1") == "1",
+        last_role=metadata.get(LAST_ROLE) or "assistant",
+        reply_open=metadata.get(REPLY_OPEN) == "1",
+    )
+
+
+def caller_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in metadata.items() if not k.startswith(INTERNAL_PREFIX)}
 
 
 @dataclass(slots=True)
@@ -70,7 +103,7 @@ def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
     )
     full = [k for k, b in zip(keys, blocks, strict=True) if len(b.token_ids) == block_tokens]
     agent.queued_full_keys = stored + full
-    metadata = {**agent.metadata, REPLY_OPEN: "1" if agent.reply_open else "0"}
+    metadata = {**agent.metadata, **chat_metadata(agent.chat)}
     return Snapshot(
         list(agent.tokens), blocks, keys, stored, full, agent.cached, agent.phase, metadata
     )

@@ -18,7 +18,7 @@ from inference_worker.agents import Agent
 from inference_worker.blocks import block_layers, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat
-from inference_worker.persistence import INTERNAL_METADATA, REPLY_OPEN
+from inference_worker.persistence import caller_metadata, chat_state
 
 log = logging.getLogger("agentkv.worker")
 
@@ -62,8 +62,8 @@ class Restorer:
             self.empty_caches(),
             generation=manifest.generation,
             phase=manifest.phase,
-            metadata={k: v for k, v in manifest.metadata.items() if k not in INTERNAL_METADATA},
-            reply_open=manifest.metadata.get(REPLY_OPEN) == "1",
+            metadata=caller_metadata(manifest.metadata),
+            chat=chat_state(manifest.metadata),
         )
         failure = f"{len(missing)} block(s) missing in the store" if missing else ""
         if not keys:

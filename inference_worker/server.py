@@ -97,7 +97,6 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
     )
     info = {
         "model": config.model,
-        "model_dir": str(path),
         "fingerprint": fingerprint,
         "kv_format": config.kv.name,
         "block_tokens": config.block_tokens,
@@ -127,7 +126,13 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         engine.close()
         raise
     log.info(
-        "model loaded", extra={**info, "restore_path": restore_path, "quantized_query_max": qmax}
+        "model loaded",
+        extra={
+            **info,
+            "model_dir": str(path),
+            "restore_path": restore_path,
+            "quantized_query_max": qmax,
+        },
     )
     return RunningWorker(server, address, engine, health_servicer, metrics, info)
 

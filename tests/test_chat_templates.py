@@ -1,0 +1,233 @@
+"""Real chat templates (tests/fixtures/chat_templates, with their special tokens): an agent's
+context, built the way the worker builds it (create, first turn, injections, replies closed,
+later turns), equals the whole conversation rendered at once, or differs exactly where the
+README says the template is not append-only."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerFast
+
+from agentkv.errors import InvalidArgument
+from inference_worker.chat import ChatFormat, ChatMessage, ChatState, common_prefix
+from inference_worker.model_kit import CHAT_TEMPLATE, tiny_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+NAMES = ("smollm2", "llama3_1", "gemma3", "qwen2_5", "qwen3", "deepseek_v2", "mistral")
+SYSTEM = "You are Marco, a careful analyst. Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer():
+    return tiny_tokenizer()
+
+
+def fixture_tokenizer(name: str, base) -> tuple[PreTrainedTokenizerFast, dict]:
+    spec = json.loads((FIXTURES / f"{name}.json").read_text())
+    tok = base.__class__.from_str(base.to_str())  # a copy: special tokens differ per fixture
+    specials = {spec["bos_token"], spec["eos_token"], spec["reply_end"], *spec["special_tokens"]}
+    tok.add_special_tokens([AddedToken(t, special=True) for t in sorted(specials - {None})])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=spec["bos_token"],
+        eos_token=spec["eos_token"],
+        chat_template=spec["chat_template"],
+    )
+    return hf, spec
+
+
+class Conversation:
+    """Drives ChatFormat as the engine does, a model's replies standing in as token ids."""
+
+    def __init__(self, fmt: ChatFormat, system: str, reply_end: int) -> None:
+        self.fmt, self.reply_end = fmt, reply_end
+        self.tokens, self.state = fmt.start(system)
+        self.prefix = list(self.tokens)  # what a create prefills
+        self.messages = [{"role": "system", "content": system}] if system else []
+
+    def add(self, role: str, content: str) -> None:
+        self._extend([ChatMessage(role, content)], False)
+
+    def turn(self, content: str, reply: str) -> None:
+        self._extend([ChatMessage("user", content)], True)
+        self.tokens += self._reply_ids(reply) + [self.reply_end]
+        self.state.reply_open, self.state.last_role = True, "assistant"
+        self.messages.append({"role": "assistant", "content": reply})
+
+    def ask(self, content: str) -> None:
+        """A last user message with the generation prompt: where the model would answer."""
+        self._extend([ChatMessage("user", content)], True)
+
+    def _extend(self, messages: list[ChatMessage], generation_prompt: bool) -> None:
+        self.tokens, self.state = self.fmt.extend(
+            self.tokens, self.state, messages, generation_prompt
+        )
+        self.messages += [{"role": m.role, "content": m.content} for m in messages]
+
+    def _reply_ids(self, reply: str) -> list[int]:
+        """What the template puts between the generation prompt and the reply's closing,
+        as the model would generate it."""
+        tok = self.fmt.tokenizer
+        asked = tok.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        answered = tok.apply_chat_template(
+            [*self.messages, {"role": "assistant", "content": reply}], tokenize=False
+        )
+        if answered.startswith(asked):
+            middle = answered[len(asked) :]
+            middle = middle[: middle.index(reply) + len(reply)]
+        else:  # the template re-renders earlier turns (e.g. Qwen3's think blocks): as is
+            middle = reply
+        return tok.encode(middle, add_special_tokens=False)
+
+    def whole(self) -> list[int]:
+        tok = self.fmt.tokenizer
+        text = tok.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+
+def converse(name: str, base, system: str, script) -> Conversation:
+    tok, spec = fixture_tokenizer(name, base)
+    chat = Conversation(ChatFormat(tok), system, tok.convert_tokens_to_ids(spec["reply_end"]))
+    script(chat)
+    return chat
+
+
+def debate(chat: Conversation) -> None:
+    chat.turn("Where were you on the night of the 14th?", "At home, reading.")
+    chat.turn("Can anyone confirm it?", "My neighbour saw me at nine.")
+    chat.ask("Then why was your car in town?")
+
+
+@pytest.mark.parametrize("system", [SYSTEM, ""], ids=["system", "no-system"])
+@pytest.mark.parametrize("name", ["smollm2", "llama3_1", "qwen2_5", "deepseek_v2"])
+def test_alternating_turns_equal_the_whole_rendering(base_tokenizer, name, system):
+    chat = converse(name, base_tokenizer, system, debate)
+    assert chat.tokens == chat.whole()
+    # What a create prefilled is kept by the first turn: the cache reuses all of it.
+    assert common_prefix(chat.prefix, chat.tokens) == len(chat.prefix)
+    if system:
+        assert len(chat.prefix) > len(base_tokenizer.encode(SYSTEM).ids) // 2
+
+
+def test_smollm2_without_a_system_prompt_gets_its_default_once(base_tokenizer):
+    chat = converse("smollm2", base_tokenizer, "", debate)
+    text = chat.fmt.tokenizer.decode(chat.tokens)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.count("<|im_start|>") == 7  # system, 3 user, 3 assistant: none doubled
+    assert chat.fmt.tokenizer.decode(chat.prefix).startswith("<|im_start|>system\nYou are a")
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3_1", "qwen2_5", "deepseek_v2"])
+def test_injections_between_turns_equal_the_whole_rendering(base_tokenizer, name):
+    def script(chat: Conversation) -> None:
+        chat.add("user", "[phase 1] The warden questions each prisoner.")
+        chat.turn("Answer the warden.", "I was at home.")
+        chat.add("user", "[phase 2] Bob said: she was with me.")
+        chat.add("system", "Be brief.")
+        chat.ask("Do you change your answer?")
+
+    chat = converse(name, base_tokenizer, SYSTEM, script)
+    assert chat.tokens == chat.whole()
+
+
+@pytest.mark.parametrize("system", [SYSTEM, ""], ids=["system", "no-system"])
+def test_gemma3_folds_the_system_prompt_into_the_first_turn(base_tokenizer, system):
+    chat = converse("gemma3", base_tokenizer, system, debate)
+    assert chat.tokens == chat.whole()
+    text = chat.fmt.tokenizer.decode(chat.tokens)
+    assert text.count("<bos>") == 1
+    if system:
+        assert f"<start_of_turn>user\n{SYSTEM}\n\nWhere were you" in text
+        assert common_prefix(chat.prefix, chat.tokens) == len(chat.prefix) > 10
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_strict_alternation_refuses_consecutive_user_messages(base_tokenizer, name):
+    def script(chat: Conversation) -> None:
+        chat.turn("Where were you?", "At home.")
+        chat.add("user", "Bob said: she was with me.")
+        chat.ask("Do you change your answer?")
+
+    with pytest.raises(InvalidArgument, match="roles must alternate") as err:
+        converse(name, base_tokenizer, "", script)
+    assert "chat template refuses" in err.value.message
+    assert "Traceback" not in err.value.message and "\n" not in err.value.message
+
+
+def test_mistral_keeps_the_system_prompt_where_the_first_turn_put_it(base_tokenizer):
+    """Mistral v0.3 writes the system prompt inside the *last* [INST] block, so each turn
+    rewrites the past. agentkv renders it once, in the first turn's [INST] (as Mistral's
+    v0.1/v0.2 templates do), and never moves it: the past is never recomputed."""
+    chat = converse("mistral", base_tokenizer, SYSTEM, debate)
+    text = chat.fmt.tokenizer.decode(chat.tokens)
+    assert text.count(SYSTEM) == 1
+    assert text.startswith(f"<s>[INST] {SYSTEM}\n\nWhere were you")
+    assert chat.tokens != chat.whole()
+    no_system = converse("mistral", base_tokenizer, "", debate)
+    assert no_system.tokens == no_system.whole()
+
+
+@pytest.mark.parametrize("system", [SYSTEM, ""], ids=["system", "no-system"])
+def test_qwen3_keeps_the_think_blocks_it_generated(base_tokenizer, system):
+    """Qwen3's template drops <think> blocks from earlier replies when a conversation is
+    rendered whole; agentkv keeps the tokens the model generated (the reasoning it attended
+    to), so the context equals the whole rendering with those blocks kept."""
+    thought = "<think>\nThe alibi is weak.\n</think>\n\nAt home."
+
+    def script(chat: Conversation) -> None:
+        chat.turn("Where were you?", thought)
+        chat.add("user", "Bob said: she was with me.")
+        chat.turn("Can anyone confirm it?", "No.")
+        chat.ask("Then why was your car in town?")
+
+    chat = converse("qwen3", base_tokenizer, system, script)
+    decode = chat.fmt.tokenizer.decode
+    text = decode(chat.tokens)
+    assert "The alibi is weak." in text
+    assert "The alibi is weak." not in decode(chat.whole())
+    assert re.sub(r"<think>.*?</think>\n\n", "", text, flags=re.S) == decode(chat.whole())
+
+
+def test_deepseek_v2_closes_replies_with_eos(base_tokenizer):
+    chat = converse("deepseek_v2", base_tokenizer, SYSTEM, debate)
+    text = chat.fmt.tokenizer.decode(chat.tokens)
+    assert text.count("<｜end▁of▁sentence｜>User:") == 2
+
+
+def test_first_turn_that_renders_the_prefix_differently_is_still_exact(base_tokenizer):
+    """SmolLM2 adds its default system prompt only when a conversation starts without
+    one; a first message that is a system message renders no default, so the create's
+    prefix no longer matches and the turn keeps only what does."""
+
+    def script(chat: Conversation) -> None:
+        chat.add("system", "You are Alice.")
+        chat.ask("Who are you?")
+
+    chat = converse("smollm2", base_tokenizer, "", script)
+    assert chat.tokens == chat.whole()
+    assert "named SmolLM" not in chat.fmt.tokenizer.decode(chat.tokens)
+    assert common_prefix(chat.prefix, chat.tokens) < len(chat.prefix)
+
+
+def test_the_projects_own_template_still_appends(base_tokenizer):
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=base_tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    chat = Conversation(ChatFormat(tok), SYSTEM, tok.convert_tokens_to_ids("<|end|>"))
+    debate(chat)
+    assert chat.tokens == chat.whole()
+
+
+def test_a_template_error_is_invalid_argument_not_internal(base_tokenizer):
+    tok, _ = fixture_tokenizer("gemma3", base_tokenizer)
+    fmt = ChatFormat(tok)
+    with pytest.raises(InvalidArgument, match="chat template refuses"):
+        fmt.extend([], ChatState(opened=False), [ChatMessage("assistant", "hi")], True)
