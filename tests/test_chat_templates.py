@@ -195,8 +195,8 @@ def test_qwen3_keeps_the_think_blocks_it_generated(base_tokenizer, system):
 
 def test_deepseek_v2_closes_replies_with_eos(base_tokenizer):
     chat = converse("deepseek_v2", base_tokenizer, SYSTEM, debate)
-    text = chat.fmt.tokenizer.decode(chat.tokens)
-    assert text.count("<｜end▁of▁sentence｜>User:") == 2
+    tok, spec = chat.fmt.tokenizer, json.loads((FIXTURES / "deepseek_v2.json").read_text())
+    assert tok.decode(chat.tokens).count(f"{spec['eos_token']}User:") == 2
 
 
 def test_first_turn_that_renders_the_prefix_differently_is_still_exact(base_tokenizer):
