@@ -246,10 +246,9 @@ class Engine:
             job.events.put(END)
             raise
         agent = turn.agent
-        reuse = len(tokens) - len(turn.pending)
-        if reuse < agent.cached:  # the last token runs again for its logits, or a first
-            for cache in agent.caches:  # turn rendered the prefix differently
-                cache.trim(agent.cached - reuse)
+        drop = agent.cached - (len(tokens) - len(turn.pending))
+        for cache in agent.caches if drop > 0 else ():  # the last token runs again for its
+            cache.trim(drop)  # logits, or a first turn rendered the prefix differently
         kept_blocks = common_prefix(agent.tokens, tokens) // self.config.block_tokens
         del agent.queued_full_keys[kept_blocks:], agent.committed_full_keys[kept_blocks:]
         agent.tokens, agent.chat = tokens, chat

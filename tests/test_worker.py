@@ -234,3 +234,26 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(tiny_model_dirs, start_wor
     cut = w.turn("default", "stopper2", Q1, max_tokens=24, temperature=1.5, seed=42, stop=[stop])
     assert cut.usage.finish_reason == "stop" and stop not in cut.text
     assert free.text.startswith(cut.text) and len(cut.text) < len(free.text)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_first_turn_that_renders_the_start_differently_is_exact(
+    tiny_model_dirs, start_worker, store, arch
+):
+    """An agent created without a system prompt holds the stable prefix of a user-first
+    conversation; a first turn that starts with a system message renders another start, so
+    the worker keeps only the tokens that match, in every layer, and prefills the rest."""
+    w = WorkerClient(start_worker(tiny_model_dirs[arch]).address)
+    w.create_agent("default", "late", "")
+    w.create_agent("default", "early", SYSTEM)
+    late = w.turn("default", "late", [("system", SYSTEM), *Q1], max_tokens=12)
+    early = w.turn("default", "early", Q1, max_tokens=12)
+    assert late.token_ids == early.token_ids
+    assert late.usage.prompt_tokens == early.usage.prompt_tokens
+    for agent in ("late", "early"):
+        w.wait_durable("default", agent)
+    fp = w.info().fingerprint
+    stored = [
+        list(store.get_agent("default", a, fingerprint=fp).token_ids) for a in ("late", "early")
+    ]
+    assert stored[0] == stored[1]
