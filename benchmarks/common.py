@@ -1,9 +1,14 @@
-"""What the benchmarks share: a raw read of located block bytes, this machine's limit."""
+"""What the benchmarks share: a raw read of located block bytes (this machine's limit), and
+the model they run (--model SPEC, resolved as agentkv-worker resolves it)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import xxhash
 
@@ -56,3 +61,94 @@ def merged_runs(segments: Sequence[pb.Segment]) -> list[tuple[int, int]]:
         else:
             runs.append((s.offset, s.num_bytes))
     return runs
+
+
+# the model every benchmark runs: --model SPEC, resolved as agentkv-worker resolves it
+
+MODEL_HELP = (
+    "a shipped model name, a .gguf file or an mlx-lm model directory, as agentkv-worker "
+    "--model takes (default: %(default)s)"
+)
+
+
+def default_model() -> str:
+    from inference_worker.models import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """--model SPEC, defaulting to the worker's own default model (SmolLM2-135M-Instruct)."""
+    parser.add_argument("--model", metavar="SPEC", default=default_model(), help=MODEL_HELP)
+
+
+def model_device() -> str:
+    """The device a worker here computes on, without importing MLX (load_optimized_blas()
+    must come first): Metal on macOS, else the CPU (unless MLX is already imported)."""
+    if "mlx.core" in sys.modules:
+        return sys.modules["mlx.core"].default_device().type.name
+    return "gpu" if sys.platform == "darwin" else "cpu"
+
+
+def model_dir(spec: str | os.PathLike[str] | None = None) -> Path:
+    """The local mlx-lm model directory for `--model SPEC` (None: the default model), as
+    the worker resolves it: a shipped name or a .gguf file is imported once into the model
+    cache (weights "auto": float32 on a CPU). Exits with one line if SPEC names nothing.
+    Pass the returned path, not SPEC, to worker processes: they then load these exact files."""
+    from inference_worker.models import ModelError, resolve_model
+
+    spec = str(spec) if spec is not None else default_model()
+    try:
+        return resolve_model(spec, "auto", model_device()).resolve()
+    except ModelError as exc:
+        raise SystemExit(f"--model {spec}: {exc}") from None
+
+
+def load_tokenizer(path: Path):
+    """The model directory's own tokenizer (a `tokenizers.Tokenizer`: .encode(text).ids,
+    .decode(ids)), from its tokenizer.json; the same vocabulary mlx_lm.tokenizer_utils.load
+    gives the worker."""
+    from tokenizers import Tokenizer
+
+    if not (path / "tokenizer.json").exists():
+        raise SystemExit(f"{path} has no tokenizer.json (the benchmarks need one)")
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def parameter_count(path: Path) -> int:
+    """Parameters in the directory's *.safetensors files, from their headers."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, tensor in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in tensor["shape"]:
+                    count *= dim
+                total += count
+    return total
+
+
+def describe_model(path: Path, spec: str | None = None) -> str:
+    """One line for a report: which model ran, its shape and weights, and from where."""
+    config = json.loads((path / "config.json").read_text())
+    gguf = config.get("agentkv_gguf") or {}
+    name = Path(gguf["file"]).stem if gguf.get("file") else path.name
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads or 1)
+    weights = gguf.get("weights") or config.get("torch_dtype") or "?"
+    source = f"GGUF imported as {weights}" if gguf else f"{weights} weights"
+    given = f"--model {spec}: " if spec and spec != str(path) else ""
+    return (
+        f"{given}{name} ({parameter_count(path) / 1e6:.1f}M-parameter "
+        f"{config.get('model_type', '?')}, {config.get('num_hidden_layers')} layers, hidden "
+        f"{config.get('hidden_size')}, {heads} heads, {kv} KV heads of {head_dim}, max context "
+        f"{config.get('max_position_embeddings')}; {source}) at {path}"
+    )
+
+
+def max_context(path: Path) -> int:
+    """The model's context window, tokens (its config's max_position_embeddings)."""
+    config = json.loads((path / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 1 << 17)

