@@ -119,7 +119,7 @@ class Workflow:
         self.current = phase
         for member in self.members.values():
             if phase.brief:
-                member.pending.append(f"[{phase.name}] {phase.brief}")
+                member.pending.append(phase.brief)
             if member.agent is None or not member.role.permanent:
                 continue  # created at their first turn, with everything they heard
             if self.mode == "cold":
@@ -231,7 +231,7 @@ class Workflow:
         """Briefs and heard replies not yet delivered to the member; marks them delivered."""
         hears = member.role.hears
         heard = [
-            f"[{said.phase}] {said.speaker}: {said.text}"
+            f'{said.speaker.capitalize()} said: "{said.text.strip()}"'
             for said in self.transcript[member.heard :]
             if said.speaker != member.role.id and (hears is None or said.speaker in hears)
         ]

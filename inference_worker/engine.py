@@ -106,6 +106,10 @@ class Engine:
             s.kv_heads * (k_store.vector_bytes(s.k_head_dim) + v_store.vector_bytes(s.v_head_dim))
             for s in self.layers
         )
+        # ... and in the fp16 copy a turn keeps of its own tokens while it prefills
+        self._turn_token_bytes = sum(
+            2 * s.kv_heads * (s.k_head_dim + s.v_head_dim) for s in self.layers
+        )
         self.batcher = self._new_batcher()
         self.restorer = Restorer(
             client,
@@ -230,6 +234,8 @@ class Engine:
             chat=chat,
         )
         self._check_context(agent, 0)
+        for cache in agent.caches:
+            cache.begin_turn()
         self._prefill(agent, need_logits=False)
         self._finish_turn(agent)
         return self._info(agent, "hot")
@@ -247,8 +253,10 @@ class Engine:
             raise
         agent = turn.agent
         drop = agent.cached - (len(tokens) - len(turn.pending))
-        for cache in agent.caches if drop > 0 else ():  # the last token runs again for its
-            cache.trim(drop)  # logits, or a first turn rendered the prefix differently
+        for cache in agent.caches:
+            if drop > 0:  # the last token runs again for its logits, or a first turn
+                cache.trim(drop)  # rendered the conversation's start differently
+            cache.begin_turn()
         kept_blocks = common_prefix(agent.tokens, tokens) // self.config.block_tokens
         del agent.queued_full_keys[kept_blocks:], agent.committed_full_keys[kept_blocks:]
         agent.tokens, agent.chat = tokens, chat
@@ -269,6 +277,9 @@ class Engine:
         )
         self._check_context(agent, len(tokens) - len(agent.tokens) + sampling.max_tokens)
         reuse = common_prefix(agent.tokens[: agent.cached], tokens)
+        if reuse < agent.cached:  # a first turn kept only part of the stable prefix
+            usage.reused_hot_tokens = min(usage.reused_hot_tokens, reuse)
+            usage.reused_store_tokens = min(usage.reused_store_tokens, reuse)
         if sampling.max_tokens > 0 and reuse == len(tokens):
             reuse -= 1  # the last token runs again, for its logits
         if reuse < max(c.start for c in agent.caches):
@@ -334,8 +345,9 @@ class Engine:
     def _memory_for(self, agent: Agent, num_tokens: int) -> int:
         """KV bytes the agent holds at its longest in a turn reaching `num_tokens`: what it
         holds now, plus every new token in every layer (a window layer keeps them too until
-        they are committed, after the turn)."""
-        return agent.nbytes + max(0, num_tokens - agent.cached) * self._token_bytes
+        they are committed, after the turn), quantized and in the turn's fp16 copy."""
+        new = max(0, num_tokens - agent.cached)
+        return agent.nbytes + new * (self._token_bytes + self._turn_token_bytes)
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         agent = self.hot.get((ns, agent_id))
@@ -450,6 +462,8 @@ class Engine:
 
     def _finish_turn(self, agent: Agent) -> None:
         """Queues the store write, then keeps the hot tier within budget."""
+        for cache in agent.caches:
+            cache.end_turn()  # the next turn sees what is stored, as a restored agent does
         self._persist(agent)
         self.hot.put(agent)
         busy = {t.agent.id for t in self.batcher.active.values()} | {agent.id}

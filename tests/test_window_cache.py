@@ -205,9 +205,12 @@ def held_bytes(w, ns: str, agent_id: str) -> int:
 
 
 def test_worker_restores_only_the_window_and_answers_the_same(tiny_model_dirs, start_worker):
-    """Two workers on gemma3_text, one keeping local layers at full length: the same greedy
-    tokens hot, after eviction and after a turn past the window; the window-aware one holds
-    and reads a fraction of the bytes."""
+    """Two workers on gemma3_text, one keeping local layers at full length. The window-aware
+    one restores an agent past its window bit for bit like a twin that stayed hot, holding
+    and reading a fraction of the bytes; against full-length layers it agrees up to rounding
+    (attention sums over fewer, masked-out keys: ~1e-4 on a logit here, which can flip a
+    random Gemma's near-tied argmax many tokens later), so there only the first token is
+    compared."""
     from client.worker import WorkerClient
 
     model = tiny_model_dirs["gemma3_text"]
@@ -216,15 +219,19 @@ def test_worker_restores_only_the_window_and_answers_the_same(tiny_model_dirs, s
     system = "You are the warden of the prison, and you keep order. " * 30  # ~400 tokens
     replies = {}
     for ns, w in (("window", window), ("full", full)):  # one store: a namespace each
-        w.create_agent(ns, "a", system)
-        first = w.turn(ns, "a", [("user", "Who are you?")], max_tokens=80)
+        for agent in ("a", "twin"):
+            w.create_agent(ns, agent, system)
+            first = w.turn(ns, agent, [("user", "Who are you?")], max_tokens=80)
         w.wait_durable(ns, "a")
         hot = held_bytes(w, ns, "a")
         w.evict(ns, "a")
         second = w.turn(ns, "a", [("user", "And now?")], max_tokens=8)
+        twin = w.turn(ns, "twin", [("user", "And now?")], max_tokens=8)
+        assert second.token_ids == twin.token_ids  # restored == never evicted
+        assert twin.usage.cache_state == "hot"
         replies[ns] = (first, second, hot)
     (wf, ws, whot), (ff, fs, fhot) = replies["window"], replies["full"]
-    assert wf.token_ids == ff.token_ids and ws.token_ids == fs.token_ids
+    assert wf.token_ids[0] == ff.token_ids[0]
     assert ws.usage.cache_state == fs.usage.cache_state == "warm"
     assert not ws.usage.restore_failure and ws.usage.reused_store_tokens > 400
     assert ws.usage.restored_bytes < 0.5 * fs.usage.restored_bytes
