@@ -33,18 +33,24 @@ KV formats, each a fresh cache per window:
                (`caches_from_blocks`) and checked bit-identical to what was put, then scored.
                Block size and read path cycle per window: (256, GetBlocks stream), (64, local
                read), (256, local), (64, stream).
-Each quantized format runs twice (--own-chunk), differing in what a forward of several tokens
-(a prefill chunk, the scored forward) attends for its own tokens:
-  own chunk quantized  the worker's prefill: the chunk stores its K/V quantized and attends
-                       over the whole cache dequantized, its own tokens included
-  own chunk fp         the chunk attends its own K/V in full precision and the past
-                       dequantized (what prefilling in fp, then quantizing, gives); it stores
-                       the same kind of quantized blocks. A decode step likewise attends its
-                       own token in fp (the other variant's Q4/Q8 decode attends the quantized
-                       cache directly, as the worker's does)
+Each quantized format runs once per --own-chunk variant (default both: quantized and fp),
+which differ only in what a forward attends for its own tokens; every variant stores and holds
+the same kind of quantized cache, and goes through the store the same way. Each is defined here
+(`own_chunk_classes`), so that it does not move when QuantizedKV's attention path does:
+  own chunk quantized  a chunk (a prefill chunk, the scored forward) stores its K/V quantized
+                       and attends over the whole cache dequantized, its own tokens included
+                       (the worker's prefill when this was written); a decode step of equal K
+                       and V bits attends the quantized cache through mlx-lm's quantized
+                       attention, as the worker's does
+  own chunk fp         a chunk attends its own K/V in full precision and the past dequantized
+                       (what prefilling in fp, then quantizing, gives); a decode step likewise
+                       attends its own token in fp and the past dequantized
+  worker               (not in the default) QuantizedKV itself: whatever the worker's cache
+                       attends in this tree
 
 Greedy agreement: from --prompts chat prompts (the model's chat template), FP16 KV generates
---gen-tokens tokens greedily; every other format is then teacher-forced on that sequence (the
+--gen-tokens tokens greedily; each --agree format (default Q4 and K8V4, every variant; `all`
+adds Q8 and FP32, the latter a noise floor) is then teacher-forced on that sequence (the
 prompt prefilled in chunks of 128, then one decode step per token) and scored on how often its
 argmax is FP16's next token. The first position where they differ is where its own free-running
 greedy generation would first leave FP16's (up to there both saw the same tokens).
@@ -60,8 +66,9 @@ matching FP16 rotating caches). Prints Markdown tables; writes JSON and a PNG (m
 optional) to --out. Progress goes to stderr.
 
 Run:  python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model smollm2-135m-instruct]
-          [--own-chunk both|quantized|fp] [--prompts 4] [--gen-tokens 128]
-          [--docs /usr/share/doc/python3-doc/html/_sources] [--out benchmarks/results]
+          [--own-chunk both|quantized,fp,worker] [--prompts 4] [--gen-tokens 128]
+          [--agree q4,k8v4|all] [--docs /usr/share/doc/python3-doc/html/_sources]
+          [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -82,6 +89,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import add_model_argument, describe_model
+from common import model_dir as resolve_model_dir
 from ttft import machine
 
 from agentkv.launch import store_process
@@ -89,7 +98,6 @@ from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 from inference_worker.blas import load_optimized_blas
 from inference_worker.kv_format import KVFormat
-from inference_worker.models import DEFAULT_MODEL, ModelError, resolve_model
 
 NS = "perplexity"
 WINDOW, STRIDE = 512, 256
@@ -97,8 +105,10 @@ CONTEXT = WINDOW - STRIDE - 1  # 255: the scored forward feeds the token before 
 PREFILL_CHUNK = 128
 ROUND_TRIPS = ((256, "stream"), (64, "local"), (256, "local"), (64, "stream"))
 QUANTIZED = {"Q4 (k4v4)": KVFormat(4, 4), "Q8 (k8v8)": KVFormat(8, 8), "K8V4": KVFormat(8, 4)}
-OWN_CHUNK = ("quantized", "fp")
+OWN_CHUNK = ("quantized", "fp", "worker")  # "both", the default: quantized and fp
 BASELINE, REFERENCE, HEADLINE = "FP16", "FP32", "Q4 (k4v4)"
+SHORT = {"fp32": REFERENCE, "q4": "Q4 (k4v4)", "q8": "Q8 (k8v8)", "k8v4": "K8V4"}
+AGREE = "q4,k8v4"  # the formats whose greedy agreement with FP16 is measured, by default
 TARGET_PCT = 1.0
 BOOTSTRAP_SAMPLES = 10_000
 # Shkolnikov, "Agent Memory Below the Prompt" (2026), Table 9: perplexity with FP16 and Q4 KV,
@@ -307,7 +317,8 @@ def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
             f"the text at {docs} has {len(tokens):,} tokens, too few for {needed:,}: "
             "ask for fewer (--tokens)"
         )
-    return Text(np.array(tokens, dtype=np.int64), used, docs_version(docs), digest.hexdigest(), docs)
+    version = docs_version(docs)
+    return Text(np.array(tokens, dtype=np.int64), used, version, digest.hexdigest(), docs)
 
 
 # windows and scores
@@ -341,11 +352,15 @@ class Kind:
     """One row: a KV format, and for a quantized one what a chunk attends for its own tokens."""
 
     fmt_name: str  # FP32, FP16 or a QUANTIZED key
-    own: str = ""  # "quantized" or "fp" for a quantized format
+    own: str = ""  # an OWN_CHUNK name for a quantized format
+
+    @property
+    def variant(self) -> str:
+        return "worker's QuantizedKV" if self.own == "worker" else f"own chunk {self.own}"
 
     @property
     def label(self) -> str:
-        return f"{self.fmt_name}, own chunk {self.own}" if self.own else self.fmt_name
+        return f"{self.fmt_name}, {self.variant}" if self.own else self.fmt_name
 
     @property
     def fmt(self) -> KVFormat | None:
@@ -422,51 +437,69 @@ class Float16KV:
 
 
 @functools.cache
-def own_chunk_fp_class() -> type:
-    """A QuantizedKV that stores quantized as ever but hands attention the past dequantized
-    and the update's own keys and values as computed (full precision). Built on first use:
-    it imports mlx."""
+def own_chunk_classes() -> dict[str, tuple[type, int]]:
+    """--own-chunk's caches, by name: (class, quantized_query_max). Each is a QuantizedKV
+    that stores and holds exactly what the worker's does (its update_and_fetch stores the
+    update quantized), and hands attention a past and an own part of its own definition, so
+    that what is measured does not move when QuantizedKV's attention path does. "worker" is
+    QuantizedKV itself: whatever the worker's prefill and decode attend in this tree. Built on
+    first use: it imports mlx. Full-attention layers only (the benchmark checks)."""
     import mlx.core as mx
 
     from inference_worker.kv_cache import QuantizedKV
 
-    class OwnChunkFP(QuantizedKV):
+    class OwnChunkQuantized(QuantizedKV):
+        """Every position as stored, its own included: a decode step of equal K and V bits
+        takes mlx-lm's quantized attention (as the worker's does), anything else the whole
+        cache dequantized."""
+
         def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-            stored = super().update_and_fetch(keys, values)  # dequantized: quantized_query_max=0
-            n = keys.shape[2]
-            return tuple(
-                mx.concatenate([s[..., : s.shape[2] - n, :], own], axis=2)
-                for s, own in zip(stored, (keys, values), strict=True)
-            )
+            fetched = super().update_and_fetch(keys, values)
+            if hasattr(self, "end_turn"):
+                self.end_turn()  # no full-precision copy of the turn: none is attended
+            if hasattr(self, "bits"):  # quantized arrays, for mlx-lm's quantized attention
+                return fetched
+            return self.dequantized(0, self.offset - self.start, keys.dtype)
 
-    return OwnChunkFP
+    class OwnChunkFP(QuantizedKV):
+        """The past dequantized, the update's own keys and values as computed."""
+
+        def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+            super().update_and_fetch(keys, values)  # quantized_query_max=0: never `bits`
+            if hasattr(self, "end_turn"):
+                self.end_turn()
+            past = self.offset - self.start - keys.shape[2]
+            if not past:
+                return keys, values
+            past_k, past_v = self.dequantized(0, past, keys.dtype)
+            return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
+
+    return {"quantized": (OwnChunkQuantized, 1), "fp": (OwnChunkFP, 0), "worker": (QuantizedKV, 1)}
 
 
-def own_chunk_fp_cache(fmt: KVFormat) -> Any:
-    return own_chunk_fp_class()(fmt, quantized_query_max=0)
+def quantized_cache(kind: Kind) -> Any:
+    cls, quantized_query_max = own_chunk_classes()[kind.own]
+    return cls(kind.fmt, quantized_query_max=quantized_query_max)
 
 
 def new_caches(kind: Kind, num_layers: int) -> list:
     from mlx_lm.models.cache import KVCache
 
-    from inference_worker.kv_cache import QuantizedKV
-
     if kind.fmt_name == REFERENCE:
         return [KVCache() for _ in range(num_layers)]
     if kind.fmt_name == BASELINE:
         return [Float16KV() for _ in range(num_layers)]
-    if kind.own == "fp":
-        return [own_chunk_fp_cache(kind.fmt) for _ in range(num_layers)]
-    return [QuantizedKV(kind.fmt) for _ in range(num_layers)]
+    return [quantized_cache(kind) for _ in range(num_layers)]
 
 
 def as_kind(restored: list, kind: Kind) -> list:
-    """Caches rebuilt from blocks (QuantizedKV) as this kind's caches, same arrays."""
-    if kind.own != "fp":
+    """Caches rebuilt from blocks (QuantizedKV) as this kind's caches, holding the same
+    arrays."""
+    if kind.own == "worker":
         return restored
     caches = []
     for r in restored:
-        c = own_chunk_fp_cache(kind.fmt)
+        c = quantized_cache(kind)
         c.load(r.keys, r.values, r.offset, r.start)
         caches.append(c)
     return caches
@@ -640,10 +673,10 @@ def greedy(
 def agreement(
     model: Any, tokenizer: Any, kinds: list[Kind], num_prompts: int, n: int
 ) -> tuple[dict[Kind, Agreement], list[int]]:
-    """Each kind but FP16 against FP16's greedy generations; the prompts' lengths."""
-    if not num_prompts:
+    """Each kind against FP16's greedy generations; the prompts' lengths."""
+    if not num_prompts or not kinds:
         return {}, []
-    results = {kind: Agreement(kind) for kind in kinds if kind.fmt_name != BASELINE}
+    results = {kind: Agreement(kind) for kind in kinds}
     lengths = []
     for p, text in enumerate(PROMPTS[:num_prompts]):
         prompt = prompt_ids(tokenizer, text)
@@ -749,7 +782,7 @@ def paper_table(scores: dict[Kind, Scores], model_name: str) -> str:
     for kind, q4 in scores.items():
         if kind.fmt_name == HEADLINE:
             rows.append(
-                f"| {model_name}, own chunk {kind.own} (this run) | {fp16.ppl:.2f} | {q4.ppl:.2f} "
+                f"| {model_name}, {kind.variant} (this run) | {fp16.ppl:.2f} | {q4.ppl:.2f} "
                 f"| {signed(q4.ppl - fp16.ppl, 2)} | {q4.delta_pct(fp16):+.1f}% "
                 f"| {q4.counts.sum():,} |"
             )
@@ -794,7 +827,7 @@ def targets(
         goals.append(
             {
                 "target": f"Q4 perplexity within +{TARGET_PCT:g}% of FP16 KV on {model_name} "
-                f"(own chunk {kind.own})",
+                f"({kind.variant})",
                 "met": pct <= TARGET_PCT,
                 "measured": f"{pct:+.2f}% (95% CI {ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}%)",
                 "own": kind.own,
@@ -817,6 +850,7 @@ def make_notes(
     notes = []
     for goal in goals:
         own = goal["own"]
+        variant = Kind(HEADLINE, own).variant
         meeting = sorted(
             (np.mean(s.bytes_per_token), k.fmt_name, s.delta_pct(base))
             for k, s in scores.items()
@@ -834,8 +868,7 @@ def make_notes(
             else "no quantized format does"
         )
         notes.append(
-            f"own chunk {own}: {head}; within +{TARGET_PCT:g}% of FP16: {met or 'none'}; "
-            f"{smallest}"
+            f"{variant}: {head}; within +{TARGET_PCT:g}% of FP16: {met or 'none'}; {smallest}"
         )
         ci = intervals[Kind(HEADLINE, own)]
         if ci["pct_lo"] <= 0 <= ci["pct_hi"]:
@@ -843,7 +876,7 @@ def make_notes(
         else:
             verdict = "excludes 0: the change is more than window-to-window noise"
         notes.append(
-            f"own chunk {own}: Q4 - FP16, 95% paired-bootstrap interval over {len(windows)} "
+            f"{variant}: Q4 - FP16, 95% paired-bootstrap interval over {len(windows)} "
             f"windows {verdict}"
         )
     notes += [
@@ -852,6 +885,9 @@ def make_notes(
         "(prefilled, and for Q4/Q8/K8V4 put to the store and read back); the same tokens for "
         "every format. Window 0 has no past, so there own chunk fp scores exactly as FP32",
         "FP16 and FP32 do not go through the store: it holds only quantized blocks",
+        "own chunk fp keeps a forward's own tokens in full precision: for the scored forward "
+        f"that is up to its {STRIDE} latest tokens, for a decode step only the one being fed; "
+        "the greedy-agreement table is where decoding shows",
         f"the text: tokens 0..{windows[-1].targets[1] - 1} of the prose of the Python "
         f"{text.version} documentation ({text.docs}, Debian's python3-doc: {DOCS_HINT}), "
         f"documents {', '.join(text.files)}; SHA-256 of the text tokenized {text.sha256[:16]}…",
@@ -894,7 +930,7 @@ def plot(scores: dict[Kind, Scores], header: dict[str, Any], path: Path) -> str:
         if kind.fmt is None:
             continue
         diffs = [(a.mean() - b.mean()) for a, b in zip(s.nll, base.nll, strict=True)]
-        style = "o-" if kind.own == "quantized" else "x--"
+        style = {"quantized": "o-", "fp": "x--"}.get(kind.own, "s:")
         right.plot(range(len(diffs)), diffs, style, ms=3, label=f"{kind.label} - FP16")
     right.axhline(0, color="grey", lw=0.8)
     right.set_xlabel("window")
@@ -1024,14 +1060,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="a smoke run: 3 windows, 1 prompt of 8 tokens"
     )
+    add_model_argument(p)
     p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="a shipped model name, an mlx-lm model directory or a .gguf file",
+        "--own-chunk",
+        default="both",
+        help=f"what a chunk attends for its own tokens: some of {','.join(OWN_CHUNK)}, or both "
+        "(quantized,fp)",
     )
-    p.add_argument("--own-chunk", choices=("both", *OWN_CHUNK), default="both")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="greedy-agreement prompts")
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument(
+        "--agree",
+        default=AGREE,
+        help=f"formats whose greedy agreement is measured: some of {','.join(SHORT)}, or all",
+    )
     p.add_argument("--docs", type=Path, default=DOCS, help="a Sphinx _sources tree")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
@@ -1043,6 +1085,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--prompts must be 0..{len(PROMPTS)}")
     if args.gen_tokens < 1:
         p.error("--gen-tokens must be at least 1")
+    own = ["quantized", "fp"] if args.own_chunk == "both" else args.own_chunk.split(",")
+    if unknown := [o for o in own if o not in OWN_CHUNK]:
+        p.error(f"--own-chunk: unknown {', '.join(unknown)} (choose from {', '.join(OWN_CHUNK)})")
+    args.own_chunk = tuple(dict.fromkeys(own))
+    agree = list(SHORT) if args.agree == "all" else [a for a in args.agree.split(",") if a]
+    if unknown := [a for a in agree if a not in SHORT]:
+        p.error(f"--agree: unknown {', '.join(unknown)} (choose from {', '.join(SHORT)}, all)")
+    args.agree = [SHORT[a] for a in agree]
     return args
 
 
@@ -1070,12 +1120,9 @@ def model_name(spec: str, model_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     blas = load_optimized_blas()  # before anything here imports mlx
-    try:
-        model_dir = resolve_model(args.model, "auto", "cpu")
-    except ModelError as exc:
-        raise SystemExit(str(exc)) from None
+    model_dir = resolve_model_dir(args.model)  # as the worker resolves it; one line if not
     windows = plan_windows(args.tokens)
-    kinds = plan_kinds(OWN_CHUNK if args.own_chunk == "both" else (args.own_chunk,))
+    kinds = plan_kinds(args.own_chunk)
     model, tokenizer, dtype = load_model(model_dir)
     text = load_text(args.docs, tokenizer, windows[-1].start + WINDOW)
     name = model_name(args.model, model_dir)
@@ -1094,10 +1141,12 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         store.stop()
         shutil.rmtree(root, ignore_errors=True)
-    agreed, lengths = agreement(model, tokenizer, kinds, args.prompts, args.gen_tokens)
+    agree_kinds = [k for k in kinds if k.fmt_name in args.agree]
+    agreed, lengths = agreement(model, tokenizer, agree_kinds, args.prompts, args.gen_tokens)
     checks = run_checks(scores, free)
     header = machine([]) | {"blas": blas or "reference (bundled with mlx)"}
-    header |= {"model": name, "model_dir": str(model_dir), "dtype": dtype}
+    header |= {"model": name, "model_described": describe_model(model_dir, args.model)}
+    header |= {"dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}
     header |= {"tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}
     header |= {"prompt_tokens": lengths, "gen_tokens": args.gen_tokens}

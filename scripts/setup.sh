@@ -21,6 +21,12 @@ if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null \
     || { as_root apt-get update -qq && as_root apt-get install -y -qq libopenblas0-pthread >/dev/null; } \
     || echo "setup: no OpenBLAS; MLX falls back to its slow reference BLAS" >&2
 fi
+# English prose for the perplexity benchmark: the Python documentation's sources (PSF).
+if command -v apt-get >/dev/null && [ ! -d /usr/share/doc/python3-doc/html/_sources ]; then
+  echo "setup: installing python3-doc (the benchmark's English text)" >&2
+  as_root apt-get install -y -qq python3-doc >/dev/null 2>&1 \
+    || echo "setup: no python3-doc; the perplexity benchmark will say how to get it" >&2
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   if ! "$PY" -m venv "$VENV" 2>/dev/null; then
     echo "setup: installing python3-venv" >&2
