@@ -573,6 +573,14 @@ def prefill(model: Any, ids: list[int], caches: list) -> Any:
     return logits
 
 
+def turn(kind: Kind, caches: list, begin: bool) -> None:
+    """The worker's engine opens a turn on its caches around each turn's prefill
+    (QuantizedKV.begin_turn / end_turn); the "worker" kind does the same."""
+    if kind.own == "worker":
+        for c in caches:
+            c.begin_turn() if begin else c.end_turn()
+
+
 def score_window(
     model: Any, kind: Kind, tokens: np.ndarray, w: Window, round_trip: RoundTrip
 ) -> tuple[np.ndarray, float]:
@@ -581,9 +589,12 @@ def score_window(
 
     ids = tokens[w.start : w.start + WINDOW].tolist()
     caches = new_caches(kind, len(model.layers))
+    turn(kind, caches, begin=True)
     prefill(model, ids[: w.context], caches)
+    turn(kind, caches, begin=False)
     if kind.fmt is not None and w.context:
         caches = round_trip(caches, ids[: w.context], kind, w)
+    turn(kind, caches, begin=True)  # the scored forward is the next turn's prefill
     logits = model(mx.array([ids[w.context : -1]]), cache=caches)[0]
     nll = next_token_nll(logits, np.array(ids[w.context + 1 :]))
     return nll, sum(kv_bytes(c) for c in caches) / caches[0].offset
