@@ -106,10 +106,6 @@ class Engine:
             s.kv_heads * (k_store.vector_bytes(s.k_head_dim) + v_store.vector_bytes(s.v_head_dim))
             for s in self.layers
         )
-        # ... and in the fp16 copy a turn keeps of its own tokens while it prefills
-        self._turn_token_bytes = sum(
-            2 * s.kv_heads * (s.k_head_dim + s.v_head_dim) for s in self.layers
-        )
         self.batcher = self._new_batcher()
         self.restorer = Restorer(
             client,
@@ -345,9 +341,9 @@ class Engine:
     def _memory_for(self, agent: Agent, num_tokens: int) -> int:
         """KV bytes the agent holds at its longest in a turn reaching `num_tokens`: what it
         holds now, plus every new token in every layer (a window layer keeps them too until
-        they are committed, after the turn), quantized and in the turn's fp16 copy."""
-        new = max(0, num_tokens - agent.cached)
-        return agent.nbytes + new * (self._token_bytes + self._turn_token_bytes)
+        they are committed, after the turn). The fp16 copy a turn keeps of its own tokens
+        while it prefills is working memory, like the forward's activations: not counted."""
+        return agent.nbytes + max(0, num_tokens - agent.cached) * self._token_bytes
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         agent = self.hot.get((ns, agent_id))

@@ -10,7 +10,7 @@ import pytest
 from client.worker import WorkerClient
 from inference_worker.models import DEFAULT_MODEL, resolve_model
 
-SYSTEM = "You are a helpful assistant."
+SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
 TURNS = ["What is the capital of France?", "What is the capital of Italy?", "Which is larger?"]
 
 
@@ -32,8 +32,10 @@ def test_the_default_model_answers_sensibly(smollm2, start_worker):
     w = WorkerClient(start_worker(smollm2).address)
     info = w.info()
     assert info.fingerprint.startswith("llama-") and info.dtype == "float32"
-    for agent, question, answer in (("fr", TURNS[0], "Paris"), ("it", TURNS[1], "Rome")):
-        w.create_agent("geo", agent, SYSTEM)
+    asked = [("fr", SYSTEM, TURNS[0], "Paris"), ("it", SYSTEM, TURNS[1], "Rome")]
+    asked += [("de", "", "What is the capital of Germany?", "Berlin")]
+    for agent, system, question, answer in asked:
+        w.create_agent("geo", agent, system)
         reply = w.turn("geo", agent, [("user", question)], max_tokens=24)
         assert answer in reply.text, reply.text
         assert reply.usage.finish_reason == "stop"  # it ended its reply itself

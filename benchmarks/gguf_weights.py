@@ -1,0 +1,94 @@
+"""What an imported GGUF's weights should become on this device: dequantized or native.
+
+Imports the model (--model, default the shipped SmolLM2 GGUF) both ways, `float32` (the
+GGUF's 4/8-bit tensors dequantized) and `native` (kept as MLX quantized layers, computing in
+float32 as the worker does on CPU), and times in process, --repeats times each: a prefill of
+--prefill tokens and --decode single-token decode steps over an fp cache. Prints a Markdown
+table (min / median / max) and which is faster; the worker's `--gguf-weights auto` picks
+float32 on CPU and native on a GPU.
+
+Run:  python benchmarks/gguf_weights.py [--model FILE.gguf|NAME] [--prefill 512] [--decode 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from inference_worker.blas import load_optimized_blas
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def measure(path: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(path))
+    model.set_dtype(mx.float32)  # what the worker computes in on CPU (scales and biases too)
+    ids = mx.array([[100 + i % 4000 for i in range(args.prefill)]])
+
+    def prefill():
+        mx.eval(model(ids, cache=make_prompt_cache(model)))
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(ids, cache=cache))
+
+    def decode():
+        for _ in range(args.decode):
+            mx.eval(model(mx.array([[7]]), cache=cache))
+        for c in cache:
+            c.trim(args.decode)
+
+    prefill(), decode()  # warm up
+    return {"prefill": timed(prefill, args.repeats), "decode": timed(decode, args.repeats)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF file or shipped name")
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    blas = load_optimized_blas()
+    from inference_worker.models import SHIPPED, resolve_model
+
+    if args.model not in SHIPPED and not args.model.endswith(".gguf"):
+        sys.exit(f"--model {args.model}: a GGUF file or a shipped name")
+    cache = Path(tempfile.mkdtemp(prefix="agentkv-gguf-weights-"))
+    rows = {}
+    for weights in ("float32", "native"):
+        print(f"importing and timing {weights} ...", file=sys.stderr, flush=True)
+        rows[weights] = measure(resolve_model(args.model, weights, "cpu", cache), args)
+    print(f"model {args.model}, BLAS {blas or 'reference'}, {args.repeats} repeats\n")
+    print(
+        f"| weights | prefill {args.prefill} tok ms (min / median / max) "
+        f"| {args.decode} decode steps ms | ms per decode step |"
+    )
+    print("|---|---:|---:|---:|")
+    for weights, r in rows.items():
+        pre, dec = r["prefill"], r["decode"]
+        print(
+            f"| {weights} | {min(pre):.0f} / {statistics.median(pre):.0f} / {max(pre):.0f} "
+            f"| {min(dec):.0f} / {statistics.median(dec):.0f} / {max(dec):.0f} "
+            f"| {statistics.median(dec) / args.decode:.1f} |"
+        )
+    f32, nat = (statistics.median(rows[w]["decode"]) for w in ("float32", "native"))
+    print(f"\ndecode: float32 is {nat / f32:.2f}x faster than native on this device")
+
+
+if __name__ == "__main__":
+    main()
