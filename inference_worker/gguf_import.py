@@ -190,11 +190,45 @@ def _bits(tensors: dict, stem: str) -> int:
     return packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
 
 
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's precomputed Llama 3 RoPE factors
+_LLAMA3_FACTORS = (8.0, 16.0, 32.0)  # Llama 3.1 and 3.3: 8; Llama 3.2: 32
+
+
+def llama3_rope(factors, head_dim: int, theta: float) -> dict:
+    """The rope_scaling whose factors llama.cpp's converter wrote as rope_freqs: the GGUF
+    keeps only the factors, so they are matched against the Llama 3 family's settings."""
+    import numpy as np
+
+    got = np.asarray(factors, dtype=np.float64).reshape(-1)
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    low, high, context = 1.0, 4.0, 8192
+    smooth = (context / wavelen - low) / (high - low)
+    for factor in _LLAMA3_FACTORS:
+        want = np.where(
+            wavelen < context / high,
+            1.0,
+            np.where(wavelen > context / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
+        if got.shape == want.shape and np.allclose(got, want, rtol=1e-5):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": context,
+            }
+    raise GGUFError(
+        "GGUF rope_freqs match no Llama 3 RoPE scaling agentkv knows "
+        f"(factors {', '.join(map(str, _LLAMA3_FACTORS))}, low 1, high 4, context 8192)"
+    )
+
+
 def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict]:
     """HF-named weights and, for native, mlx-lm's per-layer quantization config."""
     import mlx.core as mx
 
     name, arch = architecture_of(meta)
+    tensors = {k: v for k, v in tensors.items() if k != ROPE_FREQS}
     heads = int(_scalar(meta[f"{name}.attention.head_count"]))
     kv_heads = int(_scalar(meta.get(f"{name}.attention.head_count_kv", heads)))
     quantized = {k.rpartition(".")[0] for k in tensors if k.endswith(".scales")}
@@ -248,6 +282,9 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     tokenizer = build_tokenizer(meta)
     tied = "lm_head.weight" not in hf
     config = model_config(meta, int(hf["model.embed_tokens.weight"].shape[0]), tied)
+    if ROPE_FREQS in tensors:
+        theta, head_dim = config["rope_theta"], config["head_dim"]
+        config["rope_scaling"] = llama3_rope(tensors[ROPE_FREQS], head_dim, theta)
     if quantization:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
     config["agentkv_gguf"] = {

@@ -9,6 +9,7 @@ reference quantizers.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,27 @@ def converted(hf: str, w: np.ndarray, config: dict) -> np.ndarray:
     if arch == "gemma3_text" and hf.endswith("norm.weight"):
         return w + 1.0
     return w
+
+
+def rope_freqs(config: dict) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3's RoPE
+    scaling written as one factor per frequency."""
+    scaling = config["rope_scaling"]
+    base, dim = config["rope_theta"], config["head_dim"]
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def write_metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
@@ -123,6 +145,8 @@ def write_gguf(
             writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
+    if (config.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", rope_freqs(config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

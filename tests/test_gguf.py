@@ -3,6 +3,7 @@ with the same logits as the weights they came from, for every supported architec
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -195,3 +196,36 @@ def test_the_import_cache_is_keyed_by_content(sources, tmp_path):
         and (changed / "config.json").read_text() != (first / "config.json").read_text()
     )
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
+    """Llama 3.x GGUFs carry RoPE scaling only as llama.cpp's precomputed rope_freqs
+    tensor; the importer recognises Llama 3's settings from it, and the logits match."""
+    from inference_worker.gguf_import import GGUFError, llama3_rope
+    from inference_worker.model_kit import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,  # Llama 3.2's
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = {
+        **TINY_CONFIGS["llama"],
+        "vocab_size": tokenizer.get_vocab_size(),
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": scaling,
+    }
+    path = save_model(tmp_path / "src", random_model(config, seed=5), config, tokenizer)
+    model, _ = load(str(path))
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    out = import_gguf(write_gguf(tmp_path / "m.gguf", weights, config, path), tmp_path / "out")
+    imported, _ = load(str(out))
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == scaling
+    ids = mx.array([list(range(1, 400))])  # positions where the scaling matters
+    assert mx.array_equal(imported(ids), model(ids))
+    with pytest.raises(GGUFError, match="match no Llama 3 RoPE scaling"):
+        llama3_rope(np.ones(32) * 3.0, 64, 500000.0)
