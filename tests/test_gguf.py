@@ -229,3 +229,22 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
     assert mx.array_equal(imported(ids), model(ids))
     with pytest.raises(GGUFError, match="match no Llama 3 RoPE scaling"):
         llama3_rope(np.ones(32) * 3.0, 64, 500000.0)
+
+
+def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, monkeypatch):
+    """`agentkv-worker --model FILE.gguf`: imported into the model cache at start, served,
+    and the fingerprint names the GGUF's content (another file, another fingerprint)."""
+    from client.worker import WorkerClient
+
+    path, config, _, _, w = sources["qwen3"]
+    monkeypatch.setenv("AGENTKV_MODEL_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(tmp_path / "tiny-qwen3.gguf", w, config, path, Q.Q8_0)
+    worker = WorkerClient(start_worker(gguf, name="gguf").address)
+    worker.create_agent("ns", "a", "You are terse.")
+    reply = worker.turn("ns", "a", [("user", "Hello there.")], max_tokens=4)
+    assert len(reply.token_ids) == 4
+    (imported,) = (tmp_path / "cache").iterdir()
+    assert imported.name.startswith("tiny-qwen3-") and imported.name.endswith("-float32-v2")
+    other = write_gguf(tmp_path / "other.gguf", w, config, path, Q.Q4_0)
+    again = WorkerClient(start_worker(other, name="other").address)
+    assert again.info().fingerprint != worker.info().fingerprint
