@@ -295,6 +295,7 @@ def test_cli_runs_a_scenario_and_lists_agents(
     assert bad.returncode == 2 and "cannot read" in bad.stderr
 
 
+@pytest.mark.timeout(1200)  # over pytest's 300 s default: the demo runs SmolLM2
 def test_the_demo_runs_end_to_end():
     """The README's main command, on the default model (SmolLM2): every agent resumes warm."""
     run = subprocess.run(
