@@ -1,8 +1,10 @@
 """Ablation benchmark: each component with and without, the rest held (the paper's Table 6).
 
-Starts a real `agentkv-store` process and real `agentkv-worker` processes on loopback with the
-default model (models/agentkv-default, float32 on CPU) and measures one row per component,
-each by a small real run:
+Starts a real `agentkv-store` process and real `agentkv-worker` processes on loopback with
+--model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker --model
+takes; default SmolLM2-135M-Instruct, imported as float32 on a CPU) and measures one row per
+component, each by a small real run (a row's context too long for the model's window with
+room for its turns, 96 tokens, is cut to fit: on SmolLM2 the 8K rows run at 8096):
 
   persistence  an agent whose first turn carried ~4K tokens of standard-library source comes
                back after eviction and asks "Go on." (max_tokens 1). With the store: EvictAgent,
@@ -10,13 +12,15 @@ each by a small real run:
                its own (nothing stored there to reuse), so the turn re-sends and re-prefills the
                whole history. TTFT = usage.time_to_first_token_ms; median of --passes.
   Q4 vs FP16   agents at 8K that fit a fixed KV budget: the paper's 10.2 GiB scaled by this
-               model's FP16 bytes per 8K agent over Gemma 3 12B's (so FP16 fits 3.4 agents'
-               worth, as in the paper). Two workers with --hot-budget at that budget, Q4
-               (k4v4, the default) and --k-bits 8 --v-bits 8 (Q8, the nearest to FP16 we
-               store), each prefill one 8K agent, then load store forks of it hot (an empty
-               turn, max_tokens 0) until the LRU hot tier evicts: the agents still hot are
-               what fits. FP16 comes from agentkv.planner for the measured token count: we do
-               not store FP16 KV. Beside them, the planner's Gemma 3 12B at 8K and 10.2 GiB.
+               model's FP16 bytes per agent (at the row's context) over Gemma 3 12B's per 8K
+               agent, so FP16 fits 3.4 agents' worth, as in the paper, at any context (a
+               smaller one, as --quick's, fills the same number of agents). Two workers with
+               --hot-budget at that budget, Q4 (k4v4, the default) and --k-bits 8 --v-bits 8
+               (Q8, the nearest to FP16 we store), each prefill one 8K agent, then load store
+               forks of it hot (an empty turn, max_tokens 0) until the LRU hot tier evicts:
+               the agents still hot are what fits. FP16 comes from agentkv.planner for the
+               measured token count: we do not store FP16 KV. Beside them, the planner's
+               Gemma 3 12B at 8K and 10.2 GiB.
   batching     4 agents of ~1K tokens, warm (store forks, never hot), each asked for one Turn
                of --tokens greedy tokens, all 4 sent at once: to a worker with --max-batch 4
                (batched) and to one with --max-batch 1 (the same turns, one after another).
@@ -34,11 +38,12 @@ each by a small real run:
 
 Targets: each effect at least the paper's (27x, 4.0x, 2.0x, 1.9x); the windows row has none.
 Prints Markdown tables; writes JSON and a PNG (matplotlib is optional) to --out. Progress goes
-to stderr. About 2-4 minutes here (half of it the windows row's two 8K prefills); --quick
-(1 pass, smaller contexts) about a minute.
+to stderr. On SmolLM2 here the full run takes tens of minutes (its 8K prefills take ~80 s
+each, the 4K re-prefills ~30 s); --quick (1 pass, contexts 512 and 1K, shorter replies) a
+couple of minutes.
 
-Run:  python benchmarks/ablation.py [--passes 5] [--tokens 64] [--skip windows,...]
-                                    [--quick] [--out benchmarks/results]
+Run:  python benchmarks/ablation.py [--model smollm2-135m-instruct] [--passes 5] [--tokens 64]
+                                    [--skip windows,...] [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -62,21 +67,22 @@ from typing import Any
 import batching
 import windows
 from batching import Run, fire, make_bases
+from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
 from google.protobuf.json_format import MessageToDict
-from ttft import context_text, label, load_tokenizer, machine
+from ttft import context_text, label, machine
 from workflows import MODES, PAPER_TABLE7, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
 
 from agentkv import planner
 from agentkv.launch import ServiceProcess, store_process, worker_process
-from client.demo import DEFAULT_MODEL, scenario_path
+from client.demo import scenario_path
 from client.scenario import Scenario, load_scenario
 from client.store import StoreClient
 from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 
-MODEL = DEFAULT_MODEL
 NS = "ablation"
+HEADROOM = 96  # tokens of the model's window a row's context leaves for its turns
 SHORT = "Go on."
 BATCH = 4
 BATCH_MODES = {  # batching row: mode, the worker that serves it
@@ -128,6 +134,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 @dataclass(slots=True)
 class Services:
+    model: Path  # the model directory every worker but the windows row's loads
     store: StoreClient
     store_address: str
     workers: dict[str, WorkerClient]  # by WORKERS name
@@ -141,18 +148,18 @@ class Services:
 
 
 @contextmanager
-def running_services(root: Path, budget: int) -> Iterator[Services]:
+def running_services(model: Path, root: Path, budget: int) -> Iterator[Services]:
     """A store and the four workers as their own processes, SIGTERMed afterwards."""
     with ExitStack() as stack:
         store = store_process(root / "data", root / "store.log")
         stack.callback(store.stop)
         store.start(timeout=600)
-        svc = Services(StoreClient(store.address), store.address, {}, {}, root, stack)
+        svc = Services(model, StoreClient(store.address), store.address, {}, {}, root, stack)
         stack.callback(svc.store.close)
         for name, flags in WORKERS.items():
             extra = [*flags, "--hot-budget", str(budget)] if name in ("q4", "q8") else flags
             log = root / f"worker-{name}.log"
-            worker = svc.start(worker_process(str(MODEL), store.address, log, extra_args=extra))
+            worker = svc.start(worker_process(str(model), store.address, log, extra_args=extra))
             svc.addresses[name] = worker.address
             svc.workers[name] = WorkerClient(worker.address)
             stack.callback(svc.workers[name].close)
@@ -187,15 +194,16 @@ def timed_turn(worker: WorkerClient, ns: str, agent: str, messages: list[tuple[s
     return Turn(usage.time_to_first_token_ms, (first - start) * 1e3, text, fields)
 
 
-def expect(turn: Turn, how: str, where: str) -> Turn:
-    """Aborts unless the turn restored its past warm ("warm") or prefilled it all ("cold")."""
+def expect(turn: Turn, how: str, where: str, created: int = 1) -> Turn:
+    """Aborts unless the turn restored its past warm ("warm") or prefilled it all ("cold")
+    but the `created` tokens CreateAgent cached (the chat template's stable prefix)."""
     u, problems = turn.usage, []
     if u["restore_failure"]:
         problems.append(f"restore failed: {u['restore_failure']}")
     if how == "warm" and (u["cache_state"] != "warm" or not u["reused_store_tokens"]):
         problems.append("expected a warm restore")
     if how == "cold" and (
-        u["reused_store_tokens"] or u["prefilled_tokens"] < u["prompt_tokens"] - 1
+        u["reused_store_tokens"] or u["prefilled_tokens"] < u["prompt_tokens"] - max(1, created)
     ):
         problems.append("expected the whole history prefilled")
     if problems:
@@ -229,9 +237,9 @@ def persistence(svc: Services, tokenizer: Any, context: int, passes: int) -> Per
     for p in range(passes):
         worker.wait_durable(ns, agent)
         cold_ns = f"{NS}-no-store-p{p}"
-        worker.create_agent(cold_ns, agent)
+        created = worker.create_agent(cold_ns, agent).num_tokens
         cold = timed_turn(worker, cold_ns, agent, [*history, ("user", SHORT)])
-        run.without.append(expect(cold, "cold", f"re-prefill pass {p + 1}"))
+        run.without.append(expect(cold, "cold", f"re-prefill pass {p + 1}", created))
         worker.delete(cold_ns, agent)  # waits for its store write
         worker.evict(ns, agent)
         warm = timed_turn(worker, ns, agent, [("user", SHORT)])
@@ -248,11 +256,15 @@ def persistence(svc: Services, tokenizer: Any, context: int, passes: int) -> Per
 # 2. Q4 vs FP16
 
 
-def scaled_budget(context: int) -> int:
-    """The paper's 10.2 GiB times this model's FP16 bytes per agent over Gemma 3 12B's."""
-    ours = planner.plan(planner.load_config(MODEL), context, 1).fp16_bytes
-    gemma = planner.plan(planner.load_config("gemma3_12b"), context, 1).fp16_bytes
-    return planner.TABLE14_BUDGET_BYTES * ours // gemma
+PAPER_CAPACITY_CONTEXT = 8192  # the paper's row: agents at 8K
+
+
+def scaled_budget(model: Path, context: int) -> int:
+    """The paper's 10.2 GiB times this model's FP16 bytes per `context`-token agent over
+    Gemma 3 12B's per 8K agent: FP16 fits as many agents as the paper's row does."""
+    ours = planner.plan(planner.load_config(model), context, 1).fp16_bytes
+    gemma = planner.plan(planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, 1)
+    return planner.TABLE14_BUDGET_BYTES * ours // gemma.fp16_bytes
 
 
 @dataclass(slots=True)
@@ -305,14 +317,16 @@ class Capacity:
     budget: int
     fits: dict[str, Fit]  # by worker name
     plan: planner.Capacity  # this model, at the Q4 agent's token count and the budget
-    gemma: planner.Capacity  # Gemma 3 12B at the context and the paper's 10.2 GiB
+    gemma: planner.Capacity  # Gemma 3 12B at 8K and the paper's 10.2 GiB
 
 
 def capacity(svc: Services, tokenizer: Any, context: int, budget: int) -> Capacity:
     text = context_text(tokenizer, context)
     fits = {name: fill(svc, name, text, budget) for name in ("q4", "q8")}
-    plan = planner.plan(planner.load_config(MODEL), fits["q4"].tokens, budget)
-    gemma = planner.plan(planner.load_config("gemma3_12b"), context, planner.TABLE14_BUDGET_BYTES)
+    plan = planner.plan(planner.load_config(svc.model), fits["q4"].tokens, budget)
+    gemma = planner.plan(
+        planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, planner.TABLE14_BUDGET_BYTES
+    )
     return Capacity(context, budget, fits, plan, gemma)
 
 
@@ -368,11 +382,14 @@ def batching_row(svc: Services, tokenizer: Any, context: int, tokens: int, passe
 # 4. cross-phase
 
 
-def cross_phase_row(svc: Services, scenario: Scenario, passes: int) -> CrossPhase:
-    """workflows.cross_phase on the batch-4 worker, after one untimed pass per mode."""
+def cross_phase_row(
+    svc: Services, scenario: Scenario, passes: int, warm_up: bool = True
+) -> CrossPhase:
+    """workflows.cross_phase on the batch-4 worker, after one untimed pass per mode (unless
+    not `warm_up`: --quick, a smoke run, skips them)."""
     info = svc.workers["batch4"].info()
     flow = FlowServices(svc.addresses["batch4"], svc.store_address, info)
-    for mode in MODES:
+    for mode in MODES if warm_up else ():
         run_pass(flow, scenario, f"{NS}-warm-up-{mode}", mode)
     return cross_phase(flow, scenario, passes)
 
@@ -583,15 +600,15 @@ def capacity_table(c: Capacity) -> str:
 def gemma_table(c: Capacity) -> str:
     g, gib = c.gemma, 1 << 30
     paper = dict(zip(planner.TABLE14_CONTEXTS, planner.TABLE14["gemma3_12b"], strict=True))
-    fp16, q4 = paper.get(c.context, ("-", "-"))
+    n = PAPER_CAPACITY_CONTEXT
+    fp16, q4 = paper.get(n, ("-", "-"))
     return "\n".join(
         [
             "| Gemma 3 12B (planner), 10.2 GiB | GiB per agent | agents | paper (Table 14) |",
             "|---|---:|---:|---:|",
-            f"| FP16, {label(c.context)} | {g.fp16_bytes / gib:.3f} | {g.num_fp16_agents} "
-            f"| {fp16} |",
-            f"| Q4, {label(c.context)} | {g.q_bytes / gib:.3f} | {g.num_q_agents} | {q4} |",
-            f"| Q4 window-aware, {label(c.context)} | {g.q_window_bytes / gib:.3f} "
+            f"| FP16, {label(n)} | {g.fp16_bytes / gib:.3f} | {g.num_fp16_agents} | {fp16} |",
+            f"| Q4, {label(n)} | {g.q_bytes / gib:.3f} | {g.num_q_agents} | {q4} |",
+            f"| Q4 window-aware, {label(n)} | {g.q_window_bytes / gib:.3f} "
             f"| {g.num_q_window_agents} | - |",
         ]
     )
@@ -685,7 +702,7 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def notes_for(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    notes = []
+    notes = list(args.fit_notes)
     if (p := results.get("persistence")) is not None:
         restored = statistics.median(t.usage["reused_store_tokens"] for t in p.with_store)
         notes.append(
@@ -738,8 +755,9 @@ def capacity_notes(c: Capacity) -> list[str]:
     q4, q8 = c.fits["q4"], c.fits["q8"]
     notes = [
         f"Q4 vs FP16: budget = 10.2 GiB x this model's FP16 bytes per {label(c.context)} agent "
-        f"/ Gemma 3 12B's = {c.budget:,} bytes (FP16 fits {c.budget / c.plan.fp16_bytes:.2f} "
-        f"agents' worth, as Gemma 3 12B's {label(c.context)} agents in 10.2 GiB: "
+        f"/ Gemma 3 12B's per {label(PAPER_CAPACITY_CONTEXT)} agent = {c.budget:,} bytes (FP16 "
+        f"fits {c.budget / c.plan.fp16_bytes:.2f} agents' worth, as Gemma 3 12B's "
+        f"{label(PAPER_CAPACITY_CONTEXT)} agents in 10.2 GiB: "
         f"{c.gemma.budget_bytes / c.gemma.fp16_bytes:.2f}); we store no FP16 KV, so FP16 is "
         f"the planner's count; Q8 ({q8.kv_format}), the nearest we store, fits {q8.num_hot} "
         f"({q8.num_hot / max(c.plan.num_fp16_agents, 1):.2f}x FP16); FP16/Q4 bytes per agent "
@@ -866,7 +884,8 @@ def as_json(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace, info: Any) -> None:
-    header = machine([]) | {"blas": info.blas, "model": str(MODEL), "dtype": info.dtype}
+    header = machine([]) | {"blas": info.blas, "model": args.model, "dtype": info.dtype}
+    header |= {"model_dir": describe_model(args.path)}
     header |= {"device": info.device, "kv_format": info.kv_format, "passes": args.passes}
     header |= {"contexts": args.contexts, "tokens": args.tokens}
     notes = notes_for(results, args)
@@ -899,23 +918,40 @@ def row_list(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(p)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64, help="tokens per batching turn")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
     p.add_argument("--skip", type=row_list, default=[], help=f"rows to skip: {', '.join(ROWS)}")
     p.add_argument(
-        "--quick", action="store_true", help="1 pass; contexts 1K, 2K, 1K, 2K; shorter replies"
+        "--quick",
+        action="store_true",
+        help="1 pass; contexts 512, 1K, 512, 1K; shorter replies; no untimed cross-phase passes",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     # persistence, capacity, batching, windows
     args.contexts = {"persistence": 4096, "capacity": 8192, "batching": 1024, "windows": 8192}
     if args.quick:
-        args.passes, args.tokens, args.max_tokens = 1, 32, 16
-        args.contexts = {"persistence": 1024, "capacity": 2048, "batching": 1024, "windows": 2048}
+        args.passes, args.tokens, args.max_tokens = 1, 16, 8
+        args.contexts = {"persistence": 512, "capacity": 1024, "batching": 512, "windows": 1024}
     if args.passes < 1 or args.tokens < 2 or args.max_tokens < 1:
         p.error("--passes and --max-tokens must be at least 1, --tokens at least 2")
     return args
+
+
+def fit_contexts(contexts: dict[str, int], window: int) -> list[str]:
+    """Cuts each row's context (but the windows row's, another model) to the model's window
+    less HEADROOM, in place; a note for each one cut."""
+    notes = []
+    for row, n in contexts.items():
+        if row != "windows" and n + HEADROOM > window:
+            contexts[row] = window - HEADROOM
+            notes.append(
+                f"{row}: {label(n)} asked, but the model's window is {window} tokens: ran "
+                f"{contexts[row]} tokens of context, leaving {HEADROOM} for the turns"
+            )
+    return notes
 
 
 def run_rows(svc: Services, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -925,7 +961,7 @@ def run_rows(svc: Services, args: argparse.Namespace, tokenizer: Any) -> dict[st
         say(f"persistence at {label(ctx['persistence'])}")
         results["persistence"] = persistence(svc, tokenizer, ctx["persistence"], args.passes)
     if "capacity" not in skip:
-        budget = scaled_budget(ctx["capacity"])
+        budget = scaled_budget(svc.model, ctx["capacity"])
         say(f"Q4 vs FP16 at {label(ctx['capacity'])}, budget {budget / 2**20:.1f} MiB")
         results["capacity"] = capacity(svc, tokenizer, ctx["capacity"], budget)
     if "batching" not in skip:
@@ -938,7 +974,7 @@ def run_rows(svc: Services, args: argparse.Namespace, tokenizer: Any) -> dict[st
         scenario = load_scenario(scenario_path("prisoners_dilemma"))
         sampling = {**scenario.sampling, "max_tokens": args.max_tokens}
         scenario = dataclasses.replace(scenario, sampling=sampling)
-        results["cross-phase"] = cross_phase_row(svc, scenario, args.passes)
+        results["cross-phase"] = cross_phase_row(svc, scenario, args.passes, not args.quick)
     if "windows" not in skip:
         results["windows"] = windows_row(svc, ctx["windows"])
     return results
@@ -948,11 +984,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.load_at_start = os.getloadavg()[0]
     load_optimized_blas()  # before anything here imports mlx; each worker loads its own
-    tokenizer = load_tokenizer(MODEL)
+    args.path = model_dir(args.model)  # what the workers load, too
+    say(describe_model(args.path, args.model))
+    args.fit_notes = fit_contexts(args.contexts, max_context(args.path))
+    tokenizer = load_tokenizer(args.path)
     root = Path(tempfile.mkdtemp(prefix="agentkv-ablation-"))
-    budget = scaled_budget(args.contexts["capacity"])
+    budget = scaled_budget(args.path, args.contexts["capacity"])
     try:
-        with running_services(root, budget) as svc:
+        with running_services(args.path, root, budget) as svc:
             info = svc.workers["batch4"].info()
             say(f"store and {len(svc.workers)} workers up ({info.blas}, {info.device})")
             results = run_rows(svc, args, tokenizer)

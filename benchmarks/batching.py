@@ -1,7 +1,8 @@
 """Batching benchmark: system throughput and stream smoothness of continuous batching.
 
 Starts a real `agentkv-store` process and real `agentkv-worker` processes on loopback, with
-the default model (models/agentkv-default, float32 on CPU), and measures:
+--model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker --model
+takes; default SmolLM2-135M-Instruct, imported as float32 on a CPU), and measures:
 
   throughput   for each context C (--contexts, tokens) and batch size B (1, 2, 4, 8): B agents
                each holding a C-token Q4 cache, hot in the worker's RAM, each asked for one
@@ -19,7 +20,7 @@ the default model (models/agentkv-default, float32 on CPU), and measures:
   model step   in this process (the model loaded here, one agent's cache per context
                merged B times): right after each batched run, while the worker idles, one
                batched decode forward and the Batcher's per-row sampling (each the fastest of
-               16 calls), paired with that run's end-to-end ms per decode step (B / its
+               8 calls), paired with that run's end-to-end ms per decode step (B / its
                decode-only SysTPS); the rest is gRPC, queues, Python and contention. Then the
                batch cache's joins and leaves, and the sum of idle hot agents' bytes the
                engine takes before every step.
@@ -33,9 +34,10 @@ agents of each agent's own p50 and p99. TTFT is the client's wall time from its 
 its first token, and the worker's usage.time_to_first_token_ms.
 
 Agents. Per context, 8 base agents are created once (a system prompt of C tokens of Python
-standard-library source, a different slice each) and evicted once durable. The model often
-answers in a few tokens and then emits EOS, and a Turn cannot ignore EOS, so slices whose
-greedy reply stops before N tokens (probed once, untimed) are skipped. Every measured
+standard-library source, a different slice each) and evicted once durable. The user message
+asks to explain the code line by line (SmolLM2 answers "Go on." after source code with a
+token or two); a model may still stop early with EOS, which a Turn cannot ignore, so slices
+whose greedy reply stops before N tokens (probed once, untimed) are skipped. Every measured
 agent is a store fork of a base, loaded hot by an append-only Turn (max_tokens 0) carrying the
 user message, so the measured Turn adds only the assistant header. No store write is in
 flight when a measurement starts, and each run's agents are deleted after it.
@@ -43,11 +45,18 @@ flight when a measurement starts, and each run's agents are deleted after it.
 Target, per context: at batch 4, SysTPS >= 2.5x that of batch 1 (the median of every batch-1
 run: with one agent, batched and sequential are the same request), shown next to the bound
 the in-process batched forward alone sets (4 x forward at 1 / forward at 4). Medians over
---passes passes (default 5; the spread is in the detail table). Prints Markdown tables;
+--passes passes (default 2; the spread is in the detail table). Prints Markdown tables;
 writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
 
-Run:  python benchmarks/batching.py [--contexts 1024,4096] [--tokens 64] [--passes 5]
-                                    [--quick] [--out benchmarks/results]
+Sizes for SmolLM2 on this 2-core CPU (a 512-token prefill ~2.5 s, a decode step ~65-130 ms
+by context, a batch-8 step ~3x a batch-1 step): contexts 1K and 2K (a 4K cell alone, with
+its 8 base prefills of ~30 s and its staggered pair, would take ~15 minutes), N = 32 tokens a
+turn, 2 passes: 17 minutes here with other jobs sharing the cores (load average 2-3), most
+of it the sequential runs (15 turns of 32 tokens per pass and context), the 16 base prefills
+and the staggered pairs. --quick: 512 only, batch 1,2,4, N = 16, 1 pass, about two minutes.
+
+Run:  python benchmarks/batching.py [--model smollm2-135m-instruct] [--contexts 1024,2048]
+                                    [--tokens 32] [--passes 2] [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -68,8 +77,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
 from google.protobuf.json_format import MessageToDict
-from ttft import int_list, label, load_tokenizer, machine
+from ttft import int_list, label, machine
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.store import StoreClient
@@ -77,17 +87,16 @@ from client.worker import WorkerClient
 from inference_worker import model_kit
 from inference_worker.blas import load_optimized_blas
 
-MODEL = Path("models/agentkv-default")
 NS = "batching"
 BATCHES = (1, 2, 4, 8)
-PROMPT = "Go on."
+PROMPT = "Explain the code above in detail, line by line."  # answered at length
 NEVER = "\x00"  # a stop string no reply contains: turns run to max_tokens (or EOS)
 STAGGER_S = 2.0
 STAGGER_TOKENS = 32
 TARGET_BATCH, TARGET_RATIO = 4, 2.5
 MAX_SLICES = 32  # source slices tried for base agents whose replies run to max_tokens
 PREFILL_CHUNK = 512  # the worker's default --prefill-chunk, for the in-process prefill
-STEP_REPEATS = 16  # in-process decode steps timed per pass
+STEP_REPEATS = 8  # in-process decode steps timed per pass (the fastest is kept)
 # Shkolnikov, "Agent Memory Below the Prompt" (2026), Apple M4 Pro. Table 4, warm rows: batch 2
 # (non-streaming, median of 6 passes), (SysTPS, per-agent) where SysTPS is total tokens/s
 # across both agents and per-agent = SysTPS / 2 (Table 6: "the 2.0x is definitional ... not a
@@ -205,6 +214,7 @@ class Cell:
 
     context: int
     batch: int
+    tokens: int  # max_tokens of every measured turn
     runs: dict[str, list[Run]] = field(default_factory=lambda: {"batched": [], "sequential": []})
     step_ms: dict[str, float] = field(default_factory=dict)  # medians of step_passes, + ops
     step_passes: list[dict[str, float]] = field(default_factory=list)  # by STEP_ROWS key
@@ -222,8 +232,9 @@ class Cell:
         return median([s.usage["decode_tokens_per_second"] for s in self.streams(mode)])
 
     def early_stops(self) -> int:
+        """Turns that ended before max_tokens (an EOS as the last token is not early)."""
         every = self.streams("batched") + self.streams("sequential")
-        return sum(s.usage["finish_reason"] != "length" for s in every)
+        return sum(s.num_tokens < self.tokens for s in every)
 
 
 # the processes
@@ -241,7 +252,7 @@ class Services:
 
 
 @contextmanager
-def running_services(root: Path, max_batches: Sequence[int]) -> Iterator[Services]:
+def running_services(model: Path, root: Path, max_batches: Sequence[int]) -> Iterator[Services]:
     """A store and one worker per --max-batch as their own processes, SIGTERMed afterwards."""
     with ExitStack() as stack:
 
@@ -253,7 +264,7 @@ def running_services(root: Path, max_batches: Sequence[int]) -> Iterator[Service
         workers = {
             b: start(
                 worker_process(
-                    str(MODEL),
+                    str(model),
                     store.address,
                     root / f"worker-{b}.log",
                     extra_args=["--max-batch", str(b)],
@@ -266,6 +277,8 @@ def running_services(root: Path, max_batches: Sequence[int]) -> Iterator[Service
         )
         for client in (services.store, *services.workers.values()):
             stack.callback(client.close)
+        for worker in services.workers.values():
+            wait_ready(worker)
         yield services
 
 
@@ -397,7 +410,7 @@ def throughput(
     say(f"{label(context)}: creating {max(args.batches)} base agents")
     bases = make_bases(svc, tokenizer, context, max(args.batches), args.tokens, f"c{context}")
     one_run(svc, bases, "batched", 8, "settle", context)  # untimed: first steps at this length
-    cells = [Cell(context, b) for b in args.batches]
+    cells = [Cell(context, b, args.tokens) for b in args.batches]
     for p in range(args.passes):
         for cell in cells:
             for mode in ("batched", "sequential"):
@@ -595,14 +608,16 @@ class InProcess:
     caches: dict[int, list]
 
 
-def in_process(tokenizer: Any, contexts: list[int]) -> InProcess:
+def in_process(path: Path, tokenizer: Any, contexts: list[int]) -> InProcess:
     """Loads the model here and prefills one agent per context, as the worker would."""
     from mlx_lm import load
 
-    model, _ = load(str(MODEL))
+    model, _ = load(str(path))
+    bos = json.loads((path / "config.json").read_text()).get("bos_token_id") or 0
     caches = {}
     for context in contexts:
-        ids = [0, *tokenizer.encode(source_slices(tokenizer, context, 1)[0]).ids]
+        text = source_slices(tokenizer, context, 1)[0]
+        ids = [bos, *tokenizer.encode(text, add_special_tokens=False).ids]
         say(f"in-process prefill at {label(context)} ({len(ids)} tokens)")
         caches[context] = prefilled(model, ids)
     return InProcess(model, caches)
@@ -860,7 +875,11 @@ def report(
     blas: str,
     scans: dict[int, float],
 ) -> None:
-    header = machine([]) | {"blas": blas, "model": str(MODEL)}
+    header = machine([]) | {
+        "blas": blas,
+        "model": args.model,
+        "model_dir": describe_model(args.path),
+    }
     header |= {"contexts": args.contexts, "batches": args.batches}
     header |= {"tokens": args.tokens, "passes": args.passes}
     notes = paper_notes(cells, runs) + other_notes(runs, scans)
@@ -895,15 +914,16 @@ def report(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int_list, default=[1024, 4096])
-    p.add_argument("--tokens", type=int, default=64, help="tokens each measured turn generates")
-    p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="1K only, batch 1,2,4, N=32, 1 pass")
+    add_model_argument(p)
+    p.add_argument("--contexts", type=int_list, default=[1024, 2048])
+    p.add_argument("--tokens", type=int, default=32, help="tokens each measured turn generates")
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="512 only, batch 1,2,4, N=16, 1 pass")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.batches = list(BATCHES)
     if args.quick:
-        args.contexts, args.batches, args.tokens, args.passes = [1024], [1, 2, 4], 32, 1
+        args.contexts, args.batches, args.tokens, args.passes = [512], [1, 2, 4], 16, 1
     if args.passes < 1 or args.tokens < 2:
         p.error("--passes must be at least 1 and --tokens at least 2")
     return args
@@ -912,12 +932,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_optimized_blas()  # before anything here imports mlx; each worker loads its own
-    tokenizer = load_tokenizer(MODEL)
-    local = in_process(tokenizer, args.contexts)
+    args.path = model_dir(args.model)  # what the workers load, too
+    say(describe_model(args.path, args.model))
+    tokenizer = load_tokenizer(args.path)
+    local = in_process(args.path, tokenizer, args.contexts)
     root = Path(tempfile.mkdtemp(prefix="agentkv-batching-"))
     cells: list[Cell] = []
     try:
-        with running_services(root, sorted({1, 2, max(args.batches)})) as svc:
+        with running_services(args.path, root, sorted({1, 2, max(args.batches)})) as svc:
             blas = svc.workers[1].info().blas
             say(f"store and workers up ({blas}); warming up")
             warm_up(svc, tokenizer, args)

@@ -1,15 +1,19 @@
 """Head to head, the paper's Table 5 form: agentkv against mlx-lm's prompt cache and no cache.
 
-On the default model (models/agentkv-default), for each context (--contexts, tokens of Python
-standard-library source in one user message), --passes times, three systems take the same
-turns. Every system sees the same token ids: the chat-template tokens agentkv stored, read
-back from the store's manifest (the cold turn's whole prompt, BOS included, then the k tokens
-that the warm turn "Go on." prefills: the cold reply's token and its closing, the message, the
-assistant header). Every turn runs to one greedy token; the first tokens are compared.
+On --model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker
+--model takes; default SmolLM2-135M-Instruct, imported as float32 on a CPU), for each context
+(--contexts, tokens of Python standard-library source in one user message), --passes times,
+three systems take the same turns. Every system sees the same token ids: the chat-template
+tokens agentkv stored, read back from the store's manifest (the cold turn's whole prompt, its
+template's system prompt included, then the k tokens that the warm turn "Go on." prefills: the
+cold reply's token and its closing, the message, the assistant header). Every turn runs to one
+greedy token; the first tokens are compared. A context too long for the model's window with
+room for the turns (96 tokens) is cut to fit (on SmolLM2, 8K runs as 8096), and a note says so.
 
   agentkv    a real `agentkv-store` and one `agentkv-worker` process on loopback (blocks of
              256 tokens, --restore-path locate, Q4 K/V group 64, fp16 scales).
-             cold: CreateAgent, then the context turn (everything after BOS is prefilled).
+             cold: CreateAgent, then the context turn (everything after the conversation's
+             stable prefix, which CreateAgent cached, is prefilled).
              warm: once durable, the agent is forked in the store (its twin), evicted, and
              takes "Go on.": the worker restores its Q4 blocks and prefills only k tokens.
              restart: the worker is killed with SIGKILL, a new worker process started, and
@@ -37,8 +41,13 @@ paper's Table 5 beside ours, every series as min / median / max, ratios, bytes o
 MET / MISS lines (agentkv's cold/warm ratio against the paper's at the same context). Writes
 JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
 
-Run:  python benchmarks/head_to_head.py [--contexts 1024,2048,4096,8192] [--passes 3]
-                                        [--prefill-step 2048] [--quick] [--out benchmarks/results]
+Each pass prefills every context five times (agentkv cold, mlx-lm and mlx-lm q4 cold, no cache
+warm and restart): on SmolLM2 here about 30 minutes in all (8K ~80 s a prefill), --quick
+(512 and 1K, 1 pass) about 1-2 minutes.
+
+Run:  python benchmarks/head_to_head.py [--model smollm2-135m-instruct] [--passes 3]
+                                        [--contexts 1024,2048,4096,8192] [--prefill-step 2048]
+                                        [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -59,23 +68,22 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from common import add_model_argument, load_tokenizer, max_context, model_dir
 from ttft import (
     BLOCK_TOKENS,
-    DEFAULT_MODEL,
     NS,
     SHORT,
     check,
     context_text,
+    fit_contexts,
     int_list,
     label,
-    load_tokenizer,
     machine,
     model_info,
     ms,
     say,
     spread,
     timed_turn,
-    wait_for_model,
 )
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
@@ -130,6 +138,7 @@ EXTRAS = {
     },
 }
 SELF = Path(__file__).resolve()
+HEADROOM = 96  # tokens of the model's window a context leaves for its turns (two, ~16 each)
 
 
 # results
@@ -240,8 +249,8 @@ def agentkv_warm_up(svc: Agentkv, text: str) -> None:
 def agentkv_pass(svc: Agentkv, fp: str, run: ContextResult, text: str, p: int) -> None:
     """Cold, warm and restart turns of one pass; the first pass also takes the token ids."""
     agent, twin = f"ctx{run.nominal}-p{p}", f"ctx{run.nominal}-p{p}-restart"
-    svc.worker.create_agent(NS, agent)
-    cold = check(timed_turn(svc.worker, agent, text), "cold", agent)
+    created = svc.worker.create_agent(NS, agent).num_tokens
+    cold = check(timed_turn(svc.worker, agent, text), "cold", agent, created)
     svc.worker.wait_durable(NS, agent)
     stored = svc.store.get_agent(NS, agent, fingerprint=fp)
     svc.store.fork_agent(NS, agent, twin)  # the same context, for the restart turn
@@ -416,26 +425,30 @@ def run_context(
     for p in range(args.passes):
         agentkv_pass(svc, fp, run, text, p)
     for _ in range(args.passes):
-        mlx_lm_pass(model, DEFAULT_MODEL.resolve(), run, args.prefill_step, root)
+        mlx_lm_pass(model, svc.model, run, args.prefill_step, root)
     return run
 
 
 def run_all(args: argparse.Namespace, root: Path) -> tuple[list[ContextResult], dict[str, Any]]:
     from mlx_lm import load
 
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
-    model, _ = load(str(DEFAULT_MODEL))
+    path = model_dir(args.model)  # the directory the worker and the restart children load
+    tokenizer = load_tokenizer(path)
+    model, _ = load(str(path))
     mlx_lm_warm_up(model, tokenizer, args.prefill_step, root)
     runs = []
-    with agentkv_services(DEFAULT_MODEL, root) as svc:
+    with agentkv_services(path, root) as svc:
         info = svc.worker.info()
-        details = model_info(info, DEFAULT_MODEL) | {"compute_dtype": info.dtype}
+        details = model_info(info, path) | {"compute_dtype": info.dtype}
+        say(f"{details['description']}")
         say(f"agentkv up ({details['blas']}, {info.dtype}); warming up")
         agentkv_warm_up(svc, context_text(tokenizer, 300))
-        for n in args.contexts:
+        for n, note in fit_contexts(args.contexts, max_context(path), HEADROOM):
             say(f"context {label(n)}")
             text = context_text(tokenizer, n)
             runs.append(run_context(svc, info.fingerprint, model, n, text, args, root))
+            if note:
+                runs[-1].notes.append(note)
     return runs, details
 
 
@@ -589,7 +602,7 @@ def targets(runs: list[ContextResult]) -> list[dict[str, Any]]:
 def notes(runs: list[ContextResult], args: argparse.Namespace, details: dict) -> list[str]:
     out = [
         "every system gets the same token ids: agentkv's chat-template tokens from the store "
-        "manifest (cold: the context turn's whole prompt, BOS included; warm and restart: the "
+        "manifest (cold: the context turn's whole prompt, template included; warm and restart: the "
         f"{'/'.join(str(len(r.turn_ids)) for r in runs)} tokens that 'Go on.' prefills, by "
         "context: the cold reply's token, its closing, the message, the assistant header)",
         "agentkv TTFT is the worker's usage.time_to_first_token_ms (from the Turn's arrival); "
@@ -606,8 +619,9 @@ def notes(runs: list[ContextResult], args: argparse.Namespace, details: dict) ->
         "file survives a restart like agentkv's store",
         "restart TTFTs include a fresh process's first forward (no warm-up) in every system; "
         "agentkv's worker start is found by polling its log every 50 ms",
-        "the paper ran Llama 3.1 8B on an M4 Pro GPU; ours is a 4-layer toy model on CPU, so "
-        "compare ratios, not milliseconds; the page cache held every file and block",
+        f"the paper ran Llama 3.1 8B on an M4 Pro GPU; ours is {details.get('model_dir')} on "
+        f"{details.get('cores')} CPU cores, so compare ratios, not milliseconds; the page cache "
+        "held every file and block",
     ]
     for r in runs:
         out.append(f"{label(r.nominal)} first tokens: {first_tokens(r)}")
@@ -699,7 +713,8 @@ def report(
     header = machine([]) | {
         "load_average_1m_at_start": round(load_at_start, 2),
         "blas": details.get("blas", ""),
-        "model": str(DEFAULT_MODEL),
+        "model": args.model,
+        "model_dir": details.get("description", ""),
         "dtype": details.get("compute_dtype") or details.get("dtype", ""),
         "passes": args.passes,
         "contexts": args.contexts,
@@ -726,16 +741,16 @@ def report(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(p)
     p.add_argument("--contexts", type=int_list, default=[1024, 2048, 4096, 8192])
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--prefill-step", type=int, default=2048, help="mlx-lm prefill chunk")
-    p.add_argument("--model-wait", type=float, default=600.0, help="seconds to wait for default")
-    p.add_argument("--quick", action="store_true", help="smoke run: contexts 1024,2048, 1 pass")
+    p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, 1 pass")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--restart-child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.contexts, args.passes = [1024, 2048], 1
+        args.contexts, args.passes = [512, 1024], 1
     if args.passes < 1 or args.prefill_step < 1:
         p.error("--passes and --prefill-step must be at least 1")
     return args
@@ -747,8 +762,6 @@ def main(argv: list[str] | None = None) -> None:
         restart_child(args.restart_child)
         return
     load_optimized_blas()  # before anything here imports mlx; each worker loads its own
-    if not wait_for_model(DEFAULT_MODEL, args.model_wait):
-        sys.exit(f"{DEFAULT_MODEL} never appeared")
     root = Path(tempfile.mkdtemp(prefix="agentkv-h2h-"))
     load_at_start = os.getloadavg()[0]
     try:

@@ -14,6 +14,11 @@ the store grows. With --minutes 0 each agent takes --turns turns. Then every age
 ones too, is replayed turn by turn on fresh workers, many at once: every reply must match
 token for token (greedy decoding), and the store must hold each agent's every token. A turn
 lost (failed, or missing from the store) or wrong fails the run.
+
+The model is --model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as
+agentkv-worker --model takes; default SmolLM2-135M-Instruct); the workers get its resolved
+directory. Each worker's hot budget defaults to ~1,700 tokens of the model's Q4 cache (~440
+with --quick): a few agents.
 """
 
 from __future__ import annotations
@@ -38,10 +43,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import add_model_argument, describe_model, model_dir  # noqa: E402
+
+from agentkv import planner  # noqa: E402
 from agentkv.launch import ServiceProcess, store_process, worker_process  # noqa: E402
 from client.memory import AgentMemory  # noqa: E402
 
-MODEL = ROOT / "models" / "agentkv-default"
+# Each worker's default hot budget, in tokens of the model's Q4 cache: a few agents' worth
+# (what 1M and 256K bytes held of the 4.2M-parameter model this test was first sized on).
+HOT_TOKENS = 1736
+QUICK_HOT_TOKENS = 444
 TOPICS = ("json", "os.path", "sorted", "threading", "itertools", "re", "datetime", "heapq")
 SYSTEM = "You answer questions about the Python standard library, briefly."
 # What a worker logs when its hot budget pushes an agent out (inference_worker/engine.py).
@@ -332,14 +343,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=40, help="turns per agent")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--evict-rate", type=float, default=0.25, help="chance of evicting after a turn")
-    p.add_argument("--hot-budget", help="each worker's RAM for KV caches (1M; 256K with --quick)")
-    p.add_argument("--model", type=Path, default=MODEL)
+    p.add_argument(
+        "--hot-budget",
+        help=f"each worker's RAM for KV caches (default: {HOT_TOKENS} tokens' worth; "
+        f"{QUICK_HOT_TOKENS} with --quick)",
+    )
+    add_model_argument(p)
     p.add_argument("--quick", action="store_true", help="16 agents, 3 turns each, no time bound")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.quick:
         args.agents, args.turns, args.minutes = 16, 3, 0
-    args.hot_budget = args.hot_budget or ("256K" if args.quick else "1M")
+    spec, args.model = args.model, model_dir(args.model)  # the workers load the directory
+    print(describe_model(args.model, spec), flush=True)
+    if not args.hot_budget:
+        per_token = planner.plan(planner.load_config(args.model), 1, 1).q_bytes
+        args.hot_budget = str(per_token * (QUICK_HOT_TOKENS if args.quick else HOT_TOKENS))
     result = run(args)
     return 0 if not (result["lost"] or result["wrong"] or result["errors"]) else 1
 

@@ -1,13 +1,17 @@
 """One benchmark command, one report: the paper's tables side by side with ours.
 
     python benchmarks/report.py --quick     # minutes: every section, small and once
-    python benchmarks/report.py --full      # the real thing (about an hour on 2 cores)
+    python benchmarks/report.py --full      # the real thing (hours on 2 cores with SmolLM2)
     agentkv bench --quick                   # the same, from the CLI
+    agentkv bench --quick --model X         # on another model (a shipped name, a .gguf file
+                                            # or an mlx-lm directory; default SmolLM2)
 
 Each section is one of the benchmark scripts beside this file, run as its own process with
 its own store and worker processes. The report gathers what each printed (its Markdown
 tables, its MET/MISS target lines, its notes), the plots it saved and its raw JSON, and
 writes REPORT.md (headline targets first), report.json and the PNGs into one directory.
+Every section that runs a model gets `--model` with the directory --model SPEC resolves to
+(resolved once here, as agentkv-worker resolves it), and the report says which model ran.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Section:
     paper: str  # the paper's tables this reproduces
     quick: tuple[str, ...]
     full: tuple[str, ...] = ()
+    model: bool = True  # it runs the model, so it takes --model
 
 
 SECTIONS = (
@@ -47,7 +52,7 @@ SECTIONS = (
         "ttft.py",
         "Tables 3 and 13",
         ("--quick", "--models", "default"),
-        ("--contexts", "1024,2048,4096,8192,16384", "--passes", "3"),
+        ("--passes", "3"),  # contexts 1K-8K (SmolLM2's window is 8192; 8K runs as 7968)
     ),
     Section(
         "capacity",
@@ -55,6 +60,7 @@ SECTIONS = (
         "capacity.py",
         "Tables 2 and 14",
         ("--quick",),
+        model=False,  # the planner on shipped configs
     ),
     Section(
         "windows",
@@ -62,6 +68,7 @@ SECTIONS = (
         "windows.py",
         "Table 14 (measured), sliding-window layers",
         ("--quick",),
+        model=False,  # a Gemma-3-shaped random model of its own
     ),
     Section(
         "throughput",
@@ -102,6 +109,7 @@ SECTIONS = (
         "Section 4 (restore bandwidth)",
         ("--mb", "24", "--repeats", "2", "--locate-target", "1.3"),
         ("--locate-target", "1.3"),
+        model=False,  # store I/O only
     ),
 )
 TARGET = re.compile(r"^(MET|MISS|PASS|FAIL)\b\s*(.*)$")
@@ -122,8 +130,23 @@ class Result:
     error: str = ""
 
 
-def machine() -> dict[str, str]:
-    """What the report's numbers depend on, gathered without importing MLX."""
+def resolve_model(spec: str | None) -> tuple[str, Path, str]:
+    """(spec, directory, one line describing it) for --model SPEC (None: the worker's
+    default), resolved as the worker resolves it (a GGUF imported once) by
+    benchmarks/common.py; exits with one line if SPEC names nothing."""
+    for path in (str(ROOT), str(HERE)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import common
+
+    spec = spec or common.default_model()
+    path = common.model_dir(spec)
+    return spec, path, common.describe_model(path, spec)
+
+
+def machine(model: str) -> dict[str, str]:
+    """What the report's numbers depend on, gathered without importing MLX; `model` says
+    which model the sections ran."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -152,18 +175,24 @@ def machine() -> dict[str, str]:
         else "Accelerate",
         "mlx": version("mlx"),
         "mlx-lm": version("mlx-lm"),
-        "model": "models/agentkv-default (4.2M-parameter llama, float32 on CPU)",
+        "model": model,
         "kv format": "Q4, group 64, fp16 scales (k4v4g64f16) unless a table says otherwise",
     }
 
 
-def run_section(section: Section, full: bool, raw: Path, echo: bool) -> Result:
-    """Runs one benchmark script, echoing its progress, and keeps what it printed."""
+def run_section(
+    section: Section, full: bool, raw: Path, echo: bool, model: tuple[str, Path]
+) -> Result:
+    """Runs one benchmark script, echoing its progress, and keeps what it printed. A section
+    that runs a model gets --model: the resolved directory (shown as the spec given)."""
     out = raw / section.name
     out.mkdir(parents=True, exist_ok=True)
     args = section.full if full else section.quick
-    command = [sys.executable, str(HERE / section.script), *args, "--out", str(out)]
+    spec, path = model
+    given = ("--model", str(path)) if section.model else ()
+    command = [sys.executable, str(HERE / section.script), *args, *given, "--out", str(out)]
     shown = [Path(command[0]).name, f"benchmarks/{section.script}", *args]
+    shown += ["--model", spec] if section.model else []
     result = Result(section.name, section.title, section.paper, shown, -1, 0.0)
     if not (HERE / section.script).exists():
         result.error = f"benchmarks/{section.script} is missing"
@@ -254,6 +283,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="every section, small (default)")
     mode.add_argument("--full", action="store_true", help="every section at full size")
     p.add_argument("--only", action="append", choices=[s.name for s in SECTIONS], default=[])
+    p.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="the model every section that runs one gets: a shipped name, a .gguf file or an "
+        "mlx-lm model directory, as agentkv-worker --model takes (default: the worker's "
+        "default, smollm2-135m-instruct)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/report"))
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p.parse_args(argv)
@@ -263,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the sections; with --only into an existing report, reruns just those and keeps
     the others' results (so one section can be measured again)."""
     args = parse_args(argv)
+    spec, path, described = resolve_model(args.model)  # before any old report is removed
     mode = "full" if args.full else "quick"
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     out: Path = args.out
@@ -279,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     for section in sections:
         shutil.rmtree(raw / section.name, ignore_errors=True)
     raw.mkdir(parents=True, exist_ok=True)
-    facts = machine()
+    facts = machine(described)
+    print(f"model: {facts['model']}", flush=True)
     for i, section in enumerate(sections, 1):
         print(f"[{i}/{len(sections)}] {section.title} (benchmarks/{section.script})", flush=True)
-        result = run_section(section, args.full, raw, not args.quiet)
+        result = run_section(section, args.full, raw, not args.quiet, (spec, path))
         status = "failed" if result.error else f"{len(result.targets)} targets"
         print(f"    done in {result.seconds:.0f} s: {status}", flush=True)
         previous[section.name] = result

@@ -16,15 +16,18 @@ warms both up, then for each context length (--contexts, tokens) measures, --pas
   warm (stream)  a fork of that agent (same tokens, same blocks) restored by the other worker
                  over the GetBlocks stream; then that fork's hot turn on the stream worker, so
                  its process's speed can be told apart from its restore path
-  decode         --passes store forks of the agent, each restored by one untimed Turn on the
-                 locate worker, then (hot) a Turn with max_tokens --decode-tokens (32): the
-                 worker's usage.decode_tokens_per_second (tokens after the first, per second)
+  decode         (`default` only) --passes store forks of the agent, each restored by one
+                 untimed Turn on the locate worker, then (hot) a Turn asking to explain the
+                 code (or, if its greedy reply ends before half of max_tokens, the next of
+                 DECODE_PROMPTS), max_tokens --decode-tokens (32; EOS may still end it sooner:
+                 the table counts the tokens): the worker's usage.decode_tokens_per_second
+                 (the tokens after the first, per second)
 
 Every Turn but decode's asks max_tokens=1. TTFT is the worker's usage.time_to_first_token_ms
-(from the request's arrival); the client's wall time to the first token is kept in the JSON. Every
-pass prefills a fresh agent unless the extra prefills would take over --cold-budget seconds
-(default 90) at that context; then later passes reuse the last agent (each pass adds ~15
-tokens of turns), and the output says how many cold passes ran.
+(from the request's arrival); the client's wall time to the first token is kept in the JSON.
+Every pass prefills a fresh agent unless the extra prefills would take over --cold-budget
+seconds (default 90) at that context; then later passes reuse the last agent (each pass adds
+~32 tokens of turns), and the output says how many cold passes ran.
 
 Then, in this process with no server, on that agent's stored blocks (the same tokens and the
 same Q4 group-64 bytes):
@@ -41,18 +44,21 @@ agentkv-worker --model takes; default SmolLM2-135M-Instruct, the worker's own de
 GGUF imported once into the model cache as float32 on a CPU); `llama8b-shape` has random
 float32 weights with Llama-3.1-8B layer shapes (hidden 4096, 32 heads, 8 KV heads, head_dim
 128, intermediate 14336) but only --layers layers and a 4096-token vocabulary, built into a
-temporary directory. A context that leaves less than 192 tokens of the model's window for the
-turns (SmolLM2's is 8192) is cut to the window less 192, and the output says so; hence the
-default 8000, labelled as such (the paper's 8K figures stand beside it). Targets, on medians:
+temporary directory. A context that leaves too little of the model's window for its turns
+(96 + 32 x passes + --decode-tokens tokens) is cut to fit, and the output says so: on
+SmolLM2 (a window of 8192) 8K runs as 7968 tokens of user text, an ~8000-token prompt,
+labelled 7968 (the paper's 8K figures stand beside it). Targets, on medians:
 warm (locate) within 1.3x of raw read + decode, and within 1.2x of mlx-lm's load + decode.
 The page cache is warm throughout (every block was just written). Prints Markdown tables;
 writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
 
-About 15 minutes here on 2 cores (SmolLM2 about 8, of it ~5 the cold prefills; llama8b-shape
-about 6); --quick (512 and 1K, 1 pass, `default` only when report.py runs it) about a minute.
+Full run: 21 minutes here with other jobs sharing the 2 cores (load average 3-6): SmolLM2
+~12.5 (its 8K's single cold prefill took 211 s), llama8b-shape ~8.5; less on a quiet machine
+(--models default, or a smaller --cold-budget, shortens it). --quick (512 and 1K, 1 pass,
+`default` only when report.py runs it) about a minute.
 
 Run:  python benchmarks/ttft.py [--model smollm2-135m-instruct] [--models default,llama8b-shape]
-                                [--contexts 1024,2048,4096,8000] [--passes 3] [--layers 2]
+                                [--contexts 1024,2048,4096,8192] [--passes 3] [--layers 2]
                                 [--decode-tokens 32] [--quick] [--out benchmarks/results]
 """
 
@@ -81,6 +87,7 @@ from common import (
     load_tokenizer,
     max_context,
     model_dir,
+    wait_ready,
 )
 from google.protobuf.json_format import MessageToDict
 
@@ -97,8 +104,16 @@ NS = "ttft"
 BLOCK_TOKENS = 256
 KV = KVFormat()  # k4v4g64f16: the worker's default; mlx-lm's bits=4, group_size=64
 SHORT = "Go on."
+# What the decode turns ask, tried in order until the greedy reply runs to at least half of
+# --decode-tokens (a turn cannot ignore EOS, and SmolLM2 answers some of these after some
+# contexts with EOS at once); the first that does is used for every pass at that context.
+DECODE_PROMPTS = (
+    "Explain the code above in detail, line by line.",
+    "Continue the code.",
+    "Write a long, detailed explanation of what this code does.",
+    "Go on.",
+)
 NEVER = "\x00"  # a stop string no reply contains
-HEADROOM = 192  # tokens of the model's window a context leaves for its turns (~15 a turn)
 SHAPE_VOCAB = 4096  # llama8b-shape's tokenizer (a small one trained on the standard library)
 PATHS = ("cold", "warm (locate)", "warm (stream)", "hot")
 # Each worker is its own process, and two processes doing the same work can differ by a few
@@ -184,6 +199,7 @@ class ContextRun:
     nominal: int  # tokens asked for in the cold turn's user message
     turns: dict[str, list[Sample]] = field(default_factory=lambda: {p: [] for p in TURNS})
     decode: list[Sample] = field(default_factory=list)  # hot turns of --decode-tokens
+    decode_prompt: str = ""  # what they asked (DECODE_PROMPTS)
     inproc: dict[str, list[float]] = field(default_factory=dict)  # ms, by STEPS key
     agent: str = ""  # the locate-path agent whose blocks the in-process rows read
     context_tokens: int = 0  # tokens in that agent's stored cache
@@ -206,6 +222,7 @@ class ContextRun:
             "decode_tokens_per_second": spread(self.decode_tps()) if self.decode else None,
             "turns": {p: [vars_of(s) for s in self.turns[p]] for p in TURNS},
             "decode": [vars_of(s) for s in self.decode],
+            "decode_prompt": self.decode_prompt,
             "inproc_ms": self.inproc,
             "notes": self.notes,
         }
@@ -290,6 +307,8 @@ def running_services(model: Path, root: Path) -> Iterator[Services]:
         clients = [StoreClient(store.address), *(WorkerClient(w.address) for w in workers.values())]
         for client in clients:
             stack.callback(client.close)
+        for client in clients[1:]:
+            wait_ready(client)
         yield Services(*clients)
 
 
@@ -357,7 +376,7 @@ def cold_passes(first_s: float, passes: int, budget_s: float) -> int:
 
 
 def run_context(
-    svc: Services, text: str, nominal: int, args: argparse.Namespace, note: str = ""
+    svc: Services, text: str, nominal: int, args: argparse.Namespace, decode: int, note: str
 ) -> ContextRun:
     run, agent, passes = ContextRun(nominal), "", args.passes
     colds = passes
@@ -381,29 +400,45 @@ def run_context(
             f"{label(nominal)} cold: {colds} of {passes} passes (one prefill took "
             f"{run.turns['cold'][0].server_ms / 1e3:.0f} s; --cold-budget "
             f"{args.cold_budget:.0f} s); later passes reuse the last agent, each pass adding "
-            "its ~15-token turns"
+            "its ~32 tokens of turns"
         )
     svc.locate.evict(NS, agent)  # durable, and what the in-process rows read
     run.agent = agent
-    if args.decode_tokens:
-        decode_passes(svc, run, agent, passes, args.decode_tokens)
+    if decode:
+        decode_passes(svc, run, agent, passes, decode)
     return run
 
 
+def decode_turn(svc: Services, agent: str, fork: str, prompt: str, tokens: int) -> Sample:
+    """A store fork of the (evicted) agent, restored on the locate worker by one untimed
+    turn, then a hot turn of up to `tokens` tokens; the fork is deleted after."""
+    svc.store.fork_agent(NS, agent, fork)
+    check(timed_turn(svc.locate, fork, SHORT), "warm (locate)", fork)
+    sample = check(timed_turn(svc.locate, fork, prompt, tokens), "hot", fork)
+    svc.locate.delete(NS, fork)
+    return sample
+
+
 def decode_passes(svc: Services, run: ContextRun, agent: str, passes: int, tokens: int) -> None:
-    """`passes` forks of the (evicted) agent, each restored on the locate worker by one
-    untimed turn, then a hot turn of `tokens` tokens: the worker's decode rate at this
-    context. Forks, so the agent the in-process rows read keeps its length."""
-    for p in range(passes):
-        fork = f"{agent}-decode{p}"
-        svc.store.fork_agent(NS, agent, fork)
-        check(timed_turn(svc.locate, fork, SHORT), "warm (locate)", fork)
-        sample = check(timed_turn(svc.locate, fork, SHORT, tokens), "hot", fork)
-        run.decode.append(sample)
-        svc.locate.delete(NS, fork)
+    """`passes` decode turns on forks of the agent (so the agent the in-process rows read
+    keeps its length): the worker's decode rate at this context. The first pass picks the
+    prompt (DECODE_PROMPTS, in order, until one's reply runs to tokens / 2)."""
+    for i, prompt in enumerate(DECODE_PROMPTS):
+        sample = decode_turn(svc, agent, f"{agent}-decode0-{i}", prompt, tokens)
+        if sample.usage["generated_tokens"] >= max(2, tokens // 2):
+            break
+    run.decode_prompt = prompt
+    run.decode.append(sample)
+    if prompt != DECODE_PROMPTS[0]:
+        run.notes.append(
+            f"{label(run.nominal)} decode: asked {prompt!r} (the earlier prompts' greedy "
+            f"replies ended sooner than {max(2, tokens // 2)} tokens)"
+        )
+    for p in range(1, passes):
+        run.decode.append(decode_turn(svc, agent, f"{agent}-decode{p}", prompt, tokens))
     rates = ", ".join(f"{r:.1f}" for r in run.decode_tps())
     tokens_out = ", ".join(str(s.usage["generated_tokens"]) for s in run.decode)
-    say(f"  {label(run.nominal)} decode: {rates} tokens/s ({tokens_out} tokens)")
+    say(f"  {label(run.nominal)} decode: {rates} tokens/s ({tokens_out} tokens; {prompt!r})")
 
 
 def one_pass(svc: Services, run: ContextRun, agent: str, p: int) -> None:
@@ -575,17 +610,25 @@ def model_info(info: Any, path: Path) -> dict[str, Any]:
     }
 
 
-def fit_contexts(contexts: Sequence[int], window: int) -> list[tuple[int, str]]:
-    """(context, note) for each of `contexts` that fits the model's window with HEADROOM
-    tokens left for the turns; one that does not is cut to the window less HEADROOM (or
+def headroom(passes: int, decode_tokens: int) -> int:
+    """Tokens the longest agent adds to a context's user text, at most: ~31 of chat template
+    and the cold turn's token, ~32 a pass (a hot and a warm turn) if every pass reuses one
+    agent, ~32 of its stream twin's, and a decode fork's restore turn, prompt and reply."""
+    return 96 + 32 * passes + decode_tokens
+
+
+def fit_contexts(contexts: Sequence[int], window: int, room: int) -> list[tuple[int, str]]:
+    """(context, note) for each of `contexts` that fits the model's window with `room`
+    tokens left for the turns; one that does not is cut to the window less `room` (or
     dropped, if that context is measured anyway), and its note says so."""
-    most, fitted, seen = window - HEADROOM, [], set()
+    most, fitted, seen = window - room, [], set()
     for n in contexts:
         note = ""
         if n > most:
             note = (
                 f"{label(n)} asked, but the model's window is {window} tokens and the turns "
-                f"need ~{HEADROOM}: ran {most} tokens of context instead"
+                f"need up to {room}: ran {most} tokens of user text (the table's 'tok' is the "
+                "whole prompt)"
             )
             n = most
         if n in seen or n < 16:
@@ -601,12 +644,14 @@ def run_model(name: str, args: argparse.Namespace, root: Path) -> ModelRun:
     path = model_path(name, args, root)
     run = ModelRun(name, str(path))
     tokenizer = load_tokenizer(path)
-    contexts = fit_contexts(args.contexts, max_context(path))
+    decode = args.decode_tokens if name == "default" else 0  # the real model's decode rate
+    room = headroom(args.passes, decode)
+    contexts = fit_contexts(args.contexts, max_context(path), room)
     if len(contexts) < len(args.contexts):
         run.notes.append(
             f"contexts {', '.join(map(label, args.contexts))} asked; only "
             f"{', '.join(label(n) for n, _ in contexts)} fit the model's "
-            f"{max_context(path)}-token window less {HEADROOM} for the turns"
+            f"{max_context(path)}-token window less {room} for the turns"
         )
     with running_services(path, root / name) as svc:
         info = svc.locate.info()
@@ -615,7 +660,8 @@ def run_model(name: str, args: argparse.Namespace, root: Path) -> ModelRun:
         say(f"{name}: workers up ({run.info['blas']}); warming up")
         warm_up(svc, context_text(tokenizer, 300))
         for n, note in contexts:
-            run.contexts.append(run_context(svc, context_text(tokenizer, n), n, args, note))
+            text = context_text(tokenizer, n)
+            run.contexts.append(run_context(svc, text, n, args, decode, note))
         if any(s.usage["cache_state"] == "hot" for c in run.contexts for s in c.turns["cold"]):
             kept = sorted(
                 {s.usage["reused_hot_tokens"] for c in run.contexts for s in c.turns["cold"]}
@@ -684,8 +730,9 @@ def summary_table(run: ModelRun) -> str:
 
 def decode_table(run: ModelRun) -> str:
     lines = [
-        "| context | passes | tokens generated | decode tok/s median | min | max | ms/token |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| context | passes | tokens generated | decode tok/s median | min | max | ms/token"
+        " | prompt |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in run.contexts:
         if not c.decode:
@@ -695,7 +742,7 @@ def decode_table(run: ModelRun) -> str:
         lines.append(
             f"| {label(c.nominal)} ({prompt_tokens(c)} tok) | {len(c.decode)} | {tokens:.0f} | "
             f"{rates['median']:.1f} | {rates['min']:.1f} | {rates['max']:.1f} | "
-            f"{1e3 / rates['median']:.1f} |"
+            f"{ms(1e3 / rates['median'] if rates['median'] else None)} | {c.decode_prompt} |"
         )
     return "\n".join(lines)
 
@@ -826,12 +873,16 @@ def print_model(run: ModelRun) -> None:
         f"{info['weights_bytes'] / 1e6:.0f} MB of weights, KV {info['kv_format']}, "
         f"block {info['block_tokens']} tokens, device {info['device']}, BLAS {info['blas']}"
     )
-    for title, text in (
-        ("TTFT, median ms", summary_table(run)),
-        ("decode on a hot agent (usage.decode_tokens_per_second)", decode_table(run)),
+    sections = [("TTFT, median ms", summary_table(run))]
+    if any(c.decode for c in run.contexts):
+        sections.append(
+            ("decode on a hot agent (usage.decode_tokens_per_second)", decode_table(run))
+        )
+    sections += [
         ("every series: min / median / max", detail_table(run)),
         ("where warm (locate) time goes (in-process medians)", breakdown_table(run)),
-    ):
+    ]
+    for title, text in sections:
         print(f"\n### {title}\n\n{text}")
     print()
     for goal in targets(run):
@@ -978,8 +1029,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--contexts",
         type=int_list,
-        default=[1024, 2048, 4096, 8000],
-        help="tokens; one too long for a model's window is cut to it less 192",
+        default=[1024, 2048, 4096, 8192],
+        help="tokens; one too long for a model's window is cut to fit it (SmolLM2: 8K to 7968)",
     )
     p.add_argument("--passes", type=int, default=3)
     p.add_argument(

@@ -1,7 +1,8 @@
 """Workflow benchmark: cross-phase persistence (the paper's Table 7) and expert routing (Table 8).
 
-Starts a real `agentkv-store` process and a real `agentkv-worker` process on loopback with the
-default model (models/agentkv-default), warms them up, then runs two shipped scenarios through
+Starts a real `agentkv-store` process and a real `agentkv-worker` process on loopback with
+--model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker --model
+takes; default SmolLM2-135M-Instruct), warms them up, then runs two shipped scenarios through
 the SDK's workflows (client/workflow.py), each pass in namespaces of its own:
 
   cross-phase  the prisoner's dilemma (client/scenarios/prisoners_dilemma.yaml, 5 phases), once
@@ -27,8 +28,9 @@ shows the median over every turn of every pass. Targets: cold/persistent at phas
 paper's 1.9x (Gemma 3), and warm/cold speedup >= the paper's 24x. Prints Markdown tables;
 writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
 
-Run:  python benchmarks/workflows.py [--passes 5] [--routing-passes 3] [--max-tokens 64]
-                                     [--quick] [--out benchmarks/results]
+Run:  python benchmarks/workflows.py [--model smollm2-135m-instruct] [--passes 5]
+                                     [--routing-passes 3] [--max-tokens 64] [--quick]
+                                     [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -48,18 +50,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ttft import load_tokenizer, machine
+from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
+from ttft import machine
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
-from client.demo import DEFAULT_MODEL, scenario_path
+from client.demo import scenario_path
 from client.memory import AgentMemory
 from client.scenario import Scenario, load_scenario, run_scenario
 from client.worker import WorkerClient
 from client.workflow import Record
 
-MODEL = DEFAULT_MODEL
 MODES = ("cold", "persistent")
-QUICK_DOCUMENT_CHARS = 4000  # --quick caps every expert document (about 1K tokens)
+QUICK_DOCUMENT_CHARS = 2000  # --quick caps every expert document (about 500 tokens)
+QUICK_MAX_TOKENS = 8  # --quick's replies, in both scenarios
 CHAT_OVERHEAD = 64  # tokens a turn's template and prompt add around a document, generously
 # Shkolnikov, "Agent Memory Below the Prompt" (2026). Table 7: per-phase mean TTFT, ms,
 # (cold, persistent, ratio); the paper's phases are Interrogation A, Interrogation B, The
@@ -116,7 +119,7 @@ class Services:
 
 
 @contextmanager
-def running_services(root: Path) -> Iterator[Services]:
+def running_services(model: Path, root: Path) -> Iterator[Services]:
     """A store and a worker as their own processes, SIGTERMed afterwards."""
     with ExitStack() as stack:
 
@@ -125,9 +128,9 @@ def running_services(root: Path) -> Iterator[Services]:
             return service.start(timeout=600)
 
         store = start(store_process(root / "data", root / "store.log"))
-        worker = start(worker_process(str(MODEL), store.address, root / "worker.log"))
+        worker = start(worker_process(str(model), store.address, root / "worker.log"))
         with WorkerClient(worker.address) as client:
-            info = client.info()
+            info = wait_ready(client)
         yield Services(worker.address, store.address, info)
 
 
@@ -147,9 +150,10 @@ def run_pass(
     return flow.records
 
 
-def warm_up(svc: Services, prisoners: Scenario, experts: Scenario) -> None:
-    """Untimed: one prisoner's run per mode, one expert primed, evicted and asked again."""
-    for mode in MODES:
+def warm_up(svc: Services, prisoners: Scenario, experts: Scenario, full: bool = True) -> None:
+    """Untimed: one prisoner's run per mode (unless not `full`: --quick, a smoke run, skips
+    them), one expert primed, evicted and asked again."""
+    for mode in MODES if full else ():
         run_pass(svc, prisoners, f"warmup-{mode}", mode)
     priming, queries = experts.phases[0], experts.phases[1]
     expert = queries.turns[0].agent
@@ -288,14 +292,14 @@ def routing(svc: Services, scenario: Scenario, passes: int) -> Routing:
     return result
 
 
-def document_tokens(scenario: Scenario) -> dict[str, int]:
-    tokenizer = load_tokenizer(MODEL)
+def document_tokens(model: Path, scenario: Scenario) -> dict[str, int]:
+    tokenizer = load_tokenizer(model)
     return {r.id: len(tokenizer.encode(r.document).ids) for r in scenario.roles if r.document}
 
 
-def check_fit(scenario: Scenario, doc_tokens: dict[str, int], max_context: int) -> str:
+def check_fit(model: Path, scenario: Scenario, doc_tokens: dict[str, int], max_context: int) -> str:
     """Refuses documents that cannot fit the model's context; says how they fit."""
-    config = json.loads((MODEL / "config.json").read_text())
+    config = json.loads((model / "config.json").read_text())
     limit = min(max_context, config.get("max_position_embeddings", max_context))
     need = max(doc_tokens.values()) + CHAT_OVERHEAD + 8 * scenario.sampling.get("max_tokens", 64)
     if need > limit:
@@ -566,7 +570,8 @@ def report(
     svc_info: Any,
     fit: str,
 ) -> None:
-    header = machine([]) | {"blas": svc_info.blas, "model": str(MODEL)}
+    header = machine([]) | {"blas": svc_info.blas, "model": args.model}
+    header |= {"model_dir": describe_model(args.path)}
     header |= {"device": svc_info.device, "max_context": svc_info.max_context}
     header |= {"kv_format": svc_info.kv_format, "max_tokens": args.max_tokens}
     header |= {"passes": args.passes, "routing_passes": args.routing_passes}
@@ -606,20 +611,22 @@ def report(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(p)
     p.add_argument("--passes", type=int, default=5, help="cross-phase passes (each mode)")
     p.add_argument("--routing-passes", type=int, default=3, help="expert routing passes")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"1 pass each, max_tokens 16, documents capped at {QUICK_DOCUMENT_CHARS} chars",
+        help=f"1 pass each, no prisoners' warm-up, every reply's max_tokens {QUICK_MAX_TOKENS}, "
+        f"documents capped at {QUICK_DOCUMENT_CHARS} chars",
     )
     p.add_argument("--only", choices=("cross-phase", "routing"), help="run one benchmark")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.document_chars = None
     if args.quick:
-        args.passes, args.routing_passes, args.max_tokens = 1, 1, 16
+        args.passes, args.routing_passes, args.max_tokens = 1, 1, QUICK_MAX_TOKENS
         args.document_chars = QUICK_DOCUMENT_CHARS
     if args.passes < 1 or args.routing_passes < 1 or args.max_tokens < 1:
         p.error("--passes, --routing-passes and --max-tokens must be at least 1")
@@ -632,14 +639,19 @@ def main(argv: list[str] | None = None) -> None:
     sampling = {**prisoners.sampling, "max_tokens": args.max_tokens}
     prisoners = dataclasses.replace(prisoners, sampling=sampling)
     experts = load_scenario(scenario_path("expert_routing"), args.document_chars)
-    doc_tokens = document_tokens(experts)
+    if args.quick:
+        sampling = {**experts.sampling, "max_tokens": QUICK_MAX_TOKENS}
+        experts = dataclasses.replace(experts, sampling=sampling)
+    args.path = model_dir(args.model)  # what the worker loads, too
+    say(describe_model(args.path, args.model))
+    doc_tokens = document_tokens(args.path, experts)
     root = Path(tempfile.mkdtemp(prefix="agentkv-workflows-"))
     cp = rt = None
     try:
-        with running_services(root) as svc:
-            fit = check_fit(experts, doc_tokens, svc.info.max_context)
+        with running_services(args.path, root) as svc:
+            fit = check_fit(args.path, experts, doc_tokens, svc.info.max_context)
             say(f"store and worker up ({svc.info.blas}, {svc.info.device}); {fit}; warming up")
-            warm_up(svc, prisoners, experts)
+            warm_up(svc, prisoners, experts, full=not args.quick)
             if args.only in (None, "cross-phase"):
                 cp = cross_phase(svc, prisoners, args.passes)
             if args.only in (None, "routing"):
