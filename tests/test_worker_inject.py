@@ -95,6 +95,7 @@ def test_bad_injections_and_forks_get_precise_errors(tiny_model_dirs, start_work
     w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
     w.create_agent("ns", "a", SYSTEM)
     w.create_agent("ns", "b", SYSTEM)
+    w.wait_durable("ns", "a")  # the create's commit lands asynchronously: compare after it
     state = w.describe("ns", "a")
     with pytest.raises(InvalidArgument, match="at least one message"):
         w.inject("ns", "a", [])
