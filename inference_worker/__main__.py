@@ -93,6 +93,13 @@ def build_config(argv: list[str] | None = None):
         help="OpenBLAS threads (default: its own choice, one per core); on CPU one thread is "
         "faster for single-agent decode, more for large batches and prefill",
     )
+    p.add_argument(
+        "--store-check-timeout",
+        type=float,
+        default=2.0,
+        help="seconds a hot agent's turn waits for the store to confirm it is current; past "
+        "that (a hung store) it answers from RAM (default 2)",
+    )
     p.add_argument("--log-level", default="info")
     add_server_flags(p)
     p.add_argument("--store-token-file", default="", help="file holding the store's bearer token")
@@ -127,6 +134,7 @@ def build_config(argv: list[str] | None = None):
             max_batch=a.max_batch,
             step_tokens=a.step_tokens,
             queue_limit=a.queue_limit,
+            store_check_timeout=a.store_check_timeout,
             log_level=a.log_level,
         )
     except (ValueError, OSError) as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agentkv.errors import AgentKVError
 from inference_worker.chat import ChatState
@@ -39,6 +39,9 @@ class Agent:
     stale: bool = False  # another writer committed: reload from the store before use
     # Commits whose reply never came (id -> full block keys, tokens): one may be applied.
     in_doubt: dict[str, tuple[list[bytes], int]] = field(default_factory=dict)
+    # time.monotonic() when RAM last matched the store (a commit landed, or the restore's
+    # read): a store read asked before then may not show this worker's own latest commit.
+    synced_at: float = 0.0
 
     @property
     def id(self) -> AgentId:
@@ -67,6 +70,27 @@ class Agent:
         return (self.pending is None or self.pending.done()) and (
             self.persisted_tokens >= self.cached
         )
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """An agent's context as it was before a turn changed it, to undo a turn that failed."""
+
+    tokens: list[int]  # the list a turn replaces (it is never changed in place)
+    chat: ChatState
+    phase: str
+    cached: int  # cache positions the turn did not touch
+
+    @classmethod
+    def of(cls, agent: Agent) -> Checkpoint:
+        return cls(agent.tokens, replace(agent.chat), agent.phase, agent.cached)
+
+    def restore(self, agent: Agent) -> bool:
+        """Puts the agent back as it was; False when its caches cannot be (see
+        QuantizedKV.rewind): then only the store's copy is right."""
+        agent.tokens, agent.chat, agent.phase = self.tokens, self.chat, self.phase
+        rewound = [cache.rewind(self.cached) for cache in agent.caches]
+        return all(rewound)
 
 
 class HotTier:

@@ -5,23 +5,28 @@ quantized caches), then runs the prefill chunks the scheduler granted; an agent 
 prefill completes takes its first token and joins the batch for the next step. An agent that
 finishes, is cancelled or runs out of time leaves the batch with its cache extracted, bit for
 bit what a single-agent turn would hold, and is handed back to be persisted.
+
+A turn whose own work fails (its prefill, its sampling, its tokens) leaves the batch alone,
+handed back through `on_failed`; the others go on. Only the shared decode forward, or the
+batch's re-merge, failing raises out of `step`: then the caller fails every turn
+(`drop_all`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from agentkv.errors import DeadlineExceeded
-from inference_worker.agents import Agent
+from inference_worker.agents import Agent, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler
-from inference_worker.turns import END, TokenEvent, TurnJob, UsageEvent
+from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class ActiveTurn:
     prefilled: int = 0
     next_token: int = -1  # generated, not yet fed through the model
     first_at: float = 0.0
+    undo: Checkpoint | None = None  # the agent before this turn, should it fail
 
 
 class Batcher:
@@ -47,10 +53,12 @@ class Batcher:
         scheduler: Scheduler,
         quantized_query_max: int,
         on_done: Callable[[ActiveTurn], None],
+        on_failed: Callable[[ActiveTurn, Exception], None],
         on_decode: Callable[[int], None] = lambda batch_size: None,
     ) -> None:
         self.model, self.eos_ids, self.scheduler = model, eos_ids, scheduler
         self.qmax, self.on_done, self.on_decode = quantized_query_max, on_done, on_decode
+        self.on_failed = on_failed
         self.active: dict[str, ActiveTurn] = {}
         self.rows: list[str] = []  # request ids, in batch order
         self.batch: list[BatchQuantizedKV] | None = None
@@ -74,7 +82,7 @@ class Batcher:
         joining = []
         for request, n in step.prefill:
             turn = self.active.get(request.request_id)
-            if turn is not None and self._prefill(turn, n):
+            if turn is not None and self._prefill_alone(turn, n):
                 joining.append(turn)
         if joining:
             self._join(joining)  # one re-merge for everyone whose prefill finished
@@ -82,23 +90,47 @@ class Batcher:
 
     # decode and prefill
 
+    def drop_all(self) -> list[ActiveTurn]:
+        """Forgets every turn, in the batch or not, after a step failed for all of them:
+        their caches as the batch held them are lost (each agent keeps its own from before
+        it joined). Returns them, for the caller to fail."""
+        turns = list(self.active.values())
+        for turn in turns:
+            self.scheduler.cancel(turn.request.request_id)
+        self.active, self.rows, self.batch = {}, [], None
+        return turns
+
     def _decode(self) -> None:
         self.on_decode(len(self.rows))
         turns = [self.active[rid] for rid in self.rows]
         tokens = mx.array([[t.next_token] for t in turns])
         logits = self.model(tokens, cache=self.batch)[:, -1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(logprobs)  # the shared forward fails here, before any row's own work
         # Greedy rows share one argmax and one sync; sampled rows draw from their own keys.
         greedy = (
             mx.argmax(logprobs, axis=-1).tolist() if any(t.sample is None for t in turns) else []
         )
-        finished = []
+        finished, failed = [], []
         for row, turn in enumerate(turns):
-            token = greedy[row] if turn.sample is None else turn.sample(logprobs[row])
-            reason = self._accept(turn, token)
+            try:
+                token = greedy[row] if turn.sample is None else turn.sample(logprobs[row])
+                reason = self._accept(turn, token)
+            except Exception as exc:  # this row's own failure: the others go on
+                failed.append((turn, exc))
+                continue
             if reason:
                 finished.append((turn, reason))
-        self._leave_all(finished)  # one filter of the batch, however many rows leave
+        self._leave_all(finished, failed)  # one filter of the batch, however many rows leave
+
+    def _prefill_alone(self, turn: ActiveTurn, n: int) -> bool:
+        """_prefill, where a failure fails this turn only (its chunk ran on its own caches)."""
+        try:
+            return self._prefill(turn, n)
+        except Exception as exc:
+            if turn.request.request_id in self.active:
+                self._leave_all([], [(turn, exc)])
+            return False
 
     def _prefill(self, turn: ActiveTurn, n: int) -> bool:
         """Runs a prefill chunk; returns whether the turn now joins the batch to decode."""
@@ -160,11 +192,16 @@ class Batcher:
     def _leave(self, turn: ActiveTurn, reason: str) -> None:
         self._leave_all([(turn, reason)])
 
-    def _leave_all(self, finished: list[tuple[ActiveTurn, str]]) -> None:
-        """Extracts the caches of the finished turns in the batch, then filters it once."""
-        if not finished:
+    def _leave_all(
+        self,
+        finished: list[tuple[ActiveTurn, str]],
+        failed: Sequence[tuple[ActiveTurn, Exception]] = (),
+    ) -> None:
+        """Extracts the caches of the finished turns in the batch, then filters it once; the
+        failed ones leave without theirs (their agents go back to before the turn)."""
+        if not finished and not failed:
             return
-        gone = {t.request.request_id for t, _ in finished}
+        gone = {t.request.request_id for t, _ in [*finished, *failed]}
         for turn, _ in finished:
             rid = turn.request.request_id
             if rid in self.rows:
@@ -180,6 +217,13 @@ class Batcher:
                 self.batch = None
         for turn, reason in finished:
             self._finish(turn, reason)
+        for turn, exc in failed:
+            self._fail(turn, exc)
+
+    def _fail(self, turn: ActiveTurn, exc: Exception) -> None:
+        self.scheduler.cancel(turn.request.request_id)  # a no-op if it already left
+        self.active.pop(turn.request.request_id, None)
+        self.on_failed(turn, exc)
 
     def _finish(self, turn: ActiveTurn, reason: str) -> None:
         rid = turn.request.request_id
@@ -195,8 +239,5 @@ class Batcher:
         if turn.usage.generated_tokens or turn.prefilled:
             self._leave(turn, "deadline")
             return
-        self.active.pop(turn.request.request_id, None)
-        turn.job.error = DeadlineExceeded(
-            f"turn for agent {turn.agent.agent_id!r} did not start within its deadline"
-        )
-        turn.job.events.put(END)
+        message = f"turn for agent {turn.agent.agent_id!r} did not start within its deadline"
+        self._fail(turn, DeadlineExceeded(message))

@@ -43,6 +43,9 @@ class WorkerConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)  # its own server
     store_security: ClientSecurity = field(default_factory=ClientSecurity)  # to the store
     store_timeout: float = 60.0
+    # How long a turn of an agent hot here waits for the store to say whether another
+    # worker committed it since; past that (a hung store) the RAM copy stands.
+    store_check_timeout: float = 2.0
     max_stop_strings: int = 16
     workers: int = 16
     log_level: str = "info"
@@ -58,6 +61,11 @@ class WorkerConfig:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.hot_budget_bytes < 0:
             raise ValueError(f"hot_budget_bytes must be >= 0, got {self.hot_budget_bytes}")
+        if not 0 < self.store_check_timeout <= self.store_timeout:
+            raise ValueError(
+                f"store_check_timeout must be in (0, store_timeout={self.store_timeout}], "
+                f"got {self.store_check_timeout}"
+            )
         if self.max_batch < 1 or self.step_tokens < 1 or self.queue_limit < 0:
             raise ValueError("max_batch and step_tokens must be >= 1, queue_limit >= 0")
         if self.restore_path not in RESTORE_PATHS:

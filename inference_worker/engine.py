@@ -1,7 +1,9 @@
 """The engine: the one thread that owns MLX, and everything it does for agents.
 
 RPC handlers hand it work through `submit`; a turn's tokens come back through the job's
-event queue. Arrays that leave this thread (blocks for the store) are evaluated first.
+event queue. Arrays that leave this thread (blocks for the store) are evaluated first. This
+thread never waits for the store: reads happen on the RPC thread before its work is
+submitted (inference_worker.front), writes on the persister's thread.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import mlx.core as mx
 from agentkv.errors import (
     AgentExists,
     AgentKVError,
-    AgentNotFound,
     FailedPrecondition,
     InvalidArgument,
     OutOfRange,
@@ -28,10 +29,11 @@ from agentkv.errors import (
 from agentkv.layers import KVStorage
 from cache_store import validation
 from client.store import StoreClient
-from inference_worker.agents import Agent, HotTier
+from inference_worker.agents import Agent, Checkpoint, HotTier
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatState, common_prefix
 from inference_worker.config import WorkerConfig
+from inference_worker.freshness import StoreView, is_current
 from inference_worker.layer_spec import model_layers
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import (
@@ -41,14 +43,17 @@ from inference_worker.persistence import (
     not_committed,
     snapshot,
 )
-from inference_worker.restore import Restorer
-from inference_worker.sampling import StopMatcher
+from inference_worker.restore import Fetched, Restorer
+from inference_worker.sampling import StopMatcher, vocab_size
 from inference_worker.scheduler import Request, Scheduler
 from inference_worker.turns import END, AgentInfo, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 _IDLE = object()  # no job arrived while turns are in flight
 CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
+# What a turn hears when the batched step it was in failed for everyone: never the error's
+# own text, which may quote another tenant's request.
+STEP_FAILED = "the batched model step failed; this turn left no trace in its agent, retry it"
 
 
 class Engine:
@@ -82,6 +87,7 @@ class Engine:
                 "(on CPU, --dtype float32 runs everything)"
             ) from exc
         self.num_layers = len(self.layers)
+        self.vocab_size = self.submit(vocab_size, self.model).result()
         # Sliding-window layers keep only their window (and restore only blocks reaching it).
         self.windows = [layer.window if config.window_caches else None for layer in self.layers]
         self.chat = ChatFormat(self.tokenizer)
@@ -111,7 +117,7 @@ class Engine:
             client,
             fingerprint,
             config.kv,
-            self.num_layers,
+            self.layers,
             config.block_tokens,
             restore_path,
             quantized_query_max,
@@ -162,12 +168,10 @@ class Engine:
             self._make_room()
         try:
             self.batcher.step()
-        except Exception as exc:  # a failed step fails every turn in flight, not the worker
+        except Exception:  # a failed shared step fails every turn in flight, not the worker
             log.exception("model step failed")
-            for turn in list(self.batcher.active.values()):
-                turn.job.error = exc
-                turn.job.events.put(END)
-            self.batcher = self._new_batcher()
+            for turn in self.batcher.drop_all():
+                self._turn_failed(turn, AgentKVError(STEP_FAILED), scope="batch")
 
     def _make_room(self) -> None:
         """Idle hot agents give way to a waiting turn: the hot tier is a cache, and a turn
@@ -202,6 +206,7 @@ class Engine:
             self.scheduler,
             self.qmax,
             self._turn_done,
+            self._turn_failed,
             self.metrics.batch_size.observe,
         )
 
@@ -212,7 +217,7 @@ class Engine:
     ) -> AgentInfo:
         ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
         metadata = validation.metadata(metadata)
-        if self.hot.get((ns, agent_id)) is not None or self._in_store(ns, agent_id):
+        if self.hot.get((ns, agent_id)) is not None:  # the RPC thread asked the store
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
         if len(system) > SYSTEM_CHUNK * MAX_SYSTEM_CHUNKS:
             raise InvalidArgument(
@@ -236,23 +241,28 @@ class Engine:
         self._finish_turn(agent)
         return self._info(agent, "hot")
 
-    def start_turn(self, job: TurnJob) -> None:
+    def start_turn(
+        self, job: TurnJob, view: StoreView | None = None, fetched: Fetched | None = None
+    ) -> bool:
         """Prepares a turn and queues it for the batch; its tokens, usage and END arrive on
-        job.events. Errors before it is queued are raised (and END is sent); a refused turn
-        leaves the agent exactly as it was, so the client may retry."""
-        try:
-            turn, tokens, chat = self._prepare(job)
-            if turn.pending:
-                self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
-        except BaseException:
-            job.events.put(END)
-            raise
-        agent = turn.agent
+        job.events. Errors before it is queued are raised; a refused turn leaves the agent
+        exactly as it was, so the client may retry. `view` is what the store said of the
+        agent (freshness). Returns False, changing nothing, when the agent must first be
+        read from the store: the caller fetches it (Restorer.fetch, off this thread) and
+        calls again with it."""
+        usage = UsageEvent()
+        agent = self._checkout(job.namespace, job.agent_id, usage, view, fetched)
+        if agent is None:
+            return False
+        turn, tokens, chat = self._prepare(job, agent, usage)
+        if turn.pending:
+            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
         drop = agent.cached - (len(tokens) - len(turn.pending))
         for cache in agent.caches:
             if drop > 0:  # the last token runs again for its logits, or a first turn
                 cache.trim(drop)  # rendered the conversation's start differently
             cache.begin_turn()
+        turn.undo = Checkpoint.of(agent)
         kept_blocks = common_prefix(agent.tokens, tokens) // self.config.block_tokens
         del agent.queued_full_keys[kept_blocks:], agent.committed_full_keys[kept_blocks:]
         agent.tokens, agent.chat = tokens, chat
@@ -260,11 +270,12 @@ class Engine:
         if not turn.pending:  # nothing to run: an empty append-only turn ends here
             turn.usage.finish_reason = "none"
             self._turn_done(turn)
+        return True
 
-    def _prepare(self, job: TurnJob) -> tuple[ActiveTurn, list[int], ChatState]:
+    def _prepare(
+        self, job: TurnJob, agent: Agent, usage: UsageEvent
+    ) -> tuple[ActiveTurn, list[int], ChatState]:
         """The turn and the agent's new context, computed without changing the agent."""
-        usage = UsageEvent()
-        agent = self._checkout(job.namespace, job.agent_id, usage)
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
         sampling = job.sampling
@@ -307,6 +318,25 @@ class Engine:
         )
         return turn, tokens, chat
 
+    def _turn_failed(self, turn: ActiveTurn, error: Exception, scope: str = "turn") -> None:
+        """A turn failed after it was queued: its agent goes back to before it (so a retry
+        does not say its messages twice), and its stream ends with `error`, its own."""
+        agent = turn.agent
+        if scope == "turn":
+            log.error("turn failed", extra={"agent": agent.agent_id, "error": repr(error)})
+        if turn.undo is not None and not turn.undo.restore(agent):
+            self.hot.pop(agent.id)  # its caches cannot be rewound: the store's copy is right
+            log.warning(
+                "agent dropped from RAM after a failed turn", extra={"agent": agent.agent_id}
+            )
+        self.metrics.turn_failures.labels(scope=scope).inc()
+        if not isinstance(error, AgentKVError):
+            error = AgentKVError(
+                f"turn of agent {agent.agent_id!r} failed: {type(error).__name__}: {error}"
+            )
+        turn.job.error = error
+        turn.job.events.put(END)
+
     def _turn_done(self, turn: ActiveTurn) -> None:
         """A turn left the batch: persist the agent, send its usage, close its stream."""
         usage, agent = turn.usage, turn.agent
@@ -345,67 +375,85 @@ class Engine:
         while it prefills is working memory, like the forward's activations: not counted."""
         return agent.nbytes + max(0, num_tokens - agent.cached) * self._token_bytes
 
-    def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
-        agent = self.hot.get((ns, agent_id))
-        if agent is None:
-            return False, 0
-        if self.batcher.holds(agent):
-            raise FailedPrecondition(f"agent {agent_id!r} is mid-turn; evict it after the turn")
-        self._make_durable(agent)
-        self.hot.pop(agent.id)
-        return True, agent.nbytes
-
-    def describe(self, ns: str, agent_id: str) -> AgentInfo:
+    def describe_hot(self, ns: str, agent_id: str) -> AgentInfo | None:
+        """The agent's state if it is in RAM here; None if only the store may hold it."""
         ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
         agent = self.hot.get((ns, agent_id))
-        if agent is not None:
-            return self._info(agent, "hot")
-        m = self.client.get_agent(ns, agent_id, fingerprint=self.fingerprint)
-        tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
-        covered = sum(m.block_num_tokens)
-        return AgentInfo(
-            ns, agent_id, tier, len(m.token_ids), m.num_bytes, covered, m.generation, m.phase
-        )
+        return self._info(agent, "hot") if agent is not None else None
 
-    def fork(self, ns: str, source_id: str, agent_id: str, phase: str) -> AgentInfo:
-        """A new agent whose context is the source's: the store shares the source's blocks."""
-        ns, source_id = validation.namespace(ns), validation.agent_id(source_id)
-        agent_id = validation.agent_id(agent_id)
+    def fork_source(self, ns: str, source_id: str, agent_id: str) -> bool:
+        """Checks a fork can start here; whether its source is in RAM (it must then be made
+        durable first) rather than only in the store."""
         if self.hot.get((ns, agent_id)) is not None:
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
         source = self.hot.get((ns, source_id))
-        if source is not None and not source.stale:
-            if self.batcher.holds(source):
-                raise FailedPrecondition(f"agent {source_id!r} is mid-turn; fork it after the turn")
-            self._make_durable(source)
-        else:  # only the store holds it: it must be this model's
-            self.client.get_agent(ns, source_id, fingerprint=self.fingerprint)
-        self.client.fork_agent(ns, source_id, agent_id, phase=phase)
-        return self.describe(ns, agent_id)
-
-    def delete(self, ns: str, agent_id: str) -> bool:
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
-        agent = self.hot.pop((ns, agent_id))
-        if agent is not None and agent.pending is not None:
-            agent.pending.result()
-        try:
-            self.client.delete_agent(ns, agent_id)
-        except AgentNotFound:
-            return agent is not None
+        if source is None or source.stale:
+            return False
+        if self.batcher.holds(source):
+            raise FailedPrecondition(f"agent {source_id!r} is mid-turn; fork it after the turn")
         return True
+
+    def write_pending(self, ns: str, agent_id: str, retry: bool) -> Future | None:
+        """The agent's store write in flight, for the caller to wait on off this thread;
+        with `retry`, a new one when the last failed or left tokens unwritten."""
+        agent = self.hot.get((ns, agent_id))
+        if agent is None or self.batcher.holds(agent):
+            return None  # durable_agent then says why
+        if agent.pending is not None and not agent.pending.done():
+            return agent.pending
+        if retry and (agent.persist_failed or agent.persisted_tokens < agent.cached):
+            self._persist(agent)
+            return agent.pending
+        return None
+
+    def durable_agent(self, ns: str, agent_id: str, what: str) -> Agent | None:
+        """The agent in RAM, whose whole cache is committed; None when it is not in RAM.
+        Raises when it is mid-turn, or its cache was not committed (write_pending first)."""
+        agent = self.hot.get((ns, agent_id))
+        if agent is None:
+            return None
+        if self.batcher.holds(agent):
+            raise FailedPrecondition(f"agent {agent_id!r} is mid-turn; {what} it after the turn")
+        if not agent.durable or agent.persist_failed:
+            raise not_committed(agent, agent.persist_error, "the cache")
+        return agent
+
+    def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
+        """Drops a durable agent from RAM (write_pending first); (evicted, bytes freed)."""
+        agent = self.durable_agent(ns, agent_id, "evict")
+        if agent is None:
+            return False, 0
+        self.hot.pop(agent.id)
+        return True, agent.nbytes
+
+    def drop(self, ns: str, agent_id: str) -> Agent | None:
+        """Forgets the agent here (it is being deleted); the agent, if it was in RAM."""
+        return self.hot.pop((ns, agent_id))
 
     # turn steps
 
-    def _checkout(self, ns: str, agent_id: str, usage: UsageEvent) -> Agent:
+    def _checkout(
+        self,
+        ns: str,
+        agent_id: str,
+        usage: UsageEvent,
+        view: StoreView | None,
+        fetched: Fetched | None,
+    ) -> Agent | None:
+        """The agent in RAM if that copy is current, else restored from `fetched`; None when
+        it must be fetched first."""
         ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
         agent = self.hot.get((ns, agent_id))
-        if agent is not None and (agent.stale or not self._still_current(agent)):
+        adopt = self.persister.adopt_own_commit
+        if agent is not None and (agent.stale or not is_current(agent, view, adopt)):
             self.hot.pop(agent.id)
             agent = None
         if agent is not None:
             usage.cache_state, usage.reused_hot_tokens = "hot", agent.cached
             return agent
-        restored = self.restorer.restore(ns, agent_id)
+        if fetched is None:
+            return None
+        restored = self.restorer.build(fetched)
         usage.reused_store_tokens = restored.tokens_restored
         usage.cache_state = "warm" if restored.tokens_restored else "cold"
         usage.restore_path, usage.restore_failure = restored.path, restored.failure
@@ -423,24 +471,6 @@ class Engine:
             mid_turn = self.batcher.holds(agent)  # its caches live in the batch now
             if agent.persist_failed and not (waiting or mid_turn or agent.stale):
                 self._persist(agent)
-
-    def _still_current(self, agent: Agent) -> bool:
-        """Whether the RAM copy is the agent's latest state: another worker may have committed
-        turns since (a client that failed over and came back). One small store read; while
-        our own write is in flight, or the store cannot be reached, the RAM copy stands."""
-        if agent.pending is not None and not agent.pending.done():
-            return True
-        try:
-            stored = self.client.get_agent(agent.namespace, agent.agent_id, summary_only=True)
-        except AgentNotFound:
-            # Never committed (the store was full or down since its creation): RAM is all
-            # there is. Committed once and gone now: deleted elsewhere, the restore says so.
-            return agent.generation == 0
-        except AgentKVError:
-            return True
-        if stored.generation == agent.generation:
-            return True
-        return self.persister.adopt_own_commit(agent, stored)  # a commit whose reply was lost
 
     def _prefill(self, agent: Agent, need_logits: bool) -> tuple[int, mx.array | None]:
         """Runs the tokens the cache lacks through the model in chunks; the last logits."""
@@ -490,17 +520,6 @@ class Engine:
             cache.release()
         self.metrics.hot_bytes.set(self.hot.nbytes)
 
-    def _make_durable(self, agent: Agent) -> None:
-        """Waits until the agent's whole cache is committed; raises why it could not be."""
-        if agent.pending is not None:
-            agent.pending.result()
-        if agent.persist_failed or agent.persisted_tokens < agent.cached:
-            self._persist(agent)
-            if agent.pending is not None:
-                agent.pending.result()
-        if not agent.durable or agent.persist_failed:
-            raise not_committed(agent, agent.persist_error, "the cache")
-
     # helpers
 
     def _check_context(self, agent: Agent, adding: int) -> None:
@@ -510,13 +529,6 @@ class Engine:
                 f"({len(agent.tokens)} held, {adding} more asked), over the model's limit "
                 f"of {self.max_context}"
             )
-
-    def _in_store(self, ns: str, agent_id: str) -> bool:
-        try:
-            self.client.get_agent(ns, agent_id)
-        except AgentNotFound:
-            return False
-        return True
 
     def _info(self, agent: Agent, tier: str) -> AgentInfo:
         return AgentInfo(

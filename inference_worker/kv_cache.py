@@ -218,6 +218,26 @@ class QuantizedKV:
         self._turn = None  # a trim comes before a turn's prefill, never inside it
         return n
 
+    def rewind(self, offset: int) -> bool:
+        """Back to positions [start, offset), as before a turn that failed; False when that
+        cannot be: a sliding window dropped positions it needs, or an array holds a
+        computation that fails (MLX is lazy: a failed forward may live on in the cache)."""
+        self.end_turn()
+        self.trim(self.offset - offset)
+        if self.offset != offset or self.start > self._needed_start():
+            return False
+        try:
+            mx.eval(self.state_arrays())
+        except Exception:  # whatever the failed turn left in it, the cache is unusable
+            return False
+        return True
+
+    def _needed_start(self) -> int:
+        """The first position the next update attends over, were nothing dropped yet."""
+        if self.window is None:
+            return 0
+        return max(0, (self.offset - self.window + 1) // self.align * self.align)
+
     def size(self) -> int:
         return self.offset
 

@@ -16,6 +16,13 @@ class WorkerMetrics:
         self.restore_failures = Counter(
             "agentkv_worker_restore_failures", "Restores that fell back to re-prefill", registry=r
         )
+        self.turn_failures = Counter(
+            "agentkv_worker_turn_failures",
+            "Turns that failed after they were queued, rolled back: alone (scope turn), or "
+            "with everyone in a failed batched step (scope batch)",
+            ["scope"],
+            registry=r,
+        )
         self.persists = Counter(
             "agentkv_worker_persists", "Store writes by outcome", ["outcome"], registry=r
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,7 @@ def _committed(agent: Agent, generation: int, full_keys: list[bytes], cached: in
     agent.committed_full_keys = full_keys
     agent.persisted_tokens = cached
     agent.in_doubt.clear()
+    agent.synced_at = time.monotonic()
 
 
 class Persister:

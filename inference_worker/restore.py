@@ -1,21 +1,36 @@
 """Warm restore: an agent's stored Q4 blocks back into caches, failing closed.
 
 The manifest says which tokens the agent has and which blocks hold their KV. Any failure to
-read those blocks (a missing or corrupt block, an unreachable or refusing store) leaves the
-caches empty: the turn then re-prefills from the manifest's tokens. Wrong KV is never used.
+read those blocks (a missing or corrupt block, an unreachable or refusing store) or a block
+that does not fit the model (a tensor of another shape, dtype or token count than its layer
+needs) leaves the caches empty: the turn then re-prefills from the manifest's tokens. Wrong
+KV is never used.
+
+A restore has two halves: `fetch` reads and checks everything on the caller's thread (an RPC
+handler: the store may be slow or hung), `build` turns it into caches on the MLX thread.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from agentkv.errors import AgentKVError
+from agentkv.layers import LayerSpec
 from client.blocks import StoredBlock, alloc
 from client.store import StoreClient
 from inference_worker.agents import Agent
-from inference_worker.blocks import block_layers, caches_from_blocks
+from inference_worker.blocks import (
+    HostLayer,
+    block_layers,
+    caches_from_host,
+    check_chain,
+    host_layers,
+)
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat
 from inference_worker.persistence import caller_metadata, chat_state
@@ -33,20 +48,42 @@ class Restored:
 
 
 @dataclass(slots=True)
+class Fetched:
+    """An agent as read from the store, before MLX sees it: its manifest and the usable
+    blocks' K and V per layer in host memory, already checked against the model."""
+
+    manifest: Any  # the store's AgentManifest
+    read_at: float  # time.monotonic() when the manifest was asked for
+    layers: list[HostLayer] = field(default_factory=list)  # empty: nothing restored
+    keys: list[bytes] = field(default_factory=list)  # the blocks the layers hold
+    counts: list[int] = field(default_factory=list)
+    path: str = ""
+    failure: str = ""
+    bytes_read: int = 0
+
+
+@dataclass(slots=True)
 class Restorer:
     client: StoreClient
     fingerprint: str
     fmt: KVFormat
-    num_layers: int
+    specs: list[LayerSpec]  # the model's layers: every restored tensor must fit them
     block_tokens: int
     path: str  # "locate" or "stream"
     quantized_query_max: int = 1
     windows: list[int | None] | None = None  # per layer; None: every layer full-length
-    _buffer: memoryview | None = None  # reused across restores; the caches copy out of it
+    _buffer: memoryview | None = None  # reused across restores; fetch copies out of it
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def restore(self, namespace: str, agent_id: str) -> Restored:
-        """Raises AgentNotFound / FingerprintMismatch / Unavailable from the manifest read;
-        block failures are not raised but reported in `failure`."""
+        """fetch then build, on one thread (the MLX thread, for build)."""
+        return self.build(self.fetch(namespace, agent_id))
+
+    def fetch(self, namespace: str, agent_id: str) -> Fetched:
+        """Reads the agent's manifest and blocks; any thread. Raises AgentNotFound /
+        FingerprintMismatch / Unavailable from the manifest read; block failures are not
+        raised but reported in `failure`."""
+        read_at = time.monotonic()
         manifest = self.client.get_agent(namespace, agent_id, fingerprint=self.fingerprint)
         missing = set(manifest.missing_block_keys)
         keys, counts = [], []
@@ -55,49 +92,81 @@ class Restorer:
                 break
             keys.append(key)
             counts.append(n)
-        agent = Agent(
-            namespace,
-            agent_id,
-            list(manifest.token_ids),
-            self.empty_caches(),
-            generation=manifest.generation,
-            phase=manifest.phase,
-            metadata=caller_metadata(manifest.metadata),
-            chat=chat_state(manifest.metadata),
-        )
-        failure = f"{len(missing)} block(s) missing in the store" if missing else ""
+        fetched = Fetched(manifest, read_at)
+        fetched.failure = f"{len(missing)} block(s) missing in the store" if missing else ""
         if not keys:
-            return Restored(agent, 0, "", failure)
+            return fetched
+        fetched.path = self.path
         try:
-            blocks = self._read(namespace, keys, counts)
-            agent.caches = caches_from_blocks(
-                blocks,
-                self.num_layers,
-                self.fmt,
-                self.quantized_query_max,
-                self.windows,
-                self.block_tokens,
-            )
+            layers, read = self._read_layers(namespace, keys, counts, manifest.token_ids)
         except (AgentKVError, OSError, KeyError, ValueError) as exc:
             log.warning(
                 "restore failed, re-prefilling", extra={"agent": agent_id, "error": str(exc)}
             )
-            return Restored(agent, 0, self.path, f"{type(exc).__name__}: {exc}")
-        covered = sum(counts)
-        agent.persisted_tokens = covered
+            fetched.failure = f"{type(exc).__name__}: {exc}"
+            return fetched
+        fetched.layers, fetched.keys, fetched.counts, fetched.bytes_read = (
+            layers,
+            keys,
+            counts,
+            read,
+        )
+        return fetched
+
+    def build(self, fetched: Fetched) -> Restored:
+        """The agent with caches made from what fetch read; on the MLX thread."""
+        m = fetched.manifest
+        agent = Agent(
+            m.namespace,
+            m.agent_id,
+            list(m.token_ids),
+            self.empty_caches(),
+            generation=m.generation,
+            phase=m.phase,
+            metadata=caller_metadata(m.metadata),
+            chat=chat_state(m.metadata),
+            synced_at=fetched.read_at,
+        )
+        if not fetched.layers:
+            return Restored(agent, 0, fetched.path, fetched.failure)
+        windows = self.windows or [None] * len(self.specs)
+        agent.caches = caches_from_host(
+            fetched.layers, windows, self.fmt, self.quantized_query_max, self.block_tokens
+        )
+        keys, counts = fetched.keys, fetched.counts
+        agent.persisted_tokens = sum(counts)
         agent.queued_full_keys = [
             k for k, n in zip(keys, counts, strict=True) if n == self.block_tokens
         ]
         if len(agent.queued_full_keys) < len(keys) - 1:  # a short block mid-chain: recut
             agent.queued_full_keys = []
         agent.committed_full_keys = list(agent.queued_full_keys)
-        read = sum(t.num_bytes for b in blocks for t in b.tensors)
-        return Restored(agent, covered, self.path, failure, read)
+        return Restored(agent, sum(counts), fetched.path, fetched.failure, fetched.bytes_read)
 
-    def _read(self, namespace: str, keys: list[bytes], counts: list[int]) -> list[StoredBlock]:
+    def _read_layers(
+        self, namespace: str, keys: list[bytes], counts: list[int], token_ids: Any
+    ) -> tuple[list[HostLayer], int]:
+        """The blocks' layers in host memory, checked (check_chain, host_layers' specs), and
+        the payload bytes read. The reused buffer is this call's alone until it returns."""
+        buffer = self._take_buffer()
+        try:
+            blocks = self._read(namespace, keys, counts, buffer)
+            check_chain(blocks, keys, counts, token_ids)
+            windows = self.windows or [None] * len(self.specs)
+            layers = host_layers(blocks, windows, self.fmt, self.block_tokens, self.specs)
+            used = sum(t.num_bytes for b in blocks for t in b.tensors)
+        finally:
+            self._give_back(buffer)
+        if self.path == "locate" and (buffer is None or used > len(buffer)):
+            self._give_back(alloc(2 * used))  # the next restore reads in place
+        return layers, used
+
+    def _read(
+        self, namespace: str, keys: list[bytes], counts: list[int], buffer: memoryview | None
+    ) -> list[StoredBlock]:
         """The blocks, each with the layers a restore needs from it (block_layers): one read
         per run of blocks that need the same layers."""
-        windows = self.windows or [None] * self.num_layers
+        windows = self.windows or [None] * len(self.specs)
         plan = block_layers(counts, windows, self.block_tokens)
         blocks: list[StoredBlock] = []
         for layers, run in itertools.groupby(zip(plan, keys, strict=True), key=lambda x: x[0]):
@@ -105,19 +174,29 @@ class Restorer:
             if self.path == "stream":
                 blocks += self.client.get_blocks(namespace, self.fingerprint, run_keys, layers)
                 continue
-            buffer = self._buffer if len(blocks) == 0 else None  # later runs: their own
             blocks += self.client.read_blocks_local(
-                namespace, self.fingerprint, run_keys, layers, buffer=buffer
+                namespace,
+                self.fingerprint,
+                run_keys,
+                layers,
+                buffer=buffer if not blocks else None,  # later runs: their own
             )
-        if self.path == "locate":
-            used = sum(t.num_bytes for b in blocks for t in b.tensors)
-            if self._buffer is None or used > len(self._buffer):
-                self._buffer = alloc(2 * used)  # the next restore reads in place
         return blocks
+
+    def _take_buffer(self) -> memoryview | None:
+        with self._lock:
+            buffer, self._buffer = self._buffer, None
+        return buffer
+
+    def _give_back(self, buffer: memoryview | None) -> None:
+        """Keeps the larger of the held buffer and `buffer` for the next restore."""
+        with self._lock:
+            if buffer is not None and (self._buffer is None or len(buffer) > len(self._buffer)):
+                self._buffer = buffer
 
     def empty_caches(self) -> list[QuantizedKV]:
         """One empty cache per layer, windowed where the layer is (a new agent's caches)."""
-        windows = self.windows or [None] * self.num_layers
+        windows = self.windows or [None] * len(self.specs)
         return [
             QuantizedKV(self.fmt, self.quantized_query_max, w, self.block_tokens) for w in windows
         ]

@@ -6,6 +6,7 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
@@ -25,7 +26,9 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     seed: int = 0
 
-    def validate(self, max_stop_strings: int) -> Sampling:
+    def validate(self, max_stop_strings: int, vocab_size: int | None = None) -> Sampling:
+        """Raises InvalidArgument for a parameter the turn could not run with, checked at
+        submit so that it never fails inside a batch; `vocab_size` is the model's."""
         t = self.temperature
         if not math.isfinite(t) or not 0 <= t <= MAX_TEMPERATURE:
             raise InvalidArgument(f"temperature {t} must be in [0, {MAX_TEMPERATURE}]")
@@ -33,6 +36,10 @@ class Sampling:
             raise InvalidArgument(f"top_p {self.top_p} must be in [0, 1] (0 turns it off)")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k {self.top_k} must be >= 0 (0 turns it off)")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise InvalidArgument(
+                f"top_k {self.top_k} is over the model's vocabulary of {vocab_size} tokens"
+            )
         if len(self.stop) > max_stop_strings:
             raise InvalidArgument(f"{len(self.stop)} stop strings, limit {max_stop_strings}")
         for s in self.stop:
@@ -51,8 +58,8 @@ class Sampling:
         filters = []
         if 0 < self.top_p < 1:
             filters.append(lambda x: apply_top_p(x, self.top_p))
-        if self.top_k > 0:
-            filters.append(lambda x: apply_top_k(x, self.top_k))
+        if self.top_k > 0:  # a top_k of the whole vocabulary keeps every token
+            filters.append(lambda x: apply_top_k(x, self.top_k) if self.top_k < x.shape[-1] else x)
 
         def sample(logprobs: mx.array) -> int:
             nonlocal key
@@ -63,6 +70,11 @@ class Sampling:
             return int(mx.random.categorical(x * (1 / self.temperature), key=draw).item())
 
         return sample
+
+
+def vocab_size(model: Any) -> int:
+    """How many logits the model gives per position: what top_k is checked against."""
+    return int(model(mx.array([[0]])).shape[-1])
 
 
 class StopMatcher:

@@ -30,6 +30,7 @@ from client.store import StoreClient
 from inference_worker.config import WorkerConfig
 from inference_worker.engine import Engine
 from inference_worker.fingerprint import model_fingerprint
+from inference_worker.front import Front
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.models import resolve_model
 from inference_worker.service import SERVICE_NAME, InferenceWorkerServicer
@@ -111,7 +112,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         lambda code: metrics.rpc_errors.labels(code.name).inc(),
         config.security.interceptors(),
     )
-    servicer = InferenceWorkerServicer(engine, info)
+    servicer = InferenceWorkerServicer(Front(engine, config.store_check_timeout), info)
     server.add_generic_rpc_handlers(
         (
             service_handlers(

@@ -13,7 +13,7 @@ from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from cache_store import validation
 from inference_worker.chat import ChatMessage
-from inference_worker.engine import Engine
+from inference_worker.front import Front
 from inference_worker.sampling import Sampling
 from inference_worker.turns import END, AgentInfo, TokenEvent, TurnJob
 
@@ -21,20 +21,20 @@ SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 
 
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
-    def __init__(self, engine: Engine, info: dict) -> None:
-        self.engine = engine
+    def __init__(self, front: Front, info: dict) -> None:
+        self.front = front
+        self.engine = front.engine
         self.info = info  # static facts: model, fingerprint, kv format, device, blas...
 
     def CreateAgent(self, request: pb.CreateAgentRequest, context) -> pb.CreateAgentResponse:
         _allowed(request.namespace)
-        info = self.engine.submit(
-            self.engine.create_agent,
+        info = self.front.create_agent(
             request.namespace,
             request.agent_id,
             request.system_prompt,
             request.phase,
             dict(request.metadata),
-        ).result()
+        )
         return pb.CreateAgentResponse(agent=_state(info))
 
     def Turn(
@@ -43,7 +43,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         _allowed(request.namespace)
         s = request.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
-        job = self._job(request, sampling.validate(self.engine.config.max_stop_strings))
+        checked = sampling.validate(self.engine.config.max_stop_strings, self.engine.vocab_size)
+        job = self._job(request, checked)
         yield from self._run(job, context)
 
     def InjectContext(
@@ -56,19 +57,15 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         usage = None
         for response in self._run(job, context):
             usage = response.usage
-        agent = self.engine.submit(self.engine.describe, request.namespace, request.agent_id)
-        return pb.InjectContextResponse(agent=_state(agent.result()), usage=usage)
+        agent = self.front.describe(request.namespace, request.agent_id)
+        return pb.InjectContextResponse(agent=_state(agent), usage=usage)
 
     def ForkAgent(self, request: pb.ForkAgentRequest, context) -> pb.ForkAgentResponse:
         _allowed(request.namespace)
-        info = self.engine.submit(
-            self.engine.fork,
-            request.namespace,
-            request.source_agent_id,
-            request.agent_id,
-            request.phase,
+        info = self.front.fork(
+            request.namespace, request.source_agent_id, request.agent_id, request.phase
         )
-        return pb.ForkAgentResponse(agent=_state(info.result()))
+        return pb.ForkAgentResponse(agent=_state(info))
 
     @staticmethod
     def _job(request: pb.TurnRequest | pb.InjectContextRequest, sampling: Sampling) -> TurnJob:
@@ -86,7 +83,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def _run(self, job: TurnJob, context: grpc.ServicerContext) -> Iterator[pb.TurnResponse]:
         """Starts the job on the engine and streams its events until it ends."""
         context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
-        started = self.engine.submit(self.engine.start_turn, job)
+        self.front.start_turn(job)  # raises what refused the turn
         pending = None  # what came after a run of token events
         while (event := pending or job.events.get()) is not END:
             pending = None
@@ -103,32 +100,26 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
             else:
                 yield pb.TurnResponse(usage=pb.Usage(**asdict(event)))
-        started.result()  # raises what preparing the turn raised
         if job.error is not None:
             raise job.error
 
     def EvictAgent(self, request: pb.EvictAgentRequest, context) -> pb.EvictAgentResponse:
         _allowed(request.namespace)
-        evicted, freed = self.engine.submit(
-            self.engine.evict, request.namespace, request.agent_id
-        ).result()
+        evicted, freed = self.front.evict(request.namespace, request.agent_id)
         return pb.EvictAgentResponse(evicted=evicted, bytes_freed=freed)
 
     def DescribeAgent(self, request: pb.DescribeAgentRequest, context) -> pb.DescribeAgentResponse:
         _allowed(request.namespace)
-        info = self.engine.submit(self.engine.describe, request.namespace, request.agent_id)
-        return pb.DescribeAgentResponse(agent=_state(info.result()))
+        info = self.front.describe(request.namespace, request.agent_id)
+        return pb.DescribeAgentResponse(agent=_state(info))
 
     def DeleteAgent(self, request: pb.DeleteAgentRequest, context) -> pb.DeleteAgentResponse:
         _allowed(request.namespace)
-        deleted = self.engine.submit(self.engine.delete, request.namespace, request.agent_id)
-        return pb.DeleteAgentResponse(deleted=deleted.result())
+        deleted = self.front.delete(request.namespace, request.agent_id)
+        return pb.DeleteAgentResponse(deleted=deleted)
 
     def GetWorkerInfo(self, request: pb.GetWorkerInfoRequest, context) -> pb.GetWorkerInfoResponse:
-        hot = self.engine.hot  # owned by the MLX thread: read it there
-        budget, used, count = self.engine.submit(
-            lambda: (hot.budget_bytes, hot.nbytes, len(hot))
-        ).result()
+        budget, used, count = self.front.hot_tier()
         return pb.GetWorkerInfoResponse(
             **self.info, hot_budget_bytes=budget, hot_bytes=used, num_hot_agents=count
         )

@@ -8,9 +8,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from agentkv.keys import chain_keys
+from client.blocks import StoredBlock
 from inference_worker.blocks import block_spans, cache_blocks, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat
+from inference_worker.layer_spec import model_layers
 from tests.conftest import ARCHS
 
 NS = "default"
@@ -53,12 +55,19 @@ def test_restore_through_the_store_is_bit_exact(tiny_models, store, arch, path):
         assert mx.array_equal(l_hot, l_warm).item()
 
 
-@pytest.mark.parametrize("fmt", [KVFormat(8, 4), KVFormat(4, 8), KVFormat(8, 8)])
+@pytest.mark.parametrize(
+    "fmt", [KVFormat(8, 4), KVFormat(4, 8), KVFormat(8, 8), KVFormat(3, 5, 32), KVFormat(6, 2)]
+)
 def test_other_kv_formats_restore_bit_exactly(tiny_models, fmt):
+    """...and every tensor a format writes passes the restore's check against the layers."""
     model, _ = tiny_models["llama"]
     hot, _ = prefill(model, PROMPT, fmt)
-    blocks, _ = cache_blocks(hot, PROMPT, "fp-formats", block_tokens=128)
-    warm = caches_from_blocks(blocks, len(model.layers), fmt)  # StoredBlock-like enough
+    blocks, keys = cache_blocks(hot, PROMPT, "fp-formats", block_tokens=128)
+    stored = [
+        StoredBlock(k, b.parent_key, b.token_ids, b.tensors)
+        for b, k in zip(blocks, keys, strict=True)
+    ]
+    warm = caches_from_blocks(stored, len(model.layers), fmt, specs=model_layers(model))
     a = model(mx.array([[3]]), cache=hot)
     b = model(mx.array([[3]]), cache=warm)
     assert mx.array_equal(a, b).item()

@@ -236,3 +236,23 @@ def test_worker_restores_only_the_window_and_answers_the_same(tiny_model_dirs, s
     assert not ws.usage.restore_failure and ws.usage.reused_store_tokens > 400
     assert ws.usage.restored_bytes < 0.5 * fs.usage.restored_bytes
     assert whot < 0.5 * fhot
+
+
+def test_a_failed_turn_rewinds_unless_its_window_moved_on(gemma):
+    """QuantizedKV.rewind puts a cache back as before a turn (same logits as one that never
+    saw it), and says so when a sliding window already dropped what that needs."""
+    caches, reference = window_caches(gemma, durable=False), window_caches(gemma, durable=False)
+    prefill(gemma, caches, tokens(100), 50)
+    prefill(gemma, reference, tokens(100), 50)
+    for c in caches:
+        c.begin_turn()
+    prefill(gemma, caches, tokens(20, seed=1), 20)
+    assert all([c.rewind(100) for c in caches]) and {c.offset for c in caches} == {100}
+    x = mx.array([[9]])
+    assert mx.array_equal(gemma(x, cache=caches), gemma(x, cache=reference)).item()
+
+    for c in caches:  # a long turn over durable tokens: the windows move on and drop
+        c.keep_from = 1 << 40
+        c.begin_turn()
+    prefill(gemma, caches, tokens(300, seed=2), 64)
+    assert [c.rewind(101) for c in caches] == [w is None for w in cache_windows(gemma)]

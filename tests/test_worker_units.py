@@ -34,6 +34,15 @@ def test_good_sampling_passes():
     Sampling(temperature=0.7, top_p=0.9, top_k=40, stop=["\n\n"]).validate(16)
 
 
+def test_top_k_is_checked_against_the_vocabulary():
+    import mlx.core as mx
+
+    with pytest.raises(InvalidArgument, match="top_k 513 is over the model's vocabulary of 512"):
+        Sampling(top_k=513).validate(16, vocab_size=512)
+    whole = Sampling(temperature=1.0, top_k=512, seed=3).validate(16, vocab_size=512)
+    assert 0 <= whole.sampler()(mx.log(mx.softmax(mx.arange(512.0)))) < 512
+
+
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
     out = ""
     for piece in pieces:

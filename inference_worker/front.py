@@ -1,0 +1,113 @@
+"""The worker's RPC-thread side: every store call a request needs is made here, on the
+caller's thread, and only MLX work is handed to the engine's thread.
+
+One hung store call on the MLX thread would freeze every agent's turn and GetWorkerInfo
+behind it. Here it holds up only the request that needs the store: a hot agent's turn waits
+at most `check_timeout` for the store's word that no other worker committed it since, then
+answers from RAM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from agentkv.errors import AgentExists, AgentNotFound
+from cache_store import validation
+from inference_worker.engine import Engine
+from inference_worker.freshness import read_view
+from inference_worker.turns import AgentInfo, TurnJob
+
+
+class Front:
+    def __init__(self, engine: Engine, check_timeout: float) -> None:
+        self.engine, self.client, self.check_timeout = engine, engine.client, check_timeout
+
+    def create_agent(
+        self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
+    ) -> AgentInfo:
+        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        if self._in_store(ns, agent_id):
+            raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
+        return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
+
+    def start_turn(self, job: TurnJob) -> None:
+        """Queues the turn (Engine.start_turn); raises what refused it. The store is asked
+        first whether the agent changed elsewhere (briefly), and read whole when the agent
+        must be restored."""
+        ns, agent_id = validation.namespace(job.namespace), validation.agent_id(job.agent_id)
+        view = read_view(self.client, ns, agent_id, self.check_timeout)
+        fetched = None
+        while not self._mlx(self.engine.start_turn, job, view, fetched):
+            fetched = self.engine.restorer.fetch(ns, agent_id)
+
+    def describe(self, ns: str, agent_id: str) -> AgentInfo:
+        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        info = self._mlx(self.engine.describe_hot, ns, agent_id)
+        if info is not None:
+            return info
+        m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.fingerprint)
+        tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
+        covered = sum(m.block_num_tokens)
+        return AgentInfo(
+            m.namespace,
+            m.agent_id,
+            tier,
+            len(m.token_ids),
+            m.num_bytes,
+            covered,
+            m.generation,
+            m.phase,
+        )
+
+    def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
+        """Drops the agent from RAM once its whole cache is committed."""
+        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        self._wait_durable(ns, agent_id)
+        return self._mlx(self.engine.evict, ns, agent_id)
+
+    def fork(self, ns: str, source_id: str, agent_id: str, phase: str) -> AgentInfo:
+        """A new agent whose context is the source's: the store shares the source's blocks."""
+        ns, source_id = validation.namespace(ns), validation.agent_id(source_id)
+        agent_id = validation.agent_id(agent_id)
+        if self._mlx(self.engine.fork_source, ns, source_id, agent_id):
+            self._wait_durable(ns, source_id)
+            self._mlx(self.engine.durable_agent, ns, source_id, "fork")
+        else:  # only the store holds it: it must be this model's
+            self.client.get_agent(ns, source_id, fingerprint=self.engine.fingerprint)
+        self.client.fork_agent(ns, source_id, agent_id, phase=phase)
+        return self.describe(ns, agent_id)
+
+    def delete(self, ns: str, agent_id: str) -> bool:
+        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        agent = self._mlx(self.engine.drop, ns, agent_id)
+        if agent is not None and agent.pending is not None:
+            agent.pending.result()  # its last write lands before the delete
+        try:
+            self.client.delete_agent(ns, agent_id)
+        except AgentNotFound:
+            return agent is not None
+        return True
+
+    def hot_tier(self) -> tuple[int, int, int]:
+        """(budget, bytes held, agents) of the hot tier."""
+        hot = self.engine.hot  # owned by the MLX thread: read it there
+        return self._mlx(lambda: (hot.budget_bytes, hot.nbytes, len(hot)))
+
+    def _wait_durable(self, ns: str, agent_id: str) -> None:
+        """Waits here for the agent's write in flight, then for one more if that failed."""
+        for retry in (False, True):
+            pending = self._mlx(self.engine.write_pending, ns, agent_id, retry)
+            if pending is not None:
+                pending.result()
+
+    def _in_store(self, ns: str, agent_id: str) -> bool:
+        try:
+            self.client.get_agent(ns, agent_id)
+        except AgentNotFound:
+            return False
+        return True
+
+    def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn on the MLX thread and waits for it."""
+        return self.engine.submit(fn, *args).result()

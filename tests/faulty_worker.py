@@ -1,0 +1,67 @@
+"""`python -m tests.faulty_worker ARGS`: the worker process (agentkv-worker ARGS) with two
+faults injected from outside, keyed by a turn's sampling seed, so that tests can make one
+tenant's turn fail inside a batch as a bug or a bad input would:
+
+- ROW_FAULT_SEED: the turn's own sampler raises on its third draw (its prefill and first
+  decode went fine; a partial reply is in its context);
+- STEP_FAULT_SEED: a decode step whose batch holds that turn raises for every row, as a
+  failure of the shared forward would.
+
+Both errors carry SECRET, which no other turn may ever see.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from agentkv import logs
+from inference_worker.__main__ import build_config
+from inference_worker.blas import load_optimized_blas
+
+ROW_FAULT_SEED = 666
+STEP_FAULT_SEED = 667
+SECRET = "tenant-a-secret-7f3e"
+
+
+def install() -> None:
+    """Patches the faults in (after the BLAS is loaded: this imports mlx)."""
+    from inference_worker.batching import Batcher
+    from inference_worker.sampling import Sampling
+
+    sampler, decode = Sampling.sampler, Batcher._decode
+
+    def faulty_sampler(self):
+        sample = sampler(self)
+        if self.seed != ROW_FAULT_SEED:
+            return sample
+        draws = itertools.count(1)
+
+        def failing(logprobs):
+            if next(draws) >= 3:
+                raise RuntimeError(f"{SECRET}: injected fault in this turn's sampling")
+            return sample(logprobs)
+
+        return failing
+
+    def faulty_decode(self):
+        if any(self.active[r].job.sampling.seed == STEP_FAULT_SEED for r in self.rows):
+            raise RuntimeError(f"{SECRET}: injected fault in the shared decode step")
+        return decode(self)
+
+    Sampling.sampler = faulty_sampler
+    Batcher._decode = faulty_decode
+
+
+def main() -> None:
+    """inference_worker.__main__.main, with the faults installed."""
+    config = build_config()
+    logs.configure(config.log_level)
+    blas = load_optimized_blas()  # before anything imports mlx
+    install()
+    from inference_worker.server import serve
+
+    serve(config, blas)
+
+
+if __name__ == "__main__":
+    main()

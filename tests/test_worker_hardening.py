@@ -1,0 +1,275 @@
+"""The worker under attack and bad luck, through real store and worker processes.
+
+- A block that does not fit the model (tensors of another token count or head dim than its
+  header and the layer say) is a restore failure, on both restore paths: the agent is
+  re-prefilled from its tokens, exactly as one with no blocks is; it never enters a cache.
+- One turn's failure inside a batch fails that turn alone, rolled out of its agent's context;
+  a failure of the shared step fails every turn with a message of its own; no turn ever sees
+  another's error text; a top_k the model cannot take is refused at submit.
+- A hung (SIGSTOPped) store does not freeze the worker: a hot agent answers, GetWorkerInfo
+  answers, while a turn that needs the store waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from agentkv.errors import AgentKVError, InvalidArgument
+from agentkv.keys import ROOT_KEY
+from agentkv.launch import ServiceProcess
+from agentkv.worker.v1 import worker_pb2 as pb
+from client.blocks import Block, StoredBlock, Tensor
+from client.worker import WorkerClient
+from inference_worker.kv_cache import NUMPY_DTYPES
+from tests.faulty_worker import ROW_FAULT_SEED, SECRET, STEP_FAULT_SEED
+
+SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
+Q1 = [("user", "Which scrolls came in today?")]
+Q2 = [("user", "Index them by century.")]
+TALK = [("user", "Talk.")]
+# Compared replies are sampled, seeded: greedy replies of the tiny random llama repeat one
+# token that hangs on the last few, so only sampling shows the whole context was used.
+SAMPLED = {"temperature": 1.0, "seed": 7}
+
+
+def metric(proc: ServiceProcess, name: str) -> float:
+    address = proc._find_event("serving", 0)["metrics"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+# restored tensors are checked against the model
+
+
+def arrays(block: StoredBlock) -> dict[str, tuple[str, np.ndarray]]:
+    """The block's tensors as (dtype, array) by name, copied out of the read buffer."""
+    return {
+        t.name: (
+            t.dtype,
+            np.frombuffer(t.data, NUMPY_DTYPES[t.dtype]).reshape(tuple(t.shape)).copy(),
+        )
+        for t in block.tensors
+    }
+
+
+def fewer_tokens(i: int, name: str, a: np.ndarray) -> np.ndarray:
+    """The first block's tensors hold 50 of its 64 tokens."""
+    return a[:, :, :50] if i == 0 else a
+
+
+def wider_heads(i: int, name: str, a: np.ndarray) -> np.ndarray:
+    """Layer 0's keys, in every block, have twice the model's head dim."""
+    return np.concatenate([a, a], axis=3) if name.startswith("layers.0.keys.") else a
+
+
+def plant(store, fp: str, manifest, stored: list[StoredBlock], ns: str, lie) -> None:
+    """Commits agent ns/agent with the manifest's context over its blocks altered by `lie`,
+    as any writer in a namespace can: each block under the key its tokens give it."""
+    blocks, parent = [], ROOT_KEY
+    for i, block in enumerate(stored):
+        tensors = [
+            Tensor(name, dtype, (x := np.ascontiguousarray(lie(i, name, a))).shape, x)
+            for name, (dtype, a) in arrays(block).items()
+        ]
+        blocks.append(Block(parent, list(block.token_ids), tensors))
+        parent = block.key
+    store.save_agent(
+        ns,
+        "agent",
+        fp,
+        list(manifest.token_ids),
+        blocks,
+        phase="",
+        metadata=dict(manifest.metadata),
+    )
+
+
+@pytest.mark.parametrize("path", ["stream", "locate"])
+def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
+    tiny_model_dirs, start_worker, store, path
+):
+    proc = start_worker(
+        tiny_model_dirs["llama"], "--restore-path", path, "--metrics-listen", "127.0.0.1:0"
+    )
+    w = WorkerClient(proc.address, timeout=60)
+    fp = w.info().fingerprint
+    w.create_agent("ref", "agent", SYSTEM)
+    w.turn("ref", "agent", Q1, max_tokens=8, durable=True)
+    manifest = store.get_agent("ref", "agent", fingerprint=fp)
+    assert len(manifest.block_keys) >= 2 and manifest.block_num_tokens[0] == 64
+    stored = list(store.get_blocks("ref", fp, list(manifest.block_keys)))
+    plant(store, fp, manifest, stored, "short", fewer_tokens)
+    plant(store, fp, manifest, stored, "wide", wider_heads)
+    store.commit_agent(  # the same context with no blocks at all: an honest cold restore
+        namespace="control",
+        agent_id="agent",
+        fingerprint=fp,
+        token_ids=list(manifest.token_ids),
+        metadata=dict(manifest.metadata),
+    )
+
+    control = w.turn("control", "agent", Q2, max_tokens=8, **SAMPLED)
+    assert control.usage.cache_state == "cold" and not control.usage.restore_failure
+    for ns, wrong in (("short", ", 50, "), ("wide", "layers.0.keys.packed is U32")):
+        reply = w.turn(ns, "agent", Q2, max_tokens=8, **SAMPLED)
+        failure = reply.usage.restore_failure
+        assert failure.startswith("CorruptBlock:") and wrong in failure, failure
+        assert "this model needs" in failure
+        assert reply.usage.cache_state == "cold" and reply.usage.reused_store_tokens == 0
+        assert reply.usage.restore_path == path
+        # The whole context re-prefilled from its tokens: as the honest cold restore did.
+        assert reply.usage.prompt_tokens == control.usage.prompt_tokens
+        assert reply.token_ids == control.token_ids
+        again = w.turn(ns, "agent", Q1, max_tokens=4)  # not broken: hot from now on
+        assert again.usage.cache_state == "hot" and len(again.token_ids) == 4
+    assert metric(proc, "agentkv_worker_restore_failures_total") == 2
+
+
+# one bad turn does not hurt the others
+
+
+def faulty_worker(launched, model, store_process, tmp_path) -> WorkerClient:
+    """A worker process with tests.faulty_worker's injected faults."""
+    args = ["--model", str(model), "--store", store_process.address, "--listen", "127.0.0.1:0"]
+    proc = ServiceProcess(
+        "tests.faulty_worker", [*args, "--block-tokens", "64"], tmp_path / "faulty.log"
+    )
+    return WorkerClient(launched(proc).address, timeout=60)
+
+
+def long_turn(w: WorkerClient, ns: str, agent: str, max_tokens: int = 3000):
+    """A greedy turn that goes on until cancelled (the tiny model never says "\\x00")."""
+    request = pb.TurnRequest(
+        namespace=ns,
+        agent_id=agent,
+        messages=[pb.Message(role=r, content=c) for r, c in TALK],
+        sampling=pb.SamplingParams(max_tokens=max_tokens, stop=["\x00"]),
+    )
+    return w.stub.Turn(request, timeout=120)
+
+
+def read_tokens(call, at_least: int, into: list[int], texts: list[str]) -> None:
+    """Reads the stream until `into` holds at least `at_least` token ids."""
+    while len(into) < at_least:
+        response = next(call)
+        into += response.tokens.token_ids
+        texts.append(response.tokens.text)
+
+
+def create(w: WorkerClient, *agents: tuple[str, str]) -> None:
+    for ns, agent in agents:
+        w.create_agent(ns, agent, SYSTEM)
+
+
+def test_a_turn_that_fails_alone_leaves_no_trace_and_the_batch_goes_on(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    model = tiny_model_dirs["llama"]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    w = faulty_worker(launched, model, store_process, tmp_path)
+    create(w, ("a", "agent"), ("a", "twin"), ("a", "whole"), ("b", "agent"), ("b", "twin"))
+    before = w.describe("a", "agent")
+    b = long_turn(w, "b", "agent")
+    b_tokens, b_texts = [], []
+    read_tokens(b, 1, b_tokens, b_texts)  # b is decoding
+
+    with pytest.raises(InvalidArgument, match=f"top_k {vocab + 1} is over .* {vocab} tokens"):
+        w.turn("a", "agent", Q1, max_tokens=4, temperature=1.0, top_k=vocab + 1)
+    every = w.turn("a", "whole", Q1, max_tokens=4, temperature=1.0, top_k=vocab)
+    assert len(every.token_ids) == 4  # a top_k of the whole vocabulary keeps every token
+    with pytest.raises(AgentKVError) as failed:
+        w.turn("a", "agent", Q1, max_tokens=8, temperature=1.0, seed=ROW_FAULT_SEED)
+    assert failed.value.code == grpc.StatusCode.INTERNAL
+    assert "injected fault in this turn's sampling" in failed.value.message
+    read_tokens(b, len(b_tokens) + 16, b_tokens, b_texts)  # b went on meanwhile
+    b.cancel()
+    assert SECRET not in "".join(b_texts)
+
+    # a's failed turn left no trace: its retry says Q1 once, as its twin does.
+    assert w.describe("a", "agent").num_tokens == before.num_tokens
+    retry = w.turn("a", "agent", Q1, max_tokens=8, **SAMPLED)
+    twin = w.turn("a", "twin", Q1, max_tokens=8, **SAMPLED)
+    assert retry.usage.cache_state == "hot"
+    assert retry.usage.prompt_tokens == twin.usage.prompt_tokens
+    assert retry.token_ids == twin.token_ids
+    # b's tokens are those it says alone.
+    alone = w.turn("b", "twin", TALK, max_tokens=len(b_tokens), stop=["\x00"])
+    assert alone.token_ids == b_tokens
+
+
+def test_a_failed_batched_step_fails_every_turn_with_a_message_of_its_own(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    w = faulty_worker(launched, tiny_model_dirs["llama"], store_process, tmp_path)
+    create(w, ("a", "agent"), ("b", "agent"), ("b", "twin"))
+    before = {ns: w.describe(ns, "agent").num_tokens for ns in ("a", "b")}
+    b = long_turn(w, "b", "agent")
+    read_tokens(b, 1, [], [])  # b is decoding, and has tokens to roll back
+
+    with pytest.raises(AgentKVError) as a_failed:
+        w.turn("a", "agent", Q1, max_tokens=8, temperature=1.0, seed=STEP_FAULT_SEED)
+    with pytest.raises(grpc.RpcError) as b_failed:
+        for _ in b:
+            pass
+    assert b_failed.value.code() == grpc.StatusCode.INTERNAL
+    for message in (a_failed.value.message, b_failed.value.details()):
+        assert SECRET not in message and "batched model step failed" in message
+
+    # Both turns were rolled out of their agents; b's retry is what its twin says.
+    assert {ns: w.describe(ns, "agent").num_tokens for ns in ("a", "b")} == before
+    retry = w.turn("b", "agent", Q1, max_tokens=8, **SAMPLED)
+    twin = w.turn("b", "twin", Q1, max_tokens=8, **SAMPLED)
+    assert retry.usage.cache_state == "hot"
+    assert (retry.usage.prompt_tokens, retry.token_ids) == (
+        twin.usage.prompt_tokens,
+        twin.token_ids,
+    )
+    assert len(w.turn("a", "agent", Q1, max_tokens=4).token_ids) == 4
+
+
+# a hung store
+
+
+def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
+    tiny_model_dirs, start_worker, store_process
+):
+    """The store is SIGSTOPped (hung, not dead): a hot agent's turn and GetWorkerInfo answer
+    while another agent's turn, which needs the store to restore, waits for it."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=20)
+    create(w, ("ns", "keeper"), ("ns", "twin"), ("ns", "sleeper"))
+    for agent in ("keeper", "twin", "sleeper"):
+        w.turn("ns", agent, Q1, max_tokens=4, durable=True)
+    w.evict("ns", "sleeper")  # only the store holds it now
+    info = w.info()
+    waiting = WorkerClient(w.address, timeout=120)
+    result: dict = {}
+
+    def restore_sleeper() -> None:
+        result["turn"] = waiting.turn("ns", "sleeper", Q2, max_tokens=4)
+
+    sleeper = threading.Thread(target=restore_sleeper)
+    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    try:
+        sleeper.start()
+        hot = w.turn("ns", "keeper", Q2, max_tokens=6, **SAMPLED)
+        assert hot.usage.cache_state == "hot" and len(hot.token_ids) == 6
+        during = w.info()
+        assert (during.fingerprint, during.num_hot_agents) == (info.fingerprint, 2)
+        assert w.describe("ns", "keeper").tier == "hot"
+        assert sleeper.is_alive()  # it needs the store
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    sleeper.join(120)
+    assert result["turn"].usage.cache_state == "warm" and len(result["turn"].token_ids) == 4
+    twin = w.turn("ns", "twin", Q2, max_tokens=6, **SAMPLED)
+    assert hot.token_ids == twin.token_ids  # the hot copy answered in full
