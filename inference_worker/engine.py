@@ -322,18 +322,17 @@ class Engine:
         """A turn failed after it was queued: its agent goes back to before it (so a retry
         does not say its messages twice), and its stream ends with `error`, its own."""
         agent = turn.agent
-        if scope == "turn":
+        if not isinstance(error, AgentKVError):  # a bug, or a bad input not caught at submit
             log.error("turn failed", extra={"agent": agent.agent_id, "error": repr(error)})
+            error = AgentKVError(
+                f"turn of agent {agent.agent_id!r} failed: {type(error).__name__}: {error}"
+            )
         if turn.undo is not None and not turn.undo.restore(agent):
             self.hot.pop(agent.id)  # its caches cannot be rewound: the store's copy is right
             log.warning(
                 "agent dropped from RAM after a failed turn", extra={"agent": agent.agent_id}
             )
         self.metrics.turn_failures.labels(scope=scope).inc()
-        if not isinstance(error, AgentKVError):
-            error = AgentKVError(
-                f"turn of agent {agent.agent_id!r} failed: {type(error).__name__}: {error}"
-            )
         turn.job.error = error
         turn.job.events.put(END)
 

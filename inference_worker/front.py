@@ -37,9 +37,9 @@ class Front:
         must be restored."""
         ns, agent_id = validation.namespace(job.namespace), validation.agent_id(job.agent_id)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
-        fetched = None
-        while not self._mlx(self.engine.start_turn, job, view, fetched):
+        if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             fetched = self.engine.restorer.fetch(ns, agent_id)
+            self._mlx(self.engine.start_turn, job, view, fetched)
 
     def describe(self, ns: str, agent_id: str) -> AgentInfo:
         ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
