@@ -153,7 +153,11 @@ def cmd_verify(client: StoreClient, args: argparse.Namespace) -> None:
     )
     for c in reply.corrupt:
         print(f"  {c.namespace}/{c.key.hex()}: {c.reason}")
-    if reply.corrupt:
+    if reply.corrupt_records:
+        print(f"{len(reply.corrupt_records)} corrupt index records (quarantined)")
+    for r in reply.corrupt_records:
+        print(f"  {r.table} {r.namespace}/{r.id}: {r.reason}")
+    if reply.corrupt or reply.corrupt_records:
         sys.exit(1)
 
 
@@ -171,7 +175,7 @@ STORE_COMMANDS: dict[str, tuple[Callable[[StoreClient, argparse.Namespace], None
     "agents": (cmd_agents, "agents of a namespace"),
     "agent": (cmd_agent, "one agent's manifest and blocks"),
     "blocks": (cmd_blocks, "blocks of a namespace"),
-    "verify": (cmd_verify, "re-read every payload and check every checksum"),
+    "verify": (cmd_verify, "re-read every payload and index record and check every checksum"),
     "gc": (cmd_gc, "delete unreferenced blocks and orphan files"),
 }
 

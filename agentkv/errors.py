@@ -81,6 +81,25 @@ class CorruptBlock(AgentKVError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class CorruptRecord(AgentKVError):
+    """An index record (an agent's manifest, a block's record) failed its checksum or would
+    not decode; the store quarantines it. `table` and `key` name it in the index."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+    def __init__(self, message: str, table: str = "", key: bytes = b"") -> None:
+        super().__init__(message)
+        self.table = table
+        self.key = key
+
+
+class IndexUnusable(AgentKVError):
+    """The store's index cannot be opened: another schema version, a damaged schema record,
+    or LMDB's own structures damaged. Raised at start-up; the store does not serve."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(AgentKVError):
     """Out of a resource: a quota, the disk, or gRPC's message-size limit."""
 
@@ -131,6 +150,8 @@ ERRORS: dict[str, type[AgentKVError]] = {
         GenerationConflict,
         OutOfRange,
         CorruptBlock,
+        CorruptRecord,
+        IndexUnusable,
         ResourceExhausted,
         QuotaExceeded,
         DiskFull,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from agentkv import logs
+from agentkv.errors import AgentKVError
 from agentkv.security import add_server_flags, server_security
 from cache_store.config import StoreConfig
 from cache_store.server import serve
@@ -86,7 +88,11 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
 def main(argv: list[str] | None = None) -> None:
     config = build_config(argv)
     logs.configure(config.log_level)
-    serve(config)
+    try:
+        serve(config)
+    except (AgentKVError, OSError) as exc:  # at start-up: a data dir in use, a bad index
+        message = exc.message if isinstance(exc, AgentKVError) else str(exc)
+        sys.exit(f"agentkv-store: error: {message}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The LMDB index: blocks, agents, namespaces and counters, each change one transaction.
 
 Keys are `namespace NUL id`, so a namespace is a key range and nothing crosses it.
-Sub-databases:
+Sub-databases ("tables"):
   blocks      ns/key     -> BlockRecord
   children    ns/parent  -> child key (dupsort), for longest-prefix search
   unref       ns/key     -> ""  (blocks no manifest references: first to evict)
@@ -10,12 +10,18 @@ Sub-databases:
   agents      ns/agent   -> AgentRecord
   namespaces  ns         -> {agents, blocks, bytes}
   counters    name       -> uint64 (evictions, quarantines)
+  meta        name       -> schema_version (schema.py)
+  quarantine  table NUL key -> [reason, raw bytes] of a bad agent or block record
+Every value is sealed (records.seal). A point read of a bad record raises CorruptRecord, a
+listing skips it; both note it in `suspects` for integrity.repair.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -23,12 +29,32 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from agentkv.errors import BlockNotFound, DiskFull, FingerprintMismatch, QuotaExceeded
-from cache_store.records import AgentRecord, BlockRecord
+from agentkv.errors import (
+    BlockNotFound,
+    CorruptRecord,
+    DiskFull,
+    FingerprintMismatch,
+    IndexUnusable,
+    QuotaExceeded,
+)
+from cache_store.records import (
+    AgentRecord,
+    BlockRecord,
+    decode_u64,
+    decode_usage,
+    decode_value,
+    encode_u64,
+    encode_usage,
+    seal,
+)
+
+log = logging.getLogger("agentkv.store")
 
 SEP = b"\x00"
-_U64 = struct.Struct("<Q")
 _U32 = struct.Struct(">I")
+TABLES = ("blocks", "children", "unref", "lost", "agents", "namespaces", "counters")
+DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
+NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
 
 
 def ns_key(namespace: str, ident: bytes | str) -> bytes:
@@ -36,7 +62,8 @@ def ns_key(namespace: str, ident: bytes | str) -> bytes:
     return namespace.encode() + SEP + raw
 
 
-def _child(record: BlockRecord) -> bytes:
+def child_entry(record: BlockRecord) -> bytes:
+    """The children value naming `record`: its token count, then its key (unsealed)."""
     return _U32.pack(len(record.token_ids)) + record.key
 
 
@@ -48,14 +75,21 @@ def split_key(raw: bytes) -> tuple[str, bytes]:
 class Index:
     def __init__(self, path: Path, map_bytes: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), map_size=map_bytes, max_dbs=8, max_readers=256)
-        self._blocks = self.env.open_db(b"blocks")
-        self._children = self.env.open_db(b"children", dupsort=True)
-        self._unref = self.env.open_db(b"unref")
-        self._lost = self.env.open_db(b"lost")
-        self._agents = self.env.open_db(b"agents")
-        self._namespaces = self.env.open_db(b"namespaces")
-        self._counters = self.env.open_db(b"counters")
+        self.path = path
+        self._suspects: set[tuple[str, bytes]] = set()  # (table, key) read bad, not repaired
+        self._suspects_lock = threading.Lock()
+        try:
+            self.env = lmdb.open(str(path), map_size=map_bytes, max_dbs=16, max_readers=256)
+            self.dbs = {
+                name: self.env.open_db(name.encode(), dupsort=name == "children")
+                for name in (*TABLES, "meta", "quarantine")
+            }
+        except lmdb.Error as exc:
+            raise IndexUnusable(f"cannot open the index at {path}: {exc}") from exc
+        self._blocks, self._children = self.dbs["blocks"], self.dbs["children"]
+        self._unref, self._lost = self.dbs["unref"], self.dbs["lost"]
+        self._agents, self._namespaces = self.dbs["agents"], self.dbs["namespaces"]
+        self._counters, self._quarantine = self.dbs["counters"], self.dbs["quarantine"]
 
     def close(self) -> None:
         self.env.close()
@@ -76,16 +110,35 @@ class Index:
     def read(self) -> lmdb.Transaction:
         return self.env.begin()
 
+    def take_suspects(self) -> set[tuple[str, bytes]]:
+        """(table, key) of the records read bad since the last call, for integrity.repair."""
+        with self._suspects_lock:
+            taken, self._suspects = self._suspects, set()
+        return taken
+
+    def note_suspects(self, suspects: set[tuple[str, bytes]]) -> None:
+        with self._suspects_lock:
+            self._suspects |= suspects
+
     # blocks
 
     def get_block(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> BlockRecord | None:
-        raw = txn.get(ns_key(namespace, key), db=self._blocks)
-        return BlockRecord.decode(raw) if raw is not None else None
+        """The block's record, None if absent; CorruptRecord if its record is bad."""
+        k = ns_key(namespace, key)
+        raw = txn.get(k, db=self._blocks)
+        return self._checked(BlockRecord.decode, k, raw) if raw is not None else None
+
+    def find_block(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> BlockRecord | None:
+        """Like get_block, but a block whose record is bad reads as absent (and is noted)."""
+        try:
+            return self.get_block(txn, namespace, key)
+        except CorruptRecord:
+            return None
 
     def require_block(
         self, txn: lmdb.Transaction, namespace: str, fingerprint: str, key: bytes, field: str
     ) -> BlockRecord:
-        """The block, or BlockNotFound / FingerprintMismatch naming `field`."""
+        """The block, or BlockNotFound / FingerprintMismatch / CorruptRecord naming `field`."""
         record = self.get_block(txn, namespace, key)
         if record is None:
             raise BlockNotFound(f"{field} {key.hex()} not found in namespace {namespace!r}")
@@ -100,114 +153,190 @@ class Index:
         k = ns_key(record.namespace, record.key)
         lost = txn.pop(k, db=self._lost)
         if lost:
-            record = replace(record, refcount=_U64.unpack(lost)[0])
-        txn.put(k, record.encode(), db=self._blocks)
-        txn.put(ns_key(record.namespace, record.parent_key), _child(record), db=self._children)
+            record = replace(record, refcount=self._u64("lost", k, lost))
+        txn.put(k, record.encode(k), db=self._blocks)
+        self.put_child(txn, record)
         if record.refcount == 0:
-            txn.put(k, b"", db=self._unref)
+            self.put_unref(txn, k)
+        txn.delete(quarantine_key("blocks", k), db=self._quarantine)
         self._add_usage(txn, record.namespace, blocks=1, num_bytes=record.num_bytes)
 
     def delete_block(self, txn: lmdb.Transaction, record: BlockRecord, lost: bool = False) -> None:
         """Drops a block; `lost` (quarantine) remembers its references for a re-upload."""
         k = ns_key(record.namespace, record.key)
         if lost and record.refcount:
-            txn.put(k, _U64.pack(record.refcount), db=self._lost)
+            txn.put(k, encode_u64(k, record.refcount), db=self._lost)
         txn.delete(k, db=self._blocks)
-        txn.delete(ns_key(record.namespace, record.parent_key), _child(record), db=self._children)
+        parent = ns_key(record.namespace, record.parent_key)
+        txn.delete(parent, seal(parent, child_entry(record)), db=self._children)
         txn.delete(k, db=self._unref)
         self._add_usage(txn, record.namespace, blocks=-1, num_bytes=-record.num_bytes)
 
+    def put_child(self, txn: lmdb.Transaction, record: BlockRecord) -> None:
+        parent = ns_key(record.namespace, record.parent_key)
+        txn.put(parent, seal(parent, child_entry(record)), db=self._children)
+
+    def put_unref(self, txn: lmdb.Transaction, k: bytes) -> None:
+        txn.put(k, seal(k, b""), db=self._unref)
+
     def add_ref(self, txn: lmdb.Transaction, namespace: str, key: bytes, delta: int) -> None:
         """Moves a block's reference count, or that remembered for a quarantined block."""
-        record = self.get_block(txn, namespace, key)
+        record = self.find_block(txn, namespace, key)
+        k = ns_key(namespace, key)
         if record is None:
-            self._add_lost_ref(txn, ns_key(namespace, key), delta)
+            self._add_lost_ref(txn, k, delta)
             return
         record = replace(record, refcount=max(0, record.refcount + delta))
-        k = ns_key(namespace, key)
-        txn.put(k, record.encode(), db=self._blocks)
+        txn.put(k, record.encode(k), db=self._blocks)
         if record.refcount == 0:
-            txn.put(k, b"", db=self._unref)
+            self.put_unref(txn, k)
         else:
             txn.delete(k, db=self._unref)
 
     def _add_lost_ref(self, txn: lmdb.Transaction, k: bytes, delta: int) -> None:
         raw = txn.get(k, db=self._lost)
-        count = (_U64.unpack(raw)[0] if raw else 0) + delta
+        count = (self._u64("lost", k, raw) if raw else 0) + delta
         if count > 0:
-            txn.put(k, _U64.pack(count), db=self._lost)
+            txn.put(k, encode_u64(k, count), db=self._lost)
         else:
             txn.delete(k, db=self._lost)
 
     def children(
         self, txn: lmdb.Transaction, namespace: str, parent: bytes
     ) -> list[tuple[int, bytes]]:
-        """(num_tokens, key) of every block whose parent is `parent`."""
+        """(num_tokens, key) of every block whose parent is `parent`; bad entries skipped."""
+        k = ns_key(namespace, parent)
         cursor = txn.cursor(db=self._children)
-        if not cursor.set_key(ns_key(namespace, parent)):
+        if not cursor.set_key(k):
             return []
-        return [(_U32.unpack_from(v)[0], v[4:]) for v in cursor.iternext_dup()]
+        entries = []
+        for raw in cursor.iternext_dup():
+            entry = self._lenient(lambda key, v: decode_value("children", key, v, bytes), k, raw)
+            if entry is not None and len(entry) > _U32.size:
+                entries.append((_U32.unpack_from(entry)[0], entry[_U32.size :]))
+        return entries
 
     def unreferenced(self, txn: lmdb.Transaction, namespace: str | None) -> list[tuple[str, bytes]]:
-        return [split_key(k) for k in self._keys(txn, self._unref, namespace)]
+        """(namespace, key) of every block no manifest references; bad entries skipped."""
+        return [
+            split_key(k)
+            for k, raw in self._items(txn, self._unref, namespace)
+            if self._lenient(lambda key, v: decode_value("unref", key, v, bytes), k, raw) == b""
+        ]
 
     def blocks(self, txn: lmdb.Transaction, namespace: str | None) -> Iterator[BlockRecord]:
-        for _, raw in self._items(txn, self._blocks, namespace):
-            yield BlockRecord.decode(raw)
+        """Every block with a sound record; bad ones are skipped and noted."""
+        for k, raw in self._items(txn, self._blocks, namespace):
+            record = self._lenient(BlockRecord.decode, k, raw)
+            if record is not None:
+                yield record
 
     def block_page(
         self, txn: lmdb.Transaction, namespace: str, after: bytes, limit: int
     ) -> list[BlockRecord]:
-        return [
-            BlockRecord.decode(raw)
-            for raw in self._page(txn, self._blocks, namespace, after, limit)
-        ]
+        rows = self._page(txn, self._blocks, namespace, after, limit)
+        return [r for r in (self._lenient(BlockRecord.decode, k, v) for k, v in rows) if r]
 
     # agents
 
     def get_agent(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> AgentRecord | None:
-        raw = txn.get(ns_key(namespace, agent_id), db=self._agents)
-        return AgentRecord.decode(raw) if raw is not None else None
+        """The manifest, None if absent; CorruptRecord if it is bad or was quarantined."""
+        k = ns_key(namespace, agent_id)
+        raw = txn.get(k, db=self._agents)
+        if raw is not None:
+            return self._checked(AgentRecord.decode, k, raw)
+        reason = self.quarantined(txn, "agents", k)
+        if reason is not None:
+            raise lost_agent(namespace, agent_id, reason)
+        return None
 
     def put_agent(self, txn: lmdb.Transaction, record: AgentRecord, created: bool) -> None:
-        txn.put(ns_key(record.namespace, record.agent_id), record.encode(), db=self._agents)
+        k = ns_key(record.namespace, record.agent_id)
+        txn.put(k, record.encode(k), db=self._agents)
         if created:
+            txn.delete(quarantine_key("agents", k), db=self._quarantine)
             self._add_usage(txn, record.namespace, agents=1)
 
     def delete_agent(self, txn: lmdb.Transaction, record: AgentRecord) -> None:
         txn.delete(ns_key(record.namespace, record.agent_id), db=self._agents)
         self._add_usage(txn, record.namespace, agents=-1)
 
+    def forget_lost_agent(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> bool:
+        """Drops a quarantined manifest (its references were already recounted without it)."""
+        return txn.delete(
+            quarantine_key("agents", ns_key(namespace, agent_id)), db=self._quarantine
+        )
+
     def agents(self, txn: lmdb.Transaction, namespace: str | None) -> Iterator[AgentRecord]:
-        for _, raw in self._items(txn, self._agents, namespace):
-            yield AgentRecord.decode(raw)
+        """Every agent with a sound manifest; bad ones are skipped and noted."""
+        for k, raw in self._items(txn, self._agents, namespace):
+            record = self._lenient(AgentRecord.decode, k, raw)
+            if record is not None:
+                yield record
 
     def agent_page(
         self, txn: lmdb.Transaction, namespace: str, after: str, limit: int
     ) -> list[AgentRecord]:
         rows = self._page(txn, self._agents, namespace, after.encode(), limit)
-        return [AgentRecord.decode(raw) for raw in rows]
+        return [r for r in (self._lenient(AgentRecord.decode, k, v) for k, v in rows) if r]
+
+    # quarantined records
+
+    def quarantine(self, txn: lmdb.Transaction, table: str, key: bytes, raw: bytes, reason: str):
+        """Keeps a bad agent or block record's bytes and why (the caller drops it from `table`)."""
+        qk = quarantine_key(table, key)
+        txn.put(qk, seal(qk, msgpack.packb([reason, raw])), db=self._quarantine)
+
+    def quarantined(self, txn: lmdb.Transaction, table: str, key: bytes) -> str | None:
+        """Why the record under `key` was quarantined, or None if it was not."""
+        qk = quarantine_key(table, key)
+        raw = txn.get(qk, db=self._quarantine)
+        if raw is None:
+            return None
+        try:
+            return decode_value("quarantine", qk, raw, lambda p: str(msgpack.unpackb(p)[0]))
+        except CorruptRecord:
+            return "its index record was corrupt"
+
+    def quarantined_records(self, txn: lmdb.Transaction) -> list[tuple[str, bytes, str]]:
+        """(table, key, reason) of every quarantined record."""
+        rows = []
+        for qk, _ in txn.cursor(db=self._quarantine):
+            table, _, key = qk.partition(SEP)
+            rows.append((table.decode(), key, self.quarantined(txn, table.decode(), key) or ""))
+        return rows
 
     # namespaces and counters
 
     def namespaces(self, txn: lmdb.Transaction) -> dict[str, dict[str, int]]:
-        return {
-            k.decode(): msgpack.unpackb(v) for k, v in txn.cursor(db=self._namespaces).iternext()
-        }
+        usage = {}
+        for k, raw in txn.cursor(db=self._namespaces):
+            u = self._lenient(lambda key, v: decode_usage("namespaces", key, v), k, raw)
+            if u is not None:
+                usage[k.decode(errors="replace")] = u
+        return usage
 
     def usage_bytes(self, txn: lmdb.Transaction, namespace: str | None = None) -> int:
         """Payload bytes in one namespace, or in all of them."""
         if namespace is not None:
-            raw = txn.get(namespace.encode(), db=self._namespaces)
-            return msgpack.unpackb(raw)["bytes"] if raw else 0
+            return self._usage(txn, namespace.encode())["bytes"]
         return sum(u["bytes"] for u in self.namespaces(txn).values())
 
+    def put_usage(self, txn: lmdb.Transaction, namespace: str, usage: dict[str, int]) -> None:
+        k = namespace.encode()
+        if usage == NO_USAGE:
+            txn.delete(k, db=self._namespaces)
+        else:
+            txn.put(k, encode_usage(k, usage), db=self._namespaces)
+
     def counter(self, txn: lmdb.Transaction, name: str) -> int:
-        raw = txn.get(name.encode(), db=self._counters)
-        return _U64.unpack(raw)[0] if raw else 0
+        k = name.encode()
+        raw = txn.get(k, db=self._counters)
+        return self._u64("counters", k, raw) if raw else 0
 
     def bump(self, txn: lmdb.Transaction, name: str, delta: int = 1) -> None:
-        txn.put(name.encode(), _U64.pack(self.counter(txn, name) + delta), db=self._counters)
+        k = name.encode()
+        txn.put(k, encode_u64(k, self.counter(txn, name) + delta), db=self._counters)
 
     def _add_usage(
         self,
@@ -217,16 +346,37 @@ class Index:
         blocks: int = 0,
         num_bytes: int = 0,
     ) -> None:
-        k = namespace.encode()
-        raw = txn.get(k, db=self._namespaces)
-        usage = msgpack.unpackb(raw) if raw else {"agents": 0, "blocks": 0, "bytes": 0}
+        usage = self._usage(txn, namespace.encode())
         usage["agents"] += agents
         usage["blocks"] += blocks
         usage["bytes"] += num_bytes
-        if usage == {"agents": 0, "blocks": 0, "bytes": 0}:
-            txn.delete(k, db=self._namespaces)
-        else:
-            txn.put(k, msgpack.packb(usage), db=self._namespaces)
+        self.put_usage(txn, namespace, usage)
+
+    def _usage(self, txn: lmdb.Transaction, k: bytes) -> dict[str, int]:
+        raw = txn.get(k, db=self._namespaces)
+        usage = None
+        if raw is not None:
+            usage = self._lenient(lambda key, v: decode_usage("namespaces", key, v), k, raw)
+        return usage or dict(NO_USAGE)
+
+    # decoding with a note of what failed
+
+    def _checked(self, decode: Callable[[bytes, bytes], object], k: bytes, raw: bytes):
+        try:
+            return decode(k, raw)
+        except CorruptRecord as exc:
+            self.note_suspects({(exc.table, k)})
+            log.warning("corrupt index record", extra={"table": exc.table, "reason": exc.message})
+            raise
+
+    def _lenient(self, decode: Callable[[bytes, bytes], object], k: bytes, raw: bytes):
+        try:
+            return self._checked(decode, k, raw)
+        except CorruptRecord:
+            return None
+
+    def _u64(self, table: str, k: bytes, raw: bytes) -> int:
+        return self._lenient(lambda key, v: decode_u64(table, key, v), k, raw) or 0
 
     # cursor helpers
 
@@ -242,17 +392,12 @@ class Index:
                 return
             yield k, v
 
-    def _keys(
-        self, txn: lmdb.Transaction, db: lmdb._Database, namespace: str | None
-    ) -> list[bytes]:
-        return [k for k, _ in self._items(txn, db, namespace)]
-
     def _page(
         self, txn: lmdb.Transaction, db: lmdb._Database, namespace: str, after: bytes, limit: int
-    ) -> list[bytes]:
+    ) -> list[tuple[bytes, bytes]]:
         prefix = namespace.encode() + SEP
         cursor = txn.cursor(db=db)
-        rows: list[bytes] = []
+        rows: list[tuple[bytes, bytes]] = []
         if not cursor.set_range(prefix + after):
             return rows
         for k, v in cursor:
@@ -260,5 +405,18 @@ class Index:
                 break
             if after and k == prefix + after:
                 continue
-            rows.append(v)
+            rows.append((k, v))
         return rows
+
+
+def quarantine_key(table: str, key: bytes) -> bytes:
+    return table.encode() + SEP + key
+
+
+def lost_agent(namespace: str, agent_id: str, reason: str) -> CorruptRecord:
+    return CorruptRecord(
+        f"agent {agent_id!r} in namespace {namespace!r} is lost: {reason}; its manifest is "
+        "quarantined (delete the agent, or commit it anew with expected_generation 0)",
+        "agents",
+        ns_key(namespace, agent_id),
+    )

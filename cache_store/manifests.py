@@ -13,11 +13,12 @@ import lmdb
 from agentkv.errors import (
     AgentExists,
     AgentNotFound,
+    CorruptRecord,
     GenerationConflict,
     InvalidArgument,
 )
 from agentkv.keys import ROOT_KEY
-from cache_store.index import Index
+from cache_store.index import Index, ns_key
 from cache_store.records import AgentRecord, BlockRecord
 
 
@@ -43,10 +44,12 @@ class AgentView:
 
 
 def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> AgentRecord:
-    old = index.get_agent(txn, c.namespace, c.agent_id)
+    old, lost = _for_update(index, txn, c.namespace, c.agent_id)
     current = old.generation if old else 0
     if c.expected_generation != current:
         state = f"is at generation {current}" if old else "does not exist (generation 0)"
+        if lost:
+            state = "is lost, its manifest quarantined (generation 0)"
         raise GenerationConflict(
             f"agent {c.agent_id!r} in namespace {c.namespace!r} {state}; "
             f"the commit expected generation {c.expected_generation}",
@@ -93,7 +96,7 @@ def fork(
         )
     keys, counts, covered = [], [], 0
     for key, n in zip(source.block_keys, source.block_num_tokens, strict=True):
-        if covered + n > keep or index.get_block(txn, namespace, key) is None:
+        if covered + n > keep or index.find_block(txn, namespace, key) is None:
             break  # a block past the cut, or one lost to quarantine, ends the shared chain
         keys.append(key)
         counts.append(n)
@@ -119,7 +122,12 @@ def fork(
 def delete(
     index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str, expected_generation: int
 ) -> int:
-    record = get(index, txn, namespace, agent_id)
+    try:
+        record = get(index, txn, namespace, agent_id)
+    except CorruptRecord:
+        if index.forget_lost_agent(txn, namespace, agent_id):
+            return 0  # a quarantined manifest: its references were recounted without it
+        raise
     if expected_generation and expected_generation != record.generation:
         raise GenerationConflict(
             f"agent {agent_id!r} is at generation {record.generation}; "
@@ -132,6 +140,7 @@ def delete(
 
 
 def get(index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str) -> AgentRecord:
+    """The manifest; AgentNotFound, or CorruptRecord (DATA_LOSS) for a lost one."""
     record = index.get_agent(txn, namespace, agent_id)
     if record is None:
         raise AgentNotFound(f"agent {agent_id!r} not found in namespace {namespace!r}")
@@ -139,15 +148,29 @@ def get(index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str) -> A
 
 
 def view(index: Index, txn: lmdb.Transaction, record: AgentRecord) -> AgentView:
+    """A block whose record is bad counts as missing: the reader restores cold from there."""
     missing: list[bytes] = []
     num_bytes = 0
     for key in record.block_keys:
-        block = index.get_block(txn, record.namespace, key)
+        block = index.find_block(txn, record.namespace, key)
         if block is None:
             missing.append(key)
         else:
             num_bytes += block.num_bytes
     return AgentView(record, missing, num_bytes)
+
+
+def _for_update(
+    index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str
+) -> tuple[AgentRecord | None, bool]:
+    """The manifest a commit replaces, and whether it is a quarantined one (which counts as
+    absent: generation 0). A bad manifest not yet quarantined fails the commit (DATA_LOSS)."""
+    try:
+        return index.get_agent(txn, namespace, agent_id), False
+    except CorruptRecord:
+        if index.quarantined(txn, "agents", ns_key(namespace, agent_id)) is None:
+            raise
+        return None, True
 
 
 def _chain(

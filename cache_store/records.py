@@ -1,16 +1,103 @@
-"""What the LMDB index holds about a block and an agent, and how it is encoded (msgpack)."""
+"""What the LMDB index holds about a block and an agent, and how it is encoded.
+
+Every value in the index is sealed: `xxh3_64(key + payload)` (8 bytes) then the payload
+(msgpack for records), so a flipped byte, or a value found under another key, fails on read
+with CorruptRecord naming the table and key.
+"""
 
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass, field
 
 import msgpack
+import xxhash
 
+from agentkv.errors import CorruptRecord
 from agentkv.keys import token_bytes, tokens_from_bytes
 from cache_store.validation import TensorLayout
 
 HEADER_LAYER = -1  # segment id of the safetensors header
+CHECKSUM_BYTES = 8
+_U64 = struct.Struct("<Q")
+# What a payload that passed its checksum but is not this version's record raises on decode.
+DECODE_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    OverflowError,
+    msgpack.UnpackException,
+)
+
+
+def seal(key: bytes, payload: bytes) -> bytes:
+    """The stored form of a value: its checksum over key and payload, then the payload."""
+    return _digest(key, payload) + payload
+
+
+def unseal(table: str, key: bytes, raw: bytes) -> memoryview:
+    """The payload of a stored value, or CorruptRecord if its checksum fails."""
+    view = memoryview(raw)
+    payload = view[CHECKSUM_BYTES:]
+    if len(raw) < CHECKSUM_BYTES or view[:CHECKSUM_BYTES] != _digest(key, payload):
+        raise corrupt(table, key, "failed its checksum")
+    return payload
+
+
+def corrupt(table: str, key: bytes, what: str) -> CorruptRecord:
+    return CorruptRecord(f"the index record of {record_name(table, key)} {what}", table, key)
+
+
+def record_name(table: str, key: bytes) -> str:
+    """'agent 'a1' in namespace 'default'' and the like, for messages and reports."""
+    ns, sep, ident = key.partition(b"\x00")
+    if table == "agents" and sep:
+        return f"agent {ident.decode(errors='replace')!r} in namespace {_text(ns)!r}"
+    if table == "blocks" and sep:
+        return f"block {ident.hex()} in namespace {_text(ns)!r}"
+    return f"{table} entry {_text(key)!r}"
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode(errors="replace")
+
+
+def _digest(key: bytes, payload: bytes | memoryview) -> bytes:
+    hasher = xxhash.xxh3_64(key)
+    hasher.update(payload)
+    return hasher.digest()
+
+
+def decode_value(table: str, key: bytes, raw: bytes, decode):
+    """decode(payload) of a stored value; any failure is CorruptRecord naming table and key."""
+    payload = unseal(table, key, raw)
+    try:
+        return decode(payload)
+    except DECODE_ERRORS as exc:
+        raise corrupt(table, key, f"does not decode ({type(exc).__name__}: {exc})") from exc
+
+
+def encode_u64(key: bytes, value: int) -> bytes:
+    return seal(key, _U64.pack(value))
+
+
+def decode_u64(table: str, key: bytes, raw: bytes) -> int:
+    return decode_value(table, key, raw, lambda p: _U64.unpack(p)[0])
+
+
+def encode_usage(key: bytes, usage: dict[str, int]) -> bytes:
+    return seal(key, msgpack.packb(usage))
+
+
+def decode_usage(table: str, key: bytes, raw: bytes) -> dict[str, int]:
+    return decode_value(table, key, raw, _usage)
+
+
+def _usage(payload: memoryview) -> dict[str, int]:
+    d = msgpack.unpackb(payload)
+    return {"agents": int(d["agents"]), "blocks": int(d["blocks"]), "bytes": int(d["bytes"])}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +128,11 @@ class BlockRecord:
     def layers(self) -> list[int]:
         return [s.layer for s in self.segments if s.layer != HEADER_LAYER]
 
-    def encode(self) -> bytes:
+    def encode(self, key: bytes) -> bytes:
+        """The sealed value stored under `key` (namespace NUL block key)."""
+        return seal(key, self._pack())
+
+    def _pack(self) -> bytes:
         return msgpack.packb(
             {
                 "ns": self.namespace,
@@ -62,13 +153,14 @@ class BlockRecord:
         )
 
     @staticmethod
-    def decode(raw: bytes) -> BlockRecord:
-        """Decoding is memoized on the exact bytes: records are immutable and read often."""
-        return _decode_block(raw)
+    def decode(key: bytes, raw: bytes) -> BlockRecord:
+        """The record stored under `key`, or CorruptRecord. Memoized on the exact bytes (so
+        the checksum is verified once per value): records are immutable and read often."""
+        return _decode_block(key, raw)
 
     @classmethod
-    def _decode(cls, raw: bytes) -> BlockRecord:
-        d = msgpack.unpackb(raw)
+    def _unpack(cls, payload: memoryview) -> BlockRecord:
+        d = msgpack.unpackb(payload)
         return cls(
             namespace=d["ns"],
             key=d["k"],
@@ -85,8 +177,8 @@ class BlockRecord:
 
 
 @functools.lru_cache(maxsize=1024)
-def _decode_block(raw: bytes) -> BlockRecord:
-    return BlockRecord._decode(raw)
+def _decode_block(key: bytes, raw: bytes) -> BlockRecord:
+    return decode_value("blocks", key, raw, BlockRecord._unpack)
 
 
 @dataclass(slots=True)
@@ -103,7 +195,11 @@ class AgentRecord:
     updated_ms: int = 0
     generation: int = 0
 
-    def encode(self) -> bytes:
+    def encode(self, key: bytes) -> bytes:
+        """The sealed value stored under `key` (namespace NUL agent id)."""
+        return seal(key, self._pack())
+
+    def _pack(self) -> bytes:
         return msgpack.packb(
             {
                 "ns": self.namespace,
@@ -121,8 +217,13 @@ class AgentRecord:
         )
 
     @classmethod
-    def decode(cls, raw: bytes) -> AgentRecord:
-        d = msgpack.unpackb(raw)
+    def decode(cls, key: bytes, raw: bytes) -> AgentRecord:
+        """The record stored under `key`, or CorruptRecord."""
+        return decode_value("agents", key, raw, cls._unpack)
+
+    @classmethod
+    def _unpack(cls, payload: memoryview) -> AgentRecord:
+        d = msgpack.unpackb(payload)
         return cls(
             namespace=d["ns"],
             agent_id=d["id"],

@@ -257,6 +257,12 @@ class CacheStoreServicer:
                 pb.CorruptBlockInfo(namespace=r.namespace, key=r.key, reason=reason)
                 for r, reason in corrupt
             ],
+            corrupt_records=[
+                pb.CorruptRecordInfo(
+                    table=b.table, namespace=b.namespace, id=b.ident, reason=b.reason
+                )
+                for b in self.store.bad_records(request.namespace)
+            ],
         )
 
     def CollectGarbage(

@@ -20,7 +20,7 @@ from agentkv.errors import (
     InvalidArgument,
 )
 from agentkv.keys import block_key
-from cache_store import manifests, validation
+from cache_store import integrity, manifests, validation
 from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
 from cache_store.index import Index
@@ -84,7 +84,10 @@ class CacheStore:
     # start-up
 
     def recover(self) -> None:
-        """Sweeps uploads cut short and orphans, and quarantines entries whose file is gone."""
+        """Checks the index (schema version; every record's checksum, quarantining bad ones),
+        sweeps uploads cut short and orphans, and quarantines entries whose file is gone."""
+        bad_records = integrity.open_index(self.index)
+        self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad_records))
         tmp = self.payloads.sweep_tmp()
         orphans = self._remove_orphans()
         with self.index.read() as txn:
@@ -103,6 +106,7 @@ class CacheStore:
                 "orphans_removed": orphans,
                 "blocks": len(records) - lost,
                 "quarantined": lost,
+                "bad_index_records": len(bad_records),
             },
         )
 
@@ -241,7 +245,7 @@ class CacheStore:
         validation.agent_id(agent_id)
         if fingerprint:
             validation.fingerprint(fingerprint)
-        with self.index.read() as txn:
+        with self._repairing(), self.index.read() as txn:
             record = manifests.get(self.index, txn, ns, agent_id)
             if fingerprint and record.fingerprint != fingerprint:
                 raise FingerprintMismatch(
@@ -256,7 +260,7 @@ class CacheStore:
         self, namespace: str, page_token: str, page_size: int
     ) -> list[manifests.AgentView]:
         ns = validation.namespace(namespace)
-        with self.index.read() as txn:
+        with self._repairing(), self.index.read() as txn:
             page = self.index.agent_page(txn, ns, page_token, page_size_limit(page_size))
             return [manifests.view(self.index, txn, r) for r in page]
 
@@ -308,7 +312,7 @@ class CacheStore:
             usage = self.index.namespaces(txn)
             counters = {
                 n: self.index.counter(txn, n)
-                for n in ("evicted_blocks", "evicted_agents", "quarantined")
+                for n in ("evicted_blocks", "evicted_agents", "quarantined", "quarantined_records")
             }
         return {
             "num_namespaces": len(usage),
@@ -318,14 +322,23 @@ class CacheStore:
             "quota_bytes": self.config.quota_bytes,
             "num_evicted_blocks": counters["evicted_blocks"],
             "num_evicted_agents": counters["evicted_agents"],
-            "num_quarantined": counters["quarantined"],
+            "num_quarantined": counters["quarantined"] + counters["quarantined_records"],
             "num_leases": len(self.leases),
             "disk_free_bytes": self.payloads.disk_free(),
         }
 
     def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]]]:
-        """Reads every payload and checks every checksum; quarantines what fails."""
+        """Checks every index record and reads every payload, checking every checksum;
+        quarantines what fails (bad index records: see bad_records)."""
         ns = validation.namespace(namespace) if namespace else None
+        with self.index.read() as txn:
+            damaged = bool(integrity.scan(self.index, txn, ns))
+        if damaged:
+            with self.index.write() as txn:
+                found = integrity.scan(self.index, txn)
+                integrity.fix(self.index, txn, found)
+            self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in found.records))
+        self._repair()
         with self.index.read() as txn:
             records = list(self.index.blocks(txn, ns))
         corrupt: list[tuple[BlockRecord, str]] = []
@@ -340,6 +353,13 @@ class CacheStore:
                 corrupt.append((record, exc.message))
         return checked + len(corrupt), num_bytes, corrupt
 
+    def bad_records(self, namespace: str = "") -> list[integrity.BadRecord]:
+        """Agent and block records found corrupt and quarantined, until the agent is deleted
+        or committed anew, or the block uploaded again."""
+        ns = validation.namespace(namespace) if namespace else None
+        with self.index.read() as txn:
+            return integrity.quarantined(self.index, txn, ns)
+
     def collect_garbage(self, namespace: str = "") -> tuple[int, int, int]:
         """Deletes unreferenced, unleased blocks, then orphan files. (blocks, bytes, orphans)"""
         ns = validation.namespace(namespace) if namespace else None
@@ -348,9 +368,25 @@ class CacheStore:
 
     # helpers
 
+    @contextmanager
+    def _repairing(self) -> Iterator[None]:
+        """Quarantines what the enclosed reads found bad (also when they raise for it)."""
+        try:
+            yield
+        finally:
+            self._repair()
+
+    def _repair(self) -> None:
+        suspects = self.index.take_suspects()
+        if not suspects:
+            return
+        with self.index.write() as txn:
+            bad = integrity.repair(self.index, txn, suspects)
+        self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad))
+
     def _quarantine(self, record: BlockRecord, reason: str) -> None:
         with self.index.write() as txn:
-            if self.index.get_block(txn, record.namespace, record.key) is None:
+            if self.index.find_block(txn, record.namespace, record.key) is None:
                 return  # someone else got there first
             self.index.delete_block(txn, record, lost=True)
             self.index.bump(txn, "quarantined")

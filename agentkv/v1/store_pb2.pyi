@@ -489,15 +489,29 @@ class CorruptBlockInfo(_message.Message):
     reason: str
     def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class CorruptRecordInfo(_message.Message):
+    __slots__ = ("table", "namespace", "id", "reason")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    namespace: str
+    id: str
+    reason: str
+    def __init__(self, table: _Optional[str] = ..., namespace: _Optional[str] = ..., id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class VerifyBlocksResponse(_message.Message):
-    __slots__ = ("num_checked", "num_bytes", "corrupt")
+    __slots__ = ("num_checked", "num_bytes", "corrupt", "corrupt_records")
     NUM_CHECKED_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
     num_checked: int
     num_bytes: int
     corrupt: _containers.RepeatedCompositeFieldContainer[CorruptBlockInfo]
-    def __init__(self, num_checked: _Optional[int] = ..., num_bytes: _Optional[int] = ..., corrupt: _Optional[_Iterable[_Union[CorruptBlockInfo, _Mapping]]] = ...) -> None: ...
+    corrupt_records: _containers.RepeatedCompositeFieldContainer[CorruptRecordInfo]
+    def __init__(self, num_checked: _Optional[int] = ..., num_bytes: _Optional[int] = ..., corrupt: _Optional[_Iterable[_Union[CorruptBlockInfo, _Mapping]]] = ..., corrupt_records: _Optional[_Iterable[_Union[CorruptRecordInfo, _Mapping]]] = ...) -> None: ...
 
 class CollectGarbageRequest(_message.Message):
     __slots__ = ("namespace",)

@@ -222,7 +222,8 @@ class CacheStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyBlocks(self, request, context):
-        """Re-reads every block payload and checks every checksum; quarantines the corrupt ones.
+        """Re-reads every block payload and checks every checksum, and every index record's;
+        quarantines the corrupt ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
