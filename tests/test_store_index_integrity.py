@@ -379,8 +379,7 @@ def test_random_flips_of_index_records_never_change_what_is_served(stopped, tmp_
             assert store.stop() == 0
         outcomes["lost" if lost else "served"] += 1
         shutil.rmtree(copy)
-    print(outcomes)
-    assert sum(outcomes.values()) == FLIPS and outcomes["served"], outcomes
+    assert sum(outcomes.values()) == FLIPS and outcomes["served"] and outcomes["lost"], outcomes
 
 
 # schema version
