@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import ipaddress
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -325,9 +326,11 @@ class ServerSecurity:
     tls_client_ca: str = ""
     auth_tokens: str = ""
     allow_unauthenticated: bool = False
+    allow_plaintext_tokens: bool = False
 
     def check(self, listen: str, loopback: bool) -> None:
-        """Safe defaults: no authentication only on loopback, unless asked for loudly."""
+        """Safe defaults: no authentication only on loopback, and bearer tokens beyond
+        loopback only over TLS, unless asked for loudly."""
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
@@ -337,6 +340,37 @@ class ServerSecurity:
                 f"listening on {listen} (beyond loopback) needs --auth-tokens FILE; "
                 "--allow-unauthenticated serves anyone who can reach it"
             )
+        plaintext = not loopback and self.auth_tokens and not self.tls_cert
+        if plaintext and not self.allow_plaintext_tokens:
+            raise ValueError(
+                f"listening on {listen} (beyond loopback) with bearer tokens needs TLS "
+                "(--tls-cert, --tls-key): without it every token crosses the network in "
+                "clear; --allow-plaintext-tokens serves them anyway"
+            )
+
+    def warnings(self, listen: str, loopback: bool, metrics_listen: str | None) -> list[str]:
+        """What a start-up log should shout about: settings that are allowed but exposed."""
+        found = []
+        if not loopback and not self.auth_tokens:
+            found.append(
+                f"LISTENING BEYOND LOOPBACK WITH NO AUTHENTICATION: anyone who can reach {listen} "
+                "can read and write every namespace"
+            )
+        if not loopback and self.auth_tokens and not self.tls_cert:
+            found.append(f"BEARER TOKENS IN CLEAR TEXT: {listen} serves tokens without TLS")
+        if metrics_listen and not is_loopback_host(metrics_listen.rpartition(":")[0]):
+            found.append(
+                f"METRICS BEYOND LOOPBACK: {metrics_listen} serves unauthenticated HTTP "
+                "(counts, sizes and timings) to anyone who can reach it"
+            )
+        if self.auth_tokens:
+            mode = Path(self.auth_tokens).stat().st_mode & 0o777
+            if mode & 0o077:
+                found.append(
+                    f"TOKEN FILE READABLE BY OTHERS: {self.auth_tokens} has mode {mode:o}; "
+                    f"chmod 600 it"
+                )
+        return found
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
         return [AuthInterceptor(TokenTable.load(self.auth_tokens))] if self.auth_tokens else []
@@ -359,12 +393,30 @@ def add_server_flags(p) -> None:
         action="store_true",
         help="serve beyond loopback with no tokens (logged as a warning at start)",
     )
+    p.add_argument(
+        "--allow-plaintext-tokens",
+        action="store_true",
+        help="accept bearer tokens beyond loopback without TLS (logged as a warning at start)",
+    )
 
 
 def server_security(a) -> ServerSecurity:
     return ServerSecurity(
-        a.tls_cert, a.tls_key, a.tls_client_ca, a.auth_tokens, a.allow_unauthenticated
+        a.tls_cert,
+        a.tls_key,
+        a.tls_client_ca,
+        a.auth_tokens,
+        a.allow_unauthenticated,
+        a.allow_plaintext_tokens,
     )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback IP or `localhost`; False for any other host, wildcards included."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def read_token(path: str) -> str:

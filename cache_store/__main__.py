@@ -63,7 +63,33 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
         help="under quota pressure, also evict whole least-recently-used agents",
     )
     p.add_argument("--lease-seconds", type=int, default=60)
-    p.add_argument("--workers", type=int, default=16, help="RPC threads")
+    p.add_argument("--workers", type=int, default=32, help="RPC threads")
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=12,
+        help="RPC threads each payload stream kind (PutBlocks, GetBlocks) may hold at once; "
+        "below --workers, so other calls always find one",
+    )
+    p.add_argument(
+        "--stream-idle-seconds",
+        type=float,
+        default=30.0,
+        help="cancel a payload stream that moves no message for this long",
+    )
+    p.add_argument(
+        "--max-leases-per-namespace",
+        type=int,
+        default=10_000,
+        help="live leases one namespace may hold (reads, uploads not yet committed)",
+    )
+    p.add_argument(
+        "--umask",
+        type=lambda text: int(text, 8),
+        default=0o077,
+        help="octal umask for the data dir's files (default 077: only the store's user reads "
+        "them; 027 lets its group, e.g. a worker reading payloads in place)",
+    )
     p.add_argument("--log-level", default="info")
     add_server_flags(p)
     a = p.parse_args(argv)
@@ -78,6 +104,10 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
             evict_agents=a.evict_agents,
             lease_seconds=a.lease_seconds,
             workers=a.workers,
+            max_streams=a.max_streams,
+            stream_idle_seconds=a.stream_idle_seconds,
+            max_leases_per_namespace=a.max_leases_per_namespace,
+            umask=a.umask,
             log_level=a.log_level,
             security=server_security(a),
         )

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from agentkv.errors import QuotaExceeded
+from agentkv.errors import QuotaExceeded, ResourceExhausted
 from cache_store import manifests
 from cache_store.config import StoreConfig
 from cache_store.index import Index
@@ -25,6 +25,7 @@ from cache_store.payloads import Payloads
 from cache_store.records import AgentRecord
 
 log = logging.getLogger("agentkv.store")
+DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
 
 
 def now_ms() -> int:
@@ -63,15 +64,47 @@ class Capacity:
 
     # reservations
 
+    def check_fits(self, size: int, namespace: str) -> None:
+        """Refuses at once a block bigger than a quota it falls under: it could never fit."""
+        for quota, scope in (
+            (self.config.namespace_quota(namespace), f"namespace {namespace!r}"),
+            (self.config.quota_bytes, "store"),
+        ):
+            if quota and size > quota:
+                raise QuotaExceeded(
+                    f"block of {size} bytes exceeds the {scope} quota of {quota} bytes"
+                )
+
     def reserve(self, size: int, namespace: str) -> None:
-        """Claims `size` bytes for an upload into `namespace`, evicting to make room within the
-        namespace's quota and then the store's; QuotaExceeded if it can't."""
+        """Claims `size` bytes that have arrived for an upload into `namespace`, evicting to
+        make room within the namespace's quota and then the store's; QuotaExceeded if it
+        can't, ResourceExhausted past the namespace's bound on bytes in flight."""
         with self._lock:
+            limit = self.config.max_namespace_inflight_bytes
+            if self._reserved[namespace] + size > limit:
+                raise ResourceExhausted(
+                    f"namespace {namespace!r} has {self._reserved[namespace]} bytes of uploads "
+                    f"in flight, the limit is {limit}: finish those uploads first"
+                )
             if quota := self.config.namespace_quota(namespace):
                 self._make_room(size, quota, namespace)
             if self.config.quota_bytes:
                 self._make_room(size, self.config.quota_bytes, None)
             self._reserved[namespace] += size
+
+    def free_disk(self, need: int) -> bool:
+        """The disk is full, quota or not: evicts least recently used unreferenced blocks
+        (then agents, with evict_agents) until `need` bytes are free. Whether it freed any."""
+        freed = False
+        with self._lock:
+            while self.payloads.disk_free() < need + DISK_SLACK:
+                agents = self.config.evict_agents
+                if not (self._evict_one_block(None) or (agents and self._evict_one_agent(None))):
+                    break
+                freed = True
+        if freed:
+            log.info("disk full: evicted to make room", extra={"need": need})
+        return freed
 
     def unreserve(self, size: int, namespace: str) -> None:
         with self._lock:
@@ -93,8 +126,6 @@ class Capacity:
     def _make_room(self, size: int, quota: int, namespace: str | None) -> None:
         """Evicts within `namespace` (None: the whole store) until `size` more bytes fit."""
         scope = "store" if namespace is None else f"namespace {namespace!r}"
-        if size > quota:
-            raise QuotaExceeded(f"block of {size} bytes exceeds the {scope} quota of {quota} bytes")
         while (used := self._used(namespace)) + self._in_flight(namespace) + size > quota:
             if self._evict_one_block(namespace):
                 continue
@@ -118,7 +149,9 @@ class Capacity:
             candidates = [
                 b for b in self.index.unreferenced(txn, namespace) if not self.leases.is_held(b)
             ]
-            created = {b: self.index.get_block(txn, *b).created_ms for b in candidates}
+            records = {b: self.index.find_block(txn, *b) for b in candidates}
+            created = {b: r.created_ms for b, r in records.items() if r is not None}
+        candidates = list(created)
         for block in sorted(candidates, key=lambda b: self.block_last_access(b, created[b])):
             if self._delete_unreferenced(block, count_eviction=True):
                 self.metrics.evictions.labels("block").inc()
@@ -145,7 +178,7 @@ class Capacity:
 
     def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
         for key in agent.block_keys:
-            block = self.index.get_block(txn, agent.namespace, key)
+            block = self.index.find_block(txn, agent.namespace, key)
             if block and block.refcount == 1 and not self.leases.is_held((agent.namespace, key)):
                 return True
         return False
@@ -155,7 +188,7 @@ class Capacity:
         if self.leases.is_held(block):
             return 0
         with self.index.write() as txn:
-            record = self.index.get_block(txn, *block)
+            record = self.index.find_block(txn, *block)
             if record is None or record.refcount:
                 return 0
             self.index.delete_block(txn, record)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentkv.security import ServerSecurity
+from agentkv.security import ServerSecurity, is_loopback_host
 from agentkv.wire import MAX_CHUNK_BYTES
 from cache_store.validation import NAMESPACE_RE
 
@@ -32,7 +31,15 @@ class StoreConfig:
     max_agent_tokens: int = 1 << 21
     max_message_bytes: int = 16 << 20  # gRPC transport limit, above every chunk and manifest
     lmdb_map_bytes: int = 64 << 30  # sparse; LMDB only uses what it writes
-    workers: int = 16
+    workers: int = 32
+    # Of the RPC threads, at most this many serve each payload stream (PutBlocks, GetBlocks),
+    # so idle or slow streams can never take every thread from the calls of other tenants.
+    max_streams: int = 12
+    stream_idle_seconds: float = 30.0  # a payload stream that moves no message is cancelled
+    max_namespace_inflight_bytes: int = 2 << 30  # the same for all of one namespace's streams
+    max_header_cache_bytes: int = 16 << 20  # built block-header replies kept for reuse
+    max_leases_per_namespace: int = 10_000
+    umask: int = 0o077  # files 0600 and directories 0700: payloads and index hold every token
     log_level: str = "info"
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
@@ -51,6 +58,17 @@ class StoreConfig:
             raise ValueError("max_chunk_bytes must be positive and below max_message_bytes")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not 1 <= self.max_streams < self.workers:
+            raise ValueError(
+                f"max_streams must be in 1..{self.workers - 1} (below --workers {self.workers}, "
+                f"so other calls always find a thread), got {self.max_streams}"
+            )
+        if self.max_leases_per_namespace < 1:
+            raise ValueError(
+                f"max_leases_per_namespace must be >= 1, got {self.max_leases_per_namespace}"
+            )
+        if not 0 <= self.umask <= 0o777:
+            raise ValueError(f"umask must be an octal mode 000..777, got {self.umask:o}")
         listen_host(self.listen)
         tcp_listen("metrics_listen", self.metrics_listen)
         tcp_listen("health_listen", self.health_listen)
@@ -68,12 +86,7 @@ class StoreConfig:
 def is_loopback(address: str) -> bool:
     """True for a unix socket or a loopback host: this machine only."""
     host = listen_host(address)
-    if host is None:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return host is None or is_loopback_host(host)
 
 
 def tcp_listen(name: str, listen: str | None) -> None:

@@ -104,7 +104,9 @@ class Index:
             raise QuotaExceeded(f"index is full (lmdb map size reached): {exc}") from exc
         except lmdb.Error as exc:
             if isinstance(exc, lmdb.DiskError) or "space" in str(exc).lower():
-                raise DiskFull(f"index write failed, disk full: {exc}") from exc
+                raise DiskFull(
+                    f"no space left on the store's disk while writing the index: {exc}"
+                ) from exc
             raise
 
     def read(self) -> lmdb.Transaction:

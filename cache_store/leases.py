@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import secrets
 import threading
 import time
@@ -9,32 +10,49 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from agentkv.errors import ResourceExhausted
+
 BlockId = tuple[str, bytes]  # (namespace, key)
 
 
 @dataclass(slots=True)
 class Lease:
+    namespace: str  # whose count of live leases it is in
     blocks: list[BlockId]
     expires: float  # time.monotonic()
     expires_unix_ms: int
 
 
 class Leases:
-    """In memory on purpose: a restarted store has no readers mid-read, so no lease survives."""
+    """In memory on purpose: a restarted store has no readers mid-read, so no lease survives.
 
-    def __init__(self) -> None:
+    Expiry is a heap, so granting and checking cost O(log n) however many leases one tenant
+    holds, and each namespace may hold at most `per_namespace` live leases."""
+
+    def __init__(self, per_namespace: int = 10_000) -> None:
+        self.per_namespace = per_namespace
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._held: Counter[BlockId] = Counter()
+        self._per_namespace: Counter[str] = Counter()
+        self._expiry: list[tuple[float, str]] = []  # (expires, lease id); stale entries skipped
 
-    def grant(self, blocks: Iterable[BlockId], seconds: float) -> tuple[str, int]:
+    def grant(self, namespace: str, blocks: Iterable[BlockId], seconds: float) -> tuple[str, int]:
         lease_id = secrets.token_urlsafe(16)
         held = list(blocks)
+        expires = time.monotonic() + seconds
         expires_ms = int((time.time() + seconds) * 1000)
         with self._lock:
             self._expire()
-            self._leases[lease_id] = Lease(held, time.monotonic() + seconds, expires_ms)
+            if self._per_namespace[namespace] >= self.per_namespace:
+                raise ResourceExhausted(
+                    f"namespace {namespace!r} holds {self.per_namespace} leases, the limit: "
+                    "release leases (ReleaseLease, or commit the blocks) before taking more"
+                )
+            self._leases[lease_id] = Lease(namespace, held, expires, expires_ms)
+            self._per_namespace[namespace] += 1
             self._held.update(held)
+            heapq.heappush(self._expiry, (expires, lease_id))
         return lease_id, expires_ms
 
     def extend(self, lease_id: str, blocks: Iterable[BlockId]) -> None:
@@ -45,6 +63,12 @@ class Leases:
                 added = list(blocks)
                 lease.blocks.extend(added)
                 self._held.update(added)
+
+    def namespaces(self, lease_id: str) -> set[str]:
+        """Every namespace a live lease touches (empty for an unknown lease)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return {lease.namespace, *(ns for ns, _ in lease.blocks)} if lease else set()
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
@@ -63,13 +87,24 @@ class Leases:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for lease_id in [i for i, lease in self._leases.items() if lease.expires <= now]:
-            self._drop(lease_id)
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires <= now:
+                self._drop(lease_id)
+        if len(self._expiry) > 2 * len(self._leases) + 1024:  # released leases' entries
+            self._expiry = [(lease.expires, i) for i, lease in self._leases.items()]
+            heapq.heapify(self._expiry)
 
     def _drop(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
-        self._held.subtract(lease.blocks)
-        self._held += Counter()  # drop zero counts
+        for block in lease.blocks:
+            self._held[block] -= 1
+            if self._held[block] <= 0:
+                del self._held[block]
+        self._per_namespace[lease.namespace] -= 1
+        if self._per_namespace[lease.namespace] <= 0:
+            del self._per_namespace[lease.namespace]
         return True

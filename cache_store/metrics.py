@@ -58,6 +58,12 @@ class StoreMetrics:
         self.get_seconds = Histogram(
             "agentkv_store_get_seconds", "GetBlocks latency", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.idle_streams = Counter(
+            "agentkv_store_idle_streams_cancelled",
+            "Payload streams cancelled for moving nothing",
+            ["method"],
+            registry=r,
+        )
         self.rpc_errors = Counter(
             "agentkv_store_rpc_errors", "RPCs that failed", ["code"], registry=r
         )

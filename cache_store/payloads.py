@@ -17,7 +17,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
@@ -73,15 +73,22 @@ def _disk_error(exc: OSError, what: str) -> Exception:
 class BlockWriter:
     """Writes one block to a temporary file, checksumming each layer as bytes arrive."""
 
-    def __init__(self, tmp_path: Path, layout: list[TensorLayout], header: bytes) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        layout: list[TensorLayout],
+        header: bytes,
+        on_full: Callable[[int], bool] = lambda need: False,
+    ) -> None:
         self.tmp_path = tmp_path
+        self.on_full = on_full  # asked to free `need` bytes when the disk is full
         self.header_len = len(header)
         self.expected = sum(t.num_bytes for t in layout)
         self.written = 0
         self._ranges = layer_ranges(layout)
         self._segments = [Segment(HEADER_LAYER, 0, len(header), xxhash.xxh3_64_intdigest(header))]
         self._hasher = xxhash.xxh3_64()
-        self._fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             self._write_all(memoryview(header))
         except BaseException:
@@ -127,11 +134,14 @@ class BlockWriter:
         self.tmp_path.unlink(missing_ok=True)
 
     def _write_all(self, data: memoryview) -> None:
-        try:
-            while data:
+        """Writes everything; a full disk first asks on_full for room, then DiskFull."""
+        while data:
+            try:
                 data = data[os.write(self._fd, data) :]
-        except OSError as exc:
-            raise _disk_error(exc, "writing a block") from exc
+            except OSError as exc:
+                if exc.errno in _NO_SPACE and self.on_full(len(data)):
+                    continue
+                raise _disk_error(exc, "writing a block") from exc
 
     def _hash(self, data: memoryview) -> None:
         while True:
@@ -172,18 +182,24 @@ class Payloads:
     def path(self, relpath: str) -> Path:
         return self.root / relpath
 
-    def writer(self, header: bytes, layout: list[TensorLayout]) -> BlockWriter:
+    def writer(
+        self, header: bytes, layout: list[TensorLayout], on_full: Callable[[int], bool]
+    ) -> BlockWriter:
         tmp = self.tmp_dir / f"{secrets.token_hex(8)}.part"
         try:
-            return BlockWriter(tmp, layout, header)
+            return BlockWriter(tmp, layout, header, on_full)
         except OSError as exc:
             raise _disk_error(exc, "starting a block") from exc
 
     def read(
         self, record: BlockRecord, segments: Sequence[Segment], max_run: int
     ) -> Iterator[memoryview]:
-        """Yields the segments' bytes in runs of about max_run bytes, each verified first.
+        """Yields the segments' bytes in runs of at most max_run bytes.
 
+        A run of whole segments is verified before it is yielded. A segment larger than
+        max_run goes out in pieces, hashed as they pass, and its last piece only once the
+        whole segment matched its checksum: a reader never completes an unverified layer,
+        and a reader's memory stays max_run however large a layer is.
         A view is only valid until the next one is requested (the buffer is reused).
         Raises CorruptBlock for a missing, short or mismatching file.
         """
@@ -192,11 +208,26 @@ class Payloads:
         except FileNotFoundError as exc:
             raise CorruptBlock(f"block {record.key.hex()} payload file is missing") from exc
         try:
-            buffer = bytearray(max(max_run, max((s.num_bytes for s in segments), default=0)))
+            buffer = bytearray(max_run)
             for run in _runs(segments, max_run):
-                yield self._read_run(fd, record, run, buffer)
+                if run[0].num_bytes > max_run:
+                    yield from self._read_large(fd, record, run[0], buffer)
+                else:
+                    yield self._read_run(fd, record, run, buffer)
         finally:
             os.close(fd)
+
+    def _read_large(
+        self, fd: int, record: BlockRecord, s: Segment, buffer: bytearray
+    ) -> Iterator[memoryview]:
+        hasher = xxhash.xxh3_64()
+        for start in range(0, s.num_bytes, len(buffer)):
+            piece = memoryview(buffer)[: min(len(buffer), s.num_bytes - start)]
+            self._pread(fd, record, piece, s.offset + start)
+            hasher.update(piece)
+            if start + len(piece) == s.num_bytes and hasher.intdigest() != s.checksum:
+                raise _checksum_error(record, s)
+            yield piece
 
     def _read_run(
         self, fd: int, record: BlockRecord, run: list[Segment], buffer: bytearray
@@ -207,19 +238,20 @@ class Payloads:
         pos = 0
         for s in run:
             segment = view[pos : pos + s.num_bytes]
-            got = os.preadv(fd, [segment], s.offset)
-            if got != s.num_bytes:
-                raise CorruptBlock(
-                    f"block {record.key.hex()} payload is truncated: wanted {s.num_bytes} bytes "
-                    f"at {s.offset}, file has {got}"
-                )
+            self._pread(fd, record, segment, s.offset)
             if xxhash.xxh3_64_intdigest(segment) != s.checksum:
-                raise CorruptBlock(
-                    f"block {record.key.hex()} failed its checksum (layer {s.layer}, "
-                    f"bytes {s.offset}..{s.offset + s.num_bytes})"
-                )
+                raise _checksum_error(record, s)
             pos += s.num_bytes
         return view
+
+    @staticmethod
+    def _pread(fd: int, record: BlockRecord, into: memoryview, offset: int) -> None:
+        got = os.preadv(fd, [into], offset)
+        if got != len(into):
+            raise CorruptBlock(
+                f"block {record.key.hex()} payload is truncated: wanted {len(into)} bytes "
+                f"at {offset}, file has {got}"
+            )
 
     def verify(self, record: BlockRecord) -> None:
         """Reads and checks the whole file; raises CorruptBlock."""
@@ -274,6 +306,13 @@ class Payloads:
     def disk_free(self) -> int:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
+
+
+def _checksum_error(record: BlockRecord, s: Segment) -> CorruptBlock:
+    return CorruptBlock(
+        f"block {record.key.hex()} failed its checksum (layer {s.layer}, "
+        f"bytes {s.offset}..{s.offset + s.num_bytes})"
+    )
 
 
 def _runs(segments: Sequence[Segment], max_run: int) -> Iterator[list[Segment]]:

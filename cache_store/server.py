@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import grpc
@@ -38,6 +39,7 @@ class RunningStore:
 
 def create_server(config: StoreConfig) -> RunningStore:
     """Opens the store and binds the server (port 0 picks a free port); does not start it."""
+    os.umask(config.umask)  # before the store creates a file
     store = CacheStore(config)
     server = new_server(
         config.workers,
@@ -57,12 +59,10 @@ def create_server(config: StoreConfig) -> RunningStore:
 
 def serve(config: StoreConfig) -> None:
     """Runs until SIGTERM or SIGINT, then drains in-flight RPCs and closes the index."""
-    if not config.is_loopback and not config.security.auth_tokens:
-        log.warning(
-            "LISTENING BEYOND LOOPBACK WITH NO AUTHENTICATION: anyone who can reach "
-            f"{config.listen} can read and write every namespace",
-            extra={"listen": config.listen},
-        )
+    for warning in config.security.warnings(
+        config.listen, config.is_loopback, config.metrics_listen
+    ):
+        log.warning(warning, extra={"listen": config.listen})
     running = create_server(config)
     metrics = start_metrics(config.metrics_listen, running.store.metrics.registry)
     running.server.start()

@@ -21,6 +21,7 @@ from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests, validation
 from cache_store.records import BlockRecord
 from cache_store.store import CacheStore, Selection, page_size_limit
+from cache_store.streams import StreamGuard
 from cache_store.uploads import PutHeader
 from cache_store.validation import TensorLayout
 
@@ -29,11 +30,12 @@ SERVICE_NAME = "agentkv.v1.CacheStore"
 
 class MessageCache:
     """Built reply messages for immutable blocks: a block header carries hundreds of tensor
-    entries, and building them again on every restore costs more than reading the bytes."""
+    entries, and building them again on every restore costs more than reading the bytes.
+    Bounded by the bytes of the messages it keeps, least recently used out first."""
 
-    def __init__(self, size: int = 4096) -> None:
-        self._size = size
-        self._items: OrderedDict[tuple, Message] = OrderedDict()
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.num_bytes = max_bytes, 0
+        self._items: OrderedDict[tuple, tuple[Message, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(
@@ -42,19 +44,28 @@ class MessageCache:
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
-                return self._items[key]
+                return self._items[key][0]
         message = build(selection)
+        size = message.ByteSize()
         with self._lock:
-            self._items[key] = message
-            if len(self._items) > self._size:
-                self._items.popitem(last=False)
+            if key not in self._items and size <= self.max_bytes // 8:
+                self._items[key] = (message, size)
+                self.num_bytes += size
+            while self.num_bytes > self.max_bytes:
+                self.num_bytes -= self._items.popitem(last=False)[1][1]
         return message
 
 
 class CacheStoreServicer:
     def __init__(self, store: CacheStore) -> None:
         self.store = store
-        self._messages = MessageCache()
+        config = store.config
+        self._messages = MessageCache(config.max_header_cache_bytes)
+        self.streams = StreamGuard(
+            config.max_streams,
+            config.stream_idle_seconds,
+            lambda method: store.metrics.idle_streams.labels(method).inc(),
+        )
 
     def _location(self, selection: Selection) -> pb.BlockLocation:
         return _location(selection, self.store.path_of(selection.record))
@@ -63,7 +74,8 @@ class CacheStoreServicer:
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PutBlocksResponse:
         start = time.perf_counter()
-        results, lease_id, expires = self.store.put_stream(_put_items(request_iterator))
+        with self.streams.open("PutBlocks", context) as beat:
+            results, lease_id, expires = self.store.put_stream(_put_items(request_iterator, beat))
         self.store.metrics.put_seconds.observe(time.perf_counter() - start)
         return pb.PutBlocksResponse(
             blocks=[
@@ -88,10 +100,11 @@ class CacheStoreServicer:
             request.namespace, request.fingerprint, request.keys, request.layers
         )
         last = None
-        with self.store.reading(selections):
+        with self.streams.open("GetBlocks", context) as beat, self.store.reading(selections):
             for message in self._stream(selections):
                 if last is not None:
                     yield last
+                    beat()  # the peer took it
                 last = message
         # The lease ends before the last message goes out (its bytes are already copied),
         # so a client that has everything never sees the read's lease still held.
@@ -131,6 +144,8 @@ class CacheStoreServicer:
     def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
+        for namespace in self.store.leases.namespaces(request.lease_id):
+            _allowed(namespace)  # another tenant's lease is not the caller's to end
         return pb.ReleaseLeaseResponse(released=self.store.leases.release(request.lease_id))
 
     def ReportCorruptBlock(
@@ -287,8 +302,11 @@ def _allowed_or_all(namespace: str, what: str) -> None:
         security.check_all_namespaces(what)
 
 
-def _put_items(raw_messages: Iterator[bytes]) -> Iterator[PutHeader | memoryview]:
+def _put_items(
+    raw_messages: Iterator[bytes], beat: Callable[[], None]
+) -> Iterator[PutHeader | memoryview]:
     for raw in raw_messages:
+        beat()
         try:
             item = wire.decode(raw, pb.PutBlocksRequest)
         except wire.DecodeError as exc:

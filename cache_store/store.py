@@ -8,14 +8,15 @@ arrays of bytes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from agentkv.errors import (
     BlockNotFound,
     CorruptBlock,
+    DiskFull,
     FingerprintMismatch,
     InvalidArgument,
 )
@@ -25,6 +26,7 @@ from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
 from cache_store.index import Index
 from cache_store.leases import Leases
+from cache_store.lock import DataDirLock
 from cache_store.metrics import StoreMetrics
 from cache_store.payloads import Payloads
 from cache_store.records import BlockRecord, Segment
@@ -32,6 +34,8 @@ from cache_store.uploads import PutHeader, PutResult, Uploads
 from cache_store.validation import TensorLayout
 
 log = logging.getLogger("agentkv.store")
+T = TypeVar("T")
+DISK_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
 
 
 @dataclass(slots=True)
@@ -62,9 +66,20 @@ class CacheStore:
     def __init__(self, config: StoreConfig, metrics: StoreMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or StoreMetrics()
+        config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.lock = DataDirLock(config.data_dir)
+        self.lock.acquire()  # before anything below touches the directory
+        try:
+            self._open()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self) -> None:
+        config = self.config
         self.payloads = Payloads(config.data_dir)
         self.index = Index(config.data_dir / "index", config.lmdb_map_bytes)
-        self.leases = Leases()
+        self.leases = Leases(config.max_leases_per_namespace)
         self.capacity = Capacity(config, self.index, self.payloads, self.leases, self.metrics)
         self.uploads = Uploads(
             config,
@@ -80,6 +95,7 @@ class CacheStore:
 
     def close(self) -> None:
         self.index.close()
+        self.lock.release()
 
     # start-up
 
@@ -137,7 +153,9 @@ class CacheStore:
     def reading(self, selections: Sequence[Selection]) -> Iterator[None]:
         """Holds a lease on the blocks for the duration of a streamed read."""
         lease_id, _ = self.leases.grant(
-            [(s.record.namespace, s.record.key) for s in selections], self.config.max_lease_seconds
+            selections[0].record.namespace,
+            [(s.record.namespace, s.record.key) for s in selections],
+            self.config.max_lease_seconds,
         )
         try:
             yield
@@ -170,7 +188,7 @@ class CacheStore:
             )
         selections = self.select(namespace, fingerprint, keys, layers)
         blocks = [(s.record.namespace, s.record.key) for s in selections]
-        lease_id, expires = self.leases.grant(blocks, seconds)
+        lease_id, expires = self.leases.grant(selections[0].record.namespace, blocks, seconds)
         for block in blocks:
             self.capacity.touch_block(block)
         return lease_id, expires, selections
@@ -218,7 +236,7 @@ class CacheStore:
             if pos + n <= len(tokens):
                 key = block_key(fp, parent, tokens[pos : pos + n])
                 if key in keys:
-                    return self.index.get_block(txn, ns, key)
+                    return self.index.find_block(txn, ns, key)
         return None
 
     # agents
@@ -229,14 +247,27 @@ class CacheStore:
         validation.fingerprint(c.fingerprint)
         c.token_ids = validation.token_ids(c.token_ids, self.config.max_agent_tokens)
         c.metadata = validation.metadata(c.metadata)
+        c.phase = validation.phase(c.phase)
         c.block_keys = [validation.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
-        with self.index.write() as txn:
-            record = manifests.commit(self.index, txn, c, now_ms())
-            result = manifests.view(self.index, txn, record)
+        record, result = self._with_room(self._commit, c)
         if release_lease_id:
             self.leases.release(release_lease_id)
         self.capacity.touch_agent(record.namespace, record.agent_id)
         return result
+
+    def _commit(self, c: manifests.Commit) -> tuple[Any, manifests.AgentView]:
+        with self.index.write() as txn:
+            record = manifests.commit(self.index, txn, c, now_ms())
+            return record, manifests.view(self.index, txn, record)
+
+    def _with_room(self, write: Callable[..., T], *args: Any) -> T:
+        """Runs an index write; on a full disk, once more after collecting unused blocks."""
+        try:
+            return write(*args)
+        except DiskFull:
+            if not self.capacity.free_disk(DISK_ROOM):
+                raise
+        return write(*args)
 
     def get_agent(
         self, namespace: str, agent_id: str, fingerprint: str = ""
@@ -285,6 +316,7 @@ class CacheStore:
         validation.agent_id(source_id, "source_agent_id")
         validation.agent_id(new_id, "new_agent_id")
         metadata = validation.metadata(metadata)
+        phase = validation.phase(phase)
         with self.index.write() as txn:
             record = manifests.fork(
                 self.index, txn, ns, source_id, new_id, num_tokens, phase, metadata, now_ms()

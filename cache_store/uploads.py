@@ -11,7 +11,13 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from agentkv.errors import CorruptBlock, InvalidArgument
+from agentkv.errors import (
+    BlockNotFound,
+    CorruptBlock,
+    DiskFull,
+    FailedPrecondition,
+    InvalidArgument,
+)
 from agentkv.keys import block_key
 from cache_store import validation
 from cache_store.capacity import Capacity, now_ms
@@ -43,26 +49,20 @@ class PutResult:
 
 @dataclass(slots=True)
 class BlockUpload:
-    """One block arriving in chunks; with no writer, the namespace holds it already."""
+    """One block arriving in chunks; with no writer, the namespace holds it already.
+
+    Disk space is reserved as bytes arrive, never for what a header merely declares: a
+    stream that sends headers and no data holds nothing and makes nobody evict."""
 
     record: BlockRecord  # the stored twin, or a draft completed when published
     layout: list[TensorLayout]
     writer: BlockWriter | None
     received: int = 0
+    reserved: int = 0  # bytes of this upload counted against the quotas
 
     @property
     def expected(self) -> int:
         return sum(t.num_bytes for t in self.layout)
-
-    def write(self, data: memoryview) -> None:
-        if self.received + len(data) > self.expected:
-            raise InvalidArgument(
-                f"block {self.record.key.hex()} sent {self.received + len(data)}+ bytes but its "
-                f"tensors declare {self.expected}"
-            )
-        self.received += len(data)
-        if self.writer is not None:
-            self.writer.write(data)
 
 
 class Uploads:
@@ -89,7 +89,7 @@ class Uploads:
         Every stored block stays leased until the returned lease is released, the agent
         commit that names it arrives, or the lease expires.
         """
-        lease_id, expires = self.leases.grant([], self.config.lease_seconds)
+        lease_id, expires = "", 0
         results: list[PutResult] = []
         upload: BlockUpload | None = None
         try:
@@ -98,6 +98,9 @@ class Uploads:
                     if upload is not None:
                         self._finish(upload, lease_id)  # raises: the open block is short
                     upload = self.begin(item)
+                    if not lease_id:  # counted against the namespace of its first block
+                        ns = upload.record.namespace
+                        lease_id, expires = self.leases.grant(ns, [], self.config.lease_seconds)
                 else:
                     self._write(upload, item)
                 if upload.received == upload.expected:  # durable now, not at the next header
@@ -108,7 +111,8 @@ class Uploads:
         except BaseException:
             if upload is not None:
                 self._release(upload)
-            self.leases.release(lease_id)
+            if lease_id:
+                self.leases.release(lease_id)
             raise
         return results, lease_id, expires
 
@@ -123,8 +127,10 @@ class Uploads:
         key = block_key(fp, parent, tokens)
         with self.index.read() as txn:
             if parent:
-                self.index.require_block(txn, ns, fp, parent, "parent_key")
-            existing = self.index.get_block(txn, ns, key)
+                self._require_parent(txn, ns, fp, parent)
+            existing = self.index.find_block(txn, ns, key)  # a bad record: replaced
+        if existing is not None:
+            same_tensors(existing, layout)
         if existing is not None and self._intact(existing):
             self.capacity.touch_block((ns, key))
             return BlockUpload(existing, layout, writer=None)
@@ -138,16 +144,24 @@ class Uploads:
         }
         file_header = safetensors_header(layout, meta)
         size = len(file_header) + sum(t.num_bytes for t in layout)
-        self.capacity.reserve(size, ns)
+        self.capacity.check_fits(size, ns)  # refuse at once what could never fit
+        self.capacity.reserve(len(file_header), ns)
         try:
-            writer = self.payloads.writer(file_header, layout)
+            writer = self.payloads.writer(file_header, layout, self.capacity.free_disk)
         except BaseException:
-            self.capacity.unreserve(size, ns)
+            self.capacity.unreserve(len(file_header), ns)
             raise
         draft = BlockRecord(
             ns, key, parent, fp, tokens, [], [], size, self.payloads.relpath(ns, key), now_ms()
         )
-        return BlockUpload(draft, layout, writer)
+        return BlockUpload(draft, layout, writer, reserved=len(file_header))
+
+    def _require_parent(self, txn: object, ns: str, fp: str, parent: bytes) -> None:
+        """A parent must be stored first: FAILED_PRECONDITION, as store.proto says."""
+        try:
+            self.index.require_block(txn, ns, fp, parent, "parent_key")
+        except BlockNotFound as exc:
+            raise FailedPrecondition(f"{exc.message}: put the parent block first") from None
 
     def _intact(self, record: BlockRecord) -> bool:
         """Whether a stored twin's file is whole (a stat); a lost one is quarantined, so this
@@ -165,7 +179,16 @@ class Uploads:
         if len(chunk) > self.config.max_chunk_bytes:
             limit = self.config.max_chunk_bytes
             raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds the limit {limit}")
-        upload.write(chunk)
+        if upload.received + len(chunk) > upload.expected:
+            raise InvalidArgument(
+                f"block {upload.record.key.hex()} sent {upload.received + len(chunk)}+ bytes but "
+                f"its tensors declare {upload.expected}"
+            )
+        upload.received += len(chunk)
+        if upload.writer is not None:
+            self.capacity.reserve(len(chunk), upload.record.namespace)
+            upload.reserved += len(chunk)
+            upload.writer.write(chunk)
 
     def _finish(self, upload: BlockUpload, lease_id: str) -> PutResult:
         if upload.received != upload.expected:
@@ -190,10 +213,12 @@ class Uploads:
             record = replace(upload.record, segments=writer.seal(), tensors=tensors)
             with self.publish_lock:
                 with self.index.read() as txn:
-                    twin = self.index.get_block(txn, record.namespace, record.key)
+                    twin = self.index.find_block(txn, record.namespace, record.key)
                 if twin is None:
                     writer.publish(self.payloads.path(record.relpath))
                     self._index(record)
+                else:
+                    same_tensors(twin, upload.layout)
         finally:
             self._release(upload)
         self.capacity.touch_block((record.namespace, record.key))
@@ -205,18 +230,46 @@ class Uploads:
 
     def _index(self, record: BlockRecord) -> None:
         try:
-            with self.index.write() as txn:
-                self.index.put_block(txn, record)
+            try:
+                self._put_record(record)
+            except DiskFull:  # the index grows too: make room once, then try again
+                if not self.capacity.free_disk(4 << 20):
+                    raise
+                self._put_record(record)
         except BaseException:
             self.payloads.delete(record)  # renamed but never indexed: not a block
             raise
+
+    def _put_record(self, record: BlockRecord) -> None:
+        with self.index.write() as txn:
+            self.index.put_block(txn, record)
 
     def _release(self, upload: BlockUpload) -> None:
         """Ends an upload's claim on disk space and its temporary file, whatever happened."""
         if upload.writer is not None:
             upload.writer.abort()
-            self.capacity.unreserve(upload.record.num_bytes, upload.record.namespace)
-            upload.writer = None
+            self.capacity.unreserve(upload.reserved, upload.record.namespace)
+            upload.writer, upload.reserved = None, 0
+
+
+def same_tensors(stored: BlockRecord, layout: list[TensorLayout]) -> None:
+    """A put of a stored block must declare the stored tensors exactly: a dedup hit never
+    accepts other bytes under a key (FailedPrecondition naming the first difference)."""
+    declared = [(t.name, t.dtype, tuple(t.shape), t.num_bytes) for t in layout]
+    held = [(t.name, t.dtype, tuple(t.shape), t.num_bytes) for t in stored.tensors]
+    if declared == held:
+        return
+    for i, (mine, theirs) in enumerate(zip(declared, held, strict=False)):
+        if mine != theirs:
+            raise FailedPrecondition(
+                f"block {stored.key.hex()} is stored with tensor {theirs[0]!r} {theirs[1]} "
+                f"{list(theirs[2])}, but this put declares tensors[{i}] {mine[0]!r} {mine[1]} "
+                f"{list(mine[2])}: the same key must hold the same tensors"
+            )
+    raise FailedPrecondition(
+        f"block {stored.key.hex()} is stored with {len(held)} tensors, but this put declares "
+        f"{len(declared)}: the same key must hold the same tensors"
+    )
 
 
 def _result(record: BlockRecord, deduplicated: bool) -> PutResult:

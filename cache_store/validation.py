@@ -19,6 +19,8 @@ MAX_TENSORS = 8192
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 4096
+MAX_METADATA_TOTAL = 96 << 10  # characters of keys and values together, per agent
+MAX_PHASE = 256
 
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1,
@@ -98,7 +100,18 @@ def metadata(values: Mapping[str, str]) -> dict[str, str]:
                 f"metadata entry {_show(k)}: keys need 1..{MAX_METADATA_KEY} chars, "
                 f"values at most {MAX_METADATA_VALUE}"
             )
+    total = sum(len(k) + len(v) for k, v in values.items())
+    if total > MAX_METADATA_TOTAL:
+        raise InvalidArgument(
+            f"metadata holds {total} characters of keys and values, limit {MAX_METADATA_TOTAL}"
+        )
     return dict(values)
+
+
+def phase(value: str) -> str:
+    if len(value) > MAX_PHASE:
+        raise InvalidArgument(f"phase {_show(value)} is {len(value)} characters, limit {MAX_PHASE}")
+    return value
 
 
 def tensor_layout(

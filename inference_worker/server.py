@@ -140,12 +140,10 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
 
 def serve(config: WorkerConfig, blas: str | None) -> None:
     """Runs until SIGTERM or SIGINT, then drains RPCs and finishes queued store writes."""
-    if not is_loopback(config.listen) and not config.security.auth_tokens:
-        log.warning(
-            "LISTENING BEYOND LOOPBACK WITH NO AUTHENTICATION: anyone who can reach "
-            f"{config.listen} can use every agent",
-            extra={"listen": config.listen},
-        )
+    for warning in config.security.warnings(
+        config.listen, is_loopback(config.listen), config.metrics_listen
+    ):
+        log.warning(warning, extra={"listen": config.listen})
     running = create_server(config, blas)
     metrics = start_metrics(config.metrics_listen, running.metrics.registry)
     running.server.start()

@@ -8,6 +8,7 @@ and after the refused call.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     BlockNotFound,
+    FailedPrecondition,
     FingerprintMismatch,
     GenerationConflict,
     InvalidArgument,
@@ -30,6 +32,7 @@ from agentkv.errors import (
 )
 from agentkv.keys import block_key
 from agentkv.v1 import store_pb2 as pb
+from cache_store.validation import DTYPE_SIZES
 from client.store import StoreClient
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
 
@@ -355,8 +358,8 @@ BAD_PUTS: dict[str, tuple[list[bytes], type[AgentKVError], list[str]]] = {
     ),
     "parent-not-stored": (
         [header(parent_key=UNKNOWN_KEY), chunk(4)],
-        BlockNotFound,
-        [f"parent_key {UNKNOWN_KEY.hex()} not found"],
+        FailedPrecondition,  # store.proto: a missing parent is a precondition, not NOT_FOUND
+        [f"parent_key {UNKNOWN_KEY.hex()} not found", "put the parent block first"],
     ),
 }
 
@@ -368,10 +371,39 @@ def test_bad_put_is_refused_and_leaves_nothing(seeded, case):
         put_raw(seeded.client, *messages)
 
 
+def stored_specs() -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensor specs of the seeded chain's first block, as the store holds them."""
+    blocks, _ = make_chain(TOKENS)
+    return [(t.name, t.dtype, tuple(t.shape)) for t in blocks[0].tensors]
+
+
 def test_bad_put_of_a_block_the_store_already_holds(seeded):
-    dedup = header(tensors=(LAYER0,), token_ids=tuple(TOKENS[:64]))
+    dedup = header(tensors=tuple(stored_specs()), token_ids=tuple(TOKENS[:64]))
     with refused(seeded, InvalidArgument, INVALID, seeded.keys[0].hex(), "received 3 bytes"):
         put_raw(seeded.client, dedup, chunk(3))
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "name", "one-tensor-less"])
+def test_a_dedup_hit_with_other_tensors_is_refused(seeded, change):
+    """A put under a stored block's key must declare the stored tensors: first writer does
+    not win by planting other shapes, and the stored block is untouched."""
+    specs = stored_specs()
+    name, dtype, shape = specs[1]
+    specs[1] = {
+        "shape": (name, dtype, (*shape[:-1], shape[-1] // 2)),
+        "dtype": (name, "U8" if dtype != "U8" else "I8", shape),
+        "name": (name + "x", dtype, shape),
+        "one-tensor-less": None,
+    }[change]
+    specs = [t for t in specs if t is not None]
+    size = sum(math.prod(sh) * DTYPE_SIZES[dt] for _, dt, sh in specs)
+    named = [seeded.keys[0].hex(), "the same key must hold the same tensors"]
+    with refused(seeded, FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, *named):
+        put_raw(
+            seeded.client,
+            header(tensors=tuple(specs), token_ids=tuple(TOKENS[:64])),
+            *[chunk(min(1 << 20, size - i)) for i in range(0, size, 1 << 20)],
+        )
 
 
 def test_message_above_the_transport_limit_is_resource_exhausted(seeded):

@@ -81,7 +81,7 @@ def crashing_store(point: str, argv: list[str]) -> None:
         tick("committed", where)
         return view
 
-    service._put_items = lambda raw: put_items(counted(raw))
+    service._put_items = lambda raw, beat: put_items(counted(raw), beat)
     uploads.Uploads._publish = published
     store.CacheStore.commit_agent = committed
     main(argv)

@@ -1,0 +1,443 @@
+"""What the red team broke in the store, replayed against real store processes.
+
+One store per data directory; disk space is reserved as bytes arrive, never for what a header
+declares; a full disk collects unreferenced blocks by itself; idle and stalled payload streams
+can neither take every RPC thread nor hold big buffers; leases, phases and metadata are
+bounded per namespace; a lease is released only by a token of its namespace; risky security
+settings are refused or shouted about; the data directory is private by default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agentkv import wire
+from agentkv.errors import (
+    DiskFull,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from agentkv.security import ClientSecurity
+from agentkv.v1 import store_pb2 as pb
+from client.blocks import Block, Tensor
+from client.store import StoreClient, put_messages
+from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+
+MiB = 1 << 20
+
+
+def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> object:
+    """Polls `condition` until it is truthy; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def one_layer_block(num_bytes: int, token: int, fill: int = 1) -> Block:
+    data = bytes([fill]) * num_bytes
+    return Block(b"", [token], [Tensor("layers.0.keys", "U8", (num_bytes,), data)])
+
+
+def header_declaring(ns: str, num_bytes: int, token: int) -> bytes:
+    spec = pb.TensorSpec(name="layers.0.keys", dtype="U8", shape=[num_bytes])
+    header = pb.PutBlockHeader(namespace=ns, fingerprint=FP, token_ids=[token], tensors=[spec])
+    return pb.PutBlocksRequest(header=header).SerializeToString()
+
+
+class HeldStream:
+    """A PutBlocks stream that sends `messages` and then stays open, sending nothing."""
+
+    def __init__(self, client: StoreClient, messages: list[bytes], timeout: float = 300) -> None:
+        self.sent = threading.Event()
+        self.gate = threading.Event()
+        self.future = client._put.future(self._requests(messages), timeout=timeout)
+
+    def _requests(self, messages: list[bytes]) -> Iterator[bytes]:
+        yield from messages
+        self.sent.set()
+        self.gate.wait()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.future.cancel()
+
+
+@pytest.fixture
+def hold() -> Iterator[Callable[..., HeldStream]]:
+    """Opens HeldStreams, and closes every one after the test, failed or not."""
+    streams: list[HeldStream] = []
+
+    def open_stream(client: StoreClient, messages: list[bytes]) -> HeldStream:
+        streams.append(HeldStream(client, messages))
+        return streams[-1]
+
+    yield open_stream
+    for stream in streams:
+        stream.close()
+
+
+def part_files(data_dir: Path) -> list[Path]:
+    return list((data_dir / "tmp").glob("*.part"))
+
+
+def agent_intact(client: StoreClient, ns: str, agent_id: str) -> bool:
+    manifest = client.get_agent(ns, agent_id)
+    return bool(manifest.block_keys) and not manifest.missing_block_keys
+
+
+def save(client: StoreClient, ns: str, agent_id: str, blocks: list[Block], tokens: list[int]):
+    client.save_agent(ns, agent_id, FP, tokens, blocks)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+# 1. one store per data dir
+
+
+def test_a_second_store_on_a_data_dir_in_use_refuses_to_start(store_process, hold):
+    """Even after a 'stale lock' clean-up deletes LMDB's lock file, a second store on the same
+    data dir exits at once with one line naming the holder's pid, and touches nothing: the
+    first store's upload in flight completes."""
+    data_dir = store_process.data_dir
+    block = one_layer_block(3 * MiB, token=5)
+    messages = list(put_messages(NS, FP, [block], MiB))
+    with store_process.client() as client:
+        held = hold(client, messages[:2])  # the header and the first MiB
+        until(lambda: part_files(data_dir), "the upload's temporary file")
+        (data_dir / "index" / "lock.mdb").unlink()
+        second = subprocess.run(
+            [sys.executable, "-m", "cache_store", "--data-dir", str(data_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode != 0
+        assert "Traceback" not in second.stderr
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"agentkv-store: error: data dir {data_dir} is in use")
+        assert f"pid {store_process.proc.pid}" in last
+        assert part_files(data_dir)  # its start-up sweep never ran
+        held.close()
+        done = client.put_blocks(NS, FP, [block])
+        (back,) = client.get_blocks(NS, FP, [done.blocks[0].key])
+        assert same_bytes(block, back)
+
+
+# 2. no phantom reservations
+
+
+@pytest.mark.parametrize("evict_agents", [True, False], ids=["evict-agents", "no-eviction"])
+def test_headers_alone_reserve_nothing_and_evict_no_one(tmp_path, evict_agents, hold):
+    """Tenant A opens uploads declaring more than the quota and sends no bytes: tenant B loses
+    no agent and its 1 MiB put goes in. A's idle uploads are cancelled after the idle time and
+    leave no temporary file."""
+    flags = ["--quota", "24M", "--stream-idle-seconds", "4"]
+    proc = StoreProcess(
+        tmp_path / "data",
+        tmp_path / "store.log",
+        flags + (["--evict-agents"] if evict_agents else []),
+    ).start()
+    try:
+        with proc.client() as client:
+            for i in range(8):
+                blocks, _ = make_chain(list(range(i * 100, i * 100 + 64)), seed=i)
+                save(client, "tenant-b", f"b{i}", blocks, list(range(i * 100, i * 100 + 64)))
+            declared = [20 * MiB, 20 * MiB] if evict_agents else [int(15.5 * MiB)]
+            held = [
+                hold(client, [header_declaring("tenant-a", size, 900 + i)])
+                for i, size in enumerate(declared)
+            ]
+            until(lambda: len(part_files(proc.data_dir)) == len(declared), "A's headers")
+            big = one_layer_block(MiB, token=77)
+            put = client.put_blocks("tenant-b", FP, [big])
+            assert not put.blocks[0].deduplicated
+            assert all(agent_intact(client, "tenant-b", f"b{i}") for i in range(8))
+            assert client.stats().num_evicted_agents == 0
+            for stream in held:  # cut off for idling, with nothing left behind
+                assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
+            until(lambda: not part_files(proc.data_dir), "A's temporary files to go")
+    finally:
+        proc.stop()
+
+
+# 3. a full disk collects by itself
+
+
+def test_deleting_agents_on_a_full_disk_frees_room_without_collect_garbage(small_disk, tmp_path):
+    proc = StoreProcess(small_disk("3m") / "data", tmp_path / "store.log").start()
+    try:
+        with proc.client() as client:
+            saved = []
+            with pytest.raises(DiskFull):
+                for i in range(200):
+                    tokens = list(range(1000 * i, 1000 * i + 64))
+                    blocks, _ = make_chain(tokens, seed=i)
+                    save(client, NS, f"agent{i}", blocks, tokens)
+                    saved.append((tokens, blocks))
+            for i in range(0, len(saved), 2):
+                client.delete_agent(NS, f"agent{i}")
+            tokens = list(range(900_000, 900_064))
+            blocks, keys = make_chain(tokens, seed=999)
+            save(client, NS, "newcomer", blocks, tokens)  # no CollectGarbage in between
+            (back,) = client.get_blocks(NS, FP, keys)
+            assert same_bytes(blocks[0], back)
+            assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+            for i in range(1, len(saved), 2):
+                tokens, blocks = saved[i]
+                assert agent_intact(client, NS, f"agent{i}")
+                keys = list(client.get_agent(NS, f"agent{i}").block_keys)
+                assert same_bytes(blocks[0], next(client.get_blocks(NS, FP, keys)))
+    finally:
+        proc.stop()
+
+
+# 8. idle streams take no thread from other calls
+
+
+def test_idle_streams_cannot_starve_other_calls(tmp_path, hold):
+    """Sixteen idle PutBlocks streams on sixteen RPC threads (the red team's setup): six hold
+    a slot (--max-streams), the rest are refused at once, and other calls and the health
+    check answer meanwhile. The six are cancelled once idle; then uploads go in again."""
+    flags = ["--workers", "16", "--max-streams", "6", "--stream-idle-seconds", "4"]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
+    try:
+        with proc.client() as client:
+            tokens = list(range(64))
+            blocks, _ = make_chain(tokens)
+            save(client, NS, "busy-bee", blocks, tokens)
+            held = [hold(client, []) for _ in range(16)]
+            until(lambda: sum(s.future.done() for s in held) >= 10, "the refusals")
+            refused = [s for s in held if s.future.done()]
+            assert len(refused) == 10
+            for stream in refused:
+                error = stream.future.exception()
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "PutBlocks streams, its limit" in error.details()
+            assert (
+                client.call(
+                    "GetAgent", pb.GetAgentRequest(namespace=NS, agent_id="busy-bee"), timeout=20
+                ).agent.generation
+                == 1
+            )
+            health = health_pb2_grpc.HealthStub(client.channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=20)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            for stream in held:
+                if stream not in refused:
+                    assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
+            more, _ = make_chain(list(range(500, 564)), seed=5)
+            assert client.put_blocks(NS, FP, more).blocks
+    finally:
+        proc.stop()
+
+
+# 9. memory and CPU bounded per tenant
+
+
+def test_stalled_readers_of_a_huge_layer_hold_no_big_buffers(tmp_path):
+    """Three readers of one 128 MiB layer stop reading after their first chunk: the store
+    holds a bounded read buffer each (not the layer), and cuts them off once idle."""
+    flags = ["--stream-idle-seconds", "4"]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
+    try:
+        with proc.client() as client:
+            block = one_layer_block(128 * MiB, token=3, fill=7)
+            put = client.put_blocks(NS, FP, [block])
+            client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+            before = rss_bytes(proc.proc.pid)
+            request = pb.GetBlocksRequest(namespace=NS, fingerprint=FP, keys=[put.blocks[0].key])
+            readers = [client._get(request, timeout=300) for _ in range(3)]
+            for reader in readers:
+                next(reader)  # the block header
+                chunk = wire.decode(next(reader), pb.GetBlocksResponse)
+                assert bytes(chunk[:4]) == b"\x07" * 4
+            grown = rss_bytes(proc.proc.pid) - before
+            assert grown < 64 * MiB, f"store RSS grew {grown / MiB:.0f} MiB for 3 stalled readers"
+            until(lambda: client.stats().num_leases == 0, "the stalled reads to be cut off")
+            for reader in readers:
+                reader.cancel()
+    finally:
+        proc.stop()
+
+
+def test_leases_are_bounded_per_namespace(tmp_path):
+    flags = ["--max-leases-per-namespace", "20"]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
+    try:
+        with proc.client() as client:
+            tokens = list(range(64))
+            blocks, keys = make_chain(tokens)
+            save(client, "greedy", "g", blocks, tokens)
+            save(client, "modest", "m", blocks, tokens)
+
+            def locate(ns: str) -> pb.LocateBlocksResponse:
+                return client.call(
+                    "LocateBlocks",
+                    pb.LocateBlocksRequest(namespace=ns, fingerprint=FP, keys=keys),
+                )
+
+            leases = [locate("greedy").lease_id for _ in range(20)]
+            with pytest.raises(ResourceExhausted) as err:
+                locate("greedy")
+            assert "namespace 'greedy' holds 20 leases, the limit" in err.value.message
+            assert locate("modest").lease_id  # another tenant is not hurt
+            client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases[0]))
+            assert locate("greedy").lease_id
+    finally:
+        proc.stop()
+
+
+def test_phase_and_metadata_are_bounded(store):
+    tokens = list(range(64))
+    blocks, keys = make_chain(tokens)
+    put = store.put_blocks(NS, FP, blocks)
+    commit = dict(namespace=NS, agent_id="a", fingerprint=FP, token_ids=tokens, block_keys=keys)
+    with pytest.raises(InvalidArgument) as err:
+        store.commit_agent(**commit, phase="x" * (4 * MiB // 4))
+    assert "phase 'xxx" in err.value.message and "limit 256" in err.value.message
+    many = {f"k{i}": "v" * 4000 for i in range(30)}
+    with pytest.raises(InvalidArgument) as err:
+        store.commit_agent(**commit, metadata=many)
+    assert "limit 98304" in err.value.message
+    store.commit_agent(**commit, phase="p" * 256, release_lease_id=put.lease_id)
+    assert [a.phase for a in store.list_agents(NS)] == ["p" * 256]
+
+
+# 10. leases are namespaced
+
+
+def test_a_lease_is_released_only_by_its_namespace(tmp_path):
+    a_token, b_token, ops = "tenant-a-token-0123456789", "tenant-b-token-0123456789", "o" * 24
+    table = tmp_path / "tokens.json"
+    table.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"name": "a", "token": a_token, "namespaces": ["a"]},
+                    {"name": "b", "token": b_token, "namespaces": ["b"]},
+                    {"name": "ops", "token": ops, "namespaces": ["*"]},
+                ]
+            }
+        )
+    )
+    table.chmod(0o600)
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", ["--auth-tokens", str(table)])
+    proc.start()
+    try:
+        a = StoreClient(proc.address, security=ClientSecurity(token=a_token))
+        b = StoreClient(proc.address, security=ClientSecurity(token=b_token))
+        admin = StoreClient(proc.address, security=ClientSecurity(token=ops))
+        blocks, _ = make_chain(list(range(64)))
+        put = a.put_blocks("a", FP, blocks)
+        with pytest.raises(PermissionDenied) as err:
+            b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+        assert "may not use namespace 'a'" in err.value.message
+        assert admin.stats().num_leases == 1
+        collected = a.call("CollectGarbage", pb.CollectGarbageRequest(namespace="a"))
+        assert collected.num_blocks_deleted == 0  # still leased, so still there
+        assert a.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id)).released
+        for c in (a, b, admin):
+            c.close()
+    finally:
+        proc.stop()
+
+
+# 11. risky settings refused or shouted about
+
+
+def start_output(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    """Starts a store that is expected to refuse its flags; its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "cache_store", "--data-dir", str(tmp_path / "d"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_tokens_beyond_loopback_need_tls_and_exposures_are_shouted(tmp_path):
+    table = tmp_path / "tokens.json"
+    table.write_text(json.dumps({"tokens": [{"token": "t" * 20, "namespaces": ["*"]}]}))
+    table.chmod(0o644)
+    refused = start_output(tmp_path, "--listen", "0.0.0.0:0", "--auth-tokens", str(table))
+    assert refused.returncode == 2
+    assert "with bearer tokens needs TLS" in refused.stderr
+    assert "--allow-plaintext-tokens" in refused.stderr
+    proc = StoreProcess(
+        tmp_path / "data",
+        tmp_path / "store.log",
+        ["--auth-tokens", str(table), "--allow-plaintext-tokens", "--metrics-listen", "0.0.0.0:0"],
+        listen="0.0.0.0:0",
+    ).start()
+    try:
+        log = proc.log_text()
+        assert "BEARER TOKENS IN CLEAR TEXT" in log
+        assert "METRICS BEYOND LOOPBACK" in log
+        assert f"TOKEN FILE READABLE BY OTHERS: {table} has mode 644" in log
+    finally:
+        proc.stop()
+
+
+# 12. private by default
+
+
+@pytest.mark.parametrize("umask", [None, "027"])
+def test_the_data_dir_is_private_by_default(tmp_path, umask):
+    flags = ["--umask", umask] if umask else []
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
+    try:
+        with proc.client() as client:
+            tokens = list(range(64))
+            blocks, _ = make_chain(tokens)
+            save(client, NS, "private", blocks, tokens)
+        hidden = 0o077 if umask is None else 0o007
+        paths = [proc.data_dir, proc.data_dir / "index" / "data.mdb"]
+        paths += list((proc.data_dir / "blocks").rglob("*"))
+        assert len(paths) > 4
+        for path in paths:
+            assert os.stat(path).st_mode & hidden == 0, f"{path} is {os.stat(path).st_mode:o}"
+        if umask:
+            payload = next((proc.data_dir / "blocks").rglob("*.safetensors"))
+            assert os.stat(payload).st_mode & 0o040  # its group may read it in place
+    finally:
+        proc.stop()
+
+
+def test_the_reply_header_cache_is_bounded_by_bytes():
+    """Headers of an 8192-layer block, one per layer subset: the cache keeps what fits its
+    byte bound, however many distinct subsets are asked for."""
+    from cache_store.service import MessageCache
+
+    def build(layers: int) -> pb.BlockHeader:
+        infos = [
+            pb.TensorInfo(name=f"layers.{i}.keys", dtype="U8", shape=[4]) for i in range(layers)
+        ]
+        return pb.BlockHeader(key=bytes(32), tensors=infos)
+
+    cache = MessageCache(max_bytes=4 * MiB)
+    for subset in range(400):
+        message = cache.get(("header", subset), lambda n: build(n), 4000 + subset)
+        assert len(message.tensors) == 4000 + subset
+    assert 3 * MiB < cache.num_bytes <= 4 * MiB
+    assert cache.get(("header", 399), lambda n: build(1), 0).tensors[-1].name == "layers.4398.keys"
