@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -109,3 +110,36 @@ def assert_store_consistent(
     for key in indexed if sent is not None else ():
         (back,) = client.get_blocks(namespace, FP, [key])
         assert same_bytes(sent[key], back)
+
+
+def make_certs(d: Path, server_names: str = "IP:127.0.0.1,DNS:localhost") -> Path:
+    """A test CA (ca.pem), a server certificate for `server_names` (server.pem/.key) and a
+    client certificate (client.pem/.key) in `d`; skips where openssl is missing."""
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make test certificates")
+    d.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "2", "-subj", "/CN=agentkv test CA", cwd=d,
+    )  # fmt: skip
+    for name, extra in (
+        ("server", f"subjectAltName={server_names}"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
+            "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d,
+        )  # fmt: skip
+        (d / f"{name}.ext").write_text(extra + "\n")
+        _openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
+            cwd=d,
+        )  # fmt: skip
+    return d
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)

@@ -1,7 +1,7 @@
 """The store and the worker on separate hosts: the store in its own network namespace, joined
 to the worker's by a veth pair, so restores stream over a real interface (not loopback), with
-the bearer tokens that listening beyond loopback requires. Skipped, saying why, where network
-namespaces cannot be made."""
+the bearer tokens and TLS that listening beyond loopback requires. Skipped, saying why,
+where network namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from agentkv.launch import store_process, worker_process
 from agentkv.security import ClientSecurity
 from client.store import StoreClient
 from client.worker import WorkerClient
+from tests.helpers import make_certs
 
 TOKEN = "multihost-token-0123456789"
 
@@ -59,11 +60,13 @@ def test_restore_streams_across_hosts(store_host, tmp_path, tiny_model_dirs):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"tokens": [{"token": TOKEN, "namespaces": ["*"]}]}))
     (tmp_path / "token").write_text(TOKEN)
+    certs = make_certs(tmp_path / "certs", f"IP:{host}")  # tokens beyond loopback need TLS
+    tls = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")]
     store = store_process(
         tmp_path / "data",
         tmp_path / "store.log",
         listen=f"{host}:0",
-        extra_args=["--auth-tokens", str(tokens)],
+        extra_args=["--auth-tokens", str(tokens), *tls],
         prefix=("ip", "netns", "exec", netns),
     ).start()
     worker = None
@@ -73,7 +76,14 @@ def test_restore_streams_across_hosts(store_host, tmp_path, tiny_model_dirs):
             str(tiny_model_dirs["llama"]),
             store.address,
             tmp_path / "worker.log",
-            extra_args=["--block-tokens", "64", "--store-token-file", str(tmp_path / "token")],
+            extra_args=[
+                "--block-tokens",
+                "64",
+                "--store-token-file",
+                str(tmp_path / "token"),
+                "--store-tls-ca",
+                str(certs / "ca.pem"),
+            ],
         ).start()
         w = WorkerClient(worker.address)
         system = "You are the archivist of a distant library. " * 20
@@ -89,7 +99,8 @@ def test_restore_streams_across_hosts(store_host, tmp_path, tiny_model_dirs):
         assert not moved.usage.restore_failure
         assert moved.token_ids == stayed.token_ids
         assert received(veth) - before >= moved.usage.restored_bytes > 0  # over the veth
-        remote = StoreClient(store.address, security=ClientSecurity(token=TOKEN))
+        security = ClientSecurity(token=TOKEN, tls_ca=str(certs / "ca.pem"))
+        remote = StoreClient(store.address, security=security)
         assert remote.get_agent("ns", "moved").agent_id == "moved"
     finally:
         if worker is not None:

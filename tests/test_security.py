@@ -9,7 +9,6 @@ and a server never listens beyond loopback without tokens unless told so loudly.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from agentkv.launch import store_process
 from agentkv.security import ClientSecurity, ServerSecurity, TokenTable
 from client.store import StoreClient
 from client.synthetic import make_chain
+from tests.helpers import make_certs
 
 TEAM_A = "team-a-token-0123456789"
 OPS = "ops-token-0123456789abcdef"
@@ -170,69 +170,9 @@ def test_a_bad_token_file_stops_the_store_at_start(tmp_path):
 # TLS
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture
 def certs(tmp_path) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed: cannot make test certificates")
-    d = tmp_path / "certs"
-    d.mkdir()
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=agentkv test CA",
-        cwd=d,
-    )
-    for name, extra in (
-        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ):
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            f"/CN={name}",
-            cwd=d,
-        )
-        (d / f"{name}.ext").write_text(extra + "\n")
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "2",
-            "-extfile",
-            f"{name}.ext",
-            cwd=d,
-        )
-    return d
+    return make_certs(tmp_path / "certs")
 
 
 def test_tls_and_mtls(tmp_path, certs):
