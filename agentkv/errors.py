@@ -81,6 +81,15 @@ class CorruptBlock(AgentKVError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class BlockMisfit(CorruptBlock):
+    """Blocks whose tensors do not fit the reader's model (found by the reader, not a
+    checksum); `keys` names them."""
+
+    def __init__(self, message: str, keys: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        self.keys = keys or []
+
+
 class CorruptRecord(AgentKVError):
     """An index record (an agent's manifest, a block's record) failed its checksum or would
     not decode; the store quarantines it. `table` and `key` name it in the index."""
@@ -150,6 +159,7 @@ ERRORS: dict[str, type[AgentKVError]] = {
         GenerationConflict,
         OutOfRange,
         CorruptBlock,
+        BlockMisfit,
         CorruptRecord,
         IndexUnusable,
         ResourceExhausted,

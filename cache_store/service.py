@@ -152,7 +152,9 @@ class CacheStoreServicer:
         self, request: pb.ReportCorruptBlockRequest, context: grpc.ServicerContext
     ) -> pb.ReportCorruptBlockResponse:
         _allowed(request.namespace)
-        done = self.store.report_corrupt(request.namespace, request.key, request.reason)
+        done = self.store.report_corrupt(
+            request.namespace, request.key, request.reason, request.does_not_fit
+        )
         return pb.ReportCorruptBlockResponse(quarantined=done)
 
     def FindLongestPrefix(

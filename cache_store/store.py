@@ -196,12 +196,19 @@ class CacheStore:
     def path_of(self, record: BlockRecord) -> str:
         return str(self.payloads.path(record.relpath))
 
-    def report_corrupt(self, namespace: str, key: bytes, reason: str) -> bool:
+    def report_corrupt(
+        self, namespace: str, key: bytes, reason: str, does_not_fit: bool = False
+    ) -> bool:
+        """Quarantines a block whose payload fails a check, or, on a namespace writer's word
+        (`does_not_fit`), one whose tensors cannot belong to its model."""
         ns, key = validation.namespace(namespace), validation.key(key)
         with self.index.read() as txn:
             record = self.index.get_block(txn, ns, key)
         if record is None:
             raise BlockNotFound(f"block {key.hex()} not found in namespace {ns!r}")
+        if does_not_fit:
+            self._quarantine(record, f"reported not to fit its model: {reason}")
+            return True
         try:
             self.payloads.verify(record)
         except CorruptBlock as exc:

@@ -144,6 +144,13 @@ class StoreClient:
                 self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-read")
             return self._read_pool
 
+    def report_misfit(self, namespace: str, key: bytes, reason: str) -> bool:
+        """Tells the store a block's tensors do not fit its model; it quarantines the block."""
+        request = pb.ReportCorruptBlockRequest(
+            namespace=namespace, key=key, reason=reason, does_not_fit=True
+        )
+        return self.call("ReportCorruptBlock", request).quarantined
+
     def _report(self, namespace: str, exc: CorruptFile) -> None:
         request = pb.ReportCorruptBlockRequest(namespace=namespace, key=exc.key, reason=exc.message)
         # The store may have quarantined it already; the read failed either way.

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from agentkv.errors import CorruptBlock
+from agentkv.errors import BlockMisfit, CorruptBlock
 from agentkv.keys import ROOT_KEY, block_key
 from agentkv.layers import LayerSpec
 from client.blocks import Block, StoredBlock, Tensor
@@ -121,11 +121,31 @@ def check_tensor(tensor: Tensor, want: TensorSpec, key: bytes) -> None:
     got = TensorSpec(tensor.dtype, tuple(tensor.shape))
     size = math.prod(want.shape) * NUMPY_DTYPES[want.dtype]().itemsize
     if got != want or tensor.num_bytes != size:
-        raise CorruptBlock(
+        raise BlockMisfit(
             f"block {key.hex()} tensor {tensor.name} is {got.dtype} {list(got.shape)} "
             f"({tensor.num_bytes} bytes); this model needs {want.dtype} {list(want.shape)} "
-            f"({size} bytes)"
+            f"({size} bytes)",
+            [key],
         )
+
+
+def misfits(
+    blocks: Sequence[StoredBlock], specs: Sequence[LayerSpec], fmt: KVFormat
+) -> list[BlockMisfit]:
+    """Each block with a tensor read back that does not fit the model (check_tensor), or
+    that the model has no place for."""
+    found = []
+    for block in blocks:
+        try:
+            for t in block.tensors:
+                _, layer, kv, part = (t.name.split(".") + ["", "", ""])[:4]
+                if not layer.isdigit() or int(layer) >= len(specs) or part not in PARTS:
+                    raise BlockMisfit(f"block {block.key.hex()} holds {t.name!r}", [block.key])
+                want = part_spec(specs[int(layer)], fmt, kv, part, len(block.token_ids))
+                check_tensor(t, want, block.key)
+        except BlockMisfit as exc:
+            found.append(exc)
+    return found
 
 
 @dataclass(slots=True)

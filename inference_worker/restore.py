@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.errors import AgentKVError
+from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock
 from agentkv.layers import LayerSpec
 from client.blocks import StoredBlock, alloc
 from client.store import StoreClient
@@ -30,6 +30,7 @@ from inference_worker.blocks import (
     caches_from_host,
     check_chain,
     host_layers,
+    misfits,
 )
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat
@@ -103,7 +104,10 @@ class Restorer:
             log.warning(
                 "restore failed, re-prefilling", extra={"agent": agent_id, "error": str(exc)}
             )
-            fetched.failure = f"{type(exc).__name__}: {exc}"
+            kind = CorruptBlock.__name__ if isinstance(exc, CorruptBlock) else type(exc).__name__
+            fetched.failure = f"{kind}: {exc}"
+            if isinstance(exc, BlockMisfit):
+                self._report_misfit(namespace, exc)
             return fetched
         fetched.layers, fetched.keys, fetched.counts, fetched.bytes_read = (
             layers,
@@ -112,6 +116,15 @@ class Restorer:
             read,
         )
         return fetched
+
+    def _report_misfit(self, namespace: str, exc: BlockMisfit) -> None:
+        """Has the store quarantine a block that cannot be this model's, so the agent's next
+        write stores the right KV under its key instead of deduplicating onto it."""
+        try:
+            for key in exc.keys:
+                self.client.report_misfit(namespace, key, exc.message)
+        except AgentKVError as error:  # the restore failed either way; the next one retries
+            log.warning("could not report a misfit block", extra={"error": error.message})
 
     def build(self, fetched: Fetched) -> Restored:
         """The agent with caches made from what fetch read; on the MLX thread."""
@@ -152,6 +165,9 @@ class Restorer:
         try:
             blocks = self._read(namespace, keys, counts, buffer)
             check_chain(blocks, keys, counts, token_ids)
+            if bad := misfits(blocks, self.specs, self.fmt):
+                more = f" (and {len(bad) - 1} more blocks)" if len(bad) > 1 else ""
+                raise BlockMisfit(bad[0].message + more, [b.keys[0] for b in bad])
             windows = self.windows or [None] * len(self.specs)
             layers = host_layers(blocks, windows, self.fmt, self.block_tokens, self.specs)
             used = sum(t.num_bytes for b in blocks for t in b.tensors)

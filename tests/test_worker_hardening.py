@@ -132,7 +132,15 @@ def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
         assert reply.token_ids == control.token_ids
         again = w.turn(ns, "agent", Q1, max_tokens=4)  # not broken: hot from now on
         assert again.usage.cache_state == "hot" and len(again.token_ids) == 4
+        # Healed: the worker had the store quarantine the misfit, so its next write stored
+        # the right KV under that key (not a dedup onto the planted block).
+        w.wait_durable(ns, "agent")
+        w.evict(ns, "agent")
+        healed = w.turn(ns, "agent", Q2, max_tokens=4)
+        assert healed.usage.cache_state == "warm" and not healed.usage.restore_failure
     assert metric(proc, "agentkv_worker_restore_failures_total") == 2
+    # The first block of "short" and every block of "wide" (each reported, not only the first).
+    assert store.stats().num_quarantined == 1 + len(manifest.block_keys)
 
 
 # one bad turn does not hurt the others

@@ -177,14 +177,16 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ReportCorruptBlockRequest(_message.Message):
-    __slots__ = ("namespace", "key", "reason")
+    __slots__ = ("namespace", "key", "reason", "does_not_fit")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DOES_NOT_FIT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: bytes
     reason: str
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+    does_not_fit: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., reason: _Optional[str] = ..., does_not_fit: _Optional[bool] = ...) -> None: ...
 
 class ReportCorruptBlockResponse(_message.Message):
     __slots__ = ("quarantined",)
