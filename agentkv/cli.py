@@ -18,166 +18,14 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 
 from agentkv.errors import AgentKVError
 from agentkv.layers import describe, layer_specs
 from agentkv.planner import TABLE14_NOTES, load_config, parse_size, parse_tokens, plan, table14
-from agentkv.v1 import store_pb2 as pb
+from agentkv.units import human_bytes, table
+from client.inspect import STORE_COMMANDS
 from client.store import StoreClient
-
-
-def _when(unix_ms: int) -> str:
-    return datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    raise AssertionError
-
-
-def _quota(num_bytes: int) -> str:
-    return _size(num_bytes) if num_bytes else "none"
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain-text table with columns padded to fit."""
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def cmd_stats(client: StoreClient, args: argparse.Namespace) -> None:
-    s = client.stats()
-    print(
-        table(
-            ["field", "value"],
-            [
-                ("namespaces", s.num_namespaces),
-                ("agents", s.num_agents),
-                ("blocks", s.num_blocks),
-                ("stored", _size(s.num_bytes)),
-                ("quota", _quota(s.quota_bytes)),
-                ("evicted blocks", s.num_evicted_blocks),
-                ("evicted agents", s.num_evicted_agents),
-                ("quarantined", s.num_quarantined),
-                ("leases", s.num_leases),
-                ("disk free", _size(s.disk_free_bytes)),
-            ],
-        )
-    )
-
-
-def cmd_namespaces(client: StoreClient, args: argparse.Namespace) -> None:
-    reply = client.call("ListNamespaces", pb.ListNamespacesRequest())
-    rows = [
-        (n.name, n.num_agents, n.num_blocks, _size(n.num_bytes), _quota(n.quota_bytes))
-        for n in reply.namespaces
-    ]
-    print(table(["namespace", "agents", "blocks", "bytes", "quota"], rows))
-
-
-def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:
-    rows = [
-        (
-            a.agent_id,
-            a.num_tokens,
-            a.num_blocks,
-            _size(a.num_bytes),
-            a.phase or "-",
-            a.generation,
-            _when(a.updated_unix_ms),
-        )
-        for a in client.list_agents(args.namespace)
-    ]
-    print(table(["agent", "tokens", "blocks", "bytes", "phase", "gen", "updated (UTC)"], rows))
-
-
-def cmd_agent(client: StoreClient, args: argparse.Namespace) -> None:
-    a = client.get_agent(args.namespace, args.agent_id)
-    missing = {k for k in a.missing_block_keys}
-    print(
-        table(
-            ["field", "value"],
-            [
-                ("agent", a.agent_id),
-                ("namespace", a.namespace),
-                ("fingerprint", a.fingerprint),
-                ("tokens", len(a.token_ids)),
-                ("blocks", len(a.block_keys)),
-                ("bytes", _size(a.num_bytes)),
-                ("phase", a.phase or "-"),
-                ("generation", a.generation),
-                ("created (UTC)", _when(a.created_unix_ms)),
-                ("updated (UTC)", _when(a.updated_unix_ms)),
-                *((f"metadata.{k}", v) for k, v in sorted(a.metadata.items())),
-            ],
-        )
-    )
-    print()
-    rows = [
-        (i, k.hex()[:16], n, "MISSING" if k in missing else "ok")
-        for i, (k, n) in enumerate(zip(a.block_keys, a.block_num_tokens, strict=True))
-    ]
-    print(table(["#", "block", "tokens", "state"], rows))
-
-
-def cmd_blocks(client: StoreClient, args: argparse.Namespace) -> None:
-    rows = [
-        (
-            b.key.hex()[:16],
-            b.parent_key.hex()[:16] or "(root)",
-            b.num_tokens,
-            _size(b.num_bytes),
-            b.refcount,
-            _when(b.last_access_unix_ms),
-        )
-        for b in client.list_blocks(args.namespace)
-    ]
-    print(table(["block", "parent", "tokens", "bytes", "refs", "last access (UTC)"], rows))
-
-
-def cmd_verify(client: StoreClient, args: argparse.Namespace) -> None:
-    reply = client.call(
-        "VerifyBlocks", pb.VerifyBlocksRequest(namespace=args.namespace), timeout=3600
-    )
-    print(
-        f"checked {reply.num_checked} blocks, {_size(reply.num_bytes)}; "
-        f"{len(reply.corrupt)} corrupt (quarantined)"
-    )
-    for c in reply.corrupt:
-        print(f"  {c.namespace}/{c.key.hex()}: {c.reason}")
-    if reply.corrupt_records:
-        print(f"{len(reply.corrupt_records)} corrupt index records (quarantined)")
-    for r in reply.corrupt_records:
-        print(f"  {r.table} {r.namespace}/{r.id}: {r.reason}")
-    if reply.corrupt or reply.corrupt_records:
-        sys.exit(1)
-
-
-def cmd_gc(client: StoreClient, args: argparse.Namespace) -> None:
-    reply = client.call("CollectGarbage", pb.CollectGarbageRequest(namespace=args.namespace))
-    print(
-        f"deleted {reply.num_blocks_deleted} unreferenced blocks "
-        f"({_size(reply.num_bytes_freed)}), removed {reply.num_orphans_removed} orphan files"
-    )
-
-
-STORE_COMMANDS: dict[str, tuple[Callable[[StoreClient, argparse.Namespace], None], str]] = {
-    "stats": (cmd_stats, "store-wide counters and capacity"),
-    "namespaces": (cmd_namespaces, "namespaces with their usage"),
-    "agents": (cmd_agents, "agents of a namespace"),
-    "agent": (cmd_agent, "one agent's manifest and blocks"),
-    "blocks": (cmd_blocks, "blocks of a namespace"),
-    "verify": (cmd_verify, "re-read every payload and index record and check every checksum"),
-    "gc": (cmd_gc, "delete unreferenced blocks and orphan files"),
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,7 +206,7 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
                 a.agent_id,
                 a.tier,
                 a.num_tokens,
-                _size(a.num_bytes),
+                human_bytes(a.num_bytes),
                 a.phase,
                 mem.worker_for(a.agent_id),
             ]

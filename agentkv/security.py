@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
-import ipaddress
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from agentkv.addresses import is_loopback_host
 from agentkv.errors import PermissionDenied, Unauthenticated
 
 ALL = "*"
@@ -409,14 +409,6 @@ def server_security(a) -> ServerSecurity:
         a.allow_unauthenticated,
         a.allow_plaintext_tokens,
     )
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for a loopback IP or `localhost`; False for any other host, wildcards included."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def read_token(path: str) -> str:

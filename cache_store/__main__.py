@@ -9,17 +9,9 @@ from pathlib import Path
 from agentkv import logs
 from agentkv.errors import AgentKVError
 from agentkv.security import add_server_flags, server_security
+from agentkv.units import parse_bytes
 from cache_store.config import StoreConfig
 from cache_store.server import serve
-
-
-def parse_size(text: str) -> int:
-    """'512M', '20G', '1048576' -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def parse_namespace_quota(text: str) -> tuple[str, int]:
@@ -28,7 +20,7 @@ def parse_namespace_quota(text: str) -> tuple[str, int]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAMESPACE=SIZE or *=SIZE, got {text!r}")
     try:
-        return name.strip(), parse_size(size)
+        return name.strip(), parse_bytes(size)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid size {size!r} in {text!r}") from None
 
@@ -47,7 +39,7 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
         default=None,
         help="HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe)",
     )
-    p.add_argument("--quota", type=parse_size, default=0, help="payload byte quota, e.g. 20G")
+    p.add_argument("--quota", type=parse_bytes, default=0, help="payload byte quota, e.g. 20G")
     p.add_argument(
         "--namespace-quota",
         type=parse_namespace_quota,

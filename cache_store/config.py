@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentkv.security import ServerSecurity, is_loopback_host
+from agentkv.addresses import is_loopback, listen_host, tcp_listen
+from agentkv.ids import NAMESPACE_RE
+from agentkv.security import ServerSecurity
 from agentkv.wire import MAX_CHUNK_BYTES
-from cache_store.validation import NAMESPACE_RE
 
 ANY_NAMESPACE = "*"
 
@@ -81,29 +82,3 @@ class StoreConfig:
     def namespace_quota(self, namespace: str) -> int:
         """The byte quota of one namespace; 0 when it has none."""
         return self.namespace_quotas.get(namespace, self.namespace_quotas.get(ANY_NAMESPACE, 0))
-
-
-def is_loopback(address: str) -> bool:
-    """True for a unix socket or a loopback host: this machine only."""
-    host = listen_host(address)
-    return host is None or is_loopback_host(host)
-
-
-def tcp_listen(name: str, listen: str | None) -> None:
-    """Checks an optional HOST:PORT setting (no unix sockets); ValueError naming it."""
-    if listen is not None and listen.startswith("unix:"):
-        raise ValueError(f"{name} must be HOST:PORT, got {listen!r}")
-    if listen is not None:
-        listen_host(listen)
-
-
-def listen_host(listen: str) -> str | None:
-    """The host part of a listen address; None for a unix socket. Raises ValueError if malformed."""
-    if listen.startswith("unix:"):
-        if len(listen) <= len("unix:"):
-            raise ValueError("unix socket address needs a path: unix:/path/to.sock")
-        return None
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"listen address must be HOST:PORT or unix:PATH, got {listen!r}")
-    return host

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 import grpc
 from google.protobuf.message import Message
 
-from agentkv import security, wire
+from agentkv import ids, security, wire
 from agentkv.errors import InvalidArgument
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
-from cache_store import manifests, validation
+from cache_store import manifests
 from cache_store.records import BlockRecord
 from cache_store.store import CacheStore, Selection, page_size_limit
 from cache_store.streams import StreamGuard
@@ -294,7 +294,7 @@ class CacheStoreServicer:
 
 def _allowed(namespace: str) -> None:
     """The caller's token must cover the namespace (checked before any of its data is read)."""
-    security.check_namespace(validation.namespace(namespace))
+    security.check_namespace(ids.namespace(namespace))
 
 
 def _allowed_or_all(namespace: str, what: str) -> None:

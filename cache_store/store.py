@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from agentkv import ids
 from agentkv.errors import (
     BlockNotFound,
     CorruptBlock,
@@ -21,7 +22,7 @@ from agentkv.errors import (
     InvalidArgument,
 )
 from agentkv.keys import block_key
-from cache_store import integrity, manifests, validation
+from cache_store import integrity, manifests
 from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
 from cache_store.index import Index
@@ -139,14 +140,12 @@ class CacheStore:
         self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int]
     ) -> list[Selection]:
         """Checks every key first, so a stream never starts for a request that must fail."""
-        ns = validation.namespace(namespace)
-        fp = validation.fingerprint(fingerprint)
+        ns = ids.namespace(namespace)
+        fp = ids.fingerprint(fingerprint)
         if not keys:
             raise InvalidArgument("no keys requested")
         with self.index.read() as txn:
-            records = [
-                self.index.require_block(txn, ns, fp, validation.key(k), "key") for k in keys
-            ]
+            records = [self.index.require_block(txn, ns, fp, ids.key(k), "key") for k in keys]
         return [_select(r, set(layers)) for r in records]
 
     @contextmanager
@@ -201,7 +200,7 @@ class CacheStore:
     ) -> bool:
         """Quarantines a block whose payload fails a check, or, on a namespace writer's word
         (`does_not_fit`), one whose tensors cannot belong to its model."""
-        ns, key = validation.namespace(namespace), validation.key(key)
+        ns, key = ids.namespace(namespace), ids.key(key)
         with self.index.read() as txn:
             record = self.index.get_block(txn, ns, key)
         if record is None:
@@ -220,8 +219,8 @@ class CacheStore:
     def longest_prefix(
         self, namespace: str, fingerprint: str, token_ids: Sequence[int]
     ) -> list[BlockRecord]:
-        ns, fp = validation.namespace(namespace), validation.fingerprint(fingerprint)
-        tokens = validation.token_ids(token_ids, self.config.max_agent_tokens)
+        ns, fp = ids.namespace(namespace), ids.fingerprint(fingerprint)
+        tokens = ids.token_ids(token_ids, self.config.max_agent_tokens)
         chain: list[BlockRecord] = []
         parent, pos = b"", 0
         with self.index.read() as txn:
@@ -249,13 +248,13 @@ class CacheStore:
     # agents
 
     def commit_agent(self, c: manifests.Commit, release_lease_id: str = "") -> manifests.AgentView:
-        c.namespace = validation.namespace(c.namespace)
-        validation.agent_id(c.agent_id)
-        validation.fingerprint(c.fingerprint)
-        c.token_ids = validation.token_ids(c.token_ids, self.config.max_agent_tokens)
-        c.metadata = validation.metadata(c.metadata)
-        c.phase = validation.phase(c.phase)
-        c.block_keys = [validation.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
+        c.namespace = ids.namespace(c.namespace)
+        ids.agent_id(c.agent_id)
+        ids.fingerprint(c.fingerprint)
+        c.token_ids = ids.token_ids(c.token_ids, self.config.max_agent_tokens)
+        c.metadata = ids.metadata(c.metadata)
+        c.phase = ids.phase(c.phase)
+        c.block_keys = [ids.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
         record, result = self._with_room(self._commit, c)
         if release_lease_id:
             self.leases.release(release_lease_id)
@@ -279,10 +278,10 @@ class CacheStore:
     def get_agent(
         self, namespace: str, agent_id: str, fingerprint: str = ""
     ) -> manifests.AgentView:
-        ns = validation.namespace(namespace)
-        validation.agent_id(agent_id)
+        ns = ids.namespace(namespace)
+        ids.agent_id(agent_id)
         if fingerprint:
-            validation.fingerprint(fingerprint)
+            ids.fingerprint(fingerprint)
         with self._repairing(), self.index.read() as txn:
             record = manifests.get(self.index, txn, ns, agent_id)
             if fingerprint and record.fingerprint != fingerprint:
@@ -297,14 +296,14 @@ class CacheStore:
     def list_agents(
         self, namespace: str, page_token: str, page_size: int
     ) -> list[manifests.AgentView]:
-        ns = validation.namespace(namespace)
+        ns = ids.namespace(namespace)
         with self._repairing(), self.index.read() as txn:
             page = self.index.agent_page(txn, ns, page_token, page_size_limit(page_size))
             return [manifests.view(self.index, txn, r) for r in page]
 
     def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
-        ns = validation.namespace(namespace)
-        validation.agent_id(agent_id)
+        ns = ids.namespace(namespace)
+        ids.agent_id(agent_id)
         with self.index.write() as txn:
             released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
         self.capacity.forget_agent(ns, agent_id)
@@ -319,11 +318,11 @@ class CacheStore:
         phase: str,
         metadata: dict[str, str],
     ) -> manifests.AgentView:
-        ns = validation.namespace(namespace)
-        validation.agent_id(source_id, "source_agent_id")
-        validation.agent_id(new_id, "new_agent_id")
-        metadata = validation.metadata(metadata)
-        phase = validation.phase(phase)
+        ns = ids.namespace(namespace)
+        ids.agent_id(source_id, "source_agent_id")
+        ids.agent_id(new_id, "new_agent_id")
+        metadata = ids.metadata(metadata)
+        phase = ids.phase(phase)
         with self.index.write() as txn:
             record = manifests.fork(
                 self.index, txn, ns, source_id, new_id, num_tokens, phase, metadata, now_ms()
@@ -339,7 +338,7 @@ class CacheStore:
         return {n: {**u, "quota": self.config.namespace_quota(n)} for n, u in usage.items()}
 
     def list_blocks(self, namespace: str, page_token: bytes, page_size: int) -> list[BlockRecord]:
-        ns = validation.namespace(namespace)
+        ns = ids.namespace(namespace)
         with self.index.read() as txn:
             return self.index.block_page(txn, ns, page_token, page_size_limit(page_size))
 
@@ -369,7 +368,7 @@ class CacheStore:
     def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]]]:
         """Checks every index record and reads every payload, checking every checksum;
         quarantines what fails (bad index records: see bad_records)."""
-        ns = validation.namespace(namespace) if namespace else None
+        ns = ids.namespace(namespace) if namespace else None
         with self.index.read() as txn:
             damaged = bool(integrity.scan(self.index, txn, ns))
         if damaged:
@@ -395,13 +394,13 @@ class CacheStore:
     def bad_records(self, namespace: str = "") -> list[integrity.BadRecord]:
         """Agent and block records found corrupt and quarantined, until the agent is deleted
         or committed anew, or the block uploaded again."""
-        ns = validation.namespace(namespace) if namespace else None
+        ns = ids.namespace(namespace) if namespace else None
         with self.index.read() as txn:
             return integrity.quarantined(self.index, txn, ns)
 
     def collect_garbage(self, namespace: str = "") -> tuple[int, int, int]:
         """Deletes unreferenced, unleased blocks, then orphan files. (blocks, bytes, orphans)"""
-        ns = validation.namespace(namespace) if namespace else None
+        ns = ids.namespace(namespace) if namespace else None
         deleted, freed = self.capacity.collect(ns)
         return deleted, freed, self._remove_orphans()
 

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from agentkv import ids
 from agentkv.errors import (
     BlockNotFound,
     CorruptBlock,
@@ -117,10 +118,10 @@ class Uploads:
         return results, lease_id, expires
 
     def begin(self, header: PutHeader) -> BlockUpload:
-        ns = validation.namespace(header.namespace)
-        fp = validation.fingerprint(header.fingerprint)
-        parent = validation.key(header.parent_key, "parent_key", allow_root=True)
-        tokens = validation.token_ids(header.token_ids, self.config.max_block_tokens)
+        ns = ids.namespace(header.namespace)
+        fp = ids.fingerprint(header.fingerprint)
+        parent = ids.key(header.parent_key, "parent_key", allow_root=True)
+        tokens = ids.token_ids(header.token_ids, self.config.max_block_tokens)
         if not tokens:
             raise InvalidArgument("a block needs at least one token")
         layout = validation.tensor_layout(header.tensors, self.config.max_block_bytes)

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
-from agentkv.cli import table
 from agentkv.launch import ServiceProcess, store_process, worker_process
+from agentkv.units import table
 from client.memory import AgentMemory
 from client.scenario import PhaseSpec, Turn, load_scenario, run_scenario
 from client.workflow import Record, Workflow

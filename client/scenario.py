@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from agentkv.errors import InvalidArgument
-from cache_store.validation import AGENT_ID_RE, NAMESPACE_RE
+from agentkv.ids import AGENT_ID_RE, NAMESPACE_RE
 from client.memory import AgentMemory
 from client.workflow import Record, Role, Workflow
 

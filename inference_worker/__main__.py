@@ -9,7 +9,7 @@ import sys
 
 from agentkv import logs
 from agentkv.security import ClientSecurity, add_server_flags, read_token, server_security
-from cache_store.__main__ import parse_size
+from agentkv.units import parse_bytes
 
 
 def build_config(argv: list[str] | None = None):
@@ -52,7 +52,7 @@ def build_config(argv: list[str] | None = None):
     )
     p.add_argument(
         "--hot-budget",
-        type=parse_size,
+        type=parse_bytes,
         default=2 << 30,
         help="RAM for KV caches: the hot tier and the live batch together",
     )

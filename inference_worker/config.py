@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentkv.addresses import is_loopback, listen_host, tcp_listen
 from agentkv.security import ClientSecurity, ServerSecurity
-from cache_store.config import listen_host, tcp_listen
 from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")
@@ -76,6 +76,5 @@ class WorkerConfig:
             raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}: {self.gguf_weights!r}")
         tcp_listen("metrics_listen", self.metrics_listen)
         tcp_listen("health_listen", self.health_listen)
-        from cache_store.config import is_loopback
 
         self.security.check(self.listen, is_loopback(self.listen))

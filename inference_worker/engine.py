@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from agentkv import ids
 from agentkv.errors import (
     AgentExists,
     AgentKVError,
@@ -27,7 +28,6 @@ from agentkv.errors import (
     OutOfRange,
 )
 from agentkv.layers import KVStorage
-from cache_store import validation
 from client.store import StoreClient
 from inference_worker.agents import Agent, Checkpoint, HotTier
 from inference_worker.batching import ActiveTurn, Batcher
@@ -215,8 +215,8 @@ class Engine:
     def create_agent(
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
     ) -> AgentInfo:
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
-        metadata = validation.metadata(metadata)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
+        metadata = ids.metadata(metadata)
         if self.hot.get((ns, agent_id)) is not None:  # the RPC thread asked the store
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
         if len(system) > SYSTEM_CHUNK * MAX_SYSTEM_CHUNKS:
@@ -376,7 +376,7 @@ class Engine:
 
     def describe_hot(self, ns: str, agent_id: str) -> AgentInfo | None:
         """The agent's state if it is in RAM here; None if only the store may hold it."""
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         agent = self.hot.get((ns, agent_id))
         return self._info(agent, "hot") if agent is not None else None
 
@@ -441,7 +441,7 @@ class Engine:
     ) -> Agent | None:
         """The agent in RAM if that copy is current, else restored from `fetched`; None when
         it must be fetched first."""
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         agent = self.hot.get((ns, agent_id))
         adopt = self.persister.adopt_own_commit
         if agent is not None and (agent.stale or not is_current(agent, view, adopt)):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from agentkv import ids
 from agentkv.errors import AgentExists, AgentNotFound
-from cache_store import validation
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
 from inference_worker.turns import AgentInfo, TurnJob
@@ -26,7 +26,7 @@ class Front:
     def create_agent(
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
     ) -> AgentInfo:
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         if self._in_store(ns, agent_id):
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
         return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
@@ -35,14 +35,14 @@ class Front:
         """Queues the turn (Engine.start_turn); raises what refused it. The store is asked
         first whether the agent changed elsewhere (briefly), and read whole when the agent
         must be restored."""
-        ns, agent_id = validation.namespace(job.namespace), validation.agent_id(job.agent_id)
+        ns, agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             fetched = self.engine.restorer.fetch(ns, agent_id)
             self._mlx(self.engine.start_turn, job, view, fetched)
 
     def describe(self, ns: str, agent_id: str) -> AgentInfo:
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         info = self._mlx(self.engine.describe_hot, ns, agent_id)
         if info is not None:
             return info
@@ -62,14 +62,14 @@ class Front:
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         """Drops the agent from RAM once its whole cache is committed."""
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         self._wait_durable(ns, agent_id)
         return self._mlx(self.engine.evict, ns, agent_id)
 
     def fork(self, ns: str, source_id: str, agent_id: str, phase: str) -> AgentInfo:
         """A new agent whose context is the source's: the store shares the source's blocks."""
-        ns, source_id = validation.namespace(ns), validation.agent_id(source_id)
-        agent_id = validation.agent_id(agent_id)
+        ns, source_id = ids.namespace(ns), ids.agent_id(source_id)
+        agent_id = ids.agent_id(agent_id)
         if self._mlx(self.engine.fork_source, ns, source_id, agent_id):
             self._wait_durable(ns, source_id)
             self._mlx(self.engine.durable_agent, ns, source_id, "fork")
@@ -79,7 +79,7 @@ class Front:
         return self.describe(ns, agent_id)
 
     def delete(self, ns: str, agent_id: str) -> bool:
-        ns, agent_id = validation.namespace(ns), validation.agent_id(agent_id)
+        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         agent = self._mlx(self.engine.drop, ns, agent_id)
         if agent is not None and agent.pending is not None:
             agent.pending.result()  # its last write lands before the delete

@@ -15,6 +15,7 @@ import mlx.core as mx
 from grpc_health.v1 import health
 from mlx_lm import load
 
+from agentkv.addresses import is_loopback
 from agentkv.rpc import (
     add_health_and_reflection,
     bind,
@@ -25,7 +26,6 @@ from agentkv.rpc import (
     wait_for_signal,
 )
 from agentkv.worker.v1 import worker_pb2
-from cache_store.config import is_loopback
 from client.store import StoreClient
 from inference_worker.config import WorkerConfig
 from inference_worker.engine import Engine

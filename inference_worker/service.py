@@ -7,11 +7,10 @@ from dataclasses import asdict
 
 import grpc
 
-from agentkv import security
+from agentkv import ids, security
 from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
-from cache_store import validation
 from inference_worker.chat import ChatMessage
 from inference_worker.front import Front
 from inference_worker.sampling import Sampling
@@ -127,7 +126,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
 def _allowed(namespace: str) -> None:
     """The caller's token must cover the namespace, checked on the RPC thread."""
-    security.check_namespace(validation.namespace(namespace))
+    security.check_namespace(ids.namespace(namespace))
 
 
 def _state(info: AgentInfo) -> pb.AgentState:

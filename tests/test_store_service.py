@@ -14,7 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from agentkv.launch import ServiceProcess
-from cache_store.__main__ import build_config, parse_size
+from agentkv.units import parse_bytes
+from cache_store.__main__ import build_config
 from tests.helpers import FP, NS, StoreProcess, cli, make_chain
 
 
@@ -99,7 +100,7 @@ def test_bad_command_lines_are_refused(tmp_path, capsys, argv, message):
 
 
 def test_sizes_parse():
-    assert [parse_size(s) for s in ("1048576", "512M", "20G", "1.5GiB")] == [
+    assert [parse_bytes(s) for s in ("1048576", "512M", "20G", "1.5GiB")] == [
         1 << 20,
         512 << 20,
         20 << 30,

@@ -1,0 +1,39 @@
+"""Listen addresses: HOST:PORT or unix:PATH, checked, and whether they stay on this machine."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback IP or `localhost`; False for any other host, wildcards included."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def is_loopback(address: str) -> bool:
+    """True for a unix socket or a loopback host: this machine only."""
+    host = listen_host(address)
+    return host is None or is_loopback_host(host)
+
+
+def tcp_listen(name: str, listen: str | None) -> None:
+    """Checks an optional HOST:PORT setting (no unix sockets); ValueError naming it."""
+    if listen is not None and listen.startswith("unix:"):
+        raise ValueError(f"{name} must be HOST:PORT, got {listen!r}")
+    if listen is not None:
+        listen_host(listen)
+
+
+def listen_host(listen: str) -> str | None:
+    """The host part of a listen address; None for a unix socket. Raises ValueError if malformed."""
+    if listen.startswith("unix:"):
+        if len(listen) <= len("unix:"):
+            raise ValueError("unix socket address needs a path: unix:/path/to.sock")
+        return None
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"listen address must be HOST:PORT or unix:PATH, got {listen!r}")
+    return host

@@ -1,0 +1,38 @@
+"""Units and plain-text tables: byte sizes in and out, times, and the CLI's table layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+BINARY_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '20G', '20GiB', '1048576' -> bytes (K, M, G, T are powers of 1024)."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in BINARY_UNITS:
+        return int(float(text[:-1]) * BINARY_UNITS[text[-1]])
+    return int(text)
+
+
+def human_bytes(num_bytes: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError
+
+
+def utc_time(unix_ms: int) -> str:
+    return datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table with columns padded to fit."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""The layers' arrows run one way, read from the source's imports (function-level ones too).
+
+agentkv core (errors, keys, wire, ids, units, addresses, layers, planner, stubs)
+  <- RPC plumbing (agentkv.rpc, agentkv.security, agentkv.launch)
+  <- cache_store/ and client/ (neither imports the other)
+  <- inference_worker/
+  <- the CLI (agentkv.cli), which nothing imports
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("agentkv", "cache_store", "client", "inference_worker")
+PLUMBING = {"agentkv.rpc", "agentkv.security", "agentkv.launch"}
+SERVICES = {"cache_store", "inference_worker"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def layer(module: str) -> int:
+    if module == "agentkv.cli":
+        return 4
+    if module.startswith("inference_worker"):
+        return 3
+    if module.startswith(("cache_store", "client")):
+        return 2
+    return 1 if module in PLUMBING else 0
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports, resolving `from package import module`."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                out.add(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: imports(p, known) - {m} for m, p in known.items()}
+
+
+def test_no_import_runs_upward_or_across_services():
+    wrong = []
+    for module, targets in graph().items():
+        for target in targets:
+            if target.split(".")[0] == module.split(".")[0] and layer(target) == layer(module):
+                continue  # within one package
+            other_service = {module.split(".")[0], target.split(".")[0]} == SERVICES
+            if layer(target) > layer(module) or layer(target) == layer(module) > 0 or other_service:
+                wrong.append(f"{module} (layer {layer(module)}) imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_nothing_imports_the_cli():
+    assert not [m for m, targets in graph().items() if "agentkv.cli" in targets]
+
+
+def test_no_import_circle():
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (circle := visit(target)):
+                return circle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (circle := visit(module)):
+            raise AssertionError("import circle: " + " -> ".join(circle))
