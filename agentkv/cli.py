@@ -157,7 +157,7 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _security(args: argparse.Namespace):
-    from agentkv.security import ClientSecurity, read_token
+    from agentkv.channels import ClientSecurity, read_token
 
     token = read_token(args.token_file) if args.token_file else os.environ.get("AGENTKV_TOKEN", "")
     return ClientSecurity(token=token, tls_ca=args.tls_ca)

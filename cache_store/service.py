@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import grpc
 from google.protobuf.message import Message
 
-from agentkv import ids, security, wire
+from agentkv import auth, ids, wire
 from agentkv.errors import InvalidArgument
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
@@ -237,7 +237,7 @@ class CacheStoreServicer:
                     num_bytes=u["bytes"],
                     quota_bytes=u["quota"],
                 )
-                for name, u in sorted(security.visible(self.store.list_namespaces()).items())
+                for name, u in sorted(auth.visible(self.store.list_namespaces()).items())
             ]
         )
 
@@ -259,7 +259,7 @@ class CacheStoreServicer:
     def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.ServicerContext
     ) -> pb.GetStatsResponse:
-        security.check_all_namespaces("read the whole store's stats")
+        auth.check_all_namespaces("read the whole store's stats")
         return pb.GetStatsResponse(**self.store.stats())
 
     def VerifyBlocks(
@@ -294,14 +294,14 @@ class CacheStoreServicer:
 
 def _allowed(namespace: str) -> None:
     """The caller's token must cover the namespace (checked before any of its data is read)."""
-    security.check_namespace(ids.namespace(namespace))
+    auth.check_namespace(ids.namespace(namespace))
 
 
 def _allowed_or_all(namespace: str, what: str) -> None:
     if namespace:
         _allowed(namespace)
     else:
-        security.check_all_namespaces(what)
+        auth.check_all_namespaces(what)
 
 
 def _put_items(

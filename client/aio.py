@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from agentkv.channels import ClientSecurity
 from agentkv.errors import (
     AgentExists,
     AgentKVError,
@@ -27,7 +28,6 @@ from agentkv.errors import (
     Unavailable,
     from_rpc_error,
 )
-from agentkv.security import ClientSecurity
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc

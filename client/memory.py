@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentExists, AgentKVError, InvalidArgument, Unavailable
-from agentkv.security import ClientSecurity
 from agentkv.worker.v1 import worker_pb2 as pb
 from client.routing import Attempts, Router
 from client.store import StoreClient

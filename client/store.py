@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 import grpc
 
 from agentkv import wire
+from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
 from agentkv.rpc import message_options
-from agentkv.security import ClientSecurity
 from agentkv.v1 import store_pb2 as pb
 from agentkv.v1 import store_pb2_grpc
 from client.blocks import (
@@ -48,7 +48,7 @@ class StoreClient:
         max_message_bytes: int = 16 << 20,
         security: ClientSecurity | None = None,
     ):
-        """`security`: TLS and a bearer token (agentkv.security); none for plain loopback."""
+        """`security`: TLS and a bearer token (agentkv.channels); none for plain loopback."""
         self.address = address
         self.timeout = timeout
         self.channel = (security or ClientSecurity()).channel(

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
+from agentkv.channels import ClientSecurity
 from agentkv.errors import from_rpc_error
-from agentkv.security import ClientSecurity
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 

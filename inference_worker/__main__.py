@@ -8,7 +8,8 @@ import os
 import sys
 
 from agentkv import logs
-from agentkv.security import ClientSecurity, add_server_flags, read_token, server_security
+from agentkv.channels import ClientSecurity, read_token
+from agentkv.security import add_server_flags, server_security
 from agentkv.units import parse_bytes
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from agentkv.addresses import is_loopback, listen_host, tcp_listen
-from agentkv.security import ClientSecurity, ServerSecurity
+from agentkv.channels import ClientSecurity
+from agentkv.security import ServerSecurity
 from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import grpc
 
-from agentkv import ids, security
+from agentkv import auth, ids
 from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
@@ -126,7 +126,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
 def _allowed(namespace: str) -> None:
     """The caller's token must cover the namespace, checked on the RPC thread."""
-    security.check_namespace(ids.namespace(namespace))
+    auth.check_namespace(ids.namespace(namespace))
 
 
 def _state(info: AgentInfo) -> pb.AgentState:

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentkv.auth import TokenTable
+from agentkv.channels import ClientSecurity
 from agentkv.errors import Unauthenticated
 from agentkv.launch import ServiceProcess
-from agentkv.security import ClientSecurity, TokenTable
 from cache_store import __main__ as store_main
 from client.store import StoreClient
 from client.worker import WorkerClient

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("agentkv", "cache_store", "client", "inference_worker")
-PLUMBING = {"agentkv.rpc", "agentkv.security", "agentkv.launch"}
+PLUMBING = {"agentkv.rpc", "agentkv.auth", "agentkv.channels", "agentkv.security", "agentkv.launch"}
 SERVICES = {"cache_store", "inference_worker"}
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from agentkv.channels import ClientSecurity
 from agentkv.launch import store_process, worker_process
-from agentkv.security import ClientSecurity
 from client.store import StoreClient
 from client.worker import WorkerClient
 from tests.helpers import make_certs

@@ -15,9 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from agentkv.auth import TokenTable
+from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentKVError, PermissionDenied, Unauthenticated, Unavailable
 from agentkv.launch import store_process
-from agentkv.security import ClientSecurity, ServerSecurity, TokenTable
+from agentkv.security import ServerSecurity
 from client.store import StoreClient
 from client.synthetic import make_chain
 from tests.helpers import make_certs

@@ -23,13 +23,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentkv import wire
+from agentkv.channels import ClientSecurity
 from agentkv.errors import (
     DiskFull,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
 )
-from agentkv.security import ClientSecurity
 from agentkv.v1 import store_pb2 as pb
 from client.blocks import Block, Tensor
 from client.store import StoreClient, put_messages
