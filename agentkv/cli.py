@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from agentkv import defaults
 from agentkv.errors import AgentKVError
 from agentkv.layers import describe, layer_specs
 from agentkv.planner import TABLE14_NOTES, load_config, parse_size, parse_tokens, plan, table14
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser("store", help="inspect and maintain a cache store")
     store.add_argument(
         "--store",
-        default=os.environ.get("AGENTKV_STORE", "127.0.0.1:50051"),
+        default=os.environ.get("AGENTKV_STORE", defaults.STORE_ADDRESS),
         help="store address, HOST:PORT or unix:PATH (env AGENTKV_STORE)",
     )
     _security_flags(store)
@@ -132,7 +133,7 @@ def _parsed(parse: Callable[[str], int]) -> Callable[[str], int]:
 def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store",
-        default=os.environ.get("AGENTKV_STORE", "127.0.0.1:50051"),
+        default=os.environ.get("AGENTKV_STORE", defaults.STORE_ADDRESS),
         help="store address (env AGENTKV_STORE)",
     )
     p.add_argument(
@@ -164,7 +165,7 @@ def _security(args: argparse.Namespace):
 
 
 def _workers(args: argparse.Namespace) -> list[str]:
-    return args.worker or os.environ.get("AGENTKV_WORKERS", "127.0.0.1:50061").split(",")
+    return args.worker or os.environ.get("AGENTKV_WORKERS", defaults.WORKER_ADDRESS).split(",")
 
 
 def cmd_bench(rest: list[str]) -> int:
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "demo":
             from client import demo
 
-            demo.run(args.model or demo.DEFAULT_MODEL, args.keep, not args.no_cold)
+            demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
             return
         if args.command in ("plan", "model"):
             try:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from agentkv import logs
+from agentkv import defaults, logs
 from agentkv.errors import AgentKVError
 from agentkv.security import add_server_flags, server_security
 from agentkv.units import parse_bytes
@@ -30,7 +30,7 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
     p.add_argument("--data-dir", type=Path, required=True, help="where the index and payloads live")
     p.add_argument(
         "--listen",
-        default="127.0.0.1:50051",
+        default=defaults.STORE_ADDRESS,
         help="HOST:PORT (port 0 picks one) or unix:/path/to.sock; default loopback",
     )
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")

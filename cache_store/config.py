@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentkv import defaults
 from agentkv.addresses import is_loopback, listen_host, tcp_listen
 from agentkv.ids import NAMESPACE_RE
 from agentkv.security import ServerSecurity
@@ -16,7 +17,7 @@ ANY_NAMESPACE = "*"
 @dataclass(slots=True)
 class StoreConfig:
     data_dir: Path
-    listen: str = "127.0.0.1:50051"  # host:port, or unix:/path/to.sock
+    listen: str = defaults.STORE_ADDRESS  # host:port, or unix:/path/to.sock
     metrics_listen: str | None = None  # host:port for Prometheus; None disables
     health_listen: str | None = None  # host:port for plaintext grpc.health.v1 alone
     quota_bytes: int = 0  # payload bytes; 0 = only the disk limits

@@ -22,13 +22,13 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
+from agentkv import defaults
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.units import table
 from client.memory import AgentMemory
 from client.scenario import PhaseSpec, Turn, load_scenario, run_scenario
 from client.workflow import Record, Workflow
 
-DEFAULT_MODEL = "smollm2-135m-instruct"  # the worker's own default (inference_worker/models.py)
 EPILOGUE = PhaseSpec(
     "epilogue",
     "A year has passed. The warden visits the prisoners once more.",
@@ -98,7 +98,7 @@ def phase_summary(persistent: Workflow, cold: Workflow | None) -> str:
     return table(headers, rows)
 
 
-def run(model: str = DEFAULT_MODEL, keep: bool = False, cold: bool = True) -> None:
+def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> None:
     scenario = load_scenario(scenario_path("prisoners_dilemma"))
     root = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
     store: ServiceProcess | None = None
@@ -159,7 +159,7 @@ def free_port() -> int:
 
 
 def main() -> None:
-    run(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
+    run(sys.argv[1] if len(sys.argv) > 1 else defaults.MODEL)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ FP = "llama-3.1-8b-shaped:q4g64:walkthrough"
 LLAMA_8B = {"num_layers": 32, "kv_heads": 8, "head_dim": 128}
 BLOCK = 256
 SYSTEM = list(range(1, 513))  # a 512-token system prompt every agent shares
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "agentkv-default"
+TOY_MODEL = Path(__file__).resolve().parent.parent / "models" / "agentkv-default"
 MARCO = "You are Marco, a Python expert. " + "You answer from the standard library. " * 60
 
 
@@ -139,8 +139,8 @@ def tour(c: StoreClient, data_dir: Path) -> None:
 
 def worker_tour(store_address: str, root: Path) -> None:
     """The worker over the store: cold, hot, warm after eviction, warm after a restart."""
-    step(f"8. agentkv-worker serves the default model ({DEFAULT_MODEL.name}) over the store")
-    worker = worker_process(str(DEFAULT_MODEL), store_address, root / "worker.log").start()
+    step(f"8. agentkv-worker serves the default model ({TOY_MODEL.name}) over the store")
+    worker = worker_process(str(TOY_MODEL), store_address, root / "worker.log").start()
     rows = []
     try:
         w = WorkerClient(worker.address)
@@ -157,7 +157,7 @@ def worker_tour(store_address: str, root: Path) -> None:
         w.evict("demo", "marco")
         rows.append(ask(w, "What does open do?"))
         worker.stop()
-        worker = worker_process(str(DEFAULT_MODEL), store_address, root / "worker.log").start()
+        worker = worker_process(str(TOY_MODEL), store_address, root / "worker.log").start()
         rows.append(ask(WorkerClient(worker.address), "What does print do?"))
     finally:
         worker.stop()

@@ -1,1 +1,1 @@
-"""MLX inference worker (built in a later issue)."""
+"""The MLX inference worker: restores agents' Q4 caches from the store and serves their turns."""

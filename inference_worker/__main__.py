@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from agentkv import logs
+from agentkv import defaults, logs
 from agentkv.channels import ClientSecurity, read_token
 from agentkv.security import add_server_flags, server_security
 from agentkv.units import parse_bytes
@@ -33,7 +33,9 @@ def build_config(argv: list[str] | None = None):
         "(its own 4/8-bit layers); auto: float32 on CPU, native on a GPU",
     )
     p.add_argument("--store", required=True, help="cache store address, HOST:PORT or unix:PATH")
-    p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (0 picks) or unix:PATH")
+    p.add_argument(
+        "--listen", default=defaults.WORKER_ADDRESS, help="HOST:PORT (0 picks) or unix:PATH"
+    )
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT for Prometheus metrics")
     p.add_argument(
         "--health-listen",

