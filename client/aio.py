@@ -386,9 +386,9 @@ class AsyncReply:
         self._lock = asyncio.Lock()  # one reader of the stream at a time
 
     @property
-    def usage(self) -> pb.Usage | None:
-        """The turn's usage once the reply has ended, else None."""
-        return self._result.usage
+    def usage(self) -> pb.Usage:
+        """The turn's usage, once the reply has ended (await wait()), as `.text`."""
+        return self._whole().usage
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()
@@ -425,7 +425,7 @@ class AsyncReply:
 
     @property
     def done(self) -> bool:
-        return self.usage is not None
+        return self._result.usage is not None
 
     async def wait(self) -> AsyncReply:
         async for _ in self:
@@ -433,7 +433,7 @@ class AsyncReply:
         return self
 
     def _whole(self) -> TurnResult:
-        if self.usage is None:
+        if self._result.usage is None:
             raise RuntimeError(f"the reply of {self.agent!r} is still streaming: await wait()")
         return self._result
 

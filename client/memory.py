@@ -238,21 +238,21 @@ class Reply:
         self._lock = threading.Lock()  # one reader pulls from the stream at a time
 
     @property
-    def usage(self) -> pb.Usage | None:
-        """The turn's usage once the reply has ended, else None."""
-        return self._result.usage
+    def usage(self) -> pb.Usage:
+        """The turn's usage; waits for the end of the reply, as `.text` does."""
+        return self.wait()._result.usage
 
     def __iter__(self) -> Iterator[str]:
         """Every piece from the start; several readers (threads included) may iterate."""
         seen, pieces = 0, self._result.pieces
         while True:
             with self._lock:
-                while seen == len(pieces) and self.usage is None:
+                while seen == len(pieces) and self._result.usage is None:
                     self._pull()
                 new = pieces[seen:]
             seen += len(new)
             yield from new
-            if not new and self.usage is not None:
+            if not new and self._result.usage is not None:
                 return
 
     def _pull(self) -> None:

@@ -32,7 +32,10 @@ def test_async_sdk_gives_the_sync_sdks_tokens(tiny_model_dirs, start_worker, sto
     address = start_worker(tiny_model_dirs["llama"]).address
     with AgentMemory(address, durable=True) as mem:
         agent = mem.agent("sync", system=SYSTEM)
-        first = agent.say(Q1, max_tokens=8).token_ids
+        reply = agent.say(Q1, max_tokens=8)
+        usage = reply.usage  # read first, before anything iterated: it waits for the end
+        assert usage.generated_tokens == len(reply.token_ids) > 0
+        first = reply.token_ids
         agent.inject(HEARD)
         second = agent.say(Q2, max_tokens=12).token_ids
 
@@ -63,6 +66,8 @@ def test_a_reply_streams_its_text(tiny_model_dirs, start_worker):
             assert reply.worker == address and not reply.done
             with pytest.raises(RuntimeError, match="still streaming"):
                 _ = reply.text
+            with pytest.raises(RuntimeError, match="still streaming"):
+                _ = reply.usage  # like .text: whole once wait() returns, never None
             # Two consumers at once each get every piece, from the start.
             pieces, again = await asyncio.gather(collect(reply), collect(reply))
             assert pieces == again and len(pieces) > 0 and all(pieces)
