@@ -278,7 +278,7 @@ def render(results: list[Result], facts: dict[str, str], mode: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="agentkv bench", description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="every section, small (default)")
     mode.add_argument("--full", action="store_true", help="every section at full size")

@@ -46,3 +46,8 @@ def test_bench_quick_writes_the_whole_report(tmp_path):
     assert len(verdicts) >= 8 and set(verdicts) <= {"MET", "MISS"}
     for s in SECTIONS:
         assert f"## {s.title} ({s.paper})" in text
+
+
+def test_bench_help_names_the_command_a_user_typed():
+    run = subprocess.run([*BENCH, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage: agentkv bench ")
