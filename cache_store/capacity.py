@@ -13,9 +13,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from agentkv.errors import QuotaExceeded, ResourceExhausted
+from agentkv.errors import DiskFull, QuotaExceeded, ResourceExhausted
 from cache_store import manifests
 from cache_store.config import StoreConfig
 from cache_store.index import Index
@@ -26,6 +27,8 @@ from cache_store.records import AgentRecord
 
 log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
+INDEX_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
+T = TypeVar("T")
 
 
 def now_ms() -> int:
@@ -105,6 +108,15 @@ class Capacity:
         if freed:
             log.info("disk full: evicted to make room", extra={"need": need})
         return freed
+
+    def with_room(self, write: Callable[..., T], *args: Any) -> T:
+        """Runs an index write; on a full disk, once more after collecting unused blocks."""
+        try:
+            return write(*args)
+        except DiskFull:
+            if not self.free_disk(INDEX_ROOM):
+                raise
+        return write(*args)
 
     def unreserve(self, size: int, namespace: str) -> None:
         with self._lock:

@@ -8,16 +8,15 @@ arrays of bytes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from agentkv import ids
 from agentkv.errors import (
     BlockNotFound,
     CorruptBlock,
-    DiskFull,
     FingerprintMismatch,
     InvalidArgument,
 )
@@ -35,8 +34,6 @@ from cache_store.uploads import PutHeader, PutResult, Uploads
 from cache_store.validation import TensorLayout
 
 log = logging.getLogger("agentkv.store")
-T = TypeVar("T")
-DISK_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
 
 
 @dataclass(slots=True)
@@ -255,7 +252,7 @@ class CacheStore:
         c.metadata = ids.metadata(c.metadata)
         c.phase = ids.phase(c.phase)
         c.block_keys = [ids.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
-        record, result = self._with_room(self._commit, c)
+        record, result = self.capacity.with_room(self._commit, c)
         if release_lease_id:
             self.leases.release(release_lease_id)
         self.capacity.touch_agent(record.namespace, record.agent_id)
@@ -265,15 +262,6 @@ class CacheStore:
         with self.index.write() as txn:
             record = manifests.commit(self.index, txn, c, now_ms())
             return record, manifests.view(self.index, txn, record)
-
-    def _with_room(self, write: Callable[..., T], *args: Any) -> T:
-        """Runs an index write; on a full disk, once more after collecting unused blocks."""
-        try:
-            return write(*args)
-        except DiskFull:
-            if not self.capacity.free_disk(DISK_ROOM):
-                raise
-        return write(*args)
 
     def get_agent(
         self, namespace: str, agent_id: str, fingerprint: str = ""

@@ -15,7 +15,6 @@ from agentkv import ids
 from agentkv.errors import (
     BlockNotFound,
     CorruptBlock,
-    DiskFull,
     FailedPrecondition,
     InvalidArgument,
 )
@@ -231,12 +230,7 @@ class Uploads:
 
     def _index(self, record: BlockRecord) -> None:
         try:
-            try:
-                self._put_record(record)
-            except DiskFull:  # the index grows too: make room once, then try again
-                if not self.capacity.free_disk(4 << 20):
-                    raise
-                self._put_record(record)
+            self.capacity.with_room(self._put_record, record)  # the index grows too
         except BaseException:
             self.payloads.delete(record)  # renamed but never indexed: not a block
             raise
