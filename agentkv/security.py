@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from agentkv.addresses import is_loopback_host
+from agentkv.addresses import is_loopback
 from agentkv.auth import AuthInterceptor, TokenTable
 
 
@@ -64,7 +64,7 @@ class ServerSecurity:
             )
         if not loopback and self.auth_tokens and not self.tls_cert:
             found.append(f"BEARER TOKENS IN CLEAR TEXT: {listen} serves tokens without TLS")
-        if metrics_listen and not is_loopback_host(metrics_listen.rpartition(":")[0]):
+        if metrics_listen and not is_loopback(metrics_listen):
             found.append(
                 f"METRICS BEYOND LOOPBACK: {metrics_listen} serves unauthenticated HTTP "
                 "(counts, sizes and timings) to anyone who can reach it"
