@@ -30,10 +30,12 @@ class RunningStore:
     address: str  # what clients dial: host:port with the bound port, or unix:path
     store: CacheStore
     health: health.HealthServicer
+    servicer: CacheStoreServicer
 
     def stop(self, grace: float = 5.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        self.servicer.streams.close()
         self.store.close()
 
 
@@ -47,14 +49,16 @@ def create_server(config: StoreConfig) -> RunningStore:
         lambda code: store.metrics.rpc_errors.labels(code.name).inc(),
         config.security.interceptors(),
     )
-    server.add_generic_rpc_handlers((rpc_handlers(CacheStoreServicer(store)),))
+    servicer = CacheStoreServicer(store)
+    server.add_generic_rpc_handlers((rpc_handlers(servicer),))
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
         address = bind(server, config.listen, config.security.credentials())
     except OSError:
+        servicer.streams.close()
         store.close()
         raise
-    return RunningStore(server, address, store, health_servicer)
+    return RunningStore(server, address, store, health_servicer, servicer)
 
 
 def serve(config: StoreConfig) -> None:
