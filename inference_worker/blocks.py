@@ -129,11 +129,17 @@ def check_tensor(tensor: Tensor, want: TensorSpec, key: bytes) -> None:
         )
 
 
-def misfits(
+def check_blocks(blocks: Sequence[StoredBlock], specs: Sequence[LayerSpec], fmt: KVFormat) -> None:
+    """Raises one BlockMisfit naming every block with a tensor that does not fit the model
+    (check_tensor), or that the model has no place for."""
+    if bad := _misfits(blocks, specs, fmt):
+        more = f" (and {len(bad) - 1} more blocks)" if len(bad) > 1 else ""
+        raise BlockMisfit(bad[0].message + more, [b.keys[0] for b in bad])
+
+
+def _misfits(
     blocks: Sequence[StoredBlock], specs: Sequence[LayerSpec], fmt: KVFormat
 ) -> list[BlockMisfit]:
-    """Each block with a tensor read back that does not fit the model (check_tensor), or
-    that the model has no place for."""
     found = []
     for block in blocks:
         try:
@@ -167,15 +173,17 @@ def host_layers(
     specs: Sequence[LayerSpec] | None = None,
 ) -> list[HostLayer]:
     """Per layer, the blocks' K and V parts joined along tokens, copied out of the blocks'
-    buffers (any thread may run this). With `specs`, every tensor used is first checked
-    against its layer's spec (check_tensor): a block that does not fit the model raises
-    CorruptBlock and never reaches a cache.
+    buffers (any thread may run this). With `specs`, every block is first checked against the
+    model's layer specs (check_blocks): a block that does not fit raises BlockMisfit (a
+    CorruptBlock) and never reaches a cache.
 
     A sliding layer (`windows[i]` not None) takes only the blocks that reach into its window
     (block_layers); the others need not carry it.
     """
     if not blocks:
         return []
+    if specs is not None:
+        check_blocks(blocks, specs, fmt)
     by_name = [{t.name: t for t in b.tensors} for b in blocks]
     counts = [len(b.token_ids) for b in blocks]
     total = sum(counts)
@@ -187,10 +195,6 @@ def host_layers(
         parts = {}
         for kv, part in itertools.product(("keys", "values"), PARTS):
             tensors = [t[f"layers.{layer}.{kv}.{part}"] for t in by_name[first:]]
-            if specs is not None:
-                for block, t in zip(blocks[first:], tensors, strict=True):
-                    want = part_spec(specs[layer], fmt, kv, part, len(block.token_ids))
-                    check_tensor(t, want, block.key)
             parts[kv, part] = _stacked(tensors, capacity)
         keys, values = (tuple(parts[kv, p] for p in PARTS) for kv in ("keys", "values"))
         layers.append(HostLayer(keys, values, total, positions[first]))

@@ -30,7 +30,6 @@ from inference_worker.blocks import (
     caches_from_host,
     check_chain,
     host_layers,
-    misfits,
 )
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat
@@ -165,9 +164,6 @@ class Restorer:
         try:
             blocks = self._read(namespace, keys, counts, buffer)
             check_chain(blocks, keys, counts, token_ids)
-            if bad := misfits(blocks, self.specs, self.fmt):
-                more = f" (and {len(bad) - 1} more blocks)" if len(bad) > 1 else ""
-                raise BlockMisfit(bad[0].message + more, [b.keys[0] for b in bad])
             windows = self.windows or [None] * len(self.specs)
             layers = host_layers(blocks, windows, self.fmt, self.block_tokens, self.specs)
             used = sum(t.num_bytes for b in blocks for t in b.tensors)
