@@ -148,164 +148,153 @@ def test_a_second_store_on_a_data_dir_in_use_refuses_to_start(store_process, hol
 
 
 @pytest.mark.parametrize("evict_agents", [True, False], ids=["evict-agents", "no-eviction"])
-def test_headers_alone_reserve_nothing_and_evict_no_one(tmp_path, evict_agents, hold):
+def test_headers_alone_reserve_nothing_and_evict_no_one(tmp_path, evict_agents, launched, hold):
     """Tenant A opens uploads declaring more than the quota and sends no bytes: tenant B loses
     no agent and its 1 MiB put goes in. A's idle uploads are cancelled after the idle time and
     leave no temporary file."""
     flags = ["--quota", "24M", "--stream-idle-seconds", "4"]
-    proc = StoreProcess(
-        tmp_path / "data",
-        tmp_path / "store.log",
-        flags + (["--evict-agents"] if evict_agents else []),
-    ).start()
-    try:
-        with proc.client() as client:
-            for i in range(8):
-                blocks, _ = make_chain(list(range(i * 100, i * 100 + 64)), seed=i)
-                save(client, "tenant-b", f"b{i}", blocks, list(range(i * 100, i * 100 + 64)))
-            declared = [20 * MiB, 20 * MiB] if evict_agents else [int(15.5 * MiB)]
-            held = [
-                hold(client, [header_declaring("tenant-a", size, 900 + i)])
-                for i, size in enumerate(declared)
-            ]
-            until(lambda: len(part_files(proc.data_dir)) == len(declared), "A's headers")
-            big = one_layer_block(MiB, token=77)
-            put = client.put_blocks("tenant-b", FP, [big])
-            assert not put.blocks[0].deduplicated
-            assert all(agent_intact(client, "tenant-b", f"b{i}") for i in range(8))
-            assert client.stats().num_evicted_agents == 0
-            for stream in held:  # cut off for idling, with nothing left behind
-                assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
-            until(lambda: not part_files(proc.data_dir), "A's temporary files to go")
-    finally:
-        proc.stop()
+    proc = launched(
+        StoreProcess(
+            tmp_path / "data",
+            tmp_path / "store.log",
+            flags + (["--evict-agents"] if evict_agents else []),
+        )
+    )
+    with proc.client() as client:
+        for i in range(8):
+            blocks, _ = make_chain(list(range(i * 100, i * 100 + 64)), seed=i)
+            save(client, "tenant-b", f"b{i}", blocks, list(range(i * 100, i * 100 + 64)))
+        declared = [20 * MiB, 20 * MiB] if evict_agents else [int(15.5 * MiB)]
+        held = [
+            hold(client, [header_declaring("tenant-a", size, 900 + i)])
+            for i, size in enumerate(declared)
+        ]
+        until(lambda: len(part_files(proc.data_dir)) == len(declared), "A's headers")
+        big = one_layer_block(MiB, token=77)
+        put = client.put_blocks("tenant-b", FP, [big])
+        assert not put.blocks[0].deduplicated
+        assert all(agent_intact(client, "tenant-b", f"b{i}") for i in range(8))
+        assert client.stats().num_evicted_agents == 0
+        for stream in held:  # cut off for idling, with nothing left behind
+            assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
+        until(lambda: not part_files(proc.data_dir), "A's temporary files to go")
 
 
 # 3. a full disk collects by itself
 
 
-def test_deleting_agents_on_a_full_disk_frees_room_without_collect_garbage(small_disk, tmp_path):
-    proc = StoreProcess(small_disk("3m") / "data", tmp_path / "store.log").start()
-    try:
-        with proc.client() as client:
-            saved = []
-            with pytest.raises(DiskFull):
-                for i in range(200):
-                    tokens = list(range(1000 * i, 1000 * i + 64))
-                    blocks, _ = make_chain(tokens, seed=i)
-                    save(client, NS, f"agent{i}", blocks, tokens)
-                    saved.append((tokens, blocks))
-            for i in range(0, len(saved), 2):
-                client.delete_agent(NS, f"agent{i}")
-            tokens = list(range(900_000, 900_064))
-            blocks, keys = make_chain(tokens, seed=999)
-            save(client, NS, "newcomer", blocks, tokens)  # no CollectGarbage in between
-            (back,) = client.get_blocks(NS, FP, keys)
-            assert same_bytes(blocks[0], back)
-            assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
-            for i in range(1, len(saved), 2):
-                tokens, blocks = saved[i]
-                assert agent_intact(client, NS, f"agent{i}")
-                keys = list(client.get_agent(NS, f"agent{i}").block_keys)
-                assert same_bytes(blocks[0], next(client.get_blocks(NS, FP, keys)))
-    finally:
-        proc.stop()
+def test_deleting_agents_on_a_full_disk_frees_room_without_collect_garbage(
+    small_disk, tmp_path, launched
+):
+    proc = launched(StoreProcess(small_disk("3m") / "data", tmp_path / "store.log"))
+    with proc.client() as client:
+        saved = []
+        with pytest.raises(DiskFull):
+            for i in range(200):
+                tokens = list(range(1000 * i, 1000 * i + 64))
+                blocks, _ = make_chain(tokens, seed=i)
+                save(client, NS, f"agent{i}", blocks, tokens)
+                saved.append((tokens, blocks))
+        for i in range(0, len(saved), 2):
+            client.delete_agent(NS, f"agent{i}")
+        tokens = list(range(900_000, 900_064))
+        blocks, keys = make_chain(tokens, seed=999)
+        save(client, NS, "newcomer", blocks, tokens)  # no CollectGarbage in between
+        (back,) = client.get_blocks(NS, FP, keys)
+        assert same_bytes(blocks[0], back)
+        assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+        for i in range(1, len(saved), 2):
+            tokens, blocks = saved[i]
+            assert agent_intact(client, NS, f"agent{i}")
+            keys = list(client.get_agent(NS, f"agent{i}").block_keys)
+            assert same_bytes(blocks[0], next(client.get_blocks(NS, FP, keys)))
 
 
 # 8. idle streams take no thread from other calls
 
 
-def test_idle_streams_cannot_starve_other_calls(tmp_path, hold):
+def test_idle_streams_cannot_starve_other_calls(tmp_path, launched, hold):
     """Sixteen idle PutBlocks streams on sixteen RPC threads (the red team's setup): six hold
     a slot (--max-streams), the rest are refused at once, and other calls and the health
     check answer meanwhile. The six are cancelled once idle; then uploads go in again."""
     flags = ["--workers", "16", "--max-streams", "6", "--stream-idle-seconds", "4"]
-    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
-    try:
-        with proc.client() as client:
-            tokens = list(range(64))
-            blocks, _ = make_chain(tokens)
-            save(client, NS, "busy-bee", blocks, tokens)
-            held = [hold(client, []) for _ in range(16)]
-            until(lambda: sum(s.future.done() for s in held) >= 10, "the refusals")
-            refused = [s for s in held if s.future.done()]
-            assert len(refused) == 10
-            for stream in refused:
-                error = stream.future.exception()
-                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "PutBlocks streams, its limit" in error.details()
-            assert (
-                client.call(
-                    "GetAgent", pb.GetAgentRequest(namespace=NS, agent_id="busy-bee"), timeout=20
-                ).agent.generation
-                == 1
-            )
-            health = health_pb2_grpc.HealthStub(client.channel)
-            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=20)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            for stream in held:
-                if stream not in refused:
-                    assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
-            more, _ = make_chain(list(range(500, 564)), seed=5)
-            assert client.put_blocks(NS, FP, more).blocks
-    finally:
-        proc.stop()
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    with proc.client() as client:
+        tokens = list(range(64))
+        blocks, _ = make_chain(tokens)
+        save(client, NS, "busy-bee", blocks, tokens)
+        held = [hold(client, []) for _ in range(16)]
+        until(lambda: sum(s.future.done() for s in held) >= 10, "the refusals")
+        refused = [s for s in held if s.future.done()]
+        assert len(refused) == 10
+        for stream in refused:
+            error = stream.future.exception()
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "PutBlocks streams, its limit" in error.details()
+        assert (
+            client.call(
+                "GetAgent", pb.GetAgentRequest(namespace=NS, agent_id="busy-bee"), timeout=20
+            ).agent.generation
+            == 1
+        )
+        health = health_pb2_grpc.HealthStub(client.channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=20)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        for stream in held:
+            if stream not in refused:
+                assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
+        more, _ = make_chain(list(range(500, 564)), seed=5)
+        assert client.put_blocks(NS, FP, more).blocks
 
 
 # 9. memory and CPU bounded per tenant
 
 
-def test_stalled_readers_of_a_huge_layer_hold_no_big_buffers(tmp_path):
+def test_stalled_readers_of_a_huge_layer_hold_no_big_buffers(tmp_path, launched):
     """Three readers of one 128 MiB layer stop reading after their first chunk: the store
     holds a bounded read buffer each (not the layer), and cuts them off once idle."""
     flags = ["--stream-idle-seconds", "4"]
-    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
-    try:
-        with proc.client() as client:
-            block = one_layer_block(128 * MiB, token=3, fill=7)
-            put = client.put_blocks(NS, FP, [block])
-            client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
-            before = rss_bytes(proc.proc.pid)
-            request = pb.GetBlocksRequest(namespace=NS, fingerprint=FP, keys=[put.blocks[0].key])
-            readers = [client._get(request, timeout=300) for _ in range(3)]
-            for reader in readers:
-                next(reader)  # the block header
-                chunk = wire.decode(next(reader), pb.GetBlocksResponse)
-                assert bytes(chunk[:4]) == b"\x07" * 4
-            grown = rss_bytes(proc.proc.pid) - before
-            assert grown < 64 * MiB, f"store RSS grew {grown / MiB:.0f} MiB for 3 stalled readers"
-            until(lambda: client.stats().num_leases == 0, "the stalled reads to be cut off")
-            for reader in readers:
-                reader.cancel()
-    finally:
-        proc.stop()
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    with proc.client() as client:
+        block = one_layer_block(128 * MiB, token=3, fill=7)
+        put = client.put_blocks(NS, FP, [block])
+        client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+        before = rss_bytes(proc.proc.pid)
+        request = pb.GetBlocksRequest(namespace=NS, fingerprint=FP, keys=[put.blocks[0].key])
+        readers = [client._get(request, timeout=300) for _ in range(3)]
+        for reader in readers:
+            next(reader)  # the block header
+            chunk = wire.decode(next(reader), pb.GetBlocksResponse)
+            assert bytes(chunk[:4]) == b"\x07" * 4
+        grown = rss_bytes(proc.proc.pid) - before
+        assert grown < 64 * MiB, f"store RSS grew {grown / MiB:.0f} MiB for 3 stalled readers"
+        until(lambda: client.stats().num_leases == 0, "the stalled reads to be cut off")
+        for reader in readers:
+            reader.cancel()
 
 
-def test_leases_are_bounded_per_namespace(tmp_path):
+def test_leases_are_bounded_per_namespace(tmp_path, launched):
     flags = ["--max-leases-per-namespace", "20"]
-    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
-    try:
-        with proc.client() as client:
-            tokens = list(range(64))
-            blocks, keys = make_chain(tokens)
-            save(client, "greedy", "g", blocks, tokens)
-            save(client, "modest", "m", blocks, tokens)
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    with proc.client() as client:
+        tokens = list(range(64))
+        blocks, keys = make_chain(tokens)
+        save(client, "greedy", "g", blocks, tokens)
+        save(client, "modest", "m", blocks, tokens)
 
-            def locate(ns: str) -> pb.LocateBlocksResponse:
-                return client.call(
-                    "LocateBlocks",
-                    pb.LocateBlocksRequest(namespace=ns, fingerprint=FP, keys=keys),
-                )
+        def locate(ns: str) -> pb.LocateBlocksResponse:
+            return client.call(
+                "LocateBlocks",
+                pb.LocateBlocksRequest(namespace=ns, fingerprint=FP, keys=keys),
+            )
 
-            leases = [locate("greedy").lease_id for _ in range(20)]
-            with pytest.raises(ResourceExhausted) as err:
-                locate("greedy")
-            assert "namespace 'greedy' holds 20 leases, the limit" in err.value.message
-            assert locate("modest").lease_id  # another tenant is not hurt
-            client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases[0]))
-            assert locate("greedy").lease_id
-    finally:
-        proc.stop()
+        leases = [locate("greedy").lease_id for _ in range(20)]
+        with pytest.raises(ResourceExhausted) as err:
+            locate("greedy")
+        assert "namespace 'greedy' holds 20 leases, the limit" in err.value.message
+        assert locate("modest").lease_id  # another tenant is not hurt
+        client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases[0]))
+        assert locate("greedy").lease_id
 
 
 def test_phase_and_metadata_are_bounded(store):
@@ -327,7 +316,7 @@ def test_phase_and_metadata_are_bounded(store):
 # 10. leases are namespaced
 
 
-def test_a_lease_is_released_only_by_its_namespace(tmp_path):
+def test_a_lease_is_released_only_by_its_namespace(tmp_path, launched):
     a_token, b_token, ops = "tenant-a-token-0123456789", "tenant-b-token-0123456789", "o" * 24
     table = tmp_path / "tokens.json"
     table.write_text(
@@ -342,25 +331,22 @@ def test_a_lease_is_released_only_by_its_namespace(tmp_path):
         )
     )
     table.chmod(0o600)
-    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", ["--auth-tokens", str(table)])
-    proc.start()
-    try:
-        a = StoreClient(proc.address, security=ClientSecurity(token=a_token))
-        b = StoreClient(proc.address, security=ClientSecurity(token=b_token))
-        admin = StoreClient(proc.address, security=ClientSecurity(token=ops))
-        blocks, _ = make_chain(list(range(64)))
-        put = a.put_blocks("a", FP, blocks)
-        with pytest.raises(PermissionDenied) as err:
-            b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
-        assert "may not use namespace 'a'" in err.value.message
-        assert admin.stats().num_leases == 1
-        collected = a.call("CollectGarbage", pb.CollectGarbageRequest(namespace="a"))
-        assert collected.num_blocks_deleted == 0  # still leased, so still there
-        assert a.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id)).released
-        for c in (a, b, admin):
-            c.close()
-    finally:
-        proc.stop()
+    flags = ["--auth-tokens", str(table)]
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    a = StoreClient(proc.address, security=ClientSecurity(token=a_token))
+    b = StoreClient(proc.address, security=ClientSecurity(token=b_token))
+    admin = StoreClient(proc.address, security=ClientSecurity(token=ops))
+    blocks, _ = make_chain(list(range(64)))
+    put = a.put_blocks("a", FP, blocks)
+    with pytest.raises(PermissionDenied) as err:
+        b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+    assert "may not use namespace 'a'" in err.value.message
+    assert admin.stats().num_leases == 1
+    collected = a.call("CollectGarbage", pb.CollectGarbageRequest(namespace="a"))
+    assert collected.num_blocks_deleted == 0  # still leased, so still there
+    assert a.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id)).released
+    for c in (a, b, admin):
+        c.close()
 
 
 # 11. risky settings refused or shouted about
@@ -376,7 +362,7 @@ def start_output(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_tokens_beyond_loopback_need_tls_and_exposures_are_shouted(tmp_path):
+def test_tokens_beyond_loopback_need_tls_and_exposures_are_shouted(tmp_path, launched):
     table = tmp_path / "tokens.json"
     table.write_text(json.dumps({"tokens": [{"token": "t" * 20, "namespaces": ["*"]}]}))
     table.chmod(0o644)
@@ -384,44 +370,46 @@ def test_tokens_beyond_loopback_need_tls_and_exposures_are_shouted(tmp_path):
     assert refused.returncode == 2
     assert "with bearer tokens needs TLS" in refused.stderr
     assert "--allow-plaintext-tokens" in refused.stderr
-    proc = StoreProcess(
-        tmp_path / "data",
-        tmp_path / "store.log",
-        ["--auth-tokens", str(table), "--allow-plaintext-tokens", "--metrics-listen", "0.0.0.0:0"],
-        listen="0.0.0.0:0",
-    ).start()
-    try:
-        log = proc.log_text()
-        assert "BEARER TOKENS IN CLEAR TEXT" in log
-        assert "METRICS BEYOND LOOPBACK" in log
-        assert f"TOKEN FILE READABLE BY OTHERS: {table} has mode 644" in log
-    finally:
-        proc.stop()
+    proc = launched(
+        StoreProcess(
+            tmp_path / "data",
+            tmp_path / "store.log",
+            [
+                "--auth-tokens",
+                str(table),
+                "--allow-plaintext-tokens",
+                "--metrics-listen",
+                "0.0.0.0:0",
+            ],
+            listen="0.0.0.0:0",
+        )
+    )
+    log = proc.log_text()
+    assert "BEARER TOKENS IN CLEAR TEXT" in log
+    assert "METRICS BEYOND LOOPBACK" in log
+    assert f"TOKEN FILE READABLE BY OTHERS: {table} has mode 644" in log
 
 
 # 12. private by default
 
 
 @pytest.mark.parametrize("umask", [None, "027"])
-def test_the_data_dir_is_private_by_default(tmp_path, umask):
+def test_the_data_dir_is_private_by_default(tmp_path, launched, umask):
     flags = ["--umask", umask] if umask else []
-    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", flags).start()
-    try:
-        with proc.client() as client:
-            tokens = list(range(64))
-            blocks, _ = make_chain(tokens)
-            save(client, NS, "private", blocks, tokens)
-        hidden = 0o077 if umask is None else 0o007
-        paths = [proc.data_dir, proc.data_dir / "index" / "data.mdb"]
-        paths += list((proc.data_dir / "blocks").rglob("*"))
-        assert len(paths) > 4
-        for path in paths:
-            assert os.stat(path).st_mode & hidden == 0, f"{path} is {os.stat(path).st_mode:o}"
-        if umask:
-            payload = next((proc.data_dir / "blocks").rglob("*.safetensors"))
-            assert os.stat(payload).st_mode & 0o040  # its group may read it in place
-    finally:
-        proc.stop()
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    with proc.client() as client:
+        tokens = list(range(64))
+        blocks, _ = make_chain(tokens)
+        save(client, NS, "private", blocks, tokens)
+    hidden = 0o077 if umask is None else 0o007
+    paths = [proc.data_dir, proc.data_dir / "index" / "data.mdb"]
+    paths += list((proc.data_dir / "blocks").rglob("*"))
+    assert len(paths) > 4
+    for path in paths:
+        assert os.stat(path).st_mode & hidden == 0, f"{path} is {os.stat(path).st_mode:o}"
+    if umask:
+        payload = next((proc.data_dir / "blocks").rglob("*.safetensors"))
+        assert os.stat(payload).st_mode & 0o040  # its group may read it in place
 
 
 def test_the_reply_header_cache_is_bounded_by_bytes():
