@@ -84,8 +84,8 @@ from ttft import int_list, label, machine
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.store import StoreClient
 from client.worker import WorkerClient
-from inference_worker import model_kit
 from inference_worker.blas import load_optimized_blas
+from tests import model_kit
 
 NS = "batching"
 BATCHES = (1, 2, 4, 8)

@@ -14,7 +14,12 @@ from typing import Any
 
 import xxhash
 
-from agentkv.v1 import store_pb2 as pb
+# the benchmarks build their model shapes with tests/model_kit.py, so the repo root goes on the path
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from agentkv.v1 import store_pb2 as pb  # noqa: E402
 
 
 class RawReader:

@@ -95,9 +95,9 @@ from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 from client.worker import WorkerClient
-from inference_worker import model_kit
 from inference_worker.blas import load_optimized_blas
 from inference_worker.kv_format import KVFormat
+from tests import model_kit
 
 MODELS = ("default", "llama8b-shape")  # default: --model
 NS = "ttft"

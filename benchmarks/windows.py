@@ -71,8 +71,8 @@ from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.layers import KVStorage, describe, layer_bytes_per_token, layer_specs
 from client.store import StoreClient
 from client.worker import WorkerClient
-from inference_worker import model_kit
 from inference_worker.blas import load_optimized_blas
+from tests import model_kit
 
 BLOCK_TOKENS = 256
 MODES = ("full", "window")  # --full-window-layers, and the default

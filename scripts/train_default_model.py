@@ -15,9 +15,12 @@ import ast
 import json
 import math
 import random
+import sys
 import time
 from functools import partial
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/model_kit.py
 
 from inference_worker.blas import load_optimized_blas
 
@@ -28,7 +31,7 @@ import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 
-from inference_worker import model_kit  # noqa: E402
+from tests import model_kit  # noqa: E402
 
 CONFIG = {
     "model_type": "llama",

@@ -56,7 +56,7 @@ ARCHS = ("llama", "gemma3_text", "deepseek_v2")
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random-weight model directory per architecture, built once per session."""
-    from inference_worker.model_kit import build_tiny_model, tiny_tokenizer
+    from tests.model_kit import build_tiny_model, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     tokenizer = tiny_tokenizer()

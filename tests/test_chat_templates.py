@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from agentkv.errors import InvalidArgument
 from inference_worker.chat import ChatFormat, ChatMessage, ChatState, common_prefix
-from inference_worker.model_kit import CHAT_TEMPLATE, tiny_tokenizer
+from tests.model_kit import CHAT_TEMPLATE, tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 NAMES = ("smollm2", "llama3_1", "gemma3", "qwen2_5", "qwen3", "deepseek_v2", "mistral")

@@ -17,9 +17,9 @@ from mlx_lm import load
 
 from inference_worker.gguf_import import cached_import, import_gguf
 from inference_worker.gguf_tokenizer import build_tokenizer
-from inference_worker.model_kit import TINY_CONFIGS, random_model, save_model
 from inference_worker.models import ModelError, resolve_model
 from tests.gguf_kit import write_gguf
+from tests.model_kit import TINY_CONFIGS, random_model, save_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
 TEXTS = [
@@ -33,7 +33,7 @@ Q = GGMLQuantizationType
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, tiny_model_dirs):
     """Per architecture: its model directory, the loaded model and its float32 weights."""
-    from inference_worker.model_kit import tiny_tokenizer
+    from tests.model_kit import tiny_tokenizer
 
     root = tmp_path_factory.mktemp("gguf-src")
     tokenizer = tiny_tokenizer()
@@ -103,7 +103,7 @@ def test_sentencepiece_vocabulary_rebuilds_the_same_ids():
     to the text, which `tokenizers`' Metaspace does not when the text starts with a space)."""
     from tokenizers import SentencePieceBPETokenizer
 
-    from inference_worker.model_kit import read_texts, stdlib_files
+    from tests.model_kit import read_texts, stdlib_files
 
     specials = ["<unk>", "<s>", "</s>"]
     spm = SentencePieceBPETokenizer()
@@ -202,7 +202,7 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
     """Llama 3.x GGUFs carry RoPE scaling only as llama.cpp's precomputed rope_freqs
     tensor; the importer recognises Llama 3's settings from it, and the logits match."""
     from inference_worker.gguf_import import GGUFError, llama3_rope
-    from inference_worker.model_kit import tiny_tokenizer
+    from tests.model_kit import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     scaling = {

@@ -11,8 +11,8 @@ import pytest
 
 from inference_worker.fingerprint import model_fingerprint
 from inference_worker.kv_format import KVFormat
-from inference_worker.model_kit import BOS
 from tests.conftest import ARCHS
+from tests.model_kit import BOS
 
 CONVERSATION = [
     {"role": "system", "content": "You are the warden."},

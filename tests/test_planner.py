@@ -369,7 +369,7 @@ def test_deepseek_v3_spec_matches_mlx_lm():
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from inference_worker.model_kit import TINY_CONFIGS, random_model
+    from tests.model_kit import TINY_CONFIGS, random_model
 
     config = {
         **TINY_CONFIGS["deepseek_v2"],
