@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from agentkv.flags import flag
+
 # A server that restarts is dialled again within two seconds, not after gRPC's default
 # backoff (which grows to 120 s): a worker resumes writing soon after its store is back.
 RECONNECT_OPTIONS = [
@@ -18,15 +20,27 @@ RECONNECT_OPTIONS = [
 ]
 
 
+def read_token(path: str) -> str:
+    """A bearer token from a file (a mounted secret), stripped; "" for no file."""
+    if not path:
+        return ""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
 @dataclass(frozen=True, slots=True)
 class ClientSecurity:
     """How a client reaches a server: TLS (trusting `tls_ca`; mTLS with cert and key) and a
     bearer token. All empty: plaintext, no token (loopback)."""
 
-    token: str = ""
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
+    token: str = flag(
+        "", "file holding a bearer token", name="token-file", convert=read_token, env=True
+    )
+    tls_ca: str = flag("", "PEM CA the server's certificate chains to: connect with TLS", env=True)
+    tls_cert: str = flag("", "PEM client certificate (mTLS)", env=True)
+    tls_key: str = flag("", "PEM private key of the client certificate", env=True)
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
         options = [*RECONNECT_OPTIONS, *(options or [])]
@@ -125,13 +139,3 @@ class _Details(grpc.ClientCallDetails):
     credentials: Any
     wait_for_ready: Any
     compression: Any
-
-
-def read_token(path: str) -> str:
-    """A bearer token from a file (a mounted secret), stripped; "" for no file."""
-    if not path:
-        return ""
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token

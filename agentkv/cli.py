@@ -12,6 +12,7 @@ agentkv plan --config NAME --context 8K --budget 10.2Gi   how many agents' KV ca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from agentkv import defaults
+from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentKVError
+from agentkv.flags import add_flags, from_args
 from agentkv.layers import describe, layer_specs
 from agentkv.planner import TABLE14_NOTES, load_config, parse_size, parse_tokens, plan, table14
 from agentkv.units import human_bytes, table
@@ -34,25 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    store = sub.add_parser("store", help="inspect and maintain a cache store")
-    store.add_argument(
-        "--store",
-        default=os.environ.get("AGENTKV_STORE", defaults.STORE_ADDRESS),
-        help="store address, HOST:PORT or unix:PATH (env AGENTKV_STORE)",
-    )
-    _security_flags(store)
-    store_sub = store.add_subparsers(dest="store_command", required=True)
-    for name, (_, help_text) in STORE_COMMANDS.items():
-        p = store_sub.add_parser(name, help=help_text)
-        if name != "stats":
-            p.add_argument(
-                "-n",
-                "--namespace",
-                default="" if name in ("verify", "gc") else "default",
-                help="namespace (verify and gc: all when omitted)",
-            )
-        if name == "agent":
-            p.add_argument("agent_id")
+    _store_parser(sub.add_parser("store", help="inspect and maintain a cache store"))
     walk = sub.add_parser("walkthrough", help="start a store and tour what it does")
     walk.add_argument("--keep", action="store_true", help="keep the data directory afterwards")
     sub.add_parser("bench", help="run the benchmarks and write one report (from a source checkout)")
@@ -66,13 +51,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("scenario", help="a YAML file, or a shipped scenario's name")
     run.add_argument("--mode", choices=("persistent", "cold"), default="persistent")
     run.add_argument("--no-reset", action="store_true", help="keep agents of an earlier run")
+    run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
     agents = sub.add_parser("agents", help="list agents: tier, tokens, bytes, phase")
+    agents.add_argument("-n", "--namespace", default="default")
     for p in (run, agents):
         _service_flags(p)
-    agents.add_argument("-n", "--namespace", default="default")
-    run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
-    model = sub.add_parser("model", help="import GGUF models")
+    _model_parser(sub.add_parser("model", help="import GGUF models"))
+    return parser
+
+
+def _store_parser(store: argparse.ArgumentParser) -> None:
+    _store_flag(store)
+    add_flags(store, ClientSecurity)
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    for name, (_, help_text) in STORE_COMMANDS.items():
+        p = store_sub.add_parser(name, help=help_text)
+        if name != "stats":
+            p.add_argument(
+                "-n",
+                "--namespace",
+                default="" if name in ("verify", "gc") else "default",
+                help="namespace (verify and gc: all when omitted)",
+            )
+        if name == "agent":
+            p.add_argument("agent_id")
+
+
+def _model_parser(model: argparse.ArgumentParser) -> None:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     imp = model_sub.add_parser("import", help="a GGUF file as an mlx-lm model directory")
     imp.add_argument("file", help="a .gguf file, or a shipped model's name")
@@ -83,7 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "float16", "bfloat16", "native"),
         help="dequantize to a float dtype, or keep the file's own 4/8-bit layers (native)",
     )
-    return parser
 
 
 def cmd_model_import(args: argparse.Namespace) -> None:
@@ -130,38 +135,30 @@ def _parsed(parse: Callable[[str], int]) -> Callable[[str], int]:
     return convert
 
 
-def _service_flags(p: argparse.ArgumentParser) -> None:
+def _store_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store",
         default=os.environ.get("AGENTKV_STORE", defaults.STORE_ADDRESS),
-        help="store address (env AGENTKV_STORE)",
+        help="store address, HOST:PORT or unix:PATH (env AGENTKV_STORE)",
     )
+
+
+def _service_flags(p: argparse.ArgumentParser) -> None:
+    _store_flag(p)
     p.add_argument(
         "--worker",
         action="append",
         help="worker address; repeat for several (env AGENTKV_WORKERS, comma-separated)",
     )
-    _security_flags(p)
+    add_flags(p, ClientSecurity)
 
 
-def _security_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--token-file",
-        default=os.environ.get("AGENTKV_TOKEN_FILE", ""),
-        help="file holding a bearer token (env AGENTKV_TOKEN_FILE; or env AGENTKV_TOKEN)",
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=os.environ.get("AGENTKV_TLS_CA", ""),
-        help="PEM CA to trust: connect with TLS (env AGENTKV_TLS_CA)",
-    )
-
-
-def _security(args: argparse.Namespace):
-    from agentkv.channels import ClientSecurity, read_token
-
-    token = read_token(args.token_file) if args.token_file else os.environ.get("AGENTKV_TOKEN", "")
-    return ClientSecurity(token=token, tls_ca=args.tls_ca)
+def _security(args: argparse.Namespace) -> ClientSecurity:
+    """The flags' ClientSecurity; with no --token-file, the token is env AGENTKV_TOKEN's."""
+    security = from_args(ClientSecurity, args)
+    if security.token:
+        return security
+    return dataclasses.replace(security, token=os.environ.get("AGENTKV_TOKEN", ""))
 
 
 def _workers(args: argparse.Namespace) -> list[str]:

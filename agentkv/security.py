@@ -14,6 +14,7 @@ import grpc
 
 from agentkv.addresses import is_loopback
 from agentkv.auth import AuthInterceptor, TokenTable
+from agentkv.flags import flag
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None = None):
@@ -25,14 +26,18 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None):
 
 @dataclass(frozen=True, slots=True)
 class ServerSecurity:
-    """A server's TLS files and token table, from its flags (add_server_flags)."""
+    """A server's TLS files and token table, from its flags."""
 
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    auth_tokens: str = ""
-    allow_unauthenticated: bool = False
-    allow_plaintext_tokens: bool = False
+    tls_cert: str = flag("", "PEM certificate: serve TLS")
+    tls_key: str = flag("", "PEM private key of --tls-cert")
+    tls_client_ca: str = flag("", "PEM CA: require client certificates")
+    auth_tokens: str = flag("", "JSON token table: bearer tokens and their namespaces")
+    allow_unauthenticated: bool = flag(
+        False, "serve beyond loopback with no tokens (logged as a warning at start)"
+    )
+    allow_plaintext_tokens: bool = flag(
+        False, "accept bearer tokens beyond loopback without TLS (logged as a warning at start)"
+    )
 
     def check(self, listen: str, loopback: bool) -> None:
         """Safe defaults: no authentication only on loopback, and bearer tokens beyond
@@ -85,33 +90,3 @@ class ServerSecurity:
         if not self.tls_cert:
             return None
         return server_credentials(self.tls_cert, self.tls_key, self.tls_client_ca or None)
-
-
-def add_server_flags(p) -> None:
-    p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS")
-    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", default="", help="PEM CA: require client certificates")
-    p.add_argument(
-        "--auth-tokens", default="", help="JSON token table: bearer tokens and their namespaces"
-    )
-    p.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        help="serve beyond loopback with no tokens (logged as a warning at start)",
-    )
-    p.add_argument(
-        "--allow-plaintext-tokens",
-        action="store_true",
-        help="accept bearer tokens beyond loopback without TLS (logged as a warning at start)",
-    )
-
-
-def server_security(a) -> ServerSecurity:
-    return ServerSecurity(
-        a.tls_cert,
-        a.tls_key,
-        a.tls_client_ca,
-        a.auth_tokens,
-        a.allow_unauthenticated,
-        a.allow_plaintext_tokens,
-    )

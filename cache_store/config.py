@@ -2,30 +2,54 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from agentkv import defaults
-from agentkv.addresses import is_loopback, listen_host, tcp_listen
+from agentkv.flags import flag
 from agentkv.ids import NAMESPACE_RE
-from agentkv.security import ServerSecurity
+from agentkv.serving import ServerConfig, listen_flag
+from agentkv.units import parse_bytes
 from agentkv.wire import MAX_CHUNK_BYTES
 
 ANY_NAMESPACE = "*"
 
 
+def parse_namespace_quota(text: str) -> tuple[str, int]:
+    """'team-a=2G' -> ('team-a', 2 GiB); '*=1G' sets the default for every other namespace."""
+    name, sep, size = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE=SIZE or *=SIZE, got {text!r}")
+    try:
+        return name.strip(), parse_bytes(size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {size!r} in {text!r}") from None
+
+
 @dataclass(slots=True)
-class StoreConfig:
-    data_dir: Path
-    listen: str = defaults.STORE_ADDRESS  # host:port, or unix:/path/to.sock
-    metrics_listen: str | None = None  # host:port for Prometheus; None disables
-    health_listen: str | None = None  # host:port for plaintext grpc.health.v1 alone
-    quota_bytes: int = 0  # payload bytes; 0 = only the disk limits
+class StoreConfig(ServerConfig):
+    data_dir: Path = flag(help="where the index and payloads live", parse=Path)
+    listen: str = listen_flag(defaults.STORE_ADDRESS)
+    quota_bytes: int = flag(
+        0, "payload byte quota, e.g. 20G; 0: only the disk limits", name="quota", parse=parse_bytes
+    )
     # Per-namespace payload bytes; "*" applies to every namespace not named. The store-wide
     # quota still holds on top.
-    namespace_quotas: dict[str, int] = field(default_factory=dict)
-    evict_agents: bool = False  # under quota pressure, also evict whole cold agents
-    lease_seconds: int = 60
+    namespace_quotas: dict[str, int] = flag(
+        help="a namespace's payload byte quota, e.g. team-a=2G; '*=SIZE' for every namespace "
+        "not named; repeatable",
+        name="namespace-quota",
+        parse=parse_namespace_quota,
+        convert=dict,
+        factory=dict,
+        action="append",
+        metavar="NS=SIZE",
+    )
+    evict_agents: bool = flag(
+        False, "under quota pressure, also evict whole least-recently-used agents"
+    )
+    lease_seconds: int = flag(60, "how long a read or upload lease lasts unless renewed")
     max_lease_seconds: int = 600
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     max_block_bytes: int = 1 << 30
@@ -33,17 +57,30 @@ class StoreConfig:
     max_agent_tokens: int = 1 << 21
     max_message_bytes: int = 16 << 20  # gRPC transport limit, above every chunk and manifest
     lmdb_map_bytes: int = 64 << 30  # sparse; LMDB only uses what it writes
-    workers: int = 32
+    workers: int = flag(32, "RPC threads")
     # Of the RPC threads, at most this many serve each payload stream (PutBlocks, GetBlocks),
     # so idle or slow streams can never take every thread from the calls of other tenants.
-    max_streams: int = 12
-    stream_idle_seconds: float = 30.0  # a payload stream that moves no message is cancelled
+    max_streams: int = flag(
+        12,
+        "RPC threads each payload stream kind (PutBlocks, GetBlocks) may hold at once; "
+        "below --workers, so other calls always find one",
+    )
+    stream_idle_seconds: float = flag(
+        30.0, "cancel a payload stream that moves no message for this long"
+    )
     max_namespace_inflight_bytes: int = 2 << 30  # the same for all of one namespace's streams
     max_header_cache_bytes: int = 16 << 20  # built block-header replies kept for reuse
-    max_leases_per_namespace: int = 10_000
-    umask: int = 0o077  # files 0600 and directories 0700: payloads and index hold every token
-    log_level: str = "info"
-    security: ServerSecurity = field(default_factory=ServerSecurity)
+    max_leases_per_namespace: int = flag(
+        10_000, "live leases one namespace may hold (reads, uploads not yet committed)"
+    )
+    # files 0600 and directories 0700: payloads and index hold every token
+    umask: int = flag(
+        0o077,
+        "octal umask for the data dir's files (077: only the store's user reads them; 027 "
+        "lets its group, e.g. a worker reading payloads in place)",
+        parse=lambda text: int(text, 8),
+        shown="077",
+    )
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()
@@ -71,14 +108,7 @@ class StoreConfig:
             )
         if not 0 <= self.umask <= 0o777:
             raise ValueError(f"umask must be an octal mode 000..777, got {self.umask:o}")
-        listen_host(self.listen)
-        tcp_listen("metrics_listen", self.metrics_listen)
-        tcp_listen("health_listen", self.health_listen)
-        self.security.check(self.listen, self.is_loopback)
-
-    @property
-    def is_loopback(self) -> bool:
-        return is_loopback(self.listen)
+        self.check_serving()
 
     def namespace_quota(self, namespace: str) -> int:
         """The byte quota of one namespace; 0 when it has none."""

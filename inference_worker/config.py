@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agentkv import defaults
-from agentkv.addresses import is_loopback, listen_host, tcp_listen
+from agentkv.addresses import listen_host
 from agentkv.channels import ClientSecurity
-from agentkv.security import ServerSecurity
+from agentkv.flags import flag, nested
+from agentkv.serving import ServerConfig, listen_flag
+from agentkv.units import parse_bytes
 from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")
@@ -16,47 +18,77 @@ GGUF_WEIGHTS = ("auto", "float32", "float16", "bfloat16", "native")
 
 
 @dataclass(slots=True)
-class WorkerConfig:
-    model: str  # a shipped name, a GGUF file, an mlx-lm model directory or a hub id
-    store: str  # the cache store's address, HOST:PORT or unix:PATH
-    listen: str = defaults.WORKER_ADDRESS
-    metrics_listen: str | None = None
-    health_listen: str | None = None  # HOST:PORT for plaintext grpc.health.v1 alone
-    kv: KVFormat = field(default_factory=KVFormat)
-    block_tokens: int = 256
-    prefill_chunk: int = 512
+class WorkerConfig(ServerConfig):
+    model: str = flag(
+        defaults.MODEL, "a shipped model name, a GGUF file, an mlx-lm model directory or a hub id"
+    )
+    store: str = flag(help="cache store address, HOST:PORT or unix:PATH", kw_only=True)
+    listen: str = listen_flag(defaults.WORKER_ADDRESS)
+    gguf_weights: str = flag(
+        "auto",
+        "what a GGUF's weights become: dequantized float32/float16/bfloat16, or native (its "
+        "own 4/8-bit layers); auto: float32 on CPU, native on a GPU",
+        choices=GGUF_WEIGHTS,
+    )
+    kv: KVFormat = nested(KVFormat)
+    block_tokens: int = flag(256, "tokens per stored block (a multiple of 16)")
+    prefill_chunk: int = flag(512, "tokens per prefill chunk")
     # Queries up to this length attend over Q4 with quantized matmul; longer ones dequantize
-    # first (DESIGN.md, CPU). None picks per device: 1 on CPU, 32 on a GPU.
-    quantized_query_max: int | None = None
-    hot_budget_bytes: int = 2 << 30  # RAM for KV: the hot tier and the live batch together
-    max_batch: int = 8
-    step_tokens: int = 512  # tokens one model step may process: decodes first, then prefill
-    queue_limit: int = 64
-    restore_path: str = "auto"  # auto: locate when the store's files are visible here
+    # first (DESIGN.md, CPU). None picks per device.
+    quantized_query_max: int | None = flag(
+        None, "longest query that attends over Q4 directly", shown="1 on CPU, 32 on a GPU"
+    )
+    hot_budget_bytes: int = flag(
+        2 << 30,
+        "RAM for KV caches: the hot tier and the live batch together",
+        name="hot-budget",
+        parse=parse_bytes,
+        shown="2G",
+    )
+    max_batch: int = flag(8, "agents decoded together")
+    step_tokens: int = flag(
+        512, "tokens per model step: every decoder's next token, then prefill chunks"
+    )
+    queue_limit: int = flag(64, "turns that may wait for a slot; past it RESOURCE_EXHAUSTED")
+    restore_path: str = flag(
+        "auto",
+        "how to read the store: locate (same host), stream, or auto (locate when the store "
+        "is on loopback)",
+        choices=RESTORE_PATHS,
+    )
     # Sliding-window layers keep only their window in RAM and restore only the blocks that
     # reach into it. False keeps every layer at full length (the paper's reference).
-    window_caches: bool = True
-    # The dtype the weights compute in: "auto" is float32 on CPU (fastest with BLAS, and
-    # MoE's gather matmul needs it there) and the weights' own on a GPU.
-    dtype: str = "auto"
-    # What a GGUF's weights become on import: auto (float32 on CPU, native on a GPU),
-    # float32 / float16 / bfloat16 (dequantized), or native (its own 4/8-bit layers).
-    gguf_weights: str = "auto"
-    security: ServerSecurity = field(default_factory=ServerSecurity)  # its own server
-    store_security: ClientSecurity = field(default_factory=ClientSecurity)  # to the store
+    window_caches: bool = flag(
+        True,
+        "keep sliding-window layers at full length in RAM and restore (default: window)",
+        name="full-window-layers",
+    )
+    dtype: str = flag(
+        "auto",
+        "dtype the weights compute in (auto: float32 on CPU, the weights' own on a GPU)",
+        choices=DTYPES,
+    )
+    blas_threads: int = flag(
+        0,
+        "OpenBLAS threads (0: its own choice, one per core); on CPU one thread is faster for "
+        "single-agent decode, more for large batches and prefill",
+    )
+    store_security: ClientSecurity = nested(ClientSecurity, prefix="store-")  # to the store
     store_timeout: float = 60.0
     # How long a turn of an agent hot here waits for the store to say whether another
     # worker committed it since; past that (a hung store) the RAM copy stands.
-    store_check_timeout: float = 2.0
+    store_check_timeout: float = flag(
+        2.0,
+        "seconds a hot agent's turn waits for the store to confirm it is current; past that "
+        "(a hung store) it answers from RAM",
+    )
     max_stop_strings: int = 16
     workers: int = 16
-    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is required")
         listen_host(self.store)
-        listen_host(self.listen)
         if self.block_tokens < 16 or self.block_tokens % 16:
             raise ValueError(f"block_tokens must be a positive multiple of 16: {self.block_tokens}")
         if self.prefill_chunk < 1:
@@ -76,7 +108,6 @@ class WorkerConfig:
             raise ValueError(f"dtype must be one of {DTYPES}: {self.dtype!r}")
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}: {self.gguf_weights!r}")
-        tcp_listen("metrics_listen", self.metrics_listen)
-        tcp_listen("health_listen", self.health_listen)
-
-        self.security.check(self.listen, is_loopback(self.listen))
+        if self.blas_threads < 0:
+            raise ValueError(f"--blas-threads {self.blas_threads} must be >= 0")
+        self.check_serving()

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentkv.flags import flag
+
 
 @dataclass(frozen=True, slots=True)
 class KVFormat:
     """How K and V are stored: bits each, quantization group, and the scales' dtype."""
 
-    k_bits: int = 4
-    v_bits: int = 4
-    group_size: int = 64
+    k_bits: int = flag(4, "bits per key element")
+    v_bits: int = flag(4, "bits per value element")
+    group_size: int = flag(64, "elements per quantization scale and bias (32, 64 or 128)")
     scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:

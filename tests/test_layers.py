@@ -1,7 +1,7 @@
 """The layers' arrows run one way, read from the source's imports (function-level ones too).
 
 agentkv core (errors, keys, wire, ids, units, addresses, layers, planner, stubs)
-  <- RPC plumbing (agentkv.rpc, agentkv.security, agentkv.launch)
+  <- RPC plumbing (agentkv.rpc, .auth, .channels, .security, .serving, .launch)
   <- cache_store/ and client/ (neither imports the other)
   <- inference_worker/
   <- the CLI (agentkv.cli), which nothing imports
@@ -14,7 +14,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("agentkv", "cache_store", "client", "inference_worker")
-PLUMBING = {"agentkv.rpc", "agentkv.auth", "agentkv.channels", "agentkv.security", "agentkv.launch"}
+PLUMBING = {
+    "agentkv.rpc",
+    "agentkv.auth",
+    "agentkv.channels",
+    "agentkv.security",
+    "agentkv.serving",
+    "agentkv.launch",
+}
 SERVICES = {"cache_store", "inference_worker"}
 
 

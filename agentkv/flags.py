@@ -1,0 +1,141 @@
+"""Command-line flags from a config dataclass: a field made with `flag(...)` is one flag, with
+its help text, its default (shown by --help) and its parser written once, beside the field.
+
+    @dataclass
+    class Config:
+        quota_bytes: int = flag(0, "payload byte quota, e.g. 20G", name="quota", parse=parse_bytes)
+        security: ServerSecurity = nested(ServerSecurity)
+
+    config = parse_config(Config, "agentkv-store", __doc__, argv)
+
+A field's flag is `--` + its name with dashes (or `name`), after the nested prefix; a bool
+field is a switch that flips its default; a field without a default is a required flag.
+Fields made with plain `field()` are settings no flag sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import os
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+MISSING = dataclasses.MISSING
+
+
+def flag(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    name: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    convert: Callable[[Any], Any] | None = None,
+    env: bool = False,
+    shown: str | None = None,
+    factory: Callable[[], Any] | None = None,
+    kw_only: Any = MISSING,
+    **argparse_options: Any,
+) -> Any:
+    """A dataclass field that is also a flag. `parse` turns the flag's text into a value
+    (default: the field's type); `convert` turns what argparse collected into the field's
+    value; `env` reads the default from AGENTKV_<FLAG>; `shown` is the default as --help
+    words it (instead of its repr); `kw_only` is dataclasses'; the rest goes to argparse's
+    add_argument."""
+    metadata = {
+        "help": help,
+        "name": name,
+        "parse": parse,
+        "convert": convert,
+        "env": env,
+        "shown": shown,
+        "options": argparse_options,
+    }
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata, kw_only=kw_only)
+    return dataclasses.field(default=default, metadata=metadata, kw_only=kw_only)
+
+
+def nested(cls: Callable[[], Any], prefix: str = "") -> Any:
+    """A field holding another flagged config (its flags named `--PREFIX...`)."""
+    return dataclasses.field(default_factory=cls, metadata={"nested": cls, "prefix": prefix})
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One flag per flagged field of `cls` (and of its nested configs)."""
+    hints = typing.get_type_hints(cls)
+    own = inspect.get_annotations(cls)  # a subclass's own flags before its base's
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
+        if "nested" in f.metadata:
+            add_flags(parser, f.metadata["nested"], prefix + f.metadata["prefix"])
+        elif "help" in f.metadata:
+            name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
+            parser.add_argument(name, dest=_dest(prefix, f), **_options(f, hints[f.name], name))
+
+
+def from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **given: Any) -> C:
+    """`cls` built from parsed flags; `given` fields are set as they are."""
+    values = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            continue
+        if "nested" in f.metadata:
+            values[f.name] = from_args(f.metadata["nested"], args, prefix + f.metadata["prefix"])
+        elif "help" in f.metadata:
+            value = getattr(args, _dest(prefix, f))
+            convert = f.metadata["convert"]
+            values[f.name] = convert(value) if convert else value
+    return cls(**values)
+
+
+def parse_config(
+    cls: type[C], prog: str, description: str | None, argv: Sequence[str] | None = None
+) -> C:
+    """The config from the command line; a value its checks refuse exits with usage."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(parser, cls)
+    args = parser.parse_args(argv)
+    try:
+        return from_args(cls, args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+
+
+def _dest(prefix: str, f: dataclasses.Field) -> str:
+    return (prefix + f.name).replace("-", "_")
+
+
+def _options(f: dataclasses.Field, hint: Any, name: str) -> dict[str, Any]:
+    """add_argument's keywords for one field: its help, default, parser and action."""
+    meta = f.metadata
+    options: dict[str, Any] = {"help": meta["help"], "type": meta["parse"] or _scalar(hint)}
+    if "choices" not in meta["options"]:  # else --help lists the choices
+        options["metavar"] = name[2:].upper().replace("-", "_")
+    if f.default is not MISSING:
+        default = f.default
+    elif f.default_factory is not MISSING:
+        default = f.default_factory()
+    else:
+        return {**options, "required": True, **meta["options"]}
+    if meta["options"].get("action") == "append":
+        return {**options, "default": [], **meta["options"]}
+    if isinstance(default, bool):
+        action = "store_false" if default else "store_true"
+        return {"help": meta["help"], "action": action, **meta["options"]}
+    if meta["env"]:
+        variable = "AGENTKV_" + name[2:].replace("-", "_").upper()
+        default = os.environ.get(variable, default)
+        options["help"] += f" (env {variable})"
+    shown = meta["shown"] or (None if default in (None, "") else "%(default)s")
+    if shown:
+        options["help"] += f" (default: {shown})"
+    return {**options, "default": default, **meta["options"]}
+
+
+def _scalar(hint: Any) -> Callable[[str], Any]:
+    """The type argparse parses a flag's text with: the hint, or its one non-None member."""
+    members = [t for t in typing.get_args(hint) if t is not type(None)]
+    return members[0] if len(members) == 1 else hint
