@@ -26,7 +26,7 @@ from agentkv import defaults
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.units import table
 from client.memory import AgentMemory
-from client.scenario import PhaseSpec, Turn, load_scenario, run_scenario
+from client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
 from client.workflow import Record, Workflow
 
 EPILOGUE = PhaseSpec(
@@ -101,40 +101,13 @@ def phase_summary(persistent: Workflow, cold: Workflow | None) -> str:
 def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> None:
     scenario = load_scenario(scenario_path("prisoners_dilemma"))
     root = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
-    store: ServiceProcess | None = None
-    worker: ServiceProcess | None = None
-    listen = f"127.0.0.1:{free_port()}"  # a restarted worker comes back at the same address
     print(f"agentkv demo: {scenario.description}\nmodel {model}, data in {root}\n")
+    services: dict[str, ServiceProcess] = {}
     try:
-        with progress("starting agentkv-store"):
-            store = store_process(root / "data", root / "store.log").start()
-        with progress(f"starting agentkv-worker (loading {Path(model).name})"):
-            worker = worker_process(model, store.address, root / "worker.log", listen).start()
-        print(f"  store pid {store.proc.pid} on {store.address}")
-        print(f"  worker pid {worker.proc.pid} on {worker.address}\n")
-        with AgentMemory(worker.address, store.address, scenario.namespace) as mem:
-            flow = run_scenario(
-                scenario,
-                mem,
-                on_record=print_record,
-                on_phase=lambda name: print(f"  phase {name}"),
-            )
-            print("\nrestarting the worker: its RAM is gone, the store keeps every cache")
-            worker.stop()
-            with progress("starting a new agentkv-worker"):
-                worker = worker_process(model, store.address, root / "worker.log", listen)
-                worker.start()
-            print(f"  phase {EPILOGUE.name}")
-            run_scenario(scenario, mem, workflow=flow, phases=(EPILOGUE,))
-            resumed = [r for r in flow.records if r.phase == EPILOGUE.name]
-            warm = sorted({r.agent for r in resumed if r.cache_state == "warm"})
-            print(f"  resumed warm from the store: {', '.join(warm)}")
-            print("\nagents now:")
-            rows = [[a.agent_id, a.tier, a.num_tokens, a.num_bytes, a.phase] for a in mem.agents()]
-            print(table(["agent", "tier", "tokens", "bytes", "phase"], rows))
-
+        flow = _persistent_run(scenario, model, root, services)
         baseline = None
         if cold:
+            worker, store = services["worker"], services["store"]
             with (
                 progress("the same scenario with caches cleared every phase (re-prefill)"),
                 AgentMemory(worker.address, store.address, f"{scenario.namespace}-cold") as mem,
@@ -143,13 +116,49 @@ def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> N
         print("\nper phase (mean time to first token of the phase's turns):")
         print(phase_summary(flow, baseline))
     finally:
-        for service in (worker, store):
-            if service is not None:
-                service.stop()
+        for service in reversed(services.values()):
+            service.stop()
         if keep:
             print(f"\ndata and logs kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _persistent_run(
+    scenario: Scenario, model: str, root: Path, services: dict[str, ServiceProcess]
+) -> Workflow:
+    """The scenario, then a worker restart and the epilogue resumed warm from the store;
+    `services` holds what is running, for the caller to stop."""
+    listen = f"127.0.0.1:{free_port()}"  # a restarted worker comes back at the same address
+    with progress("starting agentkv-store"):
+        store = services["store"] = store_process(root / "data", root / "store.log").start()
+    with progress(f"starting agentkv-worker (loading {Path(model).name})"):
+        worker = services["worker"] = worker_process(
+            model, store.address, root / "worker.log", listen
+        )
+        worker.start()
+    print(f"  store pid {store.proc.pid} on {store.address}")
+    print(f"  worker pid {worker.proc.pid} on {worker.address}\n")
+    with AgentMemory(worker.address, store.address, scenario.namespace) as mem:
+        flow = run_scenario(
+            scenario, mem, on_record=print_record, on_phase=lambda name: print(f"  phase {name}")
+        )
+        print("\nrestarting the worker: its RAM is gone, the store keeps every cache")
+        worker.stop()
+        with progress("starting a new agentkv-worker"):
+            worker = services["worker"] = worker_process(
+                model, store.address, root / "worker.log", listen
+            )
+            worker.start()
+        print(f"  phase {EPILOGUE.name}")
+        run_scenario(scenario, mem, workflow=flow, phases=(EPILOGUE,))
+        resumed = [r for r in flow.records if r.phase == EPILOGUE.name]
+        warm = sorted({r.agent for r in resumed if r.cache_state == "warm"})
+        print(f"  resumed warm from the store: {', '.join(warm)}")
+        print("\nagents now:")
+        rows = [[a.agent_id, a.tier, a.num_tokens, a.num_bytes, a.phase] for a in mem.agents()]
+        print(table(["agent", "tier", "tokens", "bytes", "phase"], rows))
+    return flow
 
 
 def free_port() -> int:
