@@ -1,13 +1,28 @@
-"""What both services' configs share: where they listen, metrics, health, logs and security,
-each flag defined once (agentkv.flags)."""
+"""What both services share: the config fields (where they listen, metrics, health, logs,
+RPC threads and security, each flag defined once: agentkv.flags) and the server bootstrap
+(interceptors, health, reflection, metrics, a graceful stop on SIGTERM)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry, Counter
 
 from agentkv.addresses import is_loopback, listen_host, tcp_listen
 from agentkv.flags import flag, nested
+from agentkv.rpc import (
+    add_health_and_reflection,
+    bind,
+    new_server,
+    start_health,
+    start_metrics,
+    wait_for_signal,
+)
 from agentkv.security import ServerSecurity
 
 
@@ -27,6 +42,7 @@ class ServerConfig:
         None, "HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe)"
     )
     log_level: str = flag("info", "debug, info, warning or error")
+    workers: int = flag(16, "RPC threads")
     security: ServerSecurity = nested(ServerSecurity)
 
     def check_serving(self) -> None:
@@ -42,3 +58,74 @@ class ServerConfig:
 
     def security_warnings(self) -> list[str]:
         return self.security.warnings(self.listen, self.is_loopback, self.metrics_listen)
+
+
+class ServiceMetrics(Protocol):
+    registry: CollectorRegistry
+    rpc_errors: Counter
+
+
+@dataclass(slots=True)
+class Served:
+    """A service's gRPC server, bound and not yet started (`serve_until_signal` runs it)."""
+
+    server: grpc.Server
+    address: str  # what clients dial: host:port with the bound port, or unix:path
+    health: health.HealthServicer
+    metrics: ServiceMetrics
+    close: Callable[[], None]  # releases the service once its server has stopped
+    grace: float  # seconds in-flight calls get to finish at a stop
+
+    def stop(self) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(self.grace).wait()
+        self.close()
+
+
+def bind_service(
+    config: ServerConfig,
+    service: str,
+    handlers: grpc.GenericRpcHandler,
+    metrics: ServiceMetrics,
+    close: Callable[[], None],
+    *,
+    max_message_bytes: int,
+    grace: float,
+) -> Served:
+    """One server bootstrap for both services: the error interceptor (counting errors in
+    `metrics`) behind the auth interceptor, message limits, health and reflection, bound to
+    `config.listen` with its TLS. A failed bind calls `close` and raises OSError."""
+    server = new_server(
+        config.workers,
+        max_message_bytes,
+        lambda code: metrics.rpc_errors.labels(code.name).inc(),
+        config.security.interceptors(),
+    )
+    server.add_generic_rpc_handlers((handlers,))
+    health_servicer = add_health_and_reflection(server, service)
+    try:
+        address = bind(server, config.listen, config.security.credentials())
+    except OSError:
+        close()
+        raise
+    return Served(server, address, health_servicer, metrics, close, grace)
+
+
+def serve_until_signal(
+    config: ServerConfig, create: Callable[[], Served], log: logging.Logger, **facts: Any
+) -> None:
+    """Logs the security warnings, creates and starts the server, its metrics and health
+    endpoints, logs "serving" (with `facts`), and on SIGTERM or SIGINT drains and stops."""
+    for warning in config.security_warnings():
+        log.warning(warning, extra={"listen": config.listen})
+    served = create()
+    metrics = start_metrics(config.metrics_listen, served.metrics.registry)
+    served.server.start()
+    health_server, health_address = start_health(config.health_listen, served.health)
+    extra = {"address": served.address, **facts, "metrics": metrics, "health": health_address}
+    log.info("serving", extra=extra)
+    wait_for_signal()
+    log.info("stopping")
+    served.stop()
+    if health_server is not None:
+        health_server.stop(0)

@@ -57,7 +57,7 @@ class StoreConfig(ServerConfig):
     max_agent_tokens: int = 1 << 21
     max_message_bytes: int = 16 << 20  # gRPC transport limit, above every chunk and manifest
     lmdb_map_bytes: int = 64 << 30  # sparse; LMDB only uses what it writes
-    workers: int = flag(32, "RPC threads")
+    workers: int = flag(32, "RPC threads", kw_only=True)
     # Of the RPC threads, at most this many serve each payload stream (PutBlocks, GetBlocks),
     # so idle or slow streams can never take every thread from the calls of other tenants.
     max_streams: int = flag(
