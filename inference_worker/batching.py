@@ -8,12 +8,13 @@ bit what a single-agent turn would hold, and is handed back to be persisted.
 
 A turn whose own work fails (its prefill, its sampling, its tokens) leaves the batch alone,
 handed back through `on_failed`; the others go on. Only the shared decode forward, or the
-batch's re-merge, failing raises out of `step`: then the caller fails every turn
-(`drop_all`).
+batch's re-merge, failing raises out of `schedule` or `run`: then the caller fails every
+turn (`drop_all`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from agentkv.errors import DeadlineExceeded
-from inference_worker.agents import Agent, Checkpoint
+from agentkv.errors import AgentKVError, DeadlineExceeded
+from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
-from inference_worker.scheduler import Request, Scheduler
+from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
+
+log = logging.getLogger("agentkv.worker")
 
 
 @dataclass(slots=True)
@@ -44,6 +47,26 @@ class ActiveTurn:
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
 
+    @classmethod
+    def of(
+        cls,
+        job: TurnJob,
+        agent: Agent,
+        usage: UsageEvent,
+        pending: list[int],
+        *,
+        request_id: str,
+        memory_bytes: int,  # the KV it holds at its longest
+        detok: Any,
+    ) -> ActiveTurn:
+        """The turn of `job` that prefills `pending`."""
+        s, ms = job.sampling, job.deadline_ms
+        deadline = time.monotonic() + ms / 1000 if ms else None
+        request = Request(
+            request_id, len(pending), s.max_tokens, memory_bytes, job.priority, deadline
+        )
+        return cls(job, agent, usage, request, pending, s.sampler(), detok, StopMatcher(s.stop))
+
 
 class Batcher:
     def __init__(
@@ -53,7 +76,7 @@ class Batcher:
         scheduler: Scheduler,
         quantized_query_max: int,
         on_done: Callable[[ActiveTurn], None],
-        on_failed: Callable[[ActiveTurn, Exception], None],
+        on_failed: Callable[[ActiveTurn, AgentKVError], None],
         on_decode: Callable[[int], None] = lambda batch_size: None,
     ) -> None:
         self.model, self.eos_ids, self.scheduler = model, eos_ids, scheduler
@@ -70,13 +93,22 @@ class Batcher:
     def holds(self, agent: Agent) -> bool:
         return any(t.agent is agent for t in self.active.values())
 
-    def step(self) -> None:
+    def busy(self) -> set[AgentId]:
+        """The agents with a turn in flight."""
+        return {t.agent.id for t in self.active.values()}
+
+    def schedule(self) -> Step:
+        """Lets cancelled and expired turns go, then asks the scheduler for the next step."""
         self._leave_all(
             [(t, "cancelled") for t in self.active.values() if t.job.cancelled.is_set()]
         )
         step = self.scheduler.schedule(time.monotonic())
         for request in step.expired:
             self._expire(self.active[request.request_id])
+        return step
+
+    def run(self, step: Step) -> None:
+        """Decodes one token for the batch, then runs the step's prefill chunks."""
         if self.rows:
             self._decode()
         joining = []
@@ -86,7 +118,14 @@ class Batcher:
                 joining.append(turn)
         if joining:
             self._join(joining)  # one re-merge for everyone whose prefill finished
-        self.scheduler.complete(step)
+
+    def prefill(self, agent: Agent) -> None:
+        """Runs the tokens the agent's cache lacks through the model, alone, in chunks (a
+        new agent's system prompt)."""
+        pending, step = agent.tokens[agent.cached :], self.scheduler.prefill_chunk
+        agent.keep_undurable()
+        for start in range(0, len(pending), step):
+            mx.eval(self.model(mx.array([pending[start : start + step]]), cache=agent.caches))
 
     # decode and prefill
 
@@ -223,6 +262,10 @@ class Batcher:
     def _fail(self, turn: ActiveTurn, exc: Exception) -> None:
         self.scheduler.cancel(turn.request.request_id)  # a no-op if it already left
         self.active.pop(turn.request.request_id, None)
+        if not isinstance(exc, AgentKVError):  # a bug, or a bad input not caught at submit
+            agent_id = turn.agent.agent_id
+            log.error("turn failed", extra={"agent": agent_id, "error": repr(exc)})
+            exc = AgentKVError(f"turn of agent {agent_id!r} failed: {type(exc).__name__}: {exc}")
         self.on_failed(turn, exc)
 
     def _finish(self, turn: ActiveTurn, reason: str) -> None:
@@ -232,7 +275,11 @@ class Batcher:
         elif not turn.request.done:
             self.scheduler.finish(turn.request)
         self.active.pop(rid, None)
-        turn.usage.finish_reason = reason
+        u = turn.usage
+        u.finish_reason = reason
+        if u.generated_tokens > 1:
+            elapsed = max(time.perf_counter() - turn.first_at, 1e-9)
+            u.decode_tokens_per_second = (u.generated_tokens - 1) / elapsed
         self.on_done(turn)
 
     def _expire(self, turn: ActiveTurn) -> None:

@@ -21,7 +21,7 @@ from inference_worker.turns import AgentInfo, TurnJob
 
 class Front:
     def __init__(self, engine: Engine, check_timeout: float) -> None:
-        self.engine, self.client, self.check_timeout = engine, engine.client, check_timeout
+        self.engine, self.client, self.check_timeout = engine, engine.store, check_timeout
 
     def create_agent(
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
@@ -46,7 +46,7 @@ class Front:
         info = self._mlx(self.engine.describe_hot, ns, agent_id)
         if info is not None:
             return info
-        m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.fingerprint)
+        m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.runtime.fingerprint)
         tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
         covered = sum(m.block_num_tokens)
         return AgentInfo(
@@ -74,7 +74,7 @@ class Front:
             self._wait_durable(ns, source_id)
             self._mlx(self.engine.durable_agent, ns, source_id, "fork")
         else:  # only the store holds it: it must be this model's
-            self.client.get_agent(ns, source_id, fingerprint=self.engine.fingerprint)
+            self.client.get_agent(ns, source_id, fingerprint=self.engine.runtime.fingerprint)
         self.client.fork_agent(ns, source_id, agent_id, phase=phase)
         return self.describe(ns, agent_id)
 

@@ -3,7 +3,10 @@ before the optimized BLAS is loaded."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from agentkv.layers import KVStorage, LayerSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +32,14 @@ class KVFormat:
         """e.g. "k4v4g64f16": part of the model fingerprint."""
         scales = "f16" if self.scale_dtype == "float16" else "f32"
         return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"
+
+    def token_bytes(self, specs: Sequence[LayerSpec]) -> int:
+        """Bytes one token of context costs in these layers' caches (agentkv.layers' sizes)."""
+        k, v = (
+            KVStorage(bits, self.group_size, 2 if self.scale_dtype == "float16" else 4)
+            for bits in (self.k_bits, self.v_bits)
+        )
+        return sum(
+            s.kv_heads * (k.vector_bytes(s.k_head_dim) + v.vector_bytes(s.v_head_dim))
+            for s in specs
+        )

@@ -34,6 +34,11 @@ class UsageEvent:
     restore_failure: str = ""
     restored_bytes: int = 0
 
+    def cap_reused(self, kept: int) -> None:
+        """The turn keeps only `kept` cached tokens (a first turn rendered the start anew)."""
+        self.reused_hot_tokens = min(self.reused_hot_tokens, kept)
+        self.reused_store_tokens = min(self.reused_store_tokens, kept)
+
 
 @dataclass(slots=True)
 class TurnJob:
@@ -49,6 +54,13 @@ class TurnJob:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started
+
+    def end(self, usage: UsageEvent | None = None, error: Exception | None = None) -> None:
+        """Closes the event stream: the usage, if any, then END; `error` is what it raises."""
+        self.error = error
+        if usage is not None:
+            self.events.put(usage)
+        self.events.put(END)
 
 
 @dataclass(slots=True)
