@@ -108,6 +108,13 @@ class Agent:
             )
         return reuse
 
+    def memory_for(self, num_tokens: int, token_bytes: int) -> int:
+        """KV bytes it holds at its longest in a turn reaching `num_tokens`: what it holds
+        now, plus every new token in every layer (a window layer keeps them too until they
+        are committed, after the turn). The fp16 copy a turn keeps of its own tokens while
+        it prefills is working memory, like the forward's activations: not counted."""
+        return self.nbytes + max(0, num_tokens - self.cached) * token_bytes
+
     def check_context(self, adding: int, max_context: int) -> None:
         """Raises OutOfRange when `adding` more tokens would take it past `max_context`."""
         if len(self.tokens) + adding > max_context:
@@ -118,16 +125,8 @@ class Agent:
             )
 
     def info(self, tier: str) -> AgentInfo:
-        return AgentInfo(
-            self.namespace,
-            self.agent_id,
-            tier,
-            len(self.tokens),
-            self.nbytes,
-            self.persisted_tokens,
-            self.generation,
-            self.phase,
-        )
+        sizes = len(self.tokens), self.nbytes, self.persisted_tokens
+        return AgentInfo(self.namespace, self.agent_id, tier, *sizes, self.generation, self.phase)
 
 
 @dataclass(slots=True)
@@ -180,9 +179,6 @@ class HotTier:
     def __len__(self) -> int:
         return len(self._agents)
 
-    def agents(self) -> list[Agent]:
-        return list(self._agents.values())
-
     def enforce(self, keep: set[AgentId] | frozenset[AgentId] = frozenset()) -> list[Agent]:
         """Evicts least recently used durable agents until under budget; returns them."""
         evicted = []
@@ -226,9 +222,9 @@ class HotTier:
         self.metrics.hot_bytes.set(self.nbytes)
         return held
 
-    def release(self, agent: Agent, mid_turn: bool) -> None:
+    def release(self, agent: Agent, mid_turn: Callable[[Agent], bool]) -> None:
         """Once committed, window caches let go of what only persistence still needed."""
-        if mid_turn or self.get(agent.id) is not agent:
+        if mid_turn(agent) or self.get(agent.id) is not agent:
             return  # mid-turn (the batch drops it), or no longer held here
         agent.keep_undurable()
         for cache in agent.caches:

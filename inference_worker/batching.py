@@ -9,7 +9,7 @@ bit what a single-agent turn would hold, and is handed back to be persisted.
 A turn whose own work fails (its prefill, its sampling, its tokens) leaves the batch alone,
 handed back through `on_failed`; the others go on. Only the shared decode forward, or the
 batch's re-merge, failing raises out of `schedule` or `run`: then the caller fails every
-turn (`drop_all`).
+turn (`fail_all`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
+# What a turn hears when the batched step it was in failed for everyone: never the error's
+# own text, which may quote another tenant's request.
+STEP_FAILED = "the batched model step failed; this turn left no trace in its agent, retry it"
 
 
 @dataclass(slots=True)
@@ -76,7 +79,7 @@ class Batcher:
         scheduler: Scheduler,
         quantized_query_max: int,
         on_done: Callable[[ActiveTurn], None],
-        on_failed: Callable[[ActiveTurn, AgentKVError], None],
+        on_failed: Callable[[ActiveTurn, AgentKVError, str], None],  # the turn, why, its scope
         on_decode: Callable[[int], None] = lambda batch_size: None,
     ) -> None:
         self.model, self.eos_ids, self.scheduler = model, eos_ids, scheduler
@@ -129,15 +132,16 @@ class Batcher:
 
     # decode and prefill
 
-    def drop_all(self) -> list[ActiveTurn]:
-        """Forgets every turn, in the batch or not, after a step failed for all of them:
-        their caches as the batch held them are lost (each agent keeps its own from before
-        it joined). Returns them, for the caller to fail."""
+    def fail_all(self) -> None:
+        """Fails every turn, in the batch or not, after a step failed for all of them: their
+        caches as the batch held them are lost (each agent keeps its own from before it
+        joined)."""
         turns = list(self.active.values())
         for turn in turns:
             self.scheduler.cancel(turn.request.request_id)
         self.active, self.rows, self.batch = {}, [], None
-        return turns
+        for turn in turns:
+            self.on_failed(turn, AgentKVError(STEP_FAILED), "batch")
 
     def _decode(self) -> None:
         self.on_decode(len(self.rows))
@@ -266,7 +270,7 @@ class Batcher:
             agent_id = turn.agent.agent_id
             log.error("turn failed", extra={"agent": agent_id, "error": repr(exc)})
             exc = AgentKVError(f"turn of agent {agent_id!r} failed: {type(exc).__name__}: {exc}")
-        self.on_failed(turn, exc)
+        self.on_failed(turn, exc, "turn")
 
     def _finish(self, turn: ActiveTurn, reason: str) -> None:
         rid = turn.request.request_id

@@ -33,9 +33,6 @@ from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
-# What a turn hears when the batched step it was in failed for everyone: never the error's
-# own text, which may quote another tenant's request.
-STEP_FAILED = "the batched model step failed; this turn left no trace in its agent, retry it"
 
 
 class Engine:
@@ -48,13 +45,10 @@ class Engine:
         self.model, self.tokenizer = runtime.model, runtime.tokenizer
         self.chat = ChatFormat(self.tokenizer)
         self.hot = HotTier(config.hot_budget_bytes, metrics)
-        windowed = any(w is not None for w in runtime.windows)
+
+        self._windowed = any(w is not None for w in runtime.windows)
         self.persister = Persister(
-            store,
-            runtime.fingerprint,
-            config.block_tokens,
-            lambda outcome: metrics.persists.labels(outcome=outcome).inc(),
-            (lambda agent: self.submit(self._release, agent)) if windowed else None,
+            store, runtime.fingerprint, config.block_tokens, metrics, self._written
         )
         self.scheduler = Scheduler(config)
         self.batcher = Batcher(
@@ -106,16 +100,14 @@ class Engine:
             self.scheduler.complete(step)
         except Exception:
             log.exception("model step failed")
-            for turn in self.batcher.drop_all():
-                self._turn_failed(turn, AgentKVError(STEP_FAILED), scope="batch")
+            self.batcher.fail_all()
 
     # agents (each runs on the MLX thread)
 
     def create_agent(
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
     ) -> AgentInfo:
-        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
-        metadata = ids.metadata(metadata)
+        """A new agent, its system prompt prefilled (ids and metadata checked by the caller)."""
         if self.hot.get((ns, agent_id)) is not None:  # the RPC thread asked the store
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
         check_system(system)
@@ -164,17 +156,14 @@ class Engine:
         reuse = agent.reusable(tokens, max_tokens > 0, usage)
         pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
-        # The KV it holds at its longest: now, plus every new token in every layer (a window
-        # layer keeps them until they are committed). Its prefill's fp16 copy is not counted.
-        new_tokens = max(0, len(tokens) + max_tokens - agent.cached)
-        memory = agent.nbytes + new_tokens * self.runtime.token_bytes
+        memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
         request_id, detok = f"{next(self._turn_ids)}", self.tokenizer.detokenizer
         turn = ActiveTurn.of(
             job, agent, usage, pending, request_id=request_id, memory_bytes=memory, detok=detok
         )
         return turn, tokens, chat
 
-    def _turn_failed(self, turn: ActiveTurn, error: AgentKVError, scope: str = "turn") -> None:
+    def _turn_failed(self, turn: ActiveTurn, error: AgentKVError, scope: str) -> None:
         """A turn failed after it was queued: its agent goes back to before it (so a retry
         does not say its messages twice), and its stream ends with `error`, its own."""
         agent = turn.agent
@@ -203,7 +192,6 @@ class Engine:
 
     def describe_hot(self, ns: str, agent_id: str) -> AgentInfo | None:
         """The agent's state if it is in RAM here; None if only the store may hold it."""
-        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         agent = self.hot.get((ns, agent_id))
         return agent.info("hot") if agent is not None else None
 
@@ -215,8 +203,7 @@ class Engine:
         source = self.hot.get((ns, source_id))
         if source is None or source.stale:
             return False
-        if self.batcher.holds(source):
-            raise FailedPrecondition(f"agent {source_id!r} is mid-turn; fork it after the turn")
+        self._check_idle(source, "fork")
         return True
 
     def write_pending(self, ns: str, agent_id: str, retry: bool) -> Future | None:
@@ -225,12 +212,7 @@ class Engine:
         agent = self.hot.get((ns, agent_id))
         if agent is None or self.batcher.holds(agent):
             return None  # durable_agent then says why
-        if agent.writing:
-            return agent.pending
-        if retry and (agent.persist_failed or agent.persisted_tokens < agent.cached):
-            self.persister.persist(agent)
-            return agent.pending
-        return None
+        return self.persister.pending(agent, retry)
 
     def durable_agent(self, ns: str, agent_id: str, what: str) -> Agent | None:
         """The agent in RAM, whose whole cache is committed; None when it is not in RAM.
@@ -238,8 +220,7 @@ class Engine:
         agent = self.hot.get((ns, agent_id))
         if agent is None:
             return None
-        if self.batcher.holds(agent):
-            raise FailedPrecondition(f"agent {agent_id!r} is mid-turn; {what} it after the turn")
+        self._check_idle(agent, what)
         if not agent.durable or agent.persist_failed:
             raise not_committed(agent, agent.persist_error, "the cache")
         return agent
@@ -287,5 +268,13 @@ class Engine:
         self.persister.persist(agent)
         self.hot.admit(agent, self.batcher.busy())
 
-    def _release(self, agent: Agent) -> None:
-        self.hot.release(agent, mid_turn=self.batcher.holds(agent))
+    def _written(self, agent: Agent) -> None:
+        """After each store write (on the writer thread): window caches may let go."""
+        if self._windowed:
+            self.submit(self.hot.release, agent, self.batcher.holds)
+
+    def _check_idle(self, agent: Agent, what: str) -> None:
+        if self.batcher.holds(agent):
+            raise FailedPrecondition(
+                f"agent {agent.agent_id!r} is mid-turn; {what} it after the turn"
+            )

@@ -29,6 +29,7 @@ class Front:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         if self._in_store(ns, agent_id):
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
+        metadata = ids.metadata(metadata)
         return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
 
     def start_turn(self, job: TurnJob) -> None:
@@ -48,17 +49,8 @@ class Front:
             return info
         m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.runtime.fingerprint)
         tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
-        covered = sum(m.block_num_tokens)
-        return AgentInfo(
-            m.namespace,
-            m.agent_id,
-            tier,
-            len(m.token_ids),
-            m.num_bytes,
-            covered,
-            m.generation,
-            m.phase,
-        )
+        sizes = len(m.token_ids), m.num_bytes, sum(m.block_num_tokens)
+        return AgentInfo(m.namespace, m.agent_id, tier, *sizes, m.generation, m.phase)
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         """Drops the agent from RAM once its whole cache is committed."""

@@ -34,6 +34,7 @@ from client.store import StoreClient
 from inference_worker.agents import Agent
 from inference_worker.blocks import cache_blocks
 from inference_worker.chat import ChatState
+from inference_worker.metrics import WorkerMetrics
 
 log = logging.getLogger("agentkv.worker")
 REPLY_OPEN = "agentkv.reply_open"
@@ -164,12 +165,12 @@ class Persister:
         client: StoreClient,
         fingerprint: str,
         block_tokens: int,
-        on_result: Callable[[str], None] = lambda outcome: None,
+        metrics: WorkerMetrics | None = None,
         on_written: Callable[[Agent], None] | None = None,
     ) -> None:
         self.client, self.fingerprint, self.block_tokens = client, fingerprint, block_tokens
+        self.metrics, self._on_written = metrics or WorkerMetrics(), on_written
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-persist")
-        self._on_result, self._on_written = on_result, on_written
 
     def persist(self, agent: Agent) -> None:
         """Cuts the agent's unsaved blocks (on the MLX thread: it evaluates arrays) and
@@ -179,11 +180,21 @@ class Persister:
         except ValueError as exc:  # blocks it would rewrite have left a window cache
             log.error("cannot persist agent", extra={"agent": agent.agent_id, "error": str(exc)})
             agent.persist_error = FailedPrecondition(str(exc))
-            self._on_result("failed")
+            self.metrics.persists.labels(outcome="failed").inc()
             return
         pending = self.submit(agent, snap)
         if self._on_written is not None:
             pending.add_done_callback(lambda write: self._on_written(agent))
+
+    def pending(self, agent: Agent, retry: bool) -> Future | None:
+        """The agent's write in flight; with `retry`, a new one when the last failed or left
+        tokens unwritten."""
+        if agent.writing:
+            return agent.pending
+        if retry and (agent.persist_failed or agent.persisted_tokens < agent.cached):
+            self.persist(agent)
+            return agent.pending
+        return None
 
     def submit(self, agent: Agent, snap: Snapshot) -> Future:
         agent.pending = self._pool.submit(self._save, agent, snap)
@@ -244,7 +255,7 @@ class Persister:
         return True
 
     def _report(self, outcome: str, error: AgentKVError | None) -> AgentKVError | None:
-        self._on_result(outcome)
+        self.metrics.persists.labels(outcome=outcome).inc()
         return error
 
     def flush(self) -> None:

@@ -113,12 +113,8 @@ class Restorer:
             if isinstance(exc, BlockMisfit):
                 self._report_misfit(namespace, exc)
             return fetched
-        fetched.layers, fetched.keys, fetched.counts, fetched.bytes_read = (
-            layers,
-            keys,
-            counts,
-            read,
-        )
+        fetched.layers, fetched.keys, fetched.counts = layers, keys, counts
+        fetched.bytes_read = read
         return fetched
 
     def _report_misfit(self, namespace: str, exc: BlockMisfit) -> None:

@@ -63,10 +63,6 @@ class Step:
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
 
 class Scheduler:
     def __init__(self, config: WorkerConfig, prefill_while_decoding: int = 128) -> None:
