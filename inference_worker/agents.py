@@ -98,7 +98,8 @@ class Agent:
         capping what `usage` says was reused; raises when a window cache lost them."""
         reuse = common_prefix(self.tokens[: self.cached], tokens)
         if reuse < self.cached:  # a first turn kept only part of the stable prefix
-            usage.cap_reused(reuse)
+            usage.reused_hot_tokens = min(usage.reused_hot_tokens, reuse)
+            usage.reused_store_tokens = min(usage.reused_store_tokens, reuse)
         if need_logits and reuse == len(tokens):
             reuse -= 1  # the last token runs again, for its logits
         if reuse < max(c.start for c in self.caches):

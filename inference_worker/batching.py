@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -42,33 +42,16 @@ class ActiveTurn:
     usage: UsageEvent
     request: Request
     pending: list[int]  # the tokens this turn prefills
-    sample: Callable[[mx.array], int] | None  # None: greedy, taken from the batch's argmax
     detok: Any
-    stops: StopMatcher
+    sample: Callable[[mx.array], int] | None = field(init=False)  # None: greedy, batch argmax
+    stops: StopMatcher = field(init=False)
     prefilled: int = 0
     next_token: int = -1  # generated, not yet fed through the model
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
 
-    @classmethod
-    def of(
-        cls,
-        job: TurnJob,
-        agent: Agent,
-        usage: UsageEvent,
-        pending: list[int],
-        *,
-        request_id: str,
-        memory_bytes: int,  # the KV it holds at its longest
-        detok: Any,
-    ) -> ActiveTurn:
-        """The turn of `job` that prefills `pending`."""
-        s, ms = job.sampling, job.deadline_ms
-        deadline = time.monotonic() + ms / 1000 if ms else None
-        request = Request(
-            request_id, len(pending), s.max_tokens, memory_bytes, job.priority, deadline
-        )
-        return cls(job, agent, usage, request, pending, s.sampler(), detok, StopMatcher(s.stop))
+    def __post_init__(self) -> None:
+        self.sample, self.stops = self.job.sampling.sampler(), StopMatcher(self.job.sampling.stop)
 
 
 class Batcher:

@@ -28,7 +28,7 @@ from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import Persister, check_system, not_committed, turn_not_durable
 from inference_worker.restore import Fetched, Restorer
 from inference_worker.runtime import Runtime
-from inference_worker.scheduler import Scheduler
+from inference_worker.scheduler import Request, Scheduler
 from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
@@ -157,10 +157,10 @@ class Engine:
         pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
-        request_id, detok = f"{next(self._turn_ids)}", self.tokenizer.detokenizer
-        turn = ActiveTurn.of(
-            job, agent, usage, pending, request_id=request_id, memory_bytes=memory, detok=detok
-        )
+        deadline = time.monotonic() + job.deadline_ms / 1000 if job.deadline_ms else None
+        rid = f"{next(self._turn_ids)}"
+        request = Request(rid, len(pending), max_tokens, memory, job.priority, deadline)
+        turn = ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
         return turn, tokens, chat
 
     def _turn_failed(self, turn: ActiveTurn, error: AgentKVError, scope: str) -> None:
@@ -181,8 +181,10 @@ class Engine:
         usage, agent, job = turn.usage, turn.agent, turn.job
         if usage.generated_tokens:
             agent.chat.reply_open, agent.chat.last_role = True, "assistant"
+            self.metrics.generated_tokens.inc(usage.generated_tokens)
+            self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
         self._finish_turn(agent)
-        self.metrics.count_turn(usage)
+        self.metrics.turns.labels(state=usage.cache_state).inc()
         if job.durable and agent.pending is not None:
             agent.pending.add_done_callback(
                 lambda write: job.end(usage, turn_not_durable(agent, write.result()))

@@ -35,11 +35,10 @@ class KVFormat:
 
     def token_bytes(self, specs: Sequence[LayerSpec]) -> int:
         """Bytes one token of context costs in these layers' caches (agentkv.layers' sizes)."""
-        k, v = (
-            KVStorage(bits, self.group_size, 2 if self.scale_dtype == "float16" else 4)
-            for bits in (self.k_bits, self.v_bits)
-        )
-        return sum(
+        scale_bytes = 2 if self.scale_dtype == "float16" else 4
+        k, v = (KVStorage(b, self.group_size, scale_bytes) for b in (self.k_bits, self.v_bits))
+        per_layer = (
             s.kv_heads * (k.vector_bytes(s.k_head_dim) + v.vector_bytes(s.v_head_dim))
             for s in specs
         )
+        return sum(per_layer)

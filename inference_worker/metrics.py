@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from inference_worker.turns import UsageEvent
-
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -50,10 +48,3 @@ class WorkerMetrics:
         self.rpc_errors = Counter(
             "agentkv_worker_rpc_errors", "RPCs that failed", ["code"], registry=r
         )
-
-    def count_turn(self, usage: UsageEvent) -> None:
-        """A turn ended: its state at start, its tokens and its time to first token."""
-        if usage.generated_tokens:
-            self.generated_tokens.inc(usage.generated_tokens)
-            self.ttft.observe(usage.time_to_first_token_ms / 1000)
-        self.turns.labels(state=usage.cache_state).inc()

@@ -165,16 +165,16 @@ class Persister:
         client: StoreClient,
         fingerprint: str,
         block_tokens: int,
-        metrics: WorkerMetrics | None = None,
-        on_written: Callable[[Agent], None] | None = None,
+        metrics: WorkerMetrics,
+        on_written: Callable[[Agent], None],  # after each write, on the writer thread
     ) -> None:
         self.client, self.fingerprint, self.block_tokens = client, fingerprint, block_tokens
-        self.metrics, self._on_written = metrics or WorkerMetrics(), on_written
+        self.metrics, self._on_written = metrics, on_written
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-persist")
 
     def persist(self, agent: Agent) -> None:
         """Cuts the agent's unsaved blocks (on the MLX thread: it evaluates arrays) and
-        queues their write; on_written(agent) follows it, on the writer thread."""
+        queues their write (agent.pending)."""
         try:
             snap = snapshot(agent, self.fingerprint, self.block_tokens)
         except ValueError as exc:  # blocks it would rewrite have left a window cache
@@ -182,9 +182,8 @@ class Persister:
             agent.persist_error = FailedPrecondition(str(exc))
             self.metrics.persists.labels(outcome="failed").inc()
             return
-        pending = self.submit(agent, snap)
-        if self._on_written is not None:
-            pending.add_done_callback(lambda write: self._on_written(agent))
+        agent.pending = self._pool.submit(self._save, agent, snap)
+        agent.pending.add_done_callback(lambda write: self._on_written(agent))
 
     def pending(self, agent: Agent, retry: bool) -> Future | None:
         """The agent's write in flight; with `retry`, a new one when the last failed or left
@@ -195,10 +194,6 @@ class Persister:
             self.persist(agent)
             return agent.pending
         return None
-
-    def submit(self, agent: Agent, snap: Snapshot) -> Future:
-        agent.pending = self._pool.submit(self._save, agent, snap)
-        return agent.pending
 
     def _save(self, agent: Agent, snap: Snapshot) -> AgentKVError | None:
         """Writes and commits one snapshot; the error that stopped it, or None."""

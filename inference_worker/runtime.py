@@ -47,10 +47,6 @@ class MLXThread:
         self._jobs.put((fn, args, future))
         return future
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs fn on this thread and waits for it."""
-        return self.submit(fn, *args).result()
-
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
@@ -116,12 +112,15 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
     RuntimeError when the model does not run on this device in this dtype."""
     device = mx.default_device().type.name
     path = resolve_model(config.model, config.gguf_weights, device)
-    dtype = compute_dtype(config.dtype, device)
+    # "auto" is float32 on CPU (the fastest there with BLAS, and what MoE's gather matmul
+    # needs on CPU) and the weights' own ("") on a GPU.
+    dtype = config.dtype if config.dtype != "auto" else "float32" if device == "cpu" else ""
+    restore_path = config.restore_path  # auto: locate when the store is on this host
+    if restore_path == "auto":
+        restore_path = "locate" if is_loopback(config.store) else "stream"
     mlx = MLXThread()
     try:
-        model, tokenizer = mlx.call(load_model, path, dtype)
-        layers = tuple(probe_layers(mlx, model))
-        num_logits = mlx.call(vocab_size, model)
+        model, tokenizer, layers, num_logits = mlx.submit(load_model, path, dtype).result()
     except BaseException:
         mlx.close()
         raise
@@ -136,7 +135,7 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
         model_fingerprint(path, config.kv, config.block_tokens, dtype),
         int(model_config.get("max_position_embeddings") or 1 << 17),
         config.quantized_query_max or (1 if device == "cpu" else 32),
-        default_restore_path(config),
+        restore_path,
         layers,
         # Sliding-window layers keep only their window (and restore only blocks reaching it).
         tuple(layer.window if config.window_caches else None for layer in layers),
@@ -145,33 +144,17 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
     )
 
 
-def probe_layers(mlx: MLXThread, model: Any) -> list[LayerSpec]:
+def load_model(path: Path, dtype: str) -> tuple[Any, Any, tuple[LayerSpec, ...], int]:
+    """The model and its tokenizer, loaded on this thread (the MLX thread) and cast to
+    `dtype` ("": as stored), with each layer's spec and the vocabulary size."""
+    model, tokenizer = load(str(path))
+    if dtype:
+        model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
     try:  # one probe token through the model: also proves it runs here
-        return mlx.call(model_layers, model)
+        layers = tuple(model_layers(model))
     except RuntimeError as exc:
         raise RuntimeError(
             f"the model does not run on this device in this dtype: {exc} "
             "(on CPU, --dtype float32 runs everything)"
         ) from exc
-
-
-def compute_dtype(requested: str, device: str) -> str:
-    """The dtype the model computes in; "" keeps the weights' own. On CPU "auto" is float32:
-    the fastest there with BLAS, and what MoE's gather matmul needs on CPU."""
-    if requested == "auto":
-        return "float32" if device == "cpu" else ""
-    return requested
-
-
-def load_model(path: Path, dtype: str):
-    model, tokenizer = load(str(path))
-    if dtype:
-        model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
-    return model, tokenizer
-
-
-def default_restore_path(config: WorkerConfig) -> str:
-    """locate when the store is on this host (unix socket or loopback), else stream."""
-    if config.restore_path != "auto":
-        return config.restore_path
-    return "locate" if is_loopback(config.store) else "stream"
+    return model, tokenizer, layers, vocab_size(model)

@@ -61,13 +61,8 @@ def create_server(config: WorkerConfig, blas: str | None) -> RunningWorker:
         config.security.interceptors(),
     )
     servicer = InferenceWorkerServicer(Front(engine, config.store_check_timeout), info)
-    server.add_generic_rpc_handlers(
-        (
-            service_handlers(
-                worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"], worker_pb2, servicer
-            ),
-        )
-    )
+    service = worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"]
+    server.add_generic_rpc_handlers((service_handlers(service, worker_pb2, servicer),))
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
         address = bind(server, config.listen, config.security.credentials())

@@ -34,11 +34,6 @@ class UsageEvent:
     restore_failure: str = ""
     restored_bytes: int = 0
 
-    def cap_reused(self, kept: int) -> None:
-        """The turn keeps only `kept` cached tokens (a first turn rendered the start anew)."""
-        self.reused_hot_tokens = min(self.reused_hot_tokens, kept)
-        self.reused_store_tokens = min(self.reused_store_tokens, kept)
-
 
 @dataclass(slots=True)
 class TurnJob:
