@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from agentkv.errors import AgentKVError
-from inference_worker.chat import ChatState
+from agentkv.errors import AgentKVError, FailedPrecondition, OutOfRange
+from inference_worker.chat import ChatState, common_prefix
 from inference_worker.kv_cache import QuantizedKV
+from inference_worker.metrics import WorkerMetrics
+from inference_worker.turns import AgentInfo, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 
@@ -66,10 +69,65 @@ class Agent:
             cache.keep_from = self.persisted_tokens
 
     @property
+    def writing(self) -> bool:
+        """Whether a store write of it is in flight."""
+        return self.pending is not None and not self.pending.done()
+
+    @property
     def durable(self) -> bool:
-        return (self.pending is None or self.pending.done()) and (
-            self.persisted_tokens >= self.cached
-        )
+        return not self.writing and self.persisted_tokens >= self.cached
+
+    def begin_turn(
+        self, tokens: list[int], chat: ChatState, phase: str, keep: int, block_tokens: int
+    ) -> Checkpoint:
+        """Gives the agent a turn's context, `tokens`, of which its caches keep the first
+        `keep` (the turn prefills the rest); returns the agent as it was, to undo the turn."""
+        drop = self.cached - keep
+        for cache in self.caches:
+            if drop > 0:  # the last token runs again for its logits, or a first turn
+                cache.trim(drop)  # rendered the conversation's start differently
+            cache.begin_turn()
+        undo = Checkpoint.of(self)
+        kept_blocks = common_prefix(self.tokens, tokens) // block_tokens
+        del self.queued_full_keys[kept_blocks:], self.committed_full_keys[kept_blocks:]
+        self.tokens, self.chat, self.phase = tokens, chat, phase or self.phase
+        return undo
+
+    def reusable(self, tokens: list[int], need_logits: bool, usage: UsageEvent) -> int:
+        """How many of a turn's `tokens` it keeps from the cache (it prefills the rest),
+        capping what `usage` says was reused; raises when a window cache lost them."""
+        reuse = common_prefix(self.tokens[: self.cached], tokens)
+        if reuse < self.cached:  # a first turn kept only part of the stable prefix
+            usage.reused_hot_tokens = min(usage.reused_hot_tokens, reuse)
+            usage.reused_store_tokens = min(usage.reused_store_tokens, reuse)
+        if need_logits and reuse == len(tokens):
+            reuse -= 1  # the last token runs again, for its logits
+        if reuse < max(c.start for c in self.caches):
+            raise FailedPrecondition(
+                f"agent {self.agent_id!r}: its first turn renders the conversation's start "
+                "differently, and its sliding-window caches no longer hold it"
+            )
+        return reuse
+
+    def memory_for(self, num_tokens: int, token_bytes: int) -> int:
+        """KV bytes it holds at its longest in a turn reaching `num_tokens`: what it holds
+        now, plus every new token in every layer (a window layer keeps them too until they
+        are committed, after the turn). The fp16 copy a turn keeps of its own tokens while
+        it prefills is working memory, like the forward's activations: not counted."""
+        return self.nbytes + max(0, num_tokens - self.cached) * token_bytes
+
+    def check_context(self, adding: int, max_context: int) -> None:
+        """Raises OutOfRange when `adding` more tokens would take it past `max_context`."""
+        if len(self.tokens) + adding > max_context:
+            raise OutOfRange(
+                f"agent {self.agent_id!r} would reach {len(self.tokens) + adding} tokens "
+                f"({len(self.tokens)} held, {adding} more asked), over the model's limit "
+                f"of {max_context}"
+            )
+
+    def info(self, tier: str) -> AgentInfo:
+        sizes = len(self.tokens), self.nbytes, self.persisted_tokens
+        return AgentInfo(self.namespace, self.agent_id, tier, *sizes, self.generation, self.phase)
 
 
 @dataclass(slots=True)
@@ -94,10 +152,12 @@ class Checkpoint:
 
 
 class HotTier:
-    """LRU agents under a byte budget; owned by the MLX thread (no locking needed)."""
+    """LRU agents under a byte budget, and when they leave it; owned by the MLX thread (no
+    locking needed)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, metrics: WorkerMetrics | None = None) -> None:
         self.budget_bytes = budget_bytes
+        self.metrics = metrics or WorkerMetrics()
         self._agents: OrderedDict[AgentId, Agent] = OrderedDict()
 
     def get(self, agent_id: AgentId) -> Agent | None:
@@ -120,9 +180,6 @@ class HotTier:
     def __len__(self) -> int:
         return len(self._agents)
 
-    def agents(self) -> list[Agent]:
-        return list(self._agents.values())
-
     def enforce(self, keep: set[AgentId] | frozenset[AgentId] = frozenset()) -> list[Agent]:
         """Evicts least recently used durable agents until under budget; returns them."""
         evicted = []
@@ -138,3 +195,49 @@ class HotTier:
                 extra={"bytes": self.nbytes, "budget": self.budget_bytes},
             )
         return evicted
+
+    def admit(self, agent: Agent, busy: set[AgentId]) -> None:
+        """Holds an agent at the end of its turn, then keeps within budget: least recently
+        used durable agents go, never a busy one (its turn is in flight)."""
+        self.put(agent)
+        for evicted in self.enforce(keep=busy | {agent.id}):
+            log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
+            self.metrics.evictions.labels(reason="budget").inc()
+        self.metrics.hot_bytes.set(self.nbytes)
+
+    def make_room(self, busy: set[AgentId], room: int) -> int:
+        """Idle agents give way to a waiting turn, until they hold at most `room` bytes: the
+        hot tier is a cache, and a turn must not wait for RAM that only idle agents hold.
+        Least recently used first, and only durable ones (their state is in the store).
+        Returns the bytes idle agents still hold."""
+        idle = [a for a in self._agents.values() if a.id not in busy]  # LRU first
+        held = sum(a.nbytes for a in idle)
+        for agent in idle:
+            if held <= room:
+                break
+            if agent.durable and not agent.persist_failed:
+                self.pop(agent.id)
+                held -= agent.nbytes
+                log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
+                self.metrics.evictions.labels(reason="waiting_turn").inc()
+        self.metrics.hot_bytes.set(self.nbytes)
+        return held
+
+    def release(self, agent: Agent, mid_turn: Callable[[Agent], bool]) -> None:
+        """Once committed, window caches let go of what only persistence still needed."""
+        if mid_turn(agent) or self.get(agent.id) is not agent:
+            return  # mid-turn (the batch drops it), or no longer held here
+        agent.keep_undurable()
+        for cache in agent.caches:
+            cache.release()
+        self.metrics.hot_bytes.set(self.nbytes)
+
+    def failed_writes(self, mid_turn: Callable[[Agent], bool]) -> list[Agent]:
+        """Agents whose last write the store refused (it was down or full), to write again:
+        once the store is back, every turn served meanwhile becomes durable. Not those
+        writing now, mid-turn (their caches live in the batch) or stale."""
+        return [
+            a
+            for a in self._agents.values()
+            if a.persist_failed and not (a.writing or mid_turn(a) or a.stale)
+        ]

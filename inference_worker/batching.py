@@ -8,25 +8,31 @@ bit what a single-agent turn would hold, and is handed back to be persisted.
 
 A turn whose own work fails (its prefill, its sampling, its tokens) leaves the batch alone,
 handed back through `on_failed`; the others go on. Only the shared decode forward, or the
-batch's re-merge, failing raises out of `step`: then the caller fails every turn
-(`drop_all`).
+batch's re-merge, failing raises out of `schedule` or `run`: then the caller fails every
+turn (`fail_all`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from agentkv.errors import DeadlineExceeded
-from inference_worker.agents import Agent, Checkpoint
+from agentkv.errors import AgentKVError, DeadlineExceeded
+from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
-from inference_worker.scheduler import Request, Scheduler
+from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
+
+log = logging.getLogger("agentkv.worker")
+# What a turn hears when the batched step it was in failed for everyone: never the error's
+# own text, which may quote another tenant's request.
+STEP_FAILED = "the batched model step failed; this turn left no trace in its agent, retry it"
 
 
 @dataclass(slots=True)
@@ -36,13 +42,16 @@ class ActiveTurn:
     usage: UsageEvent
     request: Request
     pending: list[int]  # the tokens this turn prefills
-    sample: Callable[[mx.array], int] | None  # None: greedy, taken from the batch's argmax
     detok: Any
-    stops: StopMatcher
+    sample: Callable[[mx.array], int] | None = field(init=False)  # None: greedy, batch argmax
+    stops: StopMatcher = field(init=False)
     prefilled: int = 0
     next_token: int = -1  # generated, not yet fed through the model
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
+
+    def __post_init__(self) -> None:
+        self.sample, self.stops = self.job.sampling.sampler(), StopMatcher(self.job.sampling.stop)
 
 
 class Batcher:
@@ -53,7 +62,7 @@ class Batcher:
         scheduler: Scheduler,
         quantized_query_max: int,
         on_done: Callable[[ActiveTurn], None],
-        on_failed: Callable[[ActiveTurn, Exception], None],
+        on_failed: Callable[[ActiveTurn, AgentKVError, str], None],  # the turn, why, its scope
         on_decode: Callable[[int], None] = lambda batch_size: None,
     ) -> None:
         self.model, self.eos_ids, self.scheduler = model, eos_ids, scheduler
@@ -70,13 +79,22 @@ class Batcher:
     def holds(self, agent: Agent) -> bool:
         return any(t.agent is agent for t in self.active.values())
 
-    def step(self) -> None:
+    def busy(self) -> set[AgentId]:
+        """The agents with a turn in flight."""
+        return {t.agent.id for t in self.active.values()}
+
+    def schedule(self) -> Step:
+        """Lets cancelled and expired turns go, then asks the scheduler for the next step."""
         self._leave_all(
             [(t, "cancelled") for t in self.active.values() if t.job.cancelled.is_set()]
         )
         step = self.scheduler.schedule(time.monotonic())
         for request in step.expired:
             self._expire(self.active[request.request_id])
+        return step
+
+    def run(self, step: Step) -> None:
+        """Decodes one token for the batch, then runs the step's prefill chunks."""
         if self.rows:
             self._decode()
         joining = []
@@ -86,19 +104,27 @@ class Batcher:
                 joining.append(turn)
         if joining:
             self._join(joining)  # one re-merge for everyone whose prefill finished
-        self.scheduler.complete(step)
+
+    def prefill(self, agent: Agent) -> None:
+        """Runs the tokens the agent's cache lacks through the model, alone, in chunks (a
+        new agent's system prompt)."""
+        pending, step = agent.tokens[agent.cached :], self.scheduler.prefill_chunk
+        agent.keep_undurable()
+        for start in range(0, len(pending), step):
+            mx.eval(self.model(mx.array([pending[start : start + step]]), cache=agent.caches))
 
     # decode and prefill
 
-    def drop_all(self) -> list[ActiveTurn]:
-        """Forgets every turn, in the batch or not, after a step failed for all of them:
-        their caches as the batch held them are lost (each agent keeps its own from before
-        it joined). Returns them, for the caller to fail."""
+    def fail_all(self) -> None:
+        """Fails every turn, in the batch or not, after a step failed for all of them: their
+        caches as the batch held them are lost (each agent keeps its own from before it
+        joined)."""
         turns = list(self.active.values())
         for turn in turns:
             self.scheduler.cancel(turn.request.request_id)
         self.active, self.rows, self.batch = {}, [], None
-        return turns
+        for turn in turns:
+            self.on_failed(turn, AgentKVError(STEP_FAILED), "batch")
 
     def _decode(self) -> None:
         self.on_decode(len(self.rows))
@@ -223,7 +249,11 @@ class Batcher:
     def _fail(self, turn: ActiveTurn, exc: Exception) -> None:
         self.scheduler.cancel(turn.request.request_id)  # a no-op if it already left
         self.active.pop(turn.request.request_id, None)
-        self.on_failed(turn, exc)
+        if not isinstance(exc, AgentKVError):  # a bug, or a bad input not caught at submit
+            agent_id = turn.agent.agent_id
+            log.error("turn failed", extra={"agent": agent_id, "error": repr(exc)})
+            exc = AgentKVError(f"turn of agent {agent_id!r} failed: {type(exc).__name__}: {exc}")
+        self.on_failed(turn, exc, "turn")
 
     def _finish(self, turn: ActiveTurn, reason: str) -> None:
         rid = turn.request.request_id
@@ -232,7 +262,11 @@ class Batcher:
         elif not turn.request.done:
             self.scheduler.finish(turn.request)
         self.active.pop(rid, None)
-        turn.usage.finish_reason = reason
+        u = turn.usage
+        u.finish_reason = reason
+        if u.generated_tokens > 1:
+            elapsed = max(time.perf_counter() - turn.first_at, 1e-9)
+            u.decode_tokens_per_second = (u.generated_tokens - 1) / elapsed
         self.on_done(turn)
 
     def _expire(self, turn: ActiveTurn) -> None:

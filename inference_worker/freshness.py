@@ -48,7 +48,7 @@ def is_current(agent: Agent, view: StoreView | None, adopt: Callable[[Agent, Any
     this worker's own commit whose reply was lost (Persister.adopt_own_commit)."""
     if view is None or not view.answered or view.asked_at <= agent.synced_at:
         return True
-    if agent.pending is not None and not agent.pending.done():
+    if agent.writing:
         return True
     if view.manifest is None:
         # Never committed (the store was full or down since its creation): RAM is all

@@ -21,7 +21,7 @@ from inference_worker.turns import AgentInfo, TurnJob
 
 class Front:
     def __init__(self, engine: Engine, check_timeout: float) -> None:
-        self.engine, self.client, self.check_timeout = engine, engine.client, check_timeout
+        self.engine, self.client, self.check_timeout = engine, engine.store, check_timeout
 
     def create_agent(
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
@@ -29,6 +29,7 @@ class Front:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         if self._in_store(ns, agent_id):
             raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
+        metadata = ids.metadata(metadata)
         return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
 
     def start_turn(self, job: TurnJob) -> None:
@@ -46,19 +47,10 @@ class Front:
         info = self._mlx(self.engine.describe_hot, ns, agent_id)
         if info is not None:
             return info
-        m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.fingerprint)
+        m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.runtime.fingerprint)
         tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
-        covered = sum(m.block_num_tokens)
-        return AgentInfo(
-            m.namespace,
-            m.agent_id,
-            tier,
-            len(m.token_ids),
-            m.num_bytes,
-            covered,
-            m.generation,
-            m.phase,
-        )
+        sizes = len(m.token_ids), m.num_bytes, sum(m.block_num_tokens)
+        return AgentInfo(m.namespace, m.agent_id, tier, *sizes, m.generation, m.phase)
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         """Drops the agent from RAM once its whole cache is committed."""
@@ -74,7 +66,7 @@ class Front:
             self._wait_durable(ns, source_id)
             self._mlx(self.engine.durable_agent, ns, source_id, "fork")
         else:  # only the store holds it: it must be this model's
-            self.client.get_agent(ns, source_id, fingerprint=self.engine.fingerprint)
+            self.client.get_agent(ns, source_id, fingerprint=self.engine.runtime.fingerprint)
         self.client.fork_agent(ns, source_id, agent_id, phase=phase)
         return self.describe(ns, agent_id)
 

@@ -3,9 +3,11 @@ before the optimized BLAS is loaded."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agentkv.flags import flag
+from agentkv.layers import KVStorage, LayerSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +33,13 @@ class KVFormat:
         """e.g. "k4v4g64f16": part of the model fingerprint."""
         scales = "f16" if self.scale_dtype == "float16" else "f32"
         return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"
+
+    def token_bytes(self, specs: Sequence[LayerSpec]) -> int:
+        """Bytes one token of context costs in these layers' caches (agentkv.layers' sizes)."""
+        scale_bytes = 2 if self.scale_dtype == "float16" else 4
+        k, v = (KVStorage(b, self.group_size, scale_bytes) for b in (self.k_bits, self.v_bits))
+        per_layer = (
+            s.kv_heads * (k.vector_bytes(s.k_head_dim) + v.vector_bytes(s.v_head_dim))
+            for s in specs
+        )
+        return sum(per_layer)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,9 @@ from typing import Any
 from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
+    FailedPrecondition,
     GenerationConflict,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -31,6 +34,7 @@ from client.store import StoreClient
 from inference_worker.agents import Agent
 from inference_worker.blocks import cache_blocks
 from inference_worker.chat import ChatState
+from inference_worker.metrics import WorkerMetrics
 
 log = logging.getLogger("agentkv.worker")
 REPLY_OPEN = "agentkv.reply_open"
@@ -41,6 +45,15 @@ SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first t
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
 MAX_SYSTEM_CHUNKS = 16
+
+
+def check_system(system: str) -> None:
+    """Raises InvalidArgument for a system prompt longer than the manifest keeps for it."""
+    if len(system) > SYSTEM_CHUNK * MAX_SYSTEM_CHUNKS:
+        raise InvalidArgument(
+            f"system prompt of {len(system)} characters is over the "
+            f"{SYSTEM_CHUNK * MAX_SYSTEM_CHUNKS} an agent keeps until its first turn"
+        )
 
 
 def chat_metadata(chat: ChatState) -> dict[str, str]:
@@ -139,16 +152,48 @@ def _committed(agent: Agent, generation: int, full_keys: list[bytes], cached: in
     agent.synced_at = time.monotonic()
 
 
-class Persister:
-    def __init__(self, client: StoreClient, fingerprint: str, on_result=None) -> None:
-        self.client = client
-        self.fingerprint = fingerprint
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-persist")
-        self._on_result = on_result or (lambda outcome: None)
+def turn_not_durable(agent: Agent, error: AgentKVError | None) -> AgentKVError | None:
+    """What a durable turn ends with once its write is done: None when it was committed."""
+    if error is None and not agent.stale:
+        return None
+    return not_committed(agent, error, "the turn ran, but the cache")
 
-    def submit(self, agent: Agent, snap: Snapshot) -> Future:
+
+class Persister:
+    def __init__(
+        self,
+        client: StoreClient,
+        fingerprint: str,
+        block_tokens: int,
+        metrics: WorkerMetrics,
+        on_written: Callable[[Agent], None],  # after each write, on the writer thread
+    ) -> None:
+        self.client, self.fingerprint, self.block_tokens = client, fingerprint, block_tokens
+        self.metrics, self._on_written = metrics, on_written
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-persist")
+
+    def persist(self, agent: Agent) -> None:
+        """Cuts the agent's unsaved blocks (on the MLX thread: it evaluates arrays) and
+        queues their write (agent.pending)."""
+        try:
+            snap = snapshot(agent, self.fingerprint, self.block_tokens)
+        except ValueError as exc:  # blocks it would rewrite have left a window cache
+            log.error("cannot persist agent", extra={"agent": agent.agent_id, "error": str(exc)})
+            agent.persist_error = FailedPrecondition(str(exc))
+            self.metrics.persists.labels(outcome="failed").inc()
+            return
         agent.pending = self._pool.submit(self._save, agent, snap)
-        return agent.pending
+        agent.pending.add_done_callback(lambda write: self._on_written(agent))
+
+    def pending(self, agent: Agent, retry: bool) -> Future | None:
+        """The agent's write in flight; with `retry`, a new one when the last failed or left
+        tokens unwritten."""
+        if agent.writing:
+            return agent.pending
+        if retry and (agent.persist_failed or agent.persisted_tokens < agent.cached):
+            self.persist(agent)
+            return agent.pending
+        return None
 
     def _save(self, agent: Agent, snap: Snapshot) -> AgentKVError | None:
         """Writes and commits one snapshot; the error that stopped it, or None."""
@@ -205,7 +250,7 @@ class Persister:
         return True
 
     def _report(self, outcome: str, error: AgentKVError | None) -> AgentKVError | None:
-        self._on_result(outcome)
+        self.metrics.persists.labels(outcome=outcome).inc()
         return error
 
     def flush(self) -> None:

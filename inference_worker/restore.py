@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock
-from agentkv.layers import LayerSpec
 from client.blocks import StoredBlock, alloc
 from client.store import StoreClient
 from inference_worker.agents import Agent
@@ -31,9 +30,11 @@ from inference_worker.blocks import (
     check_chain,
     host_layers,
 )
+from inference_worker.config import WorkerConfig
 from inference_worker.kv_cache import QuantizedKV
-from inference_worker.kv_format import KVFormat
 from inference_worker.persistence import caller_metadata, chat_state
+from inference_worker.runtime import Runtime
+from inference_worker.turns import UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 
@@ -45,6 +46,13 @@ class Restored:
     path: str  # "locate", "stream", or "" when nothing was read
     failure: str  # why the blocks could not be used, or ""
     bytes_read: int = 0  # payload bytes read from the store
+
+    def fill(self, usage: UsageEvent) -> None:
+        """What the turn that restored the agent reports of it."""
+        usage.reused_store_tokens = self.tokens_restored
+        usage.cache_state = "warm" if self.tokens_restored else "cold"
+        usage.restore_path, usage.restore_failure = self.path, self.failure
+        usage.restored_bytes = self.bytes_read
 
 
 @dataclass(slots=True)
@@ -62,18 +70,15 @@ class Fetched:
     bytes_read: int = 0
 
 
-@dataclass(slots=True)
 class Restorer:
-    client: StoreClient
-    fingerprint: str
-    fmt: KVFormat
-    specs: list[LayerSpec]  # the model's layers: every restored tensor must fit them
-    block_tokens: int
-    path: str  # "locate" or "stream"
-    quantized_query_max: int = 1
-    windows: list[int | None] | None = None  # per layer; None: every layer full-length
-    _buffer: memoryview | None = None  # reused across restores; fetch copies out of it
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, config: WorkerConfig, runtime: Runtime, store: StoreClient) -> None:
+        self.store, self.fingerprint, self.fmt = store, runtime.fingerprint, config.kv
+        self.specs = runtime.layers  # every restored tensor must fit them
+        self.windows = runtime.windows
+        self.block_tokens, self.path = config.block_tokens, runtime.restore_path
+        self.quantized_query_max = runtime.quantized_query_max
+        self._buffer: memoryview | None = None  # reused across restores; fetch copies out
+        self._lock = threading.Lock()
 
     def restore(self, namespace: str, agent_id: str) -> Restored:
         """fetch then build, on one thread (the MLX thread, for build)."""
@@ -84,7 +89,7 @@ class Restorer:
         FingerprintMismatch / Unavailable from the manifest read; block failures are not
         raised but reported in `failure`."""
         read_at = time.monotonic()
-        manifest = self.client.get_agent(namespace, agent_id, fingerprint=self.fingerprint)
+        manifest = self.store.get_agent(namespace, agent_id, fingerprint=self.fingerprint)
         missing = set(manifest.missing_block_keys)
         keys, counts = [], []
         for key, n in zip(manifest.block_keys, manifest.block_num_tokens, strict=True):
@@ -108,12 +113,8 @@ class Restorer:
             if isinstance(exc, BlockMisfit):
                 self._report_misfit(namespace, exc)
             return fetched
-        fetched.layers, fetched.keys, fetched.counts, fetched.bytes_read = (
-            layers,
-            keys,
-            counts,
-            read,
-        )
+        fetched.layers, fetched.keys, fetched.counts = layers, keys, counts
+        fetched.bytes_read = read
         return fetched
 
     def _report_misfit(self, namespace: str, exc: BlockMisfit) -> None:
@@ -121,7 +122,7 @@ class Restorer:
         write stores the right KV under its key instead of deduplicating onto it."""
         try:
             for key in exc.keys:
-                self.client.report_misfit(namespace, key, exc.message)
+                self.store.report_misfit(namespace, key, exc.message)
         except AgentKVError as error:  # the restore failed either way; the next one retries
             log.warning("could not report a misfit block", extra={"error": error.message})
 
@@ -141,9 +142,8 @@ class Restorer:
         )
         if not fetched.layers:
             return Restored(agent, 0, fetched.path, fetched.failure)
-        windows = self.windows or [None] * len(self.specs)
         agent.caches = caches_from_host(
-            fetched.layers, windows, self.fmt, self.quantized_query_max, self.block_tokens
+            fetched.layers, self.windows, self.fmt, self.quantized_query_max, self.block_tokens
         )
         keys, counts = fetched.keys, fetched.counts
         agent.persisted_tokens = sum(counts)
@@ -164,8 +164,7 @@ class Restorer:
         try:
             blocks = self._read(namespace, keys, counts, buffer)
             check_chain(blocks, keys, counts, token_ids)
-            windows = self.windows or [None] * len(self.specs)
-            layers = host_layers(blocks, windows, self.fmt, self.block_tokens, self.specs)
+            layers = host_layers(blocks, self.windows, self.fmt, self.block_tokens, self.specs)
             used = sum(t.num_bytes for b in blocks for t in b.tensors)
         finally:
             self._give_back(buffer)
@@ -178,15 +177,14 @@ class Restorer:
     ) -> list[StoredBlock]:
         """The blocks, each with the layers a restore needs from it (block_layers): one read
         per run of blocks that need the same layers."""
-        windows = self.windows or [None] * len(self.specs)
-        plan = block_layers(counts, windows, self.block_tokens)
+        plan = block_layers(counts, self.windows, self.block_tokens)
         blocks: list[StoredBlock] = []
         for layers, run in itertools.groupby(zip(plan, keys, strict=True), key=lambda x: x[0]):
             run_keys = [k for _, k in run]
             if self.path == "stream":
-                blocks += self.client.get_blocks(namespace, self.fingerprint, run_keys, layers)
+                blocks += self.store.get_blocks(namespace, self.fingerprint, run_keys, layers)
                 continue
-            blocks += self.client.read_blocks_local(
+            blocks += self.store.read_blocks_local(
                 namespace,
                 self.fingerprint,
                 run_keys,
@@ -208,7 +206,7 @@ class Restorer:
 
     def empty_caches(self) -> list[QuantizedKV]:
         """One empty cache per layer, windowed where the layer is (a new agent's caches)."""
-        windows = self.windows or [None] * len(self.specs)
         return [
-            QuantizedKV(self.fmt, self.quantized_query_max, w, self.block_tokens) for w in windows
+            QuantizedKV(self.fmt, self.quantized_query_max, w, self.block_tokens)
+            for w in self.windows
         ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from agentkv.errors import ResourceExhausted
+from inference_worker.config import WorkerConfig
 
 
 class State(Enum):
@@ -62,25 +63,12 @@ class Step:
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
 
 class Scheduler:
-    def __init__(
-        self,
-        max_batch: int,
-        step_tokens: int,
-        prefill_chunk: int,
-        queue_limit: int,
-        memory_budget: int,
-        prefill_while_decoding: int = 128,
-    ) -> None:
-        if max_batch < 1 or step_tokens < max_batch or prefill_chunk < 1 or queue_limit < 0:
-            raise ValueError("need max_batch >= 1, step_tokens >= max_batch, prefill_chunk >= 1")
-        self.max_batch, self.step_tokens, self.prefill_chunk = max_batch, step_tokens, prefill_chunk
-        self.queue_limit, self.memory_budget = queue_limit, memory_budget
+    def __init__(self, config: WorkerConfig, prefill_while_decoding: int = 128) -> None:
+        self.max_batch, self.prefill_chunk = config.max_batch, config.prefill_chunk
+        self.step_tokens = max(config.step_tokens, config.max_batch)  # room for every decoder
+        self.queue_limit, self.memory_budget = config.queue_limit, config.hot_budget_bytes
         # While anyone decodes, a step prefills at most this much: it bounds their token gap.
         self.prefill_while_decoding = prefill_while_decoding
         self.hot_bytes = 0  # set by the engine: RAM its hot tier holds outside the batch

@@ -42,7 +42,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         _allowed(request.namespace)
         s = request.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
-        checked = sampling.validate(self.engine.config.max_stop_strings, self.engine.vocab_size)
+        checked = sampling.validate(
+            self.engine.config.max_stop_strings, self.engine.runtime.vocab_size
+        )
         job = self._job(request, checked)
         yield from self._run(job, context)
 

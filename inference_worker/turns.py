@@ -50,6 +50,13 @@ class TurnJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started
 
+    def end(self, usage: UsageEvent | None = None, error: Exception | None = None) -> None:
+        """Closes the event stream: the usage, if any, then END; `error` is what it raises."""
+        self.error = error
+        if usage is not None:
+            self.events.put(usage)
+        self.events.put(END)
+
 
 @dataclass(slots=True)
 class AgentInfo:

@@ -6,18 +6,16 @@ from __future__ import annotations
 import pytest
 
 from agentkv.errors import ResourceExhausted
+from inference_worker.config import WorkerConfig
 from inference_worker.scheduler import Request, Scheduler, State
 
 
-def sched(**overrides) -> Scheduler:
-    settings = {
-        "max_batch": 4,
-        "step_tokens": 64,
-        "prefill_chunk": 32,
-        "queue_limit": 8,
-        "memory_budget": 1000,
-    }
-    return Scheduler(**{**settings, **overrides})
+def sched(memory_budget: int = 1000, prefill_while_decoding: int = 128, **overrides) -> Scheduler:
+    settings = {"max_batch": 4, "step_tokens": 64, "prefill_chunk": 32, "queue_limit": 8}
+    config = WorkerConfig(
+        "m", "127.0.0.1:1", hot_budget_bytes=memory_budget, **settings | overrides
+    )
+    return Scheduler(config, prefill_while_decoding)
 
 
 def req(name: str, prompt: int = 8, max_tokens: int = 4, memory: int = 100, **kw) -> Request:

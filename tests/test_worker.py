@@ -74,22 +74,26 @@ def test_greedy_continuations_match_across_evict_restore_and_restart(
 def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch):
     """In-process engine against the real store: hot and restored next-token logits."""
     import mlx.core as mx
-    from mlx_lm import load
 
     from client.store import StoreClient
     from inference_worker.chat import ChatMessage
     from inference_worker.config import WorkerConfig
     from inference_worker.engine import Engine
-    from inference_worker.fingerprint import model_fingerprint
     from inference_worker.metrics import WorkerMetrics
+    from inference_worker.runtime import resolve_runtime
     from inference_worker.sampling import Sampling
     from inference_worker.turns import END, TurnJob
 
     path = tiny_model_dirs[arch]
-    config = WorkerConfig(str(path), store_process.address, block_tokens=64)
-    fp = model_fingerprint(path, config.kv, 64)
+    config = WorkerConfig(
+        str(path),
+        store_process.address,
+        block_tokens=64,
+        quantized_query_max=1,
+        restore_path="stream",
+    )
     client = StoreClient(store_process.address)
-    engine = Engine(config, lambda: load(str(path)), fp, client, WorkerMetrics(), 4096, "stream", 1)
+    engine = Engine(config, resolve_runtime(config), client, WorkerMetrics())
     try:
         engine.submit(engine.create_agent, "default", "a", SYSTEM, "", {}).result()
         job = TurnJob("default", "a", [ChatMessage(*Q1[0])], Sampling(max_tokens=0))

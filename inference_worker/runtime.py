@@ -1,0 +1,160 @@
+"""The worker's runtime: the one thread that owns MLX, the model loaded on it, and the facts
+derived once from the config, the device and the model (`Runtime`, frozen).
+
+Import this only after inference_worker.blas.load_optimized_blas() (it imports mlx).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load
+
+from agentkv.addresses import is_loopback
+from agentkv.layers import LayerSpec
+from inference_worker.config import WorkerConfig
+from inference_worker.fingerprint import model_fingerprint
+from inference_worker.layer_spec import model_layers
+from inference_worker.models import resolve_model
+from inference_worker.sampling import vocab_size
+
+TICK_SECONDS = 2.0  # the longest the MLX thread waits for a job before its tick runs
+_IDLE = object()  # no job arrived within TICK_SECONDS
+
+
+class MLXThread:
+    """Runs submitted work in order on one thread, and `on_tick` after each job (or every
+    TICK_SECONDS without one). MLX ties arrays to the thread that made them, so the model is
+    loaded here too (DeepSeek-V2 failed otherwise)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        # The engine's step; it returns True while work is in flight: then no job is awaited.
+        self.on_tick: Callable[[], bool] = lambda: False
+        self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        busy = False
+        while True:
+            try:
+                item = self._jobs.get(block=not busy, timeout=TICK_SECONDS)
+            except queue.Empty:
+                item = _IDLE
+            if item is None:
+                return
+            if item is not _IDLE:
+                _run(*item)
+            busy = self.on_tick()
+
+
+def _run(fn: Callable[..., Any], args: tuple, future: Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What the worker derives once at start-up; nothing changes it afterwards."""
+
+    mlx: MLXThread  # owns the model: everything MLX runs there
+    model: Any
+    tokenizer: Any
+    device: str  # mlx's default device: "cpu" or "gpu"
+    dtype: str  # what the weights compute in; "" keeps their own
+    model_dir: Path
+    fingerprint: str
+    max_context: int  # the most tokens an agent may hold
+    quantized_query_max: int  # longer queries dequantize before attention (DESIGN.md, CPU)
+    restore_path: str  # "locate" or "stream"
+    layers: tuple[LayerSpec, ...]  # what each layer caches, probed from the model
+    windows: tuple[int | None, ...]  # per layer, the window its cache keeps; None: all
+    vocab_size: int
+    token_bytes: int  # one token of context in every layer's quantized cache
+
+    def info(self, config: WorkerConfig, blas: str | None) -> dict:
+        """The static facts GetWorkerInfo reports."""
+        return {
+            "model": config.model,
+            "fingerprint": self.fingerprint,
+            "kv_format": config.kv.name,
+            "block_tokens": config.block_tokens,
+            "max_context": self.max_context,
+            "device": self.device,
+            "dtype": self.dtype or "as stored",
+            "blas": blas or "reference",
+        }
+
+
+def resolve_runtime(config: WorkerConfig) -> Runtime:
+    """Starts the MLX thread, loads the model there and derives the rest; raises
+    RuntimeError when the model does not run on this device in this dtype."""
+    device = mx.default_device().type.name
+    path = resolve_model(config.model, config.gguf_weights, device)
+    # "auto" is float32 on CPU (the fastest there with BLAS, and what MoE's gather matmul
+    # needs on CPU) and the weights' own ("") on a GPU.
+    dtype = config.dtype if config.dtype != "auto" else "float32" if device == "cpu" else ""
+    restore_path = config.restore_path  # auto: locate when the store is on this host
+    if restore_path == "auto":
+        restore_path = "locate" if is_loopback(config.store) else "stream"
+    mlx = MLXThread()
+    try:
+        model, tokenizer, layers, num_logits = mlx.submit(load_model, path, dtype).result()
+    except BaseException:
+        mlx.close()
+        raise
+    model_config = json.loads((path / "config.json").read_text())
+    return Runtime(
+        mlx,
+        model,
+        tokenizer,
+        device,
+        dtype,
+        path,
+        model_fingerprint(path, config.kv, config.block_tokens, dtype),
+        int(model_config.get("max_position_embeddings") or 1 << 17),
+        config.quantized_query_max or (1 if device == "cpu" else 32),
+        restore_path,
+        layers,
+        # Sliding-window layers keep only their window (and restore only blocks reaching it).
+        tuple(layer.window if config.window_caches else None for layer in layers),
+        num_logits,
+        config.kv.token_bytes(layers),
+    )
+
+
+def load_model(path: Path, dtype: str) -> tuple[Any, Any, tuple[LayerSpec, ...], int]:
+    """The model and its tokenizer, loaded on this thread (the MLX thread) and cast to
+    `dtype` ("": as stored), with each layer's spec and the vocabulary size."""
+    model, tokenizer = load(str(path))
+    if dtype:
+        model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
+    try:  # one probe token through the model: also proves it runs here
+        layers = tuple(model_layers(model))
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"the model does not run on this device in this dtype: {exc} "
+            "(on CPU, --dtype float32 runs everything)"
+        ) from exc
+    return model, tokenizer, layers, vocab_size(model)
