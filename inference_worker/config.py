@@ -83,7 +83,6 @@ class WorkerConfig(ServerConfig):
         "(a hung store) it answers from RAM",
     )
     max_stop_strings: int = 16
-    workers: int = 16
 
     def __post_init__(self) -> None:
         if not self.model:

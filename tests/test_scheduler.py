@@ -13,7 +13,7 @@ from inference_worker.scheduler import Request, Scheduler, State
 def sched(memory_budget: int = 1000, prefill_while_decoding: int = 128, **overrides) -> Scheduler:
     settings = {"max_batch": 4, "step_tokens": 64, "prefill_chunk": 32, "queue_limit": 8}
     config = WorkerConfig(
-        "m", "127.0.0.1:1", hot_budget_bytes=memory_budget, **settings | overrides
+        "m", store="127.0.0.1:1", hot_budget_bytes=memory_budget, **settings | overrides
     )
     return Scheduler(config, prefill_while_decoding)
 

@@ -87,7 +87,7 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
     path = tiny_model_dirs[arch]
     config = WorkerConfig(
         str(path),
-        store_process.address,
+        store=store_process.address,
         block_tokens=64,
         quantized_query_max=1,
         restore_path="stream",
