@@ -66,8 +66,14 @@ _agent = attrgetter("agent")
 
 
 class BaseWorkerClient:
-    """The InferenceWorker RPCs: each request built here, sent by the transport's `_unary`,
-    its reply unwrapped there."""
+    """The InferenceWorker RPCs, each request built here. The transport opens the channel
+    (`_open`), sends a unary call and unwraps its reply (`_unary`), streams a turn (`_stream`)
+    and collects a whole one (`_collect`)."""
+
+    _open: Callable[[ClientSecurity, str], Any]
+    _unary: Callable[[str, Any, Callable[[Any], T]], MaybeAwaitable[T]]
+    _stream: Callable[[pb.TurnRequest, float], Responses]
+    _collect: Callable[[Responses], MaybeAwaitable[TurnResult]]
 
     def __init__(
         self, address: str, timeout: float = 300.0, security: ClientSecurity | None = None
@@ -76,13 +82,6 @@ class BaseWorkerClient:
         self.timeout = timeout
         self.channel = self._open(security or ClientSecurity(), address)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
-
-    # The transport's: a channel; a unary call, its reply unwrapped; the Turn stream; a
-    # whole turn from its stream.
-    _open: Callable[[ClientSecurity, str], Any]
-    _unary: Callable[[str, Any, Callable[[Any], T]], MaybeAwaitable[T]]
-    _stream: Callable[[pb.TurnRequest, float], Responses]
-    _collect: Callable[[Responses], MaybeAwaitable[TurnResult]]
 
     def create_agent(
         self, namespace: str, agent_id: str, system: str = "", **fields: Any
@@ -208,10 +207,14 @@ class Operation(Generic[T]):
 
 
 class BaseAgentMemory:
-    """One store and one or more workers: agents, routing and failover, without the I/O."""
+    """One store and one or more workers: agents, routing and failover. The transport names
+    its `worker_class` and `agent_class`, opens the store (`_open_store`) and does an
+    Operation's steps (`_run`: sleeps and calls, or awaits them)."""
 
     worker_class: type[BaseWorkerClient]
     agent_class: type[BaseAgent]
+    _open_store: Callable[[str, ClientSecurity], Any]
+    _run: Callable[[Steps[T]], MaybeAwaitable[T]]
 
     def __init__(
         self,
@@ -237,11 +240,6 @@ class BaseAgentMemory:
         self.namespace = namespace
         self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
         self.store: Any = self._open_store(store, security) if store else None
-
-    # The transport's: the store's client; an Operation done (sleeping and calling, or
-    # awaiting).
-    _open_store: Callable[[str, ClientSecurity], Any]
-    _run: Callable[[Steps[T]], MaybeAwaitable[T]]
 
     def agent(
         self, agent_id: str, system: str | None = None, *, phase: str = ""
@@ -298,7 +296,10 @@ class BaseAgentMemory:
 
 
 class BaseAgent:
-    """One agent of a memory. Cheap to make; holds no connection of its own."""
+    """One agent of a memory. Cheap to make; holds no connection of its own. The transport
+    makes the reply once its first response arrives (`_reply`)."""
+
+    _reply: Callable[[str, Responses], MaybeAwaitable[BaseReply]]
 
     def __init__(self, memory: BaseAgentMemory, agent_id: str) -> None:
         self.memory, self.id = memory, agent_id
@@ -308,10 +309,7 @@ class BaseAgent:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.memory.namespace}/{self.id})"
 
-    _reply: Callable[[str, Responses], MaybeAwaitable[BaseReply]]  # the transport's: the
-    # reply, once its first response arrives
-
-    def _routed(self, call: Callable[[Any], Any], then: Callable[[Any], T] = _same) -> Any:
+    def _call(self, call: Callable[[Any], Any], then: Callable[[Any], T] = _same) -> Any:
         mem = self.memory
         return mem._run(mem._routed(self.id, call, then))
 
@@ -339,14 +337,14 @@ class BaseAgent:
             )
             return self._reply(worker.address, stream)
 
-        return self._routed(start)
+        return self._call(start)
 
     def inject(
         self, messages: Messages, *, role: str = "user", phase: str = ""
     ) -> MaybeAwaitable[pb.InjectContextResponse]:
         """Appends messages to the agent's context without a reply: only they are prefilled."""
         mem, pairs = self.memory, as_messages(messages, role)
-        return self._routed(
+        return self._call(
             lambda w: w.inject(mem.namespace, self.id, pairs, phase=phase, durable=mem.durable),
             self._injected,
         )
@@ -358,7 +356,7 @@ class BaseAgent:
     def fork(self, agent_id: str, *, phase: str = "") -> MaybeAwaitable[BaseAgent]:
         """A new agent whose context is this one's; in the store they share blocks."""
         mem, fork = self.memory, type(self)(self.memory, agent_id)
-        return self._routed(lambda w: w.fork(mem.namespace, self.id, agent_id, phase), fork._made)
+        return self._call(lambda w: w.fork(mem.namespace, self.id, agent_id, phase), fork._made)
 
     def _made(self, state: pb.AgentState) -> BaseAgent:
         self.state, self.created = state, True
@@ -366,7 +364,7 @@ class BaseAgent:
 
     def describe(self) -> MaybeAwaitable[pb.AgentState]:
         """Tokens, bytes, tier (hot on its worker, warm in the store, or cold) and phase."""
-        return self._routed(lambda w: w.describe(self.memory.namespace, self.id), self._described)
+        return self._call(lambda w: w.describe(self.memory.namespace, self.id), self._described)
 
     def _described(self, state: pb.AgentState) -> pb.AgentState:
         self.state = state
@@ -375,11 +373,11 @@ class BaseAgent:
     def evict(self) -> MaybeAwaitable[bool]:
         """Drops the agent from its worker's RAM once durable; False if it was not hot."""
         evicted = attrgetter("evicted")
-        return self._routed(lambda w: w.evict(self.memory.namespace, self.id), evicted)
+        return self._call(lambda w: w.evict(self.memory.namespace, self.id), evicted)
 
     def delete(self) -> MaybeAwaitable[bool]:
         """Deletes the agent from its worker and the store; False if it did not exist."""
-        return self._routed(lambda w: w.delete(self.memory.namespace, self.id))
+        return self._call(lambda w: w.delete(self.memory.namespace, self.id))
 
 
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
@@ -399,7 +397,11 @@ def no_reply(worker: str, agent: object) -> Unavailable:
 
 class BaseReply:
     """A reply's state as its responses arrive: pieces, token ids, usage, and the error that
-    cut it off, raised again to every later reader. The transport reads the stream."""
+    cut it off, raised again to every later reader. The transport reads the stream under a
+    `_new_lock()`, and gives `_whole()`: the reply once whole (sync: waits for it)."""
+
+    _new_lock: Callable[[], Any]
+    _whole: Callable[[], TurnResult]
 
     def __init__(
         self, agent: BaseAgent, stream: Responses, first: pb.TurnResponse, worker: str
@@ -410,10 +412,6 @@ class BaseReply:
         self._result.add(first)
         self._error: Exception | None = None
         self._lock = self._new_lock()  # one reader pulls from the stream at a time
-
-    _new_lock: Callable[[], Any]
-
-    _whole: Callable[[], TurnResult]  # the transport's: waits (sync), raises if streaming
 
     @property
     def done(self) -> bool:
