@@ -62,6 +62,10 @@ class TurnResult:
             self.usage = response.usage
 
 
+def _same(value: T) -> T:
+    return value
+
+
 _agent = attrgetter("agent")
 
 
@@ -167,10 +171,6 @@ class BaseWorkerClient:
 
     def info(self) -> MaybeAwaitable[pb.GetWorkerInfoResponse]:
         return self._unary("GetWorkerInfo", pb.GetWorkerInfoRequest(), _same)
-
-
-def _same(value: T) -> T:
-    return value
 
 
 Step = tuple[float, Callable[[], Any]]  # wait this many seconds, then call (or await) this
