@@ -1,0 +1,452 @@
+"""The SDK's sans-IO core, shared by the sync (client/worker.py, client/memory.py) and asyncio
+(client/aio.py) clients: requests built from arguments, routing attempts, replies assembled
+from their stream, the error of a reply cut off.
+
+Every public method is written once, in a Base class here; the transport's subclass adds the
+I/O, a few lines a kind of call, each returning its result (sync) or an awaitable of it
+(asyncio), hence `MaybeAwaitable`. A routed call is an Operation: a generator of Steps (wait,
+then call a worker) that the transport does one by one, sending back each result or error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
+from typing import Any, Generic, TypeVar, Union
+
+from agentkv.channels import ClientSecurity
+from agentkv.errors import AgentExists, AgentKVError, InvalidArgument, Unavailable
+from agentkv.worker.v1 import worker_pb2 as pb
+from agentkv.worker.v1 import worker_pb2_grpc
+from client.routing import Attempts, Router
+
+T = TypeVar("T")
+MaybeAwaitable = Union[T, Awaitable[T]]  # noqa: UP007 (a generic alias needs Union on 3.10)
+Messages = str | Sequence[tuple[str, str]]
+Responses = Iterator[pb.TurnResponse] | AsyncIterator[pb.TurnResponse]
+
+
+def as_messages(messages: Messages, role: str = "user") -> list[tuple[str, str]]:
+    """A text becomes one message with `role`; (role, content) pairs pass through."""
+    if isinstance(messages, str):
+        return [(role, messages)]
+    return [(r, c) for r, c in messages]
+
+
+def pb_messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
+    return [pb.Message(role=role, content=content) for role, content in messages]
+
+
+@dataclass(slots=True)
+class TurnResult:
+    """A turn's reply as its responses arrive: text pieces, token ids, then the usage."""
+
+    pieces: list[str] = field(default_factory=list)  # the non-empty text pieces, in order
+    token_ids: list[int] = field(default_factory=list)
+    usage: pb.Usage | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def add(self, response: pb.TurnResponse) -> None:
+        """Takes one streamed response: a chunk of tokens, or the closing usage."""
+        if response.HasField("tokens"):
+            self.token_ids += response.tokens.token_ids
+            if response.tokens.text:
+                self.pieces.append(response.tokens.text)
+        else:
+            self.usage = response.usage
+
+
+def _same(value: T) -> T:
+    return value
+
+
+_agent = attrgetter("agent")
+
+
+class BaseWorkerClient:
+    """The InferenceWorker RPCs, each request built here. The transport opens the channel
+    (`_open`), sends a unary call and unwraps its reply (`_unary`), streams a turn (`_stream`)
+    and collects a whole one (`_collect`)."""
+
+    _open: Callable[[ClientSecurity, str], Any]
+    _unary: Callable[[str, Any, Callable[[Any], T]], MaybeAwaitable[T]]
+    _stream: Callable[[pb.TurnRequest, float], Responses]
+    _collect: Callable[[Responses], MaybeAwaitable[TurnResult]]
+
+    def __init__(
+        self, address: str, timeout: float = 300.0, security: ClientSecurity | None = None
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = self._open(security or ClientSecurity(), address)
+        self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
+
+    def create_agent(
+        self, namespace: str, agent_id: str, system: str = "", **fields: Any
+    ) -> MaybeAwaitable[pb.AgentState]:
+        request = pb.CreateAgentRequest(
+            namespace=namespace, agent_id=agent_id, system_prompt=system, **fields
+        )
+        return self._unary("CreateAgent", request, _agent)
+
+    def stream_turn(
+        self,
+        namespace: str,
+        agent_id: str,
+        messages: Sequence[tuple[str, str]],
+        *,
+        phase: str = "",
+        priority: int = 0,
+        deadline_ms: int = 0,
+        durable: bool = False,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Responses:
+        """Streams a turn's responses (`async for` them in asyncio): token chunks, then the
+        usage. Closing the stream early cancels the turn, which frees its slot on the worker."""
+        request = pb.TurnRequest(
+            namespace=namespace,
+            agent_id=agent_id,
+            messages=pb_messages(messages),
+            sampling=pb.SamplingParams(**sampling),
+            phase=phase,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            durable=durable,
+        )
+        return self._stream(request, timeout or self.timeout)
+
+    def turn(
+        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **options: Any
+    ) -> MaybeAwaitable[TurnResult]:
+        """A whole turn: the reply's text, its token ids and the usage. Takes stream_turn's
+        options and sampling fields."""
+        return self._collect(self.stream_turn(namespace, agent_id, messages, **options))
+
+    def inject(
+        self,
+        namespace: str,
+        agent_id: str,
+        messages: Sequence[tuple[str, str]],
+        *,
+        phase: str = "",
+        durable: bool = False,
+    ) -> MaybeAwaitable[pb.InjectContextResponse]:
+        """Appends messages to the agent's context; only they are prefilled."""
+        request = pb.InjectContextRequest(
+            namespace=namespace,
+            agent_id=agent_id,
+            messages=pb_messages(messages),
+            phase=phase,
+            durable=durable,
+        )
+        return self._unary("InjectContext", request, _same)
+
+    def fork(
+        self, namespace: str, source: str, agent_id: str, phase: str = ""
+    ) -> MaybeAwaitable[pb.AgentState]:
+        """A new agent that starts from `source`'s context, sharing its blocks in the store."""
+        request = pb.ForkAgentRequest(
+            namespace=namespace, source_agent_id=source, agent_id=agent_id, phase=phase
+        )
+        return self._unary("ForkAgent", request, _agent)
+
+    def evict(self, namespace: str, agent_id: str) -> MaybeAwaitable[pb.EvictAgentResponse]:
+        request = pb.EvictAgentRequest(namespace=namespace, agent_id=agent_id)
+        return self._unary("EvictAgent", request, _same)
+
+    def describe(self, namespace: str, agent_id: str) -> MaybeAwaitable[pb.AgentState]:
+        request = pb.DescribeAgentRequest(namespace=namespace, agent_id=agent_id)
+        return self._unary("DescribeAgent", request, _agent)
+
+    def delete(self, namespace: str, agent_id: str) -> MaybeAwaitable[bool]:
+        request = pb.DeleteAgentRequest(namespace=namespace, agent_id=agent_id)
+        return self._unary("DeleteAgent", request, attrgetter("deleted"))
+
+    def info(self) -> MaybeAwaitable[pb.GetWorkerInfoResponse]:
+        return self._unary("GetWorkerInfo", pb.GetWorkerInfoRequest(), _same)
+
+
+Step = tuple[float, Callable[[], Any]]  # wait this many seconds, then call (or await) this
+Steps = Generator[Step, Any, T]
+
+
+class Operation(Generic[T]):
+    """A call the core writes as a generator of Steps. Iterating gives the steps; around each
+    one's I/O, the transport sets `result` inside `outcome()`, which hands an error back
+    instead (raised where the step was yielded). `value`: what the generator returned."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+        self.result: Any = None
+        self._error: Exception | None = None
+        self.value: T | None = None
+
+    def __iter__(self) -> Iterator[Step]:
+        try:
+            step = next(self._steps)
+            while True:
+                yield step
+                error, self._error = self._error, None
+                step = self._steps.throw(error) if error else self._steps.send(self.result)
+        except StopIteration as stop:
+            self.value = stop.value
+
+    @contextmanager
+    def outcome(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            self._error = exc
+
+
+class BaseAgentMemory:
+    """One store and one or more workers: agents, routing and failover. The transport names
+    its `worker_class` and `agent_class`, opens the store (`_open_store`) and does an
+    Operation's steps (`_run`: sleeps and calls, or awaits them)."""
+
+    worker_class: type[BaseWorkerClient]
+    agent_class: type[BaseAgent]
+    _open_store: Callable[[str, ClientSecurity], Any]
+    _run: Callable[[Steps[T]], MaybeAwaitable[T]]
+
+    def __init__(
+        self,
+        workers: str | Sequence[str],
+        store: str | None = None,
+        namespace: str = "default",
+        *,
+        timeout: float = 300.0,
+        retries: int = 2,
+        backoff: float = 0.25,
+        down_for: float = 5.0,
+        durable: bool = False,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        """`retries`: rounds over every worker when none answers, `backoff` seconds apart
+        (doubling). `durable`: turns end only once committed to the store, so losing a
+        worker right after a reply loses nothing (costs the commit's latency per turn).
+        `security`: TLS and a bearer token for every worker and the store."""
+        addresses = [workers] if isinstance(workers, str) else list(workers)
+        self.router = Router(addresses, down_for)
+        security = security or ClientSecurity()
+        self.workers = {a: self.worker_class(a, timeout, security) for a in addresses}
+        self.namespace = namespace
+        self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
+        self.store: Any = self._open_store(store, security) if store else None
+
+    def agent(
+        self, agent_id: str, system: str | None = None, *, phase: str = ""
+    ) -> MaybeAwaitable[BaseAgent]:
+        """A handle on an agent. With `system`, the agent is created (its system prompt
+        prefilled and persisted) unless it already exists; without, it must exist by the time
+        it is used."""
+        return self._run(self._agent(agent_id, system, phase))
+
+    def _agent(self, agent_id: str, system: str | None, phase: str) -> Steps[Any]:
+        agent = self.agent_class(self, agent_id)
+        if system is not None:
+            try:
+                agent.state = yield from self._routed(
+                    agent_id,
+                    lambda w: w.create_agent(self.namespace, agent_id, system, phase=phase),
+                )
+                agent.created = True
+            except AgentExists:
+                pass
+        return agent
+
+    def _need_store(self) -> None:
+        if self.store is None:
+            name = type(self).__name__
+            raise InvalidArgument(f"listing agents needs the store: {name}(..., store=ADDR)")
+
+    def worker_for(self, agent_id: str) -> str:
+        """The address of the worker the agent goes to now."""
+        return self.router.home(self._key(agent_id))
+
+    def route(self, agent_id: str, call: Callable[[Any], Any]) -> Any:
+        """Runs `call` on the agent's worker (awaits it, in asyncio); on a worker that cannot
+        be reached, on the next one; after a round with none reachable, again after a
+        backoff."""
+        return self._run(self._routed(agent_id, call))
+
+    def _routed(
+        self, agent_id: str, call: Callable[[Any], Any], then: Callable[[Any], T] = _same
+    ) -> Steps[T]:
+        attempts = Attempts(self.router, self._key(agent_id), self.retries, self.backoff)
+        for delay, address in attempts:
+            try:
+                result = yield delay, partial(call, self.workers[address])
+            except Unavailable as exc:
+                attempts.failed(address, exc)
+                continue
+            attempts.succeeded(address)
+            return then(result)
+        raise attempts.exhausted(agent_id)
+
+    def _key(self, agent_id: str) -> str:
+        return f"{self.namespace}/{agent_id}"
+
+
+class BaseAgent:
+    """One agent of a memory. Cheap to make; holds no connection of its own. The transport
+    makes the reply once its first response arrives (`_reply`)."""
+
+    _reply: Callable[[str, Responses], MaybeAwaitable[BaseReply]]
+
+    def __init__(self, memory: BaseAgentMemory, agent_id: str) -> None:
+        self.memory, self.id = memory, agent_id
+        self.created = False  # this handle created the agent
+        self.state: pb.AgentState | None = None  # as the last call that returned it left it
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.memory.namespace}/{self.id})"
+
+    def _call(self, call: Callable[[Any], Any], then: Callable[[Any], T] = _same) -> Any:
+        mem = self.memory
+        return mem._run(mem._routed(self.id, call, then))
+
+    def say(
+        self,
+        text: Messages,
+        *,
+        role: str = "user",
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        phase: str = "",
+        timeout: float | None = None,
+        **options: Any,
+    ) -> MaybeAwaitable[BaseReply]:
+        """Sends a message and returns (in asyncio, awaits) once the reply's first token
+        arrives; iterate the reply (`async for`, in asyncio) for the rest of its text as it
+        streams, or read `.text` for all of it (after `await reply.wait()`, in asyncio).
+        `options`: top_p, top_k, stop, seed, priority, deadline_ms."""
+        mem, messages = self.memory, as_messages(text, role)
+        options.update(max_tokens=max_tokens, temperature=temperature, timeout=timeout)
+
+        def start(worker: BaseWorkerClient) -> Any:
+            stream = worker.stream_turn(
+                mem.namespace, self.id, messages, phase=phase, durable=mem.durable, **options
+            )
+            return self._reply(worker.address, stream)
+
+        return self._call(start)
+
+    def inject(
+        self, messages: Messages, *, role: str = "user", phase: str = ""
+    ) -> MaybeAwaitable[pb.InjectContextResponse]:
+        """Appends messages to the agent's context without a reply: only they are prefilled."""
+        mem, pairs = self.memory, as_messages(messages, role)
+        return self._call(
+            lambda w: w.inject(mem.namespace, self.id, pairs, phase=phase, durable=mem.durable),
+            self._injected,
+        )
+
+    def _injected(self, reply: pb.InjectContextResponse) -> pb.InjectContextResponse:
+        self.state = reply.agent
+        return reply
+
+    def fork(self, agent_id: str, *, phase: str = "") -> MaybeAwaitable[BaseAgent]:
+        """A new agent whose context is this one's; in the store they share blocks."""
+        mem, fork = self.memory, type(self)(self.memory, agent_id)
+        return self._call(lambda w: w.fork(mem.namespace, self.id, agent_id, phase), fork._made)
+
+    def _made(self, state: pb.AgentState) -> BaseAgent:
+        self.state, self.created = state, True
+        return self
+
+    def describe(self) -> MaybeAwaitable[pb.AgentState]:
+        """Tokens, bytes, tier (hot on its worker, warm in the store, or cold) and phase."""
+        return self._call(lambda w: w.describe(self.memory.namespace, self.id), self._described)
+
+    def _described(self, state: pb.AgentState) -> pb.AgentState:
+        self.state = state
+        return state
+
+    def evict(self) -> MaybeAwaitable[bool]:
+        """Drops the agent from its worker's RAM once durable; False if it was not hot."""
+        evicted = attrgetter("evicted")
+        return self._call(lambda w: w.evict(self.memory.namespace, self.id), evicted)
+
+    def delete(self) -> MaybeAwaitable[bool]:
+        """Deletes the agent from its worker and the store; False if it did not exist."""
+        return self._call(lambda w: w.delete(self.memory.namespace, self.id))
+
+
+def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
+    """What readers of a reply that `exc` cut short get: a worker that went away means the
+    turn was not committed; an answer of the worker's own stands."""
+    if isinstance(exc, Unavailable) and not exc.remote:
+        return Unavailable(
+            f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
+            "the turn was not committed: say it again"
+        )
+    return exc
+
+
+def no_reply(worker: str, agent: object) -> Unavailable:
+    return Unavailable(f"worker {worker} ended the turn of {agent!r} at once")
+
+
+class BaseReply:
+    """A reply's state as its responses arrive: pieces, token ids, usage, and the error that
+    cut it off, raised again to every later reader. The transport reads the stream under a
+    `_new_lock()`, and gives `_whole()`: the reply once whole (sync: waits for it)."""
+
+    _new_lock: Callable[[], Any]
+    _whole: Callable[[], TurnResult]
+
+    def __init__(
+        self, agent: BaseAgent, stream: Responses, first: pb.TurnResponse, worker: str
+    ) -> None:
+        self.agent, self.worker = agent, worker
+        self._stream = stream
+        self._result = TurnResult()
+        self._result.add(first)
+        self._error: Exception | None = None
+        self._lock = self._new_lock()  # one reader pulls from the stream at a time
+
+    @property
+    def done(self) -> bool:
+        return self._result.usage is not None
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _failed(self, exc: Exception) -> Exception:
+        """Keeps what a read raised, as every later reader will get it."""
+        if isinstance(exc, (StopIteration, StopAsyncIteration)):
+            exc = Unavailable(f"the reply of {self.agent!r} ended without its usage")
+        elif isinstance(exc, AgentKVError):
+            exc = cut_off(exc, self.worker, len(self._result.token_ids), self.agent)
+        self._error = exc
+        return exc
+
+    @property
+    def usage(self) -> pb.Usage:
+        """The turn's usage; whole once the reply has ended, as `.text`."""
+        return self._whole().usage
+
+    @property
+    def text(self) -> str:
+        return self._whole().text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._whole().token_ids)
+
+    @property
+    def time_to_first_token_ms(self) -> float:
+        return self._whole().usage.time_to_first_token_ms
+
+    @property
+    def cache_state(self) -> str:
+        return self._whole().usage.cache_state
