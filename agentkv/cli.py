@@ -25,6 +25,7 @@ from agentkv import defaults
 from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentKVError
 from agentkv.flags import add_flags, from_args
+from agentkv.launch import ServiceExited
 from agentkv.layers import describe, layer_specs
 from agentkv.planner import TABLE14_NOTES, load_config, parse_size, parse_tokens, plan, table14
 from agentkv.units import human_bytes, table
@@ -294,7 +295,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "demo":
             from client import demo
 
-            demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
+            try:
+                demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
+            except ServiceExited as exc:  # e.g. a bad --model: the worker's own one line
+                print(f"error: {exc.reason}", file=sys.stderr)
+                sys.exit(2)
             return
         if args.command in ("plan", "model"):
             try:

@@ -13,6 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class ServiceExited(RuntimeError):
+    """A service exited before it served; `reason` is the error line it left in its log."""
+
+    def __init__(self, module: str, code: int, log_tail: str) -> None:
+        super().__init__(f"{module} exited {code}:\n{log_tail}")
+        lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+        errors = [line for line in lines if ": error: " in line and not line.startswith("{")]
+        self.reason = (errors or lines or [f"{module} exited {code}"])[-1]
+
+
 @dataclass
 class ServiceProcess:
     """A service started with `python -m MODULE ARGS`; ready once it logs the "serving" event."""
@@ -44,9 +54,7 @@ class ServiceProcess:
                 self.address = serving["address"]
                 return self
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.module} exited {self.proc.returncode}:\n{self.log_tail()}"
-                )
+                raise ServiceExited(self.module, self.proc.returncode, self.log_tail())
             time.sleep(0.05)
         self.kill9()
         raise TimeoutError(f"{self.module} did not start within {timeout}s:\n{self.log_tail()}")

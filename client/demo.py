@@ -51,7 +51,11 @@ def progress(label: str) -> Iterator[None]:
     """Shows a long step while it runs, then how long it took."""
     print(f"  {label} ...", end="", flush=True)
     started = time.perf_counter()
-    yield
+    try:
+        yield
+    except BaseException:
+        print(" failed", flush=True)
+        raise
     print(f" {time.perf_counter() - started:.1f} s", flush=True)
 
 

@@ -174,6 +174,23 @@ def test_a_missing_local_model_is_never_sent_to_the_hub(spec, says):
         resolve_model(spec)
 
 
+def test_the_demo_with_a_bad_model_prints_the_workers_one_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "demo", "--model", str(missing), "--no-cold"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: agentkv-worker: error: no model at {missing}: no such file or directory "
+        "(shipped: smollm2-135m-instruct)"
+    ]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "starting agentkv-worker" in proc.stdout and "failed" in proc.stdout
+
+
 def test_an_incomplete_model_directory_names_what_it_lacks(tmp_path):
     with pytest.raises(ModelError, match=r"lacks config.json, \*.safetensors, a tokenizer"):
         resolve_model(str(tmp_path))
