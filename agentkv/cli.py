@@ -23,7 +23,7 @@ from pathlib import Path
 
 from agentkv import defaults
 from agentkv.channels import ClientSecurity
-from agentkv.errors import AgentKVError
+from agentkv.errors import AgentKVError, Unavailable
 from agentkv.flags import add_flags, from_args
 from agentkv.launch import ServiceExited
 from agentkv.layers import describe, layer_specs
@@ -68,6 +68,12 @@ def _store_parser(store: argparse.ArgumentParser) -> None:
     store_sub = store.add_subparsers(dest="store_command", required=True)
     for name, (_, help_text) in STORE_COMMANDS.items():
         p = store_sub.add_parser(name, help=help_text)
+        # the same flags after the command too; only given ones override those before it
+        _store_flag(p)
+        add_flags(p, ClientSecurity)
+        for action in p._actions:
+            if action.dest in ("store", *(f.name for f in dataclasses.fields(ClientSecurity))):
+                action.default = argparse.SUPPRESS
         if name != "stats":
             p.add_argument(
                 "-n",
@@ -314,8 +320,23 @@ def main(argv: list[str] | None = None) -> None:
         with StoreClient(args.store, timeout=60, security=_security(args)) as client:
             STORE_COMMANDS[args.store_command][0](client, args)
     except AgentKVError as exc:
-        print(f"error: {type(exc).__name__} ({exc.code.name}): {exc.message}", file=sys.stderr)
+        line = _unreachable(exc, args) or f"{type(exc).__name__} ({exc.code.name}): {exc.message}"
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
+
+
+def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
+    """For a service nobody answers at: one line naming it and how to point elsewhere."""
+    if not isinstance(exc, Unavailable) or exc.remote or "failed to connect" not in exc.message:
+        return None
+    store = args.store.removeprefix("unix:")
+    if args.command == "store" or f"{store}:" in exc.message or exc.message.endswith(store):
+        return f"no store at {args.store} (start agentkv-store, or pass --store / AGENTKV_STORE)"
+    workers = ", ".join(_workers(args))
+    return (
+        f"no worker answers at {workers} (start agentkv-worker, or pass --worker / "
+        f"AGENTKV_WORKERS): {exc.message}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""A new user's mistakes get one line that says what to do, from the real CLI and processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import free_address
+
+
+def agentkv(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "agentkv.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_no_store_is_one_line_that_says_how_to_point_at_one():
+    nobody = free_address()
+    for args in (["store", "stats", "--store", nobody], ["agents", "--store", nobody]):
+        proc = agentkv(*args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (
+            f"error: no store at {nobody} (start agentkv-store, or pass --store / AGENTKV_STORE)\n"
+        )
+
+
+def test_store_flags_work_before_and_after_the_command(store_process):
+    address = store_process.address
+    after = agentkv("store", "namespaces", "--store", address)
+    before = agentkv("store", "--store", address, "namespaces")
+    assert after.returncode == 0 and before.returncode == 0, after.stderr + before.stderr
+    assert after.stdout == before.stdout
+    nobody = free_address()
+    wrong_before = agentkv("store", "--store", nobody, "namespaces", "--store", address)
+    assert wrong_before.returncode == 0, wrong_before.stderr  # the later flag wins
