@@ -4,9 +4,12 @@ RPC threads and security, each flag defined once: agentkv.flags) and the server 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -43,6 +46,11 @@ class ServerConfig:
     )
     log_level: str = flag("info", "debug, info, warning or error")
     workers: int = flag(16, "RPC threads")
+    address_file: str = flag(
+        "",
+        "once serving, write the bound addresses (address, metrics, health: what the "
+        '"serving" log line has) to this file as JSON, for scripts that listen on port 0',
+    )
     security: ServerSecurity = nested(ServerSecurity)
 
     def check_serving(self) -> None:
@@ -118,14 +126,28 @@ def serve_until_signal(
     endpoints, logs "serving" (with `facts`), and on SIGTERM or SIGINT drains and stops."""
     for warning in config.security_warnings():
         log.warning(warning, extra={"listen": config.listen})
+    address_file = Path(config.address_file) if config.address_file else None
+    if address_file:
+        address_file.unlink(missing_ok=True)  # what a script finds is this run's
     served = create()
     metrics = start_metrics(config.metrics_listen, served.metrics.registry)
     served.server.start()
     health_server, health_address = start_health(config.health_listen, served.health)
     extra = {"address": served.address, **facts, "metrics": metrics, "health": health_address}
+    if address_file:
+        write_atomically(address_file, json.dumps(extra) + "\n")
     log.info("serving", extra=extra)
     wait_for_signal()
     log.info("stopping")
     served.stop()
     if health_server is not None:
         health_server.stop(0)
+    if address_file:
+        address_file.unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` in `path` whole or not at all: a reader never sees half of it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    partial.write_text(text)
+    os.replace(partial, path)

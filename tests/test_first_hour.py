@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 
 from tests.helpers import free_address
 
@@ -32,3 +34,29 @@ def test_store_flags_work_before_and_after_the_command(store_process):
     nobody = free_address()
     wrong_before = agentkv("store", "--store", nobody, "namespaces", "--store", address)
     assert wrong_before.returncode == 0, wrong_before.stderr  # the later flag wins
+
+
+def test_a_store_on_port_0_writes_its_bound_addresses_to_the_address_file(tmp_path):
+    from agentkv.launch import store_process
+    from client.store import StoreClient
+
+    address_file = tmp_path / "store.json"
+    service = store_process(
+        tmp_path / "data",
+        tmp_path / "store.log",
+        "--address-file",
+        str(address_file),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ).start()
+    try:
+        written = json.loads(address_file.read_text())  # written before "serving" is logged
+        assert written["address"] == service.address and not written["address"].endswith(":0")
+        assert not written["metrics"].endswith(":0")
+        with StoreClient(written["address"]) as client:
+            assert client.info().num_agents == 0
+        metrics = urllib.request.urlopen(f"http://{written['metrics']}/metrics", timeout=30)
+        assert b"agentkv_store" in metrics.read()
+    finally:
+        assert service.stop() == 0
+    assert not address_file.exists()  # a stopped store leaves no address behind
