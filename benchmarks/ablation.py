@@ -65,10 +65,12 @@ from pathlib import Path
 from typing import Any
 
 import batching
+import paper
 import windows
 from batching import Run, fire, make_bases
 from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
 from google.protobuf.json_format import MessageToDict
+from paper import table14_gemma
 from ttft import context_text, label, machine
 from workflows import MODES, PAPER_TABLE7, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
@@ -264,7 +266,7 @@ def scaled_budget(model: Path, context: int) -> int:
     Gemma 3 12B's per 8K agent: FP16 fits as many agents as the paper's row does."""
     ours = planner.plan(planner.load_config(model), context, 1).fp16_bytes
     gemma = planner.plan(planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, 1)
-    return planner.TABLE14_BUDGET_BYTES * ours // gemma.fp16_bytes
+    return paper.TABLE14_BUDGET_BYTES * ours // gemma.fp16_bytes
 
 
 @dataclass(slots=True)
@@ -325,7 +327,7 @@ def capacity(svc: Services, tokenizer: Any, context: int, budget: int) -> Capaci
     fits = {name: fill(svc, name, text, budget) for name in ("q4", "q8")}
     plan = planner.plan(planner.load_config(svc.model), fits["q4"].tokens, budget)
     gemma = planner.plan(
-        planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, planner.TABLE14_BUDGET_BYTES
+        planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, paper.TABLE14_BUDGET_BYTES
     )
     return Capacity(context, budget, fits, plan, gemma)
 
@@ -599,7 +601,7 @@ def capacity_table(c: Capacity) -> str:
 
 def gemma_table(c: Capacity) -> str:
     g, gib = c.gemma, 1 << 30
-    paper = dict(zip(planner.TABLE14_CONTEXTS, planner.TABLE14["gemma3_12b"], strict=True))
+    paper = table14_gemma()
     n = PAPER_CAPACITY_CONTEXT
     fp16, q4 = paper.get(n, ("-", "-"))
     return "\n".join(

@@ -62,7 +62,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import paper
 from google.protobuf.json_format import MessageToDict
+from paper import table14_gemma
 from ttft import context_text, int_list, label, machine
 
 from agentkv import planner
@@ -555,10 +557,10 @@ def capacity_table(rows: list[dict[str, Any]]) -> str:
 
 def gemma_rows() -> list[dict[str, Any]]:
     config = planner.load_config("gemma3_12b")
-    paper = dict(zip(planner.TABLE14_CONTEXTS, planner.TABLE14["gemma3_12b"], strict=True))
+    paper = table14_gemma()
     rows = []
     for context in GEMMA_CONTEXTS:
-        cap = planner.plan(config, context, planner.TABLE14_BUDGET_BYTES)
+        cap = planner.plan(config, context, paper.TABLE14_BUDGET_BYTES)
         rows.append(
             {
                 "context": context,
@@ -716,7 +718,7 @@ def print_report(
         ),
         (
             f"Planner: Gemma 3 12B (gemma3_12b.json) at "
-            f"{planner.TABLE14_BUDGET_BYTES / (1 << 30):.1f} GiB",
+            f"{paper.TABLE14_BUDGET_BYTES / (1 << 30):.1f} GiB",
             gemma_table(gemma),
         ),
     )
