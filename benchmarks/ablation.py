@@ -70,8 +70,8 @@ import windows
 from batching import Run, fire, make_bases
 from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
 from google.protobuf.json_format import MessageToDict
+from harness import context_text, label, machine
 from paper import table14_gemma
-from ttft import context_text, label, machine
 from workflows import MODES, PAPER_TABLE7, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
 
@@ -886,7 +886,7 @@ def as_json(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace, info: Any) -> None:
-    header = machine([]) | {"blas": info.blas, "model": args.model, "dtype": info.dtype}
+    header = machine() | {"blas": info.blas, "model": args.model, "dtype": info.dtype}
     header |= {"model_dir": describe_model(args.path)}
     header |= {"device": info.device, "kv_format": info.kv_format, "passes": args.passes}
     header |= {"contexts": args.contexts, "tokens": args.tokens}

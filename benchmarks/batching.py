@@ -79,7 +79,7 @@ from typing import Any
 
 from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
 from google.protobuf.json_format import MessageToDict
-from ttft import int_list, label, machine
+from harness import int_list, label, machine
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.store import StoreClient
@@ -875,7 +875,7 @@ def report(
     blas: str,
     scans: dict[int, float],
 ) -> None:
-    header = machine([]) | {
+    header = machine() | {
         "blas": blas,
         "model": args.model,
         "model_dir": describe_model(args.path),

@@ -5,6 +5,7 @@ lines, notes, JSON and a plot)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -19,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, wait_ready
+from common import add_model_argument, describe_model, max_context
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 
@@ -148,6 +149,23 @@ def services(
         yield svc
 
 
+def wait_ready(worker: Any, timeout: float = 120.0) -> Any:
+    """The worker's GetWorkerInfo once it answers. A worker logs "serving" before its first
+    connection is accepted, and on a busy 2-core machine that first connect can time out
+    (UNAVAILABLE: "connection attempt timed out before receiving SETTINGS frame"); this
+    retries until `timeout` seconds have passed."""
+    from agentkv.errors import Unavailable
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return worker.info()
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 # turns
 
 
@@ -183,6 +201,31 @@ def timed_turn(
     return Turn(usage.time_to_first_token_ms, (first - start) * 1e3, text, usage_dict(usage))
 
 
+def check(turn: Turn, path: str, agent: str, created: int = 1) -> Turn:
+    """Aborts unless the turn ran as `path` says: "cold", "hot", "warm", or "warm (locate)"
+    and "warm (stream)" by that restore path; with no restore failure. A cold turn's agent
+    held `created` tokens after CreateAgent."""
+    u, problems = turn.usage, []
+    state, _, how = path.partition(" (")
+    if u["restore_failure"]:
+        problems.append(f"restore failed: {u['restore_failure']}")
+    if state == "cold":
+        # CreateAgent left only its conversation's stable prefix in RAM (the BOS token, or a
+        # template's default system prompt), so the worker may call this turn "hot"; what
+        # makes it cold is that everything after that prefix is prefilled.
+        if u["cache_state"] not in ("cold", "hot") or u["reused_store_tokens"]:
+            problems.append(f"cache_state {u['cache_state']!r}, store tokens reused")
+        if u["prefilled_tokens"] < u["prompt_tokens"] - max(1, created):
+            problems.append(f"only {u['prefilled_tokens']} of {u['prompt_tokens']} prefilled")
+    elif u["cache_state"] != state:
+        problems.append(f"cache_state {u['cache_state']!r}, expected {state!r}")
+    if state == "warm" and how and u["restore_path"] != how.rstrip(")"):
+        problems.append(f"restore_path {u['restore_path']!r}")
+    if problems:
+        raise RuntimeError(f"{path} turn of {agent!r}: {'; '.join(problems)}; usage {u}")
+    return turn
+
+
 def source_slices(tokenizer: Any, num_tokens: int, count: int = 1) -> list[str]:
     """`count` different runs of num_tokens tokens of standard-library source, as text."""
     from tests import model_kit
@@ -197,6 +240,38 @@ def source_slices(tokenizer: Any, num_tokens: int, count: int = 1) -> list[str]:
 
 def context_text(tokenizer: Any, num_tokens: int) -> str:
     return source_slices(tokenizer, num_tokens)[0]
+
+
+def model_info(info: Any, path: Path) -> dict[str, Any]:
+    config = json.loads((path / "config.json").read_text())
+    return usage_dict(info) | {
+        "dtype": config.get("torch_dtype") or info.dtype,
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "max_context": max_context(path),
+        "weights_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
+        "description": describe_model(path),
+    }
+
+
+def fit_contexts(contexts: list[int], window: int, room: int) -> list[tuple[int, str]]:
+    """(context, note) for each context that fits the model's window with `room` tokens left
+    for the turns; one that does not is cut to the window less `room` (or dropped, if that
+    context is measured anyway), and its note says so."""
+    most, fitted, seen = window - room, [], set()
+    for n in contexts:
+        note = ""
+        if n > most:
+            note = (
+                f"{label(n)} asked, but the model's window is {window} tokens and the turns "
+                f"need up to {room}: ran {most} tokens of user text (the table's 'tok' is the "
+                "whole prompt)"
+            )
+            n = most
+        if n not in seen and n >= 16:
+            seen.add(n)
+            fitted.append((n, note))
+    return fitted
 
 
 # numbers
@@ -358,6 +433,13 @@ def context_axis(ax: Any, xs: Sequence[int], ylabel: str, log_y: bool = True) ->
     ax.legend(fontsize=7)
 
 
+def plain(value: Any) -> Any:
+    """JSON for what json does not know: dataclasses as dicts, the rest as text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
+
+
 def verdict(goal: Mapping[str, Any]) -> str:
     """A target's line: MET, MISS, or INFO (a reference line, no target), then what."""
     status = {True: "MET ", False: "MISS", None: "INFO"}[goal["met"]]
@@ -387,6 +469,6 @@ def report(
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
     whole = {"header": header, **(document or {}), "targets": list(goals), "notes": list(notes)}
-    stem.with_suffix(".json").write_text(json.dumps(whole, indent=2, default=str) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(whole, indent=2, default=plain) + "\n")
     print(f"wrote {stem.with_suffix('.json')}")
     return stem.with_suffix(".png")

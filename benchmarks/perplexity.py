@@ -91,7 +91,7 @@ from typing import Any
 import numpy as np
 from common import add_model_argument, describe_model
 from common import model_dir as resolve_model_dir
-from ttft import machine
+from harness import machine
 
 from agentkv.launch import store_process
 from agentkv.v1 import store_pb2 as pb
@@ -1155,7 +1155,7 @@ def main(argv: list[str] | None = None) -> None:
     agree_kinds = [k for k in kinds if k.fmt_name in args.agree]
     agreed, lengths = agreement(model, tokenizer, agree_kinds, args.prompts, args.gen_tokens)
     checks = run_checks(scores, free)
-    header = machine([]) | {"blas": blas or "reference (bundled with mlx)"}
+    header = machine() | {"blas": blas or "reference (bundled with mlx)"}
     header |= {"model": name, "model_described": describe_model(model_dir, args.model)}
     header |= {"dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}

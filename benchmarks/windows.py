@@ -64,8 +64,8 @@ from typing import Any
 
 import paper
 from google.protobuf.json_format import MessageToDict
+from harness import context_text, int_list, label, machine
 from paper import table14_gemma
-from ttft import context_text, int_list, label, machine
 
 from agentkv import planner
 from agentkv.errors import AgentKVError
@@ -798,7 +798,7 @@ def report(
     notes: list[str],
 ) -> None:
     window = facts["window"]
-    header = machine([]) | {k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")}
+    header = machine() | {k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")}
     header |= {"passes": args.passes, "contexts": args.contexts}
     capacity = capacity_rows(runs, config)
     gemma = gemma_rows()

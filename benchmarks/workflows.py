@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
-from ttft import machine
+from harness import machine
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.demo import scenario_path
@@ -570,7 +570,7 @@ def report(
     svc_info: Any,
     fit: str,
 ) -> None:
-    header = machine([]) | {"blas": svc_info.blas, "model": args.model}
+    header = machine() | {"blas": svc_info.blas, "model": args.model}
     header |= {"model_dir": describe_model(args.path)}
     header |= {"device": svc_info.device, "max_context": svc_info.max_context}
     header |= {"kv_format": svc_info.kv_format, "max_tokens": args.max_tokens}
