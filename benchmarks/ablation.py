@@ -368,8 +368,8 @@ def warm_run(svc: Services, bases: list[str], mode: str, tokens: int, tag: str) 
 def batching_row(svc: Services, tokenizer: Any, context: int, tokens: int, passes: int) -> Batching:
     """Bases whose greedy replies run to `tokens` (batching.make_bases, on the batch-4
     worker), one untimed run per mode, then --passes of each, alternating which goes first."""
-    both = batching.Services(svc.store, {1: svc.workers["batch1"], BATCH: svc.workers["batch4"]})
-    bases = make_bases(both, tokenizer, context, BATCH, tokens, f"{NS}-{context}")
+    worker = svc.workers["batch4"]
+    bases = make_bases(svc, worker, tokenizer, context, BATCH, tokens, f"{NS}-{context}")
     result = Batching(context, tokens)
     for mode in result.runs:
         warm_run(svc, bases, mode, 8, f"settle-{mode}")

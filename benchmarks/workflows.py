@@ -50,8 +50,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
-from harness import machine
+from common import add_model_argument, describe_model, load_tokenizer, model_dir
+from harness import machine, wait_ready
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.demo import scenario_path
