@@ -70,7 +70,7 @@ import windows
 from batching import Run, fire, make_bases
 from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
 from google.protobuf.json_format import MessageToDict
-from harness import context_text, label, machine
+from harness import context_text, label, machine, pyplot, save
 from paper import table14_gemma
 from workflows import MODES, PAPER_TABLE7, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
@@ -102,24 +102,7 @@ WORKERS = {  # name: extra worker flags (a budget is added to the capacity worke
 }
 
 
-@dataclass(frozen=True, slots=True)
-class PaperRow:
-    metric: str
-    with_: float
-    without: float
-    effect: float  # as printed in the paper
-    star: str = ""
-
-
-# Shkolnikov, "Agent Memory Below the Prompt" (2026), Table 6: "Component contributions. Each
-# row compares the system with vs without one component, holding others constant" (M4 Pro).
-PAPER = {
-    "persistence": PaperRow("TTFT ms, Gemma 4K", 577, 15736, 27.0),
-    "capacity": PaperRow("agents at 8K, Gemma, 10.2 GiB", 12, 3, 4.0),
-    # "*": per-agent = SysTPS / 2; "the 2.0x is definitional", not a measured gain.
-    "batching": PaperRow("SysTPS, Gemma 1K warm", 22.6, 11.2, 2.0, "*"),
-    "cross-phase": PaperRow("TTFT ms, phase 5", 1705, 3292, 1.9),
-}
+PAPER = paper.TABLE6
 _T0 = time.perf_counter()
 
 
@@ -787,13 +770,8 @@ def capacity_notes(c: Capacity) -> list[str]:
 
 def plot(rows: list[Row], header: dict[str, Any], path: Path) -> str:
     """With and without per component (min..max whiskers), effects beside the paper's."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
+    if (plt := pyplot()) is None:
+        return ""
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 4.2), squeeze=False)
     for ax, r in zip(axes[0], rows, strict=True):
         mids = [statistics.median(v) for v in (r.with_, r.without)]
@@ -808,15 +786,7 @@ def plot(rows: list[Row], header: dict[str, Any], path: Path) -> str:
         ax.set_ylabel(r.metric.split(":")[0], fontsize=7)
         if r.lower_is_better and max(mids) / max(min(mids), 1e-9) > 20:
             ax.set_yscale("log")
-    fig.suptitle(
-        f"agentkv ablation, {header['date']}; {header['cpu']}, {header['cores']} cores, "
-        f"MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(fig, path, header, "ablation")
 
 
 def print_report(results: dict[str, Any], header: dict[str, Any], notes: list[str]) -> None:

@@ -391,9 +391,8 @@ def version(dist: str) -> str:
 _said_no_plots = []
 
 
-def plot(path: Path, header: Mapping[str, object], title: str, draw: Callable, **figure) -> None:
-    """draw(axes) on one row of panels (figure: ncols, figsize), titled with the machine's
-    facts, saved to path; without matplotlib, says so once."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; None, said once, where it is not installed."""
     try:
         import matplotlib
 
@@ -403,16 +402,28 @@ def plot(path: Path, header: Mapping[str, object], title: str, draw: Callable, *
         if not _said_no_plots:
             print("plots skipped: install agentkv[bench]")
             _said_no_plots.append(True)
-        return
-    ncols, size = figure.get("ncols", 1), figure.get("figsize", (6.5, 4.8))
-    fig, axes = plt.subplots(1, ncols, figsize=size, squeeze=False)
-    draw(axes[0])
+        return None
+    return plt
+
+
+def save(fig: Any, path: Path, header: Mapping[str, object], title: str) -> str:
+    """Titles the figure with the machine's facts, saves it to path, and says so."""
     facts = f"{header['cpu']}, {header['cores']} cores, MLX {header['mlx']}, BLAS {header['blas']}"
     fig.suptitle(f"agentkv {title}, {header['date']}; {facts}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    pyplot().close(fig)
+    return f"wrote {path}"
+
+
+def plot(path: Path, header: Mapping[str, object], title: str, draw: Callable, **figure) -> None:
+    """draw(axes) on one row of panels (figure: ncols, figsize), saved to path."""
+    if (plt := pyplot()) is None:
+        return
+    ncols, size = figure.get("ncols", 1), figure.get("figsize", (6.5, 4.8))
+    fig, axes = plt.subplots(1, ncols, figsize=size, squeeze=False)
+    draw(axes[0])
+    print(save(fig, path, header, title))
 
 
 def whiskers(ax: Any, xs: Sequence[float], series: Sequence[Sequence[float]], **style: Any) -> Any:
