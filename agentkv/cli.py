@@ -27,7 +27,7 @@ from agentkv.errors import AgentKVError, Unavailable
 from agentkv.flags import add_flags, from_args
 from agentkv.launch import ServiceExited
 from agentkv.layers import describe, layer_specs
-from agentkv.planner import TABLE14_NOTES, load_config, parse_size, parse_tokens, plan, table14
+from agentkv.planner import load_config, parse_size, parse_tokens, plan
 from agentkv.units import human_bytes, table
 from client.inspect import STORE_COMMANDS
 from client.store import StoreClient
@@ -271,8 +271,22 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
 
 
+def paper_figures():
+    """benchmarks/paper.py, the paper's reference figures: in the source tree, not the package."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "paper.py"
+    if not path.exists():
+        raise ValueError(f"{path} not found: --table14 runs from a source checkout")
+    spec = importlib.util.spec_from_file_location("agentkv_paper", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registered first: its dataclasses look their module up
+    return module
+
+
 def print_table14() -> None:
-    rows = table14()
+    paper = paper_figures()
+    rows = paper.table14()
     budget = rows[0].ours.budget_bytes
     print(f"Table 14 (M4 Pro, 10.2 GB cache budget) beside this planner at {_gib(budget)}\n")
     headers = ["model", "context", "FP16 paper", "FP16 here", "Q4 paper", "Q4 here"]
@@ -284,7 +298,7 @@ def print_table14() -> None:
     print(table([*headers, "Q4 window here"], cells) + "\n")
     print("cells that differ:")
     print("\n".join(f"  {d}" for r in rows for d in r.differences()) + "\n")
-    print(_notes(TABLE14_NOTES))
+    print(_notes(paper.TABLE14_NOTES))
 
 
 def main(argv: list[str] | None = None) -> None:

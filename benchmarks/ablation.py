@@ -65,11 +65,13 @@ from pathlib import Path
 from typing import Any
 
 import batching
+import paper
 import windows
 from batching import Run, fire, make_bases
 from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
 from google.protobuf.json_format import MessageToDict
-from ttft import context_text, label, machine
+from harness import context_text, label, machine, pyplot, save
+from paper import table14_gemma
 from workflows import MODES, PAPER_TABLE7, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
 
@@ -100,24 +102,7 @@ WORKERS = {  # name: extra worker flags (a budget is added to the capacity worke
 }
 
 
-@dataclass(frozen=True, slots=True)
-class PaperRow:
-    metric: str
-    with_: float
-    without: float
-    effect: float  # as printed in the paper
-    star: str = ""
-
-
-# Shkolnikov, "Agent Memory Below the Prompt" (2026), Table 6: "Component contributions. Each
-# row compares the system with vs without one component, holding others constant" (M4 Pro).
-PAPER = {
-    "persistence": PaperRow("TTFT ms, Gemma 4K", 577, 15736, 27.0),
-    "capacity": PaperRow("agents at 8K, Gemma, 10.2 GiB", 12, 3, 4.0),
-    # "*": per-agent = SysTPS / 2; "the 2.0x is definitional", not a measured gain.
-    "batching": PaperRow("SysTPS, Gemma 1K warm", 22.6, 11.2, 2.0, "*"),
-    "cross-phase": PaperRow("TTFT ms, phase 5", 1705, 3292, 1.9),
-}
+PAPER = paper.TABLE6
 _T0 = time.perf_counter()
 
 
@@ -264,7 +249,7 @@ def scaled_budget(model: Path, context: int) -> int:
     Gemma 3 12B's per 8K agent: FP16 fits as many agents as the paper's row does."""
     ours = planner.plan(planner.load_config(model), context, 1).fp16_bytes
     gemma = planner.plan(planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, 1)
-    return planner.TABLE14_BUDGET_BYTES * ours // gemma.fp16_bytes
+    return paper.TABLE14_BUDGET_BYTES * ours // gemma.fp16_bytes
 
 
 @dataclass(slots=True)
@@ -325,7 +310,7 @@ def capacity(svc: Services, tokenizer: Any, context: int, budget: int) -> Capaci
     fits = {name: fill(svc, name, text, budget) for name in ("q4", "q8")}
     plan = planner.plan(planner.load_config(svc.model), fits["q4"].tokens, budget)
     gemma = planner.plan(
-        planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, planner.TABLE14_BUDGET_BYTES
+        planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, paper.TABLE14_BUDGET_BYTES
     )
     return Capacity(context, budget, fits, plan, gemma)
 
@@ -366,8 +351,8 @@ def warm_run(svc: Services, bases: list[str], mode: str, tokens: int, tag: str) 
 def batching_row(svc: Services, tokenizer: Any, context: int, tokens: int, passes: int) -> Batching:
     """Bases whose greedy replies run to `tokens` (batching.make_bases, on the batch-4
     worker), one untimed run per mode, then --passes of each, alternating which goes first."""
-    both = batching.Services(svc.store, {1: svc.workers["batch1"], BATCH: svc.workers["batch4"]})
-    bases = make_bases(both, tokenizer, context, BATCH, tokens, f"{NS}-{context}")
+    worker = svc.workers["batch4"]
+    bases = make_bases(svc, worker, tokenizer, context, BATCH, tokens, f"{NS}-{context}")
     result = Batching(context, tokens)
     for mode in result.runs:
         warm_run(svc, bases, mode, 8, f"settle-{mode}")
@@ -599,7 +584,7 @@ def capacity_table(c: Capacity) -> str:
 
 def gemma_table(c: Capacity) -> str:
     g, gib = c.gemma, 1 << 30
-    paper = dict(zip(planner.TABLE14_CONTEXTS, planner.TABLE14["gemma3_12b"], strict=True))
+    paper = table14_gemma()
     n = PAPER_CAPACITY_CONTEXT
     fp16, q4 = paper.get(n, ("-", "-"))
     return "\n".join(
@@ -785,13 +770,8 @@ def capacity_notes(c: Capacity) -> list[str]:
 
 def plot(rows: list[Row], header: dict[str, Any], path: Path) -> str:
     """With and without per component (min..max whiskers), effects beside the paper's."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
+    if (plt := pyplot()) is None:
+        return ""
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 4.2), squeeze=False)
     for ax, r in zip(axes[0], rows, strict=True):
         mids = [statistics.median(v) for v in (r.with_, r.without)]
@@ -806,15 +786,7 @@ def plot(rows: list[Row], header: dict[str, Any], path: Path) -> str:
         ax.set_ylabel(r.metric.split(":")[0], fontsize=7)
         if r.lower_is_better and max(mids) / max(min(mids), 1e-9) > 20:
             ax.set_yscale("log")
-    fig.suptitle(
-        f"agentkv ablation, {header['date']}; {header['cpu']}, {header['cores']} cores, "
-        f"MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(fig, path, header, "ablation")
 
 
 def print_report(results: dict[str, Any], header: dict[str, Any], notes: list[str]) -> None:
@@ -884,7 +856,7 @@ def as_json(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace, info: Any) -> None:
-    header = machine([]) | {"blas": info.blas, "model": args.model, "dtype": info.dtype}
+    header = machine() | {"blas": info.blas, "model": args.model, "dtype": info.dtype}
     header |= {"model_dir": describe_model(args.path)}
     header |= {"device": info.device, "kv_format": info.kv_format, "passes": args.passes}
     header |= {"contexts": args.contexts, "tokens": args.tokens}

@@ -1,137 +1,71 @@
 """Batching benchmark: system throughput and stream smoothness of continuous batching.
 
-Starts a real `agentkv-store` process and real `agentkv-worker` processes on loopback, with
---model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker --model
-takes; default SmolLM2-135M-Instruct, imported as float32 on a CPU), and measures:
+On --model, a store and workers as their own processes:
 
-  throughput   for each context C (--contexts, tokens) and batch size B (1, 2, 4, 8): B agents
-               each holding a C-token Q4 cache, hot in the worker's RAM, each asked for one
-               Turn of N tokens (--tokens; greedy, with a stop string no reply contains, so a
-               turn runs to max_tokens unless the model emits EOS, which the output counts).
-               The B Turns are sent at once from B threads sharing one channel (batched); then
-               fresh copies of the same agents get theirs one after another (sequential). One
-               worker with --max-batch set to the largest B (8) serves every B: with B turns in
-               flight its batch holds exactly B, as a worker with --max-batch B would.
-  staggered    (the paper's Figure 3) new agents A and B, each with a first Turn carrying ~C
-               tokens of user text (C = the largest of --contexts) and max_tokens 32; B is sent
-               2 s after A. Once on a worker with --max-batch 1 (sequential: B waits for A),
-               once with --max-batch 2 and the default --step-tokens and --prefill-chunk
-               (batched: B's prefill chunks share model steps with A's decode).
-  model step   in this process (the model loaded here, one agent's cache per context
-               merged B times): right after each batched run, while the worker idles, one
-               batched decode forward and the Batcher's per-row sampling (each the fastest of
-               8 calls), paired with that run's end-to-end ms per decode step (B / its
-               decode-only SysTPS); the rest is gRPC, queues, Python and contention. Then the
-               batch cache's joins and leaves, and the sum of idle hot agents' bytes the
-               engine takes before every step.
+  throughput   for each context C (--contexts) and batch size B (1, 2, 4, 8): B hot agents
+               of C tokens each take one greedy Turn of --tokens tokens, all sent at once
+               (batched), then fresh copies one after another (sequential), on one worker
+               with --max-batch 8.
+  staggered    (Figure 3) agents A and B, cold, each a first Turn of ~C tokens (the largest
+               context), B sent 2 s after A: on --max-batch 1 (sequential) and 2 (batched).
+  model step   in this process, after each batched run: one batched decode forward and the
+               Batcher's sampling (fastest of 8), beside that run's end-to-end ms per step;
+               then the batch cache's joins and leaves, and the idle hot agents' byte scan.
 
-Definitions. SysTPS = all tokens generated / wall time from the first Turn sent to the last
-stream ended, on this client's clock. Decode-only SysTPS = tokens after each stream's first /
-the time covered by the streams' [first token, last token] spans (their union). Per-agent
-tok/s = median of the worker's usage.decode_tokens_per_second. Inter-token gaps are measured
-here, between arrivals of streamed TokenChunks; a cell's p50 and p99 are the medians over its
-agents of each agent's own p50 and p99. TTFT is the client's wall time from its own send to
-its first token, and the worker's usage.time_to_first_token_ms.
-
-Agents. Per context, 8 base agents are created once (a system prompt of C tokens of Python
-standard-library source, a different slice each) and evicted once durable. The user message
-asks to explain the code line by line (SmolLM2 answers "Go on." after source code with a
-token or two); a model may still stop early with EOS, which a Turn cannot ignore, so slices
-whose greedy reply stops before N tokens (probed once, untimed) are skipped. Every measured
-agent is a store fork of a base, loaded hot by an append-only Turn (max_tokens 0) carrying the
-user message, so the measured Turn adds only the assistant header. No store write is in
-flight when a measurement starts, and each run's agents are deleted after it.
-
-Target, per context: at batch 4, SysTPS >= 2.5x that of batch 1 (the median of every batch-1
-run: with one agent, batched and sequential are the same request), shown next to the bound
-the in-process batched forward alone sets (4 x forward at 1 / forward at 4). Medians over
---passes passes (default 2; the spread is in the detail table). Prints Markdown tables;
-writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
-
-Sizes for SmolLM2 on this 2-core CPU (a 512-token prefill ~2.5 s, a decode step ~65-130 ms
-by context, a batch-8 step ~3x a batch-1 step): contexts 1K and 2K (a 4K cell alone, with
-its 8 base prefills of ~30 s and its staggered pair, would take ~15 minutes), N = 32 tokens a
-turn, 2 passes: 17 minutes here with other jobs sharing the cores (load average 2-3), most
-of it the sequential runs (15 turns of 32 tokens per pass and context), the 16 base prefills
-and the staggered pairs. --quick: 512 only, batch 1,2,4, N = 16, 1 pass, about two minutes.
-
-Run:  python benchmarks/batching.py [--model smollm2-135m-instruct] [--contexts 1024,2048]
-                                    [--tokens 32] [--passes 2] [--quick] [--out benchmarks/results]
+SysTPS = tokens / wall time from the first Turn sent to the last stream ended; decode-only
+SysTPS = tokens after each stream's first / the union of the streams' first-to-last spans;
+gaps are between streamed TokenChunks at this client. Base agents whose greedy reply stops
+before --tokens (probed once) are skipped. Target, per context: SysTPS at batch 4 >= 2.5x
+batch 1. --quick: 512 only, batch 1,2,4, 16 tokens, one pass.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
-from google.protobuf.json_format import MessageToDict
-from ttft import int_list, label, machine
+from common import describe_model, load_tokenizer, model_dir
+from harness import (
+    NEVER,
+    fastest,
+    fmt,
+    label,
+    machine,
+    median,
+    parser,
+    percentile,
+    plot,
+    ratio,
+    report,
+    say,
+    services,
+    source_slices,
+    usage_dict,
+)
+from paper import FIGURE3, TABLE4
 
-from agentkv.launch import ServiceProcess, store_process, worker_process
-from client.store import StoreClient
-from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
-from tests import model_kit
 
 NS = "batching"
 BATCHES = (1, 2, 4, 8)
 PROMPT = "Explain the code above in detail, line by line."  # answered at length
-NEVER = "\x00"  # a stop string no reply contains: turns run to max_tokens (or EOS)
 STAGGER_S = 2.0
 STAGGER_TOKENS = 32
 TARGET_BATCH, TARGET_RATIO = 4, 2.5
 MAX_SLICES = 32  # source slices tried for base agents whose replies run to max_tokens
 PREFILL_CHUNK = 512  # the worker's default --prefill-chunk, for the in-process prefill
 STEP_REPEATS = 8  # in-process decode steps timed per pass (the fastest is kept)
-# Shkolnikov, "Agent Memory Below the Prompt" (2026), Apple M4 Pro. Table 4, warm rows: batch 2
-# (non-streaming, median of 6 passes), (SysTPS, per-agent) where SysTPS is total tokens/s
-# across both agents and per-agent = SysTPS / 2 (Table 6: "the 2.0x is definitional ... not a
-# measured throughput gain over batch=1").
-PAPER_TABLE4 = {
-    "Gemma 3 12B": {1024: (22.6, 11.2), 4096: (19.6, 9.9)},
-    "DeepSeek-Coder-V2-Lite": {1024: (63.0, 31.5), 4096: (52.6, 26.3)},
-    "Llama 3.1 8B": {1024: (37.8, 18.9), 4096: (34.5, 17.2)},
-}
-# Figure 3 (4K cold, B 2 s after A): B's own TTFT in s, (batched, sequential).
-PAPER_FIGURE3 = {"Gemma": (34.1, 16.7), "Llama": (20.2, 10.3), "DeepSeek": (6.8, 3.9)}
-_T0 = time.perf_counter()
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
 
 # what one client saw
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 @dataclass(slots=True)
@@ -237,72 +171,11 @@ class Cell:
         return sum(s.num_tokens < self.tokens for s in every)
 
 
-# the processes
-
-
-@dataclass(slots=True)
-class Services:
-    store: StoreClient
-    workers: dict[int, WorkerClient]  # by --max-batch
-
-    @property
-    def batch_worker(self) -> WorkerClient:
-        """The throughput runs' worker: --max-batch of the largest batch measured."""
-        return self.workers[max(self.workers)]
-
-
-@contextmanager
-def running_services(model: Path, root: Path, max_batches: Sequence[int]) -> Iterator[Services]:
-    """A store and one worker per --max-batch as their own processes, SIGTERMed afterwards."""
-    with ExitStack() as stack:
-
-        def start(service: ServiceProcess) -> ServiceProcess:
-            stack.callback(service.stop)
-            return service.start(timeout=600)
-
-        store = start(store_process(root / "data", root / "store.log"))
-        workers = {
-            b: start(
-                worker_process(
-                    str(model),
-                    store.address,
-                    root / f"worker-{b}.log",
-                    extra_args=["--max-batch", str(b)],
-                )
-            )
-            for b in max_batches
-        }
-        services = Services(
-            StoreClient(store.address), {b: WorkerClient(w.address) for b, w in workers.items()}
-        )
-        for client in (services.store, *services.workers.values()):
-            stack.callback(client.close)
-        for worker in services.workers.values():
-            wait_ready(worker)
-        yield services
-
-
 # agents and turns
 
 
-def source_slices(tokenizer: Any, num_tokens: int, count: int) -> list[str]:
-    """`count` different runs of num_tokens tokens of standard-library source, as text."""
-    ids: list[int] = []
-    for text in model_kit.read_texts(model_kit.stdlib_files()):
-        ids += tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) >= num_tokens * count:
-            break
-    return [tokenizer.decode(ids[i * num_tokens : (i + 1) * num_tokens]) for i in range(count)]
-
-
-def usage_dict(usage: Any) -> dict[str, Any]:
-    return MessageToDict(
-        usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-
-
 def stream_turn(
-    worker: WorkerClient, agent: str, messages: list[tuple[str, str]], max_tokens: int
+    worker: Any, agent: str, messages: list[tuple[str, str]], max_tokens: int
 ) -> Stream:
     """One greedy Turn, every chunk's arrival timed."""
     stream = Stream(agent, time.perf_counter())
@@ -319,7 +192,7 @@ def stream_turn(
     return stream
 
 
-def new_base(worker: WorkerClient, name: str, system: str) -> str:
+def new_base(worker: Any, name: str, system: str) -> str:
     """An agent with this system prompt, evicted once durable (only measured copies are hot)."""
     worker.create_agent(NS, name, system)
     worker.evict(NS, name)  # waits for its store write
@@ -327,15 +200,15 @@ def new_base(worker: WorkerClient, name: str, system: str) -> str:
 
 
 def make_bases(
-    svc: Services, tokenizer: Any, context: int, count: int, tokens: int, tag: str
+    svc: Any, worker: Any, tokenizer: Any, context: int, count: int, tokens: int, tag: str
 ) -> list[str]:
     """The first `count` agents, over successive source slices, whose greedy reply to PROMPT
     runs to `tokens` tokens (probed once on a fork, untimed): this model often answers a chat
     question in a few tokens and then emits EOS, and the API has no way to ignore EOS."""
-    worker, bases = svc.batch_worker, []
+    bases = []
     for i, text in enumerate(source_slices(tokenizer, context, MAX_SLICES)):
         name = new_base(worker, f"{tag}-base{i}", text)
-        probe = hot_copies(svc, [name], "probe")[0]
+        probe = hot_copies(svc, worker, [name], "probe")[0]
         if stream_turn(worker, probe, [], tokens).num_tokens == tokens:
             bases.append(name)
         worker.delete(NS, probe)
@@ -344,9 +217,9 @@ def make_bases(
     raise RuntimeError(f"only {len(bases)} of {MAX_SLICES} slices ran to {tokens} tokens")
 
 
-def hot_copies(svc: Services, bases: list[str], tag: str) -> list[str]:
+def hot_copies(svc: Any, worker: Any, bases: list[str], tag: str) -> list[str]:
     """Forks of the bases, loaded hot by an append-only Turn with the user message."""
-    worker, names = svc.batch_worker, [f"{base}-{tag}" for base in bases]
+    names = [f"{base}-{tag}" for base in bases]
     for base, name in zip(bases, names, strict=True):
         svc.store.fork_agent(NS, base, name)
         worker.turn(NS, name, [("user", PROMPT)], max_tokens=0)
@@ -356,7 +229,7 @@ def hot_copies(svc: Services, bases: list[str], tag: str) -> list[str]:
 
 
 def fire(
-    worker: WorkerClient,
+    worker: Any,
     jobs: list[tuple[str, list[tuple[str, str]], int]],
     delays: Sequence[float] = (),
 ) -> list[Stream]:
@@ -387,11 +260,14 @@ def check_hot(run: Run) -> Run:
 # throughput
 
 
-def one_run(
-    svc: Services, bases: list[str], mode: str, tokens: int, tag: str, context: int = 0
-) -> Run:
-    worker = svc.batch_worker
-    agents = hot_copies(svc, bases, tag)
+def batch_worker(svc: Any) -> Any:
+    """The throughput runs' worker: --max-batch of the largest batch measured."""
+    return svc.workers[max(svc.workers, key=int)]
+
+
+def one_run(svc: Any, bases: list[str], mode: str, tokens: int, tag: str, context: int = 0) -> Run:
+    worker = batch_worker(svc)
+    agents = hot_copies(svc, worker, bases, tag)
     jobs = [(a, [], tokens) for a in agents]
     if mode == "batched":
         streams = fire(worker, jobs)
@@ -402,13 +278,13 @@ def one_run(
     return Run(context, len(bases), mode, streams)
 
 
-def throughput(
-    svc: Services, tokenizer: Any, args: argparse.Namespace, context: int, local: InProcess
-) -> list[Cell]:
+def throughput(svc: Any, tokenizer: Any, args: Any, context: int, local: InProcess) -> list[Cell]:
     """Every batch size at one context, --passes times: batched, the same batch's forward in
     this process right after (paired, so both see the machine in the same state), sequential."""
     say(f"{label(context)}: creating {max(args.batches)} base agents")
-    bases = make_bases(svc, tokenizer, context, max(args.batches), args.tokens, f"c{context}")
+    bases = make_bases(
+        svc, batch_worker(svc), tokenizer, context, max(args.batches), args.tokens, f"c{context}"
+    )
     one_run(svc, bases, "batched", 8, "settle", context)  # untimed: first steps at this length
     cells = [Cell(context, b, args.tokens) for b in args.batches]
     for p in range(args.passes):
@@ -427,10 +303,10 @@ def throughput(
     return cells
 
 
-def warm_up(svc: Services, tokenizer: Any, args: argparse.Namespace) -> None:
+def warm_up(svc: Any, tokenizer: Any, args: Any) -> None:
     """One untimed batched and sequential run at the largest batch, on short agents."""
     texts = source_slices(tokenizer, 256, max(args.batches))
-    bases = [new_base(svc.batch_worker, f"warm-base{i}", t) for i, t in enumerate(texts)]
+    bases = [new_base(batch_worker(svc), f"warm-base{i}", t) for i, t in enumerate(texts)]
     for mode in ("batched", "sequential"):
         one_run(svc, bases, mode, 8, f"warm-{mode}")
     for stagger_worker in svc.workers.values():
@@ -468,14 +344,14 @@ class Staggered:
         }
 
 
-def staggered(svc: Services, tokenizer: Any, args: argparse.Namespace) -> list[Staggered]:
+def staggered(svc: Any, tokenizer: Any, args: Any) -> list[Staggered]:
     """A, then B 2 s later, both cold; per pass on the sequential and the batched worker."""
     context = max(args.contexts)
     text_a, text_b = source_slices(tokenizer, context, 2)
     out = []
     for p in range(args.passes):
         for mode, max_batch in (("sequential", 1), ("batched", 2)):
-            worker = svc.workers[max_batch]
+            worker = svc.workers[str(max_batch)]
             names = [f"stagger-{mode}-p{p}-{x}" for x in "ab"]
             for name in names:
                 worker.create_agent(NS, name)
@@ -504,18 +380,6 @@ STEP_ROWS = {
     "e2e": "end-to-end ms per decode step of the paired batched run: B / decode-only SysTPS",
     "rest": "e2e - forward - sample: gRPC, queues, Python, contention for the cores",
 }
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """ms of the fastest of `repeats` calls after one untimed call: what the operation costs
-    without interference (on this 2-core VM a median drifts by 20% from run to run)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times)
 
 
 def prefilled(model: Any, tokens: list[int]) -> list:
@@ -552,9 +416,9 @@ def decode_costs(model: Any, caches: list, batch: int, repeats: int) -> dict[str
         return [int(mx.argmax(logprobs[row]).item()) for row in range(batch)]
 
     return {
-        "forward": timed(forward, repeats),
-        "sample": timed(sample, repeats),
-        "sample_batched": timed(lambda: mx.argmax(logits, axis=-1).tolist(), repeats),
+        "forward": fastest(forward, repeats),
+        "sample": fastest(sample, repeats),
+        "sample_batched": fastest(lambda: mx.argmax(logits, axis=-1).tolist(), repeats),
     }
 
 
@@ -587,8 +451,8 @@ def cache_op_costs(caches: list, batch: int) -> dict[str, float]:
         mx.eval([a for layer in fn() for a in layer.state_arrays()])
 
     return {
-        "extend": timed(lambda: run(extend), 5) - timed(lambda: merged(batch - 1), 5),
-        "leave": timed(lambda: run(leave), 5) - timed(lambda: merged(batch), 5),
+        "extend": fastest(lambda: run(extend), 5) - fastest(lambda: merged(batch - 1), 5),
+        "leave": fastest(lambda: run(leave), 5) - fastest(lambda: merged(batch), 5),
     }
 
 
@@ -597,7 +461,7 @@ def hot_scan_us(caches: list, num_agents: int = 32) -> float:
     from inference_worker.agents import Agent
 
     agents = [Agent(NS, f"idle{i}", [], caches) for i in range(num_agents)]
-    return timed(lambda: sum(a.nbytes for a in agents), 20) * 1e3 / num_agents
+    return fastest(lambda: sum(a.nbytes for a in agents), 20) * 1e3 / num_agents
 
 
 @dataclass(slots=True)
@@ -642,14 +506,6 @@ def finish_steps(cells: list[Cell], local: InProcess) -> dict[int, float]:
 
 
 # reporting
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
 def throughput_table(cells: list[Cell]) -> str:
@@ -751,13 +607,15 @@ def targets(cells: list[Cell]) -> list[dict[str, Any]]:
         four = many.sys_tps("batched") or 0.0
         goal = {
             "context": context,
-            "target": f"SysTPS at batch {TARGET_BATCH} >= {TARGET_RATIO}x batch 1",
+            "target": f"{label(context)}: SysTPS at batch {TARGET_BATCH} >= {TARGET_RATIO}x batch"
+            " 1",
             "measured": f"{four / one:.2f}x ({four:.1f} vs {one:.1f} tok/s)",
             "met": four / one >= TARGET_RATIO,
         }
         if "forward" in solo.step_ms and "forward" in many.step_ms:
             ceiling = TARGET_BATCH * solo.step_ms["forward"] / many.step_ms["forward"]
             goal["model_forward_ceiling"] = round(ceiling, 2)
+            goal["measured"] += f"; the batched forward alone allows {ceiling:.2f}x"
         goals.append(goal)
     return goals
 
@@ -767,7 +625,7 @@ def paper_notes(cells: list[Cell], runs: list[Staggered]) -> list[str]:
     for c in (c for c in cells if c.batch == 2):
         paper = ", ".join(
             f"{m} {v[c.context][0]} (per agent {v[c.context][1]})"
-            for m, v in PAPER_TABLE4.items()
+            for m, v in TABLE4.items()
             if c.context in v
         )
         notes.append(
@@ -777,7 +635,7 @@ def paper_notes(cells: list[Cell], runs: list[Staggered]) -> list[str]:
     if runs:
         seq, bat = staggered_rows(runs, "sequential"), staggered_rows(runs, "batched")
         key = "B TTFT client ms (from B's send)"
-        paper = ", ".join(f"{m} {b / s:.1f}x" for m, (b, s) in PAPER_FIGURE3.items())
+        paper = ", ".join(f"{m} {b / s:.1f}x" for m, (b, s) in FIGURE3.items())
         notes.append(
             f"staggered: B's own TTFT batched / sequential = {ratio(bat[key], seq[key])}; "
             f"paper Figure 3 (4K cold): {paper} (worse when batched)"
@@ -799,127 +657,74 @@ def other_notes(runs: list[Staggered], scans: dict[int, float]) -> list[str]:
     return notes
 
 
-def plot(cells: list[Cell], runs: list[Staggered], header: dict[str, Any], path: Path) -> str:
-    """SysTPS against batch size, and the staggered token timelines; says what it did."""
-    try:
-        import matplotlib
+def draw(cells: list[Cell], runs: list[Staggered]):
+    """SysTPS against batch size, and the staggered token timelines."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for context in sorted({c.context for c in cells}):
-        mine = [c for c in cells if c.context == context]
-        xs = [c.batch for c in mine]
-        for mode, style in (("batched", "o-"), ("sequential", "s--")):
-            ys = [c.sys_tps(mode) for c in mine]
-            left.plot(xs, ys, style, label=f"{label(context)} {mode}")
-    left.set_xscale("log", base=2)
-    left.set_xticks(BATCHES, [str(b) for b in BATCHES])
-    left.set_xlabel("agents (batch size)")
-    left.set_ylabel("SysTPS, tokens/s (median of passes)")
-    left.legend(fontsize=7)
-    for r in runs[-2:]:
-        for who, s in (("A", r.a), ("B", r.b)):
-            xs = [t - r.a.sent for t in s.arrivals]
-            right.plot(xs, range(1, len(xs) + 1), ".-", ms=3, label=f"{r.mode} {who}")
-    right.set_xlabel("s since A was sent (B sent at 2 s)")
-    right.set_ylabel("tokens received")
-    right.legend(fontsize=7)
-    fig.suptitle(
-        f"agentkv batching, {header['date']}; {header['cpu']}, {header['cores']} cores, "
-        f"MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    def panels(axes: Any) -> None:
+        left, right = axes
+        for context in sorted({c.context for c in cells}):
+            mine = [c for c in cells if c.context == context]
+            for mode, style in (("batched", "o-"), ("sequential", "s--")):
+                ys = [c.sys_tps(mode) for c in mine]
+                left.plot([c.batch for c in mine], ys, style, label=f"{label(context)} {mode}")
+        left.set_xscale("log", base=2)
+        left.set_xticks(BATCHES, [str(b) for b in BATCHES])
+        left.set_xlabel("agents (batch size)")
+        left.set_ylabel("SysTPS, tokens/s (median of passes)")
+        left.legend(fontsize=7)
+        for r in runs[-2:]:
+            for who, s in (("A", r.a), ("B", r.b)):
+                xs = [t - r.a.sent for t in s.arrivals]
+                right.plot(xs, range(1, len(xs) + 1), ".-", ms=3, label=f"{r.mode} {who}")
+        right.set_xlabel("s since A was sent (B sent at 2 s)")
+        right.set_ylabel("tokens received")
+        right.legend(fontsize=7)
+
+    return panels
 
 
-def print_report(
-    cells: list[Cell], runs: list[Staggered], header: dict[str, Any], notes: list[str]
+def write_report(
+    cells: list[Cell], runs: list[Staggered], args: Any, blas: str, scans: dict
 ) -> None:
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    for title, text in (
+    header = machine(blas=blas, model=args.model, model_dir=describe_model(args.path))
+    header |= {"contexts": args.contexts, "batches": args.batches}
+    header |= {"tokens": args.tokens, "passes": args.passes}
+    sections = [
         ("throughput (median of passes)", throughput_table(cells)),
         ("detail", detail_table(cells)),
         ("where a batched decode step goes (median over passes)", step_table(cells)),
-        (f"staggered arrivals, {label(max(header['contexts']))} cold", staggered_table(runs)),
-    ):
-        print(f"\n### {title}\n\n{text}")
-    print()
-    for goal in targets(cells):
-        status = "PASS" if goal["met"] else "MISS"
-        ceiling = goal.get("model_forward_ceiling")
-        bound = f"; the batched forward alone allows {ceiling:.2f}x" if ceiling else ""
-        print(f"{status}  {label(goal['context'])}: {goal['target']}: {goal['measured']}{bound}")
-    for note in notes:
-        print(f"note: {note}")
-    print(
+        (f"staggered arrivals, {label(max(args.contexts))} cold", staggered_table(runs)),
+    ]
+    notes = paper_notes(cells, runs) + other_notes(runs, scans)
+    notes.append(
         "SysTPS = all generated tokens / wall time from the first Turn sent to the last stream "
         "ended (this client's clock). Decode-only SysTPS = tokens after each stream's first / "
         "the union of the streams' first-to-last-token spans. Per-agent tok/s = median of "
         "usage.decode_tokens_per_second. Gaps: between streamed TokenChunks at this client; "
         "p50/p99 = median over agents of each agent's own. One worker (--max-batch "
-        f"{max(header['batches'])}) serves every batch size; client, store and worker share "
+        f"{max(args.batches)}) serves every batch size; client, store and worker share "
         "this machine's cores."
     )
-
-
-def report(
-    cells: list[Cell],
-    runs: list[Staggered],
-    args: argparse.Namespace,
-    blas: str,
-    scans: dict[int, float],
-) -> None:
-    header = machine([]) | {
-        "blas": blas,
-        "model": args.model,
-        "model_dir": describe_model(args.path),
-    }
-    header |= {"contexts": args.contexts, "batches": args.batches}
-    header |= {"tokens": args.tokens, "passes": args.passes}
-    notes = paper_notes(cells, runs) + other_notes(runs, scans)
-    print_report(cells, runs, header, notes)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"batching-{datetime.now():%Y%m%d-%H%M%S}"
     document = {
-        "header": header,
         "cells": [
-            {
-                "context": c.context,
-                "batch": c.batch,
-                "step_ms": c.step_ms,
-                "step_passes": c.step_passes,
-                "runs": {m: [r.as_dict() for r in rs] for m, rs in c.runs.items()},
-            }
+            {"context": c.context, "batch": c.batch, "step_ms": c.step_ms}
+            | {"step_passes": c.step_passes}
+            | {"runs": {m: [r.as_dict() for r in rs] for m, rs in c.runs.items()}}
             for c in cells
         ],
         "step_rows_ms": STEP_ROWS,
         "staggered": [r.as_dict() for r in runs],
-        "targets": targets(cells),
         "hot_scan_us_per_agent": scans,
-        "notes": notes,
     }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(cells, runs, header, stem.with_suffix(".png")))
+    png = report("batching", args.out, header, sections, targets(cells), notes, document)
+    plot(png, header, "batching", draw(cells, runs), ncols=2, figsize=(13, 4.8))
 
 
-# main
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_argument(p)
-    p.add_argument("--contexts", type=int_list, default=[1024, 2048])
+def parse_args(argv: list[str] | None) -> Any:
+    p = parser(
+        __doc__, contexts=(1024, 2048), passes=2, quick="512 only, batch 1,2,4, N=16, 1 pass"
+    )
     p.add_argument("--tokens", type=int, default=32, help="tokens each measured turn generates")
-    p.add_argument("--passes", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="512 only, batch 1,2,4, N=16, 1 pass")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.batches = list(BATCHES)
     if args.quick:
@@ -938,9 +743,10 @@ def main(argv: list[str] | None = None) -> None:
     local = in_process(args.path, tokenizer, args.contexts)
     root = Path(tempfile.mkdtemp(prefix="agentkv-batching-"))
     cells: list[Cell] = []
+    workers = {str(b): ["--max-batch", str(b)] for b in sorted({1, 2, max(args.batches)})}
     try:
-        with running_services(args.path, root, sorted({1, 2, max(args.batches)})) as svc:
-            blas = svc.workers[1].info().blas
+        with services(root, args.path, workers) as svc:
+            blas = svc.info["1"].blas
             say(f"store and workers up ({blas}); warming up")
             warm_up(svc, tokenizer, args)
             for context in args.contexts:
@@ -950,7 +756,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     scans = finish_steps(cells, local)
-    report(cells, runs, args, blas, scans)
+    write_report(cells, runs, args, blas, scans)
 
 
 if __name__ == "__main__":

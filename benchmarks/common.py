@@ -7,10 +7,8 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import xxhash
 
@@ -159,20 +157,3 @@ def max_context(path: Path) -> int:
     """The model's context window, tokens (its config's max_position_embeddings)."""
     config = json.loads((path / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 1 << 17)
-
-
-def wait_ready(worker: Any, timeout: float = 120.0) -> Any:
-    """The worker's GetWorkerInfo once it answers. A worker logs "serving" before its first
-    connection is accepted, and on a busy 2-core machine that first connect can time out
-    (UNAVAILABLE: "connection attempt timed out before receiving SETTINGS frame"); this
-    retries until `timeout` seconds have passed."""
-    from agentkv.errors import Unavailable
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return worker.info()
-        except Unavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)

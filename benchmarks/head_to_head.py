@@ -1,53 +1,25 @@
 """Head to head, the paper's Table 5 form: agentkv against mlx-lm's prompt cache and no cache.
 
-On --model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker
---model takes; default SmolLM2-135M-Instruct, imported as float32 on a CPU), for each context
-(--contexts, tokens of Python standard-library source in one user message), --passes times,
-three systems take the same turns. Every system sees the same token ids: the chat-template
-tokens agentkv stored, read back from the store's manifest (the cold turn's whole prompt, its
-template's system prompt included, then the k tokens that the warm turn "Go on." prefills: the
-cold reply's token and its closing, the message, the assistant header). Every turn runs to one
-greedy token; the first tokens are compared. A context too long for the model's window with
-room for the turns (96 tokens) is cut to fit (on SmolLM2, 8K runs as 8096), and a note says so.
+On --model, for each context (--contexts tokens of standard-library source in one user
+message), --passes times, three systems take the same turns on the same token ids (the
+chat-template tokens agentkv stored, read back from the store's manifest), each to one greedy
+token; the first tokens are compared. A context too long for the model's window with room
+for the turns (96 tokens) is cut to fit.
 
-  agentkv    a real `agentkv-store` and one `agentkv-worker` process on loopback (blocks of
-             256 tokens, --restore-path locate, Q4 K/V group 64, fp16 scales).
-             cold: CreateAgent, then the context turn (everything after the conversation's
-             stable prefix, which CreateAgent cached, is prefilled).
-             warm: once durable, the agent is forked in the store (its twin), evicted, and
-             takes "Go on.": the worker restores its Q4 blocks and prefills only k tokens.
-             restart: the worker is killed with SIGKILL, a new worker process started, and
-             the twin (the same context) takes the same "Go on." turn.
-             TTFT is usage.time_to_first_token_ms; the client's time to the first TokenChunk
-             and the new worker's start time (spawn to serving) are kept as well.
-  mlx-lm     mlx-lm's prompt cache in this process: make_prompt_cache, the context prefilled
-             in chunks of --prefill-step (generate_step's default, 2048), first token; then
-             save_prompt_cache to a .safetensors file. warm: load_prompt_cache from that file
-             + one forward of the k tokens to the first token. restart: a fresh Python process
-             (this script, --restart-child) loads the model, then the file, and produces the
-             first token; TTFT there runs from after the model load, and the process's own
-             start, imports and model load are timed apart. KV in the model's dtype (float32).
-  mlx-lm q4  the same with mlx-lm's own 4-bit path: after each prefill chunk
-             maybe_quantize_kv_cache (KVCache.to_quantized, bits 4, group 64, start 0), so
-             the file holds QuantizedKVCache layers; the warm forward attends over Q4.
-  no cache   cold: the same runs as mlx-lm cold (a fresh cache, the whole prompt).
-             warm: the warm turn's whole prompt (context + k) prefilled again in this process.
-             restart: the same in a fresh process (the analog of the paper's vllm-mlx
-             restart, whose prefix cache lives in RAM and is lost).
+  agentkv    a store and one worker process (blocks of 256, --restore-path locate, Q4).
+             cold: CreateAgent, then the context turn. warm: once durable, the agent is
+             forked in the store, evicted, and takes "Go on.". restart: the worker is
+             SIGKILLed, a new one started, and the fork takes the same turn.
+  mlx-lm     mlx-lm's prompt cache in this process: the context prefilled in chunks of
+             --prefill-step, then save_prompt_cache. warm: load_prompt_cache + the k tokens.
+             restart: a fresh process (this script, --restart-child) loads the model, then
+             the file (TTFT from after the model load; start, imports and load timed apart).
+  mlx-lm q4  the same with mlx-lm's own 4-bit path (maybe_quantize_kv_cache, bits 4, g64).
+  no cache   cold: mlx-lm cold's runs; warm: the whole prompt prefilled again; restart: the
+             same in a fresh process (the paper's vllm-mlx restart loses its RAM cache).
 
-One untimed round of each path runs first (the restart paths excepted: a fresh process is
-what they measure). Files and store blocks are in the page cache (just written). Prints the
-paper's Table 5 beside ours, every series as min / median / max, ratios, bytes on disk, and
-MET / MISS lines (agentkv's cold/warm ratio against the paper's at the same context). Writes
-JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
-
-Each pass prefills every context five times (agentkv cold, mlx-lm and mlx-lm q4 cold, no cache
-warm and restart): on SmolLM2 here about 30 minutes in all (8K ~80 s a prefill), --quick
-(512 and 1K, 1 pass) about 1-2 minutes.
-
-Run:  python benchmarks/head_to_head.py [--model smollm2-135m-instruct] [--passes 3]
-                                        [--contexts 1024,2048,4096,8192] [--prefill-step 2048]
-                                        [--quick] [--out benchmarks/results]
+One untimed round of each path runs first (not the restarts: a fresh process is what they
+measure). --quick: 512 and 1K, one pass.
 """
 
 from __future__ import annotations
@@ -61,36 +33,39 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, load_tokenizer, max_context, model_dir
-from ttft import (
-    BLOCK_TOKENS,
-    NS,
-    SHORT,
+from common import load_tokenizer, max_context, model_dir
+from harness import (
     check,
+    context_axis,
     context_text,
     fit_contexts,
-    int_list,
     label,
     machine,
     model_info,
-    ms,
+    parser,
+    plot,
+    ratio,
+    report,
     say,
+    services,
     spread,
+    table,
+    timed,
     timed_turn,
+    whiskers,
 )
+from harness import fmt as ms
+from paper import TABLE5
 
-from agentkv.launch import ServiceProcess, store_process, worker_process
-from client.store import StoreClient
-from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 
+NS = "head_to_head"
+SHORT = "Go on."
 SYSTEMS = {
     "agentkv": "agentkv (Q4 store on disk, worker process)",
     "mlx-lm": "mlx-lm prompt cache file (float32 KV)",
@@ -99,24 +74,7 @@ SYSTEMS = {
 }
 PHASES = ("cold", "warm", "restart")
 GROUP, BITS = 64, 4
-WORKER_ARGS = [
-    "--block-tokens",
-    str(BLOCK_TOKENS),
-    "--hot-budget",
-    "8G",
-    "--restore-path",
-    "locate",
-]
-# Shkolnikov, "Agent Memory Below the Prompt" (2026), Table 5: Apple M4 Pro, Llama 3.1 8B, TTFT
-# ms. agent-memory (Q4, on disk): cold, warm, restart; vllm-mlx (FP16 prefix cache in RAM):
-# cold, prefix hit, restart (None: "—" in the paper).
-PAPER_T5: dict[int, tuple[int, int, int, int, int, int | None]] = {
-    1024: (2500, 260, 260, 2289, 273, 2262),
-    2048: (4530, 274, 274, 2204, 204, 4134),
-    4096: (10235, 290, 290, 4394, 290, 8079),
-    8192: (21536, 331, 331, 9472, 244, None),
-    16384: (47629, 431, 431, 37935, 371, None),
-}
+WORKER_ARGS = ["--block-tokens", "256", "--hot-budget", "8G", "--restore-path", "locate"]
 # Series kept beside the TTFTs, by key: what each measures.
 EXTRAS = {
     "agentkv client cold": "agentkv cold, client: Turn sent to first TokenChunk",
@@ -139,9 +97,6 @@ EXTRAS = {
 }
 SELF = Path(__file__).resolve()
 HEADROOM = 96  # tokens of the model's window a context leaves for its turns (two, ~16 each)
-
-
-# results
 
 
 @dataclass(slots=True)
@@ -187,82 +142,41 @@ class ContextResult:
         }
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    value = fn()
-    return (time.perf_counter() - start) * 1e3, value
-
-
 # agentkv: a store and one worker process, the worker killed and restarted each pass
 
 
-class Agentkv:
-    """A store and one worker as their own processes; the worker can be SIGKILLed and
-    started again against the same store."""
-
-    def __init__(self, stack: ExitStack, model: Path, root: Path) -> None:
-        self.stack, self.model, self.root = stack, model, root
-        store = store_process(root / "data", root / "store.log")
-        stack.callback(store.stop)
-        store.start(timeout=600)
-        self.store = StoreClient(store.address)
-        stack.callback(self.store.close)
-        self.store_address = store.address
-        self.num_starts = 0
-        self.start_worker()
-
-    def start_worker(self) -> float:
-        """A fresh worker process; ms from spawn until it serves and a client is connected."""
-        start = time.perf_counter()
-        log = self.root / f"worker-{self.num_starts}.log"
-        self.service: ServiceProcess = worker_process(
-            str(self.model), self.store_address, log, extra_args=WORKER_ARGS
-        )
-        self.stack.callback(self.service.stop)
-        self.service.start(timeout=600)
-        self.worker = WorkerClient(self.service.address)
-        self.stack.callback(self.worker.close)
-        self.num_starts += 1
-        return (time.perf_counter() - start) * 1e3
-
-    def restart_worker(self) -> float:
-        self.worker.close()
-        self.service.kill9()
-        return self.start_worker()
+def ask(svc: Any, agent: str, text: str) -> Any:
+    return timed_turn(svc.workers["agentkv"], NS, agent, [("user", text)])
 
 
-@contextmanager
-def agentkv_services(model: Path, root: Path) -> Iterator[Agentkv]:
-    with ExitStack() as stack:
-        yield Agentkv(stack, model, root)
-
-
-def agentkv_warm_up(svc: Agentkv, text: str) -> None:
+def agentkv_warm_up(svc: Any, text: str) -> None:
     """A cold and a warm turn, untimed, so the measured ones pay no first forward."""
-    svc.worker.create_agent(NS, "warm-up")
-    timed_turn(svc.worker, "warm-up", text)
-    svc.worker.evict(NS, "warm-up")
-    check(timed_turn(svc.worker, "warm-up", SHORT), "warm (locate)", "warm-up")
-    svc.worker.wait_durable(NS, "warm-up")
+    worker = svc.workers["agentkv"]
+    worker.create_agent(NS, "warm-up")
+    ask(svc, "warm-up", text)
+    worker.evict(NS, "warm-up")
+    check(ask(svc, "warm-up", SHORT), "warm (locate)", "warm-up")
+    worker.wait_durable(NS, "warm-up")
 
 
-def agentkv_pass(svc: Agentkv, fp: str, run: ContextResult, text: str, p: int) -> None:
+def agentkv_pass(svc: Any, model: Path, run: ContextResult, text: str, p: int) -> None:
     """Cold, warm and restart turns of one pass; the first pass also takes the token ids."""
     agent, twin = f"ctx{run.nominal}-p{p}", f"ctx{run.nominal}-p{p}-restart"
-    created = svc.worker.create_agent(NS, agent).num_tokens
-    cold = check(timed_turn(svc.worker, agent, text), "cold", agent, created)
-    svc.worker.wait_durable(NS, agent)
+    fp = svc.info["agentkv"].fingerprint
+    created = svc.workers["agentkv"].create_agent(NS, agent).num_tokens
+    cold = check(ask(svc, agent, text), "cold", agent, created)
+    svc.workers["agentkv"].wait_durable(NS, agent)
     stored = svc.store.get_agent(NS, agent, fingerprint=fp)
     svc.store.fork_agent(NS, agent, twin)  # the same context, for the restart turn
-    svc.worker.evict(NS, agent)
-    warm = check(timed_turn(svc.worker, agent, SHORT), "warm (locate)", agent)
-    svc.worker.wait_durable(NS, agent)
-    start_ms = svc.restart_worker()
-    restart = check(timed_turn(svc.worker, twin, SHORT), "warm (locate)", twin)
-    svc.worker.wait_durable(NS, twin)  # its write would compete with the next turn
-    for phase, sample in zip(PHASES, (cold, warm, restart), strict=True):
-        run.ttft["agentkv"][phase].append(sample.server_ms)
-        run.add(f"agentkv client {phase}", sample.client_ms)
+    svc.workers["agentkv"].evict(NS, agent)
+    warm = check(ask(svc, agent, SHORT), "warm (locate)", agent)
+    svc.workers["agentkv"].wait_durable(NS, agent)
+    start_ms = svc.restart_worker("agentkv", model, WORKER_ARGS)
+    restart = check(ask(svc, twin, SHORT), "warm (locate)", twin)
+    svc.workers["agentkv"].wait_durable(NS, twin)  # its write would compete with the next turn
+    for phase, turn in zip(PHASES, (cold, warm, restart), strict=True):
+        run.ttft["agentkv"][phase].append(turn.server_ms)
+        run.add(f"agentkv client {phase}", turn.client_ms)
     run.add("agentkv start", start_ms)
     run.add("agentkv from spawn", start_ms + restart.client_ms)
     take_tokens(svc, fp, run, stored, (agent, twin), (cold, warm))
@@ -273,7 +187,7 @@ def agentkv_pass(svc: Agentkv, fp: str, run: ContextResult, text: str, p: int) -
 
 
 def take_tokens(
-    svc: Agentkv, fp: str, run: ContextResult, stored: Any, agents: tuple[str, str], turns: tuple
+    svc: Any, fp: str, run: ContextResult, stored: Any, agents: tuple[str, str], turns: tuple
 ) -> None:
     """The first tokens agentkv generated, read from the store: a manifest ends with the last
     reply's token, and the next turn prefills it. The first pass also takes the cold prompt
@@ -415,21 +329,7 @@ def mlx_lm_warm_up(model: Any, tokenizer: Any, step: int, root: Path) -> None:
         first_token(model, load_prompt_cache(str(file)), ids[-8:], step, None)
 
 
-# a context, start to end
-
-
-def run_context(
-    svc: Agentkv, fp: str, model: Any, n: int, text: str, args: argparse.Namespace, root: Path
-) -> ContextResult:
-    run = ContextResult(n)
-    for p in range(args.passes):
-        agentkv_pass(svc, fp, run, text, p)
-    for _ in range(args.passes):
-        mlx_lm_pass(model, svc.model, run, args.prefill_step, root)
-    return run
-
-
-def run_all(args: argparse.Namespace, root: Path) -> tuple[list[ContextResult], dict[str, Any]]:
+def run_all(args: Any, root: Path) -> tuple[list[ContextResult], dict[str, Any]]:
     from mlx_lm import load
 
     path = model_dir(args.model)  # the directory the worker and the restart children load
@@ -437,196 +337,27 @@ def run_all(args: argparse.Namespace, root: Path) -> tuple[list[ContextResult], 
     model, _ = load(str(path))
     mlx_lm_warm_up(model, tokenizer, args.prefill_step, root)
     runs = []
-    with agentkv_services(path, root) as svc:
-        info = svc.worker.info()
+    with services(root, path, {"agentkv": WORKER_ARGS}) as svc:
+        info = svc.info["agentkv"]
         details = model_info(info, path) | {"compute_dtype": info.dtype}
-        say(f"{details['description']}")
-        say(f"agentkv up ({details['blas']}, {info.dtype}); warming up")
+        say(f"{details['description']}; agentkv up ({details['blas']}, {info.dtype}); warming up")
         agentkv_warm_up(svc, context_text(tokenizer, 300))
         for n, note in fit_contexts(args.contexts, max_context(path), HEADROOM):
             say(f"context {label(n)}")
-            text = context_text(tokenizer, n)
-            runs.append(run_context(svc, info.fingerprint, model, n, text, args, root))
-            if note:
-                runs[-1].notes.append(note)
+            run, text = ContextResult(n, notes=[note] if note else []), context_text(tokenizer, n)
+            for p in range(args.passes):
+                agentkv_pass(svc, path, run, text, p)
+            for _ in range(args.passes):
+                mlx_lm_pass(model, path, run, args.prefill_step, root)
+            runs.append(run)
     return runs, details
 
 
 # reporting
 
 
-def ratio(a: float | None, b: float | None, fmt: str = "{:.2f}x") -> str:
-    return "-" if a is None or not b else fmt.format(a / b)
-
-
 def cells(run: ContextResult, system: str) -> list[str]:
     return [ms(run.median(system, p)) for p in PHASES]
-
-
-def summary_table(runs: list[ContextResult]) -> str:
-    heads = [f"{s} {p}" for s in SYSTEMS for p in PHASES]
-    lines = ["| context | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
-    for r in runs:
-        row = [c for s in SYSTEMS for c in cells(r, s)]
-        lines.append(f"| {label(r.nominal)} ({len(r.context_ids)} tok) | " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def paper_table(runs: list[ContextResult]) -> str:
-    ours = {r.nominal: r for r in runs}
-    lines = [
-        "| context | paper agent-memory cold / warm / restart | paper vllm-mlx cold / prefix /"
-        " restart | paper cold/warm | ours agentkv cold / warm / restart | ours cold/warm |"
-        " ours mlx-lm cold / warm / restart | ours no cache cold / warm / restart |",
-        "|---|---|---|---:|---|---:|---|---|",
-    ]
-    for n in sorted(set(PAPER_T5) | set(ours)):
-        paper = PAPER_T5.get(n)
-        left = ["-", "-", "-"]
-        if paper:
-            left = [
-                " / ".join(str(v) for v in paper[:3]),
-                " / ".join("—" if v is None else str(v) for v in paper[3:]),
-                f"{paper[0] / paper[1]:.1f}x",
-            ]
-        r = ours.get(n)
-        right = ["-"] * 4
-        if r:
-            right = [
-                " / ".join(cells(r, "agentkv")),
-                ratio(r.median("agentkv", "cold"), r.median("agentkv", "warm"), "{:.1f}x"),
-                " / ".join(cells(r, "mlx-lm")),
-                " / ".join(cells(r, "no cache")),
-            ]
-        lines.append(f"| {label(n)} | " + " | ".join(left + right) + " |")
-    return "\n".join(lines)
-
-
-def detail_table(runs: list[ContextResult]) -> str:
-    lines = [
-        "| context | series | n | min ms | median ms | max ms |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for r in runs:
-        series = {f"{s} {p}": r.ttft[s][p] for s in SYSTEMS for p in PHASES}
-        series |= {EXTRAS[k]: r.extra[k] for k in EXTRAS if r.extra.get(k)}
-        for name, values in series.items():
-            if values:
-                s = spread(values)
-                lines.append(
-                    f"| {label(r.nominal)} | {name} | {len(values)} | {s['min']:.1f}"
-                    f" | {s['median']:.1f} | {s['max']:.1f} |"
-                )
-    return "\n".join(lines)
-
-
-def ratio_table(runs: list[ContextResult]) -> str:
-    heads = [f"{s} warm/cold" for s in SYSTEMS] + [
-        "agentkv warm / mlx-lm warm",
-        "agentkv warm / mlx-lm q4 warm",
-        "agentkv restart / mlx-lm restart",
-        "agentkv restart / no cache restart",
-        "from spawn: agentkv / mlx-lm",
-    ]
-    lines = ["| context | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
-    for r in runs:
-        row = [ratio(r.median(s, "warm"), r.median(s, "cold"), "{:.3f}") for s in SYSTEMS]
-        row += [
-            ratio(r.median("agentkv", "warm"), r.median("mlx-lm", "warm")),
-            ratio(r.median("agentkv", "warm"), r.median("mlx-lm q4", "warm")),
-            ratio(r.median("agentkv", "restart"), r.median("mlx-lm", "restart")),
-            ratio(r.median("agentkv", "restart"), r.median("no cache", "restart")),
-            ratio(r.extra_median("agentkv from spawn"), r.extra_median("mlx-lm from spawn")),
-        ]
-        lines.append(f"| {label(r.nominal)} | " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def restart_table(runs: list[ContextResult]) -> str:
-    lines = [
-        "| context | system | spawn to ready ms | TTFT after ready ms | spawn to first token ms |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for r in runs:
-        for s in SYSTEMS:
-            whole = r.extra_median(f"{s} from spawn")
-            ready = r.extra_median("agentkv start")
-            if s != "agentkv" and whole is not None:
-                ready = whole - (r.median(s, "restart") or 0.0)
-            lines.append(
-                f"| {label(r.nominal)} | {s} | {ms(ready)} | {ms(r.median(s, 'restart'))}"
-                f" | {ms(whole)} |"
-            )
-    return "\n".join(lines)
-
-
-def bytes_table(runs: list[ContextResult]) -> str:
-    systems = ("agentkv", "mlx-lm", "mlx-lm q4")
-    lines = [
-        "| context | cached tokens | "
-        + " | ".join(f"{s} bytes | {s} B/token" for s in systems)
-        + " | mlx-lm / agentkv | mlx-lm q4 / agentkv |",
-        "|---|---:|" + "---:|" * (2 * len(systems) + 2),
-    ]
-    for r in runs:
-        b, tokens = r.num_bytes, len(r.context_ids)
-        row = [f"{b[s]:,} | {b[s] / tokens:.0f}" if s in b else "- | -" for s in systems]
-        row += [
-            ratio(b.get("mlx-lm"), b.get("agentkv")),
-            ratio(b.get("mlx-lm q4"), b.get("agentkv")),
-        ]
-        held = "" if r.stored_tokens == tokens else f" ({r.stored_tokens} in agentkv's blocks)"
-        lines.append(f"| {label(r.nominal)} | {tokens}{held} | " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def targets(runs: list[ContextResult]) -> list[dict[str, Any]]:
-    """agentkv's cold/warm at each context against the paper's agent-memory cold/warm."""
-    goals = []
-    for r in runs:
-        cold, warm = r.median("agentkv", "cold") or 0.0, r.median("agentkv", "warm") or 0.0
-        paper = PAPER_T5.get(r.nominal)
-        goal = {
-            "context": r.nominal,
-            "target": "agentkv warm TTFT at least the paper's cold/warm ratio at the same context",
-            "measured": f"cold/warm {cold / warm:.1f}x ({cold:.1f} / {warm:.1f} ms)",
-            "met": None,
-        }
-        if paper:
-            goal["paper"] = f"{paper[0] / paper[1]:.1f}x ({paper[0]} / {paper[1]} ms)"
-            goal["met"] = cold / warm >= paper[0] / paper[1]
-        goals.append(goal)
-    return goals
-
-
-def notes(runs: list[ContextResult], args: argparse.Namespace, details: dict) -> list[str]:
-    out = [
-        "every system gets the same token ids: agentkv's chat-template tokens from the store "
-        "manifest (cold: the context turn's whole prompt, template included; warm and restart: the "
-        f"{'/'.join(str(len(r.turn_ids)) for r in runs)} tokens that 'Go on.' prefills, by "
-        "context: the cold reply's token, its closing, the message, the assistant header)",
-        "agentkv TTFT is the worker's usage.time_to_first_token_ms (from the Turn's arrival); "
-        "the client's time to the first TokenChunk is in the detail table",
-        f"mlx-lm KV is {details.get('compute_dtype') or 'float32'} here (the paper's vllm-mlx "
-        "keeps FP16), and KVCache.state saves its whole buffer, allocated in steps of 256 "
-        "tokens, so the file holds up to 255 tokens of padding; mlx-lm q4 keeps scales and "
-        "biases in the model's dtype (float32), agentkv in fp16",
-        f"prefill chunks: agentkv's worker 512 tokens (--prefill-chunk), mlx-lm "
-        f"{args.prefill_step} (--prefill-step; generate_step's default is 2048); mlx-lm q4 "
-        "attends over Q4 from its second chunk on (quantized matmul, slower on CPU)",
-        "no cache cold is the same runs as mlx-lm cold; the paper's vllm-mlx restart re-prefills "
-        "(its prefix cache lives in RAM), so our analog is no cache restart, while mlx-lm's "
-        "file survives a restart like agentkv's store",
-        "restart TTFTs include a fresh process's first forward (no warm-up) in every system; "
-        "agentkv's worker start is found by polling its log every 50 ms",
-        f"the paper ran Llama 3.1 8B on an M4 Pro GPU; ours is {details.get('model_dir')} on "
-        f"{details.get('cores')} CPU cores, so compare ratios, not milliseconds; the page cache "
-        "held every file and block",
-    ]
-    for r in runs:
-        out.append(f"{label(r.nominal)} first tokens: {first_tokens(r)}")
-        out += r.notes
-    return out
 
 
 def first_tokens(run: ContextResult) -> str:
@@ -641,112 +372,201 @@ def first_tokens(run: ContextResult) -> str:
     return "; ".join(parts)
 
 
-def print_report(runs: list[ContextResult], args: argparse.Namespace, header: dict) -> None:
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    for title, text in (
+def summary_table(runs: list[ContextResult]) -> str:
+    heads = ["context", *(f"{s} {p}" for s in SYSTEMS for p in PHASES)]
+    rows = [
+        [
+            f"{label(r.nominal)} ({len(r.context_ids)} tok)",
+            *(c for s in SYSTEMS for c in cells(r, s)),
+        ]
+        for r in runs
+    ]
+    return table(heads, rows)
+
+
+def paper_table(runs: list[ContextResult]) -> str:
+    ours = {r.nominal: r for r in runs}
+    heads = ["context", "paper agent-memory cold / warm / restart"]
+    heads += ["paper vllm-mlx cold / prefix / restart", "paper cold/warm"]
+    heads += ["ours agentkv cold / warm / restart", "ours cold/warm"]
+    heads += ["ours mlx-lm cold / warm / restart", "ours no cache cold / warm / restart"]
+    rows = []
+    for n in sorted(set(TABLE5) | set(ours)):
+        row, paper, r = [label(n)], TABLE5.get(n), ours.get(n)
+        row += ["-"] * 3 if not paper else [" / ".join(str(v) for v in paper[:3])]
+        row += [] if not paper else [" / ".join("—" if v is None else str(v) for v in paper[3:])]
+        row += [] if not paper else [f"{paper[0] / paper[1]:.1f}x"]
+        row += ["-"] * 4 if not r else [" / ".join(cells(r, "agentkv"))]
+        if r:
+            cold_warm = ratio(r.median("agentkv", "cold"), r.median("agentkv", "warm"), "{:.1f}x")
+            row += [cold_warm, " / ".join(cells(r, "mlx-lm")), " / ".join(cells(r, "no cache"))]
+        rows.append(row)
+    return table(heads, rows, "llllrlll")
+
+
+def detail_table(runs: list[ContextResult]) -> str:
+    rows = []
+    for r in runs:
+        series = {f"{s} {p}": r.ttft[s][p] for s in SYSTEMS for p in PHASES}
+        series |= {EXTRAS[k]: r.extra[k] for k in EXTRAS if r.extra.get(k)}
+        for name, values in ((k, v) for k, v in series.items() if v):
+            s = spread(values)
+            rows.append([label(r.nominal), name, len(values), *(f"{s[k]:.1f}" for k in s)])
+    heads = ["context", "series", "n", "min ms", "median ms", "max ms"]
+    return table(heads, rows, "llrrrr")
+
+
+def ratio_table(runs: list[ContextResult]) -> str:
+    heads = ["context", *(f"{s} warm/cold" for s in SYSTEMS), "agentkv warm / mlx-lm warm"]
+    heads += ["agentkv warm / mlx-lm q4 warm", "agentkv restart / mlx-lm restart"]
+    heads += ["agentkv restart / no cache restart", "from spawn: agentkv / mlx-lm"]
+    rows = []
+    for r in runs:
+        row = [ratio(r.median(s, "warm"), r.median(s, "cold"), "{:.3f}") for s in SYSTEMS]
+        row += [
+            ratio(r.median("agentkv", "warm"), r.median("mlx-lm", "warm")),
+            ratio(r.median("agentkv", "warm"), r.median("mlx-lm q4", "warm")),
+            ratio(r.median("agentkv", "restart"), r.median("mlx-lm", "restart")),
+            ratio(r.median("agentkv", "restart"), r.median("no cache", "restart")),
+            ratio(r.extra_median("agentkv from spawn"), r.extra_median("mlx-lm from spawn")),
+        ]
+        rows.append([label(r.nominal), *row])
+    return table(heads, rows)
+
+
+def restart_table(runs: list[ContextResult]) -> str:
+    rows = []
+    for r in runs:
+        for s in SYSTEMS:
+            whole, ready = r.extra_median(f"{s} from spawn"), r.extra_median("agentkv start")
+            if s != "agentkv" and whole is not None:
+                ready = whole - (r.median(s, "restart") or 0.0)
+            rows.append([label(r.nominal), s, ms(ready), ms(r.median(s, "restart")), ms(whole)])
+    heads = ["context", "system", "spawn to ready ms", "TTFT after ready ms"]
+    return table([*heads, "spawn to first token ms"], rows, "llrrr")
+
+
+def bytes_table(runs: list[ContextResult]) -> str:
+    systems = ("agentkv", "mlx-lm", "mlx-lm q4")
+    heads = [
+        "context",
+        "cached tokens",
+        *(f"{s} {k}" for s in systems for k in ("bytes", "B/token")),
+    ]
+    rows = []
+    for r in runs:
+        b, tokens = r.num_bytes, len(r.context_ids)
+        held = "" if r.stored_tokens == tokens else f" ({r.stored_tokens} in agentkv's blocks)"
+        row = [label(r.nominal), f"{tokens}{held}"]
+        row += [
+            c for s in systems for c in ((f"{b[s]:,}", f"{b[s] / tokens:.0f}") if s in b else "--")
+        ]
+        row += [
+            ratio(b.get("mlx-lm"), b.get("agentkv")),
+            ratio(b.get("mlx-lm q4"), b.get("agentkv")),
+        ]
+        rows.append(row)
+    return table([*heads, "mlx-lm / agentkv", "mlx-lm q4 / agentkv"], rows)
+
+
+def targets(runs: list[ContextResult]) -> list[dict[str, Any]]:
+    """agentkv's cold/warm at each context against the paper's agent-memory cold/warm."""
+    goals = []
+    for r in runs:
+        cold, warm = r.median("agentkv", "cold") or 0.0, r.median("agentkv", "warm") or 0.0
+        paper = TABLE5.get(r.nominal)
+        goal = {
+            "context": r.nominal,
+            "target": f"{label(r.nominal)}: agentkv warm TTFT at least the paper's cold/warm "
+            "ratio at the same context",
+            "measured": f"cold/warm {cold / warm:.1f}x ({cold:.1f} / {warm:.1f} ms)",
+            "met": None,
+        }
+        if paper:
+            goal["paper"] = f"{paper[0] / paper[1]:.1f}x ({paper[0]} / {paper[1]} ms)"
+            goal["met"] = cold / warm >= paper[0] / paper[1]
+        goal["measured"] += f" vs paper {goal['paper']}" if paper else " (no paper row)"
+        goals.append(goal)
+    return goals
+
+
+def notes(runs: list[ContextResult], args: Any, details: dict) -> list[str]:
+    out = [
+        "every system gets the same token ids: agentkv's chat-template tokens from the store "
+        "manifest (cold: the context turn's whole prompt, template included; warm and restart: "
+        f"the {'/'.join(str(len(r.turn_ids)) for r in runs)} tokens that 'Go on.' prefills, by "
+        "context: the cold reply's token, its closing, the message, the assistant header)",
+        f"mlx-lm KV is {details.get('compute_dtype') or 'float32'} here (the paper's vllm-mlx "
+        "keeps FP16), and KVCache.state saves its whole buffer, allocated in steps of 256 "
+        "tokens, so the file holds up to 255 tokens of padding; mlx-lm q4 keeps scales and "
+        "biases in the model's dtype, agentkv in fp16",
+        f"prefill chunks: agentkv's worker 512 tokens (--prefill-chunk), mlx-lm "
+        f"{args.prefill_step} (--prefill-step); mlx-lm q4 attends over Q4 from its second chunk "
+        "on (quantized matmul, slower on CPU)",
+        "restart TTFTs include a fresh process's first forward (no warm-up) in every system; "
+        "agentkv's worker start is found by polling its log every 50 ms",
+        "the paper ran Llama 3.1 8B on an M4 Pro GPU: compare ratios, not milliseconds",
+    ]
+    for r in runs:
+        out.append(f"{label(r.nominal)} first tokens: {first_tokens(r)}")
+        out += r.notes
+    return out
+
+
+def draw(runs: list[ContextResult]):
+    """Median TTFT against context, one panel per phase, beside the paper's."""
+
+    def panels(axes: Any) -> None:
+        xs = [r.nominal for r in runs]
+        for ax, phase in zip(axes, PHASES, strict=True):
+            for system in SYSTEMS:
+                if not (phase == "cold" and system == "no cache"):  # mlx-lm cold's runs
+                    series = [r.ttft[system][phase] for r in runs]
+                    whiskers(ax, xs, series, label=SYSTEMS[system])
+            column = {"cold": (0, 3), "warm": (1, 4), "restart": (2, 5)}[phase]
+            for i, name in zip(column, ("paper agent-memory", "paper vllm-mlx"), strict=True):
+                at = [n for n in xs if n in TABLE5 and TABLE5[n][i] is not None]
+                color = "grey" if i < 3 else "silver"
+                ax.plot(at, [TABLE5[n][i] for n in at], "--", color=color, label=name)
+            context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
+            ax.set_title(phase)
+
+    return panels
+
+
+def write_report(runs: list[ContextResult], details: dict, args: Any, load_at_start: float) -> None:
+    header = machine(blas=details.get("blas", ""), model=args.model)
+    header |= {"load_average_1m_at_start": round(load_at_start, 2)}
+    header |= {"model_dir": details.get("description", ""), "passes": args.passes}
+    header |= {"dtype": details.get("compute_dtype") or details.get("dtype", "")}
+    header |= {"contexts": args.contexts, "prefill_step": args.prefill_step}
+    sections = [
         ("TTFT, median ms (Table 5 form)", summary_table(runs)),
         ("the paper's Table 5 (M4 Pro, Llama 3.1 8B) beside ours, median ms", paper_table(runs)),
         ("every series: min / median / max", detail_table(runs)),
         ("ratios of medians", ratio_table(runs)),
         ("restart, from process spawn (medians)", restart_table(runs)),
         ("bytes on disk after the cold turn", bytes_table(runs)),
-    ):
-        print(f"\n### {title}\n\n{text}")
-    print()
-    for goal in targets(runs):
-        status = {True: "MET", False: "MISS", None: "INFO"}[goal["met"]]
-        paper = f" vs paper {goal['paper']}" if "paper" in goal else " (no paper row)"
-        print(f"{status} {label(goal['context'])}: {goal['target']}: {goal['measured']}{paper}")
-    for note in notes(runs, args, header):
-        print(f"note: {note}")
-
-
-def plot(runs: list[ContextResult], header: dict[str, Any], path: Path) -> str:
-    """Median TTFT against context, one panel per phase, min..max whiskers; says what it did."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
-    fig, axes = plt.subplots(1, len(PHASES), figsize=(16, 4.8), sharey=True)
-    xs = [r.nominal for r in runs]
-    for ax, phase in zip(axes, PHASES, strict=True):
-        for system in SYSTEMS:
-            if phase == "cold" and system == "no cache":
-                continue  # the same runs as mlx-lm cold
-            series = [r.ttft[system][phase] for r in runs]
-            mid = [statistics.median(v) for v in series]
-            err = [
-                [m - min(v) for m, v in zip(mid, series, strict=True)],
-                [max(v) - m for m, v in zip(mid, series, strict=True)],
-            ]
-            ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, label=SYSTEMS[system])
-        column = {"cold": (0, 3), "warm": (1, 4), "restart": (2, 5)}[phase]
-        for i, name in zip(column, ("paper agent-memory", "paper vllm-mlx"), strict=True):
-            at = [n for n in xs if n in PAPER_T5 and PAPER_T5[n][i] is not None]
-            if at:
-                color = "grey" if i < 3 else "silver"
-                ax.plot(at, [PAPER_T5[n][i] for n in at], "--", color=color, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(xs, [label(x) for x in xs])
-        ax.set_xlabel("context, tokens")
-        ax.set_title(phase)
-    axes[0].set_ylabel("TTFT, ms (median; whiskers min..max)")
-    axes[1].legend(fontsize=7)  # the cold panel leaves out no cache (mlx-lm cold's runs)
-    fig.suptitle(
-        f"head to head, {header['date']}; {header['cpu']}, {header['cores']} cores, "
-        f"MLX {header['mlx']}, BLAS {header['blas']}; model {header['model']} ({header['dtype']})",
-        fontsize=8,
+    ]
+    document = {"model": details, "paper_table5": {str(n): v for n, v in TABLE5.items()}}
+    document["contexts"] = [r.as_dict() for r in runs]
+    png = report(
+        "head_to_head",
+        args.out,
+        header,
+        sections,
+        targets(runs),
+        notes(runs, args, details),
+        document,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    plot(png, header, f"head to head ({header['dtype']})", draw(runs), ncols=3, figsize=(16, 4.8))
 
 
-def report(
-    runs: list[ContextResult], details: dict, args: argparse.Namespace, load_at_start: float
-) -> None:
-    header = machine([]) | {
-        "load_average_1m_at_start": round(load_at_start, 2),
-        "blas": details.get("blas", ""),
-        "model": args.model,
-        "model_dir": details.get("description", ""),
-        "dtype": details.get("compute_dtype") or details.get("dtype", ""),
-        "passes": args.passes,
-        "contexts": args.contexts,
-        "prefill_step": args.prefill_step,
-    }
-    print_report(runs, args, header)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"head_to_head-{datetime.now():%Y%m%d-%H%M%S}"
-    document = {
-        "header": header,
-        "model": details,
-        "paper_table5": {str(n): v for n, v in PAPER_T5.items()},
-        "contexts": [r.as_dict() for r in runs],
-        "targets": targets(runs),
-        "notes": notes(runs, args, header),
-    }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(runs, header, stem.with_suffix(".png")))
-
-
-# main
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_argument(p)
-    p.add_argument("--contexts", type=int_list, default=[1024, 2048, 4096, 8192])
-    p.add_argument("--passes", type=int, default=3)
+def parse_args(argv: list[str] | None) -> Any:
+    p = parser(
+        __doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="contexts 512,1K, 1 pass"
+    )
     p.add_argument("--prefill-step", type=int, default=2048, help="mlx-lm prefill chunk")
-    p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, 1 pass")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--restart-child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -768,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         runs, details = run_all(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(runs, details, args, load_at_start)
+    write_report(runs, details, args, load_at_start)
 
 
 if __name__ == "__main__":

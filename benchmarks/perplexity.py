@@ -91,7 +91,7 @@ from typing import Any
 import numpy as np
 from common import add_model_argument, describe_model
 from common import model_dir as resolve_model_dir
-from ttft import machine
+from harness import machine, pyplot, save
 
 from agentkv.launch import store_process
 from agentkv.v1 import store_pb2 as pb
@@ -918,13 +918,8 @@ def make_notes(
 
 def plot(scores: dict[Kind, Scores], header: dict[str, Any], path: Path) -> str:
     """PPL per format, and the per-window mean NLL change against FP16; says what it did."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
+    if (plt := pyplot()) is None:
+        return ""
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2))
     kinds = list(scores)
     names = [k.label.replace(", own chunk ", "\nown ") for k in kinds]
@@ -947,15 +942,7 @@ def plot(scores: dict[Kind, Scores], header: dict[str, Any], path: Path) -> str:
     right.set_xlabel("window")
     right.set_ylabel("mean NLL change per scored token (nats)")
     right.legend(fontsize=7)
-    fig.suptitle(
-        f"agentkv perplexity, {header['model']}, {header['date']}; {header['cpu']}, "
-        f"{header['cores']} cores, MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(fig, path, header, f"perplexity, {header['model']}")
 
 
 def report(
@@ -1155,7 +1142,7 @@ def main(argv: list[str] | None = None) -> None:
     agree_kinds = [k for k in kinds if k.fmt_name in args.agree]
     agreed, lengths = agreement(model, tokenizer, agree_kinds, args.prompts, args.gen_tokens)
     checks = run_checks(scores, free)
-    header = machine([]) | {"blas": blas or "reference (bundled with mlx)"}
+    header = machine() | {"blas": blas or "reference (bundled with mlx)"}
     header |= {"model": name, "model_described": describe_model(model_dir, args.model)}
     header |= {"dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}

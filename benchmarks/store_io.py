@@ -31,7 +31,6 @@ import ctypes
 import json
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from common import RawReader
+from harness import machine, pyplot, save
 
 from agentkv.launch import store_process
 from agentkv.v1 import store_pb2 as pb
@@ -301,23 +301,6 @@ def run_subset(client: StoreClient, keys: list[bytes], repeats: int, results: Re
 # reporting
 
 
-def machine() -> dict[str, object]:
-    try:
-        with open("/proc/cpuinfo", errors="replace") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return {
-        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": names[0] if names else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "load_average_1m": round(os.getloadavg()[0], 2),  # other work skews a 2-core box
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
-    }
-
-
 def ratio(value: object) -> str:
     return f"{value:.2f}x" if isinstance(value, float) else "-"
 
@@ -369,13 +352,8 @@ def targets(results: Results, locate_target: float = LOCATE_TARGET) -> list[dict
 
 def plot(results: Results, header: dict[str, object], path: Path) -> str:
     """A bar chart of median MB/s with min..max whiskers; says what it wrote or why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
+    if (plt := pyplot()) is None:
+        return ""
     rows = results.rows[::-1]
     rates = [r.num_bytes / MB / r.median for r in rows]
     low = [m - r.num_bytes / MB / max(r.seconds) for m, r in zip(rates, rows, strict=True)]
@@ -386,16 +364,8 @@ def plot(results: Results, header: dict[str, object], path: Path) -> str:
     ax.set_xscale("log")
     ax.axvline(STREAM_TARGET / MB, color="#c44", linestyle="--", label="1 GiB/s")
     ax.set_xlabel("MB/s, log scale (median; whiskers: slowest..fastest repeat)")
-    ax.set_title(
-        f"agentkv store I/O, {header['date']}\n{header['cpu']}, {header['cores']} cores, "
-        f"Python {header['python']}, grpcio {header['grpcio']}",
-        fontsize=9,
-    )
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(fig, path, header, f"store I/O, grpcio {header['grpcio']}")
 
 
 def report(
@@ -465,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     store_env = dict(args.store_env)
     blocks, keys = make_blocks(args.mb, args.block_tokens)
-    header = machine() | {
+    header = machine(grpcio=grpc.__version__) | {
         "blocks": len(blocks),
         "block_tokens": args.block_tokens,
         "payload_mb": round(payload_bytes(blocks) / MB, 1),

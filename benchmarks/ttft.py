@@ -1,100 +1,60 @@
 """TTFT benchmark: time to first token, cold vs hot vs warm restore, against mlx-lm's cache files.
 
-For each model (--models) it starts a real `agentkv-store` process and two `agentkv-worker`
-processes on loopback (--block-tokens 256; one with --restore-path locate, one with stream),
-warms both up, then for each context length (--contexts, tokens) measures, --passes times:
+For each model (--models) a store and two workers (--block-tokens 256; --restore-path locate
+and stream) run as their own processes; for each context (--contexts) it measures, --passes
+times: cold (CreateAgent, then a turn of ~N tokens of standard-library source), hot (a
+further "Go on." once the last write is durable), warm (locate) (EvictAgent, then the same
+turn), warm (stream) (a store fork restored by the stream worker, then that fork's hot turn
+there), and, on `default` only, decode (hot turns of --decode-tokens on store forks: the
+worker's usage.decode_tokens_per_second). TTFT is usage.time_to_first_token_ms. Cold passes
+after the first stop once they would take over --cold-budget seconds.
 
-  cold           CreateAgent (empty system prompt), then a Turn whose user message is ~N tokens
-                 of Python standard-library source: all but what CreateAgent cached (the chat
-                 template's stable prefix: SmolLM2's default system prompt, ~30 tokens) is
-                 prefilled (so the worker's usage.cache_state may say "hot"; the check asks
-                 for the prefill instead)
-  hot            a further Turn ("Go on.") on the same agent, still in the worker's RAM, once
-                 the last turn's background store write has finished (it would compete)
-  warm (locate)  EvictAgent, then the same Turn: the worker restores the agent's Q4 blocks by
-                 LocateBlocks + direct file reads
-  warm (stream)  a fork of that agent (same tokens, same blocks) restored by the other worker
-                 over the GetBlocks stream; then that fork's hot turn on the stream worker, so
-                 its process's speed can be told apart from its restore path
-  decode         (`default` only) --passes store forks of the agent, each restored by one
-                 untimed Turn on the locate worker, then (hot) a Turn asking to explain the
-                 code (or, if its greedy reply ends before half of max_tokens, the next of
-                 DECODE_PROMPTS), max_tokens --decode-tokens (32; EOS may still end it sooner:
-                 the table counts the tokens): the worker's usage.decode_tokens_per_second
-                 (the tokens after the first, per second)
+Then, in this process, on the agent's stored blocks: mlx-lm's own save_prompt_cache file of
+the same Q4 bytes (load_prompt_cache + one decode step), a raw preadv of the located block
+bytes + one decode step, and a warm (locate) restore step by step. Targets, on medians: warm
+(locate) within 1.3x of raw read + decode and within 1.2x of mlx-lm's load + decode.
 
-Every Turn but decode's asks max_tokens=1. TTFT is the worker's usage.time_to_first_token_ms
-(from the request's arrival); the client's wall time to the first token is kept in the JSON.
-Every pass prefills a fresh agent unless the extra prefills would take over --cold-budget
-seconds (default 90) at that context; then later passes reuse the last agent (each pass adds
-~32 tokens of turns), and the output says how many cold passes ran.
-
-Then, in this process with no server, on that agent's stored blocks (the same tokens and the
-same Q4 group-64 bytes):
-
-  mlx-lm load        mlx-lm's own save_prompt_cache file, on the same disk, of
-                     QuantizedKVCache(bits=4, group_size=64) layers holding the agent's exact
-                     Q4 bytes (fp16 scales and biases); load_prompt_cache + one decode step
-  raw read + decode  os.preadv of the agent's located block bytes into a preallocated buffer
-                     (no checksum) + one decode step on an in-memory cache of that length
-  breakdown          where a warm (locate) restore's time goes, step by step
-
-Models: `default` is --model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as
-agentkv-worker --model takes; default SmolLM2-135M-Instruct, the worker's own default, its
-GGUF imported once into the model cache as float32 on a CPU); `llama8b-shape` has random
-float32 weights with Llama-3.1-8B layer shapes (hidden 4096, 32 heads, 8 KV heads, head_dim
-128, intermediate 14336) but only --layers layers and a 4096-token vocabulary, built into a
-temporary directory. A context that leaves too little of the model's window for its turns
-(96 + 32 x passes + --decode-tokens tokens) is cut to fit, and the output says so: on
-SmolLM2 (a window of 8192) 8K runs as 7968 tokens of user text, an ~8000-token prompt,
-labelled 7968 (the paper's 8K figures stand beside it). Targets, on medians:
-warm (locate) within 1.3x of raw read + decode, and within 1.2x of mlx-lm's load + decode.
-The page cache is warm throughout (every block was just written). Prints Markdown tables;
-writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
-
-Full run: 21 minutes here with other jobs sharing the 2 cores (load average 3-6): SmolLM2
-~12.5 (its 8K's single cold prefill took 211 s), llama8b-shape ~8.5; less on a quiet machine
-(--models default, or a smaller --cold-budget, shortens it). --quick (512 and 1K, 1 pass,
-`default` only when report.py runs it) about a minute.
-
-Run:  python benchmarks/ttft.py [--model smollm2-135m-instruct] [--models default,llama8b-shape]
-                                [--contexts 1024,2048,4096,8192] [--passes 3] [--layers 2]
-                                [--decode-tokens 32] [--quick] [--out benchmarks/results]
+Models: `default` is --model; `llama8b-shape` has random float32 weights with Llama-3.1-8B
+layer shapes, --layers deep, a 4096-token vocabulary. A context that leaves too little of a
+model's window for its turns is cut to fit (SmolLM2: 8K runs as 7968). --quick: 512 and 1K,
+one pass.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import (
-    RawReader,
-    add_model_argument,
-    describe_model,
-    load_tokenizer,
-    max_context,
-    model_dir,
-    wait_ready,
+from common import RawReader, load_tokenizer, max_context, model_dir
+from harness import (
+    Turn,
+    check,
+    context_axis,
+    context_text,
+    fit_contexts,
+    fmt,
+    label,
+    machine,
+    model_info,
+    name_list,
+    parser,
+    plot,
+    repeat,
+    report,
+    say,
+    services,
+    spread,
+    table,
+    timed_turn,
+    whiskers,
 )
-from google.protobuf.json_format import MessageToDict
+from paper import TTFT
 
-from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
-from client.store import StoreClient
-from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 from inference_worker.kv_format import KVFormat
 from tests import model_kit
@@ -102,22 +62,21 @@ from tests import model_kit
 MODELS = ("default", "llama8b-shape")  # default: --model
 NS = "ttft"
 BLOCK_TOKENS = 256
+WORKER_ARGS = ["--block-tokens", str(BLOCK_TOKENS), "--hot-budget", "8G", "--restore-path"]
 KV = KVFormat()  # k4v4g64f16: the worker's default; mlx-lm's bits=4, group_size=64
 SHORT = "Go on."
 # What the decode turns ask, tried in order until the greedy reply runs to at least half of
-# --decode-tokens (a turn cannot ignore EOS, and SmolLM2 answers some of these after some
-# contexts with EOS at once); the first that does is used for every pass at that context.
+# --decode-tokens (a turn cannot ignore EOS); the first that does is used at that context.
 DECODE_PROMPTS = (
     "Explain the code above in detail, line by line.",
     "Continue the code.",
     "Write a long, detailed explanation of what this code does.",
     "Go on.",
 )
-NEVER = "\x00"  # a stop string no reply contains
 SHAPE_VOCAB = 4096  # llama8b-shape's tokenizer (a small one trained on the standard library)
 PATHS = ("cold", "warm (locate)", "warm (stream)", "hot")
-# Each worker is its own process, and two processes doing the same work can differ by a few
-# percent; the stream worker's own hot turn separates its restore path from its process.
+# Two processes doing the same work can differ by a few percent; the stream worker's own hot
+# turn separates its restore path from its process.
 TURNS = (*PATHS, "hot (stream worker)")
 RAW_TARGET = 1.3  # warm (locate) within this factor of raw read + one decode step
 MLX_TARGET = 1.2  # warm (locate) within this factor of mlx-lm's load + one decode step
@@ -131,34 +90,6 @@ LLAMA_8B_SHAPE = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
     "tie_word_embeddings": False,
-}
-# Shkolnikov, "Agent Memory Below the Prompt" (2026), Apple M4 Pro: TTFT ms (cold, warm) by
-# context. Gemma 3 12B and DeepSeek-Coder-V2-Lite from Table 3; Llama 3.1 8B from Table 5
-# (its agent-memory Cold and Warm columns; Table 3 gives no Llama TTFTs).
-PAPER = {
-    "Gemma": {
-        1024: (3964, 475),
-        2048: (7119, 495),
-        4096: (15736, 577),
-        8192: (35009, 626),
-        16384: (74219, 795),
-        32768: (172096, 1819),
-    },
-    "DeepSeek": {
-        1024: (1043, 234),
-        2048: (1737, 246),
-        4096: (3970, 271),
-        8192: (8296, 338),
-        16384: (19396, 434),
-        32768: (47315, 633),
-    },
-    "Llama": {
-        1024: (2500, 260),
-        2048: (4530, 274),
-        4096: (10235, 290),
-        8192: (21536, 331),
-        16384: (47629, 431),
-    },
 }
 # In-process steps, in the order the breakdown table lists them.
 STEPS = {
@@ -177,51 +108,42 @@ STEPS = {
     "mlx_lm": "mlx-lm load_prompt_cache + one decode step",
     "raw_decode": "raw read + one decode step",
 }
-_T0 = time.perf_counter()
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-# results
-
-
-@dataclass(slots=True)
-class Sample:
-    server_ms: float  # usage.time_to_first_token_ms
-    client_ms: float  # the client's wall time from sending the Turn to the first token
-    usage: dict[str, Any]
 
 
 @dataclass(slots=True)
 class ContextRun:
     nominal: int  # tokens asked for in the cold turn's user message
-    turns: dict[str, list[Sample]] = field(default_factory=lambda: {p: [] for p in TURNS})
-    decode: list[Sample] = field(default_factory=list)  # hot turns of --decode-tokens
+    turns: dict[str, list[Turn]] = field(default_factory=lambda: {p: [] for p in TURNS})
+    decode: list[Turn] = field(default_factory=list)  # hot turns of --decode-tokens
     decode_prompt: str = ""  # what they asked (DECODE_PROMPTS)
     inproc: dict[str, list[float]] = field(default_factory=dict)  # ms, by STEPS key
     agent: str = ""  # the locate-path agent whose blocks the in-process rows read
     context_tokens: int = 0  # tokens in that agent's stored cache
     notes: list[str] = field(default_factory=list)
 
+    def series(self, name: str) -> list[float]:
+        return [t.server_ms for t in self.turns[name]] if name in TURNS else self.inproc[name]
+
     def median(self, name: str) -> float | None:
-        values = [s.server_ms for s in self.turns[name]] if name in TURNS else self.inproc[name]
+        values = self.series(name)
         return statistics.median(values) if values else None
 
     def decode_tps(self) -> list[float]:
-        return [s.usage["decode_tokens_per_second"] for s in self.decode]
+        return [t.usage["decode_tokens_per_second"] for t in self.decode]
+
+    def prompt_tokens(self) -> int:
+        return int(self.turns["cold"][0].usage["prompt_tokens"])
 
     def as_dict(self) -> dict[str, Any]:
-        series = {p: [s.server_ms for s in self.turns[p]] for p in TURNS} | self.inproc
+        series = {p: self.series(p) for p in TURNS} | self.inproc
         return {
             "nominal_tokens": self.nominal,
             "context_tokens": self.context_tokens,
             "agent": self.agent,
             "summary_ms": {k: spread(v) for k, v in series.items() if v},
             "decode_tokens_per_second": spread(self.decode_tps()) if self.decode else None,
-            "turns": {p: [vars_of(s) for s in self.turns[p]] for p in TURNS},
-            "decode": [vars_of(s) for s in self.decode],
+            "turns": {p: self.turns[p] for p in TURNS},
+            "decode": self.decode,
             "decode_prompt": self.decode_prompt,
             "inproc_ms": self.inproc,
             "notes": self.notes,
@@ -237,20 +159,9 @@ class ModelRun:
     notes: list[str] = field(default_factory=list)
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def vars_of(sample: Sample) -> dict[str, Any]:
-    return {"server_ms": sample.server_ms, "client_ms": sample.client_ms, "usage": sample.usage}
-
-
-# models
-
-
 def build_llama8b_shape(root: Path, layers: int, max_context: int) -> Path:
-    """Random float32 weights with Llama-3.1-8B layer shapes, `layers` deep, saved to root,
-    with a 4096-token vocabulary (a real one's 128K-row embedding would dwarf two layers)."""
+    """Random float32 weights with Llama-3.1-8B layer shapes, `layers` deep, with a 4096-token
+    vocabulary (a real one's 128K-row embedding would dwarf two layers)."""
     tokenizer = model_kit.tiny_tokenizer(SHAPE_VOCAB)
     config = {
         **LLAMA_8B_SHAPE,
@@ -262,109 +173,22 @@ def build_llama8b_shape(root: Path, layers: int, max_context: int) -> Path:
     return model_kit.save_model(root / "llama8b-shape", model, config, tokenizer)
 
 
-def context_text(tokenizer, num_tokens: int) -> str:
-    """Standard-library source trimmed to num_tokens tokens, as text."""
-    ids: list[int] = []
-    for text in model_kit.read_texts(model_kit.stdlib_files()):
-        ids += tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) >= num_tokens:
-            break
-    return tokenizer.decode(ids[:num_tokens])
+# the turns
 
 
-# the processes
+def ask(worker: Any, agent: str, text: str, max_tokens: int = 1) -> Turn:
+    return timed_turn(worker, NS, agent, [("user", text)], max_tokens)
 
 
-@dataclass(slots=True)
-class Services:
-    store: StoreClient
-    locate: WorkerClient  # a worker with --restore-path locate
-    stream: WorkerClient  # a worker with --restore-path stream
-
-
-@contextmanager
-def running_services(model: Path, root: Path) -> Iterator[Services]:
-    """A store and two workers as their own processes, SIGTERMed afterwards."""
-    with ExitStack() as stack:
-
-        def start(service: ServiceProcess) -> ServiceProcess:
-            stack.callback(service.stop)
-            return service.start(timeout=600)
-
-        store = start(store_process(root / "data", root / "store.log"))
-        args = ["--block-tokens", str(BLOCK_TOKENS), "--hot-budget", "8G"]
-        workers = {
-            path: start(
-                worker_process(
-                    str(model),
-                    store.address,
-                    root / f"worker-{path}.log",
-                    extra_args=[*args, "--restore-path", path],
-                )
-            )
-            for path in ("locate", "stream")
-        }
-        clients = [StoreClient(store.address), *(WorkerClient(w.address) for w in workers.values())]
-        for client in clients:
-            stack.callback(client.close)
-        for client in clients[1:]:
-            wait_ready(client)
-        yield Services(*clients)
-
-
-# turns
-
-
-def timed_turn(worker: WorkerClient, agent: str, text: str, max_tokens: int = 1) -> Sample:
-    """One Turn (greedy; by default max_tokens=1), timed by the worker and by this client."""
-    start = time.perf_counter()
-    first, usage = 0.0, None
-    messages = [("user", text)]
-    for response in worker.stream_turn(NS, agent, messages, max_tokens=max_tokens, stop=[NEVER]):
-        if response.HasField("tokens"):
-            first = first or time.perf_counter()
-        else:
-            usage = response.usage
-    if usage is None or not first:
-        raise RuntimeError(f"turn of {agent!r} ended without a token and a usage")
-    fields = MessageToDict(
-        usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return Sample(usage.time_to_first_token_ms, (first - start) * 1e3, fields)
-
-
-def check(sample: Sample, path: str, agent: str, created: int = 1) -> Sample:
-    """Aborts unless the turn ran as `path` says, with no restore failure. A cold turn's
-    agent held `created` tokens after CreateAgent."""
-    u, problems = sample.usage, []
-    if u["restore_failure"]:
-        problems.append(f"restore failed: {u['restore_failure']}")
-    if path == "cold":
-        # CreateAgent left only its conversation's stable prefix in RAM (the BOS token, or a
-        # template's default system prompt), so the worker may call this turn "hot"; what
-        # makes it cold is that everything after that prefix is prefilled.
-        if u["cache_state"] not in ("cold", "hot") or u["reused_store_tokens"]:
-            problems.append(f"cache_state {u['cache_state']!r}, store tokens reused")
-        if u["prefilled_tokens"] < u["prompt_tokens"] - max(1, created):
-            problems.append(f"only {u['prefilled_tokens']} of {u['prompt_tokens']} prefilled")
-    elif u["cache_state"] != path.split()[0]:
-        problems.append(f"cache_state {u['cache_state']!r}, expected {path.split()[0]!r}")
-    if path.startswith("warm") and u["restore_path"] != path[6:-1]:
-        problems.append(f"restore_path {u['restore_path']!r}")
-    if problems:
-        raise RuntimeError(f"{path} turn of {agent!r}: {'; '.join(problems)}; usage {u}")
-    return sample
-
-
-def warm_up(svc: Services, text: str) -> None:
+def warm_up(svc: Any, text: str) -> None:
     """Runs every path once untimed, so no measured turn pays a first forward or connect."""
     svc.store.stats()
-    for path, worker in (("warm (locate)", svc.locate), ("warm (stream)", svc.stream)):
-        agent = f"warm-up-{path[6:-1]}"
+    for how in ("locate", "stream"):
+        worker, agent = svc.workers[how], f"warm-up-{how}"
         worker.create_agent(NS, agent)
-        timed_turn(worker, agent, text)
+        ask(worker, agent, text)
         worker.evict(NS, agent)
-        check(timed_turn(worker, agent, SHORT), path, agent)
+        check(ask(worker, agent, SHORT), f"warm ({how})", agent)
         worker.evict(NS, agent)
 
 
@@ -375,20 +199,15 @@ def cold_passes(first_s: float, passes: int, budget_s: float) -> int:
     return 1 + int(budget_s // first_s)
 
 
-def run_context(
-    svc: Services, text: str, nominal: int, args: argparse.Namespace, decode: int, note: str
-) -> ContextRun:
-    run, agent, passes = ContextRun(nominal), "", args.passes
-    colds = passes
-    if note:
-        run.notes.append(note)
+def run_context(svc: Any, text: str, nominal: int, args: Any, decode: int, note: str) -> ContextRun:
+    run, agent, passes = ContextRun(nominal, notes=[note] if note else []), "", args.passes
+    colds, locate = passes, svc.workers["locate"]
     for p in range(passes):
         before = {k: len(v) for k, v in run.turns.items()}
         if p < colds:
             agent = f"ctx{nominal}-p{p}"
-            created = svc.locate.create_agent(NS, agent).num_tokens
-            cold = check(timed_turn(svc.locate, agent, text), "cold", agent, created)
-            run.turns["cold"].append(cold)
+            created = locate.create_agent(NS, agent).num_tokens
+            run.turns["cold"].append(check(ask(locate, agent, text), "cold", agent, created))
             if p == 0:
                 first_s = run.turns["cold"][0].client_ms / 1e3
                 colds = cold_passes(first_s, passes, args.cold_budget)
@@ -402,33 +221,33 @@ def run_context(
             f"{args.cold_budget:.0f} s); later passes reuse the last agent, each pass adding "
             "its ~32 tokens of turns"
         )
-    svc.locate.evict(NS, agent)  # durable, and what the in-process rows read
+    locate.evict(NS, agent)  # durable, and what the in-process rows read
     run.agent = agent
     if decode:
         decode_passes(svc, run, agent, passes, decode)
     return run
 
 
-def decode_turn(svc: Services, agent: str, fork: str, prompt: str, tokens: int) -> Sample:
+def decode_turn(svc: Any, agent: str, fork: str, prompt: str, tokens: int) -> Turn:
     """A store fork of the (evicted) agent, restored on the locate worker by one untimed
     turn, then a hot turn of up to `tokens` tokens; the fork is deleted after."""
+    locate = svc.workers["locate"]
     svc.store.fork_agent(NS, agent, fork)
-    check(timed_turn(svc.locate, fork, SHORT), "warm (locate)", fork)
-    sample = check(timed_turn(svc.locate, fork, prompt, tokens), "hot", fork)
-    svc.locate.delete(NS, fork)
-    return sample
+    check(ask(locate, fork, SHORT), "warm (locate)", fork)
+    turn = check(ask(locate, fork, prompt, tokens), "hot", fork)
+    locate.delete(NS, fork)
+    return turn
 
 
-def decode_passes(svc: Services, run: ContextRun, agent: str, passes: int, tokens: int) -> None:
+def decode_passes(svc: Any, run: ContextRun, agent: str, passes: int, tokens: int) -> None:
     """`passes` decode turns on forks of the agent (so the agent the in-process rows read
-    keeps its length): the worker's decode rate at this context. The first pass picks the
-    prompt (DECODE_PROMPTS, in order, until one's reply runs to tokens / 2)."""
+    keeps its length); the first pass picks the prompt."""
     for i, prompt in enumerate(DECODE_PROMPTS):
-        sample = decode_turn(svc, agent, f"{agent}-decode0-{i}", prompt, tokens)
-        if sample.usage["generated_tokens"] >= max(2, tokens // 2):
+        turn = decode_turn(svc, agent, f"{agent}-decode0-{i}", prompt, tokens)
+        if turn.usage["generated_tokens"] >= max(2, tokens // 2):
             break
     run.decode_prompt = prompt
-    run.decode.append(sample)
+    run.decode.append(turn)
     if prompt != DECODE_PROMPTS[0]:
         run.notes.append(
             f"{label(run.nominal)} decode: asked {prompt!r} (the earlier prompts' greedy "
@@ -437,41 +256,27 @@ def decode_passes(svc: Services, run: ContextRun, agent: str, passes: int, token
     for p in range(1, passes):
         run.decode.append(decode_turn(svc, agent, f"{agent}-decode{p}", prompt, tokens))
     rates = ", ".join(f"{r:.1f}" for r in run.decode_tps())
-    tokens_out = ", ".join(str(s.usage["generated_tokens"]) for s in run.decode)
+    tokens_out = ", ".join(str(t.usage["generated_tokens"]) for t in run.decode)
     say(f"  {label(run.nominal)} decode: {rates} tokens/s ({tokens_out} tokens; {prompt!r})")
 
 
-def one_pass(svc: Services, run: ContextRun, agent: str, p: int) -> None:
+def one_pass(svc: Any, run: ContextRun, agent: str, p: int) -> None:
     """hot, evict, fork a twin for the stream worker, warm (locate), warm (stream), and
     the twin's hot turn on the stream worker."""
-    svc.locate.wait_durable(NS, agent)
-    run.turns["hot"].append(check(timed_turn(svc.locate, agent, SHORT), "hot", agent))
-    svc.locate.evict(NS, agent)
+    locate, stream = svc.workers["locate"], svc.workers["stream"]
+    locate.wait_durable(NS, agent)
+    run.turns["hot"].append(check(ask(locate, agent, SHORT), "hot", agent))
+    locate.evict(NS, agent)
     twin = f"{agent}-stream{p}"
     svc.store.fork_agent(NS, agent, twin)  # same tokens and blocks, never hot anywhere
-    warm = timed_turn(svc.locate, agent, SHORT)
-    run.turns["warm (locate)"].append(check(warm, "warm (locate)", agent))
-    run.turns["warm (stream)"].append(
-        check(timed_turn(svc.stream, twin, SHORT), "warm (stream)", twin)
-    )
-    svc.stream.wait_durable(NS, twin)
-    own_hot = timed_turn(svc.stream, twin, SHORT)
-    run.turns["hot (stream worker)"].append(check(own_hot, "hot (stream worker)", twin))
-    svc.stream.evict(NS, twin)
+    run.turns["warm (locate)"].append(check(ask(locate, agent, SHORT), "warm (locate)", agent))
+    run.turns["warm (stream)"].append(check(ask(stream, twin, SHORT), "warm (stream)", twin))
+    stream.wait_durable(NS, twin)
+    run.turns["hot (stream worker)"].append(check(ask(stream, twin, SHORT), "hot", twin))
+    stream.evict(NS, twin)
 
 
 # in this process: mlx-lm's cache files, the raw read, and the restore step by step
-
-
-def repeat(fn: Callable[[], object], passes: int) -> list[float]:
-    """fn() once untimed, then `passes` timed calls; milliseconds."""
-    fn()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def forward(model: Any, caches: list, tokens: list[int]) -> Any:
@@ -509,21 +314,20 @@ def load_mlx_lm_cache(path: Path, evaluate: bool = False) -> list:
     return cache
 
 
-def rpc_steps(
-    store: StoreClient, fp: str, agent: str, keys: list[bytes], passes: int
-) -> dict[str, list[float]]:
+def rpc_steps(store: Any, fp: str, agent: str, keys: list[bytes], passes: int) -> dict:
     """The store calls of a locate restore, one by one, then read_blocks_local whole."""
     request = pb.LocateBlocksRequest(namespace=NS, fingerprint=fp, keys=keys)
     leases: list[str] = []
+
+    def release() -> None:
+        store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases.pop()))
+
     return {
         "get_agent": repeat(lambda: store.get_agent(NS, agent, fingerprint=fp), passes),
         "locate": repeat(
             lambda: leases.append(store.call("LocateBlocks", request).lease_id), passes
         ),
-        "release": repeat(
-            lambda: store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases.pop())),
-            passes,
-        ),
+        "release": repeat(release, passes),
         "read_blocks_local": repeat(lambda: store.read_blocks_local(NS, fp, keys), passes),
         "get_blocks": repeat(lambda: list(store.get_blocks(NS, fp, keys)), passes),
     }
@@ -539,11 +343,8 @@ def mlx_steps(
     from inference_worker.blocks import caches_from_blocks
 
     restored: list[list] = []
-    steps = {
-        "caches_from_blocks": repeat(
-            lambda: restored.append(caches_from_blocks(blocks, len(model.layers), KV)), passes
-        )
-    }
+    build = lambda: restored.append(caches_from_blocks(blocks, len(model.layers), KV))  # noqa: E731
+    steps = {"caches_from_blocks": repeat(build, passes)}
     fresh = iter(restored)
     steps["first_forward"] = repeat(lambda: forward(model, next(fresh), tail), passes)
     grown = restored[-1]
@@ -552,22 +353,17 @@ def mlx_steps(
     steps["raw_decode"] = repeat(lambda: (raw.read(), forward(model, grown, tail[-1:])), passes)
     save_mlx_lm_cache(grown, cache_file)
     steps["mlx_lm_load"] = repeat(lambda: load_mlx_lm_cache(cache_file, evaluate=True), passes)
-    steps["mlx_lm"] = repeat(
-        lambda: forward(model, load_mlx_lm_cache(cache_file), tail[-1:]), passes
-    )
-    theirs = forward(model, load_mlx_lm_cache(cache_file), tail[-1:])
-    ours = forward(model, grown, tail[-1:])
-    return steps, mx.abs(theirs - ours).max().item()
+    mlx_lm = lambda: forward(model, load_mlx_lm_cache(cache_file), tail[-1:])  # noqa: E731
+    steps["mlx_lm"] = repeat(mlx_lm, passes)
+    return steps, mx.abs(mlx_lm() - forward(model, grown, tail[-1:])).max().item()
 
 
-def in_process(
-    svc: Services, model: Any, fp: str, run: ContextRun, root: Path, passes: int
-) -> None:
+def in_process(svc: Any, model: Any, fp: str, run: ContextRun, root: Path, passes: int) -> None:
     """Fills run.inproc from the agent's stored blocks, measured in this process."""
     manifest = svc.store.get_agent(NS, run.agent, fingerprint=fp)
     keys = list(manifest.block_keys)
     run.context_tokens = sum(manifest.block_num_tokens)
-    k = round(statistics.median(s.usage["prefilled_tokens"] for s in run.turns["warm (locate)"]))
+    k = round(statistics.median(t.usage["prefilled_tokens"] for t in run.turns["warm (locate)"]))
     tail = list(manifest.token_ids[-k:])
     run.inproc |= rpc_steps(svc.store, fp, run.agent, keys, passes)
     request = pb.LocateBlocksRequest(namespace=NS, fingerprint=fp, keys=keys, lease_seconds=600)
@@ -591,61 +387,18 @@ def in_process(
 # a model, start to end
 
 
-def model_path(name: str, args: argparse.Namespace, root: Path) -> Path:
-    if name == "default":
-        return model_dir(args.model)
-    say(f"building the Llama-3.1-8B-shaped model ({args.layers} layers, float32)")
-    return build_llama8b_shape(root, args.layers, max(args.contexts))
-
-
-def model_info(info: Any, path: Path) -> dict[str, Any]:
-    config = json.loads((path / "config.json").read_text())
-    return MessageToDict(info, preserving_proto_field_name=True) | {
-        "dtype": config.get("torch_dtype") or info.dtype,
-        "layers": config.get("num_hidden_layers"),
-        "hidden_size": config.get("hidden_size"),
-        "max_context": max_context(path),
-        "weights_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
-        "description": describe_model(path),
-    }
-
-
-def headroom(passes: int, decode_tokens: int) -> int:
-    """Tokens the longest agent adds to a context's user text, at most: ~31 of chat template
-    and the cold turn's token, ~32 a pass (a hot and a warm turn) if every pass reuses one
-    agent, ~32 of its stream twin's, and a decode fork's restore turn, prompt and reply."""
-    return 96 + 32 * passes + decode_tokens
-
-
-def fit_contexts(contexts: Sequence[int], window: int, room: int) -> list[tuple[int, str]]:
-    """(context, note) for each of `contexts` that fits the model's window with `room`
-    tokens left for the turns; one that does not is cut to the window less `room` (or
-    dropped, if that context is measured anyway), and its note says so."""
-    most, fitted, seen = window - room, [], set()
-    for n in contexts:
-        note = ""
-        if n > most:
-            note = (
-                f"{label(n)} asked, but the model's window is {window} tokens and the turns "
-                f"need up to {room}: ran {most} tokens of user text (the table's 'tok' is the "
-                "whole prompt)"
-            )
-            n = most
-        if n in seen or n < 16:
-            continue
-        seen.add(n)
-        fitted.append((n, note))
-    return fitted
-
-
-def run_model(name: str, args: argparse.Namespace, root: Path) -> ModelRun:
+def run_model(name: str, args: Any, root: Path) -> ModelRun:
     from mlx_lm import load
 
-    path = model_path(name, args, root)
-    run = ModelRun(name, str(path))
-    tokenizer = load_tokenizer(path)
+    if name == "default":
+        path = model_dir(args.model)
+    else:
+        say(f"building the Llama-3.1-8B-shaped model ({args.layers} layers, float32)")
+        path = build_llama8b_shape(root, args.layers, max(args.contexts))
+    run, tokenizer = ModelRun(name, str(path)), load_tokenizer(path)
     decode = args.decode_tokens if name == "default" else 0  # the real model's decode rate
-    room = headroom(args.passes, decode)
+    # the turns' tokens, at most: ~31 of template, ~32 a pass, a stream twin's, a decode fork's
+    room = 96 + 32 * args.passes + decode
     contexts = fit_contexts(args.contexts, max_context(path), room)
     if len(contexts) < len(args.contexts):
         run.notes.append(
@@ -653,46 +406,41 @@ def run_model(name: str, args: argparse.Namespace, root: Path) -> ModelRun:
             f"{', '.join(label(n) for n, _ in contexts)} fit the model's "
             f"{max_context(path)}-token window less {room} for the turns"
         )
-    with running_services(path, root / name) as svc:
-        info = svc.locate.info()
-        run.info = model_info(info, path)
-        say(f"{name}: {run.info['description']}")
-        say(f"{name}: workers up ({run.info['blas']}); warming up")
+    workers = {how: [*WORKER_ARGS, how] for how in ("locate", "stream")}
+    with services(root / name, path, workers) as svc:
+        run.info = model_info(svc.info["locate"], path)
+        say(f"{name}: {run.info['description']}; workers up ({run.info['blas']}); warming up")
         warm_up(svc, context_text(tokenizer, 300))
         for n, note in contexts:
             text = context_text(tokenizer, n)
             run.contexts.append(run_context(svc, text, n, args, decode, note))
-        if any(s.usage["cache_state"] == "hot" for c in run.contexts for s in c.turns["cold"]):
-            kept = sorted(
-                {s.usage["reused_hot_tokens"] for c in run.contexts for s in c.turns["cold"]}
-            )
-            run.notes.append(
-                "the worker labels each cold turn 'hot' (usage.cache_state): CreateAgent left "
-                f"only the chat template's stable prefix cached ({', '.join(map(str, kept))} "
-                "tokens); every token after it was prefilled"
-            )
+        run.notes += cold_label_notes(run)
         say(f"{name}: in-process rows (mlx-lm, raw read, breakdown)")
         model, _ = load(str(path))
         for ctx in run.contexts:
-            in_process(svc, model, info.fingerprint, ctx, root / name, args.passes)
+            in_process(svc, model, svc.info["locate"].fingerprint, ctx, root / name, args.passes)
     return run
+
+
+def cold_label_notes(run: ModelRun) -> list[str]:
+    colds = [t.usage for c in run.contexts for t in c.turns["cold"]]
+    if not any(u["cache_state"] == "hot" for u in colds):
+        return []
+    kept = ", ".join(map(str, sorted({u["reused_hot_tokens"] for u in colds})))
+    return [
+        "the worker labels each cold turn 'hot' (usage.cache_state): CreateAgent left only "
+        f"the chat template's stable prefix cached ({kept} tokens); every token after it was "
+        "prefilled"
+    ]
 
 
 # reporting
 
 
-def label(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
-def ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def paper_context(n: int) -> int | None:
     """The paper's context for ours: the same, or (a context cut to fit a model's window,
     such as 8000 for 8K) the next power of two within 5%."""
-    known = {k for m in PAPER.values() for k in m}
+    known = {k for m in TTFT.values() for k in m}
     if n in known:
         return n
     above = [k for k in known if n < k <= n * 1.05]
@@ -701,68 +449,52 @@ def paper_context(n: int) -> int | None:
 
 def paper_cell(n: int) -> str:
     k = paper_context(n)
-    cells = [f"{m[0]} {PAPER[m][k][0] / PAPER[m][k][1]:.1f}x" for m in PAPER if k in PAPER[m]]
+    cells = [f"{m[0]} {TTFT[m][k][0] / TTFT[m][k][1]:.1f}x" for m in TTFT if k in TTFT[m]]
     if cells and k != n:
         cells[0] = f"({label(k)}) {cells[0]}"
     return ", ".join(cells) or "-"
 
 
-def prompt_tokens(c: ContextRun) -> int:
-    return int(c.turns["cold"][0].usage["prompt_tokens"])
-
-
 def summary_table(run: ModelRun) -> str:
-    lines = [
-        "| context | cold ms | warm locate ms | warm stream ms | hot ms | mlx-lm load ms"
-        " | raw read + decode ms | cold/warm ratio | paper cold/warm |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    heads = ["context", "cold ms", "warm locate ms", "warm stream ms", "hot ms"]
+    heads += ["mlx-lm load ms", "raw read + decode ms", "cold/warm ratio", "paper cold/warm"]
+    keys = ("cold", "warm (locate)", "warm (stream)", "hot", "mlx_lm", "raw_decode")
+    rows = [
+        [f"{label(c.nominal)} ({c.prompt_tokens()} tok)", *(fmt(c.median(k)) for k in keys)]
+        + [f"{c.median('cold') / c.median('warm (locate)'):.1f}x", paper_cell(c.nominal)]
+        for c in run.contexts
     ]
-    for c in run.contexts:
-        keys = ("cold", "warm (locate)", "warm (stream)", "hot", "mlx_lm", "raw_decode")
-        cold, warm = c.median("cold"), c.median("warm (locate)")
-        lines.append(
-            f"| {label(c.nominal)} ({prompt_tokens(c)} tok) | "
-            + " | ".join(ms(c.median(k)) for k in keys)
-            + f" | {cold / warm:.1f}x | {paper_cell(c.nominal)} |"
-        )
-    return "\n".join(lines)
+    return table(heads, rows, "l" + "r" * 7 + "l")
 
 
 def decode_table(run: ModelRun) -> str:
-    lines = [
-        "| context | passes | tokens generated | decode tok/s median | min | max | ms/token"
-        " | prompt |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for c in run.contexts:
-        if not c.decode:
-            continue
+    heads = ["context", "passes", "tokens generated", "decode tok/s median", "min", "max"]
+    rows = []
+    for c in (c for c in run.contexts if c.decode):
         rates = spread(c.decode_tps())
-        tokens = statistics.median(s.usage["generated_tokens"] for s in c.decode)
-        lines.append(
-            f"| {label(c.nominal)} ({prompt_tokens(c)} tok) | {len(c.decode)} | {tokens:.0f} | "
-            f"{rates['median']:.1f} | {rates['min']:.1f} | {rates['max']:.1f} | "
-            f"{ms(1e3 / rates['median'] if rates['median'] else None)} | {c.decode_prompt} |"
+        tokens = statistics.median(t.usage["generated_tokens"] for t in c.decode)
+        per_token = fmt(1e3 / rates["median"] if rates["median"] else None)
+        rows.append(
+            [f"{label(c.nominal)} ({c.prompt_tokens()} tok)", len(c.decode), f"{tokens:.0f}"]
+            + [fmt(rates[k]) for k in ("median", "min", "max")]
+            + [per_token, c.decode_prompt]
         )
-    return "\n".join(lines)
+    return table([*heads, "ms/token", "prompt"], rows, "l" + "r" * 6 + "l")
 
 
 def detail_table(run: ModelRun) -> str:
-    lines = [
-        "| context | path | passes | min ms | median ms | max ms | client wall median ms |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+    heads = ["context", "path", "passes", "min ms", "median ms", "max ms", "client wall median ms"]
+    rows = []
     for c in run.contexts:
         for name in (*TURNS, "mlx_lm", "raw_decode"):
-            values = [s.server_ms for s in c.turns[name]] if name in TURNS else c.inproc[name]
-            wall = [s.client_ms for s in c.turns[name]] if name in TURNS else []
-            s = spread(values)
-            lines.append(
-                f"| {label(c.nominal)} | {STEPS.get(name, name)} | {len(values)} | {s['min']:.1f}"
-                f" | {s['median']:.1f} | {s['max']:.1f}"
-                f" | {ms(statistics.median(wall) if wall else None)} |"
+            values, s = c.series(name), spread(c.series(name))
+            wall = [t.client_ms for t in c.turns[name]] if name in TURNS else []
+            rows.append(
+                [label(c.nominal), STEPS.get(name, name), len(values)]
+                + [fmt(s[k]) for k in ("min", "median", "max")]
+                + [fmt(statistics.median(wall) if wall else None)]
             )
-    return "\n".join(lines)
+    return table(heads, rows, "ll" + "r" * 5)
 
 
 def breakdown_rows(c: ContextRun) -> dict[str, float | None]:
@@ -770,7 +502,7 @@ def breakdown_rows(c: ContextRun) -> dict[str, float | None]:
     rows: dict[str, float | None] = {STEPS[k]: c.median(k) for k in STEPS}
     parts = ("get_agent", "read_blocks_local", "caches_from_blocks")
     warm, hot = c.median("warm (locate)") or 0.0, c.median("hot") or 0.0
-    wall = statistics.median(s.client_ms for s in c.turns["warm (locate)"])
+    wall = statistics.median(t.client_ms for t in c.turns["warm (locate)"])
     rows["restore, in-process: GetAgent + read_blocks_local + caches_from_blocks"] = sum(
         c.median(k) or 0.0 for k in parts
     )
@@ -784,61 +516,44 @@ def breakdown_rows(c: ContextRun) -> dict[str, float | None]:
 
 
 def breakdown_table(run: ModelRun) -> str:
-    heads = [f"{label(c.nominal)} ms" for c in run.contexts]
-    lines = ["| warm (locate) step | " + " | ".join(heads) + " |"]
-    lines.append("|---|" + "---:|" * len(heads))
     columns = [breakdown_rows(c) for c in run.contexts]
-    for row in columns[0]:
-        lines.append(f"| {row} | " + " | ".join(ms(col[row]) for col in columns) + " |")
-    return "\n".join(lines)
+    heads = ["warm (locate) step", *(f"{label(c.nominal)} ms" for c in run.contexts)]
+    return table(heads, [[row, *(fmt(col[row]) for col in columns)] for row in columns[0]])
 
 
 def judge(
     run: ModelRun, c: ContextRun, base: float | None, factor: float | None, what: str
-) -> dict[str, Any]:
+) -> dict:
     """warm (locate) against `base` ms at one context; met is None for a reference line."""
     warm, base = c.median("warm (locate)") or 0.0, base or float("nan")
     ratio = warm / base
-    out = {
-        "model": run.name,
-        "context": c.nominal,
-        "target": f"warm (locate) within {factor}x of {what}" if factor else f"warm vs {what}",
-        "measured": f"{ratio:.2f}x ({warm:.1f} vs {base:.1f} ms)",
-        "met": None if factor is None else ratio <= factor,
-    }
-    if factor and not out["met"]:
-        out["missed_by"] = (
-            f"{ratio / factor:.2f}x the bound: {warm - factor * base:.1f} ms over "
-            f"{factor * base:.1f} ms"
-        )
-    return out
-
-
-# Table 3 of the paper (TTFT ms, cold / warm, median of 6): the best cold/warm ratio it
-# reports at each context (Gemma 3 12B; DeepSeek's are lower).
-PAPER_TABLE3 = {
-    1024: (3964, 475),
-    2048: (7119, 495),
-    4096: (15736, 577),
-    8192: (35009, 626),
-    16384: (74219, 795),
-    32768: (172096, 1819),
-}
+    where = f"{run.name} {label(c.nominal)}: "
+    target = f"warm (locate) within {factor}x of {what}" if factor else f"warm vs {what}"
+    goal = {"model": run.name, "context": c.nominal, "target": where + target}
+    goal |= {"measured": f"{ratio:.2f}x ({warm:.1f} vs {base:.1f} ms)", "met": None}
+    if factor:
+        goal["met"] = ratio <= factor
+    if factor and not goal["met"]:
+        bound = factor * base
+        goal["measured"] += f"; missed by {ratio / factor:.2f}x the bound: {warm - bound:.1f} ms"
+        goal["measured"] += f" over {bound:.1f} ms"
+    return goal
 
 
 def paper_ratio(run: ModelRun, c: ContextRun) -> dict[str, Any] | None:
-    """Our cold/warm against the paper's Table 3 at the same context (8000 against 8K)."""
+    """Our cold/warm against the paper's Table 3 (Gemma 3) at the same context (8000: 8K)."""
     k = paper_context(c.nominal)
-    if k not in PAPER_TABLE3:
+    if k not in TTFT["Gemma"]:
         return None
     cold, warm = c.median("cold"), c.median("warm (locate)")
-    paper_cold, paper_warm = PAPER_TABLE3[k]
+    paper_cold, paper_warm = TTFT["Gemma"][k]
     ours, theirs = (cold or 0.0) / (warm or float("nan")), paper_cold / paper_warm
+    at = f", {label(k)})" if k != c.nominal else ")"
     return {
         "model": run.name,
         "context": c.nominal,
-        "target": "cold/warm TTFT at least the paper's (Table 3, Gemma 3"
-        + (f", {label(k)})" if k != c.nominal else ")"),
+        "target": f"{run.name} {label(c.nominal)}: cold/warm TTFT at least the paper's "
+        f"(Table 3, Gemma 3{at}",
         "measured": f"{ours:.1f}x ({cold:.1f} / {warm:.1f} ms) vs the paper's {theirs:.1f}x "
         f"({paper_cold} / {paper_warm} ms)",
         "met": ours >= theirs,
@@ -861,193 +576,74 @@ def targets(run: ModelRun) -> list[dict[str, Any]]:
     return goals
 
 
-def print_model(run: ModelRun) -> None:
+def model_sections(run: ModelRun) -> list[tuple[str, str]]:
     info = run.info
-    print(f"## {run.name}: {run.path}")
-    if not run.contexts:
-        print("\n".join(run.notes))
-        return
-    print(info["description"])
-    print(
-        f"{info['layers']} layers, hidden {info['hidden_size']}, {info['dtype']}, "
-        f"{info['weights_bytes'] / 1e6:.0f} MB of weights, KV {info['kv_format']}, "
-        f"block {info['block_tokens']} tokens, device {info['device']}, BLAS {info['blas']}"
+    facts = (
+        f"{run.name}: {info['description']}; {info['layers']} layers, hidden "
+        f"{info['hidden_size']}, {info['dtype']}, {info['weights_bytes'] / 1e6:.0f} MB of "
+        f"weights, KV {info['kv_format']}, block {info['block_tokens']} tokens, device "
+        f"{info['device']}, BLAS {info['blas']}"
     )
-    sections = [("TTFT, median ms", summary_table(run))]
+    sections = [(f"{facts}. TTFT, median ms", summary_table(run))]
     if any(c.decode for c in run.contexts):
-        sections.append(
-            ("decode on a hot agent (usage.decode_tokens_per_second)", decode_table(run))
-        )
-    sections += [
-        ("every series: min / median / max", detail_table(run)),
-        ("where warm (locate) time goes (in-process medians)", breakdown_table(run)),
+        title = f"{run.name}: decode on a hot agent (usage.decode_tokens_per_second)"
+        sections.append((title, decode_table(run)))
+    return sections + [
+        (f"{run.name}: every series: min / median / max", detail_table(run)),
+        (f"{run.name}: where warm (locate) time goes (in-process medians)", breakdown_table(run)),
     ]
-    for title, text in sections:
-        print(f"\n### {title}\n\n{text}")
-    print()
-    for goal in targets(run):
-        extra = f"; missed by {goal['missed_by']}" if "missed_by" in goal else ""
-        status = {True: "PASS", False: "MISS", None: "INFO"}[goal["met"]]
-        print(
-            f"{status}  {run.name} {label(goal['context'])}: {goal['target']}: "
-            f"{goal['measured']}{extra}"
-        )
-    for note in [n for c in run.contexts for n in c.notes] + run.notes:
-        print(f"note: {note}")
-    print()
 
 
-def machine(runs: list[ModelRun]) -> dict[str, object]:
-    import mlx.core as mx
-    from mlx_lm import __version__ as mlx_lm_version
+def draw(runs: list[ModelRun]):
+    def panels(axes: Any) -> None:
+        for ax, run in zip(axes, runs, strict=True):
+            xs = [c.nominal for c in run.contexts]
+            for name in (*PATHS, "mlx_lm", "raw_decode"):
+                series = [c.series(name) for c in run.contexts]
+                whiskers(ax, xs, series, label=STEPS.get(name, name))
+            context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
+            ax.set_title(
+                f"{run.name}: {run.info['layers']} layers, {run.info['dtype']}", fontsize=9
+            )
 
-    try:
-        with open("/proc/cpuinfo", errors="replace") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
+    return panels
+
+
+def write_report(runs: list[ModelRun], args: Any) -> None:
     blas = next((r.info["blas"] for r in runs if r.info), "")
-    return {
-        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": names[0] if names else platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "load_average_1m": round(os.getloadavg()[0], 2),  # other work skews a 2-core box
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm_version,
-        "blas": blas,  # as the worker's GetWorkerInfo reports it
-    }
-
-
-def plot(runs: list[ModelRun], header: dict[str, object], path: Path) -> str:
-    """Median TTFT against context, one panel per model, min..max whiskers; says what it did."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
-    runs = [r for r in runs if r.contexts]
-    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.8), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
-        xs = [c.nominal for c in run.contexts]
-        for name in (*PATHS, "mlx_lm", "raw_decode"):
-            series = [
-                [s.server_ms for s in c.turns[name]] if name in PATHS else c.inproc[name]
-                for c in run.contexts
-            ]
-            mid = [statistics.median(v) for v in series]
-            err = [
-                [m - min(v) for m, v in zip(mid, series, strict=True)],
-                [max(v) - m for m, v in zip(mid, series, strict=True)],
-            ]
-            ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, label=STEPS.get(name, name))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(xs, [label(x) for x in xs])
-        ax.set_xlabel("context, tokens")
-        ax.set_ylabel("TTFT, ms (median; whiskers min..max)")
-        ax.set_title(f"{run.name}: {run.info['layers']} layers, {run.info['dtype']}", fontsize=9)
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"agentkv TTFT, {header['date']}; {header['cpu']}, {header['cores']} cores, "
-        f"MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
+    header = machine(blas=blas, model=args.model, passes=args.passes, contexts=args.contexts)
+    header["decode_tokens"] = args.decode_tokens
+    measured = [r for r in runs if r.contexts]
+    sections = [s for r in measured for s in model_sections(r)]
+    notes = [n for r in runs for n in [*(n for c in r.contexts for n in c.notes), *r.notes]]
+    notes.append(
+        "TTFT is the worker's usage.time_to_first_token_ms, from the Turn's arrival. 'mlx-lm "
+        "load' is load_prompt_cache + one decode step (mlx-lm's in-process TTFT); it and raw "
+        "read + decode are measured in this process on the same stored Q4 bytes. Paper "
+        "cold/warm: G = Gemma 3 12B, D = DeepSeek-Coder-V2-Lite (Table 3), L = Llama 3.1 8B "
+        "(Table 5). The page cache is warm throughout."
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    models = [
+        {"name": r.name, "path": r.path, "info": r.info, "notes": r.notes}
+        | {"contexts": [c.as_dict() for c in r.contexts], "targets": targets(r)}
+        for r in runs
+    ]
+    goals = [g for r in measured for g in targets(r)]
+    png = report("ttft", args.out, header, sections, goals, notes, {"models": models})
+    size = (6.5 * len(measured), 4.8)
+    plot(png, header, "TTFT", draw(measured), ncols=len(measured), figsize=size)
 
 
-def report(runs: list[ModelRun], args: argparse.Namespace, out: Path) -> None:
-    header = machine(runs) | {
-        "model": args.model,
-        "passes": args.passes,
-        "contexts": args.contexts,
-        "decode_tokens": args.decode_tokens,
-    }
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    print()
-    for run in runs:
-        print_model(run)
-    print("TTFT is the worker's usage.time_to_first_token_ms, from the Turn's arrival. 'mlx-lm")
-    print("load' is load_prompt_cache + one decode step (mlx-lm's in-process TTFT); it and raw")
-    print("read + decode are measured in this process on the same stored Q4 bytes.")
-    print("Paper cold/warm: Shkolnikov 2026 on an M4 Pro, G = Gemma 3 12B, D = DeepSeek-Coder-")
-    print("V2-Lite (Table 3), L = Llama 3.1 8B (Table 5). The page cache is warm throughout.")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"ttft-{datetime.now():%Y%m%d-%H%M%S}"
-    document = {
-        "header": header,
-        "models": [
-            {
-                "name": r.name,
-                "path": r.path,
-                "info": r.info,
-                "contexts": [c.as_dict() for c in r.contexts],
-                "targets": targets(r),
-                "notes": r.notes,
-            }
-            for r in runs
-        ],
-    }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(runs, header, stem.with_suffix(".png")))
-
-
-# main
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas: {text!r}"
-        ) from None
-    if not values or min(values) < 16:
-        raise argparse.ArgumentTypeError(f"expected contexts of at least 16 tokens: {text!r}")
-    return values
-
-
-def model_list(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = set(names) - set(MODELS)
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"models are {', '.join(MODELS)}; got {text!r}")
-    return names
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_argument(p)
-    p.add_argument("--models", type=model_list, default=list(MODELS), help="default means --model")
+def parse_args(argv: list[str] | None) -> Any:
+    p = parser(
+        __doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="contexts 512,1K, 1 pass"
+    )
     p.add_argument(
-        "--contexts",
-        type=int_list,
-        default=[1024, 2048, 4096, 8192],
-        help="tokens; one too long for a model's window is cut to fit it (SmolLM2: 8K to 7968)",
+        "--models", type=name_list(MODELS), default=list(MODELS), help="default: --model"
     )
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument(
-        "--decode-tokens",
-        type=int,
-        default=32,
-        help="max_tokens of each decode turn (0: no decode rows)",
-    )
+    p.add_argument("--decode-tokens", type=int, default=32, help="each decode turn's max_tokens")
     p.add_argument("--layers", type=int, default=2, help="layers of the llama8b-shape model")
-    p.add_argument(
-        "--cold-budget",
-        type=float,
-        default=90.0,
-        help="seconds per context for cold passes after the first (fewer passes if slower)",
-    )
-    p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, 1 pass")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--cold-budget", type=float, default=90.0, help="s per context of extra colds")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.passes = [512, 1024], 1
@@ -1067,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(run_model(name, args, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(runs, args, args.out)
+    write_report(runs, args)
 
 
 if __name__ == "__main__":

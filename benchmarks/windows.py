@@ -62,8 +62,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import paper
 from google.protobuf.json_format import MessageToDict
-from ttft import context_text, int_list, label, machine
+from harness import context_text, int_list, label, machine, pyplot, save
+from paper import table14_gemma
 
 from agentkv import planner
 from agentkv.errors import AgentKVError
@@ -555,10 +557,10 @@ def capacity_table(rows: list[dict[str, Any]]) -> str:
 
 def gemma_rows() -> list[dict[str, Any]]:
     config = planner.load_config("gemma3_12b")
-    paper = dict(zip(planner.TABLE14_CONTEXTS, planner.TABLE14["gemma3_12b"], strict=True))
+    cells = table14_gemma()
     rows = []
     for context in GEMMA_CONTEXTS:
-        cap = planner.plan(config, context, planner.TABLE14_BUDGET_BYTES)
+        cap = planner.plan(config, context, paper.TABLE14_BUDGET_BYTES)
         rows.append(
             {
                 "context": context,
@@ -568,8 +570,8 @@ def gemma_rows() -> list[dict[str, Any]]:
                 "fp16_agents": cap.num_fp16_agents,
                 "q4_agents": cap.num_q_agents,
                 "q4_window_agents": cap.num_q_window_agents,
-                "paper_fp16_agents": paper[context][0],
-                "paper_q4_agents": paper[context][1],
+                "paper_fp16_agents": cells[context][0],
+                "paper_q4_agents": cells[context][1],
             }
         )
     return rows
@@ -716,7 +718,7 @@ def print_report(
         ),
         (
             f"Planner: Gemma 3 12B (gemma3_12b.json) at "
-            f"{planner.TABLE14_BUDGET_BYTES / (1 << 30):.1f} GiB",
+            f"{paper.TABLE14_BUDGET_BYTES / (1 << 30):.1f} GiB",
             gemma_table(gemma),
         ),
     )
@@ -733,13 +735,8 @@ def print_report(
 
 def plot(runs: list[ContextRun], header: dict[str, Any], path: Path) -> str:
     """Bytes read and TTFT against context, both ways; says what it did."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
+    if (plt := pyplot()) is None:
+        return ""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     xs = [r.nominal for r in runs]
     for mode in MODES:
@@ -777,15 +774,7 @@ def plot(runs: list[ContextRun], header: dict[str, Any], path: Path) -> str:
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.suptitle(
-        f"agentkv sliding-window caches, Gemma-3-shaped model; {header['date']}; "
-        f"{header['cpu']}, {header['cores']} cores, MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(fig, path, header, "sliding-window caches, Gemma-3-shaped model")
 
 
 def report(
@@ -796,7 +785,7 @@ def report(
     notes: list[str],
 ) -> None:
     window = facts["window"]
-    header = machine([]) | {k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")}
+    header = machine() | {k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")}
     header |= {"passes": args.passes, "contexts": args.contexts}
     capacity = capacity_rows(runs, config)
     gemma = gemma_rows()

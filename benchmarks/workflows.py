@@ -50,8 +50,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, describe_model, load_tokenizer, model_dir, wait_ready
-from ttft import machine
+from common import add_model_argument, describe_model, load_tokenizer, model_dir
+from harness import machine, pyplot, save, wait_ready
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.demo import scenario_path
@@ -484,13 +484,8 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: i
 
 def plot(cp: CrossPhase | None, rt: Routing | None, header: dict[str, Any], path: Path) -> str:
     """Per-phase TTFT cold vs persistent, and the routing groups; says what it did."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: chart skipped (pip install matplotlib)"
+    if (plt := pyplot()) is None:
+        return ""
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     if cp is not None:
         xs = range(1, len(cp.phases) + 1)
@@ -513,15 +508,7 @@ def plot(cp: CrossPhase | None, rt: Routing | None, header: dict[str, Any], path
         right.set_yscale("log")
         right.set_ylabel("mean TTFT, ms (median of passes, log)")
         right.set_title("expert routing", fontsize=9)
-    fig.suptitle(
-        f"agentkv workflows, {header['date']}; {header['cpu']}, {header['cores']} cores, "
-        f"MLX {header['mlx']}, BLAS {header['blas']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(fig, path, header, "workflows")
 
 
 def print_report(
@@ -570,7 +557,7 @@ def report(
     svc_info: Any,
     fit: str,
 ) -> None:
-    header = machine([]) | {"blas": svc_info.blas, "model": args.model}
+    header = machine() | {"blas": svc_info.blas, "model": args.model}
     header |= {"model_dir": describe_model(args.path)}
     header |= {"device": svc_info.device, "max_context": svc_info.max_context}
     header |= {"kv_format": svc_info.kv_format, "max_tokens": args.max_tokens}

@@ -17,16 +17,8 @@ from agentkv.layers import (
     kv_bytes_window_aware,
     layer_specs,
 )
-from agentkv.planner import (
-    TABLE14,
-    TABLE14_BUDGET_BYTES,
-    TABLE14_CONTEXTS,
-    load_config,
-    parse_size,
-    parse_tokens,
-    plan,
-    table14,
-)
+from agentkv.planner import load_config, parse_size, parse_tokens, plan
+from benchmarks.paper import TABLE14, TABLE14_BUDGET_BYTES, TABLE14_CONTEXTS, table14
 from tests.conftest import ARCHS
 
 Q4 = KVStorage(bits=4)
