@@ -41,20 +41,14 @@ def test_a_store_on_port_0_writes_its_bound_addresses_to_the_address_file(tmp_pa
     from client.store import StoreClient
 
     address_file = tmp_path / "store.json"
-    service = store_process(
-        tmp_path / "data",
-        tmp_path / "store.log",
-        "--address-file",
-        str(address_file),
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ).start()
+    flags = ["--address-file", str(address_file), "--metrics-listen", "127.0.0.1:0"]
+    service = store_process(tmp_path / "data", tmp_path / "store.log", extra_args=flags).start()
     try:
         written = json.loads(address_file.read_text())  # written before "serving" is logged
         assert written["address"] == service.address and not written["address"].endswith(":0")
         assert not written["metrics"].endswith(":0")
         with StoreClient(written["address"]) as client:
-            assert client.info().num_agents == 0
+            assert client.stats().num_agents == 0
         metrics = urllib.request.urlopen(f"http://{written['metrics']}/metrics", timeout=30)
         assert b"agentkv_store" in metrics.read()
     finally:
