@@ -49,3 +49,33 @@ def test_every_rpc_has_its_own_messages_and_every_field_a_comment(module, servic
     for i, line in enumerate(lines):
         if field.match(line):
             assert lines[i - 1].strip().startswith("//"), f"field without a comment: {line.strip()}"
+
+
+def test_the_block_key_test_vector_in_the_proto_is_what_the_store_computes():
+    """A client in another language computes keys from the proto's words and vector alone."""
+    import hashlib
+    import struct
+
+    from agentkv.keys import block_key
+
+    text = (ROOT / "protos" / "agentkv" / "v1" / "store.proto").read_text()
+    vector = re.findall(r"tokens \[([\d, ]+)\] under .*-> ([0-9a-f]{64})", text)
+    fingerprint = re.search(r'Test vector \(fingerprint "([^"]+)"\)', text)[1]
+    assert len(vector) == 2
+    parent = b""
+    for tokens, expected in vector:
+        ids = [int(t) for t in tokens.split(",")]
+        fp = fingerprint.encode()
+        spelled = hashlib.blake2b(
+            b"agentkv-block-v1"
+            + struct.pack("<I", len(fp))
+            + fp
+            + struct.pack("<I", len(parent))
+            + parent
+            + struct.pack(f"<{len(ids)}I", *ids),
+            digest_size=32,
+            person=b"agentkv",
+        ).digest()
+        assert spelled.hex() == expected  # the proto's description, byte for byte
+        assert block_key(fingerprint, parent, ids).hex() == expected  # what the store uses
+        parent = spelled
