@@ -167,8 +167,9 @@ class Workflow:
         text = reply.text
         usage = reply.usage
         # An agent made for this turn had no cache for what the turn prefills: it is cold,
-        # though the worker finds the empty agent (or its system prompt) hot.
-        state = "cold" if created else usage.cache_state
+        # though the worker finds the empty agent (or its system prompt) hot. One that already
+        # existed (a rerun, `agentkv run --no-reset`) is labelled as the worker found it.
+        state = "cold" if created and member.agent.created else usage.cache_state
         member.history += [("user", message), ("assistant", text or "...")]
         self.transcript.append(Said(phase.name, agent_id, text))
         member.heard = len(self.transcript)

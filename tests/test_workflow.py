@@ -122,6 +122,25 @@ def test_the_prisoners_never_hear_each_other():
 # real processes
 
 
+def test_a_rerun_workflow_labels_an_existing_agents_turn_as_the_worker_found_it(
+    tiny_model_dirs, start_worker, store_process
+):
+    worker = start_worker(tiny_model_dirs["llama"])
+    with AgentMemory(worker.address, store_process.address, "rerun") as mem:
+        for run in range(2):
+            flow = Workflow(
+                mem, [Role("warden", "You are the warden.")], sampling={"max_tokens": 4}
+            )
+            with flow.phase("one") as p:
+                p.say("warden", f"Speak, run {run}.")
+            (said,) = [r for r in flow.records if r.kind == "say"]
+            if run == 0:
+                assert said.cache_state == "cold"  # created for this turn
+            else:  # the agent of the first run, still hot on its worker: most tokens reused
+                assert said.cache_state == "hot"
+                assert said.prefilled_tokens < said.context_tokens
+
+
 def test_prisoners_dilemma_end_to_end(tiny_model_dirs, start_worker, store_process):
     scenario = load_scenario(scenario_path("prisoners_dilemma"))
     worker = start_worker(tiny_model_dirs["llama"])
