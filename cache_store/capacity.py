@@ -122,10 +122,19 @@ class Capacity:
         with self._lock:
             self._reserved[namespace] -= size
 
-    def collect(self, namespace: str | None) -> tuple[int, int]:
-        """Deletes every unreferenced, unleased block; returns (blocks, bytes)."""
+    def collect(self, namespace: str | None, idle_ms: int = 0) -> tuple[int, int]:
+        """Deletes every unreferenced, unleased block (with `idle_ms`, those nobody has read
+        or written for that long); returns (blocks, bytes)."""
         with self.index.read() as txn:
             candidates = self.index.unreferenced(txn, namespace)
+            if idle_ms:
+                cutoff = now_ms() - idle_ms
+                records = {b: self.index.find_block(txn, *b) for b in candidates}
+                candidates = [
+                    b
+                    for b, r in records.items()
+                    if r is not None and self.block_last_access(b, r.created_ms) < cutoff
+                ]
         deleted = freed = 0
         with self._lock:
             for block in candidates:
@@ -209,3 +218,31 @@ class Capacity:
         self.payloads.delete(record)
         self._block_access.pop(block, None)
         return record.num_bytes
+
+
+class IdleCollector:
+    """Deletes unreferenced blocks that have sat idle for `idle_seconds`, so garbage never
+    piles up without a quota: it looks every min(idle_seconds / 4, 60) s, on its own thread,
+    until close()."""
+
+    def __init__(self, capacity: Capacity, idle_seconds: float, metrics: StoreMetrics) -> None:
+        self.capacity, self.idle_ms, self.metrics = capacity, int(idle_seconds * 1000), metrics
+        self.interval = min(idle_seconds / 4, 60.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="idle-gc", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                deleted, freed = self.capacity.collect(None, self.idle_ms)
+            except Exception:  # a full disk or a bad record: the next round tries again
+                log.exception("idle collection failed")
+                continue
+            if deleted:
+                self.metrics.evictions.labels("idle_block").inc(deleted)
+                log.info("idle blocks collected", extra={"blocks": deleted, "bytes": freed})
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -49,6 +49,11 @@ class StoreConfig(ServerConfig):
     evict_agents: bool = flag(
         False, "under quota pressure, also evict whole least-recently-used agents"
     )
+    gc_idle_seconds: float = flag(
+        3600.0,
+        "delete unreferenced blocks (no agent's) nobody has read or written for this long; "
+        "0: only quota pressure and CollectGarbage (agentkv store gc) delete them",
+    )
     lease_seconds: int = flag(60, "how long a read or upload lease lasts unless renewed")
     max_lease_seconds: int = 600
     max_chunk_bytes: int = MAX_CHUNK_BYTES
@@ -91,6 +96,11 @@ class StoreConfig(ServerConfig):
                 raise ValueError(f"namespace quota for invalid namespace {name!r}")
             if size <= 0:
                 raise ValueError(f"namespace quota for {name!r} must be > 0, got {size}")
+        if self.gc_idle_seconds and self.gc_idle_seconds < 2 * self.lease_seconds:
+            raise ValueError(
+                f"gc_idle_seconds must be 0 or at least twice lease_seconds "
+                f"({2 * self.lease_seconds}), got {self.gc_idle_seconds}"
+            )
         if not 1 <= self.lease_seconds <= self.max_lease_seconds:
             raise ValueError(f"lease_seconds must be in 1..{self.max_lease_seconds}")
         if not 1 <= self.max_chunk_bytes < self.max_message_bytes:

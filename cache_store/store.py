@@ -22,7 +22,7 @@ from agentkv.errors import (
 )
 from agentkv.keys import block_key
 from cache_store import integrity, manifests
-from cache_store.capacity import Capacity, now_ms
+from cache_store.capacity import Capacity, IdleCollector, now_ms
 from cache_store.config import StoreConfig
 from cache_store.index import Index
 from cache_store.leases import Leases
@@ -90,8 +90,12 @@ class CacheStore:
         )
         self.recover()
         self.metrics.watch_usage(self.stats)
+        idle = config.gc_idle_seconds
+        self.collector = IdleCollector(self.capacity, idle, self.metrics) if idle else None
 
     def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()  # before the index it reads closes
         self.index.close()
         self.lock.release()
 

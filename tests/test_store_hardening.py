@@ -210,6 +210,26 @@ def test_deleting_agents_on_a_full_disk_frees_room_without_collect_garbage(
             assert same_bytes(blocks[0], next(client.get_blocks(NS, FP, keys)))
 
 
+def test_unreferenced_blocks_left_idle_are_collected_without_a_quota(tmp_path, launched):
+    flags = ["--gc-idle-seconds", "2", "--lease-seconds", "1"]
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    with proc.client() as client:
+        chains = {}
+        for i, name in enumerate(("kept", "dropped")):
+            tokens = list(range(1000 * i, 1000 * i + 64 * 3))
+            chains[name] = (tokens, *make_chain(tokens, seed=i, block_tokens=64))
+            save(client, NS, name, chains[name][1], tokens)
+        assert client.stats().num_blocks == 6
+        client.delete_agent(NS, "dropped")  # its 3 blocks are now unreferenced
+        until(lambda: client.stats().num_blocks == 3, "the idle collector", timeout=120)
+        tokens, blocks, keys = chains["kept"]
+        assert agent_intact(client, NS, "kept")
+        for sent, back in zip(blocks, client.get_blocks(NS, FP, keys), strict=True):
+            assert same_bytes(sent, back)
+        assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
+        assert '"event": "idle blocks collected"' in proc.log_text()
+
+
 # 8. idle streams take no thread from other calls
 
 
