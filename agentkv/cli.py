@@ -217,7 +217,22 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
             ]
             for a in mem.agents()
         ]
+        elsewhere = [] if rows else _namespaces_with_agents(mem.store)
     print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
+    if elsewhere:
+        found = ", ".join(f"{name} ({count})" for name, count in elsewhere)
+        print(f"no agents in namespace {args.namespace!r}; agents are in: {found} (pass -n NAME)")
+
+
+def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:
+    """(namespace, agents) of every namespace holding any, that the token may see."""
+    from agentkv.v1 import store_pb2 as pb
+
+    try:
+        reply = store.call("ListNamespaces", pb.ListNamespacesRequest())
+    except AgentKVError:  # a token for one namespace may not list them all: no hint then
+        return []
+    return [(n.name, n.num_agents) for n in reply.namespaces if n.num_agents]
 
 
 def _gib(num_bytes: int) -> str:

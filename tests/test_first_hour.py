@@ -54,3 +54,18 @@ def test_a_store_on_port_0_writes_its_bound_addresses_to_the_address_file(tmp_pa
     finally:
         assert service.stop() == 0
     assert not address_file.exists()  # a stopped store leaves no address behind
+
+
+def test_agents_in_an_empty_namespace_points_at_the_namespaces_that_have_some(store_process):
+    from tests.helpers import FP, make_chain
+
+    tokens = list(range(64))
+    blocks, _ = make_chain(tokens)
+    with store_process.client() as client:
+        for agent_id in ("marco", "luca"):
+            client.save_agent("team-a", agent_id, FP, tokens, blocks)
+    proc = agentkv("agents", "--store", store_process.address, "--worker", free_address())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "no agents in namespace 'default'; agents are in: team-a (2) (pass -n NAME)"
+    )
