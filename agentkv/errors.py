@@ -48,6 +48,10 @@ class AgentExists(AgentKVError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class SystemPromptDiffers(AgentExists):
+    """An agent of that id exists, made with another system prompt."""
+
+
 class FailedPrecondition(AgentKVError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -156,6 +160,7 @@ ERRORS: dict[str, type[AgentKVError]] = {
         AgentExists,
         FailedPrecondition,
         FingerprintMismatch,
+        SystemPromptDiffers,
         GenerationConflict,
         OutOfRange,
         CorruptBlock,

@@ -18,7 +18,13 @@ from operator import attrgetter
 from typing import Any, Generic, TypeVar, Union
 
 from agentkv.channels import ClientSecurity
-from agentkv.errors import AgentExists, AgentKVError, InvalidArgument, Unavailable
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    InvalidArgument,
+    SystemPromptDiffers,
+    Unavailable,
+)
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from client.routing import Attempts, Router
@@ -242,24 +248,33 @@ class BaseAgentMemory:
         self.store: Any = self._open_store(store, security) if store else None
 
     def agent(
-        self, agent_id: str, system: str | None = None, *, phase: str = ""
+        self, agent_id: str, system: str | None = None, *, phase: str = "", replace: bool = False
     ) -> MaybeAwaitable[BaseAgent]:
         """A handle on an agent. With `system`, the agent is created (its system prompt
-        prefilled and persisted) unless it already exists; without, it must exist by the time
-        it is used."""
-        return self._run(self._agent(agent_id, system, phase))
+        prefilled and persisted) unless it already exists with that system prompt, when it
+        is used as it is (`created` False). One that exists with another system prompt
+        raises SystemPromptDiffers, or with `replace` is deleted and made anew. Without
+        `system`, the agent must exist by the time it is used."""
+        return self._run(self._agent(agent_id, system, phase, replace))
 
-    def _agent(self, agent_id: str, system: str | None, phase: str) -> Steps[Any]:
+    def _agent(self, agent_id: str, system: str | None, phase: str, replace: bool) -> Steps[Any]:
         agent = self.agent_class(self, agent_id)
-        if system is not None:
-            try:
-                agent.state = yield from self._routed(
-                    agent_id,
-                    lambda w: w.create_agent(self.namespace, agent_id, system, phase=phase),
-                )
-                agent.created = True
-            except AgentExists:
-                pass
+        if system is None:
+            return agent
+
+        def create(worker: Any) -> Any:
+            return worker.create_agent(self.namespace, agent_id, system, phase=phase)
+
+        try:
+            agent.state = yield from self._routed(agent_id, create)
+        except SystemPromptDiffers:  # before AgentExists, which it is a kind of
+            if not replace:
+                raise
+            yield from self._routed(agent_id, lambda w: w.delete(self.namespace, agent_id))
+            agent.state = yield from self._routed(agent_id, create)
+        except AgentExists:
+            return agent
+        agent.created = True
         return agent
 
     def _need_store(self) -> None:

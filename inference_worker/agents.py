@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from agentkv.errors import AgentKVError, FailedPrecondition, OutOfRange
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    FailedPrecondition,
+    OutOfRange,
+    SystemPromptDiffers,
+)
 from inference_worker.chat import ChatState, common_prefix
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.metrics import WorkerMetrics
@@ -241,3 +247,16 @@ class HotTier:
             for a in self._agents.values()
             if a.persist_failed and not (a.writing or mid_turn(a) or a.stale)
         ]
+
+
+def agent_exists(
+    ns: str, agent_id: str, existing: Sequence[int], system: Sequence[int]
+) -> AgentKVError:
+    """What creating an agent that exists raises: AgentExists when it starts with the system
+    prompt asked for (the SDK then uses it as it is), SystemPromptDiffers when it does not."""
+    if list(existing[: len(system)]) == list(system):
+        return AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
+    return SystemPromptDiffers(
+        f"agent {agent_id!r} in namespace {ns!r} exists with another system prompt: delete it "
+        "first, or ask for it with replace=True (SDK) to make it anew"
+    )

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import AgentExists, AgentNotFound
+from agentkv.errors import AgentNotFound
+from inference_worker.agents import agent_exists
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
 from inference_worker.turns import AgentInfo, TurnJob
@@ -27,8 +28,10 @@ class Front:
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
     ) -> AgentInfo:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
-        if self._in_store(ns, agent_id):
-            raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
+        stored = self._stored(ns, agent_id)
+        if stored is not None:
+            system_tokens = self._mlx(self.engine.system_tokens, system)
+            raise agent_exists(ns, agent_id, stored.token_ids, system_tokens)
         metadata = ids.metadata(metadata)
         return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
 
@@ -93,12 +96,12 @@ class Front:
             if pending is not None:
                 pending.result()
 
-    def _in_store(self, ns: str, agent_id: str) -> bool:
+    def _stored(self, ns: str, agent_id: str) -> Any:
+        """The agent's manifest in the store, or None."""
         try:
-            self.client.get_agent(ns, agent_id)
+            return self.client.get_agent(ns, agent_id)
         except AgentNotFound:
-            return False
-        return True
+            return None
 
     def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn on the MLX thread and waits for it."""

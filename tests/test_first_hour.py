@@ -7,6 +7,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from tests.helpers import free_address
 
 
@@ -69,3 +71,28 @@ def test_agents_in_an_empty_namespace_points_at_the_namespaces_that_have_some(st
     assert proc.stdout.splitlines()[-1] == (
         "no agents in namespace 'default'; agents are in: team-a (2) (pass -n NAME)"
     )
+
+
+def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
+    tiny_model_dirs, store_process, start_worker
+):
+    from agentkv.errors import SystemPromptDiffers
+    from client.memory import AgentMemory
+
+    worker = start_worker(tiny_model_dirs["llama"])
+    with AgentMemory(worker.address, store=store_process.address, namespace="prompts") as mem:
+        first = mem.agent("marco", system="You are Marco.")
+        assert first.created
+        assert first.say("Hello.", max_tokens=2).usage.prompt_tokens > 0
+        for hot in (True, False):  # in the worker's RAM, then only in the store
+            if not hot:
+                first.evict()
+            assert not mem.agent("marco", system="You are Marco.").created  # the same: reused
+            with pytest.raises(SystemPromptDiffers, match="exists with another system prompt"):
+                mem.agent("marco", system="You are Luca.")
+        before = first.describe().num_tokens  # the system prompt and a turn
+        replaced = mem.agent("marco", system="You are Luca.", replace=True)
+        assert replaced.created
+        fresh = mem.agent("fresh", system="You are Luca.")
+        after = replaced.describe().num_tokens
+        assert after == fresh.describe().num_tokens < before  # made anew, its turn gone
