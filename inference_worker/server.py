@@ -17,6 +17,7 @@ from inference_worker.front import Front
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.runtime import resolve_runtime
 from inference_worker.service import SERVICE_NAME, InferenceWorkerServicer
+from inference_worker.store_health import StoreHealth
 
 log = logging.getLogger("agentkv.worker")
 
@@ -39,6 +40,13 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
         max_message_bytes=16 << 20,
         grace=10.0,
     )
+    watch = StoreHealth(store, config.store, served.health)  # warns now if it does not answer
+
+    def close() -> None:
+        watch.close()
+        engine.close()
+
+    served.close = close
     log.info(
         "model loaded",
         extra={

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -96,3 +97,41 @@ def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
         fresh = mem.agent("fresh", system="You are Luca.")
         after = replaced.describe().num_tokens
         assert after == fresh.describe().num_tokens < before  # made anew, its turn gone
+
+
+def test_a_worker_whose_store_does_not_answer_warns_and_says_so_in_health(
+    tiny_model_dirs, tmp_path
+):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from agentkv.launch import store_process, worker_process
+    from inference_worker.store_health import STORE_HEALTH
+
+    store_address = free_address()
+    worker = worker_process(
+        str(tiny_model_dirs["llama"]), store_address, tmp_path / "worker.log"
+    ).start()
+    store = None
+    try:
+        assert '"event": "store does not answer' in worker.log_tail()  # before "serving"
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> int:
+                request = health_pb2.HealthCheckRequest(service=service)
+                return stub.Check(request, timeout=30).status
+
+            assert status("") == health_pb2.HealthCheckResponse.SERVING
+            assert status(STORE_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING
+            store = store_process(tmp_path / "data", tmp_path / "store.log", store_address)
+            store.start()
+            deadline = time.monotonic() + 120
+            while status(STORE_HEALTH) != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "the worker never saw its store answer"
+                time.sleep(0.1)
+        assert '"event": "store answers"' in worker.log_tail()
+    finally:
+        worker.stop()
+        if store is not None:
+            store.stop()

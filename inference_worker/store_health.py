@@ -1,0 +1,69 @@
+"""Whether the worker's store answers, watched from start to stop: a worker whose store is
+gone serves hot agents from RAM but can neither restore nor persist, and says so in its log
+and in health (the service STORE_HEALTH), not silently."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from grpc_health.v1 import health, health_pb2
+
+from agentkv.errors import AgentKVError, DeadlineExceeded, Unavailable
+from agentkv.v1 import store_pb2 as pb
+from client.store import StoreClient
+
+log = logging.getLogger("agentkv.worker")
+STORE_HEALTH = "agentkv.worker.store"  # SERVING while the store answers, else NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StoreHealth:
+    """Asks the store (GetStats) now and every `interval` seconds until close(); logs each
+    change, a warning when it stops answering, and sets STORE_HEALTH in `servicer`."""
+
+    def __init__(
+        self,
+        store: StoreClient,
+        address: str,
+        servicer: health.HealthServicer,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+    ) -> None:
+        self.store, self.address, self.servicer = store, address, servicer
+        self.interval, self.timeout = interval, timeout
+        self.answering: bool | None = None
+        self._stop = threading.Event()
+        self.check()  # before the worker says "serving"
+        self._thread = threading.Thread(target=self._run, name="store-health", daemon=True)
+        self._thread.start()
+
+    def check(self) -> bool:
+        try:
+            self.store.call("GetStats", pb.GetStatsRequest(), timeout=self.timeout)
+            answering, reason = True, ""
+        except (Unavailable, DeadlineExceeded) as exc:
+            answering, reason = False, exc.message
+        except AgentKVError:  # an answer (a token for one namespace may not read the totals)
+            answering, reason = True, ""
+        if answering != self.answering:
+            self.servicer.set(STORE_HEALTH, SERVING if answering else NOT_SERVING)
+            if answering:
+                log.info("store answers", extra={"store": self.address})
+            else:
+                log.warning(
+                    "store does not answer: hot agents are served from RAM, but nothing can "
+                    "be restored or persisted until it does",
+                    extra={"store": self.address, "error": reason},
+                )
+        self.answering = answering
+        return answering
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.check()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
