@@ -24,7 +24,7 @@ from pathlib import Path
 
 from agentkv import defaults
 from agentkv.launch import ServiceProcess, store_process, worker_process
-from agentkv.units import table
+from agentkv.units import human_bytes, table
 from client.memory import AgentMemory
 from client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
 from client.workflow import Record, Workflow
@@ -160,7 +160,10 @@ def _persistent_run(
         warm = sorted({r.agent for r in resumed if r.cache_state == "warm"})
         print(f"  resumed warm from the store: {', '.join(warm)}")
         print("\nagents now:")
-        rows = [[a.agent_id, a.tier, a.num_tokens, a.num_bytes, a.phase] for a in mem.agents()]
+        rows = [
+            [a.agent_id, a.tier, a.num_tokens, human_bytes(a.num_bytes), a.phase]
+            for a in mem.agents()
+        ]
         print(table(["agent", "tier", "tokens", "bytes", "phase"], rows))
     return flow
 
