@@ -59,7 +59,27 @@ def build_parser() -> argparse.ArgumentParser:
         _service_flags(p)
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
     _model_parser(sub.add_parser("model", help="import GGUF models"))
+    _show_defaults(parser)
     return parser
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each flag's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
+        if shown and "%(default)" not in text and action.option_strings:
+            text += " (default: %(default)s)" if text else "default: %(default)s"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.formatter_class = _DefaultsHelp
+                _show_defaults(command)
 
 
 def _store_parser(store: argparse.ArgumentParser) -> None:
@@ -122,7 +142,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
         help="context tokens, e.g. 8192 or 8K; repeat for several",
     )
     p.add_argument("--budget", type=_parsed(parse_size), help="e.g. 10.2Gi (2^30) or 10.2G (10^9)")
-    p.add_argument("--bits", type=int, default=4, help="quantized K/V bits (default 4)")
+    p.add_argument("--bits", type=int, default=4, help="quantized K/V bits")
     p.add_argument("--group-size", type=int, default=64, help="elements per scale and bias")
     p.add_argument(
         "--chunk", type=int, default=0, help="prefill chunk in flight, held beyond the window"
