@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-cold", action="store_true", help="skip the re-prefill comparison")
     run = sub.add_parser("run", help="run a workflow scenario against running services")
     run.add_argument("scenario", help="a YAML file, or a shipped scenario's name")
-    run.add_argument("--mode", choices=("persistent", "cold"), default="persistent")
+    run.add_argument(
+        "--mode",
+        choices=("persistent", "cold"),
+        default="persistent",
+        help="persistent: agents keep their caches; cold: every phase re-prefills (the baseline)",
+    )
     run.add_argument("--no-reset", action="store_true", help="keep agents of an earlier run")
     run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
     agents = sub.add_parser("agents", help="list agents: tier, tokens, bytes, phase")
@@ -70,7 +75,7 @@ class _DefaultsHelp(argparse.HelpFormatter):
         text = action.help or ""
         shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
         if shown and "%(default)" not in text and action.option_strings:
-            text += " (default: %(default)s)" if text else "default: %(default)s"
+            text += " (default: %(default)s)"
         return text
 
 
