@@ -12,10 +12,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from agentkv.errors import ERROR_KEY, AgentKVError, InvalidArgument
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 log = logging.getLogger("agentkv.rpc")
 
@@ -96,13 +98,26 @@ def new_server(
 
 
 def add_health_and_reflection(server: grpc.Server, service: str) -> health.HealthServicer:
-    """grpc.health.v1 (SERVING for "" and `service`) and server reflection."""
+    """grpc.health.v1 (SERVING for "" and `service`) and server reflection, both
+    grpc.reflection.v1 and v1alpha."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", service):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((service, health_name, reflection.SERVICE_NAME), server)
+    names = (service, health_name, REFLECTION_V1, reflection.SERVICE_NAME)
+    servicer = reflection.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    # grpc.reflection.v1's messages are v1alpha's field for field under another package
+    # (grpcio-reflection ships only v1alpha), so the same servicer answers v1 clients.
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )
     return health_servicer
 
 

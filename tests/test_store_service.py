@@ -32,6 +32,28 @@ def test_health_and_reflection(store_process):
         assert {"agentkv.v1.CacheStore", "grpc.health.v1.Health"} <= names
 
 
+def test_reflection_v1_answers_as_v1alpha_does(store_process):
+    """grpcurl and other newer clients ask grpc.reflection.v1 first: same messages, new name."""
+    from google.protobuf import descriptor_pb2
+
+    with grpc.insecure_channel(store_process.address) as channel:
+        v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        asks = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="agentkv.v1.CacheStore"),
+        ]
+        listed, described = v1(iter(asks), timeout=10)
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"agentkv.v1.CacheStore", "grpc.reflection.v1.ServerReflection"} <= names
+    files = described.file_descriptor_response.file_descriptor_proto
+    parsed = [descriptor_pb2.FileDescriptorProto.FromString(raw) for raw in files]
+    assert any(s.name == "CacheStore" for f in parsed for s in f.service)
+
+
 def test_metrics_endpoint_counts_what_happened(tmp_path):
     proc = StoreProcess(
         tmp_path / "data", tmp_path / "log", extra_args=["--metrics-listen", "127.0.0.1:0"]
