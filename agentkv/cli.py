@@ -23,14 +23,14 @@ from pathlib import Path
 
 from agentkv import defaults
 from agentkv.channels import ClientSecurity
+from agentkv.client.inspect import STORE_COMMANDS
+from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, Unavailable
 from agentkv.flags import add_flags, from_args
 from agentkv.launch import ServiceExited
 from agentkv.layers import describe, layer_specs
 from agentkv.planner import load_config, parse_size, parse_tokens, plan
 from agentkv.units import human_bytes, table
-from client.inspect import STORE_COMMANDS
-from client.store import StoreClient
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,9 +209,9 @@ def cmd_bench(rest: list[str]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from client.demo import print_record, scenario_path
-    from client.memory import AgentMemory
-    from client.scenario import load_scenario, run_scenario
+    from agentkv.client.demo import print_record, scenario_path
+    from agentkv.client.memory import AgentMemory
+    from agentkv.client.scenario import load_scenario, run_scenario
 
     scenario = load_scenario(scenario_path(args.scenario))
     namespace = args.namespace or scenario.namespace
@@ -228,7 +228,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_list_agents(args: argparse.Namespace) -> None:
-    from client.memory import AgentMemory
+    from agentkv.client.memory import AgentMemory
 
     with AgentMemory(_workers(args), args.store, args.namespace, security=_security(args)) as mem:
         rows = [
@@ -348,12 +348,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "walkthrough":
-            from client.walkthrough import run
+            from agentkv.client.walkthrough import run
 
             run(keep=args.keep)
             return
         if args.command == "demo":
-            from client import demo
+            from agentkv.client import demo
 
             try:
                 demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)

@@ -19,12 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
-
-from agentkv.channels import ClientSecurity
-from agentkv.errors import from_rpc_error
-from agentkv.v1 import store_pb2, store_pb2_grpc
-from agentkv.worker.v1 import worker_pb2 as pb
-from client.core import (
+from agentkv.client.core import (
     BaseAgent,
     BaseAgentMemory,
     BaseReply,
@@ -34,6 +29,11 @@ from client.core import (
     TurnResult,
     no_reply,
 )
+
+from agentkv.channels import ClientSecurity
+from agentkv.errors import from_rpc_error
+from agentkv.v1 import store_pb2, store_pb2_grpc
+from agentkv.worker.v1 import worker_pb2 as pb
 
 T = TypeVar("T")
 DESCRIBE_CONCURRENCY = 16  # agents() describes this many agents at once

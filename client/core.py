@@ -17,6 +17,8 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, Generic, TypeVar, Union
 
+from agentkv.client.routing import Attempts, Router
+
 from agentkv.channels import ClientSecurity
 from agentkv.errors import (
     AgentExists,
@@ -27,7 +29,6 @@ from agentkv.errors import (
 )
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
-from client.routing import Attempts, Router
 
 T = TypeVar("T")
 MaybeAwaitable = Union[T, Awaitable[T]]  # noqa: UP007 (a generic alias needs Union on 3.10)

@@ -22,12 +22,13 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
+from agentkv.client.memory import AgentMemory
+from agentkv.client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
+from agentkv.client.workflow import Record, Workflow
+
 from agentkv import defaults
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.units import human_bytes, table
-from client.memory import AgentMemory
-from client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
-from client.workflow import Record, Workflow
 
 EPILOGUE = PhaseSpec(
     "epilogue",
@@ -42,7 +43,7 @@ EPILOGUE = PhaseSpec(
 
 def scenario_path(name: str) -> Path:
     """A shipped scenario by name (e.g. "prisoners_dilemma"), or a path as given."""
-    shipped = resources.files("client") / "scenarios" / f"{name}.yaml"
+    shipped = resources.files("agentkv.client") / "scenarios" / f"{name}.yaml"
     return Path(str(shipped)) if shipped.is_file() else Path(name)
 
 

@@ -7,9 +7,10 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from agentkv.client.store import StoreClient
+
 from agentkv.units import human_bytes, table, utc_time
 from agentkv.v1 import store_pb2 as pb
-from client.store import StoreClient
 
 
 def quota_text(num_bytes: int) -> str:

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from agentkv.client.memory import AgentMemory
+from agentkv.client.workflow import Record, Role, Workflow
 
 from agentkv.errors import InvalidArgument
 from agentkv.ids import AGENT_ID_RE, NAMESPACE_RE
-from client.memory import AgentMemory
-from client.workflow import Record, Role, Workflow
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

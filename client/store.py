@@ -9,14 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-
-from agentkv import wire
-from agentkv.channels import ClientSecurity
-from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
-from agentkv.rpc import message_options
-from agentkv.v1 import store_pb2 as pb
-from agentkv.v1 import store_pb2_grpc
-from client.blocks import (
+from agentkv.client.blocks import (
     Block,
     CorruptFile,
     StoredBlock,
@@ -26,6 +19,13 @@ from client.blocks import (
     located_bytes,
     read_locations,
 )
+
+from agentkv import wire
+from agentkv.channels import ClientSecurity
+from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
+from agentkv.rpc import message_options
+from agentkv.v1 import store_pb2 as pb
+from agentkv.v1 import store_pb2_grpc
 
 T = TypeVar("T")
 _METHOD = "/agentkv.v1.CacheStore/"

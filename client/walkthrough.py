@@ -11,13 +11,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from agentkv.client.store import StoreClient
+from agentkv.client.synthetic import make_chain
+from agentkv.client.worker import WorkerClient
+
 from agentkv.errors import CorruptBlock, GenerationConflict
 from agentkv.launch import store_process, worker_process
 from agentkv.units import human_bytes, table
 from agentkv.v1 import store_pb2 as pb
-from client.store import StoreClient
-from client.synthetic import make_chain
-from client.worker import WorkerClient
 
 NS = "walkthrough"
 FP = "llama-3.1-8b-shaped:q4g64:walkthrough"
@@ -117,7 +118,7 @@ def race(c: StoreClient, agent_id: str) -> None:
 
 
 def tour(c: StoreClient, data_dir: Path) -> None:
-    from client.inspect import cmd_agents, cmd_blocks, cmd_stats
+    from agentkv.client.inspect import cmd_agents, cmd_blocks, cmd_stats
 
     step("1. Store agents' Q4 KV blocks (Llama-3.1-8B shape: 32 layers, 8 KV heads, dim 128)")
     warden = store_agent(c, "warden", SYSTEM + list(range(1000, 1512)), seed=0)

@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentkv.client.memory import Agent, AgentMemory
+
 from agentkv.errors import InvalidArgument
-from client.memory import Agent, AgentMemory
 
 MODES = ("persistent", "cold")
 

@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
+from agentkv.client.blocks import Block, StoredBlock, Tensor
 
 from agentkv.errors import BlockMisfit, CorruptBlock
 from agentkv.keys import ROOT_KEY, block_key
 from agentkv.layers import LayerSpec
-from client.blocks import Block, StoredBlock, Tensor
 from inference_worker.kv_cache import NUMPY_DTYPES, PARTS, QuantizedKV
 from inference_worker.kv_format import KVFormat
 

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from agentkv.client.store import StoreClient
+
 from agentkv import ids
 from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition
-from client.store import StoreClient
 from inference_worker.agents import Agent, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatState

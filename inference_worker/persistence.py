@@ -19,6 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from agentkv.client.blocks import Block
+from agentkv.client.store import StoreClient
+
 from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
@@ -29,8 +32,6 @@ from agentkv.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from client.blocks import Block
-from client.store import StoreClient
 from inference_worker.agents import Agent
 from inference_worker.blocks import cache_blocks
 from inference_worker.chat import ChatState

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentkv.client.blocks import StoredBlock, alloc
+from agentkv.client.store import StoreClient
+
 from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock
-from client.blocks import StoredBlock, alloc
-from client.store import StoreClient
 from inference_worker.agents import Agent
 from inference_worker.blocks import (
     HostLayer,

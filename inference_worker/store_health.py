@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import threading
 
+from agentkv.client.store import StoreClient
 from grpc_health.v1 import health, health_pb2
 
 from agentkv.errors import AgentKVError, DeadlineExceeded, Unavailable
 from agentkv.v1 import store_pb2 as pb
-from client.store import StoreClient
 
 log = logging.getLogger("agentkv.worker")
 STORE_HEALTH = "agentkv.worker.store"  # SERVING while the store answers, else NOT_SERVING

@@ -10,10 +10,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentkv.client import synthetic
+from agentkv.client.blocks import Block
+from agentkv.client.store import StoreClient
+
 from agentkv.launch import ServiceProcess, store_process
-from client import synthetic
-from client.blocks import Block
-from client.store import StoreClient
 
 FP = "tiny-llama:q4g64:test0001"
 NS = "default"

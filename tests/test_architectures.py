@@ -9,8 +9,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
-
-from client.worker import WorkerClient
+from agentkv.client.worker import WorkerClient
 
 
 def bfloat16_copy(src, dst):

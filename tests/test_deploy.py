@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
 
 from agentkv.auth import TokenTable
 from agentkv.channels import ClientSecurity
 from agentkv.errors import Unauthenticated
 from agentkv.launch import ServiceProcess
 from cache_store import __main__ as store_main
-from client.store import StoreClient
-from client.worker import WorkerClient
 from inference_worker import __main__ as worker_main
 
 ROOT = Path(__file__).resolve().parents[1]

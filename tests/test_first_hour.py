@@ -40,8 +40,9 @@ def test_store_flags_work_before_and_after_the_command(store_process):
 
 
 def test_a_store_on_port_0_writes_its_bound_addresses_to_the_address_file(tmp_path):
+    from agentkv.client.store import StoreClient
+
     from agentkv.launch import store_process
-    from client.store import StoreClient
 
     address_file = tmp_path / "store.json"
     flags = ["--address-file", str(address_file), "--metrics-listen", "127.0.0.1:0"]
@@ -77,8 +78,9 @@ def test_agents_in_an_empty_namespace_points_at_the_namespaces_that_have_some(st
 def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
     tiny_model_dirs, store_process, start_worker
 ):
+    from agentkv.client.memory import AgentMemory
+
     from agentkv.errors import SystemPromptDiffers
-    from client.memory import AgentMemory
 
     worker = start_worker(tiny_model_dirs["llama"])
     with AgentMemory(worker.address, store=store_process.address, namespace="prompts") as mem:

@@ -251,7 +251,7 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
 def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, monkeypatch):
     """`agentkv-worker --model FILE.gguf`: imported into the model cache at start, served,
     and the fingerprint names the GGUF's content (another file, another fingerprint)."""
-    from client.worker import WorkerClient
+    from agentkv.client.worker import WorkerClient
 
     path, config, _, _, w = sources["qwen3"]
     monkeypatch.setenv("AGENTKV_MODEL_CACHE", str(tmp_path / "cache"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from agentkv.client.blocks import StoredBlock
 from mlx_lm.models.cache import make_prompt_cache
 
 from agentkv.keys import chain_keys
-from client.blocks import StoredBlock
 from inference_worker.blocks import block_spans, cache_blocks, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.kv_format import KVFormat

@@ -30,6 +30,8 @@ def modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[0] == "client":  # the SDK's folder; its import name is agentkv.client
+                parts = ("agentkv", *parts)
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             found[name] = path
     return found
@@ -40,9 +42,13 @@ def layer(module: str) -> int:
         return 4
     if module.startswith("inference_worker"):
         return 3
-    if module.startswith(("cache_store", "client")):
+    if module.startswith(("cache_store", "agentkv.client")):
         return 2
     return 1 if module in PLUMBING else 0
+
+
+def package(module: str) -> str:
+    return "agentkv.client" if module.startswith("agentkv.client") else module.split(".")[0]
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
@@ -72,9 +78,9 @@ def test_no_import_runs_upward_or_across_services():
     wrong = []
     for module, targets in graph().items():
         for target in targets:
-            if target.split(".")[0] == module.split(".")[0] and layer(target) == layer(module):
+            if package(target) == package(module) and layer(target) == layer(module):
                 continue  # within one package
-            other_service = {module.split(".")[0], target.split(".")[0]} == SERVICES
+            other_service = {package(module), package(target)} == SERVICES
             if layer(target) > layer(module) or layer(target) == layer(module) > 0 or other_service:
                 wrong.append(f"{module} (layer {layer(module)}) imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
@@ -104,3 +110,15 @@ def test_no_import_circle():
     for module in sorted(edges):
         if module not in state and (circle := visit(module)):
             raise AssertionError("import circle: " + " -> ".join(circle))
+
+
+def test_the_sdk_is_imported_only_by_its_collision_free_name():
+    """`client` alone would be shadowed by any module of that name in a user's project."""
+    plain = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            plain += [f"{module}: {n}" for n in names if n == "client" or n.startswith("client.")]
+    assert not plain, "\n".join(plain)

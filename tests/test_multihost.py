@@ -12,11 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
 
 from agentkv.channels import ClientSecurity
 from agentkv.launch import store_process, worker_process
-from client.store import StoreClient
-from client.worker import WorkerClient
 from tests.helpers import make_certs
 
 TOKEN = "multihost-token-0123456789"

@@ -12,10 +12,10 @@ import asyncio
 import time
 
 import pytest
+from agentkv.client.aio import AsyncAgentMemory, AsyncReply
+from agentkv.client.memory import AgentMemory
 
 from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
-from client.aio import AsyncAgentMemory, AsyncReply
-from client.memory import AgentMemory
 from tests.helpers import free_address
 
 SYSTEM = "You are the warden of the prison. " * 12

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from agentkv.client.store import StoreClient
+from agentkv.client.synthetic import make_chain
 
 from agentkv.auth import TokenTable
 from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentKVError, PermissionDenied, Unauthenticated, Unavailable
 from agentkv.launch import store_process
 from agentkv.security import ServerSecurity
-from client.store import StoreClient
-from client.synthetic import make_chain
 from tests.helpers import make_certs
 
 TEAM_A = "team-a-token-0123456789"
@@ -247,8 +247,9 @@ def test_the_health_port_serves_health_alone_in_plaintext(tmp_path, certs, token
 def test_worker_enforces_tokens_and_reaches_a_secured_store(
     tmp_path, tokens_file, secured_store, tiny_model_dirs
 ):
+    from agentkv.client.worker import WorkerClient
+
     from agentkv.launch import worker_process
-    from client.worker import WorkerClient
 
     (tmp_path / "store.token").write_text(OPS + "\n")
     worker = worker_process(
@@ -277,7 +278,7 @@ def test_worker_enforces_tokens_and_reaches_a_secured_store(
         team_a.wait_durable("a", "alice")  # the worker's own token reached the store
         import asyncio
 
-        from client.aio import AsyncAgentMemory
+        from agentkv.client.aio import AsyncAgentMemory
 
         async def through_asyncio() -> tuple[int, str]:
             async with AsyncAgentMemory(

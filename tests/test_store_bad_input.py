@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from agentkv.client.store import StoreClient
 
 from agentkv import wire
 from agentkv.errors import (
@@ -33,7 +34,6 @@ from agentkv.errors import (
 from agentkv.keys import block_key
 from agentkv.v1 import store_pb2 as pb
 from cache_store.validation import DTYPE_SIZES
-from client.store import StoreClient
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from agentkv.client.store import put_messages
 
 from agentkv.errors import AgentKVError
-from client.store import put_messages
 from tests.helpers import FP, NS, StoreProcess, assert_store_consistent, make_chain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def test_startup_sweeps_partial_uploads_and_orphans(crash_store):
 
 CLIENT_DIES_MIDWAY = """
 import sys, time
-from client.store import StoreClient, put_messages
+from agentkv.client.store import StoreClient, put_messages
 from tests.helpers import FP, NS, make_chain
 from tests.test_store_crash import SHAPE
 

@@ -150,9 +150,10 @@ def reaches_store(w) -> bool:
 
 @pytest.mark.parametrize("points", CASES.values(), ids=CASES.keys())
 def test_store_kill9_during_worker_commits_loses_no_turn(rig, points):
+    from agentkv.client.store import StoreClient
+    from agentkv.client.worker import WorkerClient
+
     from agentkv.errors import Unavailable
-    from client.store import StoreClient
-    from client.worker import WorkerClient
 
     def dead() -> bool:
         return not store.running
@@ -244,8 +245,9 @@ def test_a_commit_whose_reply_was_lost_is_not_taken_for_another_writers(rig):
     """kill -9 after the store applied a durable turn's commit, before its reply: the worker
     must not take its own commit for another worker's and drop the turn it served while the
     store was down (its next reply must see that turn, like a never-crashed agent's)."""
+    from agentkv.client.worker import WorkerClient
+
     from agentkv.errors import Unavailable
-    from client.worker import WorkerClient
 
     store = rig.store("committed:2")  # CreateAgent's commit is the first, the turn's the second
     w = WorkerClient(rig.worker("worker").address, timeout=60)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from agentkv.client.blocks import Block, Tensor
+from agentkv.client.store import StoreClient, put_messages
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentkv import wire
@@ -31,8 +33,6 @@ from agentkv.errors import (
     ResourceExhausted,
 )
 from agentkv.v1 import store_pb2 as pb
-from client.blocks import Block, Tensor
-from client.store import StoreClient, put_messages
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
 
 MiB = 1 << 20

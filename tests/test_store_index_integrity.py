@@ -18,12 +18,12 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
+from agentkv.client.blocks import Block
+from agentkv.client.store import StoreClient
 
 from agentkv.errors import AgentKVError, AgentNotFound, CorruptRecord
 from agentkv.keys import token_bytes
 from agentkv.v1 import store_pb2 as pb
-from client.blocks import Block
-from client.store import StoreClient
 from tests.helpers import FP, NS, StoreProcess, cli, make_chain, same_bytes
 
 OTHER_NS = "tenant-b"

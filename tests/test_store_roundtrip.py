@@ -75,7 +75,7 @@ def test_racing_uploads_of_one_block_keep_file_and_index_in_step(store):
     """Two workers upload the same span at once (bytes may differ in the last bit): one wins."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from client.store import StoreClient
+    from agentkv.client.store import StoreClient
 
     tokens = list(range(64))
     versions = [make_chain(tokens, block_tokens=64, seed=seed)[0] for seed in range(8)]

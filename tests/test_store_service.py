@@ -99,7 +99,7 @@ def test_logs_are_json_lines_and_sigterm_stops_cleanly(store_process, store):
 
 def test_store_never_imports_mlx():
     code = (
-        "import sys, cache_store.__main__, cache_store.server, client.store, agentkv.cli;"
+        "import sys, cache_store.__main__, cache_store.server, agentkv.client.store, agentkv.cli;"
         "sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -211,7 +211,7 @@ def test_worker_restores_only_the_window_and_answers_the_same(tiny_model_dirs, s
     (attention sums over fewer, masked-out keys: ~1e-4 on a logit here, which can flip a
     random Gemma's near-tied argmax many tokens later), so there only the first token is
     compared."""
-    from client.worker import WorkerClient
+    from agentkv.client.worker import WorkerClient
 
     model = tiny_model_dirs["gemma3_text"]
     window = WorkerClient(start_worker(model, name="window").address)

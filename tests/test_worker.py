@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from agentkv.client.worker import WorkerClient
 
 from agentkv.errors import (
     AgentExists,
@@ -21,7 +22,6 @@ from agentkv.errors import (
     OutOfRange,
 )
 from agentkv.v1 import store_pb2
-from client.worker import WorkerClient
 from tests.conftest import ARCHS
 
 SYSTEM = "You are the warden of the prison. " * 12  # about 100 tokens: a full block and more
@@ -74,8 +74,8 @@ def test_greedy_continuations_match_across_evict_restore_and_restart(
 def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch):
     """In-process engine against the real store: hot and restored next-token logits."""
     import mlx.core as mx
+    from agentkv.client.store import StoreClient
 
-    from client.store import StoreClient
     from inference_worker.chat import ChatMessage
     from inference_worker.config import WorkerConfig
     from inference_worker.engine import Engine

@@ -9,10 +9,10 @@ import urllib.request
 
 import grpc
 import pytest
+from agentkv.client.worker import WorkerClient
 
 from agentkv.errors import ResourceExhausted
 from agentkv.worker.v1 import worker_pb2 as pb
-from client.worker import WorkerClient
 
 PROMPTS = {f"agent{i}": "You are the warden. " * (3 + 11 * i) for i in range(4)}
 QUESTION = [("user", "Where were you?")]

@@ -22,13 +22,13 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from agentkv.client.blocks import Block, StoredBlock, Tensor
+from agentkv.client.worker import WorkerClient
 
 from agentkv.errors import AgentKVError, InvalidArgument
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
-from client.blocks import Block, StoredBlock, Tensor
-from client.worker import WorkerClient
 from inference_worker.kv_cache import NUMPY_DTYPES
 from tests.faulty_worker import ROW_FAULT_SEED, SECRET, STEP_FAULT_SEED
 

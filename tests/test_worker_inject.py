@@ -8,9 +8,9 @@ source's blocks in the store, so the store grows only by the fork's new blocks.
 from __future__ import annotations
 
 import pytest
+from agentkv.client.worker import WorkerClient
 
 from agentkv.errors import AgentExists, AgentNotFound, InvalidArgument
-from client.worker import WorkerClient
 from tests.conftest import ARCHS
 
 SYSTEM = "You are the warden of the prison. " * 12
