@@ -1,4 +1,5 @@
-"""Per-layer KV cache shapes read from a model's config.json, and the bytes a token costs.
+"""Per-layer KV cache shapes read from a model's config.json, the KV format (how keys and
+values are quantized), and the bytes a token costs.
 
 Pure Python, no MLX. The shapes are what mlx-lm's model classes (0.32) pass to their caches'
 `update_and_fetch`, which is what agentkv's worker quantizes and stores; tests check them
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from agentkv.flags import flag
 
 KINDS = ("full", "sliding")
 
@@ -46,7 +49,7 @@ class LayerSpec:
 class KVStorage:
     """How K and V elements are stored: 16-bit floats (`bits=16`), or `bits`-bit integers with
     a scale and a bias of `scale_bytes` each per `group_size` elements (mx.quantize's layout,
-    which inference_worker.kv_format.KVFormat configures)."""
+    which KVFormat configures for keys and values)."""
 
     bits: int = 16
     group_size: int = 64
@@ -73,6 +76,41 @@ class KVStorage:
 
 
 FP16 = KVStorage()
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """How K and V are stored: bits each, quantization group, and the scales' dtype."""
+
+    k_bits: int = flag(4, "bits per key element")
+    v_bits: int = flag(4, "bits per value element")
+    group_size: int = flag(64, "elements per quantization scale and bias (32, 64 or 128)")
+    scale_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if bits not in (2, 3, 4, 5, 6, 8):
+                raise ValueError(f"{name} must be one of 2, 3, 4, 5, 6, 8; got {bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
+        if self.scale_dtype not in ("float16", "float32"):
+            raise ValueError(f"scale_dtype must be float16 or float32; got {self.scale_dtype}")
+
+    @property
+    def name(self) -> str:
+        """e.g. "k4v4g64f16": part of the model fingerprint."""
+        scales = "f16" if self.scale_dtype == "float16" else "f32"
+        return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"
+
+    def token_bytes(self, specs: Sequence[LayerSpec]) -> int:
+        """Bytes one token of context costs in these layers' caches (agentkv.layers' sizes)."""
+        scale_bytes = 2 if self.scale_dtype == "float16" else 4
+        k, v = (KVStorage(b, self.group_size, scale_bytes) for b in (self.k_bits, self.v_bits))
+        per_layer = (
+            s.kv_heads * (k.vector_bytes(s.k_head_dim) + v.vector_bytes(s.v_head_dim))
+            for s in specs
+        )
+        return sum(per_layer)
 
 
 def layer_bytes_per_token(spec: LayerSpec, fmt: KVStorage) -> int:

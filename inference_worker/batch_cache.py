@@ -15,8 +15,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
+from agentkv.layers import KVFormat
 from inference_worker.kv_cache import QTensor, QuantizedKV, fit_tokens
-from inference_worker.kv_format import KVFormat
 
 
 class BatchQuantizedKV:

@@ -19,9 +19,8 @@ from agentkv.client.blocks import Block, StoredBlock, Tensor
 
 from agentkv.errors import BlockMisfit, CorruptBlock
 from agentkv.keys import ROOT_KEY, block_key
-from agentkv.layers import LayerSpec
+from agentkv.layers import KVFormat, LayerSpec
 from inference_worker.kv_cache import NUMPY_DTYPES, PARTS, QuantizedKV
-from inference_worker.kv_format import KVFormat
 
 
 class TensorSpec(NamedTuple):

@@ -8,9 +8,9 @@ from agentkv import defaults
 from agentkv.addresses import listen_host
 from agentkv.channels import ClientSecurity
 from agentkv.flags import flag, nested
+from agentkv.layers import KVFormat
 from agentkv.serving import ServerConfig, listen_flag
 from agentkv.units import parse_bytes
-from inference_worker.kv_format import KVFormat
 
 RESTORE_PATHS = ("auto", "locate", "stream")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import xxhash
 
-from inference_worker.kv_format import KVFormat
+from agentkv.layers import KVFormat
 
 TOKENIZER_FILES = (
     "tokenizer.json",

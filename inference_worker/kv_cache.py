@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from agentkv.client.blocks import Tensor
 
-from inference_worker.kv_format import KVFormat
+from agentkv.layers import KVFormat
 
 PARTS = ("packed", "scales", "biases")
 SAFETENSORS_DTYPES = {mx.uint32: "U32", mx.float16: "F16", mx.float32: "F32"}

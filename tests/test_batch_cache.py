@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from agentkv.layers import KVFormat
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.blocks import cache_blocks, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
-from inference_worker.kv_format import KVFormat
 from tests.conftest import ARCHS
 
 LENGTHS = (300, 70, 150)

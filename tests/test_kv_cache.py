@@ -9,9 +9,9 @@ from agentkv.client.blocks import StoredBlock
 from mlx_lm.models.cache import make_prompt_cache
 
 from agentkv.keys import chain_keys
+from agentkv.layers import KVFormat
 from inference_worker.blocks import block_spans, cache_blocks, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
-from inference_worker.kv_format import KVFormat
 from inference_worker.layer_spec import model_layers
 from tests.conftest import ARCHS
 

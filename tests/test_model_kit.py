@@ -9,8 +9,8 @@ import shutil
 import mlx.core as mx
 import pytest
 
+from agentkv.layers import KVFormat
 from inference_worker.fingerprint import model_fingerprint
-from inference_worker.kv_format import KVFormat
 from tests.conftest import ARCHS
 from tests.model_kit import BOS
 

@@ -322,8 +322,8 @@ def test_specs_match_mlx_lm_caches(tiny_models, tiny_model_dirs, arch):
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+    from agentkv.layers import KVFormat
     from inference_worker.kv_cache import QuantizedKV
-    from inference_worker.kv_format import KVFormat
 
     model, _ = tiny_models[arch]
     specs = layer_specs(config_of(tiny_model_dirs, arch))

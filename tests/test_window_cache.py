@@ -11,10 +11,10 @@ import time
 import mlx.core as mx
 import pytest
 
+from agentkv.layers import KVFormat
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.blocks import block_layers, cache_blocks, caches_from_blocks
 from inference_worker.kv_cache import QuantizedKV
-from inference_worker.kv_format import KVFormat
 from inference_worker.layer_spec import cache_windows
 
 BLOCK = 64
