@@ -56,6 +56,8 @@ class ServerConfig:
     def check_serving(self) -> None:
         """Refuses addresses that cannot be served and unsafe security (ServerSecurity.check)."""
         listen_host(self.listen)
+        if self.address_file and not Path(self.address_file).parent.is_dir():
+            raise ValueError(f"address_file {self.address_file}: its folder does not exist")
         tcp_listen("metrics_listen", self.metrics_listen)
         tcp_listen("health_listen", self.health_listen)
         self.security.check(self.listen, self.is_loopback)
@@ -130,20 +132,23 @@ def serve_until_signal(
     if address_file:
         address_file.unlink(missing_ok=True)  # what a script finds is this run's
     served = create()
-    metrics = start_metrics(config.metrics_listen, served.metrics.registry)
-    served.server.start()
-    health_server, health_address = start_health(config.health_listen, served.health)
-    extra = {"address": served.address, **facts, "metrics": metrics, "health": health_address}
-    if address_file:
-        write_atomically(address_file, json.dumps(extra) + "\n")
-    log.info("serving", extra=extra)
-    wait_for_signal()
-    log.info("stopping")
-    served.stop()
-    if health_server is not None:
-        health_server.stop(0)
-    if address_file:
-        address_file.unlink(missing_ok=True)
+    health_server = None
+    try:  # whatever fails from here, the index is closed and no stale address is left
+        metrics = start_metrics(config.metrics_listen, served.metrics.registry)
+        served.server.start()
+        health_server, health_address = start_health(config.health_listen, served.health)
+        extra = {"address": served.address, **facts, "metrics": metrics, "health": health_address}
+        if address_file:
+            write_atomically(address_file, json.dumps(extra) + "\n")
+        log.info("serving", extra=extra)
+        wait_for_signal()
+        log.info("stopping")
+    finally:
+        served.stop()
+        if health_server is not None:
+            health_server.stop(0)
+        if address_file:
+            address_file.unlink(missing_ok=True)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -28,6 +28,7 @@ from cache_store.records import AgentRecord
 log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
 INDEX_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
+COLLECT_BATCH = 64  # blocks a collection deletes per hold of the capacity lock
 T = TypeVar("T")
 
 
@@ -122,24 +123,24 @@ class Capacity:
         with self._lock:
             self._reserved[namespace] -= size
 
-    def collect(self, namespace: str | None, idle_ms: int = 0) -> tuple[int, int]:
+    def collect(
+        self, namespace: str | None, idle_ms: int = 0, stopping: Callable[[], bool] | None = None
+    ) -> tuple[int, int]:
         """Deletes every unreferenced, unleased block (with `idle_ms`, those nobody has read
-        or written for that long); returns (blocks, bytes)."""
+        or written for that long, checked again as each goes); returns (blocks, bytes). The
+        lock is taken a batch at a time, so uploads wait for one batch at most; `stopping`
+        ends the sweep between batches."""
+        cutoff = now_ms() - idle_ms if idle_ms else 0
         with self.index.read() as txn:
             candidates = self.index.unreferenced(txn, namespace)
-            if idle_ms:
-                cutoff = now_ms() - idle_ms
-                records = {b: self.index.find_block(txn, *b) for b in candidates}
-                candidates = [
-                    b
-                    for b, r in records.items()
-                    if r is not None and self.block_last_access(b, r.created_ms) < cutoff
-                ]
         deleted = freed = 0
-        with self._lock:
-            for block in candidates:
-                size = self._delete_unreferenced(block, count_eviction=False)
-                deleted, freed = deleted + (size > 0), freed + size
+        for start in range(0, len(candidates), COLLECT_BATCH):
+            if stopping is not None and stopping():
+                break
+            with self._lock:
+                for block in candidates[start : start + COLLECT_BATCH]:
+                    size = self._delete_unreferenced(block, False, idle_before_ms=cutoff)
+                    deleted, freed = deleted + (size > 0), freed + size
         return deleted, freed
 
     # eviction
@@ -204,14 +205,22 @@ class Capacity:
                 return True
         return False
 
-    def _delete_unreferenced(self, block: BlockId, count_eviction: bool) -> int:
-        """Deletes a block if still unreferenced and unleased; returns bytes freed."""
+    def _delete_unreferenced(
+        self, block: BlockId, count_eviction: bool, idle_before_ms: int = 0
+    ) -> int:
+        """Deletes a block if still unreferenced and unleased (and, with `idle_before_ms`,
+        untouched since then); returns bytes freed."""
         if self.leases.is_held(block):
             return 0
         with self.index.write() as txn:
             record = self.index.find_block(txn, *block)
             if record is None or record.refcount:
                 return 0
+            if (
+                idle_before_ms
+                and self.block_last_access(block, record.created_ms) >= idle_before_ms
+            ):
+                return 0  # read or deduplicated since the sweep began
             self.index.delete_block(txn, record)
             if count_eviction:
                 self.index.bump(txn, "evicted_blocks")
@@ -235,7 +244,7 @@ class IdleCollector:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                deleted, freed = self.capacity.collect(None, self.idle_ms)
+                deleted, freed = self.capacity.collect(None, self.idle_ms, self._stop.is_set)
             except Exception:  # a full disk or a bad record: the next round tries again
                 log.exception("idle collection failed")
                 continue

@@ -6,9 +6,10 @@ covered by a committed manifest and no write for it is still in flight.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -249,12 +250,19 @@ class HotTier:
         ]
 
 
-def agent_exists(
-    ns: str, agent_id: str, existing: Sequence[int], system: Sequence[int]
-) -> AgentKVError:
-    """What creating an agent that exists raises: AgentExists when it starts with the system
-    prompt asked for (the SDK then uses it as it is), SystemPromptDiffers when it does not."""
-    if list(existing[: len(system)]) == list(system):
+SYSTEM_KEY = "agentkv.system_sha256"  # metadata a worker adds at create: its system prompt's
+
+
+def system_digest(system: str) -> str:
+    return hashlib.sha256(system.encode()).hexdigest()
+
+
+def agent_exists(ns: str, agent_id: str, metadata: Mapping[str, str], system: str) -> AgentKVError:
+    """What creating an agent that exists raises: AgentExists when it was made with the system
+    prompt asked for (the SDK then uses it as it is; so too an agent from before workers kept
+    the digest), SystemPromptDiffers when it was not."""
+    stored = metadata.get(SYSTEM_KEY)
+    if stored is None or stored == system_digest(system):
         return AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
     return SystemPromptDiffers(
         f"agent {agent_id!r} in namespace {ns!r} exists with another system prompt: delete it "

@@ -109,11 +109,11 @@ class Engine:
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
     ) -> AgentInfo:
         """A new agent, its system prompt prefilled (ids and metadata checked by the caller)."""
-        check_system(system)
-        tokens, chat = self.chat.start(system)
         hot = self.hot.get((ns, agent_id))
         if hot is not None:  # the RPC thread asked the store
-            raise agent_exists(ns, agent_id, hot.tokens, tokens)
+            raise agent_exists(ns, agent_id, hot.metadata, system)
+        check_system(system)
+        tokens, chat = self.chat.start(system)
         caches = self.restorer.empty_caches()
         agent = Agent(ns, agent_id, tokens, caches, phase=phase, metadata=metadata, chat=chat)
         agent.check_context(0, self.runtime.max_context)
@@ -122,10 +122,6 @@ class Engine:
         self.batcher.prefill(agent)
         self._finish_turn(agent)
         return agent.info("hot")
-
-    def system_tokens(self, system: str) -> list[int]:
-        """What an agent made with this system prompt starts with."""
-        return self.chat.start(system)[0]
 
     def start_turn(
         self, job: TurnJob, view: StoreView | None = None, fetched: Fetched | None = None

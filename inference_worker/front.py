@@ -14,7 +14,7 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.errors import AgentNotFound
-from inference_worker.agents import agent_exists
+from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
 from inference_worker.turns import AgentInfo, TurnJob
@@ -30,9 +30,8 @@ class Front:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         stored = self._stored(ns, agent_id)
         if stored is not None:
-            system_tokens = self._mlx(self.engine.system_tokens, system)
-            raise agent_exists(ns, agent_id, stored.token_ids, system_tokens)
-        metadata = ids.metadata(metadata)
+            raise agent_exists(ns, agent_id, stored.metadata, system)
+        metadata = ids.metadata({**metadata, SYSTEM_KEY: system_digest(system)})
         return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
 
     def start_turn(self, job: TurnJob) -> None:

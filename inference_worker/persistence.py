@@ -32,7 +32,7 @@ from agentkv.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from inference_worker.agents import Agent
+from inference_worker.agents import SYSTEM_KEY, Agent
 from inference_worker.blocks import cache_blocks
 from inference_worker.chat import ChatState
 from inference_worker.metrics import WorkerMetrics
@@ -81,7 +81,11 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
 
 
 def caller_metadata(metadata: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in metadata.items() if not k.startswith(INTERNAL_PREFIX)}
+    """What a restored agent carries on: the caller's metadata and its system prompt's digest
+    (SYSTEM_KEY), not the worker's per-commit state."""
+    return {
+        k: v for k, v in metadata.items() if not k.startswith(INTERNAL_PREFIX) or k == SYSTEM_KEY
+    }
 
 
 @dataclass(slots=True)

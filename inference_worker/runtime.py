@@ -7,6 +7,7 @@ Import this only after inference_worker.blas.load_optimized_blas() (it imports m
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from inference_worker.layer_spec import model_layers
 from inference_worker.models import resolve_model
 from inference_worker.sampling import vocab_size
 
+log = logging.getLogger("agentkv.worker")
 TICK_SECONDS = 2.0  # the longest the MLX thread waits for a job before its tick runs
 _IDLE = object()  # no job arrived within TICK_SECONDS
 
@@ -62,7 +64,11 @@ class MLXThread:
                 return
             if item is not _IDLE:
                 _run(*item)
-            busy = self.on_tick()
+            try:
+                busy = self.on_tick()
+            except Exception:  # the thread must outlive it: every RPC waits on this thread
+                log.exception("engine tick failed")
+                busy = False
 
 
 def _run(fn: Callable[..., Any], args: tuple, future: Future) -> None:

@@ -7,11 +7,9 @@ from __future__ import annotations
 import logging
 import threading
 
+import grpc
 from agentkv.client.store import StoreClient
-from grpc_health.v1 import health, health_pb2
-
-from agentkv.errors import AgentKVError, DeadlineExceeded, Unavailable
-from agentkv.v1 import store_pb2 as pb
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 log = logging.getLogger("agentkv.worker")
 STORE_HEALTH = "agentkv.worker.store"  # SERVING while the store answers, else NOT_SERVING
@@ -20,7 +18,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class StoreHealth:
-    """Asks the store (GetStats) now and every `interval` seconds until close(); logs each
+    """Asks the store's health now and every `interval` seconds until close(); logs each
     change, a warning when it stops answering, and sets STORE_HEALTH in `servicer`."""
 
     def __init__(
@@ -33,6 +31,7 @@ class StoreHealth:
     ) -> None:
         self.store, self.address, self.servicer = store, address, servicer
         self.interval, self.timeout = interval, timeout
+        self._health = health_pb2_grpc.HealthStub(store.channel)
         self.answering: bool | None = None
         self._stop = threading.Event()
         self.check()  # before the worker says "serving"
@@ -40,13 +39,17 @@ class StoreHealth:
         self._thread.start()
 
     def check(self) -> bool:
+        """Asks the store's grpc.health.v1 (open to every caller, no token needed)."""
         try:
-            self.store.call("GetStats", pb.GetStatsRequest(), timeout=self.timeout)
-            answering, reason = True, ""
-        except (Unavailable, DeadlineExceeded) as exc:
-            answering, reason = False, exc.message
-        except AgentKVError:  # an answer (a token for one namespace may not read the totals)
-            answering, reason = True, ""
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+            answering = reply.status == SERVING
+            reason = (
+                "" if answering else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            )
+        except grpc.RpcError as exc:
+            answering, reason = False, exc.details() or exc.code().name
+        except Exception as exc:  # a closed channel at shutdown: say so, keep watching
+            answering, reason = False, repr(exc)
         if answering != self.answering:
             self.servicer.set(STORE_HEALTH, SERVING if answering else NOT_SERVING)
             if answering:

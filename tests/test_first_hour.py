@@ -87,8 +87,12 @@ def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
         first = mem.agent("marco", system="You are Marco.")
         assert first.created
         assert first.say("Hello.", max_tokens=2).usage.prompt_tokens > 0
-        for hot in (True, False):  # in the worker's RAM, then only in the store
-            if not hot:
+        # in the worker's RAM; only in the store; restored by a turn and written again
+        for stage in ("hot", "stored", "restored"):
+            if stage == "stored":
+                first.evict()
+            if stage == "restored":
+                assert first.say("Again.", max_tokens=2).usage.cache_state == "warm"
                 first.evict()
             assert not mem.agent("marco", system="You are Marco.").created  # the same: reused
             with pytest.raises(SystemPromptDiffers, match="exists with another system prompt"):
