@@ -1,7 +1,16 @@
 """agentkv: persistent 4-bit KV-cache memory for multi-agent LLM inference.
 
 This package holds what the store, the worker and the SDK share: the generated gRPC stubs
-(`agentkv.v1`), typed errors, block keys, the raw-chunk wire fast path, and the CLI.
+(`agentkv.v1`), typed errors, block keys, the raw-chunk wire fast path, and the CLI. The SDK
+is `agentkv.client`: an installed wheel has it in agentkv/client/, a source checkout in its
+top-level client/ folder, which the next lines let Python find there too (an editable install
+maps it as well; this covers a checkout on sys.path ahead of a regular install).
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+_checkout = Path(__file__).resolve().parent.parent
+if not (Path(__file__).parent / "client").is_dir() and (_checkout / "client").is_dir():
+    __path__.append(str(_checkout))
