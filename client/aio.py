@@ -9,7 +9,9 @@
 
 Routing, failover and retries are the sync SDK's (client/core.py, the same Router, so both
 send an agent to the same worker); only awaiting differs. Make an AsyncAgentMemory inside the
-event loop that uses it: grpc.aio channels belong to the loop they were made in.
+event loop that uses it: grpc.aio channels belong to the loop they were made in. The shared
+methods (client/core.py) return awaitables rather than being `async def` themselves: await
+them as usual; a bad argument raises at the call, before any await.
 """
 
 from __future__ import annotations
