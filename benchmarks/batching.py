@@ -457,7 +457,8 @@ def cache_op_costs(caches: list, batch: int) -> dict[str, float]:
 
 
 def hot_scan_us(caches: list, num_agents: int = 32) -> float:
-    """µs per idle hot agent of the sum Engine._step takes before every model step."""
+    """µs per idle hot agent of the sum HotTier.make_room takes before every
+    model step (Engine.step asks it)."""
     from inference_worker.agents import Agent
 
     agents = [Agent(NS, f"idle{i}", [], caches) for i in range(num_agents)]
@@ -645,7 +646,7 @@ def paper_notes(cells: list[Cell], runs: list[Staggered]) -> list[str]:
 
 def other_notes(runs: list[Staggered], scans: dict[int, float]) -> list[str]:
     notes = [
-        f"Engine._step re-sums every idle hot agent's bytes before each model step: "
+        f"HotTier.make_room re-sums every idle hot agent's bytes before each model step: "
         f"{us:.0f} us per agent at {label(context)} (in-process)"
         for context, us in scans.items()
     ]

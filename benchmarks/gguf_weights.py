@@ -1,13 +1,8 @@
 """What an imported GGUF's weights should become on this device: dequantized or native.
 
-Imports the model (--model, default the shipped SmolLM2 GGUF) both ways, `float32` (the
-GGUF's 4/8-bit tensors dequantized) and `native` (kept as MLX quantized layers, computing in
-float32 as the worker does on CPU), and times in process, --repeats times each: a prefill of
---prefill tokens and --decode single-token decode steps over an fp cache. Prints a Markdown
-table (min / median / max) and which is faster; the worker's `--gguf-weights auto` picks
-float32 on CPU and native on a GPU.
-
-Run:  python benchmarks/gguf_weights.py [--model FILE.gguf|NAME] [--prefill 512] [--decode 32]
+Times a prefill and single-token decode steps of the model imported `float32` and `native`
+(the worker's `--gguf-weights auto` picks float32 on CPU, native on a GPU).
+Run: python benchmarks/gguf_weights.py [--model FILE.gguf|NAME] [--prefill 512] [--decode 32]
 """
 
 from __future__ import annotations

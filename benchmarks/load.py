@@ -1,24 +1,7 @@
 """A bounded load test: many agents, several client threads, two workers, evictions and
-restores throughout; every turn is checked against a greedy replay.
+restores throughout; every turn is checked against a greedy replay (the README explains how).
 
-    python benchmarks/load.py                # 3 minutes: 16 agents at once, 4 threads, 2 workers
-    python benchmarks/load.py --minutes 10   # longer
-    python benchmarks/load.py --quick        # the CI size: 16 agents, 3 turns each
-
-Client threads take agents from a queue (one thread per agent at a time, so its history
-stays in order) and say its next message through AgentMemory (durable turns); now and then
-a thread evicts an agent, and each worker's hot budget holds only a few agents, so agents
-are restored warm all the time. Until the time is up, an agent that reaches --turns turns
-retires (it stays in the store) and a fresh one takes its place: contexts stay bounded while
-the store grows. With --minutes 0 each agent takes --turns turns. Then every agent, retired
-ones too, is replayed turn by turn on fresh workers, many at once: every reply must match
-token for token (greedy decoding), and the store must hold each agent's every token. A turn
-lost (failed, or missing from the store) or wrong fails the run.
-
-The model is --model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as
-agentkv-worker --model takes; default SmolLM2-135M-Instruct); the workers get its resolved
-directory. Each worker's hot budget defaults to ~1,700 tokens of the model's Q4 cache (~440
-with --quick): a few agents.
+Run: python benchmarks/load.py [--minutes 3] [--agents 16] [--threads 4] [--quick] [--model SPEC]
 """
 
 from __future__ import annotations
