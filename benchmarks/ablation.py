@@ -28,8 +28,10 @@ from harness import (
     Turn,
     check,
     context_text,
+    fmt,
     label,
     machine,
+    median,
     name_list,
     parser,
     plot,
@@ -37,6 +39,7 @@ from harness import (
     say,
     services,
     spread,
+    table,
     timed_turn,
 )
 from paper import table14_gemma
@@ -326,28 +329,12 @@ def persistence_rows(p: Persistence) -> list[Row]:
 def capacity_rows(c: Capacity) -> list[Row]:
     at = f"agents at {label(c.context)} in {c.budget / 2**20:.1f} MiB"
     q4, q8, fp16 = c.fits["q4"].num_hot, c.fits["q8"].num_hot, c.plan.num_fp16_agents
+    vs_fp16, vs_q8 = f"{at}: Q4 hot (measured) vs FP16 (planner)", f"{at}: Q4 hot vs Q8 hot"
     return [
-        Row(
-            "capacity",
-            "Q4 vs FP16",
-            f"{at}: Q4 hot (measured) vs FP16 (planner)",
-            [q4],
-            [fp16],
-            False,
-            0,
-            ("Q4", "FP16 (planner)"),
-        ),
-        Row(
-            "capacity-q8",
-            "Q4 vs Q8 (both stored)",
-            f"{at}: Q4 hot vs Q8 hot (both measured)",
-            [q4],
-            [q8],
-            False,
-            0,
-            ("Q4", "Q8"),
-        ),
-    ]
+        Row("capacity", "Q4 vs FP16", vs_fp16, [q4], [fp16], False, 0, ("Q4", "FP16 (planner)")),
+        Row("capacity-q8", "Q4 vs Q8 (both stored)", f"{vs_q8} (both measured)", [q4], [q8],
+            False, 0, ("Q4", "Q8")),
+    ]  # fmt: skip
 
 
 def batching_rows(b: Batching) -> list[Row]:
@@ -389,159 +376,139 @@ def rows_of(results: dict[str, Any]) -> list[Row]:
     ]
 
 
-def paper_cells(key: str) -> str:
-    paper = PAPER.get(key)
-    if paper is None:
-        return "- | - | -"
-    return f"{paper.with_:g} | {paper.without:g}{paper.star} | {paper.effect:.1f}x{paper.star}"
+def paper_cells(key: str) -> tuple[str, str, str]:
+    if (p := PAPER.get(key)) is None:
+        return "-", "-", "-"
+    return f"{p.with_:g}", f"{p.without:g}{p.star}", f"{p.effect:.1f}x{p.star}"
 
 
 def summary_table(rows: list[Row]) -> str:
-    lines = [
-        "| component | metric | with | without | effect | paper with | paper without"
-        " | paper effect |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+    cells = [
+        (r.component, r.metric, r.cell(r.with_), r.cell(r.without), f"{r.effect:.1f}x")
+        + paper_cells(r.key)
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.component} | {r.metric} | {r.cell(r.with_)} | {r.cell(r.without)} "
-            f"| {r.effect:.1f}x | {paper_cells(r.key)} |"
-        )
-    return "\n".join(lines)
+    headers = ("component", "metric", "with", "without", "effect", "paper with")
+    return table((*headers, "paper without", "paper effect"), cells, "ll" + "r" * 6)
 
 
-def turns_line(name: str, turns: list[Turn]) -> str:
-    s = spread([t.server_ms for t in turns])
-    u = [t.usage for t in turns]
+def turns_row(name: str, turns: list[Turn]) -> tuple:
+    s, u = spread([t.server_ms for t in turns]), [t.usage for t in turns]
+    tokens = [fmt(median([x[k] for x in u]), 0) for k in ("prompt_tokens", "prefilled_tokens")]
+    restored = fmt(median([x["reused_store_tokens"] for x in u]), 0)
+    client = fmt(median([t.client_ms for t in turns]))
     return (
-        f"| {name} | {len(turns)} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} "
-        f"| {statistics.median(t.client_ms for t in turns):.1f} "
-        f"| {statistics.median(x['prompt_tokens'] for x in u):.0f} "
-        f"| {statistics.median(x['prefilled_tokens'] for x in u):.0f} "
-        f"| {statistics.median(x['reused_store_tokens'] for x in u):.0f} |"
+        name,
+        len(turns),
+        fmt(s["min"]),
+        fmt(s["median"]),
+        fmt(s["max"]),
+        client,
+        *tokens,
+        restored,
     )
 
 
 def persistence_table(p: Persistence) -> str:
-    return "\n".join(
-        [
-            "| path | passes | min ms | median ms | max ms | client wall median ms"
-            " | prompt tokens | prefilled | restored from store |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-            turns_line("with the store: evicted, restored warm (locate)", p.with_store),
-            turns_line("without: whole history re-prefilled", p.without),
-        ]
-    )
+    rows = [
+        turns_row("with the store: evicted, restored warm (locate)", p.with_store),
+        turns_row("without: whole history re-prefilled", p.without),
+    ]
+    headers = ("path", "passes", "min ms", "median ms", "max ms", "client wall median ms")
+    return table((*headers, "prompt tokens", "prefilled", "restored from store"), rows)
 
 
 def capacity_table(c: Capacity) -> str:
-    lines = [
-        f"| KV format (budget {c.budget / 2**20:.1f} MiB) | bytes per agent | bytes per token"
-        " | budget / bytes | hot after loading forks | vs FP16 (planner) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
     fp16 = c.plan.num_fp16_agents
-    for fit in c.fits.values():
-        lines.append(
-            f"| {fit.kv_format} (measured, {fit.tokens} tokens) | {fit.agent_bytes:,} "
-            f"| {fit.agent_bytes / fit.tokens:.1f} | {c.budget // fit.agent_bytes} "
-            f"| {fit.num_hot} of {fit.loaded} | {fit.num_hot / fp16:.2f}x |"
+    rows = [
+        (f"{f.kv_format} (measured, {f.tokens} tokens)", f"{f.agent_bytes:,}")
+        + (f"{f.agent_bytes / f.tokens:.1f}", c.budget // f.agent_bytes)
+        + (f"{f.num_hot} of {f.loaded}", f"{f.num_hot / fp16:.2f}x")
+        for f in c.fits.values()
+    ]
+    rows += [
+        (what, f"{num_bytes:,}", f"{num_bytes / c.plan.context_tokens:.1f}", agents, "-")
+        + (f"{agents / fp16:.2f}x",)
+        for what, num_bytes, agents in (
+            ("FP16 (planner; not stored)", c.plan.fp16_bytes, fp16),
+            ("Q4 (planner)", c.plan.q_bytes, c.plan.num_q_agents),
         )
-    for what, num_bytes, agents in (
-        ("FP16 (planner; not stored)", c.plan.fp16_bytes, fp16),
-        ("Q4 (planner)", c.plan.q_bytes, c.plan.num_q_agents),
-    ):
-        lines.append(
-            f"| {what} | {num_bytes:,} | {num_bytes / c.plan.context_tokens:.1f} | {agents} "
-            f"| - | {agents / fp16:.2f}x |"
-        )
-    return "\n".join(lines)
+    ]
+    headers = (f"KV format (budget {c.budget / 2**20:.1f} MiB)", "bytes per agent")
+    headers += ("bytes per token", "budget / bytes", "hot after loading forks", "vs FP16 (planner)")
+    return table(headers, rows)
 
 
 def gemma_table(c: Capacity) -> str:
-    g, gib = c.gemma, 1 << 30
-    paper = table14_gemma()
-    n = PAPER_CAPACITY_CONTEXT
-    fp16, q4 = paper.get(n, ("-", "-"))
-    return "\n".join(
-        [
-            "| Gemma 3 12B (planner), 10.2 GiB | GiB per agent | agents | paper (Table 14) |",
-            "|---|---:|---:|---:|",
-            f"| FP16, {label(n)} | {g.fp16_bytes / gib:.3f} | {g.num_fp16_agents} | {fp16} |",
-            f"| Q4, {label(n)} | {g.q_bytes / gib:.3f} | {g.num_q_agents} | {q4} |",
-            f"| Q4 window-aware, {label(n)} | {g.q_window_bytes / gib:.3f} "
-            f"| {g.num_q_window_agents} | - |",
-        ]
-    )
+    g, gib, n = c.gemma, 1 << 30, PAPER_CAPACITY_CONTEXT
+    fp16, q4 = table14_gemma().get(n, ("-", "-"))
+    rows = [
+        (f"FP16, {label(n)}", f"{g.fp16_bytes / gib:.3f}", g.num_fp16_agents, fp16),
+        (f"Q4, {label(n)}", f"{g.q_bytes / gib:.3f}", g.num_q_agents, q4),
+        (
+            f"Q4 window-aware, {label(n)}",
+            f"{g.q_window_bytes / gib:.3f}",
+            g.num_q_window_agents,
+            "-",
+        ),
+    ]
+    headers = ("Gemma 3 12B (planner), 10.2 GiB", "GiB per agent", "agents", "paper (Table 14)")
+    return table(headers, rows)
 
 
 def batching_table(b: Batching) -> str:
-    lines = [
-        "| mode | worker | passes | SysTPS min | median | max | decode-only SysTPS"
-        " | per-agent tok/s | client TTFT ms | tokens/turn | early EOS |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for mode, runs in b.runs.items():
-        s = spread(b.sys_tps(mode))
-        streams = [st for r in runs for st in r.streams]
+        s, streams = spread(b.sys_tps(mode)), [st for r in runs for st in r.streams]
         early = sum(st.usage["finish_reason"] != "length" for st in streams)
-        lines.append(
-            f"| {mode} | {' '.join(WORKERS[BATCH_MODES[mode]])} | {len(runs)} "
-            f"| {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} "
-            f"| {statistics.median(r.decode_tps for r in runs):.1f} "
-            f"| {statistics.median(st.usage['decode_tokens_per_second'] for st in streams):.1f} "
-            f"| {statistics.median(st.ttft_ms for st in streams):.1f} "
-            f"| {statistics.median(st.num_tokens for st in streams):.0f} | {early} |"
+        rows.append(
+            (mode, " ".join(WORKERS[BATCH_MODES[mode]]), len(runs))
+            + (fmt(s["min"]), fmt(s["median"]), fmt(s["max"]))
+            + (fmt(median([r.decode_tps for r in runs])),)
+            + (fmt(median([st.usage["decode_tokens_per_second"] for st in streams])),)
+            + (fmt(median([st.ttft_ms for st in streams])),)
+            + (fmt(median([st.num_tokens for st in streams]), 0), early)
         )
     for other in ("sequential", "one by one"):
         pairs = zip(b.sys_tps("batched"), b.sys_tps(other), strict=True)
         r = spread([x / y for x, y in pairs])
-        lines.append(
-            f"| batched / {other}, per pass | | {len(b.runs[other])} | {r['min']:.2f}x "
-            f"| {r['median']:.2f}x | {r['max']:.2f}x | | | | | |"
-        )
-    return "\n".join(lines)
+        ratios = (f"{r['min']:.2f}x", f"{r['median']:.2f}x", f"{r['max']:.2f}x")
+        rows.append((f"batched / {other}, per pass", "", len(b.runs[other]), *ratios) + ("",) * 5)
+    headers = ("mode", "worker", "passes", "SysTPS min", "median", "max", "decode-only SysTPS")
+    headers += ("per-agent tok/s", "client TTFT ms", "tokens/turn", "early EOS")
+    return table(headers, rows, "ll" + "r" * 9)
 
 
 def cross_detail(cp: CrossPhase) -> str:
-    phase = cp.phases[-1]
-    lines = [
-        f"| phase {len(cp.phases)} ({phase}) | passes | mean TTFT min ms | median | max"
-        " | incl. create/inject ms | prefilled/turn | context tokens/turn |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    phase, rows = cp.phases[-1], []
     for mode in ("persistent", "cold"):
         cells = cp.cells(mode, phase)
         s = spread([c.ttft for c in cells])
         incl = cp.med(mode, phase, "incl_setup") if mode == "persistent" else None
-        lines.append(
-            f"| {mode} | {len(cells)} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} "
-            f"| {'-' if incl is None else f'{incl:.1f}'} "
-            f"| {cp.med(mode, phase, 'prefilled'):.0f} | {cp.med(mode, phase, 'context'):.0f} |"
+        rows.append(
+            (mode, len(cells), fmt(s["min"]), fmt(s["median"]), fmt(s["max"]), fmt(incl))
+            + (fmt(cp.med(mode, phase, "prefilled"), 0), fmt(cp.med(mode, phase, "context"), 0))
         )
     r = spread(cp.ratios(phase))
-    lines.append(
-        f"| cold / persistent, per pass | {len(cp.passes)} | {r['min']:.2f}x "
-        f"| {r['median']:.2f}x | {r['max']:.2f}x | | | |"
-    )
-    return "\n".join(lines)
+    ratios = (f"{r['min']:.2f}x", f"{r['median']:.2f}x", f"{r['max']:.2f}x")
+    rows.append(("cold / persistent, per pass", len(cp.passes), *ratios, "", "", ""))
+    headers = (f"phase {len(cp.phases)} ({phase})", "passes", "mean TTFT min ms", "median")
+    headers += ("max", "incl. create/inject ms", "prefilled/turn", "context tokens/turn")
+    return table(headers, rows)
 
 
 def windows_table(w: dict[str, Any]) -> str:
     plan, modes = w["plan"], w["modes"]
-    lines = [
-        f"| Gemma-3-shaped, {label(w['context'])} | tokens | create s | MB at durable"
-        f" | MB per agent | agents in {windows.BUDGET >> 30} GiB | planner MB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    rows = [
+        (windows.MODE_NAMES[mode], m.tokens, f"{m.create_s:.1f}")
+        + (f"{m.bytes_at_durable / 1e6:.2f}", f"{m.agent_bytes / 1e6:.2f}")
+        + (windows.BUDGET // m.agent_bytes, f"{planned / 1e6:.2f}")
+        for mode, planned in (("window", plan.q_window_bytes), ("full", plan.q_bytes))
+        for m in [modes[mode]]
     ]
-    for mode, planned in (("window", plan.q_window_bytes), ("full", plan.q_bytes)):
-        m = modes[mode]
-        lines.append(
-            f"| {windows.MODE_NAMES[mode]} | {m.tokens} | {m.create_s:.1f} "
-            f"| {m.bytes_at_durable / 1e6:.2f} | {m.agent_bytes / 1e6:.2f} "
-            f"| {windows.BUDGET // m.agent_bytes} | {planned / 1e6:.2f} |"
-        )
-    return "\n".join(lines)
+    headers = (f"Gemma-3-shaped, {label(w['context'])}", "tokens", "create s", "MB at durable")
+    headers += ("MB per agent", f"agents in {windows.BUDGET >> 30} GiB", "planner MB")
+    return table(headers, rows)
 
 
 def targets(rows: list[Row]) -> list[dict[str, Any]]:
