@@ -1,22 +1,8 @@
 """Batching benchmark: system throughput and stream smoothness of continuous batching.
 
-On --model, a store and workers as their own processes:
-
-  throughput   for each context C (--contexts) and batch size B (1, 2, 4, 8): B hot agents
-               of C tokens each take one greedy Turn of --tokens tokens, all sent at once
-               (batched), then fresh copies one after another (sequential), on one worker
-               with --max-batch 8.
-  staggered    (Figure 3) agents A and B, cold, each a first Turn of ~C tokens (the largest
-               context), B sent 2 s after A: on --max-batch 1 (sequential) and 2 (batched).
-  model step   in this process, after each batched run: one batched decode forward and the
-               Batcher's sampling (fastest of 8), beside that run's end-to-end ms per step;
-               then the batch cache's joins and leaves, and the idle hot agents' byte scan.
-
-SysTPS = tokens / wall time from the first Turn sent to the last stream ended; decode-only
-SysTPS = tokens after each stream's first / the union of the streams' first-to-last spans;
-gaps are between streamed TokenChunks at this client. Base agents whose greedy reply stops
-before --tokens (probed once) are skipped. Target, per context: SysTPS at batch 4 >= 2.5x
-batch 1. --quick: 512 only, batch 1,2,4, 16 tokens, one pass.
+SysTPS of B hot agents sent at once against one after another (B = 1, 2, 4, 8), two cold
+agents staggered by 2 s (Figure 3), and the model step in process; benchmarks/README.md
+explains the method. --quick: 512 only, batch 1,2,4, 16 tokens, one pass.
 """
 
 from __future__ import annotations

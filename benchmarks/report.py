@@ -35,72 +35,27 @@ class Section:
 
 
 SECTIONS = (
-    Section(
-        "ttft",
-        "Time to first token: cold, warm, hot",
-        "ttft.py",
-        "Tables 3 and 13",
-        ("--quick", "--models", "default"),
-        ("--passes", "3"),  # contexts 1K-8K (SmolLM2's window is 8192; 8K runs as 7968)
-    ),
-    Section(
-        "capacity",
-        "Capacity from the planner: agents that fit, FP16 against Q4 against Q4 window-aware",
-        "capacity.py",
-        "Tables 2 and 14",
-        ("--quick",),
-        model=False,  # the planner on shipped configs
-    ),
-    Section(
-        "windows",
-        "Capacity measured: window-aware restore and hot bytes on a Gemma-3-shaped worker",
-        "windows.py",
-        "Table 14 (measured), sliding-window layers",
-        ("--quick",),
-        model=False,  # a Gemma-3-shaped random model of its own
-    ),
-    Section(
-        "throughput",
-        "Single against concurrent throughput",
-        "batching.py",
-        "Table 4, Figure 3",
-        ("--quick",),
-    ),
-    Section(
-        "head_to_head",
-        "Head to head: agentkv, mlx-lm's prompt cache, re-prefill",
-        "head_to_head.py",
-        "Table 5",
-        ("--quick",),
-    ),
-    Section(
-        "ablation", "Ablation: what each component buys", "ablation.py", "Table 6", ("--quick",)
-    ),
-    Section(
-        "workflows",
-        "Cross-phase injection and expert routing",
-        "workflows.py",
-        "Tables 7 and 8",
-        ("--quick",),
-    ),
-    Section(
-        "perplexity",
-        "Perplexity through the real store: FP16, Q4, Q8, K8V4",
-        "perplexity.py",
-        "Table 9",
-        ("--quick",),
-        ("--tokens", "32000"),
-    ),
-    Section(
-        "restore_path",
-        "Restore paths against the machine's limit",
-        "store_io.py",
-        "Section 4 (restore bandwidth)",
-        ("--mb", "24", "--repeats", "2", "--locate-target", "1.3"),
-        ("--locate-target", "1.3"),
-        model=False,  # store I/O only
-    ),
-)
+    Section("ttft", "Time to first token: cold, warm, hot", "ttft.py", "Tables 3 and 13",
+            ("--quick", "--models", "default"), ("--passes", "3")),  # 1K-8K (SmolLM2: 8K is 7968)
+    Section("capacity", "Capacity from the planner: agents that fit, FP16 against Q4 against Q4 "
+            "window-aware", "capacity.py", "Tables 2 and 14", ("--quick",), model=False),
+    Section("windows", "Capacity measured: window-aware restore and hot bytes on a "
+            "Gemma-3-shaped worker", "windows.py", "Table 14 (measured), sliding-window layers",
+            ("--quick",), model=False),  # a Gemma-3-shaped random model of its own
+    Section("throughput", "Single against concurrent throughput", "batching.py",
+            "Table 4, Figure 3", ("--quick",)),
+    Section("head_to_head", "Head to head: agentkv, mlx-lm's prompt cache, re-prefill",
+            "head_to_head.py", "Table 5", ("--quick",)),
+    Section("ablation", "Ablation: what each component buys", "ablation.py", "Table 6",
+            ("--quick",)),
+    Section("workflows", "Cross-phase injection and expert routing", "workflows.py",
+            "Tables 7 and 8", ("--quick",)),
+    Section("perplexity", "Perplexity through the real store: FP16, Q4, Q8, K8V4",
+            "perplexity.py", "Table 9", ("--quick",), ("--tokens", "32000")),
+    Section("restore_path", "Restore paths against the machine's limit", "store_io.py",
+            "Section 4 (restore bandwidth)", ("--quick", "--locate-target", "1.3"),
+            ("--locate-target", "1.3"), model=False),  # store I/O only
+)  # fmt: skip
 TARGET = re.compile(r"^(MET|MISS|PASS|FAIL)\b\s*(.*)$")
 
 
