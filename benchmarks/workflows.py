@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common import describe_model, load_tokenizer, model_dir
-from harness import fmt, machine, median, parser, plot, report, say, services
+from harness import fmt, machine, median, parser, plot, report, say, services, table
 from paper import TABLE7, TABLE8
 
 from client.demo import scenario_path
@@ -252,96 +252,84 @@ def spread(values: Sequence[float]) -> str:
 
 
 def cross_table(cp: CrossPhase) -> str:
-    lines = [
-        "| phase | cold ttft ms | persistent ttft ms | cold/persistent"
-        " | persistent create/inject ms | persistent incl. setup ms | cold/(incl. setup)"
-        " | paper Gemma 3 cold / pers / x | paper DeepSeek cold / pers / x |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    rows = []
     for n, phase in enumerate(cp.phases):
         cold, pers = cp.med("cold", phase, "ttft"), cp.med("persistent", phase, "ttft")
         incl = cp.med("persistent", phase, "incl_setup")
-        paper = [
-            " / ".join(map(str, rows[n])) + "x" if n < len(rows) else "-"
-            for rows in TABLE7.values()
-        ]
-        lines.append(
-            f"| {n + 1}: {phase} | {fmt(cold)} | {fmt(pers)} | {times(div(cold, pers))} "
-            f"| {fmt(cp.med('persistent', phase, 'setup'))} | {fmt(incl)} "
-            f"| {times(div(cold, incl))} | {paper[0]} | {paper[1]} |"
+        paper = [" / ".join(map(str, r[n])) + "x" if n < len(r) else "-" for r in TABLE7.values()]
+        rows.append(
+            (f"{n + 1}: {phase}", fmt(cold), fmt(pers), times(div(cold, pers)))
+            + (fmt(cp.med("persistent", phase, "setup")), fmt(incl), times(div(cold, incl)), *paper)
         )
-    return "\n".join(lines)
+    headers = ("phase", "cold ttft ms", "persistent ttft ms", "cold/persistent")
+    headers += ("persistent create/inject ms", "persistent incl. setup ms", "cold/(incl. setup)")
+    headers += ("paper Gemma 3 cold / pers / x", "paper DeepSeek cold / pers / x")
+    return table(headers, rows, "l" + "r" * 6 + "ll")
+
+
+DETAIL = (  # cross_detail_table's medians: (mode, PhaseCell field, digits)
+    ("cold", "first_ttft", 1),
+    ("persistent", "context", 0),
+    ("cold", "prefilled", 0),
+    ("persistent", "prefilled", 0),
+    ("persistent", "setup_prefilled", 0),
+    ("persistent", "generated", 1),
+)
 
 
 def cross_detail_table(cp: CrossPhase) -> str:
-    lines = [
-        "| phase | turns | cold/persistent per pass | cold/(incl. setup) per pass"
-        " | cold first turns ms | context tokens | prefilled/turn cold | prefilled/turn pers"
-        " | pers create/inject prefilled | generated/turn | cache states cold | persistent |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    rows = []
     for n, phase in enumerate(cp.phases):
-        states = {
-            m: " ".join(sorted({s for c in cp.cells(m, phase) for s in c.states})) for m in MODES
-        }
-        lines.append(
-            f"| {n + 1}: {phase} | {fmt(cp.med('persistent', phase, 'turns'), 0)} "
-            f"| {spread(cp.ratios(phase))} | {spread(cp.ratios(phase, 'incl_setup'))} "
-            f"| {fmt(cp.med('cold', phase, 'first_ttft'))} "
-            f"| {fmt(cp.med('persistent', phase, 'context'), 0)} "
-            f"| {fmt(cp.med('cold', phase, 'prefilled'), 0)} "
-            f"| {fmt(cp.med('persistent', phase, 'prefilled'), 0)} "
-            f"| {fmt(cp.med('persistent', phase, 'setup_prefilled'), 0)} "
-            f"| {fmt(cp.med('persistent', phase, 'generated'), 1)} "
-            f"| {states['cold']} | {states['persistent']} |"
+        states = [
+            " ".join(sorted({s for c in cp.cells(m, phase) for s in c.states})) for m in MODES
+        ]
+        rows.append(
+            (f"{n + 1}: {phase}", fmt(cp.med("persistent", phase, "turns"), 0))
+            + (spread(cp.ratios(phase)), spread(cp.ratios(phase, "incl_setup")))
+            + tuple(fmt(cp.med(mode, phase, attr), digits) for mode, attr, digits in DETAIL)
+            + tuple(states)
         )
-    return "\n".join(lines)
+    headers = ("phase", "turns", "cold/persistent per pass", "cold/(incl. setup) per pass")
+    headers += ("cold first turns ms", "context tokens", "prefilled/turn cold")
+    headers += ("prefilled/turn pers", "pers create/inject prefilled", "generated/turn")
+    return table((*headers, "cache states cold", "persistent"), rows, "lrll" + "r" * 6 + "ll")
 
 
 def routing_table(rt: Routing) -> str:
-    lines = [
-        "| phase group | turns/pass | cache states | mean ttft ms | median ttft ms"
-        " | prefilled/turn | context tokens | paper Gemma 3 ms | paper DeepSeek ms |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
     paper_key = {"priming": "priming", "queries_warm": "queries", "repeated": "repeated"}
+    rows = []
     for key, title, _ in GROUPS:
-        rows = rt.records(key)
-        every = [r for rs in rows for r in rs]
+        every = [r for rs in rt.records(key) for r in rs]
         if not every and key == "other":
             continue
         papers = [str(v[paper_key[key]]) if key in paper_key else "-" for v in TABLE8.values()]
-        lines.append(
-            f"| {title} | {fmt(median([len(rs) for rs in rows]), 0)} "
-            f"| {' '.join(sorted({r.cache_state for r in every})) or '-'} "
-            f"| {fmt(rt.pass_mean(key))} | {fmt(rt.all_median(key))} "
-            f"| {fmt(mean([r.prefilled_tokens for r in every]), 0)} "
-            f"| {fmt(mean([r.context_tokens for r in every]), 0)} | {' | '.join(papers)} |"
+        rows.append(
+            (title, fmt(median([len(rs) for rs in rt.records(key)]), 0))
+            + (" ".join(sorted({r.cache_state for r in every})) or "-",)
+            + (fmt(rt.pass_mean(key)), fmt(rt.all_median(key)))
+            + (fmt(mean([r.prefilled_tokens for r in every]), 0),)
+            + (fmt(mean([r.context_tokens for r in every]), 0), *papers)
         )
     creates = [r.ms for p in rt.passes for r in p if r.kind == "create" and r.phase == "priming"]
-    lines.append(
-        f"| (priming: create call, system prompt only) | {len(creates) // len(rt.passes)} | cold "
-        f"| {fmt(mean(creates))} | {fmt(median(creates))} | - | - | - | - |"
-    )
-    return "\n".join(lines)
+    first = ("(priming: create call, system prompt only)", len(creates) // len(rt.passes), "cold")
+    rows.append((*first, fmt(mean(creates)), fmt(median(creates)), "-", "-", "-", "-"))
+    headers = ("phase group", "turns/pass", "cache states", "mean ttft ms", "median ttft ms")
+    headers += ("prefilled/turn", "context tokens", "paper Gemma 3 ms", "paper DeepSeek ms")
+    return table(headers, rows, "lrl" + "r" * 6)
 
 
 def speedup_table(rt: Routing) -> str:
-    lines = [
-        "| speedup | measured | per pass | paper Gemma 3 | paper DeepSeek |",
-        "|---|---:|---|---:|---:|",
-    ]
-    for key, group, title in (
-        ("warm", "queries_warm", "warm/cold (priming / first-touch queries)"),
-        ("hot", "repeated", "hot/cold (priming / repeated)"),
-        ("", "queries_hot", "hot/cold (priming / queries asked again)"),
-    ):
-        papers = [f"{v[key]}x" if key else "-" for v in TABLE8.values()]
-        lines.append(
-            f"| {title} | {times(rt.speedup(group))} | {spread(rt.speedups(group))} "
-            f"| {' | '.join(papers)} |"
+    rows = [
+        (title, times(rt.speedup(group)), spread(rt.speedups(group)))
+        + tuple(f"{v[key]}x" if key else "-" for v in TABLE8.values())
+        for key, group, title in (
+            ("warm", "queries_warm", "warm/cold (priming / first-touch queries)"),
+            ("hot", "repeated", "hot/cold (priming / repeated)"),
+            ("", "queries_hot", "hot/cold (priming / queries asked again)"),
         )
-    return "\n".join(lines)
+    ]
+    headers = ("speedup", "measured", "per pass", "paper Gemma 3", "paper DeepSeek")
+    return table(headers, rows, "lrlrr")
 
 
 def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
