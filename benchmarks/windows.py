@@ -30,7 +30,9 @@ from harness import (
     report,
     say,
     services,
+    span,
     spread,
+    table,
     usage_dict,
     whiskers,
 )
@@ -321,20 +323,17 @@ def mb(num_bytes: float) -> str:
 
 
 def bytes_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | tokens restored | full-length MB read | window-aware MB read | window/full"
-        " | expected window-aware MB (block_layers) | blocks (sliding layers read) |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
+    rows = []
     for r in runs:
         f, w = r.full.median("restored_bytes"), r.window.median("restored_bytes")
-        blocks = len(r.window.block_tokens)
-        reaching = sliding_blocks(r)
-        lines.append(
-            f"| {label(r.nominal)} | {sum(r.window.block_tokens)} | {mb(f)} | {mb(w)} | "
-            f"{w / f:.3f} | {mb(r.window.expected_bytes)} | {blocks} ({reaching}) |"
+        blocks = f"{len(r.window.block_tokens)} ({sliding_blocks(r)})"
+        rows.append(
+            (label(r.nominal), sum(r.window.block_tokens), mb(f), mb(w), f"{w / f:.3f}")
+            + (mb(r.window.expected_bytes), blocks)
         )
-    return "\n".join(lines)
+    headers = ("context", "tokens restored", "full-length MB read", "window-aware MB read")
+    headers += ("window/full", "expected window-aware MB (block_layers)")
+    return table((*headers, "blocks (sliding layers read)"), rows, "l" + "r" * 5 + "l")
 
 
 def sliding_blocks(r: ContextRun) -> int:
@@ -348,70 +347,58 @@ def sliding_blocks(r: ContextRun) -> int:
 
 
 def ttft_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | full-length warm TTFT ms min / median / max | window-aware warm TTFT ms"
-        " min / median / max | window/full (medians) | hot TTFT ms, full / window (medians)"
-        " | warm - hot ms, full / window |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for r in runs:
-        cells = []
-        for m in (r.full, r.window):
-            s = spread(m.series("ttft_ms"))
-            cells.append(f"{s['min']:.1f} / {s['median']:.1f} / {s['max']:.1f}")
+        cells = [span(m.series("ttft_ms")) for m in (r.full, r.window)]
         ratio = r.window.median("ttft_ms") / r.full.median("ttft_ms")
         hot = [m.median("hot_ttft_ms") for m in (r.full, r.window)]
         gap = [m.median("ttft_ms") - h for m, h in zip((r.full, r.window), hot, strict=True)]
-        lines.append(
-            f"| {label(r.nominal)} | {cells[0]} | {cells[1]} | {ratio:.2f}x"
-            f" | {hot[0]:.1f} / {hot[1]:.1f} | {gap[0]:.1f} / {gap[1]:.1f} |"
+        rows.append(
+            (label(r.nominal), *cells, f"{ratio:.2f}x")
+            + (f"{hot[0]:.1f} / {hot[1]:.1f}", f"{gap[0]:.1f} / {gap[1]:.1f}")
         )
-    return "\n".join(lines)
+    headers = ("context", "full-length warm TTFT ms min / median / max")
+    headers += ("window-aware warm TTFT ms min / median / max", "window/full (medians)")
+    return table(
+        (*headers, "hot TTFT ms, full / window (medians)", "warm - hot ms, full / window"), rows
+    )
 
 
 def replies_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | full-length reply (own blocks) | window-aware reply | same, passes"
-        " | full-length worker on the window-aware blocks | same as window-aware"
-        " | blocks whose bytes differ between the workers (first: block, tokens, layers) |",
-        "|---|---|---|---:|---|---|---|",
-    ]
+    rows = []
     for r in runs:
-        same = r.same_replies()
+        same, b = r.same_replies(), r.blocks
         cross = r.cross.token_ids if r.cross else []
-        b = r.blocks
-        first = b.get("first_difference")
-        where = (
-            f"{first['block']}, [{first['tokens'][0]}, {first['tokens'][1]}),"
-            f" {','.join(map(str, first['layers']))}"
-            if first
-            else "-"
-        )
+        first, window = b.get("first_difference"), r.window.passes[0].token_ids
+        where = "-"
+        if first:
+            block, (a, z), layers = first["block"], first["tokens"], first["layers"]
+            where = f"{block}, [{a}, {z}), {','.join(map(str, layers))}"
         diff = f"{len(b.get('differing_blocks', []))} of {b.get('blocks', 0)} ({where})"
-        lines.append(
-            f"| {label(r.nominal)} | {r.full.passes[0].token_ids} | {r.window.passes[0].token_ids}"
-            f" | {sum(same)} of {len(same)} | {cross}"
-            f" | {'yes' if cross == r.window.passes[0].token_ids else 'no'} | {diff} |"
+        rows.append(
+            (label(r.nominal), r.full.passes[0].token_ids, window, f"{sum(same)} of {len(same)}")
+            + (cross, "yes" if cross == window else "no", diff)
         )
-    return "\n".join(lines)
+    headers = ("context", "full-length reply (own blocks)", "window-aware reply", "same, passes")
+    headers += ("full-length worker on the window-aware blocks", "same as window-aware")
+    last = "blocks whose bytes differ between the workers (first: block, tokens, layers)"
+    return table((*headers, last), rows, "lllrlll")
 
 
 def hot_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | full-length MB, CreateAgent reply | window-aware MB, CreateAgent reply"
-        " | full-length MB, created + durable | window-aware MB, created + durable"
-        " | full-length MB, after a warm turn | window-aware MB, after a warm turn"
-        " | window/full after a turn |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for r in runs:
         f, w = r.full.median("hot_bytes"), r.window.median("hot_bytes")
-        lines.append(
-            f"| {label(r.nominal)} | {mb(r.full.reply_bytes)} | {mb(r.window.reply_bytes)}"
-            f" | {mb(r.full.created_bytes)} | {mb(r.window.created_bytes)}"
-            f" | {mb(f)} | {mb(w)} | {w / f:.3f} |"
+        rows.append(
+            (label(r.nominal), mb(r.full.reply_bytes), mb(r.window.reply_bytes))
+            + (mb(r.full.created_bytes), mb(r.window.created_bytes), mb(f), mb(w), f"{w / f:.3f}")
         )
-    return "\n".join(lines)
+    headers = ("context",) + tuple(
+        f"{mode} MB, {when}"
+        for when in ("CreateAgent reply", "created + durable", "after a warm turn")
+        for mode in ("full-length", "window-aware")
+    )
+    return table((*headers, "window/full after a turn"), rows)
 
 
 def capacity_rows(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -442,21 +429,20 @@ def capacity_rows(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[s
 
 
 def capacity_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| context (cached tokens) | planner FP16 | planner Q4 | planner Q4 window | measured"
-        " full-length | measured window-aware | measured window-aware, just created |"
-        " planner vs measured window-aware MB per agent |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+    counts = ("plan_fp16_agents", "plan_q4_agents", "plan_q4_window_agents")
+    counts += ("measured_full_agents", "measured_window_agents", "measured_window_created_agents")
+    cells = [
+        (f"{label(row['context'])} ({row['cached_tokens']})", *(row[k] for k in counts))
+        + (f"{mb(row['plan_q4_window_bytes'])} vs {mb(row['measured_window_bytes'])}",)
+        for row in rows
     ]
-    for row in rows:
-        lines.append(
-            f"| {label(row['context'])} ({row['cached_tokens']}) | {row['plan_fp16_agents']}"
-            f" | {row['plan_q4_agents']} | {row['plan_q4_window_agents']}"
-            f" | {row['measured_full_agents']} | {row['measured_window_agents']}"
-            f" | {row['measured_window_created_agents']}"
-            f" | {mb(row['plan_q4_window_bytes'])} vs {mb(row['measured_window_bytes'])} |"
-        )
-    return "\n".join(lines)
+    headers = ("context (cached tokens)", "planner FP16", "planner Q4", "planner Q4 window")
+    headers += ("measured full-length", "measured window-aware")
+    headers += (
+        "measured window-aware, just created",
+        "planner vs measured window-aware MB per agent",
+    )
+    return table(headers, cells, "l" + "r" * 6 + "l")
 
 
 def gemma_rows() -> list[dict[str, Any]]:
@@ -482,20 +468,16 @@ def gemma_rows() -> list[dict[str, Any]]:
 
 
 def gemma_table(rows: list[dict[str, Any]]) -> str:
-    gib = 1 << 30
-    lines = [
-        "| context | FP16 GiB/agent | Q4 GiB/agent | Q4 window GiB/agent | FP16 agents | Q4 agents"
-        " | Q4 window agents | paper FP16 / Q4 |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+    cells = [
+        (label(row["context"]),)
+        + tuple(f"{row[k] / (1 << 30):.3f}" for k in ("fp16_bytes", "q4_bytes", "q4_window_bytes"))
+        + tuple(row[k] for k in ("fp16_agents", "q4_agents", "q4_window_agents"))
+        + (f"{row['paper_fp16_agents']} / {row['paper_q4_agents']}",)
+        for row in rows
     ]
-    for row in rows:
-        sizes = " | ".join(
-            f"{row[k] / gib:.3f}" for k in ("fp16_bytes", "q4_bytes", "q4_window_bytes")
-        )
-        counts = " | ".join(str(row[k]) for k in ("fp16_agents", "q4_agents", "q4_window_agents"))
-        paper = f"{row['paper_fp16_agents']} / {row['paper_q4_agents']}"
-        lines.append(f"| {label(row['context'])} | {sizes} | {counts} | {paper} |")
-    return "\n".join(lines)
+    headers = ("context", "FP16 GiB/agent", "Q4 GiB/agent", "Q4 window GiB/agent", "FP16 agents")
+    headers += ("Q4 agents", "Q4 window agents", "paper FP16 / Q4")
+    return table(headers, cells, "l" + "r" * 6 + "l")
 
 
 def targets(runs: list[ContextRun]) -> list[dict[str, Any]]:
