@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import batching
+import harness
 import paper
 import windows
 from batching import Run, fire, make_bases
@@ -30,12 +31,8 @@ from harness import (
     context_text,
     fmt,
     label,
-    machine,
     median,
     name_list,
-    parser,
-    plot,
-    report,
     say,
     services,
     spread,
@@ -693,7 +690,7 @@ def as_json(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_report(results: dict[str, Any], args: Any, info: Any) -> None:
-    header = machine(blas=info.blas, model=args.model, dtype=info.dtype)
+    header = harness.machine(blas=info.blas, model=args.model, dtype=info.dtype)
     header |= {"model_dir": describe_model(args.path)}
     header |= {"device": info.device, "kv_format": info.kv_format, "passes": args.passes}
     header |= {"contexts": args.contexts, "tokens": args.tokens}
@@ -705,8 +702,10 @@ def write_report(results: dict[str, Any], args: Any, info: Any) -> None:
     }
     notes = [*notes_for(results, args), EXPLAINED]
     sections = sections_for(results, rows)
-    png = report("ablation", args.out, header, sections, targets(rows), notes, document)
-    plot(png, header, "ablation", draw(rows), ncols=len(rows), figsize=(3.2 * len(rows), 4.2))
+    png = harness.report("ablation", args.out, header, sections, targets(rows), notes, document)
+    harness.plot(
+        png, header, "ablation", draw(rows), ncols=len(rows), figsize=(3.2 * len(rows), 4.2)
+    )
 
 
 # main
@@ -714,7 +713,7 @@ def write_report(results: dict[str, Any], args: Any, info: Any) -> None:
 
 def parse_args(argv: list[str] | None) -> Any:
     quick = "1 pass; contexts 512, 1K, 512, 1K; shorter replies; no untimed cross-phase passes"
-    p = parser(__doc__, passes=5, quick=quick)
+    p = harness.parser(__doc__, passes=5, quick=quick)
     p.add_argument("--tokens", type=int, default=64, help="tokens per batching turn")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
     p.add_argument("--skip", type=name_list(ROWS), default=[], help=f"of {', '.join(ROWS)}")
