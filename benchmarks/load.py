@@ -23,14 +23,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import add_model_argument, describe_model, model_dir
+from harness import table
 
-from common import add_model_argument, describe_model, model_dir  # noqa: E402
-
-from agentkv import planner  # noqa: E402
-from agentkv.launch import ServiceProcess, store_process, worker_process  # noqa: E402
-from client.memory import AgentMemory  # noqa: E402
+from agentkv import planner
+from agentkv.launch import ServiceProcess, store_process, worker_process
+from client.memory import AgentMemory
 
 # Each worker's default hot budget, in tokens of the model's Q4 cache: a few agents' worth
 # (what 1M and 256K bytes held of the 4.2M-parameter model this test was first sized on).
@@ -261,19 +259,15 @@ def report(result: dict) -> bool:
     """Prints the table and the verdict; whether no turn was lost or wrong."""
     ev, wrong = result["evictions"], result["wrong"]
     lost = len(result["lost"]) + len(result["errors"])
-    print("\n### load test\n")
-    print(
-        "| agents (at once) | threads | workers | turns | s | turns/s | tokens/s | TTFT p50 ms "
-        "| TTFT p99 ms | hot | restored | evicted by clients | evicted by workers | lost | wrong |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| {result['agents']} ({result['agents_at_once']}) | {result['threads']} | 2 "
-        f"| {result['turns']} | {result['seconds']:.1f} | {result['turns_per_s']:.2f} "
-        f"| {result['tokens_per_s']:.1f} | {result['ttft_p50_ms']:.1f} "
-        f"| {result['ttft_p99_ms']:.1f} | {result['cache_states']['hot']} | {result['restores']} "
-        f"| {ev['client']} | {ev['workers']} | {lost} | {len(wrong)} |\n"
-    )
+    headers = ("agents (at once)", "threads", "workers", "turns", "s", "turns/s", "tokens/s")
+    headers += ("TTFT p50 ms", "TTFT p99 ms", "hot", "restored", "evicted by clients")
+    headers += ("evicted by workers", "lost", "wrong")
+    row = (f"{result['agents']} ({result['agents_at_once']})", result["threads"], 2)
+    row += (result["turns"], f"{result['seconds']:.1f}", f"{result['turns_per_s']:.2f}")
+    row += (f"{result['tokens_per_s']:.1f}", f"{result['ttft_p50_ms']:.1f}")
+    row += (f"{result['ttft_p99_ms']:.1f}", result["cache_states"]["hot"], result["restores"])
+    row += (ev["client"], ev["workers"], lost, len(wrong))
+    print(f"\n### load test\n\n{table(headers, [row], 'r' * 15)}\n")
     print(
         f"{'MET' if not (lost or wrong) else 'MISS'}  no turn lost or wrong, checked against "
         f"greedy replays: {lost} lost, {len(wrong)} wrong of {result['turns']} "
