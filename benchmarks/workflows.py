@@ -247,7 +247,8 @@ def times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def spread(values: Sequence[float]) -> str:
+def ratio_range(values: Sequence[float]) -> str:
+    """Per-pass ratios as min-max, times."""
     return f"{min(values):.2f}-{max(values):.2f}x" if values else "-"
 
 
@@ -285,7 +286,7 @@ def cross_detail_table(cp: CrossPhase) -> str:
         ]
         rows.append(
             (f"{n + 1}: {phase}", fmt(cp.med("persistent", phase, "turns"), 0))
-            + (spread(cp.ratios(phase)), spread(cp.ratios(phase, "incl_setup")))
+            + (ratio_range(cp.ratios(phase)), ratio_range(cp.ratios(phase, "incl_setup")))
             + tuple(fmt(cp.med(mode, phase, attr), digits) for mode, attr, digits in DETAIL)
             + tuple(states)
         )
@@ -320,7 +321,7 @@ def routing_table(rt: Routing) -> str:
 
 def speedup_table(rt: Routing) -> str:
     rows = [
-        (title, times(rt.speedup(group)), spread(rt.speedups(group)))
+        (title, times(rt.speedup(group)), ratio_range(rt.speedups(group)))
         + tuple(f"{v[key]}x" if key else "-" for v in TABLE8.values())
         for key, group, title in (
             ("warm", "queries_warm", "warm/cold (priming / first-touch queries)"),
