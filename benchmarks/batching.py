@@ -35,6 +35,7 @@ from harness import (
     say,
     services,
     source_slices,
+    table,
     usage_dict,
 )
 from paper import FIGURE3, TABLE4
@@ -496,62 +497,54 @@ def finish_steps(cells: list[Cell], local: InProcess) -> dict[int, float]:
 
 
 def throughput_table(cells: list[Cell]) -> str:
-    lines = [
-        "| context | batch | SysTPS batched | SysTPS sequential | ratio | per-agent tok/s"
-        " | p50 gap ms | p99 gap ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for c in cells:
         batched, sequential = c.sys_tps("batched"), c.sys_tps("sequential")
-        lines.append(
-            f"| {label(c.context)} | {c.batch} | {fmt(batched)} | {fmt(sequential)} "
-            f"| {ratio(batched, sequential)} | {fmt(c.per_agent())} | {fmt(c.gap(50))} "
-            f"| {fmt(c.gap(99))} |"
+        rows.append(
+            (label(c.context), c.batch, fmt(batched), fmt(sequential), ratio(batched, sequential))
+            + (fmt(c.per_agent()), fmt(c.gap(50)), fmt(c.gap(99)))
         )
-    return "\n".join(lines)
+    headers = ("context", "batch", "SysTPS batched", "SysTPS sequential", "ratio")
+    return table((*headers, "per-agent tok/s", "p50 gap ms", "p99 gap ms"), rows)
 
 
 def detail_table(cells: list[Cell]) -> str:
-    lines = [
-        "| context | batch | SysTPS batched min-max | decode-only SysTPS batched"
-        " | decode-only sequential | client TTFT"
-        " ms batched (median) | worst gap ms batched | p99 gap ms sequential | tokens/turn"
-        " | early EOS |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for c in cells:
-        streams = c.streams("batched")
-        spread = [r.sys_tps for r in c.runs["batched"]]
+        streams, sys_tps = c.streams("batched"), [r.sys_tps for r in c.runs["batched"]]
         worst = max((g for r in c.runs["batched"] for g in r.agent_gaps(100)), default=None)
-        lines.append(
-            f"| {label(c.context)} | {c.batch} | {min(spread):.1f}-{max(spread):.1f} "
-            f"| {fmt(c.sys_tps('batched', True))} "
-            f"| {fmt(c.sys_tps('sequential', True))} "
-            f"| {fmt(median([s.ttft_ms for s in streams]))} "
-            f"| {fmt(worst)} "
-            f"| {fmt(c.gap(99, 'sequential'))} "
-            f"| {fmt(median([s.num_tokens for s in streams]), 0)} | {c.early_stops()} |"
+        rows.append(
+            (label(c.context), c.batch, f"{min(sys_tps):.1f}-{max(sys_tps):.1f}")
+            + (fmt(c.sys_tps("batched", True)), fmt(c.sys_tps("sequential", True)))
+            + (fmt(median([s.ttft_ms for s in streams])), fmt(worst))
+            + (fmt(c.gap(99, "sequential")), fmt(median([s.num_tokens for s in streams]), 0))
+            + (c.early_stops(),)
         )
-    return "\n".join(lines)
+    headers = ("context", "batch", "SysTPS batched min-max", "decode-only SysTPS batched")
+    headers += ("decode-only sequential", "client TTFT ms batched (median)")
+    headers += ("worst gap ms batched", "p99 gap ms sequential", "tokens/turn", "early EOS")
+    return table(headers, rows, "lrl" + "r" * 7)
+
+
+STEP_COLUMNS = {  # step_table's columns: Cell.step_ms key, header
+    "e2e": "end-to-end ms/step",
+    "forward": "forward ms",
+    "sample": "Batcher sampling ms",
+    "sample_batched": "batched argmax ms",
+    "rest": "rest ms (e2e - forward - sampling)",
+    "extend": "extend ms",
+    "leave": "leave ms",
+}
 
 
 def step_table(cells: list[Cell]) -> str:
     """In-process costs against the end-to-end time per decode step, medians of the
     passes' pairs."""
-    lines = [
-        "| context | batch | end-to-end ms/step | forward ms | Batcher sampling ms"
-        " | batched argmax ms | rest ms (e2e - forward - sampling) | extend ms | leave ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    rows = [
+        (label(c.context), c.batch, *(fmt(c.step_ms.get(k), 2) for k in STEP_COLUMNS))
+        for c in cells
     ]
-    for c in cells:
-        s = c.step_ms
-        lines.append(
-            f"| {label(c.context)} | {c.batch} | {fmt(s.get('e2e'), 2)} "
-            f"| {fmt(s.get('forward'), 2)} | {fmt(s.get('sample'), 2)} "
-            f"| {fmt(s.get('sample_batched'), 2)} | {fmt(s.get('rest'), 2)} "
-            f"| {fmt(s.get('extend'), 2)} | {fmt(s.get('leave'), 2)} |"
-        )
-    return "\n".join(lines)
+    return table(("context", "batch", *STEP_COLUMNS.values()), rows)
 
 
 def staggered_rows(runs: list[Staggered], mode: str) -> dict[str, float | None]:
@@ -573,12 +566,8 @@ def staggered_rows(runs: list[Staggered], mode: str) -> dict[str, float | None]:
 
 def staggered_table(runs: list[Staggered]) -> str:
     seq, bat = staggered_rows(runs, "sequential"), staggered_rows(runs, "batched")
-    lines = [
-        "| median over passes | sequential (--max-batch 1) | batched (--max-batch 2) |",
-        "|---|---:|---:|",
-    ]
-    lines += [f"| {k} | {fmt(seq[k])} | {fmt(bat[k])} |" for k in seq]
-    return "\n".join(lines)
+    headers = ("median over passes", "sequential (--max-batch 1)", "batched (--max-batch 2)")
+    return table(headers, [(k, fmt(seq[k]), fmt(bat[k])) for k in seq])
 
 
 def targets(cells: list[Cell]) -> list[dict[str, Any]]:
