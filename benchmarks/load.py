@@ -24,10 +24,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common import add_model_argument, describe_model, model_dir
-from harness import table
+from harness import Services, say, services, table
 
 from agentkv import planner
-from agentkv.launch import ServiceProcess, store_process, worker_process
+from agentkv.launch import ServiceProcess
 from client.memory import AgentMemory
 
 # Each worker's default hot budget, in tokens of the model's Q4 cache: a few agents' worth
@@ -205,28 +205,14 @@ class Replay:
             self.lost.append(f"{name}: the store holds {stored} tokens, the replay {held}")
 
 
-def start_services(args: argparse.Namespace, root: Path) -> tuple[ServiceProcess, list]:
-    """The store and the two load workers, started."""
-    store = store_process(root / "data", root / "store.log").start()
-    flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
-    workers = [
-        worker_process(str(args.model), store.address, root / f"worker{i}.log", extra_args=flags)
-        for i in range(2)
-    ]
-    return store, [w.start() for w in workers]
-
-
-def replay_all(args: argparse.Namespace, store: ServiceProcess, root: Path, load: Load) -> Replay:
+def replay_all(args: argparse.Namespace, svc: Services, load: Load) -> Replay:
     """Replays every agent of the run on two fresh workers, against what the store holds."""
-    model, logs = str(args.model), [root / f"replay{i}.log" for i in range(2)]
-    workers = [worker_process(model, store.address, log).start() for log in logs]
-    addresses = [w.address for w in workers]
-    with AgentMemory(addresses, store.address, "replay", timeout=TURN_TIMEOUT) as mem:
+    for name in ("replay0", "replay1"):
+        svc.start_worker(name, args.model)
+    addresses = [svc.addresses["replay0"], svc.addresses["replay1"]]
+    with AgentMemory(addresses, svc.store_address, "replay", timeout=TURN_TIMEOUT) as mem:
         stored = {a.agent_id: a.num_tokens for a in mem.store.list_agents("load")}
-        replay = Replay(mem, stored, load.records).run(load.agents, args.max_tokens)
-    for w in workers:
-        w.stop()
-    return replay
+        return Replay(mem, stored, load.records).run(load.agents, args.max_tokens)
 
 
 def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counter[str]) -> dict:
@@ -286,22 +272,17 @@ def stop_workers(workers: list[ServiceProcess]) -> Counter[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="agentkv-load-"))
-
-    def say(text: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {text}", flush=True)
-
-    store, workers = start_services(args, root)
-    bound = f"for {args.minutes:g} min, retiring at" if args.minutes > 0 else "x"
-    say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
-    addresses = [w.address for w in workers]
-    with AgentMemory(addresses, store.address, "load", durable=True, timeout=TURN_TIMEOUT) as mem:
-        load = Load(mem, args).run()
-    budget = stop_workers(workers)
-    say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s; replay")
-    replay = replay_all(args, store, root, load)
-    store.stop()
+    flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
+    with services(root, args.model, {"load0": flags, "load1": flags}) as svc:
+        bound = f"for {args.minutes:g} min, retiring at" if args.minutes > 0 else "x"
+        say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
+        addresses, store = [svc.addresses["load0"], svc.addresses["load1"]], svc.store_address
+        with AgentMemory(addresses, store, "load", durable=True, timeout=TURN_TIMEOUT) as mem:
+            load = Load(mem, args).run()
+        budget = stop_workers([svc.processes["load0"], svc.processes["load1"]])
+        say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s")
+        replay = replay_all(args, svc, load)
     result = summary(args, load, replay, budget)
     if report(result):
         shutil.rmtree(root, ignore_errors=True)  # kept, logs and all, when the run failed
