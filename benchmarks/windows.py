@@ -401,29 +401,27 @@ def hot_table(runs: list[ContextRun]) -> str:
     return table((*headers, "window/full after a turn"), rows)
 
 
+def planned(cap: planner.Capacity, prefix: str = "") -> dict[str, int]:
+    """The planner's bytes per agent and agents that fit: FP16, Q4 and Q4 window-aware."""
+    sizes = (cap.fp16_bytes, cap.q_bytes, cap.q_window_bytes)
+    counts = (cap.num_fp16_agents, cap.num_q_agents, cap.num_q_window_agents)
+    kinds = ("fp16", "q4", "q4_window")
+    return {f"{prefix}{k}_bytes": v for k, v in zip(kinds, sizes, strict=True)} | {
+        f"{prefix}{k}_agents": v for k, v in zip(kinds, counts, strict=True)
+    }
+
+
 def capacity_rows(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for r in runs:
         tokens = int(statistics.median(r.window.series("cached_tokens")))
-        cap = planner.plan(config, tokens, BUDGET)
         full, window = r.full.median("hot_bytes"), r.window.median("hot_bytes")
+        measured = {"full": full, "window": window, "window_created": r.window.created_bytes}
         rows.append(
-            {
-                "context": r.nominal,
-                "cached_tokens": tokens,
-                "measured_full_bytes": full,
-                "measured_window_bytes": window,
-                "measured_window_created_bytes": r.window.created_bytes,
-                "measured_full_agents": int(BUDGET // full),
-                "measured_window_agents": int(BUDGET // window),
-                "measured_window_created_agents": BUDGET // r.window.created_bytes,
-                "plan_fp16_bytes": cap.fp16_bytes,
-                "plan_q4_bytes": cap.q_bytes,
-                "plan_q4_window_bytes": cap.q_window_bytes,
-                "plan_fp16_agents": cap.num_fp16_agents,
-                "plan_q4_agents": cap.num_q_agents,
-                "plan_q4_window_agents": cap.num_q_window_agents,
-            }
+            {"context": r.nominal, "cached_tokens": tokens}
+            | {f"measured_{k}_bytes": v for k, v in measured.items()}
+            | {f"measured_{k}_agents": int(BUDGET // v) for k, v in measured.items()}
+            | planned(planner.plan(config, tokens, BUDGET), "plan_")
         )
     return rows
 
@@ -446,25 +444,13 @@ def capacity_table(rows: list[dict[str, Any]]) -> str:
 
 
 def gemma_rows() -> list[dict[str, Any]]:
-    config = planner.load_config("gemma3_12b")
-    cells = table14_gemma()
-    rows = []
-    for context in GEMMA_CONTEXTS:
-        cap = planner.plan(config, context, paper.TABLE14_BUDGET_BYTES)
-        rows.append(
-            {
-                "context": context,
-                "fp16_bytes": cap.fp16_bytes,
-                "q4_bytes": cap.q_bytes,
-                "q4_window_bytes": cap.q_window_bytes,
-                "fp16_agents": cap.num_fp16_agents,
-                "q4_agents": cap.num_q_agents,
-                "q4_window_agents": cap.num_q_window_agents,
-                "paper_fp16_agents": cells[context][0],
-                "paper_q4_agents": cells[context][1],
-            }
-        )
-    return rows
+    config, cells = planner.load_config("gemma3_12b"), table14_gemma()
+    return [
+        {"context": context}
+        | planned(planner.plan(config, context, paper.TABLE14_BUDGET_BYTES))
+        | {"paper_fp16_agents": cells[context][0], "paper_q4_agents": cells[context][1]}
+        for context in GEMMA_CONTEXTS
+    ]
 
 
 def gemma_table(rows: list[dict[str, Any]]) -> str:
