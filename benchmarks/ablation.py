@@ -1,85 +1,52 @@
 """Ablation benchmark: each component with and without, the rest held (the paper's Table 6).
 
-Starts a real `agentkv-store` process and real `agentkv-worker` processes on loopback with
---model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker --model
-takes; default SmolLM2-135M-Instruct, imported as float32 on a CPU) and measures one row per
-component, each by a small real run (a row's context too long for the model's window with
-room for its turns, 96 tokens, is cut to fit: on SmolLM2 the 8K rows run at 8096):
-
-  persistence  an agent whose first turn carried ~4K tokens of standard-library source comes
-               back after eviction and asks "Go on." (max_tokens 1). With the store: EvictAgent,
-               then the turn restores it warm. Without: the same conversation in a namespace of
-               its own (nothing stored there to reuse), so the turn re-sends and re-prefills the
-               whole history. TTFT = usage.time_to_first_token_ms; median of --passes.
-  Q4 vs FP16   agents at 8K that fit a fixed KV budget: the paper's 10.2 GiB scaled by this
-               model's FP16 bytes per agent (at the row's context) over Gemma 3 12B's per 8K
-               agent, so FP16 fits 3.4 agents' worth, as in the paper, at any context (a
-               smaller one, as --quick's, fills the same number of agents). Two workers with
-               --hot-budget at that budget, Q4 (k4v4, the default) and --k-bits 8 --v-bits 8
-               (Q8, the nearest to FP16 we store), each prefill one 8K agent, then load store
-               forks of it hot (an empty turn, max_tokens 0) until the LRU hot tier evicts:
-               the agents still hot are what fits. FP16 comes from agentkv.planner for the
-               measured token count: we do not store FP16 KV. Beside them, the planner's
-               Gemma 3 12B at 8K and 10.2 GiB.
-  batching     4 agents of ~1K tokens, warm (store forks, never hot), each asked for one Turn
-               of --tokens greedy tokens, all 4 sent at once: to a worker with --max-batch 4
-               (batched) and to one with --max-batch 1 (the same turns, one after another).
-               SysTPS = all tokens / wall time from the first send to the last stream's end.
-               A measured gain: the paper's 2.0x is definitional (per-agent = SysTPS / 2).
-               Detail only: the same turns sent one after another to the --max-batch 4 worker
-               ("one by one", as benchmarks/batching.py's sequential runs).
-  cross-phase  the prisoner's dilemma (client/scenario.py's run_scenario, as
-               benchmarks/workflows.py runs it), mode "persistent" against "cold" (every agent
-               dropped at each phase start, its next turn re-prefilling its history): phase-5
-               mean TTFT, each pass's mean, median over --passes.
-  windows      (not in the paper) hot bytes per agent at 8K on benchmarks/windows.py's
-               Gemma-3-shaped model (random weights, 10 sliding layers of 1024 and 2 global),
-               window-aware (the default) against --full-window-layers. Skip: --skip windows.
-
-Targets: each effect at least the paper's (27x, 4.0x, 2.0x, 1.9x); the windows row has none.
-Prints Markdown tables; writes JSON and a PNG (matplotlib is optional) to --out. Progress goes
-to stderr. On SmolLM2 here the full run takes tens of minutes (its 8K prefills take ~80 s
-each, the 4K re-prefills ~30 s); --quick (1 pass, contexts 512 and 1K, shorter replies) a
-couple of minutes.
-
-Run:  python benchmarks/ablation.py [--model smollm2-135m-instruct] [--passes 5] [--tokens 64]
-                                    [--skip windows,...] [--quick] [--out benchmarks/results]
+One row per component (persistence, Q4 against FP16 capacity, batching, cross-phase
+injection, and window-aware caches, not in the paper), each a small real run on a store and
+workers of --model; the README explains each row's method. Run: python benchmarks/ablation.py
+[--model SPEC] [--passes 5] [--tokens 64] [--skip windows,...] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import batching
+import harness
 import paper
 import windows
 from batching import Run, fire, make_bases
-from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
-from google.protobuf.json_format import MessageToDict
-from harness import context_text, label, machine, pyplot, save
+from common import describe_model, load_tokenizer, max_context, model_dir
+from harness import (
+    Services,
+    Turn,
+    check,
+    context_text,
+    fmt,
+    label,
+    median,
+    name_list,
+    say,
+    services,
+    spread,
+    table,
+    timed_turn,
+)
 from paper import table14_gemma
-from workflows import MODES, PAPER_TABLE7, CrossPhase, cross_phase, cross_table, run_pass
+from workflows import MODES, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
 
 from agentkv import planner
-from agentkv.launch import ServiceProcess, store_process, worker_process
+from agentkv.launch import worker_process
 from client.demo import scenario_path
 from client.scenario import Scenario, load_scenario
-from client.store import StoreClient
 from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 
@@ -103,97 +70,6 @@ WORKERS = {  # name: extra worker flags (a budget is added to the capacity worke
 
 
 PAPER = paper.TABLE6
-_T0 = time.perf_counter()
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-# the processes
-
-
-@dataclass(slots=True)
-class Services:
-    model: Path  # the model directory every worker but the windows row's loads
-    store: StoreClient
-    store_address: str
-    workers: dict[str, WorkerClient]  # by WORKERS name
-    addresses: dict[str, str]
-    root: Path
-    stack: ExitStack  # starts the windows row's workers, stopped with the rest
-
-    def start(self, service: ServiceProcess) -> ServiceProcess:
-        self.stack.callback(service.stop)
-        return service.start(timeout=600)
-
-
-@contextmanager
-def running_services(model: Path, root: Path, budget: int) -> Iterator[Services]:
-    """A store and the four workers as their own processes, SIGTERMed afterwards."""
-    with ExitStack() as stack:
-        store = store_process(root / "data", root / "store.log")
-        stack.callback(store.stop)
-        store.start(timeout=600)
-        svc = Services(model, StoreClient(store.address), store.address, {}, {}, root, stack)
-        stack.callback(svc.store.close)
-        for name, flags in WORKERS.items():
-            extra = [*flags, "--hot-budget", str(budget)] if name in ("q4", "q8") else flags
-            log = root / f"worker-{name}.log"
-            worker = svc.start(worker_process(str(model), store.address, log, extra_args=extra))
-            svc.addresses[name] = worker.address
-            svc.workers[name] = WorkerClient(worker.address)
-            stack.callback(svc.workers[name].close)
-        yield svc
-
-
-# turns
-
-
-@dataclass(slots=True)
-class Turn:
-    ttft_ms: float  # usage.time_to_first_token_ms, from the request's arrival
-    client_ms: float  # this client's wall time from sending to the first token
-    text: str
-    usage: dict[str, Any]
-
-
-def timed_turn(worker: WorkerClient, ns: str, agent: str, messages: list[tuple[str, str]]) -> Turn:
-    """One greedy Turn with max_tokens 1."""
-    start, first, text, usage = time.perf_counter(), 0.0, "", None
-    for response in worker.stream_turn(ns, agent, messages, max_tokens=1):
-        if response.HasField("tokens"):
-            first = first or time.perf_counter()
-            text += response.tokens.text
-        else:
-            usage = response.usage
-    if usage is None or not first:
-        raise RuntimeError(f"turn of {ns}/{agent} ended without a token and a usage")
-    fields = MessageToDict(
-        usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return Turn(usage.time_to_first_token_ms, (first - start) * 1e3, text, fields)
-
-
-def expect(turn: Turn, how: str, where: str, created: int = 1) -> Turn:
-    """Aborts unless the turn restored its past warm ("warm") or prefilled it all ("cold")
-    but the `created` tokens CreateAgent cached (the chat template's stable prefix)."""
-    u, problems = turn.usage, []
-    if u["restore_failure"]:
-        problems.append(f"restore failed: {u['restore_failure']}")
-    if how == "warm" and (u["cache_state"] != "warm" or not u["reused_store_tokens"]):
-        problems.append("expected a warm restore")
-    if how == "cold" and (
-        u["reused_store_tokens"] or u["prefilled_tokens"] < u["prompt_tokens"] - max(1, created)
-    ):
-        problems.append("expected the whole history prefilled")
-    if problems:
-        raise RuntimeError(f"{where}: {'; '.join(problems)}; usage {u}")
-    return turn
 
 
 # 1. persistence
@@ -217,22 +93,22 @@ def persistence(svc: Services, tokenizer: Any, context: int, passes: int) -> Per
     history = [("user", text), ("assistant", run.first.text or "...")]
     worker.wait_durable(ns, agent)
     worker.evict(ns, agent)  # an untimed first restore: the worker's read path warms up
-    untimed = expect(timed_turn(worker, ns, agent, [("user", SHORT)]), "warm", "warm-up")
+    untimed = check(timed_turn(worker, ns, agent, [("user", SHORT)]), "warm", "warm-up")
     history += [("user", SHORT), ("assistant", untimed.text or "...")]
     for p in range(passes):
         worker.wait_durable(ns, agent)
         cold_ns = f"{NS}-no-store-p{p}"
         created = worker.create_agent(cold_ns, agent).num_tokens
         cold = timed_turn(worker, cold_ns, agent, [*history, ("user", SHORT)])
-        run.without.append(expect(cold, "cold", f"re-prefill pass {p + 1}", created))
+        run.without.append(check(cold, "cold", f"re-prefill pass {p + 1}", created))
         worker.delete(cold_ns, agent)  # waits for its store write
         worker.evict(ns, agent)
         warm = timed_turn(worker, ns, agent, [("user", SHORT)])
-        run.with_store.append(expect(warm, "warm", f"warm pass {p + 1}"))
+        run.with_store.append(check(warm, "warm", f"warm pass {p + 1}"))
         history += [("user", SHORT), ("assistant", warm.text or "...")]
         say(
-            f"  persistence {label(context)} pass {p + 1}/{passes}: warm {warm.ttft_ms:.1f} ms, "
-            f"re-prefill {cold.ttft_ms:.1f} ms"
+            f"  persistence {label(context)} pass {p + 1}/{passes}: warm {warm.server_ms:.1f} ms, "
+            f"re-prefill {cold.server_ms:.1f} ms"
         )
     worker.delete(ns, agent)
     return run
@@ -305,10 +181,10 @@ class Capacity:
     gemma: planner.Capacity  # Gemma 3 12B at 8K and the paper's 10.2 GiB
 
 
-def capacity(svc: Services, tokenizer: Any, context: int, budget: int) -> Capacity:
+def capacity(svc: Services, model: Path, tokenizer: Any, context: int, budget: int) -> Capacity:
     text = context_text(tokenizer, context)
     fits = {name: fill(svc, name, text, budget) for name in ("q4", "q8")}
-    plan = planner.plan(planner.load_config(svc.model), fits["q4"].tokens, budget)
+    plan = planner.plan(planner.load_config(model), fits["q4"].tokens, budget)
     gemma = planner.plan(
         planner.load_config("gemma3_12b"), PAPER_CAPACITY_CONTEXT, paper.TABLE14_BUDGET_BYTES
     )
@@ -442,7 +318,7 @@ class Row:
 
 def persistence_rows(p: Persistence) -> list[Row]:
     metric = f"TTFT ms at {label(p.context)}, agent back after eviction: warm restore vs re-prefill"
-    with_, without = [t.ttft_ms for t in p.with_store], [t.ttft_ms for t in p.without]
+    with_, without = [t.server_ms for t in p.with_store], [t.server_ms for t in p.without]
     names = ("warm restore", "re-prefill")
     return [Row("persistence", "Persistence", metric, with_, without, True, names=names)]
 
@@ -450,28 +326,12 @@ def persistence_rows(p: Persistence) -> list[Row]:
 def capacity_rows(c: Capacity) -> list[Row]:
     at = f"agents at {label(c.context)} in {c.budget / 2**20:.1f} MiB"
     q4, q8, fp16 = c.fits["q4"].num_hot, c.fits["q8"].num_hot, c.plan.num_fp16_agents
+    vs_fp16, vs_q8 = f"{at}: Q4 hot (measured) vs FP16 (planner)", f"{at}: Q4 hot vs Q8 hot"
     return [
-        Row(
-            "capacity",
-            "Q4 vs FP16",
-            f"{at}: Q4 hot (measured) vs FP16 (planner)",
-            [q4],
-            [fp16],
-            False,
-            0,
-            ("Q4", "FP16 (planner)"),
-        ),
-        Row(
-            "capacity-q8",
-            "Q4 vs Q8 (both stored)",
-            f"{at}: Q4 hot vs Q8 hot (both measured)",
-            [q4],
-            [q8],
-            False,
-            0,
-            ("Q4", "Q8"),
-        ),
-    ]
+        Row("capacity", "Q4 vs FP16", vs_fp16, [q4], [fp16], False, 0, ("Q4", "FP16 (planner)")),
+        Row("capacity-q8", "Q4 vs Q8 (both stored)", f"{vs_q8} (both measured)", [q4], [q8],
+            False, 0, ("Q4", "Q8")),
+    ]  # fmt: skip
 
 
 def batching_rows(b: Batching) -> list[Row]:
@@ -513,159 +373,139 @@ def rows_of(results: dict[str, Any]) -> list[Row]:
     ]
 
 
-def paper_cells(key: str) -> str:
-    paper = PAPER.get(key)
-    if paper is None:
-        return "- | - | -"
-    return f"{paper.with_:g} | {paper.without:g}{paper.star} | {paper.effect:.1f}x{paper.star}"
+def paper_cells(key: str) -> tuple[str, str, str]:
+    if (p := PAPER.get(key)) is None:
+        return "-", "-", "-"
+    return f"{p.with_:g}", f"{p.without:g}{p.star}", f"{p.effect:.1f}x{p.star}"
 
 
 def summary_table(rows: list[Row]) -> str:
-    lines = [
-        "| component | metric | with | without | effect | paper with | paper without"
-        " | paper effect |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+    cells = [
+        (r.component, r.metric, r.cell(r.with_), r.cell(r.without), f"{r.effect:.1f}x")
+        + paper_cells(r.key)
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.component} | {r.metric} | {r.cell(r.with_)} | {r.cell(r.without)} "
-            f"| {r.effect:.1f}x | {paper_cells(r.key)} |"
-        )
-    return "\n".join(lines)
+    headers = ("component", "metric", "with", "without", "effect", "paper with")
+    return table((*headers, "paper without", "paper effect"), cells, "ll" + "r" * 6)
 
 
-def turns_line(name: str, turns: list[Turn]) -> str:
-    s = spread([t.ttft_ms for t in turns])
-    u = [t.usage for t in turns]
+def turns_row(name: str, turns: list[Turn]) -> tuple:
+    s, u = spread([t.server_ms for t in turns]), [t.usage for t in turns]
+    tokens = [fmt(median([x[k] for x in u]), 0) for k in ("prompt_tokens", "prefilled_tokens")]
+    restored = fmt(median([x["reused_store_tokens"] for x in u]), 0)
+    client = fmt(median([t.client_ms for t in turns]))
     return (
-        f"| {name} | {len(turns)} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} "
-        f"| {statistics.median(t.client_ms for t in turns):.1f} "
-        f"| {statistics.median(x['prompt_tokens'] for x in u):.0f} "
-        f"| {statistics.median(x['prefilled_tokens'] for x in u):.0f} "
-        f"| {statistics.median(x['reused_store_tokens'] for x in u):.0f} |"
+        name,
+        len(turns),
+        fmt(s["min"]),
+        fmt(s["median"]),
+        fmt(s["max"]),
+        client,
+        *tokens,
+        restored,
     )
 
 
 def persistence_table(p: Persistence) -> str:
-    return "\n".join(
-        [
-            "| path | passes | min ms | median ms | max ms | client wall median ms"
-            " | prompt tokens | prefilled | restored from store |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-            turns_line("with the store: evicted, restored warm (locate)", p.with_store),
-            turns_line("without: whole history re-prefilled", p.without),
-        ]
-    )
+    rows = [
+        turns_row("with the store: evicted, restored warm (locate)", p.with_store),
+        turns_row("without: whole history re-prefilled", p.without),
+    ]
+    headers = ("path", "passes", "min ms", "median ms", "max ms", "client wall median ms")
+    return table((*headers, "prompt tokens", "prefilled", "restored from store"), rows)
 
 
 def capacity_table(c: Capacity) -> str:
-    lines = [
-        f"| KV format (budget {c.budget / 2**20:.1f} MiB) | bytes per agent | bytes per token"
-        " | budget / bytes | hot after loading forks | vs FP16 (planner) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
     fp16 = c.plan.num_fp16_agents
-    for fit in c.fits.values():
-        lines.append(
-            f"| {fit.kv_format} (measured, {fit.tokens} tokens) | {fit.agent_bytes:,} "
-            f"| {fit.agent_bytes / fit.tokens:.1f} | {c.budget // fit.agent_bytes} "
-            f"| {fit.num_hot} of {fit.loaded} | {fit.num_hot / fp16:.2f}x |"
+    rows = [
+        (f"{f.kv_format} (measured, {f.tokens} tokens)", f"{f.agent_bytes:,}")
+        + (f"{f.agent_bytes / f.tokens:.1f}", c.budget // f.agent_bytes)
+        + (f"{f.num_hot} of {f.loaded}", f"{f.num_hot / fp16:.2f}x")
+        for f in c.fits.values()
+    ]
+    rows += [
+        (what, f"{num_bytes:,}", f"{num_bytes / c.plan.context_tokens:.1f}", agents, "-")
+        + (f"{agents / fp16:.2f}x",)
+        for what, num_bytes, agents in (
+            ("FP16 (planner; not stored)", c.plan.fp16_bytes, fp16),
+            ("Q4 (planner)", c.plan.q_bytes, c.plan.num_q_agents),
         )
-    for what, num_bytes, agents in (
-        ("FP16 (planner; not stored)", c.plan.fp16_bytes, fp16),
-        ("Q4 (planner)", c.plan.q_bytes, c.plan.num_q_agents),
-    ):
-        lines.append(
-            f"| {what} | {num_bytes:,} | {num_bytes / c.plan.context_tokens:.1f} | {agents} "
-            f"| - | {agents / fp16:.2f}x |"
-        )
-    return "\n".join(lines)
+    ]
+    headers = (f"KV format (budget {c.budget / 2**20:.1f} MiB)", "bytes per agent")
+    headers += ("bytes per token", "budget / bytes", "hot after loading forks", "vs FP16 (planner)")
+    return table(headers, rows)
 
 
 def gemma_table(c: Capacity) -> str:
-    g, gib = c.gemma, 1 << 30
-    paper = table14_gemma()
-    n = PAPER_CAPACITY_CONTEXT
-    fp16, q4 = paper.get(n, ("-", "-"))
-    return "\n".join(
-        [
-            "| Gemma 3 12B (planner), 10.2 GiB | GiB per agent | agents | paper (Table 14) |",
-            "|---|---:|---:|---:|",
-            f"| FP16, {label(n)} | {g.fp16_bytes / gib:.3f} | {g.num_fp16_agents} | {fp16} |",
-            f"| Q4, {label(n)} | {g.q_bytes / gib:.3f} | {g.num_q_agents} | {q4} |",
-            f"| Q4 window-aware, {label(n)} | {g.q_window_bytes / gib:.3f} "
-            f"| {g.num_q_window_agents} | - |",
-        ]
-    )
+    g, gib, n = c.gemma, 1 << 30, PAPER_CAPACITY_CONTEXT
+    fp16, q4 = table14_gemma().get(n, ("-", "-"))
+    rows = [
+        (f"FP16, {label(n)}", f"{g.fp16_bytes / gib:.3f}", g.num_fp16_agents, fp16),
+        (f"Q4, {label(n)}", f"{g.q_bytes / gib:.3f}", g.num_q_agents, q4),
+        (
+            f"Q4 window-aware, {label(n)}",
+            f"{g.q_window_bytes / gib:.3f}",
+            g.num_q_window_agents,
+            "-",
+        ),
+    ]
+    headers = ("Gemma 3 12B (planner), 10.2 GiB", "GiB per agent", "agents", "paper (Table 14)")
+    return table(headers, rows)
 
 
 def batching_table(b: Batching) -> str:
-    lines = [
-        "| mode | worker | passes | SysTPS min | median | max | decode-only SysTPS"
-        " | per-agent tok/s | client TTFT ms | tokens/turn | early EOS |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for mode, runs in b.runs.items():
-        s = spread(b.sys_tps(mode))
-        streams = [st for r in runs for st in r.streams]
+        s, streams = spread(b.sys_tps(mode)), [st for r in runs for st in r.streams]
         early = sum(st.usage["finish_reason"] != "length" for st in streams)
-        lines.append(
-            f"| {mode} | {' '.join(WORKERS[BATCH_MODES[mode]])} | {len(runs)} "
-            f"| {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} "
-            f"| {statistics.median(r.decode_tps for r in runs):.1f} "
-            f"| {statistics.median(st.usage['decode_tokens_per_second'] for st in streams):.1f} "
-            f"| {statistics.median(st.ttft_ms for st in streams):.1f} "
-            f"| {statistics.median(st.num_tokens for st in streams):.0f} | {early} |"
+        rows.append(
+            (mode, " ".join(WORKERS[BATCH_MODES[mode]]), len(runs))
+            + (fmt(s["min"]), fmt(s["median"]), fmt(s["max"]))
+            + (fmt(median([r.decode_tps for r in runs])),)
+            + (fmt(median([st.usage["decode_tokens_per_second"] for st in streams])),)
+            + (fmt(median([st.ttft_ms for st in streams])),)
+            + (fmt(median([st.num_tokens for st in streams]), 0), early)
         )
     for other in ("sequential", "one by one"):
         pairs = zip(b.sys_tps("batched"), b.sys_tps(other), strict=True)
         r = spread([x / y for x, y in pairs])
-        lines.append(
-            f"| batched / {other}, per pass | | {len(b.runs[other])} | {r['min']:.2f}x "
-            f"| {r['median']:.2f}x | {r['max']:.2f}x | | | | | |"
-        )
-    return "\n".join(lines)
+        ratios = (f"{r['min']:.2f}x", f"{r['median']:.2f}x", f"{r['max']:.2f}x")
+        rows.append((f"batched / {other}, per pass", "", len(b.runs[other]), *ratios) + ("",) * 5)
+    headers = ("mode", "worker", "passes", "SysTPS min", "median", "max", "decode-only SysTPS")
+    headers += ("per-agent tok/s", "client TTFT ms", "tokens/turn", "early EOS")
+    return table(headers, rows, "ll" + "r" * 9)
 
 
 def cross_detail(cp: CrossPhase) -> str:
-    phase = cp.phases[-1]
-    lines = [
-        f"| phase {len(cp.phases)} ({phase}) | passes | mean TTFT min ms | median | max"
-        " | incl. create/inject ms | prefilled/turn | context tokens/turn |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    phase, rows = cp.phases[-1], []
     for mode in ("persistent", "cold"):
         cells = cp.cells(mode, phase)
         s = spread([c.ttft for c in cells])
         incl = cp.med(mode, phase, "incl_setup") if mode == "persistent" else None
-        lines.append(
-            f"| {mode} | {len(cells)} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} "
-            f"| {'-' if incl is None else f'{incl:.1f}'} "
-            f"| {cp.med(mode, phase, 'prefilled'):.0f} | {cp.med(mode, phase, 'context'):.0f} |"
+        rows.append(
+            (mode, len(cells), fmt(s["min"]), fmt(s["median"]), fmt(s["max"]), fmt(incl))
+            + (fmt(cp.med(mode, phase, "prefilled"), 0), fmt(cp.med(mode, phase, "context"), 0))
         )
     r = spread(cp.ratios(phase))
-    lines.append(
-        f"| cold / persistent, per pass | {len(cp.passes)} | {r['min']:.2f}x "
-        f"| {r['median']:.2f}x | {r['max']:.2f}x | | | |"
-    )
-    return "\n".join(lines)
+    ratios = (f"{r['min']:.2f}x", f"{r['median']:.2f}x", f"{r['max']:.2f}x")
+    rows.append(("cold / persistent, per pass", len(cp.passes), *ratios, "", "", ""))
+    headers = (f"phase {len(cp.phases)} ({phase})", "passes", "mean TTFT min ms", "median")
+    headers += ("max", "incl. create/inject ms", "prefilled/turn", "context tokens/turn")
+    return table(headers, rows)
 
 
 def windows_table(w: dict[str, Any]) -> str:
     plan, modes = w["plan"], w["modes"]
-    lines = [
-        f"| Gemma-3-shaped, {label(w['context'])} | tokens | create s | MB at durable"
-        f" | MB per agent | agents in {windows.BUDGET >> 30} GiB | planner MB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    rows = [
+        (windows.MODE_NAMES[mode], m.tokens, f"{m.create_s:.1f}")
+        + (f"{m.bytes_at_durable / 1e6:.2f}", f"{m.agent_bytes / 1e6:.2f}")
+        + (windows.BUDGET // m.agent_bytes, f"{planned / 1e6:.2f}")
+        for mode, planned in (("window", plan.q_window_bytes), ("full", plan.q_bytes))
+        for m in [modes[mode]]
     ]
-    for mode, planned in (("window", plan.q_window_bytes), ("full", plan.q_bytes)):
-        m = modes[mode]
-        lines.append(
-            f"| {windows.MODE_NAMES[mode]} | {m.tokens} | {m.create_s:.1f} "
-            f"| {m.bytes_at_durable / 1e6:.2f} | {m.agent_bytes / 1e6:.2f} "
-            f"| {windows.BUDGET // m.agent_bytes} | {planned / 1e6:.2f} |"
-        )
-    return "\n".join(lines)
+    headers = (f"Gemma-3-shaped, {label(w['context'])}", "tokens", "create s", "MB at durable")
+    headers += ("MB per agent", f"agents in {windows.BUDGET >> 30} GiB", "planner MB")
+    return table(headers, rows)
 
 
 def targets(rows: list[Row]) -> list[dict[str, Any]]:
@@ -686,7 +526,7 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
     return goals
 
 
-def notes_for(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def notes_for(results: dict[str, Any], args: Any) -> list[str]:
     notes = list(args.fit_notes)
     if (p := results.get("persistence")) is not None:
         restored = statistics.median(t.usage["reused_store_tokens"] for t in p.with_store)
@@ -715,7 +555,7 @@ def notes_for(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
             f"cross-phase: passes per mode {len(cp.passes)}, on the --max-batch {BATCH} worker "
             f"(turns run one at a time), replies up to {args.max_tokens} tokens; mean context "
             f"{cp.med('persistent', phase, 'context'):.0f} tokens per phase-5 turn; the paper's "
-            f"Gemma 3 phase 5: {PAPER_TABLE7['Gemma 3'][4]} (cold, persistent, x)"
+            f"Gemma 3 phase 5: {paper.TABLE7['Gemma 3'][4]} (cold, persistent, x)"
         )
     if args.quick:
         notes.append(
@@ -768,30 +608,37 @@ def capacity_notes(c: Capacity) -> list[str]:
     return notes
 
 
-def plot(rows: list[Row], header: dict[str, Any], path: Path) -> str:
+def draw(rows: list[Row]) -> Any:
     """With and without per component (min..max whiskers), effects beside the paper's."""
-    if (plt := pyplot()) is None:
-        return ""
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 4.2), squeeze=False)
-    for ax, r in zip(axes[0], rows, strict=True):
-        mids = [statistics.median(v) for v in (r.with_, r.without)]
-        err = [
-            [m - min(v) for m, v in zip(mids, (r.with_, r.without), strict=True)],
-            [max(v) - m for m, v in zip(mids, (r.with_, r.without), strict=True)],
-        ]
-        ax.bar(list(r.names), mids, yerr=err, capsize=4, color=["tab:green", "tab:gray"])
-        paper = PAPER.get(r.key)
-        theirs = f"; paper {paper.effect:.1f}x{paper.star}" if paper else ""
-        ax.set_title(f"{r.component}\n{r.effect:.1f}x{theirs}", fontsize=8)
-        ax.set_ylabel(r.metric.split(":")[0], fontsize=7)
-        if r.lower_is_better and max(mids) / max(min(mids), 1e-9) > 20:
-            ax.set_yscale("log")
-    return save(fig, path, header, "ablation")
+
+    def panels(axes: Any) -> None:
+        for ax, r in zip(axes, rows, strict=True):
+            mids = [statistics.median(v) for v in (r.with_, r.without)]
+            err = [
+                [m - min(v) for m, v in zip(mids, (r.with_, r.without), strict=True)],
+                [max(v) - m for m, v in zip(mids, (r.with_, r.without), strict=True)],
+            ]
+            ax.bar(list(r.names), mids, yerr=err, capsize=4, color=["tab:green", "tab:gray"])
+            theirs = PAPER.get(r.key)
+            ref = f"; paper {theirs.effect:.1f}x{theirs.star}" if theirs else ""
+            ax.set_title(f"{r.component}\n{r.effect:.1f}x{ref}", fontsize=8)
+            ax.set_ylabel(r.metric.split(":")[0], fontsize=7)
+            if r.lower_is_better and max(mids) / max(min(mids), 1e-9) > 20:
+                ax.set_yscale("log")
+
+    return panels
 
 
-def print_report(results: dict[str, Any], header: dict[str, Any], notes: list[str]) -> None:
-    rows = rows_of(results)
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
+EXPLAINED = (
+    "TTFT = the worker's usage.time_to_first_token_ms (from the request's arrival). "
+    "SysTPS = all generated tokens / wall time from the first Turn sent to the last "
+    "stream ended (this client's clock). Store, workers and this client share the "
+    "machine's cores; the page cache is warm (every block was just written). Paper: "
+    "Shkolnikov 2026, Table 6, M4 Pro; * definitional (per-agent = SysTPS / 2)."
+)
+
+
+def sections_for(results: dict[str, Any], rows: list[Row]) -> list[tuple[str, str]]:
     sections = [("component contributions (Table 6 form; medians)", summary_table(rows))]
     if (p := results.get("persistence")) is not None:
         sections.append((f"persistence, {label(p.context)}: TTFT", persistence_table(p)))
@@ -806,20 +653,7 @@ def print_report(results: dict[str, Any], header: dict[str, Any], notes: list[st
         sections.append(("cross-phase, every phase (workflows.py's table)", cross_table(cp)))
     if (w := results.get("windows")) is not None:
         sections.append(("window-aware caches (not in the paper)", windows_table(w)))
-    for title, text in sections:
-        print(f"\n### {title}\n\n{text}")
-    print()
-    for goal in targets(rows):
-        print(f"{'MET ' if goal['met'] else 'MISS'}  {goal['target']}: {goal['measured']}")
-    for note in notes:
-        print(f"note: {note}")
-    print(
-        "TTFT = the worker's usage.time_to_first_token_ms (from the request's arrival). "
-        "SysTPS = all generated tokens / wall time from the first Turn sent to the last "
-        "stream ended (this client's clock). Store, workers and this client share the "
-        "machine's cores; the page cache is warm (every block was just written). Paper: "
-        "Shkolnikov 2026, Table 6, M4 Pro; * definitional (per-agent = SysTPS / 2)."
-    )
+    return sections
 
 
 def as_json(results: dict[str, Any]) -> dict[str, Any]:
@@ -855,52 +689,34 @@ def as_json(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def report(results: dict[str, Any], args: argparse.Namespace, info: Any) -> None:
-    header = machine() | {"blas": info.blas, "model": args.model, "dtype": info.dtype}
+def write_report(results: dict[str, Any], args: Any, info: Any) -> None:
+    header = harness.machine(blas=info.blas, model=args.model, dtype=info.dtype)
     header |= {"model_dir": describe_model(args.path)}
     header |= {"device": info.device, "kv_format": info.kv_format, "passes": args.passes}
     header |= {"contexts": args.contexts, "tokens": args.tokens}
-    notes = notes_for(results, args)
-    print_report(results, header, notes)
     rows = rows_of(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"ablation-{datetime.now():%Y%m%d-%H%M%S}"
     document = {
-        "header": header,
         "paper_table6": {k: dataclasses.asdict(v) for k, v in PAPER.items()},
         "rows": [dataclasses.asdict(r) | {"effect": r.effect} for r in rows],
-        "targets": targets(rows),
-        "notes": notes,
         "details": as_json(results),
     }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(rows, header, stem.with_suffix(".png")))
+    notes = [*notes_for(results, args), EXPLAINED]
+    sections = sections_for(results, rows)
+    png = harness.report("ablation", args.out, header, sections, targets(rows), notes, document)
+    harness.plot(
+        png, header, "ablation", draw(rows), ncols=len(rows), figsize=(3.2 * len(rows), 4.2)
+    )
 
 
 # main
 
 
-def row_list(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    if set(names) - set(ROWS):
-        raise argparse.ArgumentTypeError(f"rows are {', '.join(ROWS)}; got {text!r}")
-    return names
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_argument(p)
-    p.add_argument("--passes", type=int, default=5)
+def parse_args(argv: list[str] | None) -> Any:
+    quick = "1 pass; contexts 512, 1K, 512, 1K; shorter replies; no untimed cross-phase passes"
+    p = harness.parser(__doc__, passes=5, quick=quick)
     p.add_argument("--tokens", type=int, default=64, help="tokens per batching turn")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
-    p.add_argument("--skip", type=row_list, default=[], help=f"rows to skip: {', '.join(ROWS)}")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="1 pass; contexts 512, 1K, 512, 1K; shorter replies; no untimed cross-phase passes",
-    )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--skip", type=name_list(ROWS), default=[], help=f"of {', '.join(ROWS)}")
     args = p.parse_args(argv)
     # persistence, capacity, batching, windows
     args.contexts = {"persistence": 4096, "capacity": 8192, "batching": 1024, "windows": 8192}
@@ -926,16 +742,16 @@ def fit_contexts(contexts: dict[str, int], window: int) -> list[str]:
     return notes
 
 
-def run_rows(svc: Services, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+def run_rows(svc: Services, args: Any, tokenizer: Any) -> dict[str, Any]:
     results: dict[str, Any] = {}
     ctx, skip = args.contexts, set(args.skip)
     if "persistence" not in skip:
         say(f"persistence at {label(ctx['persistence'])}")
         results["persistence"] = persistence(svc, tokenizer, ctx["persistence"], args.passes)
     if "capacity" not in skip:
-        budget = scaled_budget(svc.model, ctx["capacity"])
+        budget = scaled_budget(args.path, ctx["capacity"])
         say(f"Q4 vs FP16 at {label(ctx['capacity'])}, budget {budget / 2**20:.1f} MiB")
-        results["capacity"] = capacity(svc, tokenizer, ctx["capacity"], budget)
+        results["capacity"] = capacity(svc, args.path, tokenizer, ctx["capacity"], budget)
     if "batching" not in skip:
         say(f"batching at {label(ctx['batching'])}: making {BATCH} base agents")
         results["batching"] = batching_row(
@@ -962,14 +778,17 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.path)
     root = Path(tempfile.mkdtemp(prefix="agentkv-ablation-"))
     budget = scaled_budget(args.path, args.contexts["capacity"])
+    workers = {
+        n: [*f, "--hot-budget", str(budget)] if n in ("q4", "q8") else f for n, f in WORKERS.items()
+    }
     try:
-        with running_services(args.path, root, budget) as svc:
-            info = svc.workers["batch4"].info()
+        with services(root, args.path, workers) as svc:
+            info = svc.info["batch4"]
             say(f"store and {len(svc.workers)} workers up ({info.blas}, {info.device})")
             results = run_rows(svc, args, tokenizer)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(results, args, info)
+    write_report(results, args, info)
 
 
 if __name__ == "__main__":

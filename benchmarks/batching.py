@@ -1,22 +1,8 @@
 """Batching benchmark: system throughput and stream smoothness of continuous batching.
 
-On --model, a store and workers as their own processes:
-
-  throughput   for each context C (--contexts) and batch size B (1, 2, 4, 8): B hot agents
-               of C tokens each take one greedy Turn of --tokens tokens, all sent at once
-               (batched), then fresh copies one after another (sequential), on one worker
-               with --max-batch 8.
-  staggered    (Figure 3) agents A and B, cold, each a first Turn of ~C tokens (the largest
-               context), B sent 2 s after A: on --max-batch 1 (sequential) and 2 (batched).
-  model step   in this process, after each batched run: one batched decode forward and the
-               Batcher's sampling (fastest of 8), beside that run's end-to-end ms per step;
-               then the batch cache's joins and leaves, and the idle hot agents' byte scan.
-
-SysTPS = tokens / wall time from the first Turn sent to the last stream ended; decode-only
-SysTPS = tokens after each stream's first / the union of the streams' first-to-last spans;
-gaps are between streamed TokenChunks at this client. Base agents whose greedy reply stops
-before --tokens (probed once) are skipped. Target, per context: SysTPS at batch 4 >= 2.5x
-batch 1. --quick: 512 only, batch 1,2,4, 16 tokens, one pass.
+SysTPS of B hot agents sent at once against one after another (B = 1, 2, 4, 8), two cold
+agents staggered by 2 s (Figure 3), and the model step in process; benchmarks/README.md
+explains the method. --quick: 512 only, batch 1,2,4, 16 tokens, one pass.
 """
 
 from __future__ import annotations
@@ -49,6 +35,7 @@ from harness import (
     say,
     services,
     source_slices,
+    table,
     usage_dict,
 )
 from paper import FIGURE3, TABLE4
@@ -457,7 +444,8 @@ def cache_op_costs(caches: list, batch: int) -> dict[str, float]:
 
 
 def hot_scan_us(caches: list, num_agents: int = 32) -> float:
-    """µs per idle hot agent of the sum Engine._step takes before every model step."""
+    """µs per idle hot agent of the sum HotTier.make_room takes before every
+    model step (Engine.step asks it)."""
     from inference_worker.agents import Agent
 
     agents = [Agent(NS, f"idle{i}", [], caches) for i in range(num_agents)]
@@ -509,62 +497,54 @@ def finish_steps(cells: list[Cell], local: InProcess) -> dict[int, float]:
 
 
 def throughput_table(cells: list[Cell]) -> str:
-    lines = [
-        "| context | batch | SysTPS batched | SysTPS sequential | ratio | per-agent tok/s"
-        " | p50 gap ms | p99 gap ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for c in cells:
         batched, sequential = c.sys_tps("batched"), c.sys_tps("sequential")
-        lines.append(
-            f"| {label(c.context)} | {c.batch} | {fmt(batched)} | {fmt(sequential)} "
-            f"| {ratio(batched, sequential)} | {fmt(c.per_agent())} | {fmt(c.gap(50))} "
-            f"| {fmt(c.gap(99))} |"
+        rows.append(
+            (label(c.context), c.batch, fmt(batched), fmt(sequential), ratio(batched, sequential))
+            + (fmt(c.per_agent()), fmt(c.gap(50)), fmt(c.gap(99)))
         )
-    return "\n".join(lines)
+    headers = ("context", "batch", "SysTPS batched", "SysTPS sequential", "ratio")
+    return table((*headers, "per-agent tok/s", "p50 gap ms", "p99 gap ms"), rows)
 
 
 def detail_table(cells: list[Cell]) -> str:
-    lines = [
-        "| context | batch | SysTPS batched min-max | decode-only SysTPS batched"
-        " | decode-only sequential | client TTFT"
-        " ms batched (median) | worst gap ms batched | p99 gap ms sequential | tokens/turn"
-        " | early EOS |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for c in cells:
-        streams = c.streams("batched")
-        spread = [r.sys_tps for r in c.runs["batched"]]
+        streams, sys_tps = c.streams("batched"), [r.sys_tps for r in c.runs["batched"]]
         worst = max((g for r in c.runs["batched"] for g in r.agent_gaps(100)), default=None)
-        lines.append(
-            f"| {label(c.context)} | {c.batch} | {min(spread):.1f}-{max(spread):.1f} "
-            f"| {fmt(c.sys_tps('batched', True))} "
-            f"| {fmt(c.sys_tps('sequential', True))} "
-            f"| {fmt(median([s.ttft_ms for s in streams]))} "
-            f"| {fmt(worst)} "
-            f"| {fmt(c.gap(99, 'sequential'))} "
-            f"| {fmt(median([s.num_tokens for s in streams]), 0)} | {c.early_stops()} |"
+        rows.append(
+            (label(c.context), c.batch, f"{min(sys_tps):.1f}-{max(sys_tps):.1f}")
+            + (fmt(c.sys_tps("batched", True)), fmt(c.sys_tps("sequential", True)))
+            + (fmt(median([s.ttft_ms for s in streams])), fmt(worst))
+            + (fmt(c.gap(99, "sequential")), fmt(median([s.num_tokens for s in streams]), 0))
+            + (c.early_stops(),)
         )
-    return "\n".join(lines)
+    headers = ("context", "batch", "SysTPS batched min-max", "decode-only SysTPS batched")
+    headers += ("decode-only sequential", "client TTFT ms batched (median)")
+    headers += ("worst gap ms batched", "p99 gap ms sequential", "tokens/turn", "early EOS")
+    return table(headers, rows, "lrl" + "r" * 7)
+
+
+STEP_COLUMNS = {  # step_table's columns: Cell.step_ms key, header
+    "e2e": "end-to-end ms/step",
+    "forward": "forward ms",
+    "sample": "Batcher sampling ms",
+    "sample_batched": "batched argmax ms",
+    "rest": "rest ms (e2e - forward - sampling)",
+    "extend": "extend ms",
+    "leave": "leave ms",
+}
 
 
 def step_table(cells: list[Cell]) -> str:
     """In-process costs against the end-to-end time per decode step, medians of the
     passes' pairs."""
-    lines = [
-        "| context | batch | end-to-end ms/step | forward ms | Batcher sampling ms"
-        " | batched argmax ms | rest ms (e2e - forward - sampling) | extend ms | leave ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    rows = [
+        (label(c.context), c.batch, *(fmt(c.step_ms.get(k), 2) for k in STEP_COLUMNS))
+        for c in cells
     ]
-    for c in cells:
-        s = c.step_ms
-        lines.append(
-            f"| {label(c.context)} | {c.batch} | {fmt(s.get('e2e'), 2)} "
-            f"| {fmt(s.get('forward'), 2)} | {fmt(s.get('sample'), 2)} "
-            f"| {fmt(s.get('sample_batched'), 2)} | {fmt(s.get('rest'), 2)} "
-            f"| {fmt(s.get('extend'), 2)} | {fmt(s.get('leave'), 2)} |"
-        )
-    return "\n".join(lines)
+    return table(("context", "batch", *STEP_COLUMNS.values()), rows)
 
 
 def staggered_rows(runs: list[Staggered], mode: str) -> dict[str, float | None]:
@@ -586,12 +566,8 @@ def staggered_rows(runs: list[Staggered], mode: str) -> dict[str, float | None]:
 
 def staggered_table(runs: list[Staggered]) -> str:
     seq, bat = staggered_rows(runs, "sequential"), staggered_rows(runs, "batched")
-    lines = [
-        "| median over passes | sequential (--max-batch 1) | batched (--max-batch 2) |",
-        "|---|---:|---:|",
-    ]
-    lines += [f"| {k} | {fmt(seq[k])} | {fmt(bat[k])} |" for k in seq]
-    return "\n".join(lines)
+    headers = ("median over passes", "sequential (--max-batch 1)", "batched (--max-batch 2)")
+    return table(headers, [(k, fmt(seq[k]), fmt(bat[k])) for k in seq])
 
 
 def targets(cells: list[Cell]) -> list[dict[str, Any]]:
@@ -645,7 +621,7 @@ def paper_notes(cells: list[Cell], runs: list[Staggered]) -> list[str]:
 
 def other_notes(runs: list[Staggered], scans: dict[int, float]) -> list[str]:
     notes = [
-        f"Engine._step re-sums every idle hot agent's bytes before each model step: "
+        f"HotTier.make_room re-sums every idle hot agent's bytes before each model step: "
         f"{us:.0f} us per agent at {label(context)} (in-process)"
         for context, us in scans.items()
     ]

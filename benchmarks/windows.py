@@ -1,77 +1,45 @@
 """Sliding-window benchmark: what window-aware Q4 caches save on a Gemma-3-shaped model.
 
-Builds, in a temporary directory, a random-weight float32 model of mlx-lm's gemma3_text
-architecture with Gemma 3's layer pattern (five sliding-window layers of 1024 tokens, then one
-global, `sliding_window_pattern` 6): 12 layers (10 sliding, 2 global), head dim 256 as in
-Gemma 3 12B, but 2 KV heads instead of 8 (and 2 query heads, hidden 256) so that a 16K
-prefill fits this CPU. Its tokenizer, weights and config are written by
-inference_worker.model_kit. Then it starts a real `agentkv-store` process and two real
-`agentkv-worker` processes on loopback (--block-tokens 256, --restore-path locate):
-
-  window-aware   the default: a sliding layer keeps the last W - 1 tokens from a block-aligned
-                 start (plus tokens not yet durable), and a restore reads a sliding layer only
-                 from the blocks that reach into its window
-  full-length    --full-window-layers: every layer at full length in RAM, and a restore reads
-                 every layer of every block (the paper's reference behaviour)
-
-Each worker has its own namespace, so neither reads blocks the other wrote. For each context C
-(--contexts, tokens) each worker creates an agent whose system prompt is C tokens of Python
-standard-library source, waits until it is durable, records its hot bytes
-(DescribeAgent.num_bytes, SETTLE_S after wait_durable returns: a window cache lets go of its
-committed past in a job the commit queues), and evicts it. Then, --passes times, for each
-worker in turn: a store fork of that agent (same tokens, same blocks, never hot anywhere)
-takes one short turn ("Go on.", max_tokens 4, greedy) that restores it warm, and the
-benchmark records the worker's usage.restored_bytes and usage.time_to_first_token_ms
-(cache_state must be "warm", restored by locate, with no restore failure), then, once the
-turn is durable, the fork's hot bytes, then the TTFT of a second short turn (hot: the same
-forward with nothing to restore); the fork is then deleted. One untimed fork per context and
-worker goes first (the worker's read buffer grows to the new size).
-
-Replies: the two workers' greedy token ids are compared pass by pass. Each worker prefilled
-its own copy of the context, so, to tell the restore apart from the prefill, the full-length
-worker also restores a fork of the window-aware worker's agent (its namespace: every layer
-of those blocks), and the two workers' stored blocks are compared byte for byte (which block
-and which layers first differ).
-
-Bytes read are checked against what `inference_worker.blocks.block_layers` says a restore of
-the manifest's blocks must read, at agentkv.layers' bytes per token per layer. Capacity: how
-many agents fit in 1 GiB of KV at the measured hot bytes (both ways), next to
-agentkv.planner.plan() for the same config (FP16, Q4, Q4 window-aware), and the planner's
-numbers for the real Gemma 3 12B (agentkv/model_configs/gemma3_12b.json) at 10.2 GiB beside
-the paper's Table 14. Target: at 8K, a window-aware restore reads <= 1/3 of the full-length
-bytes. The page cache is warm throughout (every block was just written). Prints Markdown
-tables; writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
-
-Run:  python benchmarks/windows.py [--contexts 4096,8192,16384] [--passes 3] [--quick]
-                                   [--out benchmarks/results]
+A random-weight model with Gemma 3's layer pattern (10 sliding layers of 1024, 2 global), a
+store, and two workers, window-aware (the default) and --full-window-layers: bytes a warm
+restore reads, its TTFT, hot bytes per agent and the agents that fit, beside the planner; the
+README explains the method. Run: python benchmarks/windows.py [--contexts 4096,8192,16384]
+[--passes 3] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import paper
-from google.protobuf.json_format import MessageToDict
-from harness import context_text, int_list, label, machine, pyplot, save
+from harness import (
+    Services,
+    context_axis,
+    context_text,
+    label,
+    machine,
+    parser,
+    plot,
+    report,
+    say,
+    services,
+    span,
+    spread,
+    table,
+    usage_dict,
+    whiskers,
+)
 from paper import table14_gemma
 
 from agentkv import planner
-from agentkv.errors import AgentKVError
-from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.layers import KVStorage, describe, layer_bytes_per_token, layer_specs
-from client.store import StoreClient
 from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 from tests import model_kit
@@ -107,12 +75,6 @@ GEMMA3_SHAPE = {
     "sliding_window_pattern": 6,
     "max_position_embeddings": 32768,
 }
-_T0 = time.perf_counter()
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
 
 # results
 
@@ -171,10 +133,6 @@ class ContextRun:
         ]
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
 # the model and the processes
 
 
@@ -188,64 +146,15 @@ def build_model(root: Path) -> tuple[Path, dict[str, Any], Any]:
     return path, json.loads((path / "config.json").read_text()), tokenizer
 
 
-@dataclass(slots=True)
-class Services:
-    store: StoreClient
-    workers: dict[str, WorkerClient]  # by mode
-    logs: dict[str, Path]  # each worker's log, by mode
-
-
-@contextmanager
-def running_services(model: Path, root: Path) -> Iterator[Services]:
-    """A store and the two workers as their own processes, SIGTERMed afterwards."""
-    with ExitStack() as stack:
-
-        def start(service: ServiceProcess) -> ServiceProcess:
-            stack.callback(service.stop)
-            return service.start(timeout=600)
-
-        store = start(store_process(root / "data", root / "store.log"))
-        args = ["--block-tokens", str(BLOCK_TOKENS), "--restore-path", "locate"]
-        args += ["--hot-budget", "4G"]
-        workers = {
-            mode: start(
-                worker_process(
-                    str(model),
-                    store.address,
-                    root / f"worker-{mode}.log",
-                    extra_args=[*args, *(["--full-window-layers"] if mode == "full" else [])],
-                )
-            )
-            for mode in MODES
-        }
-        svc = Services(
-            StoreClient(store.address),
-            {m: WorkerClient(w.address) for m, w in workers.items()},
-            {m: w.log_path for m, w in workers.items()},
-        )
-        for client in (svc.store, *svc.workers.values()):
-            stack.callback(client.close)
-        yield svc
-
-
-def worker_facts(svc: Services, mode: str, notes: list[str]) -> dict[str, Any]:
-    """The worker's GetWorkerInfo; if that RPC fails, the same facts from its "model loaded"
-    log line (and a note saying so)."""
-    try:
-        return MessageToDict(svc.workers[mode].info(), preserving_proto_field_name=True)
-    except AgentKVError as exc:
-        notes.append(
-            f"GetWorkerInfo failed on the {MODE_NAMES[mode]} worker ({exc}); its "
-            "facts come from its 'model loaded' log line"
-        )
-    for line in svc.logs[mode].read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("event") == "model loaded":
-            return entry
-    raise RuntimeError(f"no worker facts for {mode}: GetWorkerInfo failed and no log line")
+WORKER_FLAGS = [
+    "--block-tokens",
+    str(BLOCK_TOKENS),
+    "--restore-path",
+    "locate",
+    "--hot-budget",
+    "4G",
+]
+WORKERS = {m: [*WORKER_FLAGS, *(["--full-window-layers"] if m == "full" else [])] for m in MODES}
 
 
 # turns
@@ -255,12 +164,9 @@ def checked_turn(worker: WorkerClient, ns: str, agent: str, state: str) -> tuple
     """The short greedy turn; aborts unless the agent's cache was in `state` ("warm": restored
     by locate, with no failure)."""
     result = worker.turn(ns, agent, [("user", SHORT)], max_tokens=MAX_TOKENS)
-    u = result.usage
-    if u is None:
+    if (u := result.usage) is None:
         raise RuntimeError(f"turn of {ns}/{agent} ended without a usage")
-    usage = MessageToDict(
-        u, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    usage = usage_dict(u)
     problems = []
     if u.cache_state != state:
         problems.append(f"cache_state {u.cache_state!r}, expected {state!r}")
@@ -417,20 +323,17 @@ def mb(num_bytes: float) -> str:
 
 
 def bytes_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | tokens restored | full-length MB read | window-aware MB read | window/full"
-        " | expected window-aware MB (block_layers) | blocks (sliding layers read) |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
+    rows = []
     for r in runs:
         f, w = r.full.median("restored_bytes"), r.window.median("restored_bytes")
-        blocks = len(r.window.block_tokens)
-        reaching = sliding_blocks(r)
-        lines.append(
-            f"| {label(r.nominal)} | {sum(r.window.block_tokens)} | {mb(f)} | {mb(w)} | "
-            f"{w / f:.3f} | {mb(r.window.expected_bytes)} | {blocks} ({reaching}) |"
+        blocks = f"{len(r.window.block_tokens)} ({sliding_blocks(r)})"
+        rows.append(
+            (label(r.nominal), sum(r.window.block_tokens), mb(f), mb(w), f"{w / f:.3f}")
+            + (mb(r.window.expected_bytes), blocks)
         )
-    return "\n".join(lines)
+    headers = ("context", "tokens restored", "full-length MB read", "window-aware MB read")
+    headers += ("window/full", "expected window-aware MB (block_layers)")
+    return table((*headers, "blocks (sliding layers read)"), rows, "l" + "r" * 5 + "l")
 
 
 def sliding_blocks(r: ContextRun) -> int:
@@ -444,154 +347,123 @@ def sliding_blocks(r: ContextRun) -> int:
 
 
 def ttft_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | full-length warm TTFT ms min / median / max | window-aware warm TTFT ms"
-        " min / median / max | window/full (medians) | hot TTFT ms, full / window (medians)"
-        " | warm - hot ms, full / window |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for r in runs:
-        cells = []
-        for m in (r.full, r.window):
-            s = spread(m.series("ttft_ms"))
-            cells.append(f"{s['min']:.1f} / {s['median']:.1f} / {s['max']:.1f}")
+        cells = [span(m.series("ttft_ms")) for m in (r.full, r.window)]
         ratio = r.window.median("ttft_ms") / r.full.median("ttft_ms")
         hot = [m.median("hot_ttft_ms") for m in (r.full, r.window)]
         gap = [m.median("ttft_ms") - h for m, h in zip((r.full, r.window), hot, strict=True)]
-        lines.append(
-            f"| {label(r.nominal)} | {cells[0]} | {cells[1]} | {ratio:.2f}x"
-            f" | {hot[0]:.1f} / {hot[1]:.1f} | {gap[0]:.1f} / {gap[1]:.1f} |"
+        rows.append(
+            (label(r.nominal), *cells, f"{ratio:.2f}x")
+            + (f"{hot[0]:.1f} / {hot[1]:.1f}", f"{gap[0]:.1f} / {gap[1]:.1f}")
         )
-    return "\n".join(lines)
+    headers = ("context", "full-length warm TTFT ms min / median / max")
+    headers += ("window-aware warm TTFT ms min / median / max", "window/full (medians)")
+    return table(
+        (*headers, "hot TTFT ms, full / window (medians)", "warm - hot ms, full / window"), rows
+    )
 
 
 def replies_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | full-length reply (own blocks) | window-aware reply | same, passes"
-        " | full-length worker on the window-aware blocks | same as window-aware"
-        " | blocks whose bytes differ between the workers (first: block, tokens, layers) |",
-        "|---|---|---|---:|---|---|---|",
-    ]
+    rows = []
     for r in runs:
-        same = r.same_replies()
+        same, b = r.same_replies(), r.blocks
         cross = r.cross.token_ids if r.cross else []
-        b = r.blocks
-        first = b.get("first_difference")
-        where = (
-            f"{first['block']}, [{first['tokens'][0]}, {first['tokens'][1]}),"
-            f" {','.join(map(str, first['layers']))}"
-            if first
-            else "-"
-        )
+        first, window = b.get("first_difference"), r.window.passes[0].token_ids
+        where = "-"
+        if first:
+            block, (a, z), layers = first["block"], first["tokens"], first["layers"]
+            where = f"{block}, [{a}, {z}), {','.join(map(str, layers))}"
         diff = f"{len(b.get('differing_blocks', []))} of {b.get('blocks', 0)} ({where})"
-        lines.append(
-            f"| {label(r.nominal)} | {r.full.passes[0].token_ids} | {r.window.passes[0].token_ids}"
-            f" | {sum(same)} of {len(same)} | {cross}"
-            f" | {'yes' if cross == r.window.passes[0].token_ids else 'no'} | {diff} |"
+        rows.append(
+            (label(r.nominal), r.full.passes[0].token_ids, window, f"{sum(same)} of {len(same)}")
+            + (cross, "yes" if cross == window else "no", diff)
         )
-    return "\n".join(lines)
+    headers = ("context", "full-length reply (own blocks)", "window-aware reply", "same, passes")
+    headers += ("full-length worker on the window-aware blocks", "same as window-aware")
+    last = "blocks whose bytes differ between the workers (first: block, tokens, layers)"
+    return table((*headers, last), rows, "lllrlll")
 
 
 def hot_table(runs: list[ContextRun]) -> str:
-    lines = [
-        "| context | full-length MB, CreateAgent reply | window-aware MB, CreateAgent reply"
-        " | full-length MB, created + durable | window-aware MB, created + durable"
-        " | full-length MB, after a warm turn | window-aware MB, after a warm turn"
-        " | window/full after a turn |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for r in runs:
         f, w = r.full.median("hot_bytes"), r.window.median("hot_bytes")
-        lines.append(
-            f"| {label(r.nominal)} | {mb(r.full.reply_bytes)} | {mb(r.window.reply_bytes)}"
-            f" | {mb(r.full.created_bytes)} | {mb(r.window.created_bytes)}"
-            f" | {mb(f)} | {mb(w)} | {w / f:.3f} |"
+        rows.append(
+            (label(r.nominal), mb(r.full.reply_bytes), mb(r.window.reply_bytes))
+            + (mb(r.full.created_bytes), mb(r.window.created_bytes), mb(f), mb(w), f"{w / f:.3f}")
         )
-    return "\n".join(lines)
+    headers = ("context",) + tuple(
+        f"{mode} MB, {when}"
+        for when in ("CreateAgent reply", "created + durable", "after a warm turn")
+        for mode in ("full-length", "window-aware")
+    )
+    return table((*headers, "window/full after a turn"), rows)
+
+
+def planned(cap: planner.Capacity, prefix: str = "") -> dict[str, int]:
+    """The planner's bytes per agent and agents that fit: FP16, Q4 and Q4 window-aware."""
+    sizes = (cap.fp16_bytes, cap.q_bytes, cap.q_window_bytes)
+    counts = (cap.num_fp16_agents, cap.num_q_agents, cap.num_q_window_agents)
+    kinds = ("fp16", "q4", "q4_window")
+    return {f"{prefix}{k}_bytes": v for k, v in zip(kinds, sizes, strict=True)} | {
+        f"{prefix}{k}_agents": v for k, v in zip(kinds, counts, strict=True)
+    }
 
 
 def capacity_rows(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for r in runs:
         tokens = int(statistics.median(r.window.series("cached_tokens")))
-        cap = planner.plan(config, tokens, BUDGET)
         full, window = r.full.median("hot_bytes"), r.window.median("hot_bytes")
+        measured = {"full": full, "window": window, "window_created": r.window.created_bytes}
         rows.append(
-            {
-                "context": r.nominal,
-                "cached_tokens": tokens,
-                "measured_full_bytes": full,
-                "measured_window_bytes": window,
-                "measured_window_created_bytes": r.window.created_bytes,
-                "measured_full_agents": int(BUDGET // full),
-                "measured_window_agents": int(BUDGET // window),
-                "measured_window_created_agents": BUDGET // r.window.created_bytes,
-                "plan_fp16_bytes": cap.fp16_bytes,
-                "plan_q4_bytes": cap.q_bytes,
-                "plan_q4_window_bytes": cap.q_window_bytes,
-                "plan_fp16_agents": cap.num_fp16_agents,
-                "plan_q4_agents": cap.num_q_agents,
-                "plan_q4_window_agents": cap.num_q_window_agents,
-            }
+            {"context": r.nominal, "cached_tokens": tokens}
+            | {f"measured_{k}_bytes": v for k, v in measured.items()}
+            | {f"measured_{k}_agents": int(BUDGET // v) for k, v in measured.items()}
+            | planned(planner.plan(config, tokens, BUDGET), "plan_")
         )
     return rows
 
 
 def capacity_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| context (cached tokens) | planner FP16 | planner Q4 | planner Q4 window | measured"
-        " full-length | measured window-aware | measured window-aware, just created |"
-        " planner vs measured window-aware MB per agent |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+    counts = ("plan_fp16_agents", "plan_q4_agents", "plan_q4_window_agents")
+    counts += ("measured_full_agents", "measured_window_agents", "measured_window_created_agents")
+    cells = [
+        (f"{label(row['context'])} ({row['cached_tokens']})", *(row[k] for k in counts))
+        + (f"{mb(row['plan_q4_window_bytes'])} vs {mb(row['measured_window_bytes'])}",)
+        for row in rows
     ]
-    for row in rows:
-        lines.append(
-            f"| {label(row['context'])} ({row['cached_tokens']}) | {row['plan_fp16_agents']}"
-            f" | {row['plan_q4_agents']} | {row['plan_q4_window_agents']}"
-            f" | {row['measured_full_agents']} | {row['measured_window_agents']}"
-            f" | {row['measured_window_created_agents']}"
-            f" | {mb(row['plan_q4_window_bytes'])} vs {mb(row['measured_window_bytes'])} |"
-        )
-    return "\n".join(lines)
+    headers = ("context (cached tokens)", "planner FP16", "planner Q4", "planner Q4 window")
+    headers += ("measured full-length", "measured window-aware")
+    headers += (
+        "measured window-aware, just created",
+        "planner vs measured window-aware MB per agent",
+    )
+    return table(headers, cells, "l" + "r" * 6 + "l")
 
 
 def gemma_rows() -> list[dict[str, Any]]:
-    config = planner.load_config("gemma3_12b")
-    cells = table14_gemma()
-    rows = []
-    for context in GEMMA_CONTEXTS:
-        cap = planner.plan(config, context, paper.TABLE14_BUDGET_BYTES)
-        rows.append(
-            {
-                "context": context,
-                "fp16_bytes": cap.fp16_bytes,
-                "q4_bytes": cap.q_bytes,
-                "q4_window_bytes": cap.q_window_bytes,
-                "fp16_agents": cap.num_fp16_agents,
-                "q4_agents": cap.num_q_agents,
-                "q4_window_agents": cap.num_q_window_agents,
-                "paper_fp16_agents": cells[context][0],
-                "paper_q4_agents": cells[context][1],
-            }
-        )
-    return rows
+    config, cells = planner.load_config("gemma3_12b"), table14_gemma()
+    return [
+        {"context": context}
+        | planned(planner.plan(config, context, paper.TABLE14_BUDGET_BYTES))
+        | {"paper_fp16_agents": cells[context][0], "paper_q4_agents": cells[context][1]}
+        for context in GEMMA_CONTEXTS
+    ]
 
 
 def gemma_table(rows: list[dict[str, Any]]) -> str:
-    gib = 1 << 30
-    lines = [
-        "| context | FP16 GiB/agent | Q4 GiB/agent | Q4 window GiB/agent | FP16 agents | Q4 agents"
-        " | Q4 window agents | paper FP16 / Q4 |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+    cells = [
+        (label(row["context"]),)
+        + tuple(f"{row[k] / (1 << 30):.3f}" for k in ("fp16_bytes", "q4_bytes", "q4_window_bytes"))
+        + tuple(row[k] for k in ("fp16_agents", "q4_agents", "q4_window_agents"))
+        + (f"{row['paper_fp16_agents']} / {row['paper_q4_agents']}",)
+        for row in rows
     ]
-    for row in rows:
-        sizes = " | ".join(
-            f"{row[k] / gib:.3f}" for k in ("fp16_bytes", "q4_bytes", "q4_window_bytes")
-        )
-        counts = " | ".join(str(row[k]) for k in ("fp16_agents", "q4_agents", "q4_window_agents"))
-        paper = f"{row['paper_fp16_agents']} / {row['paper_q4_agents']}"
-        lines.append(f"| {label(row['context'])} | {sizes} | {counts} | {paper} |")
-    return "\n".join(lines)
+    headers = ("context", "FP16 GiB/agent", "Q4 GiB/agent", "Q4 window GiB/agent", "FP16 agents")
+    headers += ("Q4 agents", "Q4 window agents", "paper FP16 / Q4")
+    return table(headers, cells, "l" + "r" * 6 + "l")
 
 
 def targets(runs: list[ContextRun]) -> list[dict[str, Any]]:
@@ -610,44 +482,38 @@ def targets(runs: list[ContextRun]) -> list[dict[str, Any]]:
     ]
 
 
-def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
+def context_notes(r: ContextRun, config: dict[str, Any]) -> list[str]:
+    """What one context's numbers say beyond its table cells: bytes read off the plan, and
+    window caches holding more than their window."""
     notes = []
-    pairs = [same for r in runs for same in r.same_replies()]
-    cross = [
-        r.cross is not None and r.cross.token_ids == r.window.passes[0].token_ids for r in runs
-    ]
-    notes.append(
-        f"greedy replies ({MAX_TOKENS} tokens): the two workers, each restoring its own blocks, "
-        f"agree in {sum(pairs)} of {len(pairs)} passes; the full-length worker restoring the "
-        f"window-aware worker's blocks agrees with it at {sum(cross)} of {len(cross)} contexts"
-    )
-    for r in runs:
-        for mode in MODES:
-            m = r.modes[mode]
-            read = set(m.series("restored_bytes"))
-            if read != {m.expected_bytes}:
-                notes.append(
-                    f"{label(r.nominal)} {MODE_NAMES[mode]}: restored_bytes {sorted(read)} but "
-                    f"block_layers expects {m.expected_bytes}"
-                )
-        created, after = r.window.created_bytes, r.window.median("hot_bytes")
-        if created > 1.5 * after:
+    for mode in MODES:
+        m = r.modes[mode]
+        if (read := set(m.series("restored_bytes"))) != {m.expected_bytes}:
             notes.append(
-                f"{label(r.nominal)}: once durable the window-aware worker still holds "
-                f"{mb(created)} MB of the created agent ({mb(after)} MB after a warm turn): its "
-                "sliding layers kept their past beyond the commit"
+                f"{label(r.nominal)} {MODE_NAMES[mode]}: restored_bytes {sorted(read)} but "
+                f"block_layers expects {m.expected_bytes}"
             )
-        reply = r.window.reply_bytes
-        if reply > 1.5 * created:
-            chunk = planner.plan(config, r.window.context_tokens, BUDGET, chunk_tokens=PREFILL)
-            notes.append(
-                f"{label(r.nominal)}: the window-aware worker's CreateAgent reply says "
-                f"{mb(reply)} MB ({reply / r.full.reply_bytes:.2f}x the full-length worker's), "
-                f"{mb(created)} MB once durable: a sliding layer keeps every token not yet in "
-                "the store, so until the commit lands the whole prefill is held in every layer "
-                f"(the planner's in-flight figure, a {PREFILL}-token chunk on top of the window, "
-                f"is {mb(chunk.q_window_bytes)} MB)"
-            )
+    created, after = r.window.created_bytes, r.window.median("hot_bytes")
+    if created > 1.5 * after:
+        notes.append(
+            f"{label(r.nominal)}: once durable the window-aware worker still holds "
+            f"{mb(created)} MB of the created agent ({mb(after)} MB after a warm turn): its "
+            "sliding layers kept their past beyond the commit"
+        )
+    if (reply := r.window.reply_bytes) > 1.5 * created:
+        chunk = planner.plan(config, r.window.context_tokens, BUDGET, chunk_tokens=PREFILL)
+        notes.append(
+            f"{label(r.nominal)}: the window-aware worker's CreateAgent reply says "
+            f"{mb(reply)} MB ({reply / r.full.reply_bytes:.2f}x the full-length worker's), "
+            f"{mb(created)} MB once durable: a sliding layer keeps every token not yet in "
+            "the store, so until the commit lands the whole prefill is held in every layer "
+            f"(the planner's in-flight figure, a {PREFILL}-token chunk on top of the window, "
+            f"is {mb(chunk.q_window_bytes)} MB)"
+        )
+    return notes
+
+
+def late_release(runs: list[ContextRun]) -> list[str]:
     late = [
         f"{label(r.nominal)} {MODE_NAMES[mode]} {what}: {mb(at)} MB then {mb(settled)} MB"
         for r in runs
@@ -661,50 +527,49 @@ def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
         ]
         if at != settled
     ]
-    if late:
-        notes.append(
-            "DescribeAgent bytes the moment wait_durable returned differ from "
-            f"{SETTLE_S} s later (the window release runs after the commit): " + "; ".join(late)
-        )
+    if not late:
+        return []
+    return [
+        "DescribeAgent bytes the moment wait_durable returned differ from "
+        f"{SETTLE_S} s later (the window release runs after the commit): " + "; ".join(late)
+    ]
+
+
+def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
+    pairs = [same for r in runs for same in r.same_replies()]
+    cross = [
+        r.cross is not None and r.cross.token_ids == r.window.passes[0].token_ids for r in runs
+    ]
+    notes = [
+        f"greedy replies ({MAX_TOKENS} tokens): the two workers, each restoring its own blocks, "
+        f"agree in {sum(pairs)} of {len(pairs)} passes; the full-length worker restoring the "
+        f"window-aware worker's blocks agrees with it at {sum(cross)} of {len(cross)} contexts"
+    ]
+    notes += [n for r in runs for n in context_notes(r, config)] + late_release(runs)
     specs = layer_specs(config)
     per_token = sum(layer_bytes_per_token(s, Q4) for s in specs)
-    notes.append(
+    return [
+        *notes,
         f"the model: {describe(specs)}; Q4 {per_token} bytes per token over all layers; "
-        f"blocks of {BLOCK_TOKENS} tokens"
-    )
-    notes.append(
+        f"blocks of {BLOCK_TOKENS} tokens",
         "planner vs measured: the planner's Q4 window counts a sliding layer at exactly "
         f"{GEMMA3_SHAPE['sliding_window']} tokens; the cache keeps the last W - 1 tokens from a "
         f"start aligned down to a block ({BLOCK_TOKENS}), so W - 1 to W + {BLOCK_TOKENS - 2} "
         "tokens at rest, plus the tokens of the last update (a turn's new tokens). Its full "
-        "layers and the full-length worker hold every cached token, as the planner's Q4 does"
-    )
-    notes.append(
+        "layers and the full-length worker hold every cached token, as the planner's Q4 does",
         "TTFT includes the turn's own forward: the full-length worker's sliding layers attend "
         "over (and dequantize) the whole context, masked to the window, the window-aware "
         "worker's over ~W + one block. The hot TTFT is that forward with nothing to restore "
-        "(the next short turn); warm - hot is what restoring costs over it"
-    )
-    return notes
+        "(the next short turn); warm - hot is what restoring costs over it",
+    ]
 
 
-def print_report(
-    runs: list[ContextRun],
-    header: dict[str, Any],
-    config: dict[str, Any],
-    capacity: list[dict[str, Any]],
-    gemma: list[dict[str, Any]],
-    goals: list[dict[str, Any]],
-    notes: list[str],
-) -> None:
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    print()
-    model = {k: config[k] for k in GEMMA3_SHAPE if k != "model_type"}
-    print(f"## Gemma-3-shaped model (gemma3_text, random float32 weights): {model}")
-    sections = (
+def sections_for(runs: list[ContextRun], passes: int, capacity: list, gemma: list) -> list:
+    gib, budget = 1 << 30, paper.TABLE14_BUDGET_BYTES
+    return [
         ("Bytes read by a warm restore (usage.restored_bytes, median)", bytes_table(runs)),
         (
-            f"TTFT of the warm turn (usage.time_to_first_token_ms, {header['passes']} passes)",
+            f"TTFT of the warm turn (usage.time_to_first_token_ms, {passes} passes)",
             ttft_table(runs),
         ),
         (
@@ -713,131 +578,79 @@ def print_report(
         ),
         ("Greedy replies (first pass)", replies_table(runs)),
         (
-            f"Agents that fit in {BUDGET / (1 << 30):.0f} GiB of KV (benchmark model)",
+            f"Agents that fit in {BUDGET / gib:.0f} GiB of KV (benchmark model)",
             capacity_table(capacity),
         ),
         (
-            f"Planner: Gemma 3 12B (gemma3_12b.json) at "
-            f"{paper.TABLE14_BUDGET_BYTES / (1 << 30):.1f} GiB",
+            f"Planner: Gemma 3 12B (gemma3_12b.json) at {budget / gib:.1f} GiB",
             gemma_table(gemma),
         ),
-    )
-    for title, text in sections:
-        print(f"\n### {title}\n\n{text}")
-    print()
-    for goal in goals:
-        status = {True: "MET", False: "MISS", None: "INFO"}[goal["met"]]
-        print(f"{status}  {goal['target']}: {goal['measured']}")
-    for note in notes:
-        print(f"note: {note}")
-    print()
+    ]
 
 
-def plot(runs: list[ContextRun], header: dict[str, Any], path: Path) -> str:
-    """Bytes read and TTFT against context, both ways; says what it did."""
-    if (plt := pyplot()) is None:
-        return ""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    xs = [r.nominal for r in runs]
-    for mode in MODES:
-        modes = [r.modes[mode] for r in runs]
-        left.plot(
-            xs,
-            [m.median("restored_bytes") / 1e6 for m in modes],
-            marker="o",
-            label=MODE_NAMES[mode],
-        )
-        series = [m.series("ttft_ms") for m in modes]
-        mid = [statistics.median(v) for v in series]
-        err = [
-            [a - min(v) for a, v in zip(mid, series, strict=True)],
-            [max(v) - a for a, v in zip(mid, series, strict=True)],
-        ]
-        line = right.errorbar(
-            xs, mid, yerr=err, marker="o", capsize=3, label=f"{MODE_NAMES[mode]}, warm"
-        )
-        right.plot(
-            xs,
-            [m.median("hot_ttft_ms") for m in modes],
-            linestyle="--",
-            marker=".",
-            color=line[0].get_color(),
-            label=f"{MODE_NAMES[mode]}, hot (the same forward, nothing restored)",
-        )
-    for ax, ylabel in (
-        (left, "MB read by a warm restore"),
-        (right, "TTFT, ms (median; whiskers min..max)"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [label(x) for x in xs])
-        ax.set_xlabel("context, tokens")
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    return save(fig, path, header, "sliding-window caches, Gemma-3-shaped model")
+def draw(runs: list[ContextRun]) -> Any:
+    """Bytes read and TTFT against context, both ways."""
+
+    def panels(axes: Any) -> None:
+        left, right = axes
+        xs = [r.nominal for r in runs]
+        for mode in MODES:
+            modes, name = [r.modes[mode] for r in runs], MODE_NAMES[mode]
+            left.plot(xs, [m.median("restored_bytes") / 1e6 for m in modes], marker="o", label=name)
+            line = whiskers(right, xs, [m.series("ttft_ms") for m in modes], label=f"{name}, warm")
+            hot = [m.median("hot_ttft_ms") for m in modes]
+            style = {"linestyle": "--", "marker": ".", "color": line[0].get_color()}
+            right.plot(xs, hot, **style, label=f"{name}, hot (the same forward, nothing restored)")
+        context_axis(left, xs, "MB read by a warm restore", log_y=False)
+        context_axis(right, xs, "TTFT, ms (median; whiskers min..max)", log_y=False)
+        for ax in axes:
+            ax.set_ylim(bottom=0)
+
+    return panels
 
 
-def report(
-    runs: list[ContextRun],
-    args: argparse.Namespace,
-    facts: dict[str, dict[str, Any]],
-    config: dict[str, Any],
-    notes: list[str],
-) -> None:
+def context_json(r: ContextRun) -> dict[str, Any]:
+    keys = ("ttft_ms", "restored_bytes", "hot_bytes")
+    return {
+        "nominal_tokens": r.nominal,
+        "modes": {
+            mode: asdict(m) | {"summary": {k: spread(m.series(k)) for k in keys}}
+            for mode, m in r.modes.items()
+        },
+        "same_replies": r.same_replies(),
+        "cross": asdict(r.cross) if r.cross else None,
+        "blocks": r.blocks,
+    }
+
+
+def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[str, Any]) -> None:
     window = facts["window"]
-    header = machine() | {k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")}
+    header = machine(**{k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")})
     header |= {"passes": args.passes, "contexts": args.contexts}
-    capacity = capacity_rows(runs, config)
-    gemma = gemma_rows()
-    goals = targets(runs)
-    notes = notes_for(runs, config) + notes
-    print_report(runs, header, config, capacity, gemma, goals, notes)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"windows-{datetime.now():%Y%m%d-%H%M%S}"
+    header["model_shape"] = {k: config[k] for k in GEMMA3_SHAPE if k != "model_type"}
+    capacity, gemma = capacity_rows(runs, config), gemma_rows()
     document = {
-        "header": header,
         "model_config": config,
         "workers": facts,
         "block_tokens": BLOCK_TOKENS,
         "budget_bytes": BUDGET,
-        "contexts": [
-            {
-                "nominal_tokens": r.nominal,
-                "modes": {
-                    mode: asdict(m)
-                    | {
-                        "summary": {
-                            k: spread(m.series(k))
-                            for k in ("ttft_ms", "restored_bytes", "hot_bytes")
-                        }
-                    }
-                    for mode, m in r.modes.items()
-                },
-                "same_replies": r.same_replies(),
-                "cross": asdict(r.cross) if r.cross else None,
-                "blocks": r.blocks,
-            }
-            for r in runs
-        ],
+        "contexts": [context_json(r) for r in runs],
         "capacity": capacity,
         "gemma3_12b_planner": gemma,
-        "targets": goals,
-        "notes": notes,
     }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(runs, header, stem.with_suffix(".png")))
+    sections = sections_for(runs, args.passes, capacity, gemma)
+    notes = notes_for(runs, config)
+    png = report("windows", args.out, header, sections, targets(runs), notes, document)
+    title = "sliding-window caches, Gemma-3-shaped model"
+    plot(png, header, title, draw(runs), ncols=2, figsize=(12, 4.8))
 
 
 # main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int_list, default=[4096, 8192, 16384])
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="smoke run: contexts 4K and 8K, 1 pass")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+def parse_args(argv: list[str] | None) -> Any:
+    quick = "smoke run: contexts 4K and 8K, 1 pass"
+    p = parser(__doc__, model=False, contexts=(4096, 8192, 16384), passes=3, quick=quick)
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.passes = [4096, 8192], 1
@@ -853,12 +666,11 @@ def main(argv: list[str] | None = None) -> None:
     load_optimized_blas()  # before anything here imports mlx; each worker loads its own
     root = Path(tempfile.mkdtemp(prefix="agentkv-windows-"))
     runs: list[ContextRun] = []
-    notes: list[str] = []  # what happened along the way
     try:
         say("building the Gemma-3-shaped model (12 layers, float32, random weights)")
         path, config, tokenizer = build_model(root)
-        with running_services(path, root) as svc:
-            facts = {mode: worker_facts(svc, mode, notes) for mode in MODES}
+        with services(root, path, WORKERS) as svc:
+            facts = {mode: usage_dict(svc.info[mode]) for mode in MODES}
             if len({f["fingerprint"] for f in facts.values()}) != 1:
                 raise RuntimeError(f"the two workers' fingerprints differ: {facts}")
             fingerprint, blas = facts["window"]["fingerprint"], facts["window"]["blas"]
@@ -870,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(run_context(svc, fingerprint, config, text, n, args.passes))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(runs, args, facts, config, notes)
+    write_report(runs, args, facts, config)
 
 
 if __name__ == "__main__":

@@ -1,59 +1,28 @@
 """Workflow benchmark: cross-phase persistence (the paper's Table 7) and expert routing (Table 8).
 
-Starts a real `agentkv-store` process and a real `agentkv-worker` process on loopback with
---model SPEC (a shipped name, a .gguf file or an mlx-lm directory, as agentkv-worker --model
-takes; default SmolLM2-135M-Instruct), warms them up, then runs two shipped scenarios through
-the SDK's workflows (client/workflow.py), each pass in namespaces of its own:
-
-  cross-phase  the prisoner's dilemma (client/scenarios/prisoners_dilemma.yaml, 5 phases), once
-               in mode "persistent" (caches carried across phases; what an agent missed is
-               injected when a phase starts) and once in mode "cold" (every permanent agent is
-               deleted when a phase starts, and its first turn in the phase re-sends its whole
-               history, so that turn's TTFT includes the full re-prefill). The two modes
-               alternate which runs first from pass to pass. --max-tokens overrides the
-               scenario's max_tokens (the model often ends a reply early with EOS, which a turn
-               cannot ignore). Per phase: the mean TTFT of its turns in each mode; persistent
-               create/inject calls run outside any turn, so they are shown too, and "persistent
-               incl. setup" is the mean over the phase's speakers of (their create and inject
-               call ms in that phase + their first turn's TTFT in it).
-  routing      expert routing (client/scenarios/expert_routing.yaml): 10 experts, each primed
-               with ~4K tokens of standard-library source inside its first turn (cold), evicted
-               to the store after priming; queries then find them warm (first touch) or hot,
-               a reporter combines the answers, and 3 repeated queries hit hot caches.
-
-TTFT is the worker's usage.time_to_first_token_ms (from the request's arrival); create and
-inject are the client's wall time for the whole call. Per-phase values are each pass's mean,
-then the median over passes (--passes, default 5; --routing-passes, default 3); routing also
-shows the median over every turn of every pass. Targets: cold/persistent at phase 5 >= the
-paper's 1.9x (Gemma 3), and warm/cold speedup >= the paper's 24x. Prints Markdown tables;
-writes JSON and a PNG (matplotlib is optional) to --out. Progress goes to stderr.
-
-Run:  python benchmarks/workflows.py [--model smollm2-135m-instruct] [--passes 5]
-                                     [--routing-passes 3] [--max-tokens 64] [--quick]
-                                     [--out benchmarks/results]
+The prisoner's dilemma, persistent against cold, and expert routing (priming cold, queries
+warm and hot), through the SDK's workflows on a real store and worker; the README explains the
+method. Run: python benchmarks/workflows.py [--model SPEC] [--passes 5] [--routing-passes 3]
+[--max-tokens 64] [--only cross-phase|routing] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, describe_model, load_tokenizer, model_dir
-from harness import machine, pyplot, save, wait_ready
+from common import describe_model, load_tokenizer, model_dir
+from harness import fmt, machine, median, parser, plot, report, say, services, table
+from paper import TABLE7, TABLE8
 
-from agentkv.launch import ServiceProcess, store_process, worker_process
 from client.demo import scenario_path
 from client.memory import AgentMemory
 from client.scenario import Scenario, load_scenario, run_scenario
@@ -64,21 +33,7 @@ MODES = ("cold", "persistent")
 QUICK_DOCUMENT_CHARS = 2000  # --quick caps every expert document (about 500 tokens)
 QUICK_MAX_TOKENS = 8  # --quick's replies, in both scenarios
 CHAT_OVERHEAD = 64  # tokens a turn's template and prompt add around a document, generously
-# Shkolnikov, "Agent Memory Below the Prompt" (2026). Table 7: per-phase mean TTFT, ms,
-# (cold, persistent, ratio); the paper's phases are Interrogation A, Interrogation B, The
-# Yard, Final Reckoning, Verdict: matched here by position.
-PAPER_TABLE7 = {
-    "Gemma 3": [(1136, 1079, 1.1), (1119, 976, 1.1), (1648, 1019, 1.6), (2195, 1250, 1.8),
-                (3292, 1705, 1.9)],
-    "DeepSeek": [(477, 460, 1.0), (465, 430, 1.1), (532, 474, 1.1), (664, 542, 1.2),
-                 (874, 649, 1.3)],
-}  # fmt: skip
-# Table 8: TTFT, ms, by phase: priming (cold), queries (warm), repeated (hot); speedups.
-PAPER_TABLE8 = {
-    "Gemma 3": {"priming": 20514, "queries": 847, "repeated": 860, "warm": 24.2, "hot": 23.9},
-    "DeepSeek": {"priming": 5140, "queries": 396, "repeated": 424, "warm": 13.0, "hot": 12.1},
-}
-TARGET_PHASE, TARGET_RATIO = 5, PAPER_TABLE7["Gemma 3"][4][2]
+TARGET_PHASE, TARGET_RATIO = 5, TABLE7["Gemma 3"][4][2]
 TARGET_SPEEDUP = 24.0  # the paper: "24x warm/cold" (Gemma 3, 24.2x)
 GROUPS = (  # key, table row, chart label
     ("priming", "priming (cold: document prefilled in the turn)", "priming\n(cold)"),
@@ -88,20 +43,10 @@ GROUPS = (  # key, table row, chart label
     ("repeated", "repeated (hot)", "repeated\n(hot)"),
     ("other", "unexpected cache state", "other"),
 )
-_T0 = time.perf_counter()
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 def div(a: float | None, b: float | None) -> float | None:
@@ -116,22 +61,6 @@ class Services:
     worker: str
     store: str
     info: Any  # the worker's GetWorkerInfoResponse
-
-
-@contextmanager
-def running_services(model: Path, root: Path) -> Iterator[Services]:
-    """A store and a worker as their own processes, SIGTERMed afterwards."""
-    with ExitStack() as stack:
-
-        def start(service: ServiceProcess) -> ServiceProcess:
-            stack.callback(service.stop)
-            return service.start(timeout=600)
-
-        store = start(store_process(root / "data", root / "store.log"))
-        worker = start(worker_process(str(model), store.address, root / "worker.log"))
-        with WorkerClient(worker.address) as client:
-            info = wait_ready(client)
-        yield Services(worker.address, store.address, info)
 
 
 def hot_agents(svc: Services) -> int:
@@ -314,111 +243,94 @@ def check_fit(model: Path, scenario: Scenario, doc_tokens: dict[str, int], max_c
 # reporting
 
 
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def spread(values: Sequence[float]) -> str:
+def ratio_range(values: Sequence[float]) -> str:
+    """Per-pass ratios as min-max, times."""
     return f"{min(values):.2f}-{max(values):.2f}x" if values else "-"
 
 
 def cross_table(cp: CrossPhase) -> str:
-    lines = [
-        "| phase | cold ttft ms | persistent ttft ms | cold/persistent"
-        " | persistent create/inject ms | persistent incl. setup ms | cold/(incl. setup)"
-        " | paper Gemma 3 cold / pers / x | paper DeepSeek cold / pers / x |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    rows = []
     for n, phase in enumerate(cp.phases):
         cold, pers = cp.med("cold", phase, "ttft"), cp.med("persistent", phase, "ttft")
         incl = cp.med("persistent", phase, "incl_setup")
-        paper = [
-            " / ".join(map(str, rows[n])) + "x" if n < len(rows) else "-"
-            for rows in PAPER_TABLE7.values()
-        ]
-        lines.append(
-            f"| {n + 1}: {phase} | {fmt(cold)} | {fmt(pers)} | {times(div(cold, pers))} "
-            f"| {fmt(cp.med('persistent', phase, 'setup'))} | {fmt(incl)} "
-            f"| {times(div(cold, incl))} | {paper[0]} | {paper[1]} |"
+        paper = [" / ".join(map(str, r[n])) + "x" if n < len(r) else "-" for r in TABLE7.values()]
+        rows.append(
+            (f"{n + 1}: {phase}", fmt(cold), fmt(pers), times(div(cold, pers)))
+            + (fmt(cp.med("persistent", phase, "setup")), fmt(incl), times(div(cold, incl)), *paper)
         )
-    return "\n".join(lines)
+    headers = ("phase", "cold ttft ms", "persistent ttft ms", "cold/persistent")
+    headers += ("persistent create/inject ms", "persistent incl. setup ms", "cold/(incl. setup)")
+    headers += ("paper Gemma 3 cold / pers / x", "paper DeepSeek cold / pers / x")
+    return table(headers, rows, "l" + "r" * 6 + "ll")
+
+
+DETAIL = (  # cross_detail_table's medians: (mode, PhaseCell field, digits)
+    ("cold", "first_ttft", 1),
+    ("persistent", "context", 0),
+    ("cold", "prefilled", 0),
+    ("persistent", "prefilled", 0),
+    ("persistent", "setup_prefilled", 0),
+    ("persistent", "generated", 1),
+)
 
 
 def cross_detail_table(cp: CrossPhase) -> str:
-    lines = [
-        "| phase | turns | cold/persistent per pass | cold/(incl. setup) per pass"
-        " | cold first turns ms | context tokens | prefilled/turn cold | prefilled/turn pers"
-        " | pers create/inject prefilled | generated/turn | cache states cold | persistent |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
+    rows = []
     for n, phase in enumerate(cp.phases):
-        states = {
-            m: " ".join(sorted({s for c in cp.cells(m, phase) for s in c.states})) for m in MODES
-        }
-        lines.append(
-            f"| {n + 1}: {phase} | {fmt(cp.med('persistent', phase, 'turns'), 0)} "
-            f"| {spread(cp.ratios(phase))} | {spread(cp.ratios(phase, 'incl_setup'))} "
-            f"| {fmt(cp.med('cold', phase, 'first_ttft'))} "
-            f"| {fmt(cp.med('persistent', phase, 'context'), 0)} "
-            f"| {fmt(cp.med('cold', phase, 'prefilled'), 0)} "
-            f"| {fmt(cp.med('persistent', phase, 'prefilled'), 0)} "
-            f"| {fmt(cp.med('persistent', phase, 'setup_prefilled'), 0)} "
-            f"| {fmt(cp.med('persistent', phase, 'generated'), 1)} "
-            f"| {states['cold']} | {states['persistent']} |"
+        states = [
+            " ".join(sorted({s for c in cp.cells(m, phase) for s in c.states})) for m in MODES
+        ]
+        rows.append(
+            (f"{n + 1}: {phase}", fmt(cp.med("persistent", phase, "turns"), 0))
+            + (ratio_range(cp.ratios(phase)), ratio_range(cp.ratios(phase, "incl_setup")))
+            + tuple(fmt(cp.med(mode, phase, attr), digits) for mode, attr, digits in DETAIL)
+            + tuple(states)
         )
-    return "\n".join(lines)
+    headers = ("phase", "turns", "cold/persistent per pass", "cold/(incl. setup) per pass")
+    headers += ("cold first turns ms", "context tokens", "prefilled/turn cold")
+    headers += ("prefilled/turn pers", "pers create/inject prefilled", "generated/turn")
+    return table((*headers, "cache states cold", "persistent"), rows, "lrll" + "r" * 6 + "ll")
 
 
 def routing_table(rt: Routing) -> str:
-    lines = [
-        "| phase group | turns/pass | cache states | mean ttft ms | median ttft ms"
-        " | prefilled/turn | context tokens | paper Gemma 3 ms | paper DeepSeek ms |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
     paper_key = {"priming": "priming", "queries_warm": "queries", "repeated": "repeated"}
+    rows = []
     for key, title, _ in GROUPS:
-        rows = rt.records(key)
-        every = [r for rs in rows for r in rs]
+        every = [r for rs in rt.records(key) for r in rs]
         if not every and key == "other":
             continue
-        papers = [
-            str(v[paper_key[key]]) if key in paper_key else "-" for v in PAPER_TABLE8.values()
-        ]
-        lines.append(
-            f"| {title} | {fmt(median([len(rs) for rs in rows]), 0)} "
-            f"| {' '.join(sorted({r.cache_state for r in every})) or '-'} "
-            f"| {fmt(rt.pass_mean(key))} | {fmt(rt.all_median(key))} "
-            f"| {fmt(mean([r.prefilled_tokens for r in every]), 0)} "
-            f"| {fmt(mean([r.context_tokens for r in every]), 0)} | {' | '.join(papers)} |"
+        papers = [str(v[paper_key[key]]) if key in paper_key else "-" for v in TABLE8.values()]
+        rows.append(
+            (title, fmt(median([len(rs) for rs in rt.records(key)]), 0))
+            + (" ".join(sorted({r.cache_state for r in every})) or "-",)
+            + (fmt(rt.pass_mean(key)), fmt(rt.all_median(key)))
+            + (fmt(mean([r.prefilled_tokens for r in every]), 0),)
+            + (fmt(mean([r.context_tokens for r in every]), 0), *papers)
         )
     creates = [r.ms for p in rt.passes for r in p if r.kind == "create" and r.phase == "priming"]
-    lines.append(
-        f"| (priming: create call, system prompt only) | {len(creates) // len(rt.passes)} | cold "
-        f"| {fmt(mean(creates))} | {fmt(median(creates))} | - | - | - | - |"
-    )
-    return "\n".join(lines)
+    first = ("(priming: create call, system prompt only)", len(creates) // len(rt.passes), "cold")
+    rows.append((*first, fmt(mean(creates)), fmt(median(creates)), "-", "-", "-", "-"))
+    headers = ("phase group", "turns/pass", "cache states", "mean ttft ms", "median ttft ms")
+    headers += ("prefilled/turn", "context tokens", "paper Gemma 3 ms", "paper DeepSeek ms")
+    return table(headers, rows, "lrl" + "r" * 6)
 
 
 def speedup_table(rt: Routing) -> str:
-    lines = [
-        "| speedup | measured | per pass | paper Gemma 3 | paper DeepSeek |",
-        "|---|---:|---|---:|---:|",
-    ]
-    for key, group, title in (
-        ("warm", "queries_warm", "warm/cold (priming / first-touch queries)"),
-        ("hot", "repeated", "hot/cold (priming / repeated)"),
-        ("", "queries_hot", "hot/cold (priming / queries asked again)"),
-    ):
-        papers = [f"{v[key]}x" if key else "-" for v in PAPER_TABLE8.values()]
-        lines.append(
-            f"| {title} | {times(rt.speedup(group))} | {spread(rt.speedups(group))} "
-            f"| {' | '.join(papers)} |"
+    rows = [
+        (title, times(rt.speedup(group)), ratio_range(rt.speedups(group)))
+        + tuple(f"{v[key]}x" if key else "-" for v in TABLE8.values())
+        for key, group, title in (
+            ("warm", "queries_warm", "warm/cold (priming / first-touch queries)"),
+            ("hot", "repeated", "hot/cold (priming / repeated)"),
+            ("", "queries_hot", "hot/cold (priming / queries asked again)"),
         )
-    return "\n".join(lines)
+    ]
+    headers = ("speedup", "measured", "per pass", "paper Gemma 3", "paper DeepSeek")
+    return table(headers, rows, "lrlrr")
 
 
 def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
@@ -482,93 +394,67 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: i
     return notes
 
 
-def plot(cp: CrossPhase | None, rt: Routing | None, header: dict[str, Any], path: Path) -> str:
-    """Per-phase TTFT cold vs persistent, and the routing groups; says what it did."""
-    if (plt := pyplot()) is None:
-        return ""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    if cp is not None:
-        xs = range(1, len(cp.phases) + 1)
-        for mode, attr, style, name in (
-            ("cold", "ttft", "o-", "cold (re-prefill)"),
-            ("persistent", "ttft", "s-", "persistent"),
-            ("persistent", "incl_setup", "s--", "persistent incl. create/inject"),
-        ):
-            ys = [cp.med(mode, phase, attr) for phase in cp.phases]
-            left.plot(xs, [y if y is not None else float("nan") for y in ys], style, label=name)
-        left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
-        left.set_ylabel("mean TTFT per phase, ms (median of passes)")
-        left.set_title("prisoner's dilemma", fontsize=9)
-        left.legend(fontsize=7)
-    if rt is not None:
-        keys = [(k, short) for k, _, short in GROUPS if any(rt.records(k))]
-        values = [rt.pass_mean(k) or 0.0 for k, _ in keys]
-        right.bar(range(len(keys)), values)
-        right.set_xticks(range(len(keys)), [short for _, short in keys], fontsize=7)
-        right.set_yscale("log")
-        right.set_ylabel("mean TTFT, ms (median of passes, log)")
-        right.set_title("expert routing", fontsize=9)
-    return save(fig, path, header, "workflows")
+def draw(cp: CrossPhase | None, rt: Routing | None) -> Any:
+    """Per-phase TTFT cold vs persistent, and the routing groups."""
+
+    def panels(axes: Any) -> None:
+        left, right = axes
+        if cp is not None:
+            xs = range(1, len(cp.phases) + 1)
+            for mode, attr, style, name in (
+                ("cold", "ttft", "o-", "cold (re-prefill)"),
+                ("persistent", "ttft", "s-", "persistent"),
+                ("persistent", "incl_setup", "s--", "persistent incl. create/inject"),
+            ):
+                ys = [cp.med(mode, phase, attr) for phase in cp.phases]
+                left.plot(xs, [y if y is not None else float("nan") for y in ys], style, label=name)
+            left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
+            left.set_ylabel("mean TTFT per phase, ms (median of passes)")
+            left.set_title("prisoner's dilemma", fontsize=9)
+            left.legend(fontsize=7)
+        if rt is not None:
+            keys = [(k, short) for k, _, short in GROUPS if any(rt.records(k))]
+            right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k, _ in keys])
+            right.set_xticks(range(len(keys)), [short for _, short in keys], fontsize=7)
+            right.set_yscale("log")
+            right.set_ylabel("mean TTFT, ms (median of passes, log)")
+            right.set_title("expert routing", fontsize=9)
+
+    return panels
 
 
-def print_report(
-    cp: CrossPhase | None, rt: Routing | None, header: dict[str, Any], notes: list[str]
-) -> None:
-    print(", ".join(f"{k}: {v}" for k, v in header.items()))
-    sections: list[tuple[str, Callable[[], str]]] = []
+EXPLAINED = (
+    "TTFT = the worker's usage.time_to_first_token_ms (from the request's arrival); "
+    "create/inject = the client's wall time for the call. Cross-phase cells: each pass's "
+    "mean over the phase's turns, median over passes; 'incl. setup' = mean over the "
+    "phase's speakers of (their create/inject ms in the phase + their first turn's TTFT). "
+    "Routing 'mean': each pass's mean, median over passes; 'median': over every turn of "
+    "every pass. Client, store and worker share this machine's cores; store writes of "
+    "earlier turns run in the background."
+)
+
+
+def sections_for(cp: CrossPhase | None, rt: Routing | None) -> list[tuple[str, str]]:
+    sections = []
     if cp is not None:
         title = f"cross-phase, prisoner's dilemma (Table 7 form; median of {len(cp.passes)} passes)"
-        sections += [
-            (title, lambda: cross_table(cp)),
-            ("cross-phase detail", lambda: cross_detail_table(cp)),
-        ]
+        sections += [(title, cross_table(cp)), ("cross-phase detail", cross_detail_table(cp))]
     if rt is not None:
-        n = len(rt.passes)
         sections += [
-            (f"expert routing (Table 8 form; {n} passes)", lambda: routing_table(rt)),
-            ("expert routing speedups (means, median of passes)", lambda: speedup_table(rt)),
+            (f"expert routing (Table 8 form; {len(rt.passes)} passes)", routing_table(rt)),
+            ("expert routing speedups (means, median of passes)", speedup_table(rt)),
         ]
-    for title, text in sections:
-        print(f"\n### {title}\n\n{text()}")
-    print()
-    for goal in targets(cp, rt):
-        print(f"{'MET ' if goal['met'] else 'MISS'}  {goal['target']}: {goal['measured']}")
-    for note in notes:
-        print(f"note: {note}")
-    print(
-        "TTFT = the worker's usage.time_to_first_token_ms (from the request's arrival); "
-        "create/inject = the client's wall time for the call. Cross-phase cells: each pass's "
-        "mean over the phase's turns, median over passes; 'incl. setup' = mean over the "
-        "phase's speakers of (their create/inject ms in the phase + their first turn's TTFT). "
-        "Routing 'mean': each pass's mean, median over passes; 'median': over every turn of "
-        "every pass. Client, store and worker share this machine's cores; store writes of "
-        "earlier turns run in the background."
-    )
+    return sections
 
 
 def records_json(records: list[Record]) -> list[dict[str, Any]]:
     return [dataclasses.asdict(r) | {"text": r.text[:80]} for r in records]
 
 
-def report(
-    cp: CrossPhase | None,
-    rt: Routing | None,
-    args: argparse.Namespace,
-    svc_info: Any,
-    fit: str,
-) -> None:
-    header = machine() | {"blas": svc_info.blas, "model": args.model}
-    header |= {"model_dir": describe_model(args.path)}
-    header |= {"device": svc_info.device, "max_context": svc_info.max_context}
-    header |= {"kv_format": svc_info.kv_format, "max_tokens": args.max_tokens}
-    header |= {"passes": args.passes, "routing_passes": args.routing_passes}
-    notes = notes_for(cp, rt, fit, args.max_tokens)
-    print_report(cp, rt, header, notes)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"workflows-{datetime.now():%Y%m%d-%H%M%S}"
-    document: dict[str, Any] = {"header": header, "targets": targets(cp, rt), "notes": notes}
+def document(cp: CrossPhase | None, rt: Routing | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     if cp is not None:
-        document["cross_phase"] = {
+        out["cross_phase"] = {
             "phases": {
                 phase: {m: [dataclasses.asdict(c) for c in cp.cells(m, phase)] for m in MODES}
                 for phase in cp.phases
@@ -576,7 +462,7 @@ def report(
             "passes": [{m: records_json(p[m]) for m in MODES} for p in cp.passes],
         }
     if rt is not None:
-        document["routing"] = {
+        out["routing"] = {
             "groups": {
                 key: {
                     "mean_ms": rt.pass_mean(key),
@@ -588,28 +474,34 @@ def report(
             "speedups": {g: rt.speedups(g) for g in ("queries_warm", "queries_hot", "repeated")},
             "passes": [records_json(p) for p in rt.passes],
         }
-    stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
-    print(plot(cp, rt, header, stem.with_suffix(".png")))
+    return out
+
+
+def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, info: Any, fit: str) -> None:
+    header = machine(blas=info.blas, model=args.model, model_dir=describe_model(args.path))
+    header |= {"device": info.device, "max_context": info.max_context}
+    header |= {"kv_format": info.kv_format, "max_tokens": args.max_tokens}
+    header |= {"passes": args.passes, "routing_passes": args.routing_passes}
+    notes = [*notes_for(cp, rt, fit, args.max_tokens), EXPLAINED]
+    goals = targets(cp, rt)
+    png = report(
+        "workflows", args.out, header, sections_for(cp, rt), goals, notes, document(cp, rt)
+    )
+    plot(png, header, "workflows", draw(cp, rt), ncols=2, figsize=(13, 4.8))
 
 
 # main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_argument(p)
-    p.add_argument("--passes", type=int, default=5, help="cross-phase passes (each mode)")
+def parse_args(argv: list[str] | None) -> Any:
+    quick = (
+        f"1 pass each, no prisoners' warm-up, every reply's max_tokens {QUICK_MAX_TOKENS}, "
+        f"documents capped at {QUICK_DOCUMENT_CHARS} chars"
+    )
+    p = parser(__doc__, passes=5, quick=quick)
     p.add_argument("--routing-passes", type=int, default=3, help="expert routing passes")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"1 pass each, no prisoners' warm-up, every reply's max_tokens {QUICK_MAX_TOKENS}, "
-        f"documents capped at {QUICK_DOCUMENT_CHARS} chars",
-    )
     p.add_argument("--only", choices=("cross-phase", "routing"), help="run one benchmark")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.document_chars = None
     if args.quick:
@@ -620,8 +512,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def scenarios(args: Any) -> tuple[Scenario, Scenario]:
+    """The prisoner's dilemma with --max-tokens replies, and expert routing."""
     prisoners = load_scenario(scenario_path("prisoners_dilemma"))
     sampling = {**prisoners.sampling, "max_tokens": args.max_tokens}
     prisoners = dataclasses.replace(prisoners, sampling=sampling)
@@ -629,15 +521,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         sampling = {**experts.sampling, "max_tokens": QUICK_MAX_TOKENS}
         experts = dataclasses.replace(experts, sampling=sampling)
+    return prisoners, experts
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    prisoners, experts = scenarios(args)
     args.path = model_dir(args.model)  # what the worker loads, too
     say(describe_model(args.path, args.model))
     doc_tokens = document_tokens(args.path, experts)
     root = Path(tempfile.mkdtemp(prefix="agentkv-workflows-"))
     cp = rt = None
     try:
-        with running_services(args.path, root) as svc:
-            fit = check_fit(args.path, experts, doc_tokens, svc.info.max_context)
-            say(f"store and worker up ({svc.info.blas}, {svc.info.device}); {fit}; warming up")
+        with services(root, args.path, {"worker": []}) as running:
+            info = running.info["worker"]
+            svc = Services(running.addresses["worker"], running.store_address, info)
+            fit = check_fit(args.path, experts, doc_tokens, info.max_context)
+            say(f"store and worker up ({info.blas}, {info.device}); {fit}; warming up")
             warm_up(svc, prisoners, experts, full=not args.quick)
             if args.only in (None, "cross-phase"):
                 cp = cross_phase(svc, prisoners, args.passes)
@@ -647,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
                 say(f"note: {hot_agents(svc)} agents still hot on the worker")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(cp, rt, args, svc.info, fit)
+    write_report(cp, rt, args, info, fit)
 
 
 if __name__ == "__main__":
