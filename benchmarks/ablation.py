@@ -44,10 +44,10 @@ from workflows import MODES, CrossPhase, cross_phase, cross_table, run_pass
 from workflows import Services as FlowServices
 
 from agentkv import planner
+from agentkv.client.demo import scenario_path
+from agentkv.client.scenario import Scenario, load_scenario
+from agentkv.client.worker import WorkerClient
 from agentkv.launch import worker_process
-from client.demo import scenario_path
-from client.scenario import Scenario, load_scenario
-from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 
 NS = "ablation"

@@ -373,8 +373,8 @@ def prefilled(model: Any, tokens: list[int]) -> list:
     """One agent's Q4 caches after a chunked prefill of `tokens`, as the worker makes them."""
     import mlx.core as mx
 
+    from agentkv.layers import KVFormat
     from inference_worker.kv_cache import QuantizedKV
-    from inference_worker.kv_format import KVFormat
 
     caches = [QuantizedKV(KVFormat()) for _ in model.layers]
     for start in range(0, len(tokens), PREFILL_CHUNK):

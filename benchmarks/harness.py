@@ -105,7 +105,7 @@ class Services:
 
     def start_worker(self, name: str, model: Path | str, args: Sequence[str] = ()) -> Any:
         """A worker process serving `model` with these flags; its client once it answers."""
-        from client.worker import WorkerClient
+        from agentkv.client.worker import WorkerClient
 
         log = self.root / f"worker-{name}.log"
         process = self.start(worker_process(str(model), self.store_address, log, extra_args=args))
@@ -136,7 +136,7 @@ def services(
     store_env: Mapping[str, str] | None = None,
 ) -> Iterator[Services]:
     """A store, then one worker of `model` per name in `workers` (name: its extra flags)."""
-    from client.store import StoreClient
+    from agentkv.client.store import StoreClient
 
     with ExitStack() as stack:
         svc = Services(root, stack)

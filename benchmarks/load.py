@@ -27,8 +27,8 @@ from common import add_model_argument, describe_model, model_dir
 from harness import Services, say, services, table
 
 from agentkv import planner
+from agentkv.client.memory import AgentMemory
 from agentkv.launch import ServiceProcess
-from client.memory import AgentMemory
 
 # Each worker's default hot budget, in tokens of the model's Q4 cache: a few agents' worth
 # (what 1M and 256K bytes held of the 4.2M-parameter model this test was first sized on).

@@ -28,10 +28,10 @@ from common import model_dir as resolve_model_dir
 from harness import machine, parser, plot, report, say, services, table
 from paper import TABLE9, TABLE9_TOKENS
 
+from agentkv.client.store import StoreClient
+from agentkv.layers import KVFormat
 from agentkv.v1 import store_pb2 as pb
-from client.store import StoreClient
 from inference_worker.blas import load_optimized_blas
-from inference_worker.kv_format import KVFormat
 
 NS = "perplexity"
 WINDOW, STRIDE = 512, 256

@@ -26,10 +26,10 @@ import numpy as np
 from common import RawReader
 from harness import machine, parser, plot, report, services, table
 
+from agentkv.client.blocks import Block, StoredBlock
+from agentkv.client.store import StoreClient
+from agentkv.client.synthetic import make_chain
 from agentkv.v1 import store_pb2 as pb
-from client.blocks import Block, StoredBlock
-from client.store import StoreClient
-from client.synthetic import make_chain
 
 FP = "llama-3.1-8b:q4g64:bench"
 LLAMA_8B = {"num_layers": 32, "kv_heads": 8, "head_dim": 128}  # Q4, group size 64

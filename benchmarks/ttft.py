@@ -40,9 +40,9 @@ from harness import (
 )
 from paper import TTFT
 
+from agentkv.layers import KVFormat
 from agentkv.v1 import store_pb2 as pb
 from inference_worker.blas import load_optimized_blas
-from inference_worker.kv_format import KVFormat
 from tests import model_kit
 
 MODELS = ("default", "llama8b-shape")  # default: --model

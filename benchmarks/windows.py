@@ -39,8 +39,8 @@ from harness import (
 from paper import table14_gemma
 
 from agentkv import planner
+from agentkv.client.worker import WorkerClient
 from agentkv.layers import KVStorage, describe, layer_bytes_per_token, layer_specs
-from client.worker import WorkerClient
 from inference_worker.blas import load_optimized_blas
 from tests import model_kit
 

@@ -23,11 +23,11 @@ from common import describe_model, load_tokenizer, model_dir
 from harness import fmt, machine, median, parser, plot, report, say, services, table
 from paper import TABLE7, TABLE8
 
-from client.demo import scenario_path
-from client.memory import AgentMemory
-from client.scenario import Scenario, load_scenario, run_scenario
-from client.worker import WorkerClient
-from client.workflow import Record
+from agentkv.client.demo import scenario_path
+from agentkv.client.memory import AgentMemory
+from agentkv.client.scenario import Scenario, load_scenario, run_scenario
+from agentkv.client.worker import WorkerClient
+from agentkv.client.workflow import Record
 
 MODES = ("cold", "persistent")
 QUICK_DOCUMENT_CHARS = 2000  # --quick caps every expert document (about 500 tokens)

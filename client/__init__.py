@@ -6,13 +6,12 @@ agents routed across workers (AgentMemory, and AsyncAgentMemory for asyncio), wo
 with cross-phase injection, and the low-level StoreClient and WorkerClient.
 """
 
+from agentkv.channels import ClientSecurity
 from agentkv.client.aio import AsyncAgentMemory
 from agentkv.client.memory import AgentMemory
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.client.workflow import Role, Workflow
-
-from agentkv.channels import ClientSecurity
 
 __all__ = [
     "AgentMemory",

@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
+
+from agentkv.channels import ClientSecurity
 from agentkv.client.core import (
     BaseAgent,
     BaseAgentMemory,
@@ -31,8 +33,6 @@ from agentkv.client.core import (
     TurnResult,
     no_reply,
 )
-
-from agentkv.channels import ClientSecurity
 from agentkv.errors import from_rpc_error
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb

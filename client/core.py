@@ -17,9 +17,8 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, Generic, TypeVar, Union
 
-from agentkv.client.routing import Attempts, Router
-
 from agentkv.channels import ClientSecurity
+from agentkv.client.routing import Attempts, Router
 from agentkv.errors import (
     AgentExists,
     AgentKVError,

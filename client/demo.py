@@ -22,11 +22,10 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
+from agentkv import defaults
 from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
 from agentkv.client.workflow import Record, Workflow
-
-from agentkv import defaults
 from agentkv.launch import ServiceProcess, store_process, worker_process
 from agentkv.units import human_bytes, table
 

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable
 
 from agentkv.client.store import StoreClient
-
 from agentkv.units import human_bytes, table, utc_time
 from agentkv.v1 import store_pb2 as pb
 

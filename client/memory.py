@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import TypeVar
 
+from agentkv.channels import ClientSecurity
 from agentkv.client.core import (
     BaseAgent,
     BaseAgentMemory,
@@ -35,8 +36,6 @@ from agentkv.client.core import (
 )
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
-
-from agentkv.channels import ClientSecurity
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["Agent", "AgentMemory", "Messages", "Reply", "as_messages", "cut_off"]

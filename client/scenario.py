@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from agentkv.client.memory import AgentMemory
 from agentkv.client.workflow import Record, Role, Workflow
-
 from agentkv.errors import InvalidArgument
 from agentkv.ids import AGENT_ID_RE, NAMESPACE_RE
 

@@ -9,6 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+
+from agentkv import wire
+from agentkv.channels import ClientSecurity
 from agentkv.client.blocks import (
     Block,
     CorruptFile,
@@ -19,9 +22,6 @@ from agentkv.client.blocks import (
     located_bytes,
     read_locations,
 )
-
-from agentkv import wire
-from agentkv.channels import ClientSecurity
 from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
 from agentkv.rpc import message_options
 from agentkv.v1 import store_pb2 as pb

@@ -7,8 +7,8 @@ uint32 (heads, tokens, head_dim / 8) plus fp16 scales and biases (heads, tokens,
 from __future__ import annotations
 
 import numpy as np
-from agentkv.client.blocks import Block, Tensor
 
+from agentkv.client.blocks import Block, Tensor
 from agentkv.keys import ROOT_KEY, block_key
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from agentkv.client.store import StoreClient
 from agentkv.client.synthetic import make_chain
 from agentkv.client.worker import WorkerClient
-
 from agentkv.errors import CorruptBlock, GenerationConflict
 from agentkv.launch import store_process, worker_process
 from agentkv.units import human_bytes, table

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.client.memory import Agent, AgentMemory
-
 from agentkv.errors import InvalidArgument
 
 MODES = ("persistent", "cold")

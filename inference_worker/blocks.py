@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from agentkv.client.blocks import Block, StoredBlock, Tensor
 
+from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.errors import BlockMisfit, CorruptBlock
 from agentkv.keys import ROOT_KEY, block_key
 from agentkv.layers import KVFormat, LayerSpec

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from agentkv.client.store import StoreClient
-
 from agentkv import ids
+from agentkv.client.store import StoreClient
 from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition
 from inference_worker.agents import Agent, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher

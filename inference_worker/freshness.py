@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentkv.client.store import StoreClient
-
 from agentkv.errors import AgentKVError, AgentNotFound
 from agentkv.v1 import store_pb2 as pb
 from inference_worker.agents import Agent

@@ -22,8 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from agentkv.client.blocks import Tensor
 
+from agentkv.client.blocks import Tensor
 from agentkv.layers import KVFormat
 
 PARTS = ("packed", "scales", "biases")

@@ -21,7 +21,6 @@ from typing import Any
 
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
-
 from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,

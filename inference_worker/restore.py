@@ -21,7 +21,6 @@ from typing import Any
 
 from agentkv.client.blocks import StoredBlock, alloc
 from agentkv.client.store import StoreClient
-
 from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock
 from inference_worker.agents import Agent
 from inference_worker.blocks import (

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 from agentkv.client.store import StoreClient
-
 from agentkv.rpc import service_handlers
 from agentkv.serving import Served, bind_service, serve_until_signal
 from agentkv.worker.v1 import worker_pb2

@@ -8,8 +8,9 @@ import logging
 import threading
 
 import grpc
-from agentkv.client.store import StoreClient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from agentkv.client.store import StoreClient
 
 log = logging.getLogger("agentkv.worker")
 STORE_HEALTH = "agentkv.worker.store"  # SERVING while the store answers, else NOT_SERVING

@@ -5,8 +5,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentkv.client.store import StoreClient
 
+from agentkv.client.store import StoreClient
 from inference_worker.blas import load_optimized_blas
 from tests.helpers import StoreProcess
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from agentkv.client import synthetic
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
-
 from agentkv.launch import ServiceProcess, store_process
 
 FP = "tiny-llama:q4g64:test0001"

@@ -9,6 +9,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
+
 from agentkv.client.worker import WorkerClient
 
 

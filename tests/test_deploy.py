@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from agentkv.client.store import StoreClient
-from agentkv.client.worker import WorkerClient
 
 from agentkv.auth import TokenTable
 from agentkv.channels import ClientSecurity
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
 from agentkv.errors import Unauthenticated
 from agentkv.launch import ServiceProcess
 from cache_store import __main__ as store_main

@@ -10,9 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
-
 from agentkv.errors import AgentKVError, DiskFull, QuotaExceeded, Unavailable
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb

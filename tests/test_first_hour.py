@@ -41,7 +41,6 @@ def test_store_flags_work_before_and_after_the_command(store_process):
 
 def test_a_store_on_port_0_writes_its_bound_addresses_to_the_address_file(tmp_path):
     from agentkv.client.store import StoreClient
-
     from agentkv.launch import store_process
 
     address_file = tmp_path / "store.json"
@@ -79,7 +78,6 @@ def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
     tiny_model_dirs, store_process, start_worker
 ):
     from agentkv.client.memory import AgentMemory
-
     from agentkv.errors import SystemPromptDiffers
 
     worker = start_worker(tiny_model_dirs["llama"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from agentkv.client.blocks import StoredBlock
 from mlx_lm.models.cache import make_prompt_cache
 
+from agentkv.client.blocks import StoredBlock
 from agentkv.keys import chain_keys
 from agentkv.layers import KVFormat
 from inference_worker.blocks import block_spans, cache_blocks, caches_from_blocks

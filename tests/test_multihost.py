@@ -12,10 +12,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from agentkv.client.store import StoreClient
-from agentkv.client.worker import WorkerClient
 
 from agentkv.channels import ClientSecurity
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
 from agentkv.launch import store_process, worker_process
 from tests.helpers import make_certs
 

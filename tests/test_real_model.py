@@ -6,8 +6,8 @@ the stored context is the whole conversation rendered by the model's own ChatML 
 from __future__ import annotations
 
 import pytest
-from agentkv.client.worker import WorkerClient
 
+from agentkv.client.worker import WorkerClient
 from inference_worker.models import DEFAULT_MODEL, resolve_model
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."

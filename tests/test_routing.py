@@ -4,8 +4,8 @@ tries of one call (rounds, backoff, which failures move on and which stand)."""
 from __future__ import annotations
 
 import pytest
-from agentkv.client.routing import Attempts, Router, rank
 
+from agentkv.client.routing import Attempts, Router, rank
 from agentkv.errors import Unavailable
 
 WORKERS = [f"10.0.0.{i}:50061" for i in range(1, 5)]

@@ -12,9 +12,9 @@ import asyncio
 import time
 
 import pytest
+
 from agentkv.client.aio import AsyncAgentMemory, AsyncReply
 from agentkv.client.memory import AgentMemory
-
 from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
 from tests.helpers import free_address
 

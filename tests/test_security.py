@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agentkv.client.store import StoreClient
-from agentkv.client.synthetic import make_chain
 
 from agentkv.auth import TokenTable
 from agentkv.channels import ClientSecurity
+from agentkv.client.store import StoreClient
+from agentkv.client.synthetic import make_chain
 from agentkv.errors import AgentKVError, PermissionDenied, Unauthenticated, Unavailable
 from agentkv.launch import store_process
 from agentkv.security import ServerSecurity
@@ -248,7 +248,6 @@ def test_worker_enforces_tokens_and_reaches_a_secured_store(
     tmp_path, tokens_file, secured_store, tiny_model_dirs
 ):
     from agentkv.client.worker import WorkerClient
-
     from agentkv.launch import worker_process
 
     (tmp_path / "store.token").write_text(OPS + "\n")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from agentkv.client.store import StoreClient
 
 from agentkv import wire
+from agentkv.client.store import StoreClient
 from agentkv.errors import (
     AgentExists,
     AgentKVError,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agentkv.client.store import put_messages
 
+from agentkv.client.store import put_messages
 from agentkv.errors import AgentKVError
 from tests.helpers import FP, NS, StoreProcess, assert_store_consistent, make_chain
 

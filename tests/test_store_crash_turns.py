@@ -152,7 +152,6 @@ def reaches_store(w) -> bool:
 def test_store_kill9_during_worker_commits_loses_no_turn(rig, points):
     from agentkv.client.store import StoreClient
     from agentkv.client.worker import WorkerClient
-
     from agentkv.errors import Unavailable
 
     def dead() -> bool:
@@ -246,7 +245,6 @@ def test_a_commit_whose_reply_was_lost_is_not_taken_for_another_writers(rig):
     must not take its own commit for another worker's and drop the turn it served while the
     store was down (its next reply must see that turn, like a never-crashed agent's)."""
     from agentkv.client.worker import WorkerClient
-
     from agentkv.errors import Unavailable
 
     store = rig.store("committed:2")  # CreateAgent's commit is the first, the turn's the second

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agentkv.client.blocks import Block, Tensor
-from agentkv.client.store import StoreClient, put_messages
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentkv import wire
 from agentkv.channels import ClientSecurity
+from agentkv.client.blocks import Block, Tensor
+from agentkv.client.store import StoreClient, put_messages
 from agentkv.errors import (
     DiskFull,
     InvalidArgument,

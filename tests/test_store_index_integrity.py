@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 import lmdb
 import pytest
+
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
-
 from agentkv.errors import AgentKVError, AgentNotFound, CorruptRecord
 from agentkv.keys import token_bytes
 from agentkv.v1 import store_pb2 as pb

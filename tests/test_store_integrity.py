@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
-
 from agentkv.errors import BlockNotFound, CorruptBlock
 from agentkv.v1 import store_pb2 as pb
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes

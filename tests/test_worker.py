@@ -12,8 +12,8 @@ import urllib.request
 
 import grpc
 import pytest
-from agentkv.client.worker import WorkerClient
 
+from agentkv.client.worker import WorkerClient
 from agentkv.errors import (
     AgentExists,
     AgentNotFound,
@@ -74,8 +74,8 @@ def test_greedy_continuations_match_across_evict_restore_and_restart(
 def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch):
     """In-process engine against the real store: hot and restored next-token logits."""
     import mlx.core as mx
-    from agentkv.client.store import StoreClient
 
+    from agentkv.client.store import StoreClient
     from inference_worker.chat import ChatMessage
     from inference_worker.config import WorkerConfig
     from inference_worker.engine import Engine

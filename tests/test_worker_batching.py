@@ -9,8 +9,8 @@ import urllib.request
 
 import grpc
 import pytest
-from agentkv.client.worker import WorkerClient
 
+from agentkv.client.worker import WorkerClient
 from agentkv.errors import ResourceExhausted
 from agentkv.worker.v1 import worker_pb2 as pb
 

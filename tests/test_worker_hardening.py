@@ -22,9 +22,9 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+
 from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.client.worker import WorkerClient
-
 from agentkv.errors import AgentKVError, InvalidArgument
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess

@@ -8,8 +8,8 @@ source's blocks in the store, so the store grows only by the fork's new blocks.
 from __future__ import annotations
 
 import pytest
-from agentkv.client.worker import WorkerClient
 
+from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentExists, AgentNotFound, InvalidArgument
 from tests.conftest import ARCHS
 

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from agentkv.client.demo import scenario_path
 from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import ScenarioError, load_scenario, parse_scenario, run_scenario
 from agentkv.client.workflow import Role, Workflow
-
 from agentkv.errors import AgentNotFound, InvalidArgument
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "client" / "scenarios"
