@@ -9,6 +9,7 @@ directory. `agentkv bench` is this command.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -162,6 +163,7 @@ def render(results: list[Result], facts: dict[str, str], mode: str) -> str:
         "",
         f"Mode `{mode}`, made by `python benchmarks/report.py --{mode}` (or `agentkv bench "
         f"--{mode}`). Absolute times are this machine's; compare the ratios.",
+        *(["", f"**{SMOKE}**"] if mode == "quick" else []),
         "",
         "| | |",
         "|---|---|",
@@ -192,6 +194,13 @@ def render(results: list[Result], facts: dict[str, str], mode: str) -> str:
         for png in r.files:
             out += ["", f"![{r.section}]({png})"]
     return "\n".join(out).rstrip() + "\n"
+
+
+SMOKE = (
+    "Quick mode is a smoke run: every section small and once, on a loaded machine's timings. "
+    "It shows that each section runs end to end; its MET/MISS verdicts are not comparable "
+    "with the paper's figures. Run --full for those."
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -234,7 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(raw / section.name, ignore_errors=True)
     raw.mkdir(parents=True, exist_ok=True)
     facts = machine(described)
-    print(f"model: {facts['model']}", flush=True)
+    facts["plots"] = (
+        "written beside each section's results"
+        if importlib.util.find_spec("matplotlib")
+        else "skipped: matplotlib is not installed (pip install -e '.[bench]')"
+    )
+    print(f"model: {facts['model']}\nplots: {facts['plots']}", flush=True)
+    if mode == "quick":
+        print(SMOKE, flush=True)
     for i, section in enumerate(sections, 1):
         print(f"[{i}/{len(sections)}] {section.title} (benchmarks/{section.script})", flush=True)
         result = run_section(section, args.full, raw, not args.quiet, (spec, path))
@@ -253,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r.section for r in results if r.error]
     print(f"wrote {out / 'REPORT.md'}: {met} targets met, {missed} missed", end="")
     print(f", failed to run: {', '.join(failed)}" if failed else "")
+    if mode == "quick":
+        print("(quick mode: a smoke run; run --full for verdicts to compare)")
     return 1 if failed else 0
 
 

@@ -46,6 +46,8 @@ def test_bench_quick_writes_the_whole_report(tmp_path):
     assert len(verdicts) >= 8 and set(verdicts) <= {"MET", "MISS"}
     for s in SECTIONS:
         assert f"## {s.title} ({s.paper})" in text
+    assert "Quick mode is a smoke run" in text and "smoke run" in run.stdout  # said up front
+    assert "| plots |" in text  # written, or why not
 
 
 def test_bench_help_names_the_command_a_user_typed():
