@@ -203,6 +203,13 @@ SMOKE = (
 )
 
 
+def plots() -> str:
+    """Whether the sections can draw their plots, and how to make them if not."""
+    if importlib.util.find_spec("matplotlib"):
+        return "written beside each section's results"
+    return "skipped: matplotlib is not installed (pip install -e '.[bench]')"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="agentkv bench", description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group()
@@ -243,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(raw / section.name, ignore_errors=True)
     raw.mkdir(parents=True, exist_ok=True)
     facts = machine(described)
-    facts["plots"] = (
-        "written beside each section's results"
-        if importlib.util.find_spec("matplotlib")
-        else "skipped: matplotlib is not installed (pip install -e '.[bench]')"
-    )
+    facts["plots"] = plots()
     print(f"model: {facts['model']}\nplots: {facts['plots']}", flush=True)
     if mode == "quick":
         print(SMOKE, flush=True)
