@@ -197,9 +197,9 @@ def render(results: list[Result], facts: dict[str, str], mode: str) -> str:
 
 
 SMOKE = (
-    "Quick mode is a smoke run: every section small and once, on a loaded machine's timings. "
-    "It shows that each section runs end to end; its MET/MISS verdicts are not comparable "
-    "with the paper's figures. Run --full for those."
+    "Quick mode is a smoke run: every section small and once. It shows that each section "
+    "runs end to end; its MET/MISS verdicts are not comparable with the paper's figures. "
+    "Run --full for those."
 )
 
 
