@@ -133,6 +133,11 @@ class Capacity:
         cutoff = now_ms() - idle_ms if idle_ms else 0
         with self.index.read() as txn:
             candidates = self.index.unreferenced(txn, namespace)
+            if cutoff:  # only blocks idle now take a write transaction
+                records = ((b, self.index.find_block(txn, *b)) for b in candidates)
+                candidates = [
+                    b for b, r in records if r and self.block_last_access(b, r.created_ms) < cutoff
+                ]
         deleted = freed = 0
         for start in range(0, len(candidates), COLLECT_BATCH):
             if stopping is not None and stopping():

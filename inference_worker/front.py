@@ -98,7 +98,7 @@ class Front:
     def _stored(self, ns: str, agent_id: str) -> Any:
         """The agent's manifest in the store, or None."""
         try:
-            return self.client.get_agent(ns, agent_id)
+            return self.client.get_agent(ns, agent_id, summary_only=True)  # metadata, no tokens
         except AgentNotFound:
             return None
 
