@@ -45,8 +45,8 @@ SECTIONS = (
             ("--quick",), model=False),  # a Gemma-3-shaped random model of its own
     Section("throughput", "Single against concurrent throughput", "batching.py",
             "Table 4, Figure 3", ("--quick",)),
-    Section("head_to_head", "Head to head: agentkv, mlx-lm's prompt cache, re-prefill",
-            "head_to_head.py", "Table 5", ("--quick",)),
+    Section("peers", "Peers on the same model: agentkv, llama.cpp, mlx-lm", "peers.py",
+            "Table 5", ("--quick",)),
     Section("ablation", "Ablation: what each component buys", "ablation.py", "Table 6",
             ("--quick",)),
     Section("workflows", "Cross-phase injection and expert routing", "workflows.py",
