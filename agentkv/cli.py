@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -123,19 +122,12 @@ def _model_parser(model: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_model_import(args: argparse.Namespace) -> None:
-    from inference_worker.gguf_import import cached_import, import_gguf
-    from inference_worker.models import SHIPPED, is_gguf, shipped_file
-
-    path = shipped_file(args.file) if args.file in SHIPPED else Path(args.file)
-    if not path.is_file() or not is_gguf(path):
-        raise ValueError(f"{path} is not a GGUF file")
-    started = time.perf_counter()
-    if args.out:
-        out = import_gguf(path, args.out, args.weights)
-    else:
-        out = cached_import(path, args.weights)
-    print(f"{out}  ({time.perf_counter() - started:.1f} s; serve it with --model {out})")
+def cmd_model_import(args: argparse.Namespace) -> int:
+    """Runs the import in the worker's own package, as a process of its own: the CLI sits
+    on every layer, and imports none of the worker's modules (the layer test checks)."""
+    command = [sys.executable, "-m", "inference_worker.gguf_import", args.file]
+    command += ["--weights", args.weights, *(["--out", str(args.out)] if args.out else [])]
+    return subprocess.run(command, check=False).returncode
 
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
@@ -361,9 +353,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"error: {exc.reason}", file=sys.stderr)
                 sys.exit(2)
             return
-        if args.command in ("plan", "model"):
+        if args.command == "model":
+            sys.exit(cmd_model_import(args))
+        if args.command == "plan":
             try:
-                (cmd_plan if args.command == "plan" else cmd_model_import)(args)
+                cmd_plan(args)
             except (ValueError, OSError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 sys.exit(2)

@@ -1,9 +1,9 @@
-"""TTFT benchmark: time to first token, cold vs hot vs warm restore, against mlx-lm's cache files.
+"""TTFT benchmark: time to first token, cold vs hot vs warm restore, and where a restore goes.
 
 Per model (--models) and context (--contexts), --passes times: cold, hot, warm (locate) and
-warm (stream) turns on a store and two workers, then in process mlx-lm's prompt-cache file and
-a raw read of the same blocks; benchmarks/README.md explains the method. --quick: 512 and 1K,
-one pass.
+warm (stream) turns on a store and two workers, then in process the restore step by step and
+a raw read of the same blocks; benchmarks/README.md explains the method (peers.py sets the
+same turns beside llama.cpp and mlx-lm, decode included). --quick: 512 and 1K, one pass.
 """
 
 from __future__ import annotations
@@ -51,21 +51,12 @@ BLOCK_TOKENS = 256
 WORKER_ARGS = ["--block-tokens", str(BLOCK_TOKENS), "--hot-budget", "8G", "--restore-path"]
 KV = KVFormat()  # k4v4g64f16: the worker's default; mlx-lm's bits=4, group_size=64
 SHORT = "Go on."
-# What the decode turns ask, tried in order until the greedy reply runs to at least half of
-# --decode-tokens (a turn cannot ignore EOS); the first that does is used at that context.
-DECODE_PROMPTS = (
-    "Explain the code above in detail, line by line.",
-    "Continue the code.",
-    "Write a long, detailed explanation of what this code does.",
-    "Go on.",
-)
 SHAPE_VOCAB = 4096  # llama8b-shape's tokenizer (a small one trained on the standard library)
 PATHS = ("cold", "warm (locate)", "warm (stream)", "hot")
 # Two processes doing the same work can differ by a few percent; the stream worker's own hot
 # turn separates its restore path from its process.
 TURNS = (*PATHS, "hot (stream worker)")
 RAW_TARGET = 1.3  # warm (locate) within this factor of raw read + one decode step
-MLX_TARGET = 1.2  # warm (locate) within this factor of mlx-lm's load + one decode step
 LLAMA_8B_SHAPE = {
     "model_type": "llama",
     "hidden_size": 4096,
@@ -90,8 +81,6 @@ STEPS = {
     "first_forward": "first forward after restore (the turn's k tokens; grows the cache)",
     "forward": "forward of k tokens on a grown cache",
     "decode": "one decode step (1 token, in-memory cache)",
-    "mlx_lm_load": "mlx-lm load_prompt_cache (+ eval)",
-    "mlx_lm": "mlx-lm load_prompt_cache + one decode step",
     "raw_decode": "raw read + one decode step",
 }
 
@@ -100,8 +89,6 @@ STEPS = {
 class ContextRun:
     nominal: int  # tokens asked for in the cold turn's user message
     turns: dict[str, list[Turn]] = field(default_factory=lambda: {p: [] for p in TURNS})
-    decode: list[Turn] = field(default_factory=list)  # hot turns of --decode-tokens
-    decode_prompt: str = ""  # what they asked (DECODE_PROMPTS)
     inproc: dict[str, list[float]] = field(default_factory=dict)  # ms, by STEPS key
     agent: str = ""  # the locate-path agent whose blocks the in-process rows read
     context_tokens: int = 0  # tokens in that agent's stored cache
@@ -114,9 +101,6 @@ class ContextRun:
         values = self.series(name)
         return statistics.median(values) if values else None
 
-    def decode_tps(self) -> list[float]:
-        return [t.usage["decode_tokens_per_second"] for t in self.decode]
-
     def prompt_tokens(self) -> int:
         return int(self.turns["cold"][0].usage["prompt_tokens"])
 
@@ -127,10 +111,7 @@ class ContextRun:
             "context_tokens": self.context_tokens,
             "agent": self.agent,
             "summary_ms": {k: spread(v) for k, v in series.items() if v},
-            "decode_tokens_per_second": spread(self.decode_tps()) if self.decode else None,
             "turns": {p: self.turns[p] for p in TURNS},
-            "decode": self.decode,
-            "decode_prompt": self.decode_prompt,
             "inproc_ms": self.inproc,
             "notes": self.notes,
         }
@@ -185,7 +166,7 @@ def cold_passes(first_s: float, passes: int, budget_s: float) -> int:
     return 1 + int(budget_s // first_s)
 
 
-def run_context(svc: Any, text: str, nominal: int, args: Any, decode: int, note: str) -> ContextRun:
+def run_context(svc: Any, text: str, nominal: int, args: Any, note: str) -> ContextRun:
     run, agent, passes = ContextRun(nominal, notes=[note] if note else []), "", args.passes
     colds, locate = passes, svc.workers["locate"]
     for p in range(passes):
@@ -209,41 +190,7 @@ def run_context(svc: Any, text: str, nominal: int, args: Any, decode: int, note:
         )
     locate.evict(NS, agent)  # durable, and what the in-process rows read
     run.agent = agent
-    if decode:
-        decode_passes(svc, run, agent, passes, decode)
     return run
-
-
-def decode_turn(svc: Any, agent: str, fork: str, prompt: str, tokens: int) -> Turn:
-    """A store fork of the (evicted) agent, restored on the locate worker by one untimed
-    turn, then a hot turn of up to `tokens` tokens; the fork is deleted after."""
-    locate = svc.workers["locate"]
-    svc.store.fork_agent(NS, agent, fork)
-    check(ask(locate, fork, SHORT), "warm (locate)", fork)
-    turn = check(ask(locate, fork, prompt, tokens), "hot", fork)
-    locate.delete(NS, fork)
-    return turn
-
-
-def decode_passes(svc: Any, run: ContextRun, agent: str, passes: int, tokens: int) -> None:
-    """`passes` decode turns on forks of the agent (so the agent the in-process rows read
-    keeps its length); the first pass picks the prompt."""
-    for i, prompt in enumerate(DECODE_PROMPTS):
-        turn = decode_turn(svc, agent, f"{agent}-decode0-{i}", prompt, tokens)
-        if turn.usage["generated_tokens"] >= max(2, tokens // 2):
-            break
-    run.decode_prompt = prompt
-    run.decode.append(turn)
-    if prompt != DECODE_PROMPTS[0]:
-        run.notes.append(
-            f"{label(run.nominal)} decode: asked {prompt!r} (the earlier prompts' greedy "
-            f"replies ended sooner than {max(2, tokens // 2)} tokens)"
-        )
-    for p in range(1, passes):
-        run.decode.append(decode_turn(svc, agent, f"{agent}-decode{p}", prompt, tokens))
-    rates = ", ".join(f"{r:.1f}" for r in run.decode_tps())
-    tokens_out = ", ".join(str(t.usage["generated_tokens"]) for t in run.decode)
-    say(f"  {label(run.nominal)} decode: {rates} tokens/s ({tokens_out} tokens; {prompt!r})")
 
 
 def one_pass(svc: Any, run: ContextRun, agent: str, p: int) -> None:
@@ -262,7 +209,7 @@ def one_pass(svc: Any, run: ContextRun, agent: str, p: int) -> None:
     stream.evict(NS, twin)
 
 
-# in this process: mlx-lm's cache files, the raw read, and the restore step by step
+# in this process: the raw read, and the restore step by step
 
 
 def forward(model: Any, caches: list, tokens: list[int]) -> Any:
@@ -274,30 +221,6 @@ def forward(model: Any, caches: list, tokens: list[int]) -> Any:
     for cache in caches:
         cache.trim(len(tokens))
     return logits
-
-
-def save_mlx_lm_cache(caches: list, path: Path) -> None:
-    """The same Q4 bytes (fp16 scales and biases, as agentkv stores them) as mlx-lm
-    QuantizedKVCache layers, written by mlx-lm's own save_prompt_cache."""
-    from mlx_lm.models.cache import QuantizedKVCache, save_prompt_cache
-
-    layers = []
-    for cache in caches:
-        layer = QuantizedKVCache(group_size=KV.group_size, bits=KV.k_bits)
-        layer.keys, layer.values = cache.quantized(cache.offset)
-        layer.offset = cache.offset
-        layers.append(layer)
-    save_prompt_cache(str(path), layers)
-
-
-def load_mlx_lm_cache(path: Path, evaluate: bool = False) -> list:
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
-
-    cache = load_prompt_cache(str(path))
-    if evaluate:
-        mx.eval([a for layer in cache for a in (*layer.keys, *layer.values)])
-    return cache
 
 
 def rpc_steps(store: Any, fp: str, agent: str, keys: list[bytes], passes: int) -> dict:
@@ -320,12 +243,9 @@ def rpc_steps(store: Any, fp: str, agent: str, keys: list[bytes], passes: int) -
 
 
 def mlx_steps(
-    model: Any, blocks: list, tail: list[int], raw: RawReader, cache_file: Path, passes: int
-) -> tuple[dict[str, list[float]], float]:
-    """MLX steps of a restore, mlx-lm's load, raw read + decode; and how far mlx-lm's decode
-    logits are from agentkv's on the same bytes (max |difference|)."""
-    import mlx.core as mx
-
+    model: Any, blocks: list, tail: list[int], raw: RawReader, passes: int
+) -> dict[str, list[float]]:
+    """MLX steps of a restore, and raw read + decode."""
     from inference_worker.blocks import caches_from_blocks
 
     restored: list[list] = []
@@ -337,14 +257,10 @@ def mlx_steps(
     steps["forward"] = repeat(lambda: forward(model, grown, tail), passes)
     steps["decode"] = repeat(lambda: forward(model, grown, tail[-1:]), passes)
     steps["raw_decode"] = repeat(lambda: (raw.read(), forward(model, grown, tail[-1:])), passes)
-    save_mlx_lm_cache(grown, cache_file)
-    steps["mlx_lm_load"] = repeat(lambda: load_mlx_lm_cache(cache_file, evaluate=True), passes)
-    mlx_lm = lambda: forward(model, load_mlx_lm_cache(cache_file), tail[-1:])  # noqa: E731
-    steps["mlx_lm"] = repeat(mlx_lm, passes)
-    return steps, mx.abs(mlx_lm() - forward(model, grown, tail[-1:])).max().item()
+    return steps
 
 
-def in_process(svc: Any, model: Any, fp: str, run: ContextRun, root: Path, passes: int) -> None:
+def in_process(svc: Any, model: Any, fp: str, run: ContextRun, passes: int) -> None:
     """Fills run.inproc from the agent's stored blocks, measured in this process."""
     manifest = svc.store.get_agent(NS, run.agent, fingerprint=fp)
     keys = list(manifest.block_keys)
@@ -358,15 +274,13 @@ def in_process(svc: Any, model: Any, fp: str, run: ContextRun, root: Path, passe
         raw = RawReader(located.blocks)
         run.inproc |= {"read": repeat(raw.read, passes), "xxh3": repeat(raw.verify, passes)}
         blocks = svc.store.read_blocks_local(NS, fp, keys)
-        cache_file = root / f"mlx-lm-{run.nominal}.safetensors"
-        steps, diff = mlx_steps(model, blocks, tail, raw, cache_file, passes)
+        steps = mlx_steps(model, blocks, tail, raw, passes)
     finally:
         svc.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
     run.inproc |= steps
     run.notes.append(
         f"{label(run.nominal)} in-process rows: {run.context_tokens} cached tokens, "
-        f"{raw.num_bytes / 1e6:.1f} MB of blocks, k = {k} tokens; "
-        f"mlx-lm vs agentkv decode logits: max |diff| {diff:.3g}"
+        f"{raw.num_bytes / 1e6:.1f} MB of blocks, k = {k} tokens"
     )
 
 
@@ -382,9 +296,7 @@ def run_model(name: str, args: Any, root: Path) -> ModelRun:
         say(f"building the Llama-3.1-8B-shaped model ({args.layers} layers, float32)")
         path = build_llama8b_shape(root, args.layers, max(args.contexts))
     run, tokenizer = ModelRun(name, str(path)), load_tokenizer(path)
-    decode = args.decode_tokens if name == "default" else 0  # the real model's decode rate
-    # the turns' tokens, at most: ~31 of template, ~32 a pass, a stream twin's, a decode fork's
-    room = 96 + 32 * args.passes + decode
+    room = 96 + 32 * args.passes  # the turns' tokens: ~31 of template, ~32 a pass, a twin's
     contexts = fit_contexts(args.contexts, max_context(path), room)
     if len(contexts) < len(args.contexts):
         run.notes.append(
@@ -399,12 +311,12 @@ def run_model(name: str, args: Any, root: Path) -> ModelRun:
         warm_up(svc, context_text(tokenizer, 300))
         for n, note in contexts:
             text = context_text(tokenizer, n)
-            run.contexts.append(run_context(svc, text, n, args, decode, note))
+            run.contexts.append(run_context(svc, text, n, args, note))
         run.notes += cold_label_notes(run)
-        say(f"{name}: in-process rows (mlx-lm, raw read, breakdown)")
+        say(f"{name}: in-process rows (raw read, breakdown)")
         model, _ = load(str(path))
         for ctx in run.contexts:
-            in_process(svc, model, svc.info["locate"].fingerprint, ctx, root / name, args.passes)
+            in_process(svc, model, svc.info["locate"].fingerprint, ctx, args.passes)
     return run
 
 
@@ -443,36 +355,21 @@ def paper_cell(n: int) -> str:
 
 def summary_table(run: ModelRun) -> str:
     heads = ["context", "cold ms", "warm locate ms", "warm stream ms", "hot ms"]
-    heads += ["mlx-lm load ms", "raw read + decode ms", "cold/warm ratio", "paper cold/warm"]
-    keys = ("cold", "warm (locate)", "warm (stream)", "hot", "mlx_lm", "raw_decode")
+    heads += ["raw read + decode ms", "cold/warm ratio", "paper cold/warm"]
+    keys = ("cold", "warm (locate)", "warm (stream)", "hot", "raw_decode")
     rows = [
         [f"{label(c.nominal)} ({c.prompt_tokens()} tok)", *(fmt(c.median(k)) for k in keys)]
         + [f"{c.median('cold') / c.median('warm (locate)'):.1f}x", paper_cell(c.nominal)]
         for c in run.contexts
     ]
-    return table(heads, rows, "l" + "r" * 7 + "l")
-
-
-def decode_table(run: ModelRun) -> str:
-    heads = ["context", "passes", "tokens generated", "decode tok/s median", "min", "max"]
-    rows = []
-    for c in (c for c in run.contexts if c.decode):
-        rates = spread(c.decode_tps())
-        tokens = statistics.median(t.usage["generated_tokens"] for t in c.decode)
-        per_token = fmt(1e3 / rates["median"] if rates["median"] else None)
-        rows.append(
-            [f"{label(c.nominal)} ({c.prompt_tokens()} tok)", len(c.decode), f"{tokens:.0f}"]
-            + [fmt(rates[k]) for k in ("median", "min", "max")]
-            + [per_token, c.decode_prompt]
-        )
-    return table([*heads, "ms/token", "prompt"], rows, "l" + "r" * 6 + "l")
+    return table(heads, rows, "l" + "r" * 6 + "l")
 
 
 def detail_table(run: ModelRun) -> str:
     heads = ["context", "path", "passes", "min ms", "median ms", "max ms", "client wall median ms"]
     rows = []
     for c in run.contexts:
-        for name in (*TURNS, "mlx_lm", "raw_decode"):
+        for name in (*TURNS, "raw_decode"):
             values, s = c.series(name), spread(c.series(name))
             wall = [t.client_ms for t in c.turns[name]] if name in TURNS else []
             rows.append(
@@ -556,7 +453,6 @@ def targets(run: ModelRun) -> list[dict[str, Any]]:
         like = (c.median("read") or 0.0) + (c.median("forward") or 0.0)
         goals += [
             judge(run, c, c.median("raw_decode"), RAW_TARGET, STEPS["raw_decode"]),
-            judge(run, c, c.median("mlx_lm"), MLX_TARGET, STEPS["mlx_lm"]),
             judge(run, c, like, None, "raw read + forward of the turn's k tokens (not a target)"),
         ]
     return goals
@@ -570,11 +466,8 @@ def model_sections(run: ModelRun) -> list[tuple[str, str]]:
         f"weights, KV {info['kv_format']}, block {info['block_tokens']} tokens, device "
         f"{info['device']}, BLAS {info['blas']}"
     )
-    sections = [(f"{facts}. TTFT, median ms", summary_table(run))]
-    if any(c.decode for c in run.contexts):
-        title = f"{run.name}: decode on a hot agent (usage.decode_tokens_per_second)"
-        sections.append((title, decode_table(run)))
-    return sections + [
+    return [
+        (f"{facts}. TTFT, median ms", summary_table(run)),
         (f"{run.name}: every series: min / median / max", detail_table(run)),
         (f"{run.name}: where warm (locate) time goes (in-process medians)", breakdown_table(run)),
     ]
@@ -584,7 +477,7 @@ def draw(runs: list[ModelRun]):
     def panels(axes: Any) -> None:
         for ax, run in zip(axes, runs, strict=True):
             xs = [c.nominal for c in run.contexts]
-            for name in (*PATHS, "mlx_lm", "raw_decode"):
+            for name in (*PATHS, "raw_decode"):
                 series = [c.series(name) for c in run.contexts]
                 whiskers(ax, xs, series, label=STEPS.get(name, name))
             context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
@@ -598,14 +491,12 @@ def draw(runs: list[ModelRun]):
 def write_report(runs: list[ModelRun], args: Any) -> None:
     blas = next((r.info["blas"] for r in runs if r.info), "")
     header = machine(blas=blas, model=args.model, passes=args.passes, contexts=args.contexts)
-    header["decode_tokens"] = args.decode_tokens
     measured = [r for r in runs if r.contexts]
     sections = [s for r in measured for s in model_sections(r)]
     notes = [n for r in runs for n in [*(n for c in r.contexts for n in c.notes), *r.notes]]
     notes.append(
-        "TTFT is the worker's usage.time_to_first_token_ms, from the Turn's arrival. 'mlx-lm "
-        "load' is load_prompt_cache + one decode step (mlx-lm's in-process TTFT); it and raw "
-        "read + decode are measured in this process on the same stored Q4 bytes. Paper "
+        "TTFT is the worker's usage.time_to_first_token_ms, from the Turn's arrival. Raw "
+        "read + decode is measured in this process on the same stored Q4 bytes. Paper "
         "cold/warm: G = Gemma 3 12B, D = DeepSeek-Coder-V2-Lite (Table 3), L = Llama 3.1 8B "
         "(Table 5). The page cache is warm throughout."
     )
@@ -627,14 +518,13 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument(
         "--models", type=name_list(MODELS), default=list(MODELS), help="default: --model"
     )
-    p.add_argument("--decode-tokens", type=int, default=32, help="each decode turn's max_tokens")
     p.add_argument("--layers", type=int, default=2, help="layers of the llama8b-shape model")
     p.add_argument("--cold-budget", type=float, default=90.0, help="s per context of extra colds")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.passes = [512, 1024], 1
-    if args.passes < 1 or args.layers < 1 or args.decode_tokens < 0:
-        p.error("--passes and --layers must be at least 1, --decode-tokens at least 0")
+    if args.passes < 1 or args.layers < 1:
+        p.error("--passes and --layers must be at least 1")
     return args
 
 

@@ -4,6 +4,7 @@ with the same logits as the weights they came from, for every supported architec
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -265,3 +266,21 @@ def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, m
     other = write_gguf(tmp_path / "other.gguf", w, config, path, Q.Q4_0)
     again = WorkerClient(start_worker(other, name="other").address)
     assert again.info().fingerprint != worker.info().fingerprint
+
+
+def test_agentkv_model_import_writes_the_directory_or_says_why_in_one_line(sources, tmp_path):
+    """The CLI runs the import as the worker package's own process (it imports none of the
+    worker's modules): a GGUF becomes a directory that loads; a bad file is one line."""
+    path, config, model, tok, w = sources["llama"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cli = [sys.executable, "-m", "agentkv.cli", "model", "import"]
+    run = subprocess.run([*cli, str(gguf), "--out", str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and f"--model {tmp_path / 'out'}" in run.stdout, run.stderr
+    imported, imported_tok = load(str(tmp_path / "out"))
+    assert mx.array_equal(logits(imported, imported_tok), logits(model, tok)).item()
+    env = {**os.environ, "AGENTKV_MODEL_CACHE": str(tmp_path / "cache")}
+    bad = subprocess.run([*cli, str(_bare_gguf(tmp_path / "mamba.gguf", "mamba"))],
+                         capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "'mamba'" in bad.stderr
+    assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
