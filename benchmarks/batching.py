@@ -399,10 +399,10 @@ THROUGHPUT = {  # the throughput table's columns: header, cell of a Cell
     "context": lambda c: label(c.context),
     "batch": lambda c: c.batch,
     "SysTPS batched": lambda c: fmt(c.sys_tps("batched")),
-    "sequential": lambda c: fmt(c.sys_tps("sequential")),
+    "SysTPS sequential": lambda c: fmt(c.sys_tps("sequential")),
     "ratio": lambda c: ratio(c.sys_tps("batched"), c.sys_tps("sequential")),
     "decode-only SysTPS batched": lambda c: fmt(c.sys_tps("batched", decode=True)),
-    "sequential ": lambda c: fmt(c.sys_tps("sequential", decode=True)),
+    "decode-only sequential": lambda c: fmt(c.sys_tps("sequential", decode=True)),
     "per-agent tok/s": lambda c: fmt(
         median([s.usage["decode_tokens_per_second"] for s in c.streams()])
     ),
