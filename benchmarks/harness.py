@@ -11,8 +11,9 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -20,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, describe_model, max_context
+from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
 
 from agentkv.launch import ServiceProcess, store_process, worker_process
 
@@ -37,13 +38,9 @@ def say(message: str) -> None:
 
 
 def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas: {text!r}"
-        ) from None
-    if not values or min(values) < 16:
+    """An argparse type: contexts, comma-separated integers of at least 16 (tokens)."""
+    values = [int(v) for v in text.split(",") if v.strip().isdigit()]
+    if len(values) != len([v for v in text.split(",") if v.strip()]) or min(values, default=0) < 16:
         raise argparse.ArgumentTypeError(f"expected contexts of at least 16 tokens: {text!r}")
     return values
 
@@ -130,15 +127,18 @@ class Services:
 
 @contextmanager
 def services(
-    root: Path,
+    root: Path | None,
     model: Path | str | None = None,
     workers: Mapping[str, Sequence[str]] | None = None,
     store_env: Mapping[str, str] | None = None,
 ) -> Iterator[Services]:
-    """A store, then one worker of `model` per name in `workers` (name: its extra flags)."""
+    """A store, then one worker of `model` per name in `workers` (name: its extra flags);
+    their files under `root` (None: a temporary directory, removed at the end)."""
     from agentkv.client.store import StoreClient
 
     with ExitStack() as stack:
+        if root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentkv-bench-")))
         svc = Services(root, stack)
         env = dict(store_env) if store_env else None
         store = svc.start(store_process(root / "data", root / "store.log", env=env))
@@ -147,6 +147,18 @@ def services(
         for name, args in (workers or {}).items():
             svc.start_worker(name, model, args)
         yield svc
+
+
+def open_model(args: argparse.Namespace) -> Any:
+    """Loads the optimized BLAS (before anything imports MLX), resolves --model as the
+    workers will (args.path; args.described, one line), and returns its tokenizer."""
+    from inference_worker.blas import load_optimized_blas
+
+    load_optimized_blas()
+    args.path = model_dir(args.model)
+    args.described = describe_model(args.path)
+    say(describe_model(args.path, args.model))
+    return load_tokenizer(args.path)
 
 
 def wait_ready(worker: Any, timeout: float = 120.0) -> Any:
@@ -349,6 +361,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str =
     return "\n".join(lines)
 
 
+def columns(
+    items: Iterable[Any], spec: Mapping[str, Callable[[Any], object]], align: str = ""
+) -> str:
+    """A Markdown table of one row per item and one column per (header, its cell of an item)."""
+    return table(list(spec), [[cell(item) for cell in spec.values()] for item in items], align)
+
+
 # the machine
 
 
@@ -406,24 +425,20 @@ def pyplot() -> Any:
     return plt
 
 
-def save(fig: Any, path: Path, header: Mapping[str, object], title: str) -> str:
-    """Titles the figure with the machine's facts, saves it to path, and says so."""
-    facts = f"{header['cpu']}, {header['cores']} cores, MLX {header['mlx']}, BLAS {header['blas']}"
-    fig.suptitle(f"agentkv {title}, {header['date']}; {facts}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return f"wrote {path}"
-
-
 def plot(path: Path, header: Mapping[str, object], title: str, draw: Callable, **figure) -> None:
-    """draw(axes) on one row of panels (figure: ncols, figsize), saved to path."""
+    """draw(axes) on one row of panels (figure: ncols, figsize), titled with the machine's
+    facts and saved to path."""
     if (plt := pyplot()) is None:
         return
     ncols, size = figure.get("ncols", 1), figure.get("figsize", (6.5, 4.8))
     fig, axes = plt.subplots(1, ncols, figsize=size, squeeze=False)
     draw(axes[0])
-    print(save(fig, path, header, title))
+    facts = f"{header['cpu']}, {header['cores']} cores, MLX {header['mlx']}, BLAS {header['blas']}"
+    fig.suptitle(f"agentkv {title}, {header['date']}; {facts}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def whiskers(ax: Any, xs: Sequence[float], series: Sequence[Sequence[float]], **style: Any) -> Any:
@@ -445,10 +460,15 @@ def context_axis(ax: Any, xs: Sequence[int], ylabel: str, log_y: bool = True) ->
 
 
 def plain(value: Any) -> Any:
-    """JSON for what json does not know: dataclasses as dicts, the rest as text."""
+    """JSON for what json does not know: dataclasses as dicts, arrays as lists, the rest as text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
-    return str(value)
+    return value.tolist() if hasattr(value, "tolist") else str(value)  # numpy: lists
+
+
+def goal(target: str, measured: str, met: bool | None, **extra: Any) -> dict[str, Any]:
+    """A target for `report`: met True (MET), False (MISS) or None (INFO: a reference line)."""
+    return {"target": target, "measured": measured, "met": met, **extra}
 
 
 def verdict(goal: Mapping[str, Any]) -> str:

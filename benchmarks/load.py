@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import add_model_argument, describe_model, model_dir
-from harness import Services, say, services, table
+from common import describe_model, model_dir
+from harness import Services, parser, percentile, say, services, table
 
 from agentkv import planner
 from agentkv.client.memory import AgentMemory
@@ -46,11 +46,6 @@ def message(agent: str, turn: int) -> str:
     """The agent's user message for `turn`, the same in the run and in its replay."""
     topic = random.Random(f"{agent}/{turn}").choice(TOPICS)
     return f"What does {topic} do? ({agent}.{turn})"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def logged(path: Path, events: Iterable[str]) -> Counter[str]:
@@ -231,7 +226,7 @@ def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counte
         "turns_per_s": len(records) / wall,
         "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
         "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
-        "ttft_p99_ms": percentile(ttft, 0.99),
+        "ttft_p99_ms": percentile(ttft, 99) or float("nan"),
         "cache_states": caches,
         "restores": caches["warm"],
         "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
@@ -294,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, quick="16 agents, 3 turns each, no time bound")
     p.add_argument("--minutes", type=float, default=3.0, help="how long; 0: --turns per agent")
     p.add_argument("--agents", type=int, default=16, help="agents at once")
     p.add_argument("--threads", type=int, default=4)
@@ -303,12 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evict-rate", type=float, default=0.25, help="chance of evicting after a turn")
     p.add_argument(
         "--hot-budget",
-        help=f"each worker's RAM for KV caches (default: {HOT_TOKENS} tokens' worth; "
-        f"{QUICK_HOT_TOKENS} with --quick)",
+        help=f"each worker's RAM for KV caches (default: {HOT_TOKENS} "
+        f"tokens' worth; {QUICK_HOT_TOKENS} with --quick)",
     )
-    add_model_argument(p)
-    p.add_argument("--quick", action="store_true", help="16 agents, 3 turns each, no time bound")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.quick:
         args.agents, args.turns, args.minutes = 16, 3, 0

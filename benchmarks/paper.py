@@ -11,30 +11,13 @@ from agentkv.planner import Capacity, load_config, parse_size, plan
 # Tables 3 and 5: TTFT ms (cold, warm) by context. Gemma 3 12B and DeepSeek-Coder-V2-Lite
 # from Table 3; Llama 3.1 8B from Table 5 (its agent-memory cold and warm columns).
 TTFT = {
-    "Gemma": {
-        1024: (3964, 475),
-        2048: (7119, 495),
-        4096: (15736, 577),
-        8192: (35009, 626),
-        16384: (74219, 795),
-        32768: (172096, 1819),
-    },
-    "DeepSeek": {
-        1024: (1043, 234),
-        2048: (1737, 246),
-        4096: (3970, 271),
-        8192: (8296, 338),
-        16384: (19396, 434),
-        32768: (47315, 633),
-    },
-    "Llama": {
-        1024: (2500, 260),
-        2048: (4530, 274),
-        4096: (10235, 290),
-        8192: (21536, 331),
-        16384: (47629, 431),
-    },
-}
+    "Gemma": {1024: (3964, 475), 2048: (7119, 495), 4096: (15736, 577), 8192: (35009, 626),
+              16384: (74219, 795), 32768: (172096, 1819)},
+    "DeepSeek": {1024: (1043, 234), 2048: (1737, 246), 4096: (3970, 271), 8192: (8296, 338),
+                 16384: (19396, 434), 32768: (47315, 633)},
+    "Llama": {1024: (2500, 260), 2048: (4530, 274), 4096: (10235, 290), 8192: (21536, 331),
+              16384: (47629, 431)},
+}  # fmt: skip
 # Table 5, Llama 3.1 8B, TTFT ms. agent-memory (Q4, on disk): cold, warm, restart; vllm-mlx
 # (FP16 prefix cache in RAM): cold, prefix hit, restart (None: "—" in the paper).
 TABLE5: dict[int, tuple[int, int, int, int, int, int | None]] = {

@@ -3,32 +3,26 @@
 The paper's Table 9: 512-token windows, stride 256, over the prose of the Python docs
 (Debian's python3-doc), each quantized context put to a real store and read back before it is
 scored; then greedy agreement with FP16 on chat prompts. The README explains the method.
-Run: python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model SPEC]
-[--own-chunk both|quantized,fp,worker] [--prompts 4] [--gen-tokens 128] [--agree q4,k8v4|all]
-[--docs DIR] [--out DIR]
+Run: python benchmarks/perplexity.py [--tokens 7935] [--quick] [--model SPEC] [--prompts 4]
+[--gen-tokens 128] [--agree q4,k8v4|all] [--docs DIR] [--out DIR]
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import describe_model
-from common import model_dir as resolve_model_dir
-from harness import machine, parser, plot, report, say, services, table
+from common import describe_model, model_dir
+from harness import columns, goal, machine, name_list, parser, plot, report, say, services, table
 from paper import TABLE9, TABLE9_TOKENS
 
-from agentkv.client.store import StoreClient
 from agentkv.layers import KVFormat
 from agentkv.v1 import store_pb2 as pb
 from inference_worker.blas import load_optimized_blas
@@ -39,10 +33,9 @@ CONTEXT = WINDOW - STRIDE - 1  # 255: the scored forward feeds the token before 
 PREFILL_CHUNK = 128
 ROUND_TRIPS = ((256, "stream"), (64, "local"), (256, "local"), (64, "stream"))
 QUANTIZED = {"Q4 (k4v4)": KVFormat(4, 4), "Q8 (k8v8)": KVFormat(8, 8), "K8V4": KVFormat(8, 4)}
-OWN_CHUNK = ("quantized", "fp", "worker")  # "both", the default: quantized and fp
 BASELINE, REFERENCE, HEADLINE = "FP16", "FP32", "Q4 (k4v4)"
+KINDS = (REFERENCE, BASELINE, *QUANTIZED)
 SHORT = {"fp32": REFERENCE, "q4": "Q4 (k4v4)", "q8": "Q8 (k8v8)", "k8v4": "K8V4"}
-AGREE = "q4,k8v4"  # the formats whose greedy agreement with FP16 is measured, by default
 TARGET_PCT = 1.0
 BOOTSTRAP_SAMPLES = 10_000
 # Checks: FP16 against FP32 (|PPL change|, %), cache path against a cache-free forward (NLL)
@@ -52,25 +45,15 @@ FP16_TOLERANCE_PCT, FORWARD_TOLERANCE_NLL = 0.1, 1e-3
 # in this order: the Tutorial, the FAQ and the HOWTOs, each as its index's toctree lists them.
 DOCS = Path("/usr/share/doc/python3-doc/html/_sources")
 DOCS_HINT = "apt-get install python3-doc"
-CORPUS = tuple(
-    f"{part}/{name}"
-    for part, names in (
-        (
-            "tutorial",
-            "index appetite interpreter introduction controlflow datastructures modules "
-            "inputoutput errors classes stdlib stdlib2 venv whatnow interactive floatingpoint "
-            "appendix",
-        ),
-        ("faq", "general programming design library extending windows gui installed"),
-        (
-            "howto",
-            "pyporting cporting curses descriptor enum functional logging logging-cookbook regex "
-            "sockets sorting unicode urllib2 argparse ipaddress clinic instrumentation "
-            "annotations isolating-extensions",
-        ),
-    )
-    for name in names.split()
-)
+CORPUS_PARTS = {
+    "tutorial": "index appetite interpreter introduction controlflow datastructures modules "
+    "inputoutput errors classes stdlib stdlib2 venv whatnow interactive floatingpoint appendix",
+    "faq": "general programming design library extending windows gui installed",
+    "howto": "pyporting cporting curses descriptor enum functional logging logging-cookbook "
+    "regex sockets sorting unicode urllib2 argparse ipaddress clinic instrumentation "
+    "annotations isolating-extensions",
+}
+CORPUS = [f"{part}/{name}" for part, names in CORPUS_PARTS.items() for name in names.split()]
 # The greedy-agreement prompts (chat turns; each asks for a long answer)
 PROMPTS = (
     "Explain in detail how a hash table works, with its advantages and drawbacks.",
@@ -83,9 +66,21 @@ PROMPTS = (
 # the text: reStructuredText as plain prose
 
 KEEP_BODY = {  # directives whose body is prose: the body stays, the directive line goes
-    "note", "warning", "seealso", "tip", "important", "topic", "sidebar", "impl-detail",
-    "versionadded", "versionchanged", "deprecated", "attention", "caution", "hint",
-}  # fmt: skip
+    "note",
+    "warning",
+    "seealso",
+    "tip",
+    "important",
+    "topic",
+    "sidebar",
+    "impl-detail",
+    "versionadded",
+    "versionchanged",
+    "deprecated",
+    "attention",
+    "caution",
+    "hint",
+}
 DIRECTIVE = re.compile(r"^(\s*)\.\.(?:\s+([\w:-]+)::)?")
 LABEL = re.compile(r"^\.\. _([^:`]+):\s*$")
 ADORNMENT = re.compile(r"^\s*([=\-`:'\"~^_*+#<>.])\1{2,}\s*$")
@@ -93,31 +88,31 @@ TABLE = re.compile(r"^\s*(?:[+|]|=+\s+=)")
 OPTION = re.compile(r"^\s*:[\w -]+:")
 LIST_ITEM = re.compile(r"^(?:[*+-]|\d+\.|#\.|\(\d+\))\s")
 ROLE = re.compile(r":([\w:+.-]+):`([^`]*)`")
-LINK = re.compile(r"`([^`<]*?)\s*(?:<[^>]*>)?`__?")
-LITERAL = re.compile(r"``(.+?)``")
-STRONG = re.compile(r"\*\*(\S(?:.*?\S)?)\*\*")
-EMPH = re.compile(r"(?<![\w*])\*(\S(?:[^*]*?\S)?)\*(?![\w*])")
-FOOTNOTE_REF = re.compile(r"\s*\[(?:#\w*|\d+)\]_")
+INLINE = (  # (pattern, replacement) in turn, after the roles
+    (re.compile(r"``(.+?)``"), r"\1"),  # literals
+    (re.compile(r"`([^`<]*?)\s*(?:<[^>]*>)?`__?"), r"\1"),  # links
+    (re.compile(r"\s*\[(?:#\w*|\d+)\]_"), ""),  # footnote references
+    (re.compile(r"\*\*(\S(?:.*?\S)?)\*\*"), r"\1"),  # strong
+    (re.compile(r"(?<![\w*])\*(\S(?:[^*]*?\S)?)\*(?![\w*])"), r"\1"),  # emphasis
+)
 NUMBERED_ROLES = {"pep": "PEP", "rfc": "RFC"}
 
 
-def _indent(line: str) -> int:
+def indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
 def section_titles(texts: list[str]) -> dict[str, str]:
     """`.. _label:` -> the title of the section it labels, for :ref:`label`."""
     titles: dict[str, str] = {}
-    for text in texts:
-        lines = text.splitlines()
+    for lines in (text.splitlines() for text in texts):
         for i, line in enumerate(lines):
             if not (m := LABEL.match(line)):
                 continue
             j = i + 1
             while j < len(lines) and (not lines[j].strip() or LABEL.match(lines[j])):
                 j += 1
-            if j < len(lines) and ADORNMENT.match(lines[j]):
-                j += 1  # an overline
+            j += bool(j < len(lines) and ADORNMENT.match(lines[j]))  # an overline
             if j + 1 < len(lines) and ADORNMENT.match(lines[j + 1]) and lines[j].strip():
                 titles[m.group(1).strip().lower()] = lines[j].strip()
     return titles
@@ -136,20 +131,18 @@ def inline(line: str, titles: dict[str, str]) -> str:
         return text[1:].rsplit(".", 1)[-1] if text.startswith("~") else text
 
     line = ROLE.sub(role, line)
-    line = LITERAL.sub(r"\1", line)
-    line = LINK.sub(r"\1", line)
-    line = FOOTNOTE_REF.sub("", line)
-    line = STRONG.sub(r"\1", line)
-    line = EMPH.sub(r"\1", line)
+    for pattern, replacement in INLINE:
+        line = pattern.sub(replacement, line)
     return line.replace("\\ ", "").replace("\\", "")
 
 
-def prose(rst: str, titles: dict[str, str]) -> str:
-    """reStructuredText as plain paragraphs: code, directives, tables and heading rules out."""
-    lines, out, i = rst.expandtabs().splitlines(), [], 0
+def prose_lines(lines: list[str]) -> list[str]:
+    """The lines that are prose, stripped; "" where a paragraph ends: code, directives,
+    tables and heading rules out."""
+    out, i = [], 0
 
-    def past_block(i: int, indent: int) -> int:  # past blank lines and lines indented deeper
-        while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > indent):
+    def past_block(i: int, depth: int) -> int:  # past blank lines and lines indented deeper
+        while i < len(lines) and (not lines[i].strip() or indent(lines[i]) > depth):
             i += 1
         return i
 
@@ -163,7 +156,7 @@ def prose(rst: str, titles: dict[str, str]) -> str:
                 while i < len(lines) and OPTION.match(lines[i]):
                     i += 1
                 continue
-            i = past_block(i + 1, _indent(line))
+            i = past_block(i + 1, indent(line))
             out.append("")
         elif text.startswith(">>>"):  # a doctest block: to the next blank line
             while i < len(lines) and lines[i].strip():
@@ -172,19 +165,22 @@ def prose(rst: str, titles: dict[str, str]) -> str:
         elif ADORNMENT.match(line) or TABLE.match(line):
             i += 1
         elif text.endswith("::"):  # "text::" is "text:" and a literal block follows
-            head = text[:-2].rstrip()
-            if head:
+            if head := text[:-2].rstrip():
                 out.append(head if text[-3:-2].isspace() else head + ":")
-            i = past_block(i + 1, _indent(line))
+            i = past_block(i + 1, indent(line))
             out.append("")
         else:
             out.append(text)
             i += 1
+    return out
+
+
+def prose(rst: str, titles: dict[str, str]) -> str:
+    """reStructuredText as plain paragraphs, each on one line."""
     paragraphs, current = [], []
-    for text in [*out, ""]:
+    for text in [*prose_lines(rst.expandtabs().splitlines()), ""]:
         if not text:
-            if current:
-                paragraphs.append("\n".join(current))
+            paragraphs += ["\n".join(current)] if current else []
             current = []
         elif current and not LIST_ITEM.match(text):
             current[-1] += " " + text
@@ -205,15 +201,9 @@ class Text:
     docs: Path
 
 
-def docs_version(docs: Path) -> str:
-    options = docs.parent / "_static" / "documentation_options.js"
-    if options.is_file() and (m := re.search(r"VERSION:\s*'([^']+)'", options.read_text())):
-        return m.group(1)
-    return "unknown"
-
-
 def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
-    """CORPUS's documents as prose, tokenized, until there are `needed` tokens."""
+    """CORPUS's documents as prose, joined by a blank line and tokenized one by one, until
+    there are `needed` tokens."""
     present = [name for name in CORPUS if (docs / f"{name}.rst.txt").is_file()]
     if not present:
         raise SystemExit(
@@ -221,13 +211,11 @@ def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
             f"({DOCS_HINT}, or --docs DIR for another Sphinx _sources tree)"
         )
     titles = section_titles([p.read_text(errors="replace") for p in docs.rglob("*.rst.txt")])
-    tokens: list[int] = []
-    used: list[str] = []
-    digest = hashlib.sha256()
-    separator = "\n\n"
+    tokens, used, digest = [], [], hashlib.sha256()
     for name in present:
-        text = prose((docs / f"{name}.rst.txt").read_text(errors="replace"), titles)
-        text = (separator if used else "") + text
+        text = ("\n\n" if used else "") + prose(
+            (docs / f"{name}.rst.txt").read_text(errors="replace"), titles
+        )
         digest.update(text.encode())
         tokens += tokenizer.encode(text, add_special_tokens=False)
         used.append(name)
@@ -235,14 +223,16 @@ def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
             break
     if len(tokens) < needed:
         raise SystemExit(
-            f"the text at {docs} has {len(tokens):,} tokens, too few for {needed:,}: "
-            "ask for fewer (--tokens)"
+            f"the text at {docs} has {len(tokens):,} tokens, too few for "
+            f"{needed:,}: ask for fewer (--tokens)"
         )
-    version = docs_version(docs)
+    options = docs.parent / "_static" / "documentation_options.js"
+    found = options.is_file() and re.search(r"VERSION:\s*'([^']+)'", options.read_text())
+    version = found.group(1) if found else "unknown"
     return Text(np.array(tokens, dtype=np.int64), used, version, digest.hexdigest(), docs)
 
 
-# windows and scores
+# windows, KV formats and scores
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,40 +258,15 @@ def plan_windows(num_tokens: int) -> list[Window]:
     return [Window(i, i * STRIDE, min(i, 1) * CONTEXT, *trips[i]) for i in range(count)]
 
 
-@dataclass(frozen=True, slots=True)
-class Kind:
-    """One row: a KV format, and for a quantized one what a chunk attends for its own tokens."""
-
-    fmt_name: str  # FP32, FP16 or a QUANTIZED key
-    own: str = ""  # an OWN_CHUNK name for a quantized format
-
-    @property
-    def variant(self) -> str:
-        return "worker's QuantizedKV" if self.own == "worker" else f"own chunk {self.own}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.fmt_name}, {self.variant}" if self.own else self.fmt_name
-
-    @property
-    def fmt(self) -> KVFormat | None:
-        return QUANTIZED.get(self.fmt_name)
-
-
-def plan_kinds(own_chunks: tuple[str, ...]) -> list[Kind]:
-    return [Kind(REFERENCE), Kind(BASELINE)] + [
-        Kind(name, own) for name in QUANTIZED for own in own_chunks
-    ]
-
-
 @dataclass(slots=True)
 class Scores:
     """One KV format's NLL per scored token, per window."""
 
-    kind: Kind
+    kind: str  # FP32, FP16 or a QUANTIZED key
     nll: list[np.ndarray] = field(default_factory=list)
     bytes_per_token: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    ci: dict[str, float] | None = None  # paired_bootstrap against FP16
 
     @property
     def sums(self) -> np.ndarray:
@@ -315,6 +280,10 @@ class Scores:
     def ppl(self) -> float:
         return math.exp(self.sums.sum() / self.counts.sum())
 
+    @property
+    def kv_bytes(self) -> float:
+        return float(np.mean(self.bytes_per_token))
+
     def delta_pct(self, base: Scores) -> float:
         return 100 * (self.ppl / base.ppl - 1)
 
@@ -325,8 +294,7 @@ def next_token_nll(logits: Any, targets: np.ndarray) -> np.ndarray:
 
     logits = logits.astype(mx.float32)
     picked = mx.take_along_axis(logits, mx.array(targets)[:, None], axis=-1)[:, 0]
-    nll = mx.logsumexp(logits, axis=-1) - picked
-    return np.array(nll, dtype=np.float64)
+    return np.array(mx.logsumexp(logits, axis=-1) - picked, dtype=np.float64)
 
 
 # caches
@@ -357,118 +325,53 @@ class Float16KV:
         return self.cache.keys_and_values()
 
 
-@functools.cache
-def own_chunk_classes() -> dict[str, tuple[type, int]]:
-    """--own-chunk's caches, by name: (class, quantized_query_max). Each is a QuantizedKV
-    that stores and holds exactly what the worker's does (its update_and_fetch stores the
-    update quantized), and hands attention a past and an own part of its own definition, so
-    that what is measured does not move when QuantizedKV's attention path does. "worker" is
-    QuantizedKV itself: whatever the worker's prefill and decode attend in this tree. Built on
-    first use: it imports mlx. Full-attention layers only (the benchmark checks)."""
-    import mlx.core as mx
+def new_caches(kind: str, num_layers: int) -> list:
+    """FP32: mlx-lm's KVCache at the model's dtype; FP16: Float16KV; the rest the worker's
+    QuantizedKV."""
+    from mlx_lm.models.cache import KVCache
 
     from inference_worker.kv_cache import QuantizedKV
 
-    class OwnChunkQuantized(QuantizedKV):
-        """Every position as stored, its own included: a decode step of equal K and V bits
-        takes mlx-lm's quantized attention (as the worker's does), anything else the whole
-        cache dequantized."""
-
-        def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-            fetched = super().update_and_fetch(keys, values)
-            if hasattr(self, "end_turn"):
-                self.end_turn()  # no full-precision copy of the turn: none is attended
-            if hasattr(self, "bits"):  # quantized arrays, for mlx-lm's quantized attention
-                return fetched
-            return self.dequantized(0, self.offset - self.start, keys.dtype)
-
-    class OwnChunkFP(QuantizedKV):
-        """The past dequantized, the update's own keys and values as computed."""
-
-        def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-            super().update_and_fetch(keys, values)  # quantized_query_max=0: never `bits`
-            if hasattr(self, "end_turn"):
-                self.end_turn()
-            past = self.offset - self.start - keys.shape[2]
-            if not past:
-                return keys, values
-            past_k, past_v = self.dequantized(0, past, keys.dtype)
-            return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
-
-    return {"quantized": (OwnChunkQuantized, 1), "fp": (OwnChunkFP, 0), "worker": (QuantizedKV, 1)}
-
-
-def quantized_cache(kind: Kind) -> Any:
-    cls, quantized_query_max = own_chunk_classes()[kind.own]
-    return cls(kind.fmt, quantized_query_max=quantized_query_max)
-
-
-def new_caches(kind: Kind, num_layers: int) -> list:
-    from mlx_lm.models.cache import KVCache
-
-    if kind.fmt_name == REFERENCE:
-        return [KVCache() for _ in range(num_layers)]
-    if kind.fmt_name == BASELINE:
-        return [Float16KV() for _ in range(num_layers)]
-    return [quantized_cache(kind) for _ in range(num_layers)]
-
-
-def as_kind(restored: list, kind: Kind) -> list:
-    """Caches rebuilt from blocks (QuantizedKV) as this kind's caches, holding the same
-    arrays."""
-    if kind.own == "worker":
-        return restored
-    caches = []
-    for r in restored:
-        c = quantized_cache(kind)
-        c.load(r.keys, r.values, r.offset, r.start)
-        caches.append(c)
-    return caches
+    make = {REFERENCE: KVCache, BASELINE: Float16KV}.get(kind) or (
+        lambda: QuantizedKV(QUANTIZED[kind])
+    )
+    return [make() for _ in range(num_layers)]
 
 
 def kv_bytes(cache: Any) -> int:
     """Bytes of the tokens a cache holds (not of spare capacity)."""
-    from inference_worker.kv_cache import QuantizedKV
-
-    if isinstance(cache, QuantizedKV):
+    if hasattr(cache, "fmt"):  # QuantizedKV
         return cache.nbytes
     return sum(a.nbytes for a in cache.keys_and_values())
-
-
-# the store round trip
 
 
 @dataclass(slots=True)
 class RoundTrip:
     """Puts a window's context to the store and rebuilds its caches from what comes back."""
 
-    store: StoreClient
+    store: Any  # StoreClient
     model_dir: Path
     num_round_trips: int = 0
     bytes_stored: int = 0
     fingerprints: dict[tuple[KVFormat, int], str] = field(default_factory=dict)
 
-    def __call__(self, caches: list, context: list[int], kind: Kind, w: Window) -> list:
+    def __call__(self, caches: list, context: list[int], kind: str, w: Window) -> list:
         from inference_worker.blocks import cache_blocks, caches_from_blocks
         from inference_worker.fingerprint import model_fingerprint
 
-        fmt = kind.fmt
-        key = (fmt, w.block_tokens)
+        key = (QUANTIZED[kind], w.block_tokens)
         if key not in self.fingerprints:  # it hashes the weights
-            self.fingerprints[key] = model_fingerprint(self.model_dir, fmt, w.block_tokens)
-        fingerprint = self.fingerprints[key]
-        # the variants' blocks have the same keys (same tokens) but other bytes: one
-        # namespace each, so that neither reads the other's
-        ns = f"{NS}-own-{kind.own}"
-        blocks, keys = cache_blocks(caches, context, fingerprint, w.block_tokens)
-        put = self.store.put_blocks(ns, fingerprint, blocks)
+            self.fingerprints[key] = model_fingerprint(self.model_dir, *key)
+        fp = self.fingerprints[key]
+        blocks, keys = cache_blocks(caches, context, fp, w.block_tokens)
+        put = self.store.put_blocks(NS, fp, blocks)
         read = self.store.get_blocks if w.read_path == "stream" else self.store.read_blocks_local
-        restored = caches_from_blocks(list(read(ns, fingerprint, keys)), len(caches), fmt)
+        restored = caches_from_blocks(list(read(NS, fp, keys)), len(caches), key[0])
         self.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
-        check_identical(caches, restored, f"{kind.label} window {w.index}")
+        check_identical(caches, restored, f"{kind} window {w.index}")
         self.num_round_trips += 1
         self.bytes_stored += sum(t.num_bytes for b in blocks for t in b.tensors)
-        return as_kind(restored, kind)
+        return restored
 
 
 def check_identical(put: list, restored: list, what: str) -> None:
@@ -484,72 +387,61 @@ def check_identical(put: list, restored: list, what: str) -> None:
 
 
 def prefill(model: Any, ids: list[int], caches: list) -> Any:
-    """Feeds ids in chunks of PREFILL_CHUNK; the last chunk's logits (lazy)."""
+    """Feeds ids in chunks of PREFILL_CHUNK as one turn (the worker's engine opens a turn on
+    its caches around a turn's prefill: QuantizedKV.begin_turn / end_turn); the last chunk's
+    logits."""
     import mlx.core as mx
 
+    turn(caches, begin=True)
     logits = None
     for a in range(0, len(ids), PREFILL_CHUNK):
         logits = model(mx.array([ids[a : a + PREFILL_CHUNK]]), cache=caches)
         mx.eval(logits)
+    turn(caches, begin=False)
     return logits
 
 
-def turn(kind: Kind, caches: list, begin: bool) -> None:
-    """The worker's engine opens a turn on its caches around each turn's prefill
-    (QuantizedKV.begin_turn / end_turn); the "worker" kind does the same."""
-    if kind.own == "worker":
-        for c in caches:
-            c.begin_turn() if begin else c.end_turn()
+def turn(caches: list, begin: bool) -> None:
+    for c in caches if hasattr(caches[0], "begin_turn") else ():
+        c.begin_turn() if begin else c.end_turn()
 
 
-def score_window(
-    model: Any, kind: Kind, tokens: np.ndarray, w: Window, round_trip: RoundTrip
-) -> tuple[np.ndarray, float]:
+def score_window(model: Any, kind: str, tokens: np.ndarray, w: Window, trip: RoundTrip) -> tuple:
     """(NLL of the window's scored tokens, KV bytes per token held after scoring)."""
     import mlx.core as mx
 
     ids = tokens[w.start : w.start + WINDOW].tolist()
     caches = new_caches(kind, len(model.layers))
-    turn(kind, caches, begin=True)
     prefill(model, ids[: w.context], caches)
-    turn(kind, caches, begin=False)
-    if kind.fmt is not None and w.context:
-        caches = round_trip(caches, ids[: w.context], kind, w)
-    turn(kind, caches, begin=True)  # the scored forward is the next turn's prefill
+    if kind in QUANTIZED and w.context:
+        caches = trip(caches, ids[: w.context], kind, w)
+    turn(caches, begin=True)  # the scored forward is the next turn's prefill
     logits = model(mx.array([ids[w.context : -1]]), cache=caches)[0]
     nll = next_token_nll(logits, np.array(ids[w.context + 1 :]))
     return nll, sum(kv_bytes(c) for c in caches) / caches[0].offset
 
 
-def cache_free_nll(model: Any, tokens: np.ndarray, w: Window) -> np.ndarray:
-    """The window's scored NLL from one forward of its tokens with no cache at all."""
+def score_all(model: Any, tokens: np.ndarray, windows: list[Window], trip: RoundTrip) -> tuple:
+    """Every kind's scores, and each window's NLL from one cache-free forward (a check of
+    the cache path)."""
     import mlx.core as mx
 
-    ids = tokens[w.start : w.start + WINDOW]
-    logits = model(mx.array([ids[:-1].tolist()]))[0, w.context :]
-    return next_token_nll(logits, ids[w.context + 1 :])
-
-
-def score_all(
-    model: Any,
-    kinds: list[Kind],
-    tokens: np.ndarray,
-    windows: list[Window],
-    round_trip: RoundTrip,
-) -> tuple[dict[Kind, Scores], list[np.ndarray]]:
-    """Every kind's scores, and each window's cache-free NLL (a check of the cache path)."""
-    scores = {kind: Scores(kind) for kind in kinds}
-    free = []
+    scores, free = {kind: Scores(kind) for kind in KINDS}, []
     for w in windows:
         for kind, s in scores.items():
             start = time.perf_counter()
-            nll, per_token = score_window(model, kind, tokens, w, round_trip)
+            nll, per_token = score_window(model, kind, tokens, w, trip)
             s.seconds += time.perf_counter() - start
             s.nll.append(nll)
             s.bytes_per_token.append(per_token)
-        free.append(cache_free_nll(model, tokens, w))
+        ids = tokens[w.start : w.start + WINDOW]
+        free.append(
+            next_token_nll(
+                model(mx.array([ids[:-1].tolist()]))[0, w.context :], ids[w.context + 1 :]
+            )
+        )
         if w.index % 5 == 4 or w.index == len(windows) - 1:
-            done = sum(len(n) for n in scores[Kind(BASELINE)].nll)
+            done = sum(len(n) for n in scores[BASELINE].nll)
             say(f"window {w.index + 1}/{len(windows)}: {done:,} tokens scored per format")
     return scores, free
 
@@ -561,7 +453,7 @@ def score_all(
 class Agreement:
     """One kind teacher-forced on FP16's greedy generations: argmax matches, per prompt."""
 
-    kind: Kind
+    kind: str
     matches: list[np.ndarray] = field(default_factory=list)  # bool per generated position
 
     @property
@@ -569,31 +461,19 @@ class Agreement:
         return float(np.concatenate(self.matches).mean())
 
     @property
-    def positions(self) -> int:
-        return int(sum(len(m) for m in self.matches))
-
-    @property
     def first_divergence(self) -> list[int | None]:
         """Per prompt, the first position whose argmax differs (None: none did)."""
         return [int(np.argmin(m)) if not m.all() else None for m in self.matches]
 
 
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    if getattr(tokenizer, "has_chat_template", False):
-        messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(tokenizer.encode(prompt))
-
-
 def greedy(
-    model: Any, kind: Kind, prompt: list[int], n: int, forced: list[int] | None = None
+    model: Any, kind: str, prompt: list[int], n: int, forced: list[int] | None = None
 ) -> list[int]:
     """The argmax at each of n positions after the prompt; fed its own (or `forced`) tokens."""
     import mlx.core as mx
 
     caches = new_caches(kind, len(model.layers))
-    logits = prefill(model, prompt, caches)[0, -1]
-    out: list[int] = []
+    logits, out = prefill(model, prompt, caches)[0, -1], []
     for i in range(n):
         out.append(int(mx.argmax(logits).item()))
         if i + 1 < n:
@@ -602,22 +482,21 @@ def greedy(
     return out
 
 
-def agreement(
-    model: Any, tokenizer: Any, kinds: list[Kind], num_prompts: int, n: int
-) -> tuple[dict[Kind, Agreement], list[int]]:
-    """Each kind against FP16's greedy generations; the prompts' lengths."""
-    if not num_prompts or not kinds:
-        return {}, []
-    results = {kind: Agreement(kind) for kind in kinds}
-    lengths = []
-    for p, text in enumerate(PROMPTS[:num_prompts]):
-        prompt = prompt_ids(tokenizer, text)
+def agreement(model: Any, tokenizer: Any, kinds: list[str], num_prompts: int, n: int) -> tuple:
+    """Each kind against FP16's greedy generations on chat prompts; the prompts' lengths."""
+    results, lengths = {kind: Agreement(kind) for kind in kinds}, []
+    for p, text in enumerate(PROMPTS[:num_prompts] if kinds else ()):
+        if getattr(tokenizer, "has_chat_template", False):
+            messages = [{"role": "user", "content": text}]
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        else:
+            prompt = list(tokenizer.encode(text))
         lengths.append(len(prompt))
-        reference = greedy(model, Kind(BASELINE), prompt, n)
+        reference = greedy(model, BASELINE, prompt, n)
         for kind, a in results.items():
             a.matches.append(np.array(greedy(model, kind, prompt, n, reference)) == reference)
         say(f"agreement: prompt {p + 1}/{num_prompts} ({len(prompt)} tokens, {n} generated)")
-    return results, lengths
+    return (results if lengths else {}), lengths
 
 
 # statistics and checks
@@ -630,395 +509,257 @@ def paired_bootstrap(base: Scores, other: Scores, seed: int = 0) -> dict[str, fl
     counts = base.counts[idx].sum(axis=1)
     ppl_base = np.exp(base.sums[idx].sum(axis=1) / counts)
     ppl_other = np.exp(other.sums[idx].sum(axis=1) / counts)
-    delta, pct = ppl_other - ppl_base, 100 * (ppl_other / ppl_base - 1)
-    return {
-        "delta_lo": float(np.percentile(delta, 2.5)),
-        "delta_hi": float(np.percentile(delta, 97.5)),
-        "pct_lo": float(np.percentile(pct, 2.5)),
-        "pct_hi": float(np.percentile(pct, 97.5)),
-    }
+    change = {"delta": ppl_other - ppl_base, "pct": 100 * (ppl_other / ppl_base - 1)}
+    ends = (("lo", 2.5), ("hi", 97.5))
+    return {f"{k}_{e}": float(np.percentile(v, q)) for k, v in change.items() for e, q in ends}
 
 
 def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-def run_checks(scores: dict[Kind, Scores], free: list[np.ndarray]) -> list[dict[str, Any]]:
+def run_checks(scores: dict[str, Scores], free: list[np.ndarray]) -> list[tuple[str, str, bool]]:
     """Each check: what, the numbers, and whether it held."""
-    fp16, fp32 = scores[Kind(BASELINE)], scores[Kind(REFERENCE)]
-    checks = [
-        {
-            "check": "FP16 path vs mlx-lm KVCache at the model's dtype",
-            "result": f"PPL {fp16.ppl:.4f} vs {fp32.ppl:.4f} ({fp16.delta_pct(fp32):+.4f}%), "
-            f"max abs ΔNLL per token {max_abs_diff(fp16.nll, fp32.nll):.2e}",
-            "ok": abs(fp16.delta_pct(fp32)) < FP16_TOLERANCE_PCT,
-        },
-        {
-            "check": "FP32 cache path vs one cache-free forward per window",
-            "result": f"max abs ΔNLL per token {max_abs_diff(fp32.nll, free):.2e}",
-            "ok": max_abs_diff(fp32.nll, free) < FORWARD_TOLERANCE_NLL,
-        },
+    fp16, fp32 = scores[BASELINE], scores[REFERENCE]
+    pct, diff, cache_free = (
+        fp16.delta_pct(fp32),
+        max_abs_diff(fp16.nll, fp32.nll),
+        max_abs_diff(fp32.nll, free),
+    )
+    return [
+        (
+            "FP16 path vs mlx-lm KVCache at the model's dtype",
+            f"PPL {fp16.ppl:.4f} vs {fp32.ppl:.4f} ({pct:+.4f}%), max abs ΔNLL per token "
+            f"{diff:.2e}",
+            abs(pct) < FP16_TOLERANCE_PCT,
+        ),
+        (
+            "FP32 cache path vs one cache-free forward per window",
+            f"max abs ΔNLL per token {cache_free:.2e}",
+            cache_free < FORWARD_TOLERANCE_NLL,
+        ),
     ]
-    for kind, s in scores.items():
-        if kind.own == "fp":  # no past in window 0: it attends exactly what FP32 does
-            diff = max_abs_diff(s.nll[:1], fp32.nll[:1])
-            checks.append(
-                {
-                    "check": f"{kind.label}, window 0 (no past) vs FP32",
-                    "result": f"max abs ΔNLL per token {diff:.2e}",
-                    "ok": diff < FORWARD_TOLERANCE_NLL,
-                }
-            )
-    return checks
 
 
 # the report
-
-
-def signed(value: float, digits: int = 3) -> str:
-    return f"{value:+.{digits}f}"
-
-
-def results_table(scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]]) -> str:
-    base, rows = scores[Kind(BASELINE)], []
-    for kind, s in scores.items():
-        ci, is_base = intervals.get(kind), kind.fmt_name == BASELINE
-        name = f"{kind.fmt_name} (reference)" if kind.fmt_name == REFERENCE else kind.fmt_name
-        rows.append(
-            (
-                name,
-                kind.own or "fp",
-                f"{s.ppl:.3f}",
-                "" if is_base else signed(s.ppl - base.ppl),
-                "" if is_base else f"{s.delta_pct(base):+.2f}%",
-                f"{ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}" if ci else "",
-                f"{s.counts.sum():,}",
-                f"{np.mean(s.bytes_per_token):,.0f}",
-                "yes" if kind.fmt else "no",
-            )
-        )
-    headers = ("KV format", "own chunk", "PPL", "ΔPPL vs FP16", "Δ%")
-    headers += ("95% CI of Δ% (paired bootstrap)", "tokens scored", "KV bytes/token")
-    return table((*headers, "through the store"), rows, "llrrrrrrl")
-
-
-def paper_table(scores: dict[Kind, Scores], model_name: str) -> str:
-    rows = [
-        (f"{model} (paper)", f"{fp16:.2f}", f"{q4:.2f}", signed(q4 - fp16, 2))
-        + (f"{100 * (q4 / fp16 - 1):+.1f}%", f"{TABLE9_TOKENS:,}")
-        for model, (fp16, q4) in TABLE9.items()
-    ]
-    fp16 = scores[Kind(BASELINE)]
-    rows += [
-        (f"{model_name}, {kind.variant} (this run)", f"{fp16.ppl:.2f}", f"{q4.ppl:.2f}")
-        + (signed(q4.ppl - fp16.ppl, 2), f"{q4.delta_pct(fp16):+.1f}%", f"{q4.counts.sum():,}")
-        for kind, q4 in scores.items()
-        if kind.fmt_name == HEADLINE
-    ]
-    return table(("model", "FP16 PPL", "Q4 PPL", "ΔPPL", "Δ%", "tokens"), rows)
-
-
-def agreement_table(results: dict[Kind, Agreement], n: int) -> str:
-    rows = [
-        (kind.fmt_name, kind.own or "fp", f"{a.positions:,}", f"{100 * a.rate:.1f}%")
-        + (", ".join("-" if f is None else str(f) for f in a.first_divergence),)
-        for kind, a in results.items()
-    ]
-    headers = ("KV format", "own chunk", "positions", "argmax agrees with FP16 greedy")
-    first = f"first divergence per prompt (of {n}; - none)"
-    return table((*headers, first), rows, "llrrl")
-
-
-def checks_table(checks: list[dict[str, Any]], round_trip: RoundTrip) -> str:
-    rows = [(c["check"], c["result"], "ok" if c["ok"] else "FAILED") for c in checks]
-    n = round_trip.num_round_trips
-    stored = f"{n} of {n} ({round_trip.bytes_stored:,} bytes put and read back)"
-    rows.append(("store round trips bit-identical", stored, "ok"))
-    return table(("check", "result", ""), rows, "lll")
-
-
-def targets(
-    scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]], model_name: str
-) -> list[dict[str, Any]]:
-    """One target per own-chunk variant: Q4 within +TARGET_PCT% of FP16."""
-    base = scores[Kind(BASELINE)]
-    goals = []
-    for kind, s in scores.items():
-        if kind.fmt_name != HEADLINE:
-            continue
-        pct, ci = s.delta_pct(base), intervals[kind]
-        goals.append(
-            {
-                "target": f"Q4 perplexity within +{TARGET_PCT:g}% of FP16 KV on {model_name} "
-                f"({kind.variant})",
-                "met": pct <= TARGET_PCT,
-                "measured": f"{pct:+.2f}% (95% CI {ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}%)",
-                "own": kind.own,
-                "pct": pct,
-            }
-        )
-    return goals
-
-
-def target_notes(
-    scores: dict[Kind, Scores], intervals: dict[Kind, dict[str, float]], goal: dict[str, Any]
-) -> list[str]:
-    """Per target: which formats meet it at how many bytes, and whether Q4's interval
-    includes 0."""
-    base = scores[Kind(BASELINE)]
-    base_bytes, own = np.mean(base.bytes_per_token), goal["own"]
-    variant = Kind(HEADLINE, own).variant
-    meeting = sorted(
-        (np.mean(s.bytes_per_token), k.fmt_name, s.delta_pct(base))
-        for k, s in scores.items()
-        if k.own == own and s.delta_pct(base) <= TARGET_PCT
-    )
-    met = ", ".join(f"{n} ({pct:+.2f}%, {b:,.0f} B/token)" for b, n, pct in meeting)
-    if goal["met"]:
-        head = "Q4 meets the target"
-    else:
-        head = f"Q4 misses the target by {goal['pct'] - TARGET_PCT:.2f} points"
-    smallest = (
-        f"the smallest that does: {meeting[0][1]} at {meeting[0][0]:,.0f} B/token, "
-        f"{meeting[0][0] / base_bytes:.2f}x FP16's {base_bytes:,.0f}"
-        if meeting
-        else "no quantized format does"
-    )
-    ci = intervals[Kind(HEADLINE, own)]
-    if ci["pct_lo"] <= 0 <= ci["pct_hi"]:
-        verdict = "includes 0: Q4's change is not distinguishable from window-to-window noise"
-    else:
-        verdict = "excludes 0: the change is more than window-to-window noise"
-    return [
-        f"{variant}: {head}; within +{TARGET_PCT:g}% of FP16: {met or 'none'}; {smallest}",
-        f"{variant}: Q4 - FP16, 95% paired-bootstrap interval over {len(base.nll)} "
-        f"windows {verdict}",
-    ]
-
-
-def method_notes(windows: list[Window], text: Text, model_dir: Path) -> list[str]:
-    notes = [
-        f"scored tokens: window 0, tokens 1..{WINDOW - 1}; window w >= 1, tokens "
-        f"{STRIDE}w+{STRIDE}..{STRIDE}w+{WINDOW - 1} after a {CONTEXT}-token context "
-        "(prefilled, and for Q4/Q8/K8V4 put to the store and read back); the same tokens for "
-        "every format. Window 0 has no past, so there own chunk fp scores exactly as FP32",
-        "FP16 and FP32 do not go through the store: it holds only quantized blocks",
-        "own chunk fp keeps a forward's own tokens in full precision: for the scored forward "
-        f"that is up to its {STRIDE} latest tokens, for a decode step only the one being fed; "
-        "the greedy-agreement table is where decoding shows",
-        f"the text: tokens 0..{windows[-1].targets[1] - 1} of the prose of the Python "
-        f"{text.version} documentation ({text.docs}, Debian's python3-doc: {DOCS_HINT}), "
-        f"documents {', '.join(text.files)}; SHA-256 of the text tokenized {text.sha256[:16]}…",
-    ]
-    gguf = json.loads((model_dir / "config.json").read_text()).get("agentkv_gguf")
-    if gguf:
-        notes.append(
-            f"the weights: {gguf['file']} imported as {gguf['weights']} (the GGUF's own "
-            "quantized weights, dequantized): the KV formats are compared on these weights"
-        )
-    notes.append(
-        "the paper's rows are 8-12B models on an M4 Pro; this is a much smaller model on CPU: "
-        "compare the changes, not the perplexities"
-    )
-    return notes
-
-
-def draw(scores: dict[Kind, Scores]) -> Any:
-    """PPL per format, and the per-window mean NLL change against FP16."""
-
-    def panels(axes: Any) -> None:
-        left, right = axes
-        kinds = list(scores)
-        names = [k.label.replace(", own chunk ", "\nown ") for k in kinds]
-        left.bar(range(len(kinds)), [scores[k].ppl for k in kinds], color="tab:blue")
-        left.set_xticks(range(len(kinds)), names, fontsize=7)
-        for x, kind in enumerate(kinds):
-            ppl = scores[kind].ppl
-            left.text(x, ppl, f"{ppl:.3f}", ha="center", va="bottom", fontsize=7)
-        low = min(s.ppl for s in scores.values())
-        left.set_ylim(low * 0.98, max(s.ppl for s in scores.values()) * 1.01)
-        left.set_ylabel("perplexity (Python docs prose)")
-        base = scores[Kind(BASELINE)]
-        for kind, s in scores.items():
-            if kind.fmt is None:
-                continue
-            diffs = [(a.mean() - b.mean()) for a, b in zip(s.nll, base.nll, strict=True)]
-            style = {"quantized": "o-", "fp": "x--"}.get(kind.own, "s:")
-            right.plot(range(len(diffs)), diffs, style, ms=3, label=f"{kind.label} - FP16")
-        right.axhline(0, color="grey", lw=0.8)
-        right.set_xlabel("window")
-        right.set_ylabel("mean NLL change per scored token (nats)")
-        right.legend(fontsize=7)
-
-    return panels
 
 
 @dataclass(slots=True)
 class Run:
     """What main measured, for the report."""
 
-    scores: dict[Kind, Scores]
-    agreed: dict[Kind, Agreement]
+    name: str  # the model's
+    scores: dict[str, Scores]
+    agreed: dict[str, Agreement]
     windows: list[Window]
-    checks: list[dict[str, Any]]
-    round_trip: RoundTrip
+    checks: list[tuple[str, str, bool]]
+    trip: RoundTrip
     text: Text
-    model_dir: Path
+
+    @property
+    def base(self) -> Scores:
+        return self.scores[BASELINE]
+
+    @property
+    def q4(self) -> Scores:
+        return self.scores[HEADLINE]
 
 
-def sections_for(run: Run, intervals: dict, header: dict[str, Any]) -> list[tuple[str, str]]:
-    base, model = run.scores[Kind(BASELINE)], header["model"]
-    sections = [
-        (
-            f"perplexity by KV format ({len(run.windows)} windows of {WINDOW}, stride {STRIDE}, "
-            f"{base.counts.sum():,} tokens)",
-            results_table(run.scores, intervals),
+def results_table(run: Run) -> str:
+    base = run.base
+    spec = {
+        "KV format": lambda s: s.kind + (" (reference)" if s.kind == REFERENCE else ""),
+        "PPL": lambda s: f"{s.ppl:.3f}",
+        "ΔPPL vs FP16": lambda s: "" if s is base else f"{s.ppl - base.ppl:+.3f}",
+        "Δ%": lambda s: "" if s is base else f"{s.delta_pct(base):+.2f}%",
+        "95% CI of Δ% (paired bootstrap)": lambda s: interval(s.ci, ""),
+        "tokens scored": lambda s: f"{s.counts.sum():,}",
+        "KV bytes/token": lambda s: f"{s.kv_bytes:,.0f}",
+        "through the store": lambda s: "yes" if s.kind in QUANTIZED else "no",
+    }
+    return columns(run.scores.values(), spec, "lrrrrrrl")
+
+
+def interval(ci: dict[str, float] | None, unit: str = "%") -> str:
+    return f"{ci['pct_lo']:+.2f} .. {ci['pct_hi']:+.2f}{unit}" if ci else ""
+
+
+def paper_table(run: Run) -> str:
+    rows = [(f"{model} (paper)", fp16, q4, TABLE9_TOKENS) for model, (fp16, q4) in TABLE9.items()]
+    rows.append((f"{run.name} (this run)", run.base.ppl, run.q4.ppl, run.q4.counts.sum()))
+    cells = [
+        (m, f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}", f"{100 * (b / a - 1):+.1f}%", f"{n:,}")
+        for m, a, b, n in rows
+    ]
+    return table(("model", "FP16 PPL", "Q4 PPL", "ΔPPL", "Δ%", "tokens"), cells)
+
+
+def agreement_table(run: Run, n: int) -> str:
+    spec = {
+        "KV format": lambda a: a.kind,
+        "positions": lambda a: f"{sum(len(m) for m in a.matches):,}",
+        "argmax agrees with FP16 greedy": lambda a: f"{100 * a.rate:.1f}%",
+        f"first divergence per prompt (of {n}; - none)": lambda a: ", ".join(
+            "-" if f is None else str(f) for f in a.first_divergence
         ),
-        ("the paper's Table 9 beside this run (Q4 against FP16)", paper_table(run.scores, model)),
+    }
+    return columns(run.agreed.values(), spec, "lrrl")
+
+
+def checks_table(run: Run) -> str:
+    rows = [(check, result, "ok" if ok else "FAILED") for check, result, ok in run.checks]
+    n, stored = run.trip.num_round_trips, run.trip.bytes_stored
+    rows.append(
+        (
+            "store round trips bit-identical",
+            f"{n} of {n} ({stored:,} bytes put and read back)",
+            "ok",
+        )
+    )
+    return table(("check", "result", ""), rows, "lll")
+
+
+def notes_for(run: Run, model_dir: Path, met: bool) -> list[str]:
+    """Which formats meet the target at how many bytes, whether Q4's interval holds 0, and
+    what text and weights ran."""
+    base, ci = run.base, run.q4.ci
+    meeting = sorted(
+        (s.kv_bytes, s.kind, s.delta_pct(base))
+        for s in run.scores.values()
+        if s.kind in QUANTIZED and s.delta_pct(base) <= TARGET_PCT
+    )
+    met_by = ", ".join(f"{n} ({pct:+.2f}%, {b:,.0f} B/token)" for b, n, pct in meeting) or "none"
+    head = "meets" if met else f"misses by {run.q4.delta_pct(base) - TARGET_PCT:.2f} points"
+    noise = (
+        "includes 0: not distinguishable from"
+        if ci["pct_lo"] <= 0 <= ci["pct_hi"]
+        else "excludes 0: more than"
+    )
+    text, end = run.text, run.windows[-1].targets[1] - 1
+    notes = [
+        f"Q4 {head} the target; within +{TARGET_PCT:g}% of FP16: {met_by} (FP16 "
+        f"{base.kv_bytes:,.0f} B/token)",
+        f"Q4 - FP16, 95% paired-bootstrap interval over {len(base.nll)} windows {noise} "
+        "window-to-window noise",
+        f"the text: tokens 0..{end} of the prose of the Python {text.version} documentation "
+        f"({text.docs}, {DOCS_HINT}), documents {', '.join(text.files)}; SHA-256 of the text "
+        f"tokenized {text.sha256[:16]}…",
+    ]
+    if gguf := json.loads((model_dir / "config.json").read_text()).get("agentkv_gguf"):
+        notes.append(f"the weights: {gguf['file']} imported as {gguf['weights']} (dequantized)")
+    return notes + [
+        f"check failed: {check}: {result}" for check, result, ok in run.checks if not ok
+    ]
+
+
+def draw(run: Run) -> Any:
+    """PPL per format, and the per-window mean NLL change against FP16."""
+
+    def panels(axes: Any) -> None:
+        left, right = axes
+        scores = list(run.scores.values())
+        left.bar(range(len(scores)), [s.ppl for s in scores], color="tab:blue")
+        left.set_xticks(range(len(scores)), [s.kind for s in scores], fontsize=7)
+        for x, s in enumerate(scores):
+            left.text(x, s.ppl, f"{s.ppl:.3f}", ha="center", va="bottom", fontsize=7)
+        left.set_ylim(min(s.ppl for s in scores) * 0.98, max(s.ppl for s in scores) * 1.01)
+        left.set_ylabel("perplexity (Python docs prose)")
+        for s in (s for s in scores if s.kind in QUANTIZED):
+            diffs = [a.mean() - b.mean() for a, b in zip(s.nll, run.base.nll, strict=True)]
+            right.plot(range(len(diffs)), diffs, "o-", ms=3, label=f"{s.kind} - FP16")
+        right.axhline(0, color="grey", lw=0.8)
+        right.set(xlabel="window", ylabel="mean NLL change per scored token (nats)")
+        right.legend(fontsize=7)
+
+    return panels
+
+
+def write_report(run: Run, header: dict[str, Any], args: Any) -> None:
+    for s in run.scores.values():
+        s.ci = paired_bootstrap(run.base, s) if s.kind in QUANTIZED else None
+    pct = run.q4.delta_pct(run.base)
+    what = f"Q4 perplexity within +{TARGET_PCT:g}% of FP16 KV on {run.name}"
+    goals = [goal(what, f"{pct:+.2f}% (95% CI {interval(run.q4.ci)})", pct <= TARGET_PCT)]
+    title = f"perplexity by KV format ({len(run.windows)} windows of {WINDOW}, stride {STRIDE}, "
+    sections = [
+        (f"{title}{run.base.counts.sum():,} tokens)", results_table(run)),
+        ("the paper's Table 9 beside this run (Q4 against FP16)", paper_table(run)),
     ]
     if run.agreed:
-        n, prompts = header["gen_tokens"], len(next(iter(run.agreed.values())).matches)
+        n, prompts = header["gen_tokens"], len(header["prompt_tokens"])
         title = f"greedy agreement with FP16 KV ({prompts} chat prompts, {n} tokens each, "
-        title += "teacher-forced on FP16's generation)"
-        sections.append((title, agreement_table(run.agreed, n)))
-    return [*sections, ("checks", checks_table(run.checks, run.round_trip))]
-
-
-def document(run: Run, intervals: dict) -> dict[str, Any]:
-    scores, base = run.scores, run.scores[Kind(BASELINE)]
-    formats = {
-        k.label: {"format": k.fmt_name, "own_chunk": k.own or None, "ppl": s.ppl}
-        | {"tokens": int(s.counts.sum()), "kv_bytes_per_token": float(np.mean(s.bytes_per_token))}
-        | {"seconds": s.seconds, "bootstrap_vs_fp16": intervals.get(k)}
-        for k, s in scores.items()
-    }
-    windows = [
-        {"index": w.index, "start": w.start, "context": w.context, "targets": w.targets}
-        | {"block_tokens": w.block_tokens if w.context else None}
-        | {"read_path": w.read_path if w.context else None}
-        | {"nll_sum": {k.label: float(s.nll[w.index].sum()) for k, s in scores.items()}}
-        | {"tokens": len(base.nll[w.index])}
-        for w in run.windows
-    ]
-    agreement = {
-        k.label: {"rate": a.rate, "positions": a.positions, "first_divergence": a.first_divergence}
-        for k, a in run.agreed.items()
-    }
-    paper9 = {"rows": TABLE9, "tokens": TABLE9_TOKENS}
-    return {"formats": formats, "windows": windows, "agreement": agreement} | {
-        "paper_table9": paper9,
-        "checks": run.checks,
-    }
-
-
-def write_report(run: Run, header: dict[str, Any], out: Path) -> None:
-    base = run.scores[Kind(BASELINE)]
-    intervals = {k: paired_bootstrap(base, s) for k, s in run.scores.items() if k.fmt}
-    goals = targets(run.scores, intervals, header["model"])
-    notes = [n for goal in goals for n in target_notes(run.scores, intervals, goal)]
-    notes += method_notes(run.windows, run.text, run.model_dir)
-    notes += [f"check failed: {c['check']}: {c['result']}" for c in run.checks if not c["ok"]]
-    sections = sections_for(run, intervals, header)
-    png = report("perplexity", out, header, sections, goals, notes, document(run, intervals))
-    plot(
-        png, header, f"perplexity, {header['model']}", draw(run.scores), ncols=2, figsize=(14, 5.2)
-    )
-
-
-# main
+        sections.append((title + "teacher-forced on FP16's generation)", agreement_table(run, n)))
+    sections.append(("checks", checks_table(run)))
+    document = {"scores": run.scores, "agreement": run.agreed, "windows": run.windows}
+    document |= {"checks": run.checks, "paper_table9": {"rows": TABLE9, "tokens": TABLE9_TOKENS}}
+    notes = notes_for(run, args.path, goals[0]["met"])
+    png = report("perplexity", args.out, header, sections, goals, notes, document)
+    plot(png, header, f"perplexity, {run.name}", draw(run), ncols=2, figsize=(14, 5.2))
 
 
 def parse_args(argv: list[str] | None) -> Any:
     p = parser(__doc__, quick="a smoke run: 3 windows, 1 prompt of 8 tokens")
     p.add_argument("--tokens", type=int, default=TABLE9_TOKENS, help="tokens to score (at least)")
-    p.add_argument(
-        "--own-chunk",
-        default="both",
-        help=f"what a chunk attends for its own tokens: some of {','.join(OWN_CHUNK)}, or both "
-        "(quantized,fp)",
-    )
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="greedy-agreement prompts")
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument(
         "--agree",
-        default=AGREE,
-        help=f"formats whose greedy agreement is measured: some of {','.join(SHORT)}, or all",
+        type=name_list([*SHORT, "all"]),
+        default=["q4", "k8v4"],
+        help="formats whose greedy agreement with FP16 is measured",
     )
     p.add_argument("--docs", type=Path, default=DOCS, help="a Sphinx _sources tree")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.prompts, args.gen_tokens = WINDOW - 1 + 2 * STRIDE, 1, 8
-    if args.tokens < 1:
-        p.error("--tokens must be at least 1")
-    if not 0 <= args.prompts <= len(PROMPTS):
-        p.error(f"--prompts must be 0..{len(PROMPTS)}")
-    if args.gen_tokens < 1:
-        p.error("--gen-tokens must be at least 1")
-    own = ["quantized", "fp"] if args.own_chunk == "both" else args.own_chunk.split(",")
-    if unknown := [o for o in own if o not in OWN_CHUNK]:
-        p.error(f"--own-chunk: unknown {', '.join(unknown)} (choose from {', '.join(OWN_CHUNK)})")
-    args.own_chunk = tuple(dict.fromkeys(own))
-    agree = list(SHORT) if args.agree == "all" else [a for a in args.agree.split(",") if a]
-    if unknown := [a for a in agree if a not in SHORT]:
-        p.error(f"--agree: unknown {', '.join(unknown)} (choose from {', '.join(SHORT)}, all)")
-    args.agree = [SHORT[a] for a in agree]
+    if args.tokens < 1 or args.gen_tokens < 1 or not 0 <= args.prompts <= len(PROMPTS):
+        p.error(f"--tokens and --gen-tokens must be at least 1, --prompts 0..{len(PROMPTS)}")
+    args.agree = [SHORT[a] for a in (SHORT if "all" in args.agree else args.agree)]
     return args
 
 
-def load_model(model_dir: Path) -> tuple[Any, Any, str]:
+def load_model(path: Path) -> tuple[Any, Any, str]:
     """The model, its tokenizer, and its weights' dtype."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
     from inference_worker.layer_spec import cache_windows
 
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = load(str(path))
     if any(w is not None for w in cache_windows(model)):
-        raise SystemExit(f"{model_dir} has sliding-window layers; this benchmark needs full ones")
-    dtype = tree_flatten(model.parameters())[0][1].dtype
-    return model, tokenizer, str(dtype).removeprefix("mlx.core.")
-
-
-def model_name(spec: str, model_dir: Path) -> str:
-    gguf = json.loads((model_dir / "config.json").read_text()).get("agentkv_gguf")
-    if gguf:
-        return Path(gguf["file"]).stem.split(".")[0]  # SmolLM2-135M-Instruct
-    return Path(spec).name or spec
+        raise SystemExit(f"{path} has sliding-window layers; this benchmark needs full ones")
+    return (
+        model,
+        tokenizer,
+        str(tree_flatten(model.parameters())[0][1].dtype).removeprefix("mlx.core."),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    started = time.perf_counter()
-    args = parse_args(argv)
+    started, args = time.perf_counter(), parse_args(argv)
     blas = load_optimized_blas()  # before anything here imports mlx
-    model_dir = resolve_model_dir(args.model)  # as the worker resolves it; one line if not
+    args.path = model_dir(args.model)  # as the worker resolves it; one line if not
+    gguf = json.loads((args.path / "config.json").read_text()).get("agentkv_gguf")
+    name = Path(gguf["file"]).stem.split(".")[0] if gguf else Path(args.model).name or args.model
     windows = plan_windows(args.tokens)
-    kinds = plan_kinds(args.own_chunk)
-    model, tokenizer, dtype = load_model(model_dir)
+    model, tokenizer, dtype = load_model(args.path)
     text = load_text(args.docs, tokenizer, windows[-1].start + WINDOW)
-    name = model_name(args.model, model_dir)
     say(
         f"{len(text.tokens):,} tokens of Python {text.version} docs prose ({len(text.files)} "
-        f"documents); {len(windows)} windows; {len(kinds)} KV formats; model {name} ({dtype})"
+        f"documents); {len(windows)} windows; model {name} ({dtype})"
     )
-    root = Path(tempfile.mkdtemp(prefix="agentkv-perplexity-"))
-    try:
-        with services(root) as svc:
-            say(f"store up at {svc.store_address}")
-            round_trip = RoundTrip(svc.store, model_dir)
-            scores, free = score_all(model, kinds, text.tokens, windows, round_trip)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    agree_kinds = [k for k in kinds if k.fmt_name in args.agree]
-    agreed, lengths = agreement(model, tokenizer, agree_kinds, args.prompts, args.gen_tokens)
-    checks = run_checks(scores, free)
+    with services(None) as svc:
+        trip = RoundTrip(svc.store, args.path)
+        scores, free = score_all(model, text.tokens, windows, trip)
+    agreed, lengths = agreement(model, tokenizer, args.agree, args.prompts, args.gen_tokens)
     header = machine(blas=blas or "reference (bundled with mlx)", model=name)
-    header |= {"model_described": describe_model(model_dir, args.model), "dtype": dtype}
+    header |= {"model_described": describe_model(args.path, args.model), "dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}
     header |= {"tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}
     header |= {"prompt_tokens": lengths, "gen_tokens": args.gen_tokens}
     header |= {"seconds": round(time.perf_counter() - started)}
-    run = Run(scores, agreed, windows, checks, round_trip, text, model_dir)
-    write_report(run, header, args.out)
+    run = Run(name, scores, agreed, windows, run_checks(scores, free), trip, text)
+    write_report(run, header, args)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class Section:
     quick: tuple[str, ...]
     full: tuple[str, ...] = ()
     model: bool = True  # it runs the model, so it takes --model
+    derived: bool = False  # it reads the sections before it (--results: their raw JSON)
 
 
 SECTIONS = (
@@ -47,10 +48,10 @@ SECTIONS = (
             "Table 4, Figure 3", ("--quick",)),
     Section("peers", "Peers on the same model: agentkv, llama.cpp, mlx-lm", "peers.py",
             "Table 5", ("--quick",)),
-    Section("ablation", "Ablation: what each component buys", "ablation.py", "Table 6",
-            ("--quick",)),
     Section("workflows", "Cross-phase injection and expert routing", "workflows.py",
             "Tables 7 and 8", ("--quick",)),
+    Section("ablation", "Ablation: what each component buys", "ablation.py", "Table 6",
+            ("--quick",), model=False, derived=True),
     Section("perplexity", "Perplexity through the real store: FP16, Q4, Q8, K8V4",
             "perplexity.py", "Table 9", ("--quick",), ("--tokens", "32000")),
     Section("restore_path", "Restore paths against the machine's limit", "store_io.py",
@@ -108,6 +109,7 @@ def run_section(
     args = section.full if full else section.quick
     spec, path = model
     given = ("--model", str(path)) if section.model else ()
+    given += ("--results", str(raw)) if section.derived else ()
     command = [sys.executable, str(HERE / section.script), *args, *given, "--out", str(out)]
     shown = [Path(command[0]).name, f"benchmarks/{section.script}", *args]
     shown += ["--model", spec] if section.model else []

@@ -12,33 +12,28 @@ import argparse
 import ctypes
 import mmap
 import os
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from common import RawReader
-from harness import machine, parser, plot, report, services, table
+from harness import columns, goal, machine, parser, plot, report, say, services
 
-from agentkv.client.blocks import Block, StoredBlock
-from agentkv.client.store import StoreClient
 from agentkv.client.synthetic import make_chain
 from agentkv.v1 import store_pb2 as pb
 
 FP = "llama-3.1-8b:q4g64:bench"
 LLAMA_8B = {"num_layers": 32, "kv_heads": 8, "head_dim": 128}  # Q4, group size 64
-NUM_LAYERS = LLAMA_8B["num_layers"]
 SUBSET_EVERY = 6  # a 5:1 sliding-window hybrid keeps a full cache only for every 6th layer
-MB = 1_000_000
-GIB = 1 << 30
+MB, GIB = 1_000_000, 1 << 30
 LOCATE_TARGET = 1.5  # locate + read within this factor of the raw read
 STREAM_TARGET = GIB  # bytes/s for GetBlocks on loopback
+RAW, COLD = "raw read (preadv, no checksum)", " (page cache dropped)"
+GET, LOCATE = "get (GetBlocks stream)", "locate + read (read_blocks_local)"
+REUSED = "locate + read (read_blocks_local into a reused buffer)"
 # The store gets no extra environment by default: glibc's MALLOC_MMAP_THRESHOLD_ and
 # MALLOC_TRIM_THRESHOLD_ change its times either way, a deployment choice --store-env measures.
 
@@ -48,83 +43,28 @@ class Row:
     path: str
     num_bytes: int
     seconds: list[float]
-    baseline: str = ""  # the raw-read row this one is compared with
+    baseline: str  # the raw-read row this one is compared with
+    vs_baseline: float = 0.0  # median time over the baseline's
 
     @property
     def median(self) -> float:
         return statistics.median(self.seconds)
 
-    def as_dict(self, baseline: Row | None) -> dict[str, object]:
-        return {
-            "path": self.path,
-            "num_bytes": self.num_bytes,
-            "seconds": self.seconds,
-            "min_ms": min(self.seconds) * 1e3,
-            "median_ms": self.median * 1e3,
-            "max_ms": max(self.seconds) * 1e3,
-            "median_mb_s": self.num_bytes / MB / self.median,
-            "baseline": self.baseline,
-            "vs_baseline": self.median / baseline.median if baseline else None,
-        }
+    def rate(self, seconds: float) -> float:
+        return self.num_bytes / MB / seconds
 
 
-@dataclass(slots=True)
-class Results:
-    rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def row(self, path: str) -> Row | None:
-        return next((r for r in self.rows if r.path == path), None)
-
-
-# blocks
-
-
-def make_blocks(mb: int, block_tokens: int) -> tuple[list[Block], list[bytes]]:
-    """~mb MB of chained Llama-3.1-8B-shaped Q4 blocks over distinct random bytes, and keys."""
-    one, _ = make_chain(list(range(block_tokens)), FP, block_tokens, **LLAMA_8B)
-    num_blocks = max(1, round(mb * MB / payload_bytes(one)))
-    return make_chain(list(range(num_blocks * block_tokens)), FP, block_tokens, **LLAMA_8B)
-
-
-# the paths under test
-
-
-def payload_bytes(blocks: Sequence[Block | StoredBlock]) -> int:
+def payload_bytes(blocks: Sequence) -> int:
     return sum(t.num_bytes for b in blocks for t in b.tensors)
 
 
-def put_all(client: StoreClient, blocks: list[Block], namespace: str, dedup: bool) -> int:
-    reply = client.put_blocks(namespace, FP, blocks)
-    if [r.deduplicated for r in reply.blocks] != [dedup] * len(blocks):
-        raise RuntimeError(f"put into {namespace!r}: expected deduplicated={dedup} everywhere")
-    return payload_bytes(blocks)
-
-
-def get_all(client: StoreClient, ns: str, keys: list[bytes]) -> int:
-    return payload_bytes(list(client.get_blocks(ns, FP, keys)))
-
-
-def locate_all(client: StoreClient, ns: str, keys: list[bytes], layers: Sequence[int] = ()) -> int:
-    return payload_bytes(client.read_blocks_local(ns, FP, keys, layers))
-
-
-def locate_into(client: StoreClient, ns: str, keys: list[bytes], buffer: memoryview) -> int:
-    """locate + read into one caller-owned buffer, as a worker reusing its restore buffer."""
-    return payload_bytes(client.read_blocks_local(ns, FP, keys, buffer=buffer))
-
-
-def locate(
-    client: StoreClient, ns: str, keys: list[bytes], layers: Sequence[int] = ()
-) -> list[pb.BlockLocation]:
-    """Locations under a long lease the benchmark never releases (the store dies with it)."""
+def locate(store: object, keys: list[bytes], layers: Sequence[int] = ()) -> RawReader:
+    """A raw reader of the blocks' locations, under a lease never released (the store dies
+    with the benchmark)."""
     request = pb.LocateBlocksRequest(
-        namespace=ns, fingerprint=FP, keys=keys, layers=layers, lease_seconds=600
+        namespace="bench0", fingerprint=FP, keys=keys, layers=layers, lease_seconds=600
     )
-    return list(client.call("LocateBlocks", request).blocks)
-
-
-# page cache
+    return RawReader(store.call("LocateBlocks", request).blocks)
 
 
 def drop_page_cache(paths: Sequence[str]) -> None:
@@ -158,195 +98,137 @@ def resident_fraction(paths: Sequence[str]) -> float | None:
     return resident / max(total, 1)
 
 
-def can_drop_page_cache(paths: Sequence[str]) -> str:
+def why_not_dropped(paths: Sequence[str]) -> str:
     """'' when posix_fadvise(DONTNEED) evicts the files here, else why not."""
     if not hasattr(os, "posix_fadvise"):
         return "os.posix_fadvise is not available on this platform"
     drop_page_cache(paths)
-    left = resident_fraction(paths)
-    if left is None:
+    if (left := resident_fraction(paths)) is None:
         return "mincore(2) is not available, so a drop cannot be confirmed"
-    if left > 0.05:
-        return f"posix_fadvise(DONTNEED) left {left:.0%} of the pages cached"
-    return ""
+    return f"posix_fadvise(DONTNEED) left {left:.0%} of the pages cached" if left > 0.05 else ""
 
 
-# measuring
+class Bench:
+    """The rows measured so far, each path timed `repeats` times after one untimed call (it
+    fills the page cache and warms the connection and both processes' heaps)."""
 
-RAW = "raw read (preadv, no checksum)"
-COLD = " (page cache dropped)"
-REUSED = "locate + read (read_blocks_local into a reused buffer)"
-Timed = tuple[str, Callable[[int], int]]  # a row's name and what it times (returns bytes)
+    def __init__(self, repeats: int) -> None:
+        self.repeats, self.rows, self.notes = repeats, [], []
 
+    def row(self, path: str) -> Row | None:
+        return next((r for r in self.rows if r.path == path), None)
 
-def timed(
-    fn: Callable[[int], int], repeats: int, before: Callable[[], None] | None = None
-) -> tuple[int, list[float]]:
-    """fn(-1) once untimed, then fn(i) `repeats` times with before() untimed ahead of each.
-
-    The untimed call fills the page cache and warms the connection and both processes' heaps.
-    """
-    fn(-1)
-    seconds, moved = [], 0
-    for i in range(repeats):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        moved = fn(i)
-        seconds.append(time.perf_counter() - start)
-    return moved, seconds
-
-
-def measure(
-    results: Results,
-    paths: list[Timed],
-    baseline: str,
-    repeats: int,
-    before: Callable[[], None] | None = None,
-) -> None:
-    for name, fn in paths:
-        moved, seconds = timed(fn, repeats, before)
-        results.rows.append(Row(name, moved, seconds, baseline))
-        print(f"  {name}: median {statistics.median(seconds) * 1e3:.1f} ms", file=sys.stderr)
+    def measure(self, paths: dict[str, Callable[[int], int]], baseline: str, before=None) -> None:
+        """Each fn(i) returns the bytes it moved; before(), untimed, goes ahead of each call."""
+        for name, fn in paths.items():
+            fn(-1)
+            seconds = []
+            for i in range(self.repeats):
+                if before is not None:
+                    before()
+                start = time.perf_counter()
+                moved = fn(i)
+                seconds.append(time.perf_counter() - start)
+            self.rows.append(Row(name, moved, seconds, baseline))
+            say(f"  {name}: median {statistics.median(seconds) * 1e3:.1f} ms")
+        for r in self.rows:
+            r.vs_baseline = r.median / self.row(r.baseline).median if self.row(r.baseline) else 0
 
 
-def run_puts(client: StoreClient, blocks: list[Block], repeats: int, results: Results) -> None:
-    """Every repeat (and the warm-up, as bench-1) writes a fresh namespace; then dedup puts."""
-    paths: list[Timed] = [
-        (
-            "put (PutBlocks stream, new namespace, fsync)",
-            lambda i: put_all(client, blocks, f"bench{i}", dedup=False),
-        ),
-        ("put again, dedup (PutBlocks stream)", lambda _: put_all(client, blocks, "bench0", True)),
-    ]
-    measure(results, paths, RAW, repeats)
+def run(store: object, blocks: list, keys: list[bytes], bench: Bench) -> None:
+    """Puts (every repeat, and the warm-up as bench-1, into a fresh namespace; then dedup),
+    reads page cache warm and dropped, and a layer subset against its own raw read."""
 
+    def put(ns: str, dedup: bool) -> int:
+        reply = store.put_blocks(ns, FP, blocks)
+        if [r.deduplicated for r in reply.blocks] != [dedup] * len(blocks):
+            raise RuntimeError(f"put into {ns!r}: expected deduplicated={dedup} everywhere")
+        return payload_bytes(blocks)
 
-def run_reads(client: StoreClient, keys: list[bytes], repeats: int, results: Results) -> None:
-    """get, locate + read and raw reads of every block, page cache warm, then dropped."""
-    raw = RawReader(locate(client, "bench0", keys))
-    paths: list[Timed] = [
-        ("get (GetBlocks stream)", lambda _: get_all(client, "bench0", keys)),
-        ("locate + read (read_blocks_local)", lambda _: locate_all(client, "bench0", keys)),
-        (RAW, lambda _: raw.read()),
-    ]
+    def local(layers: Sequence[int] = (), buffer: memoryview | None = None) -> int:
+        return payload_bytes(store.read_blocks_local("bench0", FP, keys, layers, buffer=buffer))
+
+    puts = {"put (PutBlocks stream, new namespace, fsync)": lambda i: put(f"bench{i}", False)}
+    bench.measure(
+        puts | {"put again, dedup (PutBlocks stream)": lambda _: put("bench0", True)}, RAW
+    )
+    raw = locate(store, keys)
+    reads = {
+        GET: lambda _: payload_bytes(list(store.get_blocks("bench0", FP, keys))),
+        LOCATE: lambda _: local(),
+        RAW: lambda _: raw.read(),
+    }
     spare = memoryview(bytearray(raw.num_bytes))  # zero-filled: faulted in before timing
-    diagnostics: list[Timed] = [
-        (REUSED, lambda _: locate_into(client, "bench0", keys, spare)),
-        ("raw read + xxh3 verify", lambda _: raw.read(verify=True)),
-    ]
-    measure(results, [*paths, *diagnostics], RAW, repeats)
+    extra = {
+        REUSED: lambda _: local(buffer=spare),
+        "raw read + xxh3 verify": lambda _: raw.read(True),
+    }
+    bench.measure(reads | extra, RAW)
     files = [p for p, _ in raw.plan]
-    why_not = can_drop_page_cache(files)
-    if why_not:
-        results.notes.append(f"page-cache-dropped rows skipped: {why_not}")
-        return
-    cold = [(name + COLD, fn) for name, fn in paths]
-    measure(results, cold, RAW + COLD, repeats, before=lambda: drop_page_cache(files))
+    if why := why_not_dropped(files):
+        bench.notes.append(f"page-cache-dropped rows skipped: {why}")
+    else:
+        cold = {name + COLD: fn for name, fn in reads.items()}
+        bench.measure(cold, RAW + COLD, before=lambda: drop_page_cache(files))
+    layers = list(range(SUBSET_EVERY - 1, LLAMA_8B["num_layers"], SUBSET_EVERY))
+    subset, of = locate(store, keys, layers), f"{len(layers)} of {LLAMA_8B['num_layers']} layers"
+    paths = {
+        f"locate + read, {of}": lambda _: local(layers),
+        f"raw read, {of}": lambda _: subset.read(),
+    }
+    bench.measure(paths, f"raw read, {of}")
 
 
-def run_subset(client: StoreClient, keys: list[bytes], repeats: int, results: Results) -> None:
-    """locate + read of every SUBSET_EVERY-th layer, against a raw read of the same bytes."""
-    layers = list(range(SUBSET_EVERY - 1, NUM_LAYERS, SUBSET_EVERY))
-    raw = RawReader(locate(client, "bench0", keys, layers))
-    label = f"{len(layers)} of {NUM_LAYERS} layers"
-    paths: list[Timed] = [
-        (f"locate + read, {label}", lambda _: locate_all(client, "bench0", keys, layers)),
-        (f"raw read, {label}", lambda _: raw.read()),
-    ]
-    measure(results, paths, f"raw read, {label}", repeats)
+TABLE = {  # header: cell of a Row
+    "path": lambda r: r.path,
+    "MB": lambda r: f"{r.num_bytes / MB:.1f}",
+    "min ms": lambda r: f"{min(r.seconds) * 1e3:.1f}",
+    "median ms": lambda r: f"{r.median * 1e3:.1f}",
+    "max ms": lambda r: f"{max(r.seconds) * 1e3:.1f}",
+    "median MB/s": lambda r: f"{r.rate(r.median):.0f}",
+    "vs raw read": lambda r: f"{r.vs_baseline:.2f}x" if r.vs_baseline else "-",
+}
 
 
-# reporting
-
-
-def ratio(value: object) -> str:
-    return f"{value:.2f}x" if isinstance(value, float) else "-"
-
-
-def rows_table(results: Results) -> str:
-    rows = []
-    for row in results.rows:
-        d = row.as_dict(results.row(row.baseline))
-        rows.append(
-            (row.path, f"{row.num_bytes / MB:.1f}", f"{d['min_ms']:.1f}", f"{d['median_ms']:.1f}")
-            + (f"{d['max_ms']:.1f}", f"{d['median_mb_s']:.0f}", ratio(d["vs_baseline"]))
-        )
-    headers = ("path", "MB", "min ms", "median ms", "max ms", "median MB/s", "vs raw read")
-    return table(headers, rows)
-
-
-def targets(results: Results, locate_target: float = LOCATE_TARGET) -> list[dict[str, object]]:
-    """The issue's two targets, judged on medians; the locate target at each cache state."""
-    get_row = results.row("get (GetBlocks stream)")
-    assert get_row
-    rate = get_row.num_bytes / get_row.median
-    goals = [
-        {
-            "target": "streaming at >= 1 GiB/s on loopback",
-            "measured": f"{rate / GIB:.2f} GiB/s = {rate / MB:.0f} MB/s (GetBlocks median)",
-            "met": rate >= STREAM_TARGET,
-        }
-    ]
-    for path, raw, state in [
-        ("locate + read (read_blocks_local)", RAW, "page cache warm, fresh buffer"),
-        (REUSED, RAW, "page cache warm, reused buffer"),
-        ("locate + read (read_blocks_local)" + COLD, RAW + COLD, "page cache dropped"),
-    ]:
-        row, base = results.row(path), results.row(raw)
-        if row is None or base is None:
-            continue
-        ratio = row.median / base.median
-        goals.append(
-            {
-                "target": f"locate + read within {locate_target}x of the raw read ({state})",
-                "measured": f"{ratio:.2f}x ({row.median * 1e3:.1f} vs {base.median * 1e3:.1f} ms)",
-                "met": ratio <= locate_target,
-            }
-        )
+def targets(bench: Bench, locate_target: float) -> list[dict[str, object]]:
+    """The two targets, judged on medians; the locate target at each cache state."""
+    rate = bench.row(GET).num_bytes / bench.row(GET).median
+    measured = f"{rate / GIB:.2f} GiB/s = {rate / MB:.0f} MB/s (GetBlocks median)"
+    goals = [goal("streaming at >= 1 GiB/s on loopback", measured, rate >= STREAM_TARGET)]
+    for path, state in (
+        (LOCATE, "page cache warm, fresh buffer"),
+        (REUSED, "page cache warm, reused buffer"),
+        (LOCATE + COLD, "page cache dropped"),
+    ):
+        if (row := bench.row(path)) is not None:
+            base = bench.row(row.baseline)
+            measured = (
+                f"{row.vs_baseline:.2f}x ({row.median * 1e3:.1f} vs {base.median * 1e3:.1f} ms)"
+            )
+            target = f"locate + read within {locate_target}x of the raw read ({state})"
+            goals.append(goal(target, measured, row.vs_baseline <= locate_target))
     return goals
 
 
-def draw(results: Results) -> Callable:
+def draw(bench: Bench) -> Callable:
     """A bar chart of median MB/s with min..max whiskers."""
 
     def panel(axes: Sequence) -> None:
-        ax, rows = axes[0], results.rows[::-1]
-        rates = [r.num_bytes / MB / r.median for r in rows]
-        low = [m - r.num_bytes / MB / max(r.seconds) for m, r in zip(rates, rows, strict=True)]
-        high = [r.num_bytes / MB / min(r.seconds) - m for m, r in zip(rates, rows, strict=True)]
+        ax, rows = axes[0], bench.rows[::-1]
+        rates = [r.rate(r.median) for r in rows]
+        low = [m - r.rate(max(r.seconds)) for m, r in zip(rates, rows, strict=True)]
+        high = [r.rate(min(r.seconds)) - m for m, r in zip(rates, rows, strict=True)]
         bars = ax.barh([r.path for r in rows], rates, xerr=[low, high], capsize=3, color="#4878a8")
         ax.bar_label(bars, labels=[f"{m:,.0f}" for m in rates], padding=14, fontsize=8)
-        ax.set_xscale("log")
         ax.axvline(STREAM_TARGET / MB, color="#c44", linestyle="--", label="1 GiB/s")
-        ax.set_xlabel("MB/s, log scale (median; whiskers: slowest..fastest repeat)")
+        ax.set(xscale="log", xlabel="MB/s, log scale (median; whiskers: slowest..fastest repeat)")
         ax.legend(loc="lower right")
 
     return panel
 
 
-def write_report(
-    results: Results, header: dict[str, object], out: Path, locate_target: float = LOCATE_TARGET
-) -> None:
-    notes = [
-        "'vs raw read': median time over the median of the raw read of the same bytes and "
-        "page-cache state. MB = 10^6 bytes.",
-        *results.notes,
-    ]
-    rows = [r.as_dict(results.row(r.baseline)) for r in results.rows]
-    sections = [("store I/O, Llama-3.1-8B-shaped Q4 blocks", rows_table(results))]
-    goals = targets(results, locate_target)
-    png = report("store_io", out, header, sections, goals, notes, {"rows": rows})
-    size = (11, 0.45 * len(results.rows) + 1.8)
-    plot(png, header, f"store I/O, grpcio {header['grpcio']}", draw(results), figsize=size)
-
-
-# main
-
-
 def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
+    if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
@@ -385,27 +267,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    store_env = dict(args.store_env)
-    blocks, keys = make_blocks(args.mb, args.block_tokens)
-    header = machine(grpcio=grpc.__version__) | {
-        "blocks": len(blocks),
-        "block_tokens": args.block_tokens,
-        "payload_mb": round(payload_bytes(blocks) / MB, 1),
-        "repeats": args.repeats,
-        "store_env": store_env,
-    }
-    print(f"{len(blocks)} blocks, {payload_bytes(blocks) / MB:.1f} MB", file=sys.stderr)
-    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-"))
-    results = Results()
-    try:
-        with services(root, store_env=store_env) as svc:
-            svc.store.stats()  # connect before the first timed call
-            run_puts(svc.store, blocks, args.repeats, results)
-            run_reads(svc.store, keys, args.repeats, results)
-            run_subset(svc.store, keys, args.repeats, results)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    write_report(results, header, args.out, args.locate_target)
+    one, _ = make_chain(list(range(args.block_tokens)), FP, args.block_tokens, **LLAMA_8B)
+    count = max(1, round(args.mb * MB / payload_bytes(one)))  # ~--mb of distinct random bytes
+    blocks, keys = make_chain(
+        list(range(count * args.block_tokens)), FP, args.block_tokens, **LLAMA_8B
+    )
+    header = machine(grpcio=grpc.__version__, blocks=len(blocks), block_tokens=args.block_tokens)
+    header |= {"payload_mb": round(payload_bytes(blocks) / MB, 1), "repeats": args.repeats}
+    header["store_env"] = store_env = dict(args.store_env)
+    say(f"{len(blocks)} blocks, {header['payload_mb']} MB")
+    bench = Bench(args.repeats)
+    with services(None, store_env=store_env) as svc:
+        svc.store.stats()  # connect before the first timed call
+        run(svc.store, blocks, keys, bench)
+    notes = [
+        "'vs raw read': median time over the median of the raw read of the same bytes and "
+        "page-cache state. MB = 10^6 bytes.",
+        *bench.notes,
+    ]
+    sections = [("store I/O, Llama-3.1-8B-shaped Q4 blocks", columns(bench.rows, TABLE))]
+    goals = targets(bench, args.locate_target)
+    png = report("store_io", args.out, header, sections, goals, notes, {"rows": bench.rows})
+    size = (11, 0.45 * len(bench.rows) + 1.8)
+    plot(png, header, f"store I/O, grpcio {grpc.__version__}", draw(bench), figsize=size)
 
 
 if __name__ == "__main__":

@@ -1,32 +1,38 @@
 """Workflow benchmark: cross-phase persistence (the paper's Table 7) and expert routing (Table 8).
 
-The prisoner's dilemma, persistent against cold, and expert routing (priming cold, queries
-warm and hot), through the SDK's workflows on a real store and worker; the README explains the
-method. Run: python benchmarks/workflows.py [--model SPEC] [--passes 5] [--routing-passes 3]
+The SDK's workflows on a real store and worker; the README explains the method.
+Run: python benchmarks/workflows.py [--model SPEC] [--passes 5] [--routing-passes 3]
 [--max-tokens 64] [--only cross-phase|routing] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 import statistics
-import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from common import describe_model, load_tokenizer, model_dir
-from harness import fmt, machine, median, parser, plot, report, say, services, table
+from common import max_context
+from harness import (
+    columns,
+    fmt,
+    goal,
+    machine,
+    median,
+    open_model,
+    parser,
+    plot,
+    report,
+    say,
+    services,
+)
 from paper import TABLE7, TABLE8
 
 from agentkv.client.demo import scenario_path
 from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import Scenario, load_scenario, run_scenario
-from agentkv.client.worker import WorkerClient
 from agentkv.client.workflow import Record
 
 MODES = ("cold", "persistent")
@@ -35,14 +41,14 @@ QUICK_MAX_TOKENS = 8  # --quick's replies, in both scenarios
 CHAT_OVERHEAD = 64  # tokens a turn's template and prompt add around a document, generously
 TARGET_PHASE, TARGET_RATIO = 5, TABLE7["Gemma 3"][4][2]
 TARGET_SPEEDUP = 24.0  # the paper: "24x warm/cold" (Gemma 3, 24.2x)
-GROUPS = (  # key, table row, chart label
-    ("priming", "priming (cold: document prefilled in the turn)", "priming\n(cold)"),
-    ("queries_warm", "queries, first touch (warm)", "queries\n(warm)"),
-    ("queries_hot", "queries, expert asked again (hot)", "queries again\n(hot)"),
-    ("reporter", "reporter turns", "reporter"),
-    ("repeated", "repeated (hot)", "repeated\n(hot)"),
-    ("other", "unexpected cache state", "other"),
-)
+GROUPS = {  # routing's rows: (table row, chart label, TABLE8 row, TABLE8 speedup)
+    "priming": ("priming (cold: document prefilled in the turn)", "priming\n(cold)", "priming", ""),
+    "queries_warm": ("queries, first touch (warm)", "queries\n(warm)", "queries", "warm"),
+    "queries_hot": ("queries, expert asked again (hot)", "queries again\n(hot)", "", ""),
+    "reporter": ("reporter turns", "reporter", "", ""),
+    "repeated": ("repeated (hot)", "repeated\n(hot)", "repeated", "hot"),
+    "other": ("unexpected cache state", "other", "", ""),
+}
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -53,35 +59,27 @@ def div(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-# the processes
+def times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
-@dataclass(slots=True)
-class Services:
-    worker: str
-    store: str
-    info: Any  # the worker's GetWorkerInfoResponse
+def ratio_range(values: Sequence[float]) -> str:
+    """Per-pass ratios as min-max, times."""
+    return f"{min(values):.2f}-{max(values):.2f}x" if values else "-"
 
 
-def hot_agents(svc: Services) -> int:
-    with WorkerClient(svc.worker) as client:
-        return client.info().num_hot_agents
-
-
-def run_pass(
-    svc: Services, scenario: Scenario, namespace: str, mode: str = "persistent"
-) -> list[Record]:
+def run_pass(svc: Any, scenario: Scenario, namespace: str, mode: str = "persistent") -> list:
     """One run of the scenario in a fresh namespace; every agent it left is deleted after."""
-    with AgentMemory(svc.worker, svc.store, namespace) as mem:
+    with AgentMemory(svc.addresses["worker"], svc.store_address, namespace) as mem:
         flow = run_scenario(scenario, mem, mode=mode)
         for role in scenario.roles:
             mem.agent(role.id).delete()
     return flow.records
 
 
-def warm_up(svc: Services, prisoners: Scenario, experts: Scenario, full: bool = True) -> None:
-    """Untimed: one prisoner's run per mode (unless not `full`: --quick, a smoke run, skips
-    them), one expert primed, evicted and asked again."""
+def warm_up(svc: Any, prisoners: Scenario, experts: Scenario, full: bool) -> None:
+    """Untimed: one prisoner's run per mode (unless not `full`: --quick skips them), one
+    expert primed, evicted and asked again."""
     for mode in MODES if full else ():
         run_pass(svc, prisoners, f"warmup-{mode}", mode)
     priming, queries = experts.phases[0], experts.phases[1]
@@ -93,23 +91,16 @@ def warm_up(svc: Services, prisoners: Scenario, experts: Scenario, full: bool = 
     run_pass(svc, dataclasses.replace(experts, phases=phases), "warmup-experts")
 
 
-# cross-phase
-
-
 @dataclass(slots=True)
 class PhaseCell:
     """One phase of one pass in one mode."""
 
     ttft: float | None  # mean over the phase's turns
-    first_ttft: float | None  # mean over speakers of their first turn in the phase
     setup: float | None  # mean create/inject call ms
     incl_setup: float | None  # mean over speakers of (their setup ms + first turn ttft)
-    turns: int
     prefilled: float | None  # mean tokens a turn prefilled
-    setup_prefilled: int
     context: float | None  # mean context tokens at a turn
     generated: float | None
-    states: list[str]
 
 
 def phase_cell(records: list[Record], phase: str) -> PhaseCell:
@@ -119,17 +110,13 @@ def phase_cell(records: list[Record], phase: str) -> PhaseCell:
     for r in says:
         first.setdefault(r.agent, r.ms)
     incl = [ms + sum(s.ms for s in setup if s.agent == agent) for agent, ms in first.items()]
+    of = lambda name: mean([getattr(r, name) for r in says])  # noqa: E731
+    setup_ms = mean([r.ms for r in setup])
     return PhaseCell(
-        mean([r.ms for r in says]),
-        mean(list(first.values())),
-        mean([r.ms for r in setup]),
+        of("ms"),
+        setup_ms,
         mean(incl),
-        len(says),
-        mean([r.prefilled_tokens for r in says]),
-        sum(r.prefilled_tokens for r in setup),
-        mean([r.context_tokens for r in says]),
-        mean([r.generated_tokens for r in says]),
-        sorted({f"{r.kind}:{r.cache_state}" for r in [*setup, *says]}),
+        *map(of, ("prefilled_tokens", "context_tokens", "generated_tokens")),
     )
 
 
@@ -141,34 +128,30 @@ class CrossPhase:
     def cells(self, mode: str, phase: str) -> list[PhaseCell]:
         return [phase_cell(p[mode], phase) for p in self.passes]
 
-    def med(self, mode: str, phase: str, attr: str) -> float | None:
+    def med(self, mode: str, phase: str, attr: str = "ttft") -> float | None:
         return median([getattr(c, attr) for c in self.cells(mode, phase)])
 
-    def ratios(self, phase: str, attr: str = "ttft") -> list[float]:
-        """Per pass: cold ttft / persistent `attr`."""
-        cold, pers = self.cells("cold", phase), self.cells("persistent", phase)
-        pairs = zip(cold, pers, strict=True)
-        return [r for c, p in pairs if (r := div(c.ttft, getattr(p, attr))) is not None]
+    def ratio(self, phase: str, attr: str = "ttft") -> float | None:
+        """Median cold ttft over median persistent `attr`."""
+        return div(self.med("cold", phase), self.med("persistent", phase, attr))
+
+    def ratios(self, phase: str) -> list[float]:
+        """Per pass: cold ttft / persistent ttft."""
+        pairs = zip(self.cells("cold", phase), self.cells("persistent", phase), strict=True)
+        return [r for c, p in pairs if (r := div(c.ttft, p.ttft)) is not None]
 
 
-def cross_phase(svc: Services, scenario: Scenario, passes: int) -> CrossPhase:
+def cross_phase(svc: Any, scenario: Scenario, passes: int) -> CrossPhase:
+    """--passes of each mode, alternating which runs first."""
     result = CrossPhase([p.name for p in scenario.phases])
     for i in range(passes):
         records: dict[str, list[Record]] = {}
         for mode in MODES if i % 2 else reversed(MODES):
             started = time.perf_counter()
-            namespace = f"{scenario.namespace}-{mode}-p{i}"
-            records[mode] = run_pass(svc, scenario, namespace, mode)
-            says = [r for r in records[mode] if r.kind == "say"]
-            say(
-                f"cross-phase pass {i + 1}/{passes} {mode}: {len(says)} turns, "
-                f"{time.perf_counter() - started:.1f} s"
-            )
+            records[mode] = run_pass(svc, scenario, f"{scenario.namespace}-{mode}-p{i}", mode)
+            say(f"cross-phase pass {i + 1}/{passes} {mode}: {time.perf_counter() - started:.1f} s")
         result.passes.append(records)
     return result
-
-
-# routing
 
 
 def group_of(record: Record, experts: set[str]) -> str | None:
@@ -192,27 +175,26 @@ class Routing:
     def records(self, group: str) -> list[list[Record]]:
         return [[r for r in p if group_of(r, self.experts) == group] for p in self.passes]
 
+    def every(self, group: str) -> list[Record]:
+        return [r for rs in self.records(group) for r in rs]
+
+    def pass_means(self, group: str) -> list[float | None]:
+        return [mean([r.ms for r in rs]) for rs in self.records(group)]
+
     def pass_mean(self, group: str) -> float | None:
         """The median over passes of each pass's mean TTFT."""
-        return median([mean([r.ms for r in rs]) for rs in self.records(group)])
-
-    def all_median(self, group: str) -> float | None:
-        return median([r.ms for rs in self.records(group) for r in rs])
+        return median(self.pass_means(group))
 
     def speedups(self, group: str) -> list[float]:
         """Per pass: mean priming TTFT / mean `group` TTFT."""
-        out = []
-        for cold, other in zip(self.records("priming"), self.records(group), strict=True):
-            ratio = div(mean([r.ms for r in cold]), mean([r.ms for r in other]))
-            if ratio is not None:
-                out.append(ratio)
-        return out
+        pairs = zip(self.pass_means("priming"), self.pass_means(group), strict=True)
+        return [r for cold, other in pairs if (r := div(cold, other)) is not None]
 
     def speedup(self, group: str) -> float | None:
         return div(self.pass_mean("priming"), self.pass_mean(group))
 
 
-def routing(svc: Services, scenario: Scenario, passes: int) -> Routing:
+def routing(svc: Any, scenario: Scenario, passes: int) -> Routing:
     result = Routing({r.id for r in scenario.roles if r.document})
     for i in range(passes):
         started = time.perf_counter()
@@ -221,144 +203,78 @@ def routing(svc: Services, scenario: Scenario, passes: int) -> Routing:
     return result
 
 
-def document_tokens(model: Path, scenario: Scenario) -> dict[str, int]:
-    tokenizer = load_tokenizer(model)
-    return {r.id: len(tokenizer.encode(r.document).ids) for r in scenario.roles if r.document}
-
-
-def check_fit(model: Path, scenario: Scenario, doc_tokens: dict[str, int], max_context: int) -> str:
+def check_fit(tokenizer: Any, scenario: Scenario, window: int, max_tokens: int) -> str:
     """Refuses documents that cannot fit the model's context; says how they fit."""
-    config = json.loads((model / "config.json").read_text())
-    limit = min(max_context, config.get("max_position_embeddings", max_context))
-    need = max(doc_tokens.values()) + CHAT_OVERHEAD + 8 * scenario.sampling.get("max_tokens", 64)
-    if need > limit:
-        raise SystemExit(f"expert documents need up to ~{need} tokens; the model allows {limit}")
-    return (
-        f"expert documents: {min(doc_tokens.values())}-{max(doc_tokens.values())} tokens "
-        f"(mean {statistics.fmean(doc_tokens.values()):.0f}); model max_position_embeddings "
-        f"{config.get('max_position_embeddings')}, worker max_context {max_context}"
-    )
+    docs = [len(tokenizer.encode(r.document).ids) for r in scenario.roles if r.document]
+    need = max(docs) + CHAT_OVERHEAD + 8 * scenario.sampling.get("max_tokens", 64)
+    if need > min(window, max_tokens):
+        raise SystemExit(f"expert documents need up to ~{need} tokens; the model allows {window}")
+    spread = f"{min(docs)}-{max(docs)} tokens (mean {statistics.fmean(docs):.0f})"
+    return f"expert documents: {spread}; model window {window}, worker max_context {max_tokens}"
 
 
 # reporting
 
 
-def times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def ratio_range(values: Sequence[float]) -> str:
-    """Per-pass ratios as min-max, times."""
-    return f"{min(values):.2f}-{max(values):.2f}x" if values else "-"
-
-
 def cross_table(cp: CrossPhase) -> str:
-    rows = []
-    for n, phase in enumerate(cp.phases):
-        cold, pers = cp.med("cold", phase, "ttft"), cp.med("persistent", phase, "ttft")
-        incl = cp.med("persistent", phase, "incl_setup")
-        paper = [" / ".join(map(str, r[n])) + "x" if n < len(r) else "-" for r in TABLE7.values()]
-        rows.append(
-            (f"{n + 1}: {phase}", fmt(cold), fmt(pers), times(div(cold, pers)))
-            + (fmt(cp.med("persistent", phase, "setup")), fmt(incl), times(div(cold, incl)), *paper)
-        )
-    headers = ("phase", "cold ttft ms", "persistent ttft ms", "cold/persistent")
-    headers += ("persistent create/inject ms", "persistent incl. setup ms", "cold/(incl. setup)")
-    headers += ("paper Gemma 3 cold / pers / x", "paper DeepSeek cold / pers / x")
-    return table(headers, rows, "l" + "r" * 6 + "ll")
-
-
-DETAIL = (  # cross_detail_table's medians: (mode, PhaseCell field, digits)
-    ("cold", "first_ttft", 1),
-    ("persistent", "context", 0),
-    ("cold", "prefilled", 0),
-    ("persistent", "prefilled", 0),
-    ("persistent", "setup_prefilled", 0),
-    ("persistent", "generated", 1),
-)
-
-
-def cross_detail_table(cp: CrossPhase) -> str:
-    rows = []
-    for n, phase in enumerate(cp.phases):
-        states = [
-            " ".join(sorted({s for c in cp.cells(m, phase) for s in c.states})) for m in MODES
-        ]
-        rows.append(
-            (f"{n + 1}: {phase}", fmt(cp.med("persistent", phase, "turns"), 0))
-            + (ratio_range(cp.ratios(phase)), ratio_range(cp.ratios(phase, "incl_setup")))
-            + tuple(fmt(cp.med(mode, phase, attr), digits) for mode, attr, digits in DETAIL)
-            + tuple(states)
-        )
-    headers = ("phase", "turns", "cold/persistent per pass", "cold/(incl. setup) per pass")
-    headers += ("cold first turns ms", "context tokens", "prefilled/turn cold")
-    headers += ("prefilled/turn pers", "pers create/inject prefilled", "generated/turn")
-    return table((*headers, "cache states cold", "persistent"), rows, "lrll" + "r" * 6 + "ll")
+    paper = {f"paper {k} cold / pers / x": r for k, r in TABLE7.items()}
+    spec = {
+        "phase": lambda n: f"{n + 1}: {cp.phases[n]}",
+        "cold ttft ms": lambda n: fmt(cp.med("cold", cp.phases[n])),
+        "persistent ttft ms": lambda n: fmt(cp.med("persistent", cp.phases[n])),
+        "cold/persistent": lambda n: times(cp.ratio(cp.phases[n])),
+        "per pass": lambda n: ratio_range(cp.ratios(cp.phases[n])),
+        "persistent create/inject ms": lambda n: fmt(cp.med("persistent", cp.phases[n], "setup")),
+        "persistent incl. setup ms": lambda n: fmt(
+            cp.med("persistent", cp.phases[n], "incl_setup")
+        ),
+        "cold/(incl. setup)": lambda n: times(cp.ratio(cp.phases[n], "incl_setup")),
+        "prefilled/turn cold / pers": lambda n: " / ".join(
+            fmt(cp.med(m, cp.phases[n], "prefilled"), 0) for m in MODES
+        ),
+        **{k: lambda n, r=r: " / ".join(map(str, r[n])) + "x" for k, r in paper.items()},
+    }
+    return columns(range(len(cp.phases)), spec, "l" + "r" * 8 + "ll")
 
 
 def routing_table(rt: Routing) -> str:
-    paper_key = {"priming": "priming", "queries_warm": "queries", "repeated": "repeated"}
-    rows = []
-    for key, title, _ in GROUPS:
-        every = [r for rs in rt.records(key) for r in rs]
-        if not every and key == "other":
-            continue
-        papers = [str(v[paper_key[key]]) if key in paper_key else "-" for v in TABLE8.values()]
-        rows.append(
-            (title, fmt(median([len(rs) for rs in rt.records(key)]), 0))
-            + (" ".join(sorted({r.cache_state for r in every})) or "-",)
-            + (fmt(rt.pass_mean(key)), fmt(rt.all_median(key)))
-            + (fmt(mean([r.prefilled_tokens for r in every]), 0),)
-            + (fmt(mean([r.context_tokens for r in every]), 0), *papers)
+    spec = {
+        "phase group": lambda g: GROUPS[g][0],
+        "turns/pass": lambda g: fmt(median([len(rs) for rs in rt.records(g)]), 0),
+        "cache states": lambda g: " ".join(sorted({r.cache_state for r in rt.every(g)})) or "-",
+        "mean ttft ms": lambda g: fmt(rt.pass_mean(g)),
+        "median ttft ms": lambda g: fmt(median([r.ms for r in rt.every(g)])),
+        "prefilled/turn": lambda g: fmt(mean([r.prefilled_tokens for r in rt.every(g)]), 0),
+        "context tokens": lambda g: fmt(mean([r.context_tokens for r in rt.every(g)]), 0),
+        "speedup: priming / this (per pass)": lambda g: (
+            "-" if g == "priming" else (f"{times(rt.speedup(g))} ({ratio_range(rt.speedups(g))})")
+        ),
+    }
+    for model, v in TABLE8.items():
+        spec[f"paper {model} ms"] = lambda g, v=v: v[GROUPS[g][2]] if GROUPS[g][2] else "-"
+        spec[f"paper {model} speedup"] = lambda g, v=v: (
+            f"{v[GROUPS[g][3]]}x" if GROUPS[g][3] else "-"
         )
-    creates = [r.ms for p in rt.passes for r in p if r.kind == "create" and r.phase == "priming"]
-    first = ("(priming: create call, system prompt only)", len(creates) // len(rt.passes), "cold")
-    rows.append((*first, fmt(mean(creates)), fmt(median(creates)), "-", "-", "-", "-"))
-    headers = ("phase group", "turns/pass", "cache states", "mean ttft ms", "median ttft ms")
-    headers += ("prefilled/turn", "context tokens", "paper Gemma 3 ms", "paper DeepSeek ms")
-    return table(headers, rows, "lrl" + "r" * 6)
-
-
-def speedup_table(rt: Routing) -> str:
-    rows = [
-        (title, times(rt.speedup(group)), ratio_range(rt.speedups(group)))
-        + tuple(f"{v[key]}x" if key else "-" for v in TABLE8.values())
-        for key, group, title in (
-            ("warm", "queries_warm", "warm/cold (priming / first-touch queries)"),
-            ("hot", "repeated", "hot/cold (priming / repeated)"),
-            ("", "queries_hot", "hot/cold (priming / queries asked again)"),
-        )
-    ]
-    headers = ("speedup", "measured", "per pass", "paper Gemma 3", "paper DeepSeek")
-    return table(headers, rows, "lrlrr")
+    groups = [g for g in GROUPS if g != "other" or rt.every(g)]
+    return columns(groups, spec, "lrl" + "r" * 9)
 
 
 def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
     goals = []
     if cp is not None and len(cp.phases) >= TARGET_PHASE:
         phase = cp.phases[TARGET_PHASE - 1]
-        cold = cp.med("cold", phase, "ttft")
         for attr, what in (("ttft", "persistent"), ("incl_setup", "persistent incl. setup")):
-            pers = cp.med("persistent", phase, attr)
+            cold, pers = cp.med("cold", phase), cp.med("persistent", phase, attr)
             ratio = div(cold, pers) or 0.0
-            goals.append(
-                {
-                    "target": f"phase {TARGET_PHASE} ({phase}) cold/{what} TTFT >= "
-                    f"{TARGET_RATIO}x (paper, Gemma 3)",
-                    "measured": f"{ratio:.2f}x ({fmt(cold)} vs {fmt(pers)} ms)",
-                    "met": ratio >= TARGET_RATIO,
-                }
-            )
+            target = f"phase {TARGET_PHASE} ({phase}) cold/{what} TTFT >= {TARGET_RATIO}x"
+            measured = f"{ratio:.2f}x ({fmt(cold)} vs {fmt(pers)} ms)"
+            goals.append(goal(target + " (paper, Gemma 3)", measured, ratio >= TARGET_RATIO))
     if rt is not None:
-        ratio = rt.speedup("queries_warm") or 0.0
+        cold, warm = rt.pass_mean("priming"), rt.pass_mean("queries_warm")
+        ratio = div(cold, warm) or 0.0
+        target = f"expert routing warm/cold TTFT speedup >= {TARGET_SPEEDUP:.0f}x (paper: 24.2x)"
         goals.append(
-            {
-                "target": f"expert routing warm/cold TTFT speedup >= {TARGET_SPEEDUP:.0f}x "
-                "(paper, Gemma 3: 24.2x)",
-                "measured": f"{ratio:.1f}x ({fmt(rt.pass_mean('priming'))} vs "
-                f"{fmt(rt.pass_mean('queries_warm'))} ms)",
-                "met": ratio >= TARGET_SPEEDUP,
-            }
+            goal(target, f"{ratio:.1f}x ({fmt(cold)} vs {fmt(warm)} ms)", ratio >= TARGET_SPEEDUP)
         )
     return goals
 
@@ -366,35 +282,22 @@ def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
 def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: int) -> list[str]:
     notes = [fit]
     if cp is not None:
-        last = cp.phases[-1]
-        gen = cp.med("persistent", last, "generated")
-        notes.append(
-            f"cross-phase: persistent context at phase {len(cp.phases)} is "
-            f"{fmt(cp.med('persistent', last, 'context'), 0)} tokens per turn on average; "
-            f"replies average {fmt(gen)} generated tokens of max_tokens {max_tokens} (greedy "
-            "replies end early with EOS, which a turn cannot ignore)"
+        last, n = cp.phases[-1], len(cp.phases)
+        context, generated = (
+            cp.med("persistent", last, "context"),
+            cp.med("persistent", last, "generated"),
         )
-        if {r.cache_state for p in cp.passes for r in p["cold"]} == {"hot"}:
-            notes.append(
-                "cross-phase: every cold-mode turn reports cache_state 'hot': the workflow "
-                "creates each agent empty (an untimed CreateAgent) just before the re-prefill turn"
-            )
-    if rt is not None:
-        other = [r for rs in rt.records("other") for r in rs]
-        if other:
-            notes.append(
-                f"routing: {len(other)} expert turns found an unexpected cache state: "
-                + ", ".join(sorted({f"{r.phase}/{r.agent}:{r.cache_state}" for r in other}))
-            )
-        if {r.cache_state for rs in rt.records("priming") for r in rs} == {"hot"}:
-            notes.append(
-                "routing: priming turns report cache_state 'hot' (the agent was just created "
-                "with its system prompt); their document is prefilled inside the turn"
-            )
+        notes.append(
+            f"cross-phase: persistent context at phase {n} is {fmt(context, 0)} tokens per "
+            f"turn; replies average {fmt(generated)} tokens of max_tokens {max_tokens}"
+        )
+    if rt is not None and (other := rt.every("other")):
+        unexpected = sorted({f"{r.phase}/{r.agent}:{r.cache_state}" for r in other})
+        notes.append(f"routing: unexpected cache states: {', '.join(unexpected)}")
     return notes
 
 
-def draw(cp: CrossPhase | None, rt: Routing | None) -> Any:
+def draw(cp: CrossPhase | None, rt: Routing | None) -> Callable:
     """Per-phase TTFT cold vs persistent, and the routing groups."""
 
     def panels(axes: Any) -> None:
@@ -407,147 +310,95 @@ def draw(cp: CrossPhase | None, rt: Routing | None) -> Any:
                 ("persistent", "incl_setup", "s--", "persistent incl. create/inject"),
             ):
                 ys = [cp.med(mode, phase, attr) for phase in cp.phases]
-                left.plot(xs, [y if y is not None else float("nan") for y in ys], style, label=name)
+                left.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
             left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
-            left.set_ylabel("mean TTFT per phase, ms (median of passes)")
-            left.set_title("prisoner's dilemma", fontsize=9)
+            left.set(
+                ylabel="mean TTFT per phase, ms (median of passes)", title="prisoner's dilemma"
+            )
             left.legend(fontsize=7)
         if rt is not None:
-            keys = [(k, short) for k, _, short in GROUPS if any(rt.records(k))]
-            right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k, _ in keys])
-            right.set_xticks(range(len(keys)), [short for _, short in keys], fontsize=7)
-            right.set_yscale("log")
-            right.set_ylabel("mean TTFT, ms (median of passes, log)")
-            right.set_title("expert routing", fontsize=9)
+            keys = [k for k in GROUPS if rt.every(k)]
+            right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k in keys])
+            right.set_xticks(range(len(keys)), [GROUPS[k][1] for k in keys], fontsize=7)
+            right.set(
+                yscale="log", ylabel="mean TTFT, ms (median of passes)", title="expert routing"
+            )
 
     return panels
 
 
-EXPLAINED = (
-    "TTFT = the worker's usage.time_to_first_token_ms (from the request's arrival); "
-    "create/inject = the client's wall time for the call. Cross-phase cells: each pass's "
-    "mean over the phase's turns, median over passes; 'incl. setup' = mean over the "
-    "phase's speakers of (their create/inject ms in the phase + their first turn's TTFT). "
-    "Routing 'mean': each pass's mean, median over passes; 'median': over every turn of "
-    "every pass. Client, store and worker share this machine's cores; store writes of "
-    "earlier turns run in the background."
-)
-
-
-def sections_for(cp: CrossPhase | None, rt: Routing | None) -> list[tuple[str, str]]:
-    sections = []
+def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str) -> None:
+    info = args.info
+    header = machine(blas=info.blas, model=args.model, model_dir=args.described, device=info.device)
+    header |= {"max_context": info.max_context, "kv_format": info.kv_format}
+    header |= {
+        "max_tokens": args.max_tokens,
+        "passes": args.passes,
+        "routing_passes": args.routing_passes,
+    }
+    sections, document = [], {}
     if cp is not None:
-        title = f"cross-phase, prisoner's dilemma (Table 7 form; median of {len(cp.passes)} passes)"
-        sections += [(title, cross_table(cp)), ("cross-phase detail", cross_detail_table(cp))]
+        sections.append(
+            (
+                f"cross-phase, prisoner's dilemma (Table 7 form; {len(cp.passes)} passes, medians)",
+                cross_table(cp),
+            )
+        )
+        phases = {phase: {m: cp.cells(m, phase) for m in MODES} for phase in cp.phases}
+        document["cross_phase"] = {"phases": phases, "passes": cp.passes}
     if rt is not None:
-        sections += [
-            (f"expert routing (Table 8 form; {len(rt.passes)} passes)", routing_table(rt)),
-            ("expert routing speedups (means, median of passes)", speedup_table(rt)),
-        ]
-    return sections
-
-
-def records_json(records: list[Record]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(r) | {"text": r.text[:80]} for r in records]
-
-
-def document(cp: CrossPhase | None, rt: Routing | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if cp is not None:
-        out["cross_phase"] = {
-            "phases": {
-                phase: {m: [dataclasses.asdict(c) for c in cp.cells(m, phase)] for m in MODES}
-                for phase in cp.phases
-            },
-            "passes": [{m: records_json(p[m]) for m in MODES} for p in cp.passes],
+        sections.append(
+            (f"expert routing (Table 8 form; {len(rt.passes)} passes)", routing_table(rt))
+        )
+        groups = {
+            g: {"pass_means_ms": rt.pass_means(g), "speedups": rt.speedups(g)} for g in GROUPS
         }
-    if rt is not None:
-        out["routing"] = {
-            "groups": {
-                key: {
-                    "mean_ms": rt.pass_mean(key),
-                    "median_ms": rt.all_median(key),
-                    "pass_means_ms": [mean([r.ms for r in rs]) for rs in rt.records(key)],
-                }
-                for key, _, _ in GROUPS
-            },
-            "speedups": {g: rt.speedups(g) for g in ("queries_warm", "queries_hot", "repeated")},
-            "passes": [records_json(p) for p in rt.passes],
-        }
-    return out
-
-
-def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, info: Any, fit: str) -> None:
-    header = machine(blas=info.blas, model=args.model, model_dir=describe_model(args.path))
-    header |= {"device": info.device, "max_context": info.max_context}
-    header |= {"kv_format": info.kv_format, "max_tokens": args.max_tokens}
-    header |= {"passes": args.passes, "routing_passes": args.routing_passes}
-    notes = [*notes_for(cp, rt, fit, args.max_tokens), EXPLAINED]
-    goals = targets(cp, rt)
-    png = report(
-        "workflows", args.out, header, sections_for(cp, rt), goals, notes, document(cp, rt)
-    )
+        document["routing"] = {"groups": groups, "passes": rt.passes}
+    notes = notes_for(cp, rt, fit, args.max_tokens)
+    png = report("workflows", args.out, header, sections, targets(cp, rt), notes, document)
     plot(png, header, "workflows", draw(cp, rt), ncols=2, figsize=(13, 4.8))
-
-
-# main
 
 
 def parse_args(argv: list[str] | None) -> Any:
     quick = (
-        f"1 pass each, no prisoners' warm-up, every reply's max_tokens {QUICK_MAX_TOKENS}, "
-        f"documents capped at {QUICK_DOCUMENT_CHARS} chars"
+        f"1 pass each, no prisoners' warm-up, replies of {QUICK_MAX_TOKENS} tokens, short documents"
     )
     p = parser(__doc__, passes=5, quick=quick)
     p.add_argument("--routing-passes", type=int, default=3, help="expert routing passes")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
     p.add_argument("--only", choices=("cross-phase", "routing"), help="run one benchmark")
     args = p.parse_args(argv)
-    args.document_chars = None
     if args.quick:
         args.passes, args.routing_passes, args.max_tokens = 1, 1, QUICK_MAX_TOKENS
-        args.document_chars = QUICK_DOCUMENT_CHARS
-    if args.passes < 1 or args.routing_passes < 1 or args.max_tokens < 1:
+    if min(args.passes, args.routing_passes, args.max_tokens) < 1:
         p.error("--passes, --routing-passes and --max-tokens must be at least 1")
     return args
 
 
-def scenarios(args: Any) -> tuple[Scenario, Scenario]:
-    """The prisoner's dilemma with --max-tokens replies, and expert routing."""
-    prisoners = load_scenario(scenario_path("prisoners_dilemma"))
-    sampling = {**prisoners.sampling, "max_tokens": args.max_tokens}
-    prisoners = dataclasses.replace(prisoners, sampling=sampling)
-    experts = load_scenario(scenario_path("expert_routing"), args.document_chars)
-    if args.quick:
-        sampling = {**experts.sampling, "max_tokens": QUICK_MAX_TOKENS}
-        experts = dataclasses.replace(experts, sampling=sampling)
-    return prisoners, experts
+def scenario(name: str, max_tokens: int | None, document_chars: int | None = None) -> Scenario:
+    """A shipped scenario, its replies up to `max_tokens` (None: the scenario's own)."""
+    loaded = load_scenario(scenario_path(name), document_chars)
+    sampling = loaded.sampling | ({"max_tokens": max_tokens} if max_tokens else {})
+    return dataclasses.replace(loaded, sampling=sampling)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    prisoners, experts = scenarios(args)
-    args.path = model_dir(args.model)  # what the worker loads, too
-    say(describe_model(args.path, args.model))
-    doc_tokens = document_tokens(args.path, experts)
-    root = Path(tempfile.mkdtemp(prefix="agentkv-workflows-"))
+    prisoners = scenario("prisoners_dilemma", args.max_tokens)
+    quick = (QUICK_MAX_TOKENS, QUICK_DOCUMENT_CHARS) if args.quick else (None, None)
+    experts = scenario("expert_routing", *quick)
+    tokenizer = open_model(args)
     cp = rt = None
-    try:
-        with services(root, args.path, {"worker": []}) as running:
-            info = running.info["worker"]
-            svc = Services(running.addresses["worker"], running.store_address, info)
-            fit = check_fit(args.path, experts, doc_tokens, info.max_context)
-            say(f"store and worker up ({info.blas}, {info.device}); {fit}; warming up")
-            warm_up(svc, prisoners, experts, full=not args.quick)
-            if args.only in (None, "cross-phase"):
-                cp = cross_phase(svc, prisoners, args.passes)
-            if args.only in (None, "routing"):
-                rt = routing(svc, experts, args.routing_passes)
-            if hot_agents(svc):
-                say(f"note: {hot_agents(svc)} agents still hot on the worker")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    write_report(cp, rt, args, info, fit)
+    with services(None, args.path, {"worker": []}) as svc:
+        args.info = info = svc.info["worker"]
+        fit = check_fit(tokenizer, experts, max_context(args.path), info.max_context)
+        say(f"store and worker up ({info.blas}, {info.device}); {fit}; warming up")
+        warm_up(svc, prisoners, experts, full=not args.quick)
+        if args.only in (None, "cross-phase"):
+            cp = cross_phase(svc, prisoners, args.passes)
+        if args.only in (None, "routing"):
+            rt = routing(svc, experts, args.routing_passes)
+    write_report(cp, rt, args, fit)
 
 
 if __name__ == "__main__":
