@@ -124,8 +124,8 @@ def _model_parser(model: argparse.ArgumentParser) -> None:
 
 def cmd_model_import(args: argparse.Namespace) -> int:
     """Runs the import in the worker's own package, as a process of its own: the CLI sits
-    on every layer, and imports none of the worker's modules (the layer test checks)."""
-    command = [sys.executable, "-m", "inference_worker.gguf_import", args.file]
+    on every layer, but lives in agentkv/, so it imports none of the worker's modules."""
+    command = [sys.executable, "-m", "inference_worker.model_import", args.file]
     command += ["--weights", args.weights, *(["--out", str(args.out)] if args.out else [])]
     return subprocess.run(command, check=False).returncode
 

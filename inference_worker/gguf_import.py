@@ -10,13 +10,10 @@ directory's config (and so the worker's fingerprint).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,33 +332,3 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`agentkv model import FILE|NAME [--out DIR] [--weights W]`, which runs this module:
-    the directory's path, or one line saying why not."""
-    from inference_worker.models import SHIPPED, is_gguf, shipped_file
-
-    p = argparse.ArgumentParser(prog="agentkv model import")
-    p.add_argument("file")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--weights", default="float32", choices=WEIGHTS)
-    args = p.parse_args(argv)
-    started = time.perf_counter()
-    try:
-        path = shipped_file(args.file) if args.file in SHIPPED else Path(args.file)
-        if not path.is_file() or not is_gguf(path):
-            raise ValueError(f"{path} is not a GGUF file")
-        out = (
-            import_gguf(path, args.out, args.weights)
-            if args.out
-            else cached_import(path, args.weights)
-        )
-    except (ValueError, OSError) as exc:  # GGUFError and ModelError are ValueErrors
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    print(f"{out}  ({time.perf_counter() - started:.1f} s; serve it with --model {out})")
-
-
-if __name__ == "__main__":
-    main()
