@@ -50,6 +50,7 @@ from inference_worker.blas import load_optimized_blas
 
 NS = "peers"
 SHORT = "Go on."
+LONG = "Explain the code above in detail, line by line."  # decode turns: a long greedy reply
 PHASES = ("cold", "hot", "warm")
 WORKER_ARGS = ["--block-tokens", "256", "--hot-budget", "16G", "--restore-path", "locate"]
 HEADROOM = 160  # tokens of the window a context leaves for its turn and the decode
@@ -345,7 +346,9 @@ class AgentkvPeer:
         return {"ttft_ms": turn.server_ms, "token": self.manifest(self.twin).token_ids[-1]}
 
     def decode(self, n: int) -> float:
-        turn = timed_turn(self.worker, NS, self.agent, [("user", SHORT)], max_tokens=n + 1)
+        """The worker's usage.decode_tokens_per_second (0 when the reply ended at EOS at once:
+        no rate, left out of the medians; the peers' loops run past EOS)."""
+        turn = timed_turn(self.worker, NS, self.agent, [("user", LONG)], max_tokens=n + 1)
         self.worker.wait_durable(NS, self.agent)
         return turn.usage["decode_tokens_per_second"]
 
@@ -379,7 +382,7 @@ class AgentkvPeer:
         made: list[int] = []
 
         def one(agent: str) -> None:
-            turn = timed_turn(self.worker, NS, agent, [("user", SHORT)], max_tokens=n)
+            turn = timed_turn(self.worker, NS, agent, [("user", LONG)], max_tokens=n)
             made.append(turn.usage["generated_tokens"])
 
         threads = [threading.Thread(target=one, args=(a,)) for a in agents]
@@ -547,9 +550,15 @@ def main_table(runs: list[Run], details: dict) -> str:
             cold, warm = r.median(s, "cold"), r.median(s, "warm")
             rows.append([f"{label(r.nominal)} ({len(r.context_ids)} tok)", s,
                          details["weights"][s], *(cell(r.ms[s].get(p)) for p in PHASES),
-                         f"{statistics.median(r.decode[s]):.1f}", f"{r.num_bytes[s]:,}",
+                         ms(rate(r.decode[s])), f"{r.num_bytes[s]:,}",
                          ratio(cold, warm, "{:.1f}x")])  # fmt: skip
     return table(heads, rows, "llllllrrr")
+
+
+def rate(values: list[float]) -> float | None:
+    """The median decode rate, of the turns that had one (0: the reply ended at once)."""
+    had = [v for v in values if v > 0]
+    return statistics.median(had) if had else None
 
 
 def cell(values: list[float] | None) -> str:
@@ -596,7 +605,7 @@ def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:
                 hot <= 1.1 * mlx,
             )
         )
-        ours, theirs = (statistics.median(r.decode[s]) for s in ("agentkv", "mlx-lm"))
+        ours, theirs = (rate(r.decode[s]) or 0.0 for s in ("agentkv", "mlx-lm"))
         goals.append(
             goal(
                 f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
@@ -634,7 +643,7 @@ def paper_goal(r: Run) -> dict[str, Any]:
 def first_tokens(runs: list[Run]) -> list[str]:
     """Greedy first tokens per phase where systems agree, else each one's."""
     out = []
-    for r in runs:
+    for r in (r for r in runs if r.tokens):
         for phase in PHASES:
             seen = {k: sorted(set(v)) for k, v in r.tokens.items() if k.endswith(phase)}
             same = len({tuple(v) for v in seen.values()}) == 1
@@ -644,21 +653,32 @@ def first_tokens(runs: list[Run]) -> list[str]:
     return out
 
 
-def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args: Any) -> None:
-    header = machine(blas=details.get("blas", ""), model=args.model)
-    header |= {"load_average_1m": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
-    header |= {"passes": args.passes, "decode_tokens": args.decode}
+def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args: Any,
+          header: dict | None = None) -> None:  # fmt: skip
+    if header is None:
+        header = machine(blas=details.get("blas", ""), model=args.model)
+        header |= {"load_average_1m": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
+        header |= {"passes": args.passes, "decode_tokens": args.decode}
+        notes = notes + [f"weights: {', '.join(f'{s} {w}' for s, w in details['weights'].items())}"]
     sections = [("cold, hot and warm TTFT (median (min-max)), decode and bytes",
                  main_table(runs, details)),
-                (f"SysTPS at {label(runs[0].nominal)} context, {args.decode} tokens per agent",
-                 batch_table(batches))]  # fmt: skip
-    notes = notes + [f"weights: {', '.join(f'{s} {w}' for s, w in details['weights'].items())}"]
-    notes += first_tokens(runs)
+                (f"SysTPS at {label(runs[0].nominal)} context, {header['decode_tokens']} tokens "
+                 "per agent", batch_table(batches))]  # fmt: skip
+    notes = notes + first_tokens(runs)
     contexts = [{"nominal": r.nominal, "context_tokens": len(r.context_ids), "ms": r.ms,
                  "turn_tokens": len(r.turn_ids), "decode": r.decode, "bytes": r.num_bytes,
                  "raw_ms": r.raw_ms} for r in runs]  # fmt: skip
     document = {"model": details, "batches": batches, "contexts": contexts}
     report("peers", args.out, header, sections, targets(runs, batches), notes, document)
+
+
+def rewrite(path: Path, args: Any) -> None:
+    """--from-json: the report again from a run's JSON (its header, notes and figures)."""
+    doc = json.loads(path.read_text())
+    runs = [Run(c["nominal"], "", [0] * c["context_tokens"], [0] * c["turn_tokens"], c["ms"],
+                c["decode"], c["bytes"], {}, c["raw_ms"]) for c in doc["contexts"]]  # fmt: skip
+    batches = {s: {int(b): v for b, v in per.items()} for s, per in doc["batches"].items()}
+    write(runs, batches, doc["model"], doc["notes"], args, doc["header"])
 
 
 def parse_args(argv: list[str] | None) -> Any:
@@ -668,6 +688,7 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--w4-max", type=int, default=1024,
                    help="largest context for agentkv with the GGUF's 4-bit weights (MLX's CPU "
                    "quantized matmul prefills ~27x slower; 0: skip it)")  # fmt: skip
+    p.add_argument("--from-json", type=Path, help="report again from a run's peers-*.json")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -678,8 +699,8 @@ def parse_args(argv: list[str] | None) -> Any:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_optimized_blas()  # before anything here imports mlx
-    if args.child:
-        run_child(args.child)
+    if args.child or args.from_json:
+        run_child(args.child) if args.child else rewrite(args.from_json, args)
         return
     with tempfile.TemporaryDirectory(prefix="agentkv-peers-") as root:
         runs, batches, details, notes = run_all(args, Path(root))
