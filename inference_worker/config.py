@@ -73,6 +73,9 @@ class WorkerConfig(ServerConfig):
         "OpenBLAS threads (0: its own choice, one per core); on CPU one thread is faster for "
         "single-agent decode, more for large batches and prefill",
     )
+    drain_seconds: float = flag(
+        10.0, "at SIGTERM, seconds in-flight turns get to finish before they are cancelled"
+    )
     store_security: ClientSecurity = nested(ClientSecurity, prefix="store-")  # to the store
     store_timeout: float = 60.0
     # How long a turn of an agent hot here waits for the store to say whether another
@@ -109,4 +112,6 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}: {self.gguf_weights!r}")
         if self.blas_threads < 0:
             raise ValueError(f"--blas-threads {self.blas_threads} must be >= 0")
+        if self.drain_seconds < 0:
+            raise ValueError(f"--drain-seconds {self.drain_seconds} must be >= 0")
         self.check_serving()

@@ -18,7 +18,7 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition
+from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition, Unavailable
 from inference_worker.agents import Agent, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatState
@@ -31,6 +31,7 @@ from inference_worker.runtime import Runtime
 from inference_worker.scheduler import Request, Scheduler
 from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
 
+STOPPED = "the worker stopped before the turn of agent {!r} finished; send it again"
 log = logging.getLogger("agentkv.worker")
 CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
 
@@ -72,6 +73,11 @@ class Engine:
 
     def close(self) -> None:
         self.runtime.mlx.close()
+        # The MLX thread stops between steps: a turn still in the batch (its stream's client
+        # may be gone, or outlasted the drain) ends now with an error of its own, so no RPC
+        # thread waits for it and the process exits.
+        for turn in list(self.batcher.active.values()):
+            turn.job.end(error=Unavailable(STOPPED.format(turn.agent.agent_id)))
         self.persister.close()  # finishes queued store writes
 
     def _tick(self) -> bool:

@@ -38,7 +38,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
         metrics,
         engine.close,  # finishes queued store writes
         max_message_bytes=16 << 20,
-        grace=10.0,
+        grace=config.drain_seconds,
     )
     watch = StoreHealth(store, config.store, served.health)  # warns now if it does not answer
 

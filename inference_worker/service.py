@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from dataclasses import asdict
 
@@ -86,7 +87,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
         self.front.start_turn(job)  # raises what refused the turn
         pending = None  # what came after a run of token events
-        while (event := pending or job.events.get()) is not END:
+        while (event := pending or _next_event(job, context)) is not END:
             pending = None
             if isinstance(event, TokenEvent):
                 # Tokens queued while the stream was busy go out as one chunk.
@@ -124,6 +125,17 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         return pb.GetWorkerInfoResponse(
             **self.info, hot_budget_bytes=budget, hot_bytes=used, num_hot_agents=count
         )
+
+
+def _next_event(job: TurnJob, context: grpc.ServicerContext) -> object:
+    """The job's next event, or END once the RPC is over (cancelled by its client or by the
+    server's stop): no RPC thread waits for a turn that nobody will read or finish."""
+    while True:
+        try:
+            return job.events.get(timeout=1.0)
+        except queue.Empty:
+            if not context.is_active():
+                return END
 
 
 def _allowed(namespace: str) -> None:

@@ -281,3 +281,20 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
     assert result["turn"].usage.cache_state == "warm" and len(result["turn"].token_ids) == 4
     twin = w.turn("ns", "twin", Q2, max_tokens=6, **SAMPLED)
     assert hot.token_ids == twin.token_ids  # the hot copy answered in full
+
+
+def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(tiny_model_dirs, start_worker):
+    """SIGTERM while a long turn decodes, with no time to drain: the stream ends with an
+    error of its own, and the process exits by itself (it once waited forever for a turn
+    the stopped MLX thread would never finish)."""
+    proc = start_worker(tiny_model_dirs["llama"], "--drain-seconds", "0")
+    worker = WorkerClient(proc.address)
+    worker.create_agent("ns", "long")
+    stream = worker.stream_turn("ns", "long", [("user", "Talk.")], max_tokens=3000)
+    next(stream)  # decoding
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=120) == 0  # not killed: stop() would SIGKILL after 30 s
+    with pytest.raises(AgentKVError):
+        for _ in stream:
+            pass
+    worker.close()
