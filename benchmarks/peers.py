@@ -510,7 +510,7 @@ def run_all(args: Any, root: Path) -> tuple[list[Run], dict, dict, list[str]]:
             notes += [note] if note else []
             for _ in range(args.passes):
                 for system, peer in peers.items():
-                    if system != "agentkv w4" or n <= args.w4_max:
+                    if n <= {"agentkv w4": args.w4_max, "mlx-lm q4": args.q4_max}.get(system, n):
                         one_pass(system, peer, run, root, args.decode)
             runs.append(run)
         batches = measure_batches(peers, runs[0], root, args)
@@ -688,6 +688,9 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--w4-max", type=int, default=1024,
                    help="largest context for agentkv with the GGUF's 4-bit weights (MLX's CPU "
                    "quantized matmul prefills ~27x slower; 0: skip it)")  # fmt: skip
+    p.add_argument("--q4-max", type=int, default=2048,
+                   help="largest context for mlx-lm's Q4 cache (its prefill attends over Q4 by "
+                   "quantized matmul: 63 s at 2K here, growing as the square)")  # fmt: skip
     p.add_argument("--from-json", type=Path, help="report again from a run's peers-*.json")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

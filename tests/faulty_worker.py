@@ -5,7 +5,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
 - ROW_FAULT_SEED: the turn's own sampler raises on its third draw (its prefill and first
   decode went fine; a partial reply is in its context);
 - STEP_FAULT_SEED: a decode step whose batch holds that turn raises for every row, as a
-  failure of the shared forward would.
+  failure of the shared forward would;
+- SLOW_STEP_SEED: every decode step whose batch holds that turn takes SLOW_STEP_SECONDS more,
+  as a big model's long step does (no fault: it only takes time).
 
 Both errors carry SECRET, which no other turn may ever see.
 """
@@ -13,6 +15,7 @@ Both errors carry SECRET, which no other turn may ever see.
 from __future__ import annotations
 
 import itertools
+import time
 
 from agentkv import logs
 from inference_worker.__main__ import build_config
@@ -20,6 +23,8 @@ from inference_worker.blas import load_optimized_blas
 
 ROW_FAULT_SEED = 666
 STEP_FAULT_SEED = 667
+SLOW_STEP_SEED = 668
+SLOW_STEP_SECONDS = 3.0
 SECRET = "tenant-a-secret-7f3e"
 
 
@@ -44,8 +49,11 @@ def install() -> None:
         return failing
 
     def faulty_decode(self):
-        if any(self.active[r].job.sampling.seed == STEP_FAULT_SEED for r in self.rows):
+        seeds = {self.active[r].job.sampling.seed for r in self.rows}
+        if STEP_FAULT_SEED in seeds:
             raise RuntimeError(f"{SECRET}: injected fault in the shared decode step")
+        if SLOW_STEP_SEED in seeds:
+            time.sleep(SLOW_STEP_SECONDS)
         return decode(self)
 
     Sampling.sampler = faulty_sampler

@@ -30,7 +30,7 @@ from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.kv_cache import NUMPY_DTYPES
-from tests.faulty_worker import ROW_FAULT_SEED, SECRET, STEP_FAULT_SEED
+from tests.faulty_worker import ROW_FAULT_SEED, SECRET, SLOW_STEP_SEED, STEP_FAULT_SEED
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -283,18 +283,28 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
     assert hot.token_ids == twin.token_ids  # the hot copy answered in full
 
 
-def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(tiny_model_dirs, start_worker):
-    """SIGTERM while a long turn decodes, with no time to drain: the stream ends with an
-    error of its own, and the process exits by itself (it once waited forever for a turn
-    the stopped MLX thread would never finish)."""
-    proc = start_worker(tiny_model_dirs["llama"], "--drain-seconds", "0")
-    worker = WorkerClient(proc.address)
-    worker.create_agent("ns", "long")
-    stream = worker.stream_turn("ns", "long", [("user", "Talk.")], max_tokens=3000)
-    next(stream)  # decoding
-    proc.proc.send_signal(signal.SIGTERM)
-    assert proc.proc.wait(timeout=120) == 0  # not killed: stop() would SIGKILL after 30 s
-    with pytest.raises(AgentKVError):
-        for _ in stream:
-            pass
-    worker.close()
+def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(
+    tiny_model_dirs, store_process, tmp_path
+):
+    """SIGTERM with no time to drain, while a turn's decode step is in progress (a slow
+    step, as a big model's): the stream ends with an error, and the process exits by itself.
+    It once waited forever: the MLX thread stopped after the step, and the turn's RPC thread
+    waited for an end that nobody would send."""
+    args = ["--model", str(tiny_model_dirs["llama"]), "--store", store_process.address]
+    args += ["--listen", "127.0.0.1:0", "--drain-seconds", "0"]
+    proc = ServiceProcess("tests.faulty_worker", args, tmp_path / "slow.log").start()
+    try:
+        worker = WorkerClient(proc.address)
+        worker.create_agent("ns", "long")
+        stream = worker.stream_turn(
+            "ns", "long", [("user", "Talk.")], max_tokens=100, seed=SLOW_STEP_SEED
+        )
+        next(stream)  # its first token: now every decode step is slow
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=120) == 0  # by itself: stop() would SIGKILL at 30 s
+        with pytest.raises(AgentKVError):
+            for _ in stream:
+                pass
+        worker.close()
+    finally:
+        proc.kill9()
