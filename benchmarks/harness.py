@@ -9,9 +9,11 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -136,6 +138,9 @@ def services(
     their files under `root` (None: a temporary directory, removed at the end)."""
     from agentkv.client.store import StoreClient
 
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a killed benchmark) unwinds like an error, so the processes stop too.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with ExitStack() as stack:
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentkv-bench-")))
