@@ -11,6 +11,7 @@ benchmarks/README.md explains the method. --quick: 1K, one repeat, batches 1 and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -29,6 +30,7 @@ from harness import (
     check,
     context_text,
     fit_contexts,
+    goal,
     label,
     machine,
     model_info,
@@ -86,12 +88,6 @@ class Run:
 # the systems: each has cold, hot, save, restart (a fresh process), decode and systps
 
 
-def greedy(logits: Any) -> int:
-    import numpy as np
-
-    return int(np.argmax(logits))
-
-
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's C API: one context, sequences decoded in batches
     of up to PREFILL_STEP tokens, greedy from the last logits of each sequence."""
@@ -120,11 +116,10 @@ class LlamaCpp:
         """Decodes each sequence's tokens; the greedy next token of each."""
         import numpy as np
 
-        L, rows, out = self.L, [], {}
+        L, out = self.L, {}
         pending = [(s, t) for s, ids in feeds.items() for t in ids]
         for start in range(0, len(pending), self.batch_size):
-            chunk, self.batch.n_tokens = pending[start : start + self.batch_size], 0
-            rows = []
+            chunk, rows = pending[start : start + self.batch_size], []
             for i, (seq, token) in enumerate(chunk):
                 self.batch.token[i], self.batch.pos[i] = token, self.pos[seq]
                 self.batch.seq_id[i][0], self.batch.n_seq_id[i] = seq, 1
@@ -137,7 +132,7 @@ class LlamaCpp:
                 raise RuntimeError("llama_decode failed")
             for i, seq in rows:
                 logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))
-                out[seq] = greedy(logits)
+                out[seq] = int(np.argmax(logits))
         self.history += list(feeds.get(0, ()))
         return out
 
@@ -300,9 +295,8 @@ class AgentkvPeer:
     """agentkv's store and a worker process: agents by turn text; the first pass takes the
     token ids every other system gets, from the store's manifest."""
 
-    def __init__(self, svc: Any, name: str, model: Path) -> None:
-        self.svc, self.name, self.model = svc, name, model
-        self.args = WORKER_ARGS + (["--gguf-weights", "native"] if name != "agentkv" else [])
+    def __init__(self, svc: Any, name: str, model: Path, args: Sequence[str]) -> None:
+        self.svc, self.name, self.model, self.args = svc, name, model, list(args)
         self.agent = self.twin = ""
         self.twins: dict[int, str] = {}  # by context: a stored fork of its cold context
         self.count = 0
@@ -454,23 +448,22 @@ def one_pass(system: str, peer: Any, run: Run, root: Path, decode: int) -> None:
         f"{run.decode[system][-1]:.1f} tok/s")  # fmt: skip
 
 
-def make_peers(args: Any, path: Path, model: Any, svc: Any, n_ctx: int) -> tuple[dict, list[str]]:
+def make_peers(
+    args: Any, path: Path, gguf: Path | None, model: Any, svc: Any, n_ctx: int
+) -> tuple[dict, list[str]]:
     """The systems this run can measure, by name, and notes on those it cannot."""
-    peers: dict[str, Any] = {"agentkv": AgentkvPeer(svc, "agentkv", path)}
-    notes, gguf = [], gguf_file(args.model, path)
+    peers: dict[str, Any] = {"agentkv": AgentkvPeer(svc, "agentkv", path, WORKER_ARGS)}
+    notes = []
     if gguf and args.w4_max:
-        svc.start_worker("agentkv w4", gguf, peers["agentkv"].args + ["--gguf-weights", "native"])
-        peers["agentkv w4"] = AgentkvPeer(svc, "agentkv w4", gguf)
-    for kv in ("f16", "q4_0"):
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            notes.append("llama.cpp skipped: pip install -e '.[peers]' (builds llama.cpp)")
-            break
-        if gguf is None:
-            notes.append(f"llama.cpp skipped: --model {args.model} is not a GGUF file")
-            break
-        peers[f"llama.cpp {kv}"] = LlamaPeer(gguf, kv, n_ctx)
+        w4 = AgentkvPeer(svc, "agentkv w4", gguf, [*WORKER_ARGS, "--gguf-weights", "native"])
+        svc.start_worker(w4.name, gguf, w4.args)
+        peers[w4.name] = w4
+    if importlib.util.find_spec("llama_cpp") is None:
+        notes.append("llama.cpp skipped: pip install -e '.[peers]' (builds llama.cpp)")
+    elif gguf is None:
+        notes.append(f"llama.cpp skipped: --model {args.model} is not a GGUF file")
+    else:
+        peers |= {f"llama.cpp {kv}": LlamaPeer(gguf, kv, n_ctx) for kv in ("f16", "q4_0")}
     peers["mlx-lm"] = MlxLmPeer(model, path, None)
     peers["mlx-lm q4"] = MlxLmPeer(model, path, 4)
     return peers, notes
@@ -484,26 +477,27 @@ def gguf_file(spec: str, path: Path) -> Path | None:
     return shipped_file(spec) if spec in SHIPPED else None
 
 
-def weights(system: str, path: Path, gguf: Path | None) -> str:
+def weights(systems: Sequence[str], path: Path, gguf: Path | None) -> dict[str, str]:
+    """Each system's weight format, as its rows say it."""
     config = json.loads((path / "config.json").read_text())
     imported = (config.get("agentkv_gguf") or {}).get("weights") or config.get("torch_dtype")
-    gguf_kind = gguf.stem.rsplit(".", 1)[-1] if gguf else "GGUF"
-    if system.startswith("llama.cpp") or system == "agentkv w4":
-        return f"{gguf_kind} (the GGUF's own)"
-    return f"{imported} (imported from the GGUF)" if gguf else str(imported)
+    own = f"{gguf.stem.rsplit('.', 1)[-1]} (the GGUF's own)" if gguf else ""
+    mlx = f"{imported} (imported from the GGUF)" if gguf else str(imported)
+    return {s: own if s.startswith("llama.cpp") or s == "agentkv w4" else mlx for s in systems}
 
 
 def run_all(args: Any, root: Path) -> tuple[list[Run], dict, dict, list[str]]:
     from mlx_lm import load
 
     path = model_dir(args.model)
+    gguf = gguf_file(args.model, path)
     tokenizer, (model, _) = load_tokenizer(path), load(str(path))
     window = max_context(path)
     runs, batches = [], {}
     with services(root, path, {"agentkv": WORKER_ARGS}) as svc:
         details = model_info(svc.info["agentkv"], path)
-        peers, notes = make_peers(args, path, model, svc, window)
-        details["weights"] = {s: weights(s, path, gguf_file(args.model, path)) for s in peers}
+        peers, notes = make_peers(args, path, gguf, model, svc, window)
+        details["weights"] = weights(list(peers), path, gguf)
         warm_up(peers, tokenizer, root)
         for n, note in fit_contexts(args.contexts, window, HEADROOM):
             say(f"context {label(n)}")
@@ -578,10 +572,6 @@ def batch_table(batches: dict[str, dict[int, float]]) -> str:
     rows = [[s, *(f"{per.get(b, 0):.1f}" for b in sizes),
              ratio(per.get(sizes[-1]), per.get(1))] for s, per in batches.items()]  # fmt: skip
     return table(heads, rows, "l" + "r" * (len(sizes) + 1))
-
-
-def goal(target: str, measured: str, met: bool | None) -> dict[str, Any]:
-    return {"target": target, "measured": measured, "met": met}
 
 
 def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:

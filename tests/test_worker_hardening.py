@@ -146,13 +146,20 @@ def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
 # one bad turn does not hurt the others
 
 
-def faulty_worker(launched, model, store_process, tmp_path) -> WorkerClient:
-    """A worker process with tests.faulty_worker's injected faults."""
+def faulty_process(launched, model, store_process, tmp_path, *extra: str) -> ServiceProcess:
+    """A started worker process with tests.faulty_worker's injected faults."""
     args = ["--model", str(model), "--store", store_process.address, "--listen", "127.0.0.1:0"]
     proc = ServiceProcess(
-        "tests.faulty_worker", [*args, "--block-tokens", "64"], tmp_path / "faulty.log"
+        "tests.faulty_worker", [*args, "--block-tokens", "64", *extra], tmp_path / "faulty.log"
     )
-    return WorkerClient(launched(proc).address, timeout=60)
+    return launched(proc)
+
+
+def faulty_worker(launched, model, store_process, tmp_path) -> WorkerClient:
+    """A client of a worker process with tests.faulty_worker's injected faults."""
+    return WorkerClient(
+        faulty_process(launched, model, store_process, tmp_path).address, timeout=60
+    )
 
 
 def long_turn(w: WorkerClient, ns: str, agent: str, max_tokens: int = 3000):
@@ -284,27 +291,24 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
 
 
 def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(
-    tiny_model_dirs, store_process, tmp_path
+    tiny_model_dirs, store_process, tmp_path, launched
 ):
     """SIGTERM with no time to drain, while a turn's decode step is in progress (a slow
     step, as a big model's): the stream ends with an error, and the process exits by itself.
-    It once waited forever: the MLX thread stopped after the step, and the turn's RPC thread
-    waited for an end that nobody would send."""
-    args = ["--model", str(tiny_model_dirs["llama"]), "--store", store_process.address]
-    args += ["--listen", "127.0.0.1:0", "--drain-seconds", "0"]
-    proc = ServiceProcess("tests.faulty_worker", args, tmp_path / "slow.log").start()
-    try:
-        worker = WorkerClient(proc.address)
-        worker.create_agent("ns", "long")
-        stream = worker.stream_turn(
-            "ns", "long", [("user", "Talk.")], max_tokens=100, seed=SLOW_STEP_SEED
-        )
-        next(stream)  # its first token: now every decode step is slow
-        proc.proc.send_signal(signal.SIGTERM)
-        assert proc.proc.wait(timeout=120) == 0  # by itself: stop() would SIGKILL at 30 s
-        with pytest.raises(AgentKVError):
-            for _ in stream:
-                pass
-        worker.close()
-    finally:
-        proc.kill9()
+    (A worker was once seen waiting forever at exit, its turn's RPC thread in Queue.get for an
+    end the stopped MLX thread never sent; this checks the behaviour, it does not replay that
+    race every time.)"""
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, "--drain-seconds", "0")
+    worker = WorkerClient(proc.address)
+    worker.create_agent("ns", "long")
+    stream = worker.stream_turn(
+        "ns", "long", [("user", "Talk.")], max_tokens=100, seed=SLOW_STEP_SEED
+    )
+    next(stream)  # its first token: now every decode step is slow
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=120) == 0  # by itself: stop() would SIGKILL at 30 s
+    with pytest.raises(AgentKVError):
+        for _ in stream:
+            pass
+    worker.close()
