@@ -120,3 +120,19 @@ def worker_process(
     """An `agentkv-worker` process (not yet started)."""
     args = ["--model", model, "--store", store, "--listen", listen, *extra_args]
     return ServiceProcess("inference_worker", args, log_path, env)
+
+
+def gateway_process(
+    workers: Sequence[str],
+    log_path: Path,
+    store: str = "",
+    listen: str = "127.0.0.1:0",
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    """An `agentkv-gateway` process (not yet started); its address is HOST:PORT of HTTP."""
+    args = [arg for w in workers for arg in ("--worker", w)]
+    args += ["--store", store] if store else []
+    return ServiceProcess(
+        "agentkv.gateway", [*args, "--listen", listen, *extra_args], log_path, env
+    )

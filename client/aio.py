@@ -121,6 +121,12 @@ class AsyncReply(BaseReply):
             pass
         return self
 
+    async def close(self) -> None:
+        """Stops reading: a reply not yet whole is cancelled on its worker, which keeps
+        nothing of the turn."""
+        if not self.done:
+            await self._stream.aclose()
+
     def _whole(self) -> TurnResult:
         if not self.done:
             raise RuntimeError(f"the reply of {self.agent!r} is still streaming: await wait()")

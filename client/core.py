@@ -10,6 +10,7 @@ then call a worker) that the transport does one by one, sending back each result
 
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -111,11 +112,14 @@ class BaseWorkerClient:
         priority: int = 0,
         deadline_ms: int = 0,
         durable: bool = False,
+        whole_conversation: bool = False,
         timeout: float | None = None,
         **sampling: Any,
     ) -> Responses:
         """Streams a turn's responses (`async for` them in asyncio): token chunks, then the
-        usage. Closing the stream early cancels the turn, which frees its slot on the worker."""
+        usage. Closing the stream early cancels the turn, which frees its slot on the worker.
+        `whole_conversation`: `messages` are the whole conversation so far, resent (its
+        system message first), not only what is new (see TurnRequest in the proto)."""
         request = pb.TurnRequest(
             namespace=namespace,
             agent_id=agent_id,
@@ -125,6 +129,7 @@ class BaseWorkerClient:
             priority=priority,
             deadline_ms=deadline_ms,
             durable=durable,
+            whole_conversation=whole_conversation,
         )
         return self._stream(request, timeout or self.timeout)
 
@@ -277,6 +282,13 @@ class BaseAgentMemory:
         agent.created = True
         return agent
 
+    def in_namespace(self, namespace: str) -> BaseAgentMemory:
+        """This memory for another namespace, sharing its connections and routing (close
+        only the first)."""
+        other = copy.copy(self)
+        other.namespace = namespace
+        return other
+
     def _need_store(self) -> None:
         if self.store is None:
             name = type(self).__name__
@@ -342,7 +354,8 @@ class BaseAgent:
         """Sends a message and returns (in asyncio, awaits) once the reply's first token
         arrives; iterate the reply (`async for`, in asyncio) for the rest of its text as it
         streams, or read `.text` for all of it (after `await reply.wait()`, in asyncio).
-        `options`: top_p, top_k, stop, seed, priority, deadline_ms."""
+        `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
+        (`text` is the whole conversation so far, resent, its system message first)."""
         mem, messages = self.memory, as_messages(text, role)
         options.update(max_tokens=max_tokens, temperature=temperature, timeout=timeout)
 

@@ -100,10 +100,15 @@ class Agent:
         self.tokens, self.chat, self.phase = tokens, chat, phase or self.phase
         return undo
 
-    def reusable(self, tokens: list[int], need_logits: bool, usage: UsageEvent) -> int:
-        """How many of a turn's `tokens` it keeps from the cache (it prefills the rest),
-        capping what `usage` says was reused; raises when a window cache lost them."""
+    def reusable(
+        self, tokens: list[int], need_logits: bool, usage: UsageEvent, limit: int | None = None
+    ) -> int:
+        """How many of a turn's `tokens` it keeps from the cache (it prefills the rest), at
+        most `limit`, capping what `usage` says was reused; raises when a window cache lost
+        them."""
         reuse = common_prefix(self.tokens[: self.cached], tokens)
+        if limit is not None:
+            reuse = min(reuse, limit)
         if reuse < self.cached:  # a first turn kept only part of the stable prefix
             usage.reused_hot_tokens = min(usage.reused_hot_tokens, reuse)
             usage.reused_store_tokens = min(usage.reused_store_tokens, reuse)

@@ -49,6 +49,7 @@ class ActiveTurn:
     next_token: int = -1  # generated, not yet fed through the model
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
+    reply: list[str] = field(default_factory=list)  # the text sent, piece by piece
 
     def __post_init__(self) -> None:
         self.sample, self.stops = self.job.sampling.sampler(), StopMatcher(self.job.sampling.stop)
@@ -197,12 +198,17 @@ class Batcher:
         if token in self.eos_ids:
             turn.detok.finalize()
             text, _ = turn.stops.feed(turn.detok.last_segment)
-            turn.job.events.put(TokenEvent(text + turn.stops.flush(), [token]))
+            self._send(turn, text + turn.stops.flush(), token)
             return "stop"
         turn.detok.add_token(token)
         text, stopped = turn.stops.feed(turn.detok.last_segment)
-        turn.job.events.put(TokenEvent(text, [token]))
+        self._send(turn, text, token)
         return "stop" if stopped else ""
+
+    @staticmethod
+    def _send(turn: ActiveTurn, text: str, token: int) -> None:
+        turn.reply.append(text)
+        turn.job.events.put(TokenEvent(text, [token]))
 
     # joining and leaving the batch
 

@@ -17,8 +17,9 @@ INVALID_ARGUMENT carrying the template's own message.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agentkv.errors import InvalidArgument
 
@@ -40,6 +41,23 @@ class ChatMessage:
     content: str
 
 
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """A point in an agent's conversation that a resent conversation can resume from: after
+    the messages whose chain digest is `digest` (client/core.py's replies included, by the
+    text the worker sent), at token `end`, the last message being `last_role`'s, and the first
+    `cached` tokens in the cache (a reply's last token is not, until the next turn)."""
+
+    digest: str
+    end: int
+    cached: int
+    last_role: str
+    reply_open: bool
+
+
+MAX_MARKS = 64  # an agent keeps its last this many marks (one a turn): one metadata value
+
+
 @dataclass(slots=True)
 class ChatState:
     """Where an agent's conversation stands, besides its tokens."""
@@ -48,6 +66,65 @@ class ChatState:
     opened: bool = True  # the first turn has rendered the conversation whole
     last_role: str = "assistant"  # of the last message in the context
     reply_open: bool = False  # the last tokens are a generated reply not yet closed
+    digest: str = ""  # chain digest of every message so far, the system prompt first
+    marks: tuple[Mark, ...] = ()  # where each turn ended, oldest first
+
+    def marked(self, end: int, cached: int) -> ChatState:
+        """This state with a mark here, at token `end` (`cached` of them in the cache)."""
+        mark = Mark(self.digest, end, cached, self.last_role, self.reply_open)
+        kept = tuple(m for m in self.marks if m.end < end)[-(MAX_MARKS - 1) :]
+        return replace(self, marks=(*kept, mark))
+
+
+def chain(digest: str, messages: Sequence[ChatMessage]) -> str:
+    """The digest of a conversation `messages` longer than the one whose digest is `digest`."""
+    for m in messages:
+        h = hashlib.blake2b(f"{digest}\0{m.role}\0{m.content}".encode(), digest_size=12)
+        digest = h.hexdigest()
+    return digest
+
+
+def start_digest(system: str) -> str:
+    return chain("", [ChatMessage("system", system)]) if system else ""
+
+
+@dataclass(slots=True)
+class Resumed:
+    """Where a resent conversation picks up: the context and state to extend, the messages
+    still to render, and how many cached tokens the turn may keep (`cached`, or None: those
+    of a new agent's stable prefix)."""
+
+    tokens: list[int]
+    state: ChatState
+    messages: list[ChatMessage]
+    cached: int | None
+
+
+def resume(tokens: Sequence[int], state: ChatState, messages: Sequence[ChatMessage]) -> Resumed:
+    """Where a whole conversation, resent (its system prompt first, if any), picks up this
+    agent's: its tokens and state at the latest mark whose messages begin `messages`, and
+    the messages after them. Without one (the conversation was edited before any mark, or
+    has another system prompt), it starts over, rendered whole as a new agent's first turn.
+    The turn keeps only the cache a fresh agent told this conversation turn by turn would
+    hold there, so that it answers exactly as that agent does: Q4 KV of tokens from an
+    earlier turn is not bit for bit what a turn computes for its own."""
+    at: dict[str, int] = {}
+    digest = ""
+    for i, message in enumerate(messages):
+        digest = chain(digest, [message])
+        at[digest] = i + 1
+    for n, mark in enumerate(reversed(state.marks)):
+        i = at.get(mark.digest)
+        if i is not None and mark.end <= len(tokens):
+            kept = state.marks[: len(state.marks) - n]
+            resumed = ChatState(
+                last_role=mark.last_role, reply_open=mark.reply_open, digest=mark.digest
+            )
+            resumed.marks = kept
+            return Resumed(list(tokens[: mark.end]), resumed, list(messages[i:]), mark.cached)
+    system = messages[0].content if messages and messages[0].role == "system" else ""
+    rest = list(messages[1:]) if messages and messages[0].role == "system" else list(messages)
+    return Resumed([], ChatState(system, opened=False, digest=start_digest(system)), rest, None)
 
 
 class ChatFormat:
@@ -69,7 +146,8 @@ class ChatFormat:
             for w in _FIRST_WORDS
         ]
         shared = common_prefix(*first)
-        return first[0][: max(0, shared - 1)], ChatState(system=system, opened=False)
+        state = ChatState(system=system, opened=False, digest=start_digest(system))
+        return first[0][: max(0, shared - 1)], state
 
     def extend(
         self,
@@ -80,17 +158,18 @@ class ChatFormat:
     ) -> tuple[list[int], ChatState]:
         """The context after `messages` (and, if asked, the assistant's generation prompt)."""
         last = messages[-1].role if messages else state.last_role
+        said = ChatState(last_role=last, digest=chain(state.digest, messages), marks=state.marks)
         if not state.opened:
             head = [ChatMessage("system", state.system)] if state.system else []
             if not head and not messages:
                 return list(context), state  # nothing to render yet
             text = self._render(_dicts([*head, *messages]), generation_prompt)
-            return self._encode(text), ChatState(last_role=last)
+            return self._encode(text), said
         if not messages and not generation_prompt:
             return list(context), state
         close = self.close_reply(context) if state.reply_open else []
         added = self.append(messages, generation_prompt, state.last_role)
-        return [*context, *close, *added], ChatState(last_role=last)
+        return [*context, *close, *added], said
 
     def append(
         self, messages: Sequence[ChatMessage], generation_prompt: bool, after: str = "assistant"

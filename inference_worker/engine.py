@@ -21,7 +21,7 @@ from agentkv.client.store import StoreClient
 from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition, Unavailable
 from inference_worker.agents import Agent, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
-from inference_worker.chat import ChatFormat, ChatState
+from inference_worker.chat import ChatFormat, ChatMessage, ChatState, chain, resume
 from inference_worker.config import WorkerConfig
 from inference_worker.freshness import StoreView, is_current
 from inference_worker.metrics import WorkerMetrics
@@ -111,9 +111,16 @@ class Engine:
     # agents (each runs on the MLX thread)
 
     def create_agent(
-        self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
-    ) -> AgentInfo:
-        """A new agent, its system prompt prefilled (ids and metadata checked by the caller)."""
+        self,
+        ns: str,
+        agent_id: str,
+        system: str,
+        phase: str,
+        metadata: dict[str, str],
+        shared: Fetched | None = None,
+    ) -> tuple[AgentInfo, UsageEvent]:
+        """A new agent, its system prompt prefilled (ids and metadata checked by the caller)
+        after the blocks of `shared` (Restorer.fetch_prefix: the same prefix, stored)."""
         hot = self.hot.get((ns, agent_id))
         if hot is not None:  # the RPC thread asked the store
             raise agent_exists(ns, agent_id, hot.metadata, system)
@@ -122,11 +129,17 @@ class Engine:
         caches = self.restorer.empty_caches()
         agent = Agent(ns, agent_id, tokens, caches, phase=phase, metadata=metadata, chat=chat)
         agent.check_context(0, self.runtime.max_context)
+        usage = UsageEvent(prompt_tokens=len(tokens), cache_state="cold")
+        if shared is not None and shared.layers:
+            usage.reused_store_tokens = self.restorer.seed(agent, shared)
+            usage.cache_state, usage.restore_path = "warm", shared.path
+            usage.restored_bytes = shared.bytes_read
         for cache in agent.caches:
             cache.begin_turn()
+        usage.prefilled_tokens = len(tokens) - agent.cached
         self.batcher.prefill(agent)
         self._finish_turn(agent)
-        return agent.info("hot")
+        return agent.info("hot"), usage
 
     def start_turn(
         self, job: TurnJob, view: StoreView | None = None, fetched: Fetched | None = None
@@ -158,9 +171,20 @@ class Engine:
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
         max_tokens = job.sampling.max_tokens
-        tokens, chat = self.chat.extend(agent.tokens, agent.chat, job.messages, max_tokens > 0)
+        context, state, messages, limit = agent.tokens, agent.chat, job.messages, None
+        if job.whole_conversation:
+            resumed = resume(agent.tokens, agent.chat, job.messages)
+            context, state, messages, limit = (
+                resumed.tokens,
+                resumed.state,
+                resumed.messages,
+                resumed.cached,
+            )
+            if limit is None:  # what a new agent holds: its stable prefix
+                limit = len(self.chat.start(state.system)[0])
+        tokens, chat = self.chat.extend(context, state, messages, max_tokens > 0)
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
-        reuse = agent.reusable(tokens, max_tokens > 0, usage)
+        reuse = agent.reusable(tokens, max_tokens > 0, usage, limit)
         pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
@@ -187,7 +211,12 @@ class Engine:
         once its commit is done, on the writer thread)."""
         usage, agent, job = turn.usage, turn.agent, turn.job
         if usage.generated_tokens:
-            agent.chat.reply_open, agent.chat.last_role = True, "assistant"
+            reply = ChatMessage("assistant", "".join(turn.reply))
+            chat = agent.chat
+            chat.reply_open, chat.last_role = True, "assistant"
+            chat.digest = chain(chat.digest, [reply])
+        if usage.generated_tokens or job.messages:
+            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached)
             self.metrics.generated_tokens.inc(usage.generated_tokens)
             self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
         self._finish_turn(agent)

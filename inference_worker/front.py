@@ -17,7 +17,8 @@ from agentkv.errors import AgentNotFound
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
-from inference_worker.turns import AgentInfo, TurnJob
+from inference_worker.persistence import check_system
+from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
 
 
 class Front:
@@ -26,13 +27,18 @@ class Front:
 
     def create_agent(
         self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
-    ) -> AgentInfo:
+    ) -> tuple[AgentInfo, UsageEvent]:
+        """A new agent; its system prompt's blocks come from the store when another agent
+        of the namespace stored the same prefix, and only the rest is prefilled."""
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         stored = self._stored(ns, agent_id)
         if stored is not None:
             raise agent_exists(ns, agent_id, stored.metadata, system)
         metadata = ids.metadata({**metadata, SYSTEM_KEY: system_digest(system)})
-        return self._mlx(self.engine.create_agent, ns, agent_id, system, phase, metadata)
+        check_system(system)
+        shared = self.engine.restorer.fetch_prefix(ns, self.engine.chat.start(system)[0])
+        create = self.engine.create_agent
+        return self._mlx(create, ns, agent_id, system, phase, metadata, shared)
 
     def start_turn(self, job: TurnJob) -> None:
         """Queues the turn (Engine.start_turn); raises what refused it. The store is asked

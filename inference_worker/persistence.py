@@ -33,7 +33,7 @@ from agentkv.errors import (
 )
 from inference_worker.agents import SYSTEM_KEY, Agent
 from inference_worker.blocks import cache_blocks
-from inference_worker.chat import ChatState
+from inference_worker.chat import ChatState, Mark
 from inference_worker.metrics import WorkerMetrics
 
 log = logging.getLogger("agentkv.worker")
@@ -41,6 +41,8 @@ REPLY_OPEN = "agentkv.reply_open"
 COMMIT_ID = "agentkv.commit"
 LAST_ROLE = "agentkv.last_role"
 OPENED = "agentkv.opened"
+DIGEST = "agentkv.digest"
+MARKS = "agentkv.marks"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
@@ -62,6 +64,10 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
         REPLY_OPEN: "1" if chat.reply_open else "0",
         LAST_ROLE: chat.last_role,
         OPENED: "1" if chat.opened else "0",
+        DIGEST: chat.digest,
+        MARKS: ";".join(
+            f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}" for m in chat.marks
+        ),
     }
     for i in range(0, len(chat.system) if not chat.opened else 0, SYSTEM_CHUNK):
         out[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = chat.system[i : i + SYSTEM_CHUNK]
@@ -76,7 +82,18 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
         opened=metadata.get(OPENED, "1") == "1",
         last_role=metadata.get(LAST_ROLE) or "assistant",
         reply_open=metadata.get(REPLY_OPEN) == "1",
+        digest=metadata.get(DIGEST, ""),
+        marks=_marks(metadata.get(MARKS, "")),
     )
+
+
+def _marks(text: str) -> tuple[Mark, ...]:
+    """Marks as chat_metadata writes them; a manifest from before marks has none."""
+    marks = []
+    for item in filter(None, text.split(";")):
+        digest, end, cached, role, reply_open = item.split(",")
+        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1"))
+    return tuple(marks)
 
 
 def caller_metadata(metadata: dict[str, str]) -> dict[str, str]:

@@ -117,6 +117,34 @@ class Restorer:
         fetched.bytes_read = read
         return fetched
 
+    def fetch_prefix(self, namespace: str, tokens: list[int]) -> Fetched | None:
+        """The longest chain of blocks in the namespace that begins `tokens` (another
+        agent's: a shared system prompt or document), read and checked like a restore's;
+        None when there is none or it cannot be used (the caller prefills instead)."""
+        if len(tokens) < self.block_tokens:
+            return None
+        try:
+            hit = self.store.longest_prefix(namespace, self.fingerprint, tokens)
+            keys, counts = list(hit.keys), list(hit.block_num_tokens)
+            if not keys:
+                return None
+            layers, read = self._read_layers(namespace, keys, counts, tokens)
+        except (AgentKVError, OSError, KeyError, ValueError) as exc:
+            log.warning("shared prefix unusable, prefilling", extra={"error": str(exc)})
+            return None
+        return Fetched(None, time.monotonic(), layers, keys, counts, self.path, "", read)
+
+    def seed(self, agent: Agent, fetched: Fetched) -> int:
+        """Gives a new agent's caches the prefix fetch_prefix read (on the MLX thread); the
+        store already holds its blocks, so they are not written again. Returns its tokens."""
+        agent.caches = caches_from_host(
+            fetched.layers, self.windows, self.fmt, self.quantized_query_max, self.block_tokens
+        )
+        agent.queued_full_keys = [
+            k for k, n in zip(fetched.keys, fetched.counts, strict=True) if n == self.block_tokens
+        ]
+        return sum(fetched.counts)
+
     def _report_misfit(self, namespace: str, exc: BlockMisfit) -> None:
         """Has the store quarantine a block that cannot be this model's, so the agent's next
         write stores the right KV under its key instead of deduplicating onto it."""

@@ -28,14 +28,14 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
     def CreateAgent(self, request: pb.CreateAgentRequest, context) -> pb.CreateAgentResponse:
         _allowed(request.namespace)
-        info = self.front.create_agent(
+        info, usage = self.front.create_agent(
             request.namespace,
             request.agent_id,
             request.system_prompt,
             request.phase,
             dict(request.metadata),
         )
-        return pb.CreateAgentResponse(agent=_state(info))
+        return pb.CreateAgentResponse(agent=_state(info), usage=pb.Usage(**asdict(usage)))
 
     def Turn(
         self, request: pb.TurnRequest, context: grpc.ServicerContext
@@ -47,6 +47,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             self.engine.config.max_stop_strings, self.engine.runtime.vocab_size
         )
         job = self._job(request, checked)
+        job.whole_conversation = request.whole_conversation
         yield from self._run(job, context)
 
     def InjectContext(

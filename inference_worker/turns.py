@@ -46,6 +46,8 @@ class TurnJob:
     priority: int = 0
     deadline_ms: int = 0
     durable: bool = False  # the usage waits for the store commit
+    # `messages` are the whole conversation, resent (chat.resume), not only what is new
+    whole_conversation: bool = False
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started

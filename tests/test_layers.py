@@ -3,7 +3,7 @@
 agentkv core (errors, keys, wire, ids, units, addresses, layers, planner, stubs)
   <- RPC plumbing (agentkv.rpc, .auth, .channels, .security, .serving, .launch)
   <- cache_store/ and client/ (neither imports the other)
-  <- inference_worker/
+  <- inference_worker/ and gateway/ (services: neither imports the other, nor the store)
   <- the CLI (agentkv.cli), which nothing imports
 """
 
@@ -13,7 +13,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("agentkv", "cache_store", "client", "inference_worker")
+PACKAGES = ("agentkv", "cache_store", "client", "gateway", "inference_worker")
+FOLDERS = {"client": "agentkv.client", "gateway": "agentkv.gateway"}  # folder: import name
 PLUMBING = {
     "agentkv.rpc",
     "agentkv.auth",
@@ -22,7 +23,7 @@ PLUMBING = {
     "agentkv.serving",
     "agentkv.launch",
 }
-SERVICES = {"cache_store", "inference_worker"}
+SERVICES = {"cache_store", "inference_worker", "agentkv.gateway"}
 
 
 def modules() -> dict[str, Path]:
@@ -30,8 +31,8 @@ def modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            if parts[0] == "client":  # the SDK's folder; its import name is agentkv.client
-                parts = ("agentkv", *parts)
+            if parts[0] in FOLDERS:  # the SDK's and gateway's folders: agentkv.client, ...
+                parts = (*FOLDERS[parts[0]].split("."), *parts[1:])
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             found[name] = path
     return found
@@ -40,7 +41,7 @@ def modules() -> dict[str, Path]:
 def layer(module: str) -> int:
     if module == "agentkv.cli":
         return 4
-    if module.startswith("inference_worker"):
+    if module.startswith(("inference_worker", "agentkv.gateway")):
         return 3
     if module.startswith(("cache_store", "agentkv.client")):
         return 2
@@ -48,7 +49,10 @@ def layer(module: str) -> int:
 
 
 def package(module: str) -> str:
-    return "agentkv.client" if module.startswith("agentkv.client") else module.split(".")[0]
+    for name in FOLDERS.values():
+        if module.startswith(name):
+            return name
+    return module.split(".")[0]
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
@@ -80,7 +84,8 @@ def test_no_import_runs_upward_or_across_services():
         for target in targets:
             if package(target) == package(module) and layer(target) == layer(module):
                 continue  # within one package
-            other_service = {package(module), package(target)} == SERVICES
+            services = {package(module), package(target)}
+            other_service = len(services) == 2 and services <= SERVICES
             if layer(target) > layer(module) or layer(target) == layer(module) > 0 or other_service:
                 wrong.append(f"{module} (layer {layer(module)}) imports {target}")
     assert not wrong, "\n".join(sorted(wrong))

@@ -52,13 +52,15 @@ class CreateAgentRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., phase: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CreateAgentResponse(_message.Message):
-    __slots__ = ("agent",)
+    __slots__ = ("agent", "usage")
     AGENT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     agent: AgentState
-    def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class TurnRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -75,7 +78,8 @@ class TurnRequest(_message.Message):
     priority: int
     deadline_ms: int
     durable: bool
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+    whole_conversation: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -1,0 +1,2 @@
+"""agentkv-gateway: OpenAI's chat-completions API in front of the workers, so that any agent
+framework gets persistent Q4 agent memory without code changes (gateway/app.py)."""

@@ -1,0 +1,337 @@
+"""The gateway: OpenAI's chat-completions API over HTTP, on the asyncio SDK.
+
+Frameworks resend the whole conversation on every call. The gateway holds no KV and no
+conversation: it names the agent (X-Agent-Id; else X-Session-ID, prompt_cache_key or user;
+else one anonymous agent per system prompt and first user message), and sends the whole
+conversation to that agent's worker as a `whole_conversation` turn. The worker resumes from
+its own last reply, matched by the text it sent, and prefills only what is new; an edited
+history resumes from before the edit (inference_worker/chat.py, `resume`).
+
+Starlette on uvicorn: a small ASGI toolkit (no schema layer: OpenAI's own rules are checked
+in gateway/protocol.py) with streaming responses that are cancelled when the client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentkv.auth import Principal, TokenTable
+from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
+from agentkv.errors import AgentExists, AgentKVError, AgentNotFound, FailedPrecondition
+from agentkv.gateway.config import GatewayConfig
+from agentkv.gateway.protocol import (
+    ChatCall,
+    Completion,
+    HTTPError,
+    agent_id,
+    agentkv_json,
+    parse_chat,
+    with_creation,
+)
+from agentkv.worker.v1 import worker_pb2 as pb
+
+log = logging.getLogger("agentkv.gateway")
+INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
+
+
+class Gateway:
+    """The routes' state: one AsyncAgentMemory (made in the server's event loop), the token
+    table, the model's id."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tokens = (
+            TokenTable.load(config.security.auth_tokens) if config.security.auth_tokens else None
+        )
+        self.memory: AsyncAgentMemory | None = None
+        self.model_id = config.model_name
+
+    async def start(self) -> None:
+        c = self.config
+        self.memory = AsyncAgentMemory(
+            c.workers, c.store or None, c.namespace, timeout=c.timeout, security=c.upstream
+        )
+
+    async def stop(self) -> None:
+        if self.memory is not None:
+            await self.memory.close()
+
+    # routes
+
+    async def chat(self, request: Request) -> Response:
+        namespace = self._namespace(request)
+        call = parse_chat(await self._body(request), self.config.max_tokens)
+        if call.model != await self._model():
+            raise HTTPError(
+                404,
+                f"model {call.model!r} does not exist here; GET /v1/models lists it",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        memory = self.memory.in_namespace(namespace)
+        headers = request.headers
+        agent = agent_id(headers.get("x-agent-id", ""), headers.get("x-session-id", ""), call)
+        reply, created = await self._start(memory, agent, call, agent.startswith("anon-"))
+        facts = {
+            "x-agentkv-agent-id": reply.agent.id,
+            "x-agentkv-namespace": namespace,
+            "x-agentkv-worker": reply.worker,
+        }
+        completion = Completion(call.model)
+        if call.stream:
+            events = self._events(reply, call, completion, namespace, created)
+            return StreamingResponse(events, media_type="text/event-stream", headers=facts)
+        await self._whole(reply, request)
+        usage = with_creation(reply.usage, created)
+        facts |= {
+            "x-agentkv-cache-state": usage.cache_state,
+            "x-agentkv-ttft-ms": f"{usage.time_to_first_token_ms:.3f}",
+        }
+        extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
+        return JSONResponse(completion.whole(reply.text, usage, extension), headers=facts)
+
+    async def models(self, request: Request) -> Response:
+        self._namespace(request)
+        model = await self._model()
+        return JSONResponse({"object": "list", "data": [self._model_json(model)]})
+
+    async def one_model(self, request: Request) -> Response:
+        self._namespace(request)
+        model = await self._model()
+        if request.path_params["model"] != model:
+            raise HTTPError(
+                404,
+                f"model {request.path_params['model']!r} does not exist here",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_json(model))
+
+    async def health(self, request: Request) -> Response:
+        """200 while at least one worker answers, 503 when none does."""
+        workers = {}
+        for address, worker in self.memory.workers.items():
+            try:
+                await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
+                workers[address] = "serving"
+            except (AgentKVError, TimeoutError):
+                workers[address] = "unavailable"
+        up = "serving" in workers.values()
+        return JSONResponse(
+            {"status": "ok" if up else "unavailable", "workers": workers},
+            status_code=200 if up else 503,
+        )
+
+    # steps
+
+    @staticmethod
+    def _model_json(model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "agentkv"}
+
+    def _namespace(self, request: Request) -> str:
+        """The caller's namespace: X-Namespace, else its token's only namespace, else the
+        gateway's --namespace; with a token table, one the bearer token may use."""
+        asked = request.headers.get("x-namespace", "")
+        who = self._principal(request)
+        if not asked and who is not None and who.namespaces and len(who.namespaces) == 1:
+            asked = next(iter(who.namespaces))
+        namespace = asked or self.config.namespace
+        if who is not None and not who.allows(namespace):
+            raise HTTPError(
+                403,
+                f"token {who.name!r} may not use namespace {namespace!r}",
+                "permission_error",
+                code="permission_denied",
+            )
+        return namespace
+
+    def _principal(self, request: Request) -> Principal | None:
+        if self.tokens is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        who = self.tokens.principal(token.strip()) if scheme.lower() == "bearer" else None
+        if who is None:
+            raise HTTPError(
+                401,
+                "a valid bearer token is required (Authorization: Bearer ...)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        return who
+
+    async def _body(self, request: Request) -> Any:
+        limit, chunks, size = self.config.max_body_bytes, [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body over {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise HTTPError(400, f"the request body is not JSON: {exc}") from None
+
+    async def _model(self) -> str:
+        """The served model's id: --model-name, else the first worker's model."""
+        if not self.model_id:
+            for worker in self.memory.workers.values():
+                try:
+                    info = await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
+                except (AgentKVError, TimeoutError):
+                    continue
+                self.model_id = model_id(info.model)
+                break
+            else:
+                raise HTTPError(503, "no worker answers", "service_unavailable", code="unavailable")
+        return self.model_id
+
+    async def _start(
+        self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
+    ) -> tuple[AsyncReply, Any]:
+        """The turn's reply, once its first token is in, and what making the agent took
+        (its CreateAgent usage; None when it existed)."""
+        agent = AsyncAgent(memory, agent_id)
+        options = {"whole_conversation": True, **call.sampling}
+        try:
+            return await agent.say(call.messages, **options), None
+        except AgentNotFound:
+            pass
+        except FailedPrecondition as exc:  # e.g. a turn of the same agent in progress
+            if not anonymous or "in progress" not in exc.message:
+                raise
+            # Two clients without identity sent the same conversation at once: the second
+            # gets an agent of its own.
+            agent = AsyncAgent(memory, f"{agent_id}-{uuid.uuid4().hex[:8]}")
+        request = pb.CreateAgentRequest(
+            namespace=memory.namespace, agent_id=agent.id, system_prompt=call.system
+        )
+        created = None
+        with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
+            made = await memory.route(agent.id, lambda w: w.call("CreateAgent", request))
+            created = made.usage  # prompt: the turn resumes from the stored one
+        return await agent.say(call.messages, **options), created
+
+    async def _whole(self, reply: AsyncReply, request: Request) -> None:
+        """Waits for the whole reply; a client that leaves first cancels the turn."""
+        waiting = asyncio.ensure_future(reply.wait())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.wait({waiting})
+                await reply.close()
+        waiting.result()  # raises what cut the reply off, or CancelledError
+
+    async def _events(
+        self,
+        reply: AsyncReply,
+        call: ChatCall,
+        completion: Completion,
+        namespace: str,
+        created: Any,
+    ) -> AsyncIterator[str]:
+        """The reply as server-sent events in OpenAI's chunk format, then `data: [DONE]`. An
+        error after the first chunk is sent as an error event (the status line is gone)."""
+        try:
+            yield _sse(completion.chunk({"role": "assistant", "content": ""}))
+            async for piece in reply:
+                yield _sse(completion.chunk({"content": piece}))
+            usage = with_creation(reply.usage, created)
+            extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
+            last = completion.chunk({}, "length" if usage.finish_reason == "length" else "stop")
+            yield _sse({**last, "agentkv": extension})
+            if call.include_usage:
+                yield _sse(completion.usage_chunk(usage, extension))
+            yield "data: [DONE]\n\n"
+        except AgentKVError as exc:
+            yield _sse(HTTPError.of(exc).body())
+        finally:
+            with anyio.CancelScope(shield=True):  # a client gone cancels this generator
+                await reply.close()
+
+
+def model_id(model: str) -> str:
+    """What clients call the workers' model: its --model name, or a path's last part (a
+    GGUF file's without .gguf)."""
+    name = Path(model).name if "/" in model else model
+    return name.removesuffix(".gguf")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _answering_errors(route: Callable[[Request], Awaitable[Response]]) -> Callable:
+    """The route, answering every error as OpenAI's error JSON: agentkv's with the status
+    of their gRPC code, anything else as a 500 (logged once, with its traceback)."""
+
+    @functools.wraps(route)
+    async def answer(request: Request) -> Response:
+        try:
+            return await route(request)
+        except (HTTPError, AgentKVError) as exc:
+            error = exc if isinstance(exc, HTTPError) else HTTPError.of(exc)
+        except Exception as exc:
+            log.exception("request failed unexpectedly")
+            error = HTTPError(500, f"internal error: {type(exc).__name__}", "server_error")
+        if error.status >= 500:
+            log.warning("request failed", extra={"status": error.status, "error": error.message})
+        return JSONResponse(error.body(), status_code=error.status)
+
+    return answer
+
+
+async def _no_route(request: Request, exc: HTTPException) -> Response:
+    error = HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gateway = Gateway(config)
+    routes = [
+        Route(path, _answering_errors(route), methods=[method])
+        for method, path, route in (
+            ("POST", "/v1/chat/completions", gateway.chat),
+            ("GET", "/v1/models", gateway.models),
+            ("GET", "/v1/models/{model:path}", gateway.one_model),
+            ("GET", "/health", gateway.health),
+        )
+    ]
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    handlers = {HTTPException: _no_route}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,54 @@
+"""The gateway process's configuration, filled once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentkv import defaults, ids
+from agentkv.addresses import is_loopback, listen_host
+from agentkv.channels import ClientSecurity
+from agentkv.flags import flag, nested
+from agentkv.security import ServerSecurity
+from agentkv.units import parse_bytes
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    workers: list[str] = flag(
+        help="worker address, HOST:PORT (repeat for several: agents are routed among them)",
+        name="worker",
+        action="append",
+        factory=list,
+    )
+    store: str = flag("", "cache store address: GET /v1/agents lists the namespace's agents")
+    listen: str = flag(defaults.GATEWAY_ADDRESS, "HOST:PORT to serve HTTP on (port 0 picks one)")
+    namespace: str = flag(
+        ids.DEFAULT_NAMESPACE, "namespace of a request that names none (X-Namespace header)"
+    )
+    model_name: str = flag("", "the model id clients ask for", shown="the workers' --model")
+    max_tokens: int = flag(512, "max_tokens of a request that gives none")
+    max_body_bytes: int = flag(
+        8 << 20,
+        "largest request body (413 past it)",
+        name="max-body",
+        parse=parse_bytes,
+        shown="8M",
+    )
+    timeout: float = flag(300.0, "seconds a turn may take on a worker")
+    log_level: str = flag("info", "debug, info, warning or error")
+    address_file: str = flag("", "once serving, write the bound address to this file as JSON")
+    security: ServerSecurity = nested(ServerSecurity)  # its clients: TLS, the token table
+    upstream: ClientSecurity = nested(ClientSecurity, prefix="upstream-")  # to the services
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("at least one --worker HOST:PORT is needed")
+        if listen_host(self.listen) is None:
+            raise ValueError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if not ids.NAMESPACE_RE.fullmatch(self.namespace):
+            raise ValueError(
+                f"--namespace {self.namespace!r} must match {ids.NAMESPACE_RE.pattern}"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        self.security.check(self.listen, is_loopback(self.listen))

@@ -1,0 +1,383 @@
+"""The OpenAI-compatible gateway, driven by the official `openai` package, in front of a real
+store and worker on the default model (SmolLM2), each a separate process.
+
+Clients resend the whole history every call: the gateway's agent must answer as the Python
+SDK's does for the same conversation (greedy, token for token: the stored contexts are
+compared), report the previous conversation as cached, survive a worker restart warm, and
+answer an edited history as a fresh agent does."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from agentkv.client.worker import WorkerClient
+from agentkv.launch import gateway_process, store_process, worker_process
+from inference_worker.models import DEFAULT_MODEL, resolve_model
+from tests.helpers import free_address
+
+MODEL = "smollm2-135m-instruct"
+SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
+ASK = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+# A system prompt over one 64-token block, shared by agents that have no identity.
+LONG_SYSTEM = SYSTEM + " Reference: " + " ".join(
+    f"{city} is the capital of {country}."
+    for city, country in [("Paris", "France"), ("Rome", "Italy"), ("Madrid", "Spain"),
+                          ("Berlin", "Germany"), ("Lisbon", "Portugal"), ("Vienna", "Austria"),
+                          ("Prague", "Czechia"), ("Warsaw", "Poland"), ("Athens", "Greece"),
+                          ("Dublin", "Ireland"), ("Oslo", "Norway"), ("Bern", "Switzerland")]
+)  # fmt: skip
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def raw(address: str, method: str, path: str, body: bytes | None = None, **headers) -> Answer:
+    """One HTTP request as any client sends it, the answer read whole."""
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request(method, path, body, {k.replace("_", "-"): v for k, v in headers.items()})
+        answer = conn.getresponse()
+        text = answer.read().decode()
+        return Answer(answer.status, {k.lower(): v for k, v in answer.getheaders()}, text)
+    finally:
+        conn.close()
+
+
+class Stack:
+    """A store, a worker on a fixed address (so that it can restart there) and a gateway."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root, self.model, self.worker_address = root, model, free_address()
+        self.store = store_process(root / "data", root / "store.log").start()
+        self.worker = self._worker().start()
+        self.gateway = self.start_gateway([self.worker_address])
+        self.sdk = WorkerClient(self.worker_address)
+
+    def _worker(self):
+        args = ["--block-tokens", "64"]
+        return worker_process(
+            str(self.model), self.store.address, self.root / "worker.log",
+            self.worker_address, args,
+        )  # fmt: skip
+
+    def start_gateway(self, workers: list[str], *args: str, name: str = "gateway"):
+        flags = ["--model-name", MODEL, *args]
+        proc = gateway_process(
+            workers, self.root / f"{name}.log", self.store.address, "127.0.0.1:0", flags
+        )
+        return proc.start()
+
+    def restart_worker(self) -> None:
+        self.worker.stop()
+        self.worker = self._worker().start()
+
+    def client(self, gateway=None, **options) -> openai.OpenAI:
+        address = (gateway or self.gateway).address
+        options.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=f"http://{address}/v1", max_retries=0, **options)
+
+    def stored_tokens(self, agent: str, namespace: str = "default") -> list[int]:
+        self.sdk.wait_durable(namespace, agent)
+        from agentkv.client.store import StoreClient
+
+        with StoreClient(self.store.address) as store:
+            return list(store.get_agent(namespace, agent).token_ids)
+
+    def stop(self) -> None:
+        for proc in (self.gateway, self.worker, self.store):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    model = resolve_model(DEFAULT_MODEL, "auto", "cpu", root / "model-cache")
+    stack = Stack(root, model)
+    yield stack
+    stack.stop()
+
+
+def ask(client: openai.OpenAI, messages: list[dict], agent: str | None = None, **options):
+    headers = {"X-Agent-Id": agent} if agent else {}
+    options.setdefault("max_tokens", 16)
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_headers=headers, **options
+    )
+
+
+def sdk_turns(stack: Stack, agent: str, questions: list[str], system: str = SYSTEM) -> list:
+    """A fresh SDK agent told the conversation one question a turn."""
+    stack.sdk.create_agent("default", agent, system)
+    return [stack.sdk.turn("default", agent, [("user", q)], max_tokens=16) for q in questions]
+
+
+def test_models_and_health(stack):
+    client = stack.client()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
+    health = raw(stack.gateway.address, "GET", "/health")
+    assert health.status == 200 and health.json()["workers"][stack.worker_address] == "serving"
+
+
+def test_a_resent_history_answers_as_the_sdk_and_prefills_only_the_new_message(stack):
+    client, fresh = stack.client(), sdk_turns(stack, "sdk-twin", ASK)
+    messages = [{"role": "system", "content": SYSTEM}]
+    previous = None
+    for i, question in enumerate(ASK):
+        messages.append({"role": "user", "content": question})
+        reply = ask(client, messages, "resent")
+        text, usage = reply.choices[0].message.content, reply.usage
+        assert text == fresh[i].text and usage.completion_tokens == len(fresh[i].token_ids)
+        assert usage.prompt_tokens == fresh[i].usage.prompt_tokens
+        if previous is None:  # the call made the agent: it prefilled everything
+            assert reply.agentkv["prefilled_tokens"] == usage.prompt_tokens
+            assert usage.prompt_tokens_details.cached_tokens == 0
+        else:
+            assert reply.agentkv["prefilled_tokens"] == fresh[i].usage.prefilled_tokens
+            # The whole previous conversation came from the cache but for the last token of
+            # its reply, which had not yet been through the model.
+            held = previous.prompt_tokens + previous.completion_tokens - 1
+            assert usage.prompt_tokens_details.cached_tokens == held
+            assert reply.agentkv["cache_state"] == "hot"
+        previous = usage
+        messages.append({"role": "assistant", "content": text})
+    assert stack.stored_tokens("resent") == stack.stored_tokens("sdk-twin")
+
+
+def test_streaming_sends_the_same_reply_in_openais_chunks(stack):
+    client = stack.client()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK[0]}]
+    whole = ask(client, messages, "whole")
+    stream = ask(client, messages, "streamed", stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and not any(finishes[:-1])
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
+    # Without include_usage no usage chunk comes, and the stream still ends with [DONE].
+    body = {"model": MODEL, "messages": messages, "stream": True, "temperature": 0, "max_tokens": 4}
+    answer = raw(
+        stack.gateway.address, "POST", "/v1/chat/completions", json.dumps(body).encode(),
+        X_Agent_Id="raw-stream",
+    )  # fmt: skip
+    events = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and all("usage" not in e for e in events[:-1])
+
+
+def test_the_agent_comes_from_the_first_identity_given(stack):
+    client = stack.client()
+    messages = [{"role": "user", "content": "Name one ocean."}]
+
+    def agent(headers: dict, **body) -> str:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_headers=headers, extra_body=body
+        )
+        return reply.agentkv["agent_id"]
+
+    assert agent({"X-Agent-Id": "a", "X-Session-ID": "s"}, prompt_cache_key="k") == "a"
+    assert agent({"X-Session-ID": "s"}, prompt_cache_key="k", user="u") == "s"
+    assert agent({}, prompt_cache_key="k", user="u") == "k"
+    assert agent({}, user="u") == "u"
+    assert agent({"X-Session-ID": "a session / with spaces"}).startswith("s-")
+    anonymous = agent({})
+    assert anonymous.startswith("anon-") and agent({}) == anonymous
+    with pytest.raises(openai.BadRequestError, match="X-Agent-Id"):
+        agent({"X-Agent-Id": "no spaces allowed"})
+
+
+def test_after_a_worker_restart_the_next_call_is_warm(stack):
+    client = stack.client()
+    fresh = sdk_turns(stack, "restart-twin", ASK[:2])
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK[0]}]
+    first = ask(client, messages, "restarted")
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": ASK[1]},
+    ]
+    stack.sdk.wait_durable("default", "restarted")
+    stack.restart_worker()
+    reply = ask(client, messages, "restarted")
+    assert reply.agentkv["cache_state"] == "warm" and not reply.agentkv["restore_failure"]
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert reply.usage.prompt_tokens_details.cached_tokens == held
+    assert reply.choices[0].message.content == fresh[1].text
+
+
+def test_an_edited_history_answers_as_a_fresh_agent(stack):
+    client = stack.client()
+    messages = [{"role": "system", "content": SYSTEM}]
+    for question in ASK:
+        messages.append({"role": "user", "content": question})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": ask(client, messages, "editor").choices[0].message.content,
+            }
+        )
+    # A middle message changed: the reply is a fresh agent's told the edited history.
+    changed = [*messages[:3], {"role": "user", "content": "And of Spain?"}]
+    reply = ask(client, changed, "editor")
+    want = sdk_turns(stack, "fresh-changed", [ASK[0], "And of Spain?"])[-1]
+    assert reply.choices[0].message.content == want.text
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0  # up to the edit
+    # The last exchange dropped: the second question asked again.
+    reply = ask(client, messages[:4], "editor")
+    want = sdk_turns(stack, "fresh-dropped", ASK[:2])[-1]
+    assert reply.choices[0].message.content == want.text
+    assert stack.stored_tokens("editor") == stack.stored_tokens("fresh-dropped")
+
+
+def test_requests_without_identity_share_a_stored_system_prompt(stack):
+    client = stack.client()
+    replies = []
+    for question in ("Which city is the capital of Spain?", "Which city is the capital of Norway?"):
+        messages = [
+            {"role": "system", "content": LONG_SYSTEM},
+            {"role": "user", "content": question},
+        ]
+        replies.append(ask(client, messages))
+    first, second = replies
+    assert first.agentkv["agent_id"] != second.agentkv["agent_id"]  # two conversations
+    assert first.agentkv["reused_store_tokens"] == 0
+    shared = second.agentkv["reused_store_tokens"]
+    assert shared > 64  # the system prompt's blocks (107 tokens), stored by the first
+    assert second.usage.prompt_tokens_details.cached_tokens == shared
+    assert second.agentkv["prefilled_tokens"] == first.agentkv["prefilled_tokens"] - shared
+
+
+def error_of(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    body = caught.value.body
+    assert isinstance(body, dict) and {"message", "type", "code"} <= set(body), body
+    return caught.value
+
+
+def test_bad_requests_get_openais_error_format(stack):
+    client = stack.client()
+    messages = [{"role": "user", "content": "Hello."}]
+    cases = [
+        (dict(model="gpt-4o"), 404, "model_not_found"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_value"),
+        (dict(n=2), 400, "unsupported_value"),
+        (dict(frequency_penalty=0.5), 400, "unsupported_value"),
+        (dict(temperature=3), 400, None),
+        (dict(messages=[]), 400, None),
+        (
+            dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+            400,
+            "unsupported_value",
+        ),
+        (
+            dict(messages=[*messages, {"role": "assistant", "content": "Hi"}]),
+            400,
+            "unsupported_value",
+        ),
+        (dict(max_tokens=100_000), 400, "context_length_exceeded"),
+        (dict(extra_body={"beam_width": 4}), 400, "unsupported_parameter"),
+    ]
+    for options, status, code in cases:
+        request = {"model": MODEL, "messages": messages, "max_tokens": 4, **options}
+        error = error_of(lambda r=request: client.chat.completions.create(**r))
+        assert error.status_code == status, (options, error)
+        if code:
+            assert error.body["code"] == code, (options, error.body)
+    address, path = stack.gateway.address, "/v1/chat/completions"
+    bad_json = raw(address, "POST", path, b"{not json")
+    assert bad_json.status == 400 and "not JSON" in bad_json.json()["error"]["message"]
+    huge = raw(address, "POST", path, b"x" * (9 << 20))
+    assert huge.status == 413 and huge.json()["error"]["code"] == "request_too_large"
+    nowhere = raw(address, "GET", "/v1/completions")
+    assert nowhere.status == 404 and "error" in nowhere.json()
+
+
+def test_a_second_call_while_the_agent_is_busy_is_a_409(stack):
+    client = stack.client()
+    messages = [{"role": "user", "content": "Count from one to fifty in words."}]
+    stream = ask(client, messages, "busy", stream=True, max_tokens=120)
+    next(iter(stream))  # the turn is in flight
+    error = error_of(lambda: ask(client, messages, "busy"))
+    assert error.status_code == 409 and "in progress" in error.body["message"]
+    stream.close()
+
+
+def test_a_client_that_goes_away_cancels_its_turn(stack):
+    client = stack.client()
+    messages = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    stream = ask(client, messages, "leaver", stream=True, max_tokens=400)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    stream.close()
+    # The turn ends long before its 400 tokens: the agent takes a new turn once it has.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            reply = ask(client, messages, "leaver", max_tokens=2)
+            break
+        except openai.ConflictError:
+            assert time.monotonic() < deadline, "the abandoned turn kept running"
+    assert reply.choices[0].finish_reason == "length"
+    state = stack.sdk.describe("default", "leaver")
+    assert state.num_tokens < 200  # the abandoned reply stopped short of its 400 tokens
+
+
+def test_tokens_name_the_namespace_and_keep_tenants_apart(stack, tmp_path):
+    table = tmp_path / "tokens.json"
+    table.write_text(json.dumps({"tokens": [
+        {"name": "a", "token": "token-a-0123456789", "namespaces": ["team-a"]},
+        {"name": "b", "token": "token-b-0123456789", "namespaces": ["team-b"]},
+    ]}))  # fmt: skip
+    table.chmod(0o600)
+    gateway = stack.start_gateway([stack.worker_address], "--auth-tokens", str(table), name="auth")
+    try:
+        messages = [{"role": "user", "content": "Say hello."}]
+        anonymous = stack.client(gateway, api_key="wrong")
+        assert error_of(lambda: ask(anonymous, messages, "x")).status_code == 401
+        team_a = stack.client(gateway, api_key="token-a-0123456789")
+        reply = ask(team_a, messages, "alice")
+        assert reply.agentkv["namespace"] == "team-a"
+        before = stack.stored_tokens("alice", "team-a")
+        other = stack.client(
+            gateway, api_key="token-a-0123456789", default_headers={"X-Namespace": "team-b"}
+        )
+        error = error_of(lambda: ask(other, messages, "alice"))
+        assert error.status_code == 403 and error.body["code"] == "permission_denied"
+        team_b = stack.client(gateway, api_key="token-b-0123456789")
+        assert ask(team_b, messages, "alice").agentkv["namespace"] == "team-b"  # its own alice
+        assert stack.stored_tokens("alice", "team-a") == before  # A's agent untouched
+    finally:
+        gateway.stop()
+
+
+def test_no_worker_is_a_503(stack):
+    gateway = stack.start_gateway([free_address()], name="no-worker")
+    try:
+        client = stack.client(gateway)
+        error = error_of(lambda: ask(client, [{"role": "user", "content": "Hi."}], "x"))
+        assert error.status_code == 503
+        assert raw(gateway.address, "GET", "/health").status == 503
+    finally:
+        gateway.stop()

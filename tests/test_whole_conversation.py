@@ -1,0 +1,101 @@
+"""Whole conversations resent, as OpenAI-style clients send them (TurnRequest's
+whole_conversation), on the default model in real store and worker processes: the worker
+resumes from its own last reply (matched by the text it sent, keeping the token ids it
+generated), prefills only what is new, and answers an edited history exactly as a fresh
+agent given that history turn by turn does, greedy, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.client.worker import WorkerClient
+from inference_worker.models import DEFAULT_MODEL, resolve_model
+
+NS = "chat"
+SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
+ASK = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+EDITED = "And of Spain?"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return resolve_model(DEFAULT_MODEL, "auto", "cpu", tmp_path_factory.mktemp("model-cache"))
+
+
+def whole(w: WorkerClient, agent: str, conversation: list[tuple[str, str]]):
+    return w.turn(NS, agent, conversation, max_tokens=16, whole_conversation=True)
+
+
+def step_by_step(w: WorkerClient, agent: str, questions: list[str]) -> list:
+    """A fresh agent told the conversation one question a turn, as the SDK does."""
+    w.create_agent(NS, agent, SYSTEM)
+    return [w.turn(NS, agent, [("user", q)], max_tokens=16) for q in questions]
+
+
+def test_a_resent_conversation_prefills_only_what_is_new(smollm2, start_worker):
+    w = WorkerClient(start_worker(smollm2).address)
+    fresh = step_by_step(w, "sdk", ASK)
+    w.create_agent(NS, "resent", SYSTEM)
+    history = [("system", SYSTEM)]
+    for i, question in enumerate(ASK):
+        history.append(("user", question))
+        reply = whole(w, "resent", history)
+        assert reply.token_ids == fresh[i].token_ids  # what the SDK's agent said
+        assert reply.usage.prefilled_tokens == fresh[i].usage.prefilled_tokens
+        assert reply.usage.prompt_tokens == fresh[i].usage.prompt_tokens
+        if i:  # every token before the new message came from the cache
+            before = fresh[i - 1].usage
+            assert (
+                reply.usage.reused_hot_tokens == before.prompt_tokens + before.generated_tokens - 1
+            )
+        history.append(("assistant", reply.text))
+
+
+def test_an_edited_history_answers_as_a_fresh_agent_would(smollm2, start_worker):
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "edited", SYSTEM)
+    history = [("system", SYSTEM)]
+    replies = []
+    for question in ASK:
+        history.append(("user", question))
+        replies.append(whole(w, "edited", history))
+        history.append(("assistant", replies[-1].text))
+
+    # A middle message changed: it resumes after the first reply, reusing its tokens.
+    changed = [*history[:3], ("user", EDITED)]
+    got = whole(w, "edited", changed)
+    want = step_by_step(w, "fresh-changed", [ASK[0], EDITED])[-1]
+    assert got.token_ids == want.token_ids
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert got.usage.prefilled_tokens < got.usage.prompt_tokens // 2
+
+    # The last exchange dropped and asked again: the same reply as the first time.
+    got = whole(w, "edited", history[:4])
+    want = step_by_step(w, "fresh-dropped", ASK[:2])[-1]
+    assert got.token_ids == want.token_ids == replies[1].token_ids
+
+    # A reply the client rewrote is not this agent's: its text is tokenized, as the first
+    # turn of a fresh agent given that history renders it.
+    rewritten = [*history[:2], ("assistant", "Paris, of course."), ("user", ASK[1])]
+    got = whole(w, "edited", rewritten)
+    w.create_agent(NS, "fresh-rewritten", SYSTEM)
+    want = w.turn(NS, "fresh-rewritten", rewritten[1:], max_tokens=16)
+    assert got.token_ids == want.token_ids
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_a_restored_agent_resumes_its_resent_conversation(smollm2, start_worker):
+    """The marks a resent conversation resumes from are in the store with the agent."""
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "warm", SYSTEM)
+    history = [("system", SYSTEM), ("user", ASK[0])]
+    first = whole(w, "warm", history)
+    history += [("assistant", first.text), ("user", ASK[1])]
+    w.evict(NS, "warm")
+    warm = whole(w, "warm", history)
+    assert warm.usage.cache_state == "warm"
+    assert (
+        warm.usage.reused_store_tokens
+        == first.usage.prompt_tokens + first.usage.generated_tokens - 1
+    )
+    assert warm.usage.prefilled_tokens < 20
