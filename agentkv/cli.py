@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     walk = sub.add_parser("walkthrough", help="start a store and tour what it does")
     walk.add_argument("--keep", action="store_true", help="keep the data directory afterwards")
     sub.add_parser("bench", help="run the benchmarks and write one report (from a source checkout)")
+    sub.add_parser("gateway", help="serve OpenAI's chat API over workers (agentkv-gateway's flags)")
     demo = sub.add_parser("demo", help="start a store and a worker and run a workflow")
     demo.add_argument(
         "--model", help="a shipped name, GGUF file or mlx-lm model directory (default: SmolLM2)"
@@ -337,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every other argument is benchmarks/report.py's
         sys.exit(cmd_bench(argv[1:]))
+    if argv[:1] == ["gateway"]:  # agentkv-gateway, its flags as they are
+        from agentkv.gateway.__main__ import main as gateway
+
+        gateway(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     try:
         if args.command == "walkthrough":

@@ -470,11 +470,18 @@ def make_peers(
 
 
 def gguf_file(spec: str, path: Path) -> Path | None:
+    """The GGUF file behind --model: given, shipped, or the one the model directory was
+    imported from (agentkv bench passes the directory), when it is a shipped one."""
     from inference_worker.models import SHIPPED, shipped_file
 
     if spec.endswith(".gguf"):
         return Path(spec).resolve()
-    return shipped_file(spec) if spec in SHIPPED else None
+    if spec in SHIPPED:
+        return shipped_file(spec)
+    config = json.loads((path / "config.json").read_text())
+    imported = (config.get("agentkv_gguf") or {}).get("file")
+    named = [name for name, shipped in SHIPPED.items() if shipped.file == imported]
+    return shipped_file(named[0]) if named else None
 
 
 def weights(systems: Sequence[str], path: Path, gguf: Path | None) -> dict[str, str]:

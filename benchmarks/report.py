@@ -48,6 +48,9 @@ SECTIONS = (
             "Table 4, Figure 3", ("--quick",)),
     Section("peers", "Peers on the same model: agentkv, llama.cpp, mlx-lm", "peers.py",
             "Table 5", ("--quick",)),
+    Section("gateway", "Agents through OpenAI's API: agentkv's gateway, mlx-lm's and llama.cpp's "
+            "servers", "gateway.py", "beyond the paper: its Table 5 peers, through their HTTP "
+            "servers", ("--quick",)),
     Section("workflows", "Cross-phase injection and expert routing", "workflows.py",
             "Tables 7 and 8", ("--quick",)),
     Section("ablation", "Ablation: what each component buys", "ablation.py", "Table 6",

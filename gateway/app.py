@@ -123,6 +123,15 @@ class Gateway:
             )
         return JSONResponse(self._model_json(model))
 
+    async def agents(self, request: Request) -> Response:
+        """The namespace's agents (agentkv's own endpoint): tier, tokens, bytes, phase."""
+        memory = self.memory.in_namespace(self._namespace(request))
+        if memory.store is None:
+            raise HTTPError(404, "listing agents needs the gateway's --store", code="no_store")
+        fields = ("agent_id", "tier", "num_tokens", "num_bytes", "persisted_tokens", "phase")
+        agents = [{f: getattr(a, f) for f in fields} for a in await memory.agents()]
+        return JSONResponse({"object": "list", "data": agents})
+
     async def health(self, request: Request) -> Response:
         """200 while at least one worker answers, 503 when none does."""
         workers = {}
@@ -319,6 +328,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             ("POST", "/v1/chat/completions", gateway.chat),
             ("GET", "/v1/models", gateway.models),
             ("GET", "/v1/models/{model:path}", gateway.one_model),
+            ("GET", "/v1/agents", gateway.agents),
             ("GET", "/health", gateway.health),
         )
     ]

@@ -20,7 +20,7 @@ class GatewayConfig:
         action="append",
         factory=list,
     )
-    store: str = flag("", "cache store address: GET /v1/agents lists the namespace's agents")
+    store: str = flag("", "cache store address, for GET /v1/agents (the namespace's agents)")
     listen: str = flag(defaults.GATEWAY_ADDRESS, "HOST:PORT to serve HTTP on (port 0 picks one)")
     namespace: str = flag(
         ids.DEFAULT_NAMESPACE, "namespace of a request that names none (X-Namespace header)"

@@ -122,8 +122,8 @@ class ChatCall:
     def anonymous_id(self) -> str:
         """The agent a request with no identity goes to: one per system prompt and first
         user message, so that a client that resends its history finds it again."""
-        head = [m for m in self.messages if m[0] != "assistant"][:2]
-        h = hashlib.blake2b(repr(head).encode(), digest_size=12)
+        first = next((m for m in self.messages if m[0] == "user"), None)
+        h = hashlib.blake2b(repr((self.system, first)).encode(), digest_size=12)
         return f"anon-{h.hexdigest()}"
 
 

@@ -118,15 +118,18 @@ class Restorer:
         return fetched
 
     def fetch_prefix(self, namespace: str, tokens: list[int]) -> Fetched | None:
-        """The longest chain of blocks in the namespace that begins `tokens` (another
-        agent's: a shared system prompt or document), read and checked like a restore's;
-        None when there is none or it cannot be used (the caller prefills instead)."""
+        """Blocks of the namespace that hold all of `tokens` (another agent's: a shared
+        system prompt), read and checked like a restore's; None when no stored chain holds
+        them all, or it cannot be used (the caller prefills instead). Only all: tokens
+        prefilled after a stored part would attend over its Q4 KV, where the agent that
+        stored it attended over its own in full precision, and the two would not agree bit
+        for bit."""
         if len(tokens) < self.block_tokens:
             return None
         try:
             hit = self.store.longest_prefix(namespace, self.fingerprint, tokens)
             keys, counts = list(hit.keys), list(hit.block_num_tokens)
-            if not keys:
+            if hit.num_tokens != len(tokens):
                 return None
             layers, read = self._read_layers(namespace, keys, counts, tokens)
         except (AgentKVError, OSError, KeyError, ValueError) as exc:

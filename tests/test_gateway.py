@@ -159,6 +159,9 @@ def test_a_resent_history_answers_as_the_sdk_and_prefills_only_the_new_message(s
         previous = usage
         messages.append({"role": "assistant", "content": text})
     assert stack.stored_tokens("resent") == stack.stored_tokens("sdk-twin")
+    listed = raw(stack.gateway.address, "GET", "/v1/agents").json()["data"]
+    resent = next(a for a in listed if a["agent_id"] == "resent")
+    assert resent["tier"] == "hot" and resent["num_tokens"] == len(stack.stored_tokens("resent"))
 
 
 def test_streaming_sends_the_same_reply_in_openais_chunks(stack):

@@ -1,0 +1,510 @@
+"""Agents through OpenAI's API: N agents take turns round-robin, each call resending its
+whole history, on agentkv's gateway, mlx-lm's server and llama.cpp's server (llama-cpp-python),
+the same model and the same RAM for KV caches, then one more round after every server restarts.
+
+    python benchmarks/gateway.py [--agents 8,16] [--context 4096] [--step 384] [--kv-ram 96M]
+
+Each agent has its own persona and reads its own part of a document, `--step` tokens a turn,
+answering in `--reply` tokens, until its context passes `--context`. Per call: time to the
+first content token (TTFT) as the client sees it, and the prompt tokens the server says it
+had cached. The peers keep what fits their prompt caches (`--prompt-cache-bytes`, llama.cpp's
+`--cache_size`) and re-prefill the rest; agentkv keeps its hot tier in the same bytes and
+restores the rest from the store. The gateway's own cost: the same hot turns through the
+gateway and through the SDK, alternated, `--overhead-calls` pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from common import add_model_argument, load_tokenizer, model_dir
+from harness import (
+    fmt,
+    goal,
+    machine,
+    median,
+    percentile,
+    ratio,
+    report,
+    say,
+    services,
+    source_slices,
+    table,
+)
+from peers import gguf_file
+
+SYSTEMS = ("agentkv", "mlx-lm", "llama.cpp")
+MODEL_ID = "agentkv-bench"
+PERSONAS = [
+    "a careful analyst",
+    "a skeptical reviewer",
+    "a patient teacher",
+    "a terse engineer",
+    "a curious student",
+    "a product manager",
+    "a security auditor",
+    "a historian",
+]
+
+
+@dataclass
+class Call:
+    system: str
+    agent: int
+    round: int
+    phase: str  # "run", or "restart": the round after every server restarted
+    ttft_ms: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+
+    @property
+    def prefilled(self) -> int | None:
+        if self.prompt_tokens is None or self.cached_tokens is None:
+            return None
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class Server:
+    """One system's OpenAI endpoint: started, stopped and started again by `restart`."""
+
+    name: str
+    start: Callable[[], str]  # returns the base URL
+    stop: Callable[[], None]
+    model: str
+    url: str = ""
+
+    def restart(self) -> None:
+        self.stop()
+        self.url = self.start()
+
+
+@dataclass
+class Conversation:
+    persona: str
+    slices: list[str]
+    messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        system = f"You are {self.persona}. Read each part of the document and answer briefly."
+        self.messages = [{"role": "system", "content": system}]
+
+
+def http_process(command: list[str], log: Path, url: str, ready_path: str) -> subprocess.Popen:
+    """Starts a server process and waits until `url + ready_path` answers 200."""
+    import urllib.request
+
+    proc = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{command[2]} exited {proc.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(url + ready_path, timeout=5) as answer:
+                if answer.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{command[2]} did not answer within 600 s")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peer_server(name: str, args: argparse.Namespace, root: Path, kv_ram: int) -> Server:
+    port, held = free_port(), {}
+    url = f"http://127.0.0.1:{port}"
+    if name == "mlx-lm":
+        command = [
+            sys.executable,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            str(args.path),
+            "--port",
+            str(port),
+            "--prompt-cache-bytes",
+            str(kv_ram),
+            "--prompt-cache-size",
+            "1000",
+        ]
+        model = "default_model"
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(args.gguf),
+            "--port",
+            str(port),
+            "--n_ctx",
+            str(args.n_ctx),
+            "--n_threads",
+            "2",
+            "--n_threads_batch",
+            "2",
+            "--flash_attn",
+            "True",
+            "--cache",
+            "True",
+            "--cache_size",
+            str(kv_ram),
+            "--verbose",
+            "False",
+        ]
+        model = args.gguf.name
+
+    def start() -> str:
+        held["proc"] = http_process(command, root / f"{name}.log", url, "/v1/models")
+        return url + "/v1"
+
+    return Server(name, start, lambda: stop_process(held["proc"]), model)
+
+
+def agentkv_server(
+    svc: Any, args: argparse.Namespace, root: Path, worker_args: list[str]
+) -> Server:
+    from agentkv.launch import gateway_process
+
+    held = {}
+
+    def start() -> str:
+        if not svc.processes["agentkv"].running:
+            svc.start_worker("agentkv", args.path, worker_args)
+        address = svc.addresses["agentkv"]
+        gateway = gateway_process(
+            [address],
+            root / "gateway.log",
+            svc.store_address,
+            extra_args=["--model-name", MODEL_ID],
+        )
+        held["gateway"] = gateway.start(timeout=120)
+        return f"http://{held['gateway'].address}/v1"
+
+    def stop() -> None:
+        held["gateway"].stop()
+        svc.workers["agentkv"].close()
+        svc.processes["agentkv"].stop()  # SIGTERM: a deploy's restart, writes finished
+
+    return Server("agentkv", start, stop, MODEL_ID)
+
+
+def one_call(client: Any, model: str, messages: list[dict], reply: int) -> tuple[float, str, Any]:
+    """Streams one call: (ms to the first content token, the reply's text, the usage)."""
+    started, first, pieces, usage = time.perf_counter(), None, [], None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        stream=True,
+        temperature=0,
+        max_tokens=reply,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces.append(chunk.choices[0].delta.content)
+        usage = getattr(chunk, "usage", None) or usage
+    first = first or time.perf_counter()
+    return (first - started) * 1e3, "".join(pieces), usage
+
+
+def run_system(
+    server: Server, conversations: list[Conversation], args: argparse.Namespace, rounds: int
+) -> list[Call]:
+    import openai
+
+    calls = []
+    server.url = server.start()
+    try:
+        for phase, span in (("run", range(rounds)), ("restart", range(rounds, rounds + 1))):
+            if phase == "restart":
+                say(f"{server.name}: restarting")
+                server.restart()
+            client = openai.OpenAI(
+                base_url=server.url, api_key="bench", max_retries=0, timeout=3600
+            )
+            for r in span:
+                for i, conv in enumerate(conversations):
+                    text = conv.slices[r % len(conv.slices)]
+                    conv.messages.append({"role": "user", "content": f"Part {r + 1}:\n{text}"})
+                    ttft, reply, usage = one_call(client, server.model, conv.messages, args.reply)
+                    conv.messages.append({"role": "assistant", "content": reply or "."})
+                    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+                    cached = getattr(details, "cached_tokens", None) if details else None
+                    prompt = usage.prompt_tokens if usage else None
+                    calls.append(Call(server.name, i, r, phase, ttft, prompt, cached))
+                say(
+                    f"{server.name}: round {r + 1} ({phase}), median TTFT "
+                    f"{fmt(median([c.ttft_ms for c in calls if c.round == r]), 0)} ms"
+                )
+    finally:
+        server.stop()
+    return calls
+
+
+def gateway_overhead(svc: Any, gateway_url: str, path_calls: int) -> dict[str, float]:
+    """Hot turns through the gateway and through the SDK, alternated on twin agents: the
+    same conversation, the same worker. Each call appends one short message and asks for one
+    token; TTFT as each client sees it."""
+    import openai
+
+    from agentkv.client.memory import AgentMemory
+
+    client = openai.OpenAI(base_url=gateway_url, api_key="bench", max_retries=0)
+    memory = AgentMemory(svc.addresses["agentkv"], namespace="default")
+    system = {"role": "system", "content": "You are a terse assistant."}
+    histories = {"via-gateway": [system], "via-sdk": [system]}
+    memory.agent("via-sdk", system=system["content"])
+    through, direct = [], []
+    for n in range(path_calls + 2):  # the first two make and warm the agents
+        for name, history in histories.items():
+            history.append({"role": "user", "content": f"Say the number {n}."})
+            if name == "via-gateway":
+                started = time.perf_counter()
+                stream = client.chat.completions.create(
+                    model=MODEL_ID,
+                    messages=history,
+                    stream=True,
+                    temperature=0,
+                    max_tokens=1,
+                    extra_headers={"X-Agent-Id": name},
+                )
+                text = ""
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content is not None:
+                        if chunk.choices[0].delta.content and not text:
+                            (through if n >= 2 else []).append(
+                                (time.perf_counter() - started) * 1e3
+                            )
+                        text += chunk.choices[0].delta.content
+            else:
+                pairs = [(m["role"], m["content"]) for m in history]
+                started = time.perf_counter()
+                reply = memory.agent(name).say(pairs, max_tokens=1, whole_conversation=True)
+                if n >= 2:
+                    direct.append((time.perf_counter() - started) * 1e3)
+                text = reply.text
+            history.append({"role": "assistant", "content": text or "."})
+    memory.close()
+    diffs = [g - s for g, s in zip(through, direct, strict=False)]
+    return {
+        "gateway_ms": median(through),
+        "sdk_ms": median(direct),
+        "overhead_ms": median(diffs),
+        "overhead_p90_ms": percentile(diffs, 90),
+    }
+
+
+def has_llama_server() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) for m in ("llama_cpp", "fastapi", "sse_starlette"))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(p)
+    p.add_argument("--agents", default="8,16", help="agent counts, comma-separated")
+    p.add_argument("--context", type=int, default=4096, help="tokens each context grows to")
+    p.add_argument("--step", type=int, default=384, help="document tokens each turn adds")
+    p.add_argument("--reply", type=int, default=16, help="tokens each reply has at most")
+    p.add_argument("--kv-ram", default="96M", help="RAM for KV caches, every system the same")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--overhead-calls", type=int, default=30)
+    p.add_argument("--quick", action="store_true", help="4 agents to 1K: a smoke run")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    args.agents = [int(a) for a in args.agents.split(",")]
+    args.systems = [s for s in args.systems.split(",") if s]
+    if args.quick:
+        args.agents, args.context, args.step, args.overhead_calls = [4], 1024, 256, 10
+    return args
+
+
+def summary(calls: list[Call], agents: int) -> list[list[str]]:
+    rows = []
+    for system in dict.fromkeys(c.system for c in calls):
+        for phase in ("run", "restart"):
+            mine = [c for c in calls if c.system == system and c.phase == phase]
+            if phase == "run":  # the first round makes every agent: cold everywhere
+                mine = [c for c in mine if c.round > 0]
+            ttft = [c.ttft_ms for c in mine]
+            prefilled = [c.prefilled for c in mine if c.prefilled is not None]
+            rows.append(
+                [
+                    str(agents),
+                    system,
+                    phase,
+                    fmt(median(ttft), 0),
+                    fmt(percentile(ttft, 90), 0),
+                    fmt(median(prefilled), 0) if prefilled else "n/a",
+                    str(len(mine)),
+                ]
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from inference_worker.blas import load_optimized_blas
+
+    args = parse_args(argv)
+    load_optimized_blas()
+    from agentkv.units import parse_bytes
+
+    args.path = model_dir(args.model)
+    args.gguf = gguf_file(args.model, args.path)
+    if "llama.cpp" in args.systems and (args.gguf is None or not has_llama_server()):
+        say("llama.cpp left out: it needs a GGUF model and pip install 'llama-cpp-python[server]'")
+        args.systems.remove("llama.cpp")
+    args.n_ctx = args.context + 2 * args.step + 256
+    kv_ram = parse_bytes(args.kv_ram)
+    tokenizer = load_tokenizer(args.path)
+    rounds = max(1, args.context // (args.step + args.reply + 16))
+    worker_args = ["--hot-budget", str(kv_ram)]
+    rows, all_calls, overhead = [], [], {}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="agentkv-gateway-bench-") as tmp:
+        root = Path(tmp)
+        for agents in args.agents:
+            slices = source_slices(tokenizer, args.step, agents * rounds)
+            for system in args.systems:
+                conversations = [
+                    Conversation(
+                        PERSONAS[i % len(PERSONAS)] + f" (agent {i})",
+                        slices[i * rounds : (i + 1) * rounds],
+                    )
+                    for i in range(agents)
+                ]
+                say(f"{system}: {agents} agents, {rounds} rounds")
+                if system == "agentkv":
+                    with services(
+                        root / f"agentkv-{agents}", args.path, {"agentkv": worker_args}
+                    ) as svc:
+                        server = agentkv_server(svc, args, root, worker_args)
+                        calls = run_system(server, conversations, args, rounds)
+                        if not overhead:
+                            url = server.start()
+                            overhead = gateway_overhead(svc, url, args.overhead_calls)
+                            server.stop()
+                else:
+                    calls = run_system(
+                        peer_server(system, args, root, kv_ram), conversations, args, rounds
+                    )
+                all_calls += [(agents, c) for c in calls]
+                rows += summary(calls, agents)
+    write(args, rows, all_calls, overhead, rounds, kv_ram)
+
+
+def phase_median(calls: list[Call], system: str, phase: str) -> float | None:
+    """The median TTFT of a system's calls in a phase (a run's first round left out)."""
+    return median(
+        [
+            c.ttft_ms
+            for c in calls
+            if c.system == system and c.phase == phase and (phase == "restart" or c.round > 0)
+        ]
+    )
+
+
+def write(args, rows, all_calls, overhead, rounds, kv_ram) -> None:
+    headers = [
+        "agents",
+        "system",
+        "calls",
+        "median TTFT ms",
+        "p90 TTFT ms",
+        "prefilled / call (median)",
+        "n",
+    ]
+    goals = []
+    for agents in args.agents:
+        mine = [c for a, c in all_calls if a == agents]
+        med = partial(phase_median, mine)
+        ours, peers = med("agentkv", "run"), [med(s, "run") for s in args.systems if s != "agentkv"]
+        best = min((p for p in peers if p), default=None)
+        if ours and best:
+            goals.append(
+                goal(
+                    f"{agents} agents: agentkv's median TTFT 3x lower than the best peer's",
+                    f"{fmt(ours, 0)} ms against {fmt(best, 0)} ms ({ratio(best, ours)})",
+                    best / ours >= 3,
+                )
+            )
+        after = med("agentkv", "restart")
+        if ours and after:
+            goals.append(
+                goal(
+                    f"{agents} agents: agentkv unchanged across a restart (within 1.5x)",
+                    f"{fmt(after, 0)} ms after, {fmt(ours, 0)} ms before",
+                    after <= 1.5 * ours,
+                )
+            )
+    if overhead:
+        goals.append(
+            goal(
+                "gateway overhead over the SDK under 5 ms per call (median)",
+                f"{fmt(overhead['overhead_ms'], 2)} ms (p90 {fmt(overhead['overhead_p90_ms'], 2)};"
+                f" gateway {fmt(overhead['gateway_ms'], 1)} ms, SDK {fmt(overhead['sdk_ms'], 1)})",
+                overhead["overhead_ms"] < 5,
+            )
+        )
+    header = machine(
+        model=str(args.model),
+        kv_ram=args.kv_ram,
+        context=args.context,
+        step=args.step,
+        reply=args.reply,
+        rounds=rounds,
+    )
+    notes = [
+        "calls: run = every round after the first (which makes every agent, cold everywhere); "
+        "restart = the round after every server (agentkv: worker and gateway) restarted",
+        "prefilled / call: prompt tokens less the cached tokens the server reported "
+        "(n/a: it reports none)",
+        f"KV RAM {args.kv_ram} for every system: agentkv --hot-budget, mlx-lm "
+        "--prompt-cache-bytes, llama.cpp --cache_size",
+    ]
+    document = {"calls": [dict(agents=a, **vars(c)) for a, c in all_calls], "overhead": overhead}
+    report(
+        "gateway",
+        args.out,
+        header,
+        [("Agents through OpenAI's API", table(headers, rows))],
+        goals,
+        notes,
+        document,
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
