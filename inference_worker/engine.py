@@ -19,7 +19,7 @@ from typing import Any
 from agentkv import ids
 from agentkv.client.store import StoreClient
 from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition, Unavailable
-from inference_worker.agents import Agent, HotTier, agent_exists
+from inference_worker.agents import SYSTEM_KEY, Agent, HotTier, agent_exists, system_digest
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatMessage, ChatState, chain, resume
 from inference_worker.config import WorkerConfig
@@ -180,8 +180,10 @@ class Engine:
                 resumed.messages,
                 resumed.cached,
             )
-            if limit is None:  # what a new agent holds: its stable prefix
-                limit = len(self.chat.start(state.system)[0])
+            if limit is None:  # what a new agent with this system prompt holds
+                made_with = agent.metadata.get(SYSTEM_KEY, system_digest(state.system))
+                same = made_with == system_digest(state.system)
+                limit = len(self.chat.start(state.system)[0]) if same else 0
         tokens, chat = self.chat.extend(context, state, messages, max_tokens > 0)
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
         reuse = agent.reusable(tokens, max_tokens > 0, usage, limit)

@@ -26,6 +26,11 @@ def whole(w: WorkerClient, agent: str, conversation: list[tuple[str, str]]):
     return w.turn(NS, agent, conversation, max_tokens=16, whole_conversation=True)
 
 
+def held(usage) -> int:
+    """The tokens a turn left in the cache: all but its reply's last, not yet run."""
+    return usage.prompt_tokens + usage.generated_tokens - 1
+
+
 def step_by_step(w: WorkerClient, agent: str, questions: list[str]) -> list:
     """A fresh agent told the conversation one question a turn, as the SDK does."""
     w.create_agent(NS, agent, SYSTEM)
@@ -44,10 +49,7 @@ def test_a_resent_conversation_prefills_only_what_is_new(smollm2, start_worker):
         assert reply.usage.prefilled_tokens == fresh[i].usage.prefilled_tokens
         assert reply.usage.prompt_tokens == fresh[i].usage.prompt_tokens
         if i:  # every token before the new message came from the cache
-            before = fresh[i - 1].usage
-            assert (
-                reply.usage.reused_hot_tokens == before.prompt_tokens + before.generated_tokens - 1
-            )
+            assert reply.usage.reused_hot_tokens == held(fresh[i - 1].usage)
         history.append(("assistant", reply.text))
 
 
@@ -94,8 +96,19 @@ def test_a_restored_agent_resumes_its_resent_conversation(smollm2, start_worker)
     w.evict(NS, "warm")
     warm = whole(w, "warm", history)
     assert warm.usage.cache_state == "warm"
-    assert (
-        warm.usage.reused_store_tokens
-        == first.usage.prompt_tokens + first.usage.generated_tokens - 1
-    )
+    assert warm.usage.reused_store_tokens == held(first.usage)
     assert warm.usage.prefilled_tokens < 20
+
+
+def test_a_changed_system_prompt_starts_over_from_nothing(smollm2, start_worker):
+    """Nothing of the cache is kept: a new agent's system prompt is quantized before its first
+    turn, so no cached prefix of another system prompt's rendering would be bit for bit it."""
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "renamed", SYSTEM)
+    whole(w, "renamed", [("system", SYSTEM), ("user", ASK[0])])
+    other = "You are a terse pirate. Answer in one short sentence."
+    got = whole(w, "renamed", [("system", other), ("user", ASK[0])])
+    assert got.usage.prefilled_tokens == got.usage.prompt_tokens
+    w.create_agent(NS, "pirate", other)
+    want = w.turn(NS, "pirate", [("user", ASK[0])], max_tokens=16)
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the same conversation
