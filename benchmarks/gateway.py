@@ -44,6 +44,13 @@ from harness import (
 from peers import gguf_file
 
 SYSTEMS = ("agentkv", "mlx-lm", "llama.cpp")
+# mlx-lm's server with the optimized BLAS the worker loads (without it MLX's CPU matmul is
+# 10-17x slower here): a fair peer.
+WITH_BLAS = (
+    "import runpy, sys; from inference_worker.blas import load_optimized_blas; "
+    "load_optimized_blas(); sys.argv = ['mlx_lm.server', *sys.argv[1:]]; "
+    "runpy.run_module('mlx_lm.server', run_name='__main__')"
+)
 MODEL_ID = "agentkv-bench"
 PERSONAS = [
     "a careful analyst",
@@ -108,7 +115,7 @@ def http_process(command: list[str], log: Path, url: str, ready_path: str) -> su
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{command[2]} exited {proc.returncode}: see {log}")
+            raise RuntimeError(f"{log.stem} exited {proc.returncode}: see {log}")
         try:
             with urllib.request.urlopen(url + ready_path, timeout=5) as answer:
                 if answer.status == 200:
@@ -116,7 +123,7 @@ def http_process(command: list[str], log: Path, url: str, ready_path: str) -> su
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise TimeoutError(f"{command[2]} did not answer within 600 s")
+    raise TimeoutError(f"{log.stem} did not answer within 600 s")
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -143,8 +150,8 @@ def peer_server(name: str, args: argparse.Namespace, root: Path, kv_ram: int) ->
     if name == "mlx-lm":
         command = [
             sys.executable,
-            "-m",
-            "mlx_lm.server",
+            "-c",
+            WITH_BLAS,
             "--model",
             str(args.path),
             "--port",
@@ -273,48 +280,51 @@ def run_system(
 def gateway_overhead(svc: Any, gateway_url: str, path_calls: int) -> dict[str, float]:
     """Hot turns through the gateway and through the SDK, alternated on twin agents: the
     same conversation, the same worker. Each call appends one short message and asks for one
-    token; TTFT as each client sees it."""
-    import openai
+    token. Through the gateway: a plain HTTP client (no client library's own cost), timed
+    to the first event, which the gateway sends once the first token is in; through the
+    SDK: until `say` returns, which is once the first token is in."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
 
     from agentkv.client.memory import AgentMemory
 
-    client = openai.OpenAI(base_url=gateway_url, api_key="bench", max_retries=0)
+    where = urlsplit(gateway_url)
     memory = AgentMemory(svc.addresses["agentkv"], namespace="default")
     system = {"role": "system", "content": "You are a terse assistant."}
     histories = {"via-gateway": [system], "via-sdk": [system]}
     memory.agent("via-sdk", system=system["content"])
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
+    headers = {"Content-Type": "application/json", "X-Agent-Id": "via-gateway"}
     through, direct = [], []
     for n in range(path_calls + 2):  # the first two make and warm the agents
-        for name, history in histories.items():
+        order = list(histories.items())  # alternately first: drift cancels out
+        for name, history in order if n % 2 else order[::-1]:
             history.append({"role": "user", "content": f"Say the number {n}."})
+            started = time.perf_counter()
             if name == "via-gateway":
-                started = time.perf_counter()
-                stream = client.chat.completions.create(
-                    model=MODEL_ID,
-                    messages=history,
-                    stream=True,
-                    temperature=0,
-                    max_tokens=1,
-                    extra_headers={"X-Agent-Id": name},
-                )
-                text = ""
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content is not None:
-                        if chunk.choices[0].delta.content and not text:
-                            (through if n >= 2 else []).append(
-                                (time.perf_counter() - started) * 1e3
-                            )
-                        text += chunk.choices[0].delta.content
+                body = {"model": MODEL_ID, "messages": history, "stream": True,
+                        "temperature": 0, "max_tokens": 1}  # fmt: skip
+                connection.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+                answer = connection.getresponse()
+                first, text = None, ""
+                for line in answer:
+                    first = first or time.perf_counter()
+                    if line.startswith(b"data: {"):
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        text += choices[0].get("delta", {}).get("content") or ""
+                elapsed, out = (first or time.perf_counter()) - started, through
             else:
                 pairs = [(m["role"], m["content"]) for m in history]
-                started = time.perf_counter()
                 reply = memory.agent(name).say(pairs, max_tokens=1, whole_conversation=True)
-                if n >= 2:
-                    direct.append((time.perf_counter() - started) * 1e3)
+                elapsed, out = time.perf_counter() - started, direct
                 text = reply.text
+            if n >= 2:
+                out.append(elapsed * 1e3)
             history.append({"role": "assistant", "content": text or "."})
+    connection.close()
     memory.close()
-    diffs = [g - s for g, s in zip(through, direct, strict=False)]
+    diffs = [g - s for g, s in zip(through, direct, strict=True)]
     return {
         "gateway_ms": median(through),
         "sdk_ms": median(direct),
@@ -338,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reply", type=int, default=16, help="tokens each reply has at most")
     p.add_argument("--kv-ram", default="96M", help="RAM for KV caches, every system the same")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--overhead-calls", type=int, default=30)
+    p.add_argument("--overhead-calls", type=int, default=40)
     p.add_argument("--quick", action="store_true", help="4 agents to 1K: a smoke run")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
