@@ -423,8 +423,10 @@ def main(argv: list[str] | None = None) -> None:
                         calls = run_system(server, conversations, args, rounds)
                         if not overhead:
                             url = server.start()
-                            overhead = gateway_overhead(svc, url, args.overhead_calls)
-                            server.stop()
+                            try:
+                                overhead = gateway_overhead(svc, url, args.overhead_calls)
+                            finally:  # the gateway is not one of svc's processes
+                                server.stop()
                 else:
                     calls = run_system(
                         peer_server(system, args, root, kv_ram), conversations, args, rounds
