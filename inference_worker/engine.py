@@ -217,10 +217,10 @@ class Engine:
             chat = agent.chat
             chat.reply_open, chat.last_role = True, "assistant"
             chat.digest = chain(chat.digest, [reply])
-        if usage.generated_tokens or job.messages:
-            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached)
             self.metrics.generated_tokens.inc(usage.generated_tokens)
             self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
+        if usage.generated_tokens or job.messages:
+            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached)
         self._finish_turn(agent)
         self.metrics.turns.labels(state=usage.cache_state).inc()
         if job.durable and agent.pending is not None:

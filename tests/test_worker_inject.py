@@ -116,3 +116,21 @@ def test_bad_injections_and_forks_get_precise_errors(tiny_model_dirs, start_work
     after = w.describe("ns", "a")
     assert (after.num_tokens, after.generation) == (state.num_tokens, state.generation)
     assert w.turn("ns", "a", Q1, max_tokens=4).usage.cache_state == "hot"
+
+
+def test_an_injection_is_not_counted_as_a_reply(tiny_model_dirs, start_worker):
+    """The worker's TTFT and generated-token metrics count replies only: an injection
+    generates nothing, so it adds no time to first token."""
+    import urllib.request
+
+    proc = start_worker(tiny_model_dirs["llama"], "--metrics-listen", "127.0.0.1:0")
+    w = WorkerClient(proc.address)
+    w.create_agent("ns", "listener", SYSTEM)
+    w.inject("ns", "listener", HEARD)
+    reply = w.turn("ns", "listener", Q2, max_tokens=4)
+    w.inject("ns", "listener", HEARD)
+    metrics = proc._find_event("serving", 0)["metrics"]
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    assert "agentkv_worker_ttft_seconds_count 1.0" in text
+    generated = f"agentkv_worker_generated_tokens_total {float(len(reply.token_ids))}"
+    assert generated in text
