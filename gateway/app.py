@@ -41,6 +41,7 @@ from agentkv.gateway.protocol import (
     HTTPError,
     agent_id,
     agentkv_json,
+    finish_reason,
     parse_chat,
     with_creation,
 )
@@ -266,7 +267,7 @@ class Gateway:
                 yield _sse(completion.chunk({"content": piece}))
             usage = with_creation(reply.usage, created)
             extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
-            last = completion.chunk({}, "length" if usage.finish_reason == "length" else "stop")
+            last = completion.chunk({}, finish_reason(usage))
             yield _sse({**last, "agentkv": extension})
             if call.include_usage:
                 yield _sse(completion.usage_chunk(usage, extension))

@@ -265,7 +265,9 @@ def agent_id(header: str, session: str, call: ChatCall) -> str:
     return "s-" + hashlib.blake2b(signal.encode(), digest_size=12).hexdigest()
 
 
-FINISH = {"stop": "stop", "length": "length"}
+def finish_reason(usage: Any) -> str:
+    """OpenAI's finish_reason of a turn: "length" when max_tokens cut it, else "stop"."""
+    return "length" if usage.finish_reason == "length" else "stop"
 
 
 def with_creation(usage: Any, created: Any) -> Any:
@@ -322,7 +324,7 @@ class Completion:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "finish_reason": FINISH.get(usage.finish_reason, "stop"),
+            "finish_reason": finish_reason(usage),
             "logprobs": None,
         }
         return {

@@ -118,9 +118,8 @@ def resume(tokens: Sequence[int], state: ChatState, messages: Sequence[ChatMessa
         if i is not None and mark.end <= len(tokens):
             kept = state.marks[: len(state.marks) - n]
             resumed = ChatState(
-                last_role=mark.last_role, reply_open=mark.reply_open, digest=mark.digest
+                last_role=mark.last_role, reply_open=mark.reply_open, digest=mark.digest, marks=kept
             )
-            resumed.marks = kept
             return Resumed(list(tokens[: mark.end]), resumed, list(messages[i:]), mark.cached)
     system = messages[0].content if messages and messages[0].role == "system" else ""
     rest = list(messages[1:]) if messages and messages[0].role == "system" else list(messages)

@@ -21,7 +21,7 @@ from agentkv.client.store import StoreClient
 from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition, Unavailable
 from inference_worker.agents import SYSTEM_KEY, Agent, HotTier, agent_exists, system_digest
 from inference_worker.batching import ActiveTurn, Batcher
-from inference_worker.chat import ChatFormat, ChatMessage, ChatState, chain, resume
+from inference_worker.chat import ChatFormat, ChatMessage, ChatState, Resumed, chain, resume
 from inference_worker.config import WorkerConfig
 from inference_worker.freshness import StoreView, is_current
 from inference_worker.metrics import WorkerMetrics
@@ -171,22 +171,13 @@ class Engine:
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
         max_tokens = job.sampling.max_tokens
-        context, state, messages, limit = agent.tokens, agent.chat, job.messages, None
         if job.whole_conversation:
-            resumed = resume(agent.tokens, agent.chat, job.messages)
-            context, state, messages, limit = (
-                resumed.tokens,
-                resumed.state,
-                resumed.messages,
-                resumed.cached,
-            )
-            if limit is None:  # what a new agent with this system prompt holds
-                made_with = agent.metadata.get(SYSTEM_KEY, system_digest(state.system))
-                same = made_with == system_digest(state.system)
-                limit = len(self.chat.start(state.system)[0]) if same else 0
-        tokens, chat = self.chat.extend(context, state, messages, max_tokens > 0)
+            start = self._resumed(agent, job.messages)
+        else:  # the messages follow the agent's context, all of whose cache it keeps
+            start = Resumed(agent.tokens, agent.chat, job.messages, None)
+        tokens, chat = self.chat.extend(start.tokens, start.state, start.messages, max_tokens > 0)
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
-        reuse = agent.reusable(tokens, max_tokens > 0, usage, limit)
+        reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached)
         pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
@@ -195,6 +186,18 @@ class Engine:
         request = Request(rid, len(pending), max_tokens, memory, job.priority, deadline)
         turn = ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
         return turn, tokens, chat
+
+    def _resumed(self, agent: Agent, messages: list[ChatMessage]) -> Resumed:
+        """Where a resent whole conversation picks up the agent's (chat.resume), with the
+        cache a turn starting over may keep: a new agent's stable prefix, none of it when
+        the agent was made with another system prompt."""
+        start = resume(agent.tokens, agent.chat, messages)
+        if start.cached is None:
+            system = start.state.system
+            made_with = agent.metadata.get(SYSTEM_KEY, system_digest(system))
+            same = made_with == system_digest(system)
+            start.cached = len(self.chat.start(system)[0]) if same else 0
+        return start
 
     def _turn_failed(self, turn: ActiveTurn, error: AgentKVError, scope: str) -> None:
         """A turn failed after it was queued: its agent goes back to before it (so a retry
