@@ -103,7 +103,11 @@ def test_hot_tier_never_evicts_what_is_not_durable():
 def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, capsys):
     from inference_worker.__main__ import build_config
 
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    # set, then deleted: monkeypatch puts back what was there before, so the "1" that
+    # build_config writes does not leak into later tests' worker processes (it made their
+    # BLAS single-threaded, and their greedy replies differ with the summation order)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS")
     base = ["--model", "m", "--store", "127.0.0.1:1"]
     with pytest.raises(SystemExit):
         build_config([*base, "--blas-threads", "-1"])
