@@ -1,10 +1,13 @@
 """The byte quotas, store-wide and per namespace: reservations for uploads in flight, and LRU
 eviction to make room.
 
-Unreferenced blocks go first, least recently used first; with `evict_agents`, then whole
-least-recently-used agents whose deletion frees a block. Leased blocks are never deleted.
-A namespace at its own quota evicts only its own blocks and agents: one tenant never pushes
-out another's.
+Unreferenced blocks go first, least recently used first; with an object store, then the local
+copies of blocks safe there (demoted: restorable, fetched back on a read); with
+`evict_agents`, then whole least-recently-used agents whose deletion frees a block (with an
+object store, only agents whose manifest is there: they stay restorable). Leased blocks are
+never deleted. A namespace at its own quota evicts only its own blocks and agents: one tenant
+never pushes out another's. With an object store, a reservation that finds nothing to free
+waits a while for uploads to make blocks safe before it refuses.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from agentkv.errors import DiskFull, QuotaExceeded, ResourceExhausted
 from cache_store import manifests
@@ -29,7 +32,13 @@ log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
 INDEX_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
 COLLECT_BATCH = 64  # blocks a collection deletes per hold of the capacity lock
+UPLOAD_WAIT_SECONDS = 30.0  # how long a reservation waits for uploads to free something
 T = TypeVar("T")
+
+
+class UploadQueue(Protocol):
+    def pending(self) -> int: ...
+    def wait_for_uploads(self, seconds: float) -> None: ...
 
 
 def now_ms() -> int:
@@ -51,6 +60,7 @@ class Capacity:
         self._reserved: Counter[str] = Counter()  # bytes in flight, per namespace
         self._block_access: dict[BlockId, int] = {}
         self._agent_access: dict[tuple[str, str], int] = {}
+        self.uploads: UploadQueue | None = None  # the object-store tier, when there is one
 
     # recency
 
@@ -83,6 +93,16 @@ class Capacity:
         """Claims `size` bytes that have arrived for an upload into `namespace`, evicting to
         make room within the namespace's quota and then the store's; QuotaExceeded if it
         can't, ResourceExhausted past the namespace's bound on bytes in flight."""
+        deadline = time.monotonic() + UPLOAD_WAIT_SECONDS
+        while True:
+            try:
+                return self._reserve(size, namespace)
+            except QuotaExceeded:
+                if not self.uploads or not self.uploads.pending() or time.monotonic() > deadline:
+                    raise
+            self.uploads.wait_for_uploads(0.5)  # a block made safe can be demoted
+
+    def _reserve(self, size: int, namespace: str) -> None:
         with self._lock:
             limit = self.config.max_namespace_inflight_bytes
             if self._reserved[namespace] + size > limit:
@@ -102,8 +122,7 @@ class Capacity:
         freed = False
         with self._lock:
             while self.payloads.disk_free() < need + DISK_SLACK:
-                agents = self.config.evict_agents
-                if not (self._evict_one_block(None) or (agents and self._evict_one_agent(None))):
+                if not self._free_one(None):
                     break
                 freed = True
         if freed:
@@ -154,15 +173,46 @@ class Capacity:
         """Evicts within `namespace` (None: the whole store) until `size` more bytes fit."""
         scope = "store" if namespace is None else f"namespace {namespace!r}"
         while (used := self._used(namespace)) + self._in_flight(namespace) + size > quota:
-            if self._evict_one_block(namespace):
-                continue
-            if self.config.evict_agents and self._evict_one_agent(namespace):
+            if self._free_one(namespace):
                 continue
             raise QuotaExceeded(
                 f"{scope} quota of {quota} bytes reached ({used} used, "
                 f"{self._in_flight(namespace)} in flight) and nothing can be evicted: every "
                 "block is referenced or leased"
             )
+
+    def _free_one(self, namespace: str | None) -> bool:
+        """Frees one thing in `namespace` (None: anywhere), in the order the module says."""
+        if self._evict_one_block(namespace):
+            return True
+        if self.uploads is not None and self._demote_one_block(namespace):
+            return True
+        return self.config.evict_agents and self._evict_one_agent(namespace)
+
+    def _demote_one_block(self, namespace: str | None) -> bool:
+        """Frees the local copy of the least recently used block safe in the object store."""
+        with self.index.read() as txn:
+            candidates = [
+                b
+                for b in self.index.blocks(txn, namespace)
+                if b.local
+                and self.index.remote_checksum(txn, b.namespace, b.key) is not None
+                and not self.leases.is_held((b.namespace, b.key))
+            ]
+        candidates.sort(key=lambda b: self.block_last_access((b.namespace, b.key), b.created_ms))
+        for block in candidates:
+            with self.index.write() as txn:
+                current = self.index.find_block(txn, block.namespace, block.key)
+                if current is None or not current.local:
+                    continue
+                if self.leases.is_held((block.namespace, block.key)):
+                    continue
+                self.index.set_local(txn, current, False)
+                self.index.bump(txn, "demoted_blocks")
+            self.payloads.delete(current)
+            self.metrics.demoted_blocks.inc()
+            return True
+        return False
 
     def _used(self, namespace: str | None) -> int:
         with self.index.read() as txn:
@@ -177,7 +227,7 @@ class Capacity:
                 b for b in self.index.unreferenced(txn, namespace) if not self.leases.is_held(b)
             ]
             records = {b: self.index.find_block(txn, *b) for b in candidates}
-            created = {b: r.created_ms for b, r in records.items() if r is not None}
+            created = {b: r.created_ms for b, r in records.items() if r is not None and r.local}
         candidates = list(created)
         for block in sorted(candidates, key=lambda b: self.block_last_access(b, created[b])):
             if self._delete_unreferenced(block, count_eviction=True):
@@ -189,6 +239,8 @@ class Capacity:
         """Deletes the least recently used agent whose blocks would then become evictable."""
         with self.index.read() as txn:
             agents = sorted(self.index.agents(txn, namespace), key=self._agent_last_access)
+            if self.uploads is not None:  # only agents the object store holds: they stay
+                agents = [a for a in agents if self._in_object_store(txn, a)]
             victim = next((a for a in agents if self._frees_space(txn, a)), None)
         if victim is None:
             return False
@@ -200,13 +252,22 @@ class Capacity:
         log.info("agent evicted", extra={"namespace": victim.namespace, "agent": victim.agent_id})
         return True
 
+    def _in_object_store(self, txn: Any, agent: AgentRecord) -> bool:
+        uploaded = self.index.uploaded_generation(txn, agent.namespace, agent.agent_id)
+        return uploaded == agent.generation
+
     def _agent_last_access(self, agent: AgentRecord) -> int:
         return self._agent_access.get((agent.namespace, agent.agent_id), agent.updated_ms)
 
     def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
         for key in agent.block_keys:
             block = self.index.find_block(txn, agent.namespace, key)
-            if block and block.refcount == 1 and not self.leases.is_held((agent.namespace, key)):
+            if (
+                block
+                and block.local
+                and block.refcount == 1
+                and not self.leases.is_held((agent.namespace, key))
+            ):
                 return True
         return False
 

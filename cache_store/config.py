@@ -12,6 +12,7 @@ from agentkv.ids import NAMESPACE_RE
 from agentkv.serving import ServerConfig, listen_flag
 from agentkv.units import parse_bytes
 from agentkv.wire import MAX_CHUNK_BYTES
+from cache_store.objects import Location
 
 ANY_NAMESPACE = "*"
 
@@ -55,6 +56,28 @@ class StoreConfig(ServerConfig):
         "0: only quota pressure and CollectGarbage (agentkv store gc) delete them",
     )
     lease_seconds: int = flag(60, "how long a read or upload lease lasts unless renewed")
+    # The object-store tier (tier.py).
+    object_store: str = flag(
+        "",
+        "s3://BUCKET/PREFIX: write every block and manifest through to this S3-compatible "
+        "bucket, demote local copies to it under quota pressure, and restore from it what "
+        "the local disk lacks (credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+        "AWS_PROFILE, ~/.aws)",
+    )
+    s3_endpoint: str = flag(
+        "", "the object store's URL, e.g. http://127.0.0.1:8333 (SeaweedFS, MinIO); empty: AWS"
+    )
+    store_id: str = flag(
+        "", "this store's name in the bucket's writer leases; default: one kept in the data dir"
+    )
+    writer_lease_seconds: float = flag(
+        30.0, "how long a namespace's writer lease in the bucket lasts unless renewed"
+    )
+    object_queue_max: int = flag(
+        100_000,
+        "uploads queued in memory; past it the store reports 'backlogged' and finds the rest "
+        "in its index once the queue drains",
+    )
     max_lease_seconds: int = 600
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     max_block_bytes: int = 1 << 30
@@ -116,6 +139,12 @@ class StoreConfig(ServerConfig):
             raise ValueError(
                 f"max_leases_per_namespace must be >= 1, got {self.max_leases_per_namespace}"
             )
+        if self.object_store:
+            Location.parse(self.object_store)  # ValueError names the flag
+        if self.writer_lease_seconds < 3:
+            raise ValueError(f"writer_lease_seconds must be >= 3, got {self.writer_lease_seconds}")
+        if self.object_queue_max < 1:
+            raise ValueError(f"object_queue_max must be >= 1, got {self.object_queue_max}")
         if not 0 <= self.umask <= 0o777:
             raise ValueError(f"umask must be an octal mode 000..777, got {self.umask:o}")
         self.check_serving()

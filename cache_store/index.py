@@ -10,6 +10,9 @@ Sub-databases ("tables"):
   agents      ns/agent   -> AgentRecord
   namespaces  ns         -> {agents, blocks, bytes}
   counters    name       -> uint64 (evictions, quarantines)
+  remote      ns/key     -> uint64 xxh3_64 of the payload: the block is whole in the object store
+  uploaded    ns/agent   -> uint64 generation whose manifest is in the object store (0: a
+                            deletion not yet carried out there)
   meta        name       -> schema_version (schema.py)
   quarantine  table NUL key -> [reason, raw bytes] of a bad agent or block record
 Every value is sealed (records.seal). A point read of a bad record raises CorruptRecord, a
@@ -52,7 +55,17 @@ log = logging.getLogger("agentkv.store")
 
 SEP = b"\x00"
 _U32 = struct.Struct(">I")
-TABLES = ("blocks", "children", "unref", "lost", "agents", "namespaces", "counters")
+TABLES = (
+    "blocks",
+    "children",
+    "unref",
+    "lost",
+    "agents",
+    "namespaces",
+    "counters",
+    "remote",
+    "uploaded",
+)
 DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
 NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
 
@@ -90,6 +103,7 @@ class Index:
         self._unref, self._lost = self.dbs["unref"], self.dbs["lost"]
         self._agents, self._namespaces = self.dbs["agents"], self.dbs["namespaces"]
         self._counters, self._quarantine = self.dbs["counters"], self.dbs["quarantine"]
+        self._remote, self._uploaded = self.dbs["remote"], self.dbs["uploaded"]
 
     def close(self) -> None:
         self.env.close()
@@ -161,7 +175,7 @@ class Index:
         if record.refcount == 0:
             self.put_unref(txn, k)
         txn.delete(quarantine_key("blocks", k), db=self._quarantine)
-        self._add_usage(txn, record.namespace, blocks=1, num_bytes=record.num_bytes)
+        self._add_usage(txn, record.namespace, blocks=1, num_bytes=record.local_bytes)
 
     def delete_block(self, txn: lmdb.Transaction, record: BlockRecord, lost: bool = False) -> None:
         """Drops a block; `lost` (quarantine) remembers its references for a re-upload."""
@@ -172,7 +186,60 @@ class Index:
         parent = ns_key(record.namespace, record.parent_key)
         txn.delete(parent, seal(parent, child_entry(record)), db=self._children)
         txn.delete(k, db=self._unref)
-        self._add_usage(txn, record.namespace, blocks=-1, num_bytes=-record.num_bytes)
+        self._add_usage(txn, record.namespace, blocks=-1, num_bytes=-record.local_bytes)
+
+    def set_local(self, txn: lmdb.Transaction, record: BlockRecord, local: bool) -> BlockRecord:
+        """Marks a block's payload on local disk or only in the object store (usage follows)."""
+        k = ns_key(record.namespace, record.key)
+        current = self.get_block(txn, record.namespace, record.key) or record
+        if current.local == local:
+            return current
+        updated = replace(current, local=local)
+        txn.put(k, updated.encode(k), db=self._blocks)
+        delta = updated.num_bytes if local else -updated.num_bytes
+        self._add_usage(txn, record.namespace, num_bytes=delta)
+        return updated
+
+    # the object store's copies
+
+    def remote_checksum(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> int | None:
+        """The payload checksum of a block whole in the object store; None if it is not."""
+        k = ns_key(namespace, key)
+        raw = txn.get(k, db=self._remote)
+        return self._lenient(lambda key, v: decode_u64("remote", key, v), k, raw) if raw else None
+
+    def put_remote(self, txn: lmdb.Transaction, namespace: str, key: bytes, checksum: int) -> None:
+        k = ns_key(namespace, key)
+        txn.put(k, encode_u64(k, checksum), db=self._remote)
+
+    def delete_remote(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> None:
+        txn.delete(ns_key(namespace, key), db=self._remote)
+
+    def uploaded_generation(
+        self, txn: lmdb.Transaction, namespace: str, agent_id: str
+    ) -> int | None:
+        """The generation of the agent's manifest in the object store (0: deletion pending)."""
+        k = ns_key(namespace, agent_id)
+        raw = txn.get(k, db=self._uploaded)
+        return self._u64("uploaded", k, raw) if raw is not None else None
+
+    def put_uploaded(
+        self, txn: lmdb.Transaction, namespace: str, agent_id: str, generation: int
+    ) -> None:
+        k = ns_key(namespace, agent_id)
+        txn.put(k, encode_u64(k, generation), db=self._uploaded)
+
+    def delete_uploaded(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> None:
+        txn.delete(ns_key(namespace, agent_id), db=self._uploaded)
+
+    def uploads_done(self, txn: lmdb.Transaction) -> Iterator[tuple[str, str, int]]:
+        """(namespace, agent id, generation) of every manifest entry in `uploaded`."""
+        for k, raw in txn.cursor(db=self._uploaded):
+            ns, ident = split_key(k)
+            yield ns, ident.decode(errors="replace"), self._u64("uploaded", k, raw)
+
+    def remote_keys(self, txn: lmdb.Transaction) -> set[tuple[str, bytes]]:
+        return {split_key(k) for k, _ in txn.cursor(db=self._remote)}
 
     def put_child(self, txn: lmdb.Transaction, record: BlockRecord) -> None:
         parent = ns_key(record.namespace, record.parent_key)
@@ -251,6 +318,15 @@ class Index:
         if reason is not None:
             raise lost_agent(namespace, agent_id, reason)
         return None
+
+    def find_agent(
+        self, txn: lmdb.Transaction, namespace: str, agent_id: str
+    ) -> AgentRecord | None:
+        """Like get_agent, but a bad or quarantined manifest reads as absent."""
+        try:
+            return self.get_agent(txn, namespace, agent_id)
+        except CorruptRecord:
+            return None
 
     def put_agent(self, txn: lmdb.Transaction, record: AgentRecord, created: bool) -> None:
         k = ns_key(record.namespace, record.agent_id)

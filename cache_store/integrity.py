@@ -45,6 +45,9 @@ CHECKS: dict[str, Callable[[bytes, bytes], object]] = {
     "lost": lambda k, v: decode_u64("lost", k, v),
     "namespaces": lambda k, v: decode_usage("namespaces", k, v),
     "counters": lambda k, v: decode_u64("counters", k, v),
+    # A bad object-store entry is dropped: the block or manifest is written through again.
+    "remote": lambda k, v: decode_u64("remote", k, v),
+    "uploaded": lambda k, v: decode_u64("uploaded", k, v),
 }
 # A scan of every record checks the checksums of the big ones only: decoding every block
 # would double start-up time, and a sealed record that does not decode is caught on its read.
@@ -219,7 +222,7 @@ def rebuild(index: Index, txn: lmdb.Transaction) -> None:
             index.put_unref(txn, k)
         u = usage.setdefault(block.namespace, dict(NO_USAGE))
         u["blocks"] += 1
-        u["bytes"] += block.num_bytes
+        u["bytes"] += block.local_bytes
     for k, block in recounted:
         txn.put(k, block.encode(k), db=index.dbs["blocks"])
     for k, count in refs.items():

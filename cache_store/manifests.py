@@ -75,6 +75,14 @@ def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> Agent
     return record
 
 
+def install(
+    index: Index, txn: lmdb.Transaction, record: AgentRecord, old: AgentRecord | None
+) -> None:
+    """Puts a manifest read from the object store in place of `old` (its blocks are here)."""
+    _move_refs(index, txn, record.namespace, old.block_keys if old else [], record.block_keys)
+    index.put_agent(txn, record, created=old is None)
+
+
 def fork(
     index: Index,
     txn: lmdb.Transaction,

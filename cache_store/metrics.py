@@ -29,6 +29,17 @@ class _UsageCollector(Collector):
             "Free bytes on the data disk",
             value=s["disk_free_bytes"],
         )
+        if s.get("object_store"):
+            yield GaugeMetricFamily(
+                "agentkv_store_object_queue_depth",
+                "Blocks and manifests waiting to be written to the object store",
+                value=s["object_queue_depth"],
+            )
+            yield GaugeMetricFamily(
+                "agentkv_store_object_store_up",
+                "1 while the object store answers",
+                value=float(s["object_store"] != "unreachable"),
+            )
 
 
 class StoreMetrics:
@@ -66,6 +77,33 @@ class StoreMetrics:
         )
         self.rpc_errors = Counter(
             "agentkv_store_rpc_errors", "RPCs that failed", ["code"], registry=r
+        )
+        # The object-store tier (tier.py): requests by operation, and blocks moved.
+        self.object_seconds = Histogram(
+            "agentkv_store_object_seconds",
+            "Object-store request latency",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.object_bytes = Counter(
+            "agentkv_store_object_bytes", "Object-store payload bytes moved", ["op"], registry=r
+        )
+        self.object_errors = Counter(
+            "agentkv_store_object_errors", "Object-store requests that failed", ["op"], registry=r
+        )
+        self.demoted_blocks = Counter(
+            "agentkv_store_demoted_blocks",
+            "Local copies freed of blocks safe in the object store",
+            registry=r,
+        )
+        self.rehydrated_blocks = Counter(
+            "agentkv_store_rehydrated_blocks",
+            "Blocks fetched back from the object store",
+            registry=r,
+        )
+        self.uploaded = Counter(
+            "agentkv_store_object_uploads", "Objects written through", ["kind"], registry=r
         )
 
     def watch_usage(self, stats: Callable[[], dict[str, Any]]) -> None:

@@ -123,6 +123,12 @@ class BlockRecord:
     relpath: str  # under the data directory
     created_ms: int
     refcount: int = 0
+    local: bool = True  # False: demoted, its payload only in the object store
+
+    @property
+    def local_bytes(self) -> int:
+        """What the payload takes on local disk (what the quotas count)."""
+        return self.num_bytes if self.local else 0
 
     @property
     def layers(self) -> list[int]:
@@ -149,6 +155,7 @@ class BlockRecord:
                 "path": self.relpath,
                 "c": self.created_ms,
                 "rc": self.refcount,
+                "lc": self.local,
             }
         )
 
@@ -173,6 +180,7 @@ class BlockRecord:
             relpath=d["path"],
             created_ms=d["c"],
             refcount=d["rc"],
+            local=d.get("lc", True),
         )
 
 

@@ -28,8 +28,10 @@ from cache_store.index import Index
 from cache_store.leases import Leases
 from cache_store.lock import DataDirLock
 from cache_store.metrics import StoreMetrics
+from cache_store.objects import Bucket, Location, ObjectStoreDown
 from cache_store.payloads import Payloads
 from cache_store.records import BlockRecord, Segment
+from cache_store.tier import ObjectTier
 from cache_store.uploads import PutHeader, PutResult, Uploads
 from cache_store.validation import TensorLayout
 
@@ -87,15 +89,40 @@ class CacheStore:
             self.capacity,
             self.metrics,
             self._quarantine,
+            before_write=self._before_write,
+            stored=self._block_stored,
         )
         self.recover()
+        self.tier = self._object_tier() if config.object_store else None
+        self.capacity.uploads = self.tier
         self.metrics.watch_usage(self.stats)
         idle = config.gc_idle_seconds
         self.collector = IdleCollector(self.capacity, idle, self.metrics) if idle else None
 
+    def _object_tier(self) -> ObjectTier:
+        config = self.config
+        bucket = Bucket(Location.parse(config.object_store), config.s3_endpoint, self.metrics)
+        try:
+            bucket.ensure_bucket()
+        except ObjectStoreDown as exc:  # the local tier works meanwhile; uploads wait for it
+            log.warning("object store unreachable at start-up", extra={"reason": exc.message})
+        return ObjectTier(
+            config,
+            self.index,
+            self.payloads,
+            self.leases,
+            self.capacity,
+            self.metrics,
+            bucket,
+            self.uploads.publish_lock,
+            self._quarantine,
+        )
+
     def close(self) -> None:
         if self.collector is not None:
             self.collector.close()  # before the index it reads closes
+        if self.tier is not None:
+            self.tier.close()
         self.index.close()
         self.lock.release()
 
@@ -112,6 +139,8 @@ class CacheStore:
             records = list(self.index.blocks(txn, None))
         lost = 0
         for record in records:
+            if not record.local:
+                continue  # demoted: its payload is in the object store
             try:
                 self.payloads.check_size(record)
             except CorruptBlock as exc:
@@ -158,6 +187,7 @@ class CacheStore:
             self.config.max_lease_seconds,
         )
         try:
+            self._ensure_local(selections)
             yield
         finally:
             self.leases.release(lease_id)
@@ -189,9 +219,34 @@ class CacheStore:
         selections = self.select(namespace, fingerprint, keys, layers)
         blocks = [(s.record.namespace, s.record.key) for s in selections]
         lease_id, expires = self.leases.grant(selections[0].record.namespace, blocks, seconds)
+        try:
+            self._ensure_local(selections)  # fetched to local disk, then located
+        except BaseException:
+            self.leases.release(lease_id)
+            raise
         for block in blocks:
             self.capacity.touch_block(block)
         return lease_id, expires, selections
+
+    def _ensure_local(self, selections: Sequence[Selection]) -> None:
+        """Under the caller's lease (nothing demotes a leased block): each selected block's
+        record as it is now, its payload fetched back from the object store if demoted. One
+        the object store cannot give back whole is quarantined (DATA_LOSS: a re-prefill)."""
+        with self.index.read() as txn:
+            for s in selections:
+                s.record = self.index.find_block(txn, s.record.namespace, s.record.key) or s.record
+        for s in selections:
+            if s.record.local:
+                continue
+            if self.tier is None:
+                raise CorruptBlock(
+                    f"block {s.record.key.hex()} is demoted and no object store is set"
+                )
+            try:
+                s.record = self.tier.rehydrate(s.record)
+            except CorruptBlock as exc:
+                self._quarantine(s.record, exc.message)
+                raise
 
     def path_of(self, record: BlockRecord) -> str:
         return str(self.payloads.path(record.relpath))
@@ -209,6 +264,8 @@ class CacheStore:
         if does_not_fit:
             self._quarantine(record, f"reported not to fit its model: {reason}")
             return True
+        if not record.local:
+            return False  # nothing here to check; a fetch back checks the object store's copy
         try:
             self.payloads.verify(record)
         except CorruptBlock as exc:
@@ -256,10 +313,12 @@ class CacheStore:
         c.metadata = ids.metadata(c.metadata)
         c.phase = ids.phase(c.phase)
         c.block_keys = [ids.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
+        self._before_write(c.namespace)
         record, result = self.capacity.with_room(self._commit, c)
         if release_lease_id:
             self.leases.release(release_lease_id)
         self.capacity.touch_agent(record.namespace, record.agent_id)
+        self._agent_changed(record.namespace, record.agent_id)
         return result
 
     def _commit(self, c: manifests.Commit) -> tuple[Any, manifests.AgentView]:
@@ -274,6 +333,8 @@ class CacheStore:
         ids.agent_id(agent_id)
         if fingerprint:
             ids.fingerprint(fingerprint)
+        if self.tier is not None:
+            self._fetch_if_newer(ns, agent_id)
         with self._repairing(), self.index.read() as txn:
             record = manifests.get(self.index, txn, ns, agent_id)
             if fingerprint and record.fingerprint != fingerprint:
@@ -285,20 +346,49 @@ class CacheStore:
         self.capacity.touch_agent(ns, agent_id)
         return result
 
+    def _fetch_if_newer(self, namespace: str, agent_id: str) -> None:
+        """An agent absent here is fetched from the object store; one this store does not
+        write is fetched again when the object store holds a newer generation."""
+        with self.index.read() as txn:
+            local = self.index.find_agent(txn, namespace, agent_id)
+        if local is not None and self.tier.writers.holds(namespace):
+            return
+        try:
+            self.tier.fetch_agent(namespace, agent_id, local.generation if local else None)
+        except ObjectStoreDown as exc:
+            if local is None:  # it may be there: a new agent now could overwrite its history
+                raise ObjectStoreDown(
+                    f"agent {agent_id!r} in namespace {namespace!r} is not on this store's disk "
+                    f"and the object store cannot be asked for it: {exc.message}"
+                ) from exc
+            log.warning("object store unreachable: serving the local manifest of %r", agent_id)
+
     def list_agents(
         self, namespace: str, page_token: str, page_size: int
     ) -> list[manifests.AgentView]:
+        """A page of agents in id order: this store's, and with an object store also those
+        only the bucket holds (fetched on their first GetAgent)."""
         ns = ids.namespace(namespace)
+        limit = page_size_limit(page_size)
         with self._repairing(), self.index.read() as txn:
-            page = self.index.agent_page(txn, ns, page_token, page_size_limit(page_size))
-            return [manifests.view(self.index, txn, r) for r in page]
+            page = self.index.agent_page(txn, ns, page_token, limit)
+            views = [manifests.view(self.index, txn, r) for r in page]
+        if self.tier is None:
+            return views
+        merged = {v.record.agent_id: v for v in self.tier.bucket_agents(ns, page_token, limit)}
+        merged.update((v.record.agent_id, v) for v in views)
+        return [merged[a] for a in sorted(merged)][:limit]
 
     def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
         ns = ids.namespace(namespace)
         ids.agent_id(agent_id)
+        self._before_write(ns)
         with self.index.write() as txn:
             released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
+            if self.tier is not None:
+                self.index.put_uploaded(txn, ns, agent_id, 0)  # delete it there too
         self.capacity.forget_agent(ns, agent_id)
+        self._agent_changed(ns, agent_id)
         return released
 
     def fork_agent(
@@ -315,11 +405,16 @@ class CacheStore:
         ids.agent_id(new_id, "new_agent_id")
         metadata = ids.metadata(metadata)
         phase = ids.phase(phase)
+        self._before_write(ns)
+        if self.tier is not None:
+            self._fetch_if_newer(ns, source_id)
         with self.index.write() as txn:
             record = manifests.fork(
                 self.index, txn, ns, source_id, new_id, num_tokens, phase, metadata, now_ms()
             )
-            return manifests.view(self.index, txn, record)
+            view = manifests.view(self.index, txn, record)
+        self._agent_changed(ns, new_id)
+        return view
 
     # inspection and maintenance
 
@@ -342,8 +437,16 @@ class CacheStore:
             usage = self.index.namespaces(txn)
             counters = {
                 n: self.index.counter(txn, n)
-                for n in ("evicted_blocks", "evicted_agents", "quarantined", "quarantined_records")
+                for n in (
+                    "evicted_blocks",
+                    "evicted_agents",
+                    "quarantined",
+                    "quarantined_records",
+                    "demoted_blocks",
+                    "rehydrated_blocks",
+                )
             }
+        tier = self.tier.stats() if self.tier is not None else {}
         return {
             "num_namespaces": len(usage),
             "num_agents": sum(u["agents"] for u in usage.values()),
@@ -355,6 +458,9 @@ class CacheStore:
             "num_quarantined": counters["quarantined"] + counters["quarantined_records"],
             "num_leases": len(self.leases),
             "disk_free_bytes": self.payloads.disk_free(),
+            "num_demoted_blocks": counters["demoted_blocks"],
+            "num_rehydrated_blocks": counters["rehydrated_blocks"],
+            **tier,
         }
 
     def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]]]:
@@ -374,6 +480,8 @@ class CacheStore:
         corrupt: list[tuple[BlockRecord, str]] = []
         checked = num_bytes = 0
         for record in records:
+            if not record.local:
+                continue  # in the object store; checked when fetched back
             try:
                 self.payloads.verify(record)
                 checked += 1
@@ -414,11 +522,32 @@ class CacheStore:
             bad = integrity.repair(self.index, txn, suspects)
         self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad))
 
+    def _before_write(self, namespace: str) -> None:
+        if self.tier is not None:
+            self.tier.check_writer(namespace)
+
+    def _block_stored(self, record: BlockRecord) -> None:
+        if self.tier is not None:
+            self.tier.block_stored(record)
+
+    def _agent_changed(self, namespace: str, agent_id: str) -> None:
+        if self.tier is not None:
+            self.tier.agent_changed(namespace, agent_id)
+
     def _quarantine(self, record: BlockRecord, reason: str) -> None:
+        """Takes a bad payload out; a block whose object-store copy is whole (and that copy
+        is not what failed) is demoted instead, so its next read fetches that copy."""
         with self.index.write() as txn:
-            if self.index.find_block(txn, record.namespace, record.key) is None:
+            current = self.index.find_block(txn, record.namespace, record.key)
+            if current is None:
                 return  # someone else got there first
-            self.index.delete_block(txn, record, lost=True)
+            remote = self.index.remote_checksum(txn, record.namespace, record.key)
+            demote = current.local and remote is not None and self.tier is not None
+            if demote:
+                self.index.set_local(txn, current, False)
+            else:
+                self.index.delete_block(txn, current, lost=True)
+                self.index.delete_remote(txn, record.namespace, record.key)
             self.index.bump(txn, "quarantined")
         dest = self.payloads.quarantine(record)
         self.metrics.quarantines.inc()

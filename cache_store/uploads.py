@@ -75,10 +75,14 @@ class Uploads:
         capacity: Capacity,
         metrics: StoreMetrics,
         quarantine: Callable[[BlockRecord, str], None],
+        before_write: Callable[[str], None] = lambda namespace: None,
+        stored: Callable[[BlockRecord], None] = lambda record: None,
     ) -> None:
         self.config, self.index, self.payloads = config, index, payloads
         self.leases, self.capacity, self.metrics = leases, capacity, metrics
         self.quarantine = quarantine
+        self.before_write = before_write  # may refuse the namespace (another store writes it)
+        self.stored = stored  # told of every block newly stored (the object store's queue)
         self.publish_lock = threading.Lock()  # rename..index commit, against the orphan sweep
 
     def put_stream(
@@ -124,6 +128,7 @@ class Uploads:
         if not tokens:
             raise InvalidArgument("a block needs at least one token")
         layout = validation.tensor_layout(header.tensors, self.config.max_block_bytes)
+        self.before_write(ns)
         key = block_key(fp, parent, tokens)
         with self.index.read() as txn:
             if parent:
@@ -164,8 +169,11 @@ class Uploads:
             raise FailedPrecondition(f"{exc.message}: put the parent block first") from None
 
     def _intact(self, record: BlockRecord) -> bool:
-        """Whether a stored twin's file is whole (a stat); a lost one is quarantined, so this
-        upload replaces it and heals every manifest that references it."""
+        """Whether a stored twin's file is whole (a stat), or safe in the object store; a lost
+        one is quarantined, so this upload replaces it and heals every manifest that
+        references it."""
+        if not record.local:
+            return True
         try:
             self.payloads.check_size(record)
         except CorruptBlock as exc:
@@ -226,6 +234,7 @@ class Uploads:
             self.metrics.dedup_hits.inc()
             return _result(twin, deduplicated=True)
         self.metrics.put_bytes.inc(record.num_bytes)
+        self.stored(record)
         return _result(record, deduplicated=False)
 
     def _index(self, record: BlockRecord) -> None:

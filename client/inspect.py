@@ -32,9 +32,24 @@ def cmd_stats(client: StoreClient, args: argparse.Namespace) -> None:
                 ("quarantined", s.num_quarantined),
                 ("leases", s.num_leases),
                 ("disk free", human_bytes(s.disk_free_bytes)),
+                *_object_store_rows(s),
             ],
         )
     )
+
+
+def _object_store_rows(s: pb.GetStatsResponse) -> list[tuple[str, object]]:
+    if not s.object_store:
+        return [("object store", "none")]
+    return [
+        ("object store", s.object_store),
+        ("object store state", s.object_store_state),
+        ("upload queue", s.object_queue_depth),
+        ("demoted blocks", s.num_demoted_blocks),
+        ("rehydrated blocks", s.num_rehydrated_blocks),
+        ("written to it", human_bytes(s.object_put_bytes)),
+        ("read from it", human_bytes(s.object_get_bytes)),
+    ]
 
 
 def cmd_namespaces(client: StoreClient, args: argparse.Namespace) -> None:

@@ -1,0 +1,209 @@
+"""An S3-compatible bucket as the store sees it: named objects of bytes with metadata, and
+the two conditional puts the writer leases need. boto3 underneath (AWS S3, Ceph RGW, MinIO,
+SeaweedFS); credentials the standard AWS way (environment, shared files, instance roles).
+
+Every failure becomes one of three things: absent (None), `Conflict` (a conditional put that
+lost) or `ObjectStoreDown` (unreachable, timed out, refused, or an answer that makes no
+sense), so the tier above never sees botocore.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from agentkv.errors import Unavailable
+from cache_store.metrics import StoreMetrics
+
+_ABSENT = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+_LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+
+
+class ObjectStoreDown(Unavailable):
+    """The object store did not answer, or answered with an error that is not ours."""
+
+
+class Conflict(Exception):
+    """A conditional put found the object changed (If-Match) or present (If-None-Match)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    bucket: str
+    prefix: str  # "" or ending in "/"
+
+    @classmethod
+    def parse(cls, url: str) -> Location:
+        """'s3://bucket/some/prefix' -> Location('bucket', 'some/prefix/')."""
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"--object-store must be s3://BUCKET[/PREFIX], got {url!r}")
+        prefix = parsed.path.strip("/")
+        return cls(parsed.netloc, f"{prefix}/" if prefix else "")
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True, slots=True)
+class Got:
+    body: bytes
+    metadata: dict[str, str]
+    etag: str
+
+
+class Bucket:
+    """One bucket and key prefix. Thread-safe (boto3 clients are); each call is timed and
+    counted per operation in `metrics`."""
+
+    def __init__(
+        self,
+        location: Location,
+        endpoint: str,
+        metrics: StoreMetrics,
+        timeout_seconds: float = 10.0,
+    ) -> None:
+        import boto3  # only a store with an object store pays for importing it
+        from botocore.config import Config
+
+        self.location, self.metrics = location, metrics
+        self.moved: collections.Counter[str] = collections.Counter()  # payload bytes by op
+        config = Config(
+            connect_timeout=min(timeout_seconds, 3.0),
+            read_timeout=timeout_seconds,
+            retries={"max_attempts": 2, "mode": "standard"},
+            max_pool_connections=16,
+            s3={"addressing_style": "path"} if endpoint else {},
+        )
+        session = boto3.session.Session()
+        self._client = session.client(
+            "s3",
+            endpoint_url=endpoint or None,
+            region_name=session.region_name or "us-east-1",
+            config=config,
+        )
+
+    def name(self, key: str) -> str:
+        return self.location.prefix + key
+
+    def ensure_bucket(self) -> None:
+        """Creates the bucket if it does not exist (a test server, a fresh MinIO)."""
+        with self._call("head_bucket"):
+            try:
+                self._client.head_bucket(Bucket=self.location.bucket)
+                return
+            except Exception as exc:
+                if _code(exc) not in _ABSENT:
+                    raise
+        with self._call("create_bucket"):
+            try:
+                self._client.create_bucket(Bucket=self.location.bucket)
+            except Exception as exc:
+                if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    def put(
+        self,
+        key: str,
+        body: bytes,
+        metadata: dict[str, str],
+        if_none_match: bool = False,
+        if_match: str = "",
+    ) -> str:
+        """Stores `body` under `key`; returns its ETag. Conflict when a condition fails."""
+        args = {"Bucket": self.location.bucket, "Key": self.name(key), "Body": body}
+        args["Metadata"] = metadata
+        if if_none_match:
+            args["IfNoneMatch"] = "*"
+        if if_match:
+            args["IfMatch"] = if_match
+        with self._call("put", len(body), conditional=bool(if_none_match or if_match)):
+            reply = self._client.put_object(**args)
+        return reply["ETag"]
+
+    def get(self, key: str) -> Got | None:
+        """The object's bytes and metadata, None when there is none."""
+        with self._call("get", absent_ok=True) as call:
+            reply = self._client.get_object(Bucket=self.location.bucket, Key=self.name(key))
+            body = reply["Body"].read()
+            call.num_bytes = len(body)
+            return Got(body, dict(reply.get("Metadata", {})), reply["ETag"])
+        return None
+
+    def head(self, key: str) -> dict[str, str] | None:
+        """The object's metadata, None when there is none."""
+        with self._call("head", absent_ok=True):
+            reply = self._client.head_object(Bucket=self.location.bucket, Key=self.name(key))
+            return dict(reply.get("Metadata", {}))
+        return None
+
+    def delete(self, key: str) -> None:
+        with self._call("delete"):
+            self._client.delete_object(Bucket=self.location.bucket, Key=self.name(key))
+
+    def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> Iterator[str]:
+        """Keys (without the location's prefix) under `prefix`, in order, after `start_after`."""
+        paginator = self._client.get_paginator("list_objects_v2")
+        args = {"Bucket": self.location.bucket, "Prefix": self.name(prefix)}
+        if start_after:
+            args["StartAfter"] = self.name(start_after)
+        count = 0
+        with self._call("list"):
+            for page in paginator.paginate(**args, PaginationConfig={"PageSize": min(limit, 1000)}):
+                for item in page.get("Contents", []):
+                    yield item["Key"][len(self.location.prefix) :]
+                    count += 1
+                    if count >= limit:
+                        return
+
+    def _call(
+        self, op: str, num_bytes: int = 0, conditional: bool = False, absent_ok: bool = False
+    ) -> _Call:
+        return _Call(self, op, num_bytes, conditional, absent_ok)
+
+
+class _Call:
+    """Times one request, counts its bytes, and turns botocore's errors into ours."""
+
+    def __init__(
+        self, bucket: Bucket, op: str, num_bytes: int, conditional: bool, absent_ok: bool
+    ) -> None:
+        self.bucket, self.metrics, self.op, self.num_bytes = bucket, bucket.metrics, op, num_bytes
+        self.conditional, self.absent_ok = conditional, absent_ok
+
+    def __enter__(self) -> _Call:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self.metrics.object_seconds.labels(self.op).observe(time.perf_counter() - self.start)
+        if exc is None:
+            if self.num_bytes:
+                self.metrics.object_bytes.labels(self.op).inc(self.num_bytes)
+                self.bucket.moved[self.op] += self.num_bytes
+            return False
+        if isinstance(exc, GeneratorExit):
+            return False
+        code = _code(exc)
+        if self.absent_ok and code in _ABSENT:
+            return True  # the caller's `return None` after the block runs
+        if self.conditional and code in _LOST_RACE:
+            raise Conflict(code) from exc
+        self.metrics.object_errors.labels(self.op).inc()
+        what = code or type(exc).__name__
+        raise ObjectStoreDown(
+            f"object store {self.bucket.location}: {self.op} failed: {what}: {exc}"
+        ) from exc
+
+
+def _code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    error = response.get("Error", {})
+    return str(error.get("Code", "")) or str(
+        response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    )
