@@ -102,10 +102,6 @@ class CacheStore:
     def _object_tier(self) -> ObjectTier:
         config = self.config
         bucket = Bucket(Location.parse(config.object_store), config.s3_endpoint, self.metrics)
-        try:
-            bucket.ensure_bucket()
-        except ObjectStoreDown as exc:  # the local tier works meanwhile; uploads wait for it
-            log.warning("object store unreachable at start-up", extra={"reason": exc.message})
         return ObjectTier(
             config,
             self.index,

@@ -119,14 +119,25 @@ class WriterLeases:
         self.bucket, self.store_id, self.seconds = bucket, store_id, seconds
         self.margin = seconds / 3  # clock skew and a renewal in flight fit in it
         self._held: dict[str, _Held] = {}
+        self._unverified: set[str] = set()  # namespaces written while the bucket was away
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="writer-leases", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
+        """Stops renewing and hands every lease back (expired at once), so another store
+        can take a namespace over without waiting; a lease it cannot hand back lapses."""
         self._stop.set()
         self._thread.join()
+        with self._lock:
+            held, self._held = self._held, {}
+        for namespace, lease in held.items():
+            try:
+                body, meta = self._body(namespace, expires=0)
+                self.bucket.put(lease_object(namespace), body, meta, if_match=lease.etag)
+            except (Conflict, ObjectStoreDown):
+                pass
 
     def holds(self, namespace: str) -> bool:
         """Whether this store is the namespace's verified writer right now."""
@@ -142,11 +153,14 @@ class WriterLeases:
             return
         try:
             self.acquire(namespace)
+            self._unverified.discard(namespace)
         except ObjectStoreDown as exc:
-            log.warning(
-                "writer lease unverified: the object store is unreachable; writing locally",
-                extra={"namespace": namespace, "reason": exc.message},
-            )
+            if namespace not in self._unverified:  # said once per outage
+                self._unverified.add(namespace)
+                log.warning(
+                    "writer lease unverified: the object store is unreachable; writing locally",
+                    extra={"namespace": namespace, "reason": exc.message},
+                )
 
     def acquire(self, namespace: str) -> None:
         """Creates, renews or takes over the lease; NamespaceHeld if another store's is live."""
@@ -183,8 +197,8 @@ class WriterLeases:
                 continue
         raise NamespaceHeld(f"namespace {namespace!r}: lost the race for its writer lease")
 
-    def _body(self, namespace: str) -> tuple[bytes, dict[str, str]]:
-        expires = now_ms() + int(self.seconds * 1000)
+    def _body(self, namespace: str, expires: int | None = None) -> tuple[bytes, dict[str, str]]:
+        expires = now_ms() + int(self.seconds * 1000) if expires is None else expires
         body = json.dumps(
             {
                 "format": LEASE_FORMAT,
@@ -264,7 +278,10 @@ class ObjectTier:
         self._thread = threading.Thread(target=self._upload_loop, name="uploader", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, drain_seconds: float = 10.0) -> None:
+        """Writes out what is queued (for up to `drain_seconds`), then stops."""
+        if self.state == "ok":
+            self.drain(drain_seconds)
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
@@ -327,7 +344,22 @@ class ObjectTier:
 
     # the uploader
 
+    def _connect(self) -> None:
+        """Until the bucket answers (the local tier works meanwhile; uploads wait for it)."""
+        for attempt in range(1 << 30):
+            try:
+                self.bucket.ensure_bucket()
+                self._set_state("ok")
+                return
+            except ObjectStoreDown as exc:
+                if attempt == 0:
+                    log.warning("object store unreachable", extra={"reason": exc.message})
+                self._set_state("unreachable")
+            if self._stop.wait(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]):
+                return
+
     def _upload_loop(self) -> None:
+        self._connect()
         failures = 0
         while not self._stop.is_set():
             job = self._next_job()

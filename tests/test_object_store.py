@@ -1,0 +1,420 @@
+"""The object-store tier against a real SeaweedFS (`weed server`) and real store processes:
+agents restored warm on a store with an empty data dir, demotion under a quota, kill -9
+during uploads, the object store stopped mid-work, corrupted objects, and two stores racing
+for one namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
+from agentkv.errors import AgentKVError, CorruptBlock, FailedPrecondition, Unavailable
+from agentkv.launch import ServiceProcess, worker_process
+from tests.helpers import FP, StoreProcess, make_chain, same_bytes
+from tests.weed import CREDENTIALS, WeedServer
+
+NS = "ns"
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = "You are the keeper of the lighthouse, and you log every ship that passes. " * 4
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory) -> Iterator[WeedServer]:
+    server = WeedServer(tmp_path_factory.mktemp("weed")).start()
+    yield server
+    server.stop(kill=True)
+
+
+@pytest.fixture(autouse=True)
+def credentials(monkeypatch) -> None:
+    for name, value in CREDENTIALS.items():  # what the store processes inherit
+        monkeypatch.setenv(name, value)
+
+
+BUCKET = "agentkv-test"  # one bucket (a weed collection: each takes volume slots)
+_prefixes = iter(range(10**6))
+
+
+@pytest.fixture
+def bucket() -> str:
+    """This test's own prefix in the bucket: stores of different tests never meet."""
+    return f"t{os.getpid()}-{next(_prefixes)}"
+
+
+def tier_args(weed: WeedServer, prefix: str, *extra: str) -> list[str]:
+    return ["--object-store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", weed.endpoint, *extra]
+
+
+def start_store(tmp_path: Path, name: str, args: list[str]) -> StoreProcess:
+    return StoreProcess(tmp_path / name, tmp_path / f"{name}.log", extra_args=args).start()
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Waits for a condition the test then relies on (never for a fixed time)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def uploaded(client: StoreClient) -> bool:
+    s = client.stats()
+    return s.object_queue_depth == 0 and s.object_store_state == "ok"
+
+
+def bucket_manifests(weed: WeedServer, prefix: str) -> dict[str, dict]:
+    s3 = weed.client()
+    manifests = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+        for item in page.get("Contents", []):
+            if item["Key"].endswith(".json"):
+                body = s3.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read()
+                manifests[item["Key"]] = json.loads(body)
+    return manifests
+
+
+def assert_bucket_whole(weed: WeedServer, prefix: str) -> dict[str, dict]:
+    """Every manifest under the prefix names only blocks that are there, byte for byte what
+    its checksum says: nothing referenced is not whole."""
+    s3 = weed.client()
+    manifests = bucket_manifests(weed, prefix)
+    for name, m in manifests.items():
+        for block in m["blocks"]:
+            key = f"{prefix}/{m['namespace']}/blocks/{block['key']}.safetensors"
+            body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            assert xxhash.xxh3_64_intdigest(body) == int(block["xxh3"], 16), (name, key)
+            assert len(body) == block["num_bytes"]
+    return manifests
+
+
+def save(client: StoreClient, agent: str, tokens: list[int], seed: int = 0, gen: int = 0):
+    blocks, keys = make_chain(tokens, seed=seed)
+    client.save_agent(NS, agent, FP, tokens, blocks, expected_generation=gen)
+    return blocks, keys
+
+
+def assert_restores(client: StoreClient, agent: str, tokens, blocks, keys) -> None:
+    m = client.get_agent(NS, agent, FP)
+    assert list(m.token_ids) == tokens and list(m.block_keys) == keys
+    assert not m.missing_block_keys
+    back = list(client.get_blocks(NS, FP, keys))
+    assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=True))
+
+
+# moving hosts: a real worker, greedy continuations
+
+
+def test_agent_restores_warm_on_a_store_with_an_empty_data_dir(
+    weed, bucket, tmp_path, tiny_model_dirs
+):
+    model = str(tiny_model_dirs["llama"])
+
+    def worker(store: StoreProcess, name: str) -> ServiceProcess:
+        return worker_process(
+            model, store.address, tmp_path / f"{name}.log", extra_args=["--block-tokens", "64"]
+        ).start()
+
+    def both_turn(w: WorkerClient, text: str) -> tuple[list, list, object]:
+        moved = w.turn(NS, "moved", [("user", text)], max_tokens=12)
+        stayed = w.turn(NS, "stayed", [("user", text)], max_tokens=12)
+        return list(moved.token_ids), list(stayed.token_ids), moved.usage
+
+    store_a = start_store(tmp_path, "a", tier_args(weed, bucket))
+    w1 = worker(store_a, "w1")
+    with WorkerClient(w1.address) as w:
+        for agent in ("moved", "stayed"):
+            w.create_agent(NS, agent, SYSTEM)
+            w.turn(NS, agent, [("user", "Which ships came by today?")], max_tokens=8)
+            w.wait_durable(NS, agent)
+    with store_a.client() as a:
+        wait_for("store A's uploads", lambda: uploaded(a))
+    w1.stop()
+    store_a.stop()
+
+    # Another host: an empty data dir, the same bucket.
+    store_b = start_store(tmp_path, "b", tier_args(weed, bucket))
+    w2 = worker(store_b, "w2")
+    with WorkerClient(w2.address) as w:
+        moved, stayed, usage = both_turn(w, "And which one flew a black flag?")
+        assert usage.cache_state == "warm" and not usage.restore_failure
+        assert usage.reused_store_tokens > 0 and usage.restored_bytes > 0
+        assert moved == stayed  # both restored from the bucket's blocks, same history
+        for agent in ("moved", "stayed"):
+            w.wait_durable(NS, agent)
+    with store_b.client() as b:
+        assert b.stats().num_rehydrated_blocks > 0
+        wait_for("store B's uploads", lambda: uploaded(b))
+    w2.stop()
+    store_b.stop()
+
+    # Store A again, its data dir deleted outright: everything, B's turn too, from the bucket.
+    shutil.rmtree(tmp_path / "a")
+    store_a = start_store(tmp_path, "a", tier_args(weed, bucket))
+    w3 = worker(store_a, "w3")
+    try:
+        with WorkerClient(w3.address) as w:
+            moved, stayed, usage = both_turn(w, "Write it in the log.")
+            assert usage.cache_state == "warm" and not usage.restore_failure
+            assert usage.prefilled_tokens < usage.prompt_tokens // 2
+            assert moved == stayed
+    finally:
+        w3.stop()
+        store_a.stop()
+    assert_bucket_whole(weed, bucket)
+
+
+# the local quota: demotion, not loss
+
+
+def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, tmp_path):
+    tokens = list(range(1, 257))
+    blocks, _ = make_chain(tokens)
+    agent_bytes = sum(t.data.nbytes for b in blocks for t in b.tensors)
+    quota = str(int(agent_bytes * 2.5))  # two and a half agents of eight
+    store = start_store(tmp_path, "s", tier_args(weed, bucket, "--quota", quota))
+    try:
+        with store.client() as c:
+            saved = {}
+            for i in range(8):
+                agent_tokens = [i * 1000 + t for t in tokens]
+                saved[f"a{i}"] = (agent_tokens, *save(c, f"a{i}", agent_tokens, seed=i * 10))
+            stats = c.stats()
+            assert stats.num_bytes <= int(quota)
+            assert stats.num_demoted_blocks > 0 and stats.num_evicted_agents == 0
+            for agent, (agent_tokens, agent_blocks, keys) in saved.items():
+                assert_restores(c, agent, agent_tokens, agent_blocks, keys)
+            assert c.stats().num_rehydrated_blocks > 0
+            assert c.stats().num_bytes <= int(quota)
+            # The locate path fetches to local disk, then locates.
+            agent_tokens, agent_blocks, keys = saved["a0"]
+            c.get_agent(NS, "a5")  # a0 now least recently used
+            for agent in ("a5", "a6", "a7", "a4"):
+                other_keys = saved[agent][2]
+                list(c.get_blocks(NS, FP, other_keys))
+            located = c.read_blocks_local(NS, FP, keys)
+            assert all(same_bytes(a, b) for a, b in zip(agent_blocks, located, strict=True))
+    finally:
+        store.stop()
+
+
+# crashes and outages
+
+
+def crashing_store(point: str, argv: list[str]) -> None:
+    """The store, killed -9 by itself around its Nth object-store put: 'before:N' or
+    'after:N' (the object written, not yet recorded in the index)."""
+    from cache_store.__main__ import main
+    from cache_store.objects import Bucket
+
+    when, n = point.split(":")
+    put, count, lock = Bucket.put, [0], threading.Lock()
+
+    def killing_put(self, key, body, metadata, **conditions):
+        if key.endswith("writer.lease"):
+            return put(self, key, body, metadata, **conditions)
+        with lock:
+            count[0] += 1
+            here = count[0] == int(n)
+        if here and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        etag = put(self, key, body, metadata, **conditions)
+        if here:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return etag
+
+    Bucket.put = killing_put
+    main(argv)
+
+
+@pytest.mark.parametrize("point", ["before:2", "after:2", "after:5", "before:9"])
+def test_kill9_during_uploads_loses_nothing_and_resumes(weed, bucket, tmp_path, point):
+    args = ["--data-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *tier_args(weed, bucket)]
+    env = {"PYTHONPATH": str(ROOT), "CRASH_AT": point}
+    crashing = ServiceProcess(__name__, args, tmp_path / "crash.log", env).start()
+    saved = {}
+    with StoreClient(crashing.address) as c:
+        try:
+            for i in range(3):
+                agent_tokens = [i * 1000 + t for t in range(1, 150)]
+                saved[f"a{i}"] = (agent_tokens, *save(c, f"a{i}", agent_tokens, seed=i * 10))
+        except AgentKVError:
+            pass  # killed during a commit: that agent is not acknowledged
+    wait_for("the kill", lambda: crashing.proc.poll() is not None)
+    assert crashing.proc.returncode == -signal.SIGKILL
+    assert_bucket_whole(weed, bucket)  # whatever got there is whole
+
+    store = start_store(tmp_path, "s", tier_args(weed, bucket))  # the same data dir
+    with store.client() as c:
+        for agent, (agent_tokens, agent_blocks, keys) in saved.items():
+            assert_restores(c, agent, agent_tokens, agent_blocks, keys)
+        wait_for("the resumed uploads", lambda: uploaded(c))
+    store.stop()
+    manifests = assert_bucket_whole(weed, bucket)
+    assert {m["agent_id"] for m in manifests.values()} >= set(saved)
+
+    fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+    try:
+        with fresh.client() as c:
+            for agent, (agent_tokens, agent_blocks, keys) in saved.items():
+                assert_restores(c, agent, agent_tokens, agent_blocks, keys)
+    finally:
+        fresh.stop()
+
+
+def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path):
+    weed = WeedServer(tmp_path / "weed").start()  # its own: this test stops it
+    store = start_store(tmp_path, "s", tier_args(weed, bucket, "--writer-lease-seconds", "6"))
+    saved = {}
+    try:
+        with store.client() as c:
+            saved["a0"] = ([1, 2, 3] * 50, *save(c, "a0", [1, 2, 3] * 50, seed=1))
+            wait_for("the first uploads", lambda: uploaded(c))
+            weed.stop(kill=True)  # an outage: kill -9
+            for i in range(1, 4):  # turns go on while the object store is down
+                agent_tokens = [i * 1000 + t for t in range(1, 150)]
+                saved[f"a{i}"] = (agent_tokens, *save(c, f"a{i}", agent_tokens, seed=i * 10))
+            tokens = saved["a0"][0] + [7] * 70  # and an agent grows
+            blocks, keys = make_chain(tokens, seed=1)
+            c.save_agent(NS, "a0", FP, tokens, blocks[2:], 1, stored_keys=saved["a0"][2][:2])
+            saved["a0"] = (tokens, blocks, keys)
+            wait_for("'unreachable'", lambda: c.stats().object_store_state == "unreachable")
+            assert c.stats().object_queue_depth > 0
+            for agent, (agent_tokens, agent_blocks, keys) in saved.items():
+                assert_restores(c, agent, agent_tokens, agent_blocks, keys)
+            with pytest.raises(Unavailable, match="object store"):
+                c.get_agent(NS, "never-seen")  # it may be in the bucket: not a NOT_FOUND
+            weed.start()
+            wait_for("the catch-up", lambda: uploaded(c))
+        store.stop()
+        manifests = assert_bucket_whole(weed, bucket)
+        assert {m["agent_id"]: m["generation"] for m in manifests.values()}["a0"] == 2
+        fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+        with fresh.client() as c:
+            for agent, (agent_tokens, agent_blocks, keys) in saved.items():
+                assert_restores(c, agent, agent_tokens, agent_blocks, keys)
+        fresh.stop()
+    finally:
+        store.stop()
+        weed.stop(kill=True)
+
+
+def test_corrupted_objects_are_never_served(weed, bucket, tmp_path):
+    tokens = list(range(1, 257))
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        blocks, keys = save(c, "a", tokens)
+        wait_for("the uploads", lambda: uploaded(c))
+    store.stop()
+    s3 = weed.client()
+    name = f"{bucket}/{NS}/blocks/{keys[2].hex()}.safetensors"
+    got = s3.get_object(Bucket=BUCKET, Key=name)
+    body = bytearray(got["Body"].read())
+    body[-100] ^= 0xFF  # a flipped bit in layer 3's values, the metadata kept as it was
+    s3.put_object(Bucket=BUCKET, Key=name, Body=bytes(body), Metadata=got["Metadata"])
+
+    fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+    try:
+        with fresh.client() as c:
+            m = c.get_agent(NS, "a", FP)
+            assert list(m.token_ids) == tokens  # the conversation is whole
+            assert list(m.block_keys) == keys[:2]  # the chain ends before the bad block
+            back = list(c.get_blocks(NS, FP, keys[:2]))
+            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+            with pytest.raises(AgentKVError):
+                list(c.get_blocks(NS, FP, [keys[2]]))
+    finally:
+        fresh.stop()
+
+    # A block demoted after its object was corrupted: DATA_LOSS and quarantine, never its
+    # bytes. Another agent's blocks push every one of a's out of a quota of 1.2 agents.
+    agent_bytes = sum(t.data.nbytes for b in blocks for t in b.tensors)
+    quota = str(int(agent_bytes * 1.2))
+    store = start_store(tmp_path, "a", tier_args(weed, bucket, "--quota", quota))
+    try:
+        with store.client() as c:
+            save(c, "b", [t + 5000 for t in tokens], seed=50)
+            assert c.stats().num_demoted_blocks >= 4
+            wait_for("b's uploads", lambda: uploaded(c))
+            back = list(c.get_blocks(NS, FP, keys[:2]))  # sound ones come back
+            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+            with pytest.raises(CorruptBlock, match="object store"):
+                list(c.get_blocks(NS, FP, [keys[2]]))
+            assert keys[2] in c.get_agent(NS, "a", FP).missing_block_keys
+    finally:
+        store.stop()
+
+
+# several stores, one bucket
+
+
+def test_two_stores_racing_for_a_namespace_one_writes(weed, bucket, tmp_path):
+    stores = [start_store(tmp_path, n, tier_args(weed, bucket)) for n in ("a", "b")]
+    outcomes: list[object] = [None, None]
+    barrier = threading.Barrier(2)
+
+    def commit(i: int) -> None:
+        with stores[i].client() as c:
+            barrier.wait()
+            try:
+                save(c, "shared", list(range(1, 100)), seed=i)
+                outcomes[i] = "committed"
+            except AgentKVError as exc:
+                outcomes[i] = exc
+
+    try:
+        threads = [threading.Thread(target=commit, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(map(str, outcomes)).count("committed") == 1, outcomes
+        winner = outcomes.index("committed")
+        loser = outcomes[1 - winner]
+        assert isinstance(loser, FailedPrecondition) and "is written by store" in loser.message
+        with stores[winner].client() as c:
+            wait_for("the winner's uploads", lambda: uploaded(c))
+        (m,) = bucket_manifests(weed, bucket).values()
+        assert m["generation"] == 1
+        with stores[1 - winner].client() as c:
+            assert c.get_agent(NS, "shared").generation == 1  # the loser reads it
+        stores[winner].stop()  # a clean stop hands the lease back
+        with stores[1 - winner].client() as c:
+            tokens = list(range(1, 100)) + [5] * 40
+            blocks, _ = make_chain(tokens, seed=winner)
+            c.save_agent(NS, "shared", FP, tokens, blocks, expected_generation=1)
+            wait_for("the new writer's uploads", lambda: uploaded(c))
+        (m,) = bucket_manifests(weed, bucket).values()
+        assert m["generation"] == 2 and len(m["token_ids"]) == len(tokens)
+    finally:
+        for s in stores:
+            s.stop()
+
+
+def test_a_bad_object_store_flag_is_a_clear_error(tmp_path):
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cache_store", "--data-dir", str(tmp_path / "d")]
+        + ["--object-store", "https://bucket/x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "s3://BUCKET" in done.stderr
+
+
+if __name__ == "__main__":  # the crashing store of test_kill9_during_uploads_...
+    crashing_store(os.environ["CRASH_AT"], sys.argv[1:])
