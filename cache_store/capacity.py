@@ -61,6 +61,7 @@ class Capacity:
         self._block_access: dict[BlockId, int] = {}
         self._agent_access: dict[tuple[str, str], int] = {}
         self.uploads: UploadQueue | None = None  # the object-store tier, when there is one
+        self._demotable: dict[str | None, list[BlockId]] = {}  # per scope, from one scan
 
     # recency
 
@@ -190,29 +191,45 @@ class Capacity:
         return self.config.evict_agents and self._evict_one_agent(namespace)
 
     def _demote_one_block(self, namespace: str | None) -> bool:
-        """Frees the local copy of the least recently used block safe in the object store."""
+        """Frees the local copy of the least recently used block safe in the object store.
+        Candidates come from one scan, reused (each checked again) until they run out."""
+        for fresh in (False, True):  # the candidates of the last scan, then of a new one
+            queue = self._demotable.get(namespace) if not fresh else None
+            if not queue:
+                queue = self._demotable[namespace] = self._demotion_candidates(namespace)
+                fresh = True
+            while queue:
+                block = queue.pop()
+                if self.leases.unless_held(block, lambda b=block: self._demote(b)):
+                    self.metrics.demoted_blocks.inc()
+                    return True
+            if fresh:
+                return False
+        return False
+
+    def _demotion_candidates(self, namespace: str | None) -> list[BlockId]:
+        """Local blocks safe in the object store, most recently used first (popped last)."""
         with self.index.read() as txn:
-            candidates = [
+            blocks = [
                 b
                 for b in self.index.blocks(txn, namespace)
-                if b.local
-                and self.index.remote_checksum(txn, b.namespace, b.key) is not None
-                and not self.leases.is_held((b.namespace, b.key))
+                if b.local and self.index.remote_checksum(txn, b.namespace, b.key) is not None
             ]
-        candidates.sort(key=lambda b: self.block_last_access((b.namespace, b.key), b.created_ms))
-        for block in candidates:
-            with self.index.write() as txn:
-                current = self.index.find_block(txn, block.namespace, block.key)
-                if current is None or not current.local:
-                    continue
-                if self.leases.is_held((block.namespace, block.key)):
-                    continue
-                self.index.set_local(txn, current, False)
-                self.index.bump(txn, "demoted_blocks")
-            self.payloads.delete(current)
-            self.metrics.demoted_blocks.inc()
-            return True
-        return False
+        blocks.sort(key=lambda b: self.block_last_access((b.namespace, b.key), b.created_ms))
+        return [(b.namespace, b.key) for b in reversed(blocks)]
+
+    def _demote(self, block: BlockId) -> bool:
+        """Under the leases' lock: marks the block demoted and deletes its file."""
+        with self.index.write() as txn:
+            current = self.index.find_block(txn, *block)
+            if current is None or not current.local:
+                return False
+            if self.index.remote_checksum(txn, *block) is None:
+                return False
+            self.index.set_local(txn, current, False)
+            self.index.bump(txn, "demoted_blocks")
+        self.payloads.delete(current)
+        return True
 
     def _used(self, namespace: str | None) -> int:
         with self.index.read() as txn:

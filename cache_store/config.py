@@ -73,6 +73,7 @@ class StoreConfig(ServerConfig):
     writer_lease_seconds: float = flag(
         30.0, "how long a namespace's writer lease in the bucket lasts unless renewed"
     )
+    object_uploaders: int = flag(4, "threads writing blocks and manifests to the object store")
     object_queue_max: int = flag(
         100_000,
         "uploads queued in memory; past it the store reports 'backlogged' and finds the rest "
@@ -143,6 +144,8 @@ class StoreConfig(ServerConfig):
             Location.parse(self.object_store)  # ValueError names the flag
         if self.writer_lease_seconds < 3:
             raise ValueError(f"writer_lease_seconds must be >= 3, got {self.writer_lease_seconds}")
+        if self.object_uploaders < 1:
+            raise ValueError(f"object_uploaders must be >= 1, got {self.object_uploaders}")
         if self.object_queue_max < 1:
             raise ValueError(f"object_queue_max must be >= 1, got {self.object_queue_max}")
         if not 0 <= self.umask <= 0o777:

@@ -186,12 +186,15 @@ class Index:
         parent = ns_key(record.namespace, record.parent_key)
         txn.delete(parent, seal(parent, child_entry(record)), db=self._children)
         txn.delete(k, db=self._unref)
+        txn.delete(k, db=self._remote)  # a later block under this key is uploaded anew
         self._add_usage(txn, record.namespace, blocks=-1, num_bytes=-record.local_bytes)
 
     def set_local(self, txn: lmdb.Transaction, record: BlockRecord, local: bool) -> BlockRecord:
         """Marks a block's payload on local disk or only in the object store (usage follows)."""
         k = ns_key(record.namespace, record.key)
-        current = self.get_block(txn, record.namespace, record.key) or record
+        current = self.get_block(txn, record.namespace, record.key)
+        if current is None or current.created_ms != record.created_ms:
+            raise BlockNotFound(f"block {record.key.hex()} is gone or was replaced")
         if current.local == local:
             return current
         updated = replace(current, local=local)

@@ -7,12 +7,14 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from agentkv.errors import ResourceExhausted
 
 BlockId = tuple[str, bytes]  # (namespace, key)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -74,6 +76,15 @@ class Leases:
         with self._lock:
             self._expire()
             return self._drop(lease_id)
+
+    def unless_held(self, block: BlockId, action: Callable[[], T]) -> T | None:
+        """Runs `action` unless the block is leased, with no lease granted meanwhile (so a
+        reader that takes one afterwards sees what `action` did); None if it was leased."""
+        with self._lock:
+            self._expire()
+            if self._held[block] > 0:
+                return None
+            return action()
 
     def is_held(self, block: BlockId) -> bool:
         with self._lock:

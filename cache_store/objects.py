@@ -18,7 +18,8 @@ from urllib.parse import urlparse
 from agentkv.errors import Unavailable
 from cache_store.metrics import StoreMetrics
 
-_ABSENT = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+_ABSENT = {"404", "NoSuchKey", "NotFound"}  # NoSuchBucket is not: a misconfigured store
+BREAK_SECONDS = 2.0  # after a request found the bucket unreachable, others fail at once
 _LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
 
@@ -71,6 +72,7 @@ class Bucket:
 
         self.location, self.metrics = location, metrics
         self.moved: collections.Counter[str] = collections.Counter()  # payload bytes by op
+        self.broken_until = 0.0  # time.monotonic(): until then, calls fail without trying
         config = Config(
             connect_timeout=min(timeout_seconds, 3.0),
             read_timeout=timeout_seconds,
@@ -133,11 +135,11 @@ class Bucket:
             return Got(body, dict(reply.get("Metadata", {})), reply["ETag"])
         return None
 
-    def head(self, key: str) -> dict[str, str] | None:
-        """The object's metadata, None when there is none."""
+    def head(self, key: str) -> Got | None:
+        """The object's metadata and ETag (no body), None when there is none."""
         with self._call("head", absent_ok=True):
             reply = self._client.head_object(Bucket=self.location.bucket, Key=self.name(key))
-            return dict(reply.get("Metadata", {}))
+            return Got(b"", dict(reply.get("Metadata", {})), reply["ETag"])
         return None
 
     def delete(self, key: str) -> None:
@@ -176,6 +178,11 @@ class _Call:
 
     def __enter__(self) -> _Call:
         self.start = time.perf_counter()
+        if time.monotonic() < self.bucket.broken_until:  # a blackholed endpoint costs seconds
+            raise ObjectStoreDown(
+                f"object store {self.bucket.location}: unreachable (a request failed in the "
+                f"last {BREAK_SECONDS:.0f} s)"
+            )
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -193,6 +200,8 @@ class _Call:
         if self.conditional and code in _LOST_RACE:
             raise Conflict(code) from exc
         self.metrics.object_errors.labels(self.op).inc()
+        if not code:  # no answer at all (refused, timed out): others need not wait for it
+            self.bucket.broken_until = time.monotonic() + BREAK_SECONDS
         what = code or type(exc).__name__
         raise ObjectStoreDown(
             f"object store {self.bucket.location}: {self.op} failed: {what}: {exc}"

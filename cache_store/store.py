@@ -241,7 +241,7 @@ class CacheStore:
             try:
                 s.record = self.tier.rehydrate(s.record)
             except CorruptBlock as exc:
-                self._quarantine(s.record, exc.message)
+                self._quarantine(s.record, exc.message, where="bucket")
                 raise
 
     def path_of(self, record: BlockRecord) -> str:
@@ -258,7 +258,7 @@ class CacheStore:
         if record is None:
             raise BlockNotFound(f"block {key.hex()} not found in namespace {ns!r}")
         if does_not_fit:
-            self._quarantine(record, f"reported not to fit its model: {reason}")
+            self._quarantine(record, f"reported not to fit its model: {reason}", where="misfit")
             return True
         if not record.local:
             return False  # nothing here to check; a fetch back checks the object store's copy
@@ -309,7 +309,7 @@ class CacheStore:
         c.metadata = ids.metadata(c.metadata)
         c.phase = ids.phase(c.phase)
         c.block_keys = [ids.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
-        self._before_write(c.namespace)
+        self._before_write(c.namespace, c.agent_id)
         record, result = self.capacity.with_room(self._commit, c)
         if release_lease_id:
             self.leases.release(release_lease_id)
@@ -342,17 +342,20 @@ class CacheStore:
         self.capacity.touch_agent(ns, agent_id)
         return result
 
-    def _fetch_if_newer(self, namespace: str, agent_id: str) -> None:
+    def _fetch_if_newer(self, namespace: str, agent_id: str, writing: bool = False) -> None:
         """An agent absent here is fetched from the object store; one this store does not
-        write is fetched again when the object store holds a newer generation."""
+        write is fetched again when the object store holds a newer generation. While the
+        object store is down, a read of an agent absent here is UNAVAILABLE (it may be
+        there); a write goes on locally (its upload will not overwrite one made elsewhere)."""
         with self.index.read() as txn:
             local = self.index.find_agent(txn, namespace, agent_id)
-        if local is not None and self.tier.writers.holds(namespace):
-            return
+            deleted = self.index.uploaded_generation(txn, namespace, agent_id) == 0
+        if deleted or (local is not None and self.tier.writers.holds(namespace)):
+            return  # deleted here (the bucket's copy goes next), or this store writes it
         try:
             self.tier.fetch_agent(namespace, agent_id, local.generation if local else None)
         except ObjectStoreDown as exc:
-            if local is None:  # it may be there: a new agent now could overwrite its history
+            if local is None and not writing:  # it may be there: not a NOT_FOUND
                 raise ObjectStoreDown(
                     f"agent {agent_id!r} in namespace {namespace!r} is not on this store's disk "
                     f"and the object store cannot be asked for it: {exc.message}"
@@ -371,14 +374,19 @@ class CacheStore:
             views = [manifests.view(self.index, txn, r) for r in page]
         if self.tier is None:
             return views
-        merged = {v.record.agent_id: v for v in self.tier.bucket_agents(ns, page_token, limit)}
+        try:
+            bucket = self.tier.bucket_agents(ns, page_token, limit)
+        except ObjectStoreDown as exc:
+            log.warning("listing this store's agents only: %s", exc.message)
+            return views
+        merged = {v.record.agent_id: v for v in bucket}
         merged.update((v.record.agent_id, v) for v in views)
         return [merged[a] for a in sorted(merged)][:limit]
 
     def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
         ns = ids.namespace(namespace)
         ids.agent_id(agent_id)
-        self._before_write(ns)
+        self._before_write(ns, agent_id)
         with self.index.write() as txn:
             released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
             if self.tier is not None:
@@ -401,7 +409,7 @@ class CacheStore:
         ids.agent_id(new_id, "new_agent_id")
         metadata = ids.metadata(metadata)
         phase = ids.phase(phase)
-        self._before_write(ns)
+        self._before_write(ns, new_id)
         if self.tier is not None:
             self._fetch_if_newer(ns, source_id)
         with self.index.write() as txn:
@@ -518,9 +526,16 @@ class CacheStore:
             bad = integrity.repair(self.index, txn, suspects)
         self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad))
 
-    def _before_write(self, namespace: str) -> None:
+    def _before_write(self, namespace: str, agent_id: str = "") -> None:
+        """With an object store: this store must be the namespace's writer, and an agent
+        written that is not here is fetched first (so its generation is the bucket's)."""
         if self.tier is not None:
             self.tier.check_writer(namespace)
+            if agent_id:
+                with self.index.read() as txn:
+                    here = self.index.find_agent(txn, namespace, agent_id) is not None
+                if not here:
+                    self._fetch_if_newer(namespace, agent_id, writing=True)
 
     def _block_stored(self, record: BlockRecord) -> None:
         if self.tier is not None:
@@ -530,20 +545,23 @@ class CacheStore:
         if self.tier is not None:
             self.tier.agent_changed(namespace, agent_id)
 
-    def _quarantine(self, record: BlockRecord, reason: str) -> None:
-        """Takes a bad payload out; a block whose object-store copy is whole (and that copy
-        is not what failed) is demoted instead, so its next read fetches that copy."""
+    def _quarantine(self, record: BlockRecord, reason: str, where: str = "local") -> None:
+        """Takes a bad block out. `where` failed: "local" (its file: a block whose object-store
+        copy is whole is demoted instead, so its next read fetches that copy), "bucket" (the
+        object-store copy), or "misfit" (its tensors cannot be its model's: gone everywhere).
+        A record that changed since the caller read it (demoted, replaced) is left alone."""
         with self.index.write() as txn:
             current = self.index.find_block(txn, record.namespace, record.key)
-            if current is None:
-                return  # someone else got there first
+            if current is None or current.created_ms != record.created_ms:
+                return  # someone else got there first, or a new upload replaced it
+            if where == "local" and not current.local:
+                return  # demoted meanwhile: its file went on purpose
             remote = self.index.remote_checksum(txn, record.namespace, record.key)
-            demote = current.local and remote is not None and self.tier is not None
+            demote = where == "local" and remote is not None and bool(self.config.object_store)
             if demote:
                 self.index.set_local(txn, current, False)
             else:
                 self.index.delete_block(txn, current, lost=True)
-                self.index.delete_remote(txn, record.namespace, record.key)
             self.index.bump(txn, "quarantined")
         dest = self.payloads.quarantine(record)
         self.metrics.quarantines.inc()
@@ -558,13 +576,15 @@ class CacheStore:
         )
 
     def _remove_orphans(self) -> int:
+        """Deletes payload files no local block names (a demoted block's file is one: a
+        crash between its demotion and the unlink)."""
         with self.index.read() as txn:
-            known = {r.relpath for r in self.index.blocks(txn, None)}
+            known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
         suspects = [p for p in self.payloads.block_files() if p not in known]
         removed = 0
         with self.uploads.publish_lock:  # a put between rename and index commit is no orphan
             with self.index.read() as txn:
-                known = {r.relpath for r in self.index.blocks(txn, None)}
+                known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
             for relpath in suspects:
                 if relpath not in known:
                     self.payloads.path(relpath).unlink(missing_ok=True)

@@ -35,7 +35,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,7 @@ class WriterLeases:
         self._held: dict[str, _Held] = {}
         self._unverified: set[str] = set()  # namespaces written while the bucket was away
         self._lock = threading.Lock()
+        self._acquiring = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="writer-leases", daemon=True)
         self._thread.start()
@@ -163,7 +165,13 @@ class WriterLeases:
                 )
 
     def acquire(self, namespace: str) -> None:
-        """Creates, renews or takes over the lease; NamespaceHeld if another store's is live."""
+        """Creates, renews or takes over the lease; NamespaceHeld if another store's is live.
+        One acquisition or renewal at a time (so none stores an ETag another replaced)."""
+        with self._acquiring:
+            if not self.holds(namespace):
+                self._acquire(namespace)
+
+    def _acquire(self, namespace: str) -> None:
         key = lease_object(namespace)
         for _ in range(3):  # each lost race re-reads what won it
             try:
@@ -217,12 +225,18 @@ class WriterLeases:
         while not self._stop.wait(self.seconds / 3):
             with self._lock:
                 held = dict(self._held)
-            for namespace, lease in held.items():
+            for namespace in held:
                 try:
-                    etag = self.bucket.put(
-                        lease_object(namespace), *self._body(namespace), if_match=lease.etag
-                    )
-                    self._put(namespace, etag)
+                    with self._acquiring:
+                        with self._lock:
+                            lease = self._held.get(namespace)
+                        if lease is None:
+                            continue
+                        body, meta = self._body(namespace)
+                        etag = self.bucket.put(
+                            lease_object(namespace), body, meta, if_match=lease.etag
+                        )
+                        self._put(namespace, etag)
                 except Conflict:
                     with self._lock:
                         self._held.pop(namespace, None)
@@ -265,18 +279,29 @@ class ObjectTier:
         self.store_id = store_identity(config.data_dir, config.store_id)
         self.writers = WriterLeases(bucket, self.store_id, config.writer_lease_seconds)
         self.state = "starting"  # ok | unreachable | backlogged
+        self.diverged: set[tuple[str, str]] = set()  # agents another store wrote meanwhile
         self._queue: collections.deque[Job] = collections.deque()
         self._queued: set[Job] = set()
-        self._parked: set[Job] = set()  # namespaces this store may not write now
-        self._unpark_at = 0.0
+        self._inflight: set[Job] = set()  # one job of an agent or block at a time
+        self._parked: dict[str, set[Job]] = {}  # namespace: jobs waiting for its lease
+        self._unpark_at: dict[str, float] = {}
         self._overflow = True  # start with a scan of the index: uploads resume after a restart
-        self._busy = 0  # jobs being carried out (0 or 1)
+        self._scanning = False
         self._cond = threading.Condition()
-        self._fetch_lock = threading.Lock()  # one download per block at a time
+        self._fetching: dict[tuple, threading.Lock] = {}  # one download per block or agent
+        self._fetching_lock = threading.Lock()
         self._on_state: Callable[[str], None] = lambda state: None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._upload_loop, name="uploader", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._upload_loop, name=f"uploader-{i}", daemon=True)
+            for i in range(config.object_uploaders)
+        ]
+        threading.Thread(target=self._start, name="object-store", daemon=True).start()
+
+    def _start(self) -> None:
+        self._connect()
+        for thread in self._threads:
+            thread.start()
 
     def close(self, drain_seconds: float = 10.0) -> None:
         """Writes out what is queued (for up to `drain_seconds`), then stops."""
@@ -285,7 +310,9 @@ class ObjectTier:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
         self.writers.close()
 
     def watch_state(self, on_state: Callable[[str], None]) -> None:
@@ -305,8 +332,18 @@ class ObjectTier:
         self._enqueue(("agent", namespace, agent_id))
 
     def pending(self) -> int:
+        """Jobs queued or running while uploads flow (0 while the bucket is away: nothing
+        will become safe soon, so a reservation need not wait for it)."""
         with self._cond:
-            return len(self._queue) + len(self._parked) + self._busy
+            if self.state not in ("ok", "backlogged"):
+                return 0
+            return len(self._queue) + len(self._inflight) + self._overflow
+
+    def backlog(self) -> int:
+        """Everything not yet written through that this process knows of."""
+        with self._cond:
+            parked = sum(len(jobs) for jobs in self._parked.values())
+            return len(self._queue) + len(self._inflight) + parked
 
     def wait_for_uploads(self, seconds: float) -> None:
         """Waits up to `seconds` for the uploader to finish a job (quota pressure waits)."""
@@ -317,7 +354,7 @@ class ObjectTier:
         """Waits until nothing is queued (tests, benchmarks, a clean stop); whether it was."""
         deadline = time.monotonic() + seconds
         with self._cond:
-            while self._queue or self._busy or self._overflow:
+            while self._queue or self._inflight or self._overflow or self._scanning:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -326,7 +363,7 @@ class ObjectTier:
 
     def _enqueue(self, job: Job) -> None:
         with self._cond:
-            if job in self._queued:
+            if job in self._queued or job in self._parked.get(job[1], ()):
                 return
             if len(self._queue) >= self.config.object_queue_max:
                 self._overflow = True  # the index still knows: it is rescanned once drained
@@ -342,7 +379,7 @@ class ObjectTier:
             self.state = state
             self._on_state(state)
 
-    # the uploader
+    # the uploaders
 
     def _connect(self) -> None:
         """Until the bucket answers (the local tier works meanwhile; uploads wait for it)."""
@@ -359,7 +396,6 @@ class ObjectTier:
                 return
 
     def _upload_loop(self) -> None:
-        self._connect()
         failures = 0
         while not self._stop.is_set():
             job = self._next_job()
@@ -378,33 +414,65 @@ class ObjectTier:
                 failures += 1
             except NotWriter:
                 with self._cond:
-                    self._parked.add(job)
-                    self._unpark_at = time.monotonic() + PARKED_RETRY_SECONDS
+                    self._parked.setdefault(job[1], set()).add(job)
+                    self._unpark_at[job[1]] = time.monotonic() + PARKED_RETRY_SECONDS
             except Exception:
                 log.exception("object store upload failed", extra={"job": list(job)})
+                with self._cond:
+                    self._overflow = True  # found again by the next scan
             finally:
                 with self._cond:
-                    self._busy = 0
+                    self._inflight.discard(job)
                     self._cond.notify_all()
 
     def _next_job(self) -> Job | None:
+        """The next job no other uploader is on (jobs of a namespace waiting for its lease
+        stay parked until their retry time); None after waiting a while for one."""
         with self._cond:
-            if not self._queue and self._parked and time.monotonic() > self._unpark_at:
-                self._queue.extend(self._parked)  # the lease may be had again
-                self._queued |= self._parked
-                self._parked.clear()
-            if not self._queue and self._overflow:
-                self._overflow = False
-                jobs = [j for j in self._scan() if j not in self._queued]
+            now = time.monotonic()
+            for namespace in [n for n, at in self._unpark_at.items() if at <= now]:
+                del self._unpark_at[namespace]
+                jobs = self._parked.pop(namespace, set()) - self._queued
                 self._queue.extend(jobs)
-                self._queued.update(jobs)
-            if not self._queue:
-                self._cond.wait(1.0)
-                return None
-            job = self._queue.popleft()
-            self._queued.discard(job)
-            self._busy = 1
-            return job
+                self._queued |= jobs
+            if not self._queue and self._overflow and not self._scanning:
+                self._scanning, self._overflow = True, False
+                scan = True
+            else:
+                scan = False
+        if scan:
+            self._rescan()
+        with self._cond:
+            for _ in range(len(self._queue)):
+                job = self._queue.popleft()
+                if job in self._inflight:
+                    self._queue.append(job)  # its agent or block is being uploaded: after it
+                    continue
+                if job[1] in self._unpark_at:
+                    self._parked.setdefault(job[1], set()).add(job)
+                    self._queued.discard(job)
+                    continue
+                self._queued.discard(job)
+                self._inflight.add(job)
+                return job
+            self._cond.wait(1.0)
+            return None
+
+    def _rescan(self) -> None:
+        """Refills the queue from the index (outside the queue's lock), up to its bound."""
+        try:
+            jobs = self._scan()
+        except Exception:
+            log.exception("object store: scanning the index failed")
+            jobs = []
+        with self._cond:
+            room = self.config.object_queue_max - len(self._queue)
+            fresh = [j for j in jobs if j not in self._queued and j not in self._inflight]
+            self._queue.extend(fresh[:room])
+            self._queued.update(fresh[:room])
+            self._overflow = len(fresh) > room
+            self._scanning = False
+            self._cond.notify_all()
 
     def _retry(self, job: Job) -> None:
         with self._cond:
@@ -424,6 +492,7 @@ class ObjectTier:
                 a
                 for a in self.index.agents(txn, None)
                 if done.pop((a.namespace, a.agent_id), None) != a.generation
+                and (a.namespace, a.agent_id) not in self.diverged
             ]
         jobs: list[Job] = [
             ("block", b.namespace, b.key.hex()) for b in sorted(blocks, key=lambda b: b.created_ms)
@@ -534,32 +603,75 @@ class ObjectTier:
             separators=(",", ":"),
         ).encode()
         self._writable(namespace)  # again: the blocks may have taken a while
-        self.bucket.put(
-            agent_object(namespace, agent_id),
-            body,
-            {
-                "agentkv-format": AGENT_FORMAT,
-                "agentkv-namespace": namespace,
-                "agentkv-agent": agent_id,
-                "agentkv-fingerprint": record.fingerprint,
-                "agentkv-generation": str(record.generation),
-                "agentkv-xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}",
-            },
-        )
-        with self.index.write() as txn:
-            current = self.index.find_agent(txn, namespace, agent_id)
-            if current is not None:  # deleted meanwhile: its deletion job follows
-                self.index.put_uploaded(txn, namespace, agent_id, record.generation)
+        name = agent_object(namespace, agent_id)
+        there = self.bucket.head(name)
+        condition: dict[str, Any] = {"if_none_match": True}
+        if there is not None:
+            theirs = int(there.metadata.get("agentkv-generation", "0") or 0)
+            ours = there.metadata.get("agentkv-writer") == self.store_id
+            if ours and theirs == record.generation:
+                self._mark_uploaded(namespace, agent_id, record)  # put before a crash
+                return
+            # Ours to replace: the one this store put last, an older one of its own, or one
+            # of its own whose deletion is pending (deleted here and created anew).
+            replaceable = theirs == (done or 0) or (
+                ours and (theirs < record.generation or done == 0)
+            )
+            if not replaceable:
+                self.diverged.add((namespace, agent_id))
+                log.error(
+                    "agent diverged: the object store holds another store's version; kept "
+                    "here, not written over it",
+                    extra={"namespace": namespace, "agent": agent_id, "theirs": theirs},
+                )
+                return
+            condition = {"if_match": there.etag}
+        meta = {
+            "agentkv-format": AGENT_FORMAT,
+            "agentkv-namespace": namespace,
+            "agentkv-agent": agent_id,
+            "agentkv-fingerprint": record.fingerprint,
+            "agentkv-generation": str(record.generation),
+            "agentkv-writer": self.store_id,
+            "agentkv-xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}",
+        }
+        try:
+            self.bucket.put(name, body, meta, **condition)
+        except Conflict:
+            self._retry(("agent", namespace, agent_id))  # raced: looked at again
+            return
+        self._mark_uploaded(namespace, agent_id, record)
         self.metrics.uploaded.labels("manifest").inc()
 
+    def _mark_uploaded(self, namespace: str, agent_id: str, record: AgentRecord) -> None:
+        """Records the generation written, if the agent here is still the one written (not
+        deleted, not deleted and created anew meanwhile)."""
+        with self.index.write() as txn:
+            current = self.index.find_agent(txn, namespace, agent_id)
+            if (
+                current is not None
+                and current.generation == record.generation
+                and current.created_ms == record.created_ms
+            ):
+                self.index.put_uploaded(txn, namespace, agent_id, record.generation)
+
     # reads: rehydration and agents only the bucket holds
+
+    @contextmanager
+    def _one_at_a_time(self, what: tuple) -> Iterator[None]:
+        """One download of a block (or fetch of an agent) at a time; others wait for it.
+        (The locks stay: one small entry per block ever fetched.)"""
+        with self._fetching_lock:
+            lock = self._fetching.setdefault(what, threading.Lock())
+        with lock:
+            yield
 
     def rehydrate(self, record: BlockRecord) -> BlockRecord:
         """Brings a demoted block's payload back to local disk, checked against the index's
         record; CorruptBlock (the caller quarantines it) if the bucket's copy is missing or
         not those bytes."""
         ns, key = record.namespace, record.key
-        with self._fetch_lock:
+        with self._one_at_a_time(("block", ns, key)):
             with self.index.read() as txn:
                 current = self.index.find_block(txn, ns, key)
                 checksum = self.index.remote_checksum(txn, ns, key)
@@ -584,14 +696,15 @@ class ObjectTier:
         here). Whether it did. A block that is missing or fails its checksum ends the chain
         there (its tokens are re-prefilled); a manifest that fails its own is DATA_LOSS."""
         if local_generation is not None:
-            meta = self.bucket.head(agent_object(namespace, agent_id))
-            if meta is None or int(meta.get("agentkv-generation", "0")) <= local_generation:
+            there = self.bucket.head(agent_object(namespace, agent_id))
+            theirs = there.metadata.get("agentkv-generation", "0") if there else "0"
+            if there is None or int(theirs or 0) <= local_generation:
                 return False
         got = self.bucket.get(agent_object(namespace, agent_id))
         if got is None:
             return False
         m = _manifest_object(got.body, got.metadata, namespace, agent_id)
-        with self._fetch_lock:
+        with self._one_at_a_time(("agent", namespace, agent_id)):
             keys, counts = self._fetch_chain(namespace, m)
             record = AgentRecord(
                 namespace=namespace,
@@ -610,6 +723,8 @@ class ObjectTier:
                 current = self.index.find_agent(txn, namespace, agent_id)
                 if current is not None and current.generation >= record.generation:
                     return False  # committed here meanwhile
+                if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
+                    return False  # deleted here meanwhile
                 manifests.install(self.index, txn, record, current)
                 self.index.put_uploaded(txn, namespace, agent_id, record.generation)
         log.info(
@@ -637,7 +752,8 @@ class ObjectTier:
                     break
                 draft = None if have else _draft(namespace, key, parent, m, pos, count)
                 try:
-                    self._land(namespace, key, got.body, have, draft)
+                    with self._one_at_a_time(("block", namespace, key)):
+                        self._land(namespace, key, got.body, have, draft)
                 except CorruptBlock as exc:
                     log.warning(
                         "object store block unusable: the chain ends before it",
@@ -677,6 +793,15 @@ class ObjectTier:
                 )
             tensors = [t._replace(offset=t.offset + header_len) for t in layout]
             with self.publish_lock:
+                with self.index.read() as txn:
+                    current = self.index.find_block(txn, namespace, key)
+                if existing is not None:
+                    if current is None or current.created_ms != existing.created_ms:
+                        raise BlockNotFound(f"block {key.hex()} was deleted while fetched")
+                    if current.local:
+                        return current  # fetched back by another reader meanwhile
+                elif current is not None:
+                    return current  # uploaded meanwhile: that one stands
                 writer.publish(self.payloads.path(base.relpath))
                 with self.index.write() as txn:
                     if existing is not None:
@@ -717,6 +842,9 @@ class ObjectTier:
         start = agent_object(namespace, after) if after else ""
         for name in self.bucket.list(prefix, start, limit):
             agent_id = name[len(prefix) :].removesuffix(".json")
+            with self.index.read() as txn:
+                if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
+                    continue  # deleted here; its deletion there is queued
             got = self.bucket.get(name)
             if got is None:
                 continue
@@ -747,7 +875,7 @@ class ObjectTier:
         return {
             "object_store": str(self.bucket.location),
             "object_store_state": self.state,
-            "object_queue_depth": self.pending(),
+            "object_queue_depth": self.backlog(),
             "object_put_bytes": self.bucket.moved["put"],
             "object_get_bytes": self.bucket.moved["get"],
         }

