@@ -57,6 +57,9 @@ SECTIONS = (
             ("--quick",), model=False, derived=True),
     Section("perplexity", "Perplexity through the real store: FP16, Q4, Q8, K8V4",
             "perplexity.py", "Table 9", ("--quick",), ("--tokens", "32000")),
+    Section("object_tier", "Past one disk: warm restores from an S3 object store (SeaweedFS)",
+            "object_tier.py", "beyond the paper: an object-store tier behind the store",
+            ("--quick",)),
     Section("restore_path", "Restore paths against the machine's limit", "store_io.py",
             "Section 4 (restore bandwidth)", ("--quick", "--locate-target", "1.3"),
             ("--locate-target", "1.3"), model=False),  # store I/O only

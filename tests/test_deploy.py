@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -331,7 +332,8 @@ def test_compose_schema():
 
 def test_compose_services_volume_and_secrets():
     services, secrets = compose()["services"], compose()["secrets"]
-    assert set(services) == {"store", "worker-1", "worker-2"}
+    assert set(services) == {"store", "worker-1", "worker-2", "seaweedfs"}
+    assert services["seaweedfs"]["profiles"] == ["objectstore"]  # only when asked for
     build = services["store"]["build"]
     assert (ROOT / "deploy/compose" / build["context"] / build["dockerfile"]).is_file()
     assert services["store"]["pull_policy"] == "build"
@@ -448,6 +450,72 @@ def check_clients(secrets: Path, store_at: str, worker_at: str) -> None:
         pytest.raises(Unauthenticated),
     ):
         worker.describe("deploy", "probe")
+
+
+def test_compose_object_store_profile_writes_through_with_its_secrets(tmp_path):
+    """The objectstore profile's pieces for real: SeaweedFS with the s3.json identity that
+    make-secrets.sh writes (its own flags, less the container's addresses), and the store
+    with compose's flags and the aws-credentials file; an agent lands in the bucket, and
+    the bucket refuses a client without those keys."""
+    import configparser
+
+    from tests.helpers import FP, make_chain
+    from tests.weed import WeedServer
+
+    if shutil.which("openssl") is None or shutil.which("sha256sum") is None:
+        pytest.skip("make-secrets.sh needs openssl and sha256sum")
+    secrets = make_secrets(tmp_path)
+    seaweed = [a for a in compose()["services"]["seaweedfs"]["command"] if a.startswith("-s3.c")]
+    assert seaweed == ["-s3.config=/run/secrets/s3.json"]
+    keys = configparser.ConfigParser()
+    keys.read(secrets / "aws-credentials")
+    creds = {
+        "AWS_ACCESS_KEY_ID": keys["default"]["aws_access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": keys["default"]["aws_secret_access_key"],
+    }
+    weed = WeedServer(
+        tmp_path / "weed", extra_args=[f"-s3.config={secrets}/s3.json"], credentials=creds
+    ).start()
+    try:
+        argv = [a.replace("/run/secrets/", f"{secrets}/") for a in compose_command("store")]
+        argv[argv.index("--object-store") + 1] = "s3://agentkv/store"
+        argv[argv.index("--s3-endpoint") + 1] = weed.endpoint
+        argv[argv.index("--data-dir") + 1] = str(tmp_path / "data")
+        argv[argv.index("--listen") + 1] = "127.0.0.1:0"
+        argv[argv.index("--metrics-listen") + 1] = "127.0.0.1:0"
+        env = {
+            k: v.replace("/run/secrets/", f"{secrets}/")
+            for k, v in compose()["services"]["store"]["environment"].items()
+        }
+        env |= {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}  # only the file's
+        store = ServiceProcess("cache_store", argv[1:], tmp_path / "store.log", env).start()
+        try:
+            client = ClientSecurity(
+                token=(secrets / "client-token").read_text().strip(),
+                tls_ca=str(secrets / "ca.pem"),
+            )
+            with StoreClient(f"127.0.0.1:{port(store.address)}", security=client) as c:
+                blocks, _ = make_chain(list(range(1, 80)))
+                c.save_agent("deploy", "a", FP, list(range(1, 80)), blocks)
+                deadline = time.monotonic() + 60
+                while c.stats().object_queue_depth or c.stats().object_store_state != "ok":
+                    assert time.monotonic() < deadline, c.stats()
+                    time.sleep(0.05)
+        finally:
+            store.stop()
+        listed = weed.client().list_objects_v2(Bucket="agentkv", Prefix="store/deploy/agents/")
+        assert [o["Key"] for o in listed["Contents"]] == ["store/deploy/agents/a.json"]
+        stranger = WeedServer(
+            weed.directory,
+            weed.ports,
+            credentials={"AWS_ACCESS_KEY_ID": "nobody", "AWS_SECRET_ACCESS_KEY": "nothing"},
+        )
+        with pytest.raises(
+            Exception, match=r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch"
+        ):
+            stranger.client().list_objects_v2(Bucket="agentkv")
+    finally:
+        weed.stop(kill=True)
 
 
 def test_compose_example_token_table_loads():

@@ -259,7 +259,11 @@ def test_kill9_during_uploads_loses_nothing_and_resumes(weed, bucket, tmp_path, 
                 saved[f"a{i}"] = (agent_tokens, *save(c, f"a{i}", agent_tokens, seed=i * 10))
         except AgentKVError:
             pass  # killed during a commit: that agent is not acknowledged
-    wait_for("the kill", lambda: crashing.proc.poll() is not None)
+    try:
+        wait_for("the kill", lambda: crashing.proc.poll() is not None)
+    finally:
+        if crashing.proc.poll() is None:  # it never reached its point: no process left over
+            crashing.kill9()
     assert crashing.proc.returncode == -signal.SIGKILL
     assert_bucket_whole(weed, bucket)  # whatever got there is whole
 

@@ -48,6 +48,8 @@ def free_ports(n: int) -> list[int]:
 class WeedServer:
     directory: Path
     ports: list[int] = field(default_factory=lambda: free_ports(4))
+    extra_args: list[str] = field(default_factory=list)  # e.g. -s3.config=FILE
+    credentials: dict[str, str] = field(default_factory=lambda: dict(CREDENTIALS))
     proc: subprocess.Popen | None = None
 
     @property
@@ -75,6 +77,7 @@ class WeedServer:
                 "-s3.port.iceberg=0",  # servers on fixed ports a second weed could not bind
                 "-s3.port.lance=0",
                 "-master.telemetry=false",  # nothing leaves this machine
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -119,8 +122,8 @@ class WeedServer:
             "s3",
             endpoint_url=self.endpoint,
             region_name="us-east-1",
-            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            aws_access_key_id=self.credentials["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"],
             config=Config(
                 connect_timeout=timeout,
                 read_timeout=timeout,

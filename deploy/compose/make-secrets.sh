@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes the secrets compose.yaml mounts, in ./secrets (or the folder given): a CA, a TLS
 # certificate for the store and one for the workers (named for the compose services and
-# localhost), two random bearer tokens and the token table that admits them. Development
+# localhost), two random bearer tokens and the token table that admits them, and S3 keys
+# for the object-store profile (SeaweedFS's identity, the store's credentials). Development
 # only; keeps what is already there. Needs openssl and sha256sum.
 #
 #   bash deploy/compose/make-secrets.sh [DIR]
@@ -42,7 +43,20 @@ cat >tokens.json <<JSON
 ]}
 JSON
 
+# The object-store profile: one S3 identity for SeaweedFS, and the same keys as AWS's
+# shared credentials file for the store.
+access="$(openssl rand -hex 10)"
+secret="$(openssl rand -hex 20)"
+cat >s3.json <<JSON
+{"identities": [{"name": "agentkv-store",
+  "credentials": [{"accessKey": "$access", "secretKey": "$secret"}],
+  "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}
+JSON
+printf '[default]\naws_access_key_id = %s\naws_secret_access_key = %s\n' "$access" "$secret" \
+  >aws-credentials
+
 # Compose bind-mounts file secrets as they are, so the containers' user (uid 10001) must be
 # able to read them. ca.key stays private: it is never mounted.
-chmod 0644 ca.pem store.pem store.key worker.pem worker.key store-token tokens.json
+chmod 0644 ca.pem store.pem store.key worker.pem worker.key store-token tokens.json \
+  s3.json aws-credentials
 echo "make-secrets: wrote $OUT (client token: $OUT/client-token)" >&2
