@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from agentkv.errors import (
     Unavailable,
 )
 from agentkv.launch import ServiceProcess, worker_process
-from tests.helpers import FP, StoreProcess, make_chain, same_bytes
+from tests.helpers import FP, StoreProcess, cli, make_chain, same_bytes
 from tests.weed import CREDENTIALS, WeedServer
 
 NS = "ns"
@@ -191,7 +193,8 @@ def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, t
     blocks, _ = make_chain(tokens)
     agent_bytes = sum(t.data.nbytes for b in blocks for t in b.tensors)
     quota = str(int(agent_bytes * 2.5))  # two and a half agents of eight
-    store = start_store(tmp_path, "s", tier_args(weed, bucket, "--quota", quota))
+    args = tier_args(weed, bucket, "--quota", quota, "--metrics-listen", "127.0.0.1:0")
+    store = start_store(tmp_path, "s", args)
     try:
         with store.client() as c:
             saved = {}
@@ -213,6 +216,18 @@ def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, t
                 list(c.get_blocks(NS, FP, other_keys))
             located = c.read_blocks_local(NS, FP, keys)
             assert all(same_bytes(a, b) for a, b in zip(agent_blocks, located, strict=True))
+            stats = c.stats()
+        # What an operator sees: the CLI's table and the Prometheus metrics say the same.
+        shown = cli("store", "stats", store=store.address).stdout
+        assert f"s3://{BUCKET}/{bucket}/" in shown and "demoted blocks" in shown
+        assert re.search(rf"rehydrated blocks\s+{stats.num_rehydrated_blocks}\b", shown)
+        metrics = store.service._find_event("serving", 0)["metrics"]
+        text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+        demoted = re.search(r"^agentkv_store_demoted_blocks_total (\S+)$", text, re.M)
+        assert demoted and float(demoted.group(1)) == stats.num_demoted_blocks
+        assert re.search(r'^agentkv_store_object_bytes_total\{op="get"\} [1-9]', text, re.M)
+        assert re.search(r'^agentkv_store_object_seconds_count\{op="put"\} [1-9]', text, re.M)
+        assert "agentkv_store_object_queue_depth" in text
     finally:
         store.stop()
 
