@@ -123,7 +123,7 @@ def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> d
     wproc = worker_process(str(args.path), stores.address, log, extra_args=WORKER_ARGS)
     stack.callback(wproc.stop)
     wproc.start(timeout=600)
-    worker = WorkerClient(wproc.address)
+    worker = WorkerClient(wproc.address, timeout=1800)  # a cold 8K prefill takes minutes here
     stack.callback(worker.close)
     info = model_info(wait_ready(worker), args.path)
     rows: dict[int, dict[str, Any]] = {}

@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,7 @@ from cache_store.index import Index
 from cache_store.leases import Leases
 from cache_store.manifests import AgentView
 from cache_store.metrics import StoreMetrics
-from cache_store.objects import Bucket, Conflict, ObjectStoreDown
+from cache_store.objects import Bucket, Conflict, Got, ObjectStoreDown
 from cache_store.payloads import Payloads
 from cache_store.records import AgentRecord, BlockRecord
 
@@ -68,6 +69,7 @@ BLOCK_FORMAT = "agentkv-block-v1"
 AGENT_FORMAT = "agentkv-agent-v1"
 LEASE_FORMAT = "agentkv-writer-lease-v1"
 RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)  # uploader back-off while the bucket is down
+FETCH_AHEAD = 4  # blocks of a fetched agent downloading at once
 PARKED_RETRY_SECONDS = 5.0  # how often uploads of a namespace another store writes try again
 
 
@@ -288,6 +290,7 @@ class ObjectTier:
         self._overflow = True  # start with a scan of the index: uploads resume after a restart
         self._scanning = False
         self._cond = threading.Condition()
+        self._download_pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         self._fetching: dict[tuple, threading.Lock] = {}  # one download per block or agent
         self._fetching_lock = threading.Lock()
         self._on_state: Callable[[str], None] = lambda state: None
@@ -313,6 +316,7 @@ class ObjectTier:
         for thread in self._threads:
             if thread.is_alive():
                 thread.join()
+        self._download_pool.shutdown(cancel_futures=True)
         self.writers.close()
 
     def watch_state(self, on_state: Callable[[str], None]) -> None:
@@ -734,38 +738,64 @@ class ObjectTier:
         return True
 
     def _fetch_chain(self, namespace: str, m: dict[str, Any]) -> tuple[list[bytes], list[int]]:
+        """Lands the manifest's blocks this store lacks, in chain order, while the next
+        FETCH_AHEAD of them download; the chain ends at the first that is unusable."""
         keys: list[bytes] = []
         counts: list[int] = []
         parent, pos, fetched = b"", 0, 0
-        for entry in m["blocks"]:
-            key, count = bytes.fromhex(entry["key"]), int(entry["num_tokens"])
-            with self.index.read() as txn:
-                have = self.index.find_block(txn, namespace, key)
-            if have is None or not have.local:
-                got = self.bucket.get(block_object(namespace, key))
-                if got is None or xxhash.xxh3_64_intdigest(got.body) != int(entry["xxh3"], 16):
-                    why = "missing" if got is None else "failed its checksum"
-                    log.warning(
-                        "object store block unusable: the chain ends before it",
-                        extra={"namespace": namespace, "key": key.hex(), "reason": why},
+        entries = [(bytes.fromhex(e["key"]), int(e["num_tokens"]), e) for e in m["blocks"]]
+        with self.index.read() as txn:
+            have = {k: self.index.find_block(txn, namespace, k) for k, _, _ in entries}
+        wanted = [k for k, _, _ in entries if have[k] is None or not have[k].local]
+        downloads = _Prefetch(
+            self._download_pool, wanted, lambda k: self.bucket.get(block_object(namespace, k))
+        )
+        try:
+            for key, count, entry in entries:
+                if key in downloads:
+                    got = downloads.take(key)
+                    why = self._land_fetched(
+                        namespace, key, got, entry, have[key], parent, m, pos, count
                     )
-                    break
-                draft = None if have else _draft(namespace, key, parent, m, pos, count)
-                try:
-                    with self._one_at_a_time(("block", namespace, key)):
-                        self._land(namespace, key, got.body, have, draft)
-                except CorruptBlock as exc:
-                    log.warning(
-                        "object store block unusable: the chain ends before it",
-                        extra={"namespace": namespace, "key": key.hex(), "reason": exc.message},
-                    )
-                    break
-                fetched += 1
-            keys.append(key)
-            counts.append(count)
-            parent, pos = key, pos + count
-        self._count_rehydrated(fetched)
+                    if why:
+                        log.warning(
+                            "object store block unusable: the chain ends before it",
+                            extra={"namespace": namespace, "key": key.hex(), "reason": why},
+                        )
+                        break
+                    fetched += 1
+                keys.append(key)
+                counts.append(count)
+                parent, pos = key, pos + count
+        finally:
+            downloads.cancel()
+            self._count_rehydrated(fetched)
         return keys, counts
+
+    def _land_fetched(
+        self,
+        namespace: str,
+        key: bytes,
+        got: Got | None,
+        entry: dict[str, Any],
+        have: BlockRecord | None,
+        parent: bytes,
+        m: dict[str, Any],
+        pos: int,
+        count: int,
+    ) -> str:
+        """Lands one downloaded block; why it is unusable, or "" once it is in place."""
+        if got is None:
+            return "missing"
+        if xxhash.xxh3_64_intdigest(got.body) != int(entry["xxh3"], 16):
+            return "failed its checksum"
+        draft = None if have else _draft(namespace, key, parent, m, pos, count)
+        try:
+            with self._one_at_a_time(("block", namespace, key)):
+                self._land(namespace, key, got.body, have, draft)
+        except CorruptBlock as exc:
+            return exc.message
+        return ""
 
     def _land(
         self,
@@ -879,6 +909,35 @@ class ObjectTier:
             "object_put_bytes": self.bucket.moved["put"],
             "object_get_bytes": self.bucket.moved["get"],
         }
+
+
+class _Prefetch:
+    """Downloads `keys` in order, at most the pool's width ahead of the one taken."""
+
+    def __init__(self, pool: ThreadPoolExecutor, keys: list[bytes], get: Callable) -> None:
+        self._pool, self._get, self._keys = pool, get, collections.deque(keys)
+        self._futures: dict[bytes, Future] = {}
+        self._wanted = set(keys)
+        for _ in range(FETCH_AHEAD):
+            self._submit()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._wanted
+
+    def _submit(self) -> None:
+        if self._keys:
+            key = self._keys.popleft()
+            self._futures[key] = self._pool.submit(self._get, key)
+
+    def take(self, key: bytes) -> Got | None:
+        """The key's download (ObjectStoreDown raised here), and the next one started."""
+        future = self._futures.pop(key)
+        self._submit()
+        return future.result()
+
+    def cancel(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
 
 
 def _draft(

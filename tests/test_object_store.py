@@ -79,6 +79,24 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 120.0) -> No
         time.sleep(0.05)
 
 
+OBJECT_STORE = "agentkv.v1.CacheStore/object-store"  # its health service name
+
+
+def health(address: str) -> dict[str, str]:
+    """grpc.health.v1 of the store itself and of its object-store tier."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {
+            name: health_pb2.HealthCheckResponse.ServingStatus.Name(
+                stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+            )
+            for name in ("", OBJECT_STORE)
+        }
+
+
 def uploaded(client: StoreClient) -> bool:
     s = client.stats()
     return s.object_queue_depth == 0 and s.object_store_state == "ok"
@@ -318,12 +336,14 @@ def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path)
             saved["a0"] = (tokens, blocks, keys)
             wait_for("'unreachable'", lambda: c.stats().object_store_state == "unreachable")
             assert c.stats().object_queue_depth > 0
+            assert health(store.address) == {"": "SERVING", OBJECT_STORE: "NOT_SERVING"}
             for agent, (agent_tokens, agent_blocks, keys) in saved.items():
                 assert_restores(c, agent, agent_tokens, agent_blocks, keys)
             with pytest.raises(Unavailable, match="object store"):
                 c.get_agent(NS, "never-seen")  # it may be in the bucket: not a NOT_FOUND
             weed.start()
             wait_for("the catch-up", lambda: uploaded(c))
+            assert health(store.address)[OBJECT_STORE] == "SERVING"
         store.stop()
         manifests = assert_bucket_whole(weed, bucket)
         assert {m["agent_id"]: m["generation"] for m in manifests.values()}["a0"] == 2
