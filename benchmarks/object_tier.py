@@ -115,7 +115,8 @@ def drained(store: StoreClient, timeout: float = 300.0) -> None:
 
 def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.path)
-    contexts = fit_contexts(args.contexts, max_context(args.path), 96 + 8 * args.passes)
+    room = 96 + 48 * args.passes  # the template, and two ~16-token turns a pass (local, object)
+    contexts = fit_contexts(args.contexts, max_context(args.path), room)
     stores = Stores(root, stack, weed)
     stack.callback(stores.stop)
     a = stores.start(data_dir=root / "store-a")
