@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         "and every block from the bucket to local disk, then the worker restores as usual. "
         "'fetch': GetAgent alone on another empty store, MB/s of payload fetched.",
         "The S3 server (SeaweedFS) runs on this machine: bucket latency is loopback's; a "
-        "remote bucket adds its round trips (blocks are fetched one after another).",
+        "remote bucket adds its round trips (a fetch keeps four block downloads in flight).",
     ]
     if load["errors"]:
         notes.append(f"steady-load errors: {load['errors'][:3]}")
