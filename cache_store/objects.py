@@ -19,6 +19,7 @@ from agentkv.errors import Unavailable
 from cache_store.metrics import StoreMetrics
 
 _ABSENT = {"404", "NoSuchKey", "NotFound"}  # NoSuchBucket is not: a misconfigured store
+BINARY = "application/octet-stream"  # a payload file (a safetensors length never starts "{")
 BREAK_SECONDS = 2.0  # after a request found the bucket unreachable, others fail at once
 _LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
@@ -118,6 +119,7 @@ class Bucket:
         """Stores `body` under `key`; returns its ETag. Conflict when a condition fails."""
         args = {"Bucket": self.location.bucket, "Key": self.name(key), "Body": body}
         args["Metadata"] = metadata
+        args["ContentType"] = "application/json" if body[:1] == b"{" else BINARY
         if if_none_match:
             args["IfNoneMatch"] = "*"
         if if_match:

@@ -4,7 +4,7 @@ of loss, rehydration, and one writing store per namespace.
 The bucket describes itself (objects under the location's prefix):
   <ns>/blocks/<key hex>.safetensors   a block's payload file, byte for byte; metadata: format,
                                       namespace, fingerprint, key, parent, num-tokens, xxh3
-  <ns>/agents/<agent id>.json         a manifest: the agent record, and per block its key,
+  <ns>/agents/<agent id>              a manifest (JSON): the agent record, per block its key,
                                       token count, size and payload xxh3; metadata: format,
                                       namespace, agent, fingerprint, generation, xxh3 (of the
                                       JSON)
@@ -78,7 +78,9 @@ def block_object(namespace: str, key: bytes) -> str:
 
 
 def agent_object(namespace: str, agent_id: str) -> str:
-    return f"{namespace}/agents/{agent_id}.json"
+    """No suffix: the bucket lists manifests in agent-id order, as the index does (pages of
+    ListAgents merge the two)."""
+    return f"{namespace}/agents/{agent_id}"
 
 
 def lease_object(namespace: str) -> str:
@@ -177,9 +179,9 @@ class WriterLeases:
         key = lease_object(namespace)
         for _ in range(3):  # each lost race re-reads what won it
             try:
-                self._put(
-                    namespace, self.bucket.put(key, *self._body(namespace), if_none_match=True)
-                )
+                started = time.monotonic()
+                etag = self.bucket.put(key, *self._body(namespace), if_none_match=True)
+                self._put(namespace, etag, started)
                 return
             except Conflict:
                 pass
@@ -195,8 +197,9 @@ class WriterLeases:
                     "that store, or stop it and let its lease expire"
                 )
             try:
-                body = self._body(namespace)
-                self._put(namespace, self.bucket.put(key, *body, if_match=got.etag))
+                started = time.monotonic()
+                etag = self.bucket.put(key, *self._body(namespace), if_match=got.etag)
+                self._put(namespace, etag, started)
                 if holder != self.store_id:
                     log.warning(
                         "writer lease taken over",
@@ -219,9 +222,11 @@ class WriterLeases:
         ).encode()
         return body, {"agentkv-format": LEASE_FORMAT, "agentkv-store": self.store_id}
 
-    def _put(self, namespace: str, etag: str) -> None:
+    def _put(self, namespace: str, etag: str, started: float) -> None:
+        """Holds the lease written by a put begun at `started` (its expiry counts from the
+        body's writing, so a slow put shortens the hold, never lengthens it)."""
         with self._lock:
-            self._held[namespace] = _Held(etag, time.monotonic() + self.seconds - self.margin)
+            self._held[namespace] = _Held(etag, started + self.seconds - self.margin)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -234,11 +239,12 @@ class WriterLeases:
                             lease = self._held.get(namespace)
                         if lease is None:
                             continue
+                        started = time.monotonic()
                         body, meta = self._body(namespace)
                         etag = self.bucket.put(
                             lease_object(namespace), body, meta, if_match=lease.etag
                         )
-                        self._put(namespace, etag)
+                        self._put(namespace, etag, started)
                 except Conflict:
                     with self._lock:
                         self._held.pop(namespace, None)
@@ -423,7 +429,8 @@ class ObjectTier:
             except Exception:
                 log.exception("object store upload failed", extra={"job": list(job)})
                 with self._cond:
-                    self._overflow = True  # found again by the next scan
+                    self._overflow = True  # found again by the next scan, after a pause
+                self._stop.wait(PARKED_RETRY_SECONDS)
             finally:
                 with self._cond:
                     self._inflight.discard(job)
@@ -479,8 +486,14 @@ class ObjectTier:
             self._cond.notify_all()
 
     def _retry(self, job: Job) -> None:
+        """Puts a job that failed for the moment back first (within the bound; past it the
+        next scan finds it)."""
         with self._cond:
-            if job not in self._queued:
+            if job in self._queued:
+                return
+            if len(self._queue) >= self.config.object_queue_max:
+                self._overflow = True
+            else:
                 self._queue.appendleft(job)
                 self._queued.add(job)
 
@@ -871,7 +884,7 @@ class ObjectTier:
         views = []
         start = agent_object(namespace, after) if after else ""
         for name in self.bucket.list(prefix, start, limit):
-            agent_id = name[len(prefix) :].removesuffix(".json")
+            agent_id = name[len(prefix) :]
             with self.index.read() as txn:
                 if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
                     continue  # deleted here; its deletion there is queued

@@ -504,7 +504,7 @@ def test_compose_object_store_profile_writes_through_with_its_secrets(tmp_path):
         finally:
             store.stop()
         listed = weed.client().list_objects_v2(Bucket="agentkv", Prefix="store/deploy/agents/")
-        assert [o["Key"] for o in listed["Contents"]] == ["store/deploy/agents/a.json"]
+        assert [o["Key"] for o in listed["Contents"]] == ["store/deploy/agents/a"]
         stranger = WeedServer(
             weed.directory,
             weed.ports,
