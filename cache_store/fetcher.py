@@ -1,0 +1,278 @@
+"""Reads from the object store into the local tier: a demoted block's payload brought back,
+an agent only the bucket holds (or a newer version of it) fetched whole, and the bucket's
+agents listed. Every payload is checked against the index's record or the manifest's
+checksum and its own safetensors header before it lands.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import xxhash
+
+from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord
+from cache_store import bucket_layout as layout
+from cache_store import manifests
+from cache_store.capacity import Capacity
+from cache_store.config import StoreConfig
+from cache_store.index import Index
+from cache_store.manifests import AgentView
+from cache_store.metrics import StoreMetrics
+from cache_store.objects import Bucket, Got
+from cache_store.payloads import Payloads
+from cache_store.records import BlockRecord
+
+log = logging.getLogger("agentkv.store")
+
+FETCH_AHEAD = 4  # blocks of a fetched agent downloading at once
+
+
+class Fetcher:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        payloads: Payloads,
+        capacity: Capacity,
+        metrics: StoreMetrics,
+        bucket: Bucket,
+        publish_lock: threading.Lock,
+    ) -> None:
+        self.max_block_bytes, self.index, self.payloads = config.max_block_bytes, index, payloads
+        self.capacity, self.metrics, self.bucket = capacity, metrics, bucket
+        self.publish_lock = publish_lock
+        self.pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
+        self._fetching: dict[tuple, threading.Lock] = {}  # one download per block or agent
+        self._fetching_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    @contextmanager
+    def _one_at_a_time(self, what: tuple) -> Iterator[None]:
+        """One download of a block (or fetch of an agent) at a time; others wait for it.
+        (The locks stay: one small entry per block ever fetched.)"""
+        with self._fetching_lock:
+            lock = self._fetching.setdefault(what, threading.Lock())
+        with lock:
+            yield
+
+    def rehydrate(self, record: BlockRecord) -> BlockRecord:
+        """Brings a demoted block's payload back to local disk, checked against the index's
+        record; CorruptBlock (the caller quarantines it) if the bucket's copy is missing or
+        not those bytes."""
+        ns, key = record.namespace, record.key
+        with self._one_at_a_time(("block", ns, key)):
+            with self.index.read() as txn:
+                current = self.index.find_block(txn, ns, key)
+                checksum = self.index.remote_checksum(txn, ns, key)
+            if current is None:
+                raise BlockNotFound(f"block {key.hex()} not found in namespace {ns!r}")
+            if current.local:
+                return current
+            got = self.bucket.get(layout.block_object(ns, key))
+            if got is None:
+                raise CorruptBlock(f"demoted block {key.hex()} is missing from the object store")
+            if checksum is not None and xxhash.xxh3_64_intdigest(got.body) != checksum:
+                raise CorruptBlock(
+                    f"the object store's copy of block {key.hex()} failed its checksum"
+                )
+            landed = self._land(got.body, current, existing=True)
+        self._count_rehydrated(1)
+        return landed
+
+    def fetch_agent(self, namespace: str, agent_id: str, local_generation: int | None) -> bool:
+        """Copies the bucket's manifest of an agent, and every block it names that is not
+        here, into the local tier, when it is newer than `local_generation` (None: absent
+        here). Whether it did. A block that is missing or fails its checksum ends the chain
+        there (its tokens are re-prefilled); a manifest that fails its own is DATA_LOSS."""
+        name = layout.agent_object(namespace, agent_id)
+        if local_generation is not None:
+            there = self.bucket.head(name)
+            theirs = there.metadata.get("agentkv-generation", "0") if there else "0"
+            if there is None or int(theirs or 0) <= local_generation:
+                return False
+        got = self.bucket.get(name)
+        if got is None:
+            return False
+        m = layout.read_manifest(got.body, got.metadata, namespace, agent_id)
+        with self._one_at_a_time(("agent", namespace, agent_id)):
+            record = layout.manifest_record(m, self._fetch_chain(m))
+            with self.index.write() as txn:
+                current = self.index.find_agent(txn, namespace, agent_id)
+                if current is not None and current.generation >= record.generation:
+                    return False  # committed here meanwhile
+                if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
+                    return False  # deleted here meanwhile
+                manifests.install(self.index, txn, record, current)
+                self.index.put_uploaded(txn, namespace, agent_id, record.generation)
+        log.info(
+            "agent fetched from the object store",
+            extra={"namespace": namespace, "agent": agent_id, "blocks": len(record.block_keys)},
+        )
+        return True
+
+    def _fetch_chain(self, m: layout.Manifest) -> list[bytes]:
+        """Lands the manifest's blocks this store lacks, in chain order, while the next
+        FETCH_AHEAD of them download; the chain (its keys) ends at the first unusable one."""
+        namespace, keys = m["namespace"], []
+        parent, pos, fetched = b"", 0, 0
+        entries = [(bytes.fromhex(e["key"]), int(e["num_tokens"]), e) for e in m["blocks"]]
+        with self.index.read() as txn:
+            have = {k: self.index.find_block(txn, namespace, k) for k, _, _ in entries}
+        wanted = [k for k, _, _ in entries if have[k] is None or not have[k].local]
+        downloads = _Prefetch(
+            self.pool, wanted, lambda k: self.bucket.get(layout.block_object(namespace, k))
+        )
+        try:
+            for key, count, entry in entries:
+                if key in downloads:
+                    draft = have[key] or layout.draft_block(m, key, parent, pos, count)
+                    why = self._land_fetched(downloads.take(key), entry, draft, have[key])
+                    if why:
+                        log.warning(
+                            "object store block unusable: the chain ends before it",
+                            extra={"namespace": namespace, "key": key.hex(), "reason": why},
+                        )
+                        break
+                    fetched += 1
+                keys.append(key)
+                parent, pos = key, pos + count
+        finally:
+            downloads.cancel()
+            self._count_rehydrated(fetched)
+        return keys
+
+    def _land_fetched(
+        self, got: Got | None, entry: dict[str, Any], base: BlockRecord, have: BlockRecord | None
+    ) -> str:
+        """Lands one downloaded block; why it is unusable, or "" once it is in place."""
+        if got is None:
+            return "missing"
+        if xxhash.xxh3_64_intdigest(got.body) != int(entry["xxh3"], 16):
+            return "failed its checksum"
+        try:
+            with self._one_at_a_time(("block", base.namespace, base.key)):
+                self._land(got.body, base, existing=have is not None)
+        except CorruptBlock as exc:
+            return exc.message
+        return ""
+
+    def _land(self, body: bytes, base: BlockRecord, existing: bool) -> BlockRecord:
+        """Writes a payload from the bucket durably into place and indexes it, checked against
+        `base`: a demoted block's record (`existing`) or a manifest's draft of a new one."""
+        header_len, tensors = layout.parse_payload(body, base, self.max_block_bytes)
+        self.capacity.check_fits(len(body), base.namespace)
+        self.capacity.reserve(len(body), base.namespace)
+        writer = None
+        try:
+            writer = self.payloads.writer(body[:header_len], tensors, self.capacity.free_disk)
+            writer.write(memoryview(body)[header_len:])
+            segments = writer.seal()
+            if existing and segments != base.segments:
+                raise CorruptBlock(
+                    f"the object store's copy of block {base.key.hex()} does not match its record"
+                )
+            if not existing:
+                shifted = [t._replace(offset=t.offset + header_len) for t in tensors]
+                base = replace(base, tensors=shifted, segments=segments, num_bytes=len(body))
+            landed = self._publish(writer, base, existing, xxhash.xxh3_64_intdigest(body))
+        finally:
+            if writer is not None:
+                writer.abort()
+            self.capacity.unreserve(len(body), base.namespace)
+        self.capacity.touch_block((base.namespace, base.key))
+        return landed
+
+    def _publish(
+        self, writer: Any, base: BlockRecord, existing: bool, checksum: int
+    ) -> BlockRecord:
+        """Moves the written payload into place and indexes it, unless the index changed
+        meanwhile (the block deleted, fetched back by another reader, or uploaded)."""
+        ns, key = base.namespace, base.key
+        with self.publish_lock:
+            with self.index.read() as txn:
+                current = self.index.find_block(txn, ns, key)
+            if existing:
+                if current is None or current.created_ms != base.created_ms:
+                    raise BlockNotFound(f"block {key.hex()} was deleted while fetched")
+                if current.local:
+                    return current  # fetched back by another reader meanwhile
+            elif current is not None:
+                return current  # uploaded meanwhile: that one stands
+            writer.publish(self.payloads.path(base.relpath))
+            with self.index.write() as txn:
+                if existing:
+                    landed = self.index.set_local(txn, base, True)
+                else:
+                    landed = base
+                    if self.index.find_block(txn, ns, key) is None:
+                        self.index.put_block(txn, landed)
+                self.index.put_remote(txn, ns, key, checksum)
+        return landed
+
+    def _count_rehydrated(self, n: int) -> None:
+        if n:
+            self.metrics.rehydrated_blocks.inc(n)
+            with self.index.write() as txn:
+                self.index.bump(txn, "rehydrated_blocks", n)
+
+    def bucket_agents(self, namespace: str, after: str, limit: int) -> list[AgentView]:
+        """Agents the bucket holds, in id order after `after`, as the bucket describes them."""
+        prefix = f"{namespace}/agents/"
+        views = []
+        start = layout.agent_object(namespace, after) if after else ""
+        for name in self.bucket.list(prefix, start, limit):
+            agent_id = name[len(prefix) :]
+            with self.index.read() as txn:
+                if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
+                    continue  # deleted here; its deletion there is queued
+            got = self.bucket.get(name)
+            if got is None:
+                continue
+            try:
+                m = layout.read_manifest(got.body, got.metadata, namespace, agent_id)
+            except CorruptRecord as exc:
+                log.warning(
+                    "unreadable manifest in the object store", extra={"reason": exc.message}
+                )
+                continue
+            size = sum(int(b["num_bytes"]) for b in m["blocks"])
+            views.append(AgentView(layout.manifest_record(m), [], size))
+        return views
+
+
+class _Prefetch:
+    """Downloads `keys` in order, at most FETCH_AHEAD ahead of the one taken."""
+
+    def __init__(self, pool: ThreadPoolExecutor, keys: list[bytes], get: Callable) -> None:
+        self._pool, self._get, self._keys = pool, get, collections.deque(keys)
+        self._futures: dict[bytes, Future] = {}
+        self._wanted = set(keys)
+        for _ in range(FETCH_AHEAD):
+            self._submit()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._wanted
+
+    def _submit(self) -> None:
+        if self._keys:
+            key = self._keys.popleft()
+            self._futures[key] = self._pool.submit(self._get, key)
+
+    def take(self, key: bytes) -> Got | None:
+        """The key's download (ObjectStoreDown raised here), and the next one started."""
+        future = self._futures.pop(key)
+        self._submit()
+        return future.result()
+
+    def cancel(self) -> None:
+        for future in self._futures.values():
+            future.cancel()

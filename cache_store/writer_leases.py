@@ -1,0 +1,210 @@
+"""One writing store per namespace in a shared bucket: the holder of `<ns>/writer.lease`.
+
+A lease is created with If-None-Match, renewed with If-Match, and taken over with If-Match
+once it has expired. A store that finds another's live lease refuses the namespace's writes
+(FAILED_PRECONDITION) and serves it read-only from the bucket. A store that cannot reach the
+bucket keeps writing locally and uploads nothing of a namespace until it holds the lease again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentkv.errors import FailedPrecondition
+from agentkv.units import utc_time
+from cache_store.capacity import now_ms
+from cache_store.objects import Bucket, Conflict, ObjectStoreDown
+
+log = logging.getLogger("agentkv.store")
+
+LEASE_FORMAT = "agentkv-writer-lease-v1"
+
+
+def lease_object(namespace: str) -> str:
+    return f"{namespace}/writer.lease"
+
+
+def store_identity(data_dir: Path, configured: str) -> str:
+    """This store's name in writer leases: --store-id, else one made once and kept in the data
+    dir (so a restarted store takes its own lease back at once)."""
+    if configured:
+        return configured
+    path = data_dir / "store-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        ident = f"{socket.gethostname()}-{secrets.token_hex(4)}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(ident)
+        os.replace(tmp, path)
+        return ident
+
+
+class NamespaceHeld(FailedPrecondition):
+    """Another store holds the namespace's writer lease in the shared bucket."""
+
+
+class NotWriter(Exception):
+    """The uploader may not write this namespace now (no verified lease)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    etag: str
+    valid_until: float  # time.monotonic(): past it, this store no longer counts as the writer
+
+
+class WriterLeases:
+    """The namespaces this store writes in the bucket, renewed on a thread of their own."""
+
+    def __init__(self, bucket: Bucket, store_id: str, seconds: float) -> None:
+        self.bucket, self.store_id, self.seconds = bucket, store_id, seconds
+        self.margin = seconds / 3  # clock skew and a renewal in flight fit in it
+        self._held: dict[str, _Held] = {}
+        self._unverified: set[str] = set()  # namespaces written while the bucket was away
+        self._lock = threading.Lock()
+        self._acquiring = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_loop, name="writer-leases", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops renewing and hands every lease back (expired at once), so another store
+        can take a namespace over without waiting; a lease it cannot hand back lapses."""
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            held, self._held = self._held, {}
+        for namespace, lease in held.items():
+            try:
+                body, meta = self._body(namespace, expires=0)
+                self.bucket.put(lease_object(namespace), body, meta, if_match=lease.etag)
+            except (Conflict, ObjectStoreDown):
+                pass
+
+    def holds(self, namespace: str) -> bool:
+        """Whether this store is the namespace's verified writer right now."""
+        with self._lock:
+            held = self._held.get(namespace)
+        return held is not None and held.valid_until > time.monotonic()
+
+    def check(self, namespace: str) -> None:
+        """Before a write: passes while this store holds the lease or can take it, and while
+        the bucket is unreachable (the write stays local until the lease is had);
+        NamespaceHeld when another store's lease is live."""
+        if self.holds(namespace):
+            return
+        try:
+            self.acquire(namespace)
+            self._unverified.discard(namespace)
+        except ObjectStoreDown as exc:
+            if namespace not in self._unverified:  # said once per outage
+                self._unverified.add(namespace)
+                log.warning(
+                    "writer lease unverified: the object store is unreachable; writing locally",
+                    extra={"namespace": namespace, "reason": exc.message},
+                )
+
+    def acquire(self, namespace: str) -> None:
+        """Creates, renews or takes over the lease; NamespaceHeld if another store's is live.
+        One acquisition or renewal at a time (so none stores an ETag another replaced)."""
+        with self._acquiring:
+            if not self.holds(namespace):
+                self._acquire(namespace)
+
+    def _acquire(self, namespace: str) -> None:
+        key = lease_object(namespace)
+        for _ in range(3):  # each lost race re-reads what won it
+            try:
+                started = time.monotonic()
+                etag = self.bucket.put(key, *self._body(namespace), if_none_match=True)
+                self._put(namespace, etag, started)
+                return
+            except Conflict:
+                pass
+            got = self.bucket.get(key)
+            if got is None:
+                continue  # deleted in between: create it
+            holder, expires = _lease_fields(got.body)
+            if holder != self.store_id and expires + self.margin * 1000 > now_ms():
+                raise NamespaceHeld(
+                    f"namespace {namespace!r} is written by store {holder!r} through "
+                    f"{self.bucket.location} (its lease runs until {utc_time(expires)}); this "
+                    f"store ({self.store_id!r}) only reads it: send the namespace's writes to "
+                    "that store, or stop it and let its lease expire"
+                )
+            try:
+                started = time.monotonic()
+                etag = self.bucket.put(key, *self._body(namespace), if_match=got.etag)
+                self._put(namespace, etag, started)
+                if holder != self.store_id:
+                    log.warning(
+                        "writer lease taken over",
+                        extra={"namespace": namespace, "from": holder, "expired": expires},
+                    )
+                return
+            except Conflict:
+                continue
+        raise NamespaceHeld(f"namespace {namespace!r}: lost the race for its writer lease")
+
+    def _body(self, namespace: str, expires: int | None = None) -> tuple[bytes, dict[str, str]]:
+        expires = now_ms() + int(self.seconds * 1000) if expires is None else expires
+        body = json.dumps(
+            {
+                "format": LEASE_FORMAT,
+                "namespace": namespace,
+                "store": self.store_id,
+                "expires_unix_ms": expires,
+            }
+        ).encode()
+        return body, {"agentkv-format": LEASE_FORMAT, "agentkv-store": self.store_id}
+
+    def _put(self, namespace: str, etag: str, started: float) -> None:
+        """Holds the lease written by a put begun at `started` (its expiry counts from the
+        body's writing, so a slow put shortens the hold, never lengthens it)."""
+        with self._lock:
+            self._held[namespace] = _Held(etag, started + self.seconds - self.margin)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            with self._lock:
+                held = dict(self._held)
+            for namespace in held:
+                try:
+                    with self._acquiring:
+                        with self._lock:
+                            lease = self._held.get(namespace)
+                        if lease is None:
+                            continue
+                        started = time.monotonic()
+                        body, meta = self._body(namespace)
+                        etag = self.bucket.put(
+                            lease_object(namespace), body, meta, if_match=lease.etag
+                        )
+                        self._put(namespace, etag, started)
+                except Conflict:
+                    with self._lock:
+                        self._held.pop(namespace, None)
+                    log.error(
+                        "writer lease lost: another store took the namespace over",
+                        extra={"namespace": namespace},
+                    )
+                except ObjectStoreDown:
+                    pass  # it lapses by itself; uploads of the namespace pause meanwhile
+
+
+def _lease_fields(body: bytes) -> tuple[str, int]:
+    """(holder, expires_unix_ms) of a lease object; an unreadable one counts as expired."""
+    try:
+        d = json.loads(body)
+        return str(d["store"]), int(d["expires_unix_ms"])
+    except (ValueError, KeyError, TypeError):
+        return "", 0
