@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import goal, label, machine, parser, plot, report, table
+import harness as h
 from paper import TABLE6, TABLE14_BUDGET_BYTES
 
 from agentkv import planner
@@ -44,7 +44,7 @@ def nearest(items: list[dict], key: str, row: str) -> dict:
 def persistence(doc: dict) -> tuple[str, Three, Three]:
     model = next(m for m in doc["models"] if m["contexts"])
     c = nearest(model["contexts"], "nominal_tokens", "persistence")
-    at, s = label(c["nominal_tokens"]), c["summary_ms"]
+    at, s = h.label(c["nominal_tokens"]), c["summary_ms"]
     metric = f"TTFT ms at {at}: warm (locate) restore vs cold prefill ({model['name']})"
     return metric, three(s["warm (locate)"]), three(s["cold"])
 
@@ -55,7 +55,7 @@ def capacity(doc: dict) -> tuple[str, Three, Three]:
     c = nearest(doc["capacity"], "context", "capacity")
     gemma = planner.plan(planner.load_config("gemma3_12b"), CONTEXT["capacity"], 1)
     budget = TABLE14_BUDGET_BYTES * c["plan_fp16_bytes"] // gemma.fp16_bytes
-    at = f"{label(c['context'])} in {budget / 2**20:.1f} MiB"
+    at = f"{h.label(c['context'])} in {budget / 2**20:.1f} MiB"
     metric = f"agents at {at}, Gemma-3-shaped: Q4 (measured hot bytes) vs FP16 (planner)"
     q4, fp16 = budget // c["measured_full_bytes"], budget // c["plan_fp16_bytes"]
     return metric, three(q4), three(fp16)
@@ -63,7 +63,7 @@ def capacity(doc: dict) -> tuple[str, Three, Three]:
 
 def batching(doc: dict) -> tuple[str, Three, Three]:
     c = nearest([c for c in doc["cells"] if c["batch"] == BATCH], "context", "batching")
-    metric = f"SysTPS, {BATCH} hot agents at {label(c['context'])}: at once vs one by one"
+    metric = f"SysTPS, {BATCH} hot agents at {h.label(c['context'])}: at once vs one by one"
     return metric, three(c["sys_tps"]["batched"]), three(c["sys_tps"]["sequential"])
 
 
@@ -80,7 +80,7 @@ def windows(doc: dict) -> tuple[str, Three, Three]:
     mb = {
         m: tuple(v / 1e6 for v in three(c["modes"][m]["summary"]["hot_bytes"])) for m in c["modes"]
     }
-    metric = f"hot MB per agent at {label(c['nominal_tokens'])}, Gemma-3-shaped: window vs full"
+    metric = f"hot MB per agent at {h.label(c['nominal_tokens'])}, Gemma-3-shaped: window vs full"
     return metric, mb["window"], mb["full"]
 
 
@@ -156,7 +156,7 @@ def summary_table(rows: list[Row]) -> str:
         ours = (r.cell(r.with_), r.cell(r.without), f"{r.effect:.1f}x")
         cells.append((r.spec.component, r.metric, *ours, *(paper or ("-",) * 3)))
     headers = ("component", "metric", "with", "without", "effect", "paper with")
-    return table((*headers, "paper without", "paper effect"), cells, "ll" + "r" * 6)
+    return h.table((*headers, "paper without", "paper effect"), cells, "ll" + "r" * 6)
 
 
 def draw(rows: list[Row]) -> Callable:
@@ -180,14 +180,14 @@ def draw(rows: list[Row]) -> Callable:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = parser(__doc__, model=False, quick="the same (it reads what the --quick sections wrote)")
+    p = h.parser(__doc__, model=False, quick="the same (it reads what the --quick sections wrote)")
     p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     rows, notes = derive(args.results)
-    header = machine(results=str(args.results))
+    header = h.machine(results=str(args.results))
     sections = [("component contributions (Table 6 form; medians)", summary_table(rows))]
     goals = [
-        goal(
+        h.goal(
             f"{r.spec.component}: effect >= the paper's {TABLE6[r.key].effect:.1f}x",
             f"{r.effect:.2f}x ({r.cell(r.with_)} with, {r.cell(r.without)} without)",
             r.effect >= TABLE6[r.key].effect,
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     ]
     document = {"paper_table6": {k: asdict(v) for k, v in TABLE6.items()}}
     document["rows"] = [asdict(r) | {"effect": r.effect} for r in rows]
-    png = report("ablation", args.out, header, sections, goals, notes, document)
+    png = h.report("ablation", args.out, header, sections, goals, notes, document)
     if rows:
         size = (3.2 * len(rows), 4.2)
-        plot(png, header, "ablation", draw(rows), ncols=len(rows), figsize=size)
+        h.plot(png, header, "ablation", draw(rows), ncols=len(rows), figsize=size)
 
 
 if __name__ == "__main__":

@@ -18,27 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import (
-    NEVER,
-    columns,
-    fastest,
-    fmt,
-    goal,
-    label,
-    machine,
-    median,
-    open_model,
-    parser,
-    percentile,
-    plot,
-    ratio,
-    report,
-    say,
-    services,
-    source_slices,
-    table,
-    usage_dict,
-)
+import harness as h
 from paper import FIGURE3, TABLE4
 
 NS = "batching"
@@ -97,7 +77,7 @@ class Run:
         return sum(max(0, s.num_tokens - 1) for s in self.streams) / max(covered, 1e-9)
 
     def agent_gaps(self, q: float) -> list[float]:
-        return [g for s in self.streams if (g := percentile(s.gaps_ms(), q)) is not None]
+        return [g for s in self.streams if (g := h.percentile(s.gaps_ms(), q)) is not None]
 
 
 @dataclass(slots=True)
@@ -112,13 +92,13 @@ class Cell:
     step_passes: list[dict[str, float]] = field(default_factory=list)  # by STEPS key
 
     def sys_tps(self, mode: str, decode: bool = False) -> float | None:
-        return median([r.decode_tps if decode else r.sys_tps for r in self.runs[mode]])
+        return h.median([r.decode_tps if decode else r.sys_tps for r in self.runs[mode]])
 
     def streams(self, mode: str = "batched") -> list[Stream]:
         return [s for r in self.runs[mode] for s in r.streams]
 
     def gap(self, q: float, mode: str = "batched") -> float | None:
-        return median([g for r in self.runs[mode] for g in r.agent_gaps(q)])
+        return h.median([g for r in self.runs[mode] for g in r.agent_gaps(q)])
 
     def as_dict(self) -> dict[str, Any]:
         tps = {m: [r.sys_tps for r in rs] for m, rs in self.runs.items()}
@@ -137,12 +117,12 @@ class Cell:
 def stream_turn(worker: Any, agent: str, messages: list, max_tokens: int) -> Stream:
     """One greedy Turn, every chunk's arrival timed."""
     stream = Stream(agent, time.perf_counter())
-    for response in worker.stream_turn(NS, agent, messages, max_tokens=max_tokens, stop=[NEVER]):
+    for response in worker.stream_turn(NS, agent, messages, max_tokens=max_tokens, stop=[h.NEVER]):
         if response.HasField("tokens"):
             stream.arrivals.append(time.perf_counter())
             stream.num_tokens += len(response.tokens.token_ids)
         else:
-            stream.usage = usage_dict(response.usage)
+            stream.usage = h.usage_dict(response.usage)
     stream.ended = time.perf_counter()
     if not stream.usage:
         raise RuntimeError(f"turn of {agent!r} ended without a usage")
@@ -161,7 +141,7 @@ def make_bases(svc: Any, tokenizer: Any, context: int, count: int, tokens: int) 
     runs to `tokens` tokens (probed once on a fork, untimed): this model often answers a chat
     question in a few tokens and then emits EOS, and the API has no way to ignore EOS."""
     worker, bases = batch_worker(svc), []
-    for i, text in enumerate(source_slices(tokenizer, context, MAX_SLICES)):
+    for i, text in enumerate(h.source_slices(tokenizer, context, MAX_SLICES)):
         name = new_base(worker, f"c{context}-base{i}", text)
         probe = hot_copies(svc, [name], "probe")[0]
         if stream_turn(worker, probe, [], tokens).num_tokens == tokens:
@@ -219,7 +199,7 @@ def one_run(svc: Any, bases: list[str], mode: str, tokens: int, tag: str, contex
 def throughput(svc: Any, tokenizer: Any, args: Any, context: int, local: InProcess) -> list[Cell]:
     """Every batch size at one context, --passes times: batched, the same batch's forward in
     this process right after (paired, so both see the machine in the same state), sequential."""
-    say(f"{label(context)}: creating {max(args.batches)} base agents")
+    h.say(f"{h.label(context)}: creating {max(args.batches)} base agents")
     bases = make_bases(svc, tokenizer, context, max(args.batches), args.tokens)
     one_run(svc, bases, "batched", 8, "settle", context)  # untimed: first steps at this length
     cells = [Cell(context, b, args.tokens) for b in args.batches]
@@ -232,14 +212,14 @@ def throughput(svc: Any, tokenizer: Any, args: Any, context: int, local: InProce
                 if mode == "batched":
                     cell.step_passes.append(step_pass(local, run))
             tps = [f"{cell.runs[m][-1].sys_tps:.1f} {m}" for m in MODES]
-            say(f"  {label(context)} pass {p + 1} batch {cell.batch}: SysTPS {', '.join(tps)}")
+            h.say(f"  {h.label(context)} pass {p + 1} batch {cell.batch}: SysTPS {', '.join(tps)}")
     return cells
 
 
 def warm_up(svc: Any, tokenizer: Any, batches: list[int]) -> None:
     """One untimed batched and sequential run at the largest batch, on short agents; one turn
     on every worker."""
-    texts = source_slices(tokenizer, 256, max(batches))
+    texts = h.source_slices(tokenizer, 256, max(batches))
     bases = [new_base(batch_worker(svc), f"warm-base{i}", t) for i, t in enumerate(texts)]
     for mode in MODES:
         one_run(svc, bases, mode, 8, f"warm-{mode}", 0)
@@ -265,7 +245,7 @@ class Staggered:
 
 def staggered(svc: Any, tokenizer: Any, context: int, passes: int) -> list[Staggered]:
     """A, then B 2 s later, both cold; per pass on the sequential and the batched worker."""
-    texts, out = source_slices(tokenizer, context, 2), []
+    texts, out = h.source_slices(tokenizer, context, 2), []
     for p in range(passes):
         for mode, max_batch in (("sequential", 1), ("batched", 2)):
             worker, names = svc.workers[str(max_batch)], [f"stagger-{mode}-p{p}-{x}" for x in "ab"]
@@ -277,7 +257,7 @@ def staggered(svc: Any, tokenizer: Any, context: int, passes: int) -> list[Stagg
             out.append(Staggered(mode, a, b))
             for name in names:
                 worker.delete(NS, name)
-            say(f"  staggered pass {p + 1} {mode}: TTFT A {a.ttft_ms:.0f}, B {b.ttft_ms:.0f} ms")
+            h.say(f"  staggered pass {p + 1} {mode}: TTFT A {a.ttft_ms:.0f}, B {b.ttft_ms:.0f} ms")
     return out
 
 
@@ -313,9 +293,9 @@ def in_process(path: Path, tokenizer: Any, contexts: list[int]) -> InProcess:
     bos = json.loads((path / "config.json").read_text()).get("bos_token_id") or 0
     local = InProcess(model, {})
     for context in contexts:
-        text = source_slices(tokenizer, context)[0]
+        text = h.source_slices(tokenizer, context)[0]
         ids = [bos, *tokenizer.encode(text, add_special_tokens=False).ids]
-        say(f"in-process prefill at {label(context)} ({len(ids)} tokens)")
+        h.say(f"in-process prefill at {h.label(context)} ({len(ids)} tokens)")
         caches = local.caches[context] = [QuantizedKV(KVFormat()) for _ in model.layers]
         for start in range(0, len(ids), PREFILL_CHUNK):
             mx.eval(model(mx.array([ids[start : start + PREFILL_CHUNK]]), cache=caches))
@@ -342,7 +322,7 @@ def decode_costs(model: Any, caches: list, batch: int) -> dict[str, float]:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return [int(mx.argmax(logprobs[row]).item()) for row in range(batch)]
 
-    return {"forward": fastest(forward, STEP_REPEATS), "sample": fastest(sample, STEP_REPEATS)}
+    return {"forward": h.fastest(forward, STEP_REPEATS), "sample": h.fastest(sample, STEP_REPEATS)}
 
 
 def cache_op_costs(caches: list, batch: int) -> dict[str, float]:
@@ -372,7 +352,7 @@ def cache_op_costs(caches: list, batch: int) -> dict[str, float]:
 
     def cost(fn: Callable[[], list], n: int) -> float:
         run = lambda: mx.eval([a for layer in fn() for a in layer.state_arrays()])  # noqa: E731
-        return fastest(run, 5) - fastest(lambda: merged(n), 5)
+        return h.fastest(run, 5) - h.fastest(lambda: merged(n), 5)
 
     return {"extend": cost(extend, batch - 1), "leave": cost(leave, batch)}
 
@@ -396,26 +376,26 @@ def finish_steps(cells: list[Cell], local: InProcess) -> None:
 # reporting
 
 THROUGHPUT = {  # the throughput table's columns: header, cell of a Cell
-    "context": lambda c: label(c.context),
+    "context": lambda c: h.label(c.context),
     "batch": lambda c: c.batch,
-    "SysTPS batched": lambda c: fmt(c.sys_tps("batched")),
-    "SysTPS sequential": lambda c: fmt(c.sys_tps("sequential")),
-    "ratio": lambda c: ratio(c.sys_tps("batched"), c.sys_tps("sequential")),
-    "decode-only SysTPS batched": lambda c: fmt(c.sys_tps("batched", decode=True)),
-    "decode-only sequential": lambda c: fmt(c.sys_tps("sequential", decode=True)),
-    "per-agent tok/s": lambda c: fmt(
-        median([s.usage["decode_tokens_per_second"] for s in c.streams()])
+    "SysTPS batched": lambda c: h.fmt(c.sys_tps("batched")),
+    "SysTPS sequential": lambda c: h.fmt(c.sys_tps("sequential")),
+    "ratio": lambda c: h.ratio(c.sys_tps("batched"), c.sys_tps("sequential")),
+    "decode-only SysTPS batched": lambda c: h.fmt(c.sys_tps("batched", decode=True)),
+    "decode-only sequential": lambda c: h.fmt(c.sys_tps("sequential", decode=True)),
+    "per-agent tok/s": lambda c: h.fmt(
+        h.median([s.usage["decode_tokens_per_second"] for s in c.streams()])
     ),
-    "client TTFT ms": lambda c: fmt(median([s.ttft_ms for s in c.streams()])),
-    "p50 gap ms": lambda c: fmt(c.gap(50)),
-    "p99 gap ms": lambda c: fmt(c.gap(99)),
-    "worst gap ms": lambda c: fmt(c.gap(100)),
+    "client TTFT ms": lambda c: h.fmt(h.median([s.ttft_ms for s in c.streams()])),
+    "p50 gap ms": lambda c: h.fmt(c.gap(50)),
+    "p99 gap ms": lambda c: h.fmt(c.gap(99)),
+    "worst gap ms": lambda c: h.fmt(c.gap(100)),
     "early EOS": lambda c: sum(s.num_tokens < c.tokens for m in MODES for s in c.streams(m)),
 }
 STEP_TABLE = {
-    "context": lambda c: label(c.context),
+    "context": lambda c: h.label(c.context),
     "batch": lambda c: c.batch,
-    **{header: lambda c, k=k: fmt(c.step_ms.get(k), 2) for k, header in STEPS.items()},
+    **{header: lambda c, k=k: h.fmt(c.step_ms.get(k), 2) for k, header in STEPS.items()},
 }
 
 
@@ -423,17 +403,19 @@ def staggered_rows(runs: list[Staggered], mode: str) -> dict[str, float | None]:
     mine = [r for r in runs if r.mode == mode]
 
     def of(fn: Callable[[Staggered], float | None]) -> float | None:
-        return median([fn(r) for r in mine])
+        return h.median([fn(r) for r in mine])
 
     return {
         "A TTFT client ms": of(lambda r: r.a.ttft_ms),
         "A TTFT server ms": of(lambda r: r.a.usage["time_to_first_token_ms"]),
         "B TTFT client ms (from B's send)": of(lambda r: r.b.ttft_ms),
         "B TTFT server ms": of(lambda r: r.b.usage["time_to_first_token_ms"]),
-        "A p99 gap ms while B waits or prefills": of(lambda r: percentile(r.a_gaps_during_b(), 99)),
+        "A p99 gap ms while B waits or prefills": of(
+            lambda r: h.percentile(r.a_gaps_during_b(), 99)
+        ),
         "A gaps in that window (count)": of(lambda r: len(r.a_gaps_during_b())),
-        "A p99 gap ms, whole stream": of(lambda r: percentile(r.a.gaps_ms(), 99)),
-        "B p99 gap ms, whole stream": of(lambda r: percentile(r.b.gaps_ms(), 99)),
+        "A p99 gap ms, whole stream": of(lambda r: h.percentile(r.a.gaps_ms(), 99)),
+        "B p99 gap ms, whole stream": of(lambda r: h.percentile(r.b.gaps_ms(), 99)),
         "both done, s after A's send": of(lambda r: max(r.a.ended, r.b.ended) - r.a.sent),
     }
 
@@ -441,7 +423,7 @@ def staggered_rows(runs: list[Staggered], mode: str) -> dict[str, float | None]:
 def staggered_table(runs: list[Staggered]) -> str:
     seq, bat = staggered_rows(runs, "sequential"), staggered_rows(runs, "batched")
     headers = ("median over passes", "sequential (--max-batch 1)", "batched (--max-batch 2)")
-    return table(headers, [(k, fmt(seq[k]), fmt(bat[k])) for k in seq])
+    return h.table(headers, [(k, h.fmt(seq[k]), h.fmt(bat[k])) for k in seq])
 
 
 def targets(cells: list[Cell]) -> list[dict[str, Any]]:
@@ -453,14 +435,14 @@ def targets(cells: list[Cell]) -> list[dict[str, Any]]:
         if TARGET_BATCH not in by_batch or 1 not in by_batch:
             continue
         solo, many = by_batch[1], by_batch[TARGET_BATCH]
-        one = median([r.sys_tps for runs in solo.runs.values() for r in runs]) or 0.0
+        one = h.median([r.sys_tps for runs in solo.runs.values() for r in runs]) or 0.0
         four = many.sys_tps("batched") or 0.0
         measured = f"{four / one:.2f}x ({four:.1f} vs {one:.1f} tok/s)"
         if "forward" in solo.step_ms and "forward" in many.step_ms:
             ceiling = TARGET_BATCH * solo.step_ms["forward"] / many.step_ms["forward"]
             measured += f"; the batched forward alone allows {ceiling:.2f}x"
-        target = f"{label(context)}: SysTPS at batch {TARGET_BATCH} >= {TARGET_RATIO}x batch 1"
-        goals.append(goal(target, measured, four / one >= TARGET_RATIO, context=context))
+        target = f"{h.label(context)}: SysTPS at batch {TARGET_BATCH} >= {TARGET_RATIO}x batch 1"
+        goals.append(h.goal(target, measured, four / one >= TARGET_RATIO, context=context))
     return goals
 
 
@@ -470,11 +452,11 @@ def notes_for(cells: list[Cell], runs: list[Staggered]) -> list[str]:
     for c in (c for c in cells if c.batch == 2):
         paper = ", ".join(f"{m} {v[c.context][0]}" for m, v in TABLE4.items() if c.context in v)
         tps = THROUGHPUT["SysTPS batched"](c)
-        notes.append(f"{label(c.context)} batch 2: SysTPS {tps}; paper Table 4: {paper or '-'}")
+        notes.append(f"{h.label(c.context)} batch 2: SysTPS {tps}; paper Table 4: {paper or '-'}")
     key = "B TTFT client ms (from B's send)"
     seq, bat = staggered_rows(runs, "sequential")[key], staggered_rows(runs, "batched")[key]
     paper = ", ".join(f"{m} {b / s:.1f}x" for m, (b, s) in FIGURE3.items())
-    notes.append(f"staggered: B's TTFT batched / sequential {ratio(bat, seq)}; Figure 3: {paper}")
+    notes.append(f"staggered: B's TTFT batched / sequential {h.ratio(bat, seq)}; Figure 3: {paper}")
     if any(r.a.ended <= r.b.sent for r in runs):
         notes.append("staggered: A had finished before B was sent, so nothing overlapped")
     return notes
@@ -489,7 +471,7 @@ def draw(cells: list[Cell], runs: list[Staggered]) -> Callable:
             mine = [c for c in cells if c.context == context]
             for mode, style in (("batched", "o-"), ("sequential", "s--")):
                 ys = [c.sys_tps(mode) for c in mine]
-                left.plot([c.batch for c in mine], ys, style, label=f"{label(context)} {mode}")
+                left.plot([c.batch for c in mine], ys, style, label=f"{h.label(context)} {mode}")
         left.set_xscale("log", base=2)
         left.set_xticks(BATCHES, [str(b) for b in BATCHES])
         left.set(xlabel="agents (batch size)", ylabel="SysTPS, tokens/s (median of passes)")
@@ -505,24 +487,24 @@ def draw(cells: list[Cell], runs: list[Staggered]) -> Callable:
 
 
 def write_report(cells: list[Cell], runs: list[Staggered], args: Any) -> None:
-    header = machine(blas=args.info.blas, model=args.model, model_dir=args.described)
+    header = h.machine(blas=args.info.blas, model=args.model, model_dir=args.described)
     header |= {"contexts": args.contexts, "batches": args.batches}
     header |= {"tokens": args.tokens, "passes": args.passes}
     sections = [
-        ("throughput (median of passes)", columns(cells, THROUGHPUT)),
-        ("where a batched decode step goes (median over passes)", columns(cells, STEP_TABLE)),
-        (f"staggered arrivals, {label(max(args.contexts))} cold", staggered_table(runs)),
+        ("throughput (median of passes)", h.columns(cells, THROUGHPUT)),
+        ("where a batched decode step goes (median over passes)", h.columns(cells, STEP_TABLE)),
+        (f"staggered arrivals, {h.label(max(args.contexts))} cold", staggered_table(runs)),
     ]
     document = {"cells": [c.as_dict() for c in cells], "staggered": runs}
-    png = report(
+    png = h.report(
         "batching", args.out, header, sections, targets(cells), notes_for(cells, runs), document
     )
-    plot(png, header, "batching", draw(cells, runs), ncols=2, figsize=(13, 4.8))
+    h.plot(png, header, "batching", draw(cells, runs), ncols=2, figsize=(13, 4.8))
 
 
 def parse_args(argv: list[str] | None) -> Any:
     quick = "512 only, batch 1,2,4, 16 tokens, 1 pass"
-    p = parser(__doc__, contexts=(1024, 2048), passes=2, quick=quick)
+    p = h.parser(__doc__, contexts=(1024, 2048), passes=2, quick=quick)
     p.add_argument("--tokens", type=int, default=32, help="tokens each measured turn generates")
     args = p.parse_args(argv)
     args.batches = list(BATCHES)
@@ -535,15 +517,15 @@ def parse_args(argv: list[str] | None) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    tokenizer = open_model(args)
+    tokenizer = h.open_model(args)
     local = in_process(args.path, tokenizer, args.contexts)
     workers = {str(b): ["--max-batch", str(b)] for b in sorted({1, 2, max(args.batches)})}
-    with services(None, args.path, workers) as svc:
+    with h.services(None, args.path, workers) as svc:
         args.info = svc.info["1"]
-        say(f"store and workers up ({args.info.blas}); warming up")
+        h.say(f"store and workers up ({args.info.blas}); warming up")
         warm_up(svc, tokenizer, args.batches)
         cells = [c for n in args.contexts for c in throughput(svc, tokenizer, args, n, local)]
-        say(f"staggered arrivals at {label(max(args.contexts))}")
+        h.say(f"staggered arrivals at {h.label(max(args.contexts))}")
         runs = staggered(svc, tokenizer, max(args.contexts), args.passes)
     finish_steps(cells, local)
     write_report(cells, runs, args)

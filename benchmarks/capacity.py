@@ -6,7 +6,7 @@ configs in agentkv/model_configs/ at 4K to 32K and the paper's 10.2 GB budget.
 
 from __future__ import annotations
 
-from harness import goal, parser, report, table
+import harness as h
 from paper import TABLE2_GEMMA, TABLE14_BUDGET_BYTES, TABLE14_CONTEXTS, TABLE14_NOTES, table14
 
 from agentkv.planner import load_config, plan
@@ -39,13 +39,13 @@ def targets(gemma: list) -> list[dict]:
     what = "the planner reproduces the paper's Table 14 Gemma 3 row (8 cells)"
     ratio = f"{min(q4):.1f}x-{max(q4):.1f}x"
     return [
-        goal(what, f"{equal} of 8 equal", equal == 8),
-        goal("about 4x more agents with Q4 than FP16 (Gemma 3, 4K-16K)", ratio, min(q4) >= 4),
+        h.goal(what, f"{equal} of 8 equal", equal == 8),
+        h.goal("about 4x more agents with Q4 than FP16 (Gemma 3, 4K-16K)", ratio, min(q4) >= 4),
     ]
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser(__doc__, model=False, quick="the same (it takes no time)").parse_args(argv)
+    args = h.parser(__doc__, model=False, quick="the same (it takes no time)").parse_args(argv)
     rows = table14()
     gemma = [r for r in rows if r.model == "gemma3_12b"]
     window = [r.ours.num_q_window_agents / max(r.ours.num_q_agents, 1) for r in gemma]
@@ -71,16 +71,16 @@ def main(argv: list[str] | None = None) -> None:
     sections = [
         (
             f"agents that fit in {TABLE14_BUDGET_BYTES / GIB:.1f} GiB (Table 14)",
-            table(["model", "context", *heads], ours, "ll" + "r" * 5),
+            h.table(["model", "context", *heads], ours, "ll" + "r" * 5),
         ),
-        ("Gemma 3 12B KV per agent, GiB (Table 2)", table(["context", *heads], gemma_sizes())),
+        ("Gemma 3 12B KV per agent, GiB (Table 2)", h.table(["context", *heads], gemma_sizes())),
     ]
     keys = ("model", "context", "paper_fp16", "fp16", "paper_q4", "q4", "q4_window")
     document = {
         "budget_bytes": TABLE14_BUDGET_BYTES,
         "rows": [dict(zip(keys, r, strict=True)) for r in ours],
     }
-    report("capacity", args.out, {}, sections, targets(gemma), notes, document)
+    h.report("capacity", args.out, {}, sections, targets(gemma), notes, document)
 
 
 if __name__ == "__main__":

@@ -27,20 +27,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, load_tokenizer, model_dir
-from harness import (
-    fmt,
-    goal,
-    machine,
-    median,
-    percentile,
-    ratio,
-    report,
-    say,
-    services,
-    source_slices,
-    table,
-)
+import harness as h
+from common import load_tokenizer, model_dir
 from peers import gguf_file
 
 SYSTEMS = ("agentkv", "mlx-lm", "llama.cpp")
@@ -52,16 +40,10 @@ WITH_BLAS = (
     "runpy.run_module('mlx_lm.server', run_name='__main__')"
 )
 MODEL_ID = "agentkv-bench"
-PERSONAS = [
-    "a careful analyst",
-    "a skeptical reviewer",
-    "a patient teacher",
-    "a terse engineer",
-    "a curious student",
-    "a product manager",
-    "a security auditor",
-    "a historian",
-]
+PERSONAS = ("a careful analyst", "a skeptical reviewer", "a patient teacher",
+            "a terse engineer", "a curious student", "a product manager", "a security auditor",
+            "a historian")  # fmt: skip
+LLAMA_FLAGS = "--n_threads 2 --n_threads_batch 2 --flash_attn True --cache True --verbose False"
 
 
 @dataclass
@@ -148,44 +130,13 @@ def peer_server(name: str, args: argparse.Namespace, root: Path, kv_ram: int) ->
     port, held = free_port(), {}
     url = f"http://127.0.0.1:{port}"
     if name == "mlx-lm":
-        command = [
-            sys.executable,
-            "-c",
-            WITH_BLAS,
-            "--model",
-            str(args.path),
-            "--port",
-            str(port),
-            "--prompt-cache-bytes",
-            str(kv_ram),
-            "--prompt-cache-size",
-            "1000",
-        ]
+        command = [sys.executable, "-c", WITH_BLAS, "--model", str(args.path), "--port", str(port),
+                   "--prompt-cache-bytes", str(kv_ram), "--prompt-cache-size", "1000"]  # fmt: skip
         model = "default_model"
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(args.gguf),
-            "--port",
-            str(port),
-            "--n_ctx",
-            str(args.n_ctx),
-            "--n_threads",
-            "2",
-            "--n_threads_batch",
-            "2",
-            "--flash_attn",
-            "True",
-            "--cache",
-            "True",
-            "--cache_size",
-            str(kv_ram),
-            "--verbose",
-            "False",
-        ]
+        command = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf),
+                   "--port", str(port), "--n_ctx", str(args.n_ctx), "--cache_size", str(kv_ram),
+                   *LLAMA_FLAGS.split()]  # fmt: skip
         model = args.gguf.name
 
     def start() -> str:
@@ -195,9 +146,7 @@ def peer_server(name: str, args: argparse.Namespace, root: Path, kv_ram: int) ->
     return Server(name, start, lambda: stop_process(held["proc"]), model)
 
 
-def agentkv_server(
-    svc: Any, args: argparse.Namespace, root: Path, worker_args: list[str]
-) -> Server:
+def agentkv_server(svc: Any, args: argparse.Namespace, root: Path, worker_args: list) -> Server:
     from agentkv.launch import gateway_process
 
     held = {}
@@ -205,13 +154,9 @@ def agentkv_server(
     def start() -> str:
         if not svc.processes["agentkv"].running:
             svc.start_worker("agentkv", args.path, worker_args)
-        address = svc.addresses["agentkv"]
-        gateway = gateway_process(
-            [address],
-            root / "gateway.log",
-            svc.store_address,
-            extra_args=["--model-name", MODEL_ID],
-        )
+        flags = ["--model-name", MODEL_ID]
+        gateway = gateway_process([svc.addresses["agentkv"]], root / "gateway.log",
+                                  svc.store_address, extra_args=flags)  # fmt: skip
         held["gateway"] = gateway.start(timeout=120)
         return f"http://{held['gateway'].address}/v1"
 
@@ -226,14 +171,9 @@ def agentkv_server(
 def one_call(client: Any, model: str, messages: list[dict], reply: int) -> tuple[float, str, Any]:
     """Streams one call: (ms to the first content token, the reply's text, the usage)."""
     started, first, pieces, usage = time.perf_counter(), None, [], None
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        stream=True,
-        temperature=0,
-        max_tokens=reply,
-        stream_options={"include_usage": True},
-    )
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True,
+                                            temperature=0, max_tokens=reply,
+                                            stream_options={"include_usage": True})  # fmt: skip
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -243,9 +183,25 @@ def one_call(client: Any, model: str, messages: list[dict], reply: int) -> tuple
     return (first - started) * 1e3, "".join(pieces), usage
 
 
-def run_system(
-    server: Server, conversations: list[Conversation], args: argparse.Namespace, rounds: int
-) -> list[Call]:
+def one_round(server: Server, client: Any, conversations: list, r: int, phase: str, reply: int):
+    """Round r: every conversation's next part, one call each; its Calls."""
+    calls = []
+    for i, conv in enumerate(conversations):
+        text = conv.slices[r % len(conv.slices)]
+        conv.messages.append({"role": "user", "content": f"Part {r + 1}:\n{text}"})
+        ttft, answer, usage = one_call(client, server.model, conv.messages, reply)
+        conv.messages.append({"role": "assistant", "content": answer or "."})
+        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        cached = getattr(details, "cached_tokens", None) if details else None
+        prompt = usage.prompt_tokens if usage else None
+        calls.append(Call(server.name, i, r, phase, ttft, prompt, cached))
+    ms = h.fmt(h.median([c.ttft_ms for c in calls]), 0)
+    h.say(f"{server.name}: round {r + 1} ({phase}), median TTFT {ms} ms")
+    return calls
+
+
+def run_system(server: Server, conversations: list, args: argparse.Namespace, rounds: int) -> list:
+    """Every round on the server, then one more after it restarts."""
     import openai
 
     calls = []
@@ -253,38 +209,48 @@ def run_system(
     try:
         for phase, span in (("run", range(rounds)), ("restart", range(rounds, rounds + 1))):
             if phase == "restart":
-                say(f"{server.name}: restarting")
+                h.say(f"{server.name}: restarting")
                 server.restart()
             client = openai.OpenAI(
                 base_url=server.url, api_key="bench", max_retries=0, timeout=3600
             )
             for r in span:
-                for i, conv in enumerate(conversations):
-                    text = conv.slices[r % len(conv.slices)]
-                    conv.messages.append({"role": "user", "content": f"Part {r + 1}:\n{text}"})
-                    ttft, reply, usage = one_call(client, server.model, conv.messages, args.reply)
-                    conv.messages.append({"role": "assistant", "content": reply or "."})
-                    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-                    cached = getattr(details, "cached_tokens", None) if details else None
-                    prompt = usage.prompt_tokens if usage else None
-                    calls.append(Call(server.name, i, r, phase, ttft, prompt, cached))
-                say(
-                    f"{server.name}: round {r + 1} ({phase}), median TTFT "
-                    f"{fmt(median([c.ttft_ms for c in calls if c.round == r]), 0)} ms"
-                )
+                calls += one_round(server, client, conversations, r, phase, args.reply)
     finally:
         server.stop()
     return calls
 
 
-def gateway_overhead(svc: Any, gateway_url: str, path_calls: int) -> dict[str, float]:
-    """Hot turns through the gateway and through the SDK, alternated on twin agents: the
-    same conversation, the same worker. Each call appends one short message and asks for one
-    token. Through the gateway: a plain HTTP client (no client library's own cost), timed
-    to the first event, which the gateway sends once the first token is in; through the
-    SDK: until `say` returns, which is once the first token is in."""
-    import http.client
+def via_gateway(connection: Any, history: list[dict]) -> tuple[float, str]:
+    """One call through the gateway by plain HTTP (no client library's own cost): (seconds to
+    the first event, which the gateway sends once the first token is in; the reply)."""
     import json
+
+    body = {"model": MODEL_ID, "messages": history, "stream": True, "temperature": 0,
+            "max_tokens": 1}  # fmt: skip
+    headers = {"Content-Type": "application/json", "X-Agent-Id": "via-gateway"}
+    started, first, text = time.perf_counter(), None, ""
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    for line in connection.getresponse():
+        first = first or time.perf_counter()
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            text += choices[0].get("delta", {}).get("content") or ""
+    return (first or time.perf_counter()) - started, text
+
+
+def via_sdk(agent: Any, history: list[dict]) -> tuple[float, str]:
+    """One call through the SDK: (seconds until `say` returns, once the first token is in)."""
+    pairs = [(m["role"], m["content"]) for m in history]
+    ms, reply = h.timed(lambda: agent.say(pairs, max_tokens=1, whole_conversation=True))
+    return ms / 1e3, reply.text
+
+
+def gateway_overhead(svc: Any, gateway_url: str, path_calls: int) -> dict[str, float]:
+    """Hot turns through the gateway and through the SDK (until `say` returns: once the first
+    token is in), alternated on twin agents: the same conversation, the same worker. Each call
+    appends one short message and asks for one token."""
+    import http.client
     from urllib.parse import urlsplit
 
     from agentkv.client.memory import AgentMemory
@@ -295,42 +261,23 @@ def gateway_overhead(svc: Any, gateway_url: str, path_calls: int) -> dict[str, f
     histories = {"via-gateway": [system], "via-sdk": [system]}
     memory.agent("via-sdk", system=system["content"])
     connection = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
-    headers = {"Content-Type": "application/json", "X-Agent-Id": "via-gateway"}
-    through, direct = [], []
+    ms: dict[str, list[float]] = {name: [] for name in histories}
     for n in range(path_calls + 2):  # the first two make and warm the agents
         order = list(histories.items())  # alternately first: drift cancels out
         for name, history in order if n % 2 else order[::-1]:
             history.append({"role": "user", "content": f"Say the number {n}."})
-            started = time.perf_counter()
             if name == "via-gateway":
-                body = {"model": MODEL_ID, "messages": history, "stream": True,
-                        "temperature": 0, "max_tokens": 1}  # fmt: skip
-                connection.request("POST", "/v1/chat/completions", json.dumps(body), headers)
-                answer = connection.getresponse()
-                first, text = None, ""
-                for line in answer:
-                    first = first or time.perf_counter()
-                    if line.startswith(b"data: {"):
-                        choices = json.loads(line[6:]).get("choices") or [{}]
-                        text += choices[0].get("delta", {}).get("content") or ""
-                elapsed, out = (first or time.perf_counter()) - started, through
+                elapsed, text = via_gateway(connection, history)
             else:
-                pairs = [(m["role"], m["content"]) for m in history]
-                reply = memory.agent(name).say(pairs, max_tokens=1, whole_conversation=True)
-                elapsed, out = time.perf_counter() - started, direct
-                text = reply.text
-            if n >= 2:
-                out.append(elapsed * 1e3)
+                elapsed, text = via_sdk(memory.agent(name), history)
+            ms[name] += [elapsed * 1e3] if n >= 2 else []
             history.append({"role": "assistant", "content": text or "."})
     connection.close()
     memory.close()
+    through, direct = ms["via-gateway"], ms["via-sdk"]
     diffs = [g - s for g, s in zip(through, direct, strict=True)]
-    return {
-        "gateway_ms": median(through),
-        "sdk_ms": median(direct),
-        "overhead_ms": median(diffs),
-        "overhead_p90_ms": percentile(diffs, 90),
-    }
+    return {"gateway_ms": h.median(through), "sdk_ms": h.median(direct),
+            "overhead_ms": h.median(diffs), "overhead_p90_ms": h.percentile(diffs, 90)}  # fmt: skip
 
 
 def has_llama_server() -> bool:
@@ -340,8 +287,7 @@ def has_llama_server() -> bool:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_argument(p)
+    p = h.parser(__doc__, quick="4 agents to 1K: a smoke run")
     p.add_argument("--agents", default="8,16", help="agent counts, comma-separated")
     p.add_argument("--context", type=int, default=4096, help="tokens each context grows to")
     p.add_argument("--step", type=int, default=384, help="document tokens each turn adds")
@@ -349,8 +295,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-ram", default="96M", help="RAM for KV caches, every system the same")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--overhead-calls", type=int, default=40)
-    p.add_argument("--quick", action="store_true", help="4 agents to 1K: a smoke run")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     args.agents = [int(a) for a in args.agents.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -359,30 +303,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def in_phase(calls: list[Call], system: str, phase: str) -> list[Call]:
+    """A system's calls in a phase, a run's first round left out (it makes every agent: cold
+    everywhere)."""
+    return [c for c in calls if c.system == system and c.phase == phase and (phase == "restart"
+            or c.round > 0)]  # fmt: skip
+
+
+def phase_median(calls: list[Call], system: str, phase: str) -> float | None:
+    return h.median([c.ttft_ms for c in in_phase(calls, system, phase)])
+
+
 def summary(calls: list[Call], agents: int) -> list[list[str]]:
     rows = []
     for system in dict.fromkeys(c.system for c in calls):
         for phase in ("run", "restart"):
-            mine = [c for c in calls if c.system == system and c.phase == phase]
-            if phase == "run":  # the first round makes every agent: cold everywhere
-                mine = [c for c in mine if c.round > 0]
+            mine = in_phase(calls, system, phase)
             ttft = [c.ttft_ms for c in mine]
             prefilled = [c.prefilled for c in mine if c.prefilled is not None]
-            rows.append(
-                [
-                    str(agents),
-                    system,
-                    phase,
-                    fmt(median(ttft), 0),
-                    fmt(percentile(ttft, 90), 0),
-                    fmt(median(prefilled), 0) if prefilled else "n/a",
-                    str(len(mine)),
-                ]
-            )
+            tokens = h.fmt(h.median(prefilled), 0) if prefilled else "n/a"
+            rows.append([str(agents), system, phase, h.fmt(h.median(ttft), 0),
+                         h.fmt(h.percentile(ttft, 90), 0), tokens, str(len(mine))])  # fmt: skip
     return rows
 
 
+def measure_agentkv(svc: Any, args: Any, root: Path, conversations: list, overhead: dict) -> list:
+    """agentkv's rounds; the gateway's own cost too, the first time."""
+    worker_args = ["--hot-budget", str(args.kv_ram_bytes)]
+    server = agentkv_server(svc, args, root, worker_args)
+    calls = run_system(server, conversations, args, args.rounds)
+    if not overhead:
+        url = server.start()
+        try:
+            overhead |= gateway_overhead(svc, url, args.overhead_calls)
+        finally:  # the gateway is not one of svc's processes
+            server.stop()
+    return calls
+
+
+def measure(args: Any, tokenizer: Any, root: Path) -> tuple[list, list, dict]:
+    """(table rows, (agents, Call) of every call, the gateway's overhead)."""
+    rows, all_calls, overhead, rounds = [], [], {}, args.rounds
+    for agents in args.agents:
+        slices = h.source_slices(tokenizer, args.step, agents * rounds)
+        for system in args.systems:
+            conversations = [Conversation(PERSONAS[i % len(PERSONAS)] + f" (agent {i})",
+                                          slices[i * rounds : (i + 1) * rounds])
+                             for i in range(agents)]  # fmt: skip
+            h.say(f"{system}: {agents} agents, {rounds} rounds")
+            if system == "agentkv":
+                workers = {"agentkv": ["--hot-budget", str(args.kv_ram_bytes)]}
+                with h.services(root / f"agentkv-{agents}", args.path, workers) as svc:
+                    calls = measure_agentkv(svc, args, root, conversations, overhead)
+            else:
+                server = peer_server(system, args, root, args.kv_ram_bytes)
+                calls = run_system(server, conversations, args, rounds)
+            all_calls += [(agents, c) for c in calls]
+            rows += summary(calls, agents)
+    return rows, all_calls, overhead
+
+
 def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
     from inference_worker.blas import load_optimized_blas
 
     args = parse_args(argv)
@@ -392,114 +375,52 @@ def main(argv: list[str] | None = None) -> None:
     args.path = model_dir(args.model)
     args.gguf = gguf_file(args.model, args.path)
     if "llama.cpp" in args.systems and (args.gguf is None or not has_llama_server()):
-        say("llama.cpp left out: it needs a GGUF model and pip install 'llama-cpp-python[server]'")
+        h.say(
+            "llama.cpp left out: it needs a GGUF model and pip install 'llama-cpp-python[server]'"
+        )
         args.systems.remove("llama.cpp")
     args.n_ctx = args.context + 2 * args.step + 256
-    kv_ram = parse_bytes(args.kv_ram)
-    tokenizer = load_tokenizer(args.path)
-    rounds = max(1, args.context // (args.step + args.reply + 16))
-    worker_args = ["--hot-budget", str(kv_ram)]
-    rows, all_calls, overhead = [], [], {}
-    import tempfile
-
+    args.kv_ram_bytes = parse_bytes(args.kv_ram)
+    args.rounds = max(1, args.context // (args.step + args.reply + 16))
     with tempfile.TemporaryDirectory(prefix="agentkv-gateway-bench-") as tmp:
-        root = Path(tmp)
-        for agents in args.agents:
-            slices = source_slices(tokenizer, args.step, agents * rounds)
-            for system in args.systems:
-                conversations = [
-                    Conversation(
-                        PERSONAS[i % len(PERSONAS)] + f" (agent {i})",
-                        slices[i * rounds : (i + 1) * rounds],
-                    )
-                    for i in range(agents)
-                ]
-                say(f"{system}: {agents} agents, {rounds} rounds")
-                if system == "agentkv":
-                    with services(
-                        root / f"agentkv-{agents}", args.path, {"agentkv": worker_args}
-                    ) as svc:
-                        server = agentkv_server(svc, args, root, worker_args)
-                        calls = run_system(server, conversations, args, rounds)
-                        if not overhead:
-                            url = server.start()
-                            try:
-                                overhead = gateway_overhead(svc, url, args.overhead_calls)
-                            finally:  # the gateway is not one of svc's processes
-                                server.stop()
-                else:
-                    calls = run_system(
-                        peer_server(system, args, root, kv_ram), conversations, args, rounds
-                    )
-                all_calls += [(agents, c) for c in calls]
-                rows += summary(calls, agents)
-    write(args, rows, all_calls, overhead, rounds, kv_ram)
+        measured = measure(args, load_tokenizer(args.path), Path(tmp))
+    write(args, *measured)
 
 
-def phase_median(calls: list[Call], system: str, phase: str) -> float | None:
-    """The median TTFT of a system's calls in a phase (a run's first round left out)."""
-    return median(
-        [
-            c.ttft_ms
-            for c in calls
-            if c.system == system and c.phase == phase and (phase == "restart" or c.round > 0)
-        ]
-    )
-
-
-def write(args, rows, all_calls, overhead, rounds, kv_ram) -> None:
-    headers = [
-        "agents",
-        "system",
-        "calls",
-        "median TTFT ms",
-        "p90 TTFT ms",
-        "prefilled / call (median)",
-        "n",
-    ]
+def targets(args: Any, all_calls: list, overhead: dict) -> list[dict]:
     goals = []
     for agents in args.agents:
         mine = [c for a, c in all_calls if a == agents]
         med = partial(phase_median, mine)
         ours, peers = med("agentkv", "run"), [med(s, "run") for s in args.systems if s != "agentkv"]
-        best = min((p for p in peers if p), default=None)
-        if ours and best:
-            goals.append(
-                goal(
-                    f"{agents} agents: agentkv's median TTFT 3x lower than the best peer's",
-                    f"{fmt(ours, 0)} ms against {fmt(best, 0)} ms ({ratio(best, ours)})",
-                    best / ours >= 3,
-                )
-            )
+        if ours and (best := min((p for p in peers if p), default=None)):
+            goals.append(h.goal(f"{agents} agents: agentkv's median TTFT 3x lower than the best "
+                                "peer's", f"{h.fmt(ours, 0)} ms against {h.fmt(best, 0)} ms "
+                                f"({h.ratio(best, ours)})", best / ours >= 3))  # fmt: skip
         after = med("agentkv", "restart")
         last = max((c.round for c in mine if c.phase == "run"), default=0)
-        before = median([c.ttft_ms for c in mine if c.system == "agentkv" and c.round == last])
+        before = h.median([c.ttft_ms for c in mine if c.system == "agentkv" and c.round == last])
         if before and after:  # the round after the restart against the one before it
-            goals.append(
-                goal(
-                    f"{agents} agents: agentkv unchanged across a restart (within 1.5x of "
-                    "the round before it)",
-                    f"{fmt(after, 0)} ms after, {fmt(before, 0)} ms in the round before",
-                    after <= 1.5 * before,
-                )
-            )
+            goals.append(h.goal(f"{agents} agents: agentkv unchanged across a restart (within "
+                                "1.5x of the round before it)", f"{h.fmt(after, 0)} ms after, "
+                                f"{h.fmt(before, 0)} ms in the round before",
+                                after <= 1.5 * before))  # fmt: skip
     if overhead:
-        goals.append(
-            goal(
-                "gateway overhead over the SDK under 5 ms per call (median)",
-                f"{fmt(overhead['overhead_ms'], 2)} ms (p90 {fmt(overhead['overhead_p90_ms'], 2)};"
-                f" gateway {fmt(overhead['gateway_ms'], 1)} ms, SDK {fmt(overhead['sdk_ms'], 1)})",
-                overhead["overhead_ms"] < 5,
-            )
-        )
-    header = machine(
-        model=str(args.model),
-        kv_ram=args.kv_ram,
-        context=args.context,
-        step=args.step,
-        reply=args.reply,
-        rounds=rounds,
-    )
+        o = {k: h.fmt(v, 2 if k.startswith("overhead") else 1) for k, v in overhead.items()}
+        goals.append(h.goal("gateway overhead over the SDK under 5 ms per call (median)",
+                            f"{o['overhead_ms']} ms (p90 {o['overhead_p90_ms']}; gateway "
+                            f"{o['gateway_ms']} ms, SDK {o['sdk_ms']})",
+                            overhead["overhead_ms"] < 5))  # fmt: skip
+    return goals
+
+
+HEADERS = ["agents", "system", "calls", "median TTFT ms", "p90 TTFT ms",
+           "prefilled / call (median)", "n"]  # fmt: skip
+
+
+def write(args: Any, rows: list, all_calls: list, overhead: dict) -> None:
+    header = h.machine(model=str(args.model), kv_ram=args.kv_ram, context=args.context,
+                       step=args.step, reply=args.reply, rounds=args.rounds)  # fmt: skip
     notes = [
         "calls: run = every round after the first (which makes every agent, cold everywhere); "
         "restart = the round after every server (agentkv: worker and gateway) restarted",
@@ -509,15 +430,9 @@ def write(args, rows, all_calls, overhead, rounds, kv_ram) -> None:
         "--prompt-cache-bytes, llama.cpp --cache_size",
     ]
     document = {"calls": [dict(agents=a, **vars(c)) for a, c in all_calls], "overhead": overhead}
-    report(
-        "gateway",
-        args.out,
-        header,
-        [("Agents through OpenAI's API", table(headers, rows))],
-        goals,
-        notes,
-        document,
-    )
+    sections = [("Agents through OpenAI's API", h.table(HEADERS, rows))]
+    goals = targets(args, all_calls, overhead)
+    h.report("gateway", args.out, header, sections, goals, notes, document)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import parser, repeat, say, span, table
+import harness as h
 
 from inference_worker.blas import load_optimized_blas
 
@@ -36,12 +36,12 @@ def measure(path: Path, args: Any) -> dict[str, list[float]]:
         for c in cache:
             c.trim(args.decode)
 
-    prefill = repeat(lambda: mx.eval(model(ids, cache=make_prompt_cache(model))), args.repeats)
-    return {"prefill": prefill, "decode": repeat(decode, args.repeats)}
+    prefill = h.repeat(lambda: mx.eval(model(ids, cache=make_prompt_cache(model))), args.repeats)
+    return {"prefill": prefill, "decode": h.repeat(decode, args.repeats)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = parser(__doc__)
+    p = h.parser(__doc__)
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
@@ -53,20 +53,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"--model {args.model}: a GGUF file or a shipped name")
     cache, times = Path(tempfile.mkdtemp(prefix="agentkv-gguf-weights-")), {}
     for weights in ("float32", "native"):
-        say(f"importing and timing {weights} ...")
+        h.say(f"importing and timing {weights} ...")
         times[weights] = measure(resolve_model(args.model, weights, "cpu", cache), args)
     print(f"model {args.model}, BLAS {blas or 'reference'}, {args.repeats} repeats\n")
     rows = [
         (
             w,
-            span(t["prefill"], 0),
-            span(t["decode"], 0),
+            h.span(t["prefill"], 0),
+            h.span(t["decode"], 0),
             f"{statistics.median(t['decode']) / args.decode:.1f}",
         )
         for w, t in times.items()
     ]
     headers = ("weights", f"prefill {args.prefill} tok ms (min / median / max)")
-    print(table((*headers, f"{args.decode} decode steps ms", "ms per decode step"), rows))
+    print(h.table((*headers, f"{args.decode} decode steps ms", "ms per decode step"), rows))
     f32, native = (statistics.median(times[w]["decode"]) for w in ("float32", "native"))
     print(f"\ndecode: float32 is {native / f32:.2f}x faster than native on this device")
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import harness as h
 from common import describe_model, model_dir
-from harness import Services, parser, percentile, say, services, table
 
 from agentkv import planner
 from agentkv.client.memory import AgentMemory
@@ -200,7 +200,7 @@ class Replay:
             self.lost.append(f"{name}: the store holds {stored} tokens, the replay {held}")
 
 
-def replay_all(args: argparse.Namespace, svc: Services, load: Load) -> Replay:
+def replay_all(args: argparse.Namespace, svc: h.Services, load: Load) -> Replay:
     """Replays every agent of the run on two fresh workers, against what the store holds."""
     for name in ("replay0", "replay1"):
         svc.start_worker(name, args.model)
@@ -226,7 +226,7 @@ def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counte
         "turns_per_s": len(records) / wall,
         "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
         "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
-        "ttft_p99_ms": percentile(ttft, 99) or float("nan"),
+        "ttft_p99_ms": h.percentile(ttft, 99) or float("nan"),
         "cache_states": caches,
         "restores": caches["warm"],
         "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
@@ -248,7 +248,7 @@ def report(result: dict) -> bool:
     row += (f"{result['tokens_per_s']:.1f}", f"{result['ttft_p50_ms']:.1f}")
     row += (f"{result['ttft_p99_ms']:.1f}", result["cache_states"]["hot"], result["restores"])
     row += (ev["client"], ev["workers"], lost, len(wrong))
-    print(f"\n### load test\n\n{table(headers, [row], 'r' * 15)}\n")
+    print(f"\n### load test\n\n{h.table(headers, [row], 'r' * 15)}\n")
     print(
         f"{'MET' if not (lost or wrong) else 'MISS'}  no turn lost or wrong, checked against "
         f"greedy replays: {lost} lost, {len(wrong)} wrong of {result['turns']} "
@@ -269,14 +269,14 @@ def stop_workers(workers: list[ServiceProcess]) -> Counter[str]:
 def run(args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="agentkv-load-"))
     flags = ["--hot-budget", args.hot_budget, "--max-batch", "4"]
-    with services(root, args.model, {"load0": flags, "load1": flags}) as svc:
+    with h.services(root, args.model, {"load0": flags, "load1": flags}) as svc:
         bound = f"for {args.minutes:g} min, retiring at" if args.minutes > 0 else "x"
-        say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
+        h.say(f"store and 2 workers up ({root}); {args.agents} agents {bound} {args.turns} turns")
         addresses, store = [svc.addresses["load0"], svc.addresses["load1"]], svc.store_address
         with AgentMemory(addresses, store, "load", durable=True, timeout=TURN_TIMEOUT) as mem:
             load = Load(mem, args).run()
         budget = stop_workers([svc.processes["load0"], svc.processes["load1"]])
-        say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s")
+        h.say(f"{len(load.records)} turns of {len(load.agents)} agents in {load.seconds:.1f} s")
         replay = replay_all(args, svc, load)
     result = summary(args, load, replay, budget)
     if report(result):
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__, quick="16 agents, 3 turns each, no time bound")
+    p = h.parser(__doc__, quick="16 agents, 3 turns each, no time bound")
     p.add_argument("--minutes", type=float, default=3.0, help="how long; 0: --turns per agent")
     p.add_argument("--agents", type=int, default=16, help="agents at once")
     p.add_argument("--threads", type=int, default=4)

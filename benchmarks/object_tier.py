@@ -23,22 +23,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import harness as h
 from common import load_tokenizer, max_context, model_dir
-from harness import (
-    check,
-    context_text,
-    fit_contexts,
-    fmt,
-    label,
-    machine,
-    model_info,
-    parser,
-    plot,
-    report,
-    say,
-    timed_turn,
-    wait_ready,
-)
 
 from agentkv.client import synthetic
 from agentkv.client.blocks import Block
@@ -66,7 +52,7 @@ def ask(worker: Any, agent: str, text: str, timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return timed_turn(worker, NS, agent, [("user", text)], 1)
+            return h.timed_turn(worker, NS, agent, [("user", text)], 1)
         except Unavailable:
             if time.monotonic() > deadline:
                 raise
@@ -79,16 +65,12 @@ class Stores:
     def __init__(self, root: Path, stack: ExitStack, weed: WeedServer) -> None:
         self.root, self.stack, self.weed = root, stack, weed
         self.address, self.count, self.proc = free_address(), 0, None
+        stack.callback(self.stop)
 
     def start(self, prefix: str = "bench", data_dir: Path | None = None) -> StoreClient:
         self.stop()
         self.count += 1
-        args = [
-            "--object-store",
-            f"s3://{BUCKET}/{prefix}",
-            "--s3-endpoint",
-            self.weed.endpoint,
-        ]
+        args = ["--object-store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", self.weed.endpoint]
         data = data_dir or self.root / f"store{self.count}"
         self.proc = store_process(data, self.root / "store.log", self.address, args, CREDENTIALS)
         self.proc.start(timeout=120)
@@ -116,9 +98,8 @@ def drained(store: StoreClient, timeout: float = 300.0) -> None:
 def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.path)
     room = 96 + 48 * args.passes  # the template, and two ~16-token turns a pass (local, object)
-    contexts = fit_contexts(args.contexts, max_context(args.path), room)
+    contexts = h.fit_contexts(args.contexts, max_context(args.path), room)
     stores = Stores(root, stack, weed)
-    stack.callback(stores.stop)
     a = stores.start(data_dir=root / "store-a")
     log = root / "worker.log"
     wproc = worker_process(str(args.path), stores.address, log, extra_args=WORKER_ARGS)
@@ -126,26 +107,26 @@ def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> d
     wproc.start(timeout=600)
     worker = WorkerClient(wproc.address, timeout=1800)  # a cold 8K prefill takes minutes here
     stack.callback(worker.close)
-    info = model_info(wait_ready(worker), args.path)
+    info = h.model_info(h.wait_ready(worker), args.path)
     rows: dict[int, dict[str, Any]] = {}
     for n, _ in contexts:
-        agent, text = f"ctx{n}", context_text(tokenizer, n)
+        agent, text = f"ctx{n}", h.context_text(tokenizer, n)
         created = worker.create_agent(NS, agent).num_tokens
-        cold = check(ask(worker, agent, text), "cold", agent, created)
+        cold = h.check(ask(worker, agent, text), "cold", agent, created)
         worker.wait_durable(NS, agent)
         row = rows[n] = {"cold": [cold.server_ms], "local": [], "object": [], "fetch": []}
         for _ in range(args.passes):
             worker.evict(NS, agent)
-            row["local"].append(check(ask(worker, agent, SHORT), "warm", agent).server_ms)
+            row["local"].append(h.check(ask(worker, agent, SHORT), "warm", agent).server_ms)
         worker.evict(NS, agent)
         row["tokens"] = cold.usage["prompt_tokens"]
-        say(f"  {label(n)}: cold {cold.server_ms:.0f} ms, warm local {row['local'][-1]:.1f} ms")
+        h.say(f"  {h.label(n)}: cold {cold.server_ms:.0f} ms, warm local {row['local'][-1]:.1f} ms")
     drained(a)
     for p in range(args.passes):  # a replaced host each pass: an empty data dir, same bucket
         for n in rows:
             stores.start()
             agent = f"ctx{n}"
-            turn = check(ask(worker, agent, SHORT), "warm", agent)
+            turn = h.check(ask(worker, agent, SHORT), "warm", agent)
             rows[n]["object"].append(turn.server_ms)
             rows[n]["restored_bytes"] = int(turn.usage["restored_bytes"])
             worker.evict(NS, agent)
@@ -156,42 +137,41 @@ def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> d
             fetched = b.stats().object_get_bytes
             rows[n]["fetch"].append((seconds * 1e3, fetched / seconds / 1e6))
             rows[n]["blocks"] = len(manifest.block_keys)
-            say(f"  {label(n)} pass {p + 1}: warm (object store) {turn.server_ms:.0f} ms")
+            h.say(f"  {h.label(n)} pass {p + 1}: warm (object store) {turn.server_ms:.0f} ms")
     stores.stop()
     return {"info": info, "rows": rows}
+
+
+def writer(address: str, w: int, tensors: list, stop: threading.Event, out: dict) -> None:
+    """Saves 4-block agents until `stop`; counts the blocks saved, keeps an error."""
+    fp = "bench:tier-load"
+    with StoreClient(address) as c:
+        i = 0
+        while not stop.is_set():
+            tokens = [w * 10**6 + i * 4 * BLOCK_TOKENS + t for t in range(4 * BLOCK_TOKENS)]
+            blocks, parent = [], ROOT_KEY
+            for s in range(0, len(tokens), BLOCK_TOKENS):
+                span = tokens[s : s + BLOCK_TOKENS]
+                blocks.append(Block(parent, span, tensors))
+                parent = block_key(fp, parent, span)
+            try:
+                c.save_agent(NS, f"w{w}-a{i}", fp, tokens, blocks)
+            except Exception as exc:  # reported, not hidden
+                out["errors"].append(repr(exc))
+                return
+            out["blocks"] += len(blocks)
+            i += 1
 
 
 def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> dict[str, Any]:
     """Writer threads save agents of Q4 blocks (the model's KV shape) as fast as the store
     takes them, for --load-seconds; the upload queue is sampled meanwhile."""
     stores = Stores(root, stack, weed)
-    stack.callback(stores.stop)
     store = stores.start(prefix="load", data_dir=root / "load-store")
-    shape = args.kv_shape
-    tensors = synthetic.q4_tensors(BLOCK_TOKENS, **shape)  # the bytes; keys differ by tokens
-    block_bytes = sum(t.data.nbytes for t in tensors)
-    stop, saved, depths, errors = threading.Event(), [0], [], []
-    fp = "bench:tier-load"
-
-    def writer(w: int) -> None:
-        with StoreClient(stores.address) as c:
-            i = 0
-            while not stop.is_set():
-                tokens = [w * 10**6 + i * 4 * BLOCK_TOKENS + t for t in range(4 * BLOCK_TOKENS)]
-                blocks, parent = [], ROOT_KEY
-                for s in range(0, len(tokens), BLOCK_TOKENS):
-                    span = tokens[s : s + BLOCK_TOKENS]
-                    blocks.append(Block(parent, span, tensors))
-                    parent = block_key(fp, parent, span)
-                try:
-                    c.save_agent(NS, f"w{w}-a{i}", fp, tokens, blocks)
-                except Exception as exc:  # reported, not hidden
-                    errors.append(repr(exc))
-                    return
-                saved[0] += len(blocks)
-                i += 1
-
-    threads = [threading.Thread(target=writer, args=(w,)) for w in range(args.writers)]
+    tensors = synthetic.q4_tensors(BLOCK_TOKENS, **args.kv_shape)  # keys differ by tokens
+    out, stop, depths = {"blocks": 0, "errors": []}, threading.Event(), []
+    threads = [threading.Thread(target=writer, args=(stores.address, w, tensors, stop, out))
+               for w in range(args.writers)]  # fmt: skip
     start = time.monotonic()
     for t in threads:
         t.start()
@@ -201,130 +181,96 @@ def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> di
     stop.set()
     for t in threads:
         t.join()
-    load_s = time.monotonic() - start
-    at_stop = store.stats()
+    load_s, at_stop = time.monotonic() - start, store.stats()
     drained(store)
-    drain_s = time.monotonic() - start - load_s
-    put = store.stats().object_put_bytes
-    return {
-        "writers": args.writers,
-        "block_bytes": block_bytes,
-        "blocks": saved[0],
-        "load_s": load_s,
-        "stored_mb_s": saved[0] * block_bytes / load_s / 1e6,
-        "uploaded_mb_s": put / (load_s + drain_s) / 1e6,
-        "uploaded_during_load_mb_s": at_stop.object_put_bytes / load_s / 1e6,
-        "max_depth": max(depths, default=0),
-        "median_depth": statistics.median(depths) if depths else 0,
-        "depth_at_stop": at_stop.object_queue_depth,
-        "drain_s": drain_s,
-        "errors": errors,
-    }
+    drain_s, put = time.monotonic() - start - load_s, store.stats().object_put_bytes
+    block_bytes = sum(t.data.nbytes for t in tensors)
+    return {"writers": args.writers, "block_bytes": block_bytes, "blocks": out["blocks"],
+            "load_s": load_s, "stored_mb_s": out["blocks"] * block_bytes / load_s / 1e6,
+            "uploaded_mb_s": put / (load_s + drain_s) / 1e6,
+            "uploaded_during_load_mb_s": at_stop.object_put_bytes / load_s / 1e6,
+            "max_depth": max(depths, default=0),
+            "median_depth": statistics.median(depths) if depths else 0,
+            "depth_at_stop": at_stop.object_queue_depth, "drain_s": drain_s,
+            "errors": out["errors"]}  # fmt: skip
 
 
-def ttft_table(rows: dict[int, dict[str, Any]]) -> str:
-    from harness import table
-
-    out = []
-    for n, r in rows.items():
-        cold, local, obj = (
-            r["cold"][0],
-            statistics.median(r["local"]),
-            statistics.median(r["object"]),
-        )
-        ms, mbs = (statistics.median(x[i] for x in r["fetch"]) for i in (0, 1))
-        out.append(
-            [
-                label(n),
-                r["tokens"],
-                r["blocks"],
-                f"{r['restored_bytes'] / 1e6:.1f}",
-                fmt(cold, 0),
-                fmt(local),
-                fmt(obj),
-                fmt(ms),
-                fmt(mbs, 0),
-                f"{cold / obj:.1f}x",
-                f"{obj / local:.2f}x",
-            ]
-        )
-    headers = [
-        "context",
-        "tok",
-        "blocks",
-        "MB",
-        "cold ms",
-        "warm local ms",
-        "warm object store ms",
-        "fetch ms",
-        "fetch MB/s",
-        "cold / object",
-        "object / local",
-    ]
-    return table(headers, out)
+def mid(row: dict[str, Any], key: str, i: int | None = None) -> float:
+    """The median of a row's series (of item i of each, for the fetches' pairs)."""
+    return statistics.median(x if i is None else x[i] for x in row[key])
 
 
-def load_table(load: dict[str, Any]) -> str:
-    from harness import table
-
-    return table(
-        [
-            "writers",
-            "block MB",
-            "blocks saved",
-            "stored MB/s",
-            "uploaded MB/s (during)",
-            "queue max",
-            "queue median",
-            "queue at stop",
-            "drain s",
-        ],
-        [
-            [
-                load["writers"],
-                f"{load['block_bytes'] / 1e6:.2f}",
-                load["blocks"],
-                fmt(load["stored_mb_s"]),
-                fmt(load["uploaded_during_load_mb_s"]),
-                load["max_depth"],
-                fmt(load["median_depth"], 0),
-                load["depth_at_stop"],
-                fmt(load["drain_s"]),
-            ]
-        ],
-    )
+TTFT_TABLE = {  # header: cell of a context's row
+    "context": lambda r: h.label(r["n"]),
+    "tok": lambda r: r["tokens"],
+    "blocks": lambda r: r["blocks"],
+    "MB": lambda r: f"{r['restored_bytes'] / 1e6:.1f}",
+    "cold ms": lambda r: h.fmt(r["cold"][0], 0),
+    "warm local ms": lambda r: h.fmt(mid(r, "local")),
+    "warm object store ms": lambda r: h.fmt(mid(r, "object")),
+    "fetch ms": lambda r: h.fmt(mid(r, "fetch", 0)),
+    "fetch MB/s": lambda r: h.fmt(mid(r, "fetch", 1), 0),
+    "cold / object": lambda r: f"{r['cold'][0] / mid(r, 'object'):.1f}x",
+    "object / local": lambda r: f"{mid(r, 'object') / mid(r, 'local'):.2f}x",
+}
+LOAD_TABLE = {
+    "writers": lambda x: x["writers"],
+    "block MB": lambda x: f"{x['block_bytes'] / 1e6:.2f}",
+    "blocks saved": lambda x: x["blocks"],
+    "stored MB/s": lambda x: h.fmt(x["stored_mb_s"]),
+    "uploaded MB/s (during)": lambda x: h.fmt(x["uploaded_during_load_mb_s"]),
+    "queue max": lambda x: x["max_depth"],
+    "queue median": lambda x: h.fmt(x["median_depth"], 0),
+    "queue at stop": lambda x: x["depth_at_stop"],
+    "drain s": lambda x: h.fmt(x["drain_s"]),
+}
 
 
 def targets(rows: dict[int, dict[str, Any]], load: dict[str, Any]) -> list[dict[str, Any]]:
     goals = []
-    at = min(rows, key=lambda n: abs(n - TARGET_AT)) if rows else None
-    if at is not None:
-        r = rows[at]
-        speedup = r["cold"][0] / statistics.median(r["object"])
-        goals.append(
-            {
-                "target": f"warm from the object store >= {TARGET:.0f}x faster than re-prefill "
-                f"at {label(at)}",
-                "met": speedup >= TARGET,
-                "measured": f"{speedup:.1f}x",
-            }
+    if rows:
+        at = min(rows, key=lambda n: abs(n - TARGET_AT))
+        speedup = rows[at]["cold"][0] / mid(rows[at], "object")
+        what = (
+            f"warm from the object store >= {TARGET:.0f}x faster than re-prefill at {h.label(at)}"
         )
+        goals.append(h.goal(what, f"{speedup:.1f}x", speedup >= TARGET))
     bounded = load["depth_at_stop"] <= max(4, load["max_depth"]) and not load["errors"]
-    keeps_up = load["uploaded_during_load_mb_s"] >= 0.8 * load["stored_mb_s"]
-    goals.append(
-        {
-            "target": "uploads keep up with a steady load (queue bounded, upload rate >= 0.8x "
-            "the store's)",
-            "met": bounded and keeps_up,
-            "measured": f"queue max {load['max_depth']}, upload "
-            f"{load['uploaded_during_load_mb_s']:.0f} of {load['stored_mb_s']:.0f} MB/s",
-        }
-    )
-    return goals
+    during, stored = load["uploaded_during_load_mb_s"], load["stored_mb_s"]
+    what = "uploads keep up with a steady load (queue bounded, upload rate >= 0.8x the store's)"
+    measured = f"queue max {load['max_depth']}, upload {during:.0f} of {stored:.0f} MB/s"
+    return [*goals, h.goal(what, measured, bounded and during >= 0.8 * stored)]
+
+
+NOTES = [
+    "TTFT is the worker's usage.time_to_first_token_ms. 'warm object store': a store "
+    "with an empty data dir and the same bucket; the turn's GetAgent fetches the manifest "
+    "and every block from the bucket to local disk, then the worker restores as usual. "
+    "'fetch': GetAgent alone on another empty store, MB/s of payload fetched.",
+    "The S3 server (SeaweedFS) runs on this machine: bucket latency is loopback's; a "
+    "remote bucket adds its round trips (a fetch keeps four block downloads in flight).",
+]
+
+
+def measure(args: Any) -> tuple[dict, dict]:
+    """The contexts' rows, then the steady load, against one SeaweedFS."""
+    os.environ.update(CREDENTIALS)
+    root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
+    try:
+        with ExitStack() as stack:
+            weed = WeedServer(root / "weed").start()
+            stack.callback(weed.stop, True)
+            h.say("weed server up; contexts")
+            measured = run_contexts(args, root, stack, weed)
+            args.kv_shape = kv_shape(args.path)
+            h.say(f"steady load: {args.writers} writers, {args.load_seconds:.0f} s")
+            return measured, steady_load(args, root, stack, weed)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K and 2K, 1 pass")
+    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K and 2K, 1 pass")
     p.add_argument("--writers", type=int, default=4, help="threads of the steady load")
     p.add_argument("--load-seconds", type=float, default=20.0)
     args = p.parse_args(argv)
@@ -332,73 +278,38 @@ def main(argv: list[str] | None = None) -> None:
         args.contexts, args.passes, args.load_seconds = [1024, 2048], 1, 6.0
     load_optimized_blas()
     args.path = model_dir(args.model)
-    os.environ.update(CREDENTIALS)
-    root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
-    try:
-        with ExitStack() as stack:
-            weed = WeedServer(root / "weed").start()
-            stack.callback(weed.stop, True)
-            say("weed server up; contexts")
-            measured = run_contexts(args, root, stack, weed)
-            args.kv_shape = kv_shape(args.path)
-            say(f"steady load: {args.writers} writers, {args.load_seconds:.0f} s")
-            load = steady_load(args, root, stack, weed)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    measured, load = measure(args)
     rows = measured["rows"]
-    header = machine(model=args.model, passes=args.passes, object_store="SeaweedFS (weed, local)")
+    header = h.machine(model=args.model, passes=args.passes, object_store="SeaweedFS (weed, local)")
+    table = h.columns(({"n": n, **r} for n, r in rows.items()), TTFT_TABLE)
     sections = [
-        (
-            "Warm TTFT: local tier, object store (a host with an empty data dir), cold",
-            ttft_table(rows),
-        ),
-        (
-            "Uploads under a steady load (store only, Q4 blocks of the model's shape)",
-            load_table(load),
-        ),
-    ]
-    notes = [
-        "TTFT is the worker's usage.time_to_first_token_ms. 'warm object store': a store "
-        "with an empty data dir and the same bucket; the turn's GetAgent fetches the manifest "
-        "and every block from the bucket to local disk, then the worker restores as usual. "
-        "'fetch': GetAgent alone on another empty store, MB/s of payload fetched.",
-        "The S3 server (SeaweedFS) runs on this machine: bucket latency is loopback's; a "
-        "remote bucket adds its round trips (a fetch keeps four block downloads in flight).",
-    ]
-    if load["errors"]:
-        notes.append(f"steady-load errors: {load['errors'][:3]}")
-    goals = targets(rows, load)
-    png = report(
-        "object_tier", args.out, header, sections, goals, notes, {"rows": rows, "load": load}
-    )
-    plot(png, header, "object-store tier", draw(rows))
+        ("Warm TTFT: local tier, object store (a host with an empty data dir), cold", table),
+        ("Uploads under a steady load (store only, Q4 blocks of the model's shape)",
+         h.columns([load], LOAD_TABLE)),
+    ]  # fmt: skip
+    notes = NOTES + ([f"steady-load errors: {load['errors'][:3]}"] if load["errors"] else [])
+    document = {"rows": rows, "load": load}
+    png = h.report("object_tier", args.out, header, sections, targets(rows, load), notes, document)
+    h.plot(png, header, "object-store tier", draw(rows))
 
 
 def kv_shape(path: Path) -> dict[str, int]:
     """The Q4 block shape of the model at `path` (layers, KV heads, head dim)."""
     c = json.loads((path / "config.json").read_text())
     heads = c["num_attention_heads"]
-    return {
-        "num_layers": c["num_hidden_layers"],
-        "kv_heads": c.get("num_key_value_heads", heads),
-        "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
-    }
+    return {"num_layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads", heads),
+            "head_dim": c.get("head_dim") or c["hidden_size"] // heads}  # fmt: skip
 
 
-def draw(rows: dict[int, dict[str, Any]]):
-    def panel(axes) -> None:
-        ax = axes[0]
-        xs = list(rows)
-        for key, name in (
-            ("cold", "cold re-prefill"),
-            ("object", "warm, object store"),
-            ("local", "warm, local"),
-        ):
+def draw(rows: dict[int, dict[str, Any]]) -> Any:
+    def panel(axes: Any) -> None:
+        ax, xs = axes[0], list(rows)
+        for key, name in (("cold", "cold re-prefill"), ("object", "warm, object store"),
+                          ("local", "warm, local")):  # fmt: skip
             ax.plot(xs, [statistics.median(rows[n][key]) for n in xs], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("time to first token, ms")
+        ax.set(xlabel="context tokens", ylabel="time to first token, ms")
         ax.legend()
 
     return panel

@@ -25,25 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness as h
 from common import RawReader, load_tokenizer, max_context, model_dir
-from harness import (
-    check,
-    context_text,
-    fit_contexts,
-    goal,
-    label,
-    machine,
-    model_info,
-    parser,
-    ratio,
-    report,
-    say,
-    services,
-    spread,
-    table,
-    timed,
-    timed_turn,
-)
 from harness import fmt as ms
 from paper import TTFT
 
@@ -180,10 +163,10 @@ class LlamaPeer:
 
     def cold(self, run: Run) -> tuple[float, int]:
         self.llama.clear()
-        return timed(lambda: self.llama.step({0: run.context_ids})[0])
+        return h.timed(lambda: self.llama.step({0: run.context_ids})[0])
 
     def hot(self, run: Run) -> tuple[float, int]:
-        took, self.last = timed(lambda: self.llama.step({0: run.turn_ids})[0])
+        took, self.last = h.timed(lambda: self.llama.step({0: run.turn_ids})[0])
         return took, self.last
 
     def save(self, path: Path) -> int:
@@ -241,10 +224,10 @@ class MlxLmPeer:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.cache = make_prompt_cache(self.model)
-        return timed(lambda: mlx_first_token(self.model, self.cache, run.context_ids, self.bits))
+        return h.timed(lambda: mlx_first_token(self.model, self.cache, run.context_ids, self.bits))
 
     def hot(self, run: Run) -> tuple[float, int]:
-        took, self.last = timed(
+        took, self.last = h.timed(
             lambda: mlx_first_token(self.model, self.cache, run.turn_ids, self.bits)
         )
         return took, self.last
@@ -310,7 +293,7 @@ class AgentkvPeer:
         self.agent = f"{self.name.replace(' ', '-')}-{run.nominal}-{self.count}"
         self.twin = self.twins[run.nominal] = f"{self.agent}-twin"
         created = self.worker.create_agent(NS, self.agent).num_tokens
-        turn = check(timed_turn(self.worker, NS, self.agent, [("user", run.text)]), "cold",
+        turn = h.check(h.timed_turn(self.worker, NS, self.agent, [("user", run.text)]), "cold",
                      self.agent, created)  # fmt: skip
         self.worker.wait_durable(NS, self.agent)
         self.svc.store.fork_agent(NS, self.agent, self.twin)  # the same context, for warm
@@ -322,7 +305,9 @@ class AgentkvPeer:
         return self.svc.store.get_agent(NS, agent, fingerprint=self.svc.info[self.name].fingerprint)
 
     def hot(self, run: Run) -> tuple[float, int]:
-        turn = check(timed_turn(self.worker, NS, self.agent, [("user", SHORT)]), "hot", self.agent)
+        turn = h.check(
+            h.timed_turn(self.worker, NS, self.agent, [("user", SHORT)]), "hot", self.agent
+        )
         self.worker.wait_durable(NS, self.agent)
         ids = list(self.manifest(self.agent).token_ids)
         if not run.turn_ids:
@@ -335,15 +320,15 @@ class AgentkvPeer:
 
     def restart(self, path: Path, run: Run) -> dict:
         self.svc.restart_worker(self.name, self.model, self.args)
-        turn = timed_turn(self.worker, NS, self.twin, [("user", SHORT)])
-        check(turn, "warm (locate)", self.twin)
+        turn = h.timed_turn(self.worker, NS, self.twin, [("user", SHORT)])
+        h.check(turn, "warm (locate)", self.twin)
         self.worker.wait_durable(NS, self.twin)
         return {"ttft_ms": turn.server_ms, "token": self.manifest(self.twin).token_ids[-1]}
 
     def decode(self, n: int) -> float:
         """The worker's usage.decode_tokens_per_second (0 when the reply ended at EOS at once:
         no rate, left out of the medians; the peers' loops run past EOS)."""
-        turn = timed_turn(self.worker, NS, self.agent, [("user", LONG)], max_tokens=n + 1)
+        turn = h.timed_turn(self.worker, NS, self.agent, [("user", LONG)], max_tokens=n + 1)
         self.worker.wait_durable(NS, self.agent)
         return turn.usage["decode_tokens_per_second"]
 
@@ -364,7 +349,7 @@ class AgentkvPeer:
                 raw.read()
                 mx.eval(mx.array(np.frombuffer(raw.buffer, dtype=np.uint8)))
 
-            return min(timed(read)[0] for _ in range(3))
+            return min(h.timed(read)[0] for _ in range(3))
         finally:
             self.svc.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
 
@@ -373,11 +358,11 @@ class AgentkvPeer:
         agents = [f"{self.agent}-b{batch}-{i}" for i in range(batch)]
         for agent in agents:  # of this context's fork (not of the last context measured)
             self.svc.store.fork_agent(NS, self.twins[run.nominal], agent)
-            timed_turn(self.worker, NS, agent, [("user", "Hello.")])  # restored, now hot
+            h.timed_turn(self.worker, NS, agent, [("user", "Hello.")])  # restored, now hot
         made: list[int] = []
 
         def one(agent: str) -> None:
-            turn = timed_turn(self.worker, NS, agent, [("user", LONG)], max_tokens=n)
+            turn = h.timed_turn(self.worker, NS, agent, [("user", LONG)], max_tokens=n)
             made.append(turn.usage["generated_tokens"])
 
         threads = [threading.Thread(target=one, args=(a,)) for a in agents]
@@ -424,7 +409,7 @@ def run_child(path: Path) -> None:
         def turn() -> int:
             return mlx_first_token(model, load_prompt_cache(spec["file"]), spec["ids"], None)
 
-    took, token = timed(turn)
+    took, token = h.timed(turn)
     print(json.dumps({"ttft_ms": took, "token": token}))
 
 
@@ -443,7 +428,7 @@ def one_pass(system: str, peer: Any, run: Run, root: Path, decode: int) -> None:
     run.add(system, "warm", out["ttft_ms"], out["token"])
     if system == "agentkv":
         run.raw_ms.append(peer.raw_read())
-    say(f"  {label(run.nominal)} {system}: " + " / ".join(
+    h.say(f"  {h.label(run.nominal)} {system}: " + " / ".join(
         f"{run.ms[system][p][-1]:.0f}" for p in PHASES) + " ms (cold/hot/warm), "
         f"{run.decode[system][-1]:.1f} tok/s")  # fmt: skip
 
@@ -501,14 +486,14 @@ def run_all(args: Any, root: Path) -> tuple[list[Run], dict, dict, list[str]]:
     tokenizer, (model, _) = load_tokenizer(path), load(str(path))
     window = max_context(path)
     runs, batches = [], {}
-    with services(root, path, {"agentkv": WORKER_ARGS}) as svc:
-        details = model_info(svc.info["agentkv"], path)
+    with h.services(root, path, {"agentkv": WORKER_ARGS}) as svc:
+        details = h.model_info(svc.info["agentkv"], path)
         peers, notes = make_peers(args, path, gguf, model, svc, window)
         details["weights"] = weights(list(peers), path, gguf)
         warm_up(peers, tokenizer, root)
-        for n, note in fit_contexts(args.contexts, window, HEADROOM):
-            say(f"context {label(n)}")
-            run = Run(n, context_text(tokenizer, n))
+        for n, note in h.fit_contexts(args.contexts, window, HEADROOM):
+            h.say(f"context {h.label(n)}")
+            run = Run(n, h.context_text(tokenizer, n))
             notes += [note] if note else []
             for _ in range(args.passes):
                 for system, peer in peers.items():
@@ -521,8 +506,8 @@ def run_all(args: Any, root: Path) -> tuple[list[Run], dict, dict, list[str]]:
 
 def warm_up(peers: dict, tokenizer: Any, root: Path) -> None:
     """One untimed short pass of every system (its first forward, the restart children)."""
-    say("warming up")
-    run = Run(256, context_text(tokenizer, 256))
+    h.say("warming up")
+    run = Run(256, h.context_text(tokenizer, 256))
     for system, peer in peers.items():
         one_pass(system, peer, run, root, 2)
 
@@ -536,7 +521,7 @@ def measure_batches(peers: dict, run: Run, root: Path, args: Any) -> dict[str, d
                 continue  # one row per engine: its fastest KV
             extra = (file,) if system == "mlx-lm" else ()
             out.setdefault(system, {})[batch] = peer.systps(batch, run, args.decode, *extra)
-            say(f"  SysTPS({batch}) {system}: {out[system][batch]:.1f} tok/s")
+            h.say(f"  SysTPS({batch}) {system}: {out[system][batch]:.1f} tok/s")
     return out
 
 
@@ -550,11 +535,11 @@ def main_table(runs: list[Run], details: dict) -> str:
     for r in runs:
         for s in r.ms:
             cold, warm = r.median(s, "cold"), r.median(s, "warm")
-            rows.append([f"{label(r.nominal)} ({len(r.context_ids)} tok)", s,
+            rows.append([f"{h.label(r.nominal)} ({len(r.context_ids)} tok)", s,
                          details["weights"][s], *(cell(r.ms[s].get(p)) for p in PHASES),
                          ms(rate(r.decode[s])), f"{r.num_bytes[s]:,}",
-                         ratio(cold, warm, "{:.1f}x")])  # fmt: skip
-    return table(heads, rows, "llllllrrr")
+                         h.ratio(cold, warm, "{:.1f}x")])  # fmt: skip
+    return h.table(heads, rows, "llllllrrr")
 
 
 def rate(values: list[float]) -> float | None:
@@ -569,7 +554,7 @@ def cell(values: list[float] | None) -> str:
         return "--"
     if len(values) == 1:
         return ms(values[0], 0)
-    s = spread(values)
+    s = h.spread(values)
     return f"{s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
 
 
@@ -577,27 +562,27 @@ def batch_table(batches: dict[str, dict[int, float]]) -> str:
     sizes = sorted({b for per in batches.values() for b in per})
     heads = ["system", *(f"SysTPS({b})" for b in sizes), "SysTPS(max)/SysTPS(1)"]
     rows = [[s, *(f"{per.get(b, 0):.1f}" for b in sizes),
-             ratio(per.get(sizes[-1]), per.get(1))] for s, per in batches.items()]  # fmt: skip
-    return table(heads, rows, "l" + "r" * (len(sizes) + 1))
+             h.ratio(per.get(sizes[-1]), per.get(1))] for s, per in batches.items()]  # fmt: skip
+    return h.table(heads, rows, "l" + "r" * (len(sizes) + 1))
 
 
 def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:
     goals = []
     for r in runs:
-        at, warm = label(r.nominal), r.median("agentkv", "warm")
+        at, warm = h.label(r.nominal), r.median("agentkv", "warm")
         for kv, bound in (("f16", 1.0), ("q4_0", 0.5)):
             peer = r.median(f"llama.cpp {kv}", "warm")
             if peer:
-                goals.append(goal(f"{at}: agentkv warm TTFT <= {bound}x llama.cpp's restore "
+                goals.append(h.goal(f"{at}: agentkv warm TTFT <= {bound}x llama.cpp's restore "
                                   f"from file ({kv} KV)", f"{warm:.0f} / {peer:.0f} ms = "
                                   f"{warm / peer:.2f}x", warm <= bound * peer))  # fmt: skip
         if "llama.cpp q4_0" in r.num_bytes:
             ours, theirs = r.num_bytes["agentkv"], r.num_bytes["llama.cpp q4_0"]
-            goals.append(goal(f"{at}: agentkv KV bytes <= llama.cpp q4_0 state file",
+            goals.append(h.goal(f"{at}: agentkv KV bytes <= llama.cpp q4_0 state file",
                               f"{ours:,} / {theirs:,} B", ours <= theirs))  # fmt: skip
         hot, mlx = r.median("agentkv", "hot"), r.median("mlx-lm", "hot")
         goals.append(
-            goal(
+            h.goal(
                 f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)",
                 f"{hot:.0f} / {mlx:.0f} ms = {hot / mlx:.2f}x",
                 hot <= 1.1 * mlx,
@@ -605,21 +590,21 @@ def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:
         )
         ours, theirs = (rate(r.decode[s]) or 0.0 for s in ("agentkv", "mlx-lm"))
         goals.append(
-            goal(
+            h.goal(
                 f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
                 f"{ours:.1f} / {theirs:.1f} tok/s",
                 ours * 1.1 >= theirs,
             )
         )
         overhead, raw = warm - r.median("agentkv", "hot"), min(r.raw_ms)
-        goals.append(goal(f"{at}: restore overhead (warm - hot) within 1.3x of a raw read of "
+        goals.append(h.goal(f"{at}: restore overhead (warm - hot) within 1.3x of a raw read of "
                           "the blocks + an array over them", f"{overhead:.1f} ms vs raw "
                           f"{raw:.1f} ms", overhead <= 1.3 * raw))  # fmt: skip
         goals.append(paper_goal(r))
     if 4 in batches.get("agentkv", {}):
         b = batches["agentkv"]
         goals.append(
-            goal(
+            h.goal(
                 "agentkv SysTPS(4) >= 2.5x SysTPS(1)",
                 f"{b[4]:.1f} / {b[1]:.1f} = {b[4] / b[1]:.2f}x",
                 b[4] >= 2.5 * b[1],
@@ -635,7 +620,7 @@ def paper_goal(r: Run) -> dict[str, Any]:
     at = min(near, default=r.nominal)  # a context cut to fit the window: the paper's 8K
     papers = {m: t[at][0] / t[at][1] for m, t in TTFT.items() if at in t}
     beside = ", ".join(f"{m} {x:.1f}x" for m, x in papers.items()) or "no paper row"
-    return goal(f"{label(r.nominal)}: agentkv cold/warm at least the paper's (Llama)",
+    return h.goal(f"{h.label(r.nominal)}: agentkv cold/warm at least the paper's (Llama)",
                 f"{cold / warm:.1f}x ({cold:.0f} / {warm:.0f} ms); paper {beside}",
                 cold / warm >= papers["Llama"] if "Llama" in papers else None)  # fmt: skip
 
@@ -647,7 +632,7 @@ def first_tokens(runs: list[Run]) -> list[str]:
         for phase in PHASES:
             seen = {k: sorted(set(v)) for k, v in r.tokens.items() if k.endswith(phase)}
             same = len({tuple(v) for v in seen.values()}) == 1
-            out.append(f"{label(r.nominal)} {phase} first tokens: "
+            out.append(f"{h.label(r.nominal)} {phase} first tokens: "
                        + (f"{next(iter(seen.values()))} everywhere" if same else
                           ", ".join(f"{k} {v}" for k, v in seen.items())))  # fmt: skip
     return out
@@ -656,20 +641,20 @@ def first_tokens(runs: list[Run]) -> list[str]:
 def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args: Any,
           header: dict | None = None) -> None:  # fmt: skip
     if header is None:
-        header = machine(blas=details.get("blas", ""), model=args.model)
+        header = h.machine(blas=details.get("blas", ""), model=args.model)
         header |= {"load_average_1m": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
         header |= {"passes": args.passes, "decode_tokens": args.decode}
         notes = notes + [f"weights: {', '.join(f'{s} {w}' for s, w in details['weights'].items())}"]
     sections = [("cold, hot and warm TTFT (median (min-max)), decode and bytes",
                  main_table(runs, details)),
-                (f"SysTPS at {label(runs[0].nominal)} context, {header['decode_tokens']} tokens "
+                (f"SysTPS at {h.label(runs[0].nominal)} context, {header['decode_tokens']} tokens "
                  "per agent", batch_table(batches))]  # fmt: skip
     notes = notes + first_tokens(runs)
     contexts = [{"nominal": r.nominal, "context_tokens": len(r.context_ids), "ms": r.ms,
                  "turn_tokens": len(r.turn_ids), "decode": r.decode, "bytes": r.num_bytes,
                  "raw_ms": r.raw_ms} for r in runs]  # fmt: skip
     document = {"model": details, "batches": batches, "contexts": contexts}
-    report("peers", args.out, header, sections, targets(runs, batches), notes, document)
+    h.report("peers", args.out, header, sections, targets(runs, batches), notes, document)
 
 
 def rewrite(path: Path, args: Any) -> None:
@@ -682,7 +667,7 @@ def rewrite(path: Path, args: Any) -> None:
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    p = parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K, 1 pass")
+    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K, 1 pass")
     p.add_argument("--decode", type=int, default=32, help="tokens per decode and batch row")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--w4-max", type=int, default=1024,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness as h
 import numpy as np
 from common import describe_model, model_dir
-from harness import columns, goal, machine, name_list, parser, plot, report, say, services, table
 from paper import TABLE9, TABLE9_TOKENS
 
 from agentkv.layers import KVFormat
@@ -442,7 +442,7 @@ def score_all(model: Any, tokens: np.ndarray, windows: list[Window], trip: Round
         )
         if w.index % 5 == 4 or w.index == len(windows) - 1:
             done = sum(len(n) for n in scores[BASELINE].nll)
-            say(f"window {w.index + 1}/{len(windows)}: {done:,} tokens scored per format")
+            h.say(f"window {w.index + 1}/{len(windows)}: {done:,} tokens scored per format")
     return scores, free
 
 
@@ -495,7 +495,7 @@ def agreement(model: Any, tokenizer: Any, kinds: list[str], num_prompts: int, n:
         reference = greedy(model, BASELINE, prompt, n)
         for kind, a in results.items():
             a.matches.append(np.array(greedy(model, kind, prompt, n, reference)) == reference)
-        say(f"agreement: prompt {p + 1}/{num_prompts} ({len(prompt)} tokens, {n} generated)")
+        h.say(f"agreement: prompt {p + 1}/{num_prompts} ({len(prompt)} tokens, {n} generated)")
     return (results if lengths else {}), lengths
 
 
@@ -577,7 +577,7 @@ def results_table(run: Run) -> str:
         "KV bytes/token": lambda s: f"{s.kv_bytes:,.0f}",
         "through the store": lambda s: "yes" if s.kind in QUANTIZED else "no",
     }
-    return columns(run.scores.values(), spec, "lrrrrrrl")
+    return h.columns(run.scores.values(), spec, "lrrrrrrl")
 
 
 def interval(ci: dict[str, float] | None, unit: str = "%") -> str:
@@ -591,7 +591,7 @@ def paper_table(run: Run) -> str:
         (m, f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}", f"{100 * (b / a - 1):+.1f}%", f"{n:,}")
         for m, a, b, n in rows
     ]
-    return table(("model", "FP16 PPL", "Q4 PPL", "ΔPPL", "Δ%", "tokens"), cells)
+    return h.table(("model", "FP16 PPL", "Q4 PPL", "ΔPPL", "Δ%", "tokens"), cells)
 
 
 def agreement_table(run: Run, n: int) -> str:
@@ -603,7 +603,7 @@ def agreement_table(run: Run, n: int) -> str:
             "-" if f is None else str(f) for f in a.first_divergence
         ),
     }
-    return columns(run.agreed.values(), spec, "lrrl")
+    return h.columns(run.agreed.values(), spec, "lrrl")
 
 
 def checks_table(run: Run) -> str:
@@ -616,7 +616,7 @@ def checks_table(run: Run) -> str:
             "ok",
         )
     )
-    return table(("check", "result", ""), rows, "lll")
+    return h.table(("check", "result", ""), rows, "lll")
 
 
 def notes_for(run: Run, model_dir: Path, met: bool) -> list[str]:
@@ -679,7 +679,7 @@ def write_report(run: Run, header: dict[str, Any], args: Any) -> None:
         s.ci = paired_bootstrap(run.base, s) if s.kind in QUANTIZED else None
     pct = run.q4.delta_pct(run.base)
     what = f"Q4 perplexity within +{TARGET_PCT:g}% of FP16 KV on {run.name}"
-    goals = [goal(what, f"{pct:+.2f}% (95% CI {interval(run.q4.ci)})", pct <= TARGET_PCT)]
+    goals = [h.goal(what, f"{pct:+.2f}% (95% CI {interval(run.q4.ci)})", pct <= TARGET_PCT)]
     title = f"perplexity by KV format ({len(run.windows)} windows of {WINDOW}, stride {STRIDE}, "
     sections = [
         (f"{title}{run.base.counts.sum():,} tokens)", results_table(run)),
@@ -693,18 +693,18 @@ def write_report(run: Run, header: dict[str, Any], args: Any) -> None:
     document = {"scores": run.scores, "agreement": run.agreed, "windows": run.windows}
     document |= {"checks": run.checks, "paper_table9": {"rows": TABLE9, "tokens": TABLE9_TOKENS}}
     notes = notes_for(run, args.path, goals[0]["met"])
-    png = report("perplexity", args.out, header, sections, goals, notes, document)
-    plot(png, header, f"perplexity, {run.name}", draw(run), ncols=2, figsize=(14, 5.2))
+    png = h.report("perplexity", args.out, header, sections, goals, notes, document)
+    h.plot(png, header, f"perplexity, {run.name}", draw(run), ncols=2, figsize=(14, 5.2))
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    p = parser(__doc__, quick="a smoke run: 3 windows, 1 prompt of 8 tokens")
+    p = h.parser(__doc__, quick="a smoke run: 3 windows, 1 prompt of 8 tokens")
     p.add_argument("--tokens", type=int, default=TABLE9_TOKENS, help="tokens to score (at least)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="greedy-agreement prompts")
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument(
         "--agree",
-        type=name_list([*SHORT, "all"]),
+        type=h.name_list([*SHORT, "all"]),
         default=["q4", "k8v4"],
         help="formats whose greedy agreement with FP16 is measured",
     )
@@ -744,15 +744,15 @@ def main(argv: list[str] | None = None) -> None:
     windows = plan_windows(args.tokens)
     model, tokenizer, dtype = load_model(args.path)
     text = load_text(args.docs, tokenizer, windows[-1].start + WINDOW)
-    say(
+    h.say(
         f"{len(text.tokens):,} tokens of Python {text.version} docs prose ({len(text.files)} "
         f"documents); {len(windows)} windows; model {name} ({dtype})"
     )
-    with services(None) as svc:
+    with h.services(None) as svc:
         trip = RoundTrip(svc.store, args.path)
         scores, free = score_all(model, text.tokens, windows, trip)
     agreed, lengths = agreement(model, tokenizer, args.agree, args.prompts, args.gen_tokens)
-    header = machine(blas=blas or "reference (bundled with mlx)", model=name)
+    header = h.machine(blas=blas or "reference (bundled with mlx)", model=name)
     header |= {"model_described": describe_model(args.path, args.model), "dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}
     header |= {"tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}

@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Any
 
+import harness as h
 from common import model_dir
-from harness import label, machine, parser, report, spread, table
 
 from inference_worker.blas import load_optimized_blas
 
@@ -63,7 +63,7 @@ def step(model: Any, cache: list, tokens: int, turn: bool) -> float:
 
 
 def main() -> None:
-    p = parser(__doc__, contexts=(1024, 4096, 8192), passes=7, quick="1K, 3 passes")
+    p = h.parser(__doc__, contexts=(1024, 4096, 8192), passes=7, quick="1K, 3 passes")
     args = p.parse_args()
     if args.quick:
         args.contexts, args.passes = [1024], 3
@@ -83,15 +83,15 @@ def main() -> None:
                     took = step(model, cache, tokens, what == "turn")
                     times.setdefault((k, what), []).append(took)
         for (k, what), values in times.items():
-            s = spread(values[1:])
+            s = h.spread(values[1:])
             found[f"{n} {k} {what}"] = s
             fp = statistics.median(times[("fp", what)][1:])
-            rows.append([label(n), kinds[k], what, *(f"{s[x]:.1f}" for x in s),
+            rows.append([h.label(n), kinds[k], what, *(f"{s[x]:.1f}" for x in s),
                          f"{s['median'] / fp:.2f}x"])  # fmt: skip
     heads = ["context", "cache", f"step ({TURN}-token turn or 1-token decode)", "min ms"]
-    sections = [("a model step, in process", table([*heads, "median ms", "max ms", "vs fp"],
+    sections = [("a model step, in process", h.table([*heads, "median ms", "max ms", "vs fp"],
                  rows, "lllrrrr"))]  # fmt: skip
-    report("step_profile", args.out, machine(model=args.model), sections, (), (), found)
+    h.report("step_profile", args.out, h.machine(model=args.model), sections, (), (), found)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import harness as h
 import numpy as np
 from common import RawReader
-from harness import columns, goal, machine, parser, plot, report, say, services
 
 from agentkv.client.synthetic import make_chain
 from agentkv.v1 import store_pb2 as pb
@@ -130,7 +130,7 @@ class Bench:
                 moved = fn(i)
                 seconds.append(time.perf_counter() - start)
             self.rows.append(Row(name, moved, seconds, baseline))
-            say(f"  {name}: median {statistics.median(seconds) * 1e3:.1f} ms")
+            h.say(f"  {name}: median {statistics.median(seconds) * 1e3:.1f} ms")
         for r in self.rows:
             r.vs_baseline = r.median / self.row(r.baseline).median if self.row(r.baseline) else 0
 
@@ -194,7 +194,7 @@ def targets(bench: Bench, locate_target: float) -> list[dict[str, object]]:
     """The two targets, judged on medians; the locate target at each cache state."""
     rate = bench.row(GET).num_bytes / bench.row(GET).median
     measured = f"{rate / GIB:.2f} GiB/s = {rate / MB:.0f} MB/s (GetBlocks median)"
-    goals = [goal("streaming at >= 1 GiB/s on loopback", measured, rate >= STREAM_TARGET)]
+    goals = [h.goal("streaming at >= 1 GiB/s on loopback", measured, rate >= STREAM_TARGET)]
     for path, state in (
         (LOCATE, "page cache warm, fresh buffer"),
         (REUSED, "page cache warm, reused buffer"),
@@ -206,7 +206,7 @@ def targets(bench: Bench, locate_target: float) -> list[dict[str, object]]:
                 f"{row.vs_baseline:.2f}x ({row.median * 1e3:.1f} vs {base.median * 1e3:.1f} ms)"
             )
             target = f"locate + read within {locate_target}x of the raw read ({state})"
-            goals.append(goal(target, measured, row.vs_baseline <= locate_target))
+            goals.append(h.goal(target, measured, row.vs_baseline <= locate_target))
     return goals
 
 
@@ -241,7 +241,7 @@ def env_pair(text: str) -> tuple[str, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser(__doc__, model=False, quick="--mb 24 --repeats 2")
+    p = h.parser(__doc__, model=False, quick="--mb 24 --repeats 2")
     p.add_argument("--mb", type=positive, default=200, help="payload to store, MB (10^6 bytes)")
     p.add_argument("--repeats", type=positive, default=5)
     p.add_argument("--block-tokens", type=positive, default=256)
@@ -272,12 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     blocks, keys = make_chain(
         list(range(count * args.block_tokens)), FP, args.block_tokens, **LLAMA_8B
     )
-    header = machine(grpcio=grpc.__version__, blocks=len(blocks), block_tokens=args.block_tokens)
+    header = h.machine(grpcio=grpc.__version__, blocks=len(blocks), block_tokens=args.block_tokens)
     header |= {"payload_mb": round(payload_bytes(blocks) / MB, 1), "repeats": args.repeats}
     header["store_env"] = store_env = dict(args.store_env)
-    say(f"{len(blocks)} blocks, {header['payload_mb']} MB")
+    h.say(f"{len(blocks)} blocks, {header['payload_mb']} MB")
     bench = Bench(args.repeats)
-    with services(None, store_env=store_env) as svc:
+    with h.services(None, store_env=store_env) as svc:
         svc.store.stats()  # connect before the first timed call
         run(svc.store, blocks, keys, bench)
     notes = [
@@ -285,11 +285,11 @@ def main(argv: list[str] | None = None) -> None:
         "page-cache state. MB = 10^6 bytes.",
         *bench.notes,
     ]
-    sections = [("store I/O, Llama-3.1-8B-shaped Q4 blocks", columns(bench.rows, TABLE))]
+    sections = [("store I/O, Llama-3.1-8B-shaped Q4 blocks", h.columns(bench.rows, TABLE))]
     goals = targets(bench, args.locate_target)
-    png = report("store_io", args.out, header, sections, goals, notes, {"rows": bench.rows})
+    png = h.report("store_io", args.out, header, sections, goals, notes, {"rows": bench.rows})
     size = (11, 0.45 * len(bench.rows) + 1.8)
-    plot(png, header, f"store I/O, grpcio {grpc.__version__}", draw(bench), figsize=size)
+    h.plot(png, header, f"store I/O, grpcio {grpc.__version__}", draw(bench), figsize=size)
 
 
 if __name__ == "__main__":

@@ -15,29 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness as h
 from common import RawReader, load_tokenizer, max_context, model_dir
-from harness import (
-    Turn,
-    check,
-    context_axis,
-    context_text,
-    fit_contexts,
-    fmt,
-    label,
-    machine,
-    model_info,
-    name_list,
-    parser,
-    plot,
-    repeat,
-    report,
-    say,
-    services,
-    spread,
-    table,
-    timed_turn,
-    whiskers,
-)
 from paper import TTFT
 
 from agentkv.layers import KVFormat
@@ -88,7 +67,7 @@ STEPS = {
 @dataclass(slots=True)
 class ContextRun:
     nominal: int  # tokens asked for in the cold turn's user message
-    turns: dict[str, list[Turn]] = field(default_factory=lambda: {p: [] for p in TURNS})
+    turns: dict[str, list[h.Turn]] = field(default_factory=lambda: {p: [] for p in TURNS})
     inproc: dict[str, list[float]] = field(default_factory=dict)  # ms, by STEPS key
     agent: str = ""  # the locate-path agent whose blocks the in-process rows read
     context_tokens: int = 0  # tokens in that agent's stored cache
@@ -110,7 +89,7 @@ class ContextRun:
             "nominal_tokens": self.nominal,
             "context_tokens": self.context_tokens,
             "agent": self.agent,
-            "summary_ms": {k: spread(v) for k, v in series.items() if v},
+            "summary_ms": {k: h.spread(v) for k, v in series.items() if v},
             "turns": {p: self.turns[p] for p in TURNS},
             "inproc_ms": self.inproc,
             "notes": self.notes,
@@ -143,8 +122,8 @@ def build_llama8b_shape(root: Path, layers: int, max_context: int) -> Path:
 # the turns
 
 
-def ask(worker: Any, agent: str, text: str, max_tokens: int = 1) -> Turn:
-    return timed_turn(worker, NS, agent, [("user", text)], max_tokens)
+def ask(worker: Any, agent: str, text: str, max_tokens: int = 1) -> h.Turn:
+    return h.timed_turn(worker, NS, agent, [("user", text)], max_tokens)
 
 
 def warm_up(svc: Any, text: str) -> None:
@@ -155,7 +134,7 @@ def warm_up(svc: Any, text: str) -> None:
         worker.create_agent(NS, agent)
         ask(worker, agent, text)
         worker.evict(NS, agent)
-        check(ask(worker, agent, SHORT), f"warm ({how})", agent)
+        h.check(ask(worker, agent, SHORT), f"warm ({how})", agent)
         worker.evict(NS, agent)
 
 
@@ -174,16 +153,16 @@ def run_context(svc: Any, text: str, nominal: int, args: Any, note: str) -> Cont
         if p < colds:
             agent = f"ctx{nominal}-p{p}"
             created = locate.create_agent(NS, agent).num_tokens
-            run.turns["cold"].append(check(ask(locate, agent, text), "cold", agent, created))
+            run.turns["cold"].append(h.check(ask(locate, agent, text), "cold", agent, created))
             if p == 0:
                 first_s = run.turns["cold"][0].client_ms / 1e3
                 colds = cold_passes(first_s, passes, args.cold_budget)
         one_pass(svc, run, agent, p)
         new = [f"{k} {v[-1].server_ms:.1f}" for k, v in run.turns.items() if len(v) > before[k]]
-        say(f"  {label(nominal)} pass {p + 1}/{passes}: {', '.join(new)} ms")
+        h.say(f"  {h.label(nominal)} pass {p + 1}/{passes}: {', '.join(new)} ms")
     if colds < passes:
         run.notes.append(
-            f"{label(nominal)} cold: {colds} of {passes} passes (one prefill took "
+            f"{h.label(nominal)} cold: {colds} of {passes} passes (one prefill took "
             f"{run.turns['cold'][0].server_ms / 1e3:.0f} s; --cold-budget "
             f"{args.cold_budget:.0f} s); later passes reuse the last agent, each pass adding "
             "its ~32 tokens of turns"
@@ -198,14 +177,14 @@ def one_pass(svc: Any, run: ContextRun, agent: str, p: int) -> None:
     the twin's hot turn on the stream worker."""
     locate, stream = svc.workers["locate"], svc.workers["stream"]
     locate.wait_durable(NS, agent)
-    run.turns["hot"].append(check(ask(locate, agent, SHORT), "hot", agent))
+    run.turns["hot"].append(h.check(ask(locate, agent, SHORT), "hot", agent))
     locate.evict(NS, agent)
     twin = f"{agent}-stream{p}"
     svc.store.fork_agent(NS, agent, twin)  # same tokens and blocks, never hot anywhere
-    run.turns["warm (locate)"].append(check(ask(locate, agent, SHORT), "warm (locate)", agent))
-    run.turns["warm (stream)"].append(check(ask(stream, twin, SHORT), "warm (stream)", twin))
+    run.turns["warm (locate)"].append(h.check(ask(locate, agent, SHORT), "warm (locate)", agent))
+    run.turns["warm (stream)"].append(h.check(ask(stream, twin, SHORT), "warm (stream)", twin))
     stream.wait_durable(NS, twin)
-    run.turns["hot (stream worker)"].append(check(ask(stream, twin, SHORT), "hot", twin))
+    run.turns["hot (stream worker)"].append(h.check(ask(stream, twin, SHORT), "hot", twin))
     stream.evict(NS, twin)
 
 
@@ -232,13 +211,13 @@ def rpc_steps(store: Any, fp: str, agent: str, keys: list[bytes], passes: int) -
         store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases.pop()))
 
     return {
-        "get_agent": repeat(lambda: store.get_agent(NS, agent, fingerprint=fp), passes),
-        "locate": repeat(
+        "get_agent": h.repeat(lambda: store.get_agent(NS, agent, fingerprint=fp), passes),
+        "locate": h.repeat(
             lambda: leases.append(store.call("LocateBlocks", request).lease_id), passes
         ),
-        "release": repeat(release, passes),
-        "read_blocks_local": repeat(lambda: store.read_blocks_local(NS, fp, keys), passes),
-        "get_blocks": repeat(lambda: list(store.get_blocks(NS, fp, keys)), passes),
+        "release": h.repeat(release, passes),
+        "read_blocks_local": h.repeat(lambda: store.read_blocks_local(NS, fp, keys), passes),
+        "get_blocks": h.repeat(lambda: list(store.get_blocks(NS, fp, keys)), passes),
     }
 
 
@@ -250,13 +229,13 @@ def mlx_steps(
 
     restored: list[list] = []
     build = lambda: restored.append(caches_from_blocks(blocks, len(model.layers), KV))  # noqa: E731
-    steps = {"caches_from_blocks": repeat(build, passes)}
+    steps = {"caches_from_blocks": h.repeat(build, passes)}
     fresh = iter(restored)
-    steps["first_forward"] = repeat(lambda: forward(model, next(fresh), tail), passes)
+    steps["first_forward"] = h.repeat(lambda: forward(model, next(fresh), tail), passes)
     grown = restored[-1]
-    steps["forward"] = repeat(lambda: forward(model, grown, tail), passes)
-    steps["decode"] = repeat(lambda: forward(model, grown, tail[-1:]), passes)
-    steps["raw_decode"] = repeat(lambda: (raw.read(), forward(model, grown, tail[-1:])), passes)
+    steps["forward"] = h.repeat(lambda: forward(model, grown, tail), passes)
+    steps["decode"] = h.repeat(lambda: forward(model, grown, tail[-1:]), passes)
+    steps["raw_decode"] = h.repeat(lambda: (raw.read(), forward(model, grown, tail[-1:])), passes)
     return steps
 
 
@@ -272,14 +251,14 @@ def in_process(svc: Any, model: Any, fp: str, run: ContextRun, passes: int) -> N
     located = svc.store.call("LocateBlocks", request)
     try:
         raw = RawReader(located.blocks)
-        run.inproc |= {"read": repeat(raw.read, passes), "xxh3": repeat(raw.verify, passes)}
+        run.inproc |= {"read": h.repeat(raw.read, passes), "xxh3": h.repeat(raw.verify, passes)}
         blocks = svc.store.read_blocks_local(NS, fp, keys)
         steps = mlx_steps(model, blocks, tail, raw, passes)
     finally:
         svc.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
     run.inproc |= steps
     run.notes.append(
-        f"{label(run.nominal)} in-process rows: {run.context_tokens} cached tokens, "
+        f"{h.label(run.nominal)} in-process rows: {run.context_tokens} cached tokens, "
         f"{raw.num_bytes / 1e6:.1f} MB of blocks, k = {k} tokens"
     )
 
@@ -293,27 +272,27 @@ def run_model(name: str, args: Any, root: Path) -> ModelRun:
     if name == "default":
         path = model_dir(args.model)
     else:
-        say(f"building the Llama-3.1-8B-shaped model ({args.layers} layers, float32)")
+        h.say(f"building the Llama-3.1-8B-shaped model ({args.layers} layers, float32)")
         path = build_llama8b_shape(root, args.layers, max(args.contexts))
     run, tokenizer = ModelRun(name, str(path)), load_tokenizer(path)
     room = 96 + 32 * args.passes  # the turns' tokens: ~31 of template, ~32 a pass, a twin's
-    contexts = fit_contexts(args.contexts, max_context(path), room)
+    contexts = h.fit_contexts(args.contexts, max_context(path), room)
     if len(contexts) < len(args.contexts):
         run.notes.append(
-            f"contexts {', '.join(map(label, args.contexts))} asked; only "
-            f"{', '.join(label(n) for n, _ in contexts)} fit the model's "
+            f"contexts {', '.join(map(h.label, args.contexts))} asked; only "
+            f"{', '.join(h.label(n) for n, _ in contexts)} fit the model's "
             f"{max_context(path)}-token window less {room} for the turns"
         )
     workers = {how: [*WORKER_ARGS, how] for how in ("locate", "stream")}
-    with services(root / name, path, workers) as svc:
-        run.info = model_info(svc.info["locate"], path)
-        say(f"{name}: {run.info['description']}; workers up ({run.info['blas']}); warming up")
-        warm_up(svc, context_text(tokenizer, 300))
+    with h.services(root / name, path, workers) as svc:
+        run.info = h.model_info(svc.info["locate"], path)
+        h.say(f"{name}: {run.info['description']}; workers up ({run.info['blas']}); warming up")
+        warm_up(svc, h.context_text(tokenizer, 300))
         for n, note in contexts:
-            text = context_text(tokenizer, n)
+            text = h.context_text(tokenizer, n)
             run.contexts.append(run_context(svc, text, n, args, note))
         run.notes += cold_label_notes(run)
-        say(f"{name}: in-process rows (raw read, breakdown)")
+        h.say(f"{name}: in-process rows (raw read, breakdown)")
         model, _ = load(str(path))
         for ctx in run.contexts:
             in_process(svc, model, svc.info["locate"].fingerprint, ctx, args.passes)
@@ -349,7 +328,7 @@ def paper_cell(n: int) -> str:
     k = paper_context(n)
     cells = [f"{m[0]} {TTFT[m][k][0] / TTFT[m][k][1]:.1f}x" for m in TTFT if k in TTFT[m]]
     if cells and k != n:
-        cells[0] = f"({label(k)}) {cells[0]}"
+        cells[0] = f"({h.label(k)}) {cells[0]}"
     return ", ".join(cells) or "-"
 
 
@@ -358,11 +337,11 @@ def summary_table(run: ModelRun) -> str:
     heads += ["raw read + decode ms", "cold/warm ratio", "paper cold/warm"]
     keys = ("cold", "warm (locate)", "warm (stream)", "hot", "raw_decode")
     rows = [
-        [f"{label(c.nominal)} ({c.prompt_tokens()} tok)", *(fmt(c.median(k)) for k in keys)]
+        [f"{h.label(c.nominal)} ({c.prompt_tokens()} tok)", *(h.fmt(c.median(k)) for k in keys)]
         + [f"{c.median('cold') / c.median('warm (locate)'):.1f}x", paper_cell(c.nominal)]
         for c in run.contexts
     ]
-    return table(heads, rows, "l" + "r" * 6 + "l")
+    return h.table(heads, rows, "l" + "r" * 6 + "l")
 
 
 def detail_table(run: ModelRun) -> str:
@@ -370,14 +349,14 @@ def detail_table(run: ModelRun) -> str:
     rows = []
     for c in run.contexts:
         for name in (*TURNS, "raw_decode"):
-            values, s = c.series(name), spread(c.series(name))
+            values, s = c.series(name), h.spread(c.series(name))
             wall = [t.client_ms for t in c.turns[name]] if name in TURNS else []
             rows.append(
-                [label(c.nominal), STEPS.get(name, name), len(values)]
-                + [fmt(s[k]) for k in ("min", "median", "max")]
-                + [fmt(statistics.median(wall) if wall else None)]
+                [h.label(c.nominal), STEPS.get(name, name), len(values)]
+                + [h.fmt(s[k]) for k in ("min", "median", "max")]
+                + [h.fmt(statistics.median(wall) if wall else None)]
             )
-    return table(heads, rows, "ll" + "r" * 5)
+    return h.table(heads, rows, "ll" + "r" * 5)
 
 
 def breakdown_rows(c: ContextRun) -> dict[str, float | None]:
@@ -400,8 +379,8 @@ def breakdown_rows(c: ContextRun) -> dict[str, float | None]:
 
 def breakdown_table(run: ModelRun) -> str:
     columns = [breakdown_rows(c) for c in run.contexts]
-    heads = ["warm (locate) step", *(f"{label(c.nominal)} ms" for c in run.contexts)]
-    return table(heads, [[row, *(fmt(col[row]) for col in columns)] for row in columns[0]])
+    heads = ["warm (locate) step", *(f"{h.label(c.nominal)} ms" for c in run.contexts)]
+    return h.table(heads, [[row, *(h.fmt(col[row]) for col in columns)] for row in columns[0]])
 
 
 def judge(
@@ -410,7 +389,7 @@ def judge(
     """warm (locate) against `base` ms at one context; met is None for a reference line."""
     warm, base = c.median("warm (locate)") or 0.0, base or float("nan")
     ratio = warm / base
-    where = f"{run.name} {label(c.nominal)}: "
+    where = f"{run.name} {h.label(c.nominal)}: "
     target = f"warm (locate) within {factor}x of {what}" if factor else f"warm vs {what}"
     goal = {"model": run.name, "context": c.nominal, "target": where + target}
     goal |= {"measured": f"{ratio:.2f}x ({warm:.1f} vs {base:.1f} ms)", "met": None}
@@ -431,11 +410,11 @@ def paper_ratio(run: ModelRun, c: ContextRun) -> dict[str, Any] | None:
     cold, warm = c.median("cold"), c.median("warm (locate)")
     paper_cold, paper_warm = TTFT["Gemma"][k]
     ours, theirs = (cold or 0.0) / (warm or float("nan")), paper_cold / paper_warm
-    at = f", {label(k)})" if k != c.nominal else ")"
+    at = f", {h.label(k)})" if k != c.nominal else ")"
     return {
         "model": run.name,
         "context": c.nominal,
-        "target": f"{run.name} {label(c.nominal)}: cold/warm TTFT at least the paper's "
+        "target": f"{run.name} {h.label(c.nominal)}: cold/warm TTFT at least the paper's "
         f"(Table 3, Gemma 3{at}",
         "measured": f"{ours:.1f}x ({cold:.1f} / {warm:.1f} ms) vs the paper's {theirs:.1f}x "
         f"({paper_cold} / {paper_warm} ms)",
@@ -479,8 +458,8 @@ def draw(runs: list[ModelRun]):
             xs = [c.nominal for c in run.contexts]
             for name in (*PATHS, "raw_decode"):
                 series = [c.series(name) for c in run.contexts]
-                whiskers(ax, xs, series, label=STEPS.get(name, name))
-            context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
+                h.whiskers(ax, xs, series, label=STEPS.get(name, name))
+            h.context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
             ax.set_title(
                 f"{run.name}: {run.info['layers']} layers, {run.info['dtype']}", fontsize=9
             )
@@ -490,7 +469,7 @@ def draw(runs: list[ModelRun]):
 
 def write_report(runs: list[ModelRun], args: Any) -> None:
     blas = next((r.info["blas"] for r in runs if r.info), "")
-    header = machine(blas=blas, model=args.model, passes=args.passes, contexts=args.contexts)
+    header = h.machine(blas=blas, model=args.model, passes=args.passes, contexts=args.contexts)
     measured = [r for r in runs if r.contexts]
     sections = [s for r in measured for s in model_sections(r)]
     notes = [n for r in runs for n in [*(n for c in r.contexts for n in c.notes), *r.notes]]
@@ -506,17 +485,17 @@ def write_report(runs: list[ModelRun], args: Any) -> None:
         for r in runs
     ]
     goals = [g for r in measured for g in targets(r)]
-    png = report("ttft", args.out, header, sections, goals, notes, {"models": models})
+    png = h.report("ttft", args.out, header, sections, goals, notes, {"models": models})
     size = (6.5 * len(measured), 4.8)
-    plot(png, header, "TTFT", draw(measured), ncols=len(measured), figsize=size)
+    h.plot(png, header, "TTFT", draw(measured), ncols=len(measured), figsize=size)
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    p = parser(
+    p = h.parser(
         __doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="contexts 512,1K, 1 pass"
     )
     p.add_argument(
-        "--models", type=name_list(MODELS), default=list(MODELS), help="default: --model"
+        "--models", type=h.name_list(MODELS), default=list(MODELS), help="default: --model"
     )
     p.add_argument("--layers", type=int, default=2, help="layers of the llama8b-shape model")
     p.add_argument("--cold-budget", type=float, default=90.0, help="s per context of extra colds")
@@ -535,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     try:
         for name in args.models:
-            say(f"model {name}")
+            h.say(f"model {name}")
             runs.append(run_model(name, args, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -15,23 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import (
-    columns,
-    context_axis,
-    context_text,
-    goal,
-    label,
-    machine,
-    parser,
-    plot,
-    report,
-    say,
-    services,
-    span,
-    spread,
-    usage_dict,
-    whiskers,
-)
+import harness as h
 
 from agentkv import planner
 from agentkv.layers import KVStorage, describe, layer_bytes_per_token, layer_specs
@@ -119,7 +103,7 @@ class ContextRun:
     def as_dict(self) -> dict[str, Any]:
         keys = ("ttft_ms", "restored_bytes", "hot_bytes")
         modes = {
-            m: {"run": r, "summary": {k: spread(r.series(k)) for k in keys}}
+            m: {"run": r, "summary": {k: h.spread(r.series(k)) for k in keys}}
             for m, r in self.modes.items()
         }
         return {"nominal_tokens": self.nominal, "modes": modes, "cross": self.cross}
@@ -173,7 +157,7 @@ def forked_turn(svc: Any, mode: str, agent: str, name: str, ns: str = "") -> Pas
         ids,
         state.num_bytes,
         state.persisted_tokens,
-        usage_dict(u),
+        h.usage_dict(u),
     )
 
 
@@ -201,7 +185,7 @@ def create(svc: Any, fp: str, mode: str, agent: str, text: str, config: dict) ->
     worker.evict(ns, agent)
     m.block_tokens = list(svc.store.get_agent(ns, agent, fingerprint=fp).block_num_tokens)
     m.expected_bytes = read_plan(m.block_tokens, config, mode)
-    say(f"  {MODE_NAMES[mode]}: {m.context_tokens} tokens in {m.create_s:.1f} s")
+    h.say(f"  {MODE_NAMES[mode]}: {m.context_tokens} tokens in {m.create_s:.1f} s")
     forked_turn(svc, mode, agent, f"{agent}-warm-up")
     return m
 
@@ -215,7 +199,7 @@ def run_context(
         for mode in MODES:
             run.modes[mode].passes.append(forked_turn(svc, mode, agent, f"{agent}-p{p}"))
         f, w = run.full.passes[-1], run.window.passes[-1]
-        say(f"  pass {p + 1}: ttft {f.ttft_ms:.1f} vs {w.ttft_ms:.1f} ms (full vs window)")
+        h.say(f"  pass {p + 1}: ttft {f.ttft_ms:.1f} vs {w.ttft_ms:.1f} ms (full vs window)")
     # the same stored bytes both ways: the full-length worker restores the window-aware blocks
     run.cross = forked_turn(svc, "full", agent, f"{agent}-cross", ns=NAMESPACES["window"])
     return run
@@ -248,7 +232,7 @@ def over(name: str) -> Callable[[ContextRun], str]:
 
 
 BYTES = {  # the tables' columns: header, cell of a ContextRun
-    "context": lambda r: label(r.nominal),
+    "context": lambda r: h.label(r.nominal),
     "tokens restored": lambda r: sum(r.window.block_tokens),
     "MB read, full-length / window-aware": both("restored_bytes"),
     "window/full": over("restored_bytes"),
@@ -256,21 +240,21 @@ BYTES = {  # the tables' columns: header, cell of a ContextRun
     "blocks (sliding layers read)": lambda r: f"{len(r.window.block_tokens)} ({sliding_blocks(r)})",
 }
 TTFT = {
-    "context": lambda r: label(r.nominal),
-    "full-length warm TTFT ms min / median / max": lambda r: span(r.full.series("ttft_ms")),
-    "window-aware warm TTFT ms min / median / max": lambda r: span(r.window.series("ttft_ms")),
+    "context": lambda r: h.label(r.nominal),
+    "full-length warm TTFT ms min / median / max": lambda r: h.span(r.full.series("ttft_ms")),
+    "window-aware warm TTFT ms min / median / max": lambda r: h.span(r.window.series("ttft_ms")),
     "window/full (medians)": over("ttft_ms"),
     "hot TTFT ms, full / window (medians)": both("hot_ttft_ms", "{:.1f}", 1),
 }
 HOT = {
-    "context": lambda r: label(r.nominal),
+    "context": lambda r: h.label(r.nominal),
     "MB, CreateAgent reply": lambda r: f"{mb(r.full.reply_bytes)} / {mb(r.window.reply_bytes)}",
     "MB, created + durable": lambda r: f"{mb(r.full.created_bytes)} / {mb(r.window.created_bytes)}",
     "MB, after a warm turn": both("hot_bytes"),
     "window/full after a turn": over("hot_bytes"),
 }
 REPLIES = {
-    "context": lambda r: label(r.nominal),
+    "context": lambda r: h.label(r.nominal),
     "full-length reply (own blocks)": lambda r: r.full.passes[0].token_ids,
     "window-aware reply": lambda r: r.window.passes[0].token_ids,
     "same, passes": lambda r: f"{sum(r.same_replies())} of {len(r.same_replies())}",
@@ -301,7 +285,7 @@ def capacity(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[str, A
 
 
 CAPACITY = {
-    "context (cached tokens)": lambda c: f"{label(c['context'])} ({c['cached_tokens']})",
+    "context (cached tokens)": lambda c: f"{h.label(c['context'])} ({c['cached_tokens']})",
     **{
         f"{who} {what}": lambda c, k=k: c[f"{k}_agents"]
         for k, who, what in (
@@ -320,11 +304,13 @@ CAPACITY = {
 
 
 def targets(runs: list[ContextRun]) -> list[dict[str, Any]]:
-    what = f"window-aware restore reads <= 1/3 of the full-length bytes at {label(TARGET_CONTEXT)}"
+    what = (
+        f"window-aware restore reads <= 1/3 of the full-length bytes at {h.label(TARGET_CONTEXT)}"
+    )
     if not (at := [r for r in runs if r.nominal == TARGET_CONTEXT]):
-        return [goal(what, "not run at this context", None)]
+        return [h.goal(what, "not run at this context", None)]
     f, w = at[0].full.median("restored_bytes"), at[0].window.median("restored_bytes")
-    return [goal(what, f"{w / f:.3f} ({mb(w)} of {mb(f)} MB)", w / f <= TARGET_RATIO)]
+    return [h.goal(what, f"{w / f:.3f} ({mb(w)} of {mb(f)} MB)", w / f <= TARGET_RATIO)]
 
 
 def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
@@ -341,7 +327,7 @@ def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
     ]
     for r in runs:
         notes += [
-            f"{label(r.nominal)} {MODE_NAMES[mode]}: restored_bytes {sorted(read)} but "
+            f"{h.label(r.nominal)} {MODE_NAMES[mode]}: restored_bytes {sorted(read)} but "
             f"block_layers expects {m.expected_bytes}"
             for mode, m in r.modes.items()
             if (read := set(m.series("restored_bytes"))) != {m.expected_bytes}
@@ -349,13 +335,13 @@ def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
         created, reply = r.window.created_bytes, r.window.reply_bytes
         if created > 1.5 * r.window.median("hot_bytes"):
             notes.append(
-                f"{label(r.nominal)}: once durable the window-aware worker still holds "
+                f"{h.label(r.nominal)}: once durable the window-aware worker still holds "
                 f"{mb(created)} MB: its sliding layers kept their past beyond the commit"
             )
         if reply > 1.5 * created:
             chunk = planner.plan(config, r.window.context_tokens, BUDGET, chunk_tokens=PREFILL)
             notes.append(
-                f"{label(r.nominal)}: the window-aware CreateAgent reply holds {mb(reply)} "
+                f"{h.label(r.nominal)}: the window-aware CreateAgent reply holds {mb(reply)} "
                 f"MB before the commit (the planner's in-flight figure: "
                 f"{mb(chunk.q_window_bytes)} MB)"
             )
@@ -371,11 +357,13 @@ def draw(runs: list[ContextRun]) -> Callable:
         for mode in MODES:
             modes, name = [r.modes[mode] for r in runs], MODE_NAMES[mode]
             left.plot(xs, [m.median("restored_bytes") / 1e6 for m in modes], marker="o", label=name)
-            line = whiskers(right, xs, [m.series("ttft_ms") for m in modes], label=f"{name}, warm")
+            line = h.whiskers(
+                right, xs, [m.series("ttft_ms") for m in modes], label=f"{name}, warm"
+            )
             style = {"linestyle": "--", "marker": ".", "color": line[0].get_color()}
             right.plot(xs, [m.median("hot_ttft_ms") for m in modes], **style, label=f"{name}, hot")
-        context_axis(left, xs, "MB read by a warm restore", log_y=False)
-        context_axis(right, xs, "TTFT, ms (median; whiskers min..max)", log_y=False)
+        h.context_axis(left, xs, "MB read by a warm restore", log_y=False)
+        h.context_axis(right, xs, "TTFT, ms (median; whiskers min..max)", log_y=False)
         for ax in axes:
             ax.set_ylim(bottom=0)
 
@@ -384,26 +372,29 @@ def draw(runs: list[ContextRun]) -> Callable:
 
 def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[str, Any]) -> None:
     window = facts["window"]
-    header = machine(**{k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")})
+    header = h.machine(**{k: window.get(k, "") for k in ("blas", "device", "dtype", "kv_format")})
     header |= {"passes": args.passes, "contexts": args.contexts}
     header["model_shape"] = {k: config[k] for k in GEMMA3_SHAPE if k != "model_type"}
     fits = capacity(runs, config)
     document = {"model_config": config, "workers": facts, "block_tokens": BLOCK_TOKENS}
     document |= {"budget_bytes": BUDGET, "contexts": [r.as_dict() for r in runs], "capacity": fits}
     sections = [
-        ("Bytes read by a warm restore (usage.restored_bytes, median)", columns(runs, BYTES)),
-        (f"TTFT of the warm turn ({args.passes} passes)", columns(runs, TTFT)),
+        ("Bytes read by a warm restore (usage.restored_bytes, median)", h.columns(runs, BYTES)),
+        (f"TTFT of the warm turn ({args.passes} passes)", h.columns(runs, TTFT)),
         (
             f"Hot-tier bytes per agent, full / window ({SETTLE_S} s after durable)",
-            columns(runs, HOT),
+            h.columns(runs, HOT),
         ),
-        ("Greedy replies (first pass)", columns(runs, REPLIES, "lllrl")),
-        (f"Agents that fit in {BUDGET >> 30} GiB of KV (benchmark model)", columns(fits, CAPACITY)),
+        ("Greedy replies (first pass)", h.columns(runs, REPLIES, "lllrl")),
+        (
+            f"Agents that fit in {BUDGET >> 30} GiB of KV (benchmark model)",
+            h.columns(fits, CAPACITY),
+        ),
     ]
-    png = report(
+    png = h.report(
         "windows", args.out, header, sections, targets(runs), notes_for(runs, config), document
     )
-    plot(
+    h.plot(
         png,
         header,
         "sliding-window caches, Gemma-3-shaped model",
@@ -415,7 +406,7 @@ def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[st
 
 def main(argv: list[str] | None = None) -> None:
     quick = "smoke run: contexts 4K and 8K, 1 pass"
-    p = parser(__doc__, model=False, contexts=(4096, 8192, 16384), passes=3, quick=quick)
+    p = h.parser(__doc__, model=False, contexts=(4096, 8192, 16384), passes=3, quick=quick)
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.passes = [4096, 8192], 1
@@ -424,22 +415,22 @@ def main(argv: list[str] | None = None) -> None:
             f"--passes must be at least 1, contexts under {GEMMA3_SHAPE['max_position_embeddings']}"
         )
     load_optimized_blas()  # before anything here imports mlx; each worker loads its own
-    say("building the Gemma-3-shaped model (12 layers, float32, random weights)")
-    with services(None) as svc:
+    h.say("building the Gemma-3-shaped model (12 layers, float32, random weights)")
+    with h.services(None) as svc:
         path, config, tokenizer = build_model(svc.root)
         for mode, flags in WORKERS.items():
             svc.start_worker(mode, path, flags)
-        facts = {mode: usage_dict(svc.info[mode]) for mode in MODES}
+        facts = {mode: h.usage_dict(svc.info[mode]) for mode in MODES}
         if len({f["fingerprint"] for f in facts.values()}) != 1:
             raise RuntimeError(f"the two workers' fingerprints differ: {facts}")
-        say("store and workers up; warming up: every worker's first create, restore and turn")
+        h.say("store and workers up; warming up: every worker's first create, restore and turn")
         for mode, worker in svc.workers.items():
-            worker.create_agent(NAMESPACES[mode], "warm-up", context_text(tokenizer, 1500))
+            worker.create_agent(NAMESPACES[mode], "warm-up", h.context_text(tokenizer, 1500))
             worker.evict(NAMESPACES[mode], "warm-up")  # waits for its store write
             forked_turn(svc, mode, "warm-up", "warm-up-fork")
         fp, texts = (
             facts["window"]["fingerprint"],
-            {n: context_text(tokenizer, n) for n in args.contexts},
+            {n: h.context_text(tokenizer, n) for n in args.contexts},
         )
         runs = [run_context(svc, fp, config, texts[n], n, args.passes) for n in sorted(texts)]
     write_report(runs, args, facts, config)

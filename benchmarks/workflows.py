@@ -14,20 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import harness as h
 from common import max_context
-from harness import (
-    columns,
-    fmt,
-    goal,
-    machine,
-    median,
-    open_model,
-    parser,
-    plot,
-    report,
-    say,
-    services,
-)
 from paper import TABLE7, TABLE8
 
 from agentkv.client.demo import scenario_path
@@ -129,7 +117,7 @@ class CrossPhase:
         return [phase_cell(p[mode], phase) for p in self.passes]
 
     def med(self, mode: str, phase: str, attr: str = "ttft") -> float | None:
-        return median([getattr(c, attr) for c in self.cells(mode, phase)])
+        return h.median([getattr(c, attr) for c in self.cells(mode, phase)])
 
     def ratio(self, phase: str, attr: str = "ttft") -> float | None:
         """Median cold ttft over median persistent `attr`."""
@@ -149,7 +137,9 @@ def cross_phase(svc: Any, scenario: Scenario, passes: int) -> CrossPhase:
         for mode in MODES if i % 2 else reversed(MODES):
             started = time.perf_counter()
             records[mode] = run_pass(svc, scenario, f"{scenario.namespace}-{mode}-p{i}", mode)
-            say(f"cross-phase pass {i + 1}/{passes} {mode}: {time.perf_counter() - started:.1f} s")
+            h.say(
+                f"cross-phase pass {i + 1}/{passes} {mode}: {time.perf_counter() - started:.1f} s"
+            )
         result.passes.append(records)
     return result
 
@@ -183,7 +173,7 @@ class Routing:
 
     def pass_mean(self, group: str) -> float | None:
         """The median over passes of each pass's mean TTFT."""
-        return median(self.pass_means(group))
+        return h.median(self.pass_means(group))
 
     def speedups(self, group: str) -> list[float]:
         """Per pass: mean priming TTFT / mean `group` TTFT."""
@@ -199,7 +189,7 @@ def routing(svc: Any, scenario: Scenario, passes: int) -> Routing:
     for i in range(passes):
         started = time.perf_counter()
         result.passes.append(run_pass(svc, scenario, f"{scenario.namespace}-p{i}"))
-        say(f"routing pass {i + 1}/{passes}: {time.perf_counter() - started:.1f} s")
+        h.say(f"routing pass {i + 1}/{passes}: {time.perf_counter() - started:.1f} s")
     return result
 
 
@@ -220,32 +210,32 @@ def cross_table(cp: CrossPhase) -> str:
     paper = {f"paper {k} cold / pers / x": r for k, r in TABLE7.items()}
     spec = {
         "phase": lambda n: f"{n + 1}: {cp.phases[n]}",
-        "cold ttft ms": lambda n: fmt(cp.med("cold", cp.phases[n])),
-        "persistent ttft ms": lambda n: fmt(cp.med("persistent", cp.phases[n])),
+        "cold ttft ms": lambda n: h.fmt(cp.med("cold", cp.phases[n])),
+        "persistent ttft ms": lambda n: h.fmt(cp.med("persistent", cp.phases[n])),
         "cold/persistent": lambda n: times(cp.ratio(cp.phases[n])),
         "per pass": lambda n: ratio_range(cp.ratios(cp.phases[n])),
-        "persistent create/inject ms": lambda n: fmt(cp.med("persistent", cp.phases[n], "setup")),
-        "persistent incl. setup ms": lambda n: fmt(
+        "persistent create/inject ms": lambda n: h.fmt(cp.med("persistent", cp.phases[n], "setup")),
+        "persistent incl. setup ms": lambda n: h.fmt(
             cp.med("persistent", cp.phases[n], "incl_setup")
         ),
         "cold/(incl. setup)": lambda n: times(cp.ratio(cp.phases[n], "incl_setup")),
         "prefilled/turn cold / pers": lambda n: " / ".join(
-            fmt(cp.med(m, cp.phases[n], "prefilled"), 0) for m in MODES
+            h.fmt(cp.med(m, cp.phases[n], "prefilled"), 0) for m in MODES
         ),
         **{k: lambda n, r=r: " / ".join(map(str, r[n])) + "x" for k, r in paper.items()},
     }
-    return columns(range(len(cp.phases)), spec, "l" + "r" * 8 + "ll")
+    return h.columns(range(len(cp.phases)), spec, "l" + "r" * 8 + "ll")
 
 
 def routing_table(rt: Routing) -> str:
     spec = {
         "phase group": lambda g: GROUPS[g][0],
-        "turns/pass": lambda g: fmt(median([len(rs) for rs in rt.records(g)]), 0),
+        "turns/pass": lambda g: h.fmt(h.median([len(rs) for rs in rt.records(g)]), 0),
         "cache states": lambda g: " ".join(sorted({r.cache_state for r in rt.every(g)})) or "-",
-        "mean ttft ms": lambda g: fmt(rt.pass_mean(g)),
-        "median ttft ms": lambda g: fmt(median([r.ms for r in rt.every(g)])),
-        "prefilled/turn": lambda g: fmt(mean([r.prefilled_tokens for r in rt.every(g)]), 0),
-        "context tokens": lambda g: fmt(mean([r.context_tokens for r in rt.every(g)]), 0),
+        "mean ttft ms": lambda g: h.fmt(rt.pass_mean(g)),
+        "median ttft ms": lambda g: h.fmt(h.median([r.ms for r in rt.every(g)])),
+        "prefilled/turn": lambda g: h.fmt(mean([r.prefilled_tokens for r in rt.every(g)]), 0),
+        "context tokens": lambda g: h.fmt(mean([r.context_tokens for r in rt.every(g)]), 0),
         "speedup: priming / this (per pass)": lambda g: (
             "-" if g == "priming" else (f"{times(rt.speedup(g))} ({ratio_range(rt.speedups(g))})")
         ),
@@ -256,7 +246,7 @@ def routing_table(rt: Routing) -> str:
             f"{v[GROUPS[g][3]]}x" if GROUPS[g][3] else "-"
         )
     groups = [g for g in GROUPS if g != "other" or rt.every(g)]
-    return columns(groups, spec, "lrl" + "r" * 9)
+    return h.columns(groups, spec, "lrl" + "r" * 9)
 
 
 def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
@@ -267,14 +257,16 @@ def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
             cold, pers = cp.med("cold", phase), cp.med("persistent", phase, attr)
             ratio = div(cold, pers) or 0.0
             target = f"phase {TARGET_PHASE} ({phase}) cold/{what} TTFT >= {TARGET_RATIO}x"
-            measured = f"{ratio:.2f}x ({fmt(cold)} vs {fmt(pers)} ms)"
-            goals.append(goal(target + " (paper, Gemma 3)", measured, ratio >= TARGET_RATIO))
+            measured = f"{ratio:.2f}x ({h.fmt(cold)} vs {h.fmt(pers)} ms)"
+            goals.append(h.goal(target + " (paper, Gemma 3)", measured, ratio >= TARGET_RATIO))
     if rt is not None:
         cold, warm = rt.pass_mean("priming"), rt.pass_mean("queries_warm")
         ratio = div(cold, warm) or 0.0
         target = f"expert routing warm/cold TTFT speedup >= {TARGET_SPEEDUP:.0f}x (paper: 24.2x)"
         goals.append(
-            goal(target, f"{ratio:.1f}x ({fmt(cold)} vs {fmt(warm)} ms)", ratio >= TARGET_SPEEDUP)
+            h.goal(
+                target, f"{ratio:.1f}x ({h.fmt(cold)} vs {h.fmt(warm)} ms)", ratio >= TARGET_SPEEDUP
+            )
         )
     return goals
 
@@ -288,8 +280,8 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: i
             cp.med("persistent", last, "generated"),
         )
         notes.append(
-            f"cross-phase: persistent context at phase {n} is {fmt(context, 0)} tokens per "
-            f"turn; replies average {fmt(generated)} tokens of max_tokens {max_tokens}"
+            f"cross-phase: persistent context at phase {n} is {h.fmt(context, 0)} tokens per "
+            f"turn; replies average {h.fmt(generated)} tokens of max_tokens {max_tokens}"
         )
     if rt is not None and (other := rt.every("other")):
         unexpected = sorted({f"{r.phase}/{r.agent}:{r.cache_state}" for r in other})
@@ -329,7 +321,9 @@ def draw(cp: CrossPhase | None, rt: Routing | None) -> Callable:
 
 def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str) -> None:
     info = args.info
-    header = machine(blas=info.blas, model=args.model, model_dir=args.described, device=info.device)
+    header = h.machine(
+        blas=info.blas, model=args.model, model_dir=args.described, device=info.device
+    )
     header |= {"max_context": info.max_context, "kv_format": info.kv_format}
     header |= {
         "max_tokens": args.max_tokens,
@@ -355,15 +349,15 @@ def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str)
         }
         document["routing"] = {"groups": groups, "passes": rt.passes}
     notes = notes_for(cp, rt, fit, args.max_tokens)
-    png = report("workflows", args.out, header, sections, targets(cp, rt), notes, document)
-    plot(png, header, "workflows", draw(cp, rt), ncols=2, figsize=(13, 4.8))
+    png = h.report("workflows", args.out, header, sections, targets(cp, rt), notes, document)
+    h.plot(png, header, "workflows", draw(cp, rt), ncols=2, figsize=(13, 4.8))
 
 
 def parse_args(argv: list[str] | None) -> Any:
     quick = (
         f"1 pass each, no prisoners' warm-up, replies of {QUICK_MAX_TOKENS} tokens, short documents"
     )
-    p = parser(__doc__, passes=5, quick=quick)
+    p = h.parser(__doc__, passes=5, quick=quick)
     p.add_argument("--routing-passes", type=int, default=3, help="expert routing passes")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
     p.add_argument("--only", choices=("cross-phase", "routing"), help="run one benchmark")
@@ -387,12 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     prisoners = scenario("prisoners_dilemma", args.max_tokens)
     quick = (QUICK_MAX_TOKENS, QUICK_DOCUMENT_CHARS) if args.quick else (None, None)
     experts = scenario("expert_routing", *quick)
-    tokenizer = open_model(args)
+    tokenizer = h.open_model(args)
     cp = rt = None
-    with services(None, args.path, {"worker": []}) as svc:
+    with h.services(None, args.path, {"worker": []}) as svc:
         args.info = info = svc.info["worker"]
         fit = check_fit(tokenizer, experts, max_context(args.path), info.max_context)
-        say(f"store and worker up ({info.blas}, {info.device}); {fit}; warming up")
+        h.say(f"store and worker up ({info.blas}, {info.device}); {fit}; warming up")
         warm_up(svc, prisoners, experts, full=not args.quick)
         if args.only in (None, "cross-phase"):
             cp = cross_phase(svc, prisoners, args.passes)
