@@ -13,7 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from agentkv.errors import ERROR_KEY, AgentKVError, InvalidArgument
 
@@ -148,6 +148,26 @@ def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
     if listen.startswith("unix:"):
         return listen
     return f"{listen.rpartition(':')[0]}:{port}"
+
+
+class MetricSet:
+    """One service's metrics, in a registry of its own (so tests can run several), each made
+    in one line: its name is the set's prefix and `name`, with `labels`."""
+
+    prefix = "agentkv_"
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_errors = self.counter("rpc_errors", "RPCs that failed", "code")
+
+    def counter(self, name: str, what: str, *labels: str) -> Counter:
+        return Counter(self.prefix + name, what, labels, registry=self.registry)
+
+    def gauge(self, name: str, what: str, *labels: str) -> Gauge:
+        return Gauge(self.prefix + name, what, labels, registry=self.registry)
+
+    def histogram(self, name: str, what: str, buckets: tuple, *labels: str) -> Histogram:
+        return Histogram(self.prefix + name, what, labels, buckets=buckets, registry=self.registry)
 
 
 def start_metrics(listen: str | None, registry: CollectorRegistry) -> str | None:

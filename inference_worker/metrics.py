@@ -1,50 +1,35 @@
-"""Prometheus metrics of one worker, in a registry of its own."""
+"""Prometheus metrics of one worker."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from agentkv.rpc import MetricSet
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class WorkerMetrics:
+class WorkerMetrics(MetricSet):
+    prefix = "agentkv_worker_"
+
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.turns = Counter(
-            "agentkv_worker_turns", "Turns by cache state at start", ["state"], registry=r
-        )
-        self.restore_failures = Counter(
-            "agentkv_worker_restore_failures", "Restores that fell back to re-prefill", registry=r
-        )
-        self.turn_failures = Counter(
-            "agentkv_worker_turn_failures",
+        super().__init__()
+        c = self.counter
+        self.turns = c("turns", "Turns by cache state at start", "state")
+        self.restore_failures = c("restore_failures", "Restores that fell back to re-prefill")
+        self.turn_failures = c(
+            "turn_failures",
             "Turns that failed after they were queued, rolled back: alone (scope turn), or "
             "with everyone in a failed batched step (scope batch)",
-            ["scope"],
-            registry=r,
+            "scope",
         )
-        self.persists = Counter(
-            "agentkv_worker_persists", "Store writes by outcome", ["outcome"], registry=r
+        self.persists = c("persists", "Store writes by outcome", "outcome")
+        self.generated_tokens = c("generated_tokens", "Tokens generated")
+        self.ttft = self.histogram("ttft_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.batch_size = self.histogram(
+            "batch_size", "Agents per decode step", (1, 2, 4, 8, 16, 32)
         )
-        self.generated_tokens = Counter(
-            "agentkv_worker_generated_tokens", "Tokens generated", registry=r
-        )
-        self.ttft = Histogram(
-            "agentkv_worker_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r
-        )
-        self.batch_size = Histogram(
-            "agentkv_worker_batch_size",
-            "Agents per decode step",
-            buckets=(1, 2, 4, 8, 16, 32),
-            registry=r,
-        )
-        self.evictions = Counter(
-            "agentkv_worker_evictions",
+        self.evictions = c(
+            "evictions",
             "Agents dropped from RAM by the hot budget (theirs is in the store), by reason",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.hot_bytes = Gauge("agentkv_worker_hot_bytes", "Bytes of hot caches", registry=r)
-        self.rpc_errors = Counter(
-            "agentkv_worker_rpc_errors", "RPCs that failed", ["code"], registry=r
-        )
+        self.hot_bytes = self.gauge("hot_bytes", "Bytes of hot caches")
