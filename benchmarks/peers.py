@@ -581,35 +581,21 @@ def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:
             goals.append(h.goal(f"{at}: agentkv KV bytes <= llama.cpp q4_0 state file",
                               f"{ours:,} / {theirs:,} B", ours <= theirs))  # fmt: skip
         hot, mlx = r.median("agentkv", "hot"), r.median("mlx-lm", "hot")
-        goals.append(
-            h.goal(
-                f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)",
-                f"{hot:.0f} / {mlx:.0f} ms = {hot / mlx:.2f}x",
-                hot <= 1.1 * mlx,
-            )
-        )
+        goals.append(h.goal(f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)",
+                            f"{hot:.0f} / {mlx:.0f} ms = {hot / mlx:.2f}x",
+                            hot <= 1.1 * mlx))  # fmt: skip
         ours, theirs = (rate(r.decode[s]) or 0.0 for s in ("agentkv", "mlx-lm"))
-        goals.append(
-            h.goal(
-                f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
-                f"{ours:.1f} / {theirs:.1f} tok/s",
-                ours * 1.1 >= theirs,
-            )
-        )
+        goals.append(h.goal(f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
+                            f"{ours:.1f} / {theirs:.1f} tok/s", ours * 1.1 >= theirs))  # fmt: skip
         overhead, raw = warm - r.median("agentkv", "hot"), min(r.raw_ms)
         goals.append(h.goal(f"{at}: restore overhead (warm - hot) within 1.3x of a raw read of "
                           "the blocks + an array over them", f"{overhead:.1f} ms vs raw "
                           f"{raw:.1f} ms", overhead <= 1.3 * raw))  # fmt: skip
         goals.append(paper_goal(r))
-    if 4 in batches.get("agentkv", {}):
-        b = batches["agentkv"]
-        goals.append(
-            h.goal(
-                "agentkv SysTPS(4) >= 2.5x SysTPS(1)",
-                f"{b[4]:.1f} / {b[1]:.1f} = {b[4] / b[1]:.2f}x",
-                b[4] >= 2.5 * b[1],
-            )
-        )
+    if 4 in (b := batches.get("agentkv", {})):
+        goals.append(h.goal("agentkv SysTPS(4) >= 2.5x SysTPS(1)",
+                            f"{b[4]:.1f} / {b[1]:.1f} = {b[4] / b[1]:.2f}x",
+                            b[4] >= 2.5 * b[1]))  # fmt: skip
     return goals
 
 
@@ -638,13 +624,11 @@ def first_tokens(runs: list[Run]) -> list[str]:
     return out
 
 
-def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args: Any,
-          header: dict | None = None) -> None:  # fmt: skip
-    if header is None:
-        header = h.machine(blas=details.get("blas", ""), model=args.model)
-        header |= {"load_average_1m": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
-        header |= {"passes": args.passes, "decode_tokens": args.decode}
-        notes = notes + [f"weights: {', '.join(f'{s} {w}' for s, w in details['weights'].items())}"]
+def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args: Any) -> None:
+    header = h.machine(blas=details.get("blas", ""), model=args.model)
+    header |= {"load_average_1m": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
+    header |= {"passes": args.passes, "decode_tokens": args.decode}
+    notes = notes + [f"weights: {', '.join(f'{s} {w}' for s, w in details['weights'].items())}"]
     sections = [("cold, hot and warm TTFT (median (min-max)), decode and bytes",
                  main_table(runs, details)),
                 (f"SysTPS at {h.label(runs[0].nominal)} context, {header['decode_tokens']} tokens "
@@ -657,15 +641,6 @@ def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args:
     h.report("peers", args.out, header, sections, targets(runs, batches), notes, document)
 
 
-def rewrite(path: Path, args: Any) -> None:
-    """--from-json: the report again from a run's JSON (its header, notes and figures)."""
-    doc = json.loads(path.read_text())
-    runs = [Run(c["nominal"], "", [0] * c["context_tokens"], [0] * c["turn_tokens"], c["ms"],
-                c["decode"], c["bytes"], {}, c["raw_ms"]) for c in doc["contexts"]]  # fmt: skip
-    batches = {s: {int(b): v for b, v in per.items()} for s, per in doc["batches"].items()}
-    write(runs, batches, doc["model"], doc["notes"], args, doc["header"])
-
-
 def parse_args(argv: list[str] | None) -> Any:
     p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K, 1 pass")
     p.add_argument("--decode", type=int, default=32, help="tokens per decode and batch row")
@@ -676,7 +651,6 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--q4-max", type=int, default=2048,
                    help="largest context for mlx-lm's Q4 cache (its prefill attends over Q4 by "
                    "quantized matmul: 63 s at 2K here, growing as the square)")  # fmt: skip
-    p.add_argument("--from-json", type=Path, help="report again from a run's peers-*.json")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -687,9 +661,8 @@ def parse_args(argv: list[str] | None) -> Any:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_optimized_blas()  # before anything here imports mlx
-    if args.child or args.from_json:
-        run_child(args.child) if args.child else rewrite(args.from_json, args)
-        return
+    if args.child:
+        return run_child(args.child)
     with tempfile.TemporaryDirectory(prefix="agentkv-peers-") as root:
         runs, batches, details, notes = run_all(args, Path(root))
     write(runs, batches, details, notes, args)

@@ -65,22 +65,10 @@ PROMPTS = (
 
 # the text: reStructuredText as plain prose
 
-KEEP_BODY = {  # directives whose body is prose: the body stays, the directive line goes
-    "note",
-    "warning",
-    "seealso",
-    "tip",
-    "important",
-    "topic",
-    "sidebar",
-    "impl-detail",
-    "versionadded",
-    "versionchanged",
-    "deprecated",
-    "attention",
-    "caution",
-    "hint",
-}
+# directives whose body is prose: the body stays, the directive line goes
+KEEP_BODY = {"note", "warning", "seealso", "tip", "important", "topic", "sidebar", "impl-detail",
+             "versionadded", "versionchanged", "deprecated", "attention", "caution",
+             "hint"}  # fmt: skip
 DIRECTIVE = re.compile(r"^(\s*)\.\.(?:\s+([\w:-]+)::)?")
 LABEL = re.compile(r"^\.\. _([^:`]+):\s*$")
 ADORNMENT = re.compile(r"^\s*([=\-`:'\"~^_*+#<>.])\1{2,}\s*$")
@@ -435,11 +423,8 @@ def score_all(model: Any, tokens: np.ndarray, windows: list[Window], trip: Round
             s.nll.append(nll)
             s.bytes_per_token.append(per_token)
         ids = tokens[w.start : w.start + WINDOW]
-        free.append(
-            next_token_nll(
-                model(mx.array([ids[:-1].tolist()]))[0, w.context :], ids[w.context + 1 :]
-            )
-        )
+        logits = model(mx.array([ids[:-1].tolist()]))[0, w.context :]
+        free.append(next_token_nll(logits, ids[w.context + 1 :]))
         if w.index % 5 == 4 or w.index == len(windows) - 1:
             done = sum(len(n) for n in scores[BASELINE].nll)
             h.say(f"window {w.index + 1}/{len(windows)}: {done:,} tokens scored per format")
@@ -521,24 +506,15 @@ def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 def run_checks(scores: dict[str, Scores], free: list[np.ndarray]) -> list[tuple[str, str, bool]]:
     """Each check: what, the numbers, and whether it held."""
     fp16, fp32 = scores[BASELINE], scores[REFERENCE]
-    pct, diff, cache_free = (
-        fp16.delta_pct(fp32),
-        max_abs_diff(fp16.nll, fp32.nll),
-        max_abs_diff(fp32.nll, free),
-    )
+    pct, diff = fp16.delta_pct(fp32), max_abs_diff(fp16.nll, fp32.nll)
+    cache_free = max_abs_diff(fp32.nll, free)
     return [
-        (
-            "FP16 path vs mlx-lm KVCache at the model's dtype",
-            f"PPL {fp16.ppl:.4f} vs {fp32.ppl:.4f} ({pct:+.4f}%), max abs ΔNLL per token "
-            f"{diff:.2e}",
-            abs(pct) < FP16_TOLERANCE_PCT,
-        ),
-        (
-            "FP32 cache path vs one cache-free forward per window",
-            f"max abs ΔNLL per token {cache_free:.2e}",
-            cache_free < FORWARD_TOLERANCE_NLL,
-        ),
-    ]
+        ("FP16 path vs mlx-lm KVCache at the model's dtype",
+         f"PPL {fp16.ppl:.4f} vs {fp32.ppl:.4f} ({pct:+.4f}%), max abs ΔNLL per token {diff:.2e}",
+         abs(pct) < FP16_TOLERANCE_PCT),
+        ("FP32 cache path vs one cache-free forward per window",
+         f"max abs ΔNLL per token {cache_free:.2e}", cache_free < FORWARD_TOLERANCE_NLL),
+    ]  # fmt: skip
 
 
 # the report
@@ -609,13 +585,8 @@ def agreement_table(run: Run, n: int) -> str:
 def checks_table(run: Run) -> str:
     rows = [(check, result, "ok" if ok else "FAILED") for check, result, ok in run.checks]
     n, stored = run.trip.num_round_trips, run.trip.bytes_stored
-    rows.append(
-        (
-            "store round trips bit-identical",
-            f"{n} of {n} ({stored:,} bytes put and read back)",
-            "ok",
-        )
-    )
+    trips = ("store round trips bit-identical", f"{n} of {n} ({stored:,} bytes put and read back)")
+    rows.append((*trips, "ok"))
     return h.table(("check", "result", ""), rows, "lll")
 
 
@@ -630,11 +601,8 @@ def notes_for(run: Run, model_dir: Path, met: bool) -> list[str]:
     )
     met_by = ", ".join(f"{n} ({pct:+.2f}%, {b:,.0f} B/token)" for b, n, pct in meeting) or "none"
     head = "meets" if met else f"misses by {run.q4.delta_pct(base) - TARGET_PCT:.2f} points"
-    noise = (
-        "includes 0: not distinguishable from"
-        if ci["pct_lo"] <= 0 <= ci["pct_hi"]
-        else "excludes 0: more than"
-    )
+    within = ci["pct_lo"] <= 0 <= ci["pct_hi"]
+    noise = "includes 0: not distinguishable from" if within else "excludes 0: more than"
     text, end = run.text, run.windows[-1].targets[1] - 1
     notes = [
         f"Q4 {head} the target; within +{TARGET_PCT:g}% of FP16: {met_by} (FP16 "
@@ -728,11 +696,8 @@ def load_model(path: Path) -> tuple[Any, Any, str]:
     model, tokenizer = load(str(path))
     if any(w is not None for w in cache_windows(model)):
         raise SystemExit(f"{path} has sliding-window layers; this benchmark needs full ones")
-    return (
-        model,
-        tokenizer,
-        str(tree_flatten(model.parameters())[0][1].dtype).removeprefix("mlx.core."),
-    )
+    dtype = str(tree_flatten(model.parameters())[0][1].dtype).removeprefix("mlx.core.")
+    return model, tokenizer, dtype
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,17 +36,10 @@ PATHS = ("cold", "warm (locate)", "warm (stream)", "hot")
 # turn separates its restore path from its process.
 TURNS = (*PATHS, "hot (stream worker)")
 RAW_TARGET = 1.3  # warm (locate) within this factor of raw read + one decode step
-LLAMA_8B_SHAPE = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
+LLAMA_8B_SHAPE = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                  "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                  "tie_word_embeddings": False}  # fmt: skip
 # In-process steps, in the order the breakdown table lists them.
 STEPS = {
     "get_agent": "GetAgent RPC (manifest)",
@@ -85,15 +78,10 @@ class ContextRun:
 
     def as_dict(self) -> dict[str, Any]:
         series = {p: self.series(p) for p in TURNS} | self.inproc
-        return {
-            "nominal_tokens": self.nominal,
-            "context_tokens": self.context_tokens,
-            "agent": self.agent,
-            "summary_ms": {k: h.spread(v) for k, v in series.items() if v},
-            "turns": {p: self.turns[p] for p in TURNS},
-            "inproc_ms": self.inproc,
-            "notes": self.notes,
-        }
+        return {"nominal_tokens": self.nominal, "context_tokens": self.context_tokens,
+                "agent": self.agent, "summary_ms": {k: h.spread(v) for k, v in series.items() if v},
+                "turns": {p: self.turns[p] for p in TURNS}, "inproc_ms": self.inproc,
+                "notes": self.notes}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -109,12 +97,11 @@ def build_llama8b_shape(root: Path, layers: int, max_context: int) -> Path:
     """Random float32 weights with Llama-3.1-8B layer shapes, `layers` deep, with a 4096-token
     vocabulary (a real one's 128K-row embedding would dwarf two layers)."""
     tokenizer = model_kit.tiny_tokenizer(SHAPE_VOCAB)
-    config = {
-        **LLAMA_8B_SHAPE,
+    config = LLAMA_8B_SHAPE | {
         "num_hidden_layers": layers,
-        "max_position_embeddings": max(16384, 2 * max_context),
         "vocab_size": tokenizer.get_vocab_size(),
     }
+    config["max_position_embeddings"] = max(16384, 2 * max_context)
     model = model_kit.random_model(config)
     return model_kit.save_model(root / "llama8b-shape", model, config, tokenizer)
 
@@ -389,17 +376,15 @@ def judge(
     """warm (locate) against `base` ms at one context; met is None for a reference line."""
     warm, base = c.median("warm (locate)") or 0.0, base or float("nan")
     ratio = warm / base
-    where = f"{run.name} {h.label(c.nominal)}: "
     target = f"warm (locate) within {factor}x of {what}" if factor else f"warm vs {what}"
-    goal = {"model": run.name, "context": c.nominal, "target": where + target}
-    goal |= {"measured": f"{ratio:.2f}x ({warm:.1f} vs {base:.1f} ms)", "met": None}
-    if factor:
-        goal["met"] = ratio <= factor
-    if factor and not goal["met"]:
+    measured = f"{ratio:.2f}x ({warm:.1f} vs {base:.1f} ms)"
+    if factor and ratio > factor:
         bound = factor * base
-        goal["measured"] += f"; missed by {ratio / factor:.2f}x the bound: {warm - bound:.1f} ms"
-        goal["measured"] += f" over {bound:.1f} ms"
-    return goal
+        measured += f"; missed by {ratio / factor:.2f}x the bound: {warm - bound:.1f} ms over "
+        measured += f"{bound:.1f} ms"
+    met = ratio <= factor if factor else None
+    where = f"{run.name} {h.label(c.nominal)}: "
+    return h.goal(where + target, measured, met, model=run.name, context=c.nominal)
 
 
 def paper_ratio(run: ModelRun, c: ContextRun) -> dict[str, Any] | None:
@@ -411,15 +396,12 @@ def paper_ratio(run: ModelRun, c: ContextRun) -> dict[str, Any] | None:
     paper_cold, paper_warm = TTFT["Gemma"][k]
     ours, theirs = (cold or 0.0) / (warm or float("nan")), paper_cold / paper_warm
     at = f", {h.label(k)})" if k != c.nominal else ")"
-    return {
-        "model": run.name,
-        "context": c.nominal,
-        "target": f"{run.name} {h.label(c.nominal)}: cold/warm TTFT at least the paper's "
-        f"(Table 3, Gemma 3{at}",
-        "measured": f"{ours:.1f}x ({cold:.1f} / {warm:.1f} ms) vs the paper's {theirs:.1f}x "
-        f"({paper_cold} / {paper_warm} ms)",
-        "met": ours >= theirs,
-    }
+    target = f"{run.name} {h.label(c.nominal)}: cold/warm TTFT at least the paper's (Table 3, "
+    measured = f"{ours:.1f}x ({cold:.1f} / {warm:.1f} ms) vs the paper's {theirs:.1f}x "
+    measured += f"({paper_cold} / {paper_warm} ms)"
+    return h.goal(
+        f"{target}Gemma 3{at}", measured, ours >= theirs, model=run.name, context=c.nominal
+    )
 
 
 def targets(run: ModelRun) -> list[dict[str, Any]]:
@@ -491,12 +473,10 @@ def write_report(runs: list[ModelRun], args: Any) -> None:
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    p = h.parser(
-        __doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="contexts 512,1K, 1 pass"
-    )
-    p.add_argument(
-        "--models", type=h.name_list(MODELS), default=list(MODELS), help="default: --model"
-    )
+    quick = "contexts 512,1K, 1 pass"
+    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick=quick)
+    models = h.name_list(MODELS)
+    p.add_argument("--models", type=models, default=list(MODELS), help="default: --model")
     p.add_argument("--layers", type=int, default=2, help="layers of the llama8b-shape model")
     p.add_argument("--cold-budget", type=float, default=90.0, help="s per context of extra colds")
     args = p.parse_args(argv)
