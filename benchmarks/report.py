@@ -125,14 +125,9 @@ def run_section(
         return result
     started = time.perf_counter()
     lines: list[str] = []
-    with subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    ) as proc:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with subprocess.Popen(command, cwd=ROOT, env=env, **pipes) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
@@ -270,11 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         previous[section.name] = result
     results = [previous[s.name] for s in SECTIONS if s.name in previous]
     (out / "REPORT.md").write_text(render(results, facts, mode))
-    (out / "report.json").write_text(
-        json.dumps(
-            {"mode": mode, "machine": facts, "sections": [asdict(r) for r in results]}, indent=2
-        )
-    )
+    whole = {"mode": mode, "machine": facts, "sections": [asdict(r) for r in results]}
+    (out / "report.json").write_text(json.dumps(whole, indent=2))
     met = sum(v == "MET" for r in results for v, _ in r.targets)
     missed = sum(v == "MISS" for r in results for v, _ in r.targets)
     failed = [r.section for r in results if r.error]

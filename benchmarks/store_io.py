@@ -61,9 +61,8 @@ def payload_bytes(blocks: Sequence) -> int:
 def locate(store: object, keys: list[bytes], layers: Sequence[int] = ()) -> RawReader:
     """A raw reader of the blocks' locations, under a lease never released (the store dies
     with the benchmark)."""
-    request = pb.LocateBlocksRequest(
-        namespace="bench0", fingerprint=FP, keys=keys, layers=layers, lease_seconds=600
-    )
+    where = {"namespace": "bench0", "fingerprint": FP, "keys": keys, "layers": layers}
+    request = pb.LocateBlocksRequest(**where, lease_seconds=600)
     return RawReader(store.call("LocateBlocks", request).blocks)
 
 
@@ -149,9 +148,8 @@ def run(store: object, blocks: list, keys: list[bytes], bench: Bench) -> None:
         return payload_bytes(store.read_blocks_local("bench0", FP, keys, layers, buffer=buffer))
 
     puts = {"put (PutBlocks stream, new namespace, fsync)": lambda i: put(f"bench{i}", False)}
-    bench.measure(
-        puts | {"put again, dedup (PutBlocks stream)": lambda _: put("bench0", True)}, RAW
-    )
+    puts["put again, dedup (PutBlocks stream)"] = lambda _: put("bench0", True)
+    bench.measure(puts, RAW)
     raw = locate(store, keys)
     reads = {
         GET: lambda _: payload_bytes(list(store.get_blocks("bench0", FP, keys))),
@@ -195,16 +193,13 @@ def targets(bench: Bench, locate_target: float) -> list[dict[str, object]]:
     rate = bench.row(GET).num_bytes / bench.row(GET).median
     measured = f"{rate / GIB:.2f} GiB/s = {rate / MB:.0f} MB/s (GetBlocks median)"
     goals = [h.goal("streaming at >= 1 GiB/s on loopback", measured, rate >= STREAM_TARGET)]
-    for path, state in (
-        (LOCATE, "page cache warm, fresh buffer"),
-        (REUSED, "page cache warm, reused buffer"),
-        (LOCATE + COLD, "page cache dropped"),
-    ):
+    states = {LOCATE: "page cache warm, fresh buffer", REUSED: "page cache warm, reused buffer",
+              LOCATE + COLD: "page cache dropped"}  # fmt: skip
+    for path, state in states.items():
         if (row := bench.row(path)) is not None:
             base = bench.row(row.baseline)
-            measured = (
-                f"{row.vs_baseline:.2f}x ({row.median * 1e3:.1f} vs {base.median * 1e3:.1f} ms)"
-            )
+            measured = f"{row.vs_baseline:.2f}x ({row.median * 1e3:.1f} vs "
+            measured += f"{base.median * 1e3:.1f} ms)"
             target = f"locate + read within {locate_target}x of the raw read ({state})"
             goals.append(h.goal(target, measured, row.vs_baseline <= locate_target))
     return goals
@@ -251,14 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=LOCATE_TARGET,
         help="locate + read within this factor of the raw read (the report asks 1.3)",
     )
-    p.add_argument(
-        "--store-env",
-        action="append",
-        type=env_pair,
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra environment for the store process, e.g. MALLOC_MMAP_THRESHOLD_=131072",
-    )
+    p.add_argument("--store-env", action="append", type=env_pair, default=[], metavar="NAME=VALUE",
+                   help="extra environment for the store process, e.g. "
+                   "MALLOC_MMAP_THRESHOLD_=131072")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.mb, args.repeats = 24, 2
@@ -269,9 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     one, _ = make_chain(list(range(args.block_tokens)), FP, args.block_tokens, **LLAMA_8B)
     count = max(1, round(args.mb * MB / payload_bytes(one)))  # ~--mb of distinct random bytes
-    blocks, keys = make_chain(
-        list(range(count * args.block_tokens)), FP, args.block_tokens, **LLAMA_8B
-    )
+    tokens = list(range(count * args.block_tokens))
+    blocks, keys = make_chain(tokens, FP, args.block_tokens, **LLAMA_8B)
     header = h.machine(grpcio=grpc.__version__, blocks=len(blocks), block_tokens=args.block_tokens)
     header |= {"payload_mb": round(payload_bytes(blocks) / MB, 1), "repeats": args.repeats}
     header["store_env"] = store_env = dict(args.store_env)

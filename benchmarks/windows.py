@@ -34,22 +34,13 @@ TARGET_CONTEXT, TARGET_RATIO = 8192, 1 / 3
 Q4 = KVStorage(4, 64, 2)  # the workers' default KV format, k4v4g64f16
 # Gemma 3 (gemma3_12b.json's text_config) scaled down for a 2-core CPU: the layer pattern,
 # window and head dim are Gemma 3 12B's; heads, width and depth are not.
-GEMMA3_SHAPE = {
-    "model_type": "gemma3_text",
-    "hidden_size": 256,
-    "num_hidden_layers": 12,  # 10 sliding, 2 global
-    "intermediate_size": 1024,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "query_pre_attn_scalar": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-    "sliding_window": 1024,
-    "sliding_window_pattern": 6,
-    "max_position_embeddings": 32768,
-}
+GEMMA3_SHAPE = {"model_type": "gemma3_text", "hidden_size": 256,
+                "num_hidden_layers": 12,  # 10 sliding, 2 global
+                "intermediate_size": 1024, "num_attention_heads": 2, "num_key_value_heads": 2,
+                "head_dim": 256, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
+                "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                "sliding_window": 1024, "sliding_window_pattern": 6,
+                "max_position_embeddings": 32768}  # fmt: skip
 FLAGS = ["--block-tokens", str(BLOCK_TOKENS), "--restore-path", "locate", "--hot-budget", "4G"]
 WORKERS = {"full": [*FLAGS, "--full-window-layers"], "window": FLAGS}
 
@@ -102,10 +93,8 @@ class ContextRun:
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("ttft_ms", "restored_bytes", "hot_bytes")
-        modes = {
-            m: {"run": r, "summary": {k: h.spread(r.series(k)) for k in keys}}
-            for m, r in self.modes.items()
-        }
+        summary = {m: {k: h.spread(r.series(k)) for k in keys} for m, r in self.modes.items()}
+        modes = {m: {"run": r, "summary": summary[m]} for m, r in self.modes.items()}
         return {"nominal_tokens": self.nominal, "modes": modes, "cross": self.cross}
 
 
@@ -150,15 +139,8 @@ def forked_turn(svc: Any, mode: str, agent: str, name: str, ns: str = "") -> Pas
     finally:
         worker.delete(ns, name)
     u, ids = warm.usage, list(warm.token_ids)
-    return Pass(
-        u.time_to_first_token_ms,
-        hot,
-        u.restored_bytes,
-        ids,
-        state.num_bytes,
-        state.persisted_tokens,
-        h.usage_dict(u),
-    )
+    return Pass(u.time_to_first_token_ms, hot, u.restored_bytes, ids, state.num_bytes,
+                state.persisted_tokens, h.usage_dict(u))  # fmt: skip
 
 
 def read_plan(counts: list[int], config: dict[str, Any], mode: str) -> int:
@@ -190,9 +172,7 @@ def create(svc: Any, fp: str, mode: str, agent: str, text: str, config: dict) ->
     return m
 
 
-def run_context(
-    svc: Any, fp: str, config: dict, text: str, nominal: int, passes: int
-) -> ContextRun:
+def run_context(svc: Any, fp: str, config: dict, text: str, nominal: int, passes: int) -> Any:
     agent = f"ctx{nominal}"
     run = ContextRun(nominal, {mode: create(svc, fp, mode, agent, text, config) for mode in MODES})
     for p in range(passes):
@@ -268,35 +248,23 @@ def capacity(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[str, A
     for r in runs:
         tokens = int(statistics.median(r.window.series("cached_tokens")))
         plan = planner.plan(config, tokens, BUDGET)
-        sizes = {"plan_fp16": plan.fp16_bytes, "plan_q4": plan.q_bytes}
-        sizes |= {
-            "plan_q4_window": plan.q_window_bytes,
-            "measured_full": r.full.median("hot_bytes"),
-        }
-        sizes |= {
-            "measured_window": r.window.median("hot_bytes"),
-            "measured_window_created": r.window.created_bytes,
-        }
-        row = {"context": r.nominal, "cached_tokens": tokens} | {
-            f"{k}_bytes": v for k, v in sizes.items()
-        }
+        sizes = {"plan_fp16": plan.fp16_bytes, "plan_q4": plan.q_bytes,
+                 "plan_q4_window": plan.q_window_bytes, "measured_full": r.full.median("hot_bytes"),
+                 "measured_window": r.window.median("hot_bytes"),
+                 "measured_window_created": r.window.created_bytes}  # fmt: skip
+        row = {"context": r.nominal, "cached_tokens": tokens}
+        row |= {f"{k}_bytes": v for k, v in sizes.items()}
         rows.append(row | {f"{k}_agents": int(BUDGET // v) for k, v in sizes.items()})
     return rows
 
 
+AGENTS = {"plan_fp16": "planner FP16", "plan_q4": "planner Q4",
+          "plan_q4_window": "planner Q4 window",
+          "measured_full": "measured full-length", "measured_window": "measured window-aware",
+          "measured_window_created": "measured window-aware, just created"}  # fmt: skip
 CAPACITY = {
     "context (cached tokens)": lambda c: f"{h.label(c['context'])} ({c['cached_tokens']})",
-    **{
-        f"{who} {what}": lambda c, k=k: c[f"{k}_agents"]
-        for k, who, what in (
-            ("plan_fp16", "planner", "FP16"),
-            ("plan_q4", "planner", "Q4"),
-            ("plan_q4_window", "planner", "Q4 window"),
-            ("measured_full", "measured", "full-length"),
-            ("measured_window", "measured", "window-aware"),
-            ("measured_window_created", "measured", "window-aware, just created"),
-        )
-    },
+    **{header: lambda c, k=k: c[f"{k}_agents"] for k, header in AGENTS.items()},
     "planner vs measured window-aware MB per agent": lambda c: (
         f"{mb(c['plan_q4_window_bytes'])} vs {mb(c['measured_window_bytes'])}"
     ),
@@ -304,9 +272,8 @@ CAPACITY = {
 
 
 def targets(runs: list[ContextRun]) -> list[dict[str, Any]]:
-    what = (
-        f"window-aware restore reads <= 1/3 of the full-length bytes at {h.label(TARGET_CONTEXT)}"
-    )
+    what = "window-aware restore reads <= 1/3 of the full-length bytes at "
+    what += h.label(TARGET_CONTEXT)
     if not (at := [r for r in runs if r.nominal == TARGET_CONTEXT]):
         return [h.goal(what, "not run at this context", None)]
     f, w = at[0].full.median("restored_bytes"), at[0].window.median("restored_bytes")
@@ -357,9 +324,8 @@ def draw(runs: list[ContextRun]) -> Callable:
         for mode in MODES:
             modes, name = [r.modes[mode] for r in runs], MODE_NAMES[mode]
             left.plot(xs, [m.median("restored_bytes") / 1e6 for m in modes], marker="o", label=name)
-            line = h.whiskers(
-                right, xs, [m.series("ttft_ms") for m in modes], label=f"{name}, warm"
-            )
+            ttft = [m.series("ttft_ms") for m in modes]
+            line = h.whiskers(right, xs, ttft, label=f"{name}, warm")
             style = {"linestyle": "--", "marker": ".", "color": line[0].get_color()}
             right.plot(xs, [m.median("hot_ttft_ms") for m in modes], **style, label=f"{name}, hot")
         h.context_axis(left, xs, "MB read by a warm restore", log_y=False)
@@ -381,27 +347,16 @@ def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[st
     sections = [
         ("Bytes read by a warm restore (usage.restored_bytes, median)", h.columns(runs, BYTES)),
         (f"TTFT of the warm turn ({args.passes} passes)", h.columns(runs, TTFT)),
-        (
-            f"Hot-tier bytes per agent, full / window ({SETTLE_S} s after durable)",
-            h.columns(runs, HOT),
-        ),
+        (f"Hot-tier bytes per agent, full / window ({SETTLE_S} s after durable)",
+         h.columns(runs, HOT)),
         ("Greedy replies (first pass)", h.columns(runs, REPLIES, "lllrl")),
-        (
-            f"Agents that fit in {BUDGET >> 30} GiB of KV (benchmark model)",
-            h.columns(fits, CAPACITY),
-        ),
-    ]
-    png = h.report(
-        "windows", args.out, header, sections, targets(runs), notes_for(runs, config), document
-    )
-    h.plot(
-        png,
-        header,
-        "sliding-window caches, Gemma-3-shaped model",
-        draw(runs),
-        ncols=2,
-        figsize=(12, 4.8),
-    )
+        (f"Agents that fit in {BUDGET >> 30} GiB of KV (benchmark model)",
+         h.columns(fits, CAPACITY)),
+    ]  # fmt: skip
+    notes = notes_for(runs, config)
+    png = h.report("windows", args.out, header, sections, targets(runs), notes, document)
+    title = "sliding-window caches, Gemma-3-shaped model"
+    h.plot(png, header, title, draw(runs), ncols=2, figsize=(12, 4.8))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -411,9 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.contexts, args.passes = [4096, 8192], 1
     if args.passes < 1 or max(args.contexts) + 64 > GEMMA3_SHAPE["max_position_embeddings"]:
-        p.error(
-            f"--passes must be at least 1, contexts under {GEMMA3_SHAPE['max_position_embeddings']}"
-        )
+        most = GEMMA3_SHAPE["max_position_embeddings"]
+        p.error(f"--passes must be at least 1, contexts under {most}")
     load_optimized_blas()  # before anything here imports mlx; each worker loads its own
     h.say("building the Gemma-3-shaped model (12 layers, float32, random weights)")
     with h.services(None) as svc:
@@ -428,10 +382,8 @@ def main(argv: list[str] | None = None) -> None:
             worker.create_agent(NAMESPACES[mode], "warm-up", h.context_text(tokenizer, 1500))
             worker.evict(NAMESPACES[mode], "warm-up")  # waits for its store write
             forked_turn(svc, mode, "warm-up", "warm-up-fork")
-        fp, texts = (
-            facts["window"]["fingerprint"],
-            {n: h.context_text(tokenizer, n) for n in args.contexts},
-        )
+        fp = facts["window"]["fingerprint"]
+        texts = {n: h.context_text(tokenizer, n) for n in args.contexts}
         runs = [run_context(svc, fp, config, texts[n], n, args.passes) for n in sorted(texts)]
     write_report(runs, args, facts, config)
 

@@ -100,12 +100,8 @@ def phase_cell(records: list[Record], phase: str) -> PhaseCell:
     incl = [ms + sum(s.ms for s in setup if s.agent == agent) for agent, ms in first.items()]
     of = lambda name: mean([getattr(r, name) for r in says])  # noqa: E731
     setup_ms = mean([r.ms for r in setup])
-    return PhaseCell(
-        of("ms"),
-        setup_ms,
-        mean(incl),
-        *map(of, ("prefilled_tokens", "context_tokens", "generated_tokens")),
-    )
+    tokens = map(of, ("prefilled_tokens", "context_tokens", "generated_tokens"))
+    return PhaseCell(of("ms"), setup_ms, mean(incl), *tokens)
 
 
 @dataclass(slots=True)
@@ -137,9 +133,8 @@ def cross_phase(svc: Any, scenario: Scenario, passes: int) -> CrossPhase:
         for mode in MODES if i % 2 else reversed(MODES):
             started = time.perf_counter()
             records[mode] = run_pass(svc, scenario, f"{scenario.namespace}-{mode}-p{i}", mode)
-            h.say(
-                f"cross-phase pass {i + 1}/{passes} {mode}: {time.perf_counter() - started:.1f} s"
-            )
+            took = time.perf_counter() - started
+            h.say(f"cross-phase pass {i + 1}/{passes} {mode}: {took:.1f} s")
         result.passes.append(records)
     return result
 
@@ -263,11 +258,8 @@ def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
         cold, warm = rt.pass_mean("priming"), rt.pass_mean("queries_warm")
         ratio = div(cold, warm) or 0.0
         target = f"expert routing warm/cold TTFT speedup >= {TARGET_SPEEDUP:.0f}x (paper: 24.2x)"
-        goals.append(
-            h.goal(
-                target, f"{ratio:.1f}x ({h.fmt(cold)} vs {h.fmt(warm)} ms)", ratio >= TARGET_SPEEDUP
-            )
-        )
+        measured = f"{ratio:.1f}x ({h.fmt(cold)} vs {h.fmt(warm)} ms)"
+        goals.append(h.goal(target, measured, ratio >= TARGET_SPEEDUP))
     return goals
 
 
@@ -275,10 +267,7 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: i
     notes = [fit]
     if cp is not None:
         last, n = cp.phases[-1], len(cp.phases)
-        context, generated = (
-            cp.med("persistent", last, "context"),
-            cp.med("persistent", last, "generated"),
-        )
+        context, generated = (cp.med("persistent", last, k) for k in ("context", "generated"))
         notes.append(
             f"cross-phase: persistent context at phase {n} is {h.fmt(context, 0)} tokens per "
             f"turn; replies average {h.fmt(generated)} tokens of max_tokens {max_tokens}"
@@ -289,6 +278,10 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: i
     return notes
 
 
+LINES = (("cold", "ttft", "o-", "cold (re-prefill)"), ("persistent", "ttft", "s-", "persistent"),
+         ("persistent", "incl_setup", "s--", "persistent incl. create/inject"))  # fmt: skip
+
+
 def draw(cp: CrossPhase | None, rt: Routing | None) -> Callable:
     """Per-phase TTFT cold vs persistent, and the routing groups."""
 
@@ -296,54 +289,38 @@ def draw(cp: CrossPhase | None, rt: Routing | None) -> Callable:
         left, right = axes
         if cp is not None:
             xs = range(1, len(cp.phases) + 1)
-            for mode, attr, style, name in (
-                ("cold", "ttft", "o-", "cold (re-prefill)"),
-                ("persistent", "ttft", "s-", "persistent"),
-                ("persistent", "incl_setup", "s--", "persistent incl. create/inject"),
-            ):
+            for mode, attr, style, name in LINES:
                 ys = [cp.med(mode, phase, attr) for phase in cp.phases]
                 left.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
             left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
-            left.set(
-                ylabel="mean TTFT per phase, ms (median of passes)", title="prisoner's dilemma"
-            )
+            ylabel = "mean TTFT per phase, ms (median of passes)"
+            left.set(ylabel=ylabel, title="prisoner's dilemma")
             left.legend(fontsize=7)
         if rt is not None:
             keys = [k for k in GROUPS if rt.every(k)]
             right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k in keys])
             right.set_xticks(range(len(keys)), [GROUPS[k][1] for k in keys], fontsize=7)
-            right.set(
-                yscale="log", ylabel="mean TTFT, ms (median of passes)", title="expert routing"
-            )
+            ylabel = "mean TTFT, ms (median of passes)"
+            right.set(yscale="log", ylabel=ylabel, title="expert routing")
 
     return panels
 
 
 def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str) -> None:
     info = args.info
-    header = h.machine(
-        blas=info.blas, model=args.model, model_dir=args.described, device=info.device
-    )
-    header |= {"max_context": info.max_context, "kv_format": info.kv_format}
-    header |= {
-        "max_tokens": args.max_tokens,
-        "passes": args.passes,
-        "routing_passes": args.routing_passes,
-    }
+    header = h.machine(blas=info.blas, model=args.model, model_dir=args.described,
+                       device=info.device, max_context=info.max_context, kv_format=info.kv_format,
+                       max_tokens=args.max_tokens, passes=args.passes,
+                       routing_passes=args.routing_passes)  # fmt: skip
     sections, document = [], {}
     if cp is not None:
-        sections.append(
-            (
-                f"cross-phase, prisoner's dilemma (Table 7 form; {len(cp.passes)} passes, medians)",
-                cross_table(cp),
-            )
-        )
+        title = f"cross-phase, prisoner's dilemma (Table 7 form; {len(cp.passes)} passes, medians)"
+        sections.append((title, cross_table(cp)))
         phases = {phase: {m: cp.cells(m, phase) for m in MODES} for phase in cp.phases}
         document["cross_phase"] = {"phases": phases, "passes": cp.passes}
     if rt is not None:
-        sections.append(
-            (f"expert routing (Table 8 form; {len(rt.passes)} passes)", routing_table(rt))
-        )
+        title = f"expert routing (Table 8 form; {len(rt.passes)} passes)"
+        sections.append((title, routing_table(rt)))
         groups = {
             g: {"pass_means_ms": rt.pass_means(g), "speedups": rt.speedups(g)} for g in GROUPS
         }
@@ -354,9 +331,8 @@ def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str)
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    quick = (
-        f"1 pass each, no prisoners' warm-up, replies of {QUICK_MAX_TOKENS} tokens, short documents"
-    )
+    quick = f"1 pass each, no prisoners' warm-up, replies of {QUICK_MAX_TOKENS} tokens, "
+    quick += "short documents"
     p = h.parser(__doc__, passes=5, quick=quick)
     p.add_argument("--routing-passes", type=int, default=3, help="expert routing passes")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
