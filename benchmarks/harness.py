@@ -167,10 +167,8 @@ def open_model(args: argparse.Namespace) -> Any:
 
 
 def wait_ready(worker: Any, timeout: float = 120.0) -> Any:
-    """The worker's GetWorkerInfo once it answers. A worker logs "serving" before its first
-    connection is accepted, and on a busy 2-core machine that first connect can time out
-    (UNAVAILABLE: "connection attempt timed out before receiving SETTINGS frame"); this
-    retries until `timeout` seconds have passed."""
+    """The worker's GetWorkerInfo once it answers: on a busy 2-core machine the first connect
+    can time out (UNAVAILABLE) though the worker logged "serving", so this retries."""
     from agentkv.errors import Unavailable
 
     deadline = time.monotonic() + timeout
@@ -197,9 +195,8 @@ class Turn:
 def usage_dict(usage: Any) -> dict[str, Any]:
     from google.protobuf.json_format import MessageToDict
 
-    return MessageToDict(
-        usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
+    return MessageToDict(usage, **options)
 
 
 def timed_turn(
@@ -389,17 +386,11 @@ def machine(**extra: object) -> dict[str, object]:
     except OSError:
         pass
     blas = "Accelerate" if sys.platform == "darwin" else find_openblas() or "reference (none found)"
-    facts = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "os": f"{platform.system()} {platform.release()}",
-        "load_average_1m": round(os.getloadavg()[0], 2),  # other work skews a 2-core box
-        "python": platform.python_version(),
-        "blas": blas,
-        "mlx": version("mlx"),
-        "mlx-lm": version("mlx-lm"),
-    }
+    facts = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu,
+             "cores": os.cpu_count(), "os": f"{platform.system()} {platform.release()}",
+             "load_average_1m": round(os.getloadavg()[0], 2),  # other work skews a 2-core box
+             "python": platform.python_version(), "blas": blas, "mlx": version("mlx"),
+             "mlx-lm": version("mlx-lm")}  # fmt: skip
     return facts | extra
 
 

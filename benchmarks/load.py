@@ -125,7 +125,7 @@ class Load:
             u = reply.usage
             record = dict(agent=name, turn=turn, tokens=reply.token_ids, worker=reply.worker)
             self.records.append(
-                record | dict(ttft_ms=u.time_to_first_token_ms, cache=u.cache_state)
+                record | {"ttft_ms": u.time_to_first_token_ms, "cache": u.cache_state}
             )
             slot.taken += 1
             if rng.random() < self.args.evict_rate and agent.evict():
@@ -215,25 +215,17 @@ def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counte
     records, wall = load.records, load.seconds
     ttft = [r["ttft_ms"] for r in records]
     caches = {s: sum(r["cache"] == s for r in records) for s in ("hot", "warm", "cold")}
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "agents": len(load.agents),
-        "agents_at_once": args.agents,
-        "threads": args.threads,
-        "turns": len(records),
-        "seconds": wall,
-        "replay_seconds": replay.seconds,
-        "turns_per_s": len(records) / wall,
-        "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
-        "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
-        "ttft_p99_ms": h.percentile(ttft, 99) or float("nan"),
-        "cache_states": caches,
-        "restores": caches["warm"],
-        "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
-        "errors": load.errors + replay.errors,
-        "lost": replay.lost,
-        "wrong": replay.wrong,
-    }
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "agents": len(load.agents), "agents_at_once": args.agents, "threads": args.threads,
+            "turns": len(records), "seconds": wall, "replay_seconds": replay.seconds,
+            "turns_per_s": len(records) / wall,
+            "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
+            "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
+            "ttft_p99_ms": h.percentile(ttft, 99) or float("nan"),
+            "cache_states": caches, "restores": caches["warm"],
+            "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
+            "errors": load.errors + replay.errors, "lost": replay.lost,
+            "wrong": replay.wrong}  # fmt: skip
 
 
 def report(result: dict) -> bool:
@@ -296,11 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=40, help="turns per agent")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--evict-rate", type=float, default=0.25, help="chance of evicting after a turn")
-    p.add_argument(
-        "--hot-budget",
-        help=f"each worker's RAM for KV caches (default: {HOT_TOKENS} "
-        f"tokens' worth; {QUICK_HOT_TOKENS} with --quick)",
-    )
+    budget = f"{HOT_TOKENS} tokens' worth; {QUICK_HOT_TOKENS} with --quick"
+    p.add_argument("--hot-budget", help=f"each worker's RAM for KV caches (default: {budget})")
     args = p.parse_args(argv)
     if args.quick:
         args.agents, args.turns, args.minutes = 16, 3, 0
