@@ -21,11 +21,9 @@ from typing import Any, Protocol, TypeVar
 
 from agentkv.errors import DiskFull, QuotaExceeded, ResourceExhausted
 from cache_store import manifests
-from cache_store.config import StoreConfig
-from cache_store.index import Index
-from cache_store.leases import BlockId, Leases
+from cache_store.leases import BlockId
 from cache_store.metrics import StoreMetrics
-from cache_store.payloads import Payloads
+from cache_store.parts import Parts
 from cache_store.records import AgentRecord
 
 log = logging.getLogger("agentkv.store")
@@ -46,16 +44,9 @@ def now_ms() -> int:
 
 
 class Capacity:
-    def __init__(
-        self,
-        config: StoreConfig,
-        index: Index,
-        payloads: Payloads,
-        leases: Leases,
-        metrics: StoreMetrics,
-    ) -> None:
-        self.config, self.index, self.payloads = config, index, payloads
-        self.leases, self.metrics = leases, metrics
+    def __init__(self, parts: Parts) -> None:
+        self.config, self.index, self.payloads = parts.config, parts.index, parts.payloads
+        self.leases, self.metrics = parts.leases, parts.metrics
         self._lock = threading.Lock()  # reservations and evictions
         self._reserved: Counter[str] = Counter()  # bytes in flight, per namespace
         self._block_access: dict[BlockId, int] = {}

@@ -21,12 +21,9 @@ from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord
 from cache_store import bucket_layout as layout
 from cache_store import manifests
 from cache_store.capacity import Capacity
-from cache_store.config import StoreConfig
-from cache_store.index import Index
 from cache_store.manifests import AgentView
-from cache_store.metrics import StoreMetrics
 from cache_store.objects import Bucket, Got
-from cache_store.payloads import Payloads
+from cache_store.parts import Parts
 from cache_store.records import BlockRecord
 
 log = logging.getLogger("agentkv.store")
@@ -36,18 +33,11 @@ FETCH_AHEAD = 4  # blocks of a fetched agent downloading at once
 
 class Fetcher:
     def __init__(
-        self,
-        config: StoreConfig,
-        index: Index,
-        payloads: Payloads,
-        capacity: Capacity,
-        metrics: StoreMetrics,
-        bucket: Bucket,
-        publish_lock: threading.Lock,
+        self, parts: Parts, capacity: Capacity, bucket: Bucket, publish_lock: threading.Lock
     ) -> None:
-        self.max_block_bytes, self.index, self.payloads = config.max_block_bytes, index, payloads
-        self.capacity, self.metrics, self.bucket = capacity, metrics, bucket
-        self.publish_lock = publish_lock
+        self.index, self.payloads, self.metrics = parts.index, parts.payloads, parts.metrics
+        self.capacity, self.bucket, self.publish_lock = capacity, bucket, publish_lock
+        self.max_block_bytes = parts.config.max_block_bytes
         self.pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         self._fetching: dict[tuple, threading.Lock] = {}  # one download per block or agent
         self._fetching_lock = threading.Lock()

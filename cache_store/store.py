@@ -29,6 +29,7 @@ from cache_store.leases import Leases
 from cache_store.lock import DataDirLock
 from cache_store.metrics import StoreMetrics
 from cache_store.objects import Bucket, Location, ObjectStoreDown
+from cache_store.parts import Parts
 from cache_store.payloads import Payloads
 from cache_store.records import BlockRecord, Segment
 from cache_store.tier import ObjectTier
@@ -80,14 +81,11 @@ class CacheStore:
         self.payloads = Payloads(config.data_dir)
         self.index = Index(config.data_dir / "index", config.lmdb_map_bytes)
         self.leases = Leases(config.max_leases_per_namespace)
-        self.capacity = Capacity(config, self.index, self.payloads, self.leases, self.metrics)
+        self.parts = Parts(config, self.index, self.payloads, self.leases, self.metrics)
+        self.capacity = Capacity(self.parts)
         self.uploads = Uploads(
-            config,
-            self.index,
-            self.payloads,
-            self.leases,
+            self.parts,
             self.capacity,
-            self.metrics,
             self._quarantine,
             before_write=self._before_write,
             stored=self._block_stored,
@@ -103,15 +101,7 @@ class CacheStore:
         config = self.config
         bucket = Bucket(Location.parse(config.object_store), config.s3_endpoint, self.metrics)
         return ObjectTier(
-            config,
-            self.index,
-            self.payloads,
-            self.leases,
-            self.capacity,
-            self.metrics,
-            bucket,
-            self.uploads.publish_lock,
-            self._quarantine,
+            self.parts, self.capacity, bucket, self.uploads.publish_lock, self._quarantine
         )
 
     def close(self) -> None:

@@ -16,13 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cache_store.capacity import Capacity
-from cache_store.config import StoreConfig
 from cache_store.fetcher import Fetcher
-from cache_store.index import Index
-from cache_store.leases import Leases
-from cache_store.metrics import StoreMetrics
 from cache_store.objects import Bucket, ObjectStoreDown
-from cache_store.payloads import Payloads
+from cache_store.parts import Parts
 from cache_store.records import BlockRecord
 from cache_store.upload_queue import PARKED_RETRY_SECONDS, Job, JobQueue
 from cache_store.uploader import Uploader
@@ -36,22 +32,18 @@ RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)  # uploader back-off while the bucket 
 class ObjectTier:
     def __init__(
         self,
-        config: StoreConfig,
-        index: Index,
-        payloads: Payloads,
-        leases: Leases,
+        parts: Parts,
         capacity: Capacity,
-        metrics: StoreMetrics,
         bucket: Bucket,
         publish_lock: threading.Lock,
         quarantine: Callable[[BlockRecord, str], None],
     ) -> None:
-        self.bucket = bucket
+        config, self.bucket = parts.config, bucket
         self.store_id = store_identity(config.data_dir, config.store_id)
         self.writers = WriterLeases(bucket, self.store_id, config.writer_lease_seconds)
-        self.uploader = Uploader(index, payloads, bucket, self.writers, metrics, quarantine)
+        self.uploader = Uploader(parts, bucket, self.writers, quarantine)
         self.queue = JobQueue(config.object_queue_max, self.uploader.scan)
-        self.fetcher = Fetcher(config, index, payloads, capacity, metrics, bucket, publish_lock)
+        self.fetcher = Fetcher(parts, capacity, bucket, publish_lock)
         self.rehydrate, self.fetch_agent = self.fetcher.rehydrate, self.fetcher.fetch_agent
         self.bucket_agents = self.fetcher.bucket_agents
         self.state = "starting"  # ok | unreachable | backlogged

@@ -17,10 +17,8 @@ import xxhash
 
 from agentkv.errors import CorruptBlock
 from cache_store import bucket_layout as layout
-from cache_store.index import Index
-from cache_store.metrics import StoreMetrics
 from cache_store.objects import Bucket, Conflict
-from cache_store.payloads import Payloads
+from cache_store.parts import Parts
 from cache_store.records import AgentRecord, BlockRecord
 from cache_store.upload_queue import Job
 from cache_store.writer_leases import NamespaceHeld, NotWriter, WriterLeases
@@ -31,15 +29,13 @@ log = logging.getLogger("agentkv.store")
 class Uploader:
     def __init__(
         self,
-        index: Index,
-        payloads: Payloads,
+        parts: Parts,
         bucket: Bucket,
         writers: WriterLeases,
-        metrics: StoreMetrics,
         quarantine: Callable[[BlockRecord, str], None],
     ) -> None:
-        self.index, self.payloads, self.bucket, self.writers = index, payloads, bucket, writers
-        self.metrics, self.quarantine = metrics, quarantine
+        self.index, self.payloads, self.metrics = parts.index, parts.payloads, parts.metrics
+        self.bucket, self.writers, self.quarantine = bucket, writers, quarantine
         self.diverged: set[tuple[str, str]] = set()  # agents another store wrote meanwhile
 
     def scan(self) -> list[Job]:

@@ -21,11 +21,8 @@ from agentkv.errors import (
 from agentkv.keys import block_key
 from cache_store import validation
 from cache_store.capacity import Capacity, now_ms
-from cache_store.config import StoreConfig
-from cache_store.index import Index
-from cache_store.leases import Leases
-from cache_store.metrics import StoreMetrics
-from cache_store.payloads import BlockWriter, Payloads, safetensors_header
+from cache_store.parts import Parts
+from cache_store.payloads import BlockWriter, safetensors_header
 from cache_store.records import BlockRecord
 from cache_store.validation import TensorLayout
 
@@ -68,18 +65,14 @@ class BlockUpload:
 class Uploads:
     def __init__(
         self,
-        config: StoreConfig,
-        index: Index,
-        payloads: Payloads,
-        leases: Leases,
+        parts: Parts,
         capacity: Capacity,
-        metrics: StoreMetrics,
         quarantine: Callable[[BlockRecord, str], None],
         before_write: Callable[[str], None] = lambda namespace: None,
         stored: Callable[[BlockRecord], None] = lambda record: None,
     ) -> None:
-        self.config, self.index, self.payloads = config, index, payloads
-        self.leases, self.capacity, self.metrics = leases, capacity, metrics
+        self.config, self.index, self.payloads = parts.config, parts.index, parts.payloads
+        self.leases, self.capacity, self.metrics = parts.leases, capacity, parts.metrics
         self.quarantine = quarantine
         self.before_write = before_write  # may refuse the namespace (another store writes it)
         self.stored = stored  # told of every block newly stored (the object store's queue)
