@@ -152,22 +152,18 @@ def summary_table(rows: list[Row]) -> str:
     return h.table((*headers, "paper without", "paper effect"), cells, "ll" + "r" * 6)
 
 
-def draw(rows: list[Row]) -> Callable:
+def draw(rows: list[Row], axes: Any) -> None:
     """With and without per component (min..max whiskers), effects beside the paper's."""
-
-    def panels(axes: Any) -> None:
-        for ax, r in zip(axes, rows, strict=True):
-            both, p = (r.with_, r.without), TABLE6.get(r.key)
-            mids = [v[1] for v in both]
-            err = [[v[1] - v[0] for v in both], [v[2] - v[1] for v in both]]
-            ax.bar(list(r.spec.names), mids, yerr=err, capsize=4, color=["tab:green", "tab:gray"])
-            ref = f"; paper {p.effect:.1f}x{p.star}" if p else ""
-            ax.set_title(f"{r.spec.component}\n{r.effect:.1f}x{ref}", fontsize=8)
-            ax.set_ylabel(r.metric.split(":")[0], fontsize=7)
-            if r.spec.lower_is_better and max(mids) / max(min(mids), 1e-9) > 20:
-                ax.set_yscale("log")
-
-    return panels
+    for ax, r in zip(axes, rows, strict=True):
+        both, p = (r.with_, r.without), TABLE6.get(r.key)
+        mids = [v[1] for v in both]
+        err = [[v[1] - v[0] for v in both], [v[2] - v[1] for v in both]]
+        ax.bar(list(r.spec.names), mids, yerr=err, capsize=4, color=["tab:green", "tab:gray"])
+        ref = f"; paper {p.effect:.1f}x{p.star}" if p else ""
+        ax.set_title(f"{r.spec.component}\n{r.effect:.1f}x{ref}", fontsize=8)
+        ax.set_ylabel(r.metric.split(":")[0], fontsize=7)
+        if r.spec.lower_is_better and max(mids) / max(min(mids), 1e-9) > 20:
+            ax.set_yscale("log")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     png = h.report("ablation", args.out, header, sections, goals, notes, document)
     if rows:
         size = (3.2 * len(rows), 4.2)
-        h.plot(png, header, "ablation", draw(rows), ncols=len(rows), figsize=size)
+        h.plot(png, header, "ablation", draw, rows, ncols=len(rows), figsize=size)
 
 
 if __name__ == "__main__":

@@ -462,28 +462,24 @@ def notes_for(cells: list[Cell], runs: list[Staggered]) -> list[str]:
     return notes
 
 
-def draw(cells: list[Cell], runs: list[Staggered]) -> Callable:
+def draw(cells: list[Cell], runs: list[Staggered], axes: Any) -> None:
     """SysTPS against batch size, and the staggered token timelines."""
-
-    def panels(axes: Any) -> None:
-        left, right = axes
-        for context in sorted({c.context for c in cells}):
-            mine = [c for c in cells if c.context == context]
-            for mode, style in (("batched", "o-"), ("sequential", "s--")):
-                ys = [c.sys_tps(mode) for c in mine]
-                left.plot([c.batch for c in mine], ys, style, label=f"{h.label(context)} {mode}")
-        left.set_xscale("log", base=2)
-        left.set_xticks(BATCHES, [str(b) for b in BATCHES])
-        left.set(xlabel="agents (batch size)", ylabel="SysTPS, tokens/s (median of passes)")
-        for r in runs[-2:]:
-            for who, s in (("A", r.a), ("B", r.b)):
-                xs = [t - r.a.sent for t in s.arrivals]
-                right.plot(xs, range(1, len(xs) + 1), ".-", ms=3, label=f"{r.mode} {who}")
-        right.set(xlabel="s since A was sent (B sent at 2 s)", ylabel="tokens received")
-        for ax in axes:
-            ax.legend(fontsize=7)
-
-    return panels
+    left, right = axes
+    for context in sorted({c.context for c in cells}):
+        mine = [c for c in cells if c.context == context]
+        for mode, style in (("batched", "o-"), ("sequential", "s--")):
+            ys = [c.sys_tps(mode) for c in mine]
+            left.plot([c.batch for c in mine], ys, style, label=f"{h.label(context)} {mode}")
+    left.set_xscale("log", base=2)
+    left.set_xticks(BATCHES, [str(b) for b in BATCHES])
+    left.set(xlabel="agents (batch size)", ylabel="SysTPS, tokens/s (median of passes)")
+    for r in runs[-2:]:
+        for who, s in (("A", r.a), ("B", r.b)):
+            xs = [t - r.a.sent for t in s.arrivals]
+            right.plot(xs, range(1, len(xs) + 1), ".-", ms=3, label=f"{r.mode} {who}")
+    right.set(xlabel="s since A was sent (B sent at 2 s)", ylabel="tokens received")
+    for ax in axes:
+        ax.legend(fontsize=7)
 
 
 def write_report(cells: list[Cell], runs: list[Staggered], args: Any) -> None:
@@ -499,7 +495,7 @@ def write_report(cells: list[Cell], runs: list[Staggered], args: Any) -> None:
     png = h.report(
         "batching", args.out, header, sections, targets(cells), notes_for(cells, runs), document
     )
-    h.plot(png, header, "batching", draw(cells, runs), ncols=2, figsize=(13, 4.8))
+    h.plot(png, header, "batching", draw, cells, runs, ncols=2, figsize=(13, 4.8))
 
 
 def parse_args(argv: list[str] | None) -> Any:

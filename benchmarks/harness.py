@@ -421,14 +421,14 @@ def pyplot() -> Any:
     return plt
 
 
-def plot(path: Path, header: Mapping[str, object], title: str, draw: Callable, **figure) -> None:
-    """draw(axes) on one row of panels (figure: ncols, figsize), titled with the machine's
-    facts and saved to path."""
+def plot(path: Path, header: Mapping, title: str, draw: Callable, *data: Any, **figure) -> None:
+    """draw(*data, axes) on one row of panels (figure: ncols, figsize), titled with the
+    machine's facts and saved to path."""
     if (plt := pyplot()) is None:
         return
     ncols, size = figure.get("ncols", 1), figure.get("figsize", (6.5, 4.8))
     fig, axes = plt.subplots(1, ncols, figsize=size, squeeze=False)
-    draw(axes[0])
+    draw(*data, axes[0])
     facts = f"{header['cpu']}, {header['cores']} cores, MLX {header['mlx']}, BLAS {header['blas']}"
     fig.suptitle(f"agentkv {title}, {header['date']}; {facts}", fontsize=8)
     fig.tight_layout()

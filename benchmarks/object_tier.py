@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = NOTES + ([f"steady-load errors: {load['errors'][:3]}"] if load["errors"] else [])
     document = {"rows": rows, "load": load}
     png = h.report("object_tier", args.out, header, sections, targets(rows, load), notes, document)
-    h.plot(png, header, "object-store tier", draw(rows))
+    h.plot(png, header, "object-store tier", draw, rows)
 
 
 def kv_shape(path: Path) -> dict[str, int]:
@@ -301,18 +301,15 @@ def kv_shape(path: Path) -> dict[str, int]:
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads}  # fmt: skip
 
 
-def draw(rows: dict[int, dict[str, Any]]) -> Any:
-    def panel(axes: Any) -> None:
-        ax, xs = axes[0], list(rows)
-        for key, name in (("cold", "cold re-prefill"), ("object", "warm, object store"),
-                          ("local", "warm, local")):  # fmt: skip
-            ax.plot(xs, [statistics.median(rows[n][key]) for n in xs], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set(xlabel="context tokens", ylabel="time to first token, ms")
-        ax.legend()
-
-    return panel
+def draw(rows: dict[int, dict[str, Any]], axes: Any) -> None:
+    ax, xs = axes[0], list(rows)
+    for key, name in (("cold", "cold re-prefill"), ("object", "warm, object store"),
+                      ("local", "warm, local")):  # fmt: skip
+        ax.plot(xs, [statistics.median(rows[n][key]) for n in xs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="context tokens", ylabel="time to first token, ms")
+    ax.legend()
 
 
 if __name__ == "__main__":

@@ -620,26 +620,22 @@ def notes_for(run: Run, model_dir: Path, met: bool) -> list[str]:
     ]
 
 
-def draw(run: Run) -> Any:
+def draw(run: Run, axes: Any) -> None:
     """PPL per format, and the per-window mean NLL change against FP16."""
-
-    def panels(axes: Any) -> None:
-        left, right = axes
-        scores = list(run.scores.values())
-        left.bar(range(len(scores)), [s.ppl for s in scores], color="tab:blue")
-        left.set_xticks(range(len(scores)), [s.kind for s in scores], fontsize=7)
-        for x, s in enumerate(scores):
-            left.text(x, s.ppl, f"{s.ppl:.3f}", ha="center", va="bottom", fontsize=7)
-        left.set_ylim(min(s.ppl for s in scores) * 0.98, max(s.ppl for s in scores) * 1.01)
-        left.set_ylabel("perplexity (Python docs prose)")
-        for s in (s for s in scores if s.kind in QUANTIZED):
-            diffs = [a.mean() - b.mean() for a, b in zip(s.nll, run.base.nll, strict=True)]
-            right.plot(range(len(diffs)), diffs, "o-", ms=3, label=f"{s.kind} - FP16")
-        right.axhline(0, color="grey", lw=0.8)
-        right.set(xlabel="window", ylabel="mean NLL change per scored token (nats)")
-        right.legend(fontsize=7)
-
-    return panels
+    left, right = axes
+    scores = list(run.scores.values())
+    left.bar(range(len(scores)), [s.ppl for s in scores], color="tab:blue")
+    left.set_xticks(range(len(scores)), [s.kind for s in scores], fontsize=7)
+    for x, s in enumerate(scores):
+        left.text(x, s.ppl, f"{s.ppl:.3f}", ha="center", va="bottom", fontsize=7)
+    left.set_ylim(min(s.ppl for s in scores) * 0.98, max(s.ppl for s in scores) * 1.01)
+    left.set_ylabel("perplexity (Python docs prose)")
+    for s in (s for s in scores if s.kind in QUANTIZED):
+        diffs = [a.mean() - b.mean() for a, b in zip(s.nll, run.base.nll, strict=True)]
+        right.plot(range(len(diffs)), diffs, "o-", ms=3, label=f"{s.kind} - FP16")
+    right.axhline(0, color="grey", lw=0.8)
+    right.set(xlabel="window", ylabel="mean NLL change per scored token (nats)")
+    right.legend(fontsize=7)
 
 
 def write_report(run: Run, header: dict[str, Any], args: Any) -> None:
@@ -662,7 +658,7 @@ def write_report(run: Run, header: dict[str, Any], args: Any) -> None:
     document |= {"checks": run.checks, "paper_table9": {"rows": TABLE9, "tokens": TABLE9_TOKENS}}
     notes = notes_for(run, args.path, goals[0]["met"])
     png = h.report("perplexity", args.out, header, sections, goals, notes, document)
-    h.plot(png, header, f"perplexity, {run.name}", draw(run), ncols=2, figsize=(14, 5.2))
+    h.plot(png, header, f"perplexity, {run.name}", draw, run, ncols=2, figsize=(14, 5.2))
 
 
 def parse_args(argv: list[str] | None) -> Any:

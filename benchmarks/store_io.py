@@ -205,21 +205,17 @@ def targets(bench: Bench, locate_target: float) -> list[dict[str, object]]:
     return goals
 
 
-def draw(bench: Bench) -> Callable:
+def draw(bench: Bench, axes: Sequence) -> None:
     """A bar chart of median MB/s with min..max whiskers."""
-
-    def panel(axes: Sequence) -> None:
-        ax, rows = axes[0], bench.rows[::-1]
-        rates = [r.rate(r.median) for r in rows]
-        low = [m - r.rate(max(r.seconds)) for m, r in zip(rates, rows, strict=True)]
-        high = [r.rate(min(r.seconds)) - m for m, r in zip(rates, rows, strict=True)]
-        bars = ax.barh([r.path for r in rows], rates, xerr=[low, high], capsize=3, color="#4878a8")
-        ax.bar_label(bars, labels=[f"{m:,.0f}" for m in rates], padding=14, fontsize=8)
-        ax.axvline(STREAM_TARGET / MB, color="#c44", linestyle="--", label="1 GiB/s")
-        ax.set(xscale="log", xlabel="MB/s, log scale (median; whiskers: slowest..fastest repeat)")
-        ax.legend(loc="lower right")
-
-    return panel
+    ax, rows = axes[0], bench.rows[::-1]
+    rates = [r.rate(r.median) for r in rows]
+    low = [m - r.rate(max(r.seconds)) for m, r in zip(rates, rows, strict=True)]
+    high = [r.rate(min(r.seconds)) - m for m, r in zip(rates, rows, strict=True)]
+    bars = ax.barh([r.path for r in rows], rates, xerr=[low, high], capsize=3, color="#4878a8")
+    ax.bar_label(bars, labels=[f"{m:,.0f}" for m in rates], padding=14, fontsize=8)
+    ax.axvline(STREAM_TARGET / MB, color="#c44", linestyle="--", label="1 GiB/s")
+    ax.set(xscale="log", xlabel="MB/s, log scale (median; whiskers: slowest..fastest repeat)")
+    ax.legend(loc="lower right")
 
 
 def positive(text: str) -> int:
@@ -278,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     goals = targets(bench, args.locate_target)
     png = h.report("store_io", args.out, header, sections, goals, notes, {"rows": bench.rows})
     size = (11, 0.45 * len(bench.rows) + 1.8)
-    h.plot(png, header, f"store I/O, grpcio {grpc.__version__}", draw(bench), figsize=size)
+    h.plot(png, header, f"store I/O, grpcio {grpc.__version__}", draw, bench, figsize=size)
 
 
 if __name__ == "__main__":

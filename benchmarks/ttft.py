@@ -434,19 +434,14 @@ def model_sections(run: ModelRun) -> list[tuple[str, str]]:
     ]
 
 
-def draw(runs: list[ModelRun]):
-    def panels(axes: Any) -> None:
-        for ax, run in zip(axes, runs, strict=True):
-            xs = [c.nominal for c in run.contexts]
-            for name in (*PATHS, "raw_decode"):
-                series = [c.series(name) for c in run.contexts]
-                h.whiskers(ax, xs, series, label=STEPS.get(name, name))
-            h.context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
-            ax.set_title(
-                f"{run.name}: {run.info['layers']} layers, {run.info['dtype']}", fontsize=9
-            )
-
-    return panels
+def draw(runs: list[ModelRun], axes: Any) -> None:
+    for ax, run in zip(axes, runs, strict=True):
+        xs = [c.nominal for c in run.contexts]
+        for name in (*PATHS, "raw_decode"):
+            series = [c.series(name) for c in run.contexts]
+            h.whiskers(ax, xs, series, label=STEPS.get(name, name))
+        h.context_axis(ax, xs, "TTFT, ms (median; whiskers min..max)")
+        ax.set_title(f"{run.name}: {run.info['layers']} layers, {run.info['dtype']}", fontsize=9)
 
 
 def write_report(runs: list[ModelRun], args: Any) -> None:
@@ -469,7 +464,7 @@ def write_report(runs: list[ModelRun], args: Any) -> None:
     goals = [g for r in measured for g in targets(r)]
     png = h.report("ttft", args.out, header, sections, goals, notes, {"models": models})
     size = (6.5 * len(measured), 4.8)
-    h.plot(png, header, "TTFT", draw(measured), ncols=len(measured), figsize=size)
+    h.plot(png, header, "TTFT", draw, measured, ncols=len(measured), figsize=size)
 
 
 def parse_args(argv: list[str] | None) -> Any:

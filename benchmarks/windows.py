@@ -315,25 +315,21 @@ def notes_for(runs: list[ContextRun], config: dict[str, Any]) -> list[str]:
     return notes
 
 
-def draw(runs: list[ContextRun]) -> Callable:
+def draw(runs: list[ContextRun], axes: Any) -> None:
     """Bytes read and TTFT against context, both ways."""
-
-    def panels(axes: Any) -> None:
-        left, right = axes
-        xs = [r.nominal for r in runs]
-        for mode in MODES:
-            modes, name = [r.modes[mode] for r in runs], MODE_NAMES[mode]
-            left.plot(xs, [m.median("restored_bytes") / 1e6 for m in modes], marker="o", label=name)
-            ttft = [m.series("ttft_ms") for m in modes]
-            line = h.whiskers(right, xs, ttft, label=f"{name}, warm")
-            style = {"linestyle": "--", "marker": ".", "color": line[0].get_color()}
-            right.plot(xs, [m.median("hot_ttft_ms") for m in modes], **style, label=f"{name}, hot")
-        h.context_axis(left, xs, "MB read by a warm restore", log_y=False)
-        h.context_axis(right, xs, "TTFT, ms (median; whiskers min..max)", log_y=False)
-        for ax in axes:
-            ax.set_ylim(bottom=0)
-
-    return panels
+    left, right = axes
+    xs = [r.nominal for r in runs]
+    for mode in MODES:
+        modes, name = [r.modes[mode] for r in runs], MODE_NAMES[mode]
+        left.plot(xs, [m.median("restored_bytes") / 1e6 for m in modes], marker="o", label=name)
+        ttft = [m.series("ttft_ms") for m in modes]
+        line = h.whiskers(right, xs, ttft, label=f"{name}, warm")
+        style = {"linestyle": "--", "marker": ".", "color": line[0].get_color()}
+        right.plot(xs, [m.median("hot_ttft_ms") for m in modes], **style, label=f"{name}, hot")
+    h.context_axis(left, xs, "MB read by a warm restore", log_y=False)
+    h.context_axis(right, xs, "TTFT, ms (median; whiskers min..max)", log_y=False)
+    for ax in axes:
+        ax.set_ylim(bottom=0)
 
 
 def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[str, Any]) -> None:
@@ -356,7 +352,7 @@ def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[st
     notes = notes_for(runs, config)
     png = h.report("windows", args.out, header, sections, targets(runs), notes, document)
     title = "sliding-window caches, Gemma-3-shaped model"
-    h.plot(png, header, title, draw(runs), ncols=2, figsize=(12, 4.8))
+    h.plot(png, header, title, draw, runs, ncols=2, figsize=(12, 4.8))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,28 +282,24 @@ LINES = (("cold", "ttft", "o-", "cold (re-prefill)"), ("persistent", "ttft", "s-
          ("persistent", "incl_setup", "s--", "persistent incl. create/inject"))  # fmt: skip
 
 
-def draw(cp: CrossPhase | None, rt: Routing | None) -> Callable:
+def draw(cp: CrossPhase | None, rt: Routing | None, axes: Any) -> None:
     """Per-phase TTFT cold vs persistent, and the routing groups."""
-
-    def panels(axes: Any) -> None:
-        left, right = axes
-        if cp is not None:
-            xs = range(1, len(cp.phases) + 1)
-            for mode, attr, style, name in LINES:
-                ys = [cp.med(mode, phase, attr) for phase in cp.phases]
-                left.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
-            left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
-            ylabel = "mean TTFT per phase, ms (median of passes)"
-            left.set(ylabel=ylabel, title="prisoner's dilemma")
-            left.legend(fontsize=7)
-        if rt is not None:
-            keys = [k for k in GROUPS if rt.every(k)]
-            right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k in keys])
-            right.set_xticks(range(len(keys)), [GROUPS[k][1] for k in keys], fontsize=7)
-            ylabel = "mean TTFT, ms (median of passes)"
-            right.set(yscale="log", ylabel=ylabel, title="expert routing")
-
-    return panels
+    left, right = axes
+    if cp is not None:
+        xs = range(1, len(cp.phases) + 1)
+        for mode, attr, style, name in LINES:
+            ys = [cp.med(mode, phase, attr) for phase in cp.phases]
+            left.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
+        left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
+        ylabel = "mean TTFT per phase, ms (median of passes)"
+        left.set(ylabel=ylabel, title="prisoner's dilemma")
+        left.legend(fontsize=7)
+    if rt is not None:
+        keys = [k for k in GROUPS if rt.every(k)]
+        right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k in keys])
+        right.set_xticks(range(len(keys)), [GROUPS[k][1] for k in keys], fontsize=7)
+        ylabel = "mean TTFT, ms (median of passes)"
+        right.set(yscale="log", ylabel=ylabel, title="expert routing")
 
 
 def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str) -> None:
@@ -327,7 +323,7 @@ def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str)
         document["routing"] = {"groups": groups, "passes": rt.passes}
     notes = notes_for(cp, rt, fit, args.max_tokens)
     png = h.report("workflows", args.out, header, sections, targets(cp, rt), notes, document)
-    h.plot(png, header, "workflows", draw(cp, rt), ncols=2, figsize=(13, 4.8))
+    h.plot(png, header, "workflows", draw, cp, rt, ncols=2, figsize=(13, 4.8))
 
 
 def parse_args(argv: list[str] | None) -> Any:
