@@ -7,8 +7,10 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -55,6 +57,17 @@ class RawReader:
             if xxhash.xxh3_64_intdigest(self.buffer[pos : pos + s.num_bytes]) != s.checksum:
                 raise RuntimeError(f"checksum mismatch in layer {s.layer}")
             pos += s.num_bytes
+
+
+@contextmanager
+def located(store: Any, ns: str, fp: str, keys: list[bytes], lease_s: int = 600) -> Iterator:
+    """A RawReader of the blocks' locations, under a lease released when the block ends."""
+    request = pb.LocateBlocksRequest(namespace=ns, fingerprint=fp, keys=keys, lease_seconds=lease_s)
+    reply = store.call("LocateBlocks", request)
+    try:
+        yield RawReader(reply.blocks)
+    finally:
+        store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=reply.lease_id))
 
 
 def merged_runs(segments: Sequence[pb.Segment]) -> list[tuple[int, int]]:

@@ -166,19 +166,24 @@ def open_model(args: argparse.Namespace) -> Any:
     return load_tokenizer(args.path)
 
 
-def wait_ready(worker: Any, timeout: float = 120.0) -> Any:
-    """The worker's GetWorkerInfo once it answers: on a busy 2-core machine the first connect
-    can time out (UNAVAILABLE) though the worker logged "serving", so this retries."""
+def retry(fn: Callable[[], Any], timeout: float, pause: float) -> Any:
+    """fn(), called again while it raises Unavailable, until `timeout` seconds have passed."""
     from agentkv.errors import Unavailable
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return worker.info()
+            return fn()
         except Unavailable:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.5)
+            time.sleep(pause)
+
+
+def wait_ready(worker: Any, timeout: float = 120.0) -> Any:
+    """The worker's GetWorkerInfo once it answers: on a busy 2-core machine the first connect
+    can time out (UNAVAILABLE) though the worker logged "serving"."""
+    return retry(worker.info, timeout, 0.5)
 
 
 # turns

@@ -47,16 +47,7 @@ TARGET_AT, TARGET = 4096, 10.0  # object-store restore at least 10x faster than 
 def ask(worker: Any, agent: str, text: str, timeout: float = 60.0) -> Any:
     """One timed turn; while the worker's channel to a just restarted store is still in its
     reconnect back-off (UNAVAILABLE before the turn starts), asked again."""
-    from agentkv.errors import Unavailable
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return h.timed_turn(worker, NS, agent, [("user", text)], 1)
-        except Unavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    return h.retry(lambda: h.timed_turn(worker, NS, agent, [("user", text)], 1), timeout, 0.2)
 
 
 class Stores:

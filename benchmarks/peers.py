@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from common import RawReader, load_tokenizer, max_context, model_dir
+from common import load_tokenizer, located, max_context, model_dir
 from harness import fmt as ms
 from paper import TTFT
 
-from agentkv.v1 import store_pb2 as pb
 from inference_worker.blas import load_optimized_blas
 
 NS = "peers"
@@ -340,18 +339,13 @@ class AgentkvPeer:
 
         fp = self.svc.info[self.name].fingerprint
         keys = list(self.manifest(self.twin).block_keys)
-        request = pb.LocateBlocksRequest(namespace=NS, fingerprint=fp, keys=keys, lease_seconds=60)
-        located = self.svc.store.call("LocateBlocks", request)
-        try:
-            raw = RawReader(located.blocks)
+        with located(self.svc.store, NS, fp, keys, 60) as raw:
 
             def read() -> None:
                 raw.read()
                 mx.eval(mx.array(np.frombuffer(raw.buffer, dtype=np.uint8)))
 
             return min(h.timed(read)[0] for _ in range(3))
-        finally:
-            self.svc.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
 
     def systps(self, batch: int, run: Run, n: int) -> float:
         """`batch` hot forks of the context, sent at once; generated tokens per second."""

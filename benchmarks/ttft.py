@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from common import RawReader, load_tokenizer, max_context, model_dir
+from common import RawReader, load_tokenizer, located, max_context, model_dir
 from paper import TTFT
 
 from agentkv.layers import KVFormat
@@ -234,16 +234,10 @@ def in_process(svc: Any, model: Any, fp: str, run: ContextRun, passes: int) -> N
     k = round(statistics.median(t.usage["prefilled_tokens"] for t in run.turns["warm (locate)"]))
     tail = list(manifest.token_ids[-k:])
     run.inproc |= rpc_steps(svc.store, fp, run.agent, keys, passes)
-    request = pb.LocateBlocksRequest(namespace=NS, fingerprint=fp, keys=keys, lease_seconds=600)
-    located = svc.store.call("LocateBlocks", request)
-    try:
-        raw = RawReader(located.blocks)
+    with located(svc.store, NS, fp, keys) as raw:
         run.inproc |= {"read": h.repeat(raw.read, passes), "xxh3": h.repeat(raw.verify, passes)}
         blocks = svc.store.read_blocks_local(NS, fp, keys)
-        steps = mlx_steps(model, blocks, tail, raw, passes)
-    finally:
-        svc.store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
-    run.inproc |= steps
+        run.inproc |= mlx_steps(model, blocks, tail, raw, passes)
     run.notes.append(
         f"{h.label(run.nominal)} in-process rows: {run.context_tokens} cached tokens, "
         f"{raw.num_bytes / 1e6:.1f} MB of blocks, k = {k} tokens"
