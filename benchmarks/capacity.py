@@ -19,16 +19,12 @@ def gemma_sizes() -> list[tuple]:
     rows, gemma = [], load_config("gemma3_12b")
     for context, (fp16, q4) in zip(TABLE14_CONTEXTS, TABLE2_GEMMA, strict=True):
         c = plan(gemma, context, TABLE14_BUDGET_BYTES)
-        rows.append(
-            (
-                f"{context // 1024}K",
-                fp16,
-                f"{c.fp16_bytes / GIB:.2f}",
-                q4,
-                f"{c.q_bytes / GIB:.2f}",
-                f"{c.q_window_bytes / GIB:.3f}",
-            )
+        gib = (
+            f"{c.fp16_bytes / GIB:.2f}",
+            f"{c.q_bytes / GIB:.2f}",
+            f"{c.q_window_bytes / GIB:.3f}",
         )
+        rows.append((f"{context // 1024}K", fp16, gib[0], q4, *gib[1:]))
     return rows
 
 
@@ -55,31 +51,18 @@ def main(argv: list[str] | None = None) -> None:
         f"cells that differ from the paper: {differ}",
         *TABLE14_NOTES,
     ]
-    ours = [
-        (
-            r.model,
-            f"{r.ours.context_tokens // 1024}K",
-            r.paper_fp16,
-            r.ours.num_fp16_agents,
-            r.paper_q4,
-            r.ours.num_q_agents,
-            r.ours.num_q_window_agents,
-        )
-        for r in rows
-    ]
+    ours = [(r.model, f"{r.ours.context_tokens // 1024}K", r.paper_fp16, r.ours.num_fp16_agents,
+             r.paper_q4, r.ours.num_q_agents, r.ours.num_q_window_agents)
+            for r in rows]  # fmt: skip
     heads = ["FP16 paper", "FP16 ours", "Q4 paper", "Q4 ours", "Q4 window-aware ours"]
+    title = f"agents that fit in {TABLE14_BUDGET_BYTES / GIB:.1f} GiB (Table 14)"
     sections = [
-        (
-            f"agents that fit in {TABLE14_BUDGET_BYTES / GIB:.1f} GiB (Table 14)",
-            h.table(["model", "context", *heads], ours, "ll" + "r" * 5),
-        ),
+        (title, h.table(["model", "context", *heads], ours, "ll" + "r" * 5)),
         ("Gemma 3 12B KV per agent, GiB (Table 2)", h.table(["context", *heads], gemma_sizes())),
     ]
     keys = ("model", "context", "paper_fp16", "fp16", "paper_q4", "q4", "q4_window")
-    document = {
-        "budget_bytes": TABLE14_BUDGET_BYTES,
-        "rows": [dict(zip(keys, r, strict=True)) for r in ours],
-    }
+    document = {"budget_bytes": TABLE14_BUDGET_BYTES}
+    document["rows"] = [dict(zip(keys, r, strict=True)) for r in ours]
     h.report("capacity", args.out, {}, sections, targets(gemma), notes, document)
 
 

@@ -18,15 +18,6 @@ TTFT = {
     "Llama": {1024: (2500, 260), 2048: (4530, 274), 4096: (10235, 290), 8192: (21536, 331),
               16384: (47629, 431)},
 }  # fmt: skip
-# Table 5, Llama 3.1 8B, TTFT ms. agent-memory (Q4, on disk): cold, warm, restart; vllm-mlx
-# (FP16 prefix cache in RAM): cold, prefix hit, restart (None: "—" in the paper).
-TABLE5: dict[int, tuple[int, int, int, int, int, int | None]] = {
-    1024: (2500, 260, 260, 2289, 273, 2262),
-    2048: (4530, 274, 274, 2204, 204, 4134),
-    4096: (10235, 290, 290, 4394, 290, 8079),
-    8192: (21536, 331, 331, 9472, 244, None),
-    16384: (47629, 431, 431, 37935, 371, None),
-}
 # Table 4, warm rows: batch 2 (non-streaming, median of 6 passes), (SysTPS, per-agent), where
 # per-agent = SysTPS / 2 (Table 6: "the 2.0x is definitional").
 TABLE4 = {
@@ -121,14 +112,10 @@ class Table14Row:
     def differences(self) -> list[str]:
         """e.g. "llama3_1_8b 4K FP16: 20 here, 19 in the paper"."""
         where = f"{self.model} {self.ours.context_tokens // 1024}K"
-        return [
-            f"{where} {name}: {ours} here, {paper} in the paper"
-            for name, ours, paper in (
-                ("FP16", self.ours.num_fp16_agents, self.paper_fp16),
-                ("Q4", self.ours.num_q_agents, self.paper_q4),
-            )
-            if ours != paper
-        ]
+        cells = (("FP16", self.ours.num_fp16_agents, self.paper_fp16),
+                 ("Q4", self.ours.num_q_agents, self.paper_q4))  # fmt: skip
+        return [f"{where} {n}: {ours} here, {paper} in the paper" for n, ours, paper in cells
+                if ours != paper]  # fmt: skip
 
 
 def table14(budget_bytes: int = TABLE14_BUDGET_BYTES) -> list[Table14Row]:
@@ -138,8 +125,3 @@ def table14(budget_bytes: int = TABLE14_BUDGET_BYTES) -> list[Table14Row]:
         for model, cells in TABLE14.items()
         for context, (fp16, q4) in zip(TABLE14_CONTEXTS, cells, strict=True)
     ]
-
-
-def table14_gemma() -> dict[int, tuple[int, int]]:
-    """Gemma 3 12B's (FP16, Q4) agents by context."""
-    return dict(zip(TABLE14_CONTEXTS, TABLE14["gemma3_12b"], strict=True))
