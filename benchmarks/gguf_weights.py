@@ -56,14 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         h.say(f"importing and timing {weights} ...")
         times[weights] = measure(resolve_model(args.model, weights, "cpu", cache), args)
     print(f"model {args.model}, BLAS {blas or 'reference'}, {args.repeats} repeats\n")
+    per_step = {w: f"{statistics.median(t['decode']) / args.decode:.1f}" for w, t in times.items()}
     rows = [
-        (
-            w,
-            h.span(t["prefill"], 0),
-            h.span(t["decode"], 0),
-            f"{statistics.median(t['decode']) / args.decode:.1f}",
-        )
-        for w, t in times.items()
+        (w, h.span(t["prefill"], 0), h.span(t["decode"], 0), per_step[w]) for w, t in times.items()
     ]
     headers = ("weights", f"prefill {args.prefill} tok ms (min / median / max)")
     print(h.table((*headers, f"{args.decode} decode steps ms", "ms per decode step"), rows))
