@@ -19,8 +19,9 @@ from agentkv.errors import InvalidArgument
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests
+from cache_store.reads import Selection
 from cache_store.records import BlockRecord
-from cache_store.store import CacheStore, Selection, page_size_limit
+from cache_store.store import CacheStore, page_size_limit
 from cache_store.streams import StreamGuard
 from cache_store.uploads import PutHeader
 from cache_store.validation import TensorLayout

@@ -1,0 +1,209 @@
+"""Blocks out: selections of a block's layers, streamed reads and located reads under a
+lease (a demoted block fetched back from the object store first), corruption reports, and
+the longest stored prefix of a token sequence."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from agentkv import ids
+from agentkv.errors import BlockNotFound, CorruptBlock, InvalidArgument
+from agentkv.keys import block_key
+from cache_store.capacity import Capacity
+from cache_store.parts import Parts
+from cache_store.records import BlockRecord, Segment
+from cache_store.validation import TensorLayout
+
+if TYPE_CHECKING:
+    from cache_store.tier import ObjectTier
+
+log = logging.getLogger("agentkv.store")
+
+
+@dataclass(slots=True)
+class Selection:
+    """The tensors and checksummed segments of a block that a reader asked for."""
+
+    record: BlockRecord
+    tensors: list[TensorLayout]
+    segments: list[Segment]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.segments)
+
+    @property
+    def identity(self) -> tuple:
+        """Names these exact bytes: a re-uploaded block gets a new created_ms and checksums."""
+        r = self.record
+        return (
+            r.namespace,
+            r.key,
+            r.created_ms,
+            tuple((s.layer, s.checksum) for s in self.segments),
+        )
+
+
+class BlockReads:
+    def __init__(self, parts: Parts, capacity: Capacity, quarantine: Callable[..., None]) -> None:
+        self.config, self.index, self.payloads = parts.config, parts.index, parts.payloads
+        self.leases, self.metrics, self.capacity = parts.leases, parts.metrics, capacity
+        self.quarantine = quarantine
+        self.tier: ObjectTier | None = None  # set once the object-store tier is up
+
+    def select(
+        self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int]
+    ) -> list[Selection]:
+        """Checks every key first, so a stream never starts for a request that must fail."""
+        ns = ids.namespace(namespace)
+        fp = ids.fingerprint(fingerprint)
+        if not keys:
+            raise InvalidArgument("no keys requested")
+        with self.index.read() as txn:
+            records = [self.index.require_block(txn, ns, fp, ids.key(k), "key") for k in keys]
+        return [select_layers(r, set(layers)) for r in records]
+
+    @contextmanager
+    def reading(self, selections: Sequence[Selection]) -> Iterator[None]:
+        """Holds a lease on the blocks for the duration of a streamed read."""
+        lease_id, _ = self.leases.grant(
+            selections[0].record.namespace,
+            [(s.record.namespace, s.record.key) for s in selections],
+            self.config.max_lease_seconds,
+        )
+        try:
+            self._ensure_local(selections)
+            yield
+        finally:
+            self.leases.release(lease_id)
+
+    def read(self, selection: Selection, max_run: int) -> Iterator[memoryview]:
+        """The selected bytes in verified runs; a bad payload is quarantined (CorruptBlock)."""
+        record = selection.record
+        self.capacity.touch_block((record.namespace, record.key))
+        try:
+            yield from self.payloads.read(record, selection.segments, max_run)
+        except CorruptBlock as exc:
+            self.quarantine(record, exc.message)
+            raise
+        self.metrics.get_bytes.inc(selection.num_bytes)
+
+    def locate(
+        self,
+        namespace: str,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        layers: Sequence[int],
+        lease_seconds: int,
+    ) -> tuple[str, int, list[Selection]]:
+        seconds = lease_seconds or self.config.lease_seconds
+        if seconds > self.config.max_lease_seconds:
+            raise InvalidArgument(
+                f"lease_seconds {seconds} exceeds the limit {self.config.max_lease_seconds}"
+            )
+        selections = self.select(namespace, fingerprint, keys, layers)
+        blocks = [(s.record.namespace, s.record.key) for s in selections]
+        lease_id, expires = self.leases.grant(selections[0].record.namespace, blocks, seconds)
+        try:
+            self._ensure_local(selections)  # fetched to local disk, then located
+        except BaseException:
+            self.leases.release(lease_id)
+            raise
+        for block in blocks:
+            self.capacity.touch_block(block)
+        return lease_id, expires, selections
+
+    def _ensure_local(self, selections: Sequence[Selection]) -> None:
+        """Under the caller's lease (nothing demotes a leased block): each selected block's
+        record as it is now, its payload fetched back from the object store if demoted. One
+        the object store cannot give back whole is quarantined (DATA_LOSS: a re-prefill)."""
+        with self.index.read() as txn:
+            for s in selections:
+                s.record = self.index.find_block(txn, s.record.namespace, s.record.key) or s.record
+        for s in selections:
+            if s.record.local:
+                continue
+            if self.tier is None:
+                raise CorruptBlock(
+                    f"block {s.record.key.hex()} is demoted and no object store is set"
+                )
+            try:
+                s.record = self.tier.rehydrate(s.record)
+            except CorruptBlock as exc:
+                self.quarantine(s.record, exc.message, where="bucket")
+                raise
+
+    def path_of(self, record: BlockRecord) -> str:
+        return str(self.payloads.path(record.relpath))
+
+    def report_corrupt(
+        self, namespace: str, key: bytes, reason: str, does_not_fit: bool = False
+    ) -> bool:
+        """Quarantines a block whose payload fails a check, or, on a namespace writer's word
+        (`does_not_fit`), one whose tensors cannot belong to its model."""
+        ns, key = ids.namespace(namespace), ids.key(key)
+        with self.index.read() as txn:
+            record = self.index.get_block(txn, ns, key)
+        if record is None:
+            raise BlockNotFound(f"block {key.hex()} not found in namespace {ns!r}")
+        if does_not_fit:
+            self.quarantine(record, f"reported not to fit its model: {reason}", where="misfit")
+            return True
+        if not record.local:
+            return False  # nothing here to check; a fetch back checks the object store's copy
+        try:
+            self.payloads.verify(record)
+        except CorruptBlock as exc:
+            self.quarantine(record, f"{exc.message} (reported: {reason})")
+            return True
+        log.warning("corruption report not confirmed", extra={"key": key.hex(), "reason": reason})
+        return False
+
+    def longest_prefix(
+        self, namespace: str, fingerprint: str, token_ids: Sequence[int]
+    ) -> list[BlockRecord]:
+        ns, fp = ids.namespace(namespace), ids.fingerprint(fingerprint)
+        tokens = ids.token_ids(token_ids, self.config.max_agent_tokens)
+        chain: list[BlockRecord] = []
+        parent, pos = b"", 0
+        with self.index.read() as txn:
+            while pos < len(tokens):
+                record = self._longest_child(txn, ns, fp, parent, tokens, pos)
+                if record is None:
+                    break
+                chain.append(record)
+                parent, pos = record.key, pos + len(record.token_ids)
+        (self.metrics.prefix_hits if chain else self.metrics.prefix_misses).inc()
+        return chain
+
+    def _longest_child(
+        self, txn: Any, ns: str, fp: str, parent: bytes, tokens: list[int], pos: int
+    ) -> BlockRecord | None:
+        children = self.index.children(txn, ns, parent)
+        keys = {key for _, key in children}
+        for n in sorted({n for n, _ in children}, reverse=True):
+            if pos + n <= len(tokens):
+                key = block_key(fp, parent, tokens[pos : pos + n])
+                if key in keys:
+                    return self.index.find_block(txn, ns, key)
+        return None
+
+
+def select_layers(record: BlockRecord, layers: set[int]) -> Selection:
+    if not layers:
+        return Selection(record, record.tensors, [s for s in record.segments if s.layer >= 0])
+    unknown = layers - set(record.layers)
+    if unknown:
+        raise InvalidArgument(
+            f"block {record.key.hex()} has no layer {sorted(unknown)}; it holds layers "
+            f"{record.layers[0]}..{record.layers[-1]}"
+        )
+    return Selection(
+        record,
+        [t for t in record.tensors if t.layer in layers],
+        [s for s in record.segments if s.layer in layers],
+    )
