@@ -36,7 +36,7 @@ class _UsageCollector(Collector):
                 "Blocks and manifests waiting to be written to the object store",
                 value=s["object_queue_depth"],
             )
-            up = float(s["object_store"] != "unreachable")
+            up = float(s["object_store_state"] != "unreachable")
             yield GaugeMetricFamily(
                 "agentkv_store_object_store_up", "1 while the object store answers", value=up
             )

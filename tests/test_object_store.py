@@ -144,6 +144,12 @@ def assert_restores(client: StoreClient, agent: str, tokens, blocks, keys) -> No
 # moving hosts: a real worker, greedy continuations
 
 
+def scrape(store) -> str:
+    """The store's Prometheus metrics, as text."""
+    metrics = store.service._find_event("serving", 0)["metrics"]
+    return urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+
+
 def test_agent_restores_warm_on_a_store_with_an_empty_data_dir(
     weed, bucket, tmp_path, tiny_model_dirs
 ):
@@ -239,13 +245,13 @@ def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, t
         shown = cli("store", "stats", store=store.address).stdout
         assert f"s3://{BUCKET}/{bucket}/" in shown and "demoted blocks" in shown
         assert re.search(rf"rehydrated blocks\s+{stats.num_rehydrated_blocks}\b", shown)
-        metrics = store.service._find_event("serving", 0)["metrics"]
-        text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+        text = scrape(store)
         demoted = re.search(r"^agentkv_store_demoted_blocks_total (\S+)$", text, re.M)
         assert demoted and float(demoted.group(1)) == stats.num_demoted_blocks
         assert re.search(r'^agentkv_store_object_bytes_total\{op="get"\} [1-9]', text, re.M)
         assert re.search(r'^agentkv_store_object_seconds_count\{op="put"\} [1-9]', text, re.M)
         assert "agentkv_store_object_queue_depth" in text
+        assert re.search(r"^agentkv_store_object_store_up 1\.0$", text, re.M)
     finally:
         store.stop()
 
@@ -321,6 +327,7 @@ def test_kill9_during_uploads_loses_nothing_and_resumes(weed, bucket, tmp_path, 
 def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path):
     weed = WeedServer(tmp_path / "weed").start()  # its own: this test stops it
     args = tier_args(weed, bucket, "--writer-lease-seconds", "6", "--object-queue-max", "4")
+    args += ["--metrics-listen", "127.0.0.1:0"]
     store = start_store(tmp_path, "s", args)  # a queue of 4: the rest waits in the index
     saved = {}
     try:
@@ -338,6 +345,7 @@ def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path)
             wait_for("'unreachable'", lambda: c.stats().object_store_state == "unreachable")
             assert 0 < c.stats().object_queue_depth <= 4 + 4  # queued, and the 4 uploaders'
             assert health(store.address) == {"": "SERVING", OBJECT_STORE: "NOT_SERVING"}
+            assert re.search(r"^agentkv_store_object_store_up 0\.0$", scrape(store), re.M)
             for agent, (agent_tokens, agent_blocks, keys) in saved.items():
                 assert_restores(c, agent, agent_tokens, agent_blocks, keys)
             with pytest.raises(Unavailable, match="object store"):
@@ -345,6 +353,7 @@ def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path)
             weed.start()
             wait_for("the catch-up", lambda: uploaded(c))
             assert health(store.address)[OBJECT_STORE] == "SERVING"
+            assert re.search(r"^agentkv_store_object_store_up 1\.0$", scrape(store), re.M)
         store.stop()
         manifests = assert_bucket_whole(weed, bucket)
         assert {m["agent_id"]: m["generation"] for m in manifests.values()}["a0"] == 2
