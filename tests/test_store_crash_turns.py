@@ -39,9 +39,11 @@ def reply_to(n: int) -> dict:
 
 def crashing_store(point: str, argv: list[str]) -> None:
     """The store, killed -9 by itself at `point`, counted from its start: msg:P.M before
-    message M (from 0: a block's header, then its bytes, then the next header...) of its Pth
-    PutBlocks stream; block:N once its Nth new block is published (renamed and indexed);
-    commit:N before its Nth commit; committed:N after it, before the reply."""
+    message M (from 0: a block's header, then its bytes, then the next header...) of the
+    first PutBlocks stream, from its Pth on, that has one (how the worker's catch-up after a
+    restart splits into streams is timing); block:N once its Nth new block is published
+    (renamed and indexed); commit:N before its Nth commit; committed:N after it, before the
+    reply."""
     from agentkv import wire
     from agentkv.v1 import store_pb2 as pb
     from cache_store import service, store, uploads
@@ -57,13 +59,16 @@ def crashing_store(point: str, argv: list[str]) -> None:
                 print(json.dumps(line), flush=True)  # into the store's log
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    first_put, _, at_message = point.removeprefix("msg:").partition(".")
+
     def counted(raw):
         with lock:
             seen["put"] += 1
             put = seen["put"]
         for i, message in enumerate(raw):
             chunk = isinstance(wire.decode(message, pb.PutBlocksRequest), memoryview)
-            tick("msg", "bytes" if chunk else "header", f"msg:{put}.{i}")
+            armed = point.startswith("msg:") and put >= int(first_put) and i == int(at_message)
+            tick("msg", "bytes" if chunk else "header", point if armed else f"msg:{put}.{i}")
             yield message
 
     put_items, publish = service._put_items, uploads.Uploads._publish
