@@ -70,11 +70,12 @@ class Fetcher:
             got = self.bucket.get(layout.block_object(ns, key))
             if got is None:
                 raise CorruptBlock(f"demoted block {key.hex()} is missing from the object store")
-            if checksum is not None and xxhash.xxh3_64_intdigest(got.body) != checksum:
+            digest = xxhash.xxh3_64_intdigest(got.body)
+            if checksum is not None and digest != checksum:
                 raise CorruptBlock(
                     f"the object store's copy of block {key.hex()} failed its checksum"
                 )
-            landed = self._land(got.body, current, existing=True)
+            landed = self._land(got.body, digest, current, existing=True)
         self._count_rehydrated(1)
         return landed
 
@@ -146,18 +147,20 @@ class Fetcher:
         """Lands one downloaded block; why it is unusable, or "" once it is in place."""
         if got is None:
             return "missing"
-        if xxhash.xxh3_64_intdigest(got.body) != int(entry["xxh3"], 16):
+        digest = xxhash.xxh3_64_intdigest(got.body)
+        if digest != int(entry["xxh3"], 16):
             return "failed its checksum"
         try:
             with self._one_at_a_time(("block", base.namespace, base.key)):
-                self._land(got.body, base, existing=have is not None)
+                self._land(got.body, digest, base, existing=have is not None)
         except CorruptBlock as exc:
             return exc.message
         return ""
 
-    def _land(self, body: bytes, base: BlockRecord, existing: bool) -> BlockRecord:
-        """Writes a payload from the bucket durably into place and indexes it, checked against
-        `base`: a demoted block's record (`existing`) or a manifest's draft of a new one."""
+    def _land(self, body: bytes, digest: int, base: BlockRecord, existing: bool) -> BlockRecord:
+        """Writes a payload from the bucket (its xxh3 `digest`, already checked) durably into
+        place and indexes it, checked against `base`: a demoted block's record (`existing`)
+        or a manifest's draft of a new one."""
         header_len, tensors = layout.parse_payload(body, base, self.max_block_bytes)
         self.capacity.check_fits(len(body), base.namespace)
         self.capacity.reserve(len(body), base.namespace)
@@ -173,7 +176,7 @@ class Fetcher:
             if not existing:
                 shifted = [t._replace(offset=t.offset + header_len) for t in tensors]
                 base = replace(base, tensors=shifted, segments=segments, num_bytes=len(body))
-            landed = self._publish(writer, base, existing, xxhash.xxh3_64_intdigest(body))
+            landed = self._publish(writer, base, existing, digest)
         finally:
             if writer is not None:
                 writer.abort()

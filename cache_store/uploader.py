@@ -151,7 +151,7 @@ class Uploader:
 
     def _put_condition(self, record: AgentRecord, done: int | None) -> dict[str, Any] | None:
         """How to put the manifest over what the bucket holds; None: not to put it (already
-        there, or another store's version is)."""
+        there from before a crash, now recorded as uploaded; or another store's version is)."""
         namespace, agent_id = record.namespace, record.agent_id
         there = self.bucket.head(layout.agent_object(namespace, agent_id))
         if there is None:
