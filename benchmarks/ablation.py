@@ -173,9 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     rows, notes = derive(args.results)
     header = h.machine(results=str(args.results))
     sections = [("component contributions (Table 6 form; medians)", summary_table(rows))]
-    goals = [h.goal(f"{r.spec.component}: effect >= the paper's {TABLE6[r.key].effect:.1f}x",
-                    f"{r.effect:.2f}x ({r.cell(r.with_)} with, {r.cell(r.without)} without)",
-                    r.effect >= TABLE6[r.key].effect) for r in rows if r.key in TABLE6]  # fmt: skip
+    goals = [
+        h.goal(
+            f"{r.spec.component}: effect >= the paper's {TABLE6[r.key].effect:.1f}x",
+            f"{r.effect:.2f}x ({r.cell(r.with_)} with, {r.cell(r.without)} without)",
+            r.effect >= TABLE6[r.key].effect,
+        )
+        for r in rows
+        if r.key in TABLE6
+    ]
     document = {"paper_table6": {k: asdict(v) for k, v in TABLE6.items()}}
     document["rows"] = [asdict(r) | {"effect": r.effect} for r in rows]
     png = h.report("ablation", args.out, header, sections, goals, notes, document)

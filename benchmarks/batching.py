@@ -103,9 +103,15 @@ class Cell:
     def as_dict(self) -> dict[str, Any]:
         tps = {m: [r.sys_tps for r in rs] for m, rs in self.runs.items()}
         decode = {m: [r.decode_tps for r in rs] for m, rs in self.runs.items()}
-        return {"context": self.context, "batch": self.batch, "step_ms": self.step_ms,
-                "sys_tps": tps, "decode_tps": decode, "step_passes": self.step_passes,
-                "runs": self.runs}  # fmt: skip
+        return {
+            "context": self.context,
+            "batch": self.batch,
+            "step_ms": self.step_ms,
+            "sys_tps": tps,
+            "decode_tps": decode,
+            "step_passes": self.step_passes,
+            "runs": self.runs,
+        }
 
 
 # agents and turns
@@ -261,9 +267,14 @@ def staggered(svc: Any, tokenizer: Any, context: int, passes: int) -> list[Stagg
 # in this process: the model step and the batch cache's bookkeeping
 
 # Cell.step_ms key: the step table's header (what each is: the README)
-STEPS = {"e2e": "end-to-end ms/step", "forward": "forward ms", "sample": "Batcher sampling ms",
-         "rest": "rest ms (e2e - forward - sampling)", "extend": "extend ms",
-         "leave": "leave ms"}  # fmt: skip
+STEPS = {
+    "e2e": "end-to-end ms/step",
+    "forward": "forward ms",
+    "sample": "Batcher sampling ms",
+    "rest": "rest ms (e2e - forward - sampling)",
+    "extend": "extend ms",
+    "leave": "leave ms",
+}
 
 
 @dataclass(slots=True)

@@ -51,9 +51,18 @@ def main(argv: list[str] | None = None) -> None:
         f"cells that differ from the paper: {differ}",
         *TABLE14_NOTES,
     ]
-    ours = [(r.model, f"{r.ours.context_tokens // 1024}K", r.paper_fp16, r.ours.num_fp16_agents,
-             r.paper_q4, r.ours.num_q_agents, r.ours.num_q_window_agents)
-            for r in rows]  # fmt: skip
+    ours = [
+        (
+            r.model,
+            f"{r.ours.context_tokens // 1024}K",
+            r.paper_fp16,
+            r.ours.num_fp16_agents,
+            r.paper_q4,
+            r.ours.num_q_agents,
+            r.ours.num_q_window_agents,
+        )
+        for r in rows
+    ]
     heads = ["FP16 paper", "FP16 ours", "Q4 paper", "Q4 ours", "Q4 window-aware ours"]
     title = f"agents that fit in {TABLE14_BUDGET_BYTES / GIB:.1f} GiB (Table 14)"
     sections = [

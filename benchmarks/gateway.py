@@ -40,9 +40,16 @@ WITH_BLAS = (
     "runpy.run_module('mlx_lm.server', run_name='__main__')"
 )
 MODEL_ID = "agentkv-bench"
-PERSONAS = ("a careful analyst", "a skeptical reviewer", "a patient teacher",
-            "a terse engineer", "a curious student", "a product manager", "a security auditor",
-            "a historian")  # fmt: skip
+PERSONAS = (
+    "a careful analyst",
+    "a skeptical reviewer",
+    "a patient teacher",
+    "a terse engineer",
+    "a curious student",
+    "a product manager",
+    "a security auditor",
+    "a historian",
+)
 LLAMA_FLAGS = "--n_threads 2 --n_threads_batch 2 --flash_attn True --cache True --verbose False"
 
 
@@ -130,13 +137,35 @@ def peer_server(name: str, args: argparse.Namespace, root: Path, kv_ram: int) ->
     port, held = free_port(), {}
     url = f"http://127.0.0.1:{port}"
     if name == "mlx-lm":
-        command = [sys.executable, "-c", WITH_BLAS, "--model", str(args.path), "--port", str(port),
-                   "--prompt-cache-bytes", str(kv_ram), "--prompt-cache-size", "1000"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-c",
+            WITH_BLAS,
+            "--model",
+            str(args.path),
+            "--port",
+            str(port),
+            "--prompt-cache-bytes",
+            str(kv_ram),
+            "--prompt-cache-size",
+            "1000",
+        ]
         model = "default_model"
     else:
-        command = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf),
-                   "--port", str(port), "--n_ctx", str(args.n_ctx), "--cache_size", str(kv_ram),
-                   *LLAMA_FLAGS.split()]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(args.gguf),
+            "--port",
+            str(port),
+            "--n_ctx",
+            str(args.n_ctx),
+            "--cache_size",
+            str(kv_ram),
+            *LLAMA_FLAGS.split(),
+        ]
         model = args.gguf.name
 
     def start() -> str:
@@ -155,8 +184,9 @@ def agentkv_server(svc: Any, args: argparse.Namespace, root: Path, worker_args: 
         if not svc.processes["agentkv"].running:
             svc.start_worker("agentkv", args.path, worker_args)
         flags = ["--model-name", MODEL_ID]
-        gateway = gateway_process([svc.addresses["agentkv"]], root / "gateway.log",
-                                  svc.store_address, extra_args=flags)  # fmt: skip
+        gateway = gateway_process(
+            [svc.addresses["agentkv"]], root / "gateway.log", svc.store_address, extra_args=flags
+        )
         held["gateway"] = gateway.start(timeout=120)
         return f"http://{held['gateway'].address}/v1"
 
@@ -171,9 +201,14 @@ def agentkv_server(svc: Any, args: argparse.Namespace, root: Path, worker_args: 
 def one_call(client: Any, model: str, messages: list[dict], reply: int) -> tuple[float, str, Any]:
     """Streams one call: (ms to the first content token, the reply's text, the usage)."""
     started, first, pieces, usage = time.perf_counter(), None, [], None
-    stream = client.chat.completions.create(model=model, messages=messages, stream=True,
-                                            temperature=0, max_tokens=reply,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        stream=True,
+        temperature=0,
+        max_tokens=reply,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -226,8 +261,13 @@ def via_gateway(connection: Any, history: list[dict]) -> tuple[float, str]:
     the first event, which the gateway sends once the first token is in; the reply)."""
     import json
 
-    body = {"model": MODEL_ID, "messages": history, "stream": True, "temperature": 0,
-            "max_tokens": 1}  # fmt: skip
+    body = {
+        "model": MODEL_ID,
+        "messages": history,
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": 1,
+    }
     headers = {"Content-Type": "application/json", "X-Agent-Id": "via-gateway"}
     started, first, text = time.perf_counter(), None, ""
     connection.request("POST", "/v1/chat/completions", json.dumps(body), headers)
@@ -276,8 +316,12 @@ def gateway_overhead(svc: Any, gateway_url: str, path_calls: int) -> dict[str, f
     memory.close()
     through, direct = ms["via-gateway"], ms["via-sdk"]
     diffs = [g - s for g, s in zip(through, direct, strict=True)]
-    return {"gateway_ms": h.median(through), "sdk_ms": h.median(direct),
-            "overhead_ms": h.median(diffs), "overhead_p90_ms": h.percentile(diffs, 90)}  # fmt: skip
+    return {
+        "gateway_ms": h.median(through),
+        "sdk_ms": h.median(direct),
+        "overhead_ms": h.median(diffs),
+        "overhead_p90_ms": h.percentile(diffs, 90),
+    }
 
 
 def has_llama_server() -> bool:
@@ -306,8 +350,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def in_phase(calls: list[Call], system: str, phase: str) -> list[Call]:
     """A system's calls in a phase, a run's first round left out (it makes every agent: cold
     everywhere)."""
-    return [c for c in calls if c.system == system and c.phase == phase and (phase == "restart"
-            or c.round > 0)]  # fmt: skip
+    return [
+        c
+        for c in calls
+        if c.system == system and c.phase == phase and (phase == "restart" or c.round > 0)
+    ]
 
 
 def phase_median(calls: list[Call], system: str, phase: str) -> float | None:
@@ -322,8 +369,17 @@ def summary(calls: list[Call], agents: int) -> list[list[str]]:
             ttft = [c.ttft_ms for c in mine]
             prefilled = [c.prefilled for c in mine if c.prefilled is not None]
             tokens = h.fmt(h.median(prefilled), 0) if prefilled else "n/a"
-            rows.append([str(agents), system, phase, h.fmt(h.median(ttft), 0),
-                         h.fmt(h.percentile(ttft, 90), 0), tokens, str(len(mine))])  # fmt: skip
+            rows.append(
+                [
+                    str(agents),
+                    system,
+                    phase,
+                    h.fmt(h.median(ttft), 0),
+                    h.fmt(h.percentile(ttft, 90), 0),
+                    tokens,
+                    str(len(mine)),
+                ]
+            )
     return rows
 
 
@@ -347,9 +403,13 @@ def measure(args: Any, tokenizer: Any, root: Path) -> tuple[list, list, dict]:
     for agents in args.agents:
         slices = h.source_slices(tokenizer, args.step, agents * rounds)
         for system in args.systems:
-            conversations = [Conversation(PERSONAS[i % len(PERSONAS)] + f" (agent {i})",
-                                          slices[i * rounds : (i + 1) * rounds])
-                             for i in range(agents)]  # fmt: skip
+            conversations = [
+                Conversation(
+                    PERSONAS[i % len(PERSONAS)] + f" (agent {i})",
+                    slices[i * rounds : (i + 1) * rounds],
+                )
+                for i in range(agents)
+            ]
             h.say(f"{system}: {agents} agents, {rounds} rounds")
             if system == "agentkv":
                 workers = {"agentkv": ["--hot-budget", str(args.kv_ram_bytes)]}
@@ -394,33 +454,58 @@ def targets(args: Any, all_calls: list, overhead: dict) -> list[dict]:
         med = partial(phase_median, mine)
         ours, peers = med("agentkv", "run"), [med(s, "run") for s in args.systems if s != "agentkv"]
         if ours and (best := min((p for p in peers if p), default=None)):
-            goals.append(h.goal(f"{agents} agents: agentkv's median TTFT 3x lower than the best "
-                                "peer's", f"{h.fmt(ours, 0)} ms against {h.fmt(best, 0)} ms "
-                                f"({h.ratio(best, ours)})", best / ours >= 3))  # fmt: skip
+            goals.append(
+                h.goal(
+                    f"{agents} agents: agentkv's median TTFT 3x lower than the best peer's",
+                    f"{h.fmt(ours, 0)} ms against {h.fmt(best, 0)} ms ({h.ratio(best, ours)})",
+                    best / ours >= 3,
+                )
+            )
         after = med("agentkv", "restart")
         last = max((c.round for c in mine if c.phase == "run"), default=0)
         before = h.median([c.ttft_ms for c in mine if c.system == "agentkv" and c.round == last])
         if before and after:  # the round after the restart against the one before it
-            goals.append(h.goal(f"{agents} agents: agentkv unchanged across a restart (within "
-                                "1.5x of the round before it)", f"{h.fmt(after, 0)} ms after, "
-                                f"{h.fmt(before, 0)} ms in the round before",
-                                after <= 1.5 * before))  # fmt: skip
+            goals.append(
+                h.goal(
+                    f"{agents} agents: agentkv unchanged across a restart (within "
+                    "1.5x of the round before it)",
+                    f"{h.fmt(after, 0)} ms after, {h.fmt(before, 0)} ms in the round before",
+                    after <= 1.5 * before,
+                )
+            )
     if overhead:
         o = {k: h.fmt(v, 2 if k.startswith("overhead") else 1) for k, v in overhead.items()}
-        goals.append(h.goal("gateway overhead over the SDK under 5 ms per call (median)",
-                            f"{o['overhead_ms']} ms (p90 {o['overhead_p90_ms']}; gateway "
-                            f"{o['gateway_ms']} ms, SDK {o['sdk_ms']})",
-                            overhead["overhead_ms"] < 5))  # fmt: skip
+        goals.append(
+            h.goal(
+                "gateway overhead over the SDK under 5 ms per call (median)",
+                f"{o['overhead_ms']} ms (p90 {o['overhead_p90_ms']}; gateway "
+                f"{o['gateway_ms']} ms, SDK {o['sdk_ms']})",
+                overhead["overhead_ms"] < 5,
+            )
+        )
     return goals
 
 
-HEADERS = ["agents", "system", "calls", "median TTFT ms", "p90 TTFT ms",
-           "prefilled / call (median)", "n"]  # fmt: skip
+HEADERS = [
+    "agents",
+    "system",
+    "calls",
+    "median TTFT ms",
+    "p90 TTFT ms",
+    "prefilled / call (median)",
+    "n",
+]
 
 
 def write(args: Any, rows: list, all_calls: list, overhead: dict) -> None:
-    header = h.machine(model=str(args.model), kv_ram=args.kv_ram, context=args.context,
-                       step=args.step, reply=args.reply, rounds=args.rounds)  # fmt: skip
+    header = h.machine(
+        model=str(args.model),
+        kv_ram=args.kv_ram,
+        context=args.context,
+        step=args.step,
+        reply=args.reply,
+        rounds=args.rounds,
+    )
     notes = [
         "calls: run = every round after the first (which makes every agent, cold everywhere); "
         "restart = the round after every server (agentkv: worker and gateway) restarted",

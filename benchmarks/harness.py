@@ -200,8 +200,9 @@ class Turn:
 def usage_dict(usage: Any) -> dict[str, Any]:
     from google.protobuf.json_format import MessageToDict
 
-    options = {"preserving_proto_field_name": True, "always_print_fields_with_no_presence": True}
-    return MessageToDict(usage, **options)
+    return MessageToDict(
+        usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
 
 def timed_turn(
@@ -391,11 +392,17 @@ def machine(**extra: object) -> dict[str, object]:
     except OSError:
         pass
     blas = "Accelerate" if sys.platform == "darwin" else find_openblas() or "reference (none found)"
-    facts = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu,
-             "cores": os.cpu_count(), "os": f"{platform.system()} {platform.release()}",
-             "load_average_1m": round(os.getloadavg()[0], 2),  # other work skews a 2-core box
-             "python": platform.python_version(), "blas": blas, "mlx": version("mlx"),
-             "mlx-lm": version("mlx-lm")}  # fmt: skip
+    facts = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "os": f"{platform.system()} {platform.release()}",
+        "load_average_1m": round(os.getloadavg()[0], 2),  # other work skews a 2-core box
+        "python": platform.python_version(),
+        "blas": blas,
+        "mlx": version("mlx"),
+        "mlx-lm": version("mlx-lm"),
+    }
     return facts | extra
 
 

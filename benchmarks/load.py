@@ -215,17 +215,25 @@ def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counte
     records, wall = load.records, load.seconds
     ttft = [r["ttft_ms"] for r in records]
     caches = {s: sum(r["cache"] == s for r in records) for s in ("hot", "warm", "cold")}
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "agents": len(load.agents), "agents_at_once": args.agents, "threads": args.threads,
-            "turns": len(records), "seconds": wall, "replay_seconds": replay.seconds,
-            "turns_per_s": len(records) / wall,
-            "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
-            "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
-            "ttft_p99_ms": h.percentile(ttft, 99) or float("nan"),
-            "cache_states": caches, "restores": caches["warm"],
-            "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
-            "errors": load.errors + replay.errors, "lost": replay.lost,
-            "wrong": replay.wrong}  # fmt: skip
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "agents": len(load.agents),
+        "agents_at_once": args.agents,
+        "threads": args.threads,
+        "turns": len(records),
+        "seconds": wall,
+        "replay_seconds": replay.seconds,
+        "turns_per_s": len(records) / wall,
+        "tokens_per_s": sum(len(r["tokens"]) for r in records) / wall,
+        "ttft_p50_ms": statistics.median(ttft) if ttft else float("nan"),
+        "ttft_p99_ms": h.percentile(ttft, 99) or float("nan"),
+        "cache_states": caches,
+        "restores": caches["warm"],
+        "evictions": {"client": len(load.evicted), "workers": budget.total(), **budget},
+        "errors": load.errors + replay.errors,
+        "lost": replay.lost,
+        "wrong": replay.wrong,
+    }
 
 
 def report(result: dict) -> bool:

@@ -161,8 +161,10 @@ def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> di
     store = stores.start(prefix="load", data_dir=root / "load-store")
     tensors = synthetic.q4_tensors(BLOCK_TOKENS, **args.kv_shape)  # keys differ by tokens
     out, stop, depths = {"blocks": 0, "errors": []}, threading.Event(), []
-    threads = [threading.Thread(target=writer, args=(stores.address, w, tensors, stop, out))
-               for w in range(args.writers)]  # fmt: skip
+    threads = [
+        threading.Thread(target=writer, args=(stores.address, w, tensors, stop, out))
+        for w in range(args.writers)
+    ]
     start = time.monotonic()
     for t in threads:
         t.start()
@@ -176,14 +178,20 @@ def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> di
     drained(store)
     drain_s, put = time.monotonic() - start - load_s, store.stats().object_put_bytes
     block_bytes = sum(t.data.nbytes for t in tensors)
-    return {"writers": args.writers, "block_bytes": block_bytes, "blocks": out["blocks"],
-            "load_s": load_s, "stored_mb_s": out["blocks"] * block_bytes / load_s / 1e6,
-            "uploaded_mb_s": put / (load_s + drain_s) / 1e6,
-            "uploaded_during_load_mb_s": at_stop.object_put_bytes / load_s / 1e6,
-            "max_depth": max(depths, default=0),
-            "median_depth": statistics.median(depths) if depths else 0,
-            "depth_at_stop": at_stop.object_queue_depth, "drain_s": drain_s,
-            "errors": out["errors"]}  # fmt: skip
+    return {
+        "writers": args.writers,
+        "block_bytes": block_bytes,
+        "blocks": out["blocks"],
+        "load_s": load_s,
+        "stored_mb_s": out["blocks"] * block_bytes / load_s / 1e6,
+        "uploaded_mb_s": put / (load_s + drain_s) / 1e6,
+        "uploaded_during_load_mb_s": at_stop.object_put_bytes / load_s / 1e6,
+        "max_depth": max(depths, default=0),
+        "median_depth": statistics.median(depths) if depths else 0,
+        "depth_at_stop": at_stop.object_queue_depth,
+        "drain_s": drain_s,
+        "errors": out["errors"],
+    }
 
 
 def mid(row: dict[str, Any], key: str, i: int | None = None) -> float:
@@ -275,9 +283,11 @@ def main(argv: list[str] | None = None) -> None:
     table = h.columns(({"n": n, **r} for n, r in rows.items()), TTFT_TABLE)
     sections = [
         ("Warm TTFT: local tier, object store (a host with an empty data dir), cold", table),
-        ("Uploads under a steady load (store only, Q4 blocks of the model's shape)",
-         h.columns([load], LOAD_TABLE)),
-    ]  # fmt: skip
+        (
+            "Uploads under a steady load (store only, Q4 blocks of the model's shape)",
+            h.columns([load], LOAD_TABLE),
+        ),
+    ]
     notes = NOTES + ([f"steady-load errors: {load['errors'][:3]}"] if load["errors"] else [])
     document = {"rows": rows, "load": load}
     png = h.report("object_tier", args.out, header, sections, targets(rows, load), notes, document)
@@ -288,14 +298,20 @@ def kv_shape(path: Path) -> dict[str, int]:
     """The Q4 block shape of the model at `path` (layers, KV heads, head dim)."""
     c = json.loads((path / "config.json").read_text())
     heads = c["num_attention_heads"]
-    return {"num_layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads", heads),
-            "head_dim": c.get("head_dim") or c["hidden_size"] // heads}  # fmt: skip
+    return {
+        "num_layers": c["num_hidden_layers"],
+        "kv_heads": c.get("num_key_value_heads", heads),
+        "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+    }
 
 
 def draw(rows: dict[int, dict[str, Any]], axes: Any) -> None:
     ax, xs = axes[0], list(rows)
-    for key, name in (("cold", "cold re-prefill"), ("object", "warm, object store"),
-                      ("local", "warm, local")):  # fmt: skip
+    for key, name in (
+        ("cold", "cold re-prefill"),
+        ("object", "warm, object store"),
+        ("local", "warm, local"),
+    ):
         ax.plot(xs, [statistics.median(rows[n][key]) for n in xs], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -112,10 +112,15 @@ class Table14Row:
     def differences(self) -> list[str]:
         """e.g. "llama3_1_8b 4K FP16: 20 here, 19 in the paper"."""
         where = f"{self.model} {self.ours.context_tokens // 1024}K"
-        cells = (("FP16", self.ours.num_fp16_agents, self.paper_fp16),
-                 ("Q4", self.ours.num_q_agents, self.paper_q4))  # fmt: skip
-        return [f"{where} {n}: {ours} here, {paper} in the paper" for n, ours, paper in cells
-                if ours != paper]  # fmt: skip
+        cells = (
+            ("FP16", self.ours.num_fp16_agents, self.paper_fp16),
+            ("Q4", self.ours.num_q_agents, self.paper_q4),
+        )
+        return [
+            f"{where} {n}: {ours} here, {paper} in the paper"
+            for n, ours, paper in cells
+            if ours != paper
+        ]
 
 
 def table14(budget_bytes: int = TABLE14_BUDGET_BYTES) -> list[Table14Row]:

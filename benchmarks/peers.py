@@ -529,10 +529,17 @@ def main_table(runs: list[Run], details: dict) -> str:
     for r in runs:
         for s in r.ms:
             cold, warm = r.median(s, "cold"), r.median(s, "warm")
-            rows.append([f"{h.label(r.nominal)} ({len(r.context_ids)} tok)", s,
-                         details["weights"][s], *(cell(r.ms[s].get(p)) for p in PHASES),
-                         ms(rate(r.decode[s])), f"{r.num_bytes[s]:,}",
-                         h.ratio(cold, warm, "{:.1f}x")])  # fmt: skip
+            rows.append(
+                [
+                    f"{h.label(r.nominal)} ({len(r.context_ids)} tok)",
+                    s,
+                    details["weights"][s],
+                    *(cell(r.ms[s].get(p)) for p in PHASES),
+                    ms(rate(r.decode[s])),
+                    f"{r.num_bytes[s]:,}",
+                    h.ratio(cold, warm, "{:.1f}x"),
+                ]
+            )
     return h.table(heads, rows, "llllllrrr")
 
 
@@ -555,8 +562,10 @@ def cell(values: list[float] | None) -> str:
 def batch_table(batches: dict[str, dict[int, float]]) -> str:
     sizes = sorted({b for per in batches.values() for b in per})
     heads = ["system", *(f"SysTPS({b})" for b in sizes), "SysTPS(max)/SysTPS(1)"]
-    rows = [[s, *(f"{per.get(b, 0):.1f}" for b in sizes),
-             h.ratio(per.get(sizes[-1]), per.get(1))] for s, per in batches.items()]  # fmt: skip
+    rows = [
+        [s, *(f"{per.get(b, 0):.1f}" for b in sizes), h.ratio(per.get(sizes[-1]), per.get(1))]
+        for s, per in batches.items()
+    ]
     return h.table(heads, rows, "l" + "r" * (len(sizes) + 1))
 
 
@@ -575,21 +584,34 @@ def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:
             goals.append(h.goal(f"{at}: agentkv KV bytes <= llama.cpp q4_0 state file",
                               f"{ours:,} / {theirs:,} B", ours <= theirs))  # fmt: skip
         hot, mlx = r.median("agentkv", "hot"), r.median("mlx-lm", "hot")
-        goals.append(h.goal(f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)",
-                            f"{hot:.0f} / {mlx:.0f} ms = {hot / mlx:.2f}x",
-                            hot <= 1.1 * mlx))  # fmt: skip
+        goals.append(
+            h.goal(
+                f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)",
+                f"{hot:.0f} / {mlx:.0f} ms = {hot / mlx:.2f}x",
+                hot <= 1.1 * mlx,
+            )
+        )
         ours, theirs = (rate(r.decode[s]) or 0.0 for s in ("agentkv", "mlx-lm"))
-        goals.append(h.goal(f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
-                            f"{ours:.1f} / {theirs:.1f} tok/s", ours * 1.1 >= theirs))  # fmt: skip
+        goals.append(
+            h.goal(
+                f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
+                f"{ours:.1f} / {theirs:.1f} tok/s",
+                ours * 1.1 >= theirs,
+            )
+        )
         overhead, raw = warm - r.median("agentkv", "hot"), min(r.raw_ms)
         goals.append(h.goal(f"{at}: restore overhead (warm - hot) within 1.3x of a raw read of "
                           "the blocks + an array over them", f"{overhead:.1f} ms vs raw "
                           f"{raw:.1f} ms", overhead <= 1.3 * raw))  # fmt: skip
         goals.append(paper_goal(r))
     if 4 in (b := batches.get("agentkv", {})):
-        goals.append(h.goal("agentkv SysTPS(4) >= 2.5x SysTPS(1)",
-                            f"{b[4]:.1f} / {b[1]:.1f} = {b[4] / b[1]:.2f}x",
-                            b[4] >= 2.5 * b[1]))  # fmt: skip
+        goals.append(
+            h.goal(
+                "agentkv SysTPS(4) >= 2.5x SysTPS(1)",
+                f"{b[4]:.1f} / {b[1]:.1f} = {b[4] / b[1]:.2f}x",
+                b[4] >= 2.5 * b[1],
+            )
+        )
     return goals
 
 

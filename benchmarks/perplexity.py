@@ -66,9 +66,22 @@ PROMPTS = (
 # the text: reStructuredText as plain prose
 
 # directives whose body is prose: the body stays, the directive line goes
-KEEP_BODY = {"note", "warning", "seealso", "tip", "important", "topic", "sidebar", "impl-detail",
-             "versionadded", "versionchanged", "deprecated", "attention", "caution",
-             "hint"}  # fmt: skip
+KEEP_BODY = {
+    "note",
+    "warning",
+    "seealso",
+    "tip",
+    "important",
+    "topic",
+    "sidebar",
+    "impl-detail",
+    "versionadded",
+    "versionchanged",
+    "deprecated",
+    "attention",
+    "caution",
+    "hint",
+}
 DIRECTIVE = re.compile(r"^(\s*)\.\.(?:\s+([\w:-]+)::)?")
 LABEL = re.compile(r"^\.\. _([^:`]+):\s*$")
 ADORNMENT = re.compile(r"^\s*([=\-`:'\"~^_*+#<>.])\1{2,}\s*$")
@@ -509,12 +522,18 @@ def run_checks(scores: dict[str, Scores], free: list[np.ndarray]) -> list[tuple[
     pct, diff = fp16.delta_pct(fp32), max_abs_diff(fp16.nll, fp32.nll)
     cache_free = max_abs_diff(fp32.nll, free)
     return [
-        ("FP16 path vs mlx-lm KVCache at the model's dtype",
-         f"PPL {fp16.ppl:.4f} vs {fp32.ppl:.4f} ({pct:+.4f}%), max abs ΔNLL per token {diff:.2e}",
-         abs(pct) < FP16_TOLERANCE_PCT),
-        ("FP32 cache path vs one cache-free forward per window",
-         f"max abs ΔNLL per token {cache_free:.2e}", cache_free < FORWARD_TOLERANCE_NLL),
-    ]  # fmt: skip
+        (
+            "FP16 path vs mlx-lm KVCache at the model's dtype",
+            f"PPL {fp16.ppl:.4f} vs {fp32.ppl:.4f} ({pct:+.4f}%), max abs ΔNLL per token "
+            f"{diff:.2e}",
+            abs(pct) < FP16_TOLERANCE_PCT,
+        ),
+        (
+            "FP32 cache path vs one cache-free forward per window",
+            f"max abs ΔNLL per token {cache_free:.2e}",
+            cache_free < FORWARD_TOLERANCE_NLL,
+        ),
+    ]
 
 
 # the report

@@ -193,13 +193,17 @@ def targets(bench: Bench, locate_target: float) -> list[dict[str, object]]:
     rate = bench.row(GET).num_bytes / bench.row(GET).median
     measured = f"{rate / GIB:.2f} GiB/s = {rate / MB:.0f} MB/s (GetBlocks median)"
     goals = [h.goal("streaming at >= 1 GiB/s on loopback", measured, rate >= STREAM_TARGET)]
-    states = {LOCATE: "page cache warm, fresh buffer", REUSED: "page cache warm, reused buffer",
-              LOCATE + COLD: "page cache dropped"}  # fmt: skip
+    states = {
+        LOCATE: "page cache warm, fresh buffer",
+        REUSED: "page cache warm, reused buffer",
+        LOCATE + COLD: "page cache dropped",
+    }
     for path, state in states.items():
         if (row := bench.row(path)) is not None:
             base = bench.row(row.baseline)
-            measured = f"{row.vs_baseline:.2f}x ({row.median * 1e3:.1f} vs "
-            measured += f"{base.median * 1e3:.1f} ms)"
+            measured = (
+                f"{row.vs_baseline:.2f}x ({row.median * 1e3:.1f} vs {base.median * 1e3:.1f} ms)"
+            )
             target = f"locate + read within {locate_target}x of the raw read ({state})"
             goals.append(h.goal(target, measured, row.vs_baseline <= locate_target))
     return goals
@@ -242,9 +246,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=LOCATE_TARGET,
         help="locate + read within this factor of the raw read (the report asks 1.3)",
     )
-    p.add_argument("--store-env", action="append", type=env_pair, default=[], metavar="NAME=VALUE",
-                   help="extra environment for the store process, e.g. "
-                   "MALLOC_MMAP_THRESHOLD_=131072")  # fmt: skip
+    p.add_argument(
+        "--store-env",
+        action="append",
+        type=env_pair,
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for the store process, e.g. MALLOC_MMAP_THRESHOLD_=131072",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.mb, args.repeats = 24, 2

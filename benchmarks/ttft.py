@@ -36,10 +36,17 @@ PATHS = ("cold", "warm (locate)", "warm (stream)", "hot")
 # turn separates its restore path from its process.
 TURNS = (*PATHS, "hot (stream worker)")
 RAW_TARGET = 1.3  # warm (locate) within this factor of raw read + one decode step
-LLAMA_8B_SHAPE = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                  "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-                  "tie_word_embeddings": False}  # fmt: skip
+LLAMA_8B_SHAPE = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
 # In-process steps, in the order the breakdown table lists them.
 STEPS = {
     "get_agent": "GetAgent RPC (manifest)",
@@ -78,10 +85,15 @@ class ContextRun:
 
     def as_dict(self) -> dict[str, Any]:
         series = {p: self.series(p) for p in TURNS} | self.inproc
-        return {"nominal_tokens": self.nominal, "context_tokens": self.context_tokens,
-                "agent": self.agent, "summary_ms": {k: h.spread(v) for k, v in series.items() if v},
-                "turns": {p: self.turns[p] for p in TURNS}, "inproc_ms": self.inproc,
-                "notes": self.notes}  # fmt: skip
+        return {
+            "nominal_tokens": self.nominal,
+            "context_tokens": self.context_tokens,
+            "agent": self.agent,
+            "summary_ms": {k: h.spread(v) for k, v in series.items() if v},
+            "turns": {p: self.turns[p] for p in TURNS},
+            "inproc_ms": self.inproc,
+            "notes": self.notes,
+        }
 
 
 @dataclass(slots=True)

@@ -34,13 +34,22 @@ TARGET_CONTEXT, TARGET_RATIO = 8192, 1 / 3
 Q4 = KVStorage(4, 64, 2)  # the workers' default KV format, k4v4g64f16
 # Gemma 3 (gemma3_12b.json's text_config) scaled down for a 2-core CPU: the layer pattern,
 # window and head dim are Gemma 3 12B's; heads, width and depth are not.
-GEMMA3_SHAPE = {"model_type": "gemma3_text", "hidden_size": 256,
-                "num_hidden_layers": 12,  # 10 sliding, 2 global
-                "intermediate_size": 1024, "num_attention_heads": 2, "num_key_value_heads": 2,
-                "head_dim": 256, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
-                "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-                "sliding_window": 1024, "sliding_window_pattern": 6,
-                "max_position_embeddings": 32768}  # fmt: skip
+GEMMA3_SHAPE = {
+    "model_type": "gemma3_text",
+    "hidden_size": 256,
+    "num_hidden_layers": 12,  # 10 sliding, 2 global
+    "intermediate_size": 1024,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 32768,
+}
 FLAGS = ["--block-tokens", str(BLOCK_TOKENS), "--restore-path", "locate", "--hot-budget", "4G"]
 WORKERS = {"full": [*FLAGS, "--full-window-layers"], "window": FLAGS}
 
@@ -139,8 +148,15 @@ def forked_turn(svc: Any, mode: str, agent: str, name: str, ns: str = "") -> Pas
     finally:
         worker.delete(ns, name)
     u, ids = warm.usage, list(warm.token_ids)
-    return Pass(u.time_to_first_token_ms, hot, u.restored_bytes, ids, state.num_bytes,
-                state.persisted_tokens, h.usage_dict(u))  # fmt: skip
+    return Pass(
+        u.time_to_first_token_ms,
+        hot,
+        u.restored_bytes,
+        ids,
+        state.num_bytes,
+        state.persisted_tokens,
+        h.usage_dict(u),
+    )
 
 
 def read_plan(counts: list[int], config: dict[str, Any], mode: str) -> int:
@@ -248,20 +264,28 @@ def capacity(runs: list[ContextRun], config: dict[str, Any]) -> list[dict[str, A
     for r in runs:
         tokens = int(statistics.median(r.window.series("cached_tokens")))
         plan = planner.plan(config, tokens, BUDGET)
-        sizes = {"plan_fp16": plan.fp16_bytes, "plan_q4": plan.q_bytes,
-                 "plan_q4_window": plan.q_window_bytes, "measured_full": r.full.median("hot_bytes"),
-                 "measured_window": r.window.median("hot_bytes"),
-                 "measured_window_created": r.window.created_bytes}  # fmt: skip
+        sizes = {
+            "plan_fp16": plan.fp16_bytes,
+            "plan_q4": plan.q_bytes,
+            "plan_q4_window": plan.q_window_bytes,
+            "measured_full": r.full.median("hot_bytes"),
+            "measured_window": r.window.median("hot_bytes"),
+            "measured_window_created": r.window.created_bytes,
+        }
         row = {"context": r.nominal, "cached_tokens": tokens}
         row |= {f"{k}_bytes": v for k, v in sizes.items()}
         rows.append(row | {f"{k}_agents": int(BUDGET // v) for k, v in sizes.items()})
     return rows
 
 
-AGENTS = {"plan_fp16": "planner FP16", "plan_q4": "planner Q4",
-          "plan_q4_window": "planner Q4 window",
-          "measured_full": "measured full-length", "measured_window": "measured window-aware",
-          "measured_window_created": "measured window-aware, just created"}  # fmt: skip
+AGENTS = {
+    "plan_fp16": "planner FP16",
+    "plan_q4": "planner Q4",
+    "plan_q4_window": "planner Q4 window",
+    "measured_full": "measured full-length",
+    "measured_window": "measured window-aware",
+    "measured_window_created": "measured window-aware, just created",
+}
 CAPACITY = {
     "context (cached tokens)": lambda c: f"{h.label(c['context'])} ({c['cached_tokens']})",
     **{header: lambda c, k=k: c[f"{k}_agents"] for k, header in AGENTS.items()},
@@ -343,12 +367,16 @@ def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[st
     sections = [
         ("Bytes read by a warm restore (usage.restored_bytes, median)", h.columns(runs, BYTES)),
         (f"TTFT of the warm turn ({args.passes} passes)", h.columns(runs, TTFT)),
-        (f"Hot-tier bytes per agent, full / window ({SETTLE_S} s after durable)",
-         h.columns(runs, HOT)),
+        (
+            f"Hot-tier bytes per agent, full / window ({SETTLE_S} s after durable)",
+            h.columns(runs, HOT),
+        ),
         ("Greedy replies (first pass)", h.columns(runs, REPLIES, "lllrl")),
-        (f"Agents that fit in {BUDGET >> 30} GiB of KV (benchmark model)",
-         h.columns(fits, CAPACITY)),
-    ]  # fmt: skip
+        (
+            f"Agents that fit in {BUDGET >> 30} GiB of KV (benchmark model)",
+            h.columns(fits, CAPACITY),
+        ),
+    ]
     notes = notes_for(runs, config)
     png = h.report("windows", args.out, header, sections, targets(runs), notes, document)
     title = "sliding-window caches, Gemma-3-shaped model"

@@ -278,8 +278,11 @@ def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: i
     return notes
 
 
-LINES = (("cold", "ttft", "o-", "cold (re-prefill)"), ("persistent", "ttft", "s-", "persistent"),
-         ("persistent", "incl_setup", "s--", "persistent incl. create/inject"))  # fmt: skip
+LINES = (
+    ("cold", "ttft", "o-", "cold (re-prefill)"),
+    ("persistent", "ttft", "s-", "persistent"),
+    ("persistent", "incl_setup", "s--", "persistent incl. create/inject"),
+)
 
 
 def draw(cp: CrossPhase | None, rt: Routing | None, axes: Any) -> None:
@@ -304,10 +307,17 @@ def draw(cp: CrossPhase | None, rt: Routing | None, axes: Any) -> None:
 
 def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str) -> None:
     info = args.info
-    header = h.machine(blas=info.blas, model=args.model, model_dir=args.described,
-                       device=info.device, max_context=info.max_context, kv_format=info.kv_format,
-                       max_tokens=args.max_tokens, passes=args.passes,
-                       routing_passes=args.routing_passes)  # fmt: skip
+    header = h.machine(
+        blas=info.blas,
+        model=args.model,
+        model_dir=args.described,
+        device=info.device,
+        max_context=info.max_context,
+        kv_format=info.kv_format,
+        max_tokens=args.max_tokens,
+        passes=args.passes,
+        routing_passes=args.routing_passes,
+    )
     sections, document = [], {}
     if cp is not None:
         title = f"cross-phase, prisoner's dilemma (Table 7 form; {len(cp.passes)} passes, medians)"
