@@ -6,62 +6,29 @@ other method uses the generated message classes.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import grpc
-from google.protobuf.message import Message
 
 from agentkv import auth, ids, wire
 from agentkv.errors import InvalidArgument
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
-from cache_store import manifests
+from cache_store import manifests, replies
 from cache_store.reads import Selection
-from cache_store.records import BlockRecord
 from cache_store.store import CacheStore, page_size_limit
 from cache_store.streams import StreamGuard
 from cache_store.uploads import PutHeader
-from cache_store.validation import TensorLayout
 
 SERVICE_NAME = "agentkv.v1.CacheStore"
-
-
-class MessageCache:
-    """Built reply messages for immutable blocks: a block header carries hundreds of tensor
-    entries, and building them again on every restore costs more than reading the bytes.
-    Bounded by the bytes of the messages it keeps, least recently used out first."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes, self.num_bytes = max_bytes, 0
-        self._items: OrderedDict[tuple, tuple[Message, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(
-        self, key: tuple, build: Callable[[Selection], Message], selection: Selection
-    ) -> Message:
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key][0]
-        message = build(selection)
-        size = message.ByteSize()
-        with self._lock:
-            if key not in self._items and size <= self.max_bytes // 8:
-                self._items[key] = (message, size)
-                self.num_bytes += size
-            while self.num_bytes > self.max_bytes:
-                self.num_bytes -= self._items.popitem(last=False)[1][1]
-        return message
 
 
 class CacheStoreServicer:
     def __init__(self, store: CacheStore) -> None:
         self.store = store
         config = store.config
-        self._messages = MessageCache(config.max_header_cache_bytes)
+        self._messages = replies.MessageCache(config.max_header_cache_bytes)
         self.streams = StreamGuard(
             config.max_streams,
             config.stream_idle_seconds,
@@ -69,7 +36,7 @@ class CacheStoreServicer:
         )
 
     def _location(self, selection: Selection) -> pb.BlockLocation:
-        return _location(selection, self.store.path_of(selection.record))
+        return replies.location(selection, self.store.path_of(selection.record))
 
     def PutBlocks(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
@@ -116,7 +83,9 @@ class CacheStoreServicer:
     def _stream(self, selections: list[Selection]) -> Iterator[bytes]:
         chunk = wire.DEFAULT_CHUNK_BYTES
         for selection in selections:
-            header = self._messages.get(("header", *selection.identity), _block_header, selection)
+            header = self._messages.get(
+                ("header", *selection.identity), replies.block_header, selection
+            )
             yield pb.GetBlocksResponse(header=header).SerializeToString()
             for run in self.store.read(selection, max_run=4 * chunk):
                 for offset in range(0, len(run), chunk):
@@ -183,21 +152,21 @@ class CacheStoreServicer:
             phase=request.phase,
         )
         view = self.store.commit_agent(commit, request.release_lease_id)
-        return pb.CommitAgentResponse(agent=_manifest(view))
+        return pb.CommitAgentResponse(agent=replies.manifest(view))
 
     def GetAgent(
         self, request: pb.GetAgentRequest, context: grpc.ServicerContext
     ) -> pb.GetAgentResponse:
         _allowed(request.namespace)
         view = self.store.get_agent(request.namespace, request.agent_id, request.fingerprint)
-        return pb.GetAgentResponse(agent=_manifest(view, request.summary_only))
+        return pb.GetAgentResponse(agent=replies.manifest(view, request.summary_only))
 
     def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
     ) -> pb.ListAgentsResponse:
         _allowed(request.namespace)
         views = self.store.list_agents(request.namespace, request.page_token, request.page_size)
-        agents = [_agent_summary(v) for v in views]
+        agents = [replies.agent_summary(v) for v in views]
         full = len(views) == page_size_limit(request.page_size)
         return pb.ListAgentsResponse(
             agents=agents, next_page_token=agents[-1].agent_id if agents and full else ""
@@ -224,7 +193,7 @@ class CacheStoreServicer:
             request.phase,
             dict(request.metadata),
         )
-        return pb.ForkAgentResponse(agent=_manifest(view))
+        return pb.ForkAgentResponse(agent=replies.manifest(view))
 
     def ListNamespaces(
         self, request: pb.ListNamespacesRequest, context: grpc.ServicerContext
@@ -253,7 +222,7 @@ class CacheStoreServicer:
         records = self.store.list_blocks(request.namespace, after, request.page_size)
         full = len(records) == page_size_limit(request.page_size)
         return pb.ListBlocksResponse(
-            blocks=[_block_summary(r, self.store.last_access_ms(r)) for r in records],
+            blocks=[replies.block_summary(r, self.store.last_access_ms(r)) for r in records],
             next_page_token=records[-1].key.hex() if records and full else "",
         )
 
@@ -328,88 +297,6 @@ def _put_items(
             )
         else:
             raise InvalidArgument("PutBlocksRequest holds neither a header nor a chunk")
-
-
-def _tensor_info(t: TensorLayout) -> pb.TensorInfo:
-    return pb.TensorInfo(
-        name=t.name,
-        dtype=t.dtype,
-        shape=t.shape,
-        layer=t.layer,
-        file_offset=t.offset,
-        num_bytes=t.num_bytes,
-    )
-
-
-def _block_header(s: Selection) -> pb.BlockHeader:
-    r = s.record
-    return pb.BlockHeader(
-        key=r.key,
-        parent_key=r.parent_key,
-        token_ids=r.token_ids,
-        tensors=[_tensor_info(t) for t in s.tensors],
-        num_bytes=s.num_bytes,
-    )
-
-
-def _location(s: Selection, path: str) -> pb.BlockLocation:
-    r = s.record
-    return pb.BlockLocation(
-        key=r.key,
-        parent_key=r.parent_key,
-        token_ids=r.token_ids,
-        path=path,
-        tensors=[_tensor_info(t) for t in s.tensors],
-        segments=[
-            pb.Segment(layer=g.layer, offset=g.offset, num_bytes=g.num_bytes, checksum=g.checksum)
-            for g in s.segments
-        ],
-    )
-
-
-def _manifest(view: manifests.AgentView, summary_only: bool = False) -> pb.AgentManifest:
-    r = view.record
-    return pb.AgentManifest(
-        namespace=r.namespace,
-        agent_id=r.agent_id,
-        fingerprint=r.fingerprint,
-        token_ids=() if summary_only else r.token_ids,
-        block_keys=() if summary_only else r.block_keys,
-        block_num_tokens=() if summary_only else r.block_num_tokens,
-        metadata=r.metadata,
-        phase=r.phase,
-        created_unix_ms=r.created_ms,
-        updated_unix_ms=r.updated_ms,
-        generation=r.generation,
-        missing_block_keys=view.missing_block_keys,
-        num_bytes=view.num_bytes,
-    )
-
-
-def _agent_summary(view: manifests.AgentView) -> pb.AgentSummary:
-    r = view.record
-    return pb.AgentSummary(
-        agent_id=r.agent_id,
-        fingerprint=r.fingerprint,
-        num_tokens=len(r.token_ids),
-        num_blocks=len(r.block_keys),
-        num_bytes=view.num_bytes,
-        phase=r.phase,
-        updated_unix_ms=r.updated_ms,
-        generation=r.generation,
-    )
-
-
-def _block_summary(r: BlockRecord, last_access_ms: int) -> pb.BlockSummary:
-    return pb.BlockSummary(
-        key=r.key,
-        parent_key=r.parent_key,
-        fingerprint=r.fingerprint,
-        num_tokens=len(r.token_ids),
-        num_bytes=r.num_bytes,
-        refcount=r.refcount,
-        last_access_unix_ms=last_access_ms,
-    )
 
 
 def rpc_handlers(servicer: CacheStoreServicer) -> grpc.GenericRpcHandler:

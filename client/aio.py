@@ -23,16 +23,8 @@ from typing import Any, TypeVar
 import grpc
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import (
-    BaseAgent,
-    BaseAgentMemory,
-    BaseReply,
-    BaseWorkerClient,
-    Operation,
-    Steps,
-    TurnResult,
-    no_reply,
-)
+from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
+from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, no_reply
 from agentkv.errors import from_rpc_error
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb

@@ -1,6 +1,6 @@
-"""The SDK's sans-IO core, shared by the sync (client/worker.py, client/memory.py) and asyncio
-(client/aio.py) clients: requests built from arguments, routing attempts, replies assembled
-from their stream, the error of a reply cut off.
+"""The SDK's sans-IO core, shared by the sync (client/memory.py) and asyncio (client/aio.py)
+clients: routing attempts, an agent's calls, replies assembled from their stream, the error of
+a reply cut off. The worker's RPCs themselves are built in client/worker_core.py.
 
 Every public method is written once, in a Base class here; the transport's subclass adds the
 I/O, a few lines a kind of call, each returning its result (sync) or an awaitable of it
@@ -11,178 +11,31 @@ then call a worker) that the transport does one by one, sending back each result
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic
 
 from agentkv.channels import ClientSecurity
 from agentkv.client.routing import Attempts, Router
+from agentkv.client.worker_core import (
+    BaseReply,
+    BaseWorkerClient,
+    MaybeAwaitable,
+    Messages,
+    Responses,
+    T,
+    as_messages,
+    same,
+)
 from agentkv.errors import (
     AgentExists,
-    AgentKVError,
     InvalidArgument,
     SystemPromptDiffers,
     Unavailable,
 )
 from agentkv.worker.v1 import worker_pb2 as pb
-from agentkv.worker.v1 import worker_pb2_grpc
-
-T = TypeVar("T")
-MaybeAwaitable = Union[T, Awaitable[T]]  # noqa: UP007 (a generic alias needs Union on 3.10)
-Messages = str | Sequence[tuple[str, str]]
-Responses = Iterator[pb.TurnResponse] | AsyncIterator[pb.TurnResponse]
-
-
-def as_messages(messages: Messages, role: str = "user") -> list[tuple[str, str]]:
-    """A text becomes one message with `role`; (role, content) pairs pass through."""
-    if isinstance(messages, str):
-        return [(role, messages)]
-    return [(r, c) for r, c in messages]
-
-
-def pb_messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
-    return [pb.Message(role=role, content=content) for role, content in messages]
-
-
-@dataclass(slots=True)
-class TurnResult:
-    """A turn's reply as its responses arrive: text pieces, token ids, then the usage."""
-
-    pieces: list[str] = field(default_factory=list)  # the non-empty text pieces, in order
-    token_ids: list[int] = field(default_factory=list)
-    usage: pb.Usage | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def add(self, response: pb.TurnResponse) -> None:
-        """Takes one streamed response: a chunk of tokens, or the closing usage."""
-        if response.HasField("tokens"):
-            self.token_ids += response.tokens.token_ids
-            if response.tokens.text:
-                self.pieces.append(response.tokens.text)
-        else:
-            self.usage = response.usage
-
-
-def _same(value: T) -> T:
-    return value
-
-
-_agent = attrgetter("agent")
-
-
-class BaseWorkerClient:
-    """The InferenceWorker RPCs, each request built here. The transport opens the channel
-    (`_open`), sends a unary call and unwraps its reply (`_unary`), streams a turn (`_stream`)
-    and collects a whole one (`_collect`)."""
-
-    _open: Callable[[ClientSecurity, str], Any]
-    _unary: Callable[[str, Any, Callable[[Any], T]], MaybeAwaitable[T]]
-    _stream: Callable[[pb.TurnRequest, float], Responses]
-    _collect: Callable[[Responses], MaybeAwaitable[TurnResult]]
-
-    def __init__(
-        self, address: str, timeout: float = 300.0, security: ClientSecurity | None = None
-    ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.channel = self._open(security or ClientSecurity(), address)
-        self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
-
-    def create_agent(
-        self, namespace: str, agent_id: str, system: str = "", **fields: Any
-    ) -> MaybeAwaitable[pb.AgentState]:
-        request = pb.CreateAgentRequest(
-            namespace=namespace, agent_id=agent_id, system_prompt=system, **fields
-        )
-        return self._unary("CreateAgent", request, _agent)
-
-    def stream_turn(
-        self,
-        namespace: str,
-        agent_id: str,
-        messages: Sequence[tuple[str, str]],
-        *,
-        phase: str = "",
-        priority: int = 0,
-        deadline_ms: int = 0,
-        durable: bool = False,
-        whole_conversation: bool = False,
-        timeout: float | None = None,
-        **sampling: Any,
-    ) -> Responses:
-        """Streams a turn's responses (`async for` them in asyncio): token chunks, then the
-        usage. Closing the stream early cancels the turn, which frees its slot on the worker.
-        `whole_conversation`: `messages` are the whole conversation so far, resent (its
-        system message first), not only what is new (see TurnRequest in the proto)."""
-        request = pb.TurnRequest(
-            namespace=namespace,
-            agent_id=agent_id,
-            messages=pb_messages(messages),
-            sampling=pb.SamplingParams(**sampling),
-            phase=phase,
-            priority=priority,
-            deadline_ms=deadline_ms,
-            durable=durable,
-            whole_conversation=whole_conversation,
-        )
-        return self._stream(request, timeout or self.timeout)
-
-    def turn(
-        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **options: Any
-    ) -> MaybeAwaitable[TurnResult]:
-        """A whole turn: the reply's text, its token ids and the usage. Takes stream_turn's
-        options and sampling fields."""
-        return self._collect(self.stream_turn(namespace, agent_id, messages, **options))
-
-    def inject(
-        self,
-        namespace: str,
-        agent_id: str,
-        messages: Sequence[tuple[str, str]],
-        *,
-        phase: str = "",
-        durable: bool = False,
-    ) -> MaybeAwaitable[pb.InjectContextResponse]:
-        """Appends messages to the agent's context; only they are prefilled."""
-        request = pb.InjectContextRequest(
-            namespace=namespace,
-            agent_id=agent_id,
-            messages=pb_messages(messages),
-            phase=phase,
-            durable=durable,
-        )
-        return self._unary("InjectContext", request, _same)
-
-    def fork(
-        self, namespace: str, source: str, agent_id: str, phase: str = ""
-    ) -> MaybeAwaitable[pb.AgentState]:
-        """A new agent that starts from `source`'s context, sharing its blocks in the store."""
-        request = pb.ForkAgentRequest(
-            namespace=namespace, source_agent_id=source, agent_id=agent_id, phase=phase
-        )
-        return self._unary("ForkAgent", request, _agent)
-
-    def evict(self, namespace: str, agent_id: str) -> MaybeAwaitable[pb.EvictAgentResponse]:
-        request = pb.EvictAgentRequest(namespace=namespace, agent_id=agent_id)
-        return self._unary("EvictAgent", request, _same)
-
-    def describe(self, namespace: str, agent_id: str) -> MaybeAwaitable[pb.AgentState]:
-        request = pb.DescribeAgentRequest(namespace=namespace, agent_id=agent_id)
-        return self._unary("DescribeAgent", request, _agent)
-
-    def delete(self, namespace: str, agent_id: str) -> MaybeAwaitable[bool]:
-        request = pb.DeleteAgentRequest(namespace=namespace, agent_id=agent_id)
-        return self._unary("DeleteAgent", request, attrgetter("deleted"))
-
-    def info(self) -> MaybeAwaitable[pb.GetWorkerInfoResponse]:
-        return self._unary("GetWorkerInfo", pb.GetWorkerInfoRequest(), _same)
-
 
 Step = tuple[float, Callable[[], Any]]  # wait this many seconds, then call (or await) this
 Steps = Generator[Step, Any, T]
@@ -305,7 +158,7 @@ class BaseAgentMemory:
         return self._run(self._routed(agent_id, call))
 
     def _routed(
-        self, agent_id: str, call: Callable[[Any], Any], then: Callable[[Any], T] = _same
+        self, agent_id: str, call: Callable[[Any], Any], then: Callable[[Any], T] = same
     ) -> Steps[T]:
         attempts = Attempts(self.router, self._key(agent_id), self.retries, self.backoff)
         for delay, address in attempts:
@@ -336,7 +189,7 @@ class BaseAgent:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.memory.namespace}/{self.id})"
 
-    def _call(self, call: Callable[[Any], Any], then: Callable[[Any], T] = _same) -> Any:
+    def _call(self, call: Callable[[Any], Any], then: Callable[[Any], T] = same) -> Any:
         mem = self.memory
         return mem._run(mem._routed(self.id, call, then))
 
@@ -406,75 +259,3 @@ class BaseAgent:
     def delete(self) -> MaybeAwaitable[bool]:
         """Deletes the agent from its worker and the store; False if it did not exist."""
         return self._call(lambda w: w.delete(self.memory.namespace, self.id))
-
-
-def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
-    """What readers of a reply that `exc` cut short get: a worker that went away means the
-    turn was not committed; an answer of the worker's own stands."""
-    if isinstance(exc, Unavailable) and not exc.remote:
-        return Unavailable(
-            f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
-            "the turn was not committed: say it again"
-        )
-    return exc
-
-
-def no_reply(worker: str, agent: object) -> Unavailable:
-    return Unavailable(f"worker {worker} ended the turn of {agent!r} at once")
-
-
-class BaseReply:
-    """A reply's state as its responses arrive: pieces, token ids, usage, and the error that
-    cut it off, raised again to every later reader. The transport reads the stream under a
-    `_new_lock()`, and gives `_whole()`: the reply once whole (sync: waits for it)."""
-
-    _new_lock: Callable[[], Any]
-    _whole: Callable[[], TurnResult]
-
-    def __init__(
-        self, agent: BaseAgent, stream: Responses, first: pb.TurnResponse, worker: str
-    ) -> None:
-        self.agent, self.worker = agent, worker
-        self._stream = stream
-        self._result = TurnResult()
-        self._result.add(first)
-        self._error: Exception | None = None
-        self._lock = self._new_lock()  # one reader pulls from the stream at a time
-
-    @property
-    def done(self) -> bool:
-        return self._result.usage is not None
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _failed(self, exc: Exception) -> Exception:
-        """Keeps what a read raised, as every later reader will get it."""
-        if isinstance(exc, (StopIteration, StopAsyncIteration)):
-            exc = Unavailable(f"the reply of {self.agent!r} ended without its usage")
-        elif isinstance(exc, AgentKVError):
-            exc = cut_off(exc, self.worker, len(self._result.token_ids), self.agent)
-        self._error = exc
-        return exc
-
-    @property
-    def usage(self) -> pb.Usage:
-        """The turn's usage; whole once the reply has ended, as `.text`."""
-        return self._whole().usage
-
-    @property
-    def text(self) -> str:
-        return self._whole().text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._whole().token_ids)
-
-    @property
-    def time_to_first_token_ms(self) -> float:
-        return self._whole().usage.time_to_first_token_ms
-
-    @property
-    def cache_state(self) -> str:
-        return self._whole().usage.cache_state

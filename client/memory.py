@@ -22,20 +22,17 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import (
-    BaseAgent,
-    BaseAgentMemory,
+from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
+from agentkv.client.store import StoreClient
+from agentkv.client.worker import WorkerClient
+from agentkv.client.worker_core import (
     BaseReply,
     Messages,
-    Operation,
-    Steps,
     TurnResult,
     as_messages,
     cut_off,
     no_reply,
 )
-from agentkv.client.store import StoreClient
-from agentkv.client.worker import WorkerClient
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["Agent", "AgentMemory", "Messages", "Reply", "as_messages", "cut_off"]

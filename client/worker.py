@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import grpc
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import BaseWorkerClient, TurnResult, pb_messages
+from agentkv.client.worker_core import BaseWorkerClient, TurnResult, pb_messages
 from agentkv.errors import from_rpc_error
 from agentkv.worker.v1 import worker_pb2 as pb
 

@@ -435,7 +435,7 @@ def test_the_data_dir_is_private_by_default(tmp_path, launched, umask):
 def test_the_reply_header_cache_is_bounded_by_bytes():
     """Headers of an 8192-layer block, one per layer subset: the cache keeps what fits its
     byte bound, however many distinct subsets are asked for."""
-    from cache_store.service import MessageCache
+    from cache_store.replies import MessageCache
 
     def build(layers: int) -> pb.BlockHeader:
         infos = [
