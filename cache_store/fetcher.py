@@ -32,11 +32,9 @@ FETCH_AHEAD = 4  # blocks of a fetched agent downloading at once
 
 
 class Fetcher:
-    def __init__(
-        self, parts: Parts, capacity: Capacity, bucket: Bucket, publish_lock: threading.Lock
-    ) -> None:
+    def __init__(self, parts: Parts, capacity: Capacity, bucket: Bucket) -> None:
         self.index, self.payloads, self.metrics = parts.index, parts.payloads, parts.metrics
-        self.capacity, self.bucket, self.publish_lock = capacity, bucket, publish_lock
+        self.capacity, self.bucket, self.publish_lock = capacity, bucket, parts.publish_lock
         self.max_block_bytes = parts.config.max_block_bytes
         self.pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         self._fetching: dict[tuple, threading.Lock] = {}  # one download per block or agent

@@ -215,9 +215,6 @@ class Index:
         k = ns_key(namespace, key)
         txn.put(k, encode_u64(k, checksum), db=self._remote)
 
-    def delete_remote(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> None:
-        txn.delete(ns_key(namespace, key), db=self._remote)
-
     def uploaded_generation(
         self, txn: lmdb.Transaction, namespace: str, agent_id: str
     ) -> int | None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from cache_store.config import StoreConfig
 from cache_store.index import Index
@@ -18,3 +19,5 @@ class Parts:
     payloads: Payloads
     leases: Leases
     metrics: StoreMetrics
+    # held from a payload's rename to its index commit, against the orphan sweep
+    publish_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)

@@ -1,5 +1,6 @@
-"""The cache store's domain: agents, quarantine, inspection, start-up; blocks in, blocks out
-and the quota live in uploads.py, reads.py and capacity.py.
+"""The cache store's domain: agents and inspection. Blocks in, blocks out, the quota and the
+upkeep (start-up, verification, quarantine) live in uploads.py, reads.py, capacity.py and
+upkeep.py.
 
 Never sees protobuf (the servicer converts) and never imports MLX: a block is named, typed
 arrays of bytes.
@@ -9,12 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from agentkv import ids
 from agentkv.errors import (
-    CorruptBlock,
     FingerprintMismatch,
 )
 from cache_store import integrity, manifests
@@ -30,6 +29,7 @@ from cache_store.payloads import Payloads
 from cache_store.reads import BlockReads
 from cache_store.records import BlockRecord
 from cache_store.tier import ObjectTier
+from cache_store.upkeep import Upkeep
 from cache_store.uploads import PutHeader, PutResult, Uploads
 
 log = logging.getLogger("agentkv.store")
@@ -55,6 +55,8 @@ class CacheStore:
         self.leases = Leases(config.max_leases_per_namespace)
         self.parts = Parts(config, self.index, self.payloads, self.leases, self.metrics)
         self.capacity = Capacity(self.parts)
+        self.upkeep = Upkeep(self.parts)
+        self._quarantine, self._repairing = self.upkeep.quarantine, self.upkeep.repairing
         self.reads = BlockReads(self.parts, self.capacity, self._quarantine)
         r = self.reads
         self.select, self.reading, self.read, self.locate = r.select, r.reading, r.read, r.locate
@@ -67,7 +69,7 @@ class CacheStore:
             before_write=self._before_write,
             stored=self._block_stored,
         )
-        self.recover()
+        self.upkeep.recover()
         self.tier = self._object_tier() if config.object_store else None
         self.capacity.uploads = self.reads.tier = self.tier
         self.metrics.watch_usage(self.stats)
@@ -77,9 +79,7 @@ class CacheStore:
     def _object_tier(self) -> ObjectTier:
         config = self.config
         bucket = Bucket(Location.parse(config.object_store), config.s3_endpoint, self.metrics)
-        return ObjectTier(
-            self.parts, self.capacity, bucket, self.uploads.publish_lock, self._quarantine
-        )
+        return ObjectTier(self.parts, self.capacity, bucket, self._quarantine)
 
     def close(self) -> None:
         if self.collector is not None:
@@ -88,37 +88,6 @@ class CacheStore:
             self.tier.close()
         self.index.close()
         self.lock.release()
-
-    # start-up
-
-    def recover(self) -> None:
-        """Checks the index (schema version; every record's checksum, quarantining bad ones),
-        sweeps uploads cut short and orphans, and quarantines entries whose file is gone."""
-        bad_records = integrity.open_index(self.index)
-        self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad_records))
-        tmp = self.payloads.sweep_tmp()
-        orphans = self._remove_orphans()
-        with self.index.read() as txn:
-            records = list(self.index.blocks(txn, None))
-        lost = 0
-        for record in records:
-            if not record.local:
-                continue  # demoted: its payload is in the object store
-            try:
-                self.payloads.check_size(record)
-            except CorruptBlock as exc:
-                self._quarantine(record, f"at start-up: {exc.message}")
-                lost += 1
-        log.info(
-            "recovered",
-            extra={
-                "tmp_removed": tmp,
-                "orphans_removed": orphans,
-                "blocks": len(records) - lost,
-                "quarantined": lost,
-                "bad_index_records": len(bad_records),
-            },
-        )
 
     # blocks in
 
@@ -297,62 +266,20 @@ class CacheStore:
 
     def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]]]:
         """Checks every index record and reads every payload, checking every checksum;
-        quarantines what fails (bad index records: see bad_records)."""
-        ns = ids.namespace(namespace) if namespace else None
-        with self.index.read() as txn:
-            damaged = bool(integrity.scan(self.index, txn, ns))
-        if damaged:
-            with self.index.write() as txn:
-                found = integrity.scan(self.index, txn)
-                integrity.fix(self.index, txn, found)
-            self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in found.records))
-        self._repair()
-        with self.index.read() as txn:
-            records = list(self.index.blocks(txn, ns))
-        corrupt: list[tuple[BlockRecord, str]] = []
-        checked = num_bytes = 0
-        for record in records:
-            if not record.local:
-                continue  # in the object store; checked when fetched back
-            try:
-                self.payloads.verify(record)
-                checked += 1
-                num_bytes += record.num_bytes
-            except CorruptBlock as exc:
-                self._quarantine(record, exc.message)
-                corrupt.append((record, exc.message))
-        return checked + len(corrupt), num_bytes, corrupt
+        quarantines what fails. (blocks checked, bytes read, the corrupt and why)"""
+        return self.upkeep.verify(namespace)
 
     def bad_records(self, namespace: str = "") -> list[integrity.BadRecord]:
-        """Agent and block records found corrupt and quarantined, until the agent is deleted
-        or committed anew, or the block uploaded again."""
-        ns = ids.namespace(namespace) if namespace else None
-        with self.index.read() as txn:
-            return integrity.quarantined(self.index, txn, ns)
+        """Agent and block records found corrupt and quarantined (see Upkeep.bad_records)."""
+        return self.upkeep.bad_records(namespace)
 
     def collect_garbage(self, namespace: str = "") -> tuple[int, int, int]:
         """Deletes unreferenced, unleased blocks, then orphan files. (blocks, bytes, orphans)"""
         ns = ids.namespace(namespace) if namespace else None
         deleted, freed = self.capacity.collect(ns)
-        return deleted, freed, self._remove_orphans()
+        return deleted, freed, self.upkeep.remove_orphans()
 
     # helpers
-
-    @contextmanager
-    def _repairing(self) -> Iterator[None]:
-        """Quarantines what the enclosed reads found bad (also when they raise for it)."""
-        try:
-            yield
-        finally:
-            self._repair()
-
-    def _repair(self) -> None:
-        suspects = self.index.take_suspects()
-        if not suspects:
-            return
-        with self.index.write() as txn:
-            bad = integrity.repair(self.index, txn, suspects)
-        self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad))
 
     def _before_write(self, namespace: str, agent_id: str = "") -> None:
         """With an object store: this store must be the namespace's writer, and an agent
@@ -372,52 +299,6 @@ class CacheStore:
     def _agent_changed(self, namespace: str, agent_id: str) -> None:
         if self.tier is not None:
             self.tier.agent_changed(namespace, agent_id)
-
-    def _quarantine(self, record: BlockRecord, reason: str, where: str = "local") -> None:
-        """Takes a bad block out. `where` failed: "local" (its file: a block whose object-store
-        copy is whole is demoted instead, so its next read fetches that copy), "bucket" (the
-        object-store copy), or "misfit" (its tensors cannot be its model's: gone everywhere).
-        A record that changed since the caller read it (demoted, replaced) is left alone."""
-        with self.index.write() as txn:
-            current = self.index.find_block(txn, record.namespace, record.key)
-            if current is None or current.created_ms != record.created_ms:
-                return  # someone else got there first, or a new upload replaced it
-            if where == "local" and not current.local:
-                return  # demoted meanwhile: its file went on purpose
-            remote = self.index.remote_checksum(txn, record.namespace, record.key)
-            demote = where == "local" and remote is not None and bool(self.config.object_store)
-            if demote:
-                self.index.set_local(txn, current, False)
-            else:
-                self.index.delete_block(txn, current, lost=True)
-            self.index.bump(txn, "quarantined")
-        dest = self.payloads.quarantine(record)
-        self.metrics.quarantines.inc()
-        log.warning(
-            "block quarantined",
-            extra={
-                "namespace": record.namespace,
-                "key": record.key.hex(),
-                "reason": reason,
-                "moved_to": str(dest),
-            },
-        )
-
-    def _remove_orphans(self) -> int:
-        """Deletes payload files no local block names (a demoted block's file is one: a
-        crash between its demotion and the unlink)."""
-        with self.index.read() as txn:
-            known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
-        suspects = [p for p in self.payloads.block_files() if p not in known]
-        removed = 0
-        with self.uploads.publish_lock:  # a put between rename and index commit is no orphan
-            with self.index.read() as txn:
-                known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
-            for relpath in suspects:
-                if relpath not in known:
-                    self.payloads.path(relpath).unlink(missing_ok=True)
-                    removed += 1
-        return removed
 
 
 def page_size_limit(page_size: int) -> int:

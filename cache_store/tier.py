@@ -35,7 +35,6 @@ class ObjectTier:
         parts: Parts,
         capacity: Capacity,
         bucket: Bucket,
-        publish_lock: threading.Lock,
         quarantine: Callable[[BlockRecord, str], None],
     ) -> None:
         config, self.bucket = parts.config, bucket
@@ -43,7 +42,7 @@ class ObjectTier:
         self.writers = WriterLeases(bucket, self.store_id, config.writer_lease_seconds)
         self.uploader = Uploader(parts, bucket, self.writers, quarantine)
         self.queue = JobQueue(config.object_queue_max, self.uploader.scan)
-        self.fetcher = Fetcher(parts, capacity, bucket, publish_lock)
+        self.fetcher = Fetcher(parts, capacity, bucket)
         self.rehydrate, self.fetch_agent = self.fetcher.rehydrate, self.fetcher.fetch_agent
         self.bucket_agents = self.fetcher.bucket_agents
         self.state = "starting"  # ok | unreachable | backlogged

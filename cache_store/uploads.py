@@ -7,7 +7,6 @@ the same block race harmlessly: the first to publish wins, the other is a dedup 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -76,7 +75,7 @@ class Uploads:
         self.quarantine = quarantine
         self.before_write = before_write  # may refuse the namespace (another store writes it)
         self.stored = stored  # told of every block newly stored (the object store's queue)
-        self.publish_lock = threading.Lock()  # rename..index commit, against the orphan sweep
+        self.publish_lock = parts.publish_lock
 
     def put_stream(
         self, items: Iterator[PutHeader | memoryview]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentkv import defaults
-from inference_worker.gguf_import import WEIGHTS, GGUFError, cached_import
+from inference_worker.gguf_import import GGUFError, cached_import
 
 
 class ModelError(ValueError):
@@ -36,7 +36,6 @@ SHIPPED = {
 }
 DEFAULT_MODEL = defaults.MODEL
 GGUF_MAGIC = b"GGUF"
-WEIGHT_CHOICES = ("auto", *WEIGHTS)
 
 
 def shipped_file(name: str) -> Path:
