@@ -16,8 +16,7 @@ import dataclasses
 import os
 import subprocess
 import sys
-import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from agentkv import defaults
@@ -25,10 +24,10 @@ from agentkv.channels import ClientSecurity
 from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, Unavailable
-from agentkv.flags import add_flags, from_args
+from agentkv.flags import add_flags, from_args, show_defaults
 from agentkv.launch import ServiceExited
-from agentkv.layers import describe, layer_specs
-from agentkv.planner import load_config, parse_size, parse_tokens, plan
+from agentkv.plan_report import print_plan, print_table14
+from agentkv.planner import parse_size, parse_tokens
 from agentkv.units import human_bytes, table
 
 
@@ -64,27 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         _service_flags(p)
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
     _model_parser(sub.add_parser("model", help="import GGUF models"))
-    _show_defaults(parser)
+    show_defaults(parser)
     return parser
-
-
-class _DefaultsHelp(argparse.HelpFormatter):
-    """--help shows each flag's default, where it has one worth showing."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
-        if shown and "%(default)" not in text and action.option_strings:
-            text += " (default: %(default)s)"
-        return text
-
-
-def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for command in action.choices.values():
-                command.formatter_class = _DefaultsHelp
-                _show_defaults(command)
 
 
 def _store_parser(store: argparse.ArgumentParser) -> None:
@@ -253,85 +233,13 @@ def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:
     return [(n.name, n.num_agents) for n in reply.namespaces if n.num_agents]
 
 
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.3f} GiB"
-
-
-def _notes(lines: Sequence[str]) -> str:
-    wrap = textwrap.TextWrapper(width=100, initial_indent="  - ", subsequent_indent="    ")
-    return "notes:\n" + "\n".join(wrap.fill(line) for line in lines)
-
-
 def cmd_plan(args: argparse.Namespace) -> None:
     if args.table14:
         print_table14()
         return
     if not (args.config and args.context and args.budget):
         raise ValueError("plan needs --config, --context and --budget (or --table14)")
-    config = load_config(args.config)
-    specs = layer_specs(config)
-    bits, group = args.bits, args.group_size
-    caps = [
-        plan(config, n, args.budget, bits, group, chunk_tokens=args.chunk) for n in args.context
-    ]
-    print(f"{args.config}: {describe(specs)}")
-    print(
-        f"budget {_gib(args.budget)} ({args.budget:,} bytes); "
-        f"Q{bits} = {bits}-bit values, an fp16 scale and bias per {group}\n"
-    )
-    headers = ["context", "FP16/agent", f"Q{bits}/agent", f"Q{bits} window/agent"]
-    headers += ["FP16 agents", f"Q{bits} agents", f"Q{bits} window agents"]
-    rows = [
-        (c.context_tokens, _gib(c.fp16_bytes), _gib(c.q_bytes), _gib(c.q_window_bytes))
-        + (c.num_fp16_agents, c.num_q_agents, c.num_q_window_agents)
-        for c in caps
-    ]
-    print(table(headers, rows) + "\n")
-    sliding = any(s.kind == "sliding" for s in specs)
-    print(
-        _notes(
-            [
-                "per agent: the KV cache only, no weights, activations or allocator slack",
-                f"FP16 and Q{bits}: every layer holds the whole context, as the paper counts",
-                f"Q{bits} window: a sliding layer holds min(context, window + chunk - 1) tokens "
-                "(mlx-lm's RotatingKVCache; a cache trimmed at block boundaries holds up to a "
-                "block more)"
-                if sliding
-                else f"no sliding-window layers: Q{bits} window = Q{bits}",
-                "the paper's '10.2 GB' budget is --budget 10.2Gi; --table14 compares with it",
-            ]
-        )
-    )
-
-
-def paper_figures():
-    """benchmarks/paper.py, the paper's reference figures: in the source tree, not the package."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "paper.py"
-    if not path.exists():
-        raise ValueError(f"{path} not found: --table14 runs from a source checkout")
-    spec = importlib.util.spec_from_file_location("agentkv_paper", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # registered first: its dataclasses look their module up
-    return module
-
-
-def print_table14() -> None:
-    paper = paper_figures()
-    rows = paper.table14()
-    budget = rows[0].ours.budget_bytes
-    print(f"Table 14 (M4 Pro, 10.2 GB cache budget) beside this planner at {_gib(budget)}\n")
-    headers = ["model", "context", "FP16 paper", "FP16 here", "Q4 paper", "Q4 here"]
-    cells = [
-        (r.model, f"{r.ours.context_tokens // 1024}K", r.paper_fp16, r.ours.num_fp16_agents)
-        + (r.paper_q4, r.ours.num_q_agents, r.ours.num_q_window_agents)
-        for r in rows
-    ]
-    print(table([*headers, "Q4 window here"], cells) + "\n")
-    print("cells that differ:")
-    print("\n".join(f"  {d}" for r in rows for d in r.differences()) + "\n")
-    print(_notes(paper.TABLE14_NOTES))
+    print_plan(args.config, args.context, args.budget, args.bits, args.group_size, args.chunk)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -104,6 +104,26 @@ def parse_config(
         parser.error(str(exc))
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each flag's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
+        if shown and "%(default)" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's --help shows its flags' defaults (those worth showing)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.formatter_class = _DefaultsHelp
+                show_defaults(command)
+
+
 def _dest(prefix: str, f: dataclasses.Field) -> str:
     return (prefix + f.name).replace("-", "_")
 

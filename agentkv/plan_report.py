@@ -1,0 +1,89 @@
+"""`agentkv plan`'s tables: the planner's figures for a model and budget, and the paper's
+Table 14 beside this planner's."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+from agentkv.layers import describe, layer_specs
+from agentkv.planner import load_config, plan
+from agentkv.units import table
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB"
+
+
+def _notes(lines: Sequence[str]) -> str:
+    wrap = textwrap.TextWrapper(width=100, initial_indent="  - ", subsequent_indent="    ")
+    return "notes:\n" + "\n".join(wrap.fill(line) for line in lines)
+
+
+def print_plan(
+    name: str, contexts: Sequence[int], budget: int, bits: int, group: int, chunk: int
+) -> None:
+    """`agentkv plan`: per-agent KV bytes and how many agents fit in `budget`, per context."""
+    config = load_config(name)
+    specs = layer_specs(config)
+    caps = [plan(config, n, budget, bits, group, chunk_tokens=chunk) for n in contexts]
+    print(f"{name}: {describe(specs)}")
+    print(
+        f"budget {_gib(budget)} ({budget:,} bytes); "
+        f"Q{bits} = {bits}-bit values, an fp16 scale and bias per {group}\n"
+    )
+    headers = ["context", "FP16/agent", f"Q{bits}/agent", f"Q{bits} window/agent"]
+    headers += ["FP16 agents", f"Q{bits} agents", f"Q{bits} window agents"]
+    rows = [
+        (c.context_tokens, _gib(c.fp16_bytes), _gib(c.q_bytes), _gib(c.q_window_bytes))
+        + (c.num_fp16_agents, c.num_q_agents, c.num_q_window_agents)
+        for c in caps
+    ]
+    print(table(headers, rows) + "\n")
+    sliding = any(s.kind == "sliding" for s in specs)
+    print(
+        _notes(
+            [
+                "per agent: the KV cache only, no weights, activations or allocator slack",
+                f"FP16 and Q{bits}: every layer holds the whole context, as the paper counts",
+                f"Q{bits} window: a sliding layer holds min(context, window + chunk - 1) tokens "
+                "(mlx-lm's RotatingKVCache; a cache trimmed at block boundaries holds up to a "
+                "block more)"
+                if sliding
+                else f"no sliding-window layers: Q{bits} window = Q{bits}",
+                "the paper's '10.2 GB' budget is --budget 10.2Gi; --table14 compares with it",
+            ]
+        )
+    )
+
+
+def paper_figures():
+    """benchmarks/paper.py, the paper's reference figures: in the source tree, not the package."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "paper.py"
+    if not path.exists():
+        raise ValueError(f"{path} not found: --table14 runs from a source checkout")
+    spec = importlib.util.spec_from_file_location("agentkv_paper", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registered first: its dataclasses look their module up
+    return module
+
+
+def print_table14() -> None:
+    paper = paper_figures()
+    rows = paper.table14()
+    budget = rows[0].ours.budget_bytes
+    print(f"Table 14 (M4 Pro, 10.2 GB cache budget) beside this planner at {_gib(budget)}\n")
+    headers = ["model", "context", "FP16 paper", "FP16 here", "Q4 paper", "Q4 here"]
+    cells = [
+        (r.model, f"{r.ours.context_tokens // 1024}K", r.paper_fp16, r.ours.num_fp16_agents)
+        + (r.paper_q4, r.ours.num_q_agents, r.ours.num_q_window_agents)
+        for r in rows
+    ]
+    print(table([*headers, "Q4 window here"], cells) + "\n")
+    print("cells that differ:")
+    print("\n".join(f"  {d}" for r in rows for d in r.differences()) + "\n")
+    print(_notes(paper.TABLE14_NOTES))
