@@ -56,8 +56,7 @@ class CacheStore:
         self.parts = Parts(config, self.index, self.payloads, self.leases, self.metrics)
         self.capacity = Capacity(self.parts)
         self.upkeep = Upkeep(self.parts)
-        self._quarantine, self._repairing = self.upkeep.quarantine, self.upkeep.repairing
-        self.reads = BlockReads(self.parts, self.capacity, self._quarantine)
+        self.reads = BlockReads(self.parts, self.capacity, self.upkeep.quarantine)
         r = self.reads
         self.select, self.reading, self.read, self.locate = r.select, r.reading, r.read, r.locate
         self.path_of, self.report_corrupt = r.path_of, r.report_corrupt
@@ -65,7 +64,7 @@ class CacheStore:
         self.uploads = Uploads(
             self.parts,
             self.capacity,
-            self._quarantine,
+            self.upkeep.quarantine,
             before_write=self._before_write,
             stored=self._block_stored,
         )
@@ -79,7 +78,7 @@ class CacheStore:
     def _object_tier(self) -> ObjectTier:
         config = self.config
         bucket = Bucket(Location.parse(config.object_store), config.s3_endpoint, self.metrics)
-        return ObjectTier(self.parts, self.capacity, bucket, self._quarantine)
+        return ObjectTier(self.parts, self.capacity, bucket, self.upkeep.quarantine)
 
     def close(self) -> None:
         if self.collector is not None:
@@ -128,7 +127,7 @@ class CacheStore:
             ids.fingerprint(fingerprint)
         if self.tier is not None:
             self._fetch_if_newer(ns, agent_id)
-        with self._repairing(), self.index.read() as txn:
+        with self.upkeep.repairing(), self.index.read() as txn:
             record = manifests.get(self.index, txn, ns, agent_id)
             if fingerprint and record.fingerprint != fingerprint:
                 raise FingerprintMismatch(
@@ -166,7 +165,7 @@ class CacheStore:
         only the bucket holds (fetched on their first GetAgent)."""
         ns = ids.namespace(namespace)
         limit = page_size_limit(page_size)
-        with self._repairing(), self.index.read() as txn:
+        with self.upkeep.repairing(), self.index.read() as txn:
             page = self.index.agent_page(txn, ns, page_token, limit)
             views = [manifests.view(self.index, txn, r) for r in page]
         if self.tier is None:
