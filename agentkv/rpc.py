@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
+import socket
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -179,12 +179,26 @@ def start_metrics(listen: str | None, registry: CollectorRegistry) -> str | None
     return f"{host}:{httpd.server_port}"
 
 
-def wait_for_signal() -> None:
-    """Blocks until SIGTERM or SIGINT."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+class StopSignals:
+    """Catches SIGTERM and SIGINT from when it is made (in the main thread); `wait()` returns
+    once one has come. CPython's own handler writes the signal's number to a socket that
+    `wait()` reads, and the Python handler does nothing, so no lock is taken in a handler: one
+    that set a threading.Event deadlocked whenever it ran inside that Event's `wait()`, and a
+    store then ignored SIGTERM until it was killed."""
+
+    def __init__(self) -> None:
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        signal.set_wakeup_fd(self._writer.fileno())
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda *_: None)  # not the default, which would end the process
+
+    def wait(self) -> None:
+        while not STOP_SIGNALS.intersection(self._reader.recv(64)):
+            pass
 
 
 def service_handlers(

@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry, Counter
 from agentkv.addresses import is_loopback, listen_host, tcp_listen
 from agentkv.flags import flag, nested
 from agentkv.rpc import (
+    StopSignals,
     add_health_and_reflection,
     bind,
     new_server,
     start_health,
     start_metrics,
-    wait_for_signal,
 )
 from agentkv.security import ServerSecurity
 
@@ -134,6 +134,7 @@ def serve_until_signal(
     served = create()
     health_server = None
     try:  # whatever fails from here, the index is closed and no stale address is left
+        signals = StopSignals()  # before "serving": a SIGTERM right after it still drains
         metrics = start_metrics(config.metrics_listen, served.metrics.registry)
         served.server.start()
         health_server, health_address = start_health(config.health_listen, served.health)
@@ -141,7 +142,7 @@ def serve_until_signal(
         if address_file:
             write_atomically(address_file, json.dumps(extra) + "\n")
         log.info("serving", extra=extra)
-        wait_for_signal()
+        signals.wait()
         log.info("stopping")
     finally:
         served.stop()

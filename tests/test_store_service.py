@@ -97,6 +97,19 @@ def test_logs_are_json_lines_and_sigterm_stops_cleanly(store_process, store):
     assert all({"ts", "level", "logger", "event"} <= e.keys() for e in entries)
 
 
+def test_sigterm_the_moment_serving_is_logged_still_stops_cleanly(tmp_path):
+    """SIGTERM as soon as a store says "serving" (and after a few RPCs): every time, it
+    drains and exits 0. A handler once set a threading.Event and could deadlock inside that
+    Event's wait, and the handlers were installed after "serving" was logged."""
+    for run in range(8):
+        proc = StoreProcess(tmp_path / f"data{run}", tmp_path / f"store{run}.log").start()
+        with proc.client() as c:
+            assert [c.stats().num_agents for _ in range(run % 3)] == [0] * (run % 3)
+        assert proc.stop() == 0, proc.service.log_tail()
+        events = [json.loads(line)["event"] for line in proc.log_path.read_text().splitlines()]
+        assert events[-1] == "stopping", events
+
+
 def test_store_never_imports_mlx():
     code = (
         "import sys, cache_store.__main__, cache_store.server, agentkv.client.store, agentkv.cli;"
