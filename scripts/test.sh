@@ -8,4 +8,6 @@ cd "$ROOT"
 source scripts/setup.sh
 ruff check .
 ruff format --check .
-python -m pytest "$@"
+# One pytest worker per core, a test file to a worker (module fixtures start once), the files
+# in collection order: tests/conftest.py puts the longest first. `-n 0` runs them in one process.
+python -m pytest -n auto --dist loadfile --no-loadscope-reorder "$@"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,19 @@ from agentkv.client.store import StoreClient
 from inference_worker.blas import load_optimized_blas
 from tests.helpers import StoreProcess
 
+# OpenBLAS's idle threads spin for ~0.1 s after every call before they sleep: in the demo that
+# was 74 of its 251 CPU seconds, in system time, taken from the suite's other processes (-n
+# auto runs a pytest worker per core). Threads that sleep at once keep the same thread count
+# and the same sums. Read when OpenBLAS loads: here and in every process a test starts.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 load_optimized_blas()  # before anything imports mlx
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that declare a timeout over the default (the demo, the bench smoke run: minutes
+    each) go first, so that a parallel run (scripts/test.sh: -n auto) starts them at once
+    instead of ending on one while the other cores are idle. The rest keep their order."""
+    items.sort(key=lambda item: -max((m.args[0] for m in item.iter_markers("timeout")), default=0))
 
 
 @pytest.fixture
