@@ -204,15 +204,16 @@ class StoreClient:
         return self.call("GetAgent", request).agent
 
     def list_agents(self, namespace: str) -> Iterator[pb.AgentSummary]:
-        token = ""
+        return self._pages("ListAgents", pb.ListAgentsRequest(namespace=namespace), "agents")
+
+    def _pages(self, method: str, request: Any, items: str) -> Iterator[Any]:
+        """Every item of a paged listing, asking for the next page as the last is used up."""
         while True:
-            page = self.call(
-                "ListAgents", pb.ListAgentsRequest(namespace=namespace, page_token=token)
-            )
-            yield from page.agents
+            page = self.call(method, request)
+            yield from getattr(page, items)
             if not page.next_page_token:
                 return
-            token = page.next_page_token
+            request.page_token = page.next_page_token
 
     def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
         request = pb.DeleteAgentRequest(
@@ -241,15 +242,7 @@ class StoreClient:
         return self.call("FindLongestPrefix", request)
 
     def list_blocks(self, namespace: str) -> Iterator[pb.BlockSummary]:
-        token = ""
-        while True:
-            page = self.call(
-                "ListBlocks", pb.ListBlocksRequest(namespace=namespace, page_token=token)
-            )
-            yield from page.blocks
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        return self._pages("ListBlocks", pb.ListBlocksRequest(namespace=namespace), "blocks")
 
     def stats(self) -> pb.GetStatsResponse:
         return self.call("GetStats", pb.GetStatsRequest())
