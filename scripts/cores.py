@@ -26,5 +26,8 @@ def quota_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 
 if __name__ == "__main__":
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(min(cores or 1, quota_cores() or cores or 1))
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1  # macOS: no affinity, no cgroups
+    print(min(cores, quota_cores() or cores))
