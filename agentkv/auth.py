@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from agentkv import ids
 from agentkv.errors import PermissionDenied, Unauthenticated
 
 ALL = "*"
@@ -51,7 +52,9 @@ def current() -> Principal | None:
 
 
 def check_namespace(namespace: str) -> None:
-    """Raises PermissionDenied unless the caller may touch `namespace`."""
+    """Raises InvalidArgument for a malformed name ("" is the default namespace), then
+    PermissionDenied unless the caller may touch it: before any of its data is read."""
+    namespace = ids.namespace(namespace)
     who = _principal.get()
     if who is not None and not who.allows(namespace):
         raise PermissionDenied(f"token {who.name!r} may not use namespace {namespace!r}")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from agentkv import auth, ids, wire
+from agentkv import auth, wire
 from agentkv.errors import InvalidArgument
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
@@ -62,7 +62,7 @@ class CacheStoreServicer:
     def GetBlocks(
         self, request: pb.GetBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         start = time.perf_counter()
         selections = self.store.select(
             request.namespace, request.fingerprint, request.keys, request.layers
@@ -94,7 +94,7 @@ class CacheStoreServicer:
     def LocateBlocks(
         self, request: pb.LocateBlocksRequest, context: grpc.ServicerContext
     ) -> pb.LocateBlocksResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         lease_id, expires, selections = self.store.locate(
             request.namespace,
             request.fingerprint,
@@ -115,13 +115,13 @@ class CacheStoreServicer:
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
         for namespace in self.store.leases.namespaces(request.lease_id):
-            _allowed(namespace)  # another tenant's lease is not the caller's to end
+            auth.check_namespace(namespace)  # another tenant's lease is not the caller's to end
         return pb.ReleaseLeaseResponse(released=self.store.leases.release(request.lease_id))
 
     def ReportCorruptBlock(
         self, request: pb.ReportCorruptBlockRequest, context: grpc.ServicerContext
     ) -> pb.ReportCorruptBlockResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         done = self.store.report_corrupt(
             request.namespace, request.key, request.reason, request.does_not_fit
         )
@@ -130,7 +130,7 @@ class CacheStoreServicer:
     def FindLongestPrefix(
         self, request: pb.FindLongestPrefixRequest, context: grpc.ServicerContext
     ) -> pb.FindLongestPrefixResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         chain = self.store.longest_prefix(request.namespace, request.fingerprint, request.token_ids)
         counts = [len(b.token_ids) for b in chain]
         return pb.FindLongestPrefixResponse(
@@ -140,7 +140,7 @@ class CacheStoreServicer:
     def CommitAgent(
         self, request: pb.CommitAgentRequest, context: grpc.ServicerContext
     ) -> pb.CommitAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         commit = manifests.Commit(
             namespace=request.namespace,
             agent_id=request.agent_id,
@@ -157,14 +157,14 @@ class CacheStoreServicer:
     def GetAgent(
         self, request: pb.GetAgentRequest, context: grpc.ServicerContext
     ) -> pb.GetAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         view = self.store.get_agent(request.namespace, request.agent_id, request.fingerprint)
         return pb.GetAgentResponse(agent=replies.manifest(view, request.summary_only))
 
     def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
     ) -> pb.ListAgentsResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         views = self.store.list_agents(request.namespace, request.page_token, request.page_size)
         agents = [replies.agent_summary(v) for v in views]
         full = len(views) == page_size_limit(request.page_size)
@@ -175,7 +175,7 @@ class CacheStoreServicer:
     def DeleteAgent(
         self, request: pb.DeleteAgentRequest, context: grpc.ServicerContext
     ) -> pb.DeleteAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         released = self.store.delete_agent(
             request.namespace, request.agent_id, request.expected_generation
         )
@@ -184,7 +184,7 @@ class CacheStoreServicer:
     def ForkAgent(
         self, request: pb.ForkAgentRequest, context: grpc.ServicerContext
     ) -> pb.ForkAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         view = self.store.fork_agent(
             request.namespace,
             request.source_agent_id,
@@ -214,7 +214,7 @@ class CacheStoreServicer:
     def ListBlocks(
         self, request: pb.ListBlocksRequest, context: grpc.ServicerContext
     ) -> pb.ListBlocksResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         try:
             after = bytes.fromhex(request.page_token)
         except ValueError as exc:
@@ -262,14 +262,9 @@ class CacheStoreServicer:
         )
 
 
-def _allowed(namespace: str) -> None:
-    """The caller's token must cover the namespace (checked before any of its data is read)."""
-    auth.check_namespace(ids.namespace(namespace))
-
-
 def _allowed_or_all(namespace: str, what: str) -> None:
     if namespace:
-        _allowed(namespace)
+        auth.check_namespace(namespace)
     else:
         auth.check_all_namespaces(what)
 
@@ -287,7 +282,7 @@ def _put_items(
             yield item
         elif item.WhichOneof("item") == "header":
             h = item.header
-            _allowed(h.namespace)
+            auth.check_namespace(h.namespace)
             yield PutHeader(
                 h.namespace,
                 h.fingerprint,

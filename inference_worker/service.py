@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import grpc
 
-from agentkv import auth, ids
+from agentkv import auth
 from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
@@ -27,7 +27,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         self.info = info  # static facts: model, fingerprint, kv format, device, blas...
 
     def CreateAgent(self, request: pb.CreateAgentRequest, context) -> pb.CreateAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         info, usage = self.front.create_agent(
             request.namespace,
             request.agent_id,
@@ -40,7 +40,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def Turn(
         self, request: pb.TurnRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TurnResponse]:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         s = request.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
         checked = sampling.validate(
@@ -53,7 +53,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def InjectContext(
         self, request: pb.InjectContextRequest, context: grpc.ServicerContext
     ) -> pb.InjectContextResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         if not request.messages:
             raise InvalidArgument("InjectContext needs at least one message")
         job = self._job(request, Sampling(max_tokens=0))
@@ -64,7 +64,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         return pb.InjectContextResponse(agent=_state(agent), usage=usage)
 
     def ForkAgent(self, request: pb.ForkAgentRequest, context) -> pb.ForkAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         info = self.front.fork(
             request.namespace, request.source_agent_id, request.agent_id, request.phase
         )
@@ -107,17 +107,17 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             raise job.error
 
     def EvictAgent(self, request: pb.EvictAgentRequest, context) -> pb.EvictAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         evicted, freed = self.front.evict(request.namespace, request.agent_id)
         return pb.EvictAgentResponse(evicted=evicted, bytes_freed=freed)
 
     def DescribeAgent(self, request: pb.DescribeAgentRequest, context) -> pb.DescribeAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         info = self.front.describe(request.namespace, request.agent_id)
         return pb.DescribeAgentResponse(agent=_state(info))
 
     def DeleteAgent(self, request: pb.DeleteAgentRequest, context) -> pb.DeleteAgentResponse:
-        _allowed(request.namespace)
+        auth.check_namespace(request.namespace)
         deleted = self.front.delete(request.namespace, request.agent_id)
         return pb.DeleteAgentResponse(deleted=deleted)
 
@@ -137,11 +137,6 @@ def _next_event(job: TurnJob, context: grpc.ServicerContext) -> object:
         except queue.Empty:
             if not context.is_active():
                 return END
-
-
-def _allowed(namespace: str) -> None:
-    """The caller's token must cover the namespace, checked on the RPC thread."""
-    auth.check_namespace(ids.namespace(namespace))
 
 
 def _state(info: AgentInfo) -> pb.AgentState:
