@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from agentkv import defaults  # noqa: E402
 from agentkv.v1 import store_pb2 as pb  # noqa: E402
 
 
@@ -89,15 +90,9 @@ MODEL_HELP = (
 )
 
 
-def default_model() -> str:
-    from inference_worker.models import DEFAULT_MODEL
-
-    return DEFAULT_MODEL
-
-
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """--model SPEC, defaulting to the worker's own default model (SmolLM2-135M-Instruct)."""
-    parser.add_argument("--model", metavar="SPEC", default=default_model(), help=MODEL_HELP)
+    parser.add_argument("--model", metavar="SPEC", default=defaults.MODEL, help=MODEL_HELP)
 
 
 def model_device() -> str:
@@ -115,7 +110,7 @@ def model_dir(spec: str | os.PathLike[str] | None = None) -> Path:
     Pass the returned path, not SPEC, to worker processes: they then load these exact files."""
     from inference_worker.models import ModelError, resolve_model
 
-    spec = str(spec) if spec is not None else default_model()
+    spec = str(spec) if spec is not None else defaults.MODEL
     try:
         return resolve_model(spec, "auto", model_device()).resolve()
     except ModelError as exc:

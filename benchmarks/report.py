@@ -91,7 +91,9 @@ def resolve_model(spec: str | None) -> tuple[str, Path, str]:
             sys.path.insert(0, path)
     import common
 
-    spec = spec or common.default_model()
+    from agentkv import defaults
+
+    spec = spec or defaults.MODEL
     path = common.model_dir(spec)
     return spec, path, common.describe_model(path, spec)
 

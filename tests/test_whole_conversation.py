@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from agentkv import defaults
 from agentkv.client.worker import WorkerClient
-from inference_worker.models import DEFAULT_MODEL, resolve_model
+from inference_worker.models import resolve_model
 
 NS = "chat"
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
@@ -19,7 +20,7 @@ EDITED = "And of Spain?"
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    return resolve_model(DEFAULT_MODEL, "auto", "cpu", tmp_path_factory.mktemp("model-cache"))
+    return resolve_model(defaults.MODEL, "auto", "cpu", tmp_path_factory.mktemp("model-cache"))
 
 
 def whole(w: WorkerClient, agent: str, conversation: list[tuple[str, str]]):
