@@ -17,7 +17,9 @@ import hashlib
 import hmac
 import json
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import grpc
 
 from agentkv import ids
 from agentkv.errors import PermissionDenied, Unauthenticated
+from agentkv.rpc import guarded
 
 ALL = "*"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -140,51 +143,22 @@ class AuthInterceptor(grpc.ServerInterceptor):
         who = self.tokens.principal(token) if scheme.lower() == "bearer" and token else None
         if who is None:
             reason = "no bearer token" if not header else "the bearer token is not valid"
-            return _refusal(handler, reason)
-        return _as(handler, who)
+            return guarded(handler, partial(_refused, reason))
+        return guarded(handler, partial(_running_as, who))
 
 
-def _as(handler: grpc.RpcMethodHandler, who: Principal) -> grpc.RpcMethodHandler:
-    def unary(behaviour: Callable) -> Callable:
-        def run(request: Any, context: grpc.ServicerContext) -> Any:
-            token = _principal.set(who)
-            try:
-                return behaviour(request, context)
-            finally:
-                _principal.reset(token)
-
-        return run
-
-    def stream(behaviour: Callable) -> Callable:
-        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            token = _principal.set(who)
-            try:
-                yield from behaviour(request, context)
-            finally:
-                _principal.reset(token)
-
-        return run
-
-    return _replace(handler, unary, stream)
+@contextmanager
+def _running_as(who: Principal, _context: grpc.ServicerContext) -> Iterator[None]:
+    token = _principal.set(who)
+    try:
+        yield
+    finally:
+        _principal.reset(token)
 
 
-def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    def deny(_behaviour: Callable) -> Callable:
-        def run(request: Any, context: grpc.ServicerContext) -> Any:
-            error = Unauthenticated(f"unauthenticated: {reason}")
-            context.set_trailing_metadata(error.trailing_metadata())
-            context.abort(error.code, error.message)
-
-        return run
-
-    return _replace(handler, deny, deny)
-
-
-def _replace(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable):
-    if handler.unary_unary:
-        return handler._replace(unary_unary=unary(handler.unary_unary))
-    if handler.stream_unary:
-        return handler._replace(stream_unary=unary(handler.stream_unary))
-    if handler.unary_stream:
-        return handler._replace(unary_stream=stream(handler.unary_stream))
-    return handler._replace(stream_stream=stream(handler.stream_stream))
+@contextmanager
+def _refused(reason: str, context: grpc.ServicerContext) -> Iterator[None]:
+    error = Unauthenticated(f"unauthenticated: {reason}")
+    context.set_trailing_metadata(error.trailing_metadata())
+    context.abort(error.code, error.message)  # raises: the call never runs
+    yield

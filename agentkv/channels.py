@@ -104,18 +104,13 @@ class _BearerToken(
         self.header = ("authorization", f"Bearer {token}")
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = [*(details.metadata or ()), self.header]
-        return (
-            details._replace(metadata=metadata)
-            if hasattr(details, "_replace")
-            else _Details(
-                details.method,
-                details.timeout,
-                metadata,
-                details.credentials,
-                getattr(details, "wait_for_ready", None),
-                getattr(details, "compression", None),
-            )
+        return _Details(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self.header],
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
         )
 
     def intercept_unary_unary(self, continuation, details, request):

@@ -149,47 +149,16 @@ class PermissionDenied(AgentKVError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+# Every class above by name: a server's trailing metadata names the one it raised.
 ERRORS: dict[str, type[AgentKVError]] = {
-    cls.__name__: cls
-    for cls in (
-        AgentKVError,
-        InvalidArgument,
-        NotFound,
-        AgentNotFound,
-        BlockNotFound,
-        AgentExists,
-        FailedPrecondition,
-        FingerprintMismatch,
-        SystemPromptDiffers,
-        GenerationConflict,
-        OutOfRange,
-        CorruptBlock,
-        BlockMisfit,
-        CorruptRecord,
-        IndexUnusable,
-        ResourceExhausted,
-        QuotaExceeded,
-        DiskFull,
-        Unavailable,
-        DeadlineExceeded,
-        Unauthenticated,
-        PermissionDenied,
-    )
+    name: cls
+    for name, cls in list(globals().items())
+    if isinstance(cls, type) and issubclass(cls, AgentKVError)
 }
-
+# By status code, the first class above with that code (a base comes before its subclasses):
+# what a status without the trailer (from a proxy or the transport) becomes.
 _BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AgentExists,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.ABORTED: GenerationConflict,
-    grpc.StatusCode.OUT_OF_RANGE: OutOfRange,
-    grpc.StatusCode.DATA_LOSS: CorruptBlock,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    cls.code: cls for cls in reversed(ERRORS.values())
 }
 
 

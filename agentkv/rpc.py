@@ -7,6 +7,8 @@ import signal
 import socket
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import Any
 
 import grpc
@@ -39,32 +41,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        method = details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
-        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))
+        return guarded(handler, partial(self._answering, details.method))
 
-    def _wrap_unary(self, behaviour: Callable, method: str) -> Callable:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                return behaviour(request, context)
-            except Exception as exc:
-                self._abort(exc, context, method)
-
-        return wrapped
-
-    def _wrap_stream(self, behaviour: Callable, method: str) -> Callable:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            try:
-                yield from behaviour(request, context)
-            except Exception as exc:
-                self._abort(exc, context, method)
-
-        return wrapped
+    @contextmanager
+    def _answering(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            self._abort(exc, context, method)
 
     def _abort(self, exc: Exception, context: grpc.ServicerContext, method: str) -> None:
         if isinstance(exc, AgentKVError):
@@ -80,6 +64,36 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             self._on_error(code)
         context.set_trailing_metadata(trailers)
         context.abort(code, message)
+
+
+def guarded(
+    handler: grpc.RpcMethodHandler,
+    guard: Callable[[grpc.ServicerContext], AbstractContextManager],
+) -> grpc.RpcMethodHandler:
+    """`handler` with each call run inside the context manager `guard(context)`; a stream's
+    whole run is inside it."""
+
+    def unary(behaviour: Callable) -> Callable:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            with guard(context):
+                return behaviour(request, context)
+
+        return run
+
+    def stream(behaviour: Callable) -> Callable:
+        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            with guard(context):
+                yield from behaviour(request, context)
+
+        return run
+
+    if handler.unary_unary:
+        return handler._replace(unary_unary=unary(handler.unary_unary))
+    if handler.stream_unary:
+        return handler._replace(stream_unary=unary(handler.stream_unary))
+    if handler.unary_stream:
+        return handler._replace(unary_stream=stream(handler.unary_stream))
+    return handler._replace(stream_stream=stream(handler.stream_stream))
 
 
 def new_server(
@@ -201,6 +215,14 @@ class StopSignals:
             pass
 
 
+_HANDLER_KINDS = {  # (client streaming, server streaming): the handler it needs
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def service_handlers(
     service: Any,
     messages: Any,
@@ -214,51 +236,27 @@ def service_handlers(
     `raw_responses` methods yield bytes already encoded."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
-        request = getattr(messages, method.input_type.name)
-        response = getattr(messages, method.output_type.name)
         behaviour = getattr(servicer, method.name)
-        serialize = None if method.name in raw_responses else response.SerializeToString
-        if method.client_streaming:
-            if method.name not in raw_requests:
+        if method.name not in raw_requests:
+            if method.client_streaming:
                 raise ValueError(f"{method.name}: client streams are parsed by their servicer")
-            kind = (
-                grpc.stream_stream_rpc_method_handler
-                if method.server_streaming
-                else (grpc.stream_unary_rpc_method_handler)
-            )
-            handlers[method.name] = kind(behaviour, None, serialize)
-            continue
-        parse = (lambda raw: raw) if method.name in raw_requests else _parser(request)
-        if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _parsed_stream(behaviour, parse), None, serialize
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _parsed_unary(behaviour, parse), None, serialize
-            )
+            behaviour = _parsing(behaviour, getattr(messages, method.input_type.name))
+        response = getattr(messages, method.output_type.name)
+        serialize = None if method.name in raw_responses else response.SerializeToString
+        kind = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = kind(behaviour, None, serialize)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def _parser(message: Any) -> Callable[[bytes], Any]:
-    def parse(raw: bytes) -> Any:
+def _parsing(behaviour: Callable, message: Any) -> Callable:
+    """`behaviour` called with the request parsed from its bytes (a stream's, when it is
+    called, before its first reply)."""
+
+    def run(raw: bytes, context: grpc.ServicerContext) -> Any:
         try:
-            return message.FromString(raw)
+            request = message.FromString(raw)
         except DecodeError as exc:
             raise InvalidArgument(f"malformed {message.DESCRIPTOR.name}: {exc}") from None
-
-    return parse
-
-
-def _parsed_unary(behaviour: Callable, parse: Callable) -> Callable:
-    def run(raw: bytes, context: grpc.ServicerContext) -> Any:
-        return behaviour(parse(raw), context)
-
-    return run
-
-
-def _parsed_stream(behaviour: Callable, parse: Callable) -> Callable:
-    def run(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-        yield from behaviour(parse(raw), context)
+        return behaviour(request, context)
 
     return run
