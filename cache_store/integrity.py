@@ -244,14 +244,10 @@ def quarantined(index: Index, txn: lmdb.Transaction, namespace: str | None) -> l
 def _check(
     table: str, k: bytes, raw: bytes, namespace: str | None, checks=CHECKS
 ) -> BadRecord | None:
-    if namespace is not None and table == "namespaces" and k != namespace.encode():
-        return None
-    if (
-        namespace is not None
-        and table != "namespaces"
-        and not k.startswith(namespace.encode() + SEP)
-    ):
-        return None
+    if namespace is not None:
+        ns = namespace.encode()
+        if k != ns if table == "namespaces" else not k.startswith(ns + SEP):
+            return None  # another namespace's
     try:
         checks[table](k, raw)
     except CorruptRecord as exc:
@@ -268,7 +264,7 @@ def _put_aside(index: Index, txn: lmdb.Transaction, bad: BadRecord, raw: bytes) 
         return
     db = index.dbs[bad.table]
     claimed = _claimed_key(bad.table, raw)
-    if claimed not in (None, bad.key) and _sound(bad.table, claimed, raw):
+    if claimed not in (None, bad.key) and _check(bad.table, claimed, raw, None) is None:
         if txn.get(claimed, db=db) is None:
             txn.put(claimed, raw, db=db)
             log.warning(
@@ -293,14 +289,6 @@ def _claimed_key(table: str, raw: bytes) -> bytes | None:
     except DECODE_ERRORS:
         pass
     return None
-
-
-def _sound(table: str, key: bytes, raw: bytes) -> bool:
-    try:
-        CHECKS[table](key, raw)
-    except CorruptRecord:
-        return False
-    return True
 
 
 def _child(payload: memoryview) -> bytes:

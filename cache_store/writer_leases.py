@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentkv.errors import FailedPrecondition
+from agentkv.serving import write_atomically
 from agentkv.units import utc_time
 from cache_store.capacity import now_ms
 from cache_store.objects import Bucket, Conflict, ObjectStoreDown
@@ -42,9 +43,7 @@ def store_identity(data_dir: Path, configured: str) -> str:
         return path.read_text().strip()
     except FileNotFoundError:
         ident = f"{socket.gethostname()}-{secrets.token_hex(4)}"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(ident)
-        os.replace(tmp, path)
+        write_atomically(path, ident)
         return ident
 
 
@@ -121,16 +120,13 @@ class WriterLeases:
                 self._acquire(namespace)
 
     def _acquire(self, namespace: str) -> None:
-        key = lease_object(namespace)
         for _ in range(3):  # each lost race re-reads what won it
             try:
-                started = time.monotonic()
-                etag = self.bucket.put(key, *self._body(namespace), if_none_match=True)
-                self._put(namespace, etag, started)
+                self._put(namespace, if_none_match=True)
                 return
             except Conflict:
                 pass
-            got = self.bucket.get(key)
+            got = self.bucket.get(lease_object(namespace))
             if got is None:
                 continue  # deleted in between: create it
             holder, expires = _lease_fields(got.body)
@@ -142,9 +138,7 @@ class WriterLeases:
                     "that store, or stop it and let its lease expire"
                 )
             try:
-                started = time.monotonic()
-                etag = self.bucket.put(key, *self._body(namespace), if_match=got.etag)
-                self._put(namespace, etag, started)
+                self._put(namespace, if_match=got.etag)
                 if holder != self.store_id:
                     log.warning(
                         "writer lease taken over",
@@ -167,9 +161,11 @@ class WriterLeases:
         ).encode()
         return body, {"agentkv-format": LEASE_FORMAT, "agentkv-store": self.store_id}
 
-    def _put(self, namespace: str, etag: str, started: float) -> None:
-        """Holds the lease written by a put begun at `started` (its expiry counts from the
-        body's writing, so a slow put shortens the hold, never lengthens it)."""
+    def _put(self, namespace: str, **condition: Any) -> None:
+        """Writes the lease under `condition` (if_match or if_none_match) and holds it; the hold
+        counts from before the body's writing, so a slow put shortens it, never lengthens it."""
+        started = time.monotonic()
+        etag = self.bucket.put(lease_object(namespace), *self._body(namespace), **condition)
         with self._lock:
             self._held[namespace] = _Held(etag, started + self.seconds - self.margin)
 
@@ -184,12 +180,7 @@ class WriterLeases:
                             lease = self._held.get(namespace)
                         if lease is None:
                             continue
-                        started = time.monotonic()
-                        body, meta = self._body(namespace)
-                        etag = self.bucket.put(
-                            lease_object(namespace), body, meta, if_match=lease.etag
-                        )
-                        self._put(namespace, etag, started)
+                        self._put(namespace, if_match=lease.etag)
                 except Conflict:
                     with self._lock:
                         self._held.pop(namespace, None)
