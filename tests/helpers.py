@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import shutil
 import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,11 +85,47 @@ def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
     )
 
 
+# Ports a test picks for a server it starts by address. Each pytest-xdist worker (and a run
+# without xdist, as "gw0") has its own 500 in 10000-19999, and the +10000 twins that weed's
+# gRPC ports need in 20000-29999: below Linux's ephemeral range (32768-60999), so neither
+# another worker nor the kernel (for an outgoing connection or a port-0 bind) takes one
+# between the check here and the server's bind.
+PORTS_PER_WORKER = 500
+
+
+def _worker_ports() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = 10000 + int(worker or 0) % 20 * PORTS_PER_WORKER
+    return itertools.cycle(range(first, first + PORTS_PER_WORKER))
+
+
+_ports = _worker_ports()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, twins: bool = False) -> list[int]:
+    """n of this worker's ports free now (with `twins`, their +10000 free too)."""
+    ports: list[int] = []
+    for _ in range(PORTS_PER_WORKER):
+        p = next(_ports)
+        if _bindable(p) and (not twins or _bindable(p + 10000)):
+            ports.append(p)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"fewer than {n} of this test worker's ports are free")
+
+
 def free_address() -> str:
     """A loopback HOST:PORT free now: for a server that must restart on the same address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_ports(1)[0]}"
 
 
 def assert_store_consistent(

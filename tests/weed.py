@@ -4,15 +4,15 @@ object store behind test stores: its own ports and directory, ready once its S3 
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.helpers import free_ports
 
 # Any S3 client needs credentials; a weed server without an IAM config accepts any.
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "agentkv-test", "AWS_SECRET_ACCESS_KEY": "agentkv-test"}
@@ -25,29 +25,10 @@ def weed_binary() -> str:
     return found
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(n: int) -> list[int]:
-    """n ports free now whose +10000 (weed's gRPC ports) are free too."""
-    ports: list[int] = []
-    while len(ports) < n:
-        p = random.randint(20000, 29999)
-        if p not in ports and _free(p) and _free(p + 10000):
-            ports.append(p)
-    return ports
-
-
 @dataclass
 class WeedServer:
     directory: Path
-    ports: list[int] = field(default_factory=lambda: free_ports(4))
+    ports: list[int] = field(default_factory=lambda: free_ports(4, twins=True))
     extra_args: list[str] = field(default_factory=list)  # e.g. -s3.config=FILE
     credentials: dict[str, str] = field(default_factory=lambda: dict(CREDENTIALS))
     proc: subprocess.Popen | None = None
