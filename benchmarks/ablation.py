@@ -167,7 +167,8 @@ def draw(rows: list[Row], axes: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = h.parser(__doc__, model=False, quick="the same (it reads what the --quick sections wrote)")
+    quick = "the same (it reads what the --quick sections wrote)"
+    p = h.parser(__doc__, model=False, quick_help=quick)
     p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     rows, notes = derive(args.results)

@@ -503,13 +503,11 @@ def write_report(cells: list[Cell], runs: list[Staggered], args: Any) -> None:
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    quick = "512 only, batch 1,2,4, 16 tokens, 1 pass"
+    quick = {"contexts": [512], "batches": [1, 2, 4], "tokens": 16, "passes": 1}
     p = h.parser(__doc__, contexts=(1024, 2048), passes=2, quick=quick)
     p.add_argument("--tokens", type=int, default=32, help="tokens each measured turn generates")
+    p.set_defaults(batches=list(BATCHES))
     args = p.parse_args(argv)
-    args.batches = list(BATCHES)
-    if args.quick:
-        args.contexts, args.batches, args.tokens, args.passes = [512], [1, 2, 4], 16, 1
     if args.passes < 1 or args.tokens < 2:
         p.error("--passes must be at least 1 and --tokens at least 2")
     return args

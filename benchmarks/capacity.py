@@ -41,7 +41,7 @@ def targets(gemma: list) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = h.parser(__doc__, model=False, quick="the same (it takes no time)").parse_args(argv)
+    args = h.parser(__doc__, model=False, quick_help="the same (it takes no time)").parse_args(argv)
     rows = table14()
     gemma = [r for r in rows if r.model == "gemma3_12b"]
     window = [r.ours.num_q_window_agents / max(r.ours.num_q_agents, 1) for r in gemma]

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from common import load_tokenizer, model_dir
 from peers import gguf_file
 
 SYSTEMS = ("agentkv", "mlx-lm", "llama.cpp")
@@ -331,7 +330,8 @@ def has_llama_server() -> bool:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = h.parser(__doc__, quick="4 agents to 1K: a smoke run")
+    quick = {"agents": "4", "context": 1024, "step": 256, "overhead_calls": 10}
+    p = h.parser(__doc__, quick=quick)
     p.add_argument("--agents", default="8,16", help="agent counts, comma-separated")
     p.add_argument("--context", type=int, default=4096, help="tokens each context grows to")
     p.add_argument("--step", type=int, default=384, help="document tokens each turn adds")
@@ -342,8 +342,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.agents = [int(a) for a in args.agents.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
-    if args.quick:
-        args.agents, args.context, args.step, args.overhead_calls = [4], 1024, 256, 10
     return args
 
 
@@ -426,13 +424,10 @@ def measure(args: Any, tokenizer: Any, root: Path) -> tuple[list, list, dict]:
 def main(argv: list[str] | None = None) -> None:
     import tempfile
 
-    from inference_worker.blas import load_optimized_blas
-
     args = parse_args(argv)
-    load_optimized_blas()
+    tokenizer = h.open_model(args)
     from agentkv.units import parse_bytes
 
-    args.path = model_dir(args.model)
     args.gguf = gguf_file(args.model, args.path)
     if "llama.cpp" in args.systems and (args.gguf is None or not has_llama_server()):
         h.say(
@@ -443,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     args.kv_ram_bytes = parse_bytes(args.kv_ram)
     args.rounds = max(1, args.context // (args.step + args.reply + 16))
     with tempfile.TemporaryDirectory(prefix="agentkv-gateway-bench-") as tmp:
-        measured = measure(args, load_tokenizer(args.path), Path(tmp))
+        measured = measure(args, tokenizer, Path(tmp))
     write(args, *measured)
 
 
@@ -454,35 +449,22 @@ def targets(args: Any, all_calls: list, overhead: dict) -> list[dict]:
         med = partial(phase_median, mine)
         ours, peers = med("agentkv", "run"), [med(s, "run") for s in args.systems if s != "agentkv"]
         if ours and (best := min((p for p in peers if p), default=None)):
-            goals.append(
-                h.goal(
-                    f"{agents} agents: agentkv's median TTFT 3x lower than the best peer's",
-                    f"{h.fmt(ours, 0)} ms against {h.fmt(best, 0)} ms ({h.ratio(best, ours)})",
-                    best / ours >= 3,
-                )
-            )
+            what = f"{agents} agents: agentkv's median TTFT 3x lower than the best peer's"
+            measured = f"{h.fmt(ours, 0)} ms against {h.fmt(best, 0)} ms ({h.ratio(best, ours)})"
+            goals.append(h.goal(what, measured, best / ours >= 3))
         after = med("agentkv", "restart")
         last = max((c.round for c in mine if c.phase == "run"), default=0)
         before = h.median([c.ttft_ms for c in mine if c.system == "agentkv" and c.round == last])
         if before and after:  # the round after the restart against the one before it
-            goals.append(
-                h.goal(
-                    f"{agents} agents: agentkv unchanged across a restart (within "
-                    "1.5x of the round before it)",
-                    f"{h.fmt(after, 0)} ms after, {h.fmt(before, 0)} ms in the round before",
-                    after <= 1.5 * before,
-                )
-            )
+            what = f"{agents} agents: agentkv unchanged across a restart (within 1.5x of the "
+            measured = h.versus(after, before)
+            goals.append(h.goal(what + "round before it)", measured, after <= 1.5 * before))
     if overhead:
         o = {k: h.fmt(v, 2 if k.startswith("overhead") else 1) for k, v in overhead.items()}
-        goals.append(
-            h.goal(
-                "gateway overhead over the SDK under 5 ms per call (median)",
-                f"{o['overhead_ms']} ms (p90 {o['overhead_p90_ms']}; gateway "
-                f"{o['gateway_ms']} ms, SDK {o['sdk_ms']})",
-                overhead["overhead_ms"] < 5,
-            )
-        )
+        measured = f"{o['overhead_ms']} ms (p90 {o['overhead_p90_ms']}; gateway "
+        measured += f"{o['gateway_ms']} ms, SDK {o['sdk_ms']})"
+        what = "gateway overhead over the SDK under 5 ms per call (median)"
+        goals.append(h.goal(what, measured, overhead["overhead_ms"] < 5))
     return goals
 
 

@@ -1,12 +1,14 @@
-"""What every benchmark section shares: its command line, the store and worker processes it
-starts, timing and statistics, machine facts, and its report (Markdown tables, MET/MISS
-lines, notes, JSON and a plot)."""
+"""What every benchmark section shares: its command line, the model it runs (--model SPEC,
+resolved as agentkv-worker resolves it), the store and worker processes it starts, a raw read
+of located block bytes (this machine's limit), timing and statistics, machine facts, and its
+report (Markdown tables, MET/MISS lines, notes, JSON and a plot)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import signal
@@ -23,9 +25,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import add_model_argument, describe_model, load_tokenizer, max_context, model_dir
+import xxhash
 
-from agentkv.launch import ServiceProcess, store_process, worker_process
+# the benchmarks build their model shapes with tests/model_kit.py, so the repo root goes on the path
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from agentkv import defaults  # noqa: E402
+from agentkv.launch import ServiceProcess, store_process, worker_process  # noqa: E402
+from agentkv.v1 import store_pb2 as pb  # noqa: E402
 
 NEVER = "\x00"  # a stop string no reply contains: a turn runs to max_tokens (or EOS)
 _T0 = time.perf_counter()
@@ -59,26 +68,133 @@ def name_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but with --quick the `quick` values replace what was parsed."""
+
+    def __init__(self, quick: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.quick = quick
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, rest = super().parse_known_args(args, namespace)
+        if parsed.quick:
+            vars(parsed).update(self.quick)
+        return parsed, rest
+
+
 def parser(
     doc: str,
     *,
     model: bool = True,
     contexts: Sequence[int] = (),
     passes: int = 0,
-    quick: str = "a smoke run",
-) -> argparse.ArgumentParser:
+    quick: Mapping[str, Any] | None = None,
+    quick_help: str = "a smoke run",
+) -> Parser:
     """--model (when the section runs one), --contexts and --passes (when given defaults),
-    --quick and --out."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    --quick (its settings, listed in its help) and --out."""
+    quick = dict(quick or {})
+    p = Parser(quick, description=doc.splitlines()[0])
     if model:
-        add_model_argument(p)
+        text = (
+            "a shipped model name, a .gguf file or an mlx-lm model directory, as "
+            "agentkv-worker --model takes (default: %(default)s)"
+        )
+        p.add_argument("--model", metavar="SPEC", default=defaults.MODEL, help=text)
     if contexts:
         p.add_argument("--contexts", type=int_list, default=list(contexts), help="tokens")
     if passes:
         p.add_argument("--passes", type=int, default=passes)
-    p.add_argument("--quick", action="store_true", help=quick)
+    settings = ", ".join(f"{k.replace('_', ' ')} {shown(v)}" for k, v in quick.items())
+    text = f"{quick_help}: {settings}" if settings else quick_help
+    p.add_argument("--quick", action="store_true", help=text)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return p
+
+
+def shown(value: Any) -> str:
+    """A --quick setting as its help says it: a list comma-separated."""
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+# the model every benchmark runs: --model SPEC, resolved as agentkv-worker resolves it
+
+
+def model_dir(spec: str | os.PathLike[str] | None = None) -> Path:
+    """The local mlx-lm model directory for `--model SPEC` (None: the default model), as
+    the worker resolves it: a shipped name or a .gguf file is imported once into the model
+    cache (weights "auto": float32 on a CPU). Exits with one line if SPEC names nothing.
+    Pass the returned path, not SPEC, to worker processes: they then load these exact files.
+    The device is found without importing MLX (load_optimized_blas() must come first):
+    Metal on macOS, else the CPU (unless MLX is already imported)."""
+    from inference_worker.models import ModelError, resolve_model
+
+    spec = str(spec) if spec is not None else defaults.MODEL
+    if "mlx.core" in sys.modules:
+        device = sys.modules["mlx.core"].default_device().type.name
+    else:
+        device = "gpu" if sys.platform == "darwin" else "cpu"
+    try:
+        return resolve_model(spec, "auto", device).resolve()
+    except ModelError as exc:
+        raise SystemExit(f"--model {spec}: {exc}") from None
+
+
+def load_tokenizer(path: Path):
+    """The model directory's own tokenizer (a `tokenizers.Tokenizer`: .encode(text).ids,
+    .decode(ids)), from its tokenizer.json; the same vocabulary mlx_lm.tokenizer_utils.load
+    gives the worker."""
+    from tokenizers import Tokenizer
+
+    if not (path / "tokenizer.json").exists():
+        raise SystemExit(f"{path} has no tokenizer.json (the benchmarks need one)")
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def open_model(args: argparse.Namespace) -> Any:
+    """Loads the optimized BLAS (before anything imports MLX), resolves --model as the
+    workers will (args.path; args.described, one line), and returns its tokenizer."""
+    from inference_worker.blas import load_optimized_blas
+
+    load_optimized_blas()
+    args.path = model_dir(args.model)
+    args.described = describe_model(args.path)
+    say(describe_model(args.path, args.model))
+    return load_tokenizer(args.path)
+
+
+def parameter_count(path: Path) -> int:
+    """Parameters in the directory's *.safetensors files, from their headers."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+def describe_model(path: Path, spec: str | None = None) -> str:
+    """One line for a report: which model ran, its shape and weights, and from where."""
+    config = json.loads((path / "config.json").read_text())
+    gguf = config.get("agentkv_gguf") or {}
+    name = Path(gguf["file"]).stem if gguf.get("file") else path.name
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads or 1)
+    weights = gguf.get("weights") or config.get("torch_dtype") or "?"
+    source = f"GGUF imported as {weights}" if gguf else f"{weights} weights"
+    given = f"--model {spec}: " if spec and spec != str(path) else ""
+    return (
+        f"{given}{name} ({parameter_count(path) / 1e6:.1f}M-parameter "
+        f"{config.get('model_type', '?')}, {config.get('num_hidden_layers')} layers, hidden "
+        f"{config.get('hidden_size')}, {heads} heads, {kv} KV heads of {head_dim}, max context "
+        f"{config.get('max_position_embeddings')}; {source}) at {path}"
+    )
+
+
+def max_context(path: Path) -> int:
+    """The model's context window, tokens (its config's max_position_embeddings)."""
+    config = json.loads((path / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 1 << 17)
 
 
 # the processes
@@ -132,7 +248,6 @@ def services(
     root: Path | None,
     model: Path | str | None = None,
     workers: Mapping[str, Sequence[str]] | None = None,
-    store_env: Mapping[str, str] | None = None,
 ) -> Iterator[Services]:
     """A store, then one worker of `model` per name in `workers` (name: its extra flags);
     their files under `root` (None: a temporary directory, removed at the end)."""
@@ -145,25 +260,12 @@ def services(
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentkv-bench-")))
         svc = Services(root, stack)
-        env = dict(store_env) if store_env else None
-        store = svc.start(store_process(root / "data", root / "store.log", env=env))
+        store = svc.start(store_process(root / "data", root / "store.log"))
         svc.store_address, svc.store = store.address, StoreClient(store.address)
         stack.callback(svc.store.close)
         for name, args in (workers or {}).items():
             svc.start_worker(name, model, args)
         yield svc
-
-
-def open_model(args: argparse.Namespace) -> Any:
-    """Loads the optimized BLAS (before anything imports MLX), resolves --model as the
-    workers will (args.path; args.described, one line), and returns its tokenizer."""
-    from inference_worker.blas import load_optimized_blas
-
-    load_optimized_blas()
-    args.path = model_dir(args.model)
-    args.described = describe_model(args.path)
-    say(describe_model(args.path, args.model))
-    return load_tokenizer(args.path)
 
 
 def retry(fn: Callable[[], Any], timeout: float, pause: float) -> Any:
@@ -294,6 +396,68 @@ def fit_contexts(contexts: list[int], window: int, room: int) -> list[tuple[int,
     return fitted
 
 
+# raw reads
+
+
+class RawReader:
+    """preadv of located segments into one preallocated buffer: what no client can beat."""
+
+    def __init__(self, locations: Sequence[pb.BlockLocation]) -> None:
+        self.plan = [(loc.path, list(loc.segments)) for loc in locations]
+        self.num_bytes = sum(s.num_bytes for _, segs in self.plan for s in segs)
+        self.buffer = memoryview(bytearray(self.num_bytes))  # zero-filled, so already faulted in
+
+    def read(self, verify: bool = False) -> int:
+        pos = 0
+        for path, segments in self.plan:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for offset, size in merged_runs(segments):
+                    if os.preadv(fd, [self.buffer[pos : pos + size]], offset) != size:
+                        raise RuntimeError(f"{path} is short at {offset}")
+                    pos += size
+            finally:
+                os.close(fd)
+            if verify:
+                self.check(segments, pos - sum(s.num_bytes for s in segments))
+        return pos
+
+    def verify(self) -> None:
+        """Checks every segment's xxh3 over what the last read() left in the buffer."""
+        pos = 0
+        for _, segments in self.plan:
+            self.check(segments, pos)
+            pos += sum(s.num_bytes for s in segments)
+
+    def check(self, segments: Sequence[pb.Segment], pos: int) -> None:
+        for s in segments:
+            if xxhash.xxh3_64_intdigest(self.buffer[pos : pos + s.num_bytes]) != s.checksum:
+                raise RuntimeError(f"checksum mismatch in layer {s.layer}")
+            pos += s.num_bytes
+
+
+@contextmanager
+def located(store: Any, ns: str, fp: str, keys: list[bytes], lease_s: int = 600) -> Iterator:
+    """A RawReader of the blocks' locations, under a lease released when the block ends."""
+    request = pb.LocateBlocksRequest(namespace=ns, fingerprint=fp, keys=keys, lease_seconds=lease_s)
+    reply = store.call("LocateBlocks", request)
+    try:
+        yield RawReader(reply.blocks)
+    finally:
+        store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=reply.lease_id))
+
+
+def merged_runs(segments: Sequence[pb.Segment]) -> list[tuple[int, int]]:
+    """(offset, size) of each run of adjacent segments: one preadv each."""
+    runs: list[tuple[int, int]] = []
+    for s in segments:
+        if runs and sum(runs[-1]) == s.offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + s.num_bytes)
+        else:
+            runs.append((s.offset, s.num_bytes))
+    return runs
+
+
 # numbers
 
 
@@ -418,8 +582,9 @@ def version(dist: str) -> str:
 _said_no_plots = []
 
 
-def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend; None, said once, where it is not installed."""
+def plot(path: Path, header: Mapping, title: str, draw: Callable, *data: Any, **figure) -> None:
+    """draw(*data, axes) on one row of panels (figure: ncols, figsize), titled with the
+    machine's facts and saved to path; skipped, said once, without matplotlib."""
     try:
         import matplotlib
 
@@ -429,14 +594,6 @@ def pyplot() -> Any:
         if not _said_no_plots:
             print("plots skipped: install agentkv[bench]")
             _said_no_plots.append(True)
-        return None
-    return plt
-
-
-def plot(path: Path, header: Mapping, title: str, draw: Callable, *data: Any, **figure) -> None:
-    """draw(*data, axes) on one row of panels (figure: ncols, figsize), titled with the
-    machine's facts and saved to path."""
-    if (plt := pyplot()) is None:
         return
     ncols, size = figure.get("ncols", 1), figure.get("figsize", (6.5, 4.8))
     fig, axes = plt.subplots(1, ncols, figsize=size, squeeze=False)
@@ -479,10 +636,9 @@ def goal(target: str, measured: str, met: bool | None, **extra: Any) -> dict[str
     return {"target": target, "measured": measured, "met": met, **extra}
 
 
-def verdict(goal: Mapping[str, Any]) -> str:
-    """A target's line: MET, MISS, or INFO (a reference line, no target), then what."""
-    status = {True: "MET ", False: "MISS", None: "INFO"}[goal["met"]]
-    return f"{status}  {goal['target']}: {goal['measured']}"
+def versus(ours: float, theirs: float, unit: str = " ms", digits: int = 0) -> str:
+    """A target's measurement of ours against theirs: 'ours / theirs unit = ratio'."""
+    return f"{ours:.{digits}f} / {theirs:.{digits}f}{unit} = {ours / theirs:.2f}x"
 
 
 def report(
@@ -502,7 +658,8 @@ def report(
         print(f"\n### {title}\n\n{text}")
     print()
     for goal in goals:
-        print(verdict(goal))
+        status = {True: "MET ", False: "MISS", None: "INFO"}[goal["met"]]
+        print(f"{status}  {goal['target']}: {goal['measured']}")
     for note in notes:
         print(f"note: {note}")
     out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import harness as h
-from common import describe_model, model_dir
 
 from agentkv import planner
 from agentkv.client.memory import AgentMemory
@@ -289,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__, quick="16 agents, 3 turns each, no time bound")
+    p = h.parser(__doc__, quick={"agents": 16, "turns": 3, "minutes": 0})
     p.add_argument("--minutes", type=float, default=3.0, help="how long; 0: --turns per agent")
     p.add_argument("--agents", type=int, default=16, help="agents at once")
     p.add_argument("--threads", type=int, default=4)
@@ -299,10 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = f"{HOT_TOKENS} tokens' worth; {QUICK_HOT_TOKENS} with --quick"
     p.add_argument("--hot-budget", help=f"each worker's RAM for KV caches (default: {budget})")
     args = p.parse_args(argv)
-    if args.quick:
-        args.agents, args.turns, args.minutes = 16, 3, 0
-    spec, args.model = args.model, model_dir(args.model)  # the workers load the directory
-    print(describe_model(args.model, spec), flush=True)
+    spec, args.model = args.model, h.model_dir(args.model)  # the workers load the directory
+    print(h.describe_model(args.model, spec), flush=True)
     if not args.hot_budget:
         per_token = planner.plan(planner.load_config(args.model), 1, 1).q_bytes
         args.hot_budget = str(per_token * (QUICK_HOT_TOKENS if args.quick else HOT_TOKENS))

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from common import load_tokenizer, max_context, model_dir
 
 from agentkv.client import synthetic
 from agentkv.client.blocks import Block
@@ -32,7 +31,6 @@ from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.keys import ROOT_KEY, block_key
 from agentkv.launch import store_process, worker_process
-from inference_worker.blas import load_optimized_blas
 from tests.helpers import free_address
 from tests.weed import CREDENTIALS, WeedServer
 
@@ -86,10 +84,11 @@ def drained(store: StoreClient, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def run_contexts(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> dict[str, Any]:
-    tokenizer = load_tokenizer(args.path)
+def run_contexts(
+    args: Any, tokenizer: Any, root: Path, stack: ExitStack, weed: WeedServer
+) -> dict[str, Any]:
     room = 96 + 48 * args.passes  # the template, and two ~16-token turns a pass (local, object)
-    contexts = h.fit_contexts(args.contexts, max_context(args.path), room)
+    contexts = h.fit_contexts(args.contexts, h.max_context(args.path), room)
     stores = Stores(root, stack, weed)
     a = stores.start(data_dir=root / "store-a")
     log = root / "worker.log"
@@ -230,10 +229,8 @@ def targets(rows: dict[int, dict[str, Any]], load: dict[str, Any]) -> list[dict[
     if rows:
         at = min(rows, key=lambda n: abs(n - TARGET_AT))
         speedup = rows[at]["cold"][0] / mid(rows[at], "object")
-        what = (
-            f"warm from the object store >= {TARGET:.0f}x faster than re-prefill at {h.label(at)}"
-        )
-        goals.append(h.goal(what, f"{speedup:.1f}x", speedup >= TARGET))
+        what = f"warm from the object store >= {TARGET:.0f}x faster than re-prefill at "
+        goals.append(h.goal(what + h.label(at), f"{speedup:.1f}x", speedup >= TARGET))
     bounded = load["depth_at_stop"] <= max(4, load["max_depth"]) and not load["errors"]
     during, stored = load["uploaded_during_load_mb_s"], load["stored_mb_s"]
     what = "uploads keep up with a steady load (queue bounded, upload rate >= 0.8x the store's)"
@@ -251,7 +248,7 @@ NOTES = [
 ]
 
 
-def measure(args: Any) -> tuple[dict, dict]:
+def measure(args: Any, tokenizer: Any) -> tuple[dict, dict]:
     """The contexts' rows, then the steady load, against one SeaweedFS."""
     os.environ.update(CREDENTIALS)
     root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
@@ -260,7 +257,7 @@ def measure(args: Any) -> tuple[dict, dict]:
             weed = WeedServer(root / "weed").start()
             stack.callback(weed.stop, True)
             h.say("weed server up; contexts")
-            measured = run_contexts(args, root, stack, weed)
+            measured = run_contexts(args, tokenizer, root, stack, weed)
             args.kv_shape = kv_shape(args.path)
             h.say(f"steady load: {args.writers} writers, {args.load_seconds:.0f} s")
             return measured, steady_load(args, root, stack, weed)
@@ -269,15 +266,12 @@ def measure(args: Any) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K and 2K, 1 pass")
+    quick = {"contexts": [1024, 2048], "passes": 1, "load_seconds": 6.0}
+    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick=quick)
     p.add_argument("--writers", type=int, default=4, help="threads of the steady load")
     p.add_argument("--load-seconds", type=float, default=20.0)
     args = p.parse_args(argv)
-    if args.quick:
-        args.contexts, args.passes, args.load_seconds = [1024, 2048], 1, 6.0
-    load_optimized_blas()
-    args.path = model_dir(args.model)
-    measured, load = measure(args)
+    measured, load = measure(args, h.open_model(args))
     rows = measured["rows"]
     header = h.machine(model=args.model, passes=args.passes, object_store="SeaweedFS (weed, local)")
     table = h.columns(({"n": n, **r} for n, r in rows.items()), TTFT_TABLE)

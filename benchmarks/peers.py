@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from common import load_tokenizer, located, max_context, model_dir
 from harness import fmt as ms
 from paper import TTFT
 
@@ -339,7 +338,7 @@ class AgentkvPeer:
 
         fp = self.svc.info[self.name].fingerprint
         keys = list(self.manifest(self.twin).block_keys)
-        with located(self.svc.store, NS, fp, keys, 60) as raw:
+        with h.located(self.svc.store, NS, fp, keys, 60) as raw:
 
             def read() -> None:
                 raw.read()
@@ -472,13 +471,12 @@ def weights(systems: Sequence[str], path: Path, gguf: Path | None) -> dict[str, 
     return {s: own if s.startswith("llama.cpp") or s == "agentkv w4" else mlx for s in systems}
 
 
-def run_all(args: Any, root: Path) -> tuple[list[Run], dict, dict, list[str]]:
+def run_all(args: Any, tokenizer: Any, root: Path) -> tuple[list[Run], dict, dict, list[str]]:
     from mlx_lm import load
 
-    path = model_dir(args.model)
+    path, (model, _) = args.path, load(str(args.path))
     gguf = gguf_file(args.model, path)
-    tokenizer, (model, _) = load_tokenizer(path), load(str(path))
-    window = max_context(path)
+    window = h.max_context(path)
     runs, batches = [], {}
     with h.services(root, path, {"agentkv": WORKER_ARGS}) as svc:
         details = h.model_info(svc.info["agentkv"], path)
@@ -576,42 +574,27 @@ def targets(runs: list[Run], batches: dict) -> list[dict[str, Any]]:
         for kv, bound in (("f16", 1.0), ("q4_0", 0.5)):
             peer = r.median(f"llama.cpp {kv}", "warm")
             if peer:
-                goals.append(h.goal(f"{at}: agentkv warm TTFT <= {bound}x llama.cpp's restore "
-                                  f"from file ({kv} KV)", f"{warm:.0f} / {peer:.0f} ms = "
-                                  f"{warm / peer:.2f}x", warm <= bound * peer))  # fmt: skip
+                what = f"{at}: agentkv warm TTFT <= {bound}x llama.cpp's restore from file"
+                measured, met = h.versus(warm, peer), warm <= bound * peer
+                goals.append(h.goal(f"{what} ({kv} KV)", measured, met))
         if "llama.cpp q4_0" in r.num_bytes:
             ours, theirs = r.num_bytes["agentkv"], r.num_bytes["llama.cpp q4_0"]
             goals.append(h.goal(f"{at}: agentkv KV bytes <= llama.cpp q4_0 state file",
                               f"{ours:,} / {theirs:,} B", ours <= theirs))  # fmt: skip
         hot, mlx = r.median("agentkv", "hot"), r.median("mlx-lm", "hot")
-        goals.append(
-            h.goal(
-                f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)",
-                f"{hot:.0f} / {mlx:.0f} ms = {hot / mlx:.2f}x",
-                hot <= 1.1 * mlx,
-            )
-        )
+        what = f"{at}: agentkv hot TTFT within 1.1x of mlx-lm's (fp KV)"
+        goals.append(h.goal(what, h.versus(hot, mlx), hot <= 1.1 * mlx))
         ours, theirs = (rate(r.decode[s]) or 0.0 for s in ("agentkv", "mlx-lm"))
-        goals.append(
-            h.goal(
-                f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)",
-                f"{ours:.1f} / {theirs:.1f} tok/s",
-                ours * 1.1 >= theirs,
-            )
-        )
+        what = f"{at}: agentkv decode within 1.1x of mlx-lm's generate_step (fp KV)"
+        goals.append(h.goal(what, f"{ours:.1f} / {theirs:.1f} tok/s", ours * 1.1 >= theirs))
         overhead, raw = warm - r.median("agentkv", "hot"), min(r.raw_ms)
-        goals.append(h.goal(f"{at}: restore overhead (warm - hot) within 1.3x of a raw read of "
-                          "the blocks + an array over them", f"{overhead:.1f} ms vs raw "
-                          f"{raw:.1f} ms", overhead <= 1.3 * raw))  # fmt: skip
+        what = f"{at}: restore overhead (warm - hot) within 1.3x of a raw read of the blocks + "
+        measured = h.versus(overhead, raw, digits=1)
+        goals.append(h.goal(what + "an array over them", measured, overhead <= 1.3 * raw))
         goals.append(paper_goal(r))
     if 4 in (b := batches.get("agentkv", {})):
-        goals.append(
-            h.goal(
-                "agentkv SysTPS(4) >= 2.5x SysTPS(1)",
-                f"{b[4]:.1f} / {b[1]:.1f} = {b[4] / b[1]:.2f}x",
-                b[4] >= 2.5 * b[1],
-            )
-        )
+        measured = h.versus(b[4], b[1], unit="", digits=1)
+        goals.append(h.goal("agentkv SysTPS(4) >= 2.5x SysTPS(1)", measured, b[4] >= 2.5 * b[1]))
     return goals
 
 
@@ -658,7 +641,8 @@ def write(runs: list[Run], batches: dict, details: dict, notes: list[str], args:
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick="1K, 1 pass")
+    quick = {"contexts": [1024], "passes": 1, "batches": [1, 2], "decode": 8}
+    p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick=quick)
     p.add_argument("--decode", type=int, default=32, help="tokens per decode and batch row")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--w4-max", type=int, default=1024,
@@ -668,19 +652,17 @@ def parse_args(argv: list[str] | None) -> Any:
                    help="largest context for mlx-lm's Q4 cache (its prefill attends over Q4 by "
                    "quantized matmul: 63 s at 2K here, growing as the square)")  # fmt: skip
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.contexts, args.passes, args.batches, args.decode = [1024], 1, [1, 2], 8
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    load_optimized_blas()  # before anything here imports mlx
     if args.child:
+        load_optimized_blas()  # before anything here imports mlx
         return run_child(args.child)
+    tokenizer = h.open_model(args)
     with tempfile.TemporaryDirectory(prefix="agentkv-peers-") as root:
-        runs, batches, details, notes = run_all(args, Path(root))
+        runs, batches, details, notes = run_all(args, tokenizer, Path(root))
     write(runs, batches, details, notes, args)
 
 

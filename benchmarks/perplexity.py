@@ -20,7 +20,6 @@ from typing import Any
 
 import harness as h
 import numpy as np
-from common import describe_model, model_dir
 from paper import TABLE9, TABLE9_TOKENS
 
 from agentkv.layers import KVFormat
@@ -681,7 +680,8 @@ def write_report(run: Run, header: dict[str, Any], args: Any) -> None:
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    p = h.parser(__doc__, quick="a smoke run: 3 windows, 1 prompt of 8 tokens")
+    quick = {"tokens": WINDOW - 1 + 2 * STRIDE, "prompts": 1, "gen_tokens": 8}
+    p = h.parser(__doc__, quick=quick, quick_help="a smoke run of 3 windows")
     p.add_argument("--tokens", type=int, default=TABLE9_TOKENS, help="tokens to score (at least)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="greedy-agreement prompts")
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per prompt")
@@ -693,8 +693,6 @@ def parse_args(argv: list[str] | None) -> Any:
     )
     p.add_argument("--docs", type=Path, default=DOCS, help="a Sphinx _sources tree")
     args = p.parse_args(argv)
-    if args.quick:
-        args.tokens, args.prompts, args.gen_tokens = WINDOW - 1 + 2 * STRIDE, 1, 8
     if args.tokens < 1 or args.gen_tokens < 1 or not 0 <= args.prompts <= len(PROMPTS):
         p.error(f"--tokens and --gen-tokens must be at least 1, --prompts 0..{len(PROMPTS)}")
     args.agree = [SHORT[a] for a in (SHORT if "all" in args.agree else args.agree)]
@@ -718,7 +716,7 @@ def load_model(path: Path) -> tuple[Any, Any, str]:
 def main(argv: list[str] | None = None) -> None:
     started, args = time.perf_counter(), parse_args(argv)
     blas = load_optimized_blas()  # before anything here imports mlx
-    args.path = model_dir(args.model)  # as the worker resolves it; one line if not
+    args.path = h.model_dir(args.model)  # as the worker resolves it; one line if not
     gguf = json.loads((args.path / "config.json").read_text()).get("agentkv_gguf")
     name = Path(gguf["file"]).stem.split(".")[0] if gguf else Path(args.model).name or args.model
     windows = plan_windows(args.tokens)
@@ -733,7 +731,7 @@ def main(argv: list[str] | None = None) -> None:
         scores, free = score_all(model, text.tokens, windows, trip)
     agreed, lengths = agreement(model, tokenizer, args.agree, args.prompts, args.gen_tokens)
     header = h.machine(blas=blas or "reference (bundled with mlx)", model=name)
-    header |= {"model_described": describe_model(args.path, args.model), "dtype": dtype}
+    header |= {"model_described": h.describe_model(args.path, args.model), "dtype": dtype}
     header |= {"text": f"Python {text.version} docs ({DOCS_HINT})", "text_sha256": text.sha256}
     header |= {"tokens_requested": args.tokens, "prefill_chunk": PREFILL_CHUNK}
     header |= {"prompt_tokens": lengths, "gen_tokens": args.gen_tokens}

@@ -85,17 +85,17 @@ class Result:
 def resolve_model(spec: str | None) -> tuple[str, Path, str]:
     """(spec, directory, one line describing it) for --model SPEC (None: the worker's
     default), resolved as the worker resolves it (a GGUF imported once) by
-    benchmarks/common.py; exits with one line if SPEC names nothing."""
+    benchmarks/harness.py; exits with one line if SPEC names nothing."""
     for path in (str(ROOT), str(HERE)):
         if path not in sys.path:
             sys.path.insert(0, path)
-    import common
+    import harness
 
     from agentkv import defaults
 
     spec = spec or defaults.MODEL
-    path = common.model_dir(spec)
-    return spec, path, common.describe_model(path, spec)
+    path = harness.model_dir(spec)
+    return spec, path, harness.describe_model(path, spec)
 
 
 def machine(model: str) -> dict[str, str]:

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import harness as h
-from common import model_dir
 
 from inference_worker.blas import load_optimized_blas
 
@@ -63,14 +62,12 @@ def step(model: Any, cache: list, tokens: int, turn: bool) -> float:
 
 
 def main() -> None:
-    p = h.parser(__doc__, contexts=(1024, 4096, 8192), passes=7, quick="1K, 3 passes")
-    args = p.parse_args()
-    if args.quick:
-        args.contexts, args.passes = [1024], 3
+    quick = {"contexts": [1024], "passes": 3}
+    args = h.parser(__doc__, contexts=(1024, 4096, 8192), passes=7, quick=quick).parse_args()
     load_optimized_blas()
     from inference_worker.runtime import load_model
 
-    model = load_model(model_dir(args.model), "float32")[0]
+    model = load_model(h.model_dir(args.model), "float32")[0]
     kinds = {"fp": "mlx-lm KVCache (fp)", "q4": "agentkv QuantizedKV (Q4)"}
     kinds["deq"] = "QuantizedKV, every query dequantized"
     rows, found = [], {}

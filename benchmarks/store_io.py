@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import grpc
 import harness as h
 import numpy as np
-from common import RawReader
 
 from agentkv.client.synthetic import make_chain
 from agentkv.v1 import store_pb2 as pb
@@ -34,8 +33,6 @@ STREAM_TARGET = GIB  # bytes/s for GetBlocks on loopback
 RAW, COLD = "raw read (preadv, no checksum)", " (page cache dropped)"
 GET, LOCATE = "get (GetBlocks stream)", "locate + read (read_blocks_local)"
 REUSED = "locate + read (read_blocks_local into a reused buffer)"
-# The store gets no extra environment by default: glibc's MALLOC_MMAP_THRESHOLD_ and
-# MALLOC_TRIM_THRESHOLD_ change its times either way, a deployment choice --store-env measures.
 
 
 @dataclass(slots=True)
@@ -58,12 +55,12 @@ def payload_bytes(blocks: Sequence) -> int:
     return sum(t.num_bytes for b in blocks for t in b.tensors)
 
 
-def locate(store: object, keys: list[bytes], layers: Sequence[int] = ()) -> RawReader:
+def locate(store: object, keys: list[bytes], layers: Sequence[int] = ()) -> h.RawReader:
     """A raw reader of the blocks' locations, under a lease never released (the store dies
     with the benchmark)."""
     where = {"namespace": "bench0", "fingerprint": FP, "keys": keys, "layers": layers}
     request = pb.LocateBlocksRequest(**where, lease_seconds=600)
-    return RawReader(store.call("LocateBlocks", request).blocks)
+    return h.RawReader(store.call("LocateBlocks", request).blocks)
 
 
 def drop_page_cache(paths: Sequence[str]) -> None:
@@ -228,15 +225,8 @@ def positive(text: str) -> int:
     return value
 
 
-def env_pair(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return name, value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = h.parser(__doc__, model=False, quick="--mb 24 --repeats 2")
+    p = h.parser(__doc__, model=False, quick={"mb": 24, "repeats": 2})
     p.add_argument("--mb", type=positive, default=200, help="payload to store, MB (10^6 bytes)")
     p.add_argument("--repeats", type=positive, default=5)
     p.add_argument("--block-tokens", type=positive, default=256)
@@ -246,18 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=LOCATE_TARGET,
         help="locate + read within this factor of the raw read (the report asks 1.3)",
     )
-    p.add_argument(
-        "--store-env",
-        action="append",
-        type=env_pair,
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra environment for the store process, e.g. MALLOC_MMAP_THRESHOLD_=131072",
-    )
-    args = p.parse_args(argv)
-    if args.quick:
-        args.mb, args.repeats = 24, 2
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,10 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     blocks, keys = make_chain(tokens, FP, args.block_tokens, **LLAMA_8B)
     header = h.machine(grpcio=grpc.__version__, blocks=len(blocks), block_tokens=args.block_tokens)
     header |= {"payload_mb": round(payload_bytes(blocks) / MB, 1), "repeats": args.repeats}
-    header["store_env"] = store_env = dict(args.store_env)
     h.say(f"{len(blocks)} blocks, {header['payload_mb']} MB")
     bench = Bench(args.repeats)
-    with h.services(None, store_env=store_env) as svc:
+    with h.services(None) as svc:
         svc.store.stats()  # connect before the first timed call
         run(svc.store, blocks, keys, bench)
     notes = [

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from common import RawReader, load_tokenizer, located, max_context, model_dir
 from paper import TTFT
 
 from agentkv.layers import KVFormat
@@ -221,7 +220,7 @@ def rpc_steps(store: Any, fp: str, agent: str, keys: list[bytes], passes: int) -
 
 
 def mlx_steps(
-    model: Any, blocks: list, tail: list[int], raw: RawReader, passes: int
+    model: Any, blocks: list, tail: list[int], raw: h.RawReader, passes: int
 ) -> dict[str, list[float]]:
     """MLX steps of a restore, and raw read + decode."""
     from inference_worker.blocks import caches_from_blocks
@@ -246,7 +245,7 @@ def in_process(svc: Any, model: Any, fp: str, run: ContextRun, passes: int) -> N
     k = round(statistics.median(t.usage["prefilled_tokens"] for t in run.turns["warm (locate)"]))
     tail = list(manifest.token_ids[-k:])
     run.inproc |= rpc_steps(svc.store, fp, run.agent, keys, passes)
-    with located(svc.store, NS, fp, keys) as raw:
+    with h.located(svc.store, NS, fp, keys) as raw:
         run.inproc |= {"read": h.repeat(raw.read, passes), "xxh3": h.repeat(raw.verify, passes)}
         blocks = svc.store.read_blocks_local(NS, fp, keys)
         run.inproc |= mlx_steps(model, blocks, tail, raw, passes)
@@ -263,18 +262,18 @@ def run_model(name: str, args: Any, root: Path) -> ModelRun:
     from mlx_lm import load
 
     if name == "default":
-        path = model_dir(args.model)
+        path = h.model_dir(args.model)
     else:
         h.say(f"building the Llama-3.1-8B-shaped model ({args.layers} layers, float32)")
         path = build_llama8b_shape(root, args.layers, max(args.contexts))
-    run, tokenizer = ModelRun(name, str(path)), load_tokenizer(path)
+    run, tokenizer = ModelRun(name, str(path)), h.load_tokenizer(path)
     room = 96 + 32 * args.passes  # the turns' tokens: ~31 of template, ~32 a pass, a twin's
-    contexts = h.fit_contexts(args.contexts, max_context(path), room)
+    contexts = h.fit_contexts(args.contexts, h.max_context(path), room)
     if len(contexts) < len(args.contexts):
         run.notes.append(
             f"contexts {', '.join(map(h.label, args.contexts))} asked; only "
             f"{', '.join(h.label(n) for n, _ in contexts)} fit the model's "
-            f"{max_context(path)}-token window less {room} for the turns"
+            f"{h.max_context(path)}-token window less {room} for the turns"
         )
     workers = {how: [*WORKER_ARGS, how] for how in ("locate", "stream")}
     with h.services(root / name, path, workers) as svc:
@@ -474,15 +473,13 @@ def write_report(runs: list[ModelRun], args: Any) -> None:
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    quick = "contexts 512,1K, 1 pass"
+    quick = {"contexts": [512, 1024], "passes": 1}
     p = h.parser(__doc__, contexts=(1024, 2048, 4096, 8192), passes=3, quick=quick)
     models = h.name_list(MODELS)
     p.add_argument("--models", type=models, default=list(MODELS), help="default: --model")
     p.add_argument("--layers", type=int, default=2, help="layers of the llama8b-shape model")
     p.add_argument("--cold-budget", type=float, default=90.0, help="s per context of extra colds")
     args = p.parse_args(argv)
-    if args.quick:
-        args.contexts, args.passes = [512, 1024], 1
     if args.passes < 1 or args.layers < 1:
         p.error("--passes and --layers must be at least 1")
     return args

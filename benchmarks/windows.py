@@ -384,11 +384,9 @@ def write_report(runs: list[ContextRun], args: Any, facts: dict, config: dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    quick = f"smoke run: {h.label(TARGET_CONTEXT)} (the target's context), 1 pass"
+    quick = {"contexts": [TARGET_CONTEXT], "passes": 1}  # the target's context
     p = h.parser(__doc__, model=False, contexts=(4096, 8192, 16384), passes=3, quick=quick)
     args = p.parse_args(argv)
-    if args.quick:
-        args.contexts, args.passes = [TARGET_CONTEXT], 1
     if args.passes < 1 or max(args.contexts) + 64 > GEMMA3_SHAPE["max_position_embeddings"]:
         most = GEMMA3_SHAPE["max_position_embeddings"]
         p.error(f"--passes must be at least 1, contexts under {most}")

@@ -2,7 +2,7 @@
 
 The SDK's workflows on a real store and worker; the README explains the method.
 Run: python benchmarks/workflows.py [--model SPEC] [--passes 5] [--routing-passes 3]
-[--max-tokens 64] [--only cross-phase|routing] [--quick] [--out DIR]
+[--max-tokens 64] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import harness as h
-from common import max_context
 from paper import TABLE7, TABLE8
 
 from agentkv.client.demo import scenario_path
@@ -244,9 +243,9 @@ def routing_table(rt: Routing) -> str:
     return h.columns(groups, spec, "lrl" + "r" * 9)
 
 
-def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
+def targets(cp: CrossPhase, rt: Routing) -> list[dict[str, Any]]:
     goals = []
-    if cp is not None and len(cp.phases) >= TARGET_PHASE:
+    if len(cp.phases) >= TARGET_PHASE:
         phase = cp.phases[TARGET_PHASE - 1]
         for attr, what in (("ttft", "persistent"), ("incl_setup", "persistent incl. setup")):
             cold, pers = cp.med("cold", phase), cp.med("persistent", phase, attr)
@@ -254,25 +253,22 @@ def targets(cp: CrossPhase | None, rt: Routing | None) -> list[dict[str, Any]]:
             target = f"phase {TARGET_PHASE} ({phase}) cold/{what} TTFT >= {TARGET_RATIO}x"
             measured = f"{ratio:.2f}x ({h.fmt(cold)} vs {h.fmt(pers)} ms)"
             goals.append(h.goal(target + " (paper, Gemma 3)", measured, ratio >= TARGET_RATIO))
-    if rt is not None:
-        cold, warm = rt.pass_mean("priming"), rt.pass_mean("queries_warm")
-        ratio = div(cold, warm) or 0.0
-        target = f"expert routing warm/cold TTFT speedup >= {TARGET_SPEEDUP:.0f}x (paper: 24.2x)"
-        measured = f"{ratio:.1f}x ({h.fmt(cold)} vs {h.fmt(warm)} ms)"
-        goals.append(h.goal(target, measured, ratio >= TARGET_SPEEDUP))
-    return goals
+    cold, warm = rt.pass_mean("priming"), rt.pass_mean("queries_warm")
+    ratio = div(cold, warm) or 0.0
+    target = f"expert routing warm/cold TTFT speedup >= {TARGET_SPEEDUP:.0f}x (paper: 24.2x)"
+    measured = f"{ratio:.1f}x ({h.fmt(cold)} vs {h.fmt(warm)} ms)"
+    return [*goals, h.goal(target, measured, ratio >= TARGET_SPEEDUP)]
 
 
-def notes_for(cp: CrossPhase | None, rt: Routing | None, fit: str, max_tokens: int) -> list[str]:
-    notes = [fit]
-    if cp is not None:
-        last, n = cp.phases[-1], len(cp.phases)
-        context, generated = (cp.med("persistent", last, k) for k in ("context", "generated"))
-        notes.append(
-            f"cross-phase: persistent context at phase {n} is {h.fmt(context, 0)} tokens per "
-            f"turn; replies average {h.fmt(generated)} tokens of max_tokens {max_tokens}"
-        )
-    if rt is not None and (other := rt.every("other")):
+def notes_for(cp: CrossPhase, rt: Routing, fit: str, max_tokens: int) -> list[str]:
+    last, n = cp.phases[-1], len(cp.phases)
+    context, generated = (cp.med("persistent", last, k) for k in ("context", "generated"))
+    notes = [
+        fit,
+        f"cross-phase: persistent context at phase {n} is {h.fmt(context, 0)} tokens per "
+        f"turn; replies average {h.fmt(generated)} tokens of max_tokens {max_tokens}",
+    ]
+    if other := rt.every("other"):
         unexpected = sorted({f"{r.phase}/{r.agent}:{r.cache_state}" for r in other})
         notes.append(f"routing: unexpected cache states: {', '.join(unexpected)}")
     return notes
@@ -285,27 +281,23 @@ LINES = (
 )
 
 
-def draw(cp: CrossPhase | None, rt: Routing | None, axes: Any) -> None:
+def draw(cp: CrossPhase, rt: Routing, axes: Any) -> None:
     """Per-phase TTFT cold vs persistent, and the routing groups."""
     left, right = axes
-    if cp is not None:
-        xs = range(1, len(cp.phases) + 1)
-        for mode, attr, style, name in LINES:
-            ys = [cp.med(mode, phase, attr) for phase in cp.phases]
-            left.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
-        left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
-        ylabel = "mean TTFT per phase, ms (median of passes)"
-        left.set(ylabel=ylabel, title="prisoner's dilemma")
-        left.legend(fontsize=7)
-    if rt is not None:
-        keys = [k for k in GROUPS if rt.every(k)]
-        right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k in keys])
-        right.set_xticks(range(len(keys)), [GROUPS[k][1] for k in keys], fontsize=7)
-        ylabel = "mean TTFT, ms (median of passes)"
-        right.set(yscale="log", ylabel=ylabel, title="expert routing")
+    xs = range(1, len(cp.phases) + 1)
+    for mode, attr, style, name in LINES:
+        ys = [cp.med(mode, phase, attr) for phase in cp.phases]
+        left.plot(xs, [float("nan") if y is None else y for y in ys], style, label=name)
+    left.set_xticks(list(xs), [f"{n}: {p}" for n, p in zip(xs, cp.phases, strict=True)])
+    left.set(ylabel="mean TTFT per phase, ms (median of passes)", title="prisoner's dilemma")
+    left.legend(fontsize=7)
+    keys = [k for k in GROUPS if rt.every(k)]
+    right.bar(range(len(keys)), [rt.pass_mean(k) or 0.0 for k in keys])
+    right.set_xticks(range(len(keys)), [GROUPS[k][1] for k in keys], fontsize=7)
+    right.set(yscale="log", ylabel="mean TTFT, ms (median of passes)", title="expert routing")
 
 
-def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str) -> None:
+def write_report(cp: CrossPhase, rt: Routing, args: Any, fit: str) -> None:
     info = args.info
     header = h.machine(
         blas=info.blas,
@@ -318,34 +310,29 @@ def write_report(cp: CrossPhase | None, rt: Routing | None, args: Any, fit: str)
         passes=args.passes,
         routing_passes=args.routing_passes,
     )
-    sections, document = [], {}
-    if cp is not None:
-        title = f"cross-phase, prisoner's dilemma (Table 7 form; {len(cp.passes)} passes, medians)"
-        sections.append((title, cross_table(cp)))
-        phases = {phase: {m: cp.cells(m, phase) for m in MODES} for phase in cp.phases}
-        document["cross_phase"] = {"phases": phases, "passes": cp.passes}
-    if rt is not None:
-        title = f"expert routing (Table 8 form; {len(rt.passes)} passes)"
-        sections.append((title, routing_table(rt)))
-        groups = {
-            g: {"pass_means_ms": rt.pass_means(g), "speedups": rt.speedups(g)} for g in GROUPS
-        }
-        document["routing"] = {"groups": groups, "passes": rt.passes}
+    title = f"cross-phase, prisoner's dilemma (Table 7 form; {len(cp.passes)} passes, medians)"
+    sections = [
+        (title, cross_table(cp)),
+        (f"expert routing (Table 8 form; {len(rt.passes)} passes)", routing_table(rt)),
+    ]
+    phases = {phase: {m: cp.cells(m, phase) for m in MODES} for phase in cp.phases}
+    groups = {g: {"pass_means_ms": rt.pass_means(g), "speedups": rt.speedups(g)} for g in GROUPS}
+    document = {
+        "cross_phase": {"phases": phases, "passes": cp.passes},
+        "routing": {"groups": groups, "passes": rt.passes},
+    }
     notes = notes_for(cp, rt, fit, args.max_tokens)
     png = h.report("workflows", args.out, header, sections, targets(cp, rt), notes, document)
     h.plot(png, header, "workflows", draw, cp, rt, ncols=2, figsize=(13, 4.8))
 
 
 def parse_args(argv: list[str] | None) -> Any:
-    quick = f"1 pass each, no prisoners' warm-up, replies of {QUICK_MAX_TOKENS} tokens, "
-    quick += "short documents"
-    p = h.parser(__doc__, passes=5, quick=quick)
+    quick = {"passes": 1, "routing_passes": 1, "max_tokens": QUICK_MAX_TOKENS}
+    about = "a smoke run, no prisoners' warm-up, short documents"
+    p = h.parser(__doc__, passes=5, quick=quick, quick_help=about)
     p.add_argument("--routing-passes", type=int, default=3, help="expert routing passes")
     p.add_argument("--max-tokens", type=int, default=64, help="cross-phase replies' max_tokens")
-    p.add_argument("--only", choices=("cross-phase", "routing"), help="run one benchmark")
     args = p.parse_args(argv)
-    if args.quick:
-        args.passes, args.routing_passes, args.max_tokens = 1, 1, QUICK_MAX_TOKENS
     if min(args.passes, args.routing_passes, args.max_tokens) < 1:
         p.error("--passes, --routing-passes and --max-tokens must be at least 1")
     return args
@@ -364,16 +351,13 @@ def main(argv: list[str] | None = None) -> None:
     quick = (QUICK_MAX_TOKENS, QUICK_DOCUMENT_CHARS) if args.quick else (None, None)
     experts = scenario("expert_routing", *quick)
     tokenizer = h.open_model(args)
-    cp = rt = None
     with h.services(None, args.path, {"worker": []}) as svc:
         args.info = info = svc.info["worker"]
-        fit = check_fit(tokenizer, experts, max_context(args.path), info.max_context)
+        fit = check_fit(tokenizer, experts, h.max_context(args.path), info.max_context)
         h.say(f"store and worker up ({info.blas}, {info.device}); {fit}; warming up")
         warm_up(svc, prisoners, experts, full=not args.quick)
-        if args.only in (None, "cross-phase"):
-            cp = cross_phase(svc, prisoners, args.passes)
-        if args.only in (None, "routing"):
-            rt = routing(svc, experts, args.routing_passes)
+        cp = cross_phase(svc, prisoners, args.passes)
+        rt = routing(svc, experts, args.routing_passes)
     write_report(cp, rt, args, fit)
 
 
