@@ -456,9 +456,11 @@ def targets(args: Any, all_calls: list, overhead: dict) -> list[dict]:
         last = max((c.round for c in mine if c.phase == "run"), default=0)
         before = h.median([c.ttft_ms for c in mine if c.system == "agentkv" and c.round == last])
         if before and after:  # the round after the restart against the one before it
-            what = f"{agents} agents: agentkv unchanged across a restart (within 1.5x of the "
-            measured = h.versus(after, before)
-            goals.append(h.goal(what + "round before it)", measured, after <= 1.5 * before))
+            what = (
+                f"{agents} agents: agentkv unchanged across a restart "
+                "(within 1.5x of the round before it)"
+            )
+            goals.append(h.goal(what, h.versus(after, before), after <= 1.5 * before))
     if overhead:
         o = {k: h.fmt(v, 2 if k.startswith("overhead") else 1) for k, v in overhead.items()}
         measured = f"{o['overhead_ms']} ms (p90 {o['overhead_p90_ms']}; gateway "

@@ -229,8 +229,8 @@ def targets(rows: dict[int, dict[str, Any]], load: dict[str, Any]) -> list[dict[
     if rows:
         at = min(rows, key=lambda n: abs(n - TARGET_AT))
         speedup = rows[at]["cold"][0] / mid(rows[at], "object")
-        what = f"warm from the object store >= {TARGET:.0f}x faster than re-prefill at "
-        goals.append(h.goal(what + h.label(at), f"{speedup:.1f}x", speedup >= TARGET))
+        what = f"warm from the object store >= {TARGET:.0f}x faster than re-prefill"
+        goals.append(h.goal(f"{what} at {h.label(at)}", f"{speedup:.1f}x", speedup >= TARGET))
     bounded = load["depth_at_stop"] <= max(4, load["max_depth"]) and not load["errors"]
     during, stored = load["uploaded_during_load_mb_s"], load["stored_mb_s"]
     what = "uploads keep up with a steady load (queue bounded, upload rate >= 0.8x the store's)"
