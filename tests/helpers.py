@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,20 +85,20 @@ def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
 
 
 # Ports a test picks for a server it starts by address. Each pytest-xdist worker (and a run
-# without xdist, as "gw0") has its own 500 in 10000-19999, and the +10000 twins that weed's
-# gRPC ports need in 20000-29999: below Linux's ephemeral range (32768-60999), so neither
-# another worker nor the kernel (for an outgoing connection or a port-0 bind) takes one
-# between the check here and the server's bind.
-PORTS_PER_WORKER = 500
+# without xdist, as the only worker) has its own share of 10000-19999, and the +10000 twins
+# that weed's gRPC ports need in 20000-29999: below Linux's ephemeral range (32768-60999), so
+# neither another worker nor the kernel (for an outgoing connection or a port-0 bind) takes
+# one between the check here and the server's bind.
 
 
-def _worker_ports() -> Iterator[int]:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    first = 10000 + int(worker or 0) % 20 * PORTS_PER_WORKER
-    return itertools.cycle(range(first, first + PORTS_PER_WORKER))
+def _worker_ports() -> range:
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    share = 10000 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return range(10000 + worker * share, 10000 + (worker + 1) * share)
 
 
-_ports = _worker_ports()
+_own_ports = _worker_ports()
+_ports = itertools.cycle(_own_ports)
 
 
 def _bindable(port: int) -> bool:
@@ -114,7 +113,7 @@ def _bindable(port: int) -> bool:
 def free_ports(n: int, twins: bool = False) -> list[int]:
     """n of this worker's ports free now (with `twins`, their +10000 free too)."""
     ports: list[int] = []
-    for _ in range(PORTS_PER_WORKER):
+    for _ in _own_ports:
         p = next(_ports)
         if _bindable(p) and (not twins or _bindable(p + 10000)):
             ports.append(p)
