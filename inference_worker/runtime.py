@@ -54,6 +54,15 @@ class MLXThread:
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # MLX keeps this thread's streams in thread-local state that C++ frees after
+            # join() returns, racing the process's exit, which then could abort ("terminate
+            # called without an active exception", ml-explore/mlx#3126). Freed here instead.
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         busy = False
         while True:
             try:

@@ -307,7 +307,8 @@ def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(
     )
     next(stream)  # its first token: now every decode step is slow
     proc.proc.send_signal(signal.SIGTERM)
-    assert proc.proc.wait(timeout=120) == 0  # by itself: stop() would SIGKILL at 30 s
+    exited = proc.proc.wait(timeout=120)
+    assert exited == 0, proc.log_tail()  # by itself: stop() would SIGKILL at 30 s
     with pytest.raises(AgentKVError):
         for _ in stream:
             pass
