@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -26,7 +27,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str = "info") -> None:
-    """Routes the root logger to stderr as JSON lines. Called once by each process's main."""
+    """Routes the root logger to stderr as JSON lines. Called once by each process's main.
+    A crash (SIGSEGV, SIGABRT) then ends the log with every thread's Python stack."""
+    faulthandler.enable()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()

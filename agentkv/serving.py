@@ -4,7 +4,6 @@ RPC threads and security, each flag defined once: agentkv.flags) and the server 
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
@@ -126,9 +125,7 @@ def serve_until_signal(
     config: ServerConfig, create: Callable[[], Served], log: logging.Logger, **facts: Any
 ) -> None:
     """Logs the security warnings, creates and starts the server, its metrics and health
-    endpoints, logs "serving" (with `facts`), and on SIGTERM or SIGINT drains and stops.
-    A crash (SIGSEGV, SIGABRT) writes every thread's Python stack to stderr, the log."""
-    faulthandler.enable()
+    endpoints, logs "serving" (with `facts`), and on SIGTERM or SIGINT drains and stops."""
     for warning in config.security_warnings():
         log.warning(warning, extra={"listen": config.listen})
     address_file = Path(config.address_file) if config.address_file else None
