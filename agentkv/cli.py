@@ -26,7 +26,7 @@ from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, Unavailable
 from agentkv.flags import add_flags, from_args, show_defaults
 from agentkv.launch import ServiceExited
-from agentkv.plan_report import print_plan, print_table14
+from agentkv.plan_report import print_plan
 from agentkv.planner import parse_size, parse_tokens
 from agentkv.units import human_bytes, table
 
@@ -124,9 +124,6 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=64, help="elements per scale and bias")
     p.add_argument(
         "--chunk", type=int, default=0, help="prefill chunk in flight, held beyond the window"
-    )
-    p.add_argument(
-        "--table14", action="store_true", help="the paper's Table 14 beside this planner's"
     )
 
 
@@ -234,11 +231,8 @@ def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    if args.table14:
-        print_table14()
-        return
     if not (args.config and args.context and args.budget):
-        raise ValueError("plan needs --config, --context and --budget (or --table14)")
+        raise ValueError("plan needs --config, --context and --budget")
     print_plan(args.config, args.context, args.budget, args.bits, args.group_size, args.chunk)
 
 

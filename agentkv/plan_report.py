@@ -1,12 +1,9 @@
-"""`agentkv plan`'s tables: the planner's figures for a model and budget, and the paper's
-Table 14 beside this planner's."""
+"""`agentkv plan`'s table: the planner's figures for a model and budget."""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 
 from agentkv.layers import describe, layer_specs
 from agentkv.planner import load_config, plan
@@ -53,37 +50,7 @@ def print_plan(
                 "block more)"
                 if sliding
                 else f"no sliding-window layers: Q{bits} window = Q{bits}",
-                "the paper's '10.2 GB' budget is --budget 10.2Gi; --table14 compares with it",
+                "the paper's '10.2 GB' is --budget 10.2Gi (its Table 14: benchmarks/capacity.py)",
             ]
         )
     )
-
-
-def paper_figures():
-    """benchmarks/paper.py, the paper's reference figures: in the source tree, not the package."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "paper.py"
-    if not path.exists():
-        raise ValueError(f"{path} not found: --table14 runs from a source checkout")
-    spec = importlib.util.spec_from_file_location("agentkv_paper", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # registered first: its dataclasses look their module up
-    return module
-
-
-def print_table14() -> None:
-    paper = paper_figures()
-    rows = paper.table14()
-    budget = rows[0].ours.budget_bytes
-    print(f"Table 14 (M4 Pro, 10.2 GB cache budget) beside this planner at {_gib(budget)}\n")
-    headers = ["model", "context", "FP16 paper", "FP16 here", "Q4 paper", "Q4 here"]
-    cells = [
-        (r.model, f"{r.ours.context_tokens // 1024}K", r.paper_fp16, r.ours.num_fp16_agents)
-        + (r.paper_q4, r.ours.num_q_agents, r.ours.num_q_window_agents)
-        for r in rows
-    ]
-    print(table([*headers, "Q4 window here"], cells) + "\n")
-    print("cells that differ:")
-    print("\n".join(f"  {d}" for r in rows for d in r.differences()) + "\n")
-    print(_notes(paper.TABLE14_NOTES))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -267,14 +268,17 @@ def test_cli_plan_reads_a_model_directory(tmp_path):
     assert row(out.stdout, "8192").endswith(" 9 33 33")  # 10.2e9 bytes / 1 GiB and / 0.28125 GiB
 
 
-def test_cli_table14():
-    out = agentkv("plan", "--table14")
+def test_capacity_benchmark_sets_table14_beside_the_planner(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "capacity.py"
+    cmd = [sys.executable, str(script), "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "llama3_1_8b 4K Q4: 72 here, 70 in the paper" in out.stdout
     assert "deepseek_coder_v2_lite 8K Q4: 17 here, 16 in the paper" in out.stdout
-    assert "gemma3_12b" not in out.stdout.split("cells that differ:")[1].split("notes:")[0]
+    differ = out.stdout.split("cells that differ from the paper:")[1].splitlines()[0]
+    assert "gemma3_12b" not in differ
     assert "10,200 x 2^20 bytes" in " ".join(out.stdout.split())
-    assert row(out.stdout, "gemma3_12b ") == "gemma3_12b 4K 6 6 24 24 64"
+    assert row(out.stdout, "| gemma3_12b | 4K ") == "| gemma3_12b | 4K | 6 | 6 | 24 | 24 | 64 |"
 
 
 @pytest.mark.parametrize(
@@ -303,7 +307,8 @@ def test_cli_plan_unknown_model_type(tmp_path):
 def test_planner_runs_without_mlx():
     code = (
         "import sys; sys.modules['mlx'] = sys.modules['mlx_lm'] = None\n"
-        "from agentkv.cli import main; main(['plan', '--table14'])"
+        "from agentkv.cli import main\n"
+        "main(['plan', '--config', 'gemma3_12b', '--context', '4K', '--budget', '10.2Gi'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
