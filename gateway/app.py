@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -88,8 +88,9 @@ class Gateway:
             )
         memory = self.memory.in_namespace(namespace)
         headers = request.headers
-        agent = agent_id(headers.get("x-agent-id", ""), headers.get("x-session-id", ""), call)
-        reply, created = await self._start(memory, agent, call, agent.startswith("anon-"))
+        named, session = headers.get("x-agent-id", ""), headers.get("x-session-id", "")
+        anonymous = not (named or session or call.session)
+        reply, created = await self._start(memory, agent_id(named, session, call), call, anonymous)
         facts = {
             "x-agentkv-agent-id": reply.agent.id,
             "x-agentkv-namespace": namespace,
@@ -99,7 +100,8 @@ class Gateway:
         if call.stream:
             events = self._events(reply, call, completion, namespace, created)
             return StreamingResponse(events, media_type="text/event-stream", headers=facts)
-        await self._whole(reply, request)
+        if not await self._whole(reply, request):
+            return Response(status_code=499)  # nobody reads it: the client has gone
         usage = with_creation(reply.usage, created)
         facts |= {
             "x-agentkv-cache-state": usage.cache_state,
@@ -140,7 +142,7 @@ class Gateway:
             try:
                 await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
                 workers[address] = "serving"
-            except (AgentKVError, TimeoutError):
+            except (AgentKVError, asyncio.TimeoutError):
                 workers[address] = "unavailable"
         up = "serving" in workers.values()
         return JSONResponse(
@@ -196,6 +198,8 @@ class Gateway:
             return json.loads(b"".join(chunks))
         except ValueError as exc:
             raise HTTPError(400, f"the request body is not JSON: {exc}") from None
+        except RecursionError:
+            raise HTTPError(400, "the request body is nested too deeply") from None
 
     async def _model(self) -> str:
         """The served model's id: --model-name, else the first worker's model."""
@@ -203,7 +207,7 @@ class Gateway:
             for worker in self.memory.workers.values():
                 try:
                     info = await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
-                except (AgentKVError, TimeoutError):
+                except (AgentKVError, asyncio.TimeoutError):
                     continue
                 self.model_id = model_id(info.model)
                 break
@@ -237,8 +241,8 @@ class Gateway:
             created = made.usage  # prompt: the turn resumes from the stored one
         return await agent.say(call.messages, **options), created
 
-    async def _whole(self, reply: AsyncReply, request: Request) -> None:
-        """Waits for the whole reply; a client that leaves first cancels the turn."""
+    async def _whole(self, reply: AsyncReply, request: Request) -> bool:
+        """Waits for the whole reply; a client that leaves first cancels the turn (False)."""
         waiting = asyncio.ensure_future(reply.wait())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -249,7 +253,10 @@ class Gateway:
                 waiting.cancel()
                 await asyncio.wait({waiting})
                 await reply.close()
-        waiting.result()  # raises what cut the reply off, or CancelledError
+        if waiting.cancelled():
+            return False
+        waiting.result()  # raises what cut the reply off
+        return True
 
     async def _events(
         self,
@@ -306,6 +313,8 @@ def _answering_errors(route: Callable[[Request], Awaitable[Response]]) -> Callab
             return await route(request)
         except (HTTPError, AgentKVError) as exc:
             error = exc if isinstance(exc, HTTPError) else HTTPError.of(exc)
+        except ClientDisconnect:  # gone while sending its body: nobody reads an answer
+            return Response(status_code=499)
         except Exception as exc:
             log.exception("request failed unexpectedly")
             error = HTTPError(500, f"internal error: {type(exc).__name__}", "server_error")

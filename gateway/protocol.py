@@ -136,8 +136,9 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         if name not in IGNORED and name not in SAMPLING and name not in NEUTRAL:
             raise invalid(f"unsupported parameter: {name!r}", name, "unsupported_parameter")
     for name, neutral in NEUTRAL.items():
-        value = body.get(name, neutral)
-        if value != neutral and not (name == "response_format" and _text_format(value)):
+        value = body.get(name)  # null: not given, as OpenAI reads it
+        text = name == "response_format" and _text_format(value)
+        if value is not None and value != neutral and not text:
             raise invalid(
                 f"{name}={value!r} is not supported by agentkv (only {neutral!r})",
                 name,
@@ -146,13 +147,14 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model: a model id is required", "model")
+    _utf8(model, "model")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, None) or {}
     call = ChatCall(
         model,
         _messages(body.get("messages")),
         stream,
-        bool(options.get("include_usage")) and stream,
+        bool(_typed(options, "include_usage", bool, False)) and stream,
         _sampling(body, default_max_tokens),
         session=_typed(body, "prompt_cache_key", str, "") or _typed(body, "user", str, ""),
     )
@@ -171,7 +173,17 @@ def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
         and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
     ):
         raise invalid(f"{name} must be a {kind.__name__}, got {value!r}", name)
+    if kind is str and value:
+        _utf8(value, name)
     return value
+
+
+def _utf8(text: str, where: str) -> None:
+    """JSON may escape a lone surrogate (\\ud800), which no UTF-8 text can hold."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise invalid(f"{where} holds a lone surrogate escape, not valid Unicode", where) from None
 
 
 def _messages(messages: Any) -> list[tuple[str, str]]:
@@ -183,7 +195,7 @@ def _messages(messages: Any) -> list[tuple[str, str]]:
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object", where)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise invalid(
                 f"{where}.role {role!r} is not supported (system, developer, user, assistant)",
                 f"{where}.role",
@@ -204,6 +216,7 @@ def _messages(messages: Any) -> list[tuple[str, str]]:
 def _text(content: Any, where: str) -> str:
     """A message's content: a string, or text parts joined (other parts are refused)."""
     if isinstance(content, str):
+        _utf8(content, where)
         return content
     if isinstance(content, list):
         texts = []
@@ -211,8 +224,12 @@ def _text(content: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise invalid(f"{where}: {kind!r} parts are not supported, only text", where)
-            texts.append(_typed(part, "text", str, ""))
-        return "".join(texts)
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}: a text part's text must be a string", where)
+            texts.append(part["text"])
+        text = "".join(texts)
+        _utf8(text, where)
+        return text
     raise invalid(f"{where} must be a string or an array of text parts", where)
 
 
@@ -229,26 +246,39 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
         ):
             raise invalid(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
         out[name] = float(value)
-    max_tokens = _typed(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int, None)
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    out["max_tokens"] = max_tokens or default_max_tokens
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid("stop must be a string or an array of non-empty strings", "stop")
-    if len(stops) > MAX_STOPS:
-        raise invalid(f"stop has {len(stops)} strings, at most {MAX_STOPS}", "stop")
+    if out.get("top_p", 1.0) <= 1e-6:  # the worker's 0 turns nucleus off; OpenAI's is greedy
+        out["temperature"], out["top_p"] = 0.0, 1.0
+    out["max_tokens"] = _max_tokens(body) or default_max_tokens
+    stops = _stops(body.get("stop"))
     if stops:
         out["stop"] = stops
     seed = _typed(body, "seed", int, None)
     if seed is not None:
-        if not 0 <= seed < 2**64:
-            raise invalid(f"seed must be in [0, 2^64), got {seed}", "seed")
-        out["seed"] = seed
+        if not -(2**63) <= seed < 2**64:
+            raise invalid(f"seed must be in [-2^63, 2^64), got {seed}", "seed")
+        out["seed"] = seed % 2**64  # OpenAI's seeds are signed, the worker's unsigned
     return out
+
+
+def _max_tokens(body: dict) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _typed(body, name, int, None)
+        if value is not None:
+            if not 1 <= value < 2**32:
+                raise invalid(f"{name} must be in [1, 2^32), got {value}", name)
+            return value
+    return None
+
+
+def _stops(stop: Any) -> list[str]:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop must be a string or an array of non-empty strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise invalid(f"stop has {len(stops)} strings, at most {MAX_STOPS}", "stop")
+    for s in stops:
+        _utf8(s, "stop")
+    return stops
 
 
 def agent_id(header: str, session: str, call: ChatCall) -> str:
@@ -287,7 +317,7 @@ def with_creation(usage: Any, created: Any) -> Any:
 
 def usage_json(usage: Any) -> dict[str, Any]:
     """OpenAI's usage; cached_tokens are those the turn did not prefill."""
-    cached = usage.prompt_tokens - usage.prefilled_tokens
+    cached = max(usage.prompt_tokens - usage.prefilled_tokens, 0)
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.generated_tokens,

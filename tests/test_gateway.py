@@ -314,6 +314,11 @@ def test_bad_requests_get_openais_error_format(stack):
     assert bad_json.status == 400 and "not JSON" in bad_json.json()["error"]["message"]
     huge = raw(address, "POST", path, b"x" * (9 << 20))
     assert huge.status == 413 and huge.json()["error"]["code"] == "request_too_large"
+    deep = raw(address, "POST", path, b"[" * 50_000 + b"]" * 50_000)
+    assert deep.status == 400 and "nested too deeply" in deep.json()["error"]["message"]
+    surrogate = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]})
+    lone = raw(address, "POST", path, surrogate.encode())
+    assert lone.status == 400 and lone.json()["error"]["param"] == "messages[0].content"
     nowhere = raw(address, "GET", "/v1/completions")
     assert nowhere.status == 404 and "error" in nowhere.json()
 
@@ -346,6 +351,37 @@ def test_a_client_that_goes_away_cancels_its_turn(stack):
     assert reply.choices[0].finish_reason == "length"
     state = stack.sdk.describe("default", "leaver")
     assert state.num_tokens < 200  # the abandoned reply stopped short of its 400 tokens
+
+
+def test_a_client_that_leaves_a_whole_reply_cancels_it_without_a_traceback(stack):
+    messages = [{"role": "user", "content": "Write a long story about a harbour."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 400, "temperature": 0}
+    host, port = stack.gateway.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"X-Agent-Id": "whole-leaver"})
+    deadline = time.monotonic() + 60
+    while not agent_exists(stack, "whole-leaver"):  # made by the call, which then takes its turn
+        assert time.monotonic() < deadline, stack.gateway.log_tail()
+    conn.close()
+    while True:  # the abandoned turn ends long before its 400 tokens
+        try:
+            reply = ask(stack.client(), messages, "whole-leaver", max_tokens=2)
+            break
+        except openai.ConflictError:
+            assert time.monotonic() < deadline, "the abandoned turn kept running"
+    assert reply.choices[0].finish_reason == "length"
+    assert stack.sdk.describe("default", "whole-leaver").num_tokens < 200
+    assert "Traceback" not in stack.gateway.log_tail(200_000)
+
+
+def agent_exists(stack: Stack, agent: str) -> bool:
+    from agentkv.errors import AgentNotFound
+
+    try:
+        stack.sdk.describe("default", agent)
+        return True
+    except AgentNotFound:
+        return False
 
 
 def test_tokens_name_the_namespace_and_keep_tenants_apart(stack, tmp_path):

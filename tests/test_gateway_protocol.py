@@ -3,11 +3,13 @@ refused (never ignored), every gRPC status as an HTTP status, and how an agent i
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
 from agentkv import errors
-from agentkv.gateway.protocol import HTTPError, agent_id, parse_chat, with_creation
+from agentkv.gateway.protocol import HTTPError, agent_id, parse_chat, usage_json, with_creation
 from agentkv.worker.v1 import worker_pb2 as pb
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
@@ -46,7 +48,20 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"max_tokens": True}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"max_tokens": 2**32}, "max_tokens"),  # past the worker's uint32
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": {}}, "stop"),
+        ({"stop": False}, "stop"),
+        ({"stop": 0}, "stop"),
+        ({"stop": ["\ud800"]}, "stop"),  # a lone surrogate: JSON allows it, UTF-8 does not
+        ({"user": "\ud800"}, "user"),
+        ({"stream": True, "stream_options": {"include_usage": "false"}}, "include_usage"),
+        ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+         "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
         ({"best_of": 2}, "best_of"),
         ({"model": ""}, "model"),
         ({"messages": []}, "messages"),
@@ -62,6 +77,23 @@ def test_what_agentkv_does_not_do_is_refused_by_name(fields, param):
         parsed(**fields)
     assert refused.value.status == 400 and refused.value.param == param
     assert refused.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_what_openai_allows_is_read_as_openai_means_it():
+    # null for a parameter with a neutral value is that value
+    assert parsed(n=None, presence_penalty=None, frequency_penalty=None, logprobs=None).model
+    assert parsed(seed=-1).sampling["seed"] == 2**64 - 1  # signed in OpenAI, unsigned here
+    # top_p 0 keeps only the likeliest token; the worker's 0 would turn nucleus off
+    assert parsed(temperature=0.7, top_p=0).sampling | {"max_tokens": 0} == {
+        "temperature": 0.0, "top_p": 1.0, "max_tokens": 0}  # fmt: skip
+    assert parsed(stop=[]).sampling == parsed().sampling
+    pair = json.loads('"\\ud83d\\ude00"')  # JSON's escaped surrogate pair: one character
+    assert parsed(messages=[{"role": "user", "content": pair}]).messages[0][1] == "😀"
+
+
+def test_cached_tokens_are_never_negative():
+    usage = pb.Usage(prompt_tokens=10, prefilled_tokens=12)  # a template that added tokens
+    assert usage_json(usage)["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_every_grpc_status_has_its_http_status():
