@@ -333,6 +333,16 @@ def test_a_second_call_while_the_agent_is_busy_is_a_409(stack):
     stream.close()
 
 
+def test_a_named_agent_that_looks_anonymous_is_still_a_409_when_busy(stack):
+    client = stack.client()
+    messages = [{"role": "user", "content": "Count from one to fifty in words."}]
+    stream = ask(client, messages, "anon-named", stream=True, max_tokens=120)
+    next(iter(stream))  # the turn is in flight
+    error = error_of(lambda: ask(client, messages, "anon-named"))
+    assert error.status_code == 409 and "in progress" in error.body["message"]
+    stream.close()
+
+
 def test_a_client_that_goes_away_cancels_its_turn(stack):
     client = stack.client()
     messages = [{"role": "user", "content": "Write a long story about a lighthouse."}]
