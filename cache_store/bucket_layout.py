@@ -96,10 +96,11 @@ def read_manifest(body: bytes, metadata: dict[str, str], namespace: str, agent_i
             m["format"] == AGENT_FORMAT
             and m["namespace"] == namespace
             and m["agent_id"] == agent_id
-            and all(isinstance(b["key"], str) for b in m["blocks"])
+            and all(int(b["num_bytes"]) >= 0 and int(b["xxh3"], 16) >= 0 for b in m["blocks"])
         )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptRecord(f"{where} does not decode: {exc}") from exc
+        manifest_record(m)  # every field the record takes, of its type
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptRecord(f"{where} does not decode: {exc!r}") from exc
     if not ok:
         raise CorruptRecord(f"{where} names another agent or format")
     return m
@@ -146,9 +147,9 @@ def parse_payload(
         entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         specs = [(name, e["dtype"], e["shape"]) for name, e in entries]
         offsets = [tuple(e["data_offsets"]) for _, e in entries]
+        claimed = tuple(meta.get(k) for k in ("key", "fingerprint", "namespace", "num_tokens"))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptBlock(f"{where} has no readable header") from exc
-    claimed = tuple(meta.get(k) for k in ("key", "fingerprint", "namespace", "num_tokens"))
     if claimed != (base.key.hex(), base.fingerprint, base.namespace, str(len(base.token_ids))):
         raise CorruptBlock(f"{where} names another block")
     try:

@@ -18,6 +18,7 @@ from typing import Any
 import xxhash
 
 from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord
+from agentkv.keys import block_key
 from cache_store import bucket_layout as layout
 from cache_store import manifests
 from cache_store.capacity import Capacity
@@ -122,16 +123,19 @@ class Fetcher:
         )
         try:
             for key, count, entry in entries:
-                if key in downloads:
+                tokens = [int(t) for t in m["token_ids"][pos : pos + count]]
+                made = block_key(m["fingerprint"], parent, tokens)
+                why = "" if key == made else "its tokens and parent make another key"
+                if not why and key in downloads:
                     draft = have[key] or layout.draft_block(m, key, parent, pos, count)
                     why = self._land_fetched(downloads.take(key), entry, draft, have[key])
-                    if why:
-                        log.warning(
-                            "object store block unusable: the chain ends before it",
-                            extra={"namespace": namespace, "key": key.hex(), "reason": why},
-                        )
-                        break
-                    fetched += 1
+                    fetched += not why
+                if why:
+                    log.warning(
+                        "object store block unusable: the chain ends before it",
+                        extra={"namespace": namespace, "key": key.hex(), "reason": why},
+                    )
+                    break
                 keys.append(key)
                 parent, pos = key, pos + count
         finally:

@@ -139,19 +139,22 @@ class CacheStore:
         return result
 
     def _fetch_if_newer(self, namespace: str, agent_id: str, writing: bool = False) -> None:
-        """An agent absent here is fetched from the object store; one this store does not
-        write is fetched again when the object store holds a newer generation. While the
-        object store is down, a read of an agent absent here is UNAVAILABLE (it may be
-        there); a write goes on locally (its upload will not overwrite one made elsewhere)."""
+        """An agent absent here is fetched from the object store; one this store has not
+        written or checked since it began to write the namespace is fetched again when the
+        object store holds a newer generation. While the object store is down, a read of an
+        agent absent here is UNAVAILABLE (it may be there), and so is a write of one known to
+        be there; a write of another goes on locally (its upload will not overwrite one made
+        elsewhere)."""
         with self.index.read() as txn:
             local = self.index.find_agent(txn, namespace, agent_id)
-            deleted = self.index.uploaded_generation(txn, namespace, agent_id) == 0
-        if deleted or (local is not None and self.tier.writers.holds(namespace)):
-            return  # deleted here (the bucket's copy goes next), or this store writes it
+            uploaded = self.index.uploaded_generation(txn, namespace, agent_id)
+        if uploaded == 0 or (local is not None and self.tier.writes_current(namespace, agent_id)):
+            return  # deleted here (the bucket's copy goes next), or this store's copy is current
         try:
             self.tier.fetch_agent(namespace, agent_id, local.generation if local else None)
+            self.tier.mark_current(namespace, agent_id)
         except ObjectStoreDown as exc:
-            if local is None and not writing:  # it may be there: not a NOT_FOUND
+            if local is None and (not writing or uploaded):  # it may be, or is, there
                 raise ObjectStoreDown(
                     f"agent {agent_id!r} in namespace {namespace!r} is not on this store's disk "
                     f"and the object store cannot be asked for it: {exc.message}"
@@ -282,14 +285,12 @@ class CacheStore:
 
     def _before_write(self, namespace: str, agent_id: str = "") -> None:
         """With an object store: this store must be the namespace's writer, and an agent
-        written that is not here is fetched first (so its generation is the bucket's)."""
+        written that is not here, or not current here, is fetched first (so its generation
+        is the bucket's)."""
         if self.tier is not None:
             self.tier.check_writer(namespace)
             if agent_id:
-                with self.index.read() as txn:
-                    here = self.index.find_agent(txn, namespace, agent_id) is not None
-                if not here:
-                    self._fetch_if_newer(namespace, agent_id, writing=True)
+                self._fetch_if_newer(namespace, agent_id, writing=True)
 
     def _block_stored(self, record: BlockRecord) -> None:
         if self.tier is not None:

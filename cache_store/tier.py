@@ -45,6 +45,7 @@ class ObjectTier:
         self.fetcher = Fetcher(parts, capacity, bucket)
         self.rehydrate, self.fetch_agent = self.fetcher.rehydrate, self.fetcher.fetch_agent
         self.bucket_agents = self.fetcher.bucket_agents
+        self._current: dict[tuple[str, str], int] = {}  # agent -> writer term it is current in
         self.state = "starting"  # ok | unreachable | backlogged
         self._on_state: Callable[[str], None] = lambda state: None
         self._stop = threading.Event()
@@ -85,7 +86,18 @@ class ObjectTier:
 
     def agent_changed(self, namespace: str, agent_id: str) -> None:
         """A commit, fork or delete: the manifest (or its deletion) goes out after its blocks."""
+        self.mark_current(namespace, agent_id)
         self._enqueue(("agent", namespace, agent_id))
+
+    def writes_current(self, namespace: str, agent_id: str) -> bool:
+        """Whether this store writes the namespace and its copy of the agent is current:
+        written here, or checked against the bucket, since this store's hold began."""
+        term = self._current.get((namespace, agent_id))
+        return self.writers.holds(namespace) and term == self.writers.term(namespace)
+
+    def mark_current(self, namespace: str, agent_id: str) -> None:
+        if self.writers.holds(namespace):
+            self._current[(namespace, agent_id)] = self.writers.term(namespace)
 
     def _enqueue(self, job: Job) -> None:
         if not self.queue.add(job):

@@ -90,15 +90,16 @@ class Uploader:
         except CorruptBlock as exc:
             with self.index.read() as txn:
                 still = self.index.find_block(txn, namespace, key)
-            if still is not None and still.local:
+            if still is not None and still.local and still.created_ms == record.created_ms:
                 self.quarantine(still, f"{exc.message} (found uploading it)")
             return None
         checksum = xxhash.xxh3_64_intdigest(body)
         self.bucket.put(
             layout.block_object(namespace, key), body, layout.block_metadata(record, checksum)
         )
-        with self.index.write() as txn:
-            if self.index.find_block(txn, namespace, key) is not None:
+        with self.index.write() as txn:  # unless collected and put anew meanwhile
+            still = self.index.find_block(txn, namespace, key)
+            if still is not None and still.created_ms == record.created_ms:
                 self.index.put_remote(txn, namespace, key, checksum)
         self.metrics.uploaded.labels("block").inc()
         return checksum
@@ -116,7 +117,7 @@ class Uploader:
         self._writable(namespace)
         body, meta = layout.manifest(record, self._blocks_through(record), self.writers.store_id)
         self._writable(namespace)  # again: the blocks may have taken a while
-        condition = self._put_condition(record, done)
+        condition = self._put_condition(record, done, meta["agentkv-xxh3"])
         if condition is None:
             return False
         try:
@@ -149,16 +150,18 @@ class Uploader:
             blocks.append({**entry, "xxh3": f"{checksum:016x}"})
         return blocks
 
-    def _put_condition(self, record: AgentRecord, done: int | None) -> dict[str, Any] | None:
-        """How to put the manifest over what the bucket holds; None: not to put it (already
-        there from before a crash, now recorded as uploaded; or another store's version is)."""
+    def _put_condition(
+        self, record: AgentRecord, done: int | None, checksum: str
+    ) -> dict[str, Any] | None:
+        """How to put the manifest over what the bucket holds; None: not to put it (this very
+        manifest, put before a crash, now recorded as uploaded; or another store's version)."""
         namespace, agent_id = record.namespace, record.agent_id
         there = self.bucket.head(layout.agent_object(namespace, agent_id))
         if there is None:
             return {"if_none_match": True}
         theirs = int(there.metadata.get("agentkv-generation", "0") or 0)
         ours = there.metadata.get("agentkv-writer") == self.writers.store_id
-        if ours and theirs == record.generation:
+        if ours and there.metadata.get("agentkv-xxh3") == checksum:
             self._mark_uploaded(record)  # put before a crash
             return None
         # Ours to replace: the one this store put last, an older one of its own, or one of its

@@ -8,6 +8,7 @@ bucket keeps writing locally and uploads nothing of a namespace until it holds t
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import secrets
@@ -68,6 +69,7 @@ class WriterLeases:
         self.bucket, self.store_id, self.seconds = bucket, store_id, seconds
         self.margin = seconds / 3  # clock skew and a renewal in flight fit in it
         self._held: dict[str, _Held] = {}
+        self._terms: collections.Counter[str] = collections.Counter()  # holds begun
         self._unverified: set[str] = set()  # namespaces written while the bucket was away
         self._lock = threading.Lock()
         self._acquiring = threading.Lock()
@@ -94,6 +96,12 @@ class WriterLeases:
         with self._lock:
             held = self._held.get(namespace)
         return held is not None and held.valid_until > time.monotonic()
+
+    def term(self, namespace: str) -> int:
+        """How many times this store has begun to hold the namespace's lease (a hold lost
+        and had again is a new term: another store may have written meanwhile)."""
+        with self._lock:
+            return self._terms[namespace]
 
     def check(self, namespace: str) -> None:
         """Before a write: passes while this store holds the lease or can take it, and while
@@ -122,7 +130,7 @@ class WriterLeases:
     def _acquire(self, namespace: str) -> None:
         for _ in range(3):  # each lost race re-reads what won it
             try:
-                self._put(namespace, if_none_match=True)
+                self._put(namespace, if_none_match=True, begins=True)
                 return
             except Conflict:
                 pass
@@ -138,7 +146,7 @@ class WriterLeases:
                     "that store, or stop it and let its lease expire"
                 )
             try:
-                self._put(namespace, if_match=got.etag)
+                self._put(namespace, if_match=got.etag, begins=True)
                 if holder != self.store_id:
                     log.warning(
                         "writer lease taken over",
@@ -161,13 +169,14 @@ class WriterLeases:
         ).encode()
         return body, {"agentkv-format": LEASE_FORMAT, "agentkv-store": self.store_id}
 
-    def _put(self, namespace: str, **condition: Any) -> None:
+    def _put(self, namespace: str, begins: bool = False, **condition: Any) -> None:
         """Writes the lease under `condition` (if_match or if_none_match) and holds it; the hold
         counts from before the body's writing, so a slow put shortens it, never lengthens it."""
         started = time.monotonic()
         etag = self.bucket.put(lease_object(namespace), *self._body(namespace), **condition)
         with self._lock:
             self._held[namespace] = _Held(etag, started + self.seconds - self.margin)
+            self._terms[namespace] += begins
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):

@@ -26,6 +26,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     CorruptBlock,
+    CorruptRecord,
     FailedPrecondition,
     GenerationConflict,
     Unavailable,
@@ -413,6 +414,61 @@ def test_corrupted_objects_are_never_served(weed, bucket, tmp_path):
         store.stop()
 
 
+def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uploaded(
+    bucket, tmp_path
+):
+    weed = WeedServer(tmp_path / "weed").start()  # its own: this test stops it
+    store = start_store(tmp_path, "s", tier_args(weed, bucket))
+    try:
+        with store.client() as c:
+            save(c, "a", list(range(1, 100)))
+            wait_for("the upload", lambda: uploaded(c))
+            weed.stop(kill=True)
+            c.delete_agent(NS, "a")  # its deletion there waits for the bucket...
+            anew = [7] * 80
+            blocks, keys = save(c, "a", anew, seed=7)  # ...and it is made anew, generation 1
+            weed.start()
+            wait_for("the catch-up", lambda: uploaded(c))
+        store.stop()
+        (m,) = bucket_manifests(weed, bucket).values()
+        assert m["generation"] == 1 and m["token_ids"] == anew  # not the deleted agent's
+        fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+        with fresh.client() as c:
+            assert_restores(c, "a", anew, blocks, keys)
+        fresh.stop()
+    finally:
+        store.stop()
+        weed.stop(kill=True)
+
+
+def test_a_manifest_whose_fields_are_bad_is_data_loss_and_hides_no_other_agent(
+    weed, bucket, tmp_path
+):
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        save(c, "good", list(range(1, 100)))
+        save(c, "bad", list(range(1, 100)) + [3] * 20)
+        wait_for("the uploads", lambda: uploaded(c))
+    store.stop()
+    s3 = weed.client()
+    name = f"{bucket}/{NS}/agents/bad"
+    got = s3.get_object(Bucket=BUCKET, Key=name)
+    m = json.loads(got["Body"].read())
+    del m["blocks"][0]["num_bytes"]  # whole as bytes (its checksum is remade), not as a manifest
+    body = json.dumps(m).encode()
+    meta = {**got["Metadata"], "agentkv-xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
+    s3.put_object(Bucket=BUCKET, Key=name, Body=body, Metadata=meta)
+    fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+    try:
+        with fresh.client() as c:
+            assert [a.agent_id for a in c.list_agents(NS)] == ["good"]
+            with pytest.raises(CorruptRecord, match="does not decode"):
+                c.get_agent(NS, "bad")
+            assert c.get_agent(NS, "good").generation == 1
+    finally:
+        fresh.stop()
+
+
 # several stores, one bucket
 
 
@@ -457,6 +513,34 @@ def test_two_stores_racing_for_a_namespace_one_writes(weed, bucket, tmp_path):
     finally:
         for s in stores:
             s.stop()
+
+
+def test_a_store_that_takes_a_namespace_over_writes_on_the_buckets_latest(weed, bucket, tmp_path):
+    a, b = (start_store(tmp_path, n, tier_args(weed, bucket)) for n in ("a", "b"))
+    try:
+        tokens = list(range(1, 100))
+        with a.client() as c:
+            save(c, "x", tokens)  # a writes the namespace
+            wait_for("a's upload", lambda: uploaded(c))
+        with b.client() as c:
+            assert c.get_agent(NS, "x").generation == 1  # b reads it: its copy, generation 1
+        with a.client() as c:
+            tokens = tokens + [5] * 40
+            c.save_agent(NS, "x", FP, tokens, make_chain(tokens)[0], expected_generation=1)
+            wait_for("a's second upload", lambda: uploaded(c))
+        a.stop()  # a clean stop hands the lease back
+        with b.client() as c:
+            grown = tokens + [6] * 30
+            blocks, keys = make_chain(grown)
+            c.save_agent(NS, "x", FP, grown, blocks, expected_generation=2)
+            assert_restores(c, "x", grown, blocks, keys)
+            assert c.get_agent(NS, "x").generation == 3
+            wait_for("b's upload", lambda: uploaded(c))
+        (m,) = bucket_manifests(weed, bucket).values()
+        assert m["generation"] == 3 and m["token_ids"] == grown
+    finally:
+        a.stop()
+        b.stop()
 
 
 def test_deletes_reach_the_bucket_and_its_history_is_never_overwritten(weed, bucket, tmp_path):
