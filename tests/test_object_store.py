@@ -450,14 +450,7 @@ def test_a_manifest_whose_fields_are_bad_is_data_loss_and_hides_no_other_agent(
         save(c, "bad", list(range(1, 100)) + [3] * 20)
         wait_for("the uploads", lambda: uploaded(c))
     store.stop()
-    s3 = weed.client()
-    name = f"{bucket}/{NS}/agents/bad"
-    got = s3.get_object(Bucket=BUCKET, Key=name)
-    m = json.loads(got["Body"].read())
-    del m["blocks"][0]["num_bytes"]  # whole as bytes (its checksum is remade), not as a manifest
-    body = json.dumps(m).encode()
-    meta = {**got["Metadata"], "agentkv-xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
-    s3.put_object(Bucket=BUCKET, Key=name, Body=body, Metadata=meta)
+    rewrite_manifest(weed, bucket, "bad", lambda m: m["blocks"][0].pop("num_bytes"))
     fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
     try:
         with fresh.client() as c:
@@ -465,6 +458,39 @@ def test_a_manifest_whose_fields_are_bad_is_data_loss_and_hides_no_other_agent(
             with pytest.raises(CorruptRecord, match="does not decode"):
                 c.get_agent(NS, "bad")
             assert c.get_agent(NS, "good").generation == 1
+    finally:
+        fresh.stop()
+
+
+def rewrite_manifest(weed: WeedServer, prefix: str, agent: str, change: Callable) -> None:
+    """Changes an agent's manifest in the bucket, its checksum made anew: whole as bytes."""
+    s3, name = weed.client(), f"{prefix}/{NS}/agents/{agent}"
+    got = s3.get_object(Bucket=BUCKET, Key=name)
+    m = json.loads(got["Body"].read())
+    change(m)
+    body = json.dumps(m).encode()
+    meta = {**got["Metadata"], "agentkv-xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
+    s3.put_object(Bucket=BUCKET, Key=name, Body=body, Metadata=meta)
+
+
+def test_a_manifest_whose_tokens_are_not_its_blocks_restores_no_block(weed, bucket, tmp_path):
+    tokens = list(range(1, 200))
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        save(c, "a", tokens)
+        wait_for("the upload", lambda: uploaded(c))
+    store.stop()
+    other = [9] * 10 + tokens[10:]  # the first block's tokens changed, its key kept
+
+    def swap(m: dict) -> None:
+        m["token_ids"] = other
+
+    rewrite_manifest(weed, bucket, "a", swap)
+    fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+    try:
+        with fresh.client() as c:
+            m = c.get_agent(NS, "a", FP)
+            assert list(m.token_ids) == other and list(m.block_keys) == []  # all re-prefilled
     finally:
         fresh.stop()
 
