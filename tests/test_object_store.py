@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -493,6 +494,98 @@ def test_a_manifest_whose_tokens_are_not_its_blocks_restores_no_block(weed, buck
             assert list(m.token_ids) == other and list(m.block_keys) == []  # all re-prefilled
     finally:
         fresh.stop()
+
+
+# races and states a process cannot be steered into: the store in this process, the real bucket
+
+
+def in_process_store(weed: WeedServer, prefix: str, data_dir: Path, **options):
+    from cache_store.config import StoreConfig
+    from cache_store.store import CacheStore
+
+    location = f"s3://{BUCKET}/{prefix}"
+    config = StoreConfig(data_dir=data_dir, object_store=location, s3_endpoint=weed.endpoint)
+    return CacheStore(replace(config, gc_idle_seconds=0, **options))
+
+
+def put_blocks(store, blocks) -> None:
+    from cache_store.uploads import PutHeader
+
+    items = []
+    for b in blocks:
+        tensors = [(t.name, t.dtype, list(t.shape)) for t in b.tensors]
+        items.append(PutHeader(NS, FP, b.parent_key, b.token_ids, tensors))
+        items += [memoryview(bytes(t.data)) for t in b.tensors]
+    _, lease, _ = store.put_stream(iter(items))
+    store.leases.release(lease)
+
+
+def commit(store, agent: str, tokens: list[int], keys: list[bytes], gen: int):
+    from cache_store.manifests import Commit
+
+    return store.commit_agent(Commit(NS, agent, FP, gen, tokens, keys))
+
+
+def settled(store) -> bool:
+    return store.tier.state == "ok" and store.tier.pending() == 0
+
+
+def test_a_write_of_an_agent_evicted_here_waits_for_the_bucket(bucket, tmp_path):
+    weed = WeedServer(tmp_path / "weed").start()  # its own: this test stops it
+    store = in_process_store(weed, bucket, tmp_path / "s", evict_agents=True)
+    try:
+        tokens = list(range(1, 130))
+        blocks, keys = make_chain(tokens)
+        put_blocks(store, blocks)
+        commit(store, "a", tokens, keys, 0)
+        wait_for("the upload", lambda: settled(store))
+        with store.capacity._lock:  # what a full disk does: a's blocks are safe in the bucket
+            assert store.capacity._evict_one_agent(None)
+        weed.stop(kill=True)
+        # Not a new agent "a" at generation 1, whose upload would replace the bucket's.
+        with pytest.raises(Unavailable, match="cannot be asked"):
+            commit(store, "a", tokens[:64], keys[:1], 0)
+        with pytest.raises(Unavailable, match="cannot be asked"):
+            store.delete_agent(NS, "a")
+        weed.start()
+        assert store.get_agent(NS, "a").record.token_ids == tokens
+        commit(store, "a", tokens[:64], keys[:1], 1)
+        wait_for("the upload", lambda: settled(store))
+        (m,) = bucket_manifests(weed, bucket).values()
+        assert m["generation"] == 2 and m["token_ids"] == tokens[:64]
+    finally:
+        store.close()
+        weed.stop(kill=True)
+
+
+def test_a_block_collected_and_put_anew_during_its_upload_is_uploaded_itself(
+    weed, bucket, tmp_path
+):
+    store = in_process_store(weed, bucket, tmp_path / "s")
+    try:
+        (old,), (key,) = make_chain(list(range(1, 50)), seed=1)
+        (new,), _ = make_chain(list(range(1, 50)), seed=2)  # the same key, other bytes
+        put_in_flight = store.tier.bucket.put
+
+        def put(name: str, body: bytes, *args, **kwargs):
+            if name.endswith(f"{key.hex()}.safetensors") and put.body is None:
+                put.body = body
+                assert store.collect_garbage(NS)[0] == 1  # unreferenced: collected mid-upload
+                put_blocks(store, [new])
+            return put_in_flight(name, body, *args, **kwargs)
+
+        put.body = None
+        store.tier.bucket.put = put
+        put_blocks(store, [old])
+        wait_for("the uploads", lambda: settled(store) and put.body is not None)
+        s3 = weed.client()
+        there = s3.get_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/blocks/{key.hex()}.safetensors")
+        with store.index.read() as txn:
+            record = store.index.find_block(txn, NS, key)
+        here = b"".join(store.parts.payloads.read(record, record.segments, record.num_bytes))
+        assert there["Body"].read() == here != put.body  # the new block's bytes
+    finally:
+        store.close()
 
 
 # several stores, one bucket
