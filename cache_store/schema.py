@@ -2,6 +2,8 @@
 store with one message, and one written before checksums (version 0) is sealed in place.
 
 Versions: 0, no `meta` table, values unsealed; 1, every value sealed (records.seal).
+The `meta` table also names the object store the index's `remote` and `uploaded` tables
+describe.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import logging
 
 import lmdb
 
-from agentkv.errors import CorruptRecord, IndexUnusable
+from agentkv.errors import CorruptRecord, FailedPrecondition, IndexUnusable
 from cache_store.index import DERIVED, TABLES, Index
 from cache_store.records import (
     DECODE_ERRORS,
@@ -19,12 +21,14 @@ from cache_store.records import (
     decode_u64,
     encode_u64,
     seal,
+    unseal,
 )
 
 log = logging.getLogger("agentkv.store")
 
 SCHEMA_VERSION = 1
 SCHEMA_KEY = b"schema_version"
+OBJECT_STORE_KEY = b"object_store"
 
 
 def check(index: Index, txn: lmdb.Transaction) -> bool:
@@ -44,6 +48,26 @@ def check(index: Index, txn: lmdb.Transaction) -> bool:
         _seal_version_0(index, txn)
     txn.put(SCHEMA_KEY, encode_u64(SCHEMA_KEY, SCHEMA_VERSION), db=index.dbs["meta"])
     return old
+
+
+def bind_object_store(index: Index, location: str) -> None:
+    """Records the object store (s3://bucket/prefix/) the index's records of what is in a
+    bucket describe; FailedPrecondition if they describe another (blocks would be demoted as
+    safe in a bucket that lacks them)."""
+    meta = index.dbs["meta"]
+    with index.write() as txn:
+        raw = txn.get(OBJECT_STORE_KEY, db=meta)
+        if raw is None:
+            txn.put(OBJECT_STORE_KEY, seal(OBJECT_STORE_KEY, location.encode()), db=meta)
+            return
+        bound = bytes(unseal("meta", OBJECT_STORE_KEY, raw)).decode()
+    if bound != location:
+        raise FailedPrecondition(
+            f"the data dir {index.path.parent} was written through --object-store {bound}, "
+            f"not {location}: its records of what is in the bucket would be wrong there. Start "
+            "it with the object store it was written through, or give this one a data dir of "
+            "its own"
+        )
 
 
 def recorded(index: Index, txn: lmdb.Transaction) -> int | None:

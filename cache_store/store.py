@@ -16,7 +16,7 @@ from agentkv import ids
 from agentkv.errors import (
     FingerprintMismatch,
 )
-from cache_store import integrity, manifests
+from cache_store import integrity, manifests, schema
 from cache_store.capacity import Capacity, IdleCollector, now_ms
 from cache_store.config import StoreConfig
 from cache_store.index import Index
@@ -77,7 +77,9 @@ class CacheStore:
 
     def _object_tier(self) -> ObjectTier:
         config = self.config
-        bucket = Bucket(Location.parse(config.object_store), config.s3_endpoint, self.metrics)
+        location = Location.parse(config.object_store)
+        schema.bind_object_store(self.index, str(location))
+        bucket = Bucket(location, config.s3_endpoint, self.metrics)
         return ObjectTier(self.parts, self.capacity, bucket, self.upkeep.quarantine)
 
     def close(self) -> None:

@@ -526,6 +526,15 @@ def commit(store, agent: str, tokens: list[int], keys: list[bytes], gen: int):
     return store.commit_agent(Commit(NS, agent, FP, gen, tokens, keys))
 
 
+def answers(call: Callable) -> bool:
+    """Whether a call gets through: a restarted weed may answer InternalError a while."""
+    try:
+        call()
+        return True
+    except Unavailable:
+        return False
+
+
 def settled(store) -> bool:
     return store.tier.state == "ok" and store.tier.pending() == 0
 
@@ -548,6 +557,7 @@ def test_a_write_of_an_agent_evicted_here_waits_for_the_bucket(bucket, tmp_path)
         with pytest.raises(Unavailable, match="cannot be asked"):
             store.delete_agent(NS, "a")
         weed.start()
+        wait_for("the bucket to answer", lambda: answers(lambda: store.get_agent(NS, "a")))
         assert store.get_agent(NS, "a").record.token_ids == tokens
         commit(store, "a", tokens[:64], keys[:1], 1)
         wait_for("the upload", lambda: settled(store))
@@ -703,6 +713,29 @@ def test_a_bad_object_store_flag_is_a_clear_error(tmp_path):
         timeout=60,
     )
     assert done.returncode != 0 and "s3://BUCKET" in done.stderr
+
+
+def test_a_data_dir_written_through_one_bucket_refuses_another(weed, bucket, tmp_path):
+    import subprocess
+
+    store = start_store(tmp_path, "s", tier_args(weed, bucket))
+    with store.client() as c:
+        blocks, keys = save(c, "a", list(range(1, 100)))
+        wait_for("the upload", lambda: uploaded(c))
+    store.stop()
+    done = subprocess.run(
+        [sys.executable, "-m", "cache_store", "--data-dir", str(tmp_path / "s")]
+        + tier_args(weed, bucket + "-elsewhere"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert f"written through --object-store s3://{BUCKET}/{bucket}/, not" in done.stderr
+    store = start_store(tmp_path, "s", tier_args(weed, bucket))  # its own bucket: as before
+    with store.client() as c:
+        assert_restores(c, "a", list(range(1, 100)), blocks, keys)
+    store.stop()
 
 
 if __name__ == "__main__":  # the crashing store of test_kill9_during_uploads_...
