@@ -323,22 +323,14 @@ def test_bad_requests_get_openais_error_format(stack):
     assert nowhere.status == 404 and "error" in nowhere.json()
 
 
-def test_a_second_call_while_the_agent_is_busy_is_a_409(stack):
+# "anon-named" is a name given, not an anonymous agent's: no agent of its own when busy
+@pytest.mark.parametrize("agent", ["busy", "anon-named"])
+def test_a_second_call_while_the_agent_is_busy_is_a_409(stack, agent):
     client = stack.client()
     messages = [{"role": "user", "content": "Count from one to fifty in words."}]
-    stream = ask(client, messages, "busy", stream=True, max_tokens=120)
+    stream = ask(client, messages, agent, stream=True, max_tokens=120)
     next(iter(stream))  # the turn is in flight
-    error = error_of(lambda: ask(client, messages, "busy"))
-    assert error.status_code == 409 and "in progress" in error.body["message"]
-    stream.close()
-
-
-def test_a_named_agent_that_looks_anonymous_is_still_a_409_when_busy(stack):
-    client = stack.client()
-    messages = [{"role": "user", "content": "Count from one to fifty in words."}]
-    stream = ask(client, messages, "anon-named", stream=True, max_tokens=120)
-    next(iter(stream))  # the turn is in flight
-    error = error_of(lambda: ask(client, messages, "anon-named"))
+    error = error_of(lambda: ask(client, messages, agent))
     assert error.status_code == 409 and "in progress" in error.body["message"]
     stream.close()
 
