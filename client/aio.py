@@ -105,6 +105,8 @@ class AsyncReply(BaseReply):
             self._check()
             try:
                 self._result.add(await anext(self._stream))
+            except StopAsyncIteration:
+                self._end()
             except Exception as exc:
                 raise self._failed(exc) from None
 
@@ -120,6 +122,7 @@ class AsyncReply(BaseReply):
             await self._stream.aclose()
 
     def _whole(self) -> TurnResult:
+        self._check()
         if not self.done:
             raise RuntimeError(f"the reply of {self.agent!r} is still streaming: await wait()")
         return self._result

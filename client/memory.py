@@ -62,6 +62,8 @@ class Reply(BaseReply):
         self._check()
         try:
             self._result.add(next(self._stream))
+        except StopIteration:
+            self._end()
         except Exception as exc:
             raise self._failed(exc) from None
 

@@ -201,15 +201,24 @@ class BaseReply:
         self._result = TurnResult()
         self._result.add(first)
         self._error: Exception | None = None
+        self._ended = False
         self._lock = self._new_lock()  # one reader pulls from the stream at a time
 
     @property
     def done(self) -> bool:
-        return self._result.usage is not None
+        """Whether the reply is whole: its usage came, then the call's status, OK (a durable
+        turn whose commit failed sends its usage, then the error)."""
+        return self._ended
 
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def _end(self) -> None:
+        """The stream ended with an OK status."""
+        if self._result.usage is None:
+            raise self._failed(StopIteration())
+        self._ended = True
 
     def _failed(self, exc: Exception) -> Exception:
         """Keeps what a read raised, as every later reader will get it."""

@@ -4,6 +4,7 @@ and two workers committing the same agent at once: exactly one wins, the other r
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import urllib.request
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from agentkv.client.aio import AsyncAgentMemory
+from agentkv.client.memory import AgentMemory
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentKVError, DiskFull, QuotaExceeded, Unavailable
@@ -124,11 +127,20 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
         w = WorkerClient(worker.address)
         w.create_agent("ns", "keeper", SYSTEM)
         w.turn("ns", "keeper", Q1, max_tokens=6, durable=True)
+        for other in ("sync-sdk", "async-sdk"):
+            w.create_agent("ns", other, SYSTEM)
+            w.wait_durable("ns", other)
         store.stop()  # the store goes away
         during = w.turn("ns", "keeper", Q2, max_tokens=6)
         assert during.usage.cache_state == "hot" and len(during.token_ids) == 6
         with pytest.raises(Unavailable, match="not committed"):
             w.turn("ns", "keeper", [("user", "Log it.")], max_tokens=4, durable=True)
+        # The SDKs' replies end with the call's status, not with the usage that precedes it.
+        with AgentMemory(worker.address, namespace="ns", durable=True) as memory:
+            reply = memory.agent("sync-sdk").say("Log it.", max_tokens=4)
+            with pytest.raises(Unavailable, match="not committed"):
+                _ = reply.text
+        asyncio.run(say_durably(worker.address, "async-sdk", "Log it."))
         served = w.describe("ns", "keeper")
         assert served.persisted_tokens < served.num_tokens - 1  # not durable yet
 
@@ -149,6 +161,19 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
     finally:
         worker.stop()
         store.stop()
+
+
+async def say_durably(address: str, agent: str, text: str) -> None:
+    """A durable turn through the asyncio SDK, whose commit fails."""
+    memory = AsyncAgentMemory(address, namespace="ns", durable=True)
+    try:
+        reply = await (await memory.agent(agent)).say(text, max_tokens=4)
+        with pytest.raises(Unavailable, match="not committed"):
+            await reply.wait()
+        with pytest.raises(Unavailable, match="not committed"):
+            _ = reply.text  # the same error to every later reader
+    finally:
+        await memory.close()
 
 
 def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worker):
