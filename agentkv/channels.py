@@ -24,7 +24,10 @@ def read_token(path: str) -> str:
     """A bearer token from a file (a mounted secret), stripped; "" for no file."""
     if not path:
         return ""
-    token = Path(path).read_text().strip()
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"token file {path}: {exc.strerror or exc}") from None
     if not token:
         raise ValueError(f"token file {path} is empty")
     return token
@@ -41,6 +44,14 @@ class ClientSecurity:
     tls_ca: str = flag("", "PEM CA the server's certificate chains to: connect with TLS", env=True)
     tls_cert: str = flag("", "PEM client certificate (mTLS)", env=True)
     tls_key: str = flag("", "PEM private key of the client certificate", env=True)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both, or neither")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
         options = [*RECONNECT_OPTIONS, *(options or [])]

@@ -279,14 +279,16 @@ def main(argv: list[str] | None = None) -> None:
         line = _unreachable(exc, args) or f"{type(exc).__name__} ({exc.code.name}): {exc.message}"
         print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
+    except (ValueError, OSError) as exc:  # the client's own flags: a file, a repeated address
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     """For a service nobody answers at: one line naming it and how to point elsewhere."""
     if not isinstance(exc, Unavailable) or exc.remote or "failed to connect" not in exc.message:
         return None
-    store = args.store.removeprefix("unix:")
-    if args.command == "store" or f"{store}:" in exc.message or exc.message.endswith(store):
+    if args.command == "store" or exc.peer == "store":
         return f"no store at {args.store} (start agentkv-store, or pass --store / AGENTKV_STORE)"
     workers = ", ".join(_workers(args))
     return (

@@ -17,6 +17,7 @@ class AgentKVError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     remote = False  # raised by an agentkv server (not by the transport or the SDK)
+    peer = ""  # the kind of server a client call went to ("store"), where the client says
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -24,6 +24,7 @@ Every error names the file and the place in it.
 
 from __future__ import annotations
 
+import math
 import re
 import sysconfig
 from collections.abc import Callable
@@ -95,7 +96,7 @@ def parse_scenario(data: Any, source: str = "scenario", document_chars: int | No
         data, "", {"name", "namespace", "description", "sampling"}, {"agents", "phases"}
     )
     name = check.text(top.get("name", Path(source).stem), "name")
-    sampling = check.mapping(top.get("sampling", {}), "sampling", SAMPLING_FIELDS)
+    sampling = _sampling(check, top.get("sampling", {}))
     roles = tuple(
         _role(check, item, f"agents[{i}]", document_chars)
         for i, item in enumerate(check.sequence(top["agents"], "agents"))
@@ -202,6 +203,26 @@ def _stdlib_source(module: str) -> Path | None:
     return None
 
 
+def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
+    """The scenario's sampling, each value of the type and range the worker takes."""
+    sampling = dict(check.mapping(value, "sampling", SAMPLING_FIELDS))
+    for name, low, high in (("max_tokens", 1, 2**32), ("top_k", 0, 2**32), ("seed", 0, 2**64)):
+        if name in sampling:
+            sampling[name] = check.whole(sampling[name], f"sampling.{name}", low, high)
+    for name, high in (("temperature", math.inf), ("top_p", 1.0)):
+        number = sampling.get(name, 0.0)
+        real = isinstance(number, (int, float)) and not isinstance(number, bool)
+        if not real or not 0 <= number <= high:
+            check.fail(f"sampling.{name}", f"must be a number in [0, {high:g}], not {number!r}")
+    stop = sampling.get("stop", [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        check.fail("sampling.stop", f"must be text or a list of texts, not {stop!r}")
+    if stops:
+        sampling["stop"] = stops
+    return sampling
+
+
 def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
     fields = check.mapping(item, where, {"brief", "evict_after"}, {"name", "turns"})
     turns = []
@@ -212,8 +233,8 @@ def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
         if agent not in ids:
             check.fail(f"{at}.agent", f"unknown agent {agent!r} (agents: {', '.join(ids)})")
         max_tokens = t.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            check.fail(f"{at}.max_tokens", f"must be a positive integer, not {max_tokens!r}")
+        if max_tokens is not None:
+            max_tokens = check.whole(max_tokens, f"{at}.max_tokens", 1, 2**32)
         turns.append(Turn(agent, check.text(t["say"], f"{at}.say"), max_tokens))
     return PhaseSpec(
         check.text(fields["name"], f"{where}.name"),
@@ -259,6 +280,12 @@ class _Checker:
     def ident(self, value: Any, where: str, pattern: re.Pattern = AGENT_ID_RE) -> str:
         if not isinstance(value, str) or not pattern.fullmatch(value):
             self.fail(where, f"{value!r} is not a valid id (it must match {pattern.pattern})")
+        return value
+
+    def whole(self, value: Any, where: str, low: int, high: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+            bound = f"2^{high.bit_length() - 1}"
+            self.fail(where, f"must be a whole number in [{low}, {bound}), not {value!r}")
         return value
 
     def flag(self, value: Any, where: str) -> bool:

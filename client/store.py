@@ -35,7 +35,9 @@ def _typed(call: Callable[[], T]) -> T:
     try:
         return call()
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
+        error = from_rpc_error(exc)
+        error.peer = "store"
+        raise error from None
 
 
 class StoreClient:

@@ -28,6 +28,29 @@ def test_no_store_is_one_line_that_says_how_to_point_at_one():
         )
 
 
+def test_a_store_named_by_host_name_is_still_the_one_blamed():
+    port = free_address().rsplit(":", 1)[1]
+    proc = agentkv("agents", "--store", f"localhost:{port}", "--worker", free_address())
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: no store at localhost:{port} ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tls-cert", __file__], "--tls-cert and --tls-key go together"),
+        (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: no such file"),
+        (["--token-file", "/no/such/token"], "token file /no/such/token: No such file"),
+        (["--worker", "127.0.0.1:2", "--worker", "127.0.0.1:2"], "worker addresses repeat"),
+    ],
+    ids=["cert-without-key", "missing-ca", "missing-token-file", "repeated-worker"],
+)
+def test_a_clients_own_bad_flag_is_one_line(args, message):
+    proc = agentkv("agents", "--store", free_address(), *args)
+    assert proc.returncode == 2, proc.stderr  # not an abort (134) or a traceback (1)
+    assert proc.stderr.startswith("error: ") and message in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 def test_store_flags_work_before_and_after_the_command(store_process):
     address = store_process.address
     after = agentkv("store", "namespaces", "--store", address)

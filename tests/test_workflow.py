@@ -255,10 +255,25 @@ def test_bad_scenarios_and_messages_get_clear_errors(tmp_path, tiny_model_dirs, 
         ),
         ({"agents": [{"id": "a"}]}, "missing key 'phases'"),
         ([1, 2], "must be a mapping"),
+        ({**base, "sampling": {"max_tokens": "lots"}}, r"sampling.max_tokens: must be a whole"),
+        ({**base, "sampling": {"temperature": "hot"}}, "sampling.temperature: must be a number"),
+        ({**base, "sampling": {"seed": 1.5}}, "sampling.seed: must be a whole number"),
+        ({**base, "sampling": {"top_p": 2}}, r"sampling.top_p: must be a number in \[0, 1\]"),
+        ({**base, "sampling": {"stop": [""]}}, "sampling.stop: must be text or a list"),
+        (
+            {
+                **base,
+                "phases": [{"name": "p", "turns": [{"agent": "a", "say": "x", "max_tokens": 1.0}]}],
+            },
+            r"phases\[0\].turns\[0\].max_tokens: must be a whole number",
+        ),
     ]
     for data, message in cases:
         with pytest.raises(ScenarioError, match=message):
             parse_scenario(data, "case.yaml")
+    turn = {"name": "p", "turns": [{"agent": "a", "say": "hi"}]}
+    one_stop = parse_scenario({**base, "phases": [turn], "sampling": {"stop": "END"}})
+    assert one_stop.sampling["stop"] == ["END"]  # one stop string, not "E", "N" and "D"
 
     worker = start_worker(tiny_model_dirs["llama"])
     with AgentMemory(worker.address, namespace="bad") as mem:
