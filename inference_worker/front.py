@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import AgentNotFound
+from agentkv.errors import AgentNotFound, InvalidArgument
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
-from inference_worker.persistence import check_system
+from inference_worker.persistence import check_metadata, check_system
 from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
 
 
@@ -34,8 +34,9 @@ class Front:
         stored = self._stored(ns, agent_id)
         if stored is not None:
             raise agent_exists(ns, agent_id, stored.metadata, system)
-        metadata = ids.metadata({**metadata, SYSTEM_KEY: system_digest(system)})
+        phase = ids.phase(phase)
         check_system(system)
+        metadata = check_metadata({**metadata, SYSTEM_KEY: system_digest(system)}, system)
         shared = self.engine.restorer.fetch_prefix(ns, self.engine.chat.start(system)[0])
         create = self.engine.create_agent
         return self._mlx(create, ns, agent_id, system, phase, metadata, shared)
@@ -45,6 +46,9 @@ class Front:
         first whether the agent changed elsewhere (briefly), and read whole when the agent
         must be restored."""
         ns, agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
+        ids.phase(job.phase)
+        if job.whole_conversation and not job.messages:
+            raise InvalidArgument("whole_conversation needs the conversation: no message came")
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             fetched = self.engine.restorer.fetch(ns, agent_id)

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from agentkv import ids
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
@@ -47,6 +48,25 @@ SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first t
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
 MAX_SYSTEM_CHUNKS = 16
+
+
+def check_metadata(metadata: dict[str, str], system: str) -> dict[str, str]:
+    """The caller's metadata of a new agent, checked against the store's limits with room
+    for what this worker adds at every save (its chat state, commit id, and the system
+    prompt until the first turn): one that fits now but not then would never be saved."""
+    own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID)}
+    own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
+    for i in range(0, len(system), SYSTEM_CHUNK):
+        own[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = system[i : i + SYSTEM_CHUNK]
+    try:
+        ids.metadata({**metadata, **own})
+    except InvalidArgument as exc:
+        raise InvalidArgument(
+            f"{exc.message}, with the {len(own)} entries and "
+            f"{sum(len(k) + len(v) for k, v in own.items())} characters at most this worker "
+            "keeps for an agent with this system prompt"
+        ) from None
+    return metadata
 
 
 def check_system(system: str) -> None:

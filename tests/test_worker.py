@@ -195,6 +195,9 @@ def test_corrupt_block_costs_a_reprefill_not_a_wrong_answer(
     assert b"agentkv_worker_restore_failures_total 3.0" in text
 
 
+MANY = {f"key{i}": "value" for i in range(60)}  # the store's limit is 64 entries
+
+
 def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dirs, start_worker):
     llama = WorkerClient(start_worker(tiny_model_dirs["llama"], name="llama").address)
     gemma = WorkerClient(start_worker(tiny_model_dirs["gemma3_text"], name="gemma").address)
@@ -210,6 +213,23 @@ def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dir
         (lambda: llama.turn("tenant-a", "warden", [("robot", "hi")]), InvalidArgument, "robot"),
         (lambda: llama.turn("tenant-a", "bad/id", Q1), InvalidArgument, "bad/id"),
         (lambda: llama.create_agent("tenant-a", "warden"), AgentExists, "warden"),
+        # what the store would refuse at every save of the agent, refused before it is made
+        (lambda: llama.turn("tenant-a", "warden", Q1, phase="p" * 300), InvalidArgument, "256"),
+        (
+            lambda: llama.create_agent("tenant-a", "a", SYSTEM, phase="p" * 300),
+            InvalidArgument,
+            "256",
+        ),
+        (
+            lambda: llama.create_agent("tenant-a", "a", SYSTEM, metadata=MANY),
+            InvalidArgument,
+            "this worker keeps",
+        ),
+        (
+            lambda: llama.turn("tenant-a", "warden", [], whole_conversation=True),
+            InvalidArgument,
+            "whole_conversation",
+        ),
         (lambda: gemma.turn("tenant-a", "warden", Q1, max_tokens=4), FingerprintMismatch, "llama"),
     ]
     for call, error, named in cases:
