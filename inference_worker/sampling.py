@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from agentkv.errors import InvalidArgument
 
 MAX_TEMPERATURE = 10.0
+GREEDY_BELOW = 1e-6  # a temperature this small is greedy: its scale is past float16's range
 MAX_STOP_CHARS = 256
 
 
@@ -52,7 +53,7 @@ class Sampling:
         greedy (the batch takes one argmax for all its greedy rows). A sampled request draws
         from its own random key (seeded, or not), so batching with others never changes what
         it draws."""
-        if self.temperature == 0:
+        if self.temperature < GREEDY_BELOW:
             return None
         key = mx.random.key(self.seed or secrets.randbits(63))
         filters = []
@@ -67,7 +68,10 @@ class Sampling:
             for keep in filters:
                 x = keep(x)
             key, draw = mx.random.split(key)
-            return int(mx.random.categorical(x * (1 / self.temperature), key=draw).item())
+            # Shifted so the likeliest is 0: a tiny temperature sends the rest to -inf, never
+            # every logit (which would draw uniformly).
+            x = (x - mx.max(x, axis=-1, keepdims=True)) / self.temperature
+            return int(mx.random.categorical(x, key=draw).item())
 
         return sample
 

@@ -44,6 +44,19 @@ def test_top_k_is_checked_against_the_vocabulary():
     assert 0 <= whole.sampler()(mx.log(mx.softmax(mx.arange(512.0)))) < 512
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_tiny_temperature_samples_as_greedy_does(dtype):
+    import mlx.core as mx
+
+    logprobs = mx.log(mx.softmax(mx.array([1.0, 3.0, 2.0, 0.5]))).astype(getattr(mx, dtype))
+    assert Sampling(temperature=1e-39, seed=1).sampler() is None  # greedy
+    for temperature in (2e-6, 1e-5):  # 1 / t past float16's range
+        sample = Sampling(temperature=temperature, seed=1).sampler()
+        assert {sample(logprobs) for _ in range(40)} == {1}, temperature
+    sample = Sampling(temperature=1.0, seed=1).sampler()
+    assert len({sample(logprobs) for _ in range(40)}) > 1  # still sampled at 1
+
+
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
     out = ""
     for piece in pieces:
