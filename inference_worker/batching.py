@@ -196,19 +196,24 @@ class Batcher:
 
     def _emit(self, turn: ActiveTurn, token: int) -> str:
         if token in self.eos_ids:
-            turn.detok.finalize()
-            text, _ = turn.stops.feed(turn.detok.last_segment)
-            self._send(turn, text + turn.stops.flush(), token)
+            self._send(turn, self._rest(turn), [token])
             return "stop"
         turn.detok.add_token(token)
         text, stopped = turn.stops.feed(turn.detok.last_segment)
-        self._send(turn, text, token)
+        self._send(turn, text, [token])
         return "stop" if stopped else ""
 
     @staticmethod
-    def _send(turn: ActiveTurn, text: str, token: int) -> None:
+    def _rest(turn: ActiveTurn) -> str:
+        """The text the detokenizer and the stop matcher still hold, up to a stop string."""
+        turn.detok.finalize()
+        text, stopped = turn.stops.feed(turn.detok.last_segment)
+        return text if stopped else text + turn.stops.flush()
+
+    @staticmethod
+    def _send(turn: ActiveTurn, text: str, tokens: list[int]) -> None:
         turn.reply.append(text)
-        turn.job.events.put(TokenEvent(text, [token]))
+        turn.job.events.put(TokenEvent(text, tokens))
 
     # joining and leaving the batch
 
@@ -269,6 +274,9 @@ class Batcher:
             self.scheduler.finish(turn.request)
         self.active.pop(rid, None)
         u = turn.usage
+        held = u.generated_tokens and reason in ("length", "deadline", "cancelled")
+        if held and (rest := self._rest(turn)):
+            self._send(turn, rest, [])  # what was held back for stop strings
         u.finish_reason = reason
         if u.generated_tokens > 1:
             elapsed = max(time.perf_counter() - turn.first_at, 1e-9)
