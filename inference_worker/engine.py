@@ -18,7 +18,13 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentExists, AgentKVError, FailedPrecondition, Unavailable
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Unavailable,
+)
 from inference_worker.agents import SYSTEM_KEY, Agent, HotTier, agent_exists, system_digest
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatMessage, ChatState, Resumed, chain, resume
@@ -215,6 +221,14 @@ class Engine:
         """A turn left the batch: persist the agent, then end its stream (a durable turn's
         once its commit is done, on the writer thread)."""
         usage, agent, job = turn.usage, turn.agent, turn.job
+        said = usage.generated_tokens or not job.sampling.max_tokens
+        if not said and usage.finish_reason in ("cancelled", "deadline"):
+            # Nothing was said: the turn goes back as a failed one does, or its messages and
+            # the reply's opening would stay in the context with no reply after them.
+            why = "was cancelled" if usage.finish_reason == "cancelled" else "ran out of time"
+            message = f"the turn of agent {agent.agent_id!r} {why} before its first token"
+            self._turn_failed(turn, DeadlineExceeded(message), usage.finish_reason)
+            return
         if usage.generated_tokens:
             reply = ChatMessage("assistant", "".join(turn.reply))
             chat = agent.chat
@@ -277,8 +291,19 @@ class Engine:
         return True, agent.nbytes
 
     def drop(self, ns: str, agent_id: str) -> Agent | None:
-        """Forgets the agent here (it is being deleted); the agent, if it was in RAM."""
+        """Forgets the agent here (it is being deleted); the agent, if it was in RAM. One
+        with a turn in flight is not deleted: the turn would put it back."""
+        agent = self.hot.get((ns, agent_id))
+        if agent is not None and self.batcher.holds(agent):
+            raise FailedPrecondition(
+                f"agent {agent_id!r} has a turn in progress: delete it once the turn ends"
+            )
         return self.hot.pop((ns, agent_id))
+
+    def keep(self, agent: Agent) -> None:
+        """Takes back an agent whose deletion failed, unless one of its id came meanwhile."""
+        if self.hot.get(agent.id) is None:
+            self.hot.put(agent)
 
     # turn steps
 

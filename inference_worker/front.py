@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import AgentNotFound, InvalidArgument
+from agentkv.errors import AgentKVError, AgentNotFound, InvalidArgument
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
@@ -85,12 +85,16 @@ class Front:
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         agent = self._mlx(self.engine.drop, ns, agent_id)
-        if agent is not None and agent.pending is not None:
-            agent.pending.result()  # its last write lands before the delete
         try:
+            if agent is not None and agent.pending is not None:
+                agent.pending.result()  # its last write lands before the delete
             self.client.delete_agent(ns, agent_id)
         except AgentNotFound:
             return agent is not None
+        except AgentKVError:  # not deleted (the store is down): what only RAM holds stays
+            if agent is not None:
+                self._mlx(self.engine.keep, agent)
+            raise
         return True
 
     def hot_tier(self) -> tuple[int, int, int]:

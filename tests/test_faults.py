@@ -141,7 +141,10 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
             with pytest.raises(Unavailable, match="not committed"):
                 _ = reply.text
         asyncio.run(say_durably(worker.address, "async-sdk", "Log it."))
+        with pytest.raises(Unavailable):
+            w.delete("ns", "keeper")  # not deleted: what only RAM holds stays there
         served = w.describe("ns", "keeper")
+        assert served.tier == "hot"
         assert served.persisted_tokens < served.num_tokens - 1  # not durable yet
 
         store = store_process(data, tmp_path / "store.log", listen=listen).start()

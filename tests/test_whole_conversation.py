@@ -6,10 +6,14 @@ agent given that history turn by turn does, greedy, token for token."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
+from agentkv.errors import AgentNotFound, FailedPrecondition
+from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
 
 NS = "chat"
@@ -113,3 +117,55 @@ def test_a_changed_system_prompt_starts_over_from_nothing(smollm2, start_worker)
     w.create_agent(NS, "pirate", other)
     want = w.turn(NS, "pirate", [("user", ASK[0])], max_tokens=16)
     assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the same conversation
+
+
+def in_progress(w: WorkerClient, agent: str) -> bool:
+    """Whether the agent has a turn in flight (a second turn is refused)."""
+    try:
+        w.turn(NS, agent, [("user", "Are you there?")], max_tokens=1)
+    except FailedPrecondition as exc:
+        assert "in progress" in exc.message, exc.message
+        return True
+    raise AssertionError(f"{agent}'s long turn had ended before it was looked at")
+
+
+def test_a_turn_cancelled_before_its_first_token_leaves_no_trace(smollm2, start_worker):
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "cancelled", SYSTEM)
+    before = w.describe(NS, "cancelled").num_tokens
+    long = "Read this log before you answer. " + "The ship passed the lighthouse at dawn. " * 300
+    request = pb.TurnRequest(
+        namespace=NS, agent_id="cancelled", messages=[pb.Message(role="user", content=long)],
+        sampling=pb.SamplingParams(max_tokens=8),
+    )  # fmt: skip
+    call = w.stub.Turn(request, timeout=120)  # a prefill of about 2,700 tokens
+    assert in_progress(w, "cancelled")
+    call.cancel()
+    deadline = time.monotonic() + 60
+    while True:  # the cancelled turn leaves at its next step
+        try:
+            retried = w.turn(NS, "cancelled", [("user", ASK[0])], max_tokens=16)
+            break
+        except FailedPrecondition:
+            assert time.monotonic() < deadline, "the cancelled turn kept running"
+    assert retried.usage.prompt_tokens - retried.usage.prefilled_tokens == before
+    assert retried.token_ids == step_by_step(w, "fresh", ASK[:1])[0].token_ids
+
+
+def test_a_delete_during_a_turn_is_refused_and_the_agent_stays_whole(smollm2, start_worker):
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "busy", SYSTEM)
+    stream = w.stream_turn(NS, "busy", [("user", "Count to one hundred in words.")], max_tokens=300)
+    next(stream)  # the turn is in flight
+    with pytest.raises(FailedPrecondition, match="turn in progress"):
+        w.delete(NS, "busy")
+    stream.close()  # cancels the turn
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert w.delete(NS, "busy")
+            break
+        except FailedPrecondition:
+            assert time.monotonic() < deadline, "the cancelled turn kept running"
+    with pytest.raises(AgentNotFound):
+        w.describe(NS, "busy")  # gone, not put back by its turn
