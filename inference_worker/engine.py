@@ -187,7 +187,8 @@ class Engine:
         pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
-        deadline = time.monotonic() + job.deadline_ms / 1000 if job.deadline_ms else None
+        waited = time.perf_counter() - job.started  # on the store, a restore: it counts
+        deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         rid = f"{next(self._turn_ids)}"
         request = Request(rid, len(pending), max_tokens, memory, job.priority, deadline)
         turn = ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)

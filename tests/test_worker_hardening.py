@@ -25,7 +25,7 @@ import pytest
 
 from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentKVError, InvalidArgument
+from agentkv.errors import AgentKVError, DeadlineExceeded, InvalidArgument
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -281,6 +281,8 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
         during = w.info()
         assert (during.fingerprint, during.num_hot_agents) == (info.fingerprint, 2)
         assert w.describe("ns", "keeper").tier == "hot"
+        with pytest.raises(DeadlineExceeded, match="within its deadline"):
+            w.turn("ns", "twin", Q2, max_tokens=6, deadline_ms=500)  # the 2 s store check counts
         assert sleeper.is_alive()  # it needs the store
     finally:
         os.kill(store_process.proc.pid, signal.SIGCONT)
