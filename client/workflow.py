@@ -152,7 +152,7 @@ class Workflow:
         member = self.member(agent_id)
         if not prompt.strip():
             raise InvalidArgument(f"the prompt for {agent_id!r} in phase {phase.name!r} is empty")
-        news = self._news(member)
+        news, delivered = self._news(member)
         message = "\n\n".join([*news, prompt]) if news else prompt
         messages = [("user", message)]
         created = member.agent is None
@@ -166,6 +166,7 @@ class Workflow:
         reply = member.agent.say(messages, phase=phase.name, **{**self.sampling, **sampling})
         text = reply.text
         usage = reply.usage
+        delivered()
         # An agent made for this turn had no cache for what the turn prefills: it is cold,
         # though the worker finds the empty agent (or its system prompt) hot. One that already
         # existed (a rerun, `agentkv run --no-reset`) is labelled as the worker found it.
@@ -209,12 +210,13 @@ class Workflow:
         return []
 
     def _inject(self, member: _Member, phase: str) -> None:
-        news = self._news(member)
+        news, delivered = self._news(member)
         if not news:
             return
         message = "\n\n".join(news)
         started = time.perf_counter()
         result = member.agent.inject(message, phase=phase)
+        delivered()
         member.history.append(("user", message))
         self._record(
             Record(
@@ -228,17 +230,22 @@ class Workflow:
             )
         )
 
-    def _news(self, member: _Member) -> list[str]:
-        """Briefs and heard replies not yet delivered to the member; marks them delivered."""
+    def _news(self, member: _Member) -> tuple[list[str], Callable[[], None]]:
+        """Briefs and heard replies not yet delivered to the member, and what marks them
+        delivered, once the turn that carries them has gone through (a failed one keeps
+        them for the next)."""
         hears = member.role.hears
         heard = [
             f'{said.speaker.capitalize()} said: "{said.text.strip()}"'
             for said in self.transcript[member.heard :]
             if said.speaker != member.role.id and (hears is None or said.speaker in hears)
         ]
-        news = [*member.pending, *heard]
-        member.pending, member.heard = [], len(self.transcript)
-        return news
+        briefs, upto = len(member.pending), len(self.transcript)
+
+        def delivered() -> None:
+            member.pending, member.heard = member.pending[briefs:], max(member.heard, upto)
+
+        return [*member.pending, *heard], delivered
 
     def _record(self, record: Record) -> Record:
         self.records.append(record)

@@ -19,7 +19,7 @@ from agentkv.client.demo import scenario_path
 from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import ScenarioError, load_scenario, parse_scenario, run_scenario
 from agentkv.client.workflow import Role, Workflow
-from agentkv.errors import AgentNotFound, InvalidArgument
+from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "client" / "scenarios"
 
@@ -105,6 +105,28 @@ def test_permanent_agents_are_injected_with_what_they_heard_and_nothing_else():
     assert ("delete", "analyst", None) in mem.log  # ephemeral: gone when its phase ends
     first_b = [e for e in flow.records if e.agent == "b" and e.kind == "say"]
     assert first_b and flow.transcript[2].speaker == "b"
+
+
+def test_news_a_failed_turn_carried_goes_with_the_next():
+    mem = FakeMemory()
+    flow = Workflow(mem, [Role("warden", "W"), Role("a", "A", hears=("warden",))])
+    with flow.phase("one") as p:
+        p.say("a", "Answer.")
+    agent = flow.member("a").agent
+    works = agent.say
+
+    def down_once(messages, **options):
+        agent.say = works
+        raise Unavailable("worker went away")
+
+    with flow.phase("two") as p:
+        p.say("warden", "Speak.")
+        agent.say = down_once
+        with pytest.raises(Unavailable):
+            p.say("a", "Answer.")
+        p.say("a", "Answer again.")
+    (_, _, messages) = [e for e in mem.log if e[0] == "say" and e[1] == "a"][-1]
+    assert messages[-1][1] == 'Warden said: "warden speaks"\n\nAnswer again.'
 
 
 def test_the_prisoners_never_hear_each_other():
