@@ -67,7 +67,7 @@ class ServiceProcess:
                     entry = json.loads(line)
                 except ValueError:
                     continue
-                if entry.get("event") == event:
+                if isinstance(entry, dict) and entry.get("event") == event:
                     return entry
         return None
 

@@ -138,7 +138,10 @@ class StoreClient:
             self._report(namespace, exc)
             raise
         finally:
-            self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
+            # The bytes are read (or the read's own error is on its way): a lease the store
+            # cannot take back now expires by itself.
+            with contextlib.suppress(AgentKVError):
+                self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
 
     def _reader(self) -> ThreadPoolExecutor:
         with self._lock:
