@@ -120,13 +120,20 @@ def test_a_changed_system_prompt_starts_over_from_nothing(smollm2, start_worker)
 
 
 def in_progress(w: WorkerClient, agent: str) -> bool:
-    """Whether the agent has a turn in flight (a second turn is refused)."""
+    """Whether the agent has a turn in flight: an empty turn, which changes nothing, is
+    refused while one is."""
     try:
-        w.turn(NS, agent, [("user", "Are you there?")], max_tokens=1)
+        w.turn(NS, agent, [], max_tokens=0)
     except FailedPrecondition as exc:
         assert "in progress" in exc.message, exc.message
         return True
-    raise AssertionError(f"{agent}'s long turn had ended before it was looked at")
+    return False
+
+
+def wait_in_progress(w: WorkerClient, agent: str) -> None:
+    deadline = time.monotonic() + 60
+    while not in_progress(w, agent):  # the turn's request is on its way
+        assert time.monotonic() < deadline, f"{agent}'s turn never started"
 
 
 def test_a_turn_cancelled_before_its_first_token_leaves_no_trace(smollm2, start_worker):
@@ -139,7 +146,7 @@ def test_a_turn_cancelled_before_its_first_token_leaves_no_trace(smollm2, start_
         sampling=pb.SamplingParams(max_tokens=8),
     )  # fmt: skip
     call = w.stub.Turn(request, timeout=120)  # a prefill of about 2,700 tokens
-    assert in_progress(w, "cancelled")
+    wait_in_progress(w, "cancelled")
     call.cancel()
     deadline = time.monotonic() + 60
     while True:  # the cancelled turn leaves at its next step
