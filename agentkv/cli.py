@@ -264,11 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "model":
             sys.exit(cmd_model_import(args))
         if args.command == "plan":
-            try:
-                cmd_plan(args)
-            except (ValueError, OSError) as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                sys.exit(2)
+            cmd_plan(args)
             return
         if args.command in ("run", "agents"):
             (cmd_run if args.command == "run" else cmd_list_agents)(args)
@@ -279,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         line = _unreachable(exc, args) or f"{type(exc).__name__} ({exc.code.name}): {exc.message}"
         print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
-    except (ValueError, OSError) as exc:  # the client's own flags: a file, a repeated address
+    except (ValueError, OSError) as exc:  # a bad flag's value: a file, an address, a config
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
