@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.client.memory import Agent, AgentMemory
-from agentkv.errors import InvalidArgument
+from agentkv.errors import AgentKVError, InvalidArgument
 
 MODES = ("persistent", "cold")
 
@@ -127,15 +127,22 @@ class Workflow:
             else:
                 self._inject(member, phase.name)
 
-    def _end(self, phase: Phase) -> None:
-        for member in phase.ephemeral:
-            member.agent.delete()
-            member.agent, member.heard, member.history = None, 0, []
-        if phase.evict_after:
-            for member in self.members.values():
-                if member.agent is not None:
-                    member.agent.evict()
+    def _end(self, phase: Phase, failed: bool) -> None:
+        """Deletes the phase's ephemeral agents and, with `evict_after`, evicts the rest. The
+        workflow leaves the phase even when that fails; after a phase that `failed`, its own
+        error is the one raised, not the cleanup's."""
         self.current = None
+        try:
+            for member in phase.ephemeral:
+                agent, member.agent, member.heard, member.history = member.agent, None, 0, []
+                agent.delete()
+            if phase.evict_after:
+                for member in self.members.values():
+                    if member.agent is not None:
+                        member.agent.evict()
+        except AgentKVError:
+            if not failed:
+                raise
 
     def _reset(self, member: _Member) -> None:
         """Cold mode: the agent's caches are dropped; its next turn re-prefills its history."""
@@ -197,7 +204,12 @@ class Workflow:
         first token counts the full re-prefill."""
         role, cold = member.role, self.mode == "cold"
         started = time.perf_counter()
-        member.agent = self.memory.agent(role.id, "" if cold else role.system, phase=phase)
+        system = "" if cold else role.system
+        member.agent = self.memory.agent(role.id, system, phase=phase)
+        if not role.permanent and not member.agent.created:
+            # Left over from a phase whose cleanup failed: an ephemeral agent starts empty.
+            member.agent.delete()
+            member.agent = self.memory.agent(role.id, system, phase=phase)
         state = member.agent.state
         if member.agent.created and state is not None:
             ms = (time.perf_counter() - started) * 1000
@@ -265,8 +277,8 @@ class Phase:
         self.workflow._begin(self)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.workflow._end(self)
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.workflow._end(self, failed=kind is not None)
 
     def say(self, agent_id: str, prompt: str, **sampling: Any) -> Record:
         return self.workflow.say(agent_id, prompt, **sampling)

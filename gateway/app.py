@@ -136,19 +136,23 @@ class Gateway:
         return JSONResponse({"object": "list", "data": agents})
 
     async def health(self, request: Request) -> Response:
-        """200 while at least one worker answers, 503 when none does."""
-        workers = {}
-        for address, worker in self.memory.workers.items():
+        """200 while at least one worker answers, 503 when none does. With a token table,
+        each worker's address and state only for a caller with a valid token."""
+
+        async def probe(worker: Any) -> str:
             try:
                 await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
-                workers[address] = "serving"
+                return "serving"
             except (AgentKVError, asyncio.TimeoutError):
-                workers[address] = "unavailable"
-        up = "serving" in workers.values()
-        return JSONResponse(
-            {"status": "ok" if up else "unavailable", "workers": workers},
-            status_code=200 if up else 503,
-        )
+                return "unavailable"
+
+        states = await asyncio.gather(*map(probe, self.memory.workers.values()))
+        up = "serving" in states
+        body: dict[str, Any] = {"status": "ok" if up else "unavailable"}
+        if self.tokens is None or request.headers.get("authorization"):
+            self._principal(request)  # a token that is given must be valid
+            body["workers"] = dict(zip(self.memory.workers, states, strict=True))
+        return JSONResponse(body, status_code=200 if up else 503)
 
     # steps
 

@@ -398,6 +398,11 @@ def test_tokens_name_the_namespace_and_keep_tenants_apart(stack, tmp_path):
         messages = [{"role": "user", "content": "Say hello."}]
         anonymous = stack.client(gateway, api_key="wrong")
         assert error_of(lambda: ask(anonymous, messages, "x")).status_code == 401
+        health = raw(gateway.address, "GET", "/health")  # a probe needs no token
+        assert health.status == 200 and health.json() == {"status": "ok"}  # nor sees workers
+        assert raw(gateway.address, "GET", "/health", authorization="Bearer wrong").status == 401
+        health = raw(gateway.address, "GET", "/health", authorization="Bearer token-b-0123456789")
+        assert health.json()["workers"] == {stack.worker_address: "serving"}
         team_a = stack.client(gateway, api_key="token-a-0123456789")
         reply = ask(team_a, messages, "alice")
         assert reply.agentkv["namespace"] == "team-a"

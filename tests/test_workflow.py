@@ -129,6 +129,45 @@ def test_news_a_failed_turn_carried_goes_with_the_next():
     assert messages[-1][1] == 'Warden said: "warden speaks"\n\nAnswer again.'
 
 
+def test_a_phase_whose_cleanup_fails_is_left_and_its_own_error_stands():
+    mem = FakeMemory()
+    flow = Workflow(mem, [Role("warden", "W"), Role("clerk", "C", permanent=False)])
+
+    def gone():
+        raise Unavailable("worker went away")
+
+    with pytest.raises(ValueError, match="the phase's own"):
+        with flow.phase("one") as p:
+            p.say("clerk", "Note it.")
+            flow.member("clerk").agent.delete = gone
+            raise ValueError("the phase's own error")
+    assert flow.current is None and flow.member("clerk").agent is None
+    with pytest.raises(Unavailable, match="went away"):  # nothing else failed: it is raised
+        with flow.phase("two") as p:
+            p.say("clerk", "Note it.")
+            flow.member("clerk").agent.delete = gone
+    assert flow.current is None
+    with flow.phase("three") as p:
+        p.say("warden", "Speak.")
+
+
+def test_an_ephemeral_agent_left_over_is_made_anew():
+    mem = FakeMemory()
+    make = mem.agent
+
+    def existing(agent_id, system=None, phase=""):
+        agent = make(agent_id, system, phase)
+        agent.created = sum(e[:2] == ("create", agent_id) for e in mem.log) > 1
+        return agent
+
+    mem.agent = existing
+    flow = Workflow(mem, [Role("warden", "W", permanent=False)])
+    with flow.phase("one") as p:
+        p.say("warden", "Speak.")
+    kinds = [e[0] for e in mem.log]
+    assert kinds == ["create", "delete", "create", "say", "delete"]
+
+
 def test_the_prisoners_never_hear_each_other():
     mem = FakeMemory()
     scenario = load_scenario(SCENARIOS / "prisoners_dilemma.yaml")
