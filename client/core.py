@@ -11,6 +11,7 @@ then call a worker) that the transport does one by one, sending back each result
 from __future__ import annotations
 
 import copy
+import secrets
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -223,10 +224,13 @@ class BaseAgent:
     def inject(
         self, messages: Messages, *, role: str = "user", phase: str = ""
     ) -> MaybeAwaitable[pb.InjectContextResponse]:
-        """Appends messages to the agent's context without a reply: only they are prefilled."""
-        mem, pairs = self.memory, as_messages(messages, role)
+        """Appends messages to the agent's context without a reply: only they are prefilled.
+        A retry on another worker after a lost reply adds nothing (its request_id)."""
+        mem, pairs, key = self.memory, as_messages(messages, role), secrets.token_hex(16)
         return self._call(
-            lambda w: w.inject(mem.namespace, self.id, pairs, phase=phase, durable=mem.durable),
+            lambda w: w.inject(
+                mem.namespace, self.id, pairs, phase=phase, durable=mem.durable, request_id=key
+            ),
             self._injected,
         )
 

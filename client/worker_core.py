@@ -134,14 +134,17 @@ class BaseWorkerClient:
         *,
         phase: str = "",
         durable: bool = False,
+        request_id: str = "",
     ) -> MaybeAwaitable[pb.InjectContextResponse]:
-        """Appends messages to the agent's context; only they are prefilled."""
+        """Appends messages to the agent's context; only they are prefilled. A retry with
+        the same `request_id` adds nothing once the first was taken."""
         request = pb.InjectContextRequest(
             namespace=namespace,
             agent_id=agent_id,
             messages=pb_messages(messages),
             phase=phase,
             durable=durable,
+            request_id=request_id,
         )
         return self._unary("InjectContext", request, same)
 

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from agentkv import ids
@@ -180,8 +181,11 @@ class Engine:
         if job.whole_conversation:
             start = self._resumed(agent, job.messages)
         else:  # the messages follow the agent's context, all of whose cache it keeps
-            start = Resumed(agent.tokens, agent.chat, job.messages, None)
+            again = job.request_id and job.request_id == agent.chat.applied  # a lost reply's
+            start = Resumed(agent.tokens, agent.chat, [] if again else job.messages, None)
         tokens, chat = self.chat.extend(start.tokens, start.state, start.messages, max_tokens > 0)
+        if job.request_id:
+            chat = replace(chat, applied=job.request_id)
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
         reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached)
         pending = tokens[reuse:]

@@ -44,6 +44,7 @@ LAST_ROLE = "agentkv.last_role"
 OPENED = "agentkv.opened"
 DIGEST = "agentkv.digest"
 MARKS = "agentkv.marks"
+APPLIED = "agentkv.applied"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
@@ -54,7 +55,7 @@ def check_metadata(metadata: dict[str, str], system: str) -> dict[str, str]:
     """The caller's metadata of a new agent, checked against the store's limits with room
     for what this worker adds at every save (its chat state, commit id, and the system
     prompt until the first turn): one that fits now but not then would never be saved."""
-    own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID)}
+    own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID, APPLIED)}
     own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
     for i in range(0, len(system), SYSTEM_CHUNK):
         own[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = system[i : i + SYSTEM_CHUNK]
@@ -89,6 +90,8 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
             f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}" for m in chat.marks
         ),
     }
+    if chat.applied:
+        out[APPLIED] = chat.applied
     for i in range(0, len(chat.system) if not chat.opened else 0, SYSTEM_CHUNK):
         out[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = chat.system[i : i + SYSTEM_CHUNK]
     return out
@@ -104,6 +107,7 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
         reply_open=metadata.get(REPLY_OPEN) == "1",
         digest=metadata.get(DIGEST, ""),
         marks=_marks(metadata.get(MARKS, "")),
+        applied=metadata.get(APPLIED, ""),
     )
 
 

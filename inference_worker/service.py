@@ -18,6 +18,7 @@ from inference_worker.sampling import Sampling
 from inference_worker.turns import END, AgentInfo, TokenEvent, TurnJob
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
+MAX_REQUEST_ID = 64
 
 
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
@@ -56,7 +57,12 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         auth.check_namespace(request.namespace)
         if not request.messages:
             raise InvalidArgument("InjectContext needs at least one message")
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument(
+                f"request_id of {len(request.request_id)} characters is over {MAX_REQUEST_ID}"
+            )
         job = self._job(request, Sampling(max_tokens=0))
+        job.request_id = request.request_id
         usage = None
         for response in self._run(job, context):
             usage = response.usage

@@ -7,7 +7,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
 - STEP_FAULT_SEED: a decode step whose batch holds that turn raises for every row, as a
   failure of the shared forward would;
 - SLOW_STEP_SEED: every decode step whose batch holds that turn takes SLOW_STEP_SECONDS more,
-  as a big model's long step does (no fault: it only takes time).
+  as a big model's long step does (no fault: it only takes time);
+- REPLY_LOST_PHASE: an injection into that phase is taken (and, durable, committed), then
+  the process dies before its reply is sent, as a worker lost at that moment does.
 
 Both errors carry SECRET, which no other turn may ever see.
 """
@@ -15,6 +17,7 @@ Both errors carry SECRET, which no other turn may ever see.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 from agentkv import logs
@@ -25,6 +28,7 @@ ROW_FAULT_SEED = 666
 STEP_FAULT_SEED = 667
 SLOW_STEP_SEED = 668
 SLOW_STEP_SECONDS = 3.0
+REPLY_LOST_PHASE = "reply-lost"
 SECRET = "tenant-a-secret-7f3e"
 
 
@@ -32,6 +36,17 @@ def install() -> None:
     """Patches the faults in (after the BLAS is loaded: this imports mlx)."""
     from inference_worker.batching import Batcher
     from inference_worker.sampling import Sampling
+    from inference_worker.service import InferenceWorkerServicer
+
+    inject = InferenceWorkerServicer.InjectContext
+
+    def lost_reply(self, request, context):
+        reply = inject(self, request, context)
+        if request.phase == REPLY_LOST_PHASE:
+            os._exit(1)
+        return reply
+
+    InferenceWorkerServicer.InjectContext = lost_reply
 
     sampler, decode = Sampling.sampler, Batcher._decode
 

@@ -24,13 +24,20 @@ import numpy as np
 import pytest
 
 from agentkv.client.blocks import Block, StoredBlock, Tensor
+from agentkv.client.memory import AgentMemory
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentKVError, DeadlineExceeded, InvalidArgument
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.kv_cache import NUMPY_DTYPES
-from tests.faulty_worker import ROW_FAULT_SEED, SECRET, SLOW_STEP_SEED, STEP_FAULT_SEED
+from tests.faulty_worker import (
+    REPLY_LOST_PHASE,
+    ROW_FAULT_SEED,
+    SECRET,
+    SLOW_STEP_SEED,
+    STEP_FAULT_SEED,
+)
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -315,3 +322,34 @@ def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(
         for _ in stream:
             pass
     worker.close()
+
+
+def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
+    tiny_model_dirs, store_process, launched, start_worker, tmp_path
+):
+    """The agent's worker takes a durable injection, commits it and dies before replying: the
+    SDK retries on the next worker, which restores the agent with the injection in it and
+    adds nothing (the call's request_id), rather than the message a second time."""
+    model = tiny_model_dirs["llama"]
+    faulty = faulty_process(launched, model, store_process, tmp_path)
+    healthy = start_worker(model)
+    workers = [faulty.address, healthy.address]
+    with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
+        agent_id = next(
+            a for a in map("agent-{}".format, range(99)) if mem.worker_for(a) == workers[0]
+        )
+        twin_id = next(
+            a for a in map("twin-{}".format, range(99)) if mem.worker_for(a) == workers[1]
+        )
+        agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
+        twin.inject("Luca said: the numbers are final.")
+        result = agent.inject("Luca said: the numbers are final.", phase=REPLY_LOST_PHASE)
+        assert faulty.proc.wait(timeout=60) == 1  # it died after taking the injection
+        assert result.usage.cache_state == "warm" and result.usage.prefilled_tokens == 0
+        assert result.agent.num_tokens == twin.describe().num_tokens
+        assert agent.describe().tier == "hot"  # on the worker it moved to
+    stored = store_process.client().get_agent("default", agent_id)
+    assert len(stored.token_ids) == result.agent.num_tokens
+    w = WorkerClient(healthy.address, timeout=60)
+    with pytest.raises(InvalidArgument, match="request_id of 65 characters is over 64"):
+        w.inject("default", agent_id, [("user", "Hi.")], request_id="k" * 65)

@@ -136,16 +136,15 @@ def test_a_phase_whose_cleanup_fails_is_left_and_its_own_error_stands():
     def gone():
         raise Unavailable("worker went away")
 
-    with pytest.raises(ValueError, match="the phase's own"):
-        with flow.phase("one") as p:
-            p.say("clerk", "Note it.")
-            flow.member("clerk").agent.delete = gone
-            raise ValueError("the phase's own error")
+    with pytest.raises(ValueError, match="the phase's own"), flow.phase("one") as p:
+        p.say("clerk", "Note it.")
+        flow.member("clerk").agent.delete = gone
+        raise ValueError("the phase's own error")
     assert flow.current is None and flow.member("clerk").agent is None
-    with pytest.raises(Unavailable, match="went away"):  # nothing else failed: it is raised
-        with flow.phase("two") as p:
-            p.say("clerk", "Note it.")
-            flow.member("clerk").agent.delete = gone
+    # Nothing else failed: the cleanup's error is raised.
+    with pytest.raises(Unavailable, match="went away"), flow.phase("two") as p:
+        p.say("clerk", "Note it.")
+        flow.member("clerk").agent.delete = gone
     assert flow.current is None
     with flow.phase("three") as p:
         p.say("warden", "Speak.")

@@ -126,7 +126,7 @@ class TurnResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class InjectContextRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "phase", "priority", "deadline_ms", "durable")
+    __slots__ = ("namespace", "agent_id", "messages", "phase", "priority", "deadline_ms", "durable", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class InjectContextRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -141,7 +142,8 @@ class InjectContextRequest(_message.Message):
     priority: int
     deadline_ms: int
     durable: bool
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class InjectContextResponse(_message.Message):
     __slots__ = ("agent", "usage")
