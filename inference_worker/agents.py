@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from agentkv.errors import (
     AgentExists,
     AgentKVError,
-    FailedPrecondition,
     OutOfRange,
     SystemPromptDiffers,
 )
@@ -47,8 +46,8 @@ class Agent:
     # Why the last write failed (the next one re-cuts its blocks); None when it did not.
     persist_error: AgentKVError | None = None
     stale: bool = False  # another writer committed: reload from the store before use
-    # Commits whose reply never came (id -> full block keys, tokens): one may be applied.
-    in_doubt: dict[str, tuple[list[bytes], int]] = field(default_factory=dict)
+    # Commits whose reply never came (id -> Snapshot.written): one may have been applied.
+    in_doubt: dict[str, tuple[list[bytes], int, list[int]]] = field(default_factory=dict)
     # time.monotonic() when RAM last matched the store (a commit landed, or the restore's
     # read): a store read asked before then may not show this worker's own latest commit.
     synced_at: float = 0.0
@@ -91,12 +90,16 @@ class Agent:
         `keep` (the turn prefills the rest); returns the agent as it was, to undo the turn."""
         drop = self.cached - keep
         for cache in self.caches:
-            if drop > 0:  # the last token runs again for its logits, or a first turn
-                cache.trim(drop)  # rendered the conversation's start differently
+            if drop > 0:  # the last token runs again for its logits, or the conversation
+                cache.trim(drop)  # resumes from an earlier point (or renders differently)
             cache.begin_turn()
         undo = Checkpoint.of(self)
-        kept_blocks = common_prefix(self.tokens, tokens) // block_tokens
-        del self.queued_full_keys[kept_blocks:], self.committed_full_keys[kept_blocks:]
+        same = common_prefix(self.tokens, tokens)
+        del self.queued_full_keys[same // block_tokens :]
+        del self.committed_full_keys[same // block_tokens :]
+        # What the store holds past `same` is another context's: not durable for this one.
+        self.persisted_tokens = min(self.persisted_tokens, same)
+        self.keep_undurable()
         self.tokens, self.chat, self.phase = tokens, chat, phase or self.phase
         return undo
 
@@ -114,11 +117,10 @@ class Agent:
             usage.reused_store_tokens = min(usage.reused_store_tokens, reuse)
         if need_logits and reuse == len(tokens):
             reuse -= 1  # the last token runs again, for its logits
-        if reuse < max(c.start for c in self.caches):
-            raise FailedPrecondition(
-                f"agent {self.agent_id!r}: its first turn renders the conversation's start "
-                "differently, and its sliding-window caches no longer hold it"
-            )
+        if not all(c.holds(reuse) for c in self.caches):
+            # A sliding window has dropped what the turn would attend over from there: the
+            # whole context is prefilled again (the store's copy is the other way back).
+            reuse = usage.reused_hot_tokens = usage.reused_store_tokens = 0
         return reuse
 
     def memory_for(self, num_tokens: int, token_bytes: int) -> int:
@@ -150,16 +152,20 @@ class Checkpoint:
     chat: ChatState
     phase: str
     cached: int  # cache positions the turn did not touch
+    persisted: int
 
     @classmethod
     def of(cls, agent: Agent) -> Checkpoint:
-        return cls(agent.tokens, replace(agent.chat), agent.phase, agent.cached)
+        chat, persisted = replace(agent.chat), agent.persisted_tokens
+        return cls(agent.tokens, chat, agent.phase, agent.cached, persisted)
 
     def restore(self, agent: Agent) -> bool:
         """Puts the agent back as it was; False when its caches cannot be (see
         QuantizedKV.rewind): then only the store's copy is right."""
         agent.tokens, agent.chat, agent.phase = self.tokens, self.chat, self.phase
+        agent.persisted_tokens = max(agent.persisted_tokens, self.persisted)
         rewound = [cache.rewind(self.cached) for cache in agent.caches]
+        agent.keep_undurable()
         return all(rewound)
 
 
@@ -199,7 +205,7 @@ class HotTier:
             if self.nbytes <= self.budget_bytes:
                 break
             agent = self._agents[agent_id]
-            if agent_id not in keep and agent.durable:
+            if agent_id not in keep and agent.durable and not agent.persist_failed:
                 evicted.append(self._agents.pop(agent_id))
         if self.nbytes > self.budget_bytes:
             log.warning(

@@ -213,9 +213,13 @@ class QuantizedKV:
         return True
 
     def trim(self, n: int) -> int:
+        """Forgets the last `n` positions (all of them: the cache starts over empty)."""
+        self._turn = None  # a trim comes before a turn's prefill, never inside it
+        if n >= self.offset:
+            n, self.keys, self.values, self.offset, self.start = self.offset, None, None, 0, 0
+            return n
         n = min(self.offset - self.start, n)
         self.offset -= n
-        self._turn = None  # a trim comes before a turn's prefill, never inside it
         return n
 
     def rewind(self, offset: int) -> bool:
@@ -224,7 +228,7 @@ class QuantizedKV:
         computation that fails (MLX is lazy: a failed forward may live on in the cache)."""
         self.end_turn()
         self.trim(self.offset - offset)
-        if self.offset != offset or self.start > self._needed_start():
+        if self.offset != offset or not self.holds(offset):
             return False
         try:
             mx.eval(self.state_arrays())
@@ -232,11 +236,14 @@ class QuantizedKV:
             return False
         return True
 
-    def _needed_start(self) -> int:
-        """The first position the next update attends over, were nothing dropped yet."""
+    def holds(self, offset: int) -> bool:
+        """Whether, trimmed to `offset`, it still holds every position the next update
+        attends over (a sliding window may have dropped them)."""
+        if offset == 0:
+            return True  # trimmed to nothing, it starts over empty
         if self.window is None:
-            return 0
-        return max(0, (self.offset - self.window + 1) // self.align * self.align)
+            return self.start == 0
+        return self.start <= max(0, (offset - self.window + 1) // self.align * self.align)
 
     def size(self) -> int:
         return self.offset

@@ -34,7 +34,7 @@ from agentkv.errors import (
 )
 from inference_worker.agents import SYSTEM_KEY, Agent
 from inference_worker.blocks import cache_blocks
-from inference_worker.chat import ChatState, Mark
+from inference_worker.chat import ChatState, Mark, common_prefix
 from inference_worker.metrics import WorkerMetrics
 
 log = logging.getLogger("agentkv.worker")
@@ -48,6 +48,7 @@ APPLIED = "agentkv.applied"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
+Written = tuple[list[bytes], int, list[int]]  # Snapshot.written
 MAX_SYSTEM_CHUNKS = 16
 
 
@@ -141,6 +142,11 @@ class Snapshot:
     phase: str
     metadata: dict[str, str]
 
+    @property
+    def written(self) -> Written:
+        """What a commit of it makes durable: full block keys, cache tokens, all tokens."""
+        return self.stored_keys + self.new_full_keys, self.cached, self.tokens
+
 
 def snapshot(agent: Agent, fingerprint: str, block_tokens: int) -> Snapshot:
     """Cuts the agent's unsaved blocks. Runs on the MLX thread (it evaluates arrays)."""
@@ -189,10 +195,14 @@ def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentK
     return type(error)(message) if isinstance(error, ResourceExhausted) else Unavailable(message)
 
 
-def _committed(agent: Agent, generation: int, full_keys: list[bytes], cached: int) -> None:
+def _committed(agent: Agent, generation: int, written: Written, block_tokens: int) -> None:
+    """Records a commit. A turn that began since may have cut the context back: only the
+    part it kept is durable (Agent.begin_turn)."""
+    full_keys, cached, tokens = written
+    same = common_prefix(tokens, agent.tokens)  # agent.tokens is replaced, never changed
     agent.generation = generation
-    agent.committed_full_keys = full_keys
-    agent.persisted_tokens = cached
+    agent.committed_full_keys = full_keys[: same // block_tokens]
+    agent.persisted_tokens = min(cached, same)
     agent.in_doubt.clear()
     agent.synced_at = time.monotonic()
 
@@ -267,11 +277,11 @@ class Persister:
             return self._report("conflict", exc)
         except AgentKVError as exc:
             if isinstance(exc, (Unavailable, DeadlineExceeded)):  # it may have been applied
-                agent.in_doubt[cid] = (snap.stored_keys + snap.new_full_keys, snap.cached)
+                agent.in_doubt[cid] = snap.written
             agent.persist_error = exc
             log.warning("persist failed", extra={"agent": agent.agent_id, "error": exc.message})
             return self._report("failed", exc)
-        _committed(agent, manifest.generation, snap.stored_keys + snap.new_full_keys, snap.cached)
+        _committed(agent, manifest.generation, snap.written, self.block_tokens)
         return self._report("ok", None)
 
     def adopt_own_commit(self, agent: Agent, manifest: Any = None) -> bool:
@@ -291,7 +301,7 @@ class Persister:
             "own commit adopted, its reply was lost",
             extra={"agent": agent.agent_id, "generation": manifest.generation},
         )
-        _committed(agent, manifest.generation, *mine)
+        _committed(agent, manifest.generation, mine, self.block_tokens)
         return True
 
     def _report(self, outcome: str, error: AgentKVError | None) -> AgentKVError | None:

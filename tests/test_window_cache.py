@@ -256,3 +256,67 @@ def test_a_failed_turn_rewinds_unless_its_window_moved_on(gemma):
         c.begin_turn()
     prefill(gemma, caches, tokens(300, seed=2), 64)
     assert [c.rewind(101) for c in caches] == [w is None for w in cache_windows(gemma)]
+
+
+def turn_on(model, agent, ids: list[int], usage=None, limit: int | None = None) -> mx.array:
+    """One turn as the engine runs it: what the caches keep, then the rest prefilled in
+    blocks, with window caches told what is not yet durable before each chunk."""
+    from inference_worker.turns import UsageEvent
+
+    reuse = agent.reusable(ids, True, usage or UsageEvent(), limit)
+    agent.begin_turn(ids, agent.chat, "", reuse, BLOCK)
+    for i in range(reuse, len(ids), BLOCK):
+        agent.keep_undurable()
+        logits = model(mx.array([ids[i : i + BLOCK]]), cache=agent.caches)
+        mx.eval(logits)
+    for c in agent.caches:
+        c.end_turn()
+    return logits[0, -1]
+
+
+def committed(agent) -> None:
+    """As after the store took every token: the windows let go of what they may."""
+    agent.persisted_tokens = agent.cached
+    agent.committed_full_keys = list(agent.queued_full_keys)
+    agent.keep_undurable()
+    for c in agent.caches:
+        c.release()
+
+
+def test_a_resume_from_before_the_windows_start_prefills_again_and_answers_as_fresh(gemma):
+    """A whole conversation resumed from an earlier point (a regenerated reply) after a
+    commit: the windows dropped what the resumed turn attends over, so it is prefilled whole,
+    and answers bit for bit as a new agent given that context does."""
+    from inference_worker.agents import Agent
+    from inference_worker.turns import UsageEvent
+
+    context = tokens(200)
+    agent = Agent(NS, "a", [], window_caches(gemma, durable=False))
+    turn_on(gemma, agent, context)
+    committed(agent)
+    assert max(c.start for c in agent.caches) == 128  # the windows kept 128 on
+    resumed, usage = context[:150] + tokens(30, seed=3), UsageEvent(reused_hot_tokens=200)
+    got = turn_on(gemma, agent, resumed, usage, limit=150)
+    fresh = Agent(NS, "fresh", [], window_caches(gemma, durable=False))
+    assert mx.array_equal(got, turn_on(gemma, fresh, resumed)).item()
+    assert usage.reused_hot_tokens == 0 and agent.cached == len(resumed)
+
+
+def test_a_resumed_turn_is_not_durable_until_written_and_can_be_written(gemma):
+    """A turn that cuts the context back: what the store held past the cut is another
+    context's, so the agent is not durable (may not be evicted) until its new tokens are
+    written, and the windows keep them for that write."""
+    from inference_worker.agents import Agent
+    from inference_worker.persistence import snapshot
+
+    context = tokens(300)
+    agent = Agent(NS, "a", [], window_caches(gemma, durable=False))
+    turn_on(gemma, agent, context)
+    snapshot(agent, "fp", BLOCK)
+    committed(agent)
+    assert agent.durable
+    resumed = context[:200] + tokens(300, seed=5)
+    turn_on(gemma, agent, resumed, limit=200)
+    assert agent.persisted_tokens == 200 and not agent.durable
+    snap = snapshot(agent, "fp", BLOCK)  # the window caches still hold every new token
+    assert snap.tokens == resumed and len(snap.stored_keys) == 200 // BLOCK

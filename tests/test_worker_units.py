@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from agentkv.errors import InvalidArgument
+from agentkv.errors import InvalidArgument, Unavailable
 from inference_worker.agents import Agent, HotTier
 from inference_worker.sampling import Sampling, StopMatcher
 
@@ -112,6 +112,17 @@ def test_hot_tier_never_evicts_what_is_not_durable():
     evicted = tier.enforce(keep={("ns", "current")})
     assert [a.agent_id for a in evicted] == ["saved"]
     assert tier.nbytes == 200  # over budget until the others are written, never lost
+
+
+def test_hot_tier_keeps_an_agent_whose_last_write_failed():
+    """Its tokens may all be in the store while its last write (a new phase, an injection's
+    key) is not: it stays until that write is done, as make_room already keeps it."""
+    tier = HotTier(budget_bytes=100)
+    failed, saved = agent("failed", 100), agent("saved", 100)
+    failed.persist_error = Unavailable("the store is down")
+    tier.put(failed)
+    tier.put(saved)
+    assert [a.agent_id for a in tier.enforce()] == ["saved"]
 
 
 def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, capsys):
