@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from agentkv.errors import DiskFull, QuotaExceeded, ResourceExhausted
@@ -24,7 +25,7 @@ from cache_store import manifests
 from cache_store.leases import BlockId
 from cache_store.metrics import StoreMetrics
 from cache_store.parts import Parts
-from cache_store.records import AgentRecord
+from cache_store.records import AgentRecord, BlockRecord
 
 log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
@@ -283,24 +284,33 @@ class Capacity:
         self, block: BlockId, count_eviction: bool, idle_before_ms: int = 0
     ) -> int:
         """Deletes a block if still unreferenced and unleased (and, with `idle_before_ms`,
-        untouched since then); returns bytes freed."""
-        if self.leases.is_held(block):
+        untouched since then); returns bytes freed. No lease is granted between the check and
+        the delete, so no reader leases a block whose file is going."""
+        delete = partial(self._delete, block, count_eviction, idle_before_ms)
+        record = self.leases.unless_held(block, delete)
+        if record is None:
             return 0
+        self._block_access.pop(block, None)
+        return record.num_bytes
+
+    def _delete(
+        self, block: BlockId, count_eviction: bool, idle_before_ms: int
+    ) -> BlockRecord | None:
+        """Under the leases' lock: drops the block's record and file; the record, or None."""
         with self.index.write() as txn:
             record = self.index.find_block(txn, *block)
             if record is None or record.refcount:
-                return 0
+                return None
             if (
                 idle_before_ms
                 and self.block_last_access(block, record.created_ms) >= idle_before_ms
             ):
-                return 0  # read or deduplicated since the sweep began
+                return None  # read or deduplicated since the sweep began
             self.index.delete_block(txn, record)
             if count_eviction:
                 self.index.bump(txn, "evicted_blocks")
         self.payloads.delete(record)
-        self._block_access.pop(block, None)
-        return record.num_bytes
+        return record
 
 
 class IdleCollector:

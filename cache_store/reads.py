@@ -120,10 +120,11 @@ class BlockReads:
     def _ensure_local(self, selections: Sequence[Selection]) -> None:
         """Under the caller's lease (nothing demotes a leased block): each selected block's
         record as it is now, its payload fetched back from the object store if demoted. One
-        the object store cannot give back whole is quarantined (DATA_LOSS: a re-prefill)."""
+        the object store cannot give back whole is quarantined (DATA_LOSS: a re-prefill); one
+        deleted between its selection and the lease is NOT_FOUND, never a path to no file."""
         with self.index.read() as txn:
             for s in selections:
-                s.record = self.index.find_block(txn, s.record.namespace, s.record.key) or s.record
+                s.record = self._still_there(txn, s.record)
         for s in selections:
             if s.record.local:
                 continue
@@ -136,6 +137,15 @@ class BlockReads:
             except CorruptBlock as exc:
                 self.quarantine(s.record, exc.message, where="bucket")
                 raise
+
+    def _still_there(self, txn: Any, record: BlockRecord) -> BlockRecord:
+        current = self.index.get_block(txn, record.namespace, record.key)
+        if current is None or current.created_ms != record.created_ms:
+            raise BlockNotFound(
+                f"block {record.key.hex()} in namespace {record.namespace!r} was deleted or "
+                "replaced while it was being looked up; ask again"
+            )
+        return current
 
     def path_of(self, record: BlockRecord) -> str:
         return str(self.payloads.path(record.relpath))

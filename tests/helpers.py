@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from agentkv.client import synthetic
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
 from agentkv.launch import ServiceProcess, store_process
+from cache_store.config import StoreConfig
+from cache_store.store import CacheStore
+from cache_store.uploads import PutHeader
 
 FP = "tiny-llama:q4g64:test0001"
 NS = "default"
@@ -29,6 +33,23 @@ def make_chain(
 ) -> tuple[list[Block], list[bytes]]:
     """Q4-shaped random blocks (and keys) covering token_ids in spans of block_tokens."""
     return synthetic.make_chain(token_ids, fingerprint, block_tokens, seed, **shape)
+
+
+def put_items(
+    namespace: str, fingerprint: str, blocks: list[Block]
+) -> Iterator[PutHeader | memoryview]:
+    """What the store's PutBlocks servicer hands its domain for `blocks`: per block, a
+    PutHeader then the tensors' bytes (for tests of the in-process CacheStore)."""
+    for b in blocks:
+        specs = [(t.name, t.dtype, list(t.shape)) for t in b.tensors]
+        yield PutHeader(namespace, fingerprint, b.parent_key, list(b.token_ids), specs)
+        for t in b.tensors:
+            yield memoryview(t.data).cast("B")
+
+
+def local_store(data_dir: Path, **config) -> CacheStore:
+    """The store's domain in this process, for races no client can steer; close() it."""
+    return CacheStore(StoreConfig(data_dir=data_dir, gc_idle_seconds=0, **config))
 
 
 def same_bytes(a: Block, b) -> bool:

@@ -5,12 +5,26 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from agentkv.errors import DiskFull, QuotaExceeded
+from agentkv.errors import BlockNotFound, DiskFull, QuotaExceeded
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import FP, NS, StoreProcess, cli, make_chain, same_bytes
+from cache_store.store import CacheStore
+from tests.helpers import (
+    FP,
+    NS,
+    StoreProcess,
+    cli,
+    local_store,
+    make_chain,
+    put_items,
+    same_bytes,
+)
 
 BLOCK_TOKENS = 64
 
@@ -255,3 +269,69 @@ def test_bad_namespace_quota_flags_are_refused(flag, message, tmp_path):
         text=True,
     )
     assert run.returncode == 2 and message in run.stderr
+
+
+# races of a collection with readers, on the store's domain in this process (no client can
+# steer a thread between two statements of the store)
+
+
+@pytest.fixture
+def domain(tmp_path) -> Iterator[CacheStore]:
+    store = local_store(tmp_path / "data")
+    yield store
+    store.close()
+
+
+def put_loose(store: CacheStore, token: int) -> bytes:
+    """Puts one block and lets its lease go: unreferenced and collectable. Its key."""
+    blocks, (key,) = make_chain([token] * BLOCK_TOKENS, seed=token)
+    _, lease_id, _ = store.put_stream(put_items(NS, FP, blocks))
+    store.leases.release(lease_id)
+    return key
+
+
+def test_a_lease_taken_as_collection_checks_keeps_the_file(domain):
+    """A reader takes its lease the moment after the collection finds the block unleased:
+    the block is then either gone for the reader too or kept with its file, never leased to
+    a file the collection deletes."""
+    key = put_loose(domain, 7)
+    located = []
+    is_held = domain.leases.is_held
+
+    def reader_right_after(block):
+        held = is_held(block)
+        if not located:
+            located.append(domain.locate(NS, FP, [key], [], 0))
+        return held
+
+    domain.leases.is_held = reader_right_after
+    domain.collect_garbage(NS)
+    for _, _, (selection,) in located:
+        assert Path(domain.path_of(selection.record)).exists()
+    path = domain.payloads.path(domain.payloads.relpath(NS, key))
+    assert is_held((NS, key)) == path.exists()
+
+
+def test_a_block_collected_between_lookup_and_lease_is_not_found(domain):
+    """A reader looked the block up, then the collection deleted it, then the reader's lease
+    came: NOT_FOUND, and no lease left, instead of a path to a deleted file."""
+    key = put_loose(domain, 8)
+    looked_up, collected = threading.Event(), threading.Event()
+    select = domain.reads.select
+
+    def select_then_wait(*args):
+        selections = select(*args)
+        looked_up.set()
+        assert collected.wait(60)
+        return selections
+
+    domain.reads.select = select_then_wait
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(domain.locate, NS, FP, [key], [], 0)
+        assert looked_up.wait(60)
+        assert domain.collect_garbage(NS)[0] == 1
+        collected.set()
+        with pytest.raises(BlockNotFound) as err:
+            reader.result(60)
+    assert key.hex() in err.value.message and "was deleted" in err.value.message
+    assert len(domain.leases) == 0
