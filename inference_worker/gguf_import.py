@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,7 +103,19 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture("qwen3", _dense),
     "gemma3": Architecture("gemma3_text", _gemma3, _GEMMA3_LAYER_NAMES, norm_shift=1.0),
 }
-TENSOR_TYPES = "F32, F16, BF16, Q4_0, Q4_1 and Q8_0"
+# GGML tensor types mx.load decodes as llama.cpp does (Q2_K, Q6_K and BF16 through float16,
+# exact to its rounding). It misreads Q4_K and drops some others without a word.
+READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q6_K")
+TENSOR_TYPES = f"{', '.join(READABLE[:-1])} and {READABLE[-1]}"
+GGML_TYPES = {  # ggml.h's type ids, for naming what is refused
+    **{0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1"},
+    **{10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K"},
+    **{16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S"},
+    **{22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64"},
+    **{29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0"},
+}
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9  # GGUF metadata value types of their own length
 
 
 def file_hash(path: Path) -> str:
@@ -113,10 +126,70 @@ def file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+def tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's GGML type name, from the file's header (mx.load does not say)."""
+    with open(path, "rb") as f:
+        magic, version, num_tensors, num_kv = _unpack(f, "<4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise GGUFError(f"{path} is not a GGUF file of version 2 or 3")
+        for _ in range(num_kv):
+            _skip_value(f, _STRING)  # the key
+            _skip_value(f, *_unpack(f, "<I"))
+        types = {}
+        for _ in range(num_tensors):
+            name = _read(f, *_unpack(f, "<Q")).decode("utf-8", "replace")
+            _read(f, 8 * _unpack(f, "<I")[0])  # the shape
+            kind, _ = _unpack(f, "<IQ")  # the type, the data's offset
+            types[name] = GGML_TYPES.get(kind, f"type {kind}")
+    return types
+
+
+def _skip_value(f, kind: int) -> None:
+    if kind == _STRING:
+        f.seek(_unpack(f, "<Q")[0], os.SEEK_CUR)
+    elif kind == _ARRAY:
+        kind, count = _unpack(f, "<IQ")
+        if kind in _VALUE_SIZES:
+            f.seek(_VALUE_SIZES[kind] * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_value(f, kind)
+    elif kind in _VALUE_SIZES:
+        f.seek(_VALUE_SIZES[kind], os.SEEK_CUR)
+    else:
+        raise GGUFError(f"GGUF metadata has a value of unknown type {kind}")
+
+
+def _unpack(f, fmt: str) -> tuple:
+    return struct.unpack(fmt, _read(f, struct.calcsize(fmt)))
+
+
+def _read(f, size: int) -> bytes:
+    data = f.read(size)
+    if len(data) != size:
+        raise GGUFError(f"GGUF header of {f.name} ends early: the file is cut short")
+    return data
+
+
+def check_tensor_types(path: Path) -> None:
+    """Refuses a file with a tensor type MLX would misread, naming the first such tensor."""
+    refused = {name: kind for name, kind in tensor_types(path).items() if kind not in READABLE}
+    if refused:
+        name, kind = next(iter(refused.items()))
+        others = sorted(set(refused.values()) - {kind})
+        also = f", nor {', '.join(others)} (also in this file)" if others else ""
+        raise GGUFError(
+            f"GGUF tensor {name!r} is {kind}, which agentkv does not import{also}; it imports "
+            f"{TENSOR_TYPES} (the model's Q8_0 or Q4_0 GGUF would do)"
+        )
+
+
 def read_gguf(path: Path) -> tuple[dict, dict]:
-    """(tensors, metadata) as MLX reads them; a file MLX cannot read is a GGUFError."""
+    """(tensors, metadata) as MLX reads them; a file MLX cannot read, or would misread,
+    is a GGUFError."""
     import mlx.core as mx
 
+    check_tensor_types(path)
     try:
         return mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
@@ -315,6 +388,7 @@ def default_cache_dir() -> Path:
 def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None = None) -> Path:
     """The imported directory for `path`, made once per file content and weights choice.
     The import is written beside and renamed into place, so a crash leaves none or all."""
+    check_tensor_types(path)  # also for a file imported before agentkv refused its types
     cache_dir = cache_dir or default_cache_dir()
     key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{FORMAT_VERSION}"
     target = cache_dir / key

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
@@ -37,6 +38,12 @@ GEMMA3_LAYER = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Where a K-quant block keeps its fp16 super-block scales (d, and dmin where it has one).
+_KQUANT_SCALES = {
+    GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
 
 
 def gguf_name(hf: str, arch: str) -> str:
@@ -86,6 +93,23 @@ def rope_freqs(config: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def ggml_data(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """A tensor's raw data in GGML type `qtype`: gguf's own quantization of random weights,
+    or random blocks where gguf has no quantizer (the K-quants), their fp16 scales set
+    small so that the blocks decode to ordinary weights (llama.cpp's quantizer's range)."""
+    rng = np.random.default_rng(seed)
+    try:
+        return quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+    except NotImplementedError:
+        pass
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
+    for at in _KQUANT_SCALES.get(qtype, ()):
+        scales = rng.uniform(-0.05, 0.05, (len(data), 1)).astype(np.float16)
+        data[:, at : at + 2] = scales.view(np.uint8)
+    return data.reshape(shape[0], -1)
+
+
 def write_metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     a = GGUF_ARCH[arch]
     heads = config["num_attention_heads"]
@@ -133,15 +157,20 @@ def write_gguf(
     tokenizer_dir: Path,
     qtype: GGMLQuantizationType | None = None,
     arch: str | None = None,
+    raw: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
-    """`weights` (HF names, float32) as a GGUF; 2-D weights quantized to `qtype` if given."""
+    """`weights` (HF names, float32) as a GGUF; 2-D weights quantized to `qtype` if given.
+    `raw` names weights written as `ggml_data` of a type instead (random, the weight's
+    shape)."""
     writer = GGUFWriter(str(path), arch or GGUF_ARCH[config["model_type"]])
     write_metadata(writer, config["model_type"], config)
     write_tokenizer(writer, tokenizer_dir)
     for hf, w in sorted(weights.items()):
         w = converted(hf, np.asarray(w, dtype=np.float32), config)
         name = gguf_name(hf, config["model_type"])
-        if qtype is not None and w.ndim == 2:
+        if hf in (raw or {}):
+            writer.add_tensor(name, ggml_data(w.shape, raw[hf]), raw_dtype=raw[hf])
+        elif qtype is not None and w.ndim == 2:
             writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)

@@ -16,10 +16,11 @@ from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from inference_worker.gguf_import import cached_import, import_gguf
+from inference_worker import gguf_import
+from inference_worker.gguf_import import GGUFError, cached_import, import_gguf, read_gguf
 from inference_worker.gguf_tokenizer import build_tokenizer
 from inference_worker.models import ModelError, resolve_model
-from tests.gguf_kit import write_gguf
+from tests.gguf_kit import ggml_data, write_gguf
 from tests.model_kit import TINY_CONFIGS, random_model, save_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
@@ -127,15 +128,59 @@ def test_sentencepiece_vocabulary_rebuilds_the_same_ids():
     assert rebuilt.decode(rebuilt.encode("  two  spaces").ids) == "  two  spaces"
 
 
-def _bare_gguf(path, arch: str):
+def _bare_gguf(path, arch: str, data=None, qtype: GGMLQuantizationType | None = None):
     writer = GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.block_count", 1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    data = np.zeros((4, 8), dtype=np.float32) if data is None else data
+    writer.add_tensor("token_embd.weight", data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# What MLX's reader decodes as llama.cpp does; it misreads Q4_K and drops some types.
+READABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q2_K, Q.Q6_K}
+
+
+@pytest.mark.parametrize("qtype", list(Q), ids=lambda q: q.name)
+def test_every_tensor_type_reads_as_gguf_decodes_it_or_is_refused_by_name(tmp_path, qtype):
+    """A tensor either reads as gguf's own dequantize gives it (to float16 rounding: MLX
+    decodes Q2_K, Q6_K and BF16 through float16) or is refused naming it and its type."""
+    data = ggml_data((8, 512), qtype, seed=int(qtype))
+    gguf = _bare_gguf(tmp_path / "t.gguf", "llama", data, qtype)
+    if qtype not in READABLE:
+        says = rf"'token_embd.weight' is ({qtype.name}|type {int(qtype)}), which agentkv"
+        with pytest.raises(GGUFError, match=says):
+            read_gguf(gguf)
+        return
+    tensors, _ = read_gguf(gguf)
+    got = tensors["token_embd.weight"]
+    if "token_embd.scales" in tensors:  # Q4_0, Q4_1, Q8_0: MLX affine quantization
+        scales, biases = (
+            tensors[f"token_embd.{k}"].astype(mx.float32) for k in ("scales", "biases")
+        )
+        got = mx.dequantize(got, scales, biases, 32, got.shape[-1] * 32 // 512)
+    want = dequantize(data, qtype)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=2**-11, atol=2**-24)
+
+
+def test_a_q4_k_gguf_is_refused_though_imported_before(sources, tmp_path, monkeypatch):
+    """Q4_K (most Q4_K_M files) once imported with wrong weights: such a file is refused in
+    one line, and so is its import already in the cache."""
+    path, config, _, _, w = sources["llama"]
+    raw = {"model.layers.0.mlp.down_proj.weight": Q.Q4_K}
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path, Q.Q8_0, raw=raw)
+    cache = tmp_path / "cache"
+    with monkeypatch.context() as before:  # as agentkv imported it before it checked
+        before.setattr(gguf_import, "check_tensor_types", lambda path: None)
+        cached_import(gguf, "float32", cache)
+    with pytest.raises(ModelError) as err:
+        resolve_model(str(gguf), "float32", cache_dir=cache)
+    message = str(err.value)
+    assert message.startswith("GGUF tensor 'blk.0.ffn_down.weight' is Q4_K, which agentkv")
+    assert "Q8_0" in message and "\n" not in message
 
 
 def test_an_unsupported_architecture_is_one_line(tmp_path):
