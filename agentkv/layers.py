@@ -102,6 +102,18 @@ class KVFormat:
         scales = "f16" if self.scale_dtype == "float16" else "f32"
         return f"k{self.k_bits}v{self.v_bits}g{self.group_size}{scales}"
 
+    def check_fits(self, specs: Sequence[LayerSpec]) -> None:
+        """Raises ValueError when a layer's head dim is not a whole number of groups
+        (MLX quantizes whole groups only), naming the group sizes that would fit."""
+        dims = sorted({d for s in specs for d in (s.k_head_dim, s.v_head_dim)})
+        if all(d % self.group_size == 0 for d in dims):
+            return
+        fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+        raise ValueError(
+            f"the model's head dims {dims} are not multiples of --group-size {self.group_size}"
+            + (f"; use {' or '.join(map(str, fits))}" if fits else "; no group size fits them")
+        )
+
     def token_bytes(self, specs: Sequence[LayerSpec]) -> int:
         """Bytes one token of context costs in these layers' caches (agentkv.layers' sizes)."""
         scale_bytes = 2 if self.scale_dtype == "float16" else 4

@@ -136,6 +136,10 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
     mlx = MLXThread()
     try:
         model, tokenizer, layers, num_logits = mlx.submit(load_model, path, dtype).result()
+        config.kv.check_fits(layers)
+    except ValueError as exc:  # as a model that does not run here: one line, not a trace
+        mlx.close()
+        raise RuntimeError(str(exc)) from None
     except BaseException:
         mlx.close()
         raise

@@ -16,6 +16,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -353,3 +355,22 @@ def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
     w = WorkerClient(healthy.address, timeout=60)
     with pytest.raises(InvalidArgument, match="request_id of 65 characters is over 64"):
         w.inject("default", agent_id, [("user", "Hi.")], request_id="k" * 65)
+
+
+def test_a_group_size_the_head_dims_do_not_fit_is_refused_at_start(tiny_model_dirs, tmp_path):
+    """The tiny llama's heads are 64 wide: groups of 128 would fail every prefill with
+    MLX's error; the worker refuses to start instead, in one line that says what fits."""
+    model = tiny_model_dirs["llama"]
+    args = ["--model", str(model), "--store", "127.0.0.1:1", "--group-size", "128"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_worker", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "agentkv-worker: error: the model's head dims [64] are not multiples of "
+        "--group-size 128; use 32 or 64"
+    )
+    assert "Traceback" not in proc.stderr
