@@ -42,8 +42,6 @@ class Leases:
     def grant(self, namespace: str, blocks: Iterable[BlockId], seconds: float) -> tuple[str, int]:
         lease_id = secrets.token_urlsafe(16)
         held = list(blocks)
-        expires = time.monotonic() + seconds
-        expires_ms = int((time.time() + seconds) * 1000)
         with self._lock:
             self._expire()
             if self._per_namespace[namespace] >= self.per_namespace:
@@ -51,20 +49,26 @@ class Leases:
                     f"namespace {namespace!r} holds {self.per_namespace} leases, the limit: "
                     "release leases (ReleaseLease, or commit the blocks) before taking more"
                 )
-            self._leases[lease_id] = Lease(namespace, held, expires, expires_ms)
+            lease = self._leases[lease_id] = Lease(namespace, held, 0.0, 0)
             self._per_namespace[namespace] += 1
             self._held.update(held)
-            heapq.heappush(self._expiry, (expires, lease_id))
-        return lease_id, expires_ms
+            self._renew(lease_id, lease, seconds)
+        return lease_id, lease.expires_unix_ms
 
-    def extend(self, lease_id: str, blocks: Iterable[BlockId]) -> None:
-        """Adds blocks to a live lease (an upload's lease grows block by block)."""
+    def extend(self, lease_id: str, blocks: Iterable[BlockId], seconds: float) -> int:
+        """Adds blocks to a live lease and renews it for `seconds` from now (an upload's lease
+        grows block by block and lasts while its stream moves). The new expiry, Unix ms, or 0
+        if the lease is gone (expired or released)."""
+        added = list(blocks)
         with self._lock:
+            self._expire()
             lease = self._leases.get(lease_id)
-            if lease is not None:
-                added = list(blocks)
-                lease.blocks.extend(added)
-                self._held.update(added)
+            if lease is None:
+                return 0
+            lease.blocks.extend(added)
+            self._held.update(added)
+            self._renew(lease_id, lease, seconds)
+            return lease.expires_unix_ms
 
     def namespaces(self, lease_id: str) -> set[str]:
         """Every namespace a live lease touches (empty for an unknown lease)."""
@@ -96,6 +100,11 @@ class Leases:
             self._expire()
             return len(self._leases)
 
+    def _renew(self, lease_id: str, lease: Lease, seconds: float) -> None:
+        lease.expires = time.monotonic() + seconds
+        lease.expires_unix_ms = int((time.time() + seconds) * 1000)
+        heapq.heappush(self._expiry, (lease.expires, lease_id))  # the old entry goes stale
+
     def _expire(self) -> None:
         now = time.monotonic()
         while self._expiry and self._expiry[0][0] <= now:
@@ -119,3 +128,38 @@ class Leases:
         if self._per_namespace[lease.namespace] <= 0:
             del self._per_namespace[lease.namespace]
         return True
+
+
+class StreamLease:
+    """The lease of one PutBlocks stream on its blocks, counted against the namespace of its
+    first block. Renewed with every message, so however long the stream runs, it ends with a
+    live lease; one that lapsed while the stream paused is taken anew, and renew says so (the
+    blocks it held may have been collected meanwhile)."""
+
+    def __init__(self, leases: Leases, seconds: float) -> None:
+        self.leases, self.seconds = leases, seconds
+        self.lease_id, self.expires = "", 0
+        self.blocks: list[BlockId] = []
+
+    def hold(self, block: BlockId) -> bool:
+        """Adds a block and renews the lease; True if it had lapsed (see renew)."""
+        self.blocks.append(block)
+        return self.renew([block])
+
+    def renew(self, added: list[BlockId] | None = None) -> bool:
+        """Another `seconds` from now; True if the lease had lapsed and was taken anew."""
+        if not self.blocks:
+            return False  # no block yet, no lease
+        if self.lease_id:
+            self.expires = self.leases.extend(self.lease_id, added or [], self.seconds)
+            if self.expires:
+                return False
+        lapsed = bool(self.lease_id)
+        self.lease_id, self.expires = self.leases.grant(
+            self.blocks[0][0], self.blocks, self.seconds
+        )
+        return lapsed
+
+    def release(self) -> None:
+        if self.lease_id:
+            self.leases.release(self.lease_id)

@@ -20,6 +20,7 @@ from agentkv.errors import (
 from agentkv.keys import block_key
 from cache_store import validation
 from cache_store.capacity import Capacity, now_ms
+from cache_store.leases import BlockId, StreamLease
 from cache_store.parts import Parts
 from cache_store.payloads import BlockWriter, safetensors_header
 from cache_store.records import BlockRecord
@@ -83,34 +84,33 @@ class Uploads:
         """Stores blocks from a stream of headers, each followed by its bytes as chunks.
 
         Every stored block stays leased until the returned lease is released, the agent
-        commit that names it arrives, or the lease expires.
+        commit that names it arrives, or the lease expires, lease_seconds after the stream
+        ends however long it ran.
         """
-        lease_id, expires = "", 0
+        lease = StreamLease(self.leases, self.config.lease_seconds)
         results: list[PutResult] = []
         upload: BlockUpload | None = None
         try:
             for item in items:
                 if isinstance(item, PutHeader):
                     if upload is not None:
-                        self._finish(upload, lease_id)  # raises: the open block is short
+                        self._finish(upload, lease)  # raises: the open block is short
                     upload = self.begin(item)
-                    if not lease_id:  # counted against the namespace of its first block
-                        ns = upload.record.namespace
-                        lease_id, expires = self.leases.grant(ns, [], self.config.lease_seconds)
                 else:
                     self._write(upload, item)
+                    self._renew(lease)
                 if upload.received == upload.expected:  # durable now, not at the next header
-                    results.append(self._finish(upload, lease_id))
+                    results.append(self._finish(upload, lease))
                     upload = None
             if upload is not None:
-                self._finish(upload, lease_id)  # raises: the stream ended inside a block
+                self._finish(upload, lease)  # raises: the stream ended inside a block
+            self._renew(lease)  # the reply's expiry counts from the stream's end
         except BaseException:
             if upload is not None:
                 self._release(upload)
-            if lease_id:
-                self.leases.release(lease_id)
+            lease.release()
             raise
-        return results, lease_id, expires
+        return results, lease.lease_id, lease.expires
 
     def begin(self, header: PutHeader) -> BlockUpload:
         ns = ids.namespace(header.namespace)
@@ -190,7 +190,7 @@ class Uploads:
             upload.reserved += len(chunk)
             upload.writer.write(chunk)
 
-    def _finish(self, upload: BlockUpload, lease_id: str) -> PutResult:
+    def _finish(self, upload: BlockUpload, lease: StreamLease) -> PutResult:
         if upload.received != upload.expected:
             raise InvalidArgument(
                 f"block {upload.record.key.hex()} received {upload.received} bytes but its "
@@ -201,8 +201,25 @@ class Uploads:
             result = _result(upload.record, deduplicated=True)
         else:
             result = self._publish(upload)
-        self.leases.extend(lease_id, [(upload.record.namespace, result.key)])
+        if lease.hold((upload.record.namespace, result.key)):
+            self._check_kept(lease.blocks)
         return result
+
+    def _renew(self, lease: StreamLease) -> None:
+        if lease.renew():
+            self._check_kept(lease.blocks)
+
+    def _check_kept(self, blocks: list[BlockId]) -> None:
+        """After the stream paused past its lease: every block it stored must be stored still,
+        or the stream fails (a put of them again stores what was collected)."""
+        with self.index.read() as txn:
+            for namespace, key in blocks:
+                if self.index.find_block(txn, namespace, key) is None:
+                    raise FailedPrecondition(
+                        f"block {key.hex()} of this PutBlocks stream was collected while the "
+                        f"stream paused past its lease ({self.config.lease_seconds} s): put it "
+                        "again"
+                    )
 
     def _publish(self, upload: BlockUpload) -> PutResult:
         """fsync, then, one upload at a time: rename into place and index (or find a twin)."""

@@ -28,12 +28,16 @@ from agentkv.client.blocks import Block, Tensor
 from agentkv.client.store import StoreClient, put_messages
 from agentkv.errors import (
     DiskFull,
+    FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
 )
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+from cache_store import leases
+from cache_store.store import CacheStore
+from cache_store.uploads import PutHeader
+from tests.helpers import FP, NS, StoreProcess, local_store, make_chain, put_items, same_bytes
 
 MiB = 1 << 20
 
@@ -315,6 +319,89 @@ def test_leases_are_bounded_per_namespace(tmp_path, launched):
         assert locate("modest").lease_id  # another tenant is not hurt
         client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=leases[0]))
         assert locate("greedy").lease_id
+
+
+class Clock:
+    """Stands in for the time module in cache_store.leases: time moves when a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(leases, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def domain(tmp_path) -> Iterator[CacheStore]:
+    """The store's domain in this process, its leases 10 s long."""
+    store = local_store(tmp_path / "data", lease_seconds=10)
+    yield store
+    store.close()
+
+
+def paced(items: Iterator, before_block: Callable[[int], None]) -> Iterator:
+    """A PutBlocks stream's items, calling before_block(i) before block i's header."""
+    block = 0
+    for item in items:
+        if isinstance(item, PutHeader):
+            before_block(block)
+            block += 1
+        yield item
+
+
+def two_roots() -> tuple[list[Block], list[bytes]]:
+    (a,), (ka,) = make_chain(list(range(64)), seed=1)
+    (b,), (kb,) = make_chain(list(range(100, 164)), seed=2)
+    return [a, b], [ka, kb]
+
+
+def test_an_upload_longer_than_its_lease_ends_with_a_live_lease(domain, clock):
+    """Four blocks, 6 s apart, under 10 s leases: the reply's lease holds every block for
+    10 s from the stream's end."""
+    blocks, keys = make_chain(list(range(4 * 64)))
+    items = paced(put_items(NS, FP, blocks), lambda i: setattr(clock, "now", clock.now + 6))
+    _, lease_id, expires = domain.put_stream(items)
+    assert expires == int((clock.now + 10) * 1000)
+    assert all(domain.leases.is_held((NS, k)) for k in keys)
+    assert domain.leases.namespaces(lease_id) == {NS}
+    assert domain.collect_garbage(NS)[:2] == (0, 0)
+
+
+@pytest.mark.parametrize("collected", [False, True], ids=["kept", "collected"])
+def test_an_upload_paused_past_its_lease(domain, clock, collected):
+    """The stream stops for 15 s between two blocks and its 10 s lease lapses (another call
+    sweeps it). Nothing collected meanwhile: the lease is taken anew on both blocks. The first
+    block collected meanwhile: the stream fails naming it, and holds nothing."""
+    blocks, keys = two_roots()
+
+    def pause(i: int) -> None:
+        if i == 1:
+            clock.now += 15
+            if collected:
+                assert domain.collect_garbage(NS)[0] == 1
+            else:
+                assert len(domain.leases) == 0  # lapsed, and swept
+
+    if not collected:
+        _, lease_id, expires = domain.put_stream(paced(put_items(NS, FP, blocks), pause))
+        assert expires == int((clock.now + 10) * 1000)
+        assert all(domain.leases.is_held((NS, k)) for k in keys)
+        assert domain.leases.namespaces(lease_id) == {NS}
+        return
+    with pytest.raises(FailedPrecondition) as err:
+        domain.put_stream(paced(put_items(NS, FP, blocks), pause))
+    assert keys[0].hex() in err.value.message and "paused past its lease" in err.value.message
+    assert len(domain.leases) == 0
 
 
 def test_phase_and_metadata_are_bounded(store):
