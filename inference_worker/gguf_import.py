@@ -17,6 +17,7 @@ import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import xxhash
@@ -214,17 +215,21 @@ def architecture_of(meta: dict) -> tuple[str, Architecture]:
     return name, ARCHITECTURES[name]
 
 
+_MISSING = object()
+
+
+def arch_value(meta: dict, key: str, default=_MISSING):
+    """The architecture's `{arch}.{key}`; a missing one without a default is a GGUFError."""
+    name, _ = architecture_of(meta)
+    value = meta.get(f"{name}.{key}", default)
+    if value is _MISSING:
+        raise GGUFError(f"GGUF metadata lacks {name}.{key}")
+    return _scalar(value)
+
+
 def model_config(meta: dict, vocab_size: int, tied: bool) -> dict:
-    name, arch = architecture_of(meta)
-    missing = object()
-
-    def get(key: str, default=missing):
-        value = meta.get(f"{name}.{key}", default)
-        if value is missing:
-            raise GGUFError(f"GGUF metadata lacks {name}.{key}")
-        return _scalar(value)
-
-    config = {"model_type": arch.model_type, **arch.config(get)}
+    _, arch = architecture_of(meta)
+    config = {"model_type": arch.model_type, **arch.config(partial(arch_value, meta))}
     eos = [int(_scalar(meta[k])) for k in _EOS_KEYS if k in meta]
     config.update(
         vocab_size=vocab_size,
@@ -300,10 +305,10 @@ def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict
     """HF-named weights and, for native, mlx-lm's per-layer quantization config."""
     import mlx.core as mx
 
-    name, arch = architecture_of(meta)
+    _, arch = architecture_of(meta)
     tensors = {k: v for k, v in tensors.items() if k != ROPE_FREQS}
-    heads = int(_scalar(meta[f"{name}.attention.head_count"]))
-    kv_heads = int(_scalar(meta.get(f"{name}.attention.head_count_kv", heads)))
+    heads = int(arch_value(meta, "attention.head_count"))
+    kv_heads = int(arch_value(meta, "attention.head_count_kv", heads))
     quantized = {k.rpartition(".")[0] for k in tensors if k.endswith(".scales")}
     out, quantization = {}, {}
     for key, value in tensors.items():
@@ -352,7 +357,9 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     tensors, meta = read_gguf(path)
     architecture_of(meta)  # refuse before any work
     hf, quantization = convert_tensors(tensors, meta, weights)
-    tokenizer = build_tokenizer(meta)
+    if "model.embed_tokens.weight" not in hf:
+        raise GGUFError(f"GGUF {path} has no token_embd.weight (the token embeddings)")
+    tokenizer, tokenizer_json = build_tokenizer(meta), tokenizer_config(meta)
     tied = "lm_head.weight" not in hf
     config = model_config(meta, int(hf["model.embed_tokens.weight"].shape[0]), tied)
     if ROPE_FREQS in tensors:
@@ -371,7 +378,7 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), hf, metadata={"format": "mlx"})
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

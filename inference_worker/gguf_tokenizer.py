@@ -53,10 +53,31 @@ def _pre_tokenizer(pre: str):
     raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not supported (agentkv knows {known})")
 
 
+def vocabulary(meta: dict) -> list[str]:
+    """The file's tokens, in id order."""
+    if "tokenizer.ggml.tokens" not in meta:
+        raise GGUFError("GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
+    return list(meta["tokenizer.ggml.tokens"])
+
+
+def _token(meta: dict, tokens: list[str], key: str) -> str | None:
+    """The token `tokenizer.ggml.{key}` names, None without one; an id past the
+    vocabulary is a GGUFError, not a token guessed."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    index = int(_item(value))
+    if not 0 <= index < len(tokens):
+        raise GGUFError(
+            f"GGUF tokenizer.ggml.{key} {index} is past the vocabulary ({len(tokens)} tokens)"
+        )
+    return tokens[index]
+
+
 def _byte_level(meta: dict):
     from tokenizers import Tokenizer, decoders, models
 
-    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens = vocabulary(meta)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
@@ -70,7 +91,7 @@ def _sentencepiece(meta: dict):
     vocabulary: every token split in two known halves, best-ranked tokens first."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    tokens = [_respell(t) for t in meta["tokenizer.ggml.tokens"]]
+    tokens = [_respell(t) for t in vocabulary(meta)]
     vocab = {t: i for i, t in enumerate(tokens)}
     gemma = str(meta.get("general.architecture", "")).startswith("gemma")
     scores = meta.get("tokenizer.ggml.scores")
@@ -83,12 +104,12 @@ def _sentencepiece(meta: dict):
             if left in vocab and right in vocab:
                 merges.append((rank(i), vocab[left], vocab[right], left, right))
     merges.sort()
-    unk = int(_item(meta.get("tokenizer.ggml.unknown_token_id", 0)))
+    unk = _token(meta, tokens, "unknown_token_id")
     tokenizer = Tokenizer(
         models.BPE(
             vocab,
             [(m[3], m[4]) for m in merges],
-            unk_token=tokens[unk],
+            unk_token=tokens[0] if unk is None else unk,
             fuse_unk=True,
             byte_fallback=True,
         )
@@ -125,7 +146,7 @@ def build_tokenizer(meta: dict):
         tokenizer = _sentencepiece(meta)
     else:
         raise GGUFError(f"GGUF tokenizer {kind!r} is not supported (agentkv builds gpt2, llama)")
-    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens = vocabulary(meta)
     types = [int(t) for t in _tolist(meta.get("tokenizer.ggml.token_type", []))]
     special = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
@@ -140,18 +161,13 @@ def _tolist(value):
 
 def tokenizer_config(meta: dict) -> dict:
     """tokenizer_config.json: special tokens by name, the chat template, BOS behaviour."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
-
-    def token(key: str) -> str | None:
-        value = meta.get(f"tokenizer.ggml.{key}")
-        return None if value is None else tokens[int(_item(value))]
-
+    tokens = vocabulary(meta)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
+        "bos_token": _token(meta, tokens, "bos_token_id"),
+        "eos_token": _token(meta, tokens, "eos_token_id"),
+        "unk_token": _token(meta, tokens, "unknown_token_id"),
+        "pad_token": _token(meta, tokens, "padding_token_id"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "model_max_length": 1 << 20,

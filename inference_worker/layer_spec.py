@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from agentkv.layers import LayerSpec
+from inference_worker.models import ModelError
 
 
 def model_layers(model: Any) -> list[LayerSpec]:
@@ -41,9 +42,10 @@ def cache_windows(model: Any) -> list[int | None]:
         elif type(cache) is KVCache:
             windows.append(None)
         else:
-            raise ValueError(
-                f"layer {layer} uses {type(cache).__name__}: agentkv caches full-attention and "
-                "sliding-window layers only"
+            raise ModelError(
+                f"{getattr(model, 'model_type', type(model).__name__)} layer {layer} uses "
+                f"{type(cache).__name__}: agentkv caches full-attention and sliding-window "
+                "layers only"
             )
     return windows
 

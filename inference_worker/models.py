@@ -8,6 +8,7 @@ before anything else and never sent to a model hub; what is wrong with it is one
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,23 @@ def check_model_dir(path: Path) -> Path:
             f"no model at {path}: it lacks {', '.join(missing)} "
             "(an mlx-lm model directory needs config.json, *.safetensors and a tokenizer)"
         )
+    check_model_type(path)
     return path
+
+
+def check_model_type(path: Path) -> None:
+    """Looks config.json's model_type up as mlx_lm.load will, so that an architecture
+    mlx-lm lacks is one line here rather than its ValueError at load."""
+    from importlib.metadata import version
+
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(json.loads((path / "config.json").read_text()))
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, no model_type, or unknown
+        raise ModelError(
+            f"model at {path}: mlx-lm {version('mlx-lm')} cannot build it from config.json ({exc})"
+        ) from exc
 
 
 def _looks_local(spec: str) -> bool:

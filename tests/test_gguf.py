@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from inference_worker import gguf_import
+from inference_worker import gguf_import, model_import
 from inference_worker.gguf_import import GGUFError, cached_import, import_gguf, read_gguf
 from inference_worker.gguf_tokenizer import build_tokenizer
 from inference_worker.models import ModelError, resolve_model
@@ -192,19 +193,86 @@ def test_an_unsupported_architecture_is_one_line(tmp_path):
     assert not list((tmp_path / "cache").glob("*"))  # nothing half-imported
 
 
-def test_worker_refuses_an_unsupported_gguf_in_one_line(tmp_path):
-    gguf = _bare_gguf(tmp_path / "rwkv.gguf", "rwkv6")
+def _worker_error(model, tmp_path) -> str:
+    """The last line a worker started on `model` prints as it exits with 2, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "inference_worker", "--model", str(gguf), "--store", "127.0.0.1:1"],
+        [sys.executable, "-m", "inference_worker", "--model", str(model), "--store", "127.0.0.1:1"],
         capture_output=True,
         text=True,
         timeout=120,
         env={"AGENTKV_MODEL_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
     )
-    assert proc.returncode == 2
-    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_worker_refuses_an_unsupported_gguf_in_one_line(tmp_path):
+    gguf = _bare_gguf(tmp_path / "rwkv.gguf", "rwkv6")
+    last = _worker_error(gguf, tmp_path)
     assert last.startswith("agentkv-worker: error: GGUF architecture 'rwkv6' is not supported")
-    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "metadata, missing, says",
+    [
+        ({"tokenizer.ggml.tokens": None}, "", "metadata lacks tokenizer.ggml.tokens"),
+        ({"llama.attention.head_count": None}, "", "metadata lacks llama.attention.head_count"),
+        ({"tokenizer.ggml.eos_token_id": 99999}, "", "eos_token_id 99999 is past the vocabulary"),
+        ({}, "model.embed_tokens.weight", "has no token_embd.weight"),
+    ],
+    ids=["no-tokens", "no-head-count", "eos-past-vocabulary", "no-token-embd"],
+)
+def test_a_gguf_lacking_what_a_model_needs_is_one_line(
+    sources, tmp_path, capsys, metadata, missing, says
+):
+    """From `agentkv model import` (its own process's main) and the worker's resolve_model."""
+    path, config, _, _, w = sources["llama"]
+    w = {k: v for k, v in w.items() if k != missing}
+    gguf = write_gguf(tmp_path / "bad.gguf", w, config, path, metadata=metadata)
+    with pytest.raises(SystemExit) as exit_:
+        model_import.main([str(gguf), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: GGUF") and err.count("\n") == 1
+    assert says in err
+    with pytest.raises(ModelError, match=says):
+        resolve_model(str(gguf), "float32", cache_dir=tmp_path / "cache")
+
+
+MAMBA = {
+    "model_type": "mamba",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "state_size": 4,
+    "num_hidden_layers": 1,
+    "conv_kernel": 4,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "time_step_rank": 4,
+}
+
+
+@pytest.mark.parametrize("kind", ["unknown-model-type", "recurrent-layers"])
+def test_a_model_directory_agentkv_cannot_run_is_one_line_from_the_worker(
+    tiny_model_dirs, tmp_path, kind
+):
+    """mlx-lm lacking the model_type, or a model whose layers keep other caches than KV
+    (Mamba's), is the worker's one line, not mlx-lm's ValueError."""
+    from tests.model_kit import tiny_tokenizer
+
+    if kind == "recurrent-layers":
+        tokenizer = tiny_tokenizer()
+        config = {**MAMBA, "vocab_size": tokenizer.get_vocab_size()}
+        model = save_model(tmp_path / "mamba", random_model(config), config, tokenizer)
+        says = "mamba layer 0 uses ArraysCache: agentkv caches full-attention and sliding"
+    else:
+        model = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "mamba9")
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba9"}))
+        says = f"model at {model}: mlx-lm "
+    last = _worker_error(model, tmp_path)
+    assert last.startswith("agentkv-worker: error: ") and says in last, last
+    if kind != "recurrent-layers":
+        assert "mamba9 not supported" in last
 
 
 @pytest.mark.parametrize(
