@@ -65,8 +65,9 @@ class Batcher:
         on_done: Callable[[ActiveTurn], None],
         on_failed: Callable[[ActiveTurn, AgentKVError, str], None],  # the turn, why, its scope
         on_decode: Callable[[int], None] = lambda batch_size: None,
+        vocab: int | None = None,  # logits past it are padding (Runtime.vocab_size)
     ) -> None:
-        self.model, self.eos_ids, self.scheduler = model, eos_ids, scheduler
+        self.model, self.eos_ids, self.scheduler, self.vocab = model, eos_ids, scheduler, vocab
         self.qmax, self.on_done, self.on_decode = quantized_query_max, on_done, on_decode
         self.on_failed = on_failed
         self.active: dict[str, ActiveTurn] = {}
@@ -131,7 +132,7 @@ class Batcher:
         self.on_decode(len(self.rows))
         turns = [self.active[rid] for rid in self.rows]
         tokens = mx.array([[t.next_token] for t in turns])
-        logits = self.model(tokens, cache=self.batch)[:, -1]
+        logits = self.model(tokens, cache=self.batch)[:, -1, : self.vocab]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)  # the shared forward fails here, before any row's own work
         # Greedy rows share one argmax and one sync; sampled rows draw from their own keys.
@@ -171,7 +172,7 @@ class Batcher:
         if turn.request.max_tokens == 0:
             self._leave(turn, "none")
             return False
-        last = logits[0, -1]
+        last = logits[0, -1, : self.vocab]
         logprobs = last - mx.logsumexp(last)
         sample = turn.sample or (lambda x: int(mx.argmax(x).item()))
         reason = self._accept(turn, sample(logprobs))

@@ -67,6 +67,7 @@ class Engine:
             self._turn_done,
             self._turn_failed,
             metrics.batch_size.observe,
+            runtime.vocab_size,
         )
         self.restorer = Restorer(config, runtime, store)
         self._turn_ids = itertools.count(1)

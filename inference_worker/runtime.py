@@ -105,7 +105,7 @@ class Runtime:
     restore_path: str  # "locate" or "stream"
     layers: tuple[LayerSpec, ...]  # what each layer caches, probed from the model
     windows: tuple[int | None, ...]  # per layer, the window its cache keeps; None: all
-    vocab_size: int
+    vocab_size: int  # the ids a turn may generate: the logits' width, within the tokenizer's
     token_bytes: int  # one token of context in every layer's quantized cache
 
     def info(self, config: WorkerConfig, blas: str | None) -> dict:
@@ -176,4 +176,6 @@ def load_model(path: Path, dtype: str) -> tuple[Any, Any, tuple[LayerSpec, ...],
             f"the model does not run on this device in this dtype: {exc} "
             "(on CPU, --dtype float32 runs everything)"
         ) from exc
-    return model, tokenizer, layers, vocab_size(model)
+    # A model's logits may be wider than its tokenizer (rows padded for speed): no such id
+    # may be generated, as no text decodes from it.
+    return model, tokenizer, layers, min(vocab_size(model), len(tokenizer))

@@ -374,3 +374,23 @@ def test_a_group_size_the_head_dims_do_not_fit_is_refused_at_start(tiny_model_di
         "--group-size 128; use 32 or 64"
     )
     assert "Traceback" not in proc.stderr
+
+
+def test_logits_wider_than_the_tokenizer_never_give_a_token_it_lacks(
+    tiny_model_dirs, start_worker, tmp_path
+):
+    """A model whose logits have 64 padded ids past its tokenizer's 512 (as Qwen2.5 and Gemma
+    3 pad theirs): a turn sampled at the hottest temperature allowed (10) draws only real ids."""
+    from tests.model_kit import TINY_CONFIGS, random_model, save_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    real = tokenizer.get_vocab_size()
+    config = {**TINY_CONFIGS["llama"], "vocab_size": real + 64}
+    path = save_model(tmp_path / "padded", random_model(config), config, tokenizer)
+    written = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**written, "vocab_size": real + 64}))
+    w = WorkerClient(start_worker(path, name="padded").address, timeout=120)
+    w.create_agent("default", "wide", SYSTEM)
+    reply = w.turn("default", "wide", TALK, max_tokens=60, temperature=10.0, seed=7)
+    assert max(reply.token_ids) < real  # before: 563 among them, sent as "!"
+    assert len(reply.token_ids) >= 20  # enough draws that one would have been padding
