@@ -58,6 +58,10 @@ class BlockUpload:
     reserved: int = 0  # bytes of this upload counted against the quotas
 
     @property
+    def block(self) -> BlockId:
+        return (self.record.namespace, self.record.key)
+
+    @property
     def expected(self) -> int:
         return sum(t.num_bytes for t in self.layout)
 
@@ -94,16 +98,16 @@ class Uploads:
             for item in items:
                 if isinstance(item, PutHeader):
                     if upload is not None:
-                        self._finish(upload, lease)  # raises: the open block is short
-                    upload = self.begin(item)
+                        self._finish(upload)  # raises: the open block is short
+                    upload = self.begin(item, lease)
                 else:
                     self._write(upload, item)
-                    self._renew(lease)
+                    self._renew(lease, upload)
                 if upload.received == upload.expected:  # durable now, not at the next header
-                    results.append(self._finish(upload, lease))
+                    results.append(self._finish(upload))
                     upload = None
             if upload is not None:
-                self._finish(upload, lease)  # raises: the stream ended inside a block
+                self._finish(upload)  # raises: the stream ended inside a block
             self._renew(lease)  # the reply's expiry counts from the stream's end
         except BaseException:
             if upload is not None:
@@ -112,7 +116,9 @@ class Uploads:
             raise
         return results, lease.lease_id, lease.expires
 
-    def begin(self, header: PutHeader) -> BlockUpload:
+    def begin(self, header: PutHeader, lease: StreamLease) -> BlockUpload:
+        """Opens a block's upload; its key is leased before the store looks for a twin, so
+        a twin found (a dedup hit) cannot be collected before the commit that names it."""
         ns = ids.namespace(header.namespace)
         fp = ids.fingerprint(header.fingerprint)
         parent = ids.key(header.parent_key, "parent_key", allow_root=True)
@@ -122,6 +128,8 @@ class Uploads:
         layout = validation.tensor_layout(header.tensors, self.config.max_block_bytes)
         self.before_write(ns)
         key = block_key(fp, parent, tokens)
+        if lease.hold((ns, key)):
+            self._check_kept(lease, writing=(ns, key))  # looked for just below
         with self.index.read() as txn:
             if parent:
                 self._require_parent(txn, ns, fp, parent)
@@ -190,36 +198,33 @@ class Uploads:
             upload.reserved += len(chunk)
             upload.writer.write(chunk)
 
-    def _finish(self, upload: BlockUpload, lease: StreamLease) -> PutResult:
+    def _finish(self, upload: BlockUpload) -> PutResult:
         if upload.received != upload.expected:
             raise InvalidArgument(
                 f"block {upload.record.key.hex()} received {upload.received} bytes but its "
                 f"tensors declare {upload.expected}"
             )
-        if upload.writer is None:
-            self.metrics.dedup_hits.inc()
-            result = _result(upload.record, deduplicated=True)
-        else:
-            result = self._publish(upload)
-        if lease.hold((upload.record.namespace, result.key)):
-            self._check_kept(lease.blocks)
-        return result
+        if upload.writer is not None:
+            return self._publish(upload)
+        self.metrics.dedup_hits.inc()
+        return _result(upload.record, deduplicated=True)
 
-    def _renew(self, lease: StreamLease) -> None:
+    def _renew(self, lease: StreamLease, pending: BlockUpload | None = None) -> None:
         if lease.renew():
-            self._check_kept(lease.blocks)
+            writing = pending is not None and pending.writer is not None
+            self._check_kept(lease, pending.block if writing else None)
 
-    def _check_kept(self, blocks: list[BlockId]) -> None:
-        """After the stream paused past its lease: every block it stored must be stored still,
-        or the stream fails (a put of them again stores what was collected)."""
+    def _check_kept(self, lease: StreamLease, writing: BlockId | None = None) -> None:
+        """After the stream paused past its lease: every block it holds but the one it is
+        `writing` must be stored still, or the stream fails (a put of them again stores what
+        was collected)."""
         with self.index.read() as txn:
-            for namespace, key in blocks:
-                if self.index.find_block(txn, namespace, key) is None:
-                    raise FailedPrecondition(
-                        f"block {key.hex()} of this PutBlocks stream was collected while the "
-                        f"stream paused past its lease ({self.config.lease_seconds} s): put it "
-                        "again"
-                    )
+            gone = [b for b in lease.blocks if b != writing and not self.index.find_block(txn, *b)]
+        if gone:
+            raise FailedPrecondition(
+                f"block {gone[0][1].hex()} of this PutBlocks stream was collected while the "
+                f"stream paused past its lease ({self.config.lease_seconds} s): put it again"
+            )
 
     def _publish(self, upload: BlockUpload) -> PutResult:
         """fsync, then, one upload at a time: rename into place and index (or find a twin)."""

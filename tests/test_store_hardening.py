@@ -404,6 +404,49 @@ def test_an_upload_paused_past_its_lease(domain, clock, collected):
     assert len(domain.leases) == 0
 
 
+def test_a_dedup_hit_is_leased_from_its_header(store_process):
+    """A re-upload of a stored, unreferenced block is leased from its header on: a collection
+    while its bytes arrive keeps the block, so 'deduplicated' holds and the commit naming
+    the block finds it."""
+    with store_process.client() as client:
+        block = one_layer_block(MiB, token=9)
+        first = client.put_blocks(NS, FP, [block])
+        key = first.blocks[0].key
+        client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=first.lease_id))
+        messages = list(put_messages(NS, FP, [block], 256 * 1024))
+        gate = threading.Event()
+
+        def requests() -> Iterator[bytes]:
+            yield from messages[:2]  # the header and a first chunk
+            gate.wait()
+            yield from messages[2:]
+
+        def last_access() -> int:
+            return next(b.last_access_unix_ms for b in client.list_blocks(NS) if b.key == key)
+
+        before = last_access()
+        until(lambda: time.time() * 1000 > before + 1, "a later millisecond")
+        put = client._put.future(requests(), timeout=120)
+        try:
+            until(lambda: last_access() > before, "the re-upload's header (it touches the block)")
+            collected = client.call("CollectGarbage", pb.CollectGarbageRequest(namespace=NS))
+        finally:
+            gate.set()
+        reply = put.result(timeout=120)
+        assert collected.num_blocks_deleted == 0
+        assert reply.blocks[0].deduplicated
+        client.commit_agent(
+            namespace=NS,
+            agent_id="a",
+            fingerprint=FP,
+            token_ids=[9],
+            block_keys=[key],
+            release_lease_id=reply.lease_id,
+        )
+        (back,) = client.get_blocks(NS, FP, [key])
+        assert same_bytes(block, back)
+
+
 def test_phase_and_metadata_are_bounded(store):
     tokens = list(range(64))
     blocks, keys = make_chain(tokens)
