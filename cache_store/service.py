@@ -114,9 +114,13 @@ class CacheStoreServicer:
     def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
-        for namespace in self.store.leases.namespaces(request.lease_id):
-            auth.check_namespace(namespace)  # another tenant's lease is not the caller's to end
+        self._check_lease(request.lease_id)
         return pb.ReleaseLeaseResponse(released=self.store.leases.release(request.lease_id))
+
+    def _check_lease(self, lease_id: str) -> None:
+        """Another tenant's lease is not the caller's to end, by ReleaseLease or a commit."""
+        for namespace in self.store.leases.namespaces(lease_id):
+            auth.check_namespace(namespace)
 
     def ReportCorruptBlock(
         self, request: pb.ReportCorruptBlockRequest, context: grpc.ServicerContext
@@ -151,6 +155,7 @@ class CacheStoreServicer:
             metadata=dict(request.metadata),
             phase=request.phase,
         )
+        self._check_lease(request.release_lease_id)
         view = self.store.commit_agent(commit, request.release_lease_id)
         return pb.CommitAgentResponse(agent=replies.manifest(view))
 

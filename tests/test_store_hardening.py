@@ -27,6 +27,7 @@ from agentkv.channels import ClientSecurity
 from agentkv.client.blocks import Block, Tensor
 from agentkv.client.store import StoreClient, put_messages
 from agentkv.errors import (
+    AgentNotFound,
     DiskFull,
     FailedPrecondition,
     InvalidArgument,
@@ -491,6 +492,17 @@ def test_a_lease_is_released_only_by_its_namespace(tmp_path, launched):
     with pytest.raises(PermissionDenied) as err:
         b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
     assert "may not use namespace 'a'" in err.value.message
+    with pytest.raises(PermissionDenied) as err:  # nor by a commit of another namespace
+        b.commit_agent(
+            namespace="b",
+            agent_id="b1",
+            fingerprint=FP,
+            token_ids=[1],
+            release_lease_id=put.lease_id,
+        )
+    assert "may not use namespace 'a'" in err.value.message
+    with pytest.raises(AgentNotFound):
+        b.get_agent("b", "b1")
     assert admin.stats().num_leases == 1
     collected = a.call("CollectGarbage", pb.CollectGarbageRequest(namespace="a"))
     assert collected.num_blocks_deleted == 0  # still leased, so still there
