@@ -139,9 +139,9 @@ class Capacity:
         self, namespace: str | None, idle_ms: int = 0, stopping: Callable[[], bool] | None = None
     ) -> tuple[int, int]:
         """Deletes every unreferenced, unleased block (with `idle_ms`, those nobody has read
-        or written for that long, checked again as each goes); returns (blocks, bytes). The
-        lock is taken a batch at a time, so uploads wait for one batch at most; `stopping`
-        ends the sweep between batches."""
+        or written for that long, checked again as each goes); returns (blocks, bytes freed on
+        local disk). The lock is taken a batch at a time, so uploads wait for one batch at
+        most; `stopping` ends the sweep between batches."""
         cutoff = now_ms() - idle_ms if idle_ms else 0
         with self.index.read() as txn:
             candidates = self.index.unreferenced(txn, namespace)
@@ -156,8 +156,9 @@ class Capacity:
                 break
             with self._lock:
                 for block in candidates[start : start + COLLECT_BATCH]:
-                    size = self._delete_unreferenced(block, False, idle_before_ms=cutoff)
-                    deleted, freed = deleted + (size > 0), freed + size
+                    record = self._delete_unreferenced(block, False, idle_before_ms=cutoff)
+                    if record is not None:  # a demoted block frees no local bytes
+                        deleted, freed = deleted + 1, freed + record.local_bytes
         return deleted, freed
 
     # eviction
@@ -282,16 +283,15 @@ class Capacity:
 
     def _delete_unreferenced(
         self, block: BlockId, count_eviction: bool, idle_before_ms: int = 0
-    ) -> int:
+    ) -> BlockRecord | None:
         """Deletes a block if still unreferenced and unleased (and, with `idle_before_ms`,
-        untouched since then); returns bytes freed. No lease is granted between the check and
+        untouched since then); its record, or None. No lease is granted between the check and
         the delete, so no reader leases a block whose file is going."""
         delete = partial(self._delete, block, count_eviction, idle_before_ms)
         record = self.leases.unless_held(block, delete)
-        if record is None:
-            return 0
-        self._block_access.pop(block, None)
-        return record.num_bytes
+        if record is not None:
+            self._block_access.pop(block, None)
+        return record
 
     def _delete(
         self, block: BlockId, count_eviction: bool, idle_before_ms: int

@@ -335,3 +335,15 @@ def test_a_block_collected_between_lookup_and_lease_is_not_found(domain):
             reader.result(60)
     assert key.hex() in err.value.message and "was deleted" in err.value.message
     assert len(domain.leases) == 0
+
+
+def test_a_collection_counts_only_the_bytes_it_frees_here(domain):
+    """A demoted block (its payload only in the object store, its file gone from here) is
+    deleted with the rest, but frees no local bytes."""
+    demoted, local = put_loose(domain, 9), put_loose(domain, 10)
+    with domain.index.write() as txn:
+        record = domain.index.set_local(txn, domain.index.get_block(txn, NS, demoted), False)
+    domain.payloads.delete(record)
+    with domain.index.read() as txn:
+        size = domain.index.get_block(txn, NS, local).num_bytes
+    assert domain.collect_garbage(NS)[:2] == (2, size)
