@@ -68,16 +68,18 @@ class CacheStoreServicer:
             request.namespace, request.fingerprint, request.keys, request.layers
         )
         last = None
-        with self.streams.open("GetBlocks", context) as beat, self.store.reading(selections):
-            for message in self._stream(selections):
-                if last is not None:
-                    yield last
-                    beat()  # the peer took it
-                last = message
-        # The lease ends before the last message goes out (its bytes are already copied),
-        # so a client that has everything never sees the read's lease still held.
-        if last is not None:
-            yield last
+        with self.streams.open("GetBlocks", context) as beat:
+            with self.store.reading(selections):
+                for message in self._stream(selections):
+                    if last is not None:
+                        yield last
+                        beat()  # the peer took it
+                    last = message
+            # The lease ends before the last message goes out (its bytes are already copied),
+            # so a client that has everything never sees the read's lease still held; the
+            # stream's slot and idle watch last until the peer takes it.
+            if last is not None:
+                yield last
         self.store.metrics.get_seconds.observe(time.perf_counter() - start)
 
     def _stream(self, selections: list[Selection]) -> Iterator[bytes]:

@@ -36,6 +36,7 @@ from agentkv.errors import (
 )
 from agentkv.v1 import store_pb2 as pb
 from cache_store import leases
+from cache_store.service import CacheStoreServicer
 from cache_store.store import CacheStore
 from cache_store.uploads import PutHeader
 from tests.helpers import FP, NS, StoreProcess, local_store, make_chain, put_items, same_bytes
@@ -270,6 +271,40 @@ def test_idle_streams_cannot_starve_other_calls(tmp_path, launched, hold):
                 assert stream.future.exception(timeout=120).code() == grpc.StatusCode.CANCELLED
         more, _ = make_chain(list(range(500, 564)), seed=5)
         assert client.put_blocks(NS, FP, more).blocks
+
+
+class Context:
+    """The part of a grpc.ServicerContext the stream guard uses."""
+
+    def cancel(self) -> None:
+        raise AssertionError("no stream here idles long enough to be cancelled")
+
+
+def test_a_get_holds_its_stream_slot_until_its_last_message_is_taken(tmp_path):
+    """A reader that stops before taking the last message still holds its GetBlocks slot and
+    idle watch (the watch cancels it), so such readers cannot take RPC threads past
+    --max-streams; its read lease is over already."""
+    store = local_store(tmp_path / "data", max_streams=1)
+    servicer = CacheStoreServicer(store)
+    try:
+        blocks, keys = make_chain(list(range(64)))
+        _, lease_id, _ = store.put_stream(put_items(NS, FP, blocks))
+        store.leases.release(lease_id)
+        request = pb.GetBlocksRequest(namespace=NS, fingerprint=FP, keys=keys)
+        stream = servicer.GetBlocks(request, Context())
+        header = wire.decode(next(stream), pb.GetBlocksResponse).header
+        received = 0
+        while received < header.num_bytes:  # up to and including the last message
+            received += len(wire.decode(next(stream), pb.GetBlocksResponse))
+        assert len(store.leases) == 0
+        with pytest.raises(ResourceExhausted) as err:
+            next(servicer.GetBlocks(request, Context()))
+        assert "GetBlocks streams, its limit" in err.value.message
+        assert list(stream) == []  # the peer takes the last message: the slot is free
+        assert next(servicer.GetBlocks(request, Context()))
+    finally:
+        servicer.streams.close()
+        store.close()
 
 
 # 9. memory and CPU bounded per tenant
