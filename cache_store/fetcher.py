@@ -219,12 +219,15 @@ class Fetcher:
             with self.index.write() as txn:
                 self.index.bump(txn, "rehydrated_blocks", n)
 
-    def bucket_agents(self, namespace: str, after: str, limit: int) -> list[AgentView]:
-        """Agents the bucket holds, in id order after `after`, as the bucket describes them."""
+    def bucket_agents(self, namespace: str, after: str, limit: int) -> tuple[list[AgentView], str]:
+        """Agents the bucket holds, in id order after `after`, as the bucket describes them,
+        and the id to list on after ("" at the end: a short listing); one deleted here or
+        unreadable there is skipped but counted."""
         prefix = f"{namespace}/agents/"
         views = []
         start = layout.agent_object(namespace, after) if after else ""
-        for name in self.bucket.list(prefix, start, limit):
+        names = list(self.bucket.list(prefix, start, limit))
+        for name in names:
             agent_id = name[len(prefix) :]
             with self.index.read() as txn:
                 if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
@@ -241,7 +244,7 @@ class Fetcher:
                 continue
             size = sum(int(b["num_bytes"]) for b in m["blocks"])
             views.append(AgentView(layout.manifest_record(m), [], size))
-        return views
+        return views, names[-1][len(prefix) :] if len(names) == limit else ""
 
 
 class _Prefetch:

@@ -302,9 +302,12 @@ class Index:
 
     def block_page(
         self, txn: lmdb.Transaction, namespace: str, after: bytes, limit: int
-    ) -> list[BlockRecord]:
-        rows = self._page(txn, self._blocks, namespace, after, limit)
-        return [r for r in (self._lenient(BlockRecord.decode, k, v) for k, v in rows) if r]
+    ) -> tuple[list[BlockRecord], bytes]:
+        """Up to `limit` blocks after key `after`, and the key to list on after (b"" at the
+        end); a bad record is skipped but counted, so a short page need not be the last."""
+        rows, more = self._page(txn, self._blocks, namespace, after, limit)
+        records = [r for r in (self._lenient(BlockRecord.decode, k, v) for k, v in rows) if r]
+        return records, _last_id(rows, namespace) if more else b""
 
     # agents
 
@@ -354,9 +357,12 @@ class Index:
 
     def agent_page(
         self, txn: lmdb.Transaction, namespace: str, after: str, limit: int
-    ) -> list[AgentRecord]:
-        rows = self._page(txn, self._agents, namespace, after.encode(), limit)
-        return [r for r in (self._lenient(AgentRecord.decode, k, v) for k, v in rows) if r]
+    ) -> tuple[list[AgentRecord], str]:
+        """Up to `limit` agents after id `after`, and the id to list on after ("" at the end);
+        a bad record is skipped but counted, so a short page need not be the last."""
+        rows, more = self._page(txn, self._agents, namespace, after.encode(), limit)
+        records = [r for r in (self._lenient(AgentRecord.decode, k, v) for k, v in rows) if r]
+        return records, _last_id(rows, namespace).decode(errors="replace") if more else ""
 
     # quarantined records
 
@@ -472,19 +478,26 @@ class Index:
 
     def _page(
         self, txn: lmdb.Transaction, db: lmdb._Database, namespace: str, after: bytes, limit: int
-    ) -> list[tuple[bytes, bytes]]:
+    ) -> tuple[list[tuple[bytes, bytes]], bool]:
+        """Up to `limit` rows of `namespace` after `after`, and whether more follow."""
         prefix = namespace.encode() + SEP
         cursor = txn.cursor(db=db)
         rows: list[tuple[bytes, bytes]] = []
         if not cursor.set_range(prefix + after):
-            return rows
+            return rows, False
         for k, v in cursor:
-            if not k.startswith(prefix) or len(rows) == limit:
+            if not k.startswith(prefix):
                 break
             if after and k == prefix + after:
                 continue
+            if len(rows) == limit:
+                return rows, True
             rows.append((k, v))
-        return rows
+        return rows, False
+
+
+def _last_id(rows: list[tuple[bytes, bytes]], namespace: str) -> bytes:
+    return rows[-1][0][len(namespace.encode()) + len(SEP) :]
 
 
 def quarantine_key(table: str, key: bytes) -> bytes:

@@ -17,7 +17,7 @@ from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests, replies
 from cache_store.reads import Selection
-from cache_store.store import CacheStore, page_size_limit
+from cache_store.store import CacheStore
 from cache_store.streams import StreamGuard
 from cache_store.uploads import PutHeader
 
@@ -172,11 +172,11 @@ class CacheStoreServicer:
         self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
     ) -> pb.ListAgentsResponse:
         auth.check_namespace(request.namespace)
-        views = self.store.list_agents(request.namespace, request.page_token, request.page_size)
-        agents = [replies.agent_summary(v) for v in views]
-        full = len(views) == page_size_limit(request.page_size)
+        views, after = self.store.list_agents(
+            request.namespace, request.page_token, request.page_size
+        )
         return pb.ListAgentsResponse(
-            agents=agents, next_page_token=agents[-1].agent_id if agents and full else ""
+            agents=[replies.agent_summary(v) for v in views], next_page_token=after
         )
 
     def DeleteAgent(
@@ -226,11 +226,10 @@ class CacheStoreServicer:
             after = bytes.fromhex(request.page_token)
         except ValueError as exc:
             raise InvalidArgument(f"invalid page_token {request.page_token!r}") from exc
-        records = self.store.list_blocks(request.namespace, after, request.page_size)
-        full = len(records) == page_size_limit(request.page_size)
+        records, after = self.store.list_blocks(request.namespace, after, request.page_size)
         return pb.ListBlocksResponse(
             blocks=[replies.block_summary(r, self.store.last_access_ms(r)) for r in records],
-            next_page_token=records[-1].key.hex() if records and full else "",
+            next_page_token=after.hex(),
         )
 
     def GetStats(

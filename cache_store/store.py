@@ -165,24 +165,23 @@ class CacheStore:
 
     def list_agents(
         self, namespace: str, page_token: str, page_size: int
-    ) -> list[manifests.AgentView]:
-        """A page of agents in id order: this store's, and with an object store also those
-        only the bucket holds (fetched on their first GetAgent)."""
+    ) -> tuple[list[manifests.AgentView], str]:
+        """A page of agents in id order, and the token of the next ("" at the end): this
+        store's, and with an object store also those only the bucket holds (fetched on their
+        first GetAgent)."""
         ns = ids.namespace(namespace)
         limit = page_size_limit(page_size)
         with self.upkeep.repairing(), self.index.read() as txn:
-            page = self.index.agent_page(txn, ns, page_token, limit)
+            page, after = self.index.agent_page(txn, ns, page_token, limit)
             views = [manifests.view(self.index, txn, r) for r in page]
         if self.tier is None:
-            return views
+            return views, after
         try:
-            bucket = self.tier.bucket_agents(ns, page_token, limit)
+            bucket, bucket_after = self.tier.bucket_agents(ns, page_token, limit)
         except ObjectStoreDown as exc:
             log.warning("listing this store's agents only: %s", exc.message)
-            return views
-        merged = {v.record.agent_id: v for v in bucket}
-        merged.update((v.record.agent_id, v) for v in views)
-        return [merged[a] for a in sorted(merged)][:limit]
+            return views, after
+        return merge_pages(views, after, bucket, bucket_after, limit)
 
     def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
         ns = ids.namespace(namespace)
@@ -229,7 +228,10 @@ class CacheStore:
             usage = self.index.namespaces(txn)
         return {n: {**u, "quota": self.config.namespace_quota(n)} for n, u in usage.items()}
 
-    def list_blocks(self, namespace: str, page_token: bytes, page_size: int) -> list[BlockRecord]:
+    def list_blocks(
+        self, namespace: str, page_token: bytes, page_size: int
+    ) -> tuple[list[BlockRecord], bytes]:
+        """A page of blocks in key order, and the key to list on after (b"" at the end)."""
         ns = ids.namespace(namespace)
         with self.index.read() as txn:
             return self.index.block_page(txn, ns, page_token, page_size_limit(page_size))
@@ -306,3 +308,21 @@ class CacheStore:
 def page_size_limit(page_size: int) -> int:
     """The page size a listing uses: 100 by default, 1000 at most."""
     return min(page_size or 100, 1000)
+
+
+def merge_pages(
+    local: list[manifests.AgentView],
+    local_after: str,
+    bucket: list[manifests.AgentView],
+    bucket_after: str,
+    limit: int,
+) -> tuple[list[manifests.AgentView], str]:
+    """One page of two sources' pages (this store's copy wins), and its next token: up to
+    the first place either source's listing stopped, so neither skips an agent."""
+    merged = {v.record.agent_id: v for v in bucket}
+    merged.update((v.record.agent_id, v) for v in local)
+    after = min((a for a in (local_after, bucket_after) if a), default="")
+    page = sorted(a for a in merged if not after or a <= after)
+    if len(page) > limit:
+        page, after = page[:limit], page[limit - 1]
+    return [merged[a] for a in page], after

@@ -316,6 +316,41 @@ def test_a_record_damaged_while_serving_fails_closed_and_is_quarantined(stopped)
         assert check_truth(client, world) == {(NS, "victim"), (NS, "victim2")}
 
 
+def listed(client: StoreClient, method: str, request, items: str) -> list:
+    """Every item of a listing, page by page, following next_page_token as the SDK does."""
+    found = []
+    while True:
+        page = client.call(method, request)
+        found += getattr(page, items)
+        if not page.next_page_token:
+            return found
+        request.page_token = page.next_page_token
+
+
+def test_a_listing_goes_on_past_a_bad_record(stopped):
+    """Two to a page, the second block and the second agent damaged while serving: their
+    pages come back short, and their tokens lead on to every record after them."""
+    proc, world = stopped
+    proc.start()
+    keys = sorted(key for ns, key in world.blocks if ns == NS)
+    (span,) = [
+        s
+        for s in spans(proc.data_dir)
+        if s.table == "blocks" and s.key == f"{NS}\0".encode() + keys[1]
+    ]
+    flip(proc.data_dir, [s + span.value_at + len(span.value) // 2 for s in span.starts], 0x40)
+    flip_token(proc.data_dir, NS, "victim", 20)  # of sibling, victim, victim2
+    with proc.client() as client:
+        blocks = listed(
+            client, "ListBlocks", pb.ListBlocksRequest(namespace=NS, page_size=2), "blocks"
+        )
+        assert [b.key for b in blocks] == [keys[0], *keys[2:]]
+        agents = listed(
+            client, "ListAgents", pb.ListAgentsRequest(namespace=NS, page_size=2), "agents"
+        )
+        assert [a.agent_id for a in agents] == ["sibling", "victim2"]
+
+
 def manifest_bytes(span: Span) -> dict[str, tuple[int, bool]]:
     """Offsets within a manifest's span by what they hold, and whether a flip there loses it
     (one in the key only misplaces a record that still checks out under the key it names)."""

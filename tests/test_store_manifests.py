@@ -7,6 +7,9 @@ import threading
 import pytest
 
 from agentkv.errors import GenerationConflict
+from cache_store.manifests import AgentView
+from cache_store.records import AgentRecord
+from cache_store.store import merge_pages
 from tests.helpers import FP, NS, make_chain
 
 
@@ -138,6 +141,32 @@ def test_list_agents_pages(store):
     ids = [a.agent_id for a in store.list_agents(NS)]
     assert ids == [f"agent-{i:03d}" for i in range(130)]
     assert store.stats().num_agents == 130
+
+
+def view(agent_id: str, where: str) -> AgentView:
+    return AgentView(AgentRecord(NS, agent_id, FP, [], [], [], phase=where), [], 0)
+
+
+@pytest.mark.parametrize(
+    "here, here_after, there, there_after, limit, page, after",
+    [
+        ("ac", "c", "bcd", "", 3, "abc", "c"),  # this store's listing stopped at c
+        ("e", "", "ab", "b", 2, "ab", "b"),  # the bucket's stopped at b
+        ("ac", "", "bd", "", 3, "abc", "c"),  # both at their ends, more than a page
+        ("ac", "", "bd", "", 4, "abcd", ""),
+    ],
+)
+def test_a_page_of_two_listings_skips_no_agent(
+    here, here_after, there, there_after, limit, page, after
+):
+    """With an object store, ListAgents merges this store's page and the bucket's: the next
+    page starts where the first of the two listings stopped, so neither skips an agent; this
+    store's copy of an agent wins."""
+    local = [view(a, "here") for a in here]
+    bucket = [view(a, "there") for a in there]
+    views, token = merge_pages(local, here_after, bucket, there_after, limit)
+    assert ("".join(v.record.agent_id for v in views), token) == (page, after)
+    assert all(v.record.phase == "here" for v in views if v.record.agent_id in here)
 
 
 def test_reuploaded_quarantined_block_keeps_its_references(store, store_process):
