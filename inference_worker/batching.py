@@ -107,14 +107,6 @@ class Batcher:
         if joining:
             self._join(joining)  # one re-merge for everyone whose prefill finished
 
-    def prefill(self, agent: Agent) -> None:
-        """Runs the tokens the agent's cache lacks through the model, alone, in chunks (a
-        new agent's system prompt)."""
-        pending, step = agent.tokens[agent.cached :], self.scheduler.prefill_chunk
-        agent.keep_undurable()
-        for start in range(0, len(pending), step):
-            mx.eval(self.model(mx.array([pending[start : start + step]]), cache=agent.caches))
-
     # decode and prefill
 
     def fail_all(self) -> None:

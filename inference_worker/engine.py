@@ -119,35 +119,39 @@ class Engine:
     # agents (each runs on the MLX thread)
 
     def create_agent(
-        self,
-        ns: str,
-        agent_id: str,
-        system: str,
-        phase: str,
-        metadata: dict[str, str],
-        shared: Fetched | None = None,
-    ) -> tuple[AgentInfo, UsageEvent]:
-        """A new agent, its system prompt prefilled (ids and metadata checked by the caller)
-        after the blocks of `shared` (Restorer.fetch_prefix: the same prefix, stored)."""
+        self, job: TurnJob, system: str, metadata: dict[str, str], shared: Fetched | None = None
+    ) -> None:
+        """Starts a new agent (ids and metadata checked by the caller): its system prompt is
+        prefilled after the blocks of `shared` (Restorer.fetch_prefix: the same prefix,
+        stored) as a turn of its own, scheduled in chunks between the others' steps and
+        within the hot budget; its usage and END arrive on job.events."""
+        ns, agent_id = job.namespace, job.agent_id
         hot = self.hot.get((ns, agent_id))
         if hot is not None:  # the RPC thread asked the store
             raise agent_exists(ns, agent_id, hot.metadata, system)
         check_system(system)
         tokens, chat = self.chat.start(system)
         caches = self.restorer.empty_caches()
-        agent = Agent(ns, agent_id, tokens, caches, phase=phase, metadata=metadata, chat=chat)
+        agent = Agent(ns, agent_id, tokens, caches, phase=job.phase, metadata=metadata, chat=chat)
         agent.check_context(0, self.runtime.max_context)
         usage = UsageEvent(prompt_tokens=len(tokens), cache_state="cold")
         if shared is not None and shared.layers:
             usage.reused_store_tokens = self.restorer.seed(agent, shared)
             usage.cache_state, usage.restore_path = "warm", shared.path
             usage.restored_bytes = shared.bytes_read
+        pending = tokens[agent.cached :]
+        usage.prefilled_tokens = len(pending)
+        memory = agent.memory_for(len(tokens), self.runtime.token_bytes)
+        request = Request(f"{next(self._turn_ids)}", len(pending), 0, memory, job.priority, None)
+        turn = ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
+        if pending:
+            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
         for cache in agent.caches:
             cache.begin_turn()
-        usage.prefilled_tokens = len(tokens) - agent.cached
-        self.batcher.prefill(agent)
-        self._finish_turn(agent)
-        return agent.info("hot"), usage
+        self.hot.put(agent)
+        if not pending:
+            turn.usage.finish_reason = "none"
+            self._turn_done(turn)
 
     def start_turn(
         self, job: TurnJob, view: StoreView | None = None, fetched: Fetched | None = None
@@ -215,7 +219,9 @@ class Engine:
         """A turn failed after it was queued: its agent goes back to before it (so a retry
         does not say its messages twice), and its stream ends with `error`, its own."""
         agent = turn.agent
-        if turn.undo is not None and not turn.undo.restore(agent):
+        if turn.job.creates:
+            self.hot.pop(agent.id)  # a new agent whose prefill failed: it never was
+        elif turn.undo is not None and not turn.undo.restore(agent):
             self.hot.pop(agent.id)  # its caches cannot be rewound: the store's copy is right
             log.warning(
                 "agent dropped from RAM after a failed turn", extra={"agent": agent.agent_id}
@@ -245,7 +251,8 @@ class Engine:
         if usage.generated_tokens or job.messages:
             agent.chat = agent.chat.marked(len(agent.tokens), agent.cached)
         self._finish_turn(agent)
-        self.metrics.turns.labels(state=usage.cache_state).inc()
+        if not job.creates:
+            self.metrics.turns.labels(state=usage.cache_state).inc()
         if job.durable and agent.pending is not None:
             agent.pending.add_done_callback(
                 lambda write: job.end(usage, turn_not_durable(agent, write.result()))

@@ -18,28 +18,26 @@ from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
 from inference_worker.persistence import check_metadata, check_system
-from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
+from inference_worker.turns import AgentInfo, TurnJob
 
 
 class Front:
     def __init__(self, engine: Engine, check_timeout: float) -> None:
         self.engine, self.client, self.check_timeout = engine, engine.store, check_timeout
 
-    def create_agent(
-        self, ns: str, agent_id: str, system: str, phase: str, metadata: dict[str, str]
-    ) -> tuple[AgentInfo, UsageEvent]:
-        """A new agent; its system prompt's blocks come from the store when another agent
-        of the namespace stored the same prefix, and only the rest is prefilled."""
-        ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
+    def create_agent(self, job: TurnJob, system: str, metadata: dict[str, str]) -> None:
+        """Starts a new agent (Engine.create_agent); raises what refused it. Its system
+        prompt's blocks come from the store when another agent of the namespace stored the
+        same prefix, and only the rest is prefilled."""
+        ns, agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
         stored = self._stored(ns, agent_id)
         if stored is not None:
             raise agent_exists(ns, agent_id, stored.metadata, system)
-        phase = ids.phase(phase)
+        ids.phase(job.phase)
         check_system(system)
         metadata = check_metadata({**metadata, SYSTEM_KEY: system_digest(system)}, system)
         shared = self.engine.restorer.fetch_prefix(ns, self.engine.chat.start(system)[0])
-        create = self.engine.create_agent
-        return self._mlx(create, ns, agent_id, system, phase, metadata, shared)
+        self._mlx(self.engine.create_agent, job, system, metadata, shared)
 
     def start_turn(self, job: TurnJob) -> None:
         """Queues the turn (Engine.start_turn); raises what refused it. The store is asked

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from functools import partial
 
 import grpc
 
@@ -29,14 +30,15 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
     def CreateAgent(self, request: pb.CreateAgentRequest, context) -> pb.CreateAgentResponse:
         auth.check_namespace(request.namespace)
-        info, usage = self.front.create_agent(
-            request.namespace,
-            request.agent_id,
-            request.system_prompt,
-            request.phase,
-            dict(request.metadata),
+        ns, agent_id, phase = request.namespace, request.agent_id, request.phase
+        job = TurnJob(ns, agent_id, [], Sampling(max_tokens=0), phase, creates=True)
+        create = partial(
+            self.front.create_agent, system=request.system_prompt, metadata=dict(request.metadata)
         )
-        return pb.CreateAgentResponse(agent=_state(info), usage=pb.Usage(**asdict(usage)))
+        usage = None
+        for response in self._run(job, context, create):
+            usage = response.usage
+        return pb.CreateAgentResponse(agent=_state(self.front.describe(ns, agent_id)), usage=usage)
 
     def Turn(
         self, request: pb.TurnRequest, context: grpc.ServicerContext
@@ -89,10 +91,16 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             durable=request.durable,
         )
 
-    def _run(self, job: TurnJob, context: grpc.ServicerContext) -> Iterator[pb.TurnResponse]:
-        """Starts the job on the engine and streams its events until it ends."""
+    def _run(
+        self,
+        job: TurnJob,
+        context: grpc.ServicerContext,
+        start: Callable[[TurnJob], None] | None = None,
+    ) -> Iterator[pb.TurnResponse]:
+        """Starts the job on the engine (a turn, unless `start` says otherwise) and streams
+        its events until it ends."""
         context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
-        self.front.start_turn(job)  # raises what refused the turn
+        (start or self.front.start_turn)(job)  # raises what refused it
         pending = None  # what came after a run of token events
         while (event := pending or _next_event(job, context)) is not END:
             pending = None

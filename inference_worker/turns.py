@@ -49,6 +49,7 @@ class TurnJob:
     # `messages` are the whole conversation, resent (chat.resume), not only what is new
     whole_conversation: bool = False
     request_id: str = ""  # an injection's idempotency key
+    creates: bool = False  # a new agent's system prompt (Engine.create_agent)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started

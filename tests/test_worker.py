@@ -95,11 +95,13 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
     client = StoreClient(store_process.address)
     engine = Engine(config, resolve_runtime(config), client, WorkerMetrics())
     try:
-        engine.submit(engine.create_agent, "default", "a", SYSTEM, "", {}).result()
+        create = TurnJob("default", "a", [], Sampling(max_tokens=0), creates=True)
+        engine.submit(engine.create_agent, create, SYSTEM, {}).result()
         job = TurnJob("default", "a", [ChatMessage(*Q1[0])], Sampling(max_tokens=0))
         engine.submit(engine.start_turn, job).result()
-        while job.events.get() is not END:
-            pass
+        for started in (create, job):
+            while started.events.get() is not END:
+                pass
         engine.persister.flush()
 
         def compare():

@@ -110,3 +110,33 @@ def test_an_empty_append_only_turn_ends_at_once(tiny_model_dirs, start_worker):
     reply = w.turn("default", "quiet", [], max_tokens=0)
     assert reply.usage.finish_reason == "none" and reply.usage.prefilled_tokens == 0
     assert len(w.turn("default", "quiet", QUESTION, max_tokens=3).token_ids) == 3
+
+
+def test_a_long_system_prompt_is_prefilled_between_the_others_steps(tiny_model_dirs, start_worker):
+    """CreateAgent's prefill is scheduled as a turn's is, a chunk per step between the decode
+    steps: an agent decoding meanwhile gets a token per chunk, where the whole prefill used
+    to run as one job (a dozen long system prompts froze every stream for minutes)."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--prefill-chunk", "64").address)
+    w.create_agent("default", "talker", "You talk.")
+    call = long_turn(w, "talker")
+    got, stop = [len(next(call).tokens.token_ids)], threading.Event()
+
+    def read() -> None:
+        for response in call:
+            got.append(len(response.tokens.token_ids))
+            if stop.is_set():
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    before = sum(got)
+    system = "The archivist indexes every scroll. " * 150
+    request = pb.CreateAgentRequest(namespace="default", agent_id="reader", system_prompt=system)
+    made = w.stub.CreateAgent(request, timeout=120)
+    during = sum(got) - before
+    stop.set()
+    call.cancel()
+    reader.join()
+    chunks = made.usage.prefilled_tokens // 64
+    assert chunks >= 30, made.usage
+    assert during >= chunks // 2, during  # a token a step; before: 3 to 6, sent before it ran
