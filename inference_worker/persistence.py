@@ -235,7 +235,8 @@ class Persister:
         except ValueError as exc:  # blocks it would rewrite have left a window cache
             log.error("cannot persist agent", extra={"agent": agent.agent_id, "error": str(exc)})
             agent.persist_error = FailedPrecondition(str(exc))
-            self.metrics.persists.labels(outcome="failed").inc()
+            agent.pending = Future()  # a write that failed at once: a durable turn says so
+            agent.pending.set_result(self._report("failed", agent.persist_error))
             return
         agent.pending = self._pool.submit(self._save, agent, snap)
         agent.pending.add_done_callback(lambda write: self._on_written(agent))

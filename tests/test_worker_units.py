@@ -125,6 +125,28 @@ def test_hot_tier_keeps_an_agent_whose_last_write_failed():
     assert [a.agent_id for a in tier.enforce()] == ["saved"]
 
 
+def test_a_write_that_cannot_even_be_cut_fails_the_durable_turn_waiting_on_it(monkeypatch):
+    """Should the snapshot fail (a window cache lost blocks it would rewrite), the write
+    fails at once: the turn that waits for it is not told it was committed, as it was
+    when only the earlier, finished write was there to wait on."""
+    from concurrent.futures import Future
+
+    from inference_worker import persistence
+    from inference_worker.metrics import WorkerMetrics
+
+    def lost(*args):
+        raise ValueError("positions before 256 left this layer's window")
+
+    monkeypatch.setattr(persistence, "snapshot", lost)
+    writes = persistence.Persister(None, "fp", 64, WorkerMetrics(), lambda agent: None)
+    a = agent("a", 100)
+    a.pending = Future()
+    a.pending.set_result(None)  # the last turn's write, committed
+    writes.persist(a)
+    error = persistence.turn_not_durable(a, a.pending.result())
+    assert error is not None and "left this layer's window" in error.message
+
+
 def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, capsys):
     from inference_worker.__main__ import build_config
 
