@@ -1,9 +1,11 @@
 """GGUF import: a llama.cpp model file as an mlx-lm model directory.
 
 `import_gguf(file, out, weights)` writes config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json, which `mlx_lm.load` opens offline. Weights are either dequantized
-(float32, float16, bfloat16) or kept quantized ("native": Q4_0, Q4_1 and Q8_0 are MLX affine
-quantization with group size 32, so they load as MLX quantized layers unchanged).
+tokenizer_config.json, which `mlx_lm.load` opens offline. Tensors are read from their raw
+blocks (gguf_header, gguf_quants) and either dequantized (float32, float16, bfloat16) or, for
+"native", kept quantized where MLX has the layout: Q4_0, Q4_1 and Q8_0 are MLX affine
+quantization with group size 32, so they load as MLX quantized layers unchanged; K-quants
+and Q5_0/Q5_1 have no such layout and come as float16.
 `cached_import` does it once per file, keyed by the file's hash, which also enters the
 directory's config (and so the worker's fingerprint).
 """
@@ -13,20 +15,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
+from inference_worker.gguf_header import TensorInfo, read_header
+from inference_worker.gguf_quants import AFFINE, BLOCKS, affine, block_weights, dequantize, nbytes
 from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
 GROUP_SIZE = 32  # every GGUF block quantization MLX reads (Q4_0, Q4_1, Q8_0)
-FORMAT_VERSION = 2  # bump when the output of an import changes (2: float32 scales)
+FORMAT_VERSION = 3  # bump when the output of an import changes (3: agentkv decodes tensors)
 READ_CHUNK = 16 << 20
 
 
@@ -104,19 +108,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture("qwen3", _dense),
     "gemma3": Architecture("gemma3_text", _gemma3, _GEMMA3_LAYER_NAMES, norm_shift=1.0),
 }
-# GGML tensor types mx.load decodes as llama.cpp does (Q2_K, Q6_K and BF16 through float16,
-# exact to its rounding). It misreads Q4_K and drops some others without a word.
-READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q6_K")
+# GGML tensor types agentkv decodes (gguf_quants), bit for bit as llama.cpp does.
+READABLE = ("F32", "F16", "BF16", *BLOCKS)
 TENSOR_TYPES = f"{', '.join(READABLE[:-1])} and {READABLE[-1]}"
-GGML_TYPES = {  # ggml.h's type ids, for naming what is refused
-    **{0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1"},
-    **{10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K"},
-    **{16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S"},
-    **{22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64"},
-    **{29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0"},
-}
-_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9  # GGUF metadata value types of their own length
+# What `native` keeps a tensor it decodes to floats in (F32/F16 stay as they are): the dtype
+# MLX's own reader gave Q2_K and Q6_K, and half the memory of float32.
+NATIVE_FLOAT = "float16"
 
 
 def file_hash(path: Path) -> str:
@@ -127,76 +124,56 @@ def file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tensor_types(path: Path) -> dict[str, str]:
-    """Each tensor's GGML type name, from the file's header (mx.load does not say)."""
-    with open(path, "rb") as f:
-        magic, version, num_tensors, num_kv = _unpack(f, "<4sIQQ")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise GGUFError(f"{path} is not a GGUF file of version 2 or 3")
-        for _ in range(num_kv):
-            _skip_value(f, _STRING)  # the key
-            _skip_value(f, *_unpack(f, "<I"))
-        types = {}
-        for _ in range(num_tensors):
-            name = _read(f, *_unpack(f, "<Q")).decode("utf-8", "replace")
-            _read(f, 8 * _unpack(f, "<I")[0])  # the shape
-            kind, _ = _unpack(f, "<IQ")  # the type, the data's offset
-            types[name] = GGML_TYPES.get(kind, f"type {kind}")
-    return types
-
-
-def _skip_value(f, kind: int) -> None:
-    if kind == _STRING:
-        f.seek(_unpack(f, "<Q")[0], os.SEEK_CUR)
-    elif kind == _ARRAY:
-        kind, count = _unpack(f, "<IQ")
-        if kind in _VALUE_SIZES:
-            f.seek(_VALUE_SIZES[kind] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_value(f, kind)
-    elif kind in _VALUE_SIZES:
-        f.seek(_VALUE_SIZES[kind], os.SEEK_CUR)
-    else:
-        raise GGUFError(f"GGUF metadata has a value of unknown type {kind}")
-
-
-def _unpack(f, fmt: str) -> tuple:
-    return struct.unpack(fmt, _read(f, struct.calcsize(fmt)))
-
-
-def _read(f, size: int) -> bytes:
-    data = f.read(size)
-    if len(data) != size:
-        raise GGUFError(f"GGUF header of {f.name} ends early: the file is cut short")
-    return data
-
-
 def check_tensor_types(path: Path) -> None:
-    """Refuses a file with a tensor type MLX would misread, naming the first such tensor."""
-    refused = {name: kind for name, kind in tensor_types(path).items() if kind not in READABLE}
+    """Refuses a file with a tensor type agentkv does not decode, naming the first such
+    tensor."""
+    _check_types(read_header(path).tensors)
+
+
+def _check_types(tensors: list[TensorInfo]) -> None:
+    refused = {info.name: info.kind for info in tensors if info.kind not in READABLE}
     if refused:
         name, kind = next(iter(refused.items()))
         others = sorted(set(refused.values()) - {kind})
         also = f", nor {', '.join(others)} (also in this file)" if others else ""
         raise GGUFError(
             f"GGUF tensor {name!r} is {kind}, which agentkv does not import{also}; it imports "
-            f"{TENSOR_TYPES} (the model's Q8_0 or Q4_0 GGUF would do)"
+            f"{TENSOR_TYPES} (the model's Q4_K_M or Q8_0 GGUF would do)"
         )
 
 
-def read_gguf(path: Path) -> tuple[dict, dict]:
-    """(tensors, metadata) as MLX reads them; a file MLX cannot read, or would misread,
-    is a GGUFError."""
+def read_gguf(path: Path, weights: str = "float32") -> tuple[dict, dict]:
+    """(tensors, metadata). Under `native`, Q4_0/Q4_1/Q8_0 tensors come as MLX affine
+    quantization (`stem.weight` packed, `stem.scales`, `stem.biases`), other decoded types as
+    NATIVE_FLOAT; otherwise every tensor comes in the `weights` dtype or F32/F16 as stored."""
+    header = read_header(path)
+    _check_types(header.tensors)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for info in header.tensors:
+        tensors.update(_read_tensor(path, data, info, weights))
+    return tensors, header.metadata
+
+
+def _read_tensor(path: Path, data: np.ndarray, info: TensorInfo, weights: str) -> dict:
+    """One tensor, decoded from its raw blocks (a GGUFError if they are not all there)."""
     import mlx.core as mx
 
-    check_tensor_types(path)
-    try:
-        return mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as exc:
-        raise GGUFError(
-            f"cannot read GGUF {path}: {exc} (agentkv reads tensor types {TENSOR_TYPES})"
-        ) from exc
+    if info.shape and info.shape[-1] % block_weights(info.kind):
+        raise GGUFError(f"GGUF tensor {info.name!r} has rows of {info.shape[-1]} weights, "
+                        f"not whole {info.kind} blocks")  # fmt: skip
+    raw = data[info.offset : info.offset + nbytes(info.kind, info.size)]
+    if len(raw) != nbytes(info.kind, info.size):
+        raise GGUFError(f"GGUF {path} is cut short: tensor {info.name!r} lacks its data")
+    stem = info.name.rpartition(".")[0]
+    if weights == "native" and info.kind in AFFINE:
+        parts = zip(("weight", "scales", "biases"), affine(raw, info.kind, info.shape), strict=True)
+        return {f"{stem}.{part}": mx.array(array) for part, array in parts}
+    array = mx.array(dequantize(raw, info.kind, info.shape))
+    if info.kind not in ("F32", "F16"):
+        array = array.astype(getattr(mx, NATIVE_FLOAT if weights == "native" else weights))
+        mx.eval(array)  # now, so that only one tensor's float32 is held at a time
+    return {info.name: array}
 
 
 def _scalar(value):
@@ -315,18 +292,12 @@ def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict
         stem = key.rpartition(".")[0]
         if key.endswith((".scales", ".biases")) and stem in quantized:
             continue  # travels with its packed weight
-        if stem in quantized and key.endswith(".weight"):
+        if stem in quantized and key.endswith(".weight"):  # native Q4_0, Q4_1, Q8_0
             group = {p: tensors[f"{stem}.{p}"] for p in ("weight", "scales", "biases")}
-            bits = _bits(tensors, stem)
-            if weights != "native":  # in float32: fp16 scales would round every weight
-                packed, scales, biases = group.values()
-                f32 = (scales.astype(mx.float32), biases.astype(mx.float32))
-                group = {"weight": mx.dequantize(packed, *f32, GROUP_SIZE, bits)}
-            else:
-                quantization[hf_name(key, arch).rpartition(".")[0]] = {
-                    "group_size": GROUP_SIZE,
-                    "bits": bits,
-                }
+            quantization[hf_name(key, arch).rpartition(".")[0]] = {
+                "group_size": GROUP_SIZE,
+                "bits": _bits(tensors, stem),
+            }
         else:
             group = {key.rpartition(".")[2]: value}
         for part, array in group.items():
@@ -354,7 +325,7 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
 
     if weights not in WEIGHTS:
         raise GGUFError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
-    tensors, meta = read_gguf(path)
+    tensors, meta = read_gguf(path, weights)
     architecture_of(meta)  # refuse before any work
     hf, quantization = convert_tensors(tensors, meta, weights)
     if "model.embed_tokens.weight" not in hf:

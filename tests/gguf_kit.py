@@ -38,11 +38,14 @@ GEMMA3_LAYER = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-# Where a K-quant block keeps its fp16 super-block scales (d, and dmin where it has one).
+# Where a K-quant block keeps its fp16 super-block scales (d, and dmin where it has one), and
+# the largest sub-block scale times quant it multiplies (so that weights stay within +-1).
 _KQUANT_SCALES = {
-    GGMLQuantizationType.Q2_K: (80, 82),
-    GGMLQuantizationType.Q4_K: (0, 2),
-    GGMLQuantizationType.Q6_K: (208,),
+    GGMLQuantizationType.Q2_K: ((80, 82), 15 * 3),
+    GGMLQuantizationType.Q3_K: ((108,), 32 * 4),
+    GGMLQuantizationType.Q4_K: ((0, 2), 63 * 15),
+    GGMLQuantizationType.Q5_K: ((0, 2), 63 * 31),
+    GGMLQuantizationType.Q6_K: ((208,), 128 * 32),
 }
 
 
@@ -96,7 +99,7 @@ def rope_freqs(config: dict) -> np.ndarray:
 def ggml_data(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
     """A tensor's raw data in GGML type `qtype`: gguf's own quantization of random weights,
     or random blocks where gguf has no quantizer (the K-quants), their fp16 scales set
-    small so that the blocks decode to ordinary weights (llama.cpp's quantizer's range)."""
+    small so that the blocks decode to ordinary weights (within +-1)."""
     rng = np.random.default_rng(seed)
     try:
         return quantize(rng.standard_normal(shape).astype(np.float32), qtype)
@@ -104,8 +107,9 @@ def ggml_data(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0
         pass
     block, size = GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
-    for at in _KQUANT_SCALES.get(qtype, ()):
-        scales = rng.uniform(-0.05, 0.05, (len(data), 1)).astype(np.float16)
+    offsets, span = _KQUANT_SCALES.get(qtype, ((), 1))
+    for at in offsets:
+        scales = rng.uniform(-1 / span, 1 / span, (len(data), 1)).astype(np.float16)
         data[:, at : at + 2] = scales.view(np.uint8)
     return data.reshape(shape[0], -1)
 

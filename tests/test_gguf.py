@@ -17,7 +17,7 @@ from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from inference_worker import gguf_import, model_import
+from inference_worker import model_import
 from inference_worker.gguf_import import GGUFError, cached_import, import_gguf, read_gguf
 from inference_worker.gguf_tokenizer import build_tokenizer
 from inference_worker.models import ModelError, resolve_model
@@ -141,14 +141,16 @@ def _bare_gguf(path, arch: str, data=None, qtype: GGMLQuantizationType | None = 
     return path
 
 
-# What MLX's reader decodes as llama.cpp does; it misreads Q4_K and drops some types.
-READABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q2_K, Q.Q6_K}
+# The GGML types agentkv decodes, bit for bit as gguf's numpy dequantize does.
+READABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
+READABLE |= {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 
 @pytest.mark.parametrize("qtype", list(Q), ids=lambda q: q.name)
 def test_every_tensor_type_reads_as_gguf_decodes_it_or_is_refused_by_name(tmp_path, qtype):
-    """A tensor either reads as gguf's own dequantize gives it (to float16 rounding: MLX
-    decodes Q2_K, Q6_K and BF16 through float16) or is refused naming it and its type."""
+    """A tensor either reads as gguf's own dequantize gives it (bit for bit in float32;
+    under native, Q4_0/Q4_1/Q8_0 as MLX quantization that dequantizes to it, the others
+    rounded to float16) or is refused naming it and its type."""
     data = ggml_data((8, 512), qtype, seed=int(qtype))
     gguf = _bare_gguf(tmp_path / "t.gguf", "llama", data, qtype)
     if qtype not in READABLE:
@@ -156,32 +158,60 @@ def test_every_tensor_type_reads_as_gguf_decodes_it_or_is_refused_by_name(tmp_pa
         with pytest.raises(GGUFError, match=says):
             read_gguf(gguf)
         return
-    tensors, _ = read_gguf(gguf)
-    got = tensors["token_embd.weight"]
-    if "token_embd.scales" in tensors:  # Q4_0, Q4_1, Q8_0: MLX affine quantization
-        scales, biases = (
-            tensors[f"token_embd.{k}"].astype(mx.float32) for k in ("scales", "biases")
-        )
-        got = mx.dequantize(got, scales, biases, 32, got.shape[-1] * 32 // 512)
     want = dequantize(data, qtype)
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=2**-11, atol=2**-24)
+    tensors, _ = read_gguf(gguf, "float32")
+    np.testing.assert_array_equal(np.array(tensors["token_embd.weight"]), want)
+    native, _ = read_gguf(gguf, "native")
+    got = native["token_embd.weight"]
+    if "token_embd.scales" in native:  # Q4_0, Q4_1, Q8_0: MLX affine quantization
+        scales, biases = (native[f"token_embd.{k}"] for k in ("scales", "biases"))
+        f32 = (scales.astype(mx.float32), biases.astype(mx.float32))
+        got = mx.dequantize(got, *f32, 32, got.shape[-1] * 32 // 512)
+    elif qtype not in (Q.F32, Q.F16):
+        want = want.astype(np.float16)
+    np.testing.assert_array_equal(np.array(got), want)
 
 
-def test_a_q4_k_gguf_is_refused_though_imported_before(sources, tmp_path, monkeypatch):
-    """Q4_K (most Q4_K_M files) once imported with wrong weights: such a file is refused in
-    one line, and so is its import already in the cache."""
-    path, config, _, _, w = sources["llama"]
-    raw = {"model.layers.0.mlp.down_proj.weight": Q.Q4_K}
-    gguf = write_gguf(tmp_path / "m.gguf", w, config, path, Q.Q8_0, raw=raw)
-    cache = tmp_path / "cache"
-    with monkeypatch.context() as before:  # as agentkv imported it before it checked
-        before.setattr(gguf_import, "check_tensor_types", lambda path: None)
-        cached_import(gguf, "float32", cache)
-    with pytest.raises(ModelError) as err:
-        resolve_model(str(gguf), "float32", cache_dir=cache)
-    message = str(err.value)
-    assert message.startswith("GGUF tensor 'blk.0.ffn_down.weight' is Q4_K, which agentkv")
-    assert "Q8_0" in message and "\n" not in message
+# A Q4_K_M-like mix (llama.cpp's choice per tensor) with the other types agentkv decodes.
+MIX = {
+    "model.embed_tokens.weight": Q.Q4_K,
+    "model.layers.0.self_attn.q_proj.weight": Q.Q4_K,
+    "model.layers.0.self_attn.k_proj.weight": Q.Q4_K,
+    "model.layers.0.self_attn.v_proj.weight": Q.Q6_K,
+    "model.layers.0.self_attn.o_proj.weight": Q.Q5_K,
+    "model.layers.0.mlp.gate_proj.weight": Q.Q4_K,
+    "model.layers.0.mlp.up_proj.weight": Q.Q5_K,
+    "model.layers.0.mlp.down_proj.weight": Q.Q3_K,
+    "model.layers.1.self_attn.q_proj.weight": Q.Q5_0,
+    "model.layers.1.self_attn.v_proj.weight": Q.Q5_1,
+    "model.layers.1.mlp.down_proj.weight": Q.Q2_K,
+}
+
+
+def test_a_k_quant_gguf_runs_as_its_gguf_dequantized_weights(tmp_path):
+    """A model whose weights are K-quants (random valid blocks) and Q5_0/Q5_1 imports and
+    gives, bit for bit, the logits of the same model loaded from gguf's own dequantization:
+    in float32, and under native (those weights as float16) that of float16-rounded ones."""
+    from tests.model_kit import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = {**TINY_CONFIGS["qwen3"], "hidden_size": 256, "intermediate_size": 512}
+    config["vocab_size"] = tokenizer.get_vocab_size()  # rows of 256: whole K-quant blocks
+    source = save_model(tmp_path / "src", random_model(config, seed=4), config, tokenizer)
+    model, tok = load(str(source))
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    gguf = write_gguf(tmp_path / "m.gguf", weights, config, source, raw=MIX)
+    decoded = {k: dequantize(ggml_data(weights[k].shape, q), q) for k, q in MIX.items()}
+    for kind in ("float32", "native"):
+        reference = random_model(config)
+        ref = {**weights, **decoded}
+        if kind == "native":
+            ref.update({k: v.astype(np.float16).astype(np.float32) for k, v in decoded.items()})
+        reference.load_weights([(k, mx.array(v)) for k, v in ref.items()])
+        imported, _ = load(str(cached_import(gguf, kind, tmp_path / "cache")))
+        imported.set_dtype(mx.float32)
+        got, expected = logits(imported, tok), logits(reference, tok)
+        assert bool(mx.isfinite(expected).all()) and mx.array_equal(got, expected), kind
 
 
 def test_an_unsupported_architecture_is_one_line(tmp_path):
@@ -375,7 +405,7 @@ def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, m
     reply = worker.turn("ns", "a", [("user", "Hello there.")], max_tokens=4)
     assert len(reply.token_ids) == 4
     (imported,) = (tmp_path / "cache").iterdir()
-    assert imported.name.startswith("tiny-qwen3-") and imported.name.endswith("-float32-v2")
+    assert imported.name.startswith("tiny-qwen3-") and imported.name.endswith("-float32-v3")
     other = write_gguf(tmp_path / "other.gguf", w, config, path, Q.Q4_0)
     again = WorkerClient(start_worker(other, name="other").address)
     assert again.info().fingerprint != worker.info().fingerprint
