@@ -243,7 +243,7 @@ class HotTier:
 
     def release(self, agent: Agent, mid_turn: Callable[[Agent], bool]) -> None:
         """Once committed, window caches let go of what only persistence still needed."""
-        if mid_turn(agent) or self.get(agent.id) is not agent:
+        if mid_turn(agent) or self._agents.get(agent.id) is not agent:  # not a use: LRU stays
             return  # mid-turn (the batch drops it), or no longer held here
         agent.keep_undurable()
         for cache in agent.caches:

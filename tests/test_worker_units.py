@@ -87,6 +87,10 @@ class FakeCache:
 
     offset: int
     nbytes: int
+    keep_from: int = 0
+
+    def release(self) -> None:
+        pass
 
 
 def agent(name: str, nbytes: int, durable: bool = True) -> Agent:
@@ -102,6 +106,17 @@ def test_hot_tier_evicts_least_recently_used_durable_agents():
     tier.get(("ns", "a"))  # a is now the most recent; b is the oldest
     evicted = tier.enforce()
     assert [a.agent_id for a in evicted] == ["b"] and tier.nbytes == 200
+
+
+def test_a_write_landing_is_not_a_use_of_the_agent():
+    """HotTier.release runs after each write of a windowed model: the agent written last
+    is not thereby the most recently used."""
+    tier = HotTier(budget_bytes=250)
+    old, new, newest = agent("old", 100), agent("new", 100), agent("newest", 100)
+    for a in (old, new, newest):
+        tier.put(a)
+    tier.release(old, lambda a: False)
+    assert [a.agent_id for a in tier.enforce()] == ["old"]
 
 
 def test_hot_tier_never_evicts_what_is_not_durable():
