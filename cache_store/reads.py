@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from cache_store.tier import ObjectTier
 
 log = logging.getLogger("agentkv.store")
+# Keys one GetBlocks or LocateBlocks may name: a worker reads one agent's chain, and this is
+# 1M tokens of 64-token blocks. A request past it, or naming a key twice, is refused before
+# anything is looked up: a small request must not make the store build a huge reply.
+MAX_KEYS_PER_READ = 16_384
 
 
 @dataclass(slots=True)
@@ -61,10 +65,9 @@ class BlockReads:
         """Checks every key first, so a stream never starts for a request that must fail."""
         ns = ids.namespace(namespace)
         fp = ids.fingerprint(fingerprint)
-        if not keys:
-            raise InvalidArgument("no keys requested")
+        keys = read_keys(keys)
         with self.index.read() as txn:
-            records = [self.index.require_block(txn, ns, fp, ids.key(k), "key") for k in keys]
+            records = [self.index.require_block(txn, ns, fp, k, "key") for k in keys]
         return [select_layers(r, set(layers)) for r in records]
 
     @contextmanager
@@ -99,13 +102,17 @@ class BlockReads:
         keys: Sequence[bytes],
         layers: Sequence[int],
         lease_seconds: int,
+        check: Callable[[list[Selection]], None] = lambda selections: None,
     ) -> tuple[str, int, list[Selection]]:
+        """The selections under a new lease, each block on local disk; `check` may refuse
+        them first, before anything is leased or fetched (the servicer: a reply too big)."""
         seconds = lease_seconds or self.config.lease_seconds
         if seconds > self.config.max_lease_seconds:
             raise InvalidArgument(
                 f"lease_seconds {seconds} exceeds the limit {self.config.max_lease_seconds}"
             )
         selections = self.select(namespace, fingerprint, keys, layers)
+        check(selections)
         blocks = [(s.record.namespace, s.record.key) for s in selections]
         lease_id, expires = self.leases.grant(selections[0].record.namespace, blocks, seconds)
         try:
@@ -201,6 +208,27 @@ class BlockReads:
                 if key in keys:
                     return self.index.find_block(txn, ns, key)
         return None
+
+
+def read_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """A read's keys, checked: at least one, at most MAX_KEYS_PER_READ, none twice."""
+    if not keys:
+        raise InvalidArgument("no keys requested")
+    if len(keys) > MAX_KEYS_PER_READ:
+        raise InvalidArgument(
+            f"{len(keys)} keys requested, more than the limit {MAX_KEYS_PER_READ} per request: "
+            "read a longer chain in several requests"
+        )
+    first: dict[bytes, int] = {}
+    for i, raw in enumerate(keys):
+        k = ids.key(raw)
+        if k in first:
+            raise InvalidArgument(
+                f"key {k.hex()} requested twice (keys[{first[k]}] and keys[{i}]): name each "
+                "block once"
+            )
+        first[k] = i
+    return list(first)
 
 
 def select_layers(record: BlockRecord, layers: set[int]) -> Selection:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from agentkv import auth, wire
-from agentkv.errors import InvalidArgument
+from agentkv.errors import InvalidArgument, ResourceExhausted
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests, replies
@@ -22,6 +22,8 @@ from cache_store.streams import StreamGuard
 from cache_store.uploads import PutHeader
 
 SERVICE_NAME = "agentkv.v1.CacheStore"
+REPLY_ROOM = 256  # a LocateBlocksResponse's fields but its locations, with room to spare
+LOCATION_FRAMING = 6  # each location's field tag and length
 
 
 class CacheStoreServicer:
@@ -37,6 +39,22 @@ class CacheStoreServicer:
 
     def _location(self, selection: Selection) -> pb.BlockLocation:
         return replies.location(selection, self.store.path_of(selection.record))
+
+    def _located(self, selection: Selection) -> pb.BlockLocation:
+        return self._messages.get(("location", *selection.identity), self._location, selection)
+
+    def _check_reply_size(self, selections: list[Selection]) -> None:
+        """Refuses a LocateBlocks whose reply would pass the message limit before anything is
+        leased or fetched (gRPC would refuse it only once built, the lease left behind)."""
+        limit = self.store.config.max_message_bytes
+        size = REPLY_ROOM
+        for s in selections:
+            size += self._located(s).ByteSize() + LOCATION_FRAMING
+            if size > limit:
+                raise ResourceExhausted(
+                    f"the locations of {len(selections)} blocks exceed the reply limit of "
+                    f"{limit} bytes: locate fewer blocks or layers per request"
+                )
 
     def PutBlocks(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
@@ -103,14 +121,13 @@ class CacheStoreServicer:
             request.keys,
             request.layers,
             request.lease_seconds,
+            self._check_reply_size,
         )
         return pb.LocateBlocksResponse(
             lease_id=lease_id,
             lease_expires_unix_ms=expires,
             checksum_algorithm="xxh3_64",
-            blocks=[
-                self._messages.get(("location", *s.identity), self._location, s) for s in selections
-            ],
+            blocks=[self._located(s) for s in selections],
         )
 
     def ReleaseLease(

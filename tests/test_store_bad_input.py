@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from agentkv import wire
+from agentkv.client.blocks import Block, Tensor
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
     AgentExists,
@@ -33,6 +34,7 @@ from agentkv.errors import (
 )
 from agentkv.keys import block_key
 from agentkv.v1 import store_pb2 as pb
+from cache_store.reads import MAX_KEYS_PER_READ
 from cache_store.validation import DTYPE_SIZES
 from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
 
@@ -574,6 +576,47 @@ def test_other_malformed_requests(seeded, case):
     call, named = MISC_CALLS[case]
     with refused(seeded, InvalidArgument, INVALID, *named):
         call(seeded.client)
+
+
+READ_CALLS: dict[str, Callable[[StoreClient, list[bytes]], object]] = {
+    "GetBlocks": lambda c, keys: list(c.get_blocks(NS, FP, keys)),
+    "LocateBlocks": lambda c, keys: c.read_blocks_local(NS, FP, keys),
+}
+
+
+@pytest.mark.parametrize("rpc", READ_CALLS)
+def test_a_read_naming_a_key_twice(seeded, rpc):
+    k0, k1 = seeded.keys
+    named = (f"key {k0.hex()} requested twice", "keys[0] and keys[2]")
+    with refused(seeded, InvalidArgument, INVALID, *named):
+        READ_CALLS[rpc](seeded.client, [k0, k1, k0])
+
+
+@pytest.mark.parametrize("rpc", READ_CALLS)
+def test_a_read_of_more_keys_than_its_limit(seeded, rpc):
+    """200,000 copies of one key made the store build a 2.3 GB reply; now a read names at
+    most MAX_KEYS_PER_READ keys (all distinct here, none stored)."""
+    keys = [i.to_bytes(32, "big") for i in range(MAX_KEYS_PER_READ + 1)]
+    named = (f"{MAX_KEYS_PER_READ + 1} keys requested", f"limit {MAX_KEYS_PER_READ}")
+    with refused(seeded, InvalidArgument, INVALID, *named):
+        READ_CALLS[rpc](seeded.client, keys)
+
+
+def test_a_locate_whose_reply_would_pass_the_message_limit(store):
+    """Blocks of 65,536 large token ids have ~330 KB locations: 56 of them pass the 16 MiB
+    reply limit, refused before any lease; 40 are answered."""
+    blocks = [
+        Block(b"", [(1 << 31) + i] * 65536, [Tensor("layers.0.keys", "U8", (4,), bytes(4))])
+        for i in range(56)
+    ]
+    put = store.put_blocks(NS, FP, blocks)
+    store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
+    keys = [b.key for b in put.blocks]
+    with pytest.raises(ResourceExhausted) as err:
+        store.read_blocks_local(NS, FP, keys)
+    assert "exceed the reply limit of 16777216 bytes" in err.value.message
+    assert store.stats().num_leases == 0
+    assert len(store.read_blocks_local(NS, FP, keys[:40])) == 40
 
 
 # namespaces are tenants
