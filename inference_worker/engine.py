@@ -94,6 +94,7 @@ class Engine:
         only those agents hold until they are durable. Whether turns are in flight."""
         if self.batcher.active:
             self.step()
+            self.metrics.turns_waiting.set(len(self.scheduler.waiting))
         if time.monotonic() - self._last_catch_up >= CATCH_UP_SECONDS:
             self._last_catch_up = time.monotonic()
             for agent in self.hot.failed_writes(self.batcher.holds):

@@ -33,3 +33,4 @@ class WorkerMetrics(MetricSet):
             "reason",
         )
         self.hot_bytes = self.gauge("hot_bytes", "Bytes of hot caches")
+        self.turns_waiting = self.gauge("turns_waiting", "Turns queued for a place in the batch")

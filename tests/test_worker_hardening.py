@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -28,7 +29,7 @@ import pytest
 from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.client.memory import AgentMemory
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentKVError, DeadlineExceeded, InvalidArgument
+from agentkv.errors import AgentKVError, DeadlineExceeded, InvalidArgument, Unavailable
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -394,3 +395,41 @@ def test_logits_wider_than_the_tokenizer_never_give_a_token_it_lacks(
     reply = w.turn("default", "wide", TALK, max_tokens=60, temperature=10.0, seed=7)
     assert max(reply.token_ids) < real  # before: 563 among them, sent as "!"
     assert len(reply.token_ids) >= 20  # enough draws that one would have been padding
+
+
+def test_a_turn_still_queued_when_its_worker_stops_moves_to_another(
+    tiny_model_dirs, store_process, launched, start_worker, tmp_path
+):
+    """SIGTERM with no time to drain while one turn decodes (slow steps) and another waits
+    for the only place in the batch: the server's stop cuts both calls (UNAVAILABLE from the
+    transport); the waiting one had said nothing, so the SDK takes it to the next worker,
+    which answers it; the decoding one, cut off, is the caller's to send again."""
+    model = tiny_model_dirs["llama"]
+    extra = ("--max-batch", "1", "--drain-seconds", "0", "--metrics-listen", "127.0.0.1:0")
+    stopping = faulty_process(launched, model, store_process, tmp_path, *extra)
+    other = start_worker(model)
+    workers = [stopping.address, other.address]
+    with AgentMemory(workers, store=store_process.address, backoff=0.05) as mem:
+        hog, waiter = (
+            next(
+                a for a in map(f"{name}-{{}}".format, range(99)) if mem.worker_for(a) == workers[0]
+            )
+            for name in ("hog", "waiter")
+        )
+        mem.agent(hog, SYSTEM)
+        waiting = mem.agent(waiter, SYSTEM)
+        decoding = mem.agent(hog).say("Talk.", max_tokens=100, seed=SLOW_STEP_SEED)
+        next(iter(decoding))  # its first token: every step now takes seconds
+        replies: list = []
+        asked = threading.Thread(target=lambda: replies.append(waiting.say("Hi.", max_tokens=3)))
+        asked.start()
+        deadline = time.monotonic() + 60
+        while metric(stopping, "agentkv_worker_turns_waiting") < 1:
+            assert time.monotonic() < deadline, "the turn never queued"
+            time.sleep(0.05)
+        stopping.proc.send_signal(signal.SIGTERM)
+        asked.join(timeout=120)
+        assert replies and replies[0].worker == workers[1]
+        assert len(replies[0].token_ids) == 3 and replies[0].usage.cache_state == "warm"
+        with pytest.raises(Unavailable, match=r"(say|send) it again"):
+            decoding.wait()
