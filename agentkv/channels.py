@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from agentkv.flags import flag
+from agentkv.flags import check_files, flag
 
 # A server that restarts is dialled again within two seconds, not after gRPC's default
 # backoff (which grows to 120 s): a worker resumes writing soon after its store is back.
@@ -48,10 +48,7 @@ class ClientSecurity:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both, or neither")
-        for name in ("tls_ca", "tls_cert", "tls_key"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
+        check_files(self, ("tls_ca", "tls_cert", "tls_key"))
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
         options = [*RECONNECT_OPTIONS, *(options or [])]

@@ -104,6 +104,19 @@ def parse_config(
         parser.error(str(exc))
 
 
+def check_files(config: Any, names: Sequence[str]) -> None:
+    """Each named field that is set names a readable file: a missing one is a usage error
+    while the flags are parsed, not a traceback once the server starts."""
+    for name in names:
+        path = getattr(config, name)
+        try:
+            if path:
+                open(path, "rb").close()
+        except OSError as exc:
+            reason = (exc.strerror or str(exc)).lower()
+            raise ValueError(f"--{name.replace('_', '-')} {path}: {reason}") from None
+
+
 class _DefaultsHelp(argparse.HelpFormatter):
     """--help shows each flag's default, where it has one worth showing."""
 

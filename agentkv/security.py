@@ -14,7 +14,7 @@ import grpc
 
 from agentkv.addresses import is_loopback
 from agentkv.auth import AuthInterceptor, TokenTable
-from agentkv.flags import flag
+from agentkv.flags import check_files, flag
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None = None):
@@ -46,6 +46,9 @@ class ServerSecurity:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+        check_files(self, ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"))
+        if self.auth_tokens:
+            TokenTable.load(self.auth_tokens)  # a bad table stops the flags, before any loading
         if not loopback and not self.auth_tokens and not self.allow_unauthenticated:
             raise ValueError(
                 f"listening on {listen} (beyond loopback) needs --auth-tokens FILE; "

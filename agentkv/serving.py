@@ -28,6 +28,13 @@ from agentkv.rpc import (
 )
 from agentkv.security import ServerSecurity
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level_flag() -> Any:
+    """The --log-level field: argparse refuses any other level in one line."""
+    return flag("info", "how much to log", choices=LOG_LEVELS)
+
 
 def listen_flag(default: str) -> Any:
     """The --listen field, with the service's own default address (keyword-only, where
@@ -44,7 +51,7 @@ class ServerConfig:
     health_listen: str | None = flag(
         None, "HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe)"
     )
-    log_level: str = flag("info", "debug, info, warning or error")
+    log_level: str = log_level_flag()
     workers: int = flag(16, "RPC threads")
     address_file: str = flag(
         "",

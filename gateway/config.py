@@ -9,6 +9,7 @@ from agentkv.addresses import is_loopback, listen_host
 from agentkv.channels import ClientSecurity
 from agentkv.flags import flag, nested
 from agentkv.security import ServerSecurity
+from agentkv.serving import log_level_flag
 from agentkv.units import parse_bytes
 
 
@@ -35,7 +36,7 @@ class GatewayConfig:
         shown="8M",
     )
     timeout: float = flag(300.0, "seconds a turn may take on a worker")
-    log_level: str = flag("info", "debug, info, warning or error")
+    log_level: str = log_level_flag()
     address_file: str = flag("", "once serving, write the bound address to this file as JSON")
     security: ServerSecurity = nested(ServerSecurity)  # its clients: TLS, the token table
     upstream: ClientSecurity = nested(ClientSecurity, prefix="upstream-")  # to the services

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -167,6 +168,39 @@ def test_a_bad_token_file_stops_the_store_at_start(tmp_path):
     )
     with pytest.raises(RuntimeError, match="at least 16 characters"):
         proc.start(timeout=30)
+
+
+SERVICES = {
+    "agentkv-store": ["cache_store", "--data-dir", "unused"],
+    "agentkv-worker": ["inference_worker", "--model", "/no/model", "--store", "127.0.0.1:1"],
+    "agentkv-gateway": ["agentkv.gateway", "--worker", "127.0.0.1:1"],
+}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--auth-tokens", "{nope"], "auth tokens file"),
+        (["--auth-tokens", "short"], "at least 16 characters"),
+        (["--auth-tokens", "."], "--auth-tokens .: is a directory"),
+        (["--auth-tokens", "missing.json"], "--auth-tokens missing.json: no such file"),
+        (["--tls-cert", "missing.pem", "--tls-key", "short"], "--tls-cert missing.pem: no such"),
+        (["--log-level", "bogus"], "invalid choice: 'bogus'"),
+    ],
+    ids=["bad-json", "short-token", "directory", "missing", "missing-cert", "log-level"],
+)
+def test_a_bad_security_or_log_flag_is_one_usage_line(tmp_path, service, flags, message):
+    (tmp_path / "{nope").write_text("{nope")
+    (tmp_path / "short").write_text(json.dumps({"tokens": [{"token": "x", "namespaces": ["a"]}]}))
+    module, *args = SERVICES[service]
+    cmd = [sys.executable, "-m", module, *args, *flags]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr  # before the model or the data dir is touched
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"{service}: error: "), proc.stderr
+    assert message in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "unused").exists()
 
 
 # TLS
