@@ -144,7 +144,8 @@ def _dest(prefix: str, f: dataclasses.Field) -> str:
 def _options(f: dataclasses.Field, hint: Any, name: str) -> dict[str, Any]:
     """add_argument's keywords for one field: its help, default, parser and action."""
     meta = f.metadata
-    options: dict[str, Any] = {"help": meta["help"], "type": meta["parse"] or _scalar(hint)}
+    parse = _telling(meta["parse"]) if meta["parse"] else _scalar(hint)
+    options: dict[str, Any] = {"help": meta["help"], "type": parse}
     if "choices" not in meta["options"]:  # else --help lists the choices
         options["metavar"] = name[2:].upper().replace("-", "_")
     if f.default is not MISSING:
@@ -166,6 +167,19 @@ def _options(f: dataclasses.Field, hint: Any, name: str) -> dict[str, Any]:
     if shown:
         options["help"] += f" (default: {shown})"
     return {**options, "default": default, **meta["options"]}
+
+
+def _telling(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, its ValueError's message shown in the usage error (argparse shows only
+    "invalid <name> value" for a ValueError)."""
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_flag
 
 
 def _scalar(hint: Any) -> Callable[[str], Any]:

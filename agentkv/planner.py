@@ -59,7 +59,10 @@ def load_config(name_or_path: str | Path) -> dict:
 def parse_size(text: str) -> int:
     """Bytes from e.g. "10.2Gi" (2^30), "10.2G" or "10.2GB" (10^9), "512Mi", "1000000"."""
     match = SIZE.fullmatch(text)
-    num_bytes = round(float(match[1]) * UNITS[(match[2] or "").lower()]) if match else 0
+    try:
+        num_bytes = round(float(match[1]) * UNITS[(match[2] or "").lower()]) if match else 0
+    except OverflowError:  # so many digits the float is infinite
+        num_bytes = 0
     if num_bytes < 1:
         raise ValueError(
             f"a budget is a positive number of bytes with an optional unit (K, M, G, T: powers "

@@ -8,12 +8,23 @@ from datetime import datetime, timezone
 BINARY_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+MAX_BYTES = (1 << 63) - 1  # what the int64 fields of the protos and metrics carry
+
+
 def parse_bytes(text: str) -> int:
-    """'512M', '20G', '20GiB', '1048576' -> bytes (K, M, G, T are powers of 1024)."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in BINARY_UNITS:
-        return int(float(text[:-1]) * BINARY_UNITS[text[-1]])
-    return int(text)
+    """'512M', '20G', '20GiB', '1048576' -> bytes (K, M, G, T are powers of 1024). ValueError,
+    naming `text`, for anything else: negative, not finite, or past MAX_BYTES."""
+    number = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = BINARY_UNITS.get(number[-1:], 1)
+    try:
+        num_bytes = int(float(number[:-1]) * unit) if unit > 1 else int(number)
+    except (ValueError, OverflowError):  # not a number, NaN, or infinite
+        num_bytes = -1
+    if not 0 <= num_bytes <= MAX_BYTES:
+        raise ValueError(
+            f"not a byte size: {text!r} (0 to 2^63-1 bytes, or with K, M, G or T, e.g. 512M)"
+        )
+    return num_bytes
 
 
 def human_bytes(num_bytes: float) -> str:

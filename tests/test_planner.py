@@ -165,7 +165,7 @@ def test_parse_size_and_tokens():
     assert parse_size("10.2G") == parse_size("10.2gb") == 10_200_000_000
     assert parse_size("512Mi") == 512 * 2**20
     assert parse_size("1000") == 1000
-    for bad in ("lots", "-1G", "0", "10.2X", ""):
+    for bad in ("lots", "-1G", "0", "10.2X", "", "9" * 400, "9" * 400 + "Gi"):
         with pytest.raises(ValueError, match="positive number of bytes"):
             parse_size(bad)
     assert parse_tokens("8K") == parse_tokens("8192") == 8192

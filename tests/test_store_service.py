@@ -123,7 +123,7 @@ def test_store_never_imports_mlx():
     [
         (["--listen", "0.0.0.0"], "HOST:PORT or unix:PATH"),
         (["--listen", "unix:"], "needs a path"),
-        (["--quota", "-5"], "quota_bytes must be >= 0"),
+        (["--quota", "-5"], "--quota: not a byte size: '-5'"),
         (["--metrics-listen", "9464"], "must be HOST:PORT"),
         (["--metrics-listen", "unix:/tmp/m.sock"], "metrics_listen must be HOST:PORT"),
     ],

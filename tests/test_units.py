@@ -1,0 +1,52 @@
+"""Byte sizes from flags: every bad one is a ValueError (a usage error) that names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.flags import parse_config
+from agentkv.gateway.config import GatewayConfig
+from agentkv.units import parse_bytes
+from cache_store.__main__ import build_config as store_config
+from inference_worker.__main__ import build_config as worker_config
+
+MAX_BYTES = (1 << 63) - 1  # the int64 fields that carry sizes
+BAD_SIZES = ["-1", "-0.5G", "infG", "nanG", "1e400G", "9" * 400, "lots", "", "9E"]
+
+
+def test_sizes_parse_up_to_the_largest():
+    assert [parse_bytes(s) for s in ("0", "512M", "1.5GiB", str(MAX_BYTES))] == [
+        0,
+        512 << 20,
+        3 << 29,
+        MAX_BYTES,
+    ]
+
+
+@pytest.mark.parametrize("text", BAD_SIZES)
+def test_a_bad_size_is_a_value_error_naming_it(text):
+    with pytest.raises(ValueError, match=f"not a byte size: {text!r}"):
+        parse_bytes(text)
+    with pytest.raises(ValueError):
+        parse_bytes(str(MAX_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("build", "argv"),
+    [
+        (store_config, ["--data-dir", "unused", "--quota={}"]),
+        (store_config, ["--data-dir", "unused", "--namespace-quota", "a={}"]),
+        (worker_config, ["--model", "m", "--store", "127.0.0.1:1", "--hot-budget={}"]),
+        (
+            lambda argv: parse_config(GatewayConfig, "gw", None, argv),
+            ["--worker", "h:1", "--max-body={}"],
+        ),
+    ],
+    ids=["quota", "namespace-quota", "hot-budget", "max-body"],
+)
+@pytest.mark.parametrize("text", ["infG", "1e400G", "-1"])
+def test_a_bad_size_flag_is_a_usage_error(capsys, build, argv, text):
+    with pytest.raises(SystemExit) as exit:
+        build([arg.format(text) for arg in argv])
+    assert exit.value.code == 2
+    assert text in capsys.readouterr().err.splitlines()[-1]
