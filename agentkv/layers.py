@@ -174,10 +174,22 @@ def layer_specs(config: dict) -> list[LayerSpec]:
         raise ValueError(f"{model_type} config has no {exc.args[0]!r}") from None
 
 
+def _count(config: dict, key: str, default: int | None = None) -> int:
+    """`config[key]` (`default` when absent or null) as a positive int: a 0 or a "2" would
+    divide by zero or fail later with no word of which field. KeyError when it is missing."""
+    value = config.get(key)
+    if value is None and default is None:
+        raise KeyError(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer; got {value!r}")
+    return value
+
+
 def _sliding_flags(config: dict, pattern: int | None) -> list[bool]:
     """Which layers use sliding-window attention: `layer_types` when the config lists them,
     else every `pattern`-th layer is full and the rest slide (None: all full)."""
-    num_layers = config["num_hidden_layers"]
+    num_layers = _count(config, "num_hidden_layers")
     types = config.get("layer_types")
     if types is None:
         return [pattern is not None and (i + 1) % pattern != 0 for i in range(num_layers)]
@@ -192,7 +204,7 @@ def _sliding_flags(config: dict, pattern: int | None) -> list[bool]:
 def _layers(
     config: dict, flags: list[bool], kv_heads: int, k_dim: int, v_dim: int
 ) -> list[LayerSpec]:
-    window = config["sliding_window"] if any(flags) else None
+    window = _count(config, "sliding_window") if any(flags) else None
     return [
         LayerSpec("sliding" if flag else "full", window if flag else None, kv_heads, k_dim, v_dim)
         for flag in flags
@@ -202,33 +214,38 @@ def _layers(
 def _dense(config: dict) -> list[LayerSpec]:
     """Llama-style GQA (mlx-lm llama.py; mistral maps to it): `layer_types` may mark layers
     that slide over `sliding_window`."""
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    heads = _count(config, "num_attention_heads")
+    kv_heads = _count(config, "num_key_value_heads", heads)
+    if config.get("head_dim"):
+        head_dim = _count(config, "head_dim")
+    else:
+        head_dim = _count(config, "hidden_size") // heads
     return _layers(config, _sliding_flags(config, None), kv_heads, head_dim, head_dim)
 
 
 def _gemma3(config: dict) -> list[LayerSpec]:
     """Gemma 3 (mlx-lm gemma3_text.py): five sliding layers, then one full, unless `layer_types`
     says otherwise. Its head dim is not hidden/heads (12B: 256, not 3840/16)."""
-    head_dim = config.get("head_dim", 256)  # transformers' and mlx-lm's default
-    flags = _sliding_flags(config, config.get("sliding_window_pattern", 6))
-    return _layers(config, flags, config["num_key_value_heads"], head_dim, head_dim)
+    head_dim = _count(config, "head_dim", 256)  # transformers' and mlx-lm's default
+    flags = _sliding_flags(config, _count(config, "sliding_window_pattern", 6))
+    return _layers(config, flags, _count(config, "num_key_value_heads"), head_dim, head_dim)
 
 
 def _deepseek_v2(config: dict) -> list[LayerSpec]:
     """MLA as mlx-lm's deepseek_v2.py caches it: K and V decompressed per attention head,
     K = [nope; rope] (128 + 64 = 192 for V2-Lite), V = v_head_dim (128)."""
-    k_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
-    spec = LayerSpec("full", None, config["num_attention_heads"], k_dim, config["v_head_dim"])
-    return [spec] * config["num_hidden_layers"]
+    heads, v_dim = _count(config, "num_attention_heads"), _count(config, "v_head_dim")
+    k_dim = _count(config, "qk_nope_head_dim") + _count(config, "qk_rope_head_dim")
+    return [LayerSpec("full", None, heads, k_dim, v_dim)] * _count(config, "num_hidden_layers")
 
 
 def _deepseek_v3(config: dict) -> list[LayerSpec]:
     """MLA as mlx-lm's deepseek_v3.py caches it: the compressed latent as "K" and the rotary
     key as "V", one head shared by all attention heads."""
-    spec = LayerSpec("full", None, 1, config["kv_lora_rank"], config["qk_rope_head_dim"])
-    return [spec] * config["num_hidden_layers"]
+    spec = LayerSpec(
+        "full", None, 1, _count(config, "kv_lora_rank"), _count(config, "qk_rope_head_dim")
+    )
+    return [spec] * _count(config, "num_hidden_layers")
 
 
 LAYOUTS: dict[str, Callable[[dict], list[LayerSpec]]] = {

@@ -38,8 +38,8 @@ def shipped_names() -> list[str]:
 
 def load_config(name_or_path: str | Path) -> dict:
     """A config.json dict from a file, a model directory holding one, or a shipped name
-    (`shipped_names()`). Raises FileNotFoundError, or ValueError for a file that is not a
-    JSON object."""
+    (`shipped_names()`). Raises FileNotFoundError, or ValueError naming the file for one
+    that is not a JSON object or whose layers `layer_specs` cannot build."""
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
@@ -50,9 +50,16 @@ def load_config(name_or_path: str | Path) -> dict:
             f"no model config at {str(name_or_path)!r}: not a config.json, a directory with "
             f"one, or a shipped name ({', '.join(shipped_names())})"
         )
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"{path}: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")
+    try:
+        layer_specs(config)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     return config
 
 

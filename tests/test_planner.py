@@ -184,6 +184,30 @@ def test_load_config_paths_and_errors(tmp_path):
         load_config(tmp_path / "list.json")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer; got 0"),
+        ("num_attention_heads", 0, "num_attention_heads must be a positive integer; got 0"),
+        ("num_hidden_layers", "2", "num_hidden_layers must be a positive integer; got '2'"),
+        ("num_key_value_heads", 1.5, "num_key_value_heads must be a positive integer; got 1.5"),
+    ],
+)
+def test_a_config_with_a_bad_count_names_the_field_and_file(tmp_path, field, value, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**load_config("llama3_1_8b"), field: value}))
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        load_config(path)
+    out = agentkv("plan", "--config", str(path), "--context", "8K", "--budget", "1G")
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_config_that_is_not_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{nope")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: Expecting"):
+        load_config(tmp_path)
+
+
 # the paper's Table 14
 
 
