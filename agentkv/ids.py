@@ -21,6 +21,7 @@ MAX_PHASE = 256
 
 
 def show(value: str, limit: int = 80) -> str:
+    """`value` quoted, cut at `limit`: an error message (gRPC metadata) stays small."""
     return repr(value if len(value) <= limit else value[:limit] + "...")
 
 
@@ -49,7 +50,9 @@ def key(value: bytes, field: str = "key", allow_root: bool = False) -> bytes:
     if allow_root and not value:
         return value
     if len(value) != KEY_BYTES:
-        raise InvalidArgument(f"invalid {field} {value.hex()!r}: must be {KEY_BYTES} bytes")
+        raise InvalidArgument(
+            f"invalid {field} {show(value.hex())} ({len(value)} bytes): must be {KEY_BYTES} bytes"
+        )
     return bytes(value)
 
 
