@@ -24,7 +24,6 @@ Every error names the file and the place in it.
 
 from __future__ import annotations
 
-import math
 import re
 import sysconfig
 from collections.abc import Callable
@@ -37,9 +36,12 @@ import yaml
 from agentkv.client.memory import AgentMemory
 from agentkv.client.workflow import Record, Role, Workflow
 from agentkv.errors import InvalidArgument
-from agentkv.ids import AGENT_ID_RE, NAMESPACE_RE
+from agentkv.ids import AGENT_ID_RE, MAX_PHASE, NAMESPACE_RE
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
+# The worker's bound (inference_worker.sampling, which a client may not import; a test
+# keeps the two equal): a hotter scenario would fail at its first turn, after the reset.
+MAX_TEMPERATURE = 10.0
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -80,6 +82,8 @@ def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenar
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not UTF-8 text (a bad byte at offset {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -209,7 +213,7 @@ def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
     for name, low, high in (("max_tokens", 1, 2**32), ("top_k", 0, 2**32), ("seed", 0, 2**64)):
         if name in sampling:
             sampling[name] = check.whole(sampling[name], f"sampling.{name}", low, high)
-    for name, high in (("temperature", math.inf), ("top_p", 1.0)):
+    for name, high in (("temperature", MAX_TEMPERATURE), ("top_p", 1.0)):
         number = sampling.get(name, 0.0)
         real = isinstance(number, (int, float)) and not isinstance(number, bool)
         if not real or not 0 <= number <= high:
@@ -236,8 +240,11 @@ def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
         if max_tokens is not None:
             max_tokens = check.whole(max_tokens, f"{at}.max_tokens", 1, 2**32)
         turns.append(Turn(agent, check.text(t["say"], f"{at}.say"), max_tokens))
+    name = check.text(fields["name"], f"{where}.name")
+    if len(name) > MAX_PHASE:
+        check.fail(f"{where}.name", f"is {len(name)} characters, limit {MAX_PHASE}")
     return PhaseSpec(
-        check.text(fields["name"], f"{where}.name"),
+        name,
         check.text(fields.get("brief", ""), f"{where}.brief", empty=True),
         tuple(turns),
         check.flag(fields.get("evict_after", False), f"{where}.evict_after"),

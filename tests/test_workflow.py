@@ -8,12 +8,14 @@ errors. Who-hears-whom is checked without a model, on a recording fake.
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agentkv.client.demo import scenario_path
 from agentkv.client.memory import AgentMemory
@@ -351,6 +353,46 @@ def test_bad_scenarios_and_messages_get_clear_errors(tmp_path, tiny_model_dirs, 
         with pytest.raises(InvalidArgument, match="listing agents needs the store"):
             mem.agents()
         assert agent.describe().num_tokens > 0  # still intact
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sampling": {"temperature": 50}}, r"sampling.temperature: must be a number in \[0, 10\]"),
+        ({"sampling": {"temperature": math.inf}}, "sampling.temperature: must be a number"),
+        (
+            {"phases": [{"name": "p" * 257, "turns": [{"agent": "a", "say": "hi"}]}]},
+            r"phases\[0\].name: is 257 characters, limit 256",
+        ),
+    ],
+    ids=["temperature-50", "temperature-inf", "long-phase"],
+)
+def test_what_the_worker_would_refuse_fails_at_load_naming_the_file(tmp_path, change, message):
+    """Before a run's reset deletes its agents, not at its first turn."""
+    data = {
+        "agents": [{"id": "a"}],
+        "phases": [{"name": "p", "turns": [{"agent": "a", "say": "hi"}]}],
+    }
+    path = tmp_path / "hot.yaml"
+    path.write_text(yaml.safe_dump({**data, **change}))
+    with pytest.raises(ScenarioError, match=f"{re.escape(str(path))}: {message}"):
+        load_scenario(path)
+
+
+def test_the_scenario_temperature_bound_is_the_workers():
+    from agentkv.client import scenario
+    from inference_worker import sampling
+
+    assert scenario.MAX_TEMPERATURE == sampling.MAX_TEMPERATURE
+
+
+def test_a_scenario_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(
+        ScenarioError, match=f"{re.escape(str(path))}: not UTF-8 text \\(a bad byte at offset 9\\)"
+    ):
+        load_scenario(path)
 
 
 def test_cli_runs_a_scenario_and_lists_agents(
