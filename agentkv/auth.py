@@ -16,6 +16,7 @@ import contextvars
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from agentkv.rpc import guarded
 
 ALL = "*"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: what a header carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class TokenTable:
 
     @classmethod
     def load(cls, path: str | Path) -> TokenTable:
+        """The table in a JSON file; ValueError naming the file and entry for anything a
+        server could not honour as written."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
@@ -94,28 +98,10 @@ class TokenTable:
         entries: dict[bytes, Principal] = {}
         for i, item in enumerate(items):
             where = f"auth tokens file {path}, tokens[{i}]"
-            if not isinstance(item, dict) or ("sha256" in item) == ("token" in item):
-                raise ValueError(f"{where}: give exactly one of 'sha256' or 'token'")
-            if "token" in item:
-                if not isinstance(item["token"], str) or len(item["token"]) < 16:
-                    raise ValueError(f"{where}: a token needs at least 16 characters")
-                digest = hashlib.sha256(item["token"].encode()).digest()
-            else:
-                try:
-                    digest = bytes.fromhex(item["sha256"])
-                except (TypeError, ValueError):
-                    digest = b""
-                if len(digest) != 32:
-                    raise ValueError(f"{where}: sha256 must be 64 hex digits")
-            spaces = item.get("namespaces")
-            if (
-                not isinstance(spaces, list)
-                or not spaces
-                or not all(isinstance(s, str) and s for s in spaces)
-            ):
-                raise ValueError(f"{where}: 'namespaces' must list namespaces, or '*'")
-            name = str(item.get("name") or f"token {i}")
-            entries[digest] = Principal(name, None if ALL in spaces else frozenset(spaces))
+            digest, who = _entry(item, i, where)
+            if digest in entries:  # else the later entry would silently replace the earlier
+                raise ValueError(f"{where}: the same token as {entries[digest].name!r}")
+            entries[digest] = who
         return cls(entries)
 
     def principal(self, token: str) -> Principal | None:
@@ -125,6 +111,40 @@ class TokenTable:
             if hmac.compare_digest(known, digest):
                 found = who
         return found
+
+
+def _entry(item: Any, i: int, where: str) -> tuple[bytes, Principal]:
+    """One table entry: its token's SHA-256 and who it is."""
+    if not isinstance(item, dict) or ("sha256" in item) == ("token" in item):
+        raise ValueError(f"{where}: give exactly one of 'sha256' or 'token'")
+    name = str(item.get("name") or f"token {i}")
+    spaces = item.get("namespaces")
+    if not isinstance(spaces, list) or not spaces:
+        raise ValueError(f"{where}: 'namespaces' must list namespaces, or '*'")
+    for space in spaces:  # a name no call can carry would never match
+        if space != ALL and not (isinstance(space, str) and ids.NAMESPACE_RE.fullmatch(space)):
+            raise ValueError(
+                f"{where}: namespace {space!r} must be '*' or match {ids.NAMESPACE_RE.pattern}"
+            )
+    return _digest(item, where), Principal(name, None if ALL in spaces else frozenset(spaces))
+
+
+def _digest(item: dict, where: str) -> bytes:
+    """The SHA-256 of an entry's token, given as the token or as its hex digest."""
+    if "sha256" in item:
+        try:
+            digest = bytes.fromhex(item["sha256"])
+        except (TypeError, ValueError):
+            digest = b""
+        if len(digest) != 32:
+            raise ValueError(f"{where}: sha256 must be 64 hex digits")
+        return digest
+    token = item["token"]
+    if not isinstance(token, str) or len(token) < 16:
+        raise ValueError(f"{where}: a token needs at least 16 characters")
+    if not TOKEN_RE.fullmatch(token):  # an authorization header carries no other
+        raise ValueError(f"{where}: a token is printable ASCII with no spaces")
+    return hashlib.sha256(token.encode()).digest()
 
 
 class AuthInterceptor(grpc.ServerInterceptor):

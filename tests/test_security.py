@@ -145,6 +145,23 @@ def test_token_tables_and_safe_defaults_are_checked(tmp_path):
         ({"tokens": [{"sha256": "abc", "namespaces": ["a"]}]}, "64 hex digits"),
         ({"tokens": [{"token": TEAM_A, "namespaces": []}]}, "must list namespaces"),
         ({"tokens": []}, "non-empty list"),
+        (
+            {
+                "tokens": [
+                    {"name": "first", "token": TEAM_A, "namespaces": ["a"]},
+                    {"token": TEAM_A, "namespaces": ["*"]},
+                ]
+            },
+            r"tokens\[1\]: the same token as 'first'",
+        ),
+        (
+            {"tokens": [{"sha256": "ab" * 32, "namespaces": ["a"]}] * 2},
+            r"tokens\[1\]: the same token as 'token 0'",
+        ),
+        ({"tokens": [{"token": "caf\u00e9-token-0123456789", "namespaces": ["a"]}]}, "ASCII"),
+        ({"tokens": [{"token": "with space 0123456789", "namespaces": ["a"]}]}, "no spaces"),
+        ({"tokens": [{"token": TEAM_A, "namespaces": ["Team A"]}]}, "namespace 'Team A'"),
+        ({"tokens": [{"token": TEAM_A, "namespaces": ["a", 7]}]}, r"tokens\[0\]: namespace 7"),
     ):
         (tmp_path / "t.json").write_text(json.dumps(body))
         with pytest.raises(ValueError, match=message):
