@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from agentkv import wire
 from agentkv.errors import CorruptBlock
 from agentkv.v1 import store_pb2 as pb
 
@@ -66,7 +67,21 @@ def block_from_header(header: pb.BlockHeader | pb.BlockLocation, buffer: memoryv
 
 
 def chunk_payloads(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[list[memoryview]]:
-    """The tensors' bytes in order, as lists of pieces totalling at most chunk_bytes each."""
+    """The tensors' bytes in order, as lists of pieces totalling at most chunk_bytes each.
+    Checked at the call, not at the first chunk: 0 would yield empty chunks forever, and
+    the store refuses a chunk over wire.MAX_CHUNK_BYTES."""
+    return _chunks(tensors, check_chunk_bytes(chunk_bytes))
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """`chunk_bytes`, or ValueError unless it is in 1..wire.MAX_CHUNK_BYTES: callers check it
+    before a stream starts, where an error inside the request iterator would only cancel it."""
+    if isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in 1..{wire.MAX_CHUNK_BYTES}, got {chunk_bytes!r}")
+    return chunk_bytes
+
+
+def _chunks(tensors: Sequence[Tensor], chunk_bytes: int) -> Iterator[list[memoryview]]:
     pieces: list[memoryview] = []
     size = 0
     for t in tensors:

@@ -18,6 +18,7 @@ from agentkv.client.blocks import (
     StoredBlock,
     alloc,
     block_from_header,
+    check_chunk_bytes,
     chunk_payloads,
     located_bytes,
     read_locations,
@@ -96,7 +97,7 @@ class StoreClient:
         chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
     ) -> pb.PutBlocksResponse:
         """Uploads blocks in one stream; a block's parent must be stored already or precede it."""
-        messages = put_messages(namespace, fingerprint, blocks, chunk_bytes)
+        messages = put_messages(namespace, fingerprint, blocks, check_chunk_bytes(chunk_bytes))
         return _typed(lambda: self._put(messages, timeout=self.timeout))
 
     def get_blocks(

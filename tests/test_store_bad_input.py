@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from agentkv import wire
-from agentkv.client.blocks import Block, Tensor
+from agentkv.client.blocks import Block, Tensor, chunk_payloads
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
     AgentExists,
@@ -245,6 +245,20 @@ def test_key_of_wrong_length(seeded, rpc, bad):
     with refused(seeded, InvalidArgument, INVALID, f"invalid {field} {shown(bad.hex())}") as info:
         call(seeded, bad)
     assert "32 bytes" in info.value.message and len(info.value.message) < 300
+
+
+@pytest.mark.timeout(30)  # before the fix, 0 made empty chunks forever
+@pytest.mark.parametrize("chunk_bytes", [0, -1, wire.MAX_CHUNK_BYTES + 1])
+def test_a_chunk_size_out_of_range_is_refused_before_the_stream(seeded, chunk_bytes):
+    blocks, _ = make_chain([5, 6, 7])
+    message = f"chunk_bytes must be in 1..{wire.MAX_CHUNK_BYTES}, got {chunk_bytes}"
+    with pytest.raises(ValueError, match=message):
+        chunk_payloads(blocks[0].tensors, chunk_bytes)  # at the call, not at the first chunk
+    before = seeded.snapshot()
+    with pytest.raises(ValueError, match=message):
+        seeded.client.put_blocks(NS, FP, blocks, chunk_bytes=chunk_bytes)
+    assert seeded.snapshot() == before
+    assert len(list(chunk_payloads(blocks[0].tensors, wire.MAX_CHUNK_BYTES))) == 1
 
 
 # unknown agents and blocks
