@@ -64,7 +64,7 @@ class ClientSecurity:
     def aio_channel(self, address: str, options: list[tuple[str, Any]] | None = None):
         """The same, as a grpc.aio channel."""
         options = [*RECONNECT_OPTIONS, *(options or [])]
-        interceptors = [_AioBearerToken(self.token)] if self.token else None
+        interceptors = _aio_bearer_token(self.token) if self.token else None
         creds = self._tls()
         if creds is not None:
             return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
@@ -81,23 +81,41 @@ class ClientSecurity:
         )
 
 
-class _AioBearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer TOKEN` to every grpc.aio call."""
+class _AioBearerToken:
+    """Adds `authorization: Bearer TOKEN` to a grpc.aio call (a subclass per call kind)."""
 
     def __init__(self, token: str) -> None:
         self.header = ("authorization", f"Bearer {token}")
 
-    def _details(self, details: Any) -> Any:
+    async def _proceed(self, continuation, details, request):
         metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), self.header)
-        return grpc.aio.ClientCallDetails(
+        details = grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
+        return await continuation(details, request)
 
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
 
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+class _AioUnaryUnary(_AioBearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _AioBearerToken._proceed
+
+
+class _AioUnaryStream(_AioBearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _AioBearerToken._proceed
+
+
+class _AioStreamUnary(_AioBearerToken, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _AioBearerToken._proceed
+
+
+class _AioStreamStream(_AioBearerToken, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _AioBearerToken._proceed
+
+
+def _aio_bearer_token(token: str) -> list[_AioBearerToken]:
+    """One interceptor per call kind: grpc.aio files an interceptor under the first kind it
+    subclasses only, so one class of all four would carry the token on unary calls alone."""
+    kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
+    return [kind(token) for kind in kinds]
 
 
 class _BearerToken(

@@ -8,6 +8,7 @@ and a server never listens beyond loopback without tokens unless told so loudly.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -119,6 +120,41 @@ def test_tokens_scope_every_rpc_to_their_namespaces(secured_store):
     assert namespaces(ops) == ["a", "b"]
     assert ops.stats().num_agents == 2
     assert ops.get_agent("b", "bob").agent_id == "bob"  # nothing of b was touched
+
+
+def test_aio_streams_carry_the_token(secured_store):
+    """PutBlocks and GetBlocks through aio_channel: the token rides every call kind."""
+    from agentkv.client.store import put_messages
+    from agentkv.v1 import store_pb2 as pb
+
+    fp = "fp-security:k4v4g64f16:b16"
+    blocks, keys = make_chain(list(range(1, 17)), fp, 16, num_layers=1, kv_heads=1)
+
+    async def put(token: str) -> pb.PutBlocksResponse:
+        async with ClientSecurity(token=token).aio_channel(secured_store.address) as channel:
+            call = channel.stream_unary(
+                "/agentkv.v1.CacheStore/PutBlocks",
+                request_serializer=None,
+                response_deserializer=pb.PutBlocksResponse.FromString,
+            )
+            return await call(iter(put_messages("a", fp, blocks, 1 << 20)), timeout=10)
+
+    async def get(token: str) -> list[bytes]:
+        async with ClientSecurity(token=token).aio_channel(secured_store.address) as channel:
+            call = channel.unary_stream(
+                "/agentkv.v1.CacheStore/GetBlocks",
+                request_serializer=pb.GetBlocksRequest.SerializeToString,
+                response_deserializer=None,
+            )
+            request = pb.GetBlocksRequest(namespace="a", fingerprint=fp, keys=keys)
+            return [raw async for raw in call(request, timeout=10)]
+
+    reply = asyncio.run(put(OPS))
+    assert [b.key for b in reply.blocks] == keys
+    assert asyncio.run(get(OPS))  # a response stream carries it too
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(put("not-a-known-token-at-all"))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_deduplication_never_crosses_namespaces(secured_store):
