@@ -24,6 +24,21 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 log = logging.getLogger("agentkv.rpc")
 
 
+# gRPC sets SO_REUSEPORT on Linux, so a second server on a port in use would start and take
+# a share of its connections (unauthenticated, were the first one not): one server a port.
+ONE_SERVER_PER_PORT = [("grpc.so_reuseport", 0)]
+
+
+def _answers(path: str) -> bool:
+    """Whether something listens on the unix socket `path` (gRPC would replace its file)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(path)
+            return True
+        except OSError:
+            return False
+
+
 def message_options(max_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_bytes),
@@ -107,7 +122,7 @@ def new_server(
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
         interceptors=[*(interceptors or []), ErrorInterceptor(on_error)],
-        options=message_options(max_message_bytes),
+        options=[*message_options(max_message_bytes), *ONE_SERVER_PER_PORT],
     )
 
 
@@ -143,7 +158,8 @@ def start_health(
     `servicer`, so a graceful shutdown shows NOT_SERVING here too. Returns (server, address)."""
     if not listen:
         return None, None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"))
+    pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
+    server = grpc.server(pool, options=ONE_SERVER_PER_PORT)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     address = bind(server, listen)
     server.start()
@@ -152,13 +168,18 @@ def start_health(
 
 def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
     """Binds `listen` (port 0 picks one), with TLS when given `credentials`; returns the
-    address clients dial."""
-    if credentials is not None:
-        port = server.add_secure_port(listen, credentials)
-    else:
-        port = server.add_insecure_port(listen)
+    address clients dial. Raises OSError when it is taken, or not an address of this host."""
+    if listen.startswith("unix:") and _answers(listen[len("unix:") :]):
+        raise OSError(f"could not bind {listen}: a server is listening there")
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpcio raises where it once returned 0
+        port = 0
     if not port:
-        raise OSError(f"could not bind {listen}")
+        raise OSError(f"could not bind {listen}: in use, or not an address of this host")
     if listen.startswith("unix:"):
         return listen
     return f"{listen.rpartition(':')[0]}:{port}"
@@ -189,8 +210,8 @@ def start_metrics(listen: str | None, registry: CollectorRegistry) -> str | None
     if not listen:
         return None
     host, _, port = listen.rpartition(":")
-    httpd, _ = start_http_server(int(port), addr=host, registry=registry)
-    return f"{host}:{httpd.server_port}"
+    httpd, _ = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    return f"{host}:{httpd.server_port}"  # an IPv6 host keeps its brackets
 
 
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         serve(config, blas)
-    except (RuntimeError, ModelError) as exc:  # no model, or it cannot run here: say why
+    except (RuntimeError, ModelError, OSError) as exc:  # no model, or it cannot run here
         logging.getLogger("agentkv.worker").error("cannot start", extra={"error": str(exc)})
         print(f"agentkv-worker: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,76 @@
+"""One server a port: a service started on an address another one serves refuses to start,
+in one line, instead of sharing the port (gRPC sets SO_REUSEPORT) and taking part of the
+first one's connections, past its tokens if it has none."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentkv.client.store import StoreClient
+from agentkv.errors import Unauthenticated
+
+
+def start(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_store_on_a_port_in_use_refuses_to_start(store_process, tmp_path):
+    taken = store_process.address
+    second = start("cache_store", "--data-dir", str(tmp_path / "second"), "--listen", taken)
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"agentkv-store: error: could not bind {taken}: in use, or not an address of this host"
+    )
+
+
+def test_a_worker_on_a_port_in_use_refuses_to_start(store_process, tiny_model_dirs):
+    taken = store_process.address
+    model = str(tiny_model_dirs["llama"])
+    worker = start("inference_worker", "--model", model, "--store", taken, "--listen", taken)
+    assert worker.returncode == 2 and "Traceback" not in worker.stderr
+    assert (
+        worker.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"agentkv-worker: error: could not bind {taken}")
+    )
+
+
+def test_a_second_store_on_a_unix_socket_in_use_refuses_and_leaves_it(tmp_path):
+    from agentkv.launch import store_process as new_store
+
+    path = tmp_path / "store.sock"
+    first = new_store(tmp_path / "first", tmp_path / "first.log", f"unix:{path}").start()
+    try:
+        second = start(
+            "cache_store", "--data-dir", str(tmp_path / "s2"), "--listen", f"unix:{path}"
+        )
+        assert second.returncode == 1 and "a server is listening there" in second.stderr
+        with StoreClient(f"unix:{path}") as client:
+            assert client.stats() is not None  # the first one still answers on its socket
+    finally:
+        first.stop()
+
+
+def test_tokens_hold_when_another_store_is_started_on_the_port(tmp_path):
+    """The reviewer's case: a store with tokens, then one without on its port; before, 2 of
+    12 clients without a token reached the second one."""
+    from agentkv.launch import store_process as new_store
+
+    table = tmp_path / "tokens.json"
+    entry = '{"name": "a", "token": "token-a-0123456789", "namespaces": ["*"]}'
+    table.write_text(f'{{"tokens": [{entry}]}}')
+    table.chmod(0o600)
+    args = ["--auth-tokens", str(table)]
+    secured = new_store(tmp_path / "sec", tmp_path / "sec.log", extra_args=args).start()
+    try:
+        start("cache_store", "--data-dir", str(tmp_path / "open"), "--listen", secured.address)
+        for _ in range(12):
+            with StoreClient(secured.address) as client, pytest.raises(Unauthenticated):
+                client.stats()
+    finally:
+        secured.stop()
