@@ -281,10 +281,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
-    """For a service nobody answers at: one line naming it and how to point elsewhere."""
+    """For a service nobody answers at: one line naming it and how to point elsewhere; for
+    one whose TLS did not fit the client's, what failed."""
     if not isinstance(exc, Unavailable) or exc.remote or "failed to connect" not in exc.message:
         return None
-    if args.command == "store" or exc.peer == "store":
+    store = args.command == "store" or exc.peer == "store"
+    peer = f"the store at {args.store}" if store else f"the worker at {', '.join(_workers(args))}"
+    # "...; last error: UNKNOWN: ipv4:HOST:PORT: Tls handshake failed (...): ...: OK"
+    reason = exc.message.rpartition("last error: ")[2].split(": ", 2)[-1].removesuffix(": OK")
+    if "handshake" in reason.lower():
+        return f"TLS with {peer} failed: {reason} (check --tls-ca, --tls-cert, --tls-key)"
+    if "Socket closed" in reason and not getattr(args, "tls_ca", ""):
+        return f"{peer} closed the connection: does it serve TLS? (then pass --tls-ca)"
+    if store:
         return f"no store at {args.store} (start agentkv-store, or pass --store / AGENTKV_STORE)"
     workers = ", ".join(_workers(args))
     return (

@@ -24,7 +24,7 @@ from agentkv.client.synthetic import make_chain
 from agentkv.errors import AgentKVError, PermissionDenied, Unauthenticated, Unavailable
 from agentkv.launch import store_process
 from agentkv.security import ServerSecurity
-from tests.helpers import make_certs
+from tests.helpers import cli, make_certs
 
 TEAM_A = "team-a-token-0123456789"
 OPS = "ops-token-0123456789abcdef"
@@ -294,6 +294,16 @@ def test_tls_and_mtls(tmp_path, certs):
             tls_ca=str(c / "ca.pem"), tls_cert=str(c / "client.pem"), tls_key=str(c / "client.key")
         )
         assert StoreClient(mtls.address, security=mutual).stats().num_agents == 0
+        # The CLI says what went wrong, not "no store at": it is there.
+        plain = cli("store", "stats", store=tls.address)
+        assert plain.stderr.strip().splitlines()[-1] == (
+            f"error: the store at {tls.address} closed the connection: does it serve TLS? "
+            "(then pass --tls-ca)"
+        )
+        untrusted = cli("store", "--tls-ca", str(c / "client.pem"), "stats", store=tls.address)
+        last = untrusted.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: TLS with the store at {tls.address} failed: Tls handshake")
+        assert "CERTIFICATE_VERIFY_FAILED" in last and untrusted.returncode == 2
     finally:
         tls.stop()
         mtls.stop()
