@@ -255,11 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "demo":
             from agentkv.client import demo
 
-            try:
-                demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
-            except ServiceExited as exc:  # e.g. a bad --model: the worker's own one line
-                print(f"error: {exc.reason}", file=sys.stderr)
-                sys.exit(2)
+            demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
             return
         if args.command == "model":
             sys.exit(cmd_model_import(args))
@@ -277,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (ValueError, OSError) as exc:  # a bad flag's value: a file, an address, a config
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ServiceExited as exc:  # a service it started (demo, walkthrough): its one line
+        print(f"error: {exc.reason}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from agentkv import defaults
 from agentkv.client.store import StoreClient
 from agentkv.client.synthetic import make_chain
 from agentkv.client.worker import WorkerClient
@@ -143,8 +144,11 @@ def tour(c: StoreClient, data_dir: Path) -> None:
 
 def worker_tour(store_address: str, root: Path) -> None:
     """The worker over the store: cold, hot, warm after eviction, warm after a restart."""
-    step(f"8. agentkv-worker serves the default model ({TOY_MODEL.name}) over the store")
-    worker = worker_process(str(TOY_MODEL), store_address, root / "worker.log").start()
+    # The repository's small trained model is quick; an install without it (a wheel) takes
+    # the shipped default.
+    model = str(TOY_MODEL) if TOY_MODEL.exists() else defaults.MODEL
+    step(f"8. agentkv-worker serves a model ({Path(model).name}) over the store")
+    worker = worker_process(model, store_address, root / "worker.log").start()
     rows = []
     try:
         w = WorkerClient(worker.address)
@@ -161,7 +165,7 @@ def worker_tour(store_address: str, root: Path) -> None:
         w.evict("demo", "marco")
         rows.append(ask(w, "What does open do?"))
         worker.stop()
-        worker = worker_process(str(TOY_MODEL), store_address, root / "worker.log").start()
+        worker = worker_process(model, store_address, root / "worker.log").start()
         rows.append(ask(WorkerClient(worker.address), "What does print do?"))
     finally:
         worker.stop()

@@ -193,6 +193,25 @@ def test_walkthrough_runs_end_to_end():
     assert states == ["hot", "hot", "warm", "warm"]  # evicted, then after a restart
 
 
+def test_a_walkthrough_whose_worker_cannot_start_ends_in_its_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """An install without the repository's small model (a wheel) tours with the shipped
+    default; should the worker not start, its own error is the walkthrough's one line."""
+    from agentkv import cli, defaults
+    from agentkv.client import walkthrough
+
+    missing = tmp_path / "no-model"
+    monkeypatch.setattr(walkthrough, "TOY_MODEL", tmp_path / "not-in-this-install")
+    monkeypatch.setattr(defaults, "MODEL", str(missing))
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["walkthrough"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: agentkv-worker: error: no model at {missing}")
+    assert "Traceback" not in "\n".join(err)
+
+
 def test_service_process_reports_a_crash_at_start(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     proc = ServiceProcess("cache_store", ["--data-dir", str(tmp_path / "file")], tmp_path / "log")
