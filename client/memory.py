@@ -93,7 +93,7 @@ class AgentMemory(BaseAgentMemory):
     agent_class = Agent
 
     def _open_store(self, address: str, security: ClientSecurity) -> StoreClient:
-        return StoreClient(address, security=security)
+        return StoreClient(address, timeout=self.timeout, security=security)
 
     def close(self) -> None:
         for worker in self.workers.values():

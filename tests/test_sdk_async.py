@@ -145,3 +145,28 @@ def test_bad_input_and_no_worker_get_typed_errors(tiny_model_dirs, start_worker)
             assert "3 tries" in caught.value.message
 
     asyncio.run(run())
+
+
+def test_both_sdks_give_a_hung_store_their_own_timeout(
+    tiny_model_dirs, start_worker, store_process
+):
+    """AgentMemory(timeout=2) waits 2 s for a store that does not answer (SIGSTOP), as
+    AsyncAgentMemory does, not the store client's own 60 s."""
+    import os
+    import signal
+    import time
+
+    from agentkv.client.memory import AgentMemory
+    from agentkv.errors import DeadlineExceeded
+
+    worker = start_worker(tiny_model_dirs["llama"]).address
+    with AgentMemory(worker, store=store_process.address, timeout=2) as mem:
+        assert mem.agents() == []  # connected: what follows waits on an answer
+        os.kill(store_process.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                mem.agents()
+            assert time.monotonic() - started < 30  # 60 s before
+        finally:
+            os.kill(store_process.proc.pid, signal.SIGCONT)
