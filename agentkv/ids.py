@@ -1,5 +1,6 @@
 """Names and ids a caller sends (namespaces, agent ids, fingerprints, block keys, token
-lists, metadata, phases): one check each, every failure naming the offending value."""
+lists, metadata, phases): one check each, every failure naming the offending value; and the
+limits of the fields that more than one layer checks (the SDK's scenarios, the worker)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 4096
 MAX_METADATA_TOTAL = 96 << 10  # characters of keys and values together, per agent
 MAX_PHASE = 256
+MAX_TEMPERATURE = 10.0  # the hottest sampling a worker takes
 
 
 def show(value: str, limit: int = 80) -> str:

@@ -36,12 +36,11 @@ import yaml
 from agentkv.client.memory import AgentMemory
 from agentkv.client.workflow import Record, Role, Workflow
 from agentkv.errors import InvalidArgument
-from agentkv.ids import AGENT_ID_RE, MAX_PHASE, NAMESPACE_RE
+from agentkv.ids import AGENT_ID_RE, MAX_PHASE, MAX_TEMPERATURE, NAMESPACE_RE
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
 # The worker's bound (inference_worker.sampling, which a client may not import; a test
 # keeps the two equal): a hotter scenario would fail at its first turn, after the reset.
-MAX_TEMPERATURE = 10.0
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 

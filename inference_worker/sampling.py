@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from agentkv.errors import InvalidArgument
+from agentkv.ids import MAX_TEMPERATURE
 
-MAX_TEMPERATURE = 10.0
 GREEDY_BELOW = 1e-6  # a temperature this small is greedy: its scale is past float16's range
 MAX_STOP_CHARS = 256
 

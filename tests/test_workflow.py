@@ -379,13 +379,6 @@ def test_what_the_worker_would_refuse_fails_at_load_naming_the_file(tmp_path, ch
         load_scenario(path)
 
 
-def test_the_scenario_temperature_bound_is_the_workers():
-    from agentkv.client import scenario
-    from inference_worker import sampling
-
-    assert scenario.MAX_TEMPERATURE == sampling.MAX_TEMPERATURE
-
-
 def test_a_scenario_that_is_not_utf8_names_the_file(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("name: caf\xe9\n".encode("latin-1"))
