@@ -16,7 +16,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from agentkv import defaults
@@ -24,7 +23,7 @@ from agentkv.channels import ClientSecurity
 from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, Unavailable
-from agentkv.flags import add_flags, from_args, show_defaults
+from agentkv.flags import add_flags, from_args, show_defaults, telling
 from agentkv.launch import ServiceExited
 from agentkv.plan_report import print_plan
 from agentkv.planner import parse_size, parse_tokens
@@ -116,25 +115,15 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--context",
         action="append",
-        type=_parsed(parse_tokens),
+        type=telling(parse_tokens),
         help="context tokens, e.g. 8192 or 8K; repeat for several",
     )
-    p.add_argument("--budget", type=_parsed(parse_size), help="e.g. 10.2Gi (2^30) or 10.2G (10^9)")
+    p.add_argument("--budget", type=telling(parse_size), help="e.g. 10.2Gi (2^30) or 10.2G (10^9)")
     p.add_argument("--bits", type=int, default=4, help="quantized K/V bits")
     p.add_argument("--group-size", type=int, default=64, help="elements per scale and bias")
     p.add_argument(
         "--chunk", type=int, default=0, help="prefill chunk in flight, held beyond the window"
     )
-
-
-def _parsed(parse: Callable[[str], int]) -> Callable[[str], int]:
-    def convert(text: str) -> int:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
 
 
 def _store_flag(p: argparse.ArgumentParser) -> None:

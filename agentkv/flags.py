@@ -144,7 +144,7 @@ def _dest(prefix: str, f: dataclasses.Field) -> str:
 def _options(f: dataclasses.Field, hint: Any, name: str) -> dict[str, Any]:
     """add_argument's keywords for one field: its help, default, parser and action."""
     meta = f.metadata
-    parse = _telling(meta["parse"]) if meta["parse"] else _scalar(hint)
+    parse = telling(meta["parse"]) if meta["parse"] else _scalar(hint)
     options: dict[str, Any] = {"help": meta["help"], "type": parse}
     if "choices" not in meta["options"]:  # else --help lists the choices
         options["metavar"] = name[2:].upper().replace("-", "_")
@@ -169,7 +169,7 @@ def _options(f: dataclasses.Field, hint: Any, name: str) -> dict[str, Any]:
     return {**options, "default": default, **meta["options"]}
 
 
-def _telling(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def telling(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """`parse`, its ValueError's message shown in the usage error (argparse shows only
     "invalid <name> value" for a ValueError)."""
 
