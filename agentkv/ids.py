@@ -20,6 +20,7 @@ MAX_METADATA_VALUE = 4096
 MAX_METADATA_TOTAL = 96 << 10  # characters of keys and values together, per agent
 MAX_PHASE = 256
 MAX_TEMPERATURE = 10.0  # the hottest sampling a worker takes
+MAX_STOP_CHARS = 256  # characters of one stop string
 
 
 def show(value: str, limit: int = 80) -> str:

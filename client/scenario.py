@@ -36,7 +36,7 @@ import yaml
 from agentkv.client.memory import AgentMemory
 from agentkv.client.workflow import Record, Role, Workflow
 from agentkv.errors import InvalidArgument
-from agentkv.ids import AGENT_ID_RE, MAX_PHASE, MAX_TEMPERATURE, NAMESPACE_RE
+from agentkv.ids import AGENT_ID_RE, MAX_PHASE, MAX_STOP_CHARS, MAX_TEMPERATURE, NAMESPACE_RE
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
 # The worker's bound (inference_worker.sampling, which a client may not import; a test
@@ -221,6 +221,8 @@ def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         check.fail("sampling.stop", f"must be text or a list of texts, not {stop!r}")
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        check.fail("sampling.stop", f"a stop string has {MAX_STOP_CHARS} characters at most")
     if stops:
         sampling["stop"] = stops
     return sampling

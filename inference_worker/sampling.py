@@ -12,10 +12,9 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from agentkv.errors import InvalidArgument
-from agentkv.ids import MAX_TEMPERATURE
+from agentkv.ids import MAX_STOP_CHARS, MAX_TEMPERATURE
 
 GREEDY_BELOW = 1e-6  # a temperature this small is greedy: its scale is past float16's range
-MAX_STOP_CHARS = 256
 
 
 @dataclass(slots=True)

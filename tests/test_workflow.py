@@ -364,8 +364,9 @@ def test_bad_scenarios_and_messages_get_clear_errors(tmp_path, tiny_model_dirs, 
             {"phases": [{"name": "p" * 257, "turns": [{"agent": "a", "say": "hi"}]}]},
             r"phases\[0\].name: is 257 characters, limit 256",
         ),
+        ({"sampling": {"stop": ["x" * 257]}}, "sampling.stop: a stop string has 256 characters"),
     ],
-    ids=["temperature-50", "temperature-inf", "long-phase"],
+    ids=["temperature-50", "temperature-inf", "long-phase", "long-stop"],
 )
 def test_what_the_worker_would_refuse_fails_at_load_naming_the_file(tmp_path, change, message):
     """Before a run's reset deletes its agents, not at its first turn."""
