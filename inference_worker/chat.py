@@ -157,6 +157,8 @@ class ChatFormat:
         generation_prompt: bool,
     ) -> tuple[list[int], ChatState]:
         """The context after `messages` (and, if asked, the assistant's generation prompt)."""
+        if not messages and not generation_prompt:
+            return list(context), state  # nothing to add (an unopened agent stays so)
         last = messages[-1].role if messages else state.last_role
         said = ChatState(last_role=last, digest=chain(state.digest, messages), marks=state.marks)
         if not state.opened:
@@ -165,8 +167,6 @@ class ChatFormat:
                 return list(context), state  # nothing to render yet
             text = self._render(_dicts([*head, *messages]), generation_prompt)
             return self._encode(text), said
-        if not messages and not generation_prompt:
-            return list(context), state
         close = self.close_reply(context) if state.reply_open else []
         added = self.append(messages, generation_prompt, state.last_role)
         return [*context, *close, *added], said

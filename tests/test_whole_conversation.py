@@ -136,6 +136,18 @@ def wait_in_progress(w: WorkerClient, agent: str) -> None:
         assert time.monotonic() < deadline, f"{agent}'s turn never started"
 
 
+def test_an_empty_turn_changes_nothing_even_before_the_first_turn(smollm2, start_worker):
+    """An agent holds its system prompt as the first turn will render it (20 tokens here);
+    an empty append-only turn had rendered it alone (18), so the first turn kept less."""
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "idle", SYSTEM)
+    before = w.describe(NS, "idle").num_tokens
+    w.turn(NS, "idle", [], max_tokens=0)
+    assert w.describe(NS, "idle").num_tokens == before
+    first = w.turn(NS, "idle", [("user", ASK[0])], max_tokens=4)
+    assert first.usage.reused_hot_tokens == before
+
+
 def test_a_turn_cancelled_before_its_first_token_leaves_no_trace(smollm2, start_worker):
     w = WorkerClient(start_worker(smollm2).address)
     w.create_agent(NS, "cancelled", SYSTEM)
