@@ -73,6 +73,11 @@ def port(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
+DUMMY_TOKENS = (
+    '{"tokens": [{"name": "any", "token": "dummy-token-0123456789", "namespaces": ["*"]}]}'
+)
+
+
 def check_command(argv: list[str], tmp_path: Path, contents: dict[str, str] | None = None):
     """Checks a manifest's command against the real parser: each flag is the program's own,
     spelled in full, and the line parses and passes the security checks, with every file it
@@ -86,7 +91,10 @@ def check_command(argv: list[str], tmp_path: Path, contents: dict[str, str] | No
         if arg in FILE_FLAGS:
             path = tmp_path / "files" / args[i + 1].lstrip("/")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text((contents or {}).get(args[i + 1], "dummy-file-content-0123456789\n"))
+            # A token table is read as the flags are parsed: it stands in as a valid one.
+            dummy = DUMMY_TOKENS if arg == "--auth-tokens" else "dummy-file-content-0123456789\n"
+            path.write_text((contents or {}).get(args[i + 1], dummy))
+            path.chmod(0o600)
             args[i + 1] = str(path)
         elif arg == "--data-dir":
             args[i + 1] = str(tmp_path / "data")
