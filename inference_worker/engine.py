@@ -26,7 +26,14 @@ from agentkv.errors import (
     FailedPrecondition,
     Unavailable,
 )
-from inference_worker.agents import SYSTEM_KEY, Agent, HotTier, agent_exists, system_digest
+from inference_worker.agents import (
+    SYSTEM_KEY,
+    Agent,
+    AgentId,
+    HotTier,
+    agent_exists,
+    system_digest,
+)
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat, ChatMessage, ChatState, Resumed, chain, resume
 from inference_worker.config import WorkerConfig
@@ -70,6 +77,9 @@ class Engine:
             runtime.vocab_size,
         )
         self.restorer = Restorer(config, runtime, store)
+        # Agents whose creation is prefilling, each with the creates of it that came since
+        # (job, system prompt): those are answered once it is made, or failed.
+        self._creating: dict[AgentId, list[tuple[TurnJob, str]]] = {}
         self._turn_ids = itertools.count(1)
         self._last_catch_up = time.monotonic()
         runtime.mlx.on_tick = self._tick
@@ -86,6 +96,9 @@ class Engine:
         # thread waits for it and the process exits.
         for turn in list(self.batcher.active.values()):
             turn.job.end(error=Unavailable(STOPPED.format(turn.agent.agent_id)))
+        for (_, agent_id), waiting in self._creating.items():
+            for job, _ in waiting:
+                job.end(error=Unavailable(STOPPED.format(agent_id)))
         self.persister.close()  # finishes queued store writes
 
     def _tick(self) -> bool:
@@ -128,6 +141,9 @@ class Engine:
         within the hot budget; its usage and END arrive on job.events."""
         ns, agent_id = job.namespace, job.agent_id
         hot = self.hot.get((ns, agent_id))
+        if hot is not None and hot.id in self._creating:  # being made: answered once it is
+            self._creating[hot.id].append((job, system))
+            return
         if hot is not None:  # the RPC thread asked the store
             raise agent_exists(ns, agent_id, hot.metadata, system)
         check_system(system)
@@ -150,6 +166,7 @@ class Engine:
         for cache in agent.caches:
             cache.begin_turn()
         self.hot.put(agent)
+        self._creating[agent.id] = []
         if not pending:
             turn.usage.finish_reason = "none"
             self._turn_done(turn)
@@ -222,6 +239,8 @@ class Engine:
         agent = turn.agent
         if turn.job.creates:
             self.hot.pop(agent.id)  # a new agent whose prefill failed: it never was
+            for waiting, _ in self._creating.pop(agent.id, []):
+                waiting.end(error=error)
         elif turn.undo is not None and not turn.undo.restore(agent):
             self.hot.pop(agent.id)  # its caches cannot be rewound: the store's copy is right
             log.warning(
@@ -252,7 +271,12 @@ class Engine:
         if usage.generated_tokens or job.messages:
             agent.chat = agent.chat.marked(len(agent.tokens), agent.cached)
         self._finish_turn(agent)
-        if not job.creates:
+        if job.creates:
+            for waiting, system in self._creating.pop(agent.id, []):
+                waiting.end(
+                    error=agent_exists(agent.namespace, agent.agent_id, agent.metadata, system)
+                )
+        else:
             self.metrics.turns.labels(state=usage.cache_state).inc()
         if job.durable and agent.pending is not None:
             agent.pending.add_done_callback(

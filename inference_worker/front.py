@@ -30,6 +30,7 @@ class Front:
         prompt's blocks come from the store when another agent of the namespace stored the
         same prefix, and only the rest is prefilled."""
         ns, agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
+        job.namespace, job.agent_id = ns, agent_id  # "" is "default", here and in the store
         stored = self._stored(ns, agent_id)
         if stored is not None:
             raise agent_exists(ns, agent_id, stored.metadata, system)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import ResourceExhausted
+from agentkv.errors import AgentExists, AgentNotFound, FailedPrecondition, ResourceExhausted
 from agentkv.worker.v1 import worker_pb2 as pb
 
 PROMPTS = {f"agent{i}": "You are the warden. " * (3 + 11 * i) for i in range(4)}
@@ -142,3 +142,29 @@ def test_a_long_system_prompt_is_prefilled_between_the_others_steps(tiny_model_d
     chunks = made.usage.prefilled_tokens // 64
     assert chunks >= 30, made.usage
     assert during >= chunks // 2, during  # a token a step; before: 3 to 6, sent before it ran
+
+
+def test_a_create_while_the_same_agent_is_being_made_is_answered_once_it_is(
+    tiny_model_dirs, start_worker
+):
+    """Two creates of one agent: the second, arriving while the first still prefills the
+    system prompt, waits for it and is told the agent exists, so a turn right after it
+    finds the agent made (it had been told at once, then refused: "turn in progress")."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--prefill-chunk", "64").address)
+    system = "The archivist indexes every scroll. " * 150
+    first = threading.Thread(target=lambda: w.create_agent("", "twice", system))
+    first.start()
+    deadline = time.monotonic() + 60
+    while True:  # until the first create is prefilling: an empty turn is refused meanwhile
+        try:
+            w.turn("default", "twice", [], max_tokens=0)
+        except FailedPrecondition:
+            break
+        except AgentNotFound:
+            assert time.monotonic() < deadline, "the first create never started"
+    with pytest.raises(AgentExists):
+        w.create_agent("default", "twice", system)
+    reply = w.turn("default", "twice", QUESTION, max_tokens=4)
+    assert len(reply.token_ids) == 4 and reply.usage.cache_state == "hot"
+    first.join()
+    assert w.describe("default", "twice").num_tokens > 3000  # one agent, in "default"
