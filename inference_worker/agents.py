@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -51,6 +52,9 @@ class Agent:
     # time.monotonic() when RAM last matched the store (a commit landed, or the restore's
     # read): a store read asked before then may not show this worker's own latest commit.
     synced_at: float = 0.0
+    # Held while a commit is recorded (writer thread) or a turn changes the context (MLX
+    # thread): a commit of the context before a cut must not count as this one's.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def id(self) -> AgentId:
@@ -93,14 +97,15 @@ class Agent:
             if drop > 0:  # the last token runs again for its logits, or the conversation
                 cache.trim(drop)  # resumes from an earlier point (or renders differently)
             cache.begin_turn()
-        undo = Checkpoint.of(self)
-        same = common_prefix(self.tokens, tokens)
-        del self.queued_full_keys[same // block_tokens :]
-        del self.committed_full_keys[same // block_tokens :]
-        # What the store holds past `same` is another context's: not durable for this one.
-        self.persisted_tokens = min(self.persisted_tokens, same)
-        self.keep_undurable()
-        self.tokens, self.chat, self.phase = tokens, chat, phase or self.phase
+        with self.lock:
+            undo = Checkpoint.of(self)
+            same = common_prefix(self.tokens, tokens)
+            del self.queued_full_keys[same // block_tokens :]
+            del self.committed_full_keys[same // block_tokens :]
+            # What the store holds past `same` is another context's: not durable for this one.
+            self.persisted_tokens = min(self.persisted_tokens, same)
+            self.keep_undurable()
+            self.tokens, self.chat, self.phase = tokens, chat, phase or self.phase
         return undo
 
     def reusable(
@@ -162,8 +167,9 @@ class Checkpoint:
     def restore(self, agent: Agent) -> bool:
         """Puts the agent back as it was; False when its caches cannot be (see
         QuantizedKV.rewind): then only the store's copy is right."""
-        agent.tokens, agent.chat, agent.phase = self.tokens, self.chat, self.phase
-        agent.persisted_tokens = max(agent.persisted_tokens, self.persisted)
+        with agent.lock:
+            agent.tokens, agent.chat, agent.phase = self.tokens, self.chat, self.phase
+            agent.persisted_tokens = max(agent.persisted_tokens, self.persisted)
         rewound = [cache.rewind(self.cached) for cache in agent.caches]
         agent.keep_undurable()
         return all(rewound)

@@ -199,10 +199,11 @@ def _committed(agent: Agent, generation: int, written: Written, block_tokens: in
     """Records a commit. A turn that began since may have cut the context back: only the
     part it kept is durable (Agent.begin_turn)."""
     full_keys, cached, tokens = written
-    same = common_prefix(tokens, agent.tokens)  # agent.tokens is replaced, never changed
-    agent.generation = generation
-    agent.committed_full_keys = full_keys[: same // block_tokens]
-    agent.persisted_tokens = min(cached, same)
+    with agent.lock:  # Agent.begin_turn may cut the context meanwhile
+        same = common_prefix(tokens, agent.tokens)
+        agent.generation = generation
+        agent.committed_full_keys = full_keys[: same // block_tokens]
+        agent.persisted_tokens = min(cached, same)
     agent.in_doubt.clear()
     agent.synced_at = time.monotonic()
 
