@@ -28,12 +28,13 @@ from agentkv.rpc import (
 )
 from agentkv.security import ServerSecurity
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")  # logging's names
 
 
 def log_level_flag() -> Any:
-    """The --log-level field: argparse refuses any other level in one line."""
-    return flag("info", "how much to log", choices=LOG_LEVELS)
+    """The --log-level field, in any case (INFO, info); argparse refuses any other level in
+    one line."""
+    return flag("info", "how much to log", parse=str.lower, choices=LOG_LEVELS)
 
 
 def listen_flag(default: str) -> Any:

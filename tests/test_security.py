@@ -256,6 +256,14 @@ def test_a_bad_security_or_log_flag_is_one_usage_line(tmp_path, service, flags, 
     assert not (tmp_path / "unused").exists()
 
 
+def test_log_levels_are_logging_s_names_in_any_case():
+    """Units and env files say INFO or warn; 2ca282f's choices had refused them."""
+    from cache_store.__main__ import build_config
+
+    for given, level in (("INFO", "info"), ("warn", "warn"), ("Critical", "critical")):
+        assert build_config(["--data-dir", "d", "--log-level", given]).log_level == level
+
+
 # TLS
 
 
