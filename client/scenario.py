@@ -39,8 +39,6 @@ from agentkv.errors import InvalidArgument
 from agentkv.ids import AGENT_ID_RE, MAX_PHASE, MAX_STOP_CHARS, MAX_TEMPERATURE, NAMESPACE_RE
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
-# The worker's bound (inference_worker.sampling, which a client may not import; a test
-# keeps the two equal): a hotter scenario would fail at its first turn, after the reset.
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
