@@ -274,7 +274,8 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     if not isinstance(exc, Unavailable) or exc.remote or "failed to connect" not in exc.message:
         return None
     store = args.command == "store" or exc.peer == "store"
-    peer = f"the store at {args.store}" if store else f"the worker at {', '.join(_workers(args))}"
+    workers = "" if store else ", ".join(_workers(args))  # `agentkv store` has no --worker
+    peer = f"the store at {args.store}" if store else f"the worker at {workers}"
     # "...; last error: UNKNOWN: ipv4:HOST:PORT: Tls handshake failed (...): ...: OK"
     reason = exc.message.rpartition("last error: ")[2].split(": ", 2)[-1].removesuffix(": OK")
     if "handshake" in reason.lower():
@@ -283,7 +284,6 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
         return f"{peer} closed the connection: does it serve TLS? (then pass --tls-ca)"
     if store:
         return f"no store at {args.store} (start agentkv-store, or pass --store / AGENTKV_STORE)"
-    workers = ", ".join(_workers(args))
     return (
         f"no worker answers at {workers} (start agentkv-worker, or pass --worker / "
         f"AGENTKV_WORKERS): {exc.message}"
