@@ -159,8 +159,7 @@ class Engine:
         pending = tokens[agent.cached :]
         usage.prefilled_tokens = len(pending)
         memory = agent.memory_for(len(tokens), self.runtime.token_bytes)
-        request = Request(f"{next(self._turn_ids)}", len(pending), 0, memory, job.priority, None)
-        turn = ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
+        turn = self._turn(job, agent, usage, pending, memory)
         if pending:
             self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
         for cache in agent.caches:
@@ -216,10 +215,22 @@ class Engine:
         memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
         waited = time.perf_counter() - job.started  # on the store, a restore: it counts
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
+        return self._turn(job, agent, usage, pending, memory, deadline), tokens, chat
+
+    def _turn(
+        self,
+        job: TurnJob,
+        agent: Agent,
+        usage: UsageEvent,
+        pending: list[int],
+        memory: int,
+        deadline: float | None = None,
+    ) -> ActiveTurn:
+        """The batch's turn for `job`: it prefills `pending` and asks for `memory` bytes."""
+        max_tokens = job.sampling.max_tokens
         rid = f"{next(self._turn_ids)}"
         request = Request(rid, len(pending), max_tokens, memory, job.priority, deadline)
-        turn = ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
-        return turn, tokens, chat
+        return ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
 
     def _resumed(self, agent: Agent, messages: list[ChatMessage]) -> Resumed:
         """Where a resent whole conversation picks up the agent's (chat.resume), with the

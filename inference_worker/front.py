@@ -29,12 +29,10 @@ class Front:
         """Starts a new agent (Engine.create_agent); raises what refused it. Its system
         prompt's blocks come from the store when another agent of the namespace stored the
         same prefix, and only the rest is prefilled."""
-        ns, agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
-        job.namespace, job.agent_id = ns, agent_id  # "" is "default", here and in the store
+        ns, agent_id = _checked(job)
         stored = self._stored(ns, agent_id)
         if stored is not None:
             raise agent_exists(ns, agent_id, stored.metadata, system)
-        ids.phase(job.phase)
         check_system(system)
         metadata = check_metadata({**metadata, SYSTEM_KEY: system_digest(system)}, system)
         shared = self.engine.restorer.fetch_prefix(ns, self.engine.chat.start(system)[0])
@@ -44,8 +42,7 @@ class Front:
         """Queues the turn (Engine.start_turn); raises what refused it. The store is asked
         first whether the agent changed elsewhere (briefly), and read whole when the agent
         must be restored."""
-        ns, agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
-        ids.phase(job.phase)
+        ns, agent_id = _checked(job)
         if job.whole_conversation and not job.messages:
             raise InvalidArgument("whole_conversation needs the conversation: no message came")
         view = read_view(self.client, ns, agent_id, self.check_timeout)
@@ -118,3 +115,11 @@ class Front:
     def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn on the MLX thread and waits for it."""
         return self.engine.submit(fn, *args).result()
+
+
+def _checked(job: TurnJob) -> tuple[str, str]:
+    """The job's namespace and agent id, checked and written back ("" is "default", here
+    and in the store), its phase checked."""
+    job.namespace, job.agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
+    ids.phase(job.phase)
+    return job.namespace, job.agent_id
