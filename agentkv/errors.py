@@ -128,6 +128,10 @@ class DiskFull(ResourceExhausted):
     pass
 
 
+class ReplyTooLarge(ResourceExhausted):
+    """A reply would pass the message-size limit; nothing was done: ask for less per request."""
+
+
 class Unavailable(AgentKVError):
     """The peer could not be reached (SDK side only)."""
 

@@ -16,6 +16,10 @@ from google.protobuf.message import DecodeError, Message
 CHUNK_TAG = 0x12  # field 2, wire type 2 (length-delimited)
 MAX_CHUNK_BYTES = 4 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
+# Keys one GetBlocks or LocateBlocks may name: a worker reads one agent's chain, and this is
+# 1M tokens of 64-token blocks. The store refuses more, or a key named twice, before anything is
+# looked up (a small request must not make it build a huge reply); the SDK splits longer reads.
+MAX_KEYS_PER_READ = 16_384
 
 M = TypeVar("M", bound=Message)
 
@@ -67,4 +71,11 @@ def decode(raw: bytes, message_type: type[M]) -> M | memoryview:
     return message
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "DecodeError", "decode", "encode_chunk"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MAX_CHUNK_BYTES",
+    "MAX_KEYS_PER_READ",
+    "DecodeError",
+    "decode",
+    "encode_chunk",
+]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from agentkv import ids
 from agentkv.errors import BlockNotFound, CorruptBlock, InvalidArgument
 from agentkv.keys import block_key
+from agentkv.wire import MAX_KEYS_PER_READ
 from cache_store.capacity import Capacity
 from cache_store.parts import Parts
 from cache_store.records import BlockRecord, Segment
@@ -22,10 +23,6 @@ if TYPE_CHECKING:
     from cache_store.tier import ObjectTier
 
 log = logging.getLogger("agentkv.store")
-# Keys one GetBlocks or LocateBlocks may name: a worker reads one agent's chain, and this is
-# 1M tokens of 64-token blocks. A request past it, or naming a key twice, is refused before
-# anything is looked up: a small request must not make the store build a huge reply.
-MAX_KEYS_PER_READ = 16_384
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from agentkv import auth, wire
-from agentkv.errors import InvalidArgument, ResourceExhausted
+from agentkv.errors import InvalidArgument, ReplyTooLarge
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests, replies
@@ -51,7 +51,7 @@ class CacheStoreServicer:
         for s in selections:
             size += self._located(s).ByteSize() + LOCATION_FRAMING
             if size > limit:
-                raise ResourceExhausted(
+                raise ReplyTooLarge(
                     f"the locations of {len(selections)} blocks exceed the reply limit of "
                     f"{limit} bytes: locate fewer blocks or layers per request"
                 )

@@ -23,7 +23,13 @@ from agentkv.client.blocks import (
     located_bytes,
     read_locations,
 )
-from agentkv.errors import AgentKVError, CorruptBlock, from_rpc_error
+from agentkv.errors import (
+    AgentKVError,
+    CorruptBlock,
+    ReplyTooLarge,
+    ResourceExhausted,
+    from_rpc_error,
+)
 from agentkv.rpc import message_options
 from agentkv.v1 import store_pb2 as pb
 from agentkv.v1 import store_pb2_grpc
@@ -103,15 +109,20 @@ class StoreClient:
     def get_blocks(
         self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int] = ()
     ) -> Iterator[StoredBlock]:
-        """Streams blocks back; each is yielded once all its bytes have arrived."""
-        request = pb.GetBlocksRequest(
-            namespace=namespace, fingerprint=fingerprint, keys=keys, layers=layers
-        )
-        stream = self._get(request, timeout=self.timeout)
-        try:
-            yield from _assemble(stream)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        """Streams blocks back; each is yielded once all its bytes have arrived. A read of more
+        keys than one request may name goes as several, one after another."""
+        for start in range(0, max(len(keys), 1), wire.MAX_KEYS_PER_READ):
+            request = pb.GetBlocksRequest(
+                namespace=namespace,
+                fingerprint=fingerprint,
+                keys=keys[start : start + wire.MAX_KEYS_PER_READ],
+                layers=layers,
+            )
+            stream = self._get(request, timeout=self.timeout)
+            try:
+                yield from _assemble(stream)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
 
     def read_blocks_local(
         self,
@@ -127,22 +138,57 @@ class StoreClient:
         faults) or in one fresh buffer. A checksum failure is reported to the store, which
         quarantines the file, and raised.
         """
-        request = pb.LocateBlocksRequest(
-            namespace=namespace, fingerprint=fingerprint, keys=keys, layers=layers
-        )
-        located = self.call("LocateBlocks", request)
+        leases: list[str] = []
         try:
-            total = sum(located_bytes(loc) for loc in located.blocks)
+            locations = self._locate(namespace, fingerprint, keys, layers, leases)
+            total = sum(located_bytes(loc) for loc in locations)
             view = buffer if buffer is not None and len(buffer) >= total else alloc(total)
-            return read_locations(located.blocks, view, self._reader())
+            return read_locations(locations, view, self._reader())
         except CorruptFile as exc:
             self._report(namespace, exc)
             raise
         finally:
             # The bytes are read (or the read's own error is on its way): a lease the store
             # cannot take back now expires by itself.
-            with contextlib.suppress(AgentKVError):
-                self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=located.lease_id))
+            for lease_id in leases:
+                with contextlib.suppress(AgentKVError):
+                    self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    def _locate(
+        self,
+        namespace: str,
+        fingerprint: str,
+        keys: Sequence[bytes],
+        layers: Sequence[int],
+        leases: list[str],
+    ) -> list[pb.BlockLocation]:
+        """The blocks' locations, in as many LocateBlocks as their replies need, each lease
+        added to `leases` as it is taken. A piece whose reply would pass a message limit (the
+        store's, refused before it leases anything, or this channel's, whose lease then expires
+        by itself) is asked for in halves.
+        """
+        locations: list[pb.BlockLocation] = []
+        start, piece = 0, wire.MAX_KEYS_PER_READ
+        while True:
+            request = pb.LocateBlocksRequest(
+                namespace=namespace,
+                fingerprint=fingerprint,
+                keys=keys[start : start + piece],
+                layers=layers,
+            )
+            try:
+                located = self.call("LocateBlocks", request)
+            except ResourceExhausted as exc:
+                too_large = isinstance(exc, ReplyTooLarge) or not exc.remote
+                if not too_large or len(request.keys) == 1:
+                    raise
+                piece = len(request.keys) // 2
+                continue
+            leases.append(located.lease_id)
+            locations += located.blocks
+            start += len(request.keys)
+            if start >= len(keys):
+                return locations
 
     def _reader(self) -> ThreadPoolExecutor:
         with self._lock:

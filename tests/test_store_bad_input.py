@@ -611,31 +611,88 @@ def test_a_read_naming_a_key_twice(seeded, rpc):
         READ_CALLS[rpc](seeded.client, [k0, k1, k0])
 
 
-@pytest.mark.parametrize("rpc", READ_CALLS)
+# The store's own limits, asked of it in one request each (the SDK splits longer reads).
+RAW_READS: dict[str, Callable[[StoreClient, list[bytes]], object]] = {
+    "GetBlocks": lambda c, keys: list(
+        c._get(pb.GetBlocksRequest(namespace=NS, fingerprint=FP, keys=keys))
+    ),
+    "LocateBlocks": lambda c, keys: c.call(
+        "LocateBlocks", pb.LocateBlocksRequest(namespace=NS, fingerprint=FP, keys=keys)
+    ),
+}
+
+
+@pytest.mark.parametrize("rpc", RAW_READS)
 def test_a_read_of_more_keys_than_its_limit(seeded, rpc):
     """200,000 copies of one key made the store build a 2.3 GB reply; now a read names at
     most MAX_KEYS_PER_READ keys (all distinct here, none stored)."""
     keys = [i.to_bytes(32, "big") for i in range(MAX_KEYS_PER_READ + 1)]
     named = (f"{MAX_KEYS_PER_READ + 1} keys requested", f"limit {MAX_KEYS_PER_READ}")
     with refused(seeded, InvalidArgument, INVALID, *named):
-        READ_CALLS[rpc](seeded.client, keys)
+        try:
+            RAW_READS[rpc](seeded.client, keys)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
 
 
-def test_a_locate_whose_reply_would_pass_the_message_limit(store):
-    """Blocks of 65,536 large token ids have ~330 KB locations: 56 of them pass the 16 MiB
-    reply limit, refused before any lease; 40 are answered."""
+@pytest.mark.parametrize("rpc", READ_CALLS)
+def test_the_sdk_reads_more_keys_than_one_request_may_name(seeded, rpc, monkeypatch):
+    """The SDK splits a read past MAX_KEYS_PER_READ into requests the store takes (the limit
+    made 2 here): all five blocks of the chain come back, in order, and no lease is left."""
+    tokens = list(range(7000, 7000 + 5 * 64))  # no block of the seeded chain
+    blocks, keys = make_chain(tokens, seed=5)
+    seeded.client.save_agent(NS, f"long-chain-{rpc.lower()}", FP, tokens, blocks)
+    monkeypatch.setattr(wire, "MAX_KEYS_PER_READ", 2)
+    asked: list[int] = []  # the keys each request named
+    client = seeded.client
+    for name in ("call", "_get"):
+        sent = getattr(client, name)
+
+        def spy(*args, sent=sent, **kwargs):
+            asked.extend(len(a.keys) for a in args if hasattr(a, "keys"))
+            return sent(*args, **kwargs)
+
+        monkeypatch.setattr(client, name, spy)
+    read = READ_CALLS[rpc](client, keys)
+    assert asked == [2, 2, 1]
+    assert [b.key for b in read] == keys
+    assert all(same_bytes(a, b) for a, b in zip(blocks, read, strict=True))
+    assert seeded.client.stats().num_leases == 0
+
+
+def huge_locations(store: StoreClient, n: int) -> list[bytes]:
+    """Blocks of 65,536 large token ids, whose locations are ~330 KB each: 56 of them pass
+    the 16 MiB reply limit."""
     blocks = [
-        Block(b"", [(1 << 31) + i] * 65536, [Tensor("layers.0.keys", "U8", (4,), bytes(4))])
-        for i in range(56)
+        Block(b"", [(1 << 31) + i] * 65536, [Tensor("layers.0.keys", "U8", (4,), bytes([i]) * 4)])
+        for i in range(n)
     ]
     put = store.put_blocks(NS, FP, blocks)
     store.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=put.lease_id))
-    keys = [b.key for b in put.blocks]
+    return [b.key for b in put.blocks]
+
+
+def test_a_locate_whose_reply_would_pass_the_message_limit(store):
+    """56 such locations are refused before any lease; 40 are answered."""
+    keys = huge_locations(store, 56)
     with pytest.raises(ResourceExhausted) as err:
-        store.read_blocks_local(NS, FP, keys)
+        RAW_READS["LocateBlocks"](store, keys)
     assert "exceed the reply limit of 16777216 bytes" in err.value.message
     assert store.stats().num_leases == 0
     assert len(store.read_blocks_local(NS, FP, keys[:40])) == 40
+
+
+def test_the_sdk_locates_in_pieces_whose_replies_fit(store):
+    """A same-host read of 56 such blocks, past the reply limit, used to fail; the SDK now
+    asks for it in pieces: every block, in order, each the bytes the stream gives, and no lease
+    is left."""
+    keys = huge_locations(store, 56)
+    located = store.read_blocks_local(NS, FP, keys)
+    assert [b.key for b in located] == keys
+    streamed = list(store.get_blocks(NS, FP, keys))
+    assert all(same_bytes(a, b) for a, b in zip(streamed, located, strict=True))
+    assert [bytes(b.tensors[0].data) for b in located] == [bytes([i]) * 4 for i in range(56)]
+    assert store.stats().num_leases == 0
 
 
 # namespaces are tenants
