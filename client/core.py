@@ -239,9 +239,13 @@ class BaseAgent:
         return reply
 
     def fork(self, agent_id: str, *, phase: str = "") -> MaybeAwaitable[BaseAgent]:
-        """A new agent whose context is this one's; in the store they share blocks."""
-        mem, fork = self.memory, type(self)(self.memory, agent_id)
-        return self._call(lambda w: w.fork(mem.namespace, self.id, agent_id, phase), fork._made)
+        """A new agent whose context is this one's; in the store they share blocks. A retry
+        on another worker after a lost reply gets the fork made (its request_id), not
+        AgentExists."""
+        mem, fork, key = self.memory, type(self)(self.memory, agent_id), secrets.token_hex(16)
+        return self._call(
+            lambda w: w.fork(mem.namespace, self.id, agent_id, phase, request_id=key), fork._made
+        )
 
     def _made(self, state: pb.AgentState) -> BaseAgent:
         self.state, self.created = state, True

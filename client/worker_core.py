@@ -149,11 +149,16 @@ class BaseWorkerClient:
         return self._unary("InjectContext", request, same)
 
     def fork(
-        self, namespace: str, source: str, agent_id: str, phase: str = ""
+        self, namespace: str, source: str, agent_id: str, phase: str = "", request_id: str = ""
     ) -> MaybeAwaitable[pb.AgentState]:
-        """A new agent that starts from `source`'s context, sharing its blocks in the store."""
+        """A new agent that starts from `source`'s context, sharing its blocks in the store.
+        A retry with the same `request_id` is answered with the fork the first call made."""
         request = pb.ForkAgentRequest(
-            namespace=namespace, source_agent_id=source, agent_id=agent_id, phase=phase
+            namespace=namespace,
+            source_agent_id=source,
+            agent_id=agent_id,
+            phase=phase,
+            request_id=request_id,
         )
         return self._unary("ForkAgent", request, agent_of)
 

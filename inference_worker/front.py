@@ -13,11 +13,18 @@ from collections.abc import Callable
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import AgentKVError, AgentNotFound, InvalidArgument
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    AgentNotFound,
+    GenerationConflict,
+    InvalidArgument,
+)
+from agentkv.v1 import store_pb2 as store_pb
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
-from inference_worker.persistence import check_metadata, check_system
+from inference_worker.persistence import check_metadata, check_system, fork_metadata, made_by_fork
 from inference_worker.turns import AgentInfo, TurnJob
 
 
@@ -66,17 +73,44 @@ class Front:
         self._wait_durable(ns, agent_id)
         return self._mlx(self.engine.evict, ns, agent_id)
 
-    def fork(self, ns: str, source_id: str, agent_id: str, phase: str) -> AgentInfo:
-        """A new agent whose context is the source's: the store shares the source's blocks."""
+    def fork(
+        self, ns: str, source_id: str, agent_id: str, phase: str, request_id: str = ""
+    ) -> AgentInfo:
+        """A new agent whose context is the source's: the store shares the source's blocks.
+        A retry with the same `request_id` (a lost reply's) is answered with the fork made."""
         ns, source_id = ids.namespace(ns), ids.agent_id(source_id)
         agent_id = ids.agent_id(agent_id)
+        try:
+            self._fork(ns, source_id, agent_id, phase, request_id)
+        except AgentExists:
+            stored = self._stored(ns, agent_id)
+            if stored is None or not made_by_fork(stored.metadata, request_id):
+                raise
+        return self.describe(ns, agent_id)
+
+    def _fork(self, ns: str, source_id: str, agent_id: str, phase: str, request_id: str) -> None:
         if self._mlx(self.engine.fork_source, ns, source_id, agent_id):
             self._wait_durable(ns, source_id)
             self._mlx(self.engine.durable_agent, ns, source_id, "fork")
-        else:  # only the store holds it: it must be this model's
-            self.client.get_agent(ns, source_id, fingerprint=self.engine.runtime.fingerprint)
-        self.client.fork_agent(ns, source_id, agent_id, phase=phase)
-        return self.describe(ns, agent_id)
+        # The source as committed (it must be this model's): the fork takes these tokens with
+        # their chat state, and the request_id in the same write, for a retry to know it by.
+        source = self.client.get_agent(ns, source_id, fingerprint=self.engine.runtime.fingerprint)
+        request = store_pb.ForkAgentRequest(
+            namespace=ns,
+            source_agent_id=source_id,
+            new_agent_id=agent_id,
+            num_tokens=len(source.token_ids),
+            phase=phase,
+            metadata=fork_metadata(source.metadata, request_id),
+        )
+        fork = self.client.call("ForkAgent", request).agent
+        if fork.token_ids != source.token_ids:  # rewritten since: the chat state would not fit
+            self.client.delete_agent(ns, agent_id, expected_generation=1)
+            raise GenerationConflict(
+                f"agent {source_id!r} in namespace {ns!r} changed while {agent_id!r} was "
+                f"forked from its generation {source.generation}: fork it again",
+                source.generation,
+            )
 
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)

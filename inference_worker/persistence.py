@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +181,20 @@ def commit_id(expected_generation: int, snap: Snapshot) -> str:
     for key in (*snap.stored_keys, *snap.keys):
         h.update(key)
     return h.hexdigest()
+
+
+def fork_metadata(source: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """A fork's metadata: its source's chat state and the caller's entries, with the fork's
+    request_id, not the source's last commit, naming the write that made it (COMMIT_ID)."""
+    metadata = {k: v for k, v in source.items() if k != COMMIT_ID}
+    if request_id:
+        metadata[COMMIT_ID] = request_id
+    return metadata
+
+
+def made_by_fork(metadata: Mapping[str, str], request_id: str) -> bool:
+    """Whether the manifest is still as the fork with this request_id made it."""
+    return bool(request_id) and metadata.get(COMMIT_ID) == request_id
 
 
 def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:

@@ -59,12 +59,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         auth.check_namespace(request.namespace)
         if not request.messages:
             raise InvalidArgument("InjectContext needs at least one message")
-        if len(request.request_id) > MAX_REQUEST_ID:
-            raise InvalidArgument(
-                f"request_id of {len(request.request_id)} characters is over {MAX_REQUEST_ID}"
-            )
         job = self._job(request, Sampling(max_tokens=0))
-        job.request_id = request.request_id
+        job.request_id = _request_id(request)
         usage = None
         for response in self._run(job, context):
             usage = response.usage
@@ -74,7 +70,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def ForkAgent(self, request: pb.ForkAgentRequest, context) -> pb.ForkAgentResponse:
         auth.check_namespace(request.namespace)
         info = self.front.fork(
-            request.namespace, request.source_agent_id, request.agent_id, request.phase
+            request.namespace,
+            request.source_agent_id,
+            request.agent_id,
+            request.phase,
+            _request_id(request),
         )
         return pb.ForkAgentResponse(agent=_state(info))
 
@@ -155,3 +155,12 @@ def _next_event(job: TurnJob, context: grpc.ServicerContext) -> object:
 
 def _state(info: AgentInfo) -> pb.AgentState:
     return pb.AgentState(**asdict(info))
+
+
+def _request_id(request: pb.InjectContextRequest | pb.ForkAgentRequest) -> str:
+    """The call's idempotency key, checked."""
+    if len(request.request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument(
+            f"request_id of {len(request.request_id)} characters is over {MAX_REQUEST_ID}"
+        )
+    return request.request_id

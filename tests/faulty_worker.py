@@ -8,8 +8,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   failure of the shared forward would;
 - SLOW_STEP_SEED: every decode step whose batch holds that turn takes SLOW_STEP_SECONDS more,
   as a big model's long step does (no fault: it only takes time);
-- REPLY_LOST_PHASE: an injection into that phase is taken (and, durable, committed), then
-  the process dies before its reply is sent, as a worker lost at that moment does.
+- REPLY_LOST_PHASE: an injection into that phase is taken (and, durable, committed), or a
+  fork into that phase is committed, then the process dies before its reply is sent, as a
+  worker lost at that moment does.
 
 Both errors carry SECRET, which no other turn may ever see.
 """
@@ -38,15 +39,17 @@ def install() -> None:
     from inference_worker.sampling import Sampling
     from inference_worker.service import InferenceWorkerServicer
 
-    inject = InferenceWorkerServicer.InjectContext
+    def lost_reply(rpc):
+        def dies_after(self, request, context):
+            reply = rpc(self, request, context)
+            if request.phase == REPLY_LOST_PHASE:
+                os._exit(1)
+            return reply
 
-    def lost_reply(self, request, context):
-        reply = inject(self, request, context)
-        if request.phase == REPLY_LOST_PHASE:
-            os._exit(1)
-        return reply
+        return dies_after
 
-    InferenceWorkerServicer.InjectContext = lost_reply
+    InferenceWorkerServicer.InjectContext = lost_reply(InferenceWorkerServicer.InjectContext)
+    InferenceWorkerServicer.ForkAgent = lost_reply(InferenceWorkerServicer.ForkAgent)
 
     sampler, decode = Sampling.sampler, Batcher._decode
 

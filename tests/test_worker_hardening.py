@@ -29,7 +29,13 @@ import pytest
 from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.client.memory import AgentMemory
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentKVError, DeadlineExceeded, InvalidArgument, Unavailable
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    DeadlineExceeded,
+    InvalidArgument,
+    Unavailable,
+)
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -356,6 +362,35 @@ def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
     w = WorkerClient(healthy.address, timeout=60)
     with pytest.raises(InvalidArgument, match="request_id of 65 characters is over 64"):
         w.inject("default", agent_id, [("user", "Hi.")], request_id="k" * 65)
+
+
+def test_a_fork_whose_reply_was_lost_is_answered_by_its_retry(
+    tiny_model_dirs, store_process, launched, start_worker, tmp_path
+):
+    """The source's worker commits a fork and dies before replying: the SDK's retry on the
+    next worker is answered with the fork it made (the call's request_id), not told that the
+    new agent exists; a fork onto an agent made otherwise is still refused."""
+    model = tiny_model_dirs["llama"]
+    faulty = faulty_process(launched, model, store_process, tmp_path)
+    healthy = start_worker(model)
+    workers = [faulty.address, healthy.address]
+    with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
+        source_id = next(
+            a for a in map("source-{}".format, range(99)) if mem.worker_for(a) == workers[0]
+        )
+        source, other = mem.agent(source_id, SYSTEM), mem.agent("other", SYSTEM)
+        source.say("Which scrolls came in today?", max_tokens=4).wait()
+        fork = source.fork("what-if", phase=REPLY_LOST_PHASE)
+        assert faulty.proc.wait(timeout=60) == 1  # it died after committing the fork
+        assert fork.created and fork.state.phase == REPLY_LOST_PHASE
+        assert fork.state.num_tokens == source.describe().num_tokens
+        assert fork.state.generation == 1  # forked once, not twice
+        with pytest.raises(AgentExists):
+            source.fork(other.id)
+        with pytest.raises(AgentExists):
+            source.fork("what-if")  # another call: its own request_id
+        reply = fork.say("Index them by century.", max_tokens=4)
+        assert reply.wait().cache_state == "warm"
 
 
 def test_a_group_size_the_head_dims_do_not_fit_is_refused_at_start(tiny_model_dirs, tmp_path):

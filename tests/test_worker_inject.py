@@ -83,6 +83,31 @@ def test_a_fork_shares_its_source_blocks(tiny_model_dirs, start_worker, store):
     assert store.stats().num_blocks - before.num_blocks <= len(new) <= 4
 
 
+def test_a_fork_retried_with_its_request_id_gets_the_same_reply(tiny_model_dirs, start_worker):
+    """A fork's retry (its reply lost) with the same request_id is answered with the agent the
+    first call made, as the first reply would have said; a fork onto an agent made otherwise,
+    or by another call, is refused as before."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("ns", "source", SYSTEM)
+    w.create_agent("ns", "other", SYSTEM)
+    w.turn("ns", "source", Q1, max_tokens=8, durable=True)
+    first = w.fork("ns", "source", "fork", phase="what-if", request_id="call-1")
+    assert w.fork("ns", "source", "fork", phase="what-if", request_id="call-1") == first
+    assert first.generation == 1 and first.phase == "what-if"
+    with pytest.raises(AgentExists):
+        w.fork("ns", "source", "fork", request_id="call-2")
+    with pytest.raises(AgentExists):
+        w.fork("ns", "source", "fork")
+    with pytest.raises(AgentExists):
+        w.fork("ns", "source", "other", request_id="call-1")
+    with pytest.raises(InvalidArgument, match="request_id of 65 characters is over 64"):
+        w.fork("ns", "source", "fork-2", request_id="k" * 65)
+    # Once the fork has moved on (its first commit), it is an agent like any other.
+    w.turn("ns", "fork", Q2, max_tokens=4, durable=True)
+    with pytest.raises(AgentExists):
+        w.fork("ns", "source", "fork", phase="what-if", request_id="call-1")
+
+
 def test_a_durable_turn_ends_once_committed(tiny_model_dirs, start_worker, store):
     w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
     w.create_agent("ns", "a", SYSTEM)

@@ -154,16 +154,18 @@ class InjectContextResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class ForkAgentRequest(_message.Message):
-    __slots__ = ("namespace", "source_agent_id", "agent_id", "phase")
+    __slots__ = ("namespace", "source_agent_id", "agent_id", "phase", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     source_agent_id: str
     agent_id: str
     phase: str
-    def __init__(self, namespace: _Optional[str] = ..., source_agent_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, namespace: _Optional[str] = ..., source_agent_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., phase: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ForkAgentResponse(_message.Message):
     __slots__ = ("agent",)
