@@ -3,9 +3,9 @@
 `import_gguf(file, out, weights)` writes config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json, which `mlx_lm.load` opens offline. Tensors are read from their raw
 blocks (gguf_header, gguf_quants) and either dequantized (float32, float16, bfloat16) or, for
-"native", kept quantized where MLX has the layout: Q4_0, Q4_1 and Q8_0 are MLX affine
-quantization with group size 32, so they load as MLX quantized layers unchanged; K-quants
-and Q5_0/Q5_1 have no such layout and come as float16.
+"native", kept quantized where MLX has the layout: Q4_0, Q4_1, Q8_0 and Q4_K are MLX
+affine quantization with group size 32, so they load as MLX quantized layers (Q4_K's scales
+rounded to fp16); the other K-quants and Q5_0/Q5_1 have no such layout and come as float16.
 `cached_import` does it once per file, keyed by the file's hash, which also enters the
 directory's config (and so the worker's fingerprint).
 """
@@ -29,8 +29,8 @@ from inference_worker.gguf_quants import AFFINE, BLOCKS, affine, block_weights, 
 from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
-GROUP_SIZE = 32  # every GGUF block quantization MLX reads (Q4_0, Q4_1, Q8_0)
-FORMAT_VERSION = 3  # bump when the output of an import changes (3: agentkv decodes tensors)
+GROUP_SIZE = 32  # every GGUF block quantization kept as MLX layers (Q4_0, Q4_1, Q8_0, Q4_K)
+FORMAT_VERSION = 4  # bump when the output of an import changes (4: native keeps Q4_K)
 READ_CHUNK = 16 << 20
 
 
@@ -143,7 +143,7 @@ def _check_types(tensors: list[TensorInfo]) -> None:
 
 
 def read_gguf(path: Path, weights: str = "float32") -> tuple[dict, dict]:
-    """(tensors, metadata). Under `native`, Q4_0/Q4_1/Q8_0 tensors come as MLX affine
+    """(tensors, metadata). Under `native`, Q4_0/Q4_1/Q8_0/Q4_K tensors come as MLX affine
     quantization (`stem.weight` packed, `stem.scales`, `stem.biases`), other decoded types as
     NATIVE_FLOAT; otherwise every tensor comes in the `weights` dtype or F32/F16 as stored."""
     header = read_header(path)
@@ -292,7 +292,7 @@ def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict
         stem = key.rpartition(".")[0]
         if key.endswith((".scales", ".biases")) and stem in quantized:
             continue  # travels with its packed weight
-        if stem in quantized and key.endswith(".weight"):  # native Q4_0, Q4_1, Q8_0
+        if stem in quantized and key.endswith(".weight"):  # native Q4_0, Q4_1, Q8_0, Q4_K
             group = {p: tensors[f"{stem}.{p}"] for p in ("weight", "scales", "biases")}
             quantization[hf_name(key, arch).rpartition(".")[0]] = {
                 "group_size": GROUP_SIZE,

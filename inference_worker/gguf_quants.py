@@ -3,8 +3,8 @@
 Each decoder takes a tensor's blocks as a (blocks, bytes per block) uint8 array and returns
 their weights in float32, every block at once. The products are formed in llama.cpp's order
 (super-block scale times sub-block scale, then times the quant), so they are bit for bit
-what gguf's `dequantize` gives. Q4_0, Q4_1 and Q8_0 are also affine with groups of 32, so
-they can stay quantized as MLX layers (`affine`).
+what gguf's `dequantize` gives. Q4_0, Q4_1, Q8_0 and Q4_K are also affine with groups of 32,
+so they can stay quantized as MLX layers (`affine`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _q3_k(b):
 
 def _q4_k(b):
     sc, mins = _k_scales(b[:, 4:16])
-    return _by_group(_nibbles(b[:, 16:], 32), _f16(b, 0) * sc, 32) - (_f16(b, 2) * mins)[..., None]
+    return _f16(b, 0) * sc, _nibbles(b[:, 16:], 32), -(_f16(b, 2) * mins)
 
 
 def _q5_k(b):
@@ -106,16 +106,18 @@ def _q6_k(b):
 
 
 def _affine(decode):
-    """A float decoder from an affine one: scale * q + bias."""
+    """A float decoder from an affine one: scale * q + bias, one scale and bias per 32."""
 
     def to_float(blocks: np.ndarray) -> np.ndarray:
         scale, q, bias = decode(blocks)
-        return scale * q.astype(np.float32) + bias
+        q = q.reshape(len(q), -1, 32).astype(np.float32)
+        return scale[..., None] * q + bias[..., None]
 
     return to_float
 
 
-AFFINE = {"Q4_0": (_q4_0, 4), "Q4_1": (_q4_1, 4), "Q8_0": (_q8_0, 8)}  # decoder, bits
+# decoder, bits; each (scale, q, bias) per group of 32
+AFFINE = {"Q4_0": (_q4_0, 4), "Q4_1": (_q4_1, 4), "Q8_0": (_q8_0, 8), "Q4_K": (_q4_k, 4)}
 # type: (weights per block, bytes per block, decoder to float32)
 BLOCKS = {
     "Q4_0": (32, 18, _affine(_q4_0)),
@@ -125,7 +127,7 @@ BLOCKS = {
     "Q8_0": (32, 34, _affine(_q8_0)),
     "Q2_K": (QK_K, 84, _q2_k),
     "Q3_K": (QK_K, 110, _q3_k),
-    "Q4_K": (QK_K, 144, _q4_k),
+    "Q4_K": (QK_K, 144, _affine(_q4_k)),
     "Q5_K": (QK_K, 176, _q5_k),
     "Q6_K": (QK_K, 210, _q6_k),
 }
@@ -160,9 +162,10 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarra
 
 
 def affine(data: np.ndarray, kind: str, shape: tuple[int, ...]):
-    """Q4_0, Q4_1 or Q8_0 as MLX affine quantization, group 32: (packed uint32 weights,
-    fp16 scales, fp16 biases). Both are exact in fp16: they are the file's fp16 d and m,
-    or d times a power of two."""
+    """Q4_0, Q4_1, Q8_0 or Q4_K as MLX affine quantization, group 32: (packed uint32
+    weights, fp16 scales, fp16 biases). For the first three both are exact in fp16: they are
+    the file's fp16 d and m, or d times a power of two. Q4_K's are d and dmin times 6-bit
+    sub-block factors, rounded to fp16 (a relative 2^-11 at most)."""
     decode, bits = AFFINE[kind]
     scale, q, bias = decode(data.reshape(-1, BLOCKS[kind][1]))
     per_word = 32 // bits
