@@ -3,13 +3,17 @@ asyncio, redialled quickly after a restart."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from agentkv.addresses import is_loopback
 from agentkv.flags import check_files, flag
+
+log = logging.getLogger("agentkv.client")
 
 # A server that restarts is dialled again within two seconds, not after gRPC's default
 # backoff (which grows to 120 s): a worker resumes writing soon after its store is back.
@@ -52,7 +56,7 @@ class ClientSecurity:
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
         options = [*RECONNECT_OPTIONS, *(options or [])]
-        creds = self._tls()
+        creds = self._tls(address)
         if creds is not None:
             channel = grpc.secure_channel(address, creds, options=options)
         else:
@@ -65,20 +69,35 @@ class ClientSecurity:
         """The same, as a grpc.aio channel."""
         options = [*RECONNECT_OPTIONS, *(options or [])]
         interceptors = _aio_bearer_token(self.token) if self.token else None
-        creds = self._tls()
+        creds = self._tls(address)
         if creds is not None:
             return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
 
-    def _tls(self) -> grpc.ChannelCredentials | None:
-        """TLS credentials from the PEM files, or None for plaintext."""
+    def _tls(self, address: str) -> grpc.ChannelCredentials | None:
+        """TLS credentials from the PEM files, or None for plaintext (with a warning where a
+        token would cross the network in clear: a server allows that only when told to)."""
         if not (self.tls_ca or self.tls_cert):
+            if self.token and not _stays_here(address):
+                log.warning(
+                    "bearer token sent in clear text to %s: anyone on the path can read it "
+                    "(--tls-ca connects with TLS)",
+                    address,
+                )
             return None
         return grpc.ssl_channel_credentials(
             Path(self.tls_ca).read_bytes() if self.tls_ca else None,
             Path(self.tls_key).read_bytes() if self.tls_key else None,
             Path(self.tls_cert).read_bytes() if self.tls_cert else None,
         )
+
+
+def _stays_here(address: str) -> bool:
+    """Whether a client address is a unix socket or a loopback host."""
+    try:
+        return is_loopback(address.removeprefix("ipv4:").removeprefix("ipv6:"))
+    except ValueError:  # another gRPC target form (dns:///...): assume it leaves the machine
+        return False
 
 
 class _AioBearerToken:

@@ -423,3 +423,33 @@ def test_cli_carries_a_token(secured_store, tmp_path):
     (tmp_path / "a.token").write_text(TEAM_A)
     denied = cli("--token-file", str(tmp_path / "a.token"), "agents", "-n", "b")
     assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "tls", "warned"),
+    [
+        ("10.1.2.3:50051", False, True),
+        ("dns:///store.example:50051", False, True),
+        ("127.0.0.1:50051", False, False),
+        ("unix:/tmp/agentkv.sock", False, False),
+        ("10.1.2.3:50051", True, False),
+    ],
+)
+def test_a_client_warns_before_a_token_crosses_the_network_in_clear(
+    tmp_path, caplog, address, tls, warned
+):
+    """A server beyond loopback takes tokens in clear only with --allow-plaintext-tokens; a
+    client sending one there without TLS says so (sync and asyncio channels alike)."""
+    ca = str(make_certs(tmp_path) / "ca.pem") if tls else ""
+    security = ClientSecurity(token="t0ken-for-the-test", tls_ca=ca)
+    for open_channel in (security.channel, security.aio_channel):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="agentkv.client"):
+            channel = open_channel(address)
+        said = [r.getMessage() for r in caplog.records]
+        assert bool(said) == warned, said
+        if warned:
+            assert f"bearer token sent in clear text to {address}" in said[0]
+            assert "t0ken" not in said[0]
+        if open_channel == security.channel:
+            channel.close()
