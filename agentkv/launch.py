@@ -34,8 +34,10 @@ class ServiceProcess:
     proc: subprocess.Popen | None = None
     address: str = ""
     prefix: Sequence[str] = ()  # e.g. ("ip", "netns", "exec", NAME): run it elsewhere
+    start_timeout: float = 60.0  # a service that fails exits, which start() sees at once
 
-    def start(self, timeout: float = 60.0) -> ServiceProcess:
+    def start(self, timeout: float | None = None) -> ServiceProcess:
+        timeout = self.start_timeout if timeout is None else timeout
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.touch()
         offset = self.log_path.stat().st_size
@@ -117,9 +119,10 @@ def worker_process(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> ServiceProcess:
-    """An `agentkv-worker` process (not yet started)."""
+    """An `agentkv-worker` process (not yet started). Its first start on a large GGUF file
+    imports it, which may take minutes, hence the long wait for it to serve."""
     args = ["--model", model, "--store", store, "--listen", listen, *extra_args]
-    return ServiceProcess("inference_worker", args, log_path, env)
+    return ServiceProcess("inference_worker", args, log_path, env, start_timeout=900.0)
 
 
 def gateway_process(
