@@ -169,9 +169,11 @@ def _read_tensor(path: Path, data: np.ndarray, info: TensorInfo, weights: str) -
     if weights == "native" and info.kind in AFFINE:
         parts = zip(("weight", "scales", "biases"), affine(raw, info.kind, info.shape), strict=True)
         return {f"{stem}.{part}": mx.array(array) for part, array in parts}
-    array = mx.array(dequantize(raw, info.kind, info.shape))
+    target = NATIVE_FLOAT if weights == "native" else weights
+    half = target == "float16" and info.kind in BLOCKS  # decoded straight into float16
+    array = mx.array(dequantize(raw, info.kind, info.shape, np.float16 if half else np.float32))
     if info.kind not in ("F32", "F16"):
-        array = array.astype(getattr(mx, NATIVE_FLOAT if weights == "native" else weights))
+        array = array.astype(getattr(mx, target))
         mx.eval(array)  # now, so that only one tensor's float32 is held at a time
     return {info.name: array}
 

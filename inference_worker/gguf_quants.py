@@ -146,15 +146,19 @@ def block_weights(kind: str) -> int:
     return BLOCKS[kind][0] if kind in BLOCKS else 1
 
 
-def dequantize(data: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The weights `data` (raw bytes) holds, in float32 (F32 and F16 as they are)."""
+def dequantize(
+    data: np.ndarray, kind: str, shape: tuple[int, ...], dtype: type = np.float32
+) -> np.ndarray:
+    """The weights `data` (raw bytes) holds, in float32 (F32 and F16 as they are). A block
+    type decodes in float32 a chunk at a time, each chunk rounded to `dtype` as it lands: a
+    float16 result never holds the whole tensor in float32."""
     if kind in ("F32", "F16"):
         return data.view(FLOATS[kind]).reshape(shape)
     if kind == "BF16":  # the upper half of a float32
         return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     weights, block_bytes, decode = BLOCKS[kind]
     blocks = data.reshape(-1, block_bytes)
-    out = np.empty((len(blocks), weights), dtype=np.float32)
+    out = np.empty((len(blocks), weights), dtype=dtype)
     for start in range(0, len(blocks), CHUNK_BLOCKS):
         chunk = blocks[start : start + CHUNK_BLOCKS]
         out[start : start + len(chunk)] = decode(chunk).reshape(len(chunk), weights)
