@@ -273,7 +273,9 @@ class Engine:
             self._turn_failed(turn, DeadlineExceeded(message), usage.finish_reason)
             return
         if usage.generated_tokens:
-            reply = ChatMessage("assistant", "".join(turn.reply))
+            # What the context holds: the reply sent, and past a stop string the text the
+            # caller never saw (so a resend of the cut reply matches no mark from here on).
+            reply = ChatMessage("assistant", turn.stops.text)
             chat = agent.chat
             chat.reply_open, chat.last_role = True, "assistant"
             chat.digest = chain(chat.digest, [reply])

@@ -105,6 +105,26 @@ def test_a_restored_agent_resumes_its_resent_conversation(smollm2, start_worker)
     assert warm.usage.prefilled_tokens < 20
 
 
+def test_a_reply_cut_by_a_stop_string_is_resumed_as_the_caller_saw_it(smollm2, start_worker):
+    """The stop string's tokens stay in the agent's context, but its caller never saw them:
+    the cut reply resent, with a question after it, answers as a fresh agent told that
+    conversation does (before, the agent kept the newline and answered otherwise)."""
+    w = WorkerClient(start_worker(smollm2).address)
+    system = "You are a helpful assistant."
+    history = [("system", system), ("user", "List three fruits, one per line.")]
+    w.create_agent(NS, "cut", system)
+    first = w.turn(NS, "cut", history, max_tokens=24, whole_conversation=True, stop=["\n"])
+    w.create_agent(NS, "uncut", system)
+    full = w.turn(NS, "uncut", history, max_tokens=24, whole_conversation=True)
+    assert full.text.startswith(first.text + "\n"), (first.text, full.text)
+    history += [("assistant", first.text), ("user", "Repeat your answer exactly.")]
+    got = whole(w, "cut", history)
+    w.create_agent(NS, "fresh-cut", system)
+    want = whole(w, "fresh-cut", history)
+    assert got.token_ids == want.token_ids
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
 def test_a_changed_system_prompt_starts_over_from_nothing(smollm2, start_worker):
     """Nothing of the cache is kept: a new agent's system prompt is quantized before its first
     turn, so no cached prefix of another system prompt's rendering would be bit for bit it."""
