@@ -237,10 +237,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:
+def check_said(messages: Sequence[ChatMessage]) -> None:
+    """Refuses an empty message among those a turn or injection adds to a context (an empty
+    `say` is a caller's slip). A resent whole conversation may hold one, as OpenAI's API
+    allows: an empty reply, cut at once by a stop string, comes back in the history."""
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise InvalidArgument(f"message role {m.role!r} is not one of {', '.join(ROLES)}")
         if not m.content.strip():
             raise InvalidArgument(f"message {i} ({m.role}) is empty")
+
+
+def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:
+    for m in messages:
+        if m.role not in ROLES:
+            raise InvalidArgument(f"message role {m.role!r} is not one of {', '.join(ROLES)}")
     return [{"role": m.role, "content": m.content} for m in messages]

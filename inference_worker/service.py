@@ -13,7 +13,7 @@ from agentkv import auth
 from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
-from inference_worker.chat import ChatMessage
+from inference_worker.chat import ChatMessage, check_said
 from inference_worker.front import Front
 from inference_worker.sampling import Sampling
 from inference_worker.turns import END, AgentInfo, TokenEvent, TurnJob
@@ -51,6 +51,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         )
         job = self._job(request, checked)
         job.whole_conversation = request.whole_conversation
+        if not job.whole_conversation:
+            check_said(job.messages)
         yield from self._run(job, context)
 
     def InjectContext(
@@ -60,6 +62,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         if not request.messages:
             raise InvalidArgument("InjectContext needs at least one message")
         job = self._job(request, Sampling(max_tokens=0))
+        check_said(job.messages)
         job.request_id = _request_id(request)
         usage = None
         for response in self._run(job, context):

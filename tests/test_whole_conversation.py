@@ -12,7 +12,7 @@ import pytest
 
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentNotFound, FailedPrecondition
+from agentkv.errors import AgentNotFound, FailedPrecondition, InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
 
@@ -123,6 +123,27 @@ def test_a_reply_cut_by_a_stop_string_is_resumed_as_the_caller_saw_it(smollm2, s
     want = whole(w, "fresh-cut", history)
     assert got.token_ids == want.token_ids
     assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_an_empty_reply_comes_back_in_the_history(smollm2, start_worker):
+    """A stop string that cuts a reply at once leaves it empty. The history holding it, as an
+    OpenAI client resends it, is taken (it was refused: "message 2 (assistant) is empty") and
+    answers as a fresh agent told it does. Turns that add messages still refuse empty ones."""
+    w = WorkerClient(start_worker(smollm2).address)
+    history = [("system", SYSTEM), ("user", ASK[0])]
+    w.create_agent(NS, "probe", SYSTEM)
+    first_char = whole(w, "probe", history).text[0]
+    w.create_agent(NS, "mute", SYSTEM)
+    empty = w.turn(NS, "mute", history, max_tokens=16, whole_conversation=True, stop=[first_char])
+    assert empty.text == "" and empty.usage.generated_tokens == 1
+    history += [("assistant", ""), ("user", ASK[1])]
+    got = whole(w, "mute", history)
+    w.create_agent(NS, "fresh-mute", SYSTEM)
+    want = whole(w, "fresh-mute", history)
+    assert got.token_ids == want.token_ids and got.text
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    with pytest.raises(InvalidArgument, match=r"message 0 \(user\) is empty"):
+        w.turn(NS, "mute", [("user", " ")], max_tokens=4)
 
 
 def test_a_changed_system_prompt_starts_over_from_nothing(smollm2, start_worker):
