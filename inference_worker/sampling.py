@@ -24,7 +24,7 @@ class Sampling:
     top_k: int = 0
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
-    seed: int = 0
+    seed: int | None = None  # None: a random one per turn
 
     def validate(self, max_stop_strings: int, vocab_size: int | None = None) -> Sampling:
         """Raises InvalidArgument for a parameter the turn could not run with, checked at
@@ -54,7 +54,7 @@ class Sampling:
         it draws."""
         if self.temperature < GREEDY_BELOW:
             return None
-        key = mx.random.key(self.seed or secrets.randbits(63))
+        key = mx.random.key(secrets.randbits(63) if self.seed is None else self.seed)
         filters = []
         if 0 < self.top_p < 1:
             filters.append(lambda x: apply_top_p(x, self.top_p))

@@ -45,7 +45,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     ) -> Iterator[pb.TurnResponse]:
         auth.check_namespace(request.namespace)
         s = request.sampling
-        sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), s.seed)
+        seed = s.seed if s.HasField("seed") else None
+        sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), seed)
         checked = sampling.validate(
             self.engine.config.max_stop_strings, self.engine.runtime.vocab_size
         )

@@ -253,6 +253,11 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(tiny_model_dirs, start_wor
     }
     assert sampled["one"] == sampled["two"]
     assert sampled["one"] != sampled["three"]
+    zeros = []  # seed 0 crosses the wire as a seed (the proto's field has presence)
+    for agent in ("zero-a", "zero-b"):
+        w.create_agent("default", agent, SYSTEM)
+        zeros.append(w.turn("default", agent, Q1, max_tokens=24, temperature=1.5, seed=0))
+    assert zeros[0].token_ids == zeros[1].token_ids
     w.create_agent("default", "stopper", SYSTEM)
     free = w.turn("default", "stopper", Q1, max_tokens=24, temperature=1.5, seed=42)
     stop = free.text[5:8]

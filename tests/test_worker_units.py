@@ -57,6 +57,21 @@ def test_a_tiny_temperature_samples_as_greedy_does(dtype):
     assert len({sample(logprobs) for _ in range(40)}) > 1  # still sampled at 1
 
 
+def test_seed_0_is_a_seed_like_any_other():
+    """OpenAI's seed 0 repeats its draws, as every seed does (it was taken as "no seed", so
+    each turn drew afresh); no seed draws from a random key."""
+    import mlx.core as mx
+
+    uniform = mx.log(mx.full((512,), 1 / 512))
+
+    def draws(seed: int | None) -> list[int]:
+        sample = Sampling(temperature=1.0, seed=seed).sampler()
+        return [sample(uniform) for _ in range(20)]
+
+    assert draws(0) == draws(0) != draws(1)
+    assert draws(None) != draws(None)  # 512^-20 to fail by chance
+
+
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
     out = ""
     for piece in pieces:
