@@ -208,6 +208,9 @@ class Engine:
         tokens, chat = self.chat.extend(start.tokens, start.state, start.messages, max_tokens > 0)
         if job.request_id:
             chat = replace(chat, applied=job.request_id)
+        if job.sampling.fit_max_tokens and max_tokens:  # at least 1: a full context is refused
+            room = self.runtime.max_context - len(tokens)
+            max_tokens = job.sampling.max_tokens = max(1, min(max_tokens, room))
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
         reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached)
         pending = tokens[reuse:]

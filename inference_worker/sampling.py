@@ -25,6 +25,7 @@ class Sampling:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # None: a random one per turn
+    fit_max_tokens: bool = False  # max_tokens is a ceiling, lowered to the context's room
 
     def validate(self, max_stop_strings: int, vocab_size: int | None = None) -> Sampling:
         """Raises InvalidArgument for a parameter the turn could not run with, checked at

@@ -46,7 +46,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         auth.check_namespace(request.namespace)
         s = request.sampling
         seed = s.seed if s.HasField("seed") else None
-        sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), seed)
+        sampling = Sampling(
+            s.temperature, s.top_p, s.top_k, s.max_tokens, list(s.stop), seed, s.fit_max_tokens
+        )
         checked = sampling.validate(
             self.engine.config.max_stop_strings, self.engine.runtime.vocab_size
         )

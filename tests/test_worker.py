@@ -197,6 +197,24 @@ def test_corrupt_block_costs_a_reprefill_not_a_wrong_answer(
     assert b"agentkv_worker_restore_failures_total 3.0" in text
 
 
+def test_fit_max_tokens_generates_into_the_room_left(tiny_model_dirs, start_worker):
+    """With fit_max_tokens (a gateway request naming no max_tokens), a turn whose prompt plus
+    max_tokens passes the model's 4,096 tokens generates into the room left, up to the limit,
+    where before it was refused; without it, it still is. A full context is refused."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("default", "long", SYSTEM)
+    w.turn("default", "long", [("user", "tell me more " * 418)], max_tokens=0)
+    held = w.describe("default", "long").num_tokens
+    assert 3900 < held < 4050, held  # the tiny tokenizer's count for those words
+    with pytest.raises(OutOfRange, match="4096"):
+        w.turn("default", "long", Q1, max_tokens=500)
+    reply = w.turn("default", "long", Q1, max_tokens=500, fit_max_tokens=True)
+    u = reply.usage
+    assert u.finish_reason == "length" and u.prompt_tokens + u.generated_tokens == 4096, u
+    with pytest.raises(OutOfRange, match="4096"):
+        w.turn("default", "long", Q1, max_tokens=500, fit_max_tokens=True)
+
+
 MANY = {f"key{i}": "value" for i in range(60)}  # the store's limit is 64 entries
 
 
