@@ -19,6 +19,7 @@ from agentkv.errors import (
     AgentNotFound,
     GenerationConflict,
     InvalidArgument,
+    OutOfRange,
 )
 from agentkv.v1 import store_pb2 as store_pb
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
@@ -52,10 +53,23 @@ class Front:
         ns, agent_id = _checked(job)
         if job.whole_conversation and not job.messages:
             raise InvalidArgument("whole_conversation needs the conversation: no message came")
+        self._check_fits(job)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             fetched = self.engine.restorer.fetch(ns, agent_id)
             self._mlx(self.engine.start_turn, job, view, fetched)
+
+    def _check_fits(self, job: TurnJob) -> None:
+        """Refuses messages too long for the context however they tokenize, here on the RPC
+        thread: tokenizing megabytes on the MLX thread would stall every agent's decoding."""
+        rt = self.engine.runtime
+        chars = sum(len(m.content) for m in job.messages)
+        if chars > rt.max_context * rt.token_chars:
+            raise OutOfRange(
+                f"messages of {chars} characters are over the model's limit of "
+                f"{rt.max_context} tokens however they tokenize (no token of its vocabulary "
+                f"spells more than {rt.token_chars} characters)"
+            )
 
     def describe(self, ns: str, agent_id: str) -> AgentInfo:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)

@@ -107,6 +107,7 @@ class Runtime:
     windows: tuple[int | None, ...]  # per layer, the window its cache keeps; None: all
     vocab_size: int  # the ids a turn may generate: the logits' width, within the tokenizer's
     token_bytes: int  # one token of context in every layer's quantized cache
+    token_chars: int  # the most characters one token spells: n tokens hold at most n * this
 
     def info(self, config: WorkerConfig, blas: str | None) -> dict:
         """The static facts GetWorkerInfo reports."""
@@ -160,6 +161,8 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
         tuple(layer.window if config.window_caches else None for layer in layers),
         num_logits,
         config.kv.token_bytes(layers),
+        # A vocabulary entry's byte-level or piece form is never shorter than its text.
+        max(map(len, tokenizer.get_vocab()), default=1),
     )
 
 

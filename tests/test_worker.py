@@ -216,6 +216,7 @@ def test_fit_max_tokens_generates_into_the_room_left(tiny_model_dirs, start_work
 
 
 MANY = {f"key{i}": "value" for i in range(60)}  # the store's limit is 64 entries
+HUGE = [("user", "x" * 2_000_000)]  # over 4,096 tokens of up to 488 characters each
 
 
 def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dirs, start_worker):
@@ -227,6 +228,9 @@ def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dir
         (lambda: llama.turn("tenant-a", "nobody", Q1, max_tokens=4), AgentNotFound, "nobody"),
         (lambda: llama.turn("tenant-b", "warden", Q1, max_tokens=4), AgentNotFound, "tenant-b"),
         (lambda: llama.turn("tenant-a", "warden", Q1, max_tokens=5000), OutOfRange, "4096"),
+        # 2 MB of text: refused before it is tokenized, which would stall every decode
+        (lambda: llama.turn("tenant-a", "warden", HUGE), OutOfRange, "however they tokenize"),
+        (lambda: llama.inject("tenant-a", "warden", HUGE), OutOfRange, "however they tokenize"),
         (lambda: llama.turn("tenant-a", "warden", Q1, temperature=-1), InvalidArgument, "-1"),
         (lambda: llama.turn("tenant-a", "warden", Q1, top_p=2.0), InvalidArgument, "top_p"),
         (lambda: llama.turn("tenant-a", "warden", Q1, stop=[""]), InvalidArgument, "stop"),
