@@ -102,7 +102,9 @@ class Fetcher:
                 if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
                     return False  # deleted here meanwhile
                 manifests.install(self.index, txn, record, current)
-                self.index.put_uploaded(txn, namespace, agent_id, record.generation)
+                self.index.put_uploaded(
+                    txn, namespace, agent_id, record.generation, record.created_ms
+                )
         log.info(
             "agent fetched from the object store",
             extra={"namespace": namespace, "agent": agent_id, "blocks": len(record.block_keys)},

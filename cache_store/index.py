@@ -13,6 +13,11 @@ Sub-databases ("tables"):
   remote      ns/key     -> uint64 xxh3_64 of the payload: the block is whole in the object store
   uploaded    ns/agent   -> uint64 generation whose manifest is in the object store (0: a
                             deletion not yet carried out there)
+  uploaded_ids ns/agent  -> [generation, created_ms] of the manifest this store last put there
+                            or fetched, kept while its deletion is pending: the one version of
+                            another store's that the deletion may delete. An index written
+                            before it has none (a delete fills it in from the record it drops);
+                            outside TABLES, so releases without it ignore it.
   meta        name       -> schema_version (schema.py)
   quarantine  table NUL key -> [reason, raw bytes] of a bad agent or block record
 Every value is sealed (records.seal). A point read of a bad record raises CorruptRecord, a
@@ -44,9 +49,11 @@ from cache_store.records import (
     AgentRecord,
     BlockRecord,
     decode_u64,
+    decode_uploaded_id,
     decode_usage,
     decode_value,
     encode_u64,
+    encode_uploaded_id,
     encode_usage,
     seal,
 )
@@ -95,7 +102,7 @@ class Index:
             self.env = lmdb.open(str(path), map_size=map_bytes, max_dbs=16, max_readers=256)
             self.dbs = {
                 name: self.env.open_db(name.encode(), dupsort=name == "children")
-                for name in (*TABLES, "meta", "quarantine")
+                for name in (*TABLES, "meta", "quarantine", "uploaded_ids")
             }
         except lmdb.Error as exc:
             raise IndexUnusable(f"cannot open the index at {path}: {exc}") from exc
@@ -104,6 +111,7 @@ class Index:
         self._agents, self._namespaces = self.dbs["agents"], self.dbs["namespaces"]
         self._counters, self._quarantine = self.dbs["counters"], self.dbs["quarantine"]
         self._remote, self._uploaded = self.dbs["remote"], self.dbs["uploaded"]
+        self._uploaded_ids = self.dbs["uploaded_ids"]
 
     def close(self) -> None:
         self.env.close()
@@ -224,13 +232,39 @@ class Index:
         return self._u64("uploaded", k, raw) if raw is not None else None
 
     def put_uploaded(
-        self, txn: lmdb.Transaction, namespace: str, agent_id: str, generation: int
+        self,
+        txn: lmdb.Transaction,
+        namespace: str,
+        agent_id: str,
+        generation: int,
+        created_ms: int = 0,
     ) -> None:
+        """Records the manifest in the object store: its generation and the agent's creation
+        time; generation 0, its deletion pending (the manifest it is to delete is kept)."""
         k = ns_key(namespace, agent_id)
         txn.put(k, encode_u64(k, generation), db=self._uploaded)
+        if generation:
+            txn.put(k, encode_uploaded_id(k, generation, created_ms), db=self._uploaded_ids)
 
     def delete_uploaded(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> None:
-        txn.delete(ns_key(namespace, agent_id), db=self._uploaded)
+        k = ns_key(namespace, agent_id)
+        txn.delete(k, db=self._uploaded)
+        txn.delete(k, db=self._uploaded_ids)
+
+    def uploaded_id(
+        self, txn: lmdb.Transaction, namespace: str, agent_id: str
+    ) -> tuple[int, int] | None:
+        """(generation, created_ms) of the agent's manifest this store last put in the object
+        store or fetched from it; None if unknown (none, an older index's, or a bad entry)."""
+        k = ns_key(namespace, agent_id)
+        raw = txn.get(k, db=self._uploaded_ids)
+        if raw is None:
+            return None
+        try:  # not noted as a suspect: integrity checks TABLES only
+            return decode_uploaded_id("uploaded_ids", k, raw)
+        except CorruptRecord as exc:
+            log.warning("object store entry unreadable", extra={"reason": exc.message})
+            return None
 
     def uploads_done(self, txn: lmdb.Transaction) -> Iterator[tuple[str, str, int]]:
         """(namespace, agent id, generation) of every manifest entry in `uploaded`."""
@@ -339,8 +373,12 @@ class Index:
             self._add_usage(txn, record.namespace, agents=1)
 
     def delete_agent(self, txn: lmdb.Transaction, record: AgentRecord) -> None:
-        txn.delete(ns_key(record.namespace, record.agent_id), db=self._agents)
+        k = ns_key(record.namespace, record.agent_id)
+        txn.delete(k, db=self._agents)
         self._add_usage(txn, record.namespace, agents=-1)
+        uploaded = self.uploaded_generation(txn, record.namespace, record.agent_id)
+        if uploaded and txn.get(k, db=self._uploaded_ids) is None:  # an index written before it
+            txn.put(k, encode_uploaded_id(k, uploaded, record.created_ms), db=self._uploaded_ids)
 
     def forget_lost_agent(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> bool:
         """Drops a quarantined manifest (its references were already recounted without it)."""

@@ -1,9 +1,10 @@
 """An S3-compatible bucket as the store sees it: named objects of bytes with metadata, and
-the two conditional puts the writer leases need. boto3 underneath (AWS S3, Ceph RGW, MinIO,
-SeaweedFS); credentials the standard AWS way (environment, shared files, instance roles).
+the conditional requests (If-Match, If-None-Match) the writer leases and manifests need.
+boto3 underneath (AWS S3, Ceph RGW, MinIO, SeaweedFS); credentials the standard AWS way
+(environment, shared files, instance roles).
 
-Every failure becomes one of three things: absent (None), `Conflict` (a conditional put that
-lost) or `ObjectStoreDown` (unreachable, timed out, refused, or an answer that makes no
+Every failure becomes one of three things: absent (None), `Conflict` (a conditional request
+that lost) or `ObjectStoreDown` (unreachable, timed out, refused, or an answer that makes no
 sense), so the tier above never sees botocore.
 """
 
@@ -29,7 +30,8 @@ class ObjectStoreDown(Unavailable):
 
 
 class Conflict(Exception):
-    """A conditional put found the object changed (If-Match) or present (If-None-Match)."""
+    """A conditional request found the object changed or gone (If-Match) or present
+    (If-None-Match)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +146,14 @@ class Bucket:
             return Got(b"", dict(reply.get("Metadata", {})), reply["ETag"])
         return None
 
-    def delete(self, key: str) -> None:
-        with self._call("delete"):
-            self._client.delete_object(Bucket=self.location.bucket, Key=self.name(key))
+    def delete(self, key: str, if_match: str = "") -> None:
+        """Deletes the object; with `if_match`, only while its ETag is that one (Conflict if
+        it is not, or is gone: S3 and SeaweedFS answer 412 to both)."""
+        args = {"Bucket": self.location.bucket, "Key": self.name(key)}
+        if if_match:
+            args["IfMatch"] = if_match
+        with self._call("delete", conditional=bool(if_match)):
+            self._client.delete_object(**args)
 
     def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> Iterator[str]:
         """Keys (without the location's prefix) under `prefix`, in order, after `start_after`."""

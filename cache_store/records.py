@@ -87,6 +87,20 @@ def decode_u64(table: str, key: bytes, raw: bytes) -> int:
     return decode_value(table, key, raw, lambda p: _U64.unpack(p)[0])
 
 
+def encode_uploaded_id(key: bytes, generation: int, created_ms: int) -> bytes:
+    return seal(key, msgpack.packb([generation, created_ms]))
+
+
+def decode_uploaded_id(table: str, key: bytes, raw: bytes) -> tuple[int, int]:
+    """(generation, created_ms) of a manifest in the object store, as encode_uploaded_id."""
+    return decode_value(table, key, raw, _uploaded_id)
+
+
+def _uploaded_id(payload: memoryview) -> tuple[int, int]:
+    generation, created_ms = msgpack.unpackb(payload)
+    return int(generation), int(created_ms)
+
+
 def encode_usage(key: bytes, usage: dict[str, int]) -> bytes:
     return seal(key, msgpack.packb(usage))
 

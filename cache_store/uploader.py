@@ -4,7 +4,9 @@ A block is written after it is durable locally, read back from its file with eve
 verified; a manifest only once every block it names is in the bucket (a block that is not is
 uploaded first; one lost here ends the manifest's chain there, and the tokens past it are
 re-prefilled on restore). A manifest is put conditionally: over the version this store put
-last, never over another store's ("diverged": kept here, logged).
+last, never over another store's ("diverged": kept here, logged). A deletion likewise deletes
+only a version this store deleted here: one it put, or the one it last put or fetched; not
+one another store wrote since (while the bucket was away from this one).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 import xxhash
 
-from agentkv.errors import CorruptBlock
+from agentkv.errors import CorruptBlock, CorruptRecord
 from cache_store import bucket_layout as layout
-from cache_store.objects import Bucket, Conflict
+from cache_store.objects import Bucket, Conflict, Got
 from cache_store.parts import Parts
 from cache_store.records import AgentRecord, BlockRecord
 from cache_store.upload_queue import Job
@@ -109,9 +111,7 @@ class Uploader:
             record = self.index.find_agent(txn, namespace, agent_id)
             done = self.index.uploaded_generation(txn, namespace, agent_id)
         if record is None:
-            if done == 0:  # deleted here: delete it there
-                self._delete_manifest(namespace, agent_id)
-            return False
+            return done == 0 and self._delete_manifest(namespace, agent_id)  # deleted here
         if done == record.generation:
             return False
         self._writable(namespace)
@@ -128,13 +128,41 @@ class Uploader:
         self.metrics.uploaded.labels("manifest").inc()
         return False
 
-    def _delete_manifest(self, namespace: str, agent_id: str) -> None:
+    def _delete_manifest(self, namespace: str, agent_id: str) -> bool:
+        """Deletes the manifest there if it is a version deleted here; whether to look again
+        (it changed in between)."""
         self._writable(namespace)
-        self.bucket.delete(layout.agent_object(namespace, agent_id))
+        name = layout.agent_object(namespace, agent_id)
+        there = self.bucket.get(name)
+        if there is not None and not self._deleted_here(there, namespace, agent_id):
+            log.error(
+                "agent deletion not carried out: the object store holds another store's "
+                "version, written since; kept, and read here from now on",
+                extra={"namespace": namespace, "agent": agent_id},
+            )
+        elif there is not None:
+            try:
+                self.bucket.delete(name, if_match=there.etag)
+            except Conflict:
+                return True  # raced: looked at again
+            self.metrics.uploaded.labels("deletion").inc()
         with self.index.write() as txn:
             if self.index.find_agent(txn, namespace, agent_id) is None:
                 self.index.delete_uploaded(txn, namespace, agent_id)
-        self.metrics.uploaded.labels("deletion").inc()
+        return False
+
+    def _deleted_here(self, there: Got, namespace: str, agent_id: str) -> bool:
+        """Whether the bucket's manifest is a version this store deleted: one it put itself,
+        or another store's that it last put or fetched (same generation and creation)."""
+        if there.metadata.get("agentkv-writer") == self.writers.store_id:
+            return True
+        with self.index.read() as txn:
+            known = self.index.uploaded_id(txn, namespace, agent_id)
+        try:
+            m = layout.read_manifest(there.body, there.metadata, namespace, agent_id)
+        except CorruptRecord:
+            return False
+        return (int(m["generation"]), int(m["created_unix_ms"])) == known
 
     def _blocks_through(self, record: AgentRecord) -> list[dict[str, Any]]:
         """Uploads the record's blocks the bucket lacks, in chain order; the manifest's block
@@ -187,4 +215,6 @@ class Uploader:
                 and current.generation == record.generation
                 and current.created_ms == record.created_ms
             ):
-                self.index.put_uploaded(txn, namespace, agent_id, record.generation)
+                self.index.put_uploaded(
+                    txn, namespace, agent_id, record.generation, record.created_ms
+                )

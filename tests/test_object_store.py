@@ -16,6 +16,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,13 @@ def bucket_manifests(weed: WeedServer, prefix: str) -> dict[str, dict]:
                 body = s3.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read()
                 manifests[item["Key"]] = json.loads(body)
     return manifests
+
+
+def bucket_agents(weed: WeedServer, prefix: str) -> set[str]:
+    """The ids of the agents the bucket holds a manifest of (listed, not read)."""
+    pages = weed.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    names = (item["Key"] for page in pages for item in page.get("Contents", []))
+    return {name.rpartition("/agents/")[2] for name in names if "/agents/" in name}
 
 
 def assert_bucket_whole(weed: WeedServer, prefix: str) -> dict[str, dict]:
@@ -700,6 +708,96 @@ def test_deletes_reach_the_bucket_and_its_history_is_never_overwritten(weed, buc
         fresh.stop()
     (m,) = bucket_manifests(weed, bucket).values()
     assert m["agent_id"] == "kept" and len(m["token_ids"]) == 109
+
+
+def written(call: Callable) -> bool:
+    """Whether a write got through: refused while another store's writer lease is live."""
+    try:
+        call()
+        return True
+    except FailedPrecondition:
+        return False
+
+
+def test_a_deletion_queued_while_the_bucket_was_down_spares_what_another_store_wrote_since(
+    bucket, tmp_path
+):
+    """a deletes w (b's, read here), x, y and z while the bucket is down; b then grows x and
+    makes z anew; a's deletions, carried out later, delete w and y only."""
+    weed = WeedServer(tmp_path / "weed").start()  # its own: this test stops it
+    args = tier_args(weed, bucket, "--writer-lease-seconds", "6")
+    tokens = {name: [i * 1000 + t for t in range(1, 100)] for i, name in enumerate("wxyz", 1)}
+    seeds = {name: i * 10 for i, name in enumerate("wxyz", 1)}
+    a = b = None
+    try:
+        b = start_store(tmp_path, "b", args)
+        with b.client() as c:
+            save(c, "w", tokens["w"], seed=seeds["w"])
+            wait_for("b's upload", lambda: uploaded(c))
+        b.stop()  # a clean stop hands the lease back
+        a = start_store(tmp_path, "a", args)
+        with a.client() as c:
+            assert c.get_agent(NS, "w").generation == 1  # b's, fetched here
+            for name in "xyz":
+                save(c, name, tokens[name], seed=seeds[name])
+            wait_for("a's uploads", lambda: uploaded(c))
+            weed.stop(kill=True)
+            for name in "wxyz":
+                c.delete_agent(NS, name)  # their deletions there wait for the bucket
+            wait_for("'unreachable'", lambda: c.stats().object_store_state == "unreachable")
+        a.stop()  # the deletions stay queued in its index
+        weed.start()
+        b = start_store(tmp_path, "b", args)
+        grown, anew = tokens["x"] + [5] * 40, [7] * 80
+        with b.client() as c:  # once a's lease lapses, b writes: x grown, z deleted and made anew
+            wait_for("the bucket to answer", lambda: answers(lambda: c.get_agent(NS, "x")))
+            x_blocks = make_chain(grown, seed=seeds["x"])[0]
+            grow = partial(c.save_agent, NS, "x", FP, grown, x_blocks, expected_generation=1)
+            wait_for("a's lease to lapse", lambda: written(grow))
+            assert c.get_agent(NS, "z").generation == 1
+            c.delete_agent(NS, "z")
+            wait_for("b's deletion", lambda: uploaded(c))
+            z_blocks, z_keys = save(c, "z", anew, seed=99)
+            wait_for("b's uploads", lambda: uploaded(c))
+        b.stop()
+        a = start_store(tmp_path, "a", args)  # its queued deletions go out now
+        with a.client() as c:
+            wait_for("a's deletions", lambda: not {"w", "y"} & bucket_agents(weed, bucket))
+            wait_for("a's uploads", lambda: uploaded(c))
+            manifests = {m["agent_id"]: m for m in bucket_manifests(weed, bucket).values()}
+            assert sorted(manifests) == ["x", "z"]  # b's versions stand
+            assert manifests["x"]["generation"] == 2 and manifests["x"]["token_ids"] == grown
+            assert manifests["z"]["generation"] == 1 and manifests["z"]["token_ids"] == anew
+            assert c.get_agent(NS, "x").generation == 2  # and a reads them
+            assert_restores(c, "z", anew, z_blocks, z_keys)
+            for name in "wy":
+                with pytest.raises(AgentNotFound):
+                    c.get_agent(NS, name)
+    finally:
+        for store in (a, b):
+            if store is not None:
+                store.stop()
+        weed.stop(kill=True)
+
+
+def test_an_index_from_before_uploaded_ids_still_deletes_another_stores_agent_it_read(
+    weed, bucket, tmp_path
+):
+    b = start_store(tmp_path, "b", tier_args(weed, bucket))
+    with b.client() as c:
+        save(c, "w", list(range(1, 100)))
+        wait_for("b's upload", lambda: uploaded(c))
+    b.stop()  # a clean stop hands the lease back
+    store = in_process_store(weed, bucket, tmp_path / "a")
+    try:
+        assert store.get_agent(NS, "w").record.generation == 1  # b's, fetched here
+        with store.index.write() as txn:  # as an index written before the table holds it
+            txn.drop(store.index.dbs["uploaded_ids"], delete=False)
+        store.delete_agent(NS, "w")
+        wait_for("the deletion", lambda: settled(store))
+        assert bucket_agents(weed, bucket) == set()
+    finally:
+        store.close()
 
 
 def test_a_bad_object_store_flag_is_a_clear_error(tmp_path):
