@@ -109,14 +109,21 @@ class Agent:
         return undo
 
     def reusable(
-        self, tokens: list[int], need_logits: bool, usage: UsageEvent, limit: int | None = None
+        self,
+        tokens: list[int],
+        need_logits: bool,
+        usage: UsageEvent,
+        limit: int | None = None,
+        whole: int = 0,
     ) -> int:
         """How many of a turn's `tokens` it keeps from the cache (it prefills the rest), at
-        most `limit`, capping what `usage` says was reused; raises when a window cache lost
-        them."""
+        most `limit`, and the first `whole` all or none (a stable prefix, which a new agent
+        makes as a turn of its own), capping what `usage` says was reused."""
         reuse = common_prefix(self.tokens[: self.cached], tokens)
         if limit is not None:
             reuse = min(reuse, limit)
+        if reuse < whole:
+            reuse = 0
         if reuse < self.cached:  # a first turn kept only part of the stable prefix
             usage.reused_hot_tokens = min(usage.reused_hot_tokens, reuse)
             usage.reused_store_tokens = min(usage.reused_store_tokens, reuse)

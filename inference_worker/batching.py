@@ -46,6 +46,7 @@ class ActiveTurn:
     sample: Callable[[mx.array], int] | None = field(init=False)  # None: greedy, batch argmax
     stops: StopMatcher = field(init=False)
     prefilled: int = 0
+    own_turn: int = 0  # the first pending tokens, a turn of their own (a stable prefix)
     next_token: int = -1  # generated, not yet fed through the model
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
@@ -154,11 +155,18 @@ class Batcher:
 
     def _prefill(self, turn: ActiveTurn, n: int) -> bool:
         """Runs a prefill chunk; returns whether the turn now joins the batch to decode."""
-        chunk = turn.pending[turn.prefilled : turn.prefilled + n]
         turn.agent.keep_undurable()
-        logits = self.model(mx.array([chunk]), cache=turn.agent.caches)
-        mx.eval(logits)
-        turn.prefilled += n
+        end = turn.prefilled + n
+        while turn.prefilled < end:
+            stop = turn.own_turn if turn.prefilled < turn.own_turn < end else end
+            chunk = turn.pending[turn.prefilled : stop]
+            logits = self.model(mx.array([chunk]), cache=turn.agent.caches)
+            mx.eval(logits)
+            turn.prefilled = stop
+            if stop == turn.own_turn:  # the rest attends it as stored, as a new agent's
+                for cache in turn.agent.caches:
+                    cache.end_turn()
+                    cache.begin_turn()
         if turn.prefilled < len(turn.pending):
             return False
         if turn.request.max_tokens == 0:

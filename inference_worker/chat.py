@@ -99,6 +99,9 @@ class Resumed:
     state: ChatState
     messages: list[ChatMessage]
     cached: int | None
+    # Started over: the stable prefix's tokens, which the cache keeps whole or the turn
+    # prefills as a turn of their own, as a new agent's are made (Engine._resumed).
+    prefix: int = 0
 
 
 def resume(tokens: Sequence[int], state: ChatState, messages: Sequence[ChatMessage]) -> Resumed:

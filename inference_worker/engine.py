@@ -212,13 +212,15 @@ class Engine:
             room = self.runtime.max_context - len(tokens)
             max_tokens = job.sampling.max_tokens = max(1, min(max_tokens, room))
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
-        reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached)
+        reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached, start.prefix)
         pending = tokens[reuse:]
         usage.prompt_tokens, usage.prefilled_tokens = len(tokens), len(pending)
         memory = agent.memory_for(len(tokens) + max_tokens, self.runtime.token_bytes)
         waited = time.perf_counter() - job.started  # on the store, a restore: it counts
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
-        return self._turn(job, agent, usage, pending, memory, deadline), tokens, chat
+        turn = self._turn(job, agent, usage, pending, memory, deadline)
+        turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
+        return turn, tokens, chat
 
     def _turn(
         self,
@@ -244,7 +246,8 @@ class Engine:
             system = start.state.system
             made_with = agent.metadata.get(SYSTEM_KEY, system_digest(system))
             same = made_with == system_digest(system)
-            start.cached = len(self.chat.start(system)[0]) if same else 0
+            start.prefix = len(self.chat.start(system)[0])
+            start.cached = start.prefix if same else 0
         return start
 
     def _turn_failed(self, turn: ActiveTurn, error: AgentKVError, scope: str) -> None:

@@ -160,6 +160,32 @@ def test_a_changed_system_prompt_starts_over_from_nothing(smollm2, start_worker)
     assert got.usage.prompt_tokens == want.usage.prompt_tokens  # the same conversation
 
 
+def test_a_switched_system_prompt_answers_as_a_fresh_agent(smollm2, start_worker):
+    """A conversation that starts over with another system prompt, and then with the agent's
+    own again, answers each time token for token as a fresh agent made with that prompt. Its
+    stable prefix is kept whole from the cache or prefilled as a turn of its own, as a new
+    agent's is; before, it was prefilled in the same turn as the rest (and on the way back,
+    6 of its tokens came from the cache), so the replies differed."""
+    w = WorkerClient(start_worker(smollm2).address)
+    tutor, pirate = "You are a concise geography tutor.", "You are a pirate."
+    w.create_agent(NS, "switch", tutor)
+    whole(w, "switch", [("system", tutor), ("user", "Hello.")])
+    for n, (system, question) in enumerate(
+        [
+            (pirate, "Say hi."),
+            (tutor, "Say hi."),
+            (pirate, "Name a color."),
+            (tutor, "Where is Peru?"),
+        ]
+    ):
+        conversation = [("system", system), ("user", question)]
+        got = whole(w, "switch", conversation)
+        w.create_agent(NS, f"fresh-switch-{n}", system)
+        want = whole(w, f"fresh-switch-{n}", conversation)
+        assert got.token_ids == want.token_ids, (n, got.text, want.text)
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
 def in_progress(w: WorkerClient, agent: str) -> bool:
     """Whether the agent has a turn in flight: an empty turn, which changes nothing, is
     refused while one is."""
