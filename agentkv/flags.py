@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import os
 import typing
 from collections.abc import Callable, Sequence
@@ -183,6 +184,15 @@ def telling(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _scalar(hint: Any) -> Callable[[str], Any]:
-    """The type argparse parses a flag's text with: the hint, or its one non-None member."""
+    """The type argparse parses a flag's text with: the hint, or its one non-None member (a
+    float finite: no setting means "nan" or "inf" seconds)."""
     members = [t for t in typing.get_args(hint) if t is not type(None)]
-    return members[0] if len(members) == 1 else hint
+    scalar = members[0] if len(members) == 1 else hint
+    return telling(_finite) if scalar is float else scalar
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value

@@ -125,6 +125,10 @@ class StoreConfig(ServerConfig):
                 f"gc_idle_seconds must be 0 or at least twice lease_seconds "
                 f"({2 * self.lease_seconds}), got {self.gc_idle_seconds}"
             )
+        for name in ("stream_idle_seconds", "writer_lease_seconds"):
+            if not getattr(self, name) > 0:  # 0 would cancel every stream, or never lease
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be > 0, got {getattr(self, name)}")
         if not 1 <= self.lease_seconds <= self.max_lease_seconds:
             raise ValueError(f"lease_seconds must be in 1..{self.max_lease_seconds}")
         if not 1 <= self.max_chunk_bytes < self.max_message_bytes:

@@ -126,6 +126,11 @@ def test_store_never_imports_mlx():
         (["--quota", "-5"], "--quota: not a byte size: '-5'"),
         (["--metrics-listen", "9464"], "must be HOST:PORT"),
         (["--metrics-listen", "unix:/tmp/m.sock"], "metrics_listen must be HOST:PORT"),
+        # 0 made an idle store spin at 100% CPU and cancel every PutBlocks
+        (["--stream-idle-seconds", "0"], "--stream-idle-seconds must be > 0, got 0.0"),
+        (["--writer-lease-seconds", "-1"], "--writer-lease-seconds must be > 0"),
+        (["--writer-lease-seconds", "nan"], "--writer-lease-seconds: not a finite number"),
+        (["--gc-idle-seconds", "inf"], "--gc-idle-seconds: not a finite number: 'inf'"),
     ],
 )
 def test_bad_command_lines_are_refused(tmp_path, capsys, argv, message):

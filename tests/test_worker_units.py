@@ -189,6 +189,9 @@ def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, c
     with pytest.raises(SystemExit):
         build_config([*base, "--blas-threads", "-1"])
     assert "--blas-threads -1 must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_config([*base, "--drain-seconds", "nan"])
+    assert "--drain-seconds: not a finite number: 'nan'" in capsys.readouterr().err
     build_config([*base, "--blas-threads", "1"])
     assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
 
