@@ -48,9 +48,15 @@ class ServerConfig:
     """The fields every service has; a subclass adds `listen = listen_flag(ITS_ADDRESS)`."""
 
     listen: str
-    metrics_listen: str | None = flag(None, "HOST:PORT for Prometheus metrics")
+    # An empty value is off, as absent: a unit file passes a variable set to nothing.
+    metrics_listen: str | None = flag(
+        None, "HOST:PORT for Prometheus metrics (empty: none)", convert=lambda v: v or None
+    )
     health_listen: str | None = flag(
-        None, "HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe)"
+        None,
+        "HOST:PORT serving only grpc.health.v1, plaintext and open (kubelet's grpc probe; "
+        "empty: none)",
+        convert=lambda v: v or None,
     )
     log_level: str = log_level_flag()
     workers: int = flag(16, "RPC threads")

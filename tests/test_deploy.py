@@ -652,6 +652,20 @@ def test_systemd_worker_follows_the_store_and_takes_its_model():
     (setting,) = values(model, "Service", "Environment")
     assert setting.startswith("AGENTKV_MODEL=")
     assert "--model ${AGENTKV_MODEL}" in values(u, "Service", "ExecStart")[-1]
+    # A shipped name or a GGUF file is imported into the model cache: a path it may write,
+    # where the home directory is read-only under ProtectSystem=strict.
+    env = dict(v.split("=", 1) for v in values(u, "Service", "Environment"))
+    cache = env["AGENTKV_MODEL_CACHE"]
+    assert any(cache.startswith(path + "/") for path in values(u, "Service", "ReadWritePaths"))
+
+
+def test_the_image_and_pods_import_models_into_a_writable_volume():
+    """The image's root is read-only in the pod: the model cache is on its /cache volume."""
+    dockerfile = (DEPLOY / "docker/Dockerfile").read_text()
+    assert re.search(r"AGENTKV_MODEL_CACHE=/cache/models\b", dockerfile)
+    (worker,) = [c for _, c in containers() if "agentkv-worker" in k8s_command(c)[0]]
+    mounts = [m["mountPath"] for m in worker["volumeMounts"]]
+    assert k8s_env(worker)["AGENTKV_MODEL_CACHE"] == "/cache/models" and "/cache" in mounts
 
 
 @pytest.mark.parametrize("name", UNITS)

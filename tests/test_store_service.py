@@ -148,6 +148,14 @@ def test_sizes_parse():
     ]
 
 
+def test_an_empty_metrics_or_health_address_is_none(tmp_path):
+    """A unit file passes `--metrics-listen ${AGENTKV_METRICS_LISTEN}`: set to nothing, it
+    turns metrics off (it was refused: "listen address must be HOST:PORT")."""
+    argv = ["--data-dir", str(tmp_path), "--metrics-listen", "", "--health-listen", ""]
+    config = build_config(argv)
+    assert config.metrics_listen is None and config.health_listen is None
+
+
 def test_default_bind_is_loopback(tmp_path):
     config = build_config(["--data-dir", str(tmp_path)])
     assert config.listen == "127.0.0.1:50051" and config.is_loopback
