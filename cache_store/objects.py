@@ -6,11 +6,17 @@ boto3 underneath (AWS S3, Ceph RGW, MinIO, SeaweedFS); credentials the standard 
 Every failure becomes one of three things: absent (None), `Conflict` (a conditional request
 that lost) or `ObjectStoreDown` (unreachable, timed out, refused, or an answer that makes no
 sense), so the tier above never sees botocore.
+
+A request waits at most ATTEMPTS x (connect + read timeout) for a bucket that does not answer.
+Once one got no answer, the bucket counts as down until one does: meanwhile one request at a
+time tries it, at most every BREAK_SECONDS, and every other fails at once, so a hung endpoint
+holds no RPC thread of the store that could be served from its local tier.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +27,8 @@ from cache_store.metrics import StoreMetrics
 
 _ABSENT = {"404", "NoSuchKey", "NotFound"}  # NoSuchBucket is not: a misconfigured store
 BINARY = "application/octet-stream"  # a payload file (a safetensors length never starts "{")
-BREAK_SECONDS = 2.0  # after a request found the bucket unreachable, others fail at once
+ATTEMPTS = 2  # tries of one request (botocore's max_attempts would count retries)
+BREAK_SECONDS = 2.0  # after a request got no answer, others fail at once this long
 _LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
 
@@ -75,11 +82,15 @@ class Bucket:
 
         self.location, self.metrics = location, metrics
         self.moved: collections.Counter[str] = collections.Counter()  # payload bytes by op
-        self.broken_until = 0.0  # time.monotonic(): until then, calls fail without trying
+        self.down = False  # a request got no answer, and none has since
+        self._retry_at = 0.0  # time.monotonic(): while down, calls before it fail untried
+        self._health = threading.Lock()
+        connect_seconds = min(timeout_seconds, 3.0)
+        self._longest = ATTEMPTS * (connect_seconds + timeout_seconds)  # a request unanswered
         config = Config(
-            connect_timeout=min(timeout_seconds, 3.0),
+            connect_timeout=connect_seconds,
             read_timeout=timeout_seconds,
-            retries={"max_attempts": 2, "mode": "standard"},
+            retries={"total_max_attempts": ATTEMPTS, "mode": "standard"},
             max_pool_connections=16,
             s3={"addressing_style": "path"} if endpoint else {},
         )
@@ -175,6 +186,27 @@ class Bucket:
     ) -> _Call:
         return _Call(self, op, num_bytes, conditional, absent_ok)
 
+    def _admit(self) -> None:
+        """Lets a request try the bucket: always while it is up; while it is down, one at a
+        time, BREAK_SECONDS after the last one got no answer (ObjectStoreDown for others)."""
+        with self._health:
+            if not self.down:
+                return
+            now = time.monotonic()
+            if now < self._retry_at:
+                raise ObjectStoreDown(
+                    f"object store {self.location}: unreachable (a request got no answer; "
+                    "not tried again yet)"
+                )
+            self._retry_at = now + self._longest  # the others fail while this one tries
+
+    def _answered(self, answered: bool) -> None:
+        with self._health:
+            if answered:
+                self.down = False
+            else:
+                self.down, self._retry_at = True, time.monotonic() + BREAK_SECONDS
+
 
 class _Call:
     """Times one request, counts its bytes, and turns botocore's errors into ours."""
@@ -187,30 +219,26 @@ class _Call:
 
     def __enter__(self) -> _Call:
         self.start = time.perf_counter()
-        if time.monotonic() < self.bucket.broken_until:  # a blackholed endpoint costs seconds
-            raise ObjectStoreDown(
-                f"object store {self.bucket.location}: unreachable (a request failed in the "
-                f"last {BREAK_SECONDS:.0f} s)"
-            )
+        self.bucket._admit()  # a hung or blackholed endpoint costs seconds
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
         self.metrics.object_seconds.labels(self.op).observe(time.perf_counter() - self.start)
+        code = _code(exc) if exc is not None else ""
+        closed = isinstance(exc, GeneratorExit)  # a listing left early, after a page came
+        self.bucket._answered(exc is None or closed or bool(code))  # no code: no answer
+        if closed:
+            return False
         if exc is None:
             if self.num_bytes:
                 self.metrics.object_bytes.labels(self.op).inc(self.num_bytes)
                 self.bucket.moved[self.op] += self.num_bytes
             return False
-        if isinstance(exc, GeneratorExit):
-            return False
-        code = _code(exc)
         if self.absent_ok and code in _ABSENT:
             return True  # the caller's `return None` after the block runs
         if self.conditional and code in _LOST_RACE:
             raise Conflict(code) from exc
         self.metrics.object_errors.labels(self.op).inc()
-        if not code:  # no answer at all (refused, timed out): others need not wait for it
-            self.bucket.broken_until = time.monotonic() + BREAK_SECONDS
         what = code or type(exc).__name__
         raise ObjectStoreDown(
             f"object store {self.bucket.location}: {self.op} failed: {what}: {exc}"

@@ -5,11 +5,13 @@ for one namespace."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -798,6 +800,50 @@ def test_an_index_from_before_uploaded_ids_still_deletes_another_stores_agent_it
         assert bucket_agents(weed, bucket) == set()
     finally:
         store.close()
+
+
+def test_a_hung_object_store_holds_one_request_at_a_time(monkeypatch):
+    """An endpoint that takes connections and never answers: a request gives up after two
+    tries; until one gets an answer, one request at a time tries and the others fail at once
+    (an RPC thread of the store is not held while its local tier could answer)."""
+    from cache_store import objects
+    from cache_store.metrics import StoreMetrics
+
+    monkeypatch.setattr(objects, "BREAK_SECONDS", 0.0)  # the next request tries at once
+    taken: list[socket.socket] = []  # held open: never answered
+
+    def connections() -> int:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                taken.append(hung.accept()[0])
+        return len(taken)
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as hung:
+        hung.setblocking(False)
+        endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        location = objects.Location.parse(f"s3://{BUCKET}/p")
+        bucket = objects.Bucket(location, endpoint, StoreMetrics(), timeout_seconds=0.5)
+        with pytest.raises(objects.ObjectStoreDown, match="Read timeout"):
+            bucket.head("a")
+        assert connections() == 2  # two tries, not three
+        failed: list[objects.ObjectStoreDown] = []
+
+        def head() -> None:
+            try:
+                bucket.head("a")
+            except objects.ObjectStoreDown as exc:
+                failed.append(exc)
+
+        probe = threading.Thread(target=head)
+        probe.start()
+        wait_for("the probe's first try", lambda: connections() == 3)
+        with pytest.raises(objects.ObjectStoreDown, match="not tried again"):
+            bucket.get("b")  # while the probe waits: at once, untried
+        assert connections() == 3
+        probe.join()
+        assert len(failed) == 1 and "Read timeout" in failed[0].message
+        for conn in taken:
+            conn.close()
 
 
 def test_a_bad_object_store_flag_is_a_clear_error(tmp_path):
