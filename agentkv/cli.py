@@ -268,9 +268,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
+# gRPC's reasons for a connection that was made but never became gRPC's: nothing came back
+# before its connect timeout (20 s; "Endpoint closing" with TLS), or something not HTTP/2 did.
+_NO_ANSWER = ("before receiving SETTINGS frame", "(Endpoint closing)", "Failed parsing HTTP/2")
+
+
 def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
-    """For a service nobody answers at: one line naming it and how to point elsewhere; for
-    one whose TLS did not fit the client's, what failed."""
+    """For a service nobody listens at: one line naming it and how to point elsewhere; for
+    one that took the connection but never answered, or whose TLS did not fit the
+    client's, what failed."""
     if not isinstance(exc, Unavailable) or exc.remote or "failed to connect" not in exc.message:
         return None
     store = args.command == "store" or exc.peer == "store"
@@ -278,6 +284,11 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     peer = f"the store at {args.store}" if store else f"the worker at {workers}"
     # "...; last error: UNKNOWN: ipv4:HOST:PORT: Tls handshake failed (...): ...: OK"
     reason = exc.message.rpartition("last error: ")[2].split(": ", 2)[-1].removesuffix(": OK")
+    if any(words in reason for words in _NO_ANSWER):
+        return (
+            f"{peer} took the connection but did not answer: is it hung, or not an agentkv "
+            f"gRPC server? (gRPC: {reason})"
+        )
     if "handshake" in reason.lower():
         return f"TLS with {peer} failed: {reason} (check --tls-ca, --tls-cert, --tls-key)"
     if "Socket closed" in reason and not getattr(args, "tls_ca", ""):

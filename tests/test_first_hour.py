@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
@@ -32,6 +33,62 @@ def test_a_store_named_by_host_name_is_still_the_one_blamed():
     port = free_address().rsplit(":", 1)[1]
     proc = agentkv("agents", "--store", f"localhost:{port}", "--worker", free_address())
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: no store at localhost:{port} ")
+
+
+def test_a_server_that_takes_the_connection_but_does_not_answer_is_not_called_absent(
+    store_process, tmp_path
+):
+    """A hung store (SIGSTOP), a listener that never speaks (in plaintext and to TLS) and an
+    HTTP server each took the connection: the CLI says so, with gRPC's reason, not "no store
+    at". gRPC's connect timeout (20 s) ends the wait for one that says nothing."""
+    import os
+    import signal
+    import socket
+    import threading
+
+    from tests.helpers import make_certs
+
+    ca = str(make_certs(tmp_path / "certs") / "ca.pem")
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody reads
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    quiet = f"127.0.0.1:{silent.getsockname()[1]}"
+    runs = {
+        "hung": [store_process.address],
+        "silent": [quiet],
+        "silent-tls": [quiet, "--tls-ca", ca],
+        "http": [f"127.0.0.1:{web.server_address[1]}"],
+    }
+    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    try:
+        started = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", "agentkv.cli", "store", "stats", "--store", *args],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, args in runs.items()
+        }
+        ended = {name: proc.communicate(timeout=120) for name, proc in started.items()}
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+        web.shutdown()
+        silent.close()
+    for name, (_, stderr) in ended.items():
+        assert started[name].returncode == 2, stderr
+        assert len(stderr.splitlines()) == 1, stderr
+        assert stderr.startswith(
+            f"error: the store at {runs[name][0]} took the connection but did not answer: "
+            "is it hung, or not an agentkv gRPC server? (gRPC: "
+        ), stderr
+    assert "SETTINGS frame" in ended["hung"][1] and "HTTP/2" in ended["http"][1]
+
+
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    """An HTTP/1 server that logs nothing (it answers gRPC's preface with an error)."""
+
+    def log_message(self, *args) -> None:
+        pass
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,103 @@
+"""Client channels (agentkv.channels) across a slow link, as to a store in another region: the
+CLI, the asyncio SDK and a worker reach it, in plaintext and over TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agentkv.channels import ClientSecurity
+from agentkv.launch import store_process, worker_process
+from tests.helpers import cli, make_certs
+
+# Each way: a 300 ms round trip, a WAN link's. gRPC takes min_reconnect_backoff_ms as its
+# least connect timeout too: at 100 ms, a client gave up before a store this far answered.
+DELAY = 0.15
+
+
+class SlowLink:
+    """A loopback TCP proxy to `target` that holds every chunk `delay` seconds each way."""
+
+    def __init__(self, target: str, delay: float = DELAY) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target, self.delay = (host, int(port)), delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            far = socket.create_connection(self.target)
+            self.sockets += [near, far]
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=self._pass, args=(source, sink), daemon=True).start()
+
+    def _pass(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(self.delay)
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:  # the other end closed
+            pass
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self.listener.close()
+        for s in self.sockets:
+            s.close()
+
+
+@pytest.fixture
+def certs(tmp_path) -> Path:
+    return make_certs(tmp_path / "certs")
+
+
+def test_the_cli_and_the_asyncio_sdk_reach_a_store_across_a_slow_link(tmp_path, certs):
+    tls_flags = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")]
+    plain = store_process(tmp_path / "plain", tmp_path / "plain.log").start()
+    tls = store_process(tmp_path / "tls", tmp_path / "tls.log", extra_args=tls_flags).start()
+    links = [SlowLink(plain.address), SlowLink(tls.address)]
+    try:
+        far_plain, far_tls = (link.address for link in links)
+        ca = str(certs / "ca.pem")
+        for args in (["store", "stats"], ["store", "--tls-ca", ca, "stats"]):
+            proc = cli(*args, store=far_tls if "--tls-ca" in args else far_plain)
+            assert proc.returncode == 0, proc.stderr
+            assert "agents" in proc.stdout
+        assert asyncio.run(health(far_plain, ClientSecurity()))
+        assert asyncio.run(health(far_tls, ClientSecurity(tls_ca=ca)))
+    finally:
+        for service in (*links, plain, tls):
+            (service.close if isinstance(service, SlowLink) else service.stop)()
+
+
+async def health(address: str, security: ClientSecurity) -> bool:
+    """Whether the store's grpc.health.v1 answers SERVING on an asyncio channel."""
+    async with security.aio_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_worker_reaches_its_store_across_a_slow_link(tiny_model_dirs, store_process, tmp_path):
+    link = SlowLink(store_process.address)
+    worker = worker_process(str(tiny_model_dirs["llama"]), link.address, tmp_path / "worker.log")
+    try:
+        log = worker.start().log_tail()
+        assert '"event": "store answers"' in log  # checked before "serving"
+        assert "store does not answer" not in log
+    finally:
+        worker.stop()
+        link.close()
