@@ -1,8 +1,8 @@
 """The gateway: OpenAI's chat-completions API over HTTP, on the asyncio SDK.
 
 Frameworks resend the whole conversation on every call. The gateway holds no KV and no
-conversation: it names the agent (X-Agent-Id; else X-Session-ID, prompt_cache_key or user;
-else one anonymous agent per system prompt and first user message), and sends the whole
+conversation: it names the agent (X-Agent-Id; else X-Session-ID; else one anonymous agent per
+end user, cache key, system prompt and first user message), and sends the whole
 conversation to that agent's worker as a `whole_conversation` turn. The worker resumes from
 its own last reply, matched by the text it sent, and prefills only what is new; an edited
 history resumes from before the edit (inference_worker/chat.py, `resume`).
@@ -21,6 +21,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,22 @@ from agentkv.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("agentkv.gateway")
 INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
+# Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
+# worker's next step, and the agent cannot be deleted before.
+SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+# Not cached, nor held back by a buffering proxy (nginx reads X-Accel-Buffering).
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+@dataclass(slots=True)
+class Turn:
+    """A turn under way: its reply (from its first token) and what making its agent took
+    (its CreateAgent usage; None when it existed). A spare agent was made for this turn
+    alone: nothing reaches it once the turn ends."""
+
+    reply: AsyncReply
+    created: Any = None
+    spare: bool = False
 
 
 class Gateway:
@@ -62,6 +79,7 @@ class Gateway:
         )
         self.memory: AsyncAgentMemory | None = None
         self.model_id = config.model_name
+        self.deletions: set[asyncio.Task] = set()  # of spare agents, under way
 
     async def start(self) -> None:
         c = self.config
@@ -70,6 +88,9 @@ class Gateway:
         )
 
     async def stop(self) -> None:
+        for task in self.deletions:
+            task.cancel()
+        await asyncio.gather(*self.deletions, return_exceptions=True)
         if self.memory is not None:
             await self.memory.close()
 
@@ -89,8 +110,9 @@ class Gateway:
         memory = self.memory.in_namespace(namespace)
         headers = request.headers
         named, session = headers.get("x-agent-id", ""), headers.get("x-session-id", "")
-        anonymous = not (named or session or call.session)
-        reply, created = await self._start(memory, agent_id(named, session, call), call, anonymous)
+        anonymous = not (named or session)
+        turn = await self._start(memory, agent_id(named, session, call), call, anonymous)
+        reply = turn.reply
         facts = {
             "x-agentkv-agent-id": reply.agent.id,
             "x-agentkv-namespace": namespace,
@@ -98,11 +120,15 @@ class Gateway:
         }
         completion = Completion(call.model)
         if call.stream:
-            events = self._events(reply, call, completion, namespace, created)
-            return StreamingResponse(events, media_type="text/event-stream", headers=facts)
-        if not await self._whole(reply, request):
-            return Response(status_code=499)  # nobody reads it: the client has gone
-        usage = with_creation(reply.usage, created)
+            events = self._events(turn, call, completion, namespace)
+            headers = facts | STREAM_HEADERS
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            if not await self._whole(reply, request):
+                return Response(status_code=499)  # nobody reads it: the client has gone
+        finally:
+            self._ended(turn)
+        usage = with_creation(reply.usage, turn.created)
         facts |= {
             "x-agentkv-cache-state": usage.cache_state,
             "x-agentkv-ttft-ms": f"{usage.time_to_first_token_ms:.3f}",
@@ -221,21 +247,25 @@ class Gateway:
 
     async def _start(
         self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
-    ) -> tuple[AsyncReply, Any]:
-        """The turn's reply, once its first token is in, and what making the agent took
-        (its CreateAgent usage; None when it existed)."""
+    ) -> Turn:
+        """The turn, once its reply's first token is in. A call without identity whose
+        agent is busy (the same conversation sent twice at once, or resent while its
+        stopped turn ends) gets a spare agent, deleted once its turn ends."""
         agent = AsyncAgent(memory, agent_id)
-        options = {"whole_conversation": True, **call.sampling}
-        try:
-            return await agent.say(call.messages, **options), None
-        except AgentNotFound:
-            pass
-        except FailedPrecondition as exc:  # e.g. a turn of the same agent in progress
-            if not anonymous or "in progress" not in exc.message:
-                raise
-            # Two clients without identity sent the same conversation at once: the second
-            # gets an agent of its own.
+        while True:
+            try:
+                return await self._say(agent, call, spare=agent.id != agent_id)
+            except FailedPrecondition as exc:
+                if not anonymous or "in progress" not in exc.message:
+                    raise
             agent = AsyncAgent(memory, f"{agent_id}-{uuid.uuid4().hex[:8]}")
+
+    async def _say(self, agent: AsyncAgent, call: ChatCall, spare: bool) -> Turn:
+        """The agent's turn, made first when it does not exist."""
+        memory, options = agent.memory, {"whole_conversation": True, **call.sampling}
+        if not spare:
+            with contextlib.suppress(AgentNotFound):
+                return Turn(await agent.say(call.messages, **options))
         request = pb.CreateAgentRequest(
             namespace=memory.namespace, agent_id=agent.id, system_prompt=call.system
         )
@@ -243,7 +273,22 @@ class Gateway:
         with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
             made = await memory.route(agent.id, lambda w: w.call("CreateAgent", request))
             created = made.usage  # prompt: the turn resumes from the stored one
-        return await agent.say(call.messages, **options), created
+        try:
+            return Turn(await agent.say(call.messages, **options), created, spare)
+        except BaseException:
+            if spare:
+                self._delete_later(agent)
+            raise
+
+    def _ended(self, turn: Turn) -> None:
+        """After the turn's reply ended or was closed: a spare agent is deleted."""
+        if turn.spare:
+            self._delete_later(turn.reply.agent)
+
+    def _delete_later(self, agent: AsyncAgent) -> None:
+        task = asyncio.create_task(_delete_spare(agent))
+        self.deletions.add(task)
+        task.add_done_callback(self.deletions.discard)
 
     async def _whole(self, reply: AsyncReply, request: Request) -> bool:
         """Waits for the whole reply; a client that leaves first cancels the turn (False)."""
@@ -263,20 +308,16 @@ class Gateway:
         return True
 
     async def _events(
-        self,
-        reply: AsyncReply,
-        call: ChatCall,
-        completion: Completion,
-        namespace: str,
-        created: Any,
+        self, turn: Turn, call: ChatCall, completion: Completion, namespace: str
     ) -> AsyncIterator[str]:
         """The reply as server-sent events in OpenAI's chunk format, then `data: [DONE]`. An
         error after the first chunk is sent as an error event (the status line is gone)."""
+        reply = turn.reply
         try:
             yield _sse(completion.chunk({"role": "assistant", "content": ""}))
             async for piece in reply:
                 yield _sse(completion.chunk({"content": piece}))
-            usage = with_creation(reply.usage, created)
+            usage = with_creation(reply.usage, turn.created)
             extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
             last = completion.chunk({}, finish_reason(usage))
             yield _sse({**last, "agentkv": extension})
@@ -288,6 +329,7 @@ class Gateway:
         finally:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
+            self._ended(turn)
 
 
 def model_id(model: str) -> str:
@@ -301,6 +343,23 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client goes away."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _delete_spare(agent: AsyncAgent) -> None:
+    """Deletes a spare agent once its turn has ended on its worker."""
+    for delay in SPARE_DELETE_DELAYS:
+        await asyncio.sleep(delay)
+        try:
+            await agent.delete()
+            return
+        except FailedPrecondition:  # its turn, cancelled, has not ended yet
+            continue
+        except AgentKVError as exc:
+            log.warning(
+                "a spare agent was not deleted", extra={"agent": agent.id, "error": str(exc)}
+            )
+            return
+    log.warning("a spare agent's turn did not end", extra={"agent": agent.id})
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -22,13 +22,10 @@ IGNORED = {
     "messages",
     "stream",
     "stream_options",
-    "user",
-    "prompt_cache_key",
     "store",
     "metadata",
     "service_tier",
     "parallel_tool_calls",
-    "safety_identifier",
 }
 # Accepted at their neutral value only; any other value is refused, never ignored.
 NEUTRAL = {
@@ -50,6 +47,7 @@ NEUTRAL = {
     "web_search_options": None,
     "verbosity": None,
 }
+SCOPE = ("prompt_cache_key", "user", "safety_identifier")  # ChatCall.scope
 SAMPLING = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed"}
 MAX_STOPS = 4  # OpenAI's own limit
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -112,7 +110,9 @@ class ChatCall:
     stream: bool
     include_usage: bool
     sampling: dict[str, Any] = field(default_factory=dict)  # the worker's SamplingParams
-    session: str = ""  # the conversation's identity from the body: prompt_cache_key or user
+    # Whose conversation it is: prompt_cache_key, user, safety_identifier. In OpenAI's API
+    # they name a group of requests and an end user, never one conversation.
+    scope: tuple[str, ...] = ()
 
     @property
     def system(self) -> str:
@@ -120,10 +120,11 @@ class ChatCall:
         return self.messages[0][1] if self.messages and self.messages[0][0] == "system" else ""
 
     def anonymous_id(self) -> str:
-        """The agent a request with no identity goes to: one per system prompt and first
-        user message, so that a client that resends its history finds it again."""
+        """The agent a request with no identity goes to: one per scope, system prompt and
+        first user message, so that a client that resends its history finds it again."""
         first = next((m for m in self.messages if m[0] == "user"), None)
-        h = hashlib.blake2b(repr((self.system, first)).encode(), digest_size=12)
+        key = (*self.scope, self.system, first) if any(self.scope) else (self.system, first)
+        h = hashlib.blake2b(repr(key).encode(), digest_size=12)
         return f"anon-{h.hexdigest()}"
 
 
@@ -133,7 +134,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name in body:
-        if name not in IGNORED and name not in SAMPLING and name not in NEUTRAL:
+        if not any(name in known for known in (IGNORED, SCOPE, SAMPLING, NEUTRAL)):
             raise invalid(f"unsupported parameter: {name!r}", name, "unsupported_parameter")
     for name, neutral in NEUTRAL.items():
         value = body.get(name)  # null: not given, as OpenAI reads it
@@ -149,14 +150,16 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         raise invalid("model: a model id is required", "model")
     _utf8(model, "model")
     stream = _typed(body, "stream", bool, False)
-    options = _typed(body, "stream_options", dict, None) or {}
+    options = _typed(body, "stream_options", dict, None)
+    if options is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
     call = ChatCall(
         model,
         _messages(body.get("messages")),
         stream,
-        bool(_typed(options, "include_usage", bool, False)) and stream,
+        bool(_typed(options or {}, "include_usage", bool, False)),
         _sampling(body, default_max_tokens),
-        session=_typed(body, "prompt_cache_key", str, "") or _typed(body, "user", str, ""),
+        scope=tuple(_typed(body, name, str, "") or "" for name in SCOPE),
     )
     return call
 
@@ -282,17 +285,16 @@ def _stops(stop: Any) -> list[str]:
 
 
 def agent_id(header: str, session: str, call: ChatCall) -> str:
-    """The agent a call goes to: X-Agent-Id as given, else a session signal (X-Session-ID,
-    then prompt_cache_key or user), used as given when it is a valid agent id and digested
-    when not, else the anonymous agent of its system prompt and first message."""
+    """The agent a call goes to: X-Agent-Id as given, else X-Session-ID, used as given when
+    it is a valid agent id and digested when not, else the anonymous agent of its scope,
+    system prompt and first message."""
     if header:
         return ids.agent_id(header, "X-Agent-Id")
-    signal = session or call.session
-    if not signal:
+    if not session:
         return call.anonymous_id()
-    if ids.AGENT_ID_RE.fullmatch(signal):
-        return signal
-    return "s-" + hashlib.blake2b(signal.encode(), digest_size=12).hexdigest()
+    if ids.AGENT_ID_RE.fullmatch(session):
+        return session
+    return "s-" + hashlib.blake2b(session.encode(), digest_size=12).hexdigest()
 
 
 def finish_reason(usage: Any) -> str:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
@@ -188,6 +193,9 @@ def test_streaming_sends_the_same_reply_in_openais_chunks(stack):
     )  # fmt: skip
     events = [line for line in answer.text.splitlines() if line.startswith("data: ")]
     assert answer.headers["content-type"].startswith("text/event-stream")
+    # Nothing between the client and the gateway may cache the stream or hold it back.
+    assert answer.headers["cache-control"] == "no-cache"
+    assert answer.headers["x-accel-buffering"] == "no"
     assert events[-1] == "data: [DONE]" and all("usage" not in e for e in events[:-1])
 
 
@@ -203,11 +211,16 @@ def test_the_agent_comes_from_the_first_identity_given(stack):
 
     assert agent({"X-Agent-Id": "a", "X-Session-ID": "s"}, prompt_cache_key="k") == "a"
     assert agent({"X-Session-ID": "s"}, prompt_cache_key="k", user="u") == "s"
-    assert agent({}, prompt_cache_key="k", user="u") == "k"
-    assert agent({}, user="u") == "u"
     assert agent({"X-Session-ID": "a session / with spaces"}).startswith("s-")
     anonymous = agent({})
     assert anonymous.startswith("anon-") and agent({}) == anonymous
+    # An end user (user, safety_identifier) and a cache key name no agent: they keep the
+    # conversations of different users and keys apart.
+    scopes = [{"user": "u"}, {"safety_identifier": "u"}, {"prompt_cache_key": "u"},
+              {"prompt_cache_key": "k", "user": "u"}]  # fmt: skip
+    scoped = [agent({}, **scope) for scope in scopes]
+    assert all(a.startswith("anon-") for a in scoped) and len({anonymous, *scoped}) == 5
+    assert agent({}, user="u") == scoped[0]
     with pytest.raises(openai.BadRequestError, match="X-Agent-Id"):
         agent({"X-Agent-Id": "no spaces allowed"})
 
@@ -302,6 +315,7 @@ def test_bad_requests_get_openais_error_format(stack):
         ),
         (dict(max_tokens=100_000), 400, "context_length_exceeded"),
         (dict(extra_body={"beam_width": 4}), 400, "unsupported_parameter"),
+        (dict(stream_options={"include_usage": True}), 400, None),  # without stream: true
     ]
     for options, status, code in cases:
         request = {"model": MODEL, "messages": messages, "max_tokens": 4, **options}
@@ -333,6 +347,149 @@ def test_a_second_call_while_the_agent_is_busy_is_a_409(stack, agent):
     error = error_of(lambda: ask(client, messages, agent))
     assert error.status_code == 409 and "in progress" in error.body["message"]
     stream.close()
+
+
+def eventually(check: Callable[[], bool], what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def agent_of(stream: openai.Stream) -> str:
+    return stream.response.headers["x-agentkv-agent-id"]
+
+
+@pytest.mark.parametrize("scope", [{"user": "end-user-7"}, {"prompt_cache_key": "support-v1"}])
+def test_calls_sharing_a_user_or_cache_key_are_conversations_apart(stack, scope):
+    """OpenAI's `user` names an end user and `prompt_cache_key` a group of requests, never
+    one conversation: two conversations of one user at once are no 409, and each keeps its
+    own agent, whose cache the other does not overwrite."""
+    client = stack.client()
+    key = next(iter(scope.values()))
+    story = [{"role": "user", "content": f"Write a long story about a lighthouse. ({key})"}]
+    stream = ask(client, story, stream=True, max_tokens=400, extra_body=scope)
+    next(iter(stream))  # the first conversation's turn is in flight
+    asked = [{"role": "user", "content": f"{ASK[0]} ({key})"}]
+    reply = ask(client, asked, extra_body=scope)
+    busy = agent_of(stream)
+    stream.close()
+    assert reply.agentkv["agent_id"] != busy and busy.startswith("anon-")
+    # One after the other: the story, then the question resent with another.
+    ask(client, story, max_tokens=8, extra_body=scope)
+    asked += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": ASK[1]},
+    ]
+    again = ask(client, asked, extra_body=scope)
+    assert again.agentkv["agent_id"] == reply.agentkv["agent_id"]
+    held = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
+    assert again.usage.prompt_tokens_details.cached_tokens == held
+
+
+class HeldWorker:
+    """A gRPC proxy in front of a worker that makes two identical new calls race where the
+    gateway meets them: each CreateAgent waits until `creates` have come (every call found
+    no agent before any made it), then each Turn waits until the first Turn after them has
+    sent its first response (every other call finds that turn in progress)."""
+
+    def __init__(self, worker: str, creates: int = 2) -> None:
+        self.channel = grpc.insecure_channel(worker)
+        self.creates, self.released, self.streaming = creates, threading.Event(), threading.Event()
+        self.lock, self.leader = threading.Lock(), False
+        handler = grpc.method_handlers_generic_handler("agentkv.worker.v1.InferenceWorker", {
+            name: grpc.unary_unary_rpc_method_handler(partial(self._unary, name))
+            for name in ("CreateAgent", "DescribeAgent", "DeleteAgent", "GetWorkerInfo")
+        } | {"Turn": grpc.unary_stream_rpc_method_handler(self._turn)})  # fmt: skip
+        self.pool = ThreadPoolExecutor(16)
+        self.server = grpc.server(self.pool, handlers=[handler])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _unary(self, name: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+        if name == "CreateAgent":
+            with self.lock:
+                self.creates -= 1
+                if self.creates <= 0:
+                    self.released.set()
+            self.released.wait(60)
+        method = self.channel.unary_unary(f"/agentkv.worker.v1.InferenceWorker/{name}")
+        try:
+            return method(request, timeout=context.time_remaining())
+        except grpc.RpcError as exc:
+            _forward_error(exc, context)
+
+    def _turn(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with self.lock:
+            lead = self.released.is_set() and not self.leader
+            self.leader = self.leader or lead
+        if self.released.is_set() and not lead:
+            self.streaming.wait(60)
+        method = self.channel.unary_stream("/agentkv.worker.v1.InferenceWorker/Turn")
+        responses = method(request, timeout=context.time_remaining())
+        context.add_callback(responses.cancel)
+        try:
+            for response in responses:
+                if lead:
+                    self.streaming.set()
+                yield response
+        except grpc.RpcError as exc:
+            _forward_error(exc, context)
+
+    def __enter__(self) -> HeldWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop(None)
+        self.channel.close()
+        self.pool.shutdown(wait=False)
+
+
+def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
+    context.set_trailing_metadata(exc.trailing_metadata() or ())
+    context.abort(exc.code(), exc.details())
+
+
+def test_two_identical_new_anonymous_calls_at_once_get_an_agent_each(stack):
+    with HeldWorker(stack.worker_address) as proxy:
+        gateway = stack.start_gateway([proxy.address], name="raced")
+        try:
+            client = stack.client(gateway)
+            messages = [{"role": "user", "content": "Count from one to fifty in words. (raced)"}]
+            with ThreadPoolExecutor(2) as pool:
+                calls = [pool.submit(ask, client, messages, max_tokens=120) for _ in range(2)]
+                replies = [call.result() for call in calls]
+            first, second = sorted(replies, key=lambda r: r.agentkv["agent_id"])
+            own, spare = first.agentkv["agent_id"], second.agentkv["agent_id"]
+            assert own.startswith("anon-") and spare.startswith(f"{own}-")
+            assert first.choices[0].message.content == second.choices[0].message.content
+            # Nothing reaches the spare again (the conversation's next call goes to its own
+            # agent): it is deleted once its reply has ended.
+            eventually(lambda: not agent_exists(stack, spare), f"{spare} was left behind")
+            assert agent_exists(stack, own)
+        finally:
+            gateway.stop()
+
+
+def test_an_anonymous_call_whose_agent_is_busy_gets_a_spare_deleted_after_it(stack):
+    """The same conversation sent while its turn runs, as a "regenerate" right after "stop"
+    does before the stopped turn has ended: an agent of its own, which nothing reaches
+    again, deleted once its reply ends, whole or abandoned."""
+    client = stack.client()
+    messages = [{"role": "user", "content": "Write a long story about a lighthouse. (spare)"}]
+    stream = ask(client, messages, stream=True, max_tokens=400)
+    next(iter(stream))  # the conversation's turn is in flight
+    own = agent_of(stream)
+    whole = ask(client, messages, max_tokens=4).agentkv["agent_id"]
+    abandoned = ask(client, messages, stream=True, max_tokens=400)
+    next(iter(abandoned))
+    abandoned.close()
+    stream.close()
+    spares = [whole, agent_of(abandoned)]
+    assert all(spare.startswith(f"{own}-") for spare in spares) and len(set(spares)) == 2
+    for spare in spares:
+        eventually(lambda s=spare: not agent_exists(stack, s), f"{spare} was left behind")
+    assert agent_exists(stack, own)
 
 
 def test_a_client_that_goes_away_cancels_its_turn(stack):

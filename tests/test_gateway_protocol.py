@@ -30,7 +30,8 @@ def test_a_request_maps_to_the_workers_sampling():
                             {"role": "user", "content": parts}])  # fmt: skip
     assert call.messages == [("system", "Be brief."), ("user", "ab")] and call.system == "Be brief."
     assert parsed(stream=True, stream_options={"include_usage": True}).include_usage
-    assert not parsed(stream_options={"include_usage": True}).include_usage  # not streaming
+    assert not parsed(stream=True, stream_options=None).include_usage  # null: not given
+    assert not parsed(stream_options=None).include_usage
     assert parsed(response_format={"type": "text"}, n=1, logprobs=False).model == "m"
 
 
@@ -58,6 +59,9 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"stop": ["\ud800"]}, "stop"),  # a lone surrogate: JSON allows it, UTF-8 does not
         ({"user": "\ud800"}, "user"),
         ({"stream": True, "stream_options": {"include_usage": "false"}}, "include_usage"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: stream only
+        ({"stream": False, "stream_options": {}}, "stream_options"),
+        ({"safety_identifier": 7}, "safety_identifier"),
         ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
          "messages[0].content"),
@@ -120,16 +124,27 @@ def test_the_agent_is_the_first_identity_given():
     call = parsed(user="u", prompt_cache_key="k")
     assert agent_id("a", "s", call) == "a"
     assert agent_id("", "s", call) == "s"
-    assert agent_id("", "", call) == "k"
-    assert agent_id("", "", parsed(user="u")) == "u"
     assert agent_id("", "a b/c", call).startswith("s-")  # not an agent id: digested
     anonymous = agent_id("", "", parsed())
     assert anonymous.startswith("anon-") and anonymous == agent_id("", "", parsed())
-    resent = parsed(messages=[*BODY["messages"], {"role": "assistant", "content": "Hello"},
-                              {"role": "user", "content": "More"}])  # fmt: skip
-    assert agent_id("", "", resent) == anonymous  # the same conversation, resent
+    more = [*BODY["messages"], {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "More"}]  # fmt: skip
+    assert agent_id("", "", parsed(messages=more)) == anonymous  # the same conversation, resent
     with pytest.raises(errors.InvalidArgument, match="X-Agent-Id"):
         agent_id("bad id", "", call)
+
+
+def test_an_end_user_or_a_cache_key_keeps_conversations_apart_and_names_no_agent():
+    scopes = [{"user": "u"}, {"safety_identifier": "u"}, {"prompt_cache_key": "u"},
+              {"prompt_cache_key": "k", "user": "u"}, {"user": "v"}]  # fmt: skip
+    agents = [agent_id("", "", parsed(**scope)) for scope in scopes]
+    assert all(a.startswith("anon-") for a in agents)
+    assert len({*agents, agent_id("", "", parsed())}) == len(scopes) + 1
+    other = [{"role": "user", "content": "Bye"}]
+    assert agent_id("", "", parsed(user="u", messages=other)) != agents[0]  # another one
+    more = [*BODY["messages"], {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "More"}]  # fmt: skip
+    assert agent_id("", "", parsed(user="u", messages=more)) == agents[0]  # resent
 
 
 def test_a_first_call_counts_what_making_its_agent_took():
