@@ -27,7 +27,10 @@ class GatewayConfig:
         ids.DEFAULT_NAMESPACE, "namespace of a request that names none (X-Namespace header)"
     )
     model_name: str = flag("", "the model id clients ask for", shown="the workers' --model")
-    max_tokens: int = flag(512, "max_tokens of a request that gives none")
+    max_tokens: int = flag(
+        512,
+        "max_tokens of a request that gives none, lowered to the room its context has left",
+    )
     max_body_bytes: int = flag(
         8 << 20,
         "largest request body (413 past it)",

@@ -251,7 +251,10 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
         out[name] = float(value)
     if out.get("top_p", 1.0) <= 1e-6:  # the worker's 0 turns nucleus off; OpenAI's is greedy
         out["temperature"], out["top_p"] = 0.0, 1.0
-    out["max_tokens"] = _max_tokens(body) or default_max_tokens
+    given = _max_tokens(body)
+    out["max_tokens"] = given or default_max_tokens
+    if given is None:  # as OpenAI: the reply may use what room the context has left
+        out["fit_max_tokens"] = True
     stops = _stops(body.get("stop"))
     if stops:
         out["stop"] = stops

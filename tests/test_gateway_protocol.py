@@ -23,8 +23,10 @@ def test_a_request_maps_to_the_workers_sampling():
     call = parsed(temperature=0, top_p=0.5, max_completion_tokens=9, stop="END", seed=7)
     assert call.sampling == {"temperature": 0.0, "top_p": 0.5, "max_tokens": 9, "stop": ["END"],
                              "seed": 7}  # fmt: skip
-    assert parsed().sampling == {"temperature": 1.0, "max_tokens": 64}  # OpenAI's defaults
+    # OpenAI's defaults: with no max_tokens, the reply may fill what room the context has
+    assert parsed().sampling == {"temperature": 1.0, "max_tokens": 64, "fit_max_tokens": True}
     assert parsed(max_tokens=5).sampling["max_tokens"] == 5
+    assert "fit_max_tokens" not in parsed(max_completion_tokens=5).sampling  # named: a limit
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     call = parsed(messages=[{"role": "developer", "content": "Be brief."},
                             {"role": "user", "content": parts}])  # fmt: skip
@@ -88,7 +90,7 @@ def test_what_openai_allows_is_read_as_openai_means_it():
     assert parsed(n=None, presence_penalty=None, frequency_penalty=None, logprobs=None).model
     assert parsed(seed=-1).sampling["seed"] == 2**64 - 1  # signed in OpenAI, unsigned here
     # top_p 0 keeps only the likeliest token; the worker's 0 would turn nucleus off
-    assert parsed(temperature=0.7, top_p=0).sampling | {"max_tokens": 0} == {
+    assert parsed(temperature=0.7, top_p=0, max_tokens=3).sampling | {"max_tokens": 0} == {
         "temperature": 0.0, "top_p": 1.0, "max_tokens": 0}  # fmt: skip
     assert parsed(stop=[]).sampling == parsed().sampling
     pair = json.loads('"\\ud83d\\ude00"')  # JSON's escaped surrogate pair: one character
