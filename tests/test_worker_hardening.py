@@ -333,6 +333,11 @@ def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(
     worker.close()
 
 
+def routed(mem: AgentMemory, prefix: str, worker: str) -> str:
+    """The first agent id PREFIX-N that the memory routes to `worker`."""
+    return next(a for a in map(f"{prefix}-{{}}".format, range(99)) if mem.worker_for(a) == worker)
+
+
 def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
     tiny_model_dirs, store_process, launched, start_worker, tmp_path
 ):
@@ -344,12 +349,8 @@ def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
     healthy = start_worker(model)
     workers = [faulty.address, healthy.address]
     with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
-        agent_id = next(
-            a for a in map("agent-{}".format, range(99)) if mem.worker_for(a) == workers[0]
-        )
-        twin_id = next(
-            a for a in map("twin-{}".format, range(99)) if mem.worker_for(a) == workers[1]
-        )
+        agent_id = routed(mem, "agent", workers[0])
+        twin_id = routed(mem, "twin", workers[1])
         agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
         twin.inject("Luca said: the numbers are final.")
         result = agent.inject("Luca said: the numbers are final.", phase=REPLY_LOST_PHASE)
@@ -375,9 +376,7 @@ def test_a_fork_whose_reply_was_lost_is_answered_by_its_retry(
     healthy = start_worker(model)
     workers = [faulty.address, healthy.address]
     with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
-        source_id = next(
-            a for a in map("source-{}".format, range(99)) if mem.worker_for(a) == workers[0]
-        )
+        source_id = routed(mem, "source", workers[0])
         source, other = mem.agent(source_id, SYSTEM), mem.agent("other", SYSTEM)
         source.say("Which scrolls came in today?", max_tokens=4).wait()
         fork = source.fork("what-if", phase=REPLY_LOST_PHASE)
