@@ -12,11 +12,14 @@ directory's config (and so the worker's fingerprint).
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,6 +35,7 @@ WEIGHTS = ("float32", "float16", "bfloat16", "native")
 GROUP_SIZE = 32  # every GGUF block quantization kept as MLX layers (Q4_0, Q4_1, Q8_0, Q4_K)
 FORMAT_VERSION = 4  # bump when the output of an import changes (4: native keeps Q4_K)
 READ_CHUNK = 16 << 20
+IMPORTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 # GGUF tensor names (after "blk.N.") to HF names (after "model.layers.N.").
@@ -322,7 +326,44 @@ def _fix(stem: str, array, arch: Architecture, heads: int, kv_heads: int):
 
 
 def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
-    """Writes an mlx-lm model directory for the GGUF at `path` into `out`."""
+    """Writes an mlx-lm model directory for the GGUF at `path` to `out`, whole or not at all:
+    beside it, then renamed into place. `out` may be new, empty, or an earlier import (which
+    it replaces); a directory holding other files is refused before any work."""
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_model(path, staging, weights)
+        _replace(out, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise GGUFError(f"{out} is a file, not a directory")
+    if out.is_dir() and not {p.name for p in out.iterdir()} <= set(IMPORTED_FILES):
+        raise GGUFError(
+            f"{out} holds files of its own: give --out a new or empty directory, or an earlier "
+            "import (replaced)"
+        )
+
+
+def _replace(out: Path, staging: Path) -> None:
+    """`staging` renamed to `out`; an earlier import there is moved aside first, then
+    removed, so `out` is never half of one and half of the other."""
+    if out.is_dir() and any(out.iterdir()):
+        earlier = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        out.rename(earlier / "old")
+        staging.rename(out)
+        shutil.rmtree(earlier, ignore_errors=True)
+    else:
+        staging.replace(out)  # an empty directory is replaced
+
+
+def write_model(path: Path, out: Path, weights: str = "float32") -> None:
+    """Writes the model directory's files (IMPORTED_FILES) into the directory `out`."""
     import mlx.core as mx
 
     if weights not in WEIGHTS:
@@ -348,12 +389,10 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
         "name": str(meta.get("general.name", "")),
         "license": str(meta.get("general.license", "")),
     }
-    out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), hf, metadata={"format": "mlx"})
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
 
 
 def default_cache_dir() -> Path:
@@ -367,7 +406,10 @@ def default_cache_dir() -> Path:
 
 def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None = None) -> Path:
     """The imported directory for `path`, made once per file content and weights choice.
-    The import is written beside and renamed into place, so a crash leaves none or all."""
+    The import is written beside and renamed into place, so a crash leaves none or all.
+    Imports into one cache take turns (an flock on the cache directory, which the kernel
+    drops however its holder ends): the next one finds a file imported meanwhile, and knows
+    that a staging directory of its own key left there is a killed import's, and removes it."""
     check_tensor_types(path)  # also for a file imported before agentkv refused its types
     cache_dir = cache_dir or default_cache_dir()
     key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{FORMAT_VERSION}"
@@ -375,14 +417,26 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
-    try:
-        import_gguf(path, staging, weights)
+    with _taking_turns(cache_dir):
+        if (target / "config.json").exists():  # another process imported it meanwhile
+            return target
+        for stale in cache_dir.glob(f".{glob.escape(key)}.*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
         try:
+            write_model(path, staging, weights)
             staging.rename(target)
-        except OSError:  # another process imported it first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+@contextmanager
+def _taking_turns(directory: Path) -> Iterator[None]:
+    """Holds an exclusive flock on `directory` (waiting for it) while the block runs."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the flock

@@ -388,6 +388,55 @@ def test_the_import_cache_is_keyed_by_content(sources, tmp_path):
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no staging left
 
 
+def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
+    """`import_gguf` writes beside `out` and renames into place: an empty directory is
+    filled, an earlier import replaced, and one holding other files refused untouched."""
+    path, config, _, _, w = sources["llama"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(GGUFError, match="holds files of its own"):
+        import_gguf(gguf, out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    import_gguf(gguf, out)
+    import_gguf(gguf, out, "native")
+    assert json.loads((out / "config.json").read_text())["agentkv_gguf"]["weights"] == "native"
+    load(str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]  # no staging left
+
+
+def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(sources, tmp_path):
+    """A staging directory of the same import that nobody holds (its process was killed) goes
+    at the next import; one an import in progress holds (another process) stays meanwhile."""
+    import fcntl
+    import threading
+
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cache = tmp_path / "cache"
+    target = cached_import(gguf, "float32", cache)
+    shutil.rmtree(target)
+    stale = cache / f".{target.name}.k1ll3d"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half of it")
+    other = cache / ".another-model-0123456789abcdef-float32-v4.x1"
+    other.mkdir()
+    held = os.open(cache, os.O_RDONLY)  # as an import in progress holds the cache
+    fcntl.flock(held, fcntl.LOCK_EX)
+    importing = threading.Thread(target=cached_import, args=(gguf, "float32", cache))
+    try:
+        importing.start()
+        importing.join(1.0)
+        assert stale.exists() and not target.exists()  # it waits for the other import
+    finally:
+        os.close(held)
+    importing.join(120)
+    assert (target / "config.json").exists() and not stale.exists()
+    assert other.exists()  # another file's: not this import's to judge
+
+
 def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
     """Llama 3.x GGUFs carry RoPE scaling only as llama.cpp's precomputed rope_freqs
     tensor; the importer recognises Llama 3's settings from it, and the logits match."""
