@@ -12,8 +12,10 @@ agentkv plan --config NAME --context 8K --budget 10.2Gi   how many agents' KV ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +109,32 @@ def cmd_model_import(args: argparse.Namespace) -> int:
     on every layer, but lives in agentkv/, so it imports none of the worker's modules."""
     command = [sys.executable, "-m", "inference_worker.model_import", args.file]
     command += ["--weights", args.weights, *(["--out", str(args.out)] if args.out else [])]
-    return subprocess.run(command, check=False).returncode
+    return _run_child(command)
+
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _run_child(command: list[str], **popen: object) -> int:
+    """Runs a command of the CLI's own (bench, model import) to its end: its exit code (a
+    shell's 128+N when signal N ended it). It runs in a session of its own, and the CLI
+    passes it SIGINT, SIGTERM and SIGHUP: a Ctrl-C, which a terminal sends to the CLI's
+    whole process group, reaches it once, as one sent to the CLI alone does. The child
+    cleans up and says "interrupted" itself."""
+    child = subprocess.Popen(command, start_new_session=True, **popen)
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+
+    caught = [sig for sig in FORWARDED if signal.getsignal(sig) != signal.SIG_IGN]  # nohup's
+    previous = {sig: signal.signal(sig, forward) for sig in caught}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
 
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
@@ -164,7 +191,7 @@ def cmd_bench(rest: list[str]) -> int:
             f"error: {script} not found: agentkv bench runs from a source checkout", file=sys.stderr
         )
         return 2
-    return subprocess.call([sys.executable, str(script), *rest], cwd=script.parent.parent)
+    return _run_child([sys.executable, str(script), *rest], cwd=script.parent.parent)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -226,7 +253,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # what was started is stopped, what was made removed, by then
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main(argv: list[str]) -> None:
     if argv[:1] == ["bench"]:  # every other argument is benchmarks/report.py's
         sys.exit(cmd_bench(argv[1:]))
     if argv[:1] == ["gateway"]:  # agentkv-gateway, its flags as they are

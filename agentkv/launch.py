@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+INTERRUPT_GRACE = 5.0  # seconds a service that got the Ctrl-C too has to end on its own
 
 
 class ServiceExited(RuntimeError):
@@ -59,7 +62,9 @@ class ServiceProcess:
                 raise ServiceExited(self.module, self.proc.returncode, self.log_tail())
             time.sleep(0.05)
         self.kill9()
-        raise TimeoutError(f"{self.module} did not start within {timeout}s:\n{self.log_tail()}")
+        lines = [line.strip() for line in self.log_tail().splitlines() if line.strip()]
+        said = f": its log ends {lines[-1]!r}" if lines else " (it logged nothing)"
+        raise TimeoutError(f"{self.module} did not start within {timeout}s{said}")
 
     def _find_event(self, event: str, offset: int) -> dict | None:
         with open(self.log_path, "rb") as f:
@@ -85,10 +90,16 @@ class ServiceProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait for a graceful exit; returns the exit code."""
+    def stop(self, timeout: float = 30.0, interrupted: bool = False) -> int:
+        """SIGTERM, then wait for a graceful exit; returns the exit code. `interrupted`: a
+        Ctrl-C reached the service too (a terminal sends it to the whole process group), so
+        it gets INTERRUPT_GRACE seconds to end on its own first: one still starting (a
+        model import) cleans up, where a SIGTERM right after would cut that short."""
         if self.proc is None:
             return 0
+        if interrupted:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=INTERRUPT_GRACE)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

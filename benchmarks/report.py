@@ -280,4 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # a Ctrl-C reached the section's script and services too
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

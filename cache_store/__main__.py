@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     except (AgentKVError, OSError) as exc:  # at start-up: a data dir in use, a bad index
         message = exc.message if isinstance(exc, AgentKVError) else str(exc)
         sys.exit(f"agentkv-store: error: {message}")
+    except KeyboardInterrupt:  # while it opens: once it serves, SIGINT stops it gracefully
+        print("agentkv-store: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

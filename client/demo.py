@@ -107,6 +107,7 @@ def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> N
     root = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
     print(f"agentkv demo: {scenario.description}\nmodel {model}, data in {root}\n")
     services: dict[str, ServiceProcess] = {}
+    interrupted = False
     try:
         flow = _persistent_run(scenario, model, root, services)
         baseline = None
@@ -119,9 +120,12 @@ def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> N
                 baseline = run_scenario(scenario, mem, mode="cold")
         print("\nper phase (mean time to first token of the phase's turns):")
         print(phase_summary(flow, baseline))
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         for service in reversed(services.values()):
-            service.stop()
+            service.stop(interrupted=interrupted)
         if keep:
             print(f"\ndata and logs kept in {root}")
         else:
@@ -135,7 +139,8 @@ def _persistent_run(
     `services` holds what is running, for the caller to stop."""
     listen = f"127.0.0.1:{free_port()}"  # a restarted worker comes back at the same address
     with progress("starting agentkv-store"):
-        store = services["store"] = store_process(root / "data", root / "store.log").start()
+        store = services["store"] = store_process(root / "data", root / "store.log")
+        store.start()  # in `services` first: stopped, however its start ends
     with progress(f"starting agentkv-worker (loading {Path(model).name})"):
         worker = services["worker"] = worker_process(
             model, store.address, root / "worker.log", listen

@@ -148,9 +148,10 @@ def worker_tour(store_address: str, root: Path) -> None:
     # the shipped default.
     model = str(TOY_MODEL) if TOY_MODEL.exists() else defaults.MODEL
     step(f"8. agentkv-worker serves a model ({Path(model).name}) over the store")
-    worker = worker_process(model, store_address, root / "worker.log").start()
-    rows = []
+    worker = worker_process(model, store_address, root / "worker.log")
+    rows, interrupted = [], False
     try:
+        worker.start()
         w = WorkerClient(worker.address)
         info = w.info()
         print(f"worker pid {worker.proc.pid}: {info.fingerprint}, BLAS {Path(info.blas).name}")
@@ -165,10 +166,14 @@ def worker_tour(store_address: str, root: Path) -> None:
         w.evict("demo", "marco")
         rows.append(ask(w, "What does open do?"))
         worker.stop()
-        worker = worker_process(model, store_address, root / "worker.log").start()
+        worker = worker_process(model, store_address, root / "worker.log")
+        worker.start()  # `worker` is the new one first: stopped, however its start ends
         rows.append(ask(WorkerClient(worker.address), "What does print do?"))
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        worker.stop()
+        worker.stop(interrupted=interrupted)
     print(table(["turn", "cache", "ttft ms", "reused", "prefilled", "reply"], rows))
 
 
@@ -188,14 +193,20 @@ def ask(w: WorkerClient, question: str) -> list[object]:
 
 def run(keep: bool = False) -> None:
     root = Path(tempfile.mkdtemp(prefix="agentkv-walkthrough-"))
-    service = store_process(root / "data", root / "store.log").start()
-    print(f"agentkv-store running as pid {service.proc.pid} on {service.address}, data in {root}")
-    try:
+    service = store_process(root / "data", root / "store.log")
+    interrupted = False
+    try:  # from here, whatever ends the tour (a Ctrl-C, a store that never starts) cleans up
+        service.start()
+        pid, address = service.proc.pid, service.address
+        print(f"agentkv-store running as pid {pid} on {address}, data in {root}")
         with StoreClient(service.address) as client:
             tour(client, root / "data")
         worker_tour(service.address, root)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        service.stop()
+        service.stop(interrupted=interrupted)
         if keep:
             print(f"\ndata and log kept in {root}")
         else:

@@ -5,9 +5,13 @@ a client that resends its whole history prefills only what is new."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -39,6 +43,25 @@ class Server(uvicorn.Server):
         if self.gateway.address_file:
             write_atomically(Path(self.gateway.address_file), json.dumps({"address": address}))
 
+    async def shutdown(self, sockets=None) -> None:
+        log.info("stopping")
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT stop the gateway gracefully, as they stop the store and the
+        worker, and that is the end of them: uvicorn's own raises the signal again once
+        stopped (a traceback for SIGINT, death by SIGTERM)."""
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(GatewayConfig, "agentkv-gateway", __doc__, argv)
@@ -46,17 +69,28 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # "serving" says it started
     for warning in config.security.warnings(config.listen, False, None)[1:]:
         log.warning(warning)
+    address_file = Path(config.address_file) if config.address_file else None
     try:
+        if address_file:
+            address_file.unlink(missing_ok=True)  # what a script finds is this run's
         app = create_app(config)  # reads the token table
+        listener = bind(config.listen)
+        serve(Server(server_config(app, config), config), listener)
     except (ValueError, OSError) as exc:
         print(f"agentkv-gateway: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    host, _, port = config.listen.rpartition(":")
+    except KeyboardInterrupt:  # before it serves: once it does, SIGINT stops it gracefully
+        print("agentkv-gateway: interrupted", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if address_file:
+            address_file.unlink(missing_ok=True)
+
+
+def server_config(app, config: GatewayConfig) -> uvicorn.Config:
     tls = config.security
-    server_config = uvicorn.Config(
+    return uvicorn.Config(
         app,
-        host=host.strip("[]"),
-        port=int(port),
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
@@ -65,7 +99,26 @@ def main(argv: list[str] | None = None) -> None:
         ssl_ca_certs=tls.tls_client_ca or None,
         ssl_cert_reqs=2 if tls.tls_client_ca else 0,  # ssl.CERT_REQUIRED with a client CA
     )
-    asyncio.run(Server(server_config, config).serve())
+
+
+def bind(listen: str) -> socket.socket:
+    """A socket bound to HOST:PORT (port 0 picks one) as uvicorn binds one, for it to listen
+    on; OSError in the store's and the worker's words when it cannot be bound."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"could not bind {listen}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(server: Server, listener: socket.socket) -> None:
+    with listener:
+        asyncio.run(server.serve(sockets=[listener]))
 
 
 if __name__ == "__main__":

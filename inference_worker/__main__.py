@@ -5,12 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from agentkv import logs
 from agentkv.flags import parse_config
+from inference_worker.model_import import interrupted
+
+if TYPE_CHECKING:
+    from inference_worker.config import WorkerConfig
 
 
-def build_config(argv: list[str] | None = None):
+def build_config(argv: list[str] | None = None) -> WorkerConfig:
     from inference_worker.config import WorkerConfig
 
     config = parse_config(WorkerConfig, "agentkv-worker", __doc__, argv)
@@ -22,6 +27,17 @@ def build_config(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> None:
     config = build_config(argv)
     logs.configure(config.log_level)
+    try:
+        start(config)
+    except (KeyboardInterrupt, ImportError) as exc:  # once it serves, SIGINT stops it gracefully
+        if not interrupted(exc):
+            raise
+        print("agentkv-worker: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def start(config: WorkerConfig) -> None:
+    """Loads the model and serves it until SIGTERM or SIGINT."""
     from inference_worker.blas import load_optimized_blas
 
     blas = load_optimized_blas()  # before anything imports mlx

@@ -9,12 +9,29 @@ import sys
 import time
 from pathlib import Path
 
-from inference_worker.gguf_import import WEIGHTS, cached_import, import_gguf
-from inference_worker.models import SHIPPED, is_gguf, shipped_file
-
 
 def main(argv: list[str] | None = None) -> None:
-    """Prints the imported directory's path, or one line saying why not (exit 2)."""
+    """Prints the imported directory's path, or one line saying why not (exit 2). A Ctrl-C,
+    even while the modules load, leaves nothing half-written and says so (exit 130)."""
+    try:
+        _import(argv)
+    except (KeyboardInterrupt, ImportError) as exc:
+        if not interrupted(exc):
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def interrupted(exc: BaseException) -> bool:
+    """A Ctrl-C, also one that came while an extension module loaded: MLX's turns it into an
+    ImportError ("Encountered an error while initializing the extension") caused by it."""
+    return isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt)
+
+
+def _import(argv: list[str] | None) -> None:
+    from inference_worker.gguf_import import WEIGHTS, cached_import, import_gguf
+    from inference_worker.models import SHIPPED, is_gguf, shipped_file
+
     p = argparse.ArgumentParser(prog="agentkv model import")
     p.add_argument("file")
     p.add_argument("--out", type=Path)

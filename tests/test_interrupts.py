@@ -1,0 +1,259 @@
+"""Ctrl-C and stops, from the real CLI and processes: one line ("interrupted", exit 130) and
+nothing left behind, wherever the signal lands. A Ctrl-C is sent as a terminal sends it: to
+the command's whole process group."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentkv.launch import ServiceProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY_MODEL = ROOT / "models" / "agentkv-default"
+# Installed into a command's PYTHONPATH: the service `python -m $AGENTKV_TEST_HANG` hangs at
+# start (before any of its code runs), after touching $AGENTKV_TEST_HANG_MARK.
+HANG = """\
+import os, sys, time
+if sys.orig_argv[1:3] == ["-m", os.environ.get("AGENTKV_TEST_HANG")]:
+    open(os.environ["AGENTKV_TEST_HANG_MARK"], "w").close()
+    time.sleep(600)
+"""
+
+
+class Job:
+    """A command started as a shell starts a job: a process group of its own, its output
+    read as it comes."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=lambda s=s, k=k: k.extend(s), daemon=True)
+            for s, k in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def wait_for(self, ready, timeout: float = 120.0) -> None:
+        """Until `ready()` is true; fails if the command ends first."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            output = "".join(self.out + self.err)[-3000:]
+            assert self.proc.poll() is None, f"exited {self.proc.returncode} first:\n{output}"
+            assert time.monotonic() < deadline, f"not ready in {timeout} s:\n{output}"
+            time.sleep(0.02)
+
+    def says(self, text: str) -> bool:
+        return any(text in line for line in self.out + self.err)
+
+    def signal(self, sig: int = signal.SIGINT, group: bool = True) -> None:
+        """SIGINT to the whole group: a terminal's Ctrl-C."""
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+
+    def finish(self, timeout: float = 60.0) -> tuple[int, str, str]:
+        code = self.proc.wait(timeout)
+        for reader in self._readers:
+            reader.join(10)
+        return code, "".join(self.out), "".join(self.err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def job() -> Iterator:
+    """job(ARGS, env) starts `python ARGS` as a job; whatever is left of it is killed after."""
+    started: list[Job] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Job:
+        started.append(Job(list(args), env))
+        return started[-1]
+
+    yield start
+    for j in started:
+        j.kill()
+
+
+@pytest.fixture
+def blackhole() -> Iterator:
+    """A loopback address that takes connections and never answers: a call to it waits.
+    `.accepted()` is true once some client has connected."""
+
+    class Blackhole:
+        def __init__(self) -> None:
+            self.sock = socket.create_server(("127.0.0.1", 0))
+            self.sock.setblocking(False)
+            self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+            self.held: list[socket.socket] = []
+
+        def accepted(self) -> bool:
+            with contextlib.suppress(BlockingIOError):
+                self.held.append(self.sock.accept()[0])  # kept open: the caller waits
+            return bool(self.held)
+
+    hole = Blackhole()
+    yield hole
+    for s in [*hole.held, hole.sock]:
+        s.close()
+
+
+def assert_interrupted(code: int, err: str) -> None:
+    assert code == 130, err
+    assert "Traceback" not in err and err.endswith("interrupted\n"), err
+    assert err.count("\n") == 1, err  # that one line
+
+
+def cli(*args: str) -> list[str]:
+    return ["-m", "agentkv.cli", *args]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "prisoners_dilemma", "--mode", "cold"],
+        ["agents"],
+        ["store", "stats"],
+    ],
+    ids=["run", "agents", "store-stats"],
+)
+def test_ctrl_c_while_a_command_waits_on_a_service_is_one_line(job, blackhole, command):
+    flags = ["--store", blackhole.address]
+    flags += ["--worker", blackhole.address] if command[0] != "store" else []
+    command = [command[0], *flags, *command[1:]]
+    cmd = job(*cli(*command))
+    cmd.wait_for(blackhole.accepted)  # it is inside a call
+    cmd.signal()
+    code, _, err = cmd.finish()
+    assert_interrupted(code, err)
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["ctrl-c", "sigint-to-the-cli-alone"])
+def test_ctrl_c_in_model_import_leaves_no_directory_and_is_one_line(job, tmp_path, group):
+    """The shipped model's import takes seconds: the signal lands once it has begun to write,
+    and the --out directory is there whole or not at all, with no staging directory left."""
+    out = tmp_path / "out"
+    cmd = job(*cli("model", "import", "smollm2-135m-instruct", "--out", str(out)))
+    cmd.wait_for(lambda: any(tmp_path.iterdir()))
+    cmd.signal(group=group)
+    code, _, err = cmd.finish()
+    assert_interrupted(code, err)
+    assert list(tmp_path.iterdir()) == []  # no out/model.safetensors without its config.json
+
+
+def test_ctrl_c_in_bench_is_one_line(job, tmp_path):
+    cmd = job(*cli("bench", "--quick", "--only", "restore_path", "--out", str(tmp_path / "out")))
+    cmd.wait_for(lambda: cmd.says("[1/1]"))  # the section is running
+    cmd.signal()
+    code, _, err = cmd.finish(120)
+    assert_interrupted(code, err)
+
+
+def test_ctrl_c_while_the_worker_loads_is_one_line(job, blackhole):
+    """Before the worker serves, its signal handling is not installed yet: a Ctrl-C while it
+    loads (here: while it asks a store that never answers) still ends in one line."""
+    cmd = job("-m", "inference_worker", "--model", str(TOY_MODEL), "--store", blackhole.address,
+              "--listen", "127.0.0.1:0")  # fmt: skip
+    cmd.wait_for(blackhole.accepted)
+    cmd.signal()
+    code, _, err = cmd.finish()
+    assert code == 130, err
+    assert "Traceback" not in err and err.endswith("agentkv-worker: interrupted\n"), err
+
+
+@pytest.mark.parametrize("command", ["walkthrough", "demo"])
+def test_ctrl_c_while_a_service_starts_leaves_no_directory(job, tmp_path, command):
+    """`agentkv walkthrough` and `demo` make a directory, then start services: a Ctrl-C while
+    one starts removes the directory, and is one line."""
+    hangs = tmp_path / "site"
+    hangs.mkdir()
+    (hangs / "sitecustomize.py").write_text(HANG)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    mark = tmp_path / "hanging"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(hangs), os.environ.get("PYTHONPATH", "")]),
+        "AGENTKV_TEST_HANG": "cache_store" if command == "walkthrough" else "inference_worker",
+        "AGENTKV_TEST_HANG_MARK": str(mark),
+        "TMPDIR": str(temp),
+    }
+    args = ["demo", "--model", str(TOY_MODEL)] if command == "demo" else [command]
+    cmd = job(*cli(*args), env=env)
+    cmd.wait_for(mark.exists)
+    cmd.signal()
+    code, _, err = cmd.finish()
+    assert_interrupted(code, err)
+    assert list(temp.iterdir()) == []
+
+
+def test_a_service_that_never_serves_times_out_in_one_line(tmp_path):
+    """A service that neither serves nor exits: one line naming it and the last it logged."""
+    service = ServiceProcess(
+        "http.server", ["0", "--bind", "127.0.0.1"], tmp_path / "http.log", start_timeout=2.0
+    )
+    with pytest.raises(TimeoutError) as raised:
+        service.start()
+    assert not service.running
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("http.server did not start within 2.0s")
+
+
+def gateway(*flags: str) -> list[str]:
+    return ["-m", "agentkv.gateway", "--worker", "127.0.0.1:1", *flags]
+
+
+@pytest.mark.parametrize(
+    ("args", "sig"),
+    [
+        (gateway(), signal.SIGTERM),
+        (gateway(), signal.SIGINT),
+        (cli("gateway", "--worker", "127.0.0.1:1"), signal.SIGINT),
+    ],
+    ids=["sigterm", "ctrl-c", "agentkv-gateway-ctrl-c"],
+)
+def test_a_gateway_stopped_drains_and_leaves_no_address_file(job, tmp_path, args, sig):
+    """As the store and the worker: SIGTERM or Ctrl-C stops it gracefully (exit 0, its
+    "stopping" logged) and removes its --address-file."""
+    address_file = tmp_path / "gateway.json"
+    cmd = job(*args, "--listen", "127.0.0.1:0", "--address-file", str(address_file))
+    cmd.wait_for(address_file.exists)
+    assert json.loads(address_file.read_text())["address"]
+    cmd.signal(sig)
+    code, _, err = cmd.finish()
+    assert code == 0, err
+    assert "Traceback" not in err and '"event": "stopping"' in err, err
+    assert not address_file.exists()
+
+
+def test_a_gateway_whose_port_is_taken_says_so_in_one_line(job):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        cmd = job(*gateway("--listen", listen))
+        code, _, err = cmd.finish()
+    assert code == 2, err
+    assert err.startswith(f"agentkv-gateway: error: could not bind {listen}: "), err
+    assert err.count("\n") == 1, err
