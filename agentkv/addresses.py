@@ -1,4 +1,5 @@
-"""Listen addresses: HOST:PORT or unix:PATH, checked, and whether they stay on this machine."""
+"""Addresses, to listen on or to dial: HOST:PORT or unix:PATH, checked, and whether they stay
+on this machine."""
 
 from __future__ import annotations
 
@@ -35,5 +36,12 @@ def listen_host(listen: str) -> str | None:
         return None
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"listen address must be HOST:PORT or unix:PATH, got {listen!r}")
+        raise ValueError(f"an address must be HOST:PORT or unix:PATH, got {listen!r}")
     return host
+
+
+def client_address(address: str) -> str:
+    """`address`, checked as listen_host checks one: what a client is given to dial (a gRPC
+    target such as dns:///HOST:PORT passes too). Raises ValueError if malformed."""
+    listen_host(address)
+    return address

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from agentkv import defaults
+from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity
 from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
@@ -156,8 +157,9 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 def _store_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store",
-        default=os.environ.get("AGENTKV_STORE", defaults.STORE_ADDRESS),
-        help="store address, HOST:PORT or unix:PATH (env AGENTKV_STORE)",
+        type=telling(client_address),
+        help=f"store address, HOST:PORT or unix:PATH (env AGENTKV_STORE; default: "
+        f"{defaults.STORE_ADDRESS})",
     )
 
 
@@ -166,9 +168,26 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--worker",
         action="append",
-        help="worker address; repeat for several (env AGENTKV_WORKERS, comma-separated)",
+        type=telling(client_address),
+        help=f"worker address; repeat for several (env AGENTKV_WORKERS, comma-separated; "
+        f"default: {defaults.WORKER_ADDRESS})",
     )
     add_flags(p, ClientSecurity)
+
+
+def _addresses_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--store and --worker not given: env AGENTKV_STORE and AGENTKV_WORKERS (comma-separated),
+    set but empty counting as unset, else the defaults. A malformed one is a usage error."""
+    name = "AGENTKV_STORE"
+    try:
+        if getattr(args, "store", "") is None:  # "": a command without the flag
+            args.store = client_address(os.environ.get(name) or defaults.STORE_ADDRESS)
+        name = "AGENTKV_WORKERS"
+        if getattr(args, "worker", "") is None:
+            workers = os.environ.get(name) or defaults.WORKER_ADDRESS
+            args.worker = [client_address(w) for w in workers.split(",")]
+    except ValueError as exc:
+        parser.error(f"env {name}: {exc}")
 
 
 def _security(args: argparse.Namespace) -> ClientSecurity:
@@ -180,7 +199,7 @@ def _security(args: argparse.Namespace) -> ClientSecurity:
 
 
 def _workers(args: argparse.Namespace) -> list[str]:
-    return args.worker or os.environ.get("AGENTKV_WORKERS", defaults.WORKER_ADDRESS).split(",")
+    return args.worker  # --worker, or env AGENTKV_WORKERS, or the default
 
 
 def cmd_bench(rest: list[str]) -> int:
@@ -268,7 +287,9 @@ def _main(argv: list[str]) -> None:
 
         gateway(argv[1:])
         return
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _addresses_from_env(parser, args)
     try:
         if args.command == "walkthrough":
             from agentkv.client.walkthrough import run
