@@ -19,18 +19,23 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agentkv import defaults
 from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity
 from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentKVError, Unavailable
+from agentkv.errors import AgentKVError, AgentNotFound, FingerprintMismatch, Unavailable
 from agentkv.flags import add_flags, from_args, show_defaults, telling
 from agentkv.launch import ServiceExited
 from agentkv.plan_report import print_plan
 from agentkv.planner import parse_size, parse_tokens
 from agentkv.units import human_bytes, table
+
+if TYPE_CHECKING:
+    from agentkv.client.memory import AgentMemory
+    from agentkv.v1.store_pb2 import AgentSummary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,22 +241,44 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
     from agentkv.client.memory import AgentMemory
 
     with AgentMemory(_workers(args), args.store, args.namespace, security=_security(args)) as mem:
-        rows = [
-            [
-                a.agent_id,
-                a.tier,
-                a.num_tokens,
-                human_bytes(a.num_bytes),
-                a.phase,
-                mem.worker_for(a.agent_id),
-            ]
-            for a in mem.agents()
-        ]
+        rows, failure = _agent_rows(mem, list(mem.store.list_agents(args.namespace)))
         elsewhere = [] if rows else _namespaces_with_agents(mem.store)
     print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
     if elsewhere:
         found = ", ".join(f"{name} ({count})" for name, count in elsewhere)
         print(f"no agents in namespace {args.namespace!r}; agents are in: {found} (pass -n NAME)")
+    if failure is not None:  # some tiers are unknown: the listing is incomplete
+        raise failure
+
+
+def _agent_rows(
+    mem: AgentMemory, summaries: list[AgentSummary]
+) -> tuple[list[list[object]], AgentKVError | None]:
+    """Each agent as its worker describes it. One it cannot describe is listed as the store
+    has it, its tier saying why: "other model" (written under another model's fingerprint),
+    or "?" (the first such error is returned). Once a worker cannot be reached or does not
+    answer, the rest are not asked."""
+    from agentkv.client.memory import Agent
+
+    rows: list[list[object]] = []
+    failure: AgentKVError | None = None
+    asking = True
+    for summary in summaries:
+        state, tier = summary, "?"
+        if asking:
+            try:
+                state = Agent(mem, summary.agent_id).describe()
+                tier = state.tier
+            except FingerprintMismatch:
+                tier = "other model"
+            except AgentNotFound:
+                continue  # deleted since it was listed
+            except AgentKVError as exc:
+                failure, asking = failure or exc, exc.remote  # remote: it answered, for that one
+        size = human_bytes(state.num_bytes)
+        where = mem.worker_for(summary.agent_id)
+        rows.append([summary.agent_id, tier, state.num_tokens, size, state.phase, where])
+    return rows, failure
 
 
 def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import free_address
+from tests.helpers import FP, free_address, make_chain
 
 
 def agentkv(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -61,3 +61,52 @@ def test_an_empty_address_variable_counts_as_unset():
     proc = agentkv("store", "stats", AGENTKV_STORE="")  # the default, 127.0.0.1:50051
     assert no_internals(proc.stderr) and "''" not in proc.stderr, proc.stderr
     assert proc.returncode == 0 or "127.0.0.1:50051" in proc.stderr, proc.stderr
+
+
+def save_agents(store_process, namespace: str, *agent_ids: str) -> None:
+    tokens = list(range(64))
+    blocks, _ = make_chain(tokens)
+    with store_process.client() as client:
+        for agent_id in agent_ids:
+            client.save_agent(namespace, agent_id, FP, tokens, blocks, phase="yard")
+
+
+def rows(stdout: str) -> dict[str, list[str]]:
+    """The table's rows by agent id, split on runs of two or more spaces."""
+    import re
+
+    lines = stdout.splitlines()
+    return {
+        cells[0]: cells
+        for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[2:])
+        if cells and cells[0]
+    }
+
+
+def test_agents_lists_every_agent_from_the_store_when_no_worker_answers(store_process):
+    save_agents(store_process, "team", "marco", "luca")
+    proc = agentkv("agents", "-n", "team", "--store", store_process.address,
+                   "--worker", free_address())  # fmt: skip
+    assert proc.returncode == 2, proc.stderr  # the listing is incomplete: its tiers
+    listed = rows(proc.stdout)
+    assert set(listed) == {"marco", "luca"}, proc.stdout
+    for cells in listed.values():
+        assert cells[1:3] == ["?", "64"] and "yard" in cells, proc.stdout
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_agents_shows_an_agent_of_another_model_in_its_own_row(
+    tiny_model_dirs, store_process, start_worker
+):
+    from agentkv.client.memory import AgentMemory
+
+    worker = start_worker(tiny_model_dirs["llama"])
+    with AgentMemory(worker.address, store=store_process.address, namespace="team") as mem:
+        mem.agent("marco", system="You are Marco.")
+    save_agents(store_process, "team", "stranger")  # written under another fingerprint
+    proc = agentkv("agents", "-n", "team", "--store", store_process.address,
+                   "--worker", worker.address)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    listed = rows(proc.stdout)
+    assert listed["marco"][1] == "hot", proc.stdout
+    assert listed["stranger"][1:3] == ["other model", "64"], proc.stdout
