@@ -164,7 +164,7 @@ def layer_specs(config: dict) -> list[LayerSpec]:
     if isinstance(config.get("text_config"), dict):
         config = {"model_type": config.get("model_type"), **config["text_config"]}
     model_type = config.get("model_type")
-    build = LAYOUTS.get(model_type)
+    build = LAYOUTS.get(model_type) if isinstance(model_type, str) else None
     if build is None:
         known = ", ".join(sorted(LAYOUTS))
         raise ValueError(f"no KV cache layout known for model_type {model_type!r} (known: {known})")
@@ -172,6 +172,8 @@ def layer_specs(config: dict) -> list[LayerSpec]:
         return build(config)
     except KeyError as exc:
         raise ValueError(f"{model_type} config has no {exc.args[0]!r}") from None
+    except TypeError as exc:  # a field of the wrong JSON type (a list for a number, ...)
+        raise ValueError(f"{model_type} config has a field of the wrong type: {exc}") from None
 
 
 def _count(config: dict, key: str, default: int | None = None) -> int:

@@ -230,7 +230,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/report"))
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file: give a directory (made, or its report replaced)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ described. From the real CLI, as a user runs it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -110,3 +111,20 @@ def test_agents_shows_an_agent_of_another_model_in_its_own_row(
     listed = rows(proc.stdout)
     assert listed["marco"][1] == "hot", proc.stdout
     assert listed["stranger"][1:3] == ["other model", "64"], proc.stdout
+
+
+def test_plan_with_a_model_type_that_is_not_a_string_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": ["llama"]}))
+    proc = agentkv("plan", "--config", str(tmp_path), "--context", "8K", "--budget", "1G")
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "model_type ['llama']" in proc.stderr
+
+
+def test_bench_out_naming_a_file_is_a_usage_error(tmp_path):
+    report = tmp_path / "report"
+    report.write_text("mine")
+    proc = agentkv("bench", "--only", "capacity", "--out", str(report))
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("agentkv bench: error: --out "), proc.stderr
+    assert report.read_text() == "mine"
