@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 
 from agentkv.addresses import is_loopback
-from agentkv.flags import check_files, flag
+from agentkv.flags import flag
+from agentkv.security import check_tls_files
 
 log = logging.getLogger("agentkv.client")
 
@@ -53,7 +54,7 @@ class ClientSecurity:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both, or neither")
-        check_files(self, ("tls_ca", "tls_cert", "tls_key"))
+        check_tls_files(self, "tls_cert", "tls_key", "tls_ca")
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
         options = [*RECONNECT_OPTIONS, *(options or [])]

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -78,18 +79,37 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> N
 
 
 def from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **given: Any) -> C:
-    """`cls` built from parsed flags; `given` fields are set as they are."""
+    """`cls` built from parsed flags; `given` fields are set as they are. A nested config's
+    error names its flags with their prefix, as they were given (--store-tls-ca, not the
+    --tls-ca its class knows)."""
     values = dict(given)
-    for f in dataclasses.fields(cls):
-        if f.name in given:
-            continue
-        if "nested" in f.metadata:
-            values[f.name] = from_args(f.metadata["nested"], args, prefix + f.metadata["prefix"])
-        elif "help" in f.metadata:
-            value = getattr(args, _dest(prefix, f))
-            convert = f.metadata["convert"]
-            values[f.name] = convert(value) if convert else value
-    return cls(**values)
+    try:
+        for f in dataclasses.fields(cls):
+            if f.name in given:
+                continue
+            if "nested" in f.metadata:
+                nested_prefix = prefix + f.metadata["prefix"]
+                values[f.name] = from_args(f.metadata["nested"], args, nested_prefix)
+            elif "help" in f.metadata:
+                value = getattr(args, _dest(prefix, f))
+                convert = f.metadata["convert"]
+                values[f.name] = convert(value) if convert else value
+        return cls(**values)
+    except ValueError as exc:
+        if not prefix:
+            raise
+        raise ValueError(_prefixed(str(exc), cls, prefix)) from None
+
+
+def _prefixed(message: str, cls: type, prefix: str) -> str:
+    """`message` with each of `cls`'s own flags (--NAME) written --PREFIXNAME."""
+    names = [
+        f.metadata["name"] or f.name.replace("_", "-")
+        for f in dataclasses.fields(cls)
+        if "help" in f.metadata
+    ]
+    flags = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])--({flags})(?![\w-])", rf"--{prefix}\1", message)
 
 
 def parse_config(

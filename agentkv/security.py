@@ -2,13 +2,16 @@
 what they refuse, what they warn about, and the interceptors and credentials they serve with.
 
 TLS: `--tls-cert` and `--tls-key` serve TLS; `--tls-client-ca` also requires client
-certificates signed by that CA (mTLS). Tokens: agentkv.auth. Clients: agentkv.channels.
+certificates signed by that CA (mTLS). Tokens: agentkv.auth. Clients: agentkv.channels, whose
+TLS files are checked here too (check_tls_files).
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -22,6 +25,39 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None):
     pair = [(Path(key).read_bytes(), Path(cert).read_bytes())]
     ca = Path(client_ca).read_bytes() if client_ca else None
     return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=bool(ca))
+
+
+def check_tls_files(config: Any, cert: str, key: str, ca: str) -> None:
+    """The TLS files that the fields named `cert`, `key` and `ca` of `config` give (those
+    set) hold what gRPC will load: certificates, and the certificate's own unencrypted key.
+    A bad one is a usage error naming its flag, found with the flags: gRPC reads them only
+    when it serves (a server then says it could not bind) or dials."""
+    check_files(config, (cert, key, ca))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for name in (cert, ca):
+        if path := getattr(config, name):
+            try:
+                context.load_verify_locations(cafile=path)
+            except ssl.SSLError:
+                raise ValueError(f"{_flag(name)} {path}: no PEM certificate in it") from None
+    if getattr(config, cert):
+        _check_key(context, _flag(cert), getattr(config, cert), _flag(key), getattr(config, key))
+
+
+def _check_key(context: ssl.SSLContext, cert_flag: str, cert: str, key_flag: str, key: str) -> None:
+    """`key` is the private key of `cert`, unencrypted (gRPC takes no passphrase)."""
+    try:
+        context.load_cert_chain(cert, key, password=b"")  # b"": no prompt for an encrypted key
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(
+                f"{key_flag} {key} is not the private key of {cert_flag} {cert}"
+            ) from None
+        raise ValueError(f"{key_flag} {key}: no unencrypted PEM private key in it") from None
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +82,8 @@ class ServerSecurity:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
-        check_files(self, ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"))
+        check_tls_files(self, "tls_cert", "tls_key", "tls_client_ca")
+        check_files(self, ("auth_tokens",))
         if self.auth_tokens:
             TokenTable.load(self.auth_tokens)  # a bad table stops the flags, before any loading
         if not loopback and not self.auth_tokens and not self.allow_unauthenticated:

@@ -30,6 +30,7 @@ from agentkv.errors import Unauthenticated
 from agentkv.launch import ServiceProcess
 from cache_store import __main__ as store_main
 from inference_worker import __main__ as worker_main
+from tests.helpers import make_certs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -50,6 +51,16 @@ FILE_FLAGS = (
     "--store-tls-key",
 )
 IMAGE_MODEL = "/opt/agentkv/models/smollm2-135m-instruct"  # where the Dockerfile imports it
+# The test certificate (from make_certs) that stands in for each TLS file a command names: the
+# services load them with the flags, and the manifests hold placeholders.
+TLS_FILES = {
+    "--tls-cert": "server.pem",
+    "--tls-key": "server.key",
+    "--tls-client-ca": "ca.pem",
+    "--store-tls-ca": "ca.pem",
+    "--store-tls-cert": "client.pem",
+    "--store-tls-key": "client.key",
+}
 
 
 # The services' own command lines
@@ -87,13 +98,15 @@ def check_command(argv: list[str], tmp_path: Path, contents: dict[str, str] | No
     assert not unknown, f"{program} has no flags {sorted(unknown)}"
     assert "--allow-unauthenticated" not in argv, "the examples run with tokens"
     args = list(argv[1:])
+    certs = make_certs(tmp_path / "certs")
     for i, arg in enumerate(args[:-1]):
         if arg in FILE_FLAGS:
             path = tmp_path / "files" / args[i + 1].lstrip("/")
             path.parent.mkdir(parents=True, exist_ok=True)
             # A token table is read as the flags are parsed: it stands in as a valid one.
             dummy = DUMMY_TOKENS if arg == "--auth-tokens" else "dummy-file-content-0123456789\n"
-            path.write_text((contents or {}).get(args[i + 1], dummy))
+            text = (contents or {}).get(args[i + 1], dummy)
+            path.write_text((certs / TLS_FILES[arg]).read_text() if arg in TLS_FILES else text)
             path.chmod(0o600)
             args[i + 1] = str(path)
         elif arg == "--data-dir":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -262,6 +263,105 @@ def test_log_levels_are_logging_s_names_in_any_case():
 
     for given, level in (("INFO", "info"), ("warn", "warn"), ("Critical", "critical")):
         assert build_config(["--data-dir", "d", "--log-level", given]).log_level == level
+
+
+@pytest.fixture(scope="module")
+def pem(tmp_path_factory) -> Path:
+    """Test certificates, and junk.txt: a readable file that holds no PEM at all."""
+    d = make_certs(tmp_path_factory.mktemp("pem"))
+    (d / "junk.txt").write_text("store-1\n")
+    return d
+
+
+@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--tls-cert", "junk.txt", "--tls-key", "junk.txt"],
+            "--tls-cert {d}/junk.txt: no PEM certificate in it",
+        ),
+        (
+            ["--tls-cert", "server.pem", "--tls-key", "junk.txt"],
+            "--tls-key {d}/junk.txt: no unencrypted PEM private key in it",
+        ),
+        (
+            ["--tls-cert", "server.pem", "--tls-key", "client.key"],
+            "--tls-key {d}/client.key is not the private key of --tls-cert {d}/server.pem",
+        ),
+        (
+            ["--tls-cert", "server.pem", "--tls-key", "server.key", "--tls-client-ca", "junk.txt"],
+            "--tls-client-ca {d}/junk.txt: no PEM certificate in it",
+        ),
+    ],
+    ids=["junk-cert", "junk-key", "mismatched-key", "junk-client-ca"],
+)
+def test_a_malformed_tls_file_is_one_usage_line(tmp_path, pem, service, flags, message):
+    """Not "could not bind" once the data dir or the model is loaded: gRPC reads the files
+    only then, and reports a bad one as a port it could not bind."""
+    module, *args = SERVICES[service]
+    given = [f if f.startswith("--") else str(pem / f) for f in flags]
+    cmd = [sys.executable, "-m", module, *args, *given]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"{service}: error: {message.format(d=pem)}"
+    assert not (tmp_path / "unused").exists()
+
+
+CLIENTS = {  # a client of a server, and the prefix of its flags for that server
+    "agentkv": ("", ["agentkv.cli", "agents", "--store", "127.0.0.1:1"]),
+    "agentkv-worker": ("store-", SERVICES["agentkv-worker"]),
+    "agentkv-gateway": ("upstream-", SERVICES["agentkv-gateway"]),
+}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--{p}tls-ca", "missing.pem"], "--{p}tls-ca missing.pem: no such file or directory"),
+        (
+            ["--{p}tls-cert", "{d}/client.pem"],
+            "--{p}tls-cert and --{p}tls-key go together: give both, or neither",
+        ),
+        (["--{p}tls-ca", "{d}/junk.txt"], "--{p}tls-ca {d}/junk.txt: no PEM certificate in it"),
+        (
+            ["--{p}tls-cert", "{d}/client.pem", "--{p}tls-key", "{d}/server.key"],
+            "--{p}tls-key {d}/server.key is not the private key of --{p}tls-cert {d}/client.pem",
+        ),
+        (
+            ["--{p}tls-cert", "{d}/client.pem", "--{p}tls-key", "{d}/junk.txt"],
+            "--{p}tls-key {d}/junk.txt: no unencrypted PEM private key in it",
+        ),
+    ],
+    ids=["missing-ca", "cert-without-key", "junk-ca", "mismatched-key", "junk-key"],
+)
+def test_a_clients_bad_tls_flag_is_one_line_naming_the_flag_given(
+    tmp_path, pem, client, flags, message
+):
+    """The worker's --store-tls-* and the gateway's --upstream-tls-* are named as given, not
+    as the CLI's --tls-* (the worker and the gateway have a --tls-cert of their own)."""
+    prefix, (module, *args) = CLIENTS[client]
+    given = [f.format(p=prefix, d=pem) for f in flags]
+    cmd = [sys.executable, "-m", module, *args, *given]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.splitlines()[-1]
+    assert line.endswith("error: " + message.format(p=prefix, d=pem)), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_bad_tls_file_from_the_environment_is_named_by_its_flag(tmp_path, client):
+    prefix, (module, *args) = CLIENTS[client]
+    variable = "AGENTKV_" + prefix.upper().replace("-", "_") + "TLS_CA"
+    env = {**os.environ, variable: "missing.pem"}
+    cmd = [sys.executable, "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith(
+        f"error: --{prefix}tls-ca missing.pem: no such file or directory"
+    ), proc.stderr
 
 
 # TLS
