@@ -115,11 +115,17 @@ class ServerSecurity:
                 "(counts, sizes and timings) to anyone who can reach it"
             )
         if self.auth_tokens:
+            # A group may read it (Kubernetes mounts Secrets 0440 for fsGroup), not write it.
             mode = Path(self.auth_tokens).stat().st_mode & 0o777
-            if mode & 0o077:
+            if mode & 0o007:
                 found.append(
                     f"TOKEN FILE READABLE BY OTHERS: {self.auth_tokens} has mode {mode:o}; "
-                    f"chmod 600 it"
+                    f"chmod 600 it (640 shares it with one group)"
+                )
+            elif mode & 0o020:
+                found.append(
+                    f"TOKEN FILE WRITABLE BY ITS GROUP: {self.auth_tokens} has mode {mode:o}; "
+                    f"chmod 640 it"
                 )
         return found
 

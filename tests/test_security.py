@@ -211,6 +211,24 @@ def test_token_tables_and_safe_defaults_are_checked(tmp_path):
         ServerSecurity(tls_cert="c.pem").check("127.0.0.1:1", loopback=True)
 
 
+@pytest.mark.parametrize(
+    ("mode", "warned"),
+    [
+        (0o600, ""),
+        (0o440, ""),  # Kubernetes mounts a Secret so for fsGroup: it was warned about
+        (0o640, ""),
+        (0o644, "TOKEN FILE READABLE BY OTHERS"),
+        (0o660, "TOKEN FILE WRITABLE BY ITS GROUP"),
+    ],
+)
+def test_a_token_file_may_be_read_by_its_group_not_by_others(tokens_file, mode, warned):
+    tokens_file.chmod(mode)
+    said = ServerSecurity(auth_tokens=str(tokens_file)).warnings("127.0.0.1:1", True, None)
+    about = [w for w in said if "TOKEN FILE" in w]
+    assert [w.split(":")[0] for w in about] == ([warned] if warned else [])
+    assert all(f"{tokens_file} has mode {mode:o}; chmod " in w for w in about)
+
+
 def test_a_bad_token_file_stops_the_store_at_start(tmp_path):
     (tmp_path / "short.json").write_text(
         json.dumps({"tokens": [{"token": "x", "namespaces": ["a"]}]})
