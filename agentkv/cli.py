@@ -258,6 +258,7 @@ def _agent_rows(
     has it, its tier saying why: "other model" (written under another model's fingerprint),
     or "?" (the first such error is returned). Once a worker cannot be reached or does not
     answer, the rest are not asked."""
+    from agentkv.client.core import OTHER_MODEL
     from agentkv.client.memory import Agent
 
     rows: list[list[object]] = []
@@ -270,7 +271,7 @@ def _agent_rows(
                 state = Agent(mem, summary.agent_id).describe()
                 tier = state.tier
             except FingerprintMismatch:
-                tier = "other model"
+                tier = OTHER_MODEL
             except AgentNotFound:
                 continue  # deleted since it was listed
             except AgentKVError as exc:

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import grpc
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
+from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps, of_other_model
 from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, no_reply
-from agentkv.errors import from_rpc_error
+from agentkv.errors import AgentNotFound, FingerprintMismatch, from_rpc_error
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 
@@ -164,16 +164,23 @@ class AsyncAgentMemory(BaseAgentMemory):
 
     async def agents(self) -> list[pb.AgentState]:
         """Every agent of the namespace in the store, as its worker sees it (tier, tokens,
-        bytes, phase). Needs the store's address; describes DESCRIBE_CONCURRENCY at once."""
+        bytes, phase; one written under another model: tier "other model", the store's
+        figures). Needs the store's address; describes DESCRIBE_CONCURRENCY at once."""
         self._need_store()
-        ids = [summary.agent_id async for summary in self._list_agents()]
+        summaries = [summary async for summary in self._list_agents()]
         limit = asyncio.Semaphore(DESCRIBE_CONCURRENCY)  # not one RPC per agent all at once
 
-        async def describe(agent_id: str) -> pb.AgentState:
+        async def describe(summary: store_pb2.AgentSummary) -> pb.AgentState | None:
             async with limit:
-                return await AsyncAgent(self, agent_id).describe()
+                try:
+                    return await AsyncAgent(self, summary.agent_id).describe()
+                except FingerprintMismatch:
+                    return of_other_model(self.namespace, summary)
+                except AgentNotFound:
+                    return None  # deleted since it was listed
 
-        return list(await asyncio.gather(*(describe(agent_id) for agent_id in ids)))
+        states = await asyncio.gather(*(describe(s) for s in summaries))
+        return [state for state in states if state is not None]
 
     async def _list_agents(self) -> AsyncIterator[store_pb2.AgentSummary]:
         stub = store_pb2_grpc.CacheStoreStub(self._store_channel)

@@ -36,7 +36,10 @@ from agentkv.errors import (
     SystemPromptDiffers,
     Unavailable,
 )
+from agentkv.v1 import store_pb2
 from agentkv.worker.v1 import worker_pb2 as pb
+
+OTHER_MODEL = "other model"  # the tier a listing gives an agent written under another model
 
 Step = tuple[float, Callable[[], Any]]  # wait this many seconds, then call (or await) this
 Steps = Generator[Step, Any, T]
@@ -267,3 +270,17 @@ class BaseAgent:
     def delete(self) -> MaybeAwaitable[bool]:
         """Deletes the agent from its worker and the store; False if it did not exist."""
         return self._call(lambda w: w.delete(self.memory.namespace, self.id))
+
+
+def of_other_model(namespace: str, summary: store_pb2.AgentSummary) -> pb.AgentState:
+    """A listed agent no worker of this model can describe (FingerprintMismatch), as the
+    store lists it: a listing shows it rather than failing for every agent."""
+    return pb.AgentState(
+        namespace=namespace,
+        agent_id=summary.agent_id,
+        tier=OTHER_MODEL,
+        num_tokens=summary.num_tokens,
+        num_bytes=summary.num_bytes,
+        generation=summary.generation,
+        phase=summary.phase,
+    )

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
+from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps, of_other_model
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.client.worker_core import (
@@ -33,6 +33,7 @@ from agentkv.client.worker_core import (
     cut_off,
     no_reply,
 )
+from agentkv.errors import AgentNotFound, FingerprintMismatch
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["Agent", "AgentMemory", "Messages", "Reply", "as_messages", "cut_off"]
@@ -109,10 +110,18 @@ class AgentMemory(BaseAgentMemory):
 
     def agents(self) -> list[pb.AgentState]:
         """Every agent of the namespace in the store, as its worker sees it (tier, tokens,
-        bytes, phase). Needs the store's address."""
+        bytes, phase; one written under another model: tier "other model", the store's
+        figures). Needs the store's address."""
         self._need_store()
-        ids = [a.agent_id for a in self.store.list_agents(self.namespace)]
-        return [Agent(self, agent_id).describe() for agent_id in ids]
+        states = []
+        for summary in self.store.list_agents(self.namespace):
+            try:
+                states.append(Agent(self, summary.agent_id).describe())
+            except FingerprintMismatch:
+                states.append(of_other_model(self.namespace, summary))
+            except AgentNotFound:
+                pass  # deleted since it was listed
+        return states
 
     def _run(self, steps: Steps[T]) -> T:
         operation = Operation(steps)

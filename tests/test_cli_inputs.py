@@ -4,6 +4,7 @@ described. From the real CLI, as a user runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -111,6 +112,19 @@ def test_agents_shows_an_agent_of_another_model_in_its_own_row(
     listed = rows(proc.stdout)
     assert listed["marco"][1] == "hot", proc.stdout
     assert listed["stranger"][1:3] == ["other model", "64"], proc.stdout
+    # The SDK's listings, sync and asyncio, show it the same way rather than failing whole
+    # (they raised FingerprintMismatch, and the gateway's /v1/agents answered 409).
+    from agentkv.client.aio import AsyncAgentMemory
+
+    async def listed_async() -> list:
+        async with AsyncAgentMemory(worker.address, store=store_process.address,
+                                    namespace="team") as mem:  # fmt: skip
+            return await mem.agents()
+
+    with AgentMemory(worker.address, store=store_process.address, namespace="team") as mem:
+        for states in (mem.agents(), asyncio.run(listed_async())):
+            tiers = {s.agent_id: (s.tier, s.num_tokens) for s in states}
+            assert tiers == {"marco": ("hot", tiers["marco"][1]), "stranger": ("other model", 64)}
 
 
 def test_plan_with_a_model_type_that_is_not_a_string_is_one_line(tmp_path):
