@@ -33,7 +33,18 @@ from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenize
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
 GROUP_SIZE = 32  # every GGUF block quantization kept as MLX layers (Q4_0, Q4_1, Q8_0, Q4_K)
-FORMAT_VERSION = 4  # bump when the output of an import changes (4: native keeps Q4_K)
+# Bump when the output of an import changes: it names the cache directory and enters the
+# model's config, so the fingerprint of every agent stored under it. Per weights choice, so
+# that a change to one leaves the others' agents restorable (4: native keeps Q4_K).
+FORMAT_VERSIONS = {"float32": 3, "float16": 3, "bfloat16": 3, "native": 4}
+
+
+def format_version(weights: str) -> int:
+    if weights not in FORMAT_VERSIONS:
+        raise GGUFError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
+    return FORMAT_VERSIONS[weights]
+
+
 READ_CHUNK = 16 << 20
 IMPORTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -385,7 +396,7 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
         "file": path.name,
         "xxh3_128": file_hash(path),
         "weights": weights,
-        "format": FORMAT_VERSION,
+        "format": format_version(weights),
         "name": str(meta.get("general.name", "")),
         "license": str(meta.get("general.license", "")),
     }
@@ -412,7 +423,7 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     that a staging directory of its own key left there is a killed import's, and removes it."""
     check_tensor_types(path)  # also for a file imported before agentkv refused its types
     cache_dir = cache_dir or default_cache_dir()
-    key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{FORMAT_VERSION}"
+    key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{format_version(weights)}"
     target = cache_dir / key
     if (target / "config.json").exists():
         return target

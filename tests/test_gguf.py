@@ -20,9 +20,9 @@ from mlx_lm import load
 
 from inference_worker import model_import
 from inference_worker.gguf_import import (
-    FORMAT_VERSION,
     GGUFError,
     cached_import,
+    format_version,
     import_gguf,
     read_gguf,
 )
@@ -484,7 +484,7 @@ def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, m
     assert len(reply.token_ids) == 4
     (imported,) = (tmp_path / "cache").iterdir()
     assert imported.name.startswith("tiny-qwen3-") and imported.name.endswith(
-        f"-float32-v{FORMAT_VERSION}"
+        f"-float32-v{format_version('float32')}"
     )
     other = write_gguf(tmp_path / "other.gguf", w, config, path, Q.Q4_0)
     again = WorkerClient(start_worker(other, name="other").address)
