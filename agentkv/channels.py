@@ -18,11 +18,14 @@ log = logging.getLogger("agentkv.client")
 
 # A server that restarts is dialled again within two seconds, not after gRPC's default
 # backoff (which grows to 120 s): a worker resumes writing soon after its store is back.
-# Not grpc.min_reconnect_backoff_ms: gRPC takes it as its least connect timeout too (20 s),
-# and at 100 ms no store across a WAN link (or TLS at 30 ms each way) answered in time.
+# gRPC takes grpc.min_reconnect_backoff_ms as its connect timeout: at 100 ms no store across
+# a WAN link (or TLS at 30 ms each way) answered in time; at gRPC's 20 s, the SDK waited
+# that long on a host that is down before it moved an agent to the next worker.
+CONNECT_TIMEOUT_MS = 5000
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
 ]
 
 

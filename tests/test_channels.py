@@ -101,3 +101,40 @@ def test_a_worker_reaches_its_store_across_a_slow_link(tiny_model_dirs, store_pr
     finally:
         worker.stop()
         link.close()
+
+
+def test_an_agent_moves_off_a_host_that_is_down_within_the_call_timeout():
+    """A worker host that is down answers no connection attempt (a listener whose accept
+    queue is full stands in). The SDK moves the agent to the next worker once the connect
+    times out: 5 s (CONNECT_TIMEOUT_MS), within a 15 s call timeout; at gRPC's 20 s connect
+    timeout the call failed DeadlineExceeded first."""
+    from concurrent import futures
+
+    import grpc
+
+    from agentkv.channels import CONNECT_TIMEOUT_MS
+    from agentkv.client import AgentMemory
+    from agentkv.worker.v1 import worker_pb2 as pb
+    from agentkv.worker.v1 import worker_pb2_grpc
+    from client.routing import rank
+
+    class Describer(worker_pb2_grpc.InferenceWorkerServicer):
+        def DescribeAgent(self, request, context):
+            return pb.DescribeAgentResponse(agent=pb.AgentState(agent_id=request.agent_id))
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    worker_pb2_grpc.add_InferenceWorkerServicer_to_server(Describer(), server)
+    alive = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    down = socket.create_server(("127.0.0.1", 0), backlog=0)
+    filler = socket.create_connection(down.getsockname())  # the queue is full from here on
+    dead = f"127.0.0.1:{down.getsockname()[1]}"
+    agent = next(f"a{i}" for i in range(1000) if rank([dead, alive], f"default/a{i}")[0] == dead)
+    assert CONNECT_TIMEOUT_MS < 15_000
+    try:
+        with AgentMemory([dead, alive], timeout=15) as mem:
+            assert mem.agent(agent).describe().agent_id == agent
+    finally:
+        server.stop(0)
+        filler.close()
+        down.close()
