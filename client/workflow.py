@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.client.memory import Agent, AgentMemory
-from agentkv.errors import AgentKVError, InvalidArgument
+from agentkv.errors import InvalidArgument
 
 MODES = ("persistent", "cold")
 
@@ -67,6 +67,7 @@ class _Member:
     role: Role
     agent: Agent | None = None  # None until created (or after a cold phase reset)
     heard: int = 0  # transcript entries before this index were delivered (or its own)
+    primed: bool = False  # its agent has had a first turn (what only a first turn carries)
     history: list[tuple[str, str]] = field(default_factory=list)  # messages, for cold mode
     pending: list[str] = field(default_factory=list)  # briefs not yet delivered
 
@@ -114,41 +115,57 @@ class Workflow:
     # phases
 
     def _begin(self, phase: Phase) -> None:
+        """Briefs every member and injects (or, cold, drops) each permanent agent. A start
+        that fails leaves no phase open and takes the phase's brief back from every member
+        that has not had it yet (the injections that went through keep theirs)."""
         if self.current is not None:
             raise InvalidArgument(f"phase {phase.name!r} starts inside {self.current.name!r}")
         self.current = phase
-        for member in self.members.values():
-            if phase.brief:
-                member.pending.append(phase.brief)
-            if member.agent is None or not member.role.permanent:
-                continue  # created at their first turn, with everything they heard
-            if self.mode == "cold":
-                self._reset(member)
-            else:
-                self._inject(member, phase.name)
+        briefed: list[_Member] = []
+        try:
+            for member in self.members.values():
+                if phase.brief:
+                    member.pending.append(phase.brief)
+                    briefed.append(member)
+                if member.agent is None or not member.role.permanent:
+                    continue  # created at their first turn, with everything they heard
+                if self.mode == "cold":
+                    self._reset(member)
+                else:
+                    self._inject(member, phase.name)
+        except BaseException:
+            self.current = None
+            for member in briefed:
+                if member.pending:  # a delivery takes every brief up to this one, the last
+                    member.pending.pop()
+            raise
 
     def _end(self, phase: Phase, failed: bool) -> None:
         """Deletes the phase's ephemeral agents and, with `evict_after`, evicts the rest. The
-        workflow leaves the phase even when that fails; after a phase that `failed`, its own
-        error is the one raised, not the cleanup's."""
+        workflow leaves the phase, and tries every delete and eviction, even when one fails;
+        the first failure is raised, unless the phase `failed`: its own error stands."""
         self.current = None
-        try:
-            for member in phase.ephemeral:
-                agent, member.agent, member.heard, member.history = member.agent, None, 0, []
-                agent.delete()
-            if phase.evict_after:
-                for member in self.members.values():
-                    if member.agent is not None:
-                        member.agent.evict()
-        except AgentKVError:
-            if not failed:
-                raise
+        dropped = []
+        for member in phase.ephemeral:
+            dropped.append(member.agent)
+            member.agent, member.primed, member.heard, member.history = None, False, 0, []
+        calls = [agent.delete for agent in dropped if agent is not None]
+        if phase.evict_after:
+            calls += [m.agent.evict for m in self.members.values() if m.agent is not None]
+        errors = []
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:  # the others still run; the first is raised below
+                errors.append(exc)
+        if errors and not failed:
+            raise errors[0]
 
     def _reset(self, member: _Member) -> None:
         """Cold mode: the agent's caches are dropped; its next turn re-prefills its history."""
         if member.agent is not None:
             member.agent.delete()
-            member.agent = None
+            member.agent, member.primed = None, False
 
     # turns
 
@@ -162,25 +179,28 @@ class Workflow:
         news, delivered = self._news(member)
         message = "\n\n".join([*news, prompt]) if news else prompt
         messages = [("user", message)]
-        created = member.agent is None
-        if created:
+        if member.agent is None:
+            if not member.role.permanent:  # first: a create that fails half-way is cleaned up
+                phase.ephemeral.append(member)
+            self._create(member, phase.name)
+        first = not member.primed  # also the retry of a first turn that failed
+        if first:
             if not member.history and member.role.document:
                 message = f"{member.role.document}\n\n{message}"
-                messages = [("user", message)]
-            messages = [*self._create(member, phase.name), *messages]
-            if not member.role.permanent:
-                phase.ephemeral.append(member)
+            messages = [*self._carried(member), ("user", message)]
         reply = member.agent.say(messages, phase=phase.name, **{**self.sampling, **sampling})
         text = reply.text
         usage = reply.usage
         delivered()
-        # An agent made for this turn had no cache for what the turn prefills: it is cold,
-        # though the worker finds the empty agent (or its system prompt) hot. One that already
-        # existed (a rerun, `agentkv run --no-reset`) is labelled as the worker found it.
-        state = "cold" if created and member.agent.created else usage.cache_state
+        member.primed = True
+        # An agent made for its first turn had no cache for what the turn prefills: it is
+        # cold, though the worker finds the empty agent (or its system prompt) hot. One that
+        # already existed (a rerun, `agentkv run --no-reset`) is labelled as the worker found it.
+        state = "cold" if first and member.agent.created else usage.cache_state
         member.history += [("user", message), ("assistant", text or "...")]
+        # Its own reply needs no marking as heard (_news skips a member's own lines); another
+        # agent's reply that landed during this turn, from another thread, is still news.
         self.transcript.append(Said(phase.name, agent_id, text))
-        member.heard = len(self.transcript)
         return self._record(
             Record(
                 "say",
@@ -196,12 +216,9 @@ class Workflow:
             )
         )
 
-    def _create(self, member: _Member, phase: str) -> list[tuple[str, str]]:
-        """Creates the member's agent; returns the messages its first turn must carry first.
-
-        Persistent mode prefills the system prompt now (a cold prefill, recorded). Cold mode
-        sends the system prompt and the whole history with the turn, so that its time to
-        first token counts the full re-prefill."""
+    def _create(self, member: _Member, phase: str) -> None:
+        """Creates the member's agent. Persistent mode prefills the system prompt now (a cold
+        prefill, recorded); cold mode sends it with the first turn (`_carried`)."""
         role, cold = member.role, self.mode == "cold"
         started = time.perf_counter()
         system = "" if cold else role.system
@@ -216,10 +233,15 @@ class Workflow:
             self._record(
                 Record("create", phase, role.id, "cold", ms, state.num_tokens, state.num_tokens)
             )
-        if cold:
-            system = [("system", role.system)] if role.system else []
-            return [*system, *member.history]
-        return []
+
+    def _carried(self, member: _Member) -> list[tuple[str, str]]:
+        """The messages an agent's first turn carries ahead of its message: in cold mode the
+        system prompt and the whole history, so that its time to first token counts the full
+        re-prefill."""
+        if self.mode != "cold":
+            return []
+        system = [("system", member.role.system)] if member.role.system else []
+        return [*system, *member.history]
 
     def _inject(self, member: _Member, phase: str) -> None:
         news, delivered = self._news(member)
@@ -247,12 +269,13 @@ class Workflow:
         delivered, once the turn that carries them has gone through (a failed one keeps
         them for the next)."""
         hears = member.role.hears
+        upto = len(self.transcript)  # first: other threads may append while this reads
         heard = [
             f'{said.speaker.capitalize()} said: "{said.text.strip()}"'
-            for said in self.transcript[member.heard :]
+            for said in self.transcript[member.heard : upto]
             if said.speaker != member.role.id and (hears is None or said.speaker in hears)
         ]
-        briefs, upto = len(member.pending), len(self.transcript)
+        briefs = len(member.pending)
 
         def delivered() -> None:
             member.pending, member.heard = member.pending[briefs:], max(member.heard, upto)

@@ -12,6 +12,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,129 @@ def test_the_prisoners_never_hear_each_other():
             assert "bob:" not in text
         if agent == "bob" and kind in ("say", "inject"):
             assert "alice:" not in text
+
+
+def test_a_phase_whose_start_fails_is_left_as_if_it_never_began():
+    mem = FakeMemory()
+    flow = Workflow(
+        mem, [Role("warden", "W"), Role("a", "A"), Role("b", "B"), Role("e", "E", permanent=False)]
+    )
+    with flow.phase("one", brief="Day one.") as p:
+        for role in ("warden", "a", "b"):
+            p.say(role, "Speak.")
+    agent = flow.member("a").agent
+    works = agent.inject
+
+    def down(message, **options):
+        raise Unavailable("no worker could be reached")
+
+    agent.inject = down
+    before = [list(m.pending) for m in flow.members.values()]
+    with pytest.raises(Unavailable), flow.phase("two", brief="Day two."):
+        pass
+    assert flow.current is None
+    with pytest.raises(InvalidArgument, match="inside a phase"):
+        flow.say("e", "Note it.")  # no say inside the phase that never began
+    # The warden's injection went through and carried the brief; the others keep none of it
+    # (the ephemeral e still has phase one's, for its first turn).
+    assert [m.pending for m in flow.members.values()] == before == [[], [], [], ["Day one."]]
+    agent.inject = works
+    mem.log.clear()
+    with flow.phase("three", brief="Day three.") as p:
+        p.say("warden", "Speak.")
+    injected = {agent: text for kind, agent, text in mem.log if kind == "inject"}
+    assert injected["a"].startswith("Day three.") and "Day two." not in injected["a"]
+    assert "b" in injected  # after the failing member: briefed too
+
+
+@pytest.mark.parametrize("mode", ["persistent", "cold"])
+def test_a_failed_first_turn_is_retried_with_what_a_first_turn_carries(mode):
+    mem = FakeMemory()
+    flow = Workflow(
+        mem, [Role("w", "You are W."), Role("x", "You are X.", document="<DOC>")], mode=mode
+    )
+    make = mem.agent
+
+    def failing_once(agent_id, system=None, phase=""):
+        agent = make(agent_id, system, phase)
+        if agent_id == "x":
+            works = agent.say
+
+            def down(messages, **options):
+                mem.log.append(("failed", agent_id, list(messages)))
+                agent.say = works
+                raise Unavailable("worker went away")
+
+            agent.say = down
+        return agent
+
+    mem.agent = failing_once
+    # Cold mode makes x anew in phase two, with its history.
+    for name in ("one", "two") if mode == "cold" else ("one",):
+        mem.log.clear()
+        with flow.phase(name) as p:
+            p.say("w", "Speak.")
+            with pytest.raises(Unavailable):
+                p.say("x", "Answer.")
+            p.say("x", "Answer.")
+        (failed,) = [e[2] for e in mem.log if e[0] == "failed"]
+        (retried,) = [e[2] for e in mem.log if e[:2] == ("say", "x")]
+        assert retried == failed
+        assert "<DOC>" in str(retried)
+        if mode == "cold" and name == "two":
+            assert retried[0] == ("system", "You are X.") and len(retried) > 2
+    says = [r for r in flow.records if r.kind == "say" and r.agent == "x"]
+    assert says[0].cache_state == "cold"  # its first turn, though a retry
+
+
+def test_agents_speaking_at_once_from_threads_hear_each_other():
+    mem = FakeMemory()
+    flow = Workflow(mem, [Role("x", "X"), Role("y", "Y"), Role("z", "Z")])
+    with flow.phase("one") as p:
+        p.say("x", "hi")
+        p.say("y", "hi")
+    y_done = threading.Event()
+    agent = flow.member("x").agent
+    works = agent.say
+
+    def slow(messages, **options):  # x's turn ends after y's
+        assert y_done.wait(10)
+        return works(messages, **options)
+
+    agent.say = slow
+    with flow.phase("two") as p:
+        x_turn = threading.Thread(target=p.say, args=("x", "go"))
+        x_turn.start()
+        p.say("y", "go")
+        y_done.set()
+        x_turn.join(10)
+    assert [s.speaker for s in flow.transcript[2:]] == ["y", "x"]
+    mem.log.clear()
+    with flow.phase("three"):
+        pass
+    injected = {agent: text for kind, agent, text in mem.log if kind == "inject"}
+    assert injected["x"] == 'Y said: "y speaks"'  # y's phase-two reply, not x's own
+
+
+def test_a_failed_delete_leaves_no_other_ephemeral_agent_behind():
+    mem = FakeMemory()
+    roles = [Role("w", "W"), Role("e1", "E1", permanent=False), Role("e2", "E2", permanent=False)]
+    flow = Workflow(mem, roles)
+
+    def gone():
+        raise Unavailable("worker went away")
+
+    with pytest.raises(Unavailable, match="went away"), flow.phase("one", evict_after=True) as p:
+        p.say("w", "Speak.")
+        p.say("e1", "Note it.")
+        p.say("e2", "Note it.")
+        flow.member("e1").agent.delete = gone
+    assert flow.member("e1").agent is None and flow.member("e2").agent is None
+    assert ("delete", "e2", None) in mem.log and ("evict", "w", None) in mem.log
+    mem.log.clear()
+    with flow.phase("two") as p:
+        p.say("e2", "Note it again.")
+    assert [e[0] for e in mem.log if e[1] == "e2"] == ["create", "say", "delete"]
 
 
 # real processes
