@@ -180,7 +180,7 @@ class StoreClient:
                 located = self.call("LocateBlocks", request)
             except ResourceExhausted as exc:
                 too_large = isinstance(exc, ReplyTooLarge) or not exc.remote
-                if not too_large or len(request.keys) == 1:
+                if not too_large or len(request.keys) <= 1:
                     raise
                 piece = len(request.keys) // 2
                 continue

@@ -94,13 +94,19 @@ class Front:
         A retry with the same `request_id` (a lost reply's) is answered with the fork made."""
         ns, source_id = ids.namespace(ns), ids.agent_id(source_id)
         agent_id = ids.agent_id(agent_id)
+        if request_id and self._made_by(ns, agent_id, request_id):
+            return self.describe(ns, agent_id)  # a retry: whatever the source did since
         try:
             self._fork(ns, source_id, agent_id, phase, request_id)
         except AgentExists:
-            stored = self._stored(ns, agent_id)
-            if stored is None or not made_by_fork(stored.metadata, request_id):
+            if not self._made_by(ns, agent_id, request_id):
                 raise
         return self.describe(ns, agent_id)
+
+    def _made_by(self, ns: str, agent_id: str, request_id: str) -> bool:
+        """Whether the stored agent is as the fork with this request_id made it."""
+        stored = self._stored(ns, agent_id)
+        return stored is not None and made_by_fork(stored.metadata, request_id)
 
     def _fork(self, ns: str, source_id: str, agent_id: str, phase: str, request_id: str) -> None:
         if self._mlx(self.engine.fork_source, ns, source_id, agent_id):
@@ -117,14 +123,21 @@ class Front:
             phase=phase,
             metadata=fork_metadata(source.metadata, request_id),
         )
-        fork = self.client.call("ForkAgent", request).agent
+        changed = GenerationConflict(
+            f"agent {source_id!r} in namespace {ns!r} changed while {agent_id!r} was forked "
+            f"from its generation {source.generation}: fork it again",
+            source.generation,
+        )
+        try:
+            fork = self.client.call("ForkAgent", request).agent
+        except InvalidArgument:  # "cannot fork N tokens": the source got shorter since?
+            now = self.client.get_agent(ns, source_id, summary_only=True)
+            if now.generation != source.generation:
+                raise changed from None
+            raise
         if fork.token_ids != source.token_ids:  # rewritten since: the chat state would not fit
             self.client.delete_agent(ns, agent_id, expected_generation=1)
-            raise GenerationConflict(
-                f"agent {source_id!r} in namespace {ns!r} changed while {agent_id!r} was "
-                f"forked from its generation {source.generation}: fork it again",
-                source.generation,
-            )
+            raise changed
 
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)

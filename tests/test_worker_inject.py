@@ -108,6 +108,21 @@ def test_a_fork_retried_with_its_request_id_gets_the_same_reply(tiny_model_dirs,
         w.fork("ns", "source", "fork", phase="what-if", request_id="call-1")
 
 
+def test_a_forks_retry_is_answered_whatever_its_source_did_since(tiny_model_dirs, start_worker):
+    """The source moved on (a turn), or was deleted, between the fork and its retry: the retry
+    is answered with the fork made (it was refused: NOT_FOUND for a deleted source)."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
+    w.create_agent("ns", "source", SYSTEM)
+    w.turn("ns", "source", Q1, max_tokens=8, durable=True)
+    first = w.fork("ns", "source", "fork", request_id="call-1")
+    w.turn("ns", "source", Q2, max_tokens=4, durable=True)
+    assert w.fork("ns", "source", "fork", request_id="call-1") == first
+    w.delete("ns", "source")
+    assert w.fork("ns", "source", "fork", request_id="call-1") == first
+    with pytest.raises(AgentNotFound):
+        w.fork("ns", "source", "fork-2", request_id="call-2")
+
+
 def test_a_durable_turn_ends_once_committed(tiny_model_dirs, start_worker, store):
     w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
     w.create_agent("ns", "a", SYSTEM)
