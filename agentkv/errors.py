@@ -74,6 +74,13 @@ class GenerationConflict(AgentKVError):
         return (*super().trailing_metadata(), (GENERATION_KEY, str(self.current_generation)))
 
 
+class TurnTaken(AgentKVError):
+    """A retried turn (its request_id) that the agent already took, whose reply was lost: it
+    is not run again, and its reply cannot be sent again."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class OutOfRange(AgentKVError):
     """A context would grow past the model's limit."""
 

@@ -212,14 +212,15 @@ class BaseAgent:
         arrives; iterate the reply (`async for`, in asyncio) for the rest of its text as it
         streams, or read `.text` for all of it (after `await reply.wait()`, in asyncio).
         `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
-        (`text` is the whole conversation so far, resent, its system message first)."""
+        (`text` is the whole conversation so far, resent, its system message first). A
+        retry on another worker after a lost first response does not run the turn twice
+        (its request_id): it raises TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)
         options.update(max_tokens=max_tokens, temperature=temperature, timeout=timeout)
+        options.update(request_id=secrets.token_hex(16), phase=phase, durable=mem.durable)
 
         def start(worker: BaseWorkerClient) -> Any:
-            stream = worker.stream_turn(
-                mem.namespace, self.id, messages, phase=phase, durable=mem.durable, **options
-            )
+            stream = worker.stream_turn(mem.namespace, self.id, messages, **options)
             return self._reply(worker.address, stream)
 
         return self._call(start)

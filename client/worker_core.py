@@ -99,13 +99,15 @@ class BaseWorkerClient:
         deadline_ms: int = 0,
         durable: bool = False,
         whole_conversation: bool = False,
+        request_id: str = "",
         timeout: float | None = None,
         **sampling: Any,
     ) -> Responses:
         """Streams a turn's responses (`async for` them in asyncio): token chunks, then the
         usage. Closing the stream early cancels the turn, which frees its slot on the worker.
         `whole_conversation`: `messages` are the whole conversation so far, resent (its
-        system message first), not only what is new (see TurnRequest in the proto)."""
+        system message first), not only what is new (see TurnRequest in the proto). A retry
+        with the same `request_id` is not run again once the first was taken: TurnTaken."""
         request = pb.TurnRequest(
             namespace=namespace,
             agent_id=agent_id,
@@ -116,6 +118,7 @@ class BaseWorkerClient:
             deadline_ms=deadline_ms,
             durable=durable,
             whole_conversation=whole_conversation,
+            request_id=request_id,
         )
         return self._stream(request, timeout or self.timeout)
 
@@ -179,12 +182,13 @@ class BaseWorkerClient:
 
 
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
-    """What readers of a reply that `exc` cut short get: a worker that went away means the
-    turn was not committed; an answer of the worker's own stands."""
+    """What readers of a reply that `exc` cut short get: a worker that went away may have
+    kept the turn (a cut link) or lost it (a stopped worker); an answer of its own stands."""
     if isinstance(exc, Unavailable) and not exc.remote:
         return Unavailable(
             f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
-            "the turn was not committed: say it again"
+            "the turn may be in the agent's context (a cut link) or not committed (a stopped "
+            "worker): describe() the agent before saying it again"
         )
     return exc
 

@@ -68,7 +68,7 @@ class ChatState:
     reply_open: bool = False  # the last tokens are a generated reply not yet closed
     digest: str = ""  # chain digest of every message so far, the system prompt first
     marks: tuple[Mark, ...] = ()  # where each turn ended, oldest first
-    applied: str = ""  # the request_id of the last injection taken (its retry adds nothing)
+    applied: str = ""  # request_id of the last turn or injection taken (a retry of it)
 
     def marked(self, end: int, cached: int) -> ChatState:
         """This state with a mark here, at token `end` (`cached` of them in the cache)."""

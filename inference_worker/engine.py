@@ -24,6 +24,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     FailedPrecondition,
+    TurnTaken,
     Unavailable,
 )
 from inference_worker.agents import (
@@ -46,6 +47,10 @@ from inference_worker.scheduler import Request, Scheduler
 from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
 
 STOPPED = "the worker stopped before the turn of agent {!r} finished; send it again"
+TAKEN = (
+    "agent {!r} already took the turn {}, whose reply was lost: describe() the agent to see "
+    "its context (that turn included) before saying what comes next"
+)
 log = logging.getLogger("agentkv.worker")
 CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
 
@@ -196,14 +201,19 @@ class Engine:
     def _prepare(
         self, job: TurnJob, agent: Agent, usage: UsageEvent
     ) -> tuple[ActiveTurn, list[int], ChatState]:
-        """The turn and the agent's new context, computed without changing the agent."""
+        """The turn and the agent's new context, computed without changing the agent. A
+        retry of the call the agent took last (its request_id) adds nothing; one that asks
+        for a reply is refused, as that reply is gone (a whole conversation resent resumes
+        from before it, so it runs again without repeating anything)."""
+        max_tokens = job.sampling.max_tokens
+        again = bool(job.request_id) and job.request_id == agent.chat.applied  # a lost reply's
+        if again and max_tokens and not job.whole_conversation:
+            raise TurnTaken(TAKEN.format(agent.agent_id, job.request_id))
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
-        max_tokens = job.sampling.max_tokens
         if job.whole_conversation:
             start = self._resumed(agent, job.messages)
         else:  # the messages follow the agent's context, all of whose cache it keeps
-            again = job.request_id and job.request_id == agent.chat.applied  # a lost reply's
             start = Resumed(agent.tokens, agent.chat, [] if again else job.messages, None)
         tokens, chat = self.chat.extend(start.tokens, start.state, start.messages, max_tokens > 0)
         if job.request_id:

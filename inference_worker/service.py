@@ -54,6 +54,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         )
         job = self._job(request, checked)
         job.whole_conversation = request.whole_conversation
+        job.request_id = _request_id(request)
         if not job.whole_conversation:
             check_said(job.messages)
         yield from self._run(job, context)
@@ -163,7 +164,9 @@ def _state(info: AgentInfo) -> pb.AgentState:
     return pb.AgentState(**asdict(info))
 
 
-def _request_id(request: pb.InjectContextRequest | pb.ForkAgentRequest) -> str:
+def _request_id(
+    request: pb.TurnRequest | pb.InjectContextRequest | pb.ForkAgentRequest,
+) -> str:
     """The call's idempotency key, checked."""
     if len(request.request_id) > MAX_REQUEST_ID:
         raise InvalidArgument(

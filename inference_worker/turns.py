@@ -48,7 +48,7 @@ class TurnJob:
     durable: bool = False  # the usage waits for the store commit
     # `messages` are the whole conversation, resent (chat.resume), not only what is new
     whole_conversation: bool = False
-    request_id: str = ""  # an injection's idempotency key
+    request_id: str = ""  # a turn's or an injection's idempotency key
     creates: bool = False  # a new agent's system prompt (Engine.create_agent)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -8,9 +8,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   failure of the shared forward would;
 - SLOW_STEP_SEED: every decode step whose batch holds that turn takes SLOW_STEP_SECONDS more,
   as a big model's long step does (no fault: it only takes time);
-- REPLY_LOST_PHASE: an injection into that phase is taken (and, durable, committed), or a
-  fork into that phase is committed, then the process dies before its reply is sent, as a
-  worker lost at that moment does.
+- REPLY_LOST_PHASE: an injection or a turn into that phase is taken (and, durable,
+  committed), or a fork into that phase is committed, then the process dies before its reply
+  (a turn's first response) is sent, as a worker lost at that moment does.
 
 Both errors carry SECRET, which no other turn may ever see.
 """
@@ -48,6 +48,16 @@ def install() -> None:
 
         return dies_after
 
+    def lost_stream(rpc):
+        def dies_before_first(self, request, context):
+            responses = list(rpc(self, request, context))  # the whole turn, committed
+            if request.phase == REPLY_LOST_PHASE:
+                os._exit(1)
+            yield from responses
+
+        return dies_before_first
+
+    InferenceWorkerServicer.Turn = lost_stream(InferenceWorkerServicer.Turn)
     InferenceWorkerServicer.InjectContext = lost_reply(InferenceWorkerServicer.InjectContext)
     InferenceWorkerServicer.ForkAgent = lost_reply(InferenceWorkerServicer.ForkAgent)
 

@@ -99,7 +99,8 @@ def test_a_lost_worker_moves_its_agents_to_the_next(tiny_model_dirs, start_worke
 
             inflight = await agent.say(Q2, max_tokens=1024)  # about 1.5 s of decoding
             a.kill9()
-            with pytest.raises(Unavailable, match="the turn was not committed: say it again"):
+            cut = r"not committed \(a stopped worker\): describe\(\) the agent before saying it"
+            with pytest.raises(Unavailable, match=cut):
                 await inflight.wait()
             with pytest.raises(Unavailable, match="not committed"):
                 await collect(inflight)  # and again, for any later reader

@@ -34,6 +34,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     InvalidArgument,
+    TurnTaken,
     Unavailable,
 )
 from agentkv.keys import ROOT_KEY
@@ -363,6 +364,51 @@ def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
     w = WorkerClient(healthy.address, timeout=60)
     with pytest.raises(InvalidArgument, match="request_id of 65 characters is over 64"):
         w.inject("default", agent_id, [("user", "Hi.")], request_id="k" * 65)
+
+
+def test_a_turn_whose_reply_was_lost_is_not_taken_twice(
+    tiny_model_dirs, store_process, launched, start_worker, tmp_path
+):
+    """The agent's worker runs a durable turn, commits it and dies before its first response:
+    the SDK retries on the next worker, which restores the agent with the turn in it and does
+    not run it again (the say's request_id), but says the turn was taken and its reply lost;
+    a new say runs as any does."""
+    model = tiny_model_dirs["llama"]
+    faulty = faulty_process(launched, model, store_process, tmp_path)
+    healthy = start_worker(model)
+    workers = [faulty.address, healthy.address]
+    with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
+        agent_id = routed(mem, "agent", workers[0])
+        twin_id = routed(mem, "twin", workers[1])
+        agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
+        twin.say(Q1, max_tokens=4).wait()
+        with pytest.raises(TurnTaken, match="whose reply was lost: describe\\(\\) the agent"):
+            agent.say(Q1, max_tokens=4, phase=REPLY_LOST_PHASE)
+        assert faulty.proc.wait(timeout=60) == 1  # it died after committing the turn
+        state = agent.describe()
+        assert state.tier == "hot" and state.phase == REPLY_LOST_PHASE  # restored, once
+        assert state.num_tokens == twin.describe().num_tokens
+        again = agent.say(Q2, max_tokens=4).wait()  # another say: its own request_id
+        assert again.usage.generated_tokens == 4 and again.cache_state == "hot"
+        assert agent.describe().num_tokens > state.num_tokens
+
+
+def test_a_turn_retried_with_its_request_id_is_not_run_again(start_worker, tiny_model_dirs):
+    """A turn resent with the key of the one the agent took last (its reply lost) is refused
+    and changes nothing; a turn with another key, or none, runs; a key over 64 characters is
+    refused."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=60)
+    w.create_agent("ns", "a", SYSTEM)
+    first = w.turn("ns", "a", Q1, max_tokens=4, request_id="k1")
+    taken = w.describe("ns", "a").num_tokens
+    with pytest.raises(TurnTaken, match="'a' already took the turn k1"):
+        w.turn("ns", "a", Q1, max_tokens=4, request_id="k1")
+    assert w.describe("ns", "a").num_tokens == taken
+    assert w.turn("ns", "a", Q2, max_tokens=4, request_id="k2").usage.generated_tokens == 4
+    assert w.turn("ns", "a", Q2, max_tokens=4).usage.generated_tokens == 4
+    assert w.describe("ns", "a").num_tokens > taken + 2 * len(first.token_ids)
+    with pytest.raises(InvalidArgument, match="request_id of 65 characters is over 64"):
+        w.turn("ns", "a", Q2, max_tokens=4, request_id="k" * 65)
 
 
 def test_a_fork_whose_reply_was_lost_is_answered_by_its_retry(

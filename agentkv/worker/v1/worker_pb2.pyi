@@ -62,7 +62,7 @@ class CreateAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class TurnRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     WHOLE_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -81,7 +82,8 @@ class TurnRequest(_message.Message):
     deadline_ms: int
     durable: bool
     whole_conversation: bool
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("text", "token_ids")
