@@ -19,14 +19,15 @@
 A `document` is text an agent sees ahead of its first message: `{text: ...}`, or
 `{module: NAME, chars: N}` for the first N characters of a Python standard-library module's
 source as this interpreter ships it (PSF License; read at run time, nothing copied).
-Every error names the file and the place in it.
+Every error names the file and the place in it. A file is at most 1 MiB, and gives each key
+once.
 """
 
 from __future__ import annotations
 
 import re
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,41 @@ import yaml
 from agentkv.client.memory import AgentMemory
 from agentkv.client.workflow import Record, Role, Workflow
 from agentkv.errors import InvalidArgument
-from agentkv.ids import AGENT_ID_RE, MAX_PHASE, MAX_STOP_CHARS, MAX_TEMPERATURE, NAMESPACE_RE
+from agentkv.ids import (
+    AGENT_ID_RE,
+    MAX_PHASE,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    NAMESPACE_RE,
+)
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
+MAX_SCENARIO_BYTES = 1 << 20
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class ScenarioError(InvalidArgument):
     """A scenario file that cannot run, with where and why."""
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser, if built
+    """yaml's safe loader, refusing a mapping that gives a key twice (yaml keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges keys that this mapping may override
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # refused by yaml itself, as unhashable
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +104,18 @@ def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenar
     run the shipped scenarios on tiny models with short contexts)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            raw = file.read(MAX_SCENARIO_BYTES + 1)  # no more: it may be endless (/dev/zero)
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_SCENARIO_BYTES:
+        raise ScenarioError(f"{path}: over 1 MiB ({MAX_SCENARIO_BYTES} bytes), the limit")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ScenarioError(f"{path}: not UTF-8 text (a bad byte at offset {exc.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -119,12 +152,25 @@ def parse_scenario(data: Any, source: str = "scenario", document_chars: int | No
             check.fail(f"phases[{i}].name", f"phase {phase.name!r} is defined twice")
     return Scenario(
         name,
-        check.ident(top.get("namespace", name), "namespace", NAMESPACE_RE),
+        _namespace(check, top, name),
         check.text(top.get("description", ""), "description", empty=True),
         roles,
         phases,
         dict(sampling),
     )
+
+
+def _namespace(check: _Checker, top: dict, name: str) -> str:
+    if "namespace" in top:
+        return check.ident(top["namespace"], "namespace", NAMESPACE_RE)
+    if not NAMESPACE_RE.fullmatch(name):
+        where = "name" if "name" in top else "name (the file's)"
+        check.fail(
+            where,
+            f"{name!r} is no valid namespace (it must match {NAMESPACE_RE.pattern}), which the "
+            "name is when no namespace is given: give a namespace",
+        )
+    return name
 
 
 def run_scenario(
@@ -191,7 +237,11 @@ def _document(check: _Checker, item: Any, where: str, cap: int | None) -> str:
     origin = _stdlib_source(module) if _MODULE.fullmatch(module) else None
     if origin is None:
         check.fail(f"{where}.module", f"{module!r} is not a pure-Python standard-library module")
-    text = origin.read_text(encoding="utf-8")
+    try:
+        text = origin.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "cannot be read"
+        check.fail(f"{where}.module", f"{module!r} ({origin}) {reason}")
     return text[: min(chars, cap or chars)]
 
 
@@ -219,6 +269,8 @@ def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         check.fail("sampling.stop", f"must be text or a list of texts, not {stop!r}")
+    if len(stops) > MAX_STOP_STRINGS:
+        check.fail("sampling.stop", f"{len(stops)} stop strings, limit {MAX_STOP_STRINGS}")
     if any(len(x) > MAX_STOP_CHARS for x in stops):
         check.fail("sampling.stop", f"a stop string has {MAX_STOP_CHARS} characters at most")
     if stops:

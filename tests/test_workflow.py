@@ -489,8 +489,13 @@ def test_bad_scenarios_and_messages_get_clear_errors(tmp_path, tiny_model_dirs, 
             r"phases\[0\].name: is 257 characters, limit 256",
         ),
         ({"sampling": {"stop": ["x" * 257]}}, "sampling.stop: a stop string has 256 characters"),
+        (
+            {"sampling": {"stop": list("abcdefghijklmnopq")}},
+            "sampling.stop: 17 stop strings, limit 16",
+        ),
+        ({"name": "my scenario"}, r"name: 'my scenario' is no valid namespace .*give a namespace"),
     ],
-    ids=["temperature-50", "temperature-inf", "long-phase", "long-stop"],
+    ids=["temperature-50", "temperature-inf", "long-phase", "long-stop", "17-stops", "name-ns"],
 )
 def test_what_the_worker_would_refuse_fails_at_load_naming_the_file(tmp_path, change, message):
     """Before a run's reset deletes its agents, not at its first turn."""
@@ -511,6 +516,72 @@ def test_a_scenario_that_is_not_utf8_names_the_file(tmp_path):
         ScenarioError, match=f"{re.escape(str(path))}: not UTF-8 text \\(a bad byte at offset 9\\)"
     ):
         load_scenario(path)
+
+
+def test_a_scenario_within_the_limits_loads(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(
+        "name: my scenario\nnamespace: mine\nsampling: {stop: [a, b, c, d, e, f, g, h, i, j, "
+        "k, l, m, n, o, p]}\nbase: &base {id: a, system: A}\n"
+    )
+    with pytest.raises(ScenarioError, match="unknown key 'base'"):
+        load_scenario(path)  # anchors live inside the known keys
+    path.write_text(
+        "name: my scenario\nnamespace: mine\nsampling: {stop: [a, b, c, d, e, f, g, h, i, j, "
+        "k, l, m, n, o, p]}\nagents:\n  - &a {id: a, system: A}\n  - {<<: *a, id: b}\n"
+        "phases: [{name: p, turns: [{agent: b, say: hi}]}]\n"
+    )
+    scenario = load_scenario(path)
+    assert scenario.namespace == "mine" and len(scenario.sampling["stop"]) == 16
+    assert [r.id for r in scenario.roles] == ["a", "b"]  # a merge key overridden is no repeat
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "name: s\nagents: [{id: a}]\nphases: [{name: p, turns: [{agent: a, say: hi}]}]\n"
+            "phases: [{name: q, turns: [{agent: a, say: bye}]}]\n",
+            "line 4, column 1: not valid YAML: the key 'phases' appears twice",
+        ),
+        (
+            "agents: [{id: a, system: A, id: b}]\nphases: []\n",
+            "line 1, column 29: not valid YAML: the key 'id' appears twice",
+        ),
+    ],
+    ids=["top", "nested"],
+)
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, text, message):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ScenarioError, match=f"{re.escape(str(path))}: {message}"):
+        load_scenario(path)
+
+
+def test_a_scenario_over_the_size_limit_is_refused_unread(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(ScenarioError, match=f"{re.escape(str(path))}: over 1 MiB"):
+        load_scenario(path)
+    if Path("/dev/zero").exists():  # endless: refused after 1 MiB, not read until memory ends
+        with pytest.raises(ScenarioError, match="/dev/zero: over 1 MiB"):
+            load_scenario("/dev/zero")
+
+
+def test_a_document_module_that_is_not_utf8_names_it(tmp_path, monkeypatch):
+    source = tmp_path / "koi8.py"
+    source.write_bytes("# -*- coding: koi8-r -*-\nx = '\u0436'\n".encode("koi8-r"))
+    monkeypatch.setattr("agentkv.client.scenario._stdlib_source", lambda module: source)
+    data = {
+        "agents": [{"id": "a", "document": {"module": "test.test_source_encoding"}}],
+        "phases": [{"name": "p", "turns": [{"agent": "a", "say": "hi"}]}],
+    }
+    with pytest.raises(
+        ScenarioError,
+        match=r"case.yaml: agents\[0\].document.module: 'test.test_source_encoding' \(.*koi8.py\) "
+        "is not UTF-8 text",
+    ):
+        parse_scenario(data, "case.yaml")
 
 
 def test_cli_runs_a_scenario_and_lists_agents(
