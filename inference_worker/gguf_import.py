@@ -12,6 +12,7 @@ directory's config (and so the worker's fingerprint).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import json
@@ -428,10 +429,10 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _taking_turns(cache_dir):
+    with _taking_turns(cache_dir) as alone:
         if (target / "config.json").exists():  # another process imported it meanwhile
             return target
-        for stale in cache_dir.glob(f".{glob.escape(key)}.*"):
+        for stale in cache_dir.glob(f".{glob.escape(key)}.*") if alone else ():
             shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
         try:
@@ -443,11 +444,22 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
 
 
 @contextmanager
-def _taking_turns(directory: Path) -> Iterator[None]:
-    """Holds an exclusive flock on `directory` (waiting for it) while the block runs."""
-    fd = os.open(directory, os.O_RDONLY)
+def _taking_turns(directory: Path) -> Iterator[bool]:
+    """Holds an exclusive flock on a lock file beside `directory` (waiting for it; beside, so
+    the cache holds imports alone) while the block runs; yields whether it holds it. A
+    filesystem without such locks (some NFS and SMB mounts refuse flock, or turn it into a
+    byte-range lock, for which the file is opened to write) yields False: the import goes on,
+    but must not take another's staging directory for a dead one's."""
+    lock = directory.parent / f".{directory.name}.import-lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)  # drops the flock

@@ -423,7 +423,8 @@ def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(source
     (stale / "model.safetensors").write_bytes(b"half of it")
     other = cache / ".another-model-0123456789abcdef-float32-v4.x1"
     other.mkdir()
-    held = os.open(cache, os.O_RDONLY)  # as an import in progress holds the cache
+    # as an import in progress holds the cache: its lock file beside it
+    held = os.open(tmp_path / ".cache.import-lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
     importing = threading.Thread(target=cached_import, args=(gguf, "float32", cache))
     try:
@@ -435,6 +436,27 @@ def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(source
     importing.join(120)
     assert (target / "config.json").exists() and not stale.exists()
     assert other.exists()  # another file's: not this import's to judge
+
+
+def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path, monkeypatch):
+    """Some NFS and SMB mounts refuse flock (ENOLCK, or EBADF where it becomes a byte-range
+    lock): the import goes on, and leaves staging directories it cannot judge alone."""
+    import errno
+    import fcntl
+
+    def refused(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cache = tmp_path / "cache"
+    key = cached_import(gguf, "float32", cache)
+    shutil.rmtree(key)
+    maybe_live = cache / f".{key.name}.n0l0ck"
+    maybe_live.mkdir()
+    monkeypatch.setattr(fcntl, "flock", refused)
+    assert (cached_import(gguf, "float32", cache) / "config.json").exists()
+    assert maybe_live.exists()
 
 
 def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
