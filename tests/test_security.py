@@ -229,6 +229,20 @@ def test_a_token_file_may_be_read_by_its_group_not_by_others(tokens_file, mode, 
     assert all(f"{tokens_file} has mode {mode:o}; chmod " in w for w in about)
 
 
+def test_a_weak_but_valid_certificate_is_taken_as_grpc_takes_it(tmp_path):
+    """A 1024-bit RSA key is below Python's default TLS security level, not gRPC's: the flag
+    check (which loads the files with ssl) took it for 'no unencrypted PEM private key'."""
+    import subprocess
+
+    cert, key = tmp_path / "weak.pem", tmp_path / "weak.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-subj", "/CN=localhost",
+         "-days", "2", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ServerSecurity(tls_cert=str(cert), tls_key=str(key)).check("127.0.0.1:1", loopback=True)
+
+
 def test_a_bad_token_file_stops_the_store_at_start(tmp_path):
     (tmp_path / "short.json").write_text(
         json.dumps({"tokens": [{"token": "x", "namespaces": ["a"]}]})
