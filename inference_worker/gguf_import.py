@@ -48,6 +48,7 @@ def format_version(weights: str) -> int:
 
 READ_CHUNK = 16 << 20
 IMPORTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+INSIDE = ".import."  # a staging directory inside --out (a mount point's)
 
 
 # GGUF tensor names (after "blk.N.") to HF names (after "model.layers.N.").
@@ -342,6 +343,8 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     beside it, then renamed into place. `out` may be new, empty, or an earlier import (which
     it replaces); a directory holding other files is refused before any work."""
     _check_out(out)
+    if out.is_dir() and (os.path.ismount(out) or not os.access(out.parent, os.W_OK)):
+        return _import_inside(path, out, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -352,10 +355,30 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     return out
 
 
+def _import_inside(path: Path, out: Path, weights: str) -> Path:
+    """The import into `out` where it cannot be renamed into place (a mount point, or a parent
+    this user may not write): staged inside it, its files moved in one by one, config.json
+    (what loaders open first) last, so a crash leaves no config.json without its weights."""
+    for stale in out.glob(INSIDE + "*"):  # a killed import's (one --out, one import)
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=INSIDE, dir=out))
+    try:
+        write_model(path, staging, weights)
+        (out / "config.json").unlink(missing_ok=True)  # the earlier import is whole no more
+        for name in (*IMPORTED_FILES[1:], IMPORTED_FILES[0]):
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise GGUFError(f"{out} is a file, not a directory")
-    if out.is_dir() and not {p.name for p in out.iterdir()} <= set(IMPORTED_FILES):
+    names = (
+        {p.name for p in out.iterdir() if not p.name.startswith(INSIDE)} if out.is_dir() else set()
+    )
+    if not names <= set(IMPORTED_FILES):
         raise GGUFError(
             f"{out} holds files of its own: give --out a new or empty directory, or an earlier "
             "import (replaced)"

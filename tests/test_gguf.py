@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +21,7 @@ from mlx_lm import load
 
 from inference_worker import model_import
 from inference_worker.gguf_import import (
+    IMPORTED_FILES,
     GGUFError,
     cached_import,
     format_version,
@@ -436,6 +438,23 @@ def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(source
     importing.join(120)
     assert (target / "config.json").exists() and not stale.exists()
     assert other.exists()  # another file's: not this import's to judge
+
+
+def test_an_import_into_a_mount_point_is_written_inside_it(sources, tmp_path, monkeypatch):
+    """A volume's root cannot be renamed into place (EBUSY): the import is staged inside it
+    and moved in file by file, config.json last; an earlier import there is replaced, and a
+    killed one's staging removed (before, `--out /mnt/vol` failed 'Device or resource busy')."""
+    path, config, model, tok, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    volume = tmp_path / "vol"
+    (volume / ".import.k1ll3d").mkdir(parents=True)
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == volume)
+    for _ in range(2):  # new, then over the earlier import
+        assert import_gguf(gguf, volume) == volume
+        assert sorted(p.name for p in volume.iterdir()) == sorted(IMPORTED_FILES)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "vol"]
+    imported, _ = load(str(volume))
+    assert mx.array_equal(logits(imported, tok), logits(model, tok))
 
 
 def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path, monkeypatch):
