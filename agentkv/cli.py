@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,6 +121,20 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _dies_with(parent: int) -> Callable[[], None]:
+    """For the child, before it runs: SIGTERM once `parent` ends however it does (Linux's
+    PR_SET_PDEATHSIG), since in a session of its own no kill of the CLI's group reaches it."""
+
+    def arrange() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it ended before the above took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arrange
 
 
 def _run_child(command: list[str], **popen: object) -> int:
@@ -127,7 +143,9 @@ def _run_child(command: list[str], **popen: object) -> int:
     passes it SIGINT, SIGTERM and SIGHUP: a Ctrl-C, which a terminal sends to the CLI's
     whole process group, reaches it once, as one sent to the CLI alone does. The child
     cleans up and says "interrupted" itself."""
-    child = subprocess.Popen(command, start_new_session=True, **popen)
+    child = subprocess.Popen(
+        command, start_new_session=True, preexec_fn=_dies_with(os.getpid()), **popen
+    )
 
     def forward(sig: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -165,6 +165,40 @@ def test_ctrl_c_in_model_import_leaves_no_directory_and_is_one_line(job, tmp_pat
     assert list(tmp_path.iterdir()) == []  # no out/model.safetensors without its config.json
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
+            if int(fields["PPid"]) == pid:
+                found.append(int(status.parent.name))
+    return found
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (a container's init may not)."""
+    try:
+        return "Z" in (Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1][:4])
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc and PR_SET_PDEATHSIG")
+def test_a_cli_killed_outright_takes_its_import_with_it(job, tmp_path):
+    """`kill -9` of the CLI's process group (a CI or supervisor timeout) reaches no child in
+    a session of its own: the import went on, orphaned. It now ends with the CLI."""
+    cmd = job(*cli("model", "import", "smollm2-135m-instruct", "--out", str(tmp_path / "out")))
+    cmd.wait_for(lambda: children(cmd.proc.pid))
+    (importing,) = children(cmd.proc.pid)
+    cmd.signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not ended(importing):
+        assert time.monotonic() < deadline, "the import outlived the CLI"
+        time.sleep(0.05)
+    assert not (tmp_path / "out" / "config.json").exists()  # it did not run to its end
+
+
 def test_ctrl_c_in_bench_is_one_line(job, tmp_path):
     cmd = job(*cli("bench", "--quick", "--only", "restore_path", "--out", str(tmp_path / "out")))
     cmd.wait_for(lambda: cmd.says("[1/1]"))  # the section is running
