@@ -8,6 +8,7 @@ from agentkv import defaults
 from agentkv.addresses import listen_host
 from agentkv.channels import ClientSecurity
 from agentkv.flags import flag, nested
+from agentkv.ids import MAX_STOP_STRINGS
 from agentkv.layers import KVFormat
 from agentkv.serving import ServerConfig, listen_flag
 from agentkv.units import parse_bytes
@@ -85,7 +86,7 @@ class WorkerConfig(ServerConfig):
         "seconds a hot agent's turn waits for the store to confirm it is current; past that "
         "(a hung store) it answers from RAM",
     )
-    max_stop_strings: int = 16
+    max_stop_strings: int = MAX_STOP_STRINGS
 
     def __post_init__(self) -> None:
         if not self.model:
