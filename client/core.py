@@ -10,6 +10,7 @@ then call a worker) that the transport does one by one, sending back each result
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import secrets
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -32,6 +33,7 @@ from agentkv.client.worker_core import (
 )
 from agentkv.errors import (
     AgentExists,
+    AgentKVError,
     InvalidArgument,
     SystemPromptDiffers,
     Unavailable,
@@ -107,6 +109,7 @@ class BaseAgentMemory:
         self.workers = {a: self.worker_class(a, timeout, security) for a in addresses}
         self.namespace = namespace
         self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
+        self._served: dict[str, str] = {}  # agent key -> the worker that last served it
         self.store: Any = self._open_store(store, security) if store else None
 
     def agent(
@@ -164,16 +167,30 @@ class BaseAgentMemory:
     def _routed(
         self, agent_id: str, call: Callable[[Any], Any], then: Callable[[Any], T] = same
     ) -> Steps[T]:
-        attempts = Attempts(self.router, self._key(agent_id), self.retries, self.backoff)
+        key = self._key(agent_id)
+        attempts = Attempts(self.router, key, self.retries, self.backoff)
         for delay, address in attempts:
+            last = self._served.get(key, address)
+            if last != address and last not in attempts.tried:  # not one found unreachable
+                yield from self._hand_over(last, agent_id)
             try:
                 result = yield delay, partial(call, self.workers[address])
             except Unavailable as exc:
                 attempts.failed(address, exc)
                 continue
             attempts.succeeded(address)
+            self._served[key] = address
             return then(result)
         raise attempts.exhausted(agent_id)
+
+    def _hand_over(self, last: str, agent_id: str) -> Steps[None]:
+        """An agent going to another worker than the one that served it last (for this
+        memory: back after a failover, or a worker added) is first evicted there, which
+        commits it: a turn that worker took but had not committed would otherwise be missing
+        where the agent goes. One that cannot be reached is passed by (its uncommitted turns
+        are lost with it, as `durable` says)."""
+        with contextlib.suppress(AgentKVError):
+            yield 0.0, partial(self.workers[last].evict, self.namespace, agent_id)
 
     def _key(self, agent_id: str) -> str:
         return f"{self.namespace}/{agent_id}"

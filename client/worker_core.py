@@ -188,7 +188,8 @@ def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> A
         return Unavailable(
             f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
             "the turn may be in the agent's context (a cut link) or not committed (a stopped "
-            "worker): describe() the agent before saying it again"
+            "worker): describe() the agent before saying it, and say it again only if its "
+            "context lacks the turn"
         )
     return exc
 

@@ -50,10 +50,12 @@ def install() -> None:
 
     def lost_stream(rpc):
         def dies_before_first(self, request, context):
-            responses = list(rpc(self, request, context))  # the whole turn, committed
-            if request.phase == REPLY_LOST_PHASE:
-                os._exit(1)
-            yield from responses
+            if request.phase != REPLY_LOST_PHASE:  # streamed as it comes, as always
+                yield from rpc(self, request, context)
+                return
+            for _ in rpc(self, request, context):  # the whole turn, committed
+                pass
+            os._exit(1)
 
         return dies_before_first
 

@@ -110,6 +110,29 @@ def test_a_worker_never_answers_from_a_stale_hot_copy(tiny_model_dirs, start_wor
     assert a.describe("ns", "moving").generation == latest.generation + 1
 
 
+def test_an_agent_going_back_to_its_worker_is_handed_over_first(tiny_model_dirs, start_worker):
+    """The SDK sends an agent to b while a is marked down, then back to a. Turns are not
+    durable, so b may not have committed its turn yet: the SDK first evicts the agent on b,
+    which commits it, and a's turn is built on b's (before, b kept it hot and a could answer
+    from a context missing it)."""
+    model = tiny_model_dirs["llama"]
+    a, b = (start_worker(model, name=name).address for name in ("a", "b"))
+    with AgentMemory([a, b]) as mem:
+        agent_id = next(f"ship-{i}" for i in range(1000) if mem.worker_for(f"ship-{i}") == a)
+        agent = mem.agent(agent_id, SYSTEM)
+        agent.say(Q1[0][1], max_tokens=6).wait()
+        mem.router.mark_down(a)  # as a refused connection does
+        elsewhere = agent.say("Note this: a storm is coming.", max_tokens=6).wait()
+        assert elsewhere.worker == b
+        held_on_b = WorkerClient(b).describe("default", agent_id).num_tokens
+        mem.router.mark_up(a)
+        back = agent.say(Q2[0][1], max_tokens=8).wait()
+        assert back.worker == a
+        assert WorkerClient(b).describe("default", agent_id).tier == "warm"  # handed over
+        assert back.usage.cache_state == "warm"  # a restored what b committed
+        assert back.usage.prompt_tokens > held_on_b  # b's turn is in its context
+
+
 def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
     """The store stops mid-session: hot agents keep answering, their writes fail and wait;
     when the store is back the worker catches up on its own, and a new worker restores every
