@@ -11,7 +11,8 @@ Routing, failover and retries are the sync SDK's (client/core.py, the same Route
 send an agent to the same worker); only awaiting differs. Make an AsyncAgentMemory inside the
 event loop that uses it: grpc.aio channels belong to the loop they were made in. The shared
 methods (client/core.py) return awaitables rather than being `async def` themselves: await
-them as usual; a bad argument raises at the call, before any await.
+them as usual. A bad id or message raises at the call; a sampling option of the wrong type
+raises when the call is awaited, as its request is built.
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ class AsyncReply(BaseReply):
         return self
 
     async def close(self) -> None:
-        """Stops reading: a reply not yet whole is cancelled on its worker, which keeps
-        nothing of the turn."""
+        """Stops reading: a reply not yet whole is cancelled on its worker, which keeps what
+        it generated until then in the agent's context (as any turn cut short), or nothing
+        of the turn if no token came. Not while another task is reading this reply."""
         if not self.done:
             await self._stream.aclose()
 
