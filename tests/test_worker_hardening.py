@@ -339,26 +339,32 @@ def routed(mem: AgentMemory, prefix: str, worker: str) -> str:
     return next(a for a in map(f"{prefix}-{{}}".format, range(99)) if mem.worker_for(a) == worker)
 
 
-def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
-    tiny_model_dirs, store_process, launched, start_worker, tmp_path
-):
-    """The agent's worker takes a durable injection, commits it and dies before replying: the
-    SDK retries on the next worker, which restores the agent with the injection in it and
-    adds nothing (the call's request_id), rather than the message a second time."""
+@pytest.fixture
+def reply_lost(tiny_model_dirs, store_process, launched, start_worker, tmp_path):
+    """(faulty, healthy, mem): a worker that dies once it has taken a call into
+    REPLY_LOST_PHASE, a healthy one, and a durable AgentMemory over both."""
     model = tiny_model_dirs["llama"]
     faulty = faulty_process(launched, model, store_process, tmp_path)
     healthy = start_worker(model)
     workers = [faulty.address, healthy.address]
     with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
-        agent_id = routed(mem, "agent", workers[0])
-        twin_id = routed(mem, "twin", workers[1])
-        agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
-        twin.inject("Luca said: the numbers are final.")
-        result = agent.inject("Luca said: the numbers are final.", phase=REPLY_LOST_PHASE)
-        assert faulty.proc.wait(timeout=60) == 1  # it died after taking the injection
-        assert result.usage.cache_state == "warm" and result.usage.prefilled_tokens == 0
-        assert result.agent.num_tokens == twin.describe().num_tokens
-        assert agent.describe().tier == "hot"  # on the worker it moved to
+        yield faulty, healthy, mem
+
+
+def test_an_injection_whose_reply_was_lost_is_not_taken_twice(reply_lost, store_process):
+    """The agent's worker takes a durable injection, commits it and dies before replying: the
+    SDK retries on the next worker, which restores the agent with the injection in it and
+    adds nothing (the call's request_id), rather than the message a second time."""
+    faulty, healthy, mem = reply_lost
+    agent_id = routed(mem, "agent", faulty.address)
+    twin_id = routed(mem, "twin", healthy.address)
+    agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
+    twin.inject("Luca said: the numbers are final.")
+    result = agent.inject("Luca said: the numbers are final.", phase=REPLY_LOST_PHASE)
+    assert faulty.proc.wait(timeout=60) == 1  # it died after taking the injection
+    assert result.usage.cache_state == "warm" and result.usage.prefilled_tokens == 0
+    assert result.agent.num_tokens == twin.describe().num_tokens
+    assert agent.describe().tier == "hot"  # on the worker it moved to
     stored = store_process.client().get_agent("default", agent_id)
     assert len(stored.token_ids) == result.agent.num_tokens
     w = WorkerClient(healthy.address, timeout=60)
@@ -366,31 +372,25 @@ def test_an_injection_whose_reply_was_lost_is_not_taken_twice(
         w.inject("default", agent_id, [("user", "Hi.")], request_id="k" * 65)
 
 
-def test_a_turn_whose_reply_was_lost_is_not_taken_twice(
-    tiny_model_dirs, store_process, launched, start_worker, tmp_path
-):
+def test_a_turn_whose_reply_was_lost_is_not_taken_twice(reply_lost):
     """The agent's worker runs a durable turn, commits it and dies before its first response:
     the SDK retries on the next worker, which restores the agent with the turn in it and does
     not run it again (the say's request_id), but says the turn was taken and its reply lost;
     a new say runs as any does."""
-    model = tiny_model_dirs["llama"]
-    faulty = faulty_process(launched, model, store_process, tmp_path)
-    healthy = start_worker(model)
-    workers = [faulty.address, healthy.address]
-    with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
-        agent_id = routed(mem, "agent", workers[0])
-        twin_id = routed(mem, "twin", workers[1])
-        agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
-        twin.say(Q1, max_tokens=4).wait()
-        with pytest.raises(TurnTaken, match="whose reply was lost: describe\\(\\) the agent"):
-            agent.say(Q1, max_tokens=4, phase=REPLY_LOST_PHASE)
-        assert faulty.proc.wait(timeout=60) == 1  # it died after committing the turn
-        state = agent.describe()
-        assert state.tier == "hot" and state.phase == REPLY_LOST_PHASE  # restored, once
-        assert state.num_tokens == twin.describe().num_tokens
-        again = agent.say(Q2, max_tokens=4).wait()  # another say: its own request_id
-        assert again.usage.generated_tokens == 4 and again.cache_state == "hot"
-        assert agent.describe().num_tokens > state.num_tokens
+    faulty, healthy, mem = reply_lost
+    agent_id = routed(mem, "agent", faulty.address)
+    twin_id = routed(mem, "twin", healthy.address)
+    agent, twin = mem.agent(agent_id, SYSTEM), mem.agent(twin_id, SYSTEM)
+    twin.say(Q1, max_tokens=4).wait()
+    with pytest.raises(TurnTaken, match="whose reply was lost: describe\\(\\) the agent"):
+        agent.say(Q1, max_tokens=4, phase=REPLY_LOST_PHASE)
+    assert faulty.proc.wait(timeout=60) == 1  # it died after committing the turn
+    state = agent.describe()
+    assert state.tier == "hot" and state.phase == REPLY_LOST_PHASE  # restored, once
+    assert state.num_tokens == twin.describe().num_tokens
+    again = agent.say(Q2, max_tokens=4).wait()  # another say: its own request_id
+    assert again.usage.generated_tokens == 4 and again.cache_state == "hot"
+    assert agent.describe().num_tokens > state.num_tokens
 
 
 def test_a_turn_retried_with_its_request_id_is_not_run_again(start_worker, tiny_model_dirs):
@@ -411,31 +411,25 @@ def test_a_turn_retried_with_its_request_id_is_not_run_again(start_worker, tiny_
         w.turn("ns", "a", Q2, max_tokens=4, request_id="k" * 65)
 
 
-def test_a_fork_whose_reply_was_lost_is_answered_by_its_retry(
-    tiny_model_dirs, store_process, launched, start_worker, tmp_path
-):
+def test_a_fork_whose_reply_was_lost_is_answered_by_its_retry(reply_lost):
     """The source's worker commits a fork and dies before replying: the SDK's retry on the
     next worker is answered with the fork it made (the call's request_id), not told that the
     new agent exists; a fork onto an agent made otherwise is still refused."""
-    model = tiny_model_dirs["llama"]
-    faulty = faulty_process(launched, model, store_process, tmp_path)
-    healthy = start_worker(model)
-    workers = [faulty.address, healthy.address]
-    with AgentMemory(workers, store=store_process.address, durable=True, backoff=0.05) as mem:
-        source_id = routed(mem, "source", workers[0])
-        source, other = mem.agent(source_id, SYSTEM), mem.agent("other", SYSTEM)
-        source.say("Which scrolls came in today?", max_tokens=4).wait()
-        fork = source.fork("what-if", phase=REPLY_LOST_PHASE)
-        assert faulty.proc.wait(timeout=60) == 1  # it died after committing the fork
-        assert fork.created and fork.state.phase == REPLY_LOST_PHASE
-        assert fork.state.num_tokens == source.describe().num_tokens
-        assert fork.state.generation == 1  # forked once, not twice
-        with pytest.raises(AgentExists):
-            source.fork(other.id)
-        with pytest.raises(AgentExists):
-            source.fork("what-if")  # another call: its own request_id
-        reply = fork.say("Index them by century.", max_tokens=4)
-        assert reply.wait().cache_state == "warm"
+    faulty, _, mem = reply_lost
+    source_id = routed(mem, "source", faulty.address)
+    source, other = mem.agent(source_id, SYSTEM), mem.agent("other", SYSTEM)
+    source.say("Which scrolls came in today?", max_tokens=4).wait()
+    fork = source.fork("what-if", phase=REPLY_LOST_PHASE)
+    assert faulty.proc.wait(timeout=60) == 1  # it died after committing the fork
+    assert fork.created and fork.state.phase == REPLY_LOST_PHASE
+    assert fork.state.num_tokens == source.describe().num_tokens
+    assert fork.state.generation == 1  # forked once, not twice
+    with pytest.raises(AgentExists):
+        source.fork(other.id)
+    with pytest.raises(AgentExists):
+        source.fork("what-if")  # another call: its own request_id
+    reply = fork.say("Index them by century.", max_tokens=4)
+    assert reply.wait().cache_state == "warm"
 
 
 def test_a_group_size_the_head_dims_do_not_fit_is_refused_at_start(tiny_model_dirs, tmp_path):
