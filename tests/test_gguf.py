@@ -409,19 +409,26 @@ def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]  # no staging left
 
 
+def staging_left(sources, tmp_path: Path, suffix: str) -> tuple[Path, Path, Path, Path]:
+    """(gguf, cache, target, staging): a file whose import into `cache` is gone, and a
+    staging directory of that import's key (`.KEY.suffix`) left beside where it would go."""
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cache = tmp_path / "cache"
+    target = cached_import(gguf, "float32", cache)
+    shutil.rmtree(target)
+    staging = cache / f".{target.name}.{suffix}"
+    staging.mkdir()
+    return gguf, cache, target, staging
+
+
 def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(sources, tmp_path):
     """A staging directory of the same import that nobody holds (its process was killed) goes
     at the next import; one an import in progress holds (another process) stays meanwhile."""
     import fcntl
     import threading
 
-    path, config, _, _, w = sources["qwen3"]
-    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
-    cache = tmp_path / "cache"
-    target = cached_import(gguf, "float32", cache)
-    shutil.rmtree(target)
-    stale = cache / f".{target.name}.k1ll3d"
-    stale.mkdir()
+    gguf, cache, target, stale = staging_left(sources, tmp_path, "k1ll3d")
     (stale / "model.safetensors").write_bytes(b"half of it")
     other = cache / ".another-model-0123456789abcdef-float32-v4.x1"
     other.mkdir()
@@ -466,13 +473,7 @@ def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path,
     def refused(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    path, config, _, _, w = sources["qwen3"]
-    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
-    cache = tmp_path / "cache"
-    key = cached_import(gguf, "float32", cache)
-    shutil.rmtree(key)
-    maybe_live = cache / f".{key.name}.n0l0ck"
-    maybe_live.mkdir()
+    gguf, cache, _, maybe_live = staging_left(sources, tmp_path, "n0l0ck")
     monkeypatch.setattr(fcntl, "flock", refused)
     assert (cached_import(gguf, "float32", cache) / "config.json").exists()
     assert maybe_live.exists()
