@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 import grpc
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps, of_other_model
+from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
 from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, no_reply
-from agentkv.errors import AgentNotFound, FingerprintMismatch, from_rpc_error
+from agentkv.errors import from_rpc_error
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 
@@ -174,12 +174,7 @@ class AsyncAgentMemory(BaseAgentMemory):
 
         async def describe(summary: store_pb2.AgentSummary) -> pb.AgentState | None:
             async with limit:
-                try:
-                    return await AsyncAgent(self, summary.agent_id).describe()
-                except FingerprintMismatch:
-                    return of_other_model(self.namespace, summary)
-                except AgentNotFound:
-                    return None  # deleted since it was listed
+                return await self._run(self._listed(summary))
 
         states = await asyncio.gather(*(describe(s) for s in summaries))
         return [state for state in states if state is not None]

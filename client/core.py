@@ -34,6 +34,8 @@ from agentkv.client.worker_core import (
 from agentkv.errors import (
     AgentExists,
     AgentKVError,
+    AgentNotFound,
+    FingerprintMismatch,
     InvalidArgument,
     SystemPromptDiffers,
     Unavailable,
@@ -182,6 +184,19 @@ class BaseAgentMemory:
             self._served[key] = address
             return then(result)
         raise attempts.exhausted(agent_id)
+
+    def _listed(self, summary: store_pb2.AgentSummary) -> Steps[pb.AgentState | None]:
+        """A listed agent as its worker describes it; one written under another model as
+        the store lists it (of_other_model); None for one deleted since it was listed."""
+        agent_id = summary.agent_id
+        try:
+            return (
+                yield from self._routed(agent_id, lambda w: w.describe(self.namespace, agent_id))
+            )
+        except FingerprintMismatch:
+            return of_other_model(self.namespace, summary)
+        except AgentNotFound:
+            return None
 
     def _hand_over(self, last: str, agent_id: str) -> Steps[None]:
         """An agent going to another worker than the one that served it last (for this

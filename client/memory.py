@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps, of_other_model
+from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.client.worker_core import (
@@ -33,7 +33,6 @@ from agentkv.client.worker_core import (
     cut_off,
     no_reply,
 )
-from agentkv.errors import AgentNotFound, FingerprintMismatch
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["Agent", "AgentMemory", "Messages", "Reply", "as_messages", "cut_off"]
@@ -113,15 +112,8 @@ class AgentMemory(BaseAgentMemory):
         bytes, phase; one written under another model: tier "other model", the store's
         figures). Needs the store's address."""
         self._need_store()
-        states = []
-        for summary in self.store.list_agents(self.namespace):
-            try:
-                states.append(Agent(self, summary.agent_id).describe())
-            except FingerprintMismatch:
-                states.append(of_other_model(self.namespace, summary))
-            except AgentNotFound:
-                pass  # deleted since it was listed
-        return states
+        states = (self._run(self._listed(s)) for s in self.store.list_agents(self.namespace))
+        return [state for state in states if state is not None]
 
     def _run(self, steps: Steps[T]) -> T:
         operation = Operation(steps)
