@@ -94,7 +94,7 @@ class Front:
         A retry with the same `request_id` (a lost reply's) is answered with the fork made."""
         ns, source_id = ids.namespace(ns), ids.agent_id(source_id)
         agent_id = ids.agent_id(agent_id)
-        if request_id and self._made_by(ns, agent_id, request_id):
+        if self._made_by(ns, agent_id, request_id):
             return self.describe(ns, agent_id)  # a retry: whatever the source did since
         try:
             self._fork(ns, source_id, agent_id, phase, request_id)
@@ -104,7 +104,10 @@ class Front:
         return self.describe(ns, agent_id)
 
     def _made_by(self, ns: str, agent_id: str, request_id: str) -> bool:
-        """Whether the stored agent is as the fork with this request_id made it."""
+        """Whether the stored agent is as the fork with this request_id made it (never,
+        without one: the store is not asked)."""
+        if not request_id:
+            return False
         stored = self._stored(ns, agent_id)
         return stored is not None and made_by_fork(stored.metadata, request_id)
 
