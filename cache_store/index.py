@@ -16,8 +16,9 @@ Sub-databases ("tables"):
   uploaded_ids ns/agent  -> [generation, created_ms] of the manifest this store last put there
                             or fetched, kept while its deletion is pending: the one version of
                             another store's that the deletion may delete. An index written
-                            before it has none (a delete fills it in from the record it drops);
-                            outside TABLES, so releases without it ignore it.
+                            before it has none (a delete fills it in from the record it drops),
+                            and a release without it leaves it unchanged (a table it does not
+                            open); one `uploaded` does not back is dropped (integrity.py).
   meta        name       -> schema_version (schema.py)
   quarantine  table NUL key -> [reason, raw bytes] of a bad agent or block record
 Every value is sealed (records.seal). A point read of a bad record raises CorruptRecord, a
@@ -72,6 +73,7 @@ TABLES = (
     "counters",
     "remote",
     "uploaded",
+    "uploaded_ids",
 )
 DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
 NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
@@ -102,7 +104,7 @@ class Index:
             self.env = lmdb.open(str(path), map_size=map_bytes, max_dbs=16, max_readers=256)
             self.dbs = {
                 name: self.env.open_db(name.encode(), dupsort=name == "children")
-                for name in (*TABLES, "meta", "quarantine", "uploaded_ids")
+                for name in (*TABLES, "meta", "quarantine")
             }
         except lmdb.Error as exc:
             raise IndexUnusable(f"cannot open the index at {path}: {exc}") from exc
@@ -260,11 +262,7 @@ class Index:
         raw = txn.get(k, db=self._uploaded_ids)
         if raw is None:
             return None
-        try:  # not noted as a suspect: integrity checks TABLES only
-            return decode_uploaded_id("uploaded_ids", k, raw)
-        except CorruptRecord as exc:
-            log.warning("object store entry unreadable", extra={"reason": exc.message})
-            return None
+        return self._lenient(lambda key, v: decode_uploaded_id("uploaded_ids", key, v), k, raw)
 
     def uploads_done(self, txn: lmdb.Transaction) -> Iterator[tuple[str, str, int]]:
         """(namespace, agent id, generation) of every manifest entry in `uploaded`."""
@@ -377,7 +375,8 @@ class Index:
         txn.delete(k, db=self._agents)
         self._add_usage(txn, record.namespace, agents=-1)
         uploaded = self.uploaded_generation(txn, record.namespace, record.agent_id)
-        if uploaded and txn.get(k, db=self._uploaded_ids) is None:  # an index written before it
+        if uploaded and self.uploaded_id(txn, record.namespace, record.agent_id) is None:
+            # an index written before the table, or an entry that was bad
             txn.put(k, encode_uploaded_id(k, uploaded, record.created_ms), db=self._uploaded_ids)
 
     def forget_lost_agent(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> bool:
@@ -505,14 +504,7 @@ class Index:
     def _items(
         self, txn: lmdb.Transaction, db: lmdb._Database, namespace: str | None
     ) -> Iterator[tuple[bytes, bytes]]:
-        cursor = txn.cursor(db=db)
-        prefix = namespace.encode() + SEP if namespace is not None else b""
-        if not cursor.set_range(prefix):
-            return
-        for k, v in cursor:
-            if not k.startswith(prefix):
-                return
-            yield k, v
+        return prefixed(txn, db, namespace.encode() + SEP if namespace is not None else b"")
 
     def _page(
         self, txn: lmdb.Transaction, db: lmdb._Database, namespace: str, after: bytes, limit: int
@@ -532,6 +524,19 @@ class Index:
                 return rows, True
             rows.append((k, v))
         return rows, False
+
+
+def prefixed(
+    txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes
+) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of every row whose key starts with `prefix`, in key order."""
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(prefix):
+        return
+    for k, v in cursor:
+        if not k.startswith(prefix):
+            return
+        yield k, v
 
 
 def _last_id(rows: list[tuple[bytes, bytes]], namespace: str) -> bytes:

@@ -5,6 +5,8 @@ A bad agent or block record (checksum or decode failure) moves to the `quarantin
 its bytes and the reason: the agent then reads as lost (DATA_LOSS) until deleted or committed
 anew, the block as missing from the manifests naming it (they restore cold). A bad derived
 entry (children, unref, lost, namespaces) is dropped and rebuilt; a bad counter restarts at 0.
+A bad object-store entry is dropped, and so is an uploaded_ids entry that no sound `uploaded`
+entry backs (absent, or of another generation: left by a release without the table).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import msgpack
 
 from agentkv.errors import CorruptRecord, IndexUnusable
 from cache_store import schema
-from cache_store.index import DERIVED, NO_USAGE, SEP, TABLES, Index, ns_key
+from cache_store.index import DERIVED, NO_USAGE, SEP, TABLES, Index, ns_key, prefixed
 from cache_store.records import (
     CHECKSUM_BYTES,
     DECODE_ERRORS,
     AgentRecord,
     BlockRecord,
     decode_u64,
+    decode_uploaded_id,
     decode_usage,
     decode_value,
     encode_u64,
@@ -48,6 +51,7 @@ CHECKS: dict[str, Callable[[bytes, bytes], object]] = {
     # A bad object-store entry is dropped: the block or manifest is written through again.
     "remote": lambda k, v: decode_u64("remote", k, v),
     "uploaded": lambda k, v: decode_u64("uploaded", k, v),
+    "uploaded_ids": lambda k, v: decode_uploaded_id("uploaded_ids", k, v),
 }
 # A scan of every record checks the checksums of the big ones only: decoding every block
 # would double start-up time, and a sealed record that does not decode is caught on its read.
@@ -120,6 +124,7 @@ def scan(index: Index, txn: lmdb.Transaction, namespace: str | None = None) -> F
     for table in TABLES:
         if namespace is None or table != "counters":
             _scan_table(index, txn, table, namespace, found)
+    _scan_uploaded_ids(index, txn, namespace, found)
     return found
 
 
@@ -150,17 +155,34 @@ def _scan_table(
     index: Index, txn: lmdb.Transaction, table: str, namespace: str | None, found: Findings
 ) -> None:
     db = index.dbs[table]
-    prefix = b"" if namespace is None else namespace.encode()
-    cursor, lookup = txn.cursor(db=db), txn.cursor(db=db)
-    if not cursor.set_range(prefix):
-        return
-    for k, raw in cursor:
-        if not k.startswith(prefix):
-            break
+    lookup = txn.cursor(db=db)
+    for k, raw in prefixed(txn, db, b"" if namespace is None else namespace.encode()):
         if bad := _check(table, k, raw, namespace, QUICK_CHECKS):
             found.bad.append((bad, raw))
         elif not _reachable(table, txn, db, lookup, k, raw):
             found.unreachable.add(table)
+
+
+def _scan_uploaded_ids(
+    index: Index, txn: lmdb.Transaction, namespace: str | None, found: Findings
+) -> None:
+    """Finds the uploaded_ids entries, sound themselves, that no sound `uploaded` entry backs:
+    kept, one would let a deletion delete a version this store no longer knows of."""
+    flagged = {(bad.table, bad.key) for bad in found.records}
+    prefix = b"" if namespace is None else namespace.encode() + SEP
+    for k, raw in prefixed(txn, index.dbs["uploaded_ids"], prefix):
+        if ("uploaded_ids", k) in flagged:
+            continue
+        uploaded = txn.get(k, db=index.dbs["uploaded"])
+        if uploaded is None or ("uploaded", k) in flagged:
+            reason = "backs no manifest recorded in the object store"
+        else:
+            generation = decode_u64("uploaded", k, uploaded)
+            named = decode_uploaded_id("uploaded_ids", k, raw)[0]
+            if not generation or generation == named:
+                continue  # a deletion pending, or the manifest uploaded
+            reason = f"names generation {named}, not {generation}, the one uploaded"
+        found.bad.append((BadRecord("uploaded_ids", k, reason), raw))
 
 
 def _reachable(
@@ -260,7 +282,10 @@ def _put_aside(index: Index, txn: lmdb.Transaction, bad: BadRecord, raw: bytes) 
     for the key its own fields name, and that key is free) is moved back instead. Derived
     entries are dropped (the caller rebuilds them)."""
     if bad.table not in PRIMARY:
-        log.warning("corrupt index entry dropped", extra={"table": bad.table, "reason": bad.reason})
+        log.warning(
+            "bad index entry dropped",
+            extra={"record": record_name(bad.table, bad.key), "reason": bad.reason},
+        )
         return
     db = index.dbs[bad.table]
     claimed = _claimed_key(bad.table, raw)
