@@ -12,6 +12,7 @@ import grpc
 
 from agentkv.addresses import is_loopback
 from agentkv.flags import flag
+from agentkv.rpc import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from agentkv.security import check_tls_files
 
 log = logging.getLogger("agentkv.client")
@@ -22,10 +23,14 @@ log = logging.getLogger("agentkv.client")
 # a WAN link (or TLS at 30 ms each way) answered in time; at gRPC's 20 s, the SDK waited
 # that long on a host that is down before it moved an agent to the next worker.
 CONNECT_TIMEOUT_MS = 5000
-RECONNECT_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+    # a server silent past KEEPALIVE_TIMEOUT_MS fails the call UNAVAILABLE (agentkv/rpc.py)
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a long quiet call
 ]
 
 
@@ -60,7 +65,7 @@ class ClientSecurity:
         check_tls_files(self, "tls_cert", "tls_key", "tls_ca")
 
     def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
-        options = [*RECONNECT_OPTIONS, *(options or [])]
+        options = [*CHANNEL_OPTIONS, *(options or [])]
         creds = self._tls(address)
         if creds is not None:
             channel = grpc.secure_channel(address, creds, options=options)
@@ -72,7 +77,7 @@ class ClientSecurity:
 
     def aio_channel(self, address: str, options: list[tuple[str, Any]] | None = None):
         """The same, as a grpc.aio channel."""
-        options = [*RECONNECT_OPTIONS, *(options or [])]
+        options = [*CHANNEL_OPTIONS, *(options or [])]
         interceptors = _aio_bearer_token(self.token) if self.token else None
         creds = self._tls(address)
         if creds is not None:

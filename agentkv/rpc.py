@@ -27,6 +27,18 @@ log = logging.getLogger("agentkv.rpc")
 # gRPC sets SO_REUSEPORT on Linux, so a second server on a port in use would start and take
 # a share of its connections (unauthenticated, were the first one not): one server a port.
 ONE_SERVER_PER_PORT = [("grpc.so_reuseport", 0)]
+# While a call is open a client pings every KEEPALIVE_TIME_MS (agentkv/channels.py); a
+# server that does not answer a ping within KEEPALIVE_TIMEOUT_MS (hung, or its link dropping
+# packets: the kernel keeps the connection open) fails the call UNAVAILABLE, so the SDK
+# moves the agent on instead of waiting out the call's timeout. The timeout is generous: a
+# server busy computing still answers pings (gRPC's own threads do), and a live one taken
+# for dead would see its turn run elsewhere too.
+KEEPALIVE_TIME_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 20000
+# gRPC's server counts a ping within 5 min of the last as a strike while it sends nothing, and
+# after two it ends the connection ("too_many_pings"): every call quiet for 25 s (a long
+# prefill, a slow restore) failed UNAVAILABLE. Pings that far apart are allowed.
+ALLOW_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2)]
 
 
 def _answers(path: str) -> bool:
@@ -122,7 +134,7 @@ def new_server(
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
         interceptors=[*(interceptors or []), ErrorInterceptor(on_error)],
-        options=[*message_options(max_message_bytes), *ONE_SERVER_PER_PORT],
+        options=[*message_options(max_message_bytes), *ONE_SERVER_PER_PORT, *ALLOW_KEEPALIVE],
     )
 
 

@@ -138,3 +138,31 @@ def test_an_agent_moves_off_a_host_that_is_down_within_the_call_timeout():
         server.stop(0)
         filler.close()
         down.close()
+
+
+def test_a_call_quiet_for_long_is_not_ended_by_keepalive_pings():
+    """A client pings every KEEPALIVE_TIME_MS while its call is open, to find a hung server.
+    A live server quiet that long (a turn queued for a slot, a long prefill) answers them and
+    keeps the call: gRPC's default ended the connection after two pings within 5 min of each
+    other ("too_many_pings"), every call quiet for 20 s failing UNAVAILABLE."""
+    import grpc
+
+    from agentkv.rpc import KEEPALIVE_TIME_MS, bind, new_server
+
+    def quiet(request: bytes, context) -> bytes:
+        time.sleep(5 * KEEPALIVE_TIME_MS / 1000)  # the server's work, not a wait on the test
+        return request
+
+    server = new_server(2, 1 << 20, lambda code: None)
+    work = grpc.unary_unary_rpc_method_handler(quiet)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("test.Quiet", {"Work": work}),)
+    )
+    address = bind(server, "127.0.0.1:0")
+    server.start()
+    channel = ClientSecurity().channel(address)
+    try:
+        assert channel.unary_unary("/test.Quiet/Work")(b"answered", timeout=120) == b"answered"
+    finally:
+        channel.close()
+        server.stop(0)

@@ -5,7 +5,9 @@ and two workers committing the same agent at once: exactly one wins, the other r
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import threading
 import urllib.request
 from pathlib import Path
@@ -131,6 +133,28 @@ def test_an_agent_going_back_to_its_worker_is_handed_over_first(tiny_model_dirs,
         assert WorkerClient(b).describe("default", agent_id).tier == "warm"  # handed over
         assert back.usage.cache_state == "warm"  # a restored what b committed
         assert back.usage.prompt_tokens > held_on_b  # b's turn is in its context
+
+
+def test_a_hung_worker_is_failed_over(tiny_model_dirs, start_worker):
+    """A worker that stops answering (SIGSTOP: the kernel keeps its connections open) holds
+    a turn sent to it only until the channel's keepalive finds it silent: the agent goes to
+    its next worker, which restores it from the store (before, the turn waited out its
+    timeout and raised DeadlineExceeded)."""
+    model = tiny_model_dirs["llama"]
+    a, b = (start_worker(model, name=name) for name in ("a", "b"))
+    with AgentMemory([a.address, b.address], timeout=120, durable=True) as mem:
+        agent_id = next(
+            f"ship-{i}" for i in range(1000) if mem.worker_for(f"ship-{i}") == a.address
+        )
+        agent = mem.agent(agent_id, SYSTEM)
+        agent.say(Q1[0][1], max_tokens=6).wait()
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            moved = agent.say(Q2[0][1], max_tokens=6).wait()
+            assert moved.worker == b.address and moved.usage.cache_state == "warm"
+            assert mem.worker_for(agent_id) == b.address  # a is marked down
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
 
 
 def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
