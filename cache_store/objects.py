@@ -5,7 +5,8 @@ boto3 underneath (AWS S3, Ceph RGW, MinIO, SeaweedFS); credentials the standard 
 
 Every failure becomes one of three things: absent (None), `Conflict` (a conditional request
 that lost) or `ObjectStoreDown` (unreachable, timed out, refused, or an answer that makes no
-sense), so the tier above never sees botocore.
+sense), so the tier above never sees botocore. An object store that refuses If-Match on
+DELETE gets the ETag checked just before a plain delete instead.
 
 A request waits at most ATTEMPTS x (connect + read timeout) for a bucket that does not answer.
 Once one got no answer, the bucket counts as down until one does: meanwhile one request at a
@@ -16,6 +17,7 @@ holds no RPC thread of the store that could be served from its local tier.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -30,10 +32,19 @@ BINARY = "application/octet-stream"  # a payload file (a safetensors length neve
 ATTEMPTS = 2  # tries of one request (botocore's max_attempts would count retries)
 BREAK_SECONDS = 2.0  # after a request got no answer, others fail at once this long
 _LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+# What an object store answers a condition it lacks (If-Match on DELETE: 501 from AWS S3
+# before it had it, 400 from others).
+_REFUSED = {"501", "NotImplemented", "400", "InvalidArgument", "InvalidRequest", "BadRequest"}
+
+log = logging.getLogger("agentkv.store")
 
 
 class ObjectStoreDown(Unavailable):
     """The object store did not answer, or answered with an error that is not ours."""
+
+
+class ConditionRefused(ObjectStoreDown):
+    """The object store refused a conditional request for its condition (501 or 400)."""
 
 
 class Conflict(Exception):
@@ -83,6 +94,7 @@ class Bucket:
         self.location, self.metrics = location, metrics
         self.moved: collections.Counter[str] = collections.Counter()  # payload bytes by op
         self.down = False  # a request got no answer, and none has since
+        self.conditional_deletes = True  # until the object store refuses one
         self._retry_at = 0.0  # time.monotonic(): while down, calls before it fail untried
         self._health = threading.Lock()
         connect_seconds = min(timeout_seconds, 3.0)
@@ -159,12 +171,36 @@ class Bucket:
 
     def delete(self, key: str, if_match: str = "") -> None:
         """Deletes the object; with `if_match`, only while its ETag is that one (Conflict if
-        it is not, or is gone: S3 and SeaweedFS answer 412 to both)."""
+        it is not, or is gone: S3 and SeaweedFS answer 412 to both). Where the object store
+        refuses If-Match on DELETE, the ETag is read just before an unconditional delete
+        (the writer lease keeps other stores from writing the object in between)."""
+        if if_match and self.conditional_deletes:
+            try:
+                self._delete(key, if_match)
+                return
+            except ConditionRefused as exc:
+                self._refused_conditional_delete(exc)
+        if if_match:
+            there = self.head(key)
+            if there is None or there.etag != if_match:
+                raise Conflict("412: checked before deleting")
+        self._delete(key)
+
+    def _delete(self, key: str, if_match: str = "") -> None:
         args = {"Bucket": self.location.bucket, "Key": self.name(key)}
         if if_match:
             args["IfMatch"] = if_match
         with self._call("delete", conditional=bool(if_match)):
             self._client.delete_object(**args)
+
+    def _refused_conditional_delete(self, exc: ConditionRefused) -> None:
+        if self.conditional_deletes:  # said once
+            self.conditional_deletes = False
+            log.warning(
+                "object store refuses conditional deletes: each deletion reads the object's "
+                "ETag first, then deletes it unconditionally",
+                extra={"object_store": str(self.location), "reason": exc.message},
+            )
 
     def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> Iterator[str]:
         """Keys (without the location's prefix) under `prefix`, in order, after `start_after`."""
@@ -240,7 +276,8 @@ class _Call:
             raise Conflict(code) from exc
         self.metrics.object_errors.labels(self.op).inc()
         what = code or type(exc).__name__
-        raise ObjectStoreDown(
+        error = ConditionRefused if self.conditional and code in _REFUSED else ObjectStoreDown
+        raise error(
             f"object store {self.bucket.location}: {self.op} failed: {what}: {exc}"
         ) from exc
 

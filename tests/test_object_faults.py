@@ -1,15 +1,25 @@
 """The object tier off its happy path, against real store processes and a real SeaweedFS: an
-index whose record of what the bucket holds is damaged."""
+index whose record of what the bucket holds is damaged, and an S3 front before SeaweedFS that
+refuses conditional deletes."""
 
 from __future__ import annotations
 
+import http.client
+import http.server
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import lmdb
+import xxhash
 
 from cache_store.records import encode_uploaded_id
 from tests import test_object_store as tier
 from tests.test_object_store import (
+    BUCKET,
     NS,
     bucket_agents,
     save,
@@ -18,6 +28,7 @@ from tests.test_object_store import (
     uploaded,
     wait_for,
 )
+from tests.weed import WeedServer
 
 weed, bucket, credentials = tier.weed, tier.bucket, tier.credentials  # its fixtures
 
@@ -86,3 +97,168 @@ def test_bad_uploaded_ids_entries_are_dropped_and_deletions_still_go_out(weed, b
     assert len(dropped) == 3 and all("uploaded_ids" in line for line in dropped), dropped
     assert '"bad_index_records": 3' in log
     assert uploaded_ids(tmp_path / "a") == {}
+
+
+# an S3 front before SeaweedFS
+
+NOT_IMPLEMENTED = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NotImplemented</Code><Message>A '
+    b"header you provided implies functionality that is not implemented</Message></Error>"
+)
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect"}
+
+
+@dataclass
+class Seen:
+    """One request the front took, and the status it answered (0 while unanswered)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]  # names in lower case
+    status: int = 0
+
+    def on(self, method: str, key: str) -> bool:
+        """Whether it is a request of `method` on the object `key` of BUCKET."""
+        return self.method == method and self.path == f"/{BUCKET}/{key}"
+
+
+class S3Front(http.server.ThreadingHTTPServer):
+    """An HTTP front for weed's S3 API that passes each request on, one at a time in the order
+    they came (as a server taking them in turn), and records them; with `refuse_conditional_
+    deletes`, it answers a DELETE with If-Match 501 NotImplemented itself, as object stores
+    without conditional deletes do. `after_forward` sees each request weed answered."""
+
+    daemon_threads = True
+
+    def __init__(self, weed: WeedServer, refuse_conditional_deletes: bool = False) -> None:
+        super().__init__(("127.0.0.1", 0), _FrontHandler)
+        self.upstream = urlparse(weed.endpoint).port
+        self.refuse_conditional_deletes = refuse_conditional_deletes
+        self.after_forward: Callable[[Seen], None] = lambda seen: None
+        self.seen: list[Seen] = []
+        self._in_turn = threading.Lock()
+        threading.Thread(target=self.serve_forever, name="s3-front", daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def requests(self, method: str, key: str) -> list[Seen]:
+        """The requests of `method` on the object `key` of BUCKET, in order."""
+        return [s for s in list(self.seen) if s.on(method, key)]
+
+    def statuses(self, method: str, key: str) -> list[int]:
+        return [s.status for s in self.requests(method, key)]
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def answer(self, seen: Seen, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        if (
+            self.refuse_conditional_deletes
+            and seen.method == "DELETE"
+            and "if-match" in seen.headers
+        ):
+            return 501, [("Content-Type", "application/xml")], NOT_IMPLEMENTED
+        headers = {k: v for k, v in seen.headers.items() if k not in _HOP_BY_HOP}
+        with self._in_turn:
+            weed = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=300)
+            try:
+                weed.request(seen.method, seen.path, body, headers)
+                reply = weed.getresponse()
+                answered = (reply.status, reply.getheaders(), reply.read())
+            finally:
+                weed.close()
+            self.after_forward(seen)
+        return answered
+
+
+class _FrontHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, and 100-continue for botocore's puts
+    server: S3Front
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _any(self) -> None:
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        assert "chunked" not in headers.get("transfer-encoding", ""), "not sent by the store"
+        seen = Seen(self.command, self.path.partition("?")[0], headers)
+        self.server.seen.append(seen)
+        status, reply_headers, body = self.server.answer(
+            seen, self.rfile.read(int(headers.get("content-length", 0)))
+        )
+        seen.status = status
+        length = dict((k.lower(), v) for k, v in reply_headers).get("content-length")
+        try:
+            self.send_response(status)
+            for k, v in reply_headers:
+                if k.lower() not in _HOP_BY_HOP:
+                    self.send_header(k, v)
+            self.send_header("Content-Length", length if self.command == "HEAD" else len(body))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except OSError:
+            pass  # the client gave up waiting: a retry may follow
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
+
+
+def another_stores_version(weed: WeedServer, key: str) -> None:
+    """Writes generation 2 of the manifest at `key` as another store would have."""
+    s3 = weed.client()
+    got = s3.get_object(Bucket=BUCKET, Key=key)
+    m = json.loads(got["Body"].read())
+    m["generation"] = 2
+    body = json.dumps(m).encode()
+    meta = {**got["Metadata"], "agentkv-writer": "elsewhere", "agentkv-generation": "2"}
+    meta["agentkv-xxh3"] = f"{xxhash.xxh3_64_intdigest(body):016x}"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=body, Metadata=meta)
+
+
+def test_a_bucket_that_refuses_conditional_deletes_still_deletes_only_what_was_deleted_here(
+    weed, bucket, tmp_path
+):
+    """Once a DELETE with If-Match is answered 501, the store reads the ETag just before a
+    plain delete instead (it retried the conditional one for good): its own agent is deleted
+    there; one another store rewrote after the uploader read it is not."""
+    front = S3Front(weed, refuse_conditional_deletes=True)
+    store = start_store(tmp_path, "s", tier_args(front, bucket))
+    gone, kept = (f"{bucket}/{NS}/agents/{name}" for name in ("gone", "kept"))
+    try:
+        with store.client() as c:
+            save(c, "gone", list(range(1, 100)))
+            save(c, "kept", list(range(1000, 1100)), seed=1)
+            wait_for("the uploads", lambda: uploaded(c))
+            c.delete_agent(NS, "gone")
+            wait_for(
+                "the deletion, or a second refusal",
+                lambda: (
+                    "gone" not in bucket_agents(weed, bucket)
+                    or front.statuses("DELETE", gone).count(501) > 1
+                ),
+            )
+            assert "gone" not in bucket_agents(weed, bucket)
+            wait_for("the queue", lambda: uploaded(c))
+
+            def rewrite(seen: Seen) -> None:  # between the store's read and its delete
+                if seen.on("GET", kept):
+                    front.after_forward = lambda seen: None
+                    another_stores_version(weed, kept)
+
+            front.after_forward = rewrite
+            c.delete_agent(NS, "kept")
+            wait_for("the deletion's end", lambda: uploaded(c))
+            assert bucket_agents(weed, bucket) == {"kept"}
+            there = weed.client().head_object(Bucket=BUCKET, Key=kept)
+            assert there["Metadata"]["agentkv-writer"] == "elsewhere"
+            assert not front.requests("DELETE", kept)  # nor one without If-Match
+            assert front.statuses("DELETE", gone) == [501, 204]
+    finally:
+        store.stop()
+        front.close()
+    log = (tmp_path / "s.log").read_text()
+    assert log.count("object store refuses conditional deletes") == 1
+    assert "agent deletion not carried out" in log
