@@ -30,6 +30,7 @@ CHANNEL_OPTIONS = [
     # a server silent past KEEPALIVE_TIMEOUT_MS fails the call UNAVAILABLE (agentkv/rpc.py)
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # else a ping waits 60 s for its ack
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a long quiet call
 ]
 
