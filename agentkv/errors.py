@@ -179,6 +179,8 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
     code = error.code()
     message = error.details() or code.name
     metadata = dict(error.trailing_metadata() or ())
+    if "ping timeout" in message and ERROR_KEY not in metadata:  # the client's keepalive
+        message = f"no answer to a keepalive ping: hung, or its link is down ({message})"
     cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
     if issubclass(cls, GenerationConflict):
         result = cls(message, int(metadata.get(GENERATION_KEY, "0")))

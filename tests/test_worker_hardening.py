@@ -309,6 +309,26 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
     assert hot.token_ids == twin.token_ids  # the hot copy answered in full
 
 
+def test_a_restore_from_a_hung_store_fails_once_a_keepalive_ping_goes_unanswered(
+    tiny_model_dirs, start_worker, store_process
+):
+    """A turn that needs a hung store (SIGSTOP) waits until the worker's keepalive ping
+    goes unanswered, not its caller's whole timeout, and says why (before: gRPC's "Stream
+    removed (ping timeout)", or with no keepalive the caller's DeadlineExceeded)."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=300)
+    create(w, ("ns", "sleeper"))
+    w.turn("ns", "sleeper", Q1, max_tokens=4, durable=True)
+    w.evict("ns", "sleeper")  # only the store holds it now
+    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(Unavailable, match=r"keepalive ping.*hung, or its link is down"):
+            w.turn("ns", "sleeper", Q2, max_tokens=4)
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    again = w.turn("ns", "sleeper", Q2, max_tokens=4)  # nothing was lost
+    assert again.usage.cache_state == "warm" and len(again.token_ids) == 4
+
+
 def test_a_worker_stopped_mid_turn_ends_the_stream_and_exits(
     tiny_model_dirs, store_process, tmp_path, launched
 ):
