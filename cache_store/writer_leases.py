@@ -1,9 +1,12 @@
 """One writing store per namespace in a shared bucket: the holder of `<ns>/writer.lease`.
 
 A lease is created with If-None-Match, renewed with If-Match, and taken over with If-Match
-once it has expired. A store that finds another's live lease refuses the namespace's writes
-(FAILED_PRECONDITION) and serves it read-only from the bucket. A store that cannot reach the
-bucket keeps writing locally and uploads nothing of a namespace until it holds the lease again.
+once it has expired. A renewal that loses to a write of this store's own whose answer was lost
+(botocore's retry of a try that timed out but landed; a renewal that timed out, landed later)
+keeps the lease: only another store's write loses it. A store that finds another's live lease
+refuses the namespace's writes (FAILED_PRECONDITION) and serves it read-only from the bucket. A
+store that cannot reach the bucket keeps writing locally and uploads nothing of a namespace
+until it holds the lease again.
 """
 
 from __future__ import annotations
@@ -181,24 +184,48 @@ class WriterLeases:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
             with self._lock:
-                held = dict(self._held)
+                held = list(self._held)
             for namespace in held:
                 try:
                     with self._acquiring:
-                        with self._lock:
-                            lease = self._held.get(namespace)
-                        if lease is None:
-                            continue
-                        self._put(namespace, if_match=lease.etag)
-                except Conflict:
-                    with self._lock:
-                        self._held.pop(namespace, None)
-                    log.error(
-                        "writer lease lost: another store took the namespace over",
-                        extra={"namespace": namespace},
-                    )
+                        self._renew(namespace)
                 except ObjectStoreDown:
                     pass  # it lapses by itself; uploads of the namespace pause meanwhile
+
+    def _renew(self, namespace: str) -> None:
+        """Renews a held lease. Its ETag may have changed by a write of this store's own that
+        got no answer (one that timed out, or whose retry then lost to it): the lease is still
+        this store's; only one another store wrote is lost."""
+        with self._lock:
+            lease = self._held.get(namespace)
+        if lease is None:
+            return
+        try:
+            self._put(namespace, if_match=lease.etag)
+        except Conflict:
+            if not self._hold_own_write(namespace):
+                with self._lock:
+                    self._held.pop(namespace, None)
+                log.error(
+                    "writer lease lost: another store took the namespace over",
+                    extra={"namespace": namespace},
+                )
+
+    def _hold_own_write(self, namespace: str) -> bool:
+        """Whether the bucket's lease is this store's own: then held by its ETag, until the
+        expiry that write gave it."""
+        got = self.bucket.get(lease_object(namespace))
+        holder, expires = _lease_fields(got.body) if got else ("", 0)
+        if holder != self.store_id:
+            return False
+        left = min((expires - now_ms()) / 1000, self.seconds) - self.margin
+        with self._lock:
+            self._held[namespace] = _Held(got.etag, time.monotonic() + left)
+        log.info(
+            "writer lease kept: the bucket holds a renewal of this store's whose answer was lost",
+            extra={"namespace": namespace},
+        )
+        return True
 
 
 def _lease_fields(body: bytes) -> tuple[str, int]:

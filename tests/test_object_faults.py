@@ -1,12 +1,14 @@
 """The object tier off its happy path, against real store processes and a real SeaweedFS: an
-index whose record of what the bucket holds is damaged, and an S3 front before SeaweedFS that
-refuses conditional deletes."""
+index whose record of what the bucket holds is damaged, an S3 front before SeaweedFS that
+refuses conditional deletes, and SeaweedFS frozen (SIGSTOP) during a writer lease's renewal."""
 
 from __future__ import annotations
 
 import http.client
 import http.server
 import json
+import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -262,3 +264,46 @@ def test_a_bucket_that_refuses_conditional_deletes_still_deletes_only_what_was_d
     log = (tmp_path / "s.log").read_text()
     assert log.count("object store refuses conditional deletes") == 1
     assert "agent deletion not carried out" in log
+
+
+def test_a_lease_renewal_retried_across_a_frozen_bucket_is_not_a_lost_lease(bucket, tmp_path):
+    """weed stopped (SIGSTOP) under a renewal of the writer lease: its first try times out and
+    botocore tries again. Resumed, weed takes the first try, which lands, then the retry,
+    whose If-Match names the ETag before it: 412. The store keeps its lease (its own write)
+    and renews it; it said 'writer lease lost' and gave it up."""
+    weed = WeedServer(tmp_path / "weed").start()  # its own: this test freezes it
+    front = S3Front(weed)  # one request at a time, in turn: the first try goes first
+    store = start_store(tmp_path, "s", tier_args(front, bucket, "--writer-lease-seconds", "6"))
+    lease = f"{bucket}/{NS}/writer.lease"
+    try:
+        with store.client() as c:
+            save(c, "a", list(range(1, 100)))
+            wait_for("the upload", lambda: uploaded(c))
+        os.killpg(weed.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(
+                "a renewal's retry",
+                lambda: any(
+                    s.headers.get("amz-sdk-request", "").startswith("attempt=2")
+                    for s in front.requests("PUT", lease)
+                ),
+            )
+        finally:
+            os.killpg(weed.proc.pid, signal.SIGCONT)
+        log = tmp_path / "s.log"
+
+        def renewed_past_412() -> bool:
+            puts = front.statuses("PUT", lease)
+            return 412 in puts and 200 in puts[puts.index(412) :]
+
+        wait_for(
+            "a renewal after the 412", lambda: "lease lost" in log.read_text() or renewed_past_412()
+        )
+        assert "writer lease lost" not in log.read_text()
+        with store.client() as c:
+            save(c, "b", list(range(2000, 2100)), seed=2)  # still this namespace's writer
+            wait_for("the upload", lambda: uploaded(c))
+    finally:
+        store.stop()
+        front.close()
+        weed.stop(kill=True)
