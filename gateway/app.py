@@ -60,12 +60,10 @@ STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 @dataclass(slots=True)
 class Turn:
     """A turn under way: its reply (from its first token) and what making its agent took
-    (its CreateAgent usage; None when it existed). A spare agent was made for this turn
-    alone: nothing reaches it once the turn ends."""
+    (its CreateAgent usage; None when it existed)."""
 
     reply: AsyncReply
     created: Any = None
-    spare: bool = False
 
 
 class Gateway:
@@ -79,6 +77,8 @@ class Gateway:
         )
         self.memory: AsyncAgentMemory | None = None
         self.model_id = config.model_name
+        # Spare agents are made for one turn alone: nothing reaches them once it ends.
+        self.spares: set[AsyncAgent] = set()  # made, their deletion not yet begun
         self.deletions: set[asyncio.Task] = set()  # of spare agents, under way
 
     async def start(self) -> None:
@@ -88,8 +88,10 @@ class Gateway:
         )
 
     async def stop(self) -> None:
-        for task in self.deletions:
-            task.cancel()
+        """Deletes every spare agent left, each once its turn has ended, then closes the
+        connections. Requests have drained by now (or were cancelled)."""
+        for agent in list(self.spares):
+            self._ended(agent)
         await asyncio.gather(*self.deletions, return_exceptions=True)
         if self.memory is not None:
             await self.memory.close()
@@ -127,7 +129,7 @@ class Gateway:
             if not await self._whole(reply, request):
                 return Response(status_code=499)  # nobody reads it: the client has gone
         finally:
-            self._ended(turn)
+            self._ended(reply.agent)
         usage = with_creation(reply.usage, turn.created)
         facts |= {
             "x-agentkv-cache-state": usage.cache_state,
@@ -254,16 +256,17 @@ class Gateway:
         agent = AsyncAgent(memory, agent_id)
         while True:
             try:
-                return await self._say(agent, call, spare=agent.id != agent_id)
+                return await self._say(agent, call)
             except FailedPrecondition as exc:
                 if not anonymous or "in progress" not in exc.message:
                     raise
             agent = AsyncAgent(memory, f"{agent_id}-{uuid.uuid4().hex[:8]}")
+            self.spares.add(agent)  # before it exists: a stop meanwhile deletes it too
 
-    async def _say(self, agent: AsyncAgent, call: ChatCall, spare: bool) -> Turn:
-        """The agent's turn, made first when it does not exist."""
+    async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
+        """The agent's turn, made first when it does not exist (a spare never does)."""
         memory, options = agent.memory, {"whole_conversation": True, **call.sampling}
-        if not spare:
+        if agent not in self.spares:
             with contextlib.suppress(AgentNotFound):
                 return Turn(await agent.say(call.messages, **options))
         request = pb.CreateAgentRequest(
@@ -274,21 +277,18 @@ class Gateway:
             made = await memory.route(agent.id, lambda w: w.call("CreateAgent", request))
             created = made.usage  # prompt: the turn resumes from the stored one
         try:
-            return Turn(await agent.say(call.messages, **options), created, spare)
+            return Turn(await agent.say(call.messages, **options), created)
         except BaseException:
-            if spare:
-                self._delete_later(agent)
+            self._ended(agent)
             raise
 
-    def _ended(self, turn: Turn) -> None:
-        """After the turn's reply ended or was closed: a spare agent is deleted."""
-        if turn.spare:
-            self._delete_later(turn.reply.agent)
-
-    def _delete_later(self, agent: AsyncAgent) -> None:
-        task = asyncio.create_task(_delete_spare(agent))
-        self.deletions.add(task)
-        task.add_done_callback(self.deletions.discard)
+    def _ended(self, agent: AsyncAgent) -> None:
+        """After the agent's turn ended or was closed: a spare agent is deleted, once."""
+        if agent in self.spares:
+            self.spares.remove(agent)
+            task = asyncio.create_task(_delete_spare(agent))
+            self.deletions.add(task)
+            task.add_done_callback(self.deletions.discard)
 
     async def _whole(self, reply: AsyncReply, request: Request) -> bool:
         """Waits for the whole reply; a client that leaves first cancels the turn (False)."""
@@ -329,7 +329,7 @@ class Gateway:
         finally:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
-            self._ended(turn)
+            self._ended(reply.agent)
 
 
 def model_id(model: str) -> str:

@@ -12,6 +12,7 @@ import http.client
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import pytest
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
 from agentkv.launch import gateway_process, store_process, worker_process
+from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
 from tests.helpers import free_address
 
@@ -387,16 +389,16 @@ def test_calls_sharing_a_user_or_cache_key_are_conversations_apart(stack, scope)
     assert again.usage.prompt_tokens_details.cached_tokens == held
 
 
-class HeldWorker:
-    """A gRPC proxy in front of a worker that makes two identical new calls race where the
-    gateway meets them: each CreateAgent waits until `creates` have come (every call found
-    no agent before any made it), then each Turn waits until the first Turn after them has
-    sent its first response (every other call finds that turn in progress)."""
+class WorkerProxy:
+    """A gRPC proxy in front of a worker that forwards every call; `_hold` holds one back
+    before it is forwarded. `linger`: a Turn its caller cancels runs on at the worker until
+    its agent's deletion has been refused that many times, as a turn whose step is long
+    (a big prefill on a busy worker) ends late."""
 
-    def __init__(self, worker: str, creates: int = 2) -> None:
-        self.channel = grpc.insecure_channel(worker)
-        self.creates, self.released, self.streaming = creates, threading.Event(), threading.Event()
-        self.lock, self.leader = threading.Lock(), False
+    def __init__(self, worker: str, linger: int = 0) -> None:
+        self.channel, self.linger = grpc.insecure_channel(worker), linger
+        self.turns: dict[str, grpc.Future] = {}  # agent -> its last Turn, when lingering
+        self.refused: Counter[str] = Counter()  # agent -> deletions refused (mid-turn)
         handler = grpc.method_handlers_generic_handler("agentkv.worker.v1.InferenceWorker", {
             name: grpc.unary_unary_rpc_method_handler(partial(self._unary, name))
             for name in ("CreateAgent", "DescribeAgent", "DeleteAgent", "GetWorkerInfo")
@@ -406,43 +408,73 @@ class HeldWorker:
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 
+    def _hold(self, name: str, request: bytes) -> Callable[[], None]:
+        """Waits as the call's test needs; returns what to do at each Turn response."""
+        return lambda: None
+
     def _unary(self, name: str, request: bytes, context: grpc.ServicerContext) -> bytes:
-        if name == "CreateAgent":
-            with self.lock:
-                self.creates -= 1
-                if self.creates <= 0:
-                    self.released.set()
-            self.released.wait(60)
+        self._hold(name, request)
         method = self.channel.unary_unary(f"/agentkv.worker.v1.InferenceWorker/{name}")
         try:
             return method(request, timeout=context.time_remaining())
         except grpc.RpcError as exc:
+            if name == "DeleteAgent" and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                agent = pb.DeleteAgentRequest.FromString(request).agent_id
+                self.refused[agent] += 1
+                if self.refused[agent] >= self.linger and agent in self.turns:
+                    self.turns[agent].cancel()
             _forward_error(exc, context)
 
     def _turn(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        with self.lock:
-            lead = self.released.is_set() and not self.leader
-            self.leader = self.leader or lead
-        if self.released.is_set() and not lead:
-            self.streaming.wait(60)
+        responded = self._hold("Turn", request)
         method = self.channel.unary_stream("/agentkv.worker.v1.InferenceWorker/Turn")
         responses = method(request, timeout=context.time_remaining())
-        context.add_callback(responses.cancel)
+        if self.linger:
+            self.turns[pb.TurnRequest.FromString(request).agent_id] = responses
+        else:
+            context.add_callback(responses.cancel)
         try:
             for response in responses:
-                if lead:
-                    self.streaming.set()
+                responded()
                 yield response
         except grpc.RpcError as exc:
             _forward_error(exc, context)
 
-    def __enter__(self) -> HeldWorker:
+    def __enter__(self) -> WorkerProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.stop(None)
         self.channel.close()
         self.pool.shutdown(wait=False)
+
+
+class HeldWorker(WorkerProxy):
+    """Makes two identical new calls race where the gateway meets them: each CreateAgent
+    waits until `creates` have come (every call found no agent before any made it), then
+    each Turn waits until the first Turn after them has sent its first response (every
+    other call finds that turn in progress)."""
+
+    def __init__(self, worker: str, creates: int = 2) -> None:
+        self.creates, self.released, self.streaming = creates, threading.Event(), threading.Event()
+        self.lock, self.leader = threading.Lock(), False
+        super().__init__(worker)
+
+    def _hold(self, name: str, request: bytes) -> Callable[[], None]:
+        if name == "CreateAgent":
+            with self.lock:
+                self.creates -= 1
+                if self.creates <= 0:
+                    self.released.set()
+            self.released.wait(60)
+        if name != "Turn":
+            return lambda: None
+        with self.lock:
+            lead = self.released.is_set() and not self.leader
+            self.leader = self.leader or lead
+        if self.released.is_set() and not lead:
+            self.streaming.wait(60)
+        return self.streaming.set if lead else lambda: None
 
 
 def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
@@ -490,6 +522,29 @@ def test_an_anonymous_call_whose_agent_is_busy_gets_a_spare_deleted_after_it(sta
     for spare in spares:
         eventually(lambda s=spare: not agent_exists(stack, s), f"{spare} was left behind")
     assert agent_exists(stack, own)
+
+
+def test_a_stopped_gateway_deletes_its_spare_agents_before_it_exits(stack):
+    """SIGTERM drains: a spare whose turn is still ending (its client gone) is deleted once
+    that turn ends, before the gateway exits. The turn ends at its third refused deletion,
+    after the gateway's stop has begun (the deletion's tries are 0.25 s, then 0.5 s apart)."""
+    with WorkerProxy(stack.worker_address, linger=3) as proxy:
+        gateway = stack.start_gateway([proxy.address], name="stopped")
+        try:
+            client = stack.client(gateway)
+            messages = [{"role": "user", "content": "Write a long story about a mill. (stop)"}]
+            streams = [ask(client, messages, stream=True, max_tokens=150) for _ in range(2)]
+            for stream in streams:
+                next(iter(stream))  # the second's is a spare: the first's turn is in flight
+            own, spare = map(agent_of, streams)
+            assert spare.startswith(f"{own}-")
+            for stream in streams:
+                stream.close()
+            assert gateway.stop() == 0, gateway.log_tail()
+            assert not agent_exists(stack, spare), f"{spare} outlived the gateway"
+            assert agent_exists(stack, own)
+        finally:
+            gateway.stop()
 
 
 def test_a_client_that_goes_away_cancels_its_turn(stack):
