@@ -37,7 +37,7 @@ class Server(uvicorn.Server):
         if self.should_exit:
             return
         host, port = self.servers[0].sockets[0].getsockname()[:2]
-        address = f"{host}:{port}"
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
         facts = {"address": address, "workers": self.gateway.workers, "store": self.gateway.store}
         log.info("serving", extra=facts)
         if self.gateway.address_file:

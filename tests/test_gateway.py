@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -83,12 +85,12 @@ class Stack:
             self.worker_address, args,
         )  # fmt: skip
 
-    def start_gateway(self, workers: list[str], *args: str, name: str = "gateway"):
+    def start_gateway(
+        self, workers: list[str], *args: str, name: str = "gateway", listen: str = "127.0.0.1:0"
+    ):
         flags = ["--model-name", MODEL, *args]
-        proc = gateway_process(
-            workers, self.root / f"{name}.log", self.store.address, "127.0.0.1:0", flags
-        )
-        return proc.start()
+        log = self.root / f"{name}.log"
+        return gateway_process(workers, log, self.store.address, listen, flags).start()
 
     def restart_worker(self) -> None:
         self.worker.stop()
@@ -627,6 +629,25 @@ def test_tokens_name_the_namespace_and_keep_tenants_apart(stack, tmp_path):
         team_b = stack.client(gateway, api_key="token-b-0123456789")
         assert ask(team_b, messages, "alice").agentkv["namespace"] == "team-b"  # its own alice
         assert stack.stored_tokens("alice", "team-a") == before  # A's agent untouched
+    finally:
+        gateway.stop()
+
+
+def test_an_ipv6_address_is_logged_and_written_in_brackets(stack):
+    """[::1]:PORT, as a URL and every HOST:PORT parser takes it (::1:PORT is neither)."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    address_file = stack.root / "ipv6.json"
+    flags = ("--address-file", str(address_file))
+    gateway = stack.start_gateway([stack.worker_address], *flags, name="ipv6", listen="[::1]:0")
+    try:
+        assert re.fullmatch(r"\[::1\]:\d+", gateway.address), gateway.address
+        eventually(address_file.exists, "no --address-file was written")
+        assert json.loads(address_file.read_text()) == {"address": gateway.address}
+        assert [m.id for m in stack.client(gateway).models.list()] == [MODEL]
     finally:
         gateway.stop()
 
