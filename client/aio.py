@@ -25,7 +25,7 @@ import grpc
 
 from agentkv.channels import ClientSecurity
 from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
-from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, no_reply
+from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, typed_errors
 from agentkv.errors import from_rpc_error
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -81,9 +81,19 @@ class AsyncWorkerClient(BaseWorkerClient):
 class AsyncReply(BaseReply):
     """A reply streaming in: `async for` its text pieces (any number of consumers, each from
     the start); `.text`, `.token_ids` and `.usage` are whole once `await wait()` returns.
-    `.worker` is the address that served it."""
+    `.worker` is the address that served it. A reader cancelled while it waits (as by
+    asyncio.wait_for's timeout) stops alone: the turn goes on for the other readers and the
+    next one. `await close()` (or `async with`) stops it for all."""
 
-    _new_lock = staticmethod(asyncio.Lock)
+    def __init__(
+        self,
+        agent: AsyncAgent,
+        call: grpc.aio.UnaryStreamCall,
+        first: pb.TurnResponse | None,
+        worker: str,
+    ) -> None:
+        super().__init__(agent, call, first, worker)
+        self._reading: asyncio.Task[None] | None = None  # the read every waiting reader awaits
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()
@@ -99,17 +109,23 @@ class AsyncReply(BaseReply):
             await self._advance()
 
     async def _advance(self) -> None:
-        """Reads one more response into the reply, unless another consumer finished it."""
-        async with self._lock:
-            if self.done:
-                return
-            self._check()
-            try:
-                self._result.add(await anext(self._stream))
-            except StopAsyncIteration:
-                self._end()
-            except Exception as exc:
-                raise self._failed(exc) from None
+        """Waits for one more response, read by a task of the reply's own that the first
+        reader to need it starts: a reader cancelled meanwhile leaves that read running."""
+        self._check()
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+        await asyncio.shield(self._reading)
+        self._check()
+
+    async def _read(self) -> None:
+        try:
+            self._took(await next_response(self._call))
+        except asyncio.CancelledError:  # the call cancelled: close(), or the memory's
+            self._failed(self._closed())
+        except Exception as exc:
+            self._failed(exc)
+        finally:
+            self._reading = None
 
     async def wait(self) -> AsyncReply:
         async for _ in self:
@@ -117,11 +133,17 @@ class AsyncReply(BaseReply):
         return self
 
     async def close(self) -> None:
-        """Stops reading: a reply not yet whole is cancelled on its worker, which keeps what
-        it generated until then in the agent's context (as any turn cut short), or nothing
-        of the turn if no token came. Not while another task is reading this reply."""
-        if not self.done:
-            await self._stream.aclose()
+        """Stops the reply: one not yet whole is cancelled on its worker, which keeps what
+        it generated until then in the agent's context (as any turn cut short). Its
+        readers, those reading now included, and every later one get FailedPrecondition
+        'the reply ... was closed'. A whole reply stays as it is."""
+        self._close()
+
+    async def __aenter__(self) -> AsyncReply:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def _whole(self) -> TurnResult:
         self._check()
@@ -130,14 +152,19 @@ class AsyncReply(BaseReply):
         return self._result
 
 
+async def next_response(call: grpc.aio.UnaryStreamCall) -> pb.TurnResponse | None:
+    """The call's next response; None once it ended with an OK status."""
+    response = await call.read()
+    return None if response is grpc.aio.EOF else response
+
+
 class AsyncAgent(BaseAgent):
     """One agent of an AsyncAgentMemory. Cheap to make; holds no connection of its own."""
 
-    async def _reply(self, worker: str, responses: AsyncIterator[pb.TurnResponse]) -> AsyncReply:
-        first = await anext(responses, None)  # a worker that is down raises here
-        if first is None:
-            raise no_reply(worker, self)
-        return AsyncReply(self, responses, first, worker)
+    async def _reply(self, worker: str, call: grpc.aio.UnaryStreamCall) -> AsyncReply:
+        with typed_errors():
+            first = await next_response(call)  # a worker that is down raises here
+        return AsyncReply(self, call, first, worker)
 
 
 class AsyncAgentMemory(BaseAgentMemory):

@@ -26,10 +26,10 @@ from agentkv.client.worker_core import (
     BaseWorkerClient,
     MaybeAwaitable,
     Messages,
-    Responses,
     T,
     as_messages,
     same,
+    turn_request,
 )
 from agentkv.errors import (
     AgentExists,
@@ -213,9 +213,9 @@ class BaseAgentMemory:
 
 class BaseAgent:
     """One agent of a memory. Cheap to make; holds no connection of its own. The transport
-    makes the reply once its first response arrives (`_reply`)."""
+    makes the reply from its turn's gRPC call once its first response arrives (`_reply`)."""
 
-    _reply: Callable[[str, Responses], MaybeAwaitable[BaseReply]]
+    _reply: Callable[[str, Any], MaybeAwaitable[BaseReply]]
 
     def __init__(self, memory: BaseAgentMemory, agent_id: str) -> None:
         self.memory, self.id = memory, agent_id
@@ -248,12 +248,12 @@ class BaseAgent:
         retry on another worker after a lost first response does not run the turn twice
         (its request_id): it raises TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)
-        options.update(max_tokens=max_tokens, temperature=temperature, timeout=timeout)
+        options.update(max_tokens=max_tokens, temperature=temperature)
         options.update(request_id=secrets.token_hex(16), phase=phase, durable=mem.durable)
 
         def start(worker: BaseWorkerClient) -> Any:
-            stream = worker.stream_turn(mem.namespace, self.id, messages, **options)
-            return self._reply(worker.address, stream)
+            request = turn_request(mem.namespace, self.id, messages, **options)
+            return self._reply(worker.address, worker.open_turn(request, timeout))
 
         return self._call(start)
 

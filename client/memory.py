@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import TypeVar
 
+import grpc
+
 from agentkv.channels import ClientSecurity
 from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
 from agentkv.client.store import StoreClient
@@ -31,7 +33,7 @@ from agentkv.client.worker_core import (
     TurnResult,
     as_messages,
     cut_off,
-    no_reply,
+    typed_errors,
 )
 from agentkv.worker.v1 import worker_pb2 as pb
 
@@ -40,13 +42,19 @@ T = TypeVar("T")
 
 
 class Reply(BaseReply):
-    """A reply streaming in: iterate for text pieces; `.text`, `.token_ids` and `.usage` wait
-    for the end. `.worker` is the address that served it."""
+    """A reply streaming in: iterate for text pieces (any number of readers, threads
+    included, each from the start); `.text`, `.token_ids` and `.usage` wait for the end.
+    `.worker` is the address that served it. close() it (or use `with`) to stop it early."""
 
-    _new_lock = staticmethod(threading.Lock)
+    def __init__(
+        self, agent: Agent, call: grpc.Call, first: pb.TurnResponse | None, worker: str
+    ) -> None:
+        super().__init__(agent, call, first, worker)
+        self._lock = threading.Lock()  # one reader pulls from the call at a time
 
     def __iter__(self) -> Iterator[str]:
-        """Every piece from the start; several readers (threads included) may iterate."""
+        """Every piece from the start; a reply cut off or closed raises its error once
+        the pieces that came before it are read."""
         seen, pieces = 0, self._result.pieces
         while True:
             with self._lock:
@@ -61,16 +69,28 @@ class Reply(BaseReply):
     def _pull(self) -> None:
         self._check()
         try:
-            self._result.add(next(self._stream))
-        except StopIteration:
-            self._end()
+            self._took(next(self._call, None))
         except Exception as exc:
-            raise self._failed(exc) from None
+            self._failed(exc)
+        self._check()
 
     def wait(self) -> Reply:
         for _ in self:
             pass
         return self
+
+    def close(self) -> None:
+        """Stops the reply, from any thread: one not yet whole is cancelled on its worker,
+        which keeps what it generated until then in the agent's context (as any turn cut
+        short). Its readers, those reading now included, and every later one get
+        FailedPrecondition 'the reply ... was closed'. A whole reply stays as it is."""
+        self._close()
+
+    def __enter__(self) -> Reply:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _whole(self) -> TurnResult:
         return self.wait()._result
@@ -79,11 +99,10 @@ class Reply(BaseReply):
 class Agent(BaseAgent):
     """One agent of an AgentMemory. Cheap to make; holds no connection of its own."""
 
-    def _reply(self, worker: str, responses: Iterator[pb.TurnResponse]) -> Reply:
-        first = next(responses, None)  # a worker that is down raises here
-        if first is None:
-            raise no_reply(worker, self)
-        return Reply(self, responses, first, worker)
+    def _reply(self, worker: str, call: grpc.Call) -> Reply:
+        with typed_errors():
+            first = next(call, None)  # a worker that is down raises here
+        return Reply(self, call, first, worker)
 
 
 class AgentMemory(BaseAgentMemory):

@@ -1,18 +1,21 @@
 """The InferenceWorker's RPCs, sans-IO: each request built from its arguments; a streamed
-turn assembled into its result, and a reply's state with the error of a reply cut off.
-Shared by the sync (client/worker.py, client/memory.py) and asyncio (client/aio.py) clients,
-which add the I/O; routing and agents are client/core.py's.
+turn assembled into its result, and a reply's state with the error of a reply cut off or
+closed. Shared by the sync (client/worker.py, client/memory.py) and asyncio (client/aio.py)
+clients, which add the I/O; routing and agents are client/core.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, TypeVar, Union
 
+import grpc
+
 from agentkv.channels import ClientSecurity
-from agentkv.errors import AgentKVError, Unavailable
+from agentkv.errors import AgentKVError, FailedPrecondition, Unavailable, from_rpc_error
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 
@@ -31,6 +34,37 @@ def as_messages(messages: Messages, role: str = "user") -> list[tuple[str, str]]
 
 def pb_messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
     return [pb.Message(role=role, content=content) for role, content in messages]
+
+
+def turn_request(
+    namespace: str,
+    agent_id: str,
+    messages: Sequence[tuple[str, str]],
+    *,
+    phase: str = "",
+    priority: int = 0,
+    deadline_ms: int = 0,
+    durable: bool = False,
+    whole_conversation: bool = False,
+    request_id: str = "",
+    **sampling: Any,
+) -> pb.TurnRequest:
+    """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
+    resent (its system message first), not only what is new (see TurnRequest in the proto).
+    A retry with the same `request_id` is not run again once the first was taken: TurnTaken.
+    `sampling`: SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
+    return pb.TurnRequest(
+        namespace=namespace,
+        agent_id=agent_id,
+        messages=pb_messages(messages),
+        sampling=pb.SamplingParams(**sampling),
+        phase=phase,
+        priority=priority,
+        deadline_ms=deadline_ms,
+        durable=durable,
+        whole_conversation=whole_conversation,
+        request_id=request_id,
+    )
 
 
 @dataclass(slots=True)
@@ -94,33 +128,19 @@ class BaseWorkerClient:
         agent_id: str,
         messages: Sequence[tuple[str, str]],
         *,
-        phase: str = "",
-        priority: int = 0,
-        deadline_ms: int = 0,
-        durable: bool = False,
-        whole_conversation: bool = False,
-        request_id: str = "",
         timeout: float | None = None,
-        **sampling: Any,
+        **options: Any,
     ) -> Responses:
         """Streams a turn's responses (`async for` them in asyncio): token chunks, then the
         usage. Closing the stream early cancels the turn, which frees its slot on the worker.
-        `whole_conversation`: `messages` are the whole conversation so far, resent (its
-        system message first), not only what is new (see TurnRequest in the proto). A retry
-        with the same `request_id` is not run again once the first was taken: TurnTaken."""
-        request = pb.TurnRequest(
-            namespace=namespace,
-            agent_id=agent_id,
-            messages=pb_messages(messages),
-            sampling=pb.SamplingParams(**sampling),
-            phase=phase,
-            priority=priority,
-            deadline_ms=deadline_ms,
-            durable=durable,
-            whole_conversation=whole_conversation,
-            request_id=request_id,
-        )
+        `options`: turn_request's."""
+        request = turn_request(namespace, agent_id, messages, **options)
         return self._stream(request, timeout or self.timeout)
+
+    def open_turn(self, request: pb.TurnRequest, timeout: float | None = None) -> Any:
+        """A turn's gRPC call, none of it read yet: what a reply reads (iterates, or `await
+        call.read()` in asyncio), and cancels when closed."""
+        return self.stub.Turn(request, timeout=timeout or self.timeout)
 
     def turn(
         self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **options: Any
@@ -198,49 +218,82 @@ def no_reply(worker: str, agent: object) -> Unavailable:
     return Unavailable(f"worker {worker} ended the turn of {agent!r} at once")
 
 
-class BaseReply:
-    """A reply's state as its responses arrive: pieces, token ids, usage, and the error that
-    cut it off, raised again to every later reader. The transport reads the stream under a
-    `_new_lock()`, and gives `_whole()`: the reply once whole (sync: waits for it)."""
+@contextmanager
+def typed_errors() -> Iterator[None]:
+    """A gRPC error raised inside leaves as its agentkv class."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
 
-    _new_lock: Callable[[], Any]
+
+class BaseReply:
+    """A reply's state as its gRPC call's responses arrive: pieces, token ids, usage, and the
+    error that ended it (cut off, or closed), raised again to every later reader. The
+    transport reads the call one response at a time into `_took` (its errors into `_failed`)
+    and gives `_whole()`: the reply once whole (sync: waits for it)."""
+
     _whole: Callable[[], TurnResult]
 
     def __init__(
-        self, agent: object, stream: Responses, first: pb.TurnResponse, worker: str
+        self, agent: object, call: Any, first: pb.TurnResponse | None, worker: str
     ) -> None:
+        """`first`: the call's first response, read by the transport; None (the call ended
+        at once) raises Unavailable."""
+        if first is None:
+            raise no_reply(worker, agent)
         self.agent, self.worker = agent, worker
-        self._stream = stream
+        self._call = call
         self._result = TurnResult()
         self._result.add(first)
         self._error: Exception | None = None
         self._ended = False
-        self._lock = self._new_lock()  # one reader pulls from the stream at a time
 
     @property
     def done(self) -> bool:
         """Whether the reply is whole: its usage came, then the call's status, OK (a durable
-        turn whose commit failed sends its usage, then the error)."""
-        return self._ended
+        turn whose commit failed sends its usage, then the error), and it was not closed."""
+        return self._ended and self._error is None
 
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def _end(self) -> None:
-        """The stream ended with an OK status."""
-        if self._result.usage is None:
-            raise self._failed(StopIteration())
-        self._ended = True
+    def _took(self, response: pb.TurnResponse | None) -> None:
+        """Takes what one read gave: a response, or None when the call ended with an OK
+        status (whole if its usage came). Takes nothing once the reply failed or closed."""
+        if self._error is not None:
+            return
+        if response is not None:
+            self._result.add(response)
+        elif self._result.usage is None:
+            self._error = Unavailable(f"the reply of {self.agent!r} ended without its usage")
+        else:
+            self._ended = True
 
-    def _failed(self, exc: Exception) -> Exception:
-        """Keeps what a read raised, as every later reader will get it."""
-        if isinstance(exc, (StopIteration, StopAsyncIteration)):
-            exc = Unavailable(f"the reply of {self.agent!r} ended without its usage")
-        elif isinstance(exc, AgentKVError):
+    def _failed(self, exc: Exception) -> None:
+        """Keeps what a read raised (a gRPC error as its agentkv class), as every later
+        reader will get it; an error kept before stands (close() before the read it cut)."""
+        if isinstance(exc, grpc.RpcError):
+            exc = from_rpc_error(exc)
+        if isinstance(exc, AgentKVError):
             exc = cut_off(exc, self.worker, len(self._result.token_ids), self.agent)
-        self._error = exc
-        return exc
+        if self._error is None:
+            self._error = exc
+
+    def _close(self) -> None:
+        """close() for both transports: a reply not yet whole fails as closed, for every
+        reader, and its call is cancelled (thread-safe; a read waiting on it wakes)."""
+        if not self.done:
+            self._failed(self._closed())
+            self._call.cancel()  # the worker ends the turn, keeping what it generated
+
+    def _closed(self) -> FailedPrecondition:
+        num_tokens = len(self._result.token_ids)
+        return FailedPrecondition(
+            f"the reply of {self.agent!r} was closed after {num_tokens} tokens; its worker "
+            "keeps what it generated until then in the agent's context"
+        )
 
     @property
     def usage(self) -> pb.Usage:

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
 from agentkv.client.aio import AsyncAgentMemory, AsyncReply
 from agentkv.client.memory import AgentMemory
-from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
+from agentkv.errors import AgentNotFound, FailedPrecondition, InvalidArgument, Unavailable
 from tests.helpers import free_address
+from tests.test_sdk_reply import said_again
 
 SYSTEM = "You are the warden of the prison. " * 12
 Q1 = "Where were you on the night of the fourteenth?"
 HEARD = "Prisoner B said: I was at home, ask my mother."
 Q2 = "Prove it, prisoner."
+T = TypeVar("T")
 
 
 async def collect(reply: AsyncReply) -> list[str]:
@@ -171,3 +175,73 @@ def test_both_sdks_give_a_hung_store_their_own_timeout(
             assert time.monotonic() - started < 30  # 60 s before
         finally:
             os.kill(store_process.proc.pid, signal.SIGCONT)
+
+
+async def mid_read(reader: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """The reader as a task, run until it waits for the reply's next response (a reply of
+    hundreds of tokens is far from whole by then)."""
+    task = asyncio.ensure_future(reader)
+    await asyncio.sleep(0)  # the task runs to its first wait: the read
+    return task
+
+
+def test_a_cancelled_reader_stops_only_itself(tiny_model_dirs, start_worker):
+    """A reader cancelled while it reads (as asyncio.wait_for's timeout cancels it) ends
+    alone: the other readers, and any later one, get the whole reply."""
+    address = start_worker(tiny_model_dirs["llama"]).address
+
+    async def run() -> None:
+        async with AsyncAgentMemory(address) as mem:
+            agent = await mem.agent("a", system=SYSTEM)
+            reply = await agent.say(Q1, max_tokens=256)
+            impatient = await mid_read(reply.wait())
+            patient = asyncio.ensure_future(collect(reply))
+            assert impatient.cancel()  # not done: it was reading
+            pieces = await patient
+            with pytest.raises(asyncio.CancelledError):
+                await impatient
+            assert reply.usage.generated_tokens == len(reply.token_ids) > 64
+            assert "".join(pieces) == reply.text
+
+            alone = await agent.say(Q2, max_tokens=256)
+            sole = await mid_read(alone.wait())
+            assert sole.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sole
+            assert not alone.done  # the next reader goes on where it was
+            whole = await alone.wait()
+            assert whole.usage.generated_tokens == len(whole.token_ids) > 64
+
+    asyncio.run(run())
+
+
+def test_closing_a_reply_another_task_reads_ends_it_for_every_reader(tiny_model_dirs, start_worker):
+    """close() while another task reads: that reader, and every later one, get
+    FailedPrecondition 'closed'; the worker cuts the turn short."""
+    address = start_worker(tiny_model_dirs["llama"]).address
+    closed = r"the reply of AsyncAgent\(default/a\) was closed after \d+ tokens"
+
+    async def run() -> int:
+        async with AsyncAgentMemory(address) as mem:
+            agent = await mem.agent("a", system=SYSTEM)
+            before = (await agent.describe()).num_tokens
+            reply = await agent.say(Q1, max_tokens=1024)
+            reader = await mid_read(reply.wait())
+            await reply.close()
+            with pytest.raises(FailedPrecondition, match=closed):
+                await reader
+            with pytest.raises(FailedPrecondition, match=closed):
+                await collect(reply)
+            with pytest.raises(FailedPrecondition, match=closed):
+                _ = reply.text
+            await reply.close()  # again: nothing more
+            other = await mem.agent("b", system=SYSTEM)
+            async with await other.say(Q2, max_tokens=8) as whole:
+                await whole.wait()
+            assert whole.done and whole.usage.generated_tokens == len(whole.token_ids)
+            assert whole.text  # closing a whole reply kept it whole
+            return before
+
+    before = asyncio.run(run())
+    with AgentMemory(address) as mem:
+        assert said_again(mem.agent("a"), Q2).usage.prompt_tokens < before + 1024
