@@ -3,9 +3,10 @@
 `import_gguf(file, out, weights)` writes config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json, which `mlx_lm.load` opens offline. Tensors are read from their raw
 blocks (gguf_header, gguf_quants) and either dequantized (float32, float16, bfloat16) or, for
-"native", kept quantized where MLX has the layout: Q4_0, Q4_1, Q8_0 and Q4_K are MLX
-affine quantization with group size 32, so they load as MLX quantized layers (Q4_K's scales
-rounded to fp16); the other K-quants and Q5_0/Q5_1 have no such layout and come as float16.
+"native", kept quantized where MLX has the layout: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+Q5_K are MLX affine quantization with group size 32, so they load as 4-, 5- or 8-bit MLX
+layers (the K-quants' scales rounded to fp16); Q2_K, Q3_K and Q6_K scale groups of 16, which
+MLX has no layout for, and come as float16.
 `cached_import` does it once per file, keyed by the file's hash, which also enters the
 directory's config (and so the worker's fingerprint).
 """
@@ -29,15 +30,24 @@ import numpy as np
 import xxhash
 
 from inference_worker.gguf_header import TensorInfo, read_header
-from inference_worker.gguf_quants import AFFINE, BLOCKS, affine, block_weights, dequantize, nbytes
+from inference_worker.gguf_quants import (
+    AFFINE,
+    BLOCKS,
+    GROUP,
+    affine,
+    block_weights,
+    dequantize,
+    nbytes,
+)
 from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
-GROUP_SIZE = 32  # every GGUF block quantization kept as MLX layers (Q4_0, Q4_1, Q8_0, Q4_K)
+GROUP_SIZE = GROUP  # every GGUF block quantization kept as MLX layers (gguf_quants.AFFINE)
 # Bump when the output of an import changes: it names the cache directory and enters the
 # model's config, so the fingerprint of every agent stored under it. Per weights choice, so
-# that a change to one leaves the others' agents restorable (4: native keeps Q4_K).
-FORMAT_VERSIONS = {"float32": 3, "float16": 3, "bfloat16": 3, "native": 4}
+# that a change to one leaves the others' agents restorable (4: native keeps Q4_K; 5: and
+# Q5_0, Q5_1 and Q5_K, as 5-bit layers).
+FORMAT_VERSIONS = {"float32": 3, "float16": 3, "bfloat16": 3, "native": 5}
 
 
 def format_version(weights: str) -> int:
@@ -160,7 +170,7 @@ def _check_types(tensors: list[TensorInfo]) -> None:
 
 
 def read_gguf(path: Path, weights: str = "float32") -> tuple[dict, dict]:
-    """(tensors, metadata). Under `native`, Q4_0/Q4_1/Q8_0/Q4_K tensors come as MLX affine
+    """(tensors, metadata). Under `native`, gguf_quants.AFFINE tensors come as MLX affine
     quantization (`stem.weight` packed, `stem.scales`, `stem.biases`), other decoded types as
     NATIVE_FLOAT; otherwise every tensor comes in the `weights` dtype or F32/F16 as stored."""
     header = read_header(path)
@@ -311,7 +321,7 @@ def convert_tensors(tensors: dict, meta: dict, weights: str) -> tuple[dict, dict
         stem = key.rpartition(".")[0]
         if key.endswith((".scales", ".biases")) and stem in quantized:
             continue  # travels with its packed weight
-        if stem in quantized and key.endswith(".weight"):  # native Q4_0, Q4_1, Q8_0, Q4_K
+        if stem in quantized and key.endswith(".weight"):  # native: an AFFINE type
             group = {p: tensors[f"{stem}.{p}"] for p in ("weight", "scales", "biases")}
             quantization[hf_name(key, arch).rpartition(".")[0]] = {
                 "group_size": GROUP_SIZE,

@@ -3,8 +3,9 @@
 Each decoder takes a tensor's blocks as a (blocks, bytes per block) uint8 array and returns
 their weights in float32, every block at once. The products are formed in llama.cpp's order
 (super-block scale times sub-block scale, then times the quant), so they are bit for bit
-what gguf's `dequantize` gives. Q4_0, Q4_1, Q8_0 and Q4_K are also affine with groups of 32,
-so they can stay quantized as MLX layers (`affine`).
+what gguf's `dequantize` gives. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K are also affine
+with groups of 32, so they can stay quantized as MLX layers (`affine`); Q2_K, Q3_K and Q6_K
+scale groups of 16, which MLX has no layout for.
 """
 
 from __future__ import annotations
@@ -67,13 +68,12 @@ def _q8_0(b):
 
 def _q5_0(b):
     high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")
-    q = (_nibbles(b[:, 6:], 16) | high << 4).astype(np.float32) - 16
-    return _f16(b, 0) * q
+    return _f16(b, 0), _nibbles(b[:, 6:], 16) | high << 4, -16 * _f16(b, 0)
 
 
 def _q5_1(b):
     high = np.unpackbits(b[:, 4:8], axis=1, bitorder="little")
-    return _f16(b, 0) * (_nibbles(b[:, 8:], 16) | high << 4).astype(np.float32) + _f16(b, 2)
+    return _f16(b, 0), _nibbles(b[:, 8:], 16) | high << 4, _f16(b, 2)
 
 
 def _q2_k(b):
@@ -97,7 +97,7 @@ def _q4_k(b):
 def _q5_k(b):
     sc, mins = _k_scales(b[:, 4:16])
     q = _nibbles(b[:, 48:], 32) | _bit_planes(b[:, 16:48]) << 4
-    return _by_group(q, _f16(b, 0) * sc, 32) - (_f16(b, 2) * mins)[..., None]
+    return _f16(b, 0) * sc, q, -(_f16(b, 2) * mins)
 
 
 def _q6_k(b):
@@ -117,18 +117,27 @@ def _affine(decode):
 
 
 # decoder, bits; each (scale, q, bias) per group of 32
-AFFINE = {"Q4_0": (_q4_0, 4), "Q4_1": (_q4_1, 4), "Q8_0": (_q8_0, 8), "Q4_K": (_q4_k, 4)}
+AFFINE = {
+    "Q4_0": (_q4_0, 4),
+    "Q4_1": (_q4_1, 4),
+    "Q5_0": (_q5_0, 5),
+    "Q5_1": (_q5_1, 5),
+    "Q8_0": (_q8_0, 8),
+    "Q4_K": (_q4_k, 4),
+    "Q5_K": (_q5_k, 5),
+}
+GROUP = 32  # weights per scale and bias of every AFFINE type
 # type: (weights per block, bytes per block, decoder to float32)
 BLOCKS = {
     "Q4_0": (32, 18, _affine(_q4_0)),
     "Q4_1": (32, 20, _affine(_q4_1)),
-    "Q5_0": (32, 22, _q5_0),
-    "Q5_1": (32, 24, _q5_1),
+    "Q5_0": (32, 22, _affine(_q5_0)),
+    "Q5_1": (32, 24, _affine(_q5_1)),
     "Q8_0": (32, 34, _affine(_q8_0)),
     "Q2_K": (QK_K, 84, _q2_k),
     "Q3_K": (QK_K, 110, _q3_k),
     "Q4_K": (QK_K, 144, _affine(_q4_k)),
-    "Q5_K": (QK_K, 176, _q5_k),
+    "Q5_K": (QK_K, 176, _affine(_q5_k)),
     "Q6_K": (QK_K, 210, _q6_k),
 }
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -166,18 +175,32 @@ def dequantize(
 
 
 def affine(data: np.ndarray, kind: str, shape: tuple[int, ...]):
-    """Q4_0, Q4_1, Q8_0 or Q4_K as MLX affine quantization, group 32: (packed uint32
-    weights, fp16 scales, fp16 biases). For the first three both are exact in fp16: they are
-    the file's fp16 d and m, or d times a power of two. Q4_K's are d and dmin times 6-bit
-    sub-block factors, rounded to fp16 (a relative 2^-11 at most)."""
+    """An AFFINE type as MLX affine quantization, group 32: (packed uint32 weights, fp16
+    scales, fp16 biases), a chunk of blocks at a time. For the 32-weight blocks both are
+    exact in fp16: the file's fp16 d and m, or d times a power of two. Q4_K's and Q5_K's are
+    d and dmin times 6-bit sub-block factors, rounded to fp16 (a relative 2^-11 at most)."""
     decode, bits = AFFINE[kind]
-    scale, q, bias = decode(data.reshape(-1, BLOCKS[kind][1]))
-    per_word = 32 // bits
-    words = q.reshape(-1, per_word).astype(np.uint32) << np.arange(0, 32, bits, dtype=np.uint32)
-    packed = words.sum(axis=-1, dtype=np.uint32)  # disjoint bits: the sum is their OR
-    groups = (*shape[:-1], shape[-1] // 32)
+    weights, block_bytes, _ = BLOCKS[kind]
+    blocks = data.reshape(-1, block_bytes)
+    packed = np.empty((len(blocks), weights * bits // 8), dtype=np.uint8)
+    scales = np.empty((len(blocks), weights // GROUP), dtype=np.float16)
+    biases = np.empty_like(scales)
+    for start in range(0, len(blocks), CHUNK_BLOCKS):
+        chunk = slice(start, start + CHUNK_BLOCKS)
+        scale, q, bias = decode(blocks[chunk])
+        packed[chunk] = _pack(q, bits).reshape(len(q), -1)
+        scales[chunk], biases[chunk] = scale, bias  # rounded to fp16 as they land
+    groups = (*shape[:-1], shape[-1] // GROUP)
     return (
-        packed.reshape(*shape[:-1], -1),
-        scale.astype(np.float16).reshape(groups),
-        bias.astype(np.float16).reshape(groups),
+        packed.view(np.uint32).reshape(*shape[:-1], -1),
+        scales.reshape(groups),
+        biases.reshape(groups),
     )
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Values under 2**bits packed as MLX packs them: each 8 in `bits` bytes, the first in
+    the lowest bits (little-endian), so 4 and 8 bits fill whole uint32s as before."""
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    words = (q.reshape(-1, 8).astype(np.uint64) << shifts).sum(axis=-1, dtype=np.uint64)
+    return words.view(np.uint8).reshape(-1, 8)[:, :bits]  # disjoint bits: the sum is their OR

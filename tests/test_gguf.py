@@ -153,15 +153,18 @@ def _bare_gguf(path, arch: str, data=None, qtype: GGMLQuantizationType | None = 
 # The GGML types agentkv decodes, bit for bit as gguf's numpy dequantize does.
 READABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
 READABLE |= {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-KEPT_QUANTIZED = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K}  # under native: MLX layers, 4 or 8 bits
+# under native: MLX layers of 4, 5 or 8 bits; the K-quants' scales rounded to fp16
+KEPT_QUANTIZED = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K}
+ROUNDED_SCALES = {Q.Q4_K: 15, Q.Q5_K: 31}  # and their largest quant
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 @pytest.mark.parametrize("qtype", list(Q), ids=lambda q: q.name)
 def test_every_tensor_type_reads_as_gguf_decodes_it_or_is_refused_by_name(tmp_path, qtype):
     """A tensor either reads as gguf's own dequantize gives it (bit for bit in float32;
-    under native, Q4_0/Q4_1/Q8_0 as MLX quantization that dequantizes to it, Q4_K as MLX
-    quantization within its fp16-rounded scales and biases, the others rounded to float16)
+    under native, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 as MLX quantization that dequantizes to it,
+    Q4_K and Q5_K as MLX quantization within its fp16-rounded scales and biases, the others
+    rounded to float16)
     or is refused naming it and its type."""
     data = ggml_data((8, 512), qtype, seed=int(qtype))
     gguf = _bare_gguf(tmp_path / "t.gguf", "llama", data, qtype)
@@ -182,8 +185,9 @@ def test_every_tensor_type_reads_as_gguf_decodes_it_or_is_refused_by_name(tmp_pa
         got = mx.dequantize(got, *f32, 32, got.shape[-1] * 32 // 512)
     elif qtype not in (Q.F32, Q.F16):
         want = want.astype(np.float16)
-    if qtype == Q.Q4_K:  # scale and bias each within 2^-11 of theirs: w = s*q + b, q <= 15
-        bound = 2**-11 * (15 * np.abs(np.array(f32[0])) + np.abs(np.array(f32[1])))
+    if qtype in ROUNDED_SCALES:  # scale and bias each within 2^-11 of theirs: w = s*q + b
+        top = ROUNDED_SCALES[qtype]
+        bound = 2**-11 * (top * np.abs(np.array(f32[0])) + np.abs(np.array(f32[1])))
         err = np.abs(np.array(got) - want).reshape(*bound.shape, 32)
         assert (err <= bound[..., None]).all() and err.max() > 0
         return
@@ -209,9 +213,9 @@ MIX = {
 def test_a_k_quant_gguf_runs_as_its_gguf_dequantized_weights(tmp_path):
     """A model whose weights are K-quants (random valid blocks) and Q5_0/Q5_1 imports and
     gives, bit for bit in float32, the logits of the same model loaded from gguf's own
-    dequantization. Under native its Q4_K layers stay 4-bit MLX layers (their scales rounded
-    to fp16, the other decoded weights float16): its logits are within 3x of what rounding
-    every decoded weight to float16 moves them."""
+    dequantization. Under native its Q4_K, Q5_K, Q5_0 and Q5_1 layers stay 4- and 5-bit MLX
+    layers (the K-quants' scales rounded to fp16, the other decoded weights float16): its
+    logits are within 3x of what rounding every decoded weight to float16 moves them."""
     from tests.model_kit import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -235,7 +239,7 @@ def test_a_k_quant_gguf_runs_as_its_gguf_dequantized_weights(tmp_path):
             assert bool(mx.isfinite(expected).all()) and mx.array_equal(got, expected), kind
             continue
         kept = {k for k, m in imported.named_modules() if isinstance(m, QUANTIZED)}
-        assert kept == {k.rpartition(".")[0] for k, q in MIX.items() if q == Q.Q4_K}
+        assert kept == {k.rpartition(".")[0] for k, q in MIX.items() if q in KEPT_QUANTIZED}
         assert 0 < float(mx.abs(got - expected).max()) <= 3 * moved
 
 
