@@ -28,9 +28,11 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentkv.auth import Principal, TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
@@ -53,6 +55,7 @@ INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a wor
 # Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
 # worker's next step, and the agent cannot be deleted before.
 SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+STOPPED = "the gateway is stopping: this reply did not end within its drain; send it again"
 # Not cached, nor held back by a buffering proxy (nginx reads X-Accel-Buffering).
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -388,6 +391,35 @@ def _answering_errors(route: Callable[[Request], Awaitable[Response]]) -> Callab
     return answer
 
 
+class CutOff:
+    """ASGI middleware for the end of a stop's drain: the server cancels the requests still
+    running, which then end as the worker's turns do, with a 503 `unavailable` (an error
+    event once their stream has begun) rather than uvicorn's plain-text 500 or a stream cut
+    off, and a traceback. Only a stop cancels a request so: a client's leaving ends its own."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent: list[Message] = []  # the last message sent
+
+        async def sending(message: Message) -> None:
+            await send(message)
+            sent[:] = [message]
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            error = HTTPError(503, STOPPED, "service_unavailable", code="unavailable")
+            if not sent:
+                await JSONResponse(error.body(), status_code=503)(scope, receive, send)
+            elif sent[0]["type"] == "http.response.start" or sent[0].get("more_body"):
+                body = _sse(error.body()).encode()  # the response under way is a stream
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 async def _no_route(request: Request, exc: HTTPException) -> Response:
     error = HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
     return JSONResponse(error.body(), status_code=exc.status_code)
@@ -415,6 +447,11 @@ def create_app(config: GatewayConfig) -> Starlette:
             await gateway.stop()
 
     handlers = {HTTPException: _no_route}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers=handlers,
+        middleware=[Middleware(CutOff)],
+    )
     app.state.gateway = gateway
     return app

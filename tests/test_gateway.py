@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import queue
 import re
+import signal
 import socket
 import threading
 import time
@@ -479,6 +481,33 @@ class HeldWorker(WorkerProxy):
         return self.streaming.set if lead else lambda: None
 
 
+class StalledWorker(WorkerProxy):
+    """Sends each Turn's first response, then holds the rest until `released`: a reply that
+    is still running however fast the worker is. `streaming`: each agent as its reply
+    starts."""
+
+    def __init__(self, worker: str) -> None:
+        self.released, self.streaming = threading.Event(), queue.Queue()
+        super().__init__(worker)
+
+    def _hold(self, name: str, request: bytes) -> Callable[[], None]:
+        agent = pb.TurnRequest.FromString(request).agent_id if name == "Turn" else ""
+        sent = []
+
+        def responded() -> None:
+            if sent:
+                self.released.wait(60)
+            else:
+                self.streaming.put(agent)
+            sent.append(agent)
+
+        return responded
+
+    def __exit__(self, *exc: object) -> None:
+        self.released.set()
+        super().__exit__(*exc)
+
+
 def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
     context.set_trailing_metadata(exc.trailing_metadata() or ())
     context.abort(exc.code(), exc.details())
@@ -545,6 +574,32 @@ def test_a_stopped_gateway_deletes_its_spare_agents_before_it_exits(stack):
             assert gateway.stop() == 0, gateway.log_tail()
             assert not agent_exists(stack, spare), f"{spare} outlived the gateway"
             assert agent_exists(stack, own)
+        finally:
+            gateway.stop()
+
+
+def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
+    """SIGTERM gives replies in flight the drain's 10 s; one still running then ends as the
+    worker's do, with 503 `unavailable` (send it again): OpenAI's error JSON, an error event
+    once streaming, and no traceback in the log."""
+    with StalledWorker(stack.worker_address) as proxy, ThreadPoolExecutor(1) as pool:
+        gateway = stack.start_gateway([proxy.address], name="drained")
+        try:
+            client = stack.client(gateway)
+            messages = [{"role": "user", "content": "Write a long story about a mill."}]
+            chunks = iter(ask(client, messages, "drained-stream", stream=True, max_tokens=200))
+            next(chunks)
+            whole = pool.submit(ask, client, messages, "drained-whole", max_tokens=200)
+            started = {proxy.streaming.get(timeout=60) for _ in range(2)}
+            assert started == {"drained-stream", "drained-whole"}  # both replies are running
+            gateway.proc.send_signal(signal.SIGTERM)
+            error = error_of(whole.result)
+            assert error.status_code == 503 and error.body["code"] == "unavailable"
+            with pytest.raises(openai.APIError, match="stopping") as cut:
+                list(chunks)
+            assert cut.value.body["code"] == "unavailable"
+            assert gateway.proc.wait(60) == 0
+            assert "Traceback" not in gateway.log_tail(200_000)
         finally:
             gateway.stop()
 
