@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.applications import Starlette
@@ -51,6 +51,7 @@ from agentkv.gateway.protocol import (
 from agentkv.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("agentkv.gateway")
+T = TypeVar("T")
 INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
 # Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
 # worker's next step, and the agent cannot be deleted before.
@@ -116,7 +117,10 @@ class Gateway:
         headers = request.headers
         named, session = headers.get("x-agent-id", ""), headers.get("x-session-id", "")
         anonymous = not (named or session)
-        turn = await self._start(memory, agent_id(named, session, call), call, anonymous)
+        starting = self._start(memory, agent_id(named, session, call), call, anonymous)
+        started, turn = await _while_connected(request, starting)
+        if not started:
+            return Response(status_code=499)  # gone before the first token: nobody reads it
         reply = turn.reply
         facts = {
             "x-agentkv-agent-id": reply.agent.id,
@@ -276,10 +280,13 @@ class Gateway:
             namespace=memory.namespace, agent_id=agent.id, system_prompt=call.system
         )
         created = None
-        with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
-            made = await memory.route(agent.id, lambda w: w.call("CreateAgent", request))
-            created = made.usage  # prompt: the turn resumes from the stored one
         try:
+            with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
+                # Its worker makes it even once cancelled: a spare is deleted after that.
+                made = await _to_the_end(
+                    memory.route(agent.id, lambda w: w.call("CreateAgent", request))
+                )
+                created = made.usage  # prompt: the turn resumes from the stored one
             return Turn(await agent.say(call.messages, **options), created)
         except BaseException:
             self._ended(agent)
@@ -295,20 +302,11 @@ class Gateway:
 
     async def _whole(self, reply: AsyncReply, request: Request) -> bool:
         """Waits for the whole reply; a client that leaves first cancels the turn (False)."""
-        waiting = asyncio.ensure_future(reply.wait())
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            whole, _ = await _while_connected(request, reply.wait())
         finally:
-            gone.cancel()
-            if not waiting.done():
-                waiting.cancel()
-                await asyncio.wait({waiting})
-                await reply.close()
-        if waiting.cancelled():
-            return False
-        waiting.result()  # raises what cut the reply off
-        return True
+            await reply.close()  # a no-op once it is whole
+        return whole
 
     async def _events(
         self, turn: Turn, call: ChatCall, completion: Completion, namespace: str
@@ -340,6 +338,33 @@ def model_id(model: str) -> str:
     GGUF file's without .gguf)."""
     name = Path(model).name if "/" in model else model
     return name.removesuffix(".gguf")
+
+
+async def _while_connected(request: Request, step: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, what `step` returns), or (False, None) when the client goes away first, which
+    cancels the step. Raises what the step raises."""
+    running = asyncio.ensure_future(step)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not running.done():
+            running.cancel()
+            await asyncio.wait({running})
+    if running.cancelled():
+        return False, None
+    return True, running.result()
+
+
+async def _to_the_end(step: Awaitable[T]) -> T:
+    """What `step` returns; a caller cancelled meanwhile is so once the step has ended."""
+    running = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait({running})
+        raise
 
 
 async def _disconnected(request: Request) -> None:

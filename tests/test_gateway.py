@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
@@ -412,12 +413,12 @@ class WorkerProxy:
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 
-    def _hold(self, name: str, request: bytes) -> Callable[[], None]:
+    def _hold(self, name: str, request: bytes, context: Any) -> Callable[[], None]:
         """Waits as the call's test needs; returns what to do at each Turn response."""
         return lambda: None
 
     def _unary(self, name: str, request: bytes, context: grpc.ServicerContext) -> bytes:
-        self._hold(name, request)
+        self._hold(name, request, context)
         method = self.channel.unary_unary(f"/agentkv.worker.v1.InferenceWorker/{name}")
         try:
             return method(request, timeout=context.time_remaining())
@@ -430,7 +431,7 @@ class WorkerProxy:
             _forward_error(exc, context)
 
     def _turn(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        responded = self._hold("Turn", request)
+        responded = self._hold("Turn", request, context)
         method = self.channel.unary_stream("/agentkv.worker.v1.InferenceWorker/Turn")
         responses = method(request, timeout=context.time_remaining())
         if self.linger:
@@ -464,7 +465,7 @@ class HeldWorker(WorkerProxy):
         self.lock, self.leader = threading.Lock(), False
         super().__init__(worker)
 
-    def _hold(self, name: str, request: bytes) -> Callable[[], None]:
+    def _hold(self, name: str, request: bytes, context: Any) -> Callable[[], None]:
         if name == "CreateAgent":
             with self.lock:
                 self.creates -= 1
@@ -482,23 +483,27 @@ class HeldWorker(WorkerProxy):
 
 
 class StalledWorker(WorkerProxy):
-    """Sends each Turn's first response, then holds the rest until `released`: a reply that
-    is still running however fast the worker is. `streaming`: each agent as its reply
-    starts."""
+    """Holds each Turn of the `agents` chosen after `sent` responses (0: a turn still queued
+    or prefilling, 1: a reply still running, however fast the worker is) until `released`.
+    `stalled`: each agent as its Turn stalls; `ended`: as that Turn ends (cancelled)."""
 
-    def __init__(self, worker: str) -> None:
-        self.released, self.streaming = threading.Event(), queue.Queue()
+    def __init__(self, worker: str, sent: int = 1, agents: Callable[[str], bool] = bool) -> None:
+        self.sent, self.agents, self.released = sent, agents, threading.Event()
+        self.stalled: queue.Queue[str] = queue.Queue()
+        self.ended: queue.Queue[str] = queue.Queue()
         super().__init__(worker)
 
-    def _hold(self, name: str, request: bytes) -> Callable[[], None]:
+    def _hold(self, name: str, request: bytes, context: Any) -> Callable[[], None]:
         agent = pb.TurnRequest.FromString(request).agent_id if name == "Turn" else ""
+        if not self.agents(agent):
+            return lambda: None
         sent = []
 
         def responded() -> None:
-            if sent:
+            if len(sent) == self.sent:
+                self.stalled.put(agent)
+                context.add_callback(lambda: self.ended.put(agent))
                 self.released.wait(60)
-            else:
-                self.streaming.put(agent)
             sent.append(agent)
 
         return responded
@@ -590,7 +595,7 @@ def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
             chunks = iter(ask(client, messages, "drained-stream", stream=True, max_tokens=200))
             next(chunks)
             whole = pool.submit(ask, client, messages, "drained-whole", max_tokens=200)
-            started = {proxy.streaming.get(timeout=60) for _ in range(2)}
+            started = {proxy.stalled.get(timeout=60) for _ in range(2)}
             assert started == {"drained-stream", "drained-whole"}  # both replies are running
             gateway.proc.send_signal(signal.SIGTERM)
             error = error_of(whole.result)
@@ -602,6 +607,34 @@ def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
             assert "Traceback" not in gateway.log_tail(200_000)
         finally:
             gateway.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_gone_before_its_first_token_cancels_its_turn_and_spare_then(stack, stream):
+    """A client that leaves while its turn waits for its first token (queued, or in a long
+    prefill; held back here) cancels that turn at once, which deletes its spare agent: not
+    once the first token comes."""
+    with StalledWorker(stack.worker_address, sent=0, agents=is_spare) as proxy:
+        gateway = stack.start_gateway([proxy.address], name=f"left-{stream}")
+        try:
+            messages = [{"role": "user", "content": f"Write a long story about a mill. ({stream})"}]
+            busy = ask(stack.client(gateway), messages, stream=True, max_tokens=400)
+            next(iter(busy))  # the conversation's own agent is busy: the next call's is a spare
+            body = {"model": MODEL, "messages": messages, "stream": stream, "max_tokens": 8}
+            host, port = gateway.address.rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps(body))
+            spare = proxy.stalled.get(timeout=60)
+            conn.close()
+            assert proxy.ended.get(timeout=30) == spare, "the turn went on without its client"
+            busy.close()
+            eventually(lambda: not agent_exists(stack, spare), f"{spare} was left behind")
+        finally:
+            gateway.stop()
+
+
+def is_spare(agent: str) -> bool:
+    return agent.startswith("anon-") and agent.count("-") == 2  # anon-DIGEST-SPARE
 
 
 def test_a_client_that_goes_away_cancels_its_turn(stack):
