@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +28,28 @@ NS = "default"
 
 
 q4_tensors = synthetic.q4_tensors
+
+
+def freeze(pid: int, group: bool = False) -> None:
+    """Stops a process (its process group, with `group`) with SIGSTOP and waits until every
+    thread of it is stopped: the kernel stops them when each next runs, and a loopback call
+    made at once was seen answered (1 run in ~10, the SIGSTOP still pending). SIGCONT ends it."""
+    (os.killpg if group else os.kill)(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not all(state in "Tt" for state in _thread_states(pid)):
+        assert time.monotonic() < deadline, f"process {pid} did not stop within 60 s"
+        time.sleep(0.001)
+
+
+def _thread_states(pid: int) -> list[str]:
+    """Each thread's state letter (R, S, T, ...) from /proc; a thread gone since is left out."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return states
 
 
 def make_chain(

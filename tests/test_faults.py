@@ -21,7 +21,7 @@ from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentKVError, DiskFull, QuotaExceeded, Unavailable
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import free_address
+from tests.helpers import free_address, freeze
 
 SYSTEM = "You are the keeper of the lighthouse, and you log every ship. " * 8
 Q1 = [("user", "Which ships passed tonight?")]
@@ -148,7 +148,7 @@ def test_a_hung_worker_is_failed_over(tiny_model_dirs, start_worker):
         )
         agent = mem.agent(agent_id, SYSTEM)
         agent.say(Q1[0][1], max_tokens=6).wait()
-        os.kill(a.proc.pid, signal.SIGSTOP)
+        freeze(a.proc.pid)
         try:
             moved = agent.say(Q2[0][1], max_tokens=6).wait()
             assert moved.worker == b.address and moved.usage.cache_state == "warm"

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import free_address
+from tests.helpers import free_address, freeze
 
 
 def agentkv(*args: str) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_a_server_that_takes_the_connection_but_does_not_answer_is_not_called_ab
         "silent-tls": [quiet, "--tls-ca", ca],
         "http": [f"127.0.0.1:{web.server_address[1]}"],
     }
-    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    freeze(store_process.proc.pid)
     try:
         started = {
             name: subprocess.Popen(

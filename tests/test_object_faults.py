@@ -20,6 +20,7 @@ import xxhash
 
 from cache_store.records import encode_uploaded_id
 from tests import test_object_store as tier
+from tests.helpers import freeze
 from tests.test_object_store import (
     BUCKET,
     NS,
@@ -279,7 +280,7 @@ def test_a_lease_renewal_retried_across_a_frozen_bucket_is_not_a_lost_lease(buck
         with store.client() as c:
             save(c, "a", list(range(1, 100)))
             wait_for("the upload", lambda: uploaded(c))
-        os.killpg(weed.proc.pid, signal.SIGSTOP)
+        freeze(weed.proc.pid, group=True)
         try:
             wait_for(
                 "a renewal's retry",

@@ -18,7 +18,7 @@ import pytest
 from agentkv.client.aio import AsyncAgentMemory, AsyncReply
 from agentkv.client.memory import AgentMemory
 from agentkv.errors import AgentNotFound, FailedPrecondition, InvalidArgument, Unavailable
-from tests.helpers import free_address
+from tests.helpers import free_address, freeze
 from tests.test_sdk_reply import said_again
 
 SYSTEM = "You are the warden of the prison. " * 12
@@ -167,7 +167,7 @@ def test_both_sdks_give_a_hung_store_their_own_timeout(
     worker = start_worker(tiny_model_dirs["llama"]).address
     with AgentMemory(worker, store=store_process.address, timeout=2) as mem:
         assert mem.agents() == []  # connected: what follows waits on an answer
-        os.kill(store_process.proc.pid, signal.SIGSTOP)
+        freeze(store_process.proc.pid)
         try:
             started = time.monotonic()
             with pytest.raises(DeadlineExceeded):

@@ -48,6 +48,7 @@ from tests.faulty_worker import (
     SLOW_STEP_SEED,
     STEP_FAULT_SEED,
 )
+from tests.helpers import freeze
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -290,7 +291,7 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
         result["turn"] = waiting.turn("ns", "sleeper", Q2, max_tokens=4)
 
     sleeper = threading.Thread(target=restore_sleeper)
-    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    freeze(store_process.proc.pid)
     try:
         sleeper.start()
         hot = w.turn("ns", "keeper", Q2, max_tokens=6, **SAMPLED)
@@ -319,7 +320,7 @@ def test_a_restore_from_a_hung_store_fails_once_a_keepalive_ping_goes_unanswered
     create(w, ("ns", "sleeper"))
     w.turn("ns", "sleeper", Q1, max_tokens=4, durable=True)
     w.evict("ns", "sleeper")  # only the store holds it now
-    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    freeze(store_process.proc.pid)
     try:
         with pytest.raises(Unavailable, match=r"keepalive ping.*hung, or its link is down"):
             w.turn("ns", "sleeper", Q2, max_tokens=4)
