@@ -82,7 +82,8 @@ class InferenceWorkerServicer:
     """
 
     def CreateAgent(self, request, context):
-        """Creates an agent with a system prompt; its cache is prefilled and persisted.
+        """Creates an agent with a system prompt; its cache is prefilled and then persisted in the
+        background: the reply can come before the first commit (persisted_tokens 0).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
