@@ -244,7 +244,9 @@ class Engine:
         """The batch's turn for `job`: it prefills `pending` and asks for `memory` bytes."""
         max_tokens = job.sampling.max_tokens
         rid = f"{next(self._turn_ids)}"
-        request = Request(rid, len(pending), max_tokens, memory, job.priority, deadline)
+        request = Request(
+            rid, len(pending), max_tokens, memory, job.priority, deadline, job.namespace
+        )
         return ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
 
     def _resumed(self, agent: Agent, messages: list[ChatMessage]) -> Resumed:

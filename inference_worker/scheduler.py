@@ -5,12 +5,15 @@ first, so streams stay smooth; what is left goes to prefill chunks, oldest first
 highest priority, so a long prefill is cut into pieces instead of freezing the others. New
 requests join between any two steps, while memory (hot tier + live batch) and the batch size
 allow; the rest wait in a bounded queue, and past it a request is refused at once.
+Namespaces (tenants) are served in turn: each may fill only its share of the queue, and the
+line takes every namespace's first request, then every one's second, ...; priority orders a
+namespace's own requests, so no tenant's flood (or priority) holds the others back.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -40,6 +43,8 @@ class Request:
     memory_bytes: int  # KV bytes it will hold in the live batch at its longest
     priority: int = 0  # higher runs first
     deadline: float | None = None  # on the scheduler's clock; past it the request expires
+    namespace: str = ""  # the tenant: namespaces take turns in line
+    round: int = 0  # its turn in line among the namespaces' (Scheduler._line)
     state: State = State.WAITING
     prefilled: int = 0
     generated: int = 0
@@ -69,11 +74,14 @@ class Scheduler:
         self.max_batch, self.prefill_chunk = config.max_batch, config.prefill_chunk
         self.step_tokens = max(config.step_tokens, config.max_batch)  # room for every decoder
         self.queue_limit, self.memory_budget = config.queue_limit, config.hot_budget_bytes
+        self.namespace_queue_limit = config.namespace_queue_limit
         # While anyone decodes, a step prefills at most this much: it bounds their token gap.
         self.prefill_while_decoding = prefill_while_decoding
         self.hot_bytes = 0  # set by the engine: RAM its hot tier holds outside the batch
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._round = 0  # the round of the request admitted last
+        self._next: dict[str, int] = {}  # namespace -> the round it may be served in next
 
     # requests in and out
 
@@ -83,6 +91,12 @@ class Scheduler:
             raise ResourceExhausted(
                 f"request {request.request_id} needs {request.memory_bytes} bytes of KV, more "
                 f"than the worker's whole memory budget of {self.memory_budget}"
+            )
+        mine = sum(r.namespace == request.namespace for r in self.waiting)
+        if mine >= self.namespace_queue_limit:
+            raise ResourceExhausted(
+                f"namespace {request.namespace!r} has {mine} turns waiting on this worker, "
+                f"its share of the queue (--namespace-queue-limit); retry later"
             )
         if len(self.waiting) >= self.queue_limit:
             raise ResourceExhausted(
@@ -114,7 +128,7 @@ class Scheduler:
     def hot_room(self) -> int:
         """The most hot-tier bytes with which the first waiting request in line is admitted:
         admission serves the line in order, so room for a smaller one behind admits no one."""
-        head = self._by_priority(self.waiting)[0]
+        head = self._line()[0]
         return self.memory_budget - self.reserved_bytes - head.memory_bytes
 
     # one step
@@ -123,13 +137,14 @@ class Scheduler:
         step = Step(expired=self._expire(now))
         step.admitted = self._admit()
         budget = self.step_tokens
-        for request in self._by_priority(self.running):
+        in_line = sorted(self.running, key=_in_round)
+        for request in in_line:
             if request.state is State.DECODING and budget > 0:
                 step.decode.append(request)
                 budget -= 1
         if step.decode:
             budget = min(budget, self.prefill_while_decoding)
-        for request in self._by_priority(self.running):
+        for request in in_line:
             if request.state is State.PREFILLING and budget > 0:
                 n = min(self.prefill_chunk, budget, request.prompt_tokens - request.prefilled)
                 step.prefill.append((request, n))
@@ -154,13 +169,14 @@ class Scheduler:
 
     def _admit(self) -> list[Request]:
         admitted = []
-        for request in self._by_priority(self.waiting):
+        for request in self._line():
             if len(self.running) >= self.max_batch:
                 break
             free = self.memory_budget - self.hot_bytes - self.reserved_bytes
             if request.memory_bytes > free:
                 break  # first come, first served: no one overtakes the head for memory
             self.waiting.remove(request)
+            self._served(request)
             request.state = State.PREFILLING if request.prompt_tokens else State.DECODING
             self.running.append(request)
             admitted.append(request)
@@ -175,6 +191,27 @@ class Scheduler:
             request.state = State.EXPIRED
         return expired
 
-    @staticmethod
-    def _by_priority(requests: Iterable[Request]) -> list[Request]:
-        return sorted(requests, key=lambda r: (-r.priority, r.order))
+    def _line(self) -> list[Request]:
+        """The waiting requests in the order they are admitted. Each namespace's own, by
+        priority then arrival, take the rounds from the next one it may be served in (one
+        past its last admitted; a namespace back from idle starts at the current round, with
+        no credit for the time it was away); within a round, priority then arrival."""
+        mine: dict[str, list[Request]] = defaultdict(list)
+        for request in sorted(self.waiting, key=lambda r: (-r.priority, r.order)):
+            mine[request.namespace].append(request)
+        for namespace, line in mine.items():
+            start = max(self._round, self._next.get(namespace, 0))
+            for i, request in enumerate(line):
+                request.round = start + i
+        return sorted(self.waiting, key=_in_round)
+
+    def _served(self, request: Request) -> None:
+        """Moves the rounds on past an admitted request (forgetting namespaces that are
+        no further on than the current round: they start there anyway)."""
+        self._round = max(self._round, request.round)
+        self._next[request.namespace] = request.round + 1
+        self._next = {ns: n for ns, n in self._next.items() if n > self._round}
+
+
+def _in_round(request: Request) -> tuple[int, int, int]:
+    return request.round, -request.priority, request.order

@@ -168,3 +168,38 @@ def test_prefill_shrinks_while_others_decode_to_bound_their_gaps():
     b = req("b", prompt=1000)
     s.submit(b)
     assert run_step(s).prefill == [(b, 128)]  # a decodes: b's chunk is capped
+
+
+def test_a_namespace_may_fill_only_its_share_of_the_queue():
+    """One tenant's flood of turns fills at most --namespace-queue-limit of the queue: its
+    next is refused naming it, while another namespace's turns still wait for a slot."""
+    s = sched(max_batch=1, queue_limit=4, namespace_queue_limit=2)
+    s.submit(req("a0", namespace="a"))
+    run_step(s)  # a0 runs; the line is empty
+    for name in ("a1", "a2"):
+        s.submit(req(name, namespace="a"))
+    with pytest.raises(ResourceExhausted, match="namespace 'a' has 2 turns waiting"):
+        s.submit(req("a3", namespace="a"))
+    for name in ("b1", "b2"):
+        s.submit(req(name, namespace="b"))
+    assert [r.request_id for r in s.waiting] == ["a1", "a2", "b1", "b2"]
+
+
+def test_namespaces_take_turns_in_line_and_priority_counts_within_one():
+    """The line serves each namespace's first turn, then each one's second, ...: a tenant
+    that queued many turns (or gave them all a high priority) delays another's by one turn
+    of its own, not all of them. Within a namespace, priority first, then arrival."""
+    s = sched(max_batch=1, queue_limit=16, namespace_queue_limit=16)
+    s.submit(req("running", namespace="a", max_tokens=1))
+    run_step(s)
+    for name, priority in [("a1", 9), ("a2", 9), ("a3", 9), ("a-low", 0)]:
+        s.submit(req(name, namespace="a", priority=priority))
+    s.submit(req("b1", namespace="b"))
+    s.submit(req("c-low", namespace="c"))
+    s.submit(req("c-high", namespace="c", priority=1))
+    served = []
+    while s.waiting or s.running:
+        step = run_step(s)
+        served += [r.request_id for r in step.admitted]
+    # "a" took round 0 with its running turn: b and c take theirs first
+    assert served == ["c-high", "b1", "a1", "c-low", "a2", "a3", "a-low"]

@@ -34,6 +34,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     InvalidArgument,
+    ResourceExhausted,
     TurnTaken,
     Unavailable,
 )
@@ -528,3 +529,56 @@ def test_a_turn_still_queued_when_its_worker_stops_moves_to_another(
         assert len(replies[0].token_ids) == 3 and replies[0].usage.cache_state == "warm"
         with pytest.raises(Unavailable, match=r"(say|send) it again"):
             decoding.wait()
+
+
+# one tenant's flood
+
+
+def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """Namespace a holds the only slot (a slow turn) and floods the queue: its turns wait up
+    to --namespace-queue-limit, the next is refused naming the namespace, and namespace b's
+    turn still queues (before, a filled the whole queue and b got 'worker busy') and is
+    answered before a's waiting turns, a having had its turn."""
+    extra = ("--max-batch", "1", "--queue-limit", "4", "--namespace-queue-limit", "2")
+    extra += ("--metrics-listen", "127.0.0.1:0")
+    proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
+    w = WorkerClient(proc.address, timeout=120)
+    create(w, ("a", "hog"), ("a", "w0"), ("a", "w1"), ("a", "w2"), ("b", "guest"))
+    hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
+    next(hog)  # a holds the only slot; every step now takes seconds
+    answered: list[tuple[str, object]] = []
+
+    def turn(namespace: str, agent: str) -> None:
+        try:
+            answered.append((agent, w.turn(namespace, agent, TALK, max_tokens=2)))
+        except AgentKVError as exc:
+            answered.append((agent, exc))
+
+    threads = []
+    # each turn in order, once it waits (so many turns queued) or was refused (None)
+    for namespace, agent, queued in (
+        ("a", "w0", 1),
+        ("a", "w1", 2),
+        ("a", "w2", None),
+        ("b", "guest", 3),
+    ):
+        threads.append(threading.Thread(target=turn, args=(namespace, agent)))
+        threads[-1].start()
+        deadline = time.monotonic() + 60
+        while (
+            metric(proc, "agentkv_worker_turns_waiting") < queued
+            if queued
+            else agent not in dict(answered)
+        ):
+            assert time.monotonic() < deadline, f"{agent}'s turn neither queued nor was refused"
+            time.sleep(0.05)
+    hog.close()  # the slot frees: the line goes on
+    for thread in threads:
+        thread.join(120)
+    refused = dict(answered)["w2"]
+    assert isinstance(refused, ResourceExhausted)
+    assert "namespace 'a' has 2 turns waiting" in str(refused)
+    served = [agent for agent, result in answered if not isinstance(result, Exception)]
+    assert served == ["guest", "w0", "w1"]
