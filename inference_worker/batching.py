@@ -86,11 +86,15 @@ class Batcher:
         """The agents with a turn in flight."""
         return {t.agent.id for t in self.active.values()}
 
-    def schedule(self) -> Step:
-        """Lets cancelled and expired turns go, then asks the scheduler for the next step."""
+    def let_cancelled_go(self) -> None:
+        """Turns whose callers cancelled them leave now, in the batch or waiting for it."""
         self._leave_all(
             [(t, "cancelled") for t in self.active.values() if t.job.cancelled.is_set()]
         )
+
+    def schedule(self) -> Step:
+        """Lets cancelled and expired turns go, then asks the scheduler for the next step."""
+        self.let_cancelled_go()
         step = self.scheduler.schedule(time.monotonic())
         for request in step.expired:
             self._expire(self.active[request.request_id])

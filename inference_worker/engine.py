@@ -51,6 +51,10 @@ TAKEN = (
     "agent {!r} already took the turn {}, whose reply was lost: describe() the agent to see "
     "its context (that turn included) before saying what comes next"
 )
+NOT_MADE = (
+    "agent {!r} was not made: the CreateAgent call making it was cancelled before its system "
+    "prompt was prefilled; create it again"
+)
 log = logging.getLogger("agentkv.worker")
 CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
 
@@ -143,7 +147,15 @@ class Engine:
         """Starts a new agent (ids and metadata checked by the caller): its system prompt is
         prefilled after the blocks of `shared` (Restorer.fetch_prefix: the same prefix,
         stored) as a turn of its own, scheduled in chunks between the others' steps and
-        within the hot budget; its usage and END arrive on job.events."""
+        within the hot budget; its usage and END arrive on job.events.
+
+        A call cancelled (its deadline, or its client gone) before the prefill's last chunk
+        ran makes nothing: it leaves the batch at the next step, no agent here or in the
+        store. One cancelled later makes the agent whole all the same (in RAM at once, in
+        the store once its commit lands): the cancel is read only between steps."""
+        self.batcher.let_cancelled_go()  # a retry does not wait on its cancelled first call
+        if job.cancelled.is_set():
+            raise DeadlineExceeded(NOT_MADE.format(job.agent_id))
         ns, agent_id = job.namespace, job.agent_id
         hot = self.hot.get((ns, agent_id))
         if hot is not None and hot.id in self._creating:  # being made: answered once it is
@@ -282,13 +294,12 @@ class Engine:
         """A turn left the batch: persist the agent, then end its stream (a durable turn's
         once its commit is done, on the writer thread)."""
         usage, agent, job = turn.usage, turn.agent, turn.job
-        said = usage.generated_tokens or not job.sampling.max_tokens
+        said = usage.generated_tokens or not (job.sampling.max_tokens or job.creates)
         if not said and usage.finish_reason in ("cancelled", "deadline"):
             # Nothing was said: the turn goes back as a failed one does, or its messages and
-            # the reply's opening would stay in the context with no reply after them.
-            why = "was cancelled" if usage.finish_reason == "cancelled" else "ran out of time"
-            message = f"the turn of agent {agent.agent_id!r} {why} before its first token"
-            self._turn_failed(turn, DeadlineExceeded(message), usage.finish_reason)
+            # the reply's opening would stay in the context with no reply after them (a new
+            # agent's system prompt, in a cache that holds part of it).
+            self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
             return
         if usage.generated_tokens:
             # What the context holds: the reply sent, and past a stop string the text the
@@ -415,3 +426,13 @@ class Engine:
             raise FailedPrecondition(
                 f"agent {agent.agent_id!r} is mid-turn; {what} it after the turn"
             )
+
+
+def _ended_early(turn: ActiveTurn) -> DeadlineExceeded:
+    """What a turn that left the batch before saying anything raises."""
+    if turn.job.creates:
+        return DeadlineExceeded(NOT_MADE.format(turn.agent.agent_id))
+    why = "was cancelled" if turn.usage.finish_reason == "cancelled" else "ran out of time"
+    return DeadlineExceeded(
+        f"the turn of agent {turn.agent.agent_id!r} {why} before its first token"
+    )

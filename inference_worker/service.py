@@ -106,7 +106,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     ) -> Iterator[pb.TurnResponse]:
         """Starts the job on the engine (a turn, unless `start` says otherwise) and streams
         its events until it ends."""
-        context.add_callback(job.cancelled.set)  # a client that goes away frees its slot
+        # A client that goes away frees its slot; one gone already never holds one.
+        if not context.add_callback(job.cancelled.set):
+            job.cancelled.set()
         (start or self.front.start_turn)(job)  # raises what refused it
         pending = None  # what came after a run of token events
         while (event := pending or _next_event(job, context)) is not END:
