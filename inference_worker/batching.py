@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from agentkv.errors import AgentKVError, DeadlineExceeded
+from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
 from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
@@ -76,8 +76,16 @@ class Batcher:
         self.batch: list[BatchQuantizedKV] | None = None
 
     def add(self, turn: ActiveTurn) -> None:
-        self.scheduler.submit(turn.request)  # raises ResourceExhausted when full
+        pushed = self.scheduler.submit(turn.request)  # raises ResourceExhausted when full
         self.active[turn.request.request_id] = turn
+        if pushed is not None:  # a full queue is shared: it gave its place to `turn`
+            self._fail(
+                self.active[pushed.request_id],
+                ResourceExhausted(
+                    "worker busy: this turn's place in the queue went to a turn of another "
+                    "namespace (a full queue is shared evenly); retry later"
+                ),
+            )
 
     def holds(self, agent: Agent) -> bool:
         return any(t.agent is agent for t in self.active.values())

@@ -51,9 +51,6 @@ class WorkerConfig(ServerConfig):
         512, "tokens per model step: every decoder's next token, then prefill chunks"
     )
     queue_limit: int = flag(64, "turns that may wait for a slot; past it RESOURCE_EXHAUSTED")
-    namespace_queue_limit: int = flag(
-        32, "turns one namespace may have waiting: its share of --queue-limit"
-    )
     restore_path: str = flag(
         "auto",
         "how to read the store: locate (same host), stream, or auto (locate when the store "
@@ -108,8 +105,6 @@ class WorkerConfig(ServerConfig):
             )
         if self.max_batch < 1 or self.step_tokens < 1 or self.queue_limit < 0:
             raise ValueError("max_batch and step_tokens must be >= 1, queue_limit >= 0")
-        if self.namespace_queue_limit < 1:
-            raise ValueError("namespace_queue_limit must be >= 1")
         if self.restore_path not in RESTORE_PATHS:
             raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
         if self.dtype not in DTYPES:

@@ -5,15 +5,18 @@ first, so streams stay smooth; what is left goes to prefill chunks, oldest first
 highest priority, so a long prefill is cut into pieces instead of freezing the others. New
 requests join between any two steps, while memory (hot tier + live batch) and the batch size
 allow; the rest wait in a bounded queue, and past it a request is refused at once.
-Namespaces (tenants) are served in turn: each may fill only its share of the queue, and the
-line takes every namespace's first request, then every one's second, ...; priority orders a
-namespace's own requests, so no tenant's flood (or priority) holds the others back.
+Namespaces (tenants) are served in turn: the line takes every namespace's first request,
+then every one's second, ...; priority orders a namespace's own requests. One namespace may
+fill the whole queue, but a full queue is shared: a newcomer of a namespace holding fewer of
+its places takes the place of the last in line of the namespace holding the most. So no
+tenant's flood (or priority) holds the others back.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -74,7 +77,6 @@ class Scheduler:
         self.max_batch, self.prefill_chunk = config.max_batch, config.prefill_chunk
         self.step_tokens = max(config.step_tokens, config.max_batch)  # room for every decoder
         self.queue_limit, self.memory_budget = config.queue_limit, config.hot_budget_bytes
-        self.namespace_queue_limit = config.namespace_queue_limit
         # While anyone decodes, a step prefills at most this much: it bounds their token gap.
         self.prefill_while_decoding = prefill_while_decoding
         self.hot_bytes = 0  # set by the engine: RAM its hot tier holds outside the batch
@@ -85,25 +87,35 @@ class Scheduler:
 
     # requests in and out
 
-    def submit(self, request: Request) -> None:
-        """Queues a request, or raises ResourceExhausted when it could never or may not wait."""
+    def submit(self, request: Request) -> Request | None:
+        """Queues a request; returns the one it pushed out of a full queue, if any (the last
+        in line of the namespace holding the most places, when the request's own namespace
+        holds at least two fewer). Raises ResourceExhausted when it could never or may not
+        wait."""
         if request.memory_bytes > self.memory_budget:
             raise ResourceExhausted(
                 f"request {request.request_id} needs {request.memory_bytes} bytes of KV, more "
                 f"than the worker's whole memory budget of {self.memory_budget}"
             )
-        mine = sum(r.namespace == request.namespace for r in self.waiting)
-        if mine >= self.namespace_queue_limit:
-            raise ResourceExhausted(
-                f"namespace {request.namespace!r} has {mine} turns waiting on this worker, "
-                f"its share of the queue (--namespace-queue-limit); retry later"
-            )
+        pushed = None
         if len(self.waiting) >= self.queue_limit:
+            pushed = self._pushed_out(request.namespace)
+            self.waiting.remove(pushed)
+            pushed.state = State.CANCELLED
+        self.waiting.append(request)
+        return pushed
+
+    def _pushed_out(self, namespace: str) -> Request:
+        """Whose place in a full queue a request of `namespace` takes, or ResourceExhausted."""
+        held = Counter(r.namespace for r in self.waiting)
+        most, count = held.most_common(1)[0] if held else ("", 0)
+        if held[namespace] + 1 >= count:  # it would hold as many: it waits its turn elsewhere
             raise ResourceExhausted(
                 f"worker busy: {len(self.running)} running, {len(self.waiting)} queued "
-                f"(queue limit {self.queue_limit}); retry later"
+                f"(queue limit {self.queue_limit}; namespace {namespace!r} holds "
+                f"{held[namespace]} of those places, no fewer than any other); retry later"
             )
-        self.waiting.append(request)
+        return [r for r in self._line() if r.namespace == most][-1]
 
     def cancel(self, request_id: str) -> Request | None:
         """Stops a request now; its slot and memory are free for the next step."""
@@ -137,7 +149,7 @@ class Scheduler:
         step = Step(expired=self._expire(now))
         step.admitted = self._admit()
         budget = self.step_tokens
-        in_line = sorted(self.running, key=_in_round)
+        in_line = _interleaved(self.running)
         for request in in_line:
             if request.state is State.DECODING and budget > 0:
                 step.decode.append(request)
@@ -196,10 +208,7 @@ class Scheduler:
         priority then arrival, take the rounds from the next one it may be served in (one
         past its last admitted; a namespace back from idle starts at the current round, with
         no credit for the time it was away); within a round, priority then arrival."""
-        mine: dict[str, list[Request]] = defaultdict(list)
-        for request in sorted(self.waiting, key=lambda r: (-r.priority, r.order)):
-            mine[request.namespace].append(request)
-        for namespace, line in mine.items():
+        for namespace, line in _by_namespace(self.waiting).items():
             start = max(self._round, self._next.get(namespace, 0))
             for i, request in enumerate(line):
                 request.round = start + i
@@ -215,3 +224,18 @@ class Scheduler:
 
 def _in_round(request: Request) -> tuple[int, int, int]:
     return request.round, -request.priority, request.order
+
+
+def _by_namespace(requests: Iterable[Request]) -> dict[str, list[Request]]:
+    """Each namespace's requests, by priority then arrival."""
+    mine: dict[str, list[Request]] = defaultdict(list)
+    for request in sorted(requests, key=lambda r: (-r.priority, r.order)):
+        mine[request.namespace].append(request)
+    return mine
+
+
+def _interleaved(requests: Iterable[Request]) -> list[Request]:
+    """Every namespace's first (by priority, then arrival), then every one's second, ...;
+    within each, priority then arrival. One namespace: priority, then arrival."""
+    rank = {id(r): i for line in _by_namespace(requests).values() for i, r in enumerate(line)}
+    return sorted(requests, key=lambda r: (rank[id(r)], -r.priority, r.order))

@@ -170,26 +170,43 @@ def test_prefill_shrinks_while_others_decode_to_bound_their_gaps():
     assert run_step(s).prefill == [(b, 128)]  # a decodes: b's chunk is capped
 
 
-def test_a_namespace_may_fill_only_its_share_of_the_queue():
-    """One tenant's flood of turns fills at most --namespace-queue-limit of the queue: its
-    next is refused naming it, while another namespace's turns still wait for a slot."""
-    s = sched(max_batch=1, queue_limit=4, namespace_queue_limit=2)
+def test_one_namespace_may_fill_the_queue_but_a_full_queue_is_shared():
+    """A lone tenant may queue up to --queue-limit turns. Once the queue is full, a turn of
+    a namespace holding at least two places fewer than the biggest holder takes the place of
+    that holder's last in line (returned, to be refused); one that would not is refused."""
+    s = sched(max_batch=1, queue_limit=4)
     s.submit(req("a0", namespace="a"))
     run_step(s)  # a0 runs; the line is empty
-    for name in ("a1", "a2"):
-        s.submit(req(name, namespace="a"))
-    with pytest.raises(ResourceExhausted, match="namespace 'a' has 2 turns waiting"):
-        s.submit(req("a3", namespace="a"))
-    for name in ("b1", "b2"):
-        s.submit(req(name, namespace="b"))
-    assert [r.request_id for r in s.waiting] == ["a1", "a2", "b1", "b2"]
+    assert [s.submit(req(f"a{i}", namespace="a")) for i in (1, 2, 3, 4)] == [None] * 4
+    with pytest.raises(ResourceExhausted, match="namespace 'a' holds 4 of those places"):
+        s.submit(req("a5", namespace="a"))
+    pushed = [s.submit(req(name, namespace="b")) for name in ("b1", "b2")]
+    assert [p.request_id for p in pushed] == ["a4", "a3"]
+    assert all(p.state is State.CANCELLED for p in pushed)
+    with pytest.raises(ResourceExhausted, match="namespace 'b' holds 2 of those places"):
+        s.submit(req("b3", namespace="b"))
+    assert sorted(r.request_id for r in s.waiting) == ["a1", "a2", "b1", "b2"]
+
+
+def test_a_higher_priority_turn_of_a_namespace_prefills_first():
+    """Among running turns, each namespace's by priority: a priority-9 turn admitted after
+    a priority-0 one still prefilling gets the step's prefill budget first."""
+    s = sched(max_batch=2, step_tokens=32, prefill_chunk=32)
+    s.submit(req("low", prompt=200))
+    run_step(s)
+    s.submit(req("high", prompt=200, priority=9))
+    steps = [run_step(s) for _ in range(3)]
+    assert [[(r.request_id, n) for r, n in step.prefill] for step in steps[1:]] == [
+        [("high", 32)],
+        [("high", 32)],
+    ]
 
 
 def test_namespaces_take_turns_in_line_and_priority_counts_within_one():
     """The line serves each namespace's first turn, then each one's second, ...: a tenant
     that queued many turns (or gave them all a high priority) delays another's by one turn
     of its own, not all of them. Within a namespace, priority first, then arrival."""
-    s = sched(max_batch=1, queue_limit=16, namespace_queue_limit=16)
+    s = sched(max_batch=1, queue_limit=16)
     s.submit(req("running", namespace="a", max_tokens=1))
     run_step(s)
     for name, priority in [("a1", 9), ("a2", 9), ("a3", 9), ("a-low", 0)]:

@@ -537,15 +537,15 @@ def test_a_turn_still_queued_when_its_worker_stops_moves_to_another(
 def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
-    """Namespace a holds the only slot (a slow turn) and floods the queue: its turns wait up
-    to --namespace-queue-limit, the next is refused naming the namespace, and namespace b's
-    turn still queues (before, a filled the whole queue and b got 'worker busy') and is
-    answered before a's waiting turns, a having had its turn."""
-    extra = ("--max-batch", "1", "--queue-limit", "4", "--namespace-queue-limit", "2")
-    extra += ("--metrics-listen", "127.0.0.1:0")
+    """Namespace a holds the only slot (a slow turn) and fills the whole queue; its next turn
+    is refused. Namespace b's turn then takes the place of a's last in line, which is
+    refused saying so (before, b got 'worker busy'), and is answered before a's waiting
+    turns, a having had its turn."""
+    extra = ("--max-batch", "1", "--queue-limit", "4", "--metrics-listen", "127.0.0.1:0")
     proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
     w = WorkerClient(proc.address, timeout=120)
-    create(w, ("a", "hog"), ("a", "w0"), ("a", "w1"), ("a", "w2"), ("b", "guest"))
+    flood = [f"w{i}" for i in range(5)]
+    create(w, ("a", "hog"), *(("a", agent) for agent in flood), ("b", "guest"))
     hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
     next(hog)  # a holds the only slot; every step now takes seconds
     answered: list[tuple[str, object]] = []
@@ -557,28 +557,28 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
             answered.append((agent, exc))
 
     threads = []
-    # each turn in order, once it waits (so many turns queued) or was refused (None)
-    for namespace, agent, queued in (
-        ("a", "w0", 1),
-        ("a", "w1", 2),
-        ("a", "w2", None),
-        ("b", "guest", 3),
-    ):
+    # each turn in order, once it waits (so many turns queued) or an answer came (its own
+    # refusal, or the refusal of the turn whose place it took)
+    steps = [("a", agent, i + 1) for i, agent in enumerate(flood[:4])]
+    steps += [("a", "w4", "w4"), ("b", "guest", "w3")]
+    for namespace, agent, until in steps:
         threads.append(threading.Thread(target=turn, args=(namespace, agent)))
         threads[-1].start()
         deadline = time.monotonic() + 60
         while (
-            metric(proc, "agentkv_worker_turns_waiting") < queued
-            if queued
-            else agent not in dict(answered)
+            until not in dict(answered)
+            if isinstance(until, str)
+            else metric(proc, "agentkv_worker_turns_waiting") < until
         ):
-            assert time.monotonic() < deadline, f"{agent}'s turn neither queued nor was refused"
+            assert time.monotonic() < deadline, f"{agent}'s turn neither queued nor was answered"
             time.sleep(0.05)
     hog.close()  # the slot frees: the line goes on
     for thread in threads:
         thread.join(120)
-    refused = dict(answered)["w2"]
-    assert isinstance(refused, ResourceExhausted)
-    assert "namespace 'a' has 2 turns waiting" in str(refused)
+    results = dict(answered)
+    assert isinstance(results["w4"], ResourceExhausted)
+    assert "namespace 'a' holds 4 of those places" in str(results["w4"])
+    assert isinstance(results["w3"], ResourceExhausted)
+    assert "place in the queue went to a turn of another namespace" in str(results["w3"])
     served = [agent for agent, result in answered if not isinstance(result, Exception)]
-    assert served == ["guest", "w0", "w1"]
+    assert served == ["guest", "w0", "w1", "w2"]
