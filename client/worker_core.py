@@ -6,6 +6,7 @@ clients, which add the I/O; routing and agents are client/core.py's.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -248,6 +249,9 @@ class BaseReply:
         self._result.add(first)
         self._error: Exception | None = None
         self._ended = False
+        # A reader ending the reply and close() from another thread settle it one at a
+        # time: a reply that came whole stays whole, one closed stays closed.
+        self._settling = threading.Lock()
 
     @property
     def done(self) -> bool:
@@ -262,14 +266,15 @@ class BaseReply:
     def _took(self, response: pb.TurnResponse | None) -> None:
         """Takes what one read gave: a response, or None when the call ended with an OK
         status (whole if its usage came). Takes nothing once the reply failed or closed."""
-        if self._error is not None:
-            return
-        if response is not None:
-            self._result.add(response)
-        elif self._result.usage is None:
-            self._error = Unavailable(f"the reply of {self.agent!r} ended without its usage")
-        else:
-            self._ended = True
+        with self._settling:
+            if self._error is not None:
+                return
+            if response is not None:
+                self._result.add(response)
+            elif self._result.usage is None:
+                self._error = Unavailable(f"the reply of {self.agent!r} ended without its usage")
+            else:
+                self._ended = True
 
     def _failed(self, exc: Exception) -> None:
         """Keeps what a read raised (a gRPC error as its agentkv class), as every later
@@ -278,15 +283,19 @@ class BaseReply:
             exc = from_rpc_error(exc)
         if isinstance(exc, AgentKVError):
             exc = cut_off(exc, self.worker, len(self._result.token_ids), self.agent)
-        if self._error is None:
-            self._error = exc
+        with self._settling:
+            if self._error is None:
+                self._error = exc
 
     def _close(self) -> None:
         """close() for both transports: a reply not yet whole fails as closed, for every
         reader, and its call is cancelled (thread-safe; a read waiting on it wakes)."""
-        if not self.done:
-            self._failed(self._closed())
-            self._call.cancel()  # the worker ends the turn, keeping what it generated
+        with self._settling:
+            if self.done:
+                return
+            if self._error is None:
+                self._error = self._closed()
+        self._call.cancel()  # the worker ends the turn, keeping what it generated
 
     def _closed(self) -> FailedPrecondition:
         num_tokens = len(self._result.token_ids)
