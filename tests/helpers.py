@@ -32,8 +32,9 @@ q4_tensors = synthetic.q4_tensors
 
 def freeze(pid: int, group: bool = False) -> None:
     """Stops a process (its process group, with `group`) with SIGSTOP and waits until every
-    thread of it is stopped: the kernel stops them when each next runs, and a loopback call
-    made at once was seen answered (1 run in ~10, the SIGSTOP still pending). SIGCONT ends it."""
+    thread of it (of the group's leader, with `group`) is stopped: the kernel stops them
+    when each next runs, and a loopback call made at once was seen answered (1 run in ~10,
+    the SIGSTOP still pending). SIGCONT ends it."""
     (os.killpg if group else os.kill)(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 60
     while not all(state in "Tt" for state in _thread_states(pid)):
@@ -43,8 +44,10 @@ def freeze(pid: int, group: bool = False) -> None:
 
 def _thread_states(pid: int) -> list[str]:
     """Each thread's state letter (R, S, T, ...) from /proc; a thread gone since is left out."""
+    tasks = Path(f"/proc/{pid}/task")
+    assert tasks.is_dir(), f"freeze() reads /proc/{pid}/task (Linux): it is not there"
     states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+    for stat in tasks.glob("*/stat"):
         try:
             states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
         except (OSError, IndexError):
