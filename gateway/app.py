@@ -84,6 +84,8 @@ class Gateway:
         # Spare agents are made for one turn alone: nothing reaches them once it ends.
         self.spares: set[AsyncAgent] = set()  # made, their deletion not yet begun
         self.deletions: set[asyncio.Task] = set()  # of spare agents, under way
+        # CreateAgent calls under way: a spare's deletion waits for its creation to end.
+        self.creations: dict[AsyncAgent, asyncio.Future] = {}
 
     async def start(self) -> None:
         c = self.config
@@ -92,8 +94,8 @@ class Gateway:
         )
 
     async def stop(self) -> None:
-        """Deletes every spare agent left, each once its turn has ended, then closes the
-        connections. Requests have drained by now (or were cancelled)."""
+        """Deletes every spare agent left, each once its creation and turn have ended, then
+        closes the connections. Requests have drained by now (or were cancelled)."""
         for agent in list(self.spares):
             self._ended(agent)
         await asyncio.gather(*self.deletions, return_exceptions=True)
@@ -280,12 +282,15 @@ class Gateway:
             namespace=memory.namespace, agent_id=agent.id, system_prompt=call.system
         )
         created = None
+        creating = asyncio.ensure_future(
+            memory.route(agent.id, lambda w: w.call("CreateAgent", request))
+        )
+        self.creations[agent] = creating
+        creating.add_done_callback(lambda _: self.creations.pop(agent, None))
         try:
             with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
                 # Its worker makes it even once cancelled: a spare is deleted after that.
-                made = await _to_the_end(
-                    memory.route(agent.id, lambda w: w.call("CreateAgent", request))
-                )
+                made = await _to_the_end(creating)
                 created = made.usage  # prompt: the turn resumes from the stored one
             return Turn(await agent.say(call.messages, **options), created)
         except BaseException:
@@ -296,7 +301,7 @@ class Gateway:
         """After the agent's turn ended or was closed: a spare agent is deleted, once."""
         if agent in self.spares:
             self.spares.remove(agent)
-            task = asyncio.create_task(_delete_spare(agent))
+            task = asyncio.create_task(_delete_spare(agent, self.creations.get(agent)))
             self.deletions.add(task)
             task.add_done_callback(self.deletions.discard)
 
@@ -373,8 +378,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _delete_spare(agent: AsyncAgent) -> None:
-    """Deletes a spare agent once its turn has ended on its worker."""
+async def _delete_spare(agent: AsyncAgent, creating: asyncio.Future | None) -> None:
+    """Deletes a spare agent once its creation (`creating`, when under way: a stop's
+    deletion would reach the worker before the agent) and its turn have ended there."""
+    if creating is not None:
+        await asyncio.wait({creating})
     for delay in SPARE_DELETE_DELAYS:
         await asyncio.sleep(delay)
         try:

@@ -31,6 +31,7 @@ import pytest
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
 from agentkv.launch import gateway_process, store_process, worker_process
+from agentkv.rpc import ALLOW_KEEPALIVE
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
 from tests.helpers import free_address
@@ -409,7 +410,7 @@ class WorkerProxy:
             for name in ("CreateAgent", "DescribeAgent", "DeleteAgent", "GetWorkerInfo")
         } | {"Turn": grpc.unary_stream_rpc_method_handler(self._turn)})  # fmt: skip
         self.pool = ThreadPoolExecutor(16)
-        self.server = grpc.server(self.pool, handlers=[handler])
+        self.server = grpc.server(self.pool, handlers=[handler], options=ALLOW_KEEPALIVE)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
 
@@ -513,6 +514,27 @@ class StalledWorker(WorkerProxy):
         super().__exit__(*exc)
 
 
+class HeldCreation(StalledWorker):
+    """Holds each CreateAgent of the `agents` chosen, before it reaches the worker, until
+    `released` (its Turns pass). `stalled`: each agent as its CreateAgent is held; `ended`:
+    as the worker has answered it, whether or not its caller still waits."""
+
+    def _hold(self, name: str, request: bytes, context: Any) -> Callable[[], None]:
+        return lambda: None
+
+    def _unary(self, name: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+        agent = pb.CreateAgentRequest.FromString(request).agent_id if name == "CreateAgent" else ""
+        held = self.agents(agent)
+        if held:
+            self.stalled.put(agent)
+            self.released.wait(60)
+        try:
+            return super()._unary(name, request, context)
+        finally:
+            if held:
+                self.ended.put(agent)
+
+
 def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
     context.set_trailing_metadata(exc.trailing_metadata() or ())
     context.abort(exc.code(), exc.details())
@@ -579,6 +601,35 @@ def test_a_stopped_gateway_deletes_its_spare_agents_before_it_exits(stack):
             assert gateway.stop() == 0, gateway.log_tail()
             assert not agent_exists(stack, spare), f"{spare} outlived the gateway"
             assert agent_exists(stack, own)
+        finally:
+            gateway.stop()
+
+
+def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(stack):
+    """A spare's CreateAgent still running when the drain ends (its request cancelled) makes
+    the agent all the same: the gateway deletes it once made, not before, then exits."""
+    with (
+        HeldCreation(stack.worker_address, agents=is_spare) as proxy,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        gateway = stack.start_gateway([proxy.address], name="stopped-creating")
+        try:
+            client = stack.client(gateway)
+            messages = [{"role": "user", "content": "Write a long story about a mill. (made)"}]
+            busy = ask(client, messages, stream=True, max_tokens=400)
+            next(iter(busy))  # the conversation's own agent is busy: the next call's is a spare
+            call = pool.submit(ask, client, messages, max_tokens=8)
+            spare = proxy.stalled.get(timeout=60)
+            busy.close()
+            gateway.proc.send_signal(signal.SIGTERM)
+            drained = "timeout graceful shutdown exceeded"  # uvicorn cancels the request
+            eventually(lambda: drained in gateway.log_tail(), "the drain did not end")
+            proxy.released.set()
+            assert proxy.ended.get(timeout=60) == spare  # the worker has made it
+            assert gateway.proc.wait(60) == 0, gateway.log_tail()
+            assert not agent_exists(stack, spare), f"{spare} outlived the gateway"
+            error = error_of(call.result)
+            assert error.status_code == 503 and error.body["code"] == "unavailable"
         finally:
             gateway.stop()
 
