@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +28,7 @@ from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, AgentNotFound, FingerprintMismatch, Unavailable
 from agentkv.flags import add_flags, from_args, show_defaults, telling
-from agentkv.launch import ServiceExited
+from agentkv.launch import ServiceExited, dies_with
 from agentkv.plan_report import print_plan
 from agentkv.planner import parse_size, parse_tokens
 from agentkv.units import human_bytes, table
@@ -121,20 +119,6 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _dies_with(parent: int) -> Callable[[], None]:
-    """For the child, before it runs: SIGTERM once `parent` ends however it does (Linux's
-    PR_SET_PDEATHSIG), since in a session of its own no kill of the CLI's group reaches it."""
-
-    def arrange() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # it ended before the above took hold
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arrange
 
 
 def _run_child(command: list[str], **popen: object) -> int:
@@ -144,7 +128,7 @@ def _run_child(command: list[str], **popen: object) -> int:
     whole process group, reaches it once, as one sent to the CLI alone does. The child
     cleans up and says "interrupted" itself."""
     child = subprocess.Popen(
-        command, start_new_session=True, preexec_fn=_dies_with(os.getpid()), **popen
+        command, start_new_session=True, preexec_fn=dies_with(os.getpid()), **popen
     )
 
     def forward(sig: int, _frame: object) -> None:
@@ -234,6 +218,23 @@ def cmd_bench(rest: list[str]) -> int:
         )
         return 2
     return _run_child([sys.executable, str(script), *rest], cwd=script.parent.parent)
+
+
+def cmd_with_services(args: argparse.Namespace) -> None:
+    """walkthrough and demo, which start services of their own. A SIGTERM or SIGHUP (a closed
+    terminal) ends them as an error does, exit 128+N, which stops the services and removes
+    the data; Python's default ended the CLI on the spot."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) != signal.SIG_IGN:  # nohup's
+            signal.signal(sig, lambda number, _frame: sys.exit(128 + number))
+    if args.command == "walkthrough":
+        from agentkv.client.walkthrough import run
+
+        run(keep=args.keep)
+    else:
+        from agentkv.client import demo
+
+        demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -337,15 +338,8 @@ def _main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     _addresses_from_env(parser, args)
     try:
-        if args.command == "walkthrough":
-            from agentkv.client.walkthrough import run
-
-            run(keep=args.keep)
-            return
-        if args.command == "demo":
-            from agentkv.client import demo
-
-            demo.run(args.model or defaults.MODEL, args.keep, not args.no_cold)
+        if args.command in ("walkthrough", "demo"):
+            cmd_with_services(args)
             return
         if args.command == "model":
             sys.exit(cmd_model_import(args))

@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-INTERRUPT_GRACE = 5.0  # seconds a service that got the Ctrl-C too has to end on its own
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def dies_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """For a child, before it runs: `sig` once `parent` (the thread of it that starts the
+    child) ends however it does (Linux's PR_SET_PDEATHSIG; elsewhere nothing), since in a
+    session of its own no kill of the parent's group reaches it."""
+    prctl = None
+    with contextlib.suppress(OSError, AttributeError):  # looked up here: the child only calls it
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arrange() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # it ended before the above took hold
+            os.kill(os.getpid(), sig)
+
+    return arrange
 
 
 class ServiceExited(RuntimeError):
@@ -38,6 +56,11 @@ class ServiceProcess:
     address: str = ""
     prefix: Sequence[str] = ()  # e.g. ("ip", "netns", "exec", NAME): run it elsewhere
     start_timeout: float = 60.0  # a service that fails exits, which start() sees at once
+    # In a session of its own, as a command starts one for a user: a Ctrl-C at the terminal
+    # reaches the command alone, which passes it on (stop(interrupted=True)). It is SIGKILLed
+    # when the thread that started it ends: a command killed outright takes it along, as a
+    # kill of the command's group did (a SIGTERM would have it drain to a store going too).
+    own_session: bool = False
 
     def start(self, timeout: float | None = None) -> ServiceProcess:
         timeout = self.start_timeout if timeout is None else timeout
@@ -45,12 +68,19 @@ class ServiceProcess:
         self.log_path.touch()
         offset = self.log_path.stat().st_size
         env = {**os.environ, **(self.env or {})}
+        session = {}
+        if self.own_session:
+            session = {
+                "start_new_session": True,
+                "preexec_fn": dies_with(os.getpid(), signal.SIGKILL),
+            }
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*self.prefix, sys.executable, "-m", self.module, *self.args],
                 stdout=log,
                 stderr=log,
                 env=env,
+                **session,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -91,22 +121,44 @@ class ServiceProcess:
             self.proc.wait()
 
     def stop(self, timeout: float = 30.0, interrupted: bool = False) -> int:
-        """SIGTERM, then wait for a graceful exit; returns the exit code. `interrupted`: a
-        Ctrl-C reached the service too (a terminal sends it to the whole process group), so
-        it gets INTERRUPT_GRACE seconds to end on its own first: one still starting (a
-        model import) cleans up, where a SIGTERM right after would cut that short."""
+        """Asks the service to stop, gives it `timeout` seconds to end, then SIGKILLs it;
+        returns the exit code. The ask is SIGTERM; `interrupted` (the command got a Ctrl-C,
+        which a service in a session of its own did not) passes the Ctrl-C on: SIGINT, on
+        which one serving drains as on SIGTERM, and one still starting (a model import)
+        cleans up, which a SIGTERM would cut short."""
         if self.proc is None:
             return 0
-        if interrupted:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=INTERRUPT_GRACE)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill9()
+        self.proc.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def stopping(services: Collection[ServiceProcess], interrupted: bool = False) -> Iterator[None]:
+    """Stops `services`, the last started first, then runs the block: the command's own
+    clean-up. A Ctrl-C meanwhile (a user's second) SIGKILLs every service still running
+    rather than cutting the stops or the clean-up short, and is raised after them unless the
+    command was interrupted already. Call it from the main thread (it handles SIGINT)."""
+    insisted: list[int] = []
+
+    def insist(sig: int, _frame: object) -> None:
+        insisted.append(sig)
+        for service in services:  # no wait here: the main thread may be waiting on it
+            if service.proc is not None:
+                service.proc.send_signal(signal.SIGKILL)
+
+    previous = signal.signal(signal.SIGINT, insist)
+    try:
+        for service in reversed(list(services)):
+            service.stop(interrupted=interrupted)
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if insisted and not interrupted:
+        raise KeyboardInterrupt
 
 
 def store_process(
@@ -116,10 +168,13 @@ def store_process(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     prefix: Sequence[str] = (),
+    own_session: bool = False,
 ) -> ServiceProcess:
     """An `agentkv-store` process (not yet started)."""
     args = ["--data-dir", str(data_dir), "--listen", listen, *extra_args]
-    return ServiceProcess("cache_store", args, log_path, env, prefix=prefix)
+    return ServiceProcess(
+        "cache_store", args, log_path, env, prefix=prefix, own_session=own_session
+    )
 
 
 def worker_process(
@@ -129,11 +184,14 @@ def worker_process(
     listen: str = "127.0.0.1:0",
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    own_session: bool = False,
 ) -> ServiceProcess:
     """An `agentkv-worker` process (not yet started). Its first start on a large GGUF file
     imports it, which may take minutes, hence the long wait for it to serve."""
     args = ["--model", model, "--store", store, "--listen", listen, *extra_args]
-    return ServiceProcess("inference_worker", args, log_path, env, start_timeout=900.0)
+    return ServiceProcess(
+        "inference_worker", args, log_path, env, start_timeout=900.0, own_session=own_session
+    )
 
 
 def gateway_process(

@@ -26,7 +26,7 @@ from agentkv import defaults
 from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
 from agentkv.client.workflow import Record, Workflow
-from agentkv.launch import ServiceProcess, store_process, worker_process
+from agentkv.launch import ServiceProcess, stopping, store_process, worker_process
 from agentkv.units import human_bytes, table
 
 EPILOGUE = PhaseSpec(
@@ -124,12 +124,11 @@ def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> N
         interrupted = True
         raise
     finally:
-        for service in reversed(services.values()):
-            service.stop(interrupted=interrupted)
-        if keep:
-            print(f"\ndata and logs kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        with stopping(list(services.values()), interrupted):
+            if keep:
+                print(f"\ndata and logs kept in {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 def _persistent_run(
@@ -139,11 +138,13 @@ def _persistent_run(
     `services` holds what is running, for the caller to stop."""
     listen = f"127.0.0.1:{free_port()}"  # a restarted worker comes back at the same address
     with progress("starting agentkv-store"):
-        store = services["store"] = store_process(root / "data", root / "store.log")
+        store = services["store"] = store_process(
+            root / "data", root / "store.log", own_session=True
+        )
         store.start()  # in `services` first: stopped, however its start ends
     with progress(f"starting agentkv-worker (loading {Path(model).name})"):
         worker = services["worker"] = worker_process(
-            model, store.address, root / "worker.log", listen
+            model, store.address, root / "worker.log", listen, own_session=True
         )
         worker.start()
     print(f"  store pid {store.proc.pid} on {store.address}")
@@ -156,7 +157,7 @@ def _persistent_run(
         worker.stop()
         with progress("starting a new agentkv-worker"):
             worker = services["worker"] = worker_process(
-                model, store.address, root / "worker.log", listen
+                model, store.address, root / "worker.log", listen, own_session=True
             )
             worker.start()
         print(f"  phase {EPILOGUE.name}")

@@ -16,7 +16,7 @@ from agentkv.client.store import StoreClient
 from agentkv.client.synthetic import make_chain
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import CorruptBlock, GenerationConflict
-from agentkv.launch import store_process, worker_process
+from agentkv.launch import ServiceProcess, stopping, store_process, worker_process
 from agentkv.units import human_bytes, table
 from agentkv.v1 import store_pb2 as pb
 
@@ -142,38 +142,32 @@ def tour(c: StoreClient, data_dir: Path) -> None:
     cmd_stats(c, None)
 
 
-def worker_tour(store_address: str, root: Path) -> None:
-    """The worker over the store: cold, hot, warm after eviction, warm after a restart."""
+def worker_tour(store_address: str, root: Path, services: dict[str, ServiceProcess]) -> None:
+    """The worker over the store: cold, hot, warm after eviction, warm after a restart. The
+    worker is in `services` from before it starts, for the caller to stop."""
     # The repository's small trained model is quick; an install without it (a wheel) takes
     # the shipped default.
     model = str(TOY_MODEL) if TOY_MODEL.exists() else defaults.MODEL
     step(f"8. agentkv-worker serves a model ({Path(model).name}) over the store")
-    worker = worker_process(model, store_address, root / "worker.log")
-    rows, interrupted = [], False
-    try:
-        worker.start()
-        w = WorkerClient(worker.address)
-        info = w.info()
-        print(f"worker pid {worker.proc.pid}: {info.fingerprint}, BLAS {Path(info.blas).name}")
-        t = time.perf_counter()
-        w.create_agent("demo", "marco", MARCO)
-        print(
-            f"marco: {w.describe('demo', 'marco').num_tokens}-token system prompt prefilled "
-            f"(cold) in {(time.perf_counter() - t) * 1000:.0f} ms"
-        )
-        rows.append(ask(w, "What does join in posixpath do?"))
-        rows.append(ask(w, "What does sorted do?"))
-        w.evict("demo", "marco")
-        rows.append(ask(w, "What does open do?"))
-        worker.stop()
-        worker = worker_process(model, store_address, root / "worker.log")
-        worker.start()  # `worker` is the new one first: stopped, however its start ends
-        rows.append(ask(WorkerClient(worker.address), "What does print do?"))
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        worker.stop(interrupted=interrupted)
+    log = root / "worker.log"
+    worker = services["worker"] = worker_process(model, store_address, log, own_session=True)
+    worker.start()
+    w = WorkerClient(worker.address)
+    info = w.info()
+    print(f"worker pid {worker.proc.pid}: {info.fingerprint}, BLAS {Path(info.blas).name}")
+    t = time.perf_counter()
+    w.create_agent("demo", "marco", MARCO)
+    print(
+        f"marco: {w.describe('demo', 'marco').num_tokens}-token system prompt prefilled "
+        f"(cold) in {(time.perf_counter() - t) * 1000:.0f} ms"
+    )
+    rows = [ask(w, "What does join in posixpath do?"), ask(w, "What does sorted do?")]
+    w.evict("demo", "marco")
+    rows.append(ask(w, "What does open do?"))
+    worker.stop()
+    worker = services["worker"] = worker_process(model, store_address, log, own_session=True)
+    worker.start()
+    rows.append(ask(WorkerClient(worker.address), "What does print do?"))
     print(table(["turn", "cache", "ttft ms", "reused", "prefilled", "reply"], rows))
 
 
@@ -193,21 +187,21 @@ def ask(w: WorkerClient, question: str) -> list[object]:
 
 def run(keep: bool = False) -> None:
     root = Path(tempfile.mkdtemp(prefix="agentkv-walkthrough-"))
-    service = store_process(root / "data", root / "store.log")
+    services = {"store": store_process(root / "data", root / "store.log", own_session=True)}
     interrupted = False
     try:  # from here, whatever ends the tour (a Ctrl-C, a store that never starts) cleans up
-        service.start()
+        service = services["store"].start()
         pid, address = service.proc.pid, service.address
         print(f"agentkv-store running as pid {pid} on {address}, data in {root}")
         with StoreClient(service.address) as client:
             tour(client, root / "data")
-        worker_tour(service.address, root)
+        worker_tour(service.address, root, services)
     except KeyboardInterrupt:
         interrupted = True
         raise
     finally:
-        service.stop(interrupted=interrupted)
-        if keep:
-            print(f"\ndata and log kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        with stopping(list(services.values()), interrupted):
+            if keep:
+                print(f"\ndata and log kept in {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)

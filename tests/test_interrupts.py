@@ -192,11 +192,94 @@ def test_a_cli_killed_outright_takes_its_import_with_it(job, tmp_path):
     cmd.wait_for(lambda: children(cmd.proc.pid))
     (importing,) = children(cmd.proc.pid)
     cmd.signal(signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while not ended(importing):
-        assert time.monotonic() < deadline, "the import outlived the CLI"
-        time.sleep(0.05)
+    wait_until(lambda: ended(importing), "the import outlived the CLI")
     assert not (tmp_path / "out" / "config.json").exists()  # it did not run to its end
+
+
+def wait_until(ready, failure: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
+def left_behind(mark: Path) -> list[int]:
+    """Live processes whose environment holds AGENTKV_TEST_RUN=`mark`: whatever a command
+    started with it, however deep, orphaned or not."""
+    needle = f"\0AGENTKV_TEST_RUN={mark}\0".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if needle in b"\0" + environ.read_bytes() and not ended(int(environ.parent.name)):
+                found.append(int(environ.parent.name))
+    return found
+
+
+def command_line(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return ""
+
+
+@pytest.fixture
+def demo(job, tmp_path) -> Iterator:
+    """demo() starts `agentkv demo` as a job and returns it once its scenario runs (its
+    store and worker serve). What it starts carries AGENTKV_TEST_RUN=tmp_path, and its
+    data directory is made in tmp_path/tmp; whatever of it is left is killed after."""
+
+    def start() -> Job:
+        (tmp_path / "tmp").mkdir()
+        env = {"TMPDIR": str(tmp_path / "tmp"), "AGENTKV_TEST_RUN": str(tmp_path)}
+        cmd = job(*cli("demo", "--model", str(TOY_MODEL), "--no-cold"), env=env)
+        cmd.wait_for(lambda: cmd.says("  phase "), timeout=300)
+        return cmd
+
+    yield start
+    for pid in left_behind(tmp_path):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc")
+@pytest.mark.parametrize(
+    "signals",
+    [["the group"], ["the CLI"], ["the CLI", "the CLI"]],
+    ids=["ctrl-c", "sigint-to-the-cli-alone", "sigint-to-the-cli-twice"],
+)
+def test_ctrl_c_in_the_demo_stops_its_services_and_leaves_nothing(demo, tmp_path, signals):
+    """The store and the worker, in sessions of their own, get the Ctrl-C from the CLI and
+    drain at once (the CLI gave each 5 s to end on its own first: 10 s to return when the
+    SIGINT went to it alone). A second SIGINT, once the worker has ended, SIGKILLs what still
+    runs: it cut the stops short, leaving the store running and the data directory."""
+    cmd = demo()
+    (worker,) = [p for p in children(cmd.proc.pid) if "inference_worker" in command_line(p)]
+    cmd.signal(group=signals[0] == "the group")
+    if len(signals) == 2:
+        wait_until(lambda: ended(worker), "the worker did not stop")  # the store's turn now
+        cmd.signal(group=False)
+    code, _, err = cmd.finish()
+    assert_interrupted(code, err)
+    assert left_behind(tmp_path) == []
+    assert list((tmp_path / "tmp").glob("agentkv-demo-*")) == []  # (mlx keeps a cache there)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc and PR_SET_PDEATHSIG")
+@pytest.mark.parametrize(
+    ("sig", "group"),
+    [(signal.SIGKILL, True), (signal.SIGKILL, False), (signal.SIGTERM, False)],
+    ids=["kill-9-of-its-group", "kill-9-of-the-cli", "sigterm-to-the-cli"],
+)
+def test_a_demo_ended_by_a_signal_takes_its_services_with_it(demo, tmp_path, sig, group):
+    """However the CLI ends, its services end with it: a kill -9 or a SIGTERM of the CLI
+    alone left them running. A SIGTERM stops them as an error does, and removes the data."""
+    cmd = demo()
+    cmd.signal(sig, group=group)
+    code, _, err = cmd.finish()
+    if sig == signal.SIGTERM:
+        assert code == 128 + sig and "Traceback" not in err, err
+        assert left_behind(tmp_path) == []
+        assert list((tmp_path / "tmp").glob("agentkv-demo-*")) == []
+    wait_until(lambda: not left_behind(tmp_path), "a service outlived the CLI")
 
 
 def test_ctrl_c_in_bench_is_one_line(job, tmp_path):
