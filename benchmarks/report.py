@@ -131,10 +131,14 @@ def run_section(
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     with subprocess.Popen(command, cwd=ROOT, env=env, **pipes) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
-                print(f"  {section.name}: {line.rstrip()}", flush=True)
+        try:
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
+                    print(f"  {section.name}: {line.rstrip()}", flush=True)
+        except KeyboardInterrupt:
+            end_after_interrupt(proc)
+            raise
     result.returncode = proc.returncode
     result.seconds = time.perf_counter() - started
     parse_output(lines, result)
@@ -142,6 +146,20 @@ def run_section(
         result.error = "\n".join(lines[-30:])
     result.files = sorted(str(p.relative_to(raw.parent)) for p in out.glob("*.png"))
     return result
+
+
+def end_after_interrupt(script: subprocess.Popen, grace: float = 60.0) -> None:
+    """Waits for a section's script to end: a Ctrl-C reaches it too (a terminal's goes to the
+    whole process group, and `agentkv bench` passes one on to it), and it stops its services
+    first. One that the Ctrl-C missed gets SIGTERM after `grace` seconds, SIGKILL after as
+    many again: until it ends it may write into the directory about to be removed."""
+    for stop in (lambda: None, script.terminate, script.kill):
+        stop()
+        try:
+            script.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def parse_output(lines: list[str], result: Result) -> None:
@@ -237,41 +255,89 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the sections; with --only into an existing report, reruns just those and keeps
-    the others' results (so one section can be measured again)."""
+    """Runs the sections into a staging directory beside --out, which replaces --out once the
+    report is written: an interrupted or failed run leaves --out as it was (a run killed
+    outright leaves the staging directory, .NAME.PID.partial). With --only into an existing
+    report, reruns just those sections and keeps the others' results."""
     args = parse_args(argv)
-    spec, path, described = resolve_model(args.model)  # before any old report is removed
+    spec, path, described = resolve_model(args.model)  # before anything is written
     mode = "full" if args.full else "quick"
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
-    out: Path = args.out
-    previous: dict[str, Result] = {}
-    if args.only and (out / "report.json").exists():
-        old = json.loads((out / "report.json").read_text())
-        if old.get("mode") == mode:
-            for r in old["sections"]:
-                r["targets"] = [tuple(t) for t in r["targets"]]
-                previous[r["section"]] = Result(**r)
-    if not previous and out.exists():
-        shutil.rmtree(out)
-    raw = out / "raw"
-    for section in sections:
-        shutil.rmtree(raw / section.name, ignore_errors=True)
-    raw.mkdir(parents=True, exist_ok=True)
-    facts = machine(described)
-    facts["plots"] = plots()
-    print(f"model: {facts['model']}\nplots: {facts['plots']}", flush=True)
-    if mode == "quick":
-        print(SMOKE, flush=True)
-    for i, section in enumerate(sections, 1):
-        print(f"[{i}/{len(sections)}] {section.title} (benchmarks/{section.script})", flush=True)
-        result = run_section(section, args.full, raw, not args.quiet, (spec, path))
-        status = "failed" if result.error else f"{len(result.targets)} targets"
-        print(f"    done in {result.seconds:.0f} s: {status}", flush=True)
-        previous[section.name] = result
-    results = [previous[s.name] for s in SECTIONS if s.name in previous]
-    (out / "REPORT.md").write_text(render(results, facts, mode))
+    previous = kept_results(args.out, mode) if args.only else {}
+    staging = stage(args.out, [name for name in previous if name not in args.only])
+    try:
+        facts = machine(described)
+        facts["plots"] = plots()
+        print(f"model: {facts['model']}\nplots: {facts['plots']}", flush=True)
+        if mode == "quick":
+            print(SMOKE, flush=True)
+        for i, section in enumerate(sections, 1):
+            print(
+                f"[{i}/{len(sections)}] {section.title} (benchmarks/{section.script})", flush=True
+            )
+            result = run_section(section, args.full, staging / "raw", not args.quiet, (spec, path))
+            status = "failed" if result.error else f"{len(result.targets)} targets"
+            print(f"    done in {result.seconds:.0f} s: {status}", flush=True)
+            previous[section.name] = result
+        results = [previous[s.name] for s in SECTIONS if s.name in previous]
+        write_report(staging, results, facts, mode)
+        publish(staging, args.out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already once published
+    return summary(results, args.out, mode)
+
+
+def kept_results(out: Path, mode: str) -> dict[str, Result]:
+    """The sections of the report in `out`, when it is one of this mode."""
+    if not (out / "report.json").exists():
+        return {}
+    old = json.loads((out / "report.json").read_text())
+    if old.get("mode") != mode:
+        return {}
+    for r in old["sections"]:
+        r["targets"] = [tuple(t) for t in r["targets"]]
+    return {r["section"]: Result(**r) for r in old["sections"]}
+
+
+def stage(out: Path, kept: list[str]) -> Path:
+    """A new directory beside `out` to write the report in, holding the raw results in `out`
+    of the `kept` sections (hard links where the file system has them: no copy)."""
+    staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(staging, ignore_errors=True)  # a run of the same pid, killed outright
+    staging.mkdir(parents=True)
+    for name in kept:
+        if (out / "raw" / name).is_dir():
+            shutil.copytree(out / "raw" / name, staging / "raw" / name, copy_function=link)
+    (staging / "raw").mkdir(exist_ok=True)
+    return staging
+
+
+def link(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def write_report(staging: Path, results: list[Result], facts: dict[str, str], mode: str) -> None:
+    (staging / "REPORT.md").write_text(render(results, facts, mode))
     whole = {"mode": mode, "machine": facts, "sections": [asdict(r) for r in results]}
-    (out / "report.json").write_text(json.dumps(whole, indent=2))
+    (staging / "report.json").write_text(json.dumps(whole, indent=2))
+
+
+def publish(staging: Path, out: Path) -> None:
+    """`staging` becomes `out`; the report that was there is removed."""
+    if out.exists():
+        old = staging.with_suffix(".old")
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old)
+    else:
+        staging.rename(out)
+
+
+def summary(results: list[Result], out: Path, mode: str) -> int:
+    """Says what was written; 1 if a section failed to run."""
     met = sum(v == "MET" for r in results for v, _ in r.targets)
     missed = sum(v == "MISS" for r in results for v, _ in r.targets)
     failed = [r.section for r in results if r.error]

@@ -215,6 +215,11 @@ def left_behind(mark: Path) -> list[int]:
     return found
 
 
+def running(mark: Path, module: str) -> bool:
+    """Whether a process left_behind(mark) would list runs `module`."""
+    return any(module in command_line(pid) for pid in left_behind(mark))
+
+
 def command_line(pid: int) -> str:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -282,12 +287,32 @@ def test_a_demo_ended_by_a_signal_takes_its_services_with_it(demo, tmp_path, sig
     wait_until(lambda: not left_behind(tmp_path), "a service outlived the CLI")
 
 
-def test_ctrl_c_in_bench_is_one_line(job, tmp_path):
-    cmd = job(*cli("bench", "--quick", "--only", "restore_path", "--out", str(tmp_path / "out")))
-    cmd.wait_for(lambda: cmd.says("[1/1]"))  # the section is running
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc")
+@pytest.mark.parametrize("earlier", [True, False], ids=["over-a-report", "new"])
+def test_ctrl_c_in_bench_is_one_line_and_leaves_out_as_it_was(job, tmp_path, earlier):
+    """The sections write into a directory beside --out that replaces it once the report is
+    written. A Ctrl-C left --out without its earlier report (removed at the start) and with
+    the raw results begun; now --out is as it was (or not there), nothing else is left, and
+    the section's script and its store have ended when the CLI returns."""
+    out = tmp_path / "out"
+    files = {
+        out / "REPORT.md": "an earlier report\n",
+        out / "report.json": json.dumps({"mode": "quick", "sections": []}),
+        out / "raw" / "capacity" / "capacity.json": "{}",
+    }
+    files = files if earlier else {}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    args = cli("bench", "--quick", "--only", "restore_path", "--out", str(out))
+    cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path)})
+    cmd.wait_for(lambda: running(tmp_path, "cache_store"))  # the section's script and store
     cmd.signal()
     code, _, err = cmd.finish(120)
     assert_interrupted(code, err)
+    assert {path: path.read_text() for path in out.rglob("*") if path.is_file()} == files
+    assert list(tmp_path.iterdir()) == ([out] if earlier else [])
+    assert left_behind(tmp_path) == []
 
 
 def test_ctrl_c_while_the_worker_loads_is_one_line(job, blackhole):
