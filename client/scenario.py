@@ -19,13 +19,15 @@
 A `document` is text an agent sees ahead of its first message: `{text: ...}`, or
 `{module: NAME, chars: N}` for the first N characters of a Python standard-library module's
 source as this interpreter ships it (PSF License; read at run time, nothing copied).
-Every error names the file and the place in it. A file is at most 1 MiB, and gives each key
-once.
+Every error names the file and the place in it. A file is at most 1 MiB, and as much with
+its aliases (*name) written out; it gives each key once; a max_tokens is at most 2^21, as
+many as an agent holds with its context in a store at its defaults.
 """
 
 from __future__ import annotations
 
 import re
+import reprlib
 import sysconfig
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -48,6 +50,11 @@ from agentkv.ids import (
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
 MAX_SCENARIO_BYTES = 1 << 20
+MAX_EXPANDED = MAX_SCENARIO_BYTES  # characters and values, once its aliases are written out
+# As many tokens as an agent holds, its context included, in a store at its defaults (its
+# max_agent_tokens): a turn asking more is absurd whatever the model, whose context the
+# scenario cannot know (a worker refuses a turn past it).
+MAX_TOKENS = 1 << 21
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -55,8 +62,29 @@ class ScenarioError(InvalidArgument):
     """A scenario file that cannot run, with where and why."""
 
 
+_SHOWN = reprlib.Repr()  # its output bounded, whatever the value, in time and length
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 80, 80
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """`value` as Python writes it, cut short: a message stays one short line."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Expands(Exception):
+    """A document whose aliases repeat so much that, written out, it is over MAX_EXPANDED."""
+
+
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser, if built
-    """yaml's safe loader, refusing a mapping that gives a key twice (yaml keeps the last)."""
+    """yaml's safe loader, refusing a mapping that gives a key twice (yaml keeps the last),
+    and a document that its aliases expand past MAX_EXPANDED ("billion laughs": yaml shares
+    an alias's value, but a merge key copies it, and a check walks and shows it whole)."""
+
+    def construct_document(self, node):
+        if _expanded_size(node) > MAX_EXPANDED:
+            raise _Expands
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -68,10 +96,43 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parse
                 continue  # refused by yaml itself, as unhashable
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} appears twice", key_node.start_mark
+                    None, None, f"the key {_shown(key)} appears twice", key_node.start_mark
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """The characters of `root`'s scalars plus its values, each counted wherever an alias
+    repeats it; 0 for a document without aliases (the file's size bounds it). Counting
+    stops past MAX_EXPANDED, and a value that holds itself is endless."""
+    sizes: dict[int, int] = {}
+    inside: set[int] = set()  # the values being counted, root first
+    aliased = False
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        if counted:
+            inside.discard(id(node))
+            own = len(node.value) if isinstance(node, yaml.ScalarNode) else 0
+            sizes[id(node)] = 1 + own + sum(sizes[id(child)] for child in _children(node))
+            if aliased and sizes[id(node)] > MAX_EXPANDED:
+                break
+        elif id(node) in inside:
+            return MAX_EXPANDED + 1
+        elif id(node) in sizes:
+            aliased = True
+        else:
+            inside.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node))
+    return max(sizes.values()) if aliased else 0
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +177,11 @@ def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenar
         raise ScenarioError(f"{path}: not UTF-8 text (a bad byte at offset {exc.start})") from None
     try:
         data = yaml.load(text, Loader=_Loader)
+    except _Expands:
+        raise ScenarioError(
+            f"{path}: its aliases (*name) repeat so much that written out it would pass 1 MiB "
+            f"({MAX_EXPANDED} characters and values), the limit"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -167,8 +233,8 @@ def _namespace(check: _Checker, top: dict, name: str) -> str:
         where = "name" if "name" in top else "name (the file's)"
         check.fail(
             where,
-            f"{name!r} is no valid namespace (it must match {NAMESPACE_RE.pattern}), which the "
-            "name is when no namespace is given: give a namespace",
+            f"{_shown(name)} is no valid namespace (it must match {NAMESPACE_RE.pattern}), which "
+            "the name is when no namespace is given: give a namespace",
         )
     return name
 
@@ -233,10 +299,12 @@ def _document(check: _Checker, item: Any, where: str, cap: int | None) -> str:
     module = check.text(fields["module"], f"{where}.module")
     chars = fields.get("chars", 14000)
     if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
-        check.fail(f"{where}.chars", f"must be a positive integer, not {chars!r}")
+        check.fail(f"{where}.chars", f"must be a positive integer, not {_shown(chars)}")
     origin = _stdlib_source(module) if _MODULE.fullmatch(module) else None
     if origin is None:
-        check.fail(f"{where}.module", f"{module!r} is not a pure-Python standard-library module")
+        check.fail(
+            f"{where}.module", f"{_shown(module)} is not a pure-Python standard-library module"
+        )
     try:
         text = origin.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -257,18 +325,22 @@ def _stdlib_source(module: str) -> Path | None:
 def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
     """The scenario's sampling, each value of the type and range the worker takes."""
     sampling = dict(check.mapping(value, "sampling", SAMPLING_FIELDS))
-    for name, low, high in (("max_tokens", 1, 2**32), ("top_k", 0, 2**32), ("seed", 0, 2**64)):
+    for name, low, high in (("top_k", 0, 2**32), ("seed", 0, 2**64)):
         if name in sampling:
             sampling[name] = check.whole(sampling[name], f"sampling.{name}", low, high)
+    if "max_tokens" in sampling:
+        sampling["max_tokens"] = _max_tokens(check, sampling["max_tokens"], "sampling.max_tokens")
     for name, high in (("temperature", MAX_TEMPERATURE), ("top_p", 1.0)):
         number = sampling.get(name, 0.0)
         real = isinstance(number, (int, float)) and not isinstance(number, bool)
         if not real or not 0 <= number <= high:
-            check.fail(f"sampling.{name}", f"must be a number in [0, {high:g}], not {number!r}")
+            check.fail(
+                f"sampling.{name}", f"must be a number in [0, {high:g}], not {_shown(number)}"
+            )
     stop = sampling.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-        check.fail("sampling.stop", f"must be text or a list of texts, not {stop!r}")
+        check.fail("sampling.stop", f"must be text or a list of texts, not {_shown(stop)}")
     if len(stops) > MAX_STOP_STRINGS:
         check.fail("sampling.stop", f"{len(stops)} stop strings, limit {MAX_STOP_STRINGS}")
     if any(len(x) > MAX_STOP_CHARS for x in stops):
@@ -276,6 +348,19 @@ def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
     if stops:
         sampling["stop"] = stops
     return sampling
+
+
+def _max_tokens(check: _Checker, value: Any, where: str) -> int:
+    """Tokens to generate: never more than an agent holds, whatever its model."""
+    tokens = check.whole(value, where, 1, 2**32)
+    if tokens > MAX_TOKENS:
+        check.fail(
+            where,
+            f"{tokens} is more than an agent can hold: {MAX_TOKENS} tokens with its context, a "
+            "store's default limit (a worker refuses a turn past its model's context, most far "
+            "less)",
+        )
+    return tokens
 
 
 def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
@@ -289,7 +374,7 @@ def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
             check.fail(f"{at}.agent", f"unknown agent {agent!r} (agents: {', '.join(ids)})")
         max_tokens = t.get("max_tokens")
         if max_tokens is not None:
-            max_tokens = check.whole(max_tokens, f"{at}.max_tokens", 1, 2**32)
+            max_tokens = _max_tokens(check, max_tokens, f"{at}.max_tokens")
         turns.append(Turn(agent, check.text(t["say"], f"{at}.say"), max_tokens))
     name = check.text(fields["name"], f"{where}.name")
     if len(name) > MAX_PHASE:
@@ -315,7 +400,7 @@ class _Checker:
         unknown = sorted(set(map(str, value)) - optional - required)
         if unknown:
             allowed = ", ".join(sorted(optional | required))
-            self.fail(where, f"unknown key {unknown[0]!r} (allowed: {allowed})")
+            self.fail(where, f"unknown key {_shown(unknown[0])} (allowed: {allowed})")
         missing = sorted(required - set(value))
         if missing:
             self.fail(where, f"missing key {missing[0]!r}")
@@ -337,16 +422,16 @@ class _Checker:
 
     def ident(self, value: Any, where: str, pattern: re.Pattern = AGENT_ID_RE) -> str:
         if not isinstance(value, str) or not pattern.fullmatch(value):
-            self.fail(where, f"{value!r} is not a valid id (it must match {pattern.pattern})")
+            self.fail(where, f"{_shown(value)} is not a valid id (it must match {pattern.pattern})")
         return value
 
     def whole(self, value: Any, where: str, low: int, high: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
             bound = f"2^{high.bit_length() - 1}"
-            self.fail(where, f"must be a whole number in [{low}, {bound}), not {value!r}")
+            self.fail(where, f"must be a whole number in [{low}, {bound}), not {_shown(value)}")
         return value
 
     def flag(self, value: Any, where: str) -> bool:
         if not isinstance(value, bool):
-            self.fail(where, f"must be true or false, not {value!r}")
+            self.fail(where, f"must be true or false, not {_shown(value)}")
         return value

@@ -142,3 +142,64 @@ def test_bench_out_naming_a_file_is_a_usage_error(tmp_path):
     assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("agentkv bench: error: --out "), proc.stderr
     assert report.read_text() == "mine"
+
+
+def laughs(levels: int) -> str:
+    """A list holding 10 of the list before it, `levels` deep: 10^levels 'ha's."""
+    value = "&l0 [" + ", ".join(["ha"] * 10) + "]"
+    for i in range(1, levels):
+        value = f"&l{i} [" + ", ".join([value] + [f"*l{i - 1}"] * 9) + "]"
+    return value
+
+
+def merges(levels: int) -> str:
+    """Mappings each merging the one before twice: 2^levels keys to copy."""
+    lines = ["m0: &m0 {a: 1}"]
+    lines += [f"m{i}: &m{i} {{<<: [*m{i - 1}, *m{i - 1}]}}" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+ONE_TURN = "agents: [{id: a}]\nphases: [{name: p, turns: [{agent: a, say: hi}]}]\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"name: laughs\nsampling: {{stop: {laughs(6)}}}\n{ONE_TURN}",
+        f"name: merges\n{merges(20)}{ONE_TURN}",
+        f"name: itself\nsampling: {{stop: &me [a, *me]}}\n{ONE_TURN}",
+    ],
+    ids=["nested-lists", "merge-keys", "a-list-in-itself"],
+)
+def test_a_scenario_its_aliases_expand_past_1_mib_is_refused_in_one_line(tmp_path, text):
+    """Under 1 MiB, the file's aliases repeat a value past it written out ("billion laughs"):
+    refused at load, naming the file. It loaded: its error line showed the million 'ha's
+    (6 MB; 9 levels, 6 GB), merge keys copied a million keys, a list in itself was shown."""
+    path = tmp_path / "laughs.yaml"
+    path.write_text(text)
+    assert path.stat().st_size < 1000
+    proc = agentkv("run", str(path), "--worker", free_address(), "--store", free_address())
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and len(proc.stderr) < 300, proc.stderr[-2000:]
+    assert f"{path}: its aliases (*name) repeat so much " in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        ("phases: [{name: p, turns: [{agent: a, say: hi}, {agent: a, say: go, "
+         "max_tokens: 1000000000}]}]", "phases[0].turns[1].max_tokens"),
+        ("sampling: {max_tokens: 1000000000}\nphases: [{name: p, turns: [{agent: a, say: hi}]}]",
+         "sampling.max_tokens"),
+    ],
+    ids=["a-turn", "the-scenario"],
+)  # fmt: skip
+def test_max_tokens_past_what_an_agent_holds_is_refused_at_load_naming_it(tmp_path, change, where):
+    """A billion tokens, more than any model's context: it was accepted, the run starting (and
+    deleting the scenario's agents) before the worker refused the turn."""
+    path = tmp_path / "long.yaml"
+    path.write_text(f"name: long\nagents: [{{id: a}}]\n{change}\n")
+    proc = agentkv("run", str(path), "--worker", free_address(), "--store", free_address())
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{path}: {where}: 1000000000 is more than an agent can hold: " in proc.stderr
