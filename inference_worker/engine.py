@@ -55,6 +55,10 @@ NOT_MADE = (
     "agent {!r} was not made: the CreateAgent call making it was cancelled before its system "
     "prompt was prefilled; create it again"
 )
+NOT_ADDED = (
+    "the messages for agent {!r} were not added: the call adding them {} before they were "
+    "prefilled; send them again (with the same request_id: none of it was taken)"
+)
 log = logging.getLogger("agentkv.worker")
 CATCH_UP_SECONDS = 2.0  # how often a worker retries writes the store refused
 
@@ -195,7 +199,13 @@ class Engine:
         exactly as it was, so the client may retry. `view` is what the store said of the
         agent (freshness). Returns False, changing nothing, when the agent must first be
         read from the store: the caller fetches it (Restorer.fetch, off this thread) and
-        calls again with it."""
+        calls again with it.
+
+        One cancelled (its deadline, or its client gone) before its prefill ended leaves the
+        agent as it was, an injection's messages and request_id included, so a retry adds
+        them once; one cancelled after the last chunk ran is whole (the cancel is read only
+        between steps), and a retry of it with that request_id adds nothing."""
+        self.batcher.let_cancelled_go()  # a retry does not find its cancelled call mid-turn
         usage = UsageEvent()
         agent = self._checkout(job, usage, view, fetched)
         if agent is None:
@@ -294,11 +304,10 @@ class Engine:
         """A turn left the batch: persist the agent, then end its stream (a durable turn's
         once its commit is done, on the writer thread)."""
         usage, agent, job = turn.usage, turn.agent, turn.job
-        said = usage.generated_tokens or not (job.sampling.max_tokens or job.creates)
-        if not said and usage.finish_reason in ("cancelled", "deadline"):
-            # Nothing was said: the turn goes back as a failed one does, or its messages and
-            # the reply's opening would stay in the context with no reply after them (a new
-            # agent's system prompt, in a cache that holds part of it).
+        if not usage.generated_tokens and usage.finish_reason in ("cancelled", "deadline"):
+            # Cut before its prefill ended (one that ends leaves with a token, or with "none"
+            # when it asks for none): it goes back as a failed turn does, or its messages
+            # would stay in the context over a cache that holds part of them, with no reply.
             self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
             return
         if usage.generated_tokens:
@@ -429,10 +438,11 @@ class Engine:
 
 
 def _ended_early(turn: ActiveTurn) -> DeadlineExceeded:
-    """What a turn that left the batch before saying anything raises."""
+    """What a turn that left the batch before its prefill ended raises."""
+    agent_id = turn.agent.agent_id
     if turn.job.creates:
-        return DeadlineExceeded(NOT_MADE.format(turn.agent.agent_id))
+        return DeadlineExceeded(NOT_MADE.format(agent_id))
     why = "was cancelled" if turn.usage.finish_reason == "cancelled" else "ran out of time"
-    return DeadlineExceeded(
-        f"the turn of agent {turn.agent.agent_id!r} {why} before its first token"
-    )
+    if not turn.job.sampling.max_tokens:
+        return DeadlineExceeded(NOT_ADDED.format(agent_id, why))
+    return DeadlineExceeded(f"the turn of agent {agent_id!r} {why} before its first token")
