@@ -31,6 +31,22 @@ if sys.orig_argv[1:3] == ["-m", os.environ.get("AGENTKV_TEST_HANG")]:
     time.sleep(600)
 """
 
+# Installed into a command's PYTHONPATH: the import (`python -m inference_worker.model_import`)
+# writes its weights, touches $AGENTKV_TEST_SAVED_MARK and waits, so a signal lands after the
+# weights and before the config, whatever the machine's load (a signal sent once the staging
+# directory appeared found the import done 1 run in ~15 on a busy machine: exit 0).
+SAVED_THEN_WAIT = """\
+import os, sys, time
+if sys.orig_argv[1:3] == ["-m", "inference_worker.model_import"]:
+    import mlx.core as mx
+    save = mx.save_safetensors
+    def saved_then_wait(*args, **kwargs):
+        save(*args, **kwargs)
+        open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
+        time.sleep(600)
+    mx.save_safetensors = saved_then_wait
+"""
+
 
 class Job:
     """A command started as a shell starts a job: a process group of its own, its output
@@ -154,15 +170,23 @@ def test_ctrl_c_while_a_command_waits_on_a_service_is_one_line(job, blackhole, c
 
 @pytest.mark.parametrize("group", [True, False], ids=["ctrl-c", "sigint-to-the-cli-alone"])
 def test_ctrl_c_in_model_import_leaves_no_directory_and_is_one_line(job, tmp_path, group):
-    """The shipped model's import takes seconds: the signal lands once it has begun to write,
-    and the --out directory is there whole or not at all, with no staging directory left."""
-    out = tmp_path / "out"
-    cmd = job(*cli("model", "import", "smollm2-135m-instruct", "--out", str(out)))
-    cmd.wait_for(lambda: any(tmp_path.iterdir()))
+    """The signal lands once the import has written its weights, before its config: the
+    --out directory is there whole or not at all, with no staging directory left."""
+    site, mark, work = tmp_path / "site", tmp_path / "saved", tmp_path / "work"
+    site.mkdir()
+    work.mkdir()
+    (site / "sitecustomize.py").write_text(SAVED_THEN_WAIT)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "AGENTKV_TEST_SAVED_MARK": str(mark),
+    }
+    out = work / "out"
+    cmd = job(*cli("model", "import", "smollm2-135m-instruct", "--out", str(out)), env=env)
+    cmd.wait_for(mark.exists)
     cmd.signal(group=group)
     code, _, err = cmd.finish()
     assert_interrupted(code, err)
-    assert list(tmp_path.iterdir()) == []  # no out/model.safetensors without its config.json
+    assert list(work.iterdir()) == []  # no out/model.safetensors without its config.json
 
 
 def children(pid: int) -> list[int]:
