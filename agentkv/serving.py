@@ -29,6 +29,8 @@ from agentkv.rpc import (
 from agentkv.security import ServerSecurity
 
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")  # logging's names
+STOP_SLACK_SECONDS = 5.0  # past the grace, for gRPC to end the calls it cancelled
+rpc_log = logging.getLogger("agentkv.rpc")
 
 
 def log_level_flag() -> Any:
@@ -102,7 +104,8 @@ class Served:
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()
-        self.server.stop(self.grace).wait()
+        if not self.server.stop(self.grace).wait(self.grace + STOP_SLACK_SECONDS):
+            rpc_log.warning("server not stopped after its grace: closing anyway")
         self.close()
 
 

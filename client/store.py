@@ -28,6 +28,7 @@ from agentkv.errors import (
     CorruptBlock,
     ReplyTooLarge,
     ResourceExhausted,
+    Unavailable,
     from_rpc_error,
 )
 from agentkv.rpc import message_options
@@ -36,15 +37,7 @@ from agentkv.v1 import store_pb2_grpc
 
 T = TypeVar("T")
 _METHOD = "/agentkv.v1.CacheStore/"
-
-
-def _typed(call: Callable[[], T]) -> T:
-    try:
-        return call()
-    except grpc.RpcError as exc:
-        error = from_rpc_error(exc)
-        error.peer = "store"
-        raise error from None
+CLOSED = "the store client was closed (its process is stopping)"
 
 
 class StoreClient:
@@ -64,6 +57,7 @@ class StoreClient:
             address, message_options(max_message_bytes)
         )
         self.stub = store_pb2_grpc.CacheStoreStub(self.channel)
+        self.closed = False
         self._lock = threading.Lock()
         self._read_pool: ThreadPoolExecutor | None = None
         self._put = self.channel.stream_unary(
@@ -78,6 +72,11 @@ class StoreClient:
         )
 
     def close(self) -> None:
+        """Ends the calls in flight on every thread (CANCELLED); later calls raise
+        Unavailable. Closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self.channel.close()
         if self._read_pool is not None:
             self._read_pool.shutdown()
@@ -91,7 +90,20 @@ class StoreClient:
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """Any unary RPC by name, e.g. call("GetAgent", pb.GetAgentRequest(...))."""
         rpc = getattr(self.stub, method)
-        return _typed(lambda: rpc(request, timeout=timeout or self.timeout))
+        return self._typed(lambda: rpc(request, timeout=timeout or self.timeout))
+
+    def _typed(self, call: Callable[[], T]) -> T:
+        """call()'s result; a gRPC error as its typed AgentKVError."""
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+            error.peer = "store"
+            raise error from None
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
+            if not self.closed:
+                raise
+            raise Unavailable(CLOSED) from None
 
     # payloads
 
@@ -104,7 +116,7 @@ class StoreClient:
     ) -> pb.PutBlocksResponse:
         """Uploads blocks in one stream; a block's parent must be stored already or precede it."""
         messages = put_messages(namespace, fingerprint, blocks, check_chunk_bytes(chunk_bytes))
-        return _typed(lambda: self._put(messages, timeout=self.timeout))
+        return self._typed(lambda: self._put(messages, timeout=self.timeout))
 
     def get_blocks(
         self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int] = ()

@@ -263,6 +263,12 @@ class HotTier:
             cache.release()
         self.metrics.hot_bytes.set(self.nbytes)
 
+    def unwritten(self) -> list[Agent]:
+        """Agents whose latest state is not committed (a write failed, was cut or is still
+        in flight), leaving out stale ones: another worker owns their newer state."""
+        agents = list(self._agents.values())  # at exit: the MLX thread may outlive its join
+        return [a for a in agents if not a.stale and (a.persist_failed or not a.durable)]
+
     def failed_writes(self, mid_turn: Callable[[Agent], bool]) -> list[Agent]:
         """Agents whose last write the store refused (it was down or full), to write again:
         once the store is back, every turn served meanwhile becomes durable. Not those

@@ -77,6 +77,11 @@ class WorkerConfig(ServerConfig):
     drain_seconds: float = flag(
         10.0, "at SIGTERM, seconds in-flight turns get to finish before they are cancelled"
     )
+    stop_write_seconds: float = flag(
+        10.0,
+        "after the drain, seconds queued store writes get to finish; past that (a hung store) "
+        "they are given up and logged, each agent keeping its last commit in the store",
+    )
     store_security: ClientSecurity = nested(ClientSecurity, prefix="store-")  # to the store
     store_timeout: float = 60.0
     # How long a turn of an agent hot here waits for the store to say whether another
@@ -115,4 +120,6 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"--blas-threads {self.blas_threads} must be >= 0")
         if self.drain_seconds < 0:
             raise ValueError(f"--drain-seconds {self.drain_seconds} must be >= 0")
+        if self.stop_write_seconds < 0:
+            raise ValueError(f"--stop-write-seconds {self.stop_write_seconds} must be >= 0")
         self.check_serving()

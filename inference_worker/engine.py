@@ -112,7 +112,26 @@ class Engine:
         for (_, agent_id), waiting in self._creating.items():
             for job, _ in waiting:
                 job.end(error=Unavailable(STOPPED.format(agent_id)))
-        self.persister.close()  # finishes queued store writes
+        self._finish_writes()
+
+    def _finish_writes(self) -> None:
+        """Finishes queued store writes for up to `stop_write_seconds`; past that (a hung
+        store) cuts them, closing the store client: each agent then has its last commit in
+        the store, and every durable turn acknowledged is in it (its reply waited for it)."""
+        finished = self.persister.close(self.config.stop_write_seconds)
+        if not finished:
+            self.store.close()  # the write in flight fails now, not at its deadline
+        self.persister.join()
+        unwritten = self.hot.unwritten()
+        if unwritten:
+            log.warning(
+                "stopped with turns not in the store",
+                extra={
+                    "agents": len(unwritten),
+                    "cut": not finished,
+                    "first": [a.agent_id for a in unwritten[:5]],
+                },
+            )
 
     def _tick(self) -> bool:
         """After every job: a model step while turns are in flight. Every few seconds, busy

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
 Written = tuple[list[bytes], int, list[int]]  # Snapshot.written
 MAX_SYSTEM_CHUNKS = 16
+NOT_WRITTEN = "the worker stopped before writing agent {!r}: the store keeps its last commit"
 
 
 def check_metadata(metadata: dict[str, str], system: str) -> dict[str, str]:
@@ -241,6 +243,7 @@ class Persister:
         self.client, self.fingerprint, self.block_tokens = client, fingerprint, block_tokens
         self.metrics, self._on_written = metrics, on_written
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-persist")
+        self._stopping = threading.Event()  # past close()'s wait: no write reaches the store
 
     def persist(self, agent: Agent) -> None:
         """Cuts the agent's unsaved blocks (on the MLX thread: it evaluates arrays) and
@@ -268,6 +271,9 @@ class Persister:
 
     def _save(self, agent: Agent, snap: Snapshot) -> AgentKVError | None:
         """Writes and commits one snapshot; the error that stopped it, or None."""
+        if self._stopping.is_set():  # the server's stop cut every call: no durable turn waits
+            agent.persist_error = Unavailable(NOT_WRITTEN.format(agent.agent_id))
+            return agent.persist_error
         expected = agent.generation
         cid = commit_id(expected, snap)
         try:
@@ -328,5 +334,17 @@ class Persister:
         """Waits for every queued write."""
         self._pool.submit(lambda: None).result()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Lets the queued writes finish for up to `timeout` seconds (None: however long);
+        whether they did. Past it (a hung store), the writes not begun skip the store, and
+        the caller cuts the one in flight (closing the store client), then calls join()."""
+        last = self._pool.submit(lambda: None)  # one writer: done once all before it are
+        self._pool.shutdown(wait=False)
+        if wait([last], timeout).done:
+            return True
+        self._stopping.set()
+        return False
+
+    def join(self) -> None:
+        """Waits for the writer thread to end (after close())."""
         self._pool.shutdown(wait=True)

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from agentkv.addresses import is_loopback
+from agentkv.errors import Unavailable
 from agentkv.layers import LayerSpec
 from inference_worker.config import WorkerConfig
 from inference_worker.fingerprint import model_fingerprint
@@ -30,6 +31,7 @@ from inference_worker.sampling import vocab_size
 log = logging.getLogger("agentkv.worker")
 TICK_SECONDS = 2.0  # the longest the MLX thread waits for a job before its tick runs
 _IDLE = object()  # no job arrived within TICK_SECONDS
+STOPPING = "the worker is stopping: this call's work was not run; send it again"
 
 
 class MLXThread:
@@ -41,26 +43,51 @@ class MLXThread:
         self._jobs: queue.Queue = queue.Queue()
         # The engine's step; it returns True while work is in flight: then no job is awaited.
         self.on_tick: Callable[[], bool] = lambda: False
+        # Held only around a put: no job lands behind close()'s None, where nothing runs it.
+        self._closing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="agentkv-mlx", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queues `fn(*args)`; once closed, the future fails at once (Unavailable): an RPC
+        thread still running after the server's stop would otherwise wait on it forever, and
+        the process's exit waits on that thread."""
         future: Future = Future()
-        self._jobs.put((fn, args, future))
+        with self._closing:
+            if not self._closed:
+                self._jobs.put((fn, args, future))
+                return future
+        future.set_exception(Unavailable(STOPPING))
         return future
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._closing:
+            self._closed = True
+            self._jobs.put(None)
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
         try:
             self._serve()
         finally:
+            self._fail_queued()
             # MLX keeps this thread's streams in thread-local state that C++ frees after
             # join() returns, racing the process's exit, which then could abort ("terminate
             # called without an active exception", ml-explore/mlx#3126). Freed here instead.
             mx.clear_streams()
+
+    def _fail_queued(self) -> None:
+        """Fails the jobs left behind (none, unless the loop itself failed)."""
+        with self._closing:
+            self._closed = True
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[2].set_running_or_notify_cancel():
+                item[2].set_exception(Unavailable(STOPPING))
 
     def _serve(self) -> None:
         busy = False

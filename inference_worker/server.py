@@ -36,7 +36,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
         SERVICE_NAME,
         service_handlers(service, worker_pb2, servicer),
         metrics,
-        engine.close,  # finishes queued store writes
+        engine.close,  # finishes queued store writes (for up to --stop-write-seconds)
         max_message_bytes=16 << 20,
         grace=config.drain_seconds,
     )
@@ -45,6 +45,8 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
     def close() -> None:
         watch.close()
         engine.close()
+        # An RPC thread still in a store call (a restore, a fork) ends now: the exit joins it.
+        store.close()
 
     served.close = close
     log.info(

@@ -177,6 +177,59 @@ def test_a_write_that_cannot_even_be_cut_fails_the_durable_turn_waiting_on_it(mo
     assert error is not None and "left this layer's window" in error.message
 
 
+def test_work_handed_to_a_closed_mlx_thread_fails_at_once():
+    """An RPC thread still running after the server's stop (its call cancelled, its store
+    read done) hands the MLX thread more work: it is refused at once. It was queued behind
+    close()'s end, never run, and the process's exit waited forever on that RPC thread."""
+    from inference_worker.runtime import MLXThread
+
+    mlx = MLXThread()
+    assert mlx.submit(lambda: 1).result(timeout=60) == 1
+    mlx.close()
+    with pytest.raises(Unavailable, match="stopping"):
+        mlx.submit(lambda: 2).result(timeout=5)
+
+
+def test_writes_to_a_hung_store_are_given_up_at_stop(monkeypatch):
+    """At stop, queued writes to a store that never answers are waited for up to the bound;
+    then the one in flight is cut (the store client closed), the queued ones never reach the
+    store, and each agent counts as unwritten."""
+    import threading
+
+    from inference_worker import persistence
+    from inference_worker.metrics import WorkerMetrics
+
+    class HungStore:
+        def __init__(self) -> None:
+            self.closed, self.saves = threading.Event(), 0
+
+        def save_agent(self, *args, **fields):
+            self.saves += 1
+            self.closed.wait()  # a SIGSTOPped store answers nothing until the channel closes
+            raise Unavailable("the store client was closed")
+
+        def close(self) -> None:
+            self.closed.set()
+
+    snap = persistence.Snapshot([], [], [], [], [], 0, "", {})
+    monkeypatch.setattr(persistence, "snapshot", lambda *args: snap)
+    store = HungStore()
+    writes = persistence.Persister(store, "fp", 64, WorkerMetrics(), lambda agent: None)
+    agents = [agent(name, 100, durable=False) for name in ("a", "b", "c")]
+    for a in agents:
+        writes.persist(a)
+    assert not writes.close(timeout=0.2)  # the first write hangs: never done in time
+    store.close()
+    writes.join()
+    assert store.saves == 1
+    assert all(a.persist_failed and not a.writing for a in agents)
+    assert "stopped before writing agent 'c'" in agents[2].persist_error.message
+    tier = HotTier(budget_bytes=1000)
+    for a in agents:
+        tier.put(a)
+    assert [a.agent_id for a in tier.unwritten()] == ["a", "b", "c"]
+
+
 def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, capsys):
     from inference_worker.__main__ import build_config
 
@@ -192,6 +245,9 @@ def test_worker_flags_are_checked_and_blas_threads_reach_openblas(monkeypatch, c
     with pytest.raises(SystemExit):
         build_config([*base, "--drain-seconds", "nan"])
     assert "--drain-seconds: not a finite number: 'nan'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_config([*base, "--stop-write-seconds", "-1"])
+    assert "--stop-write-seconds -1.0 must be >= 0" in capsys.readouterr().err
     build_config([*base, "--blas-threads", "1"])
     assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
 
