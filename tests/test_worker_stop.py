@@ -1,0 +1,63 @@
+"""A worker's stop is bounded, through real store and worker processes.
+
+- A worker stopped while its store hangs (SIGSTOP) with a write queued gives that write
+  --stop-write-seconds after the drain, then cuts it and exits by itself, saying so; every
+  acknowledged durable turn is in the store, and a fresh worker restores it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from agentkv.client.worker import WorkerClient
+from agentkv.launch import worker_process
+from tests.helpers import freeze
+
+SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
+Q1 = [("user", "Which scrolls came in today?")]
+Q2 = [("user", "Index them by century.")]
+Q3 = [("user", "Which century has the most?")]
+EXIT_SECONDS = 15  # under the store client's 20 s keepalive, which ended the stuck write before
+
+
+def test_a_worker_stopped_with_a_write_to_a_hung_store_exits_and_keeps_its_durable_turns(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """SIGTERM with a non-durable turn's write stuck on a frozen store: the worker exits 0
+    within EXIT_SECONDS, logging that turns were not stored (before: its stop waited on the
+    write, ~25 s or more); a fresh worker restores the agent at its durable turn."""
+    model = str(tiny_model_dirs["llama"])
+    args = ["--block-tokens", "64", "--drain-seconds", "0", "--stop-write-seconds", "2"]
+    proc = launched(
+        worker_process(model, store_process.address, tmp_path / "w1.log", extra_args=args)
+    )
+    w = WorkerClient(proc.address, timeout=60)
+    w.create_agent("ns", "a", SYSTEM)
+    w.turn("ns", "a", Q1, max_tokens=4, durable=True)
+    durable = w.describe("ns", "a")
+    assert durable.persisted_tokens > 0
+    freeze(store_process.proc.pid)
+    try:
+        hot = w.turn("ns", "a", Q2, max_tokens=4)  # the 2 s store check times out: RAM answers
+        assert hot.usage.cache_state == "hot"
+        assert w.describe("ns", "a").num_tokens > durable.persisted_tokens
+        w.close()
+        proc.proc.send_signal(signal.SIGTERM)
+        code = proc.proc.wait(timeout=EXIT_SECONDS)
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    log = proc.log_tail(100_000)
+    assert code == 0, log
+    assert "stopped with turns not in the store" in log and "Traceback" not in log, log
+
+    fresh = launched(
+        worker_process(model, store_process.address, tmp_path / "w2.log", extra_args=args)
+    )
+    w = WorkerClient(fresh.address, timeout=60)
+    state = w.describe("ns", "a")
+    assert (state.tier, state.num_tokens) == ("warm", durable.num_tokens), (state, durable)
+    again = w.turn("ns", "a", Q3, max_tokens=4)
+    assert again.usage.cache_state == "warm"
+    assert again.usage.reused_store_tokens == durable.persisted_tokens
+    w.close()
