@@ -6,6 +6,9 @@ trailing metadata; the SDK turns a status back into the same class.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
 
 ERROR_KEY = "agentkv-error"
@@ -189,3 +192,12 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
         result.code = code
     result.remote = ERROR_KEY in metadata
     return result
+
+
+@contextmanager
+def typed_errors() -> Iterator[None]:
+    """A gRPC error raised inside leaves as its agentkv class (from_rpc_error)."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None

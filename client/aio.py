@@ -25,8 +25,8 @@ import grpc
 
 from agentkv.channels import ClientSecurity
 from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
-from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, typed_errors
-from agentkv.errors import from_rpc_error
+from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult
+from agentkv.errors import typed_errors
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 
@@ -50,10 +50,8 @@ class AsyncWorkerClient(BaseWorkerClient):
         await self.close()
 
     async def call(self, method: str, request: Any) -> Any:
-        try:
+        with typed_errors():
             return await getattr(self.stub, method)(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
 
     async def _unary(self, method: str, request: Any, unwrap: Callable[[Any], T]) -> T:
         return unwrap(await self.call(method, request))
@@ -63,10 +61,9 @@ class AsyncWorkerClient(BaseWorkerClient):
     ) -> AsyncIterator[pb.TurnResponse]:
         call = self.stub.Turn(request, timeout=timeout)
         try:
-            async for response in call:
-                yield response
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            with typed_errors():
+                async for response in call:
+                    yield response
         finally:
             call.cancel()  # a no-op once the stream has ended
 
@@ -210,10 +207,8 @@ class AsyncAgentMemory(BaseAgentMemory):
         stub = store_pb2_grpc.CacheStoreStub(self._store_channel)
         request = store_pb2.ListAgentsRequest(namespace=self.namespace)
         while True:
-            try:
+            with typed_errors():
                 page = await stub.ListAgents(request, timeout=self.timeout)
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from None
             for summary in page.agents:
                 yield summary
             if not page.next_page_token:

@@ -33,8 +33,8 @@ from agentkv.client.worker_core import (
     TurnResult,
     as_messages,
     cut_off,
-    typed_errors,
 )
+from agentkv.errors import typed_errors
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["Agent", "AgentMemory", "Messages", "Reply", "as_messages", "cut_off"]

@@ -30,6 +30,7 @@ from agentkv.errors import (
     ResourceExhausted,
     Unavailable,
     from_rpc_error,
+    typed_errors,
 )
 from agentkv.rpc import message_options
 from agentkv.v1 import store_pb2 as pb
@@ -131,10 +132,8 @@ class StoreClient:
                 layers=layers,
             )
             stream = self._get(request, timeout=self.timeout)
-            try:
+            with typed_errors():
                 yield from _assemble(stream)
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from None
 
     def read_blocks_local(
         self,

@@ -10,7 +10,7 @@ import grpc
 
 from agentkv.channels import ClientSecurity
 from agentkv.client.worker_core import BaseWorkerClient, TurnResult, pb_messages
-from agentkv.errors import from_rpc_error
+from agentkv.errors import typed_errors
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["TurnResult", "WorkerClient", "pb_messages"]
@@ -33,10 +33,8 @@ class WorkerClient(BaseWorkerClient):
         self.close()
 
     def call(self, method: str, request: Any) -> Any:
-        try:
+        with typed_errors():
             return getattr(self.stub, method)(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
 
     def _unary(self, method: str, request: Any, unwrap: Callable[[Any], T]) -> T:
         return unwrap(self.call(method, request))
@@ -44,9 +42,8 @@ class WorkerClient(BaseWorkerClient):
     def _stream(self, request: pb.TurnRequest, timeout: float) -> Iterator[pb.TurnResponse]:
         call = self.stub.Turn(request, timeout=timeout)
         try:
-            yield from call
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            with typed_errors():
+                yield from call
         finally:
             call.cancel()  # a no-op once the stream has ended
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, TypeVar, Union
@@ -217,15 +216,6 @@ def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> A
 
 def no_reply(worker: str, agent: object) -> Unavailable:
     return Unavailable(f"worker {worker} ended the turn of {agent!r} at once")
-
-
-@contextmanager
-def typed_errors() -> Iterator[None]:
-    """A gRPC error raised inside leaves as its agentkv class."""
-    try:
-        yield
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
 
 
 class BaseReply:
