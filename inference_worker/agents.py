@@ -283,18 +283,22 @@ class HotTier:
 SYSTEM_KEY = "agentkv.system_sha256"  # metadata a worker adds at create: its system prompt's
 
 
-def system_digest(system: str) -> str:
-    return hashlib.sha256(system.encode()).hexdigest()
+def system_digest(system: str, tools: str = "") -> str:
+    """What an agent was made with: its system prompt and its tools (when it has any)."""
+    made = f"{system}\0tools\0{tools}" if tools else system
+    return hashlib.sha256(made.encode()).hexdigest()
 
 
-def agent_exists(ns: str, agent_id: str, metadata: Mapping[str, str], system: str) -> AgentKVError:
+def agent_exists(
+    ns: str, agent_id: str, metadata: Mapping[str, str], system: str, tools: str = ""
+) -> AgentKVError:
     """What creating an agent that exists raises: AgentExists when it was made with the system
-    prompt asked for (the SDK then uses it as it is; so too an agent from before workers kept
-    the digest), SystemPromptDiffers when it was not."""
+    prompt (and tools) asked for (the SDK then uses it as it is; so too an agent from before
+    workers kept the digest), SystemPromptDiffers when it was not."""
     stored = metadata.get(SYSTEM_KEY)
-    if stored is None or stored == system_digest(system):
+    if stored is None or stored == system_digest(system, tools):
         return AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
     return SystemPromptDiffers(
-        f"agent {agent_id!r} in namespace {ns!r} exists with another system prompt: delete it "
-        "first, or ask for it with replace=True (SDK) to make it anew"
+        f"agent {agent_id!r} in namespace {ns!r} exists with another system prompt or other tools: "
+        "delete it first, or ask for it with replace=True (SDK) to make it anew"
     )

@@ -27,6 +27,7 @@ from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler, Step
+from inference_worker.tools import ReplyCalls
 from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
@@ -50,7 +51,7 @@ class ActiveTurn:
     next_token: int = -1  # generated, not yet fed through the model
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
-    reply: list[str] = field(default_factory=list)  # the text sent, piece by piece
+    calls: ReplyCalls | None = None  # takes the reply's tool calls out of its text
 
     def __post_init__(self) -> None:
         self.sample, self.stops = self.job.sampling.sampler(), StopMatcher(self.job.sampling.stop)
@@ -225,8 +226,10 @@ class Batcher:
 
     @staticmethod
     def _send(turn: ActiveTurn, text: str, tokens: list[int]) -> None:
-        turn.reply.append(text)
-        turn.job.events.put(TokenEvent(text, tokens))
+        calls = []
+        if turn.calls is not None:
+            text, calls = turn.calls.feed(text)
+        turn.job.events.put(TokenEvent(text, tokens, calls))
 
     # joining and leaving the batch
 
@@ -290,7 +293,10 @@ class Batcher:
         held = u.generated_tokens and reason in ("length", "deadline", "cancelled")
         if held and (rest := self._rest(turn)):
             self._send(turn, rest, [])  # what was held back for stop strings
-        u.finish_reason = reason
+        calls = turn.calls
+        if calls is not None and (rest := calls.flush()):
+            turn.job.events.put(TokenEvent(rest, []))  # a tool call cut before its end
+        u.finish_reason = "tool_calls" if reason == "stop" and calls and calls.calls else reason
         if u.generated_tokens > 1:
             elapsed = max(time.perf_counter() - turn.first_at, 1e-9)
             u.decode_tokens_per_second = (u.generated_tokens - 1) / elapsed

@@ -13,23 +13,35 @@ template's alternation rule sees what the real conversation would), and tokenize
 alone. The past is never re-tokenized, no BOS appears mid-sequence, and a generated reply is
 closed with the template's own closing text. A template that refuses a conversation is an
 INVALID_ARGUMENT carrying the template's own message.
+
+Tools (inference_worker.tools) are rendered wherever the template puts them, in every render
+of the conversation, the placeholder's too; like the system prompt they are part of what a
+resent conversation must match.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from agentkv.errors import InvalidArgument
+from inference_worker.tools import ReplyCalls, ToolCall, ToolFormat
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _PING = {"role": "user", "content": "ping-q7Zx"}
 _PONG = {"role": "assistant", "content": "pong-q7Zx"}
+_CALL = ToolCall("call_q7Zx", "f_q7Zx", "{}").template()
 _PLACEHOLDERS = {  # a conversation ending with each role
     "system": [{"role": "system", "content": "sys-q7Zx"}],
     "user": [_PING],
     "assistant": [_PING, _PONG],
+    "tool": [
+        _PING,
+        {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+        {"role": "tool", "content": "pong-q7Zx", "tool_call_id": _CALL["id"]},
+    ],
 }
 _PROBE = "q7Zx"
 _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is stable
@@ -39,6 +51,25 @@ _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is st
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's
+    tool_call_id: str = ""  # a tool message's: the call it answers
+
+    def words(self) -> str:
+        """What identifies the message in a conversation's digest."""
+        if not (self.tool_calls or self.tool_call_id):
+            return f"{self.role}\0{self.content}"
+        calls = "".join(f"\0{c.key()}" for c in self.tool_calls)
+        content = self.content.strip() if self.tool_calls else self.content
+        return f"{self.role}\0{content}\0{self.tool_call_id}{calls}"
+
+    def template(self) -> dict:
+        """The message as chat templates read it."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.template() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +100,7 @@ class ChatState:
     digest: str = ""  # chain digest of every message so far, the system prompt first
     marks: tuple[Mark, ...] = ()  # where each turn ended, oldest first
     applied: str = ""  # request_id of the last turn or injection taken (a retry of it)
+    tools: str = ""  # the conversation's tools (tools.canonical_tools), rendered in each part
 
     def marked(self, end: int, cached: int) -> ChatState:
         """This state with a mark here, at token `end` (`cached` of them in the cache)."""
@@ -80,13 +112,19 @@ class ChatState:
 def chain(digest: str, messages: Sequence[ChatMessage]) -> str:
     """The digest of a conversation `messages` longer than the one whose digest is `digest`."""
     for m in messages:
-        h = hashlib.blake2b(f"{digest}\0{m.role}\0{m.content}".encode(), digest_size=12)
+        h = hashlib.blake2b(f"{digest}\0{m.words()}".encode(), digest_size=12)
         digest = h.hexdigest()
     return digest
 
 
-def start_digest(system: str) -> str:
-    return chain("", [ChatMessage("system", system)]) if system else ""
+def tools_digest(tools: str) -> str:
+    """Where a conversation's digest starts: its tools' (none: "")."""
+    return chain("", [ChatMessage("tools", tools)]) if tools else ""
+
+
+def start_digest(system: str, tools: str = "") -> str:
+    seed = tools_digest(tools)
+    return chain(seed, [ChatMessage("system", system)]) if system else seed
 
 
 @dataclass(slots=True)
@@ -104,16 +142,19 @@ class Resumed:
     prefix: int = 0
 
 
-def resume(tokens: Sequence[int], state: ChatState, messages: Sequence[ChatMessage]) -> Resumed:
-    """Where a whole conversation, resent (its system prompt first, if any), picks up this
-    agent's: its tokens and state at the latest mark whose messages begin `messages`, and
-    the messages after them. Without one (the conversation was edited before any mark, or
-    has another system prompt), it starts over, rendered whole as a new agent's first turn.
+def resume(
+    tokens: Sequence[int], state: ChatState, messages: Sequence[ChatMessage], tools: str = ""
+) -> Resumed:
+    """Where a whole conversation, resent (its system prompt first, if any) with its `tools`,
+    picks up this agent's: its tokens and state at the latest mark whose messages begin
+    `messages`, and the messages after them. Without one (the conversation was edited before
+    any mark, or has another system prompt or tools), it starts over, rendered whole as a
+    new agent's first turn.
     The turn keeps only the cache a fresh agent told this conversation turn by turn would
     hold there, so that it answers exactly as that agent does: Q4 KV of tokens from an
     earlier turn is not bit for bit what a turn computes for its own."""
     at: dict[str, int] = {}
-    digest = ""
+    digest = tools_digest(tools)
     for i, message in enumerate(messages):
         digest = chain(digest, [message])
         at[digest] = i + 1
@@ -122,12 +163,17 @@ def resume(tokens: Sequence[int], state: ChatState, messages: Sequence[ChatMessa
         if i is not None and mark.end <= len(tokens):
             kept = state.marks[: len(state.marks) - n]
             resumed = ChatState(
-                last_role=mark.last_role, reply_open=mark.reply_open, digest=mark.digest, marks=kept
+                last_role=mark.last_role,
+                reply_open=mark.reply_open,
+                digest=mark.digest,
+                marks=kept,
+                tools=tools,
             )
             return Resumed(list(tokens[: mark.end]), resumed, list(messages[i:]), mark.cached)
     system = messages[0].content if messages and messages[0].role == "system" else ""
     rest = list(messages[1:]) if messages and messages[0].role == "system" else list(messages)
-    return Resumed([], ChatState(system, opened=False, digest=start_digest(system)), rest, None)
+    state = ChatState(system, opened=False, digest=start_digest(system, tools), tools=tools)
+    return Resumed([], state, rest, None)
 
 
 class ChatFormat:
@@ -139,18 +185,34 @@ class ChatFormat:
         self.reply_closing = self._encode(self._closing) if self._closing else []
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
         self.eos_ids = {ids} if isinstance(ids, int) else set(ids)
+        self.tool_format = ToolFormat.of(tokenizer)
 
-    def start(self, system: str) -> tuple[list[int], ChatState]:
+    def start(self, system: str, tools: str = "") -> tuple[list[int], ChatState]:
         """A new conversation: its stable prefix (the tokens every first user turn renders
         before its own words), less the last token, whose spelling can depend on them."""
+        self.check_tools(tools)
         head = [ChatMessage("system", system)] if system else []
         first = [
-            self._encode(self._render(_dicts([*head, ChatMessage("user", w)]), True))
+            self._encode(self._render(_dicts([*head, ChatMessage("user", w)]), True, tools))
             for w in _FIRST_WORDS
         ]
         shared = common_prefix(*first)
-        state = ChatState(system=system, opened=False, digest=start_digest(system))
+        state = ChatState(system, opened=False, digest=start_digest(system, tools), tools=tools)
         return first[0][: max(0, shared - 1)], state
+
+    def check_tools(self, tools: str) -> None:
+        """Refuses tools for a model whose tool calls would not be understood."""
+        if tools and self.tool_format is None:
+            raise InvalidArgument(
+                "this model has no tool-call format mlx-lm knows (none is inferred from its "
+                "chat template): a turn with tools would get its calls as text"
+            )
+
+    def reply_calls(self, tools: str) -> ReplyCalls | None:
+        """What takes a reply's tool calls out of its text, for a conversation with tools."""
+        if not tools or self.tool_format is None:
+            return None
+        return ReplyCalls(self.tool_format, json.loads(tools))
 
     def extend(
         self,
@@ -163,24 +225,29 @@ class ChatFormat:
         if not messages and not generation_prompt:
             return list(context), state  # nothing to add (an unopened agent stays so)
         last = messages[-1].role if messages else state.last_role
-        said = ChatState(last_role=last, digest=chain(state.digest, messages), marks=state.marks)
+        digest = chain(state.digest, messages)
+        said = ChatState(last_role=last, digest=digest, marks=state.marks, tools=state.tools)
         if not state.opened:
             head = [ChatMessage("system", state.system)] if state.system else []
             if not head and not messages:
                 return list(context), state  # nothing to render yet
-            text = self._render(_dicts([*head, *messages]), generation_prompt)
+            text = self._render(_dicts([*head, *messages]), generation_prompt, state.tools)
             return self._encode(text), said
         close = self.close_reply(context) if state.reply_open else []
-        added = self.append(messages, generation_prompt, state.last_role)
+        added = self.append(messages, generation_prompt, state.last_role, state.tools)
         return [*context, *close, *added], said
 
     def append(
-        self, messages: Sequence[ChatMessage], generation_prompt: bool, after: str = "assistant"
+        self,
+        messages: Sequence[ChatMessage],
+        generation_prompt: bool,
+        after: str = "assistant",
+        tools: str = "",
     ) -> list[int]:
         """Token ids that `messages` add to a conversation whose last message is `after`'s."""
         placeholder = _PLACEHOLDERS.get(after, _PLACEHOLDERS["assistant"])
-        before = self._render(placeholder, generation_prompt=False)
-        full = self._render(placeholder + _dicts(messages), generation_prompt)
+        before = self._render(placeholder, False, tools)
+        full = self._render(placeholder + _dicts(messages), generation_prompt, tools)
         if not full.startswith(before):  # e.g. Qwen3 renders a last reply differently
             before = self._reply_end(full, placeholder[-1])
         if before is None:
@@ -215,10 +282,11 @@ class ChatFormat:
         at = answered.find(_PROBE, len(asked) if answered.startswith(asked) else 0)
         return answered[at + len(_PROBE) :] if at >= 0 else ""
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: str = "") -> str:
+        extra = {"tools": json.loads(tools)} if tools else {}
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
             )
         except Exception as exc:  # the template's own raise_exception, or a jinja error
             roles = ", ".join(m["role"] for m in messages)
@@ -245,7 +313,7 @@ def check_said(messages: Sequence[ChatMessage]) -> None:
     `say` is a caller's slip). A resent whole conversation may hold one, as OpenAI's API
     allows: an empty reply, cut at once by a stop string, comes back in the history."""
     for i, m in enumerate(messages):
-        if not m.content.strip():
+        if not m.content.strip() and not m.tool_calls:
             raise InvalidArgument(f"message {i} ({m.role}) is empty")
 
 
@@ -253,4 +321,9 @@ def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:
     for m in messages:
         if m.role not in ROLES:
             raise InvalidArgument(f"message role {m.role!r} is not one of {', '.join(ROLES)}")
-    return [{"role": m.role, "content": m.content} for m in messages]
+        if (m.tool_calls and m.role != "assistant") or (m.tool_call_id and m.role != "tool"):
+            raise InvalidArgument(
+                f"a {m.role} message has tool calls or answers one: only an assistant's calls "
+                "tools, and only a tool's answers"
+            )
+    return [m.template() for m in messages]

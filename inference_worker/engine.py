@@ -24,6 +24,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     TurnTaken,
     Unavailable,
 )
@@ -185,9 +186,9 @@ class Engine:
             self._creating[hot.id].append((job, system))
             return
         if hot is not None:  # the RPC thread asked the store
-            raise agent_exists(ns, agent_id, hot.metadata, system)
+            raise agent_exists(ns, agent_id, hot.metadata, system, job.tools)
         check_system(system)
-        tokens, chat = self.chat.start(system)
+        tokens, chat = self.chat.start(system, job.tools)
         caches = self.restorer.empty_caches()
         agent = Agent(ns, agent_id, tokens, caches, phase=job.phase, metadata=metadata, chat=chat)
         agent.check_context(0, self.runtime.max_context)
@@ -253,8 +254,9 @@ class Engine:
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
         if job.whole_conversation:
-            start = self._resumed(agent, job.messages)
+            start = self._resumed(agent, job.messages, job.tools)
         else:  # the messages follow the agent's context, all of whose cache it keeps
+            _check_own_tools(agent, job.tools)
             start = Resumed(agent.tokens, agent.chat, [] if again else job.messages, None)
         tokens, chat = self.chat.extend(start.tokens, start.state, start.messages, max_tokens > 0)
         if job.request_id:
@@ -271,6 +273,7 @@ class Engine:
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
+        turn.calls = self.chat.reply_calls(chat.tools) if max_tokens else None
         return turn, tokens, chat
 
     def _turn(
@@ -290,16 +293,15 @@ class Engine:
         )
         return ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
 
-    def _resumed(self, agent: Agent, messages: list[ChatMessage]) -> Resumed:
+    def _resumed(self, agent: Agent, messages: list[ChatMessage], tools: str) -> Resumed:
         """Where a resent whole conversation picks up the agent's (chat.resume), with the
         cache a turn starting over may keep: a new agent's stable prefix, none of it when
-        the agent was made with another system prompt."""
-        start = resume(agent.tokens, agent.chat, messages)
+        the agent was made with another system prompt or other tools."""
+        start = resume(agent.tokens, agent.chat, messages, tools)
         if start.cached is None:
-            system = start.state.system
-            made_with = agent.metadata.get(SYSTEM_KEY, system_digest(system))
-            same = made_with == system_digest(system)
-            start.prefix = len(self.chat.start(system)[0])
+            system, made = start.state.system, system_digest(start.state.system, tools)
+            same = agent.metadata.get(SYSTEM_KEY, made) == made
+            start.prefix = len(self.chat.start(system, tools)[0])
             start.cached = start.prefix if same else 0
         return start
 
@@ -330,9 +332,7 @@ class Engine:
             self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
             return
         if usage.generated_tokens:
-            # What the context holds: the reply sent, and past a stop string the text the
-            # caller never saw (so a resend of the cut reply matches no mark from here on).
-            reply = ChatMessage("assistant", turn.stops.text)
+            reply = _reply(turn)
             chat = agent.chat
             chat.reply_open, chat.last_role = True, "assistant"
             chat.digest = chain(chat.digest, [reply])
@@ -343,9 +343,10 @@ class Engine:
         self._finish_turn(agent)
         if job.creates:
             for waiting, system in self._creating.pop(agent.id, []):
-                waiting.end(
-                    error=agent_exists(agent.namespace, agent.agent_id, agent.metadata, system)
+                exists = agent_exists(
+                    agent.namespace, agent.agent_id, agent.metadata, system, waiting.tools
                 )
+                waiting.end(error=exists)
         else:
             self.metrics.turns.labels(state=usage.cache_state).inc()
         if job.durable and agent.pending is not None:
@@ -454,6 +455,26 @@ class Engine:
             raise FailedPrecondition(
                 f"agent {agent.agent_id!r} is mid-turn; {what} it after the turn"
             )
+
+
+def _reply(turn: ActiveTurn) -> ChatMessage:
+    """What the context holds of a reply: the text sent, and past a stop string the text the
+    caller never saw (so a resend of the cut reply matches no mark from here on); its tool
+    calls apart from its text."""
+    if turn.calls is None:
+        return ChatMessage("assistant", turn.stops.text)
+    unsent = turn.stops.text[turn.stops.sent :]
+    return ChatMessage("assistant", turn.calls.text + unsent, tuple(turn.calls.calls))
+
+
+def _check_own_tools(agent: Agent, tools: str) -> None:
+    """Refuses a turn that appends to the agent's context with other tools than its own."""
+    if tools and tools != agent.chat.tools:
+        raise InvalidArgument(
+            f"agent {agent.agent_id!r} has {'other' if agent.chat.tools else 'no'} tools: a "
+            "turn adding to its context names its own or none; send the whole conversation "
+            "(whole_conversation) to change them"
+        )
 
 
 def _ended_early(turn: ActiveTurn) -> DeadlineExceeded:

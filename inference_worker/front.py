@@ -40,10 +40,12 @@ class Front:
         ns, agent_id = _checked(job)
         stored = self._stored(ns, agent_id)
         if stored is not None:
-            raise agent_exists(ns, agent_id, stored.metadata, system)
+            raise agent_exists(ns, agent_id, stored.metadata, system, job.tools)
         check_system(system)
-        metadata = check_metadata({**metadata, SYSTEM_KEY: system_digest(system)}, system)
-        shared = self.engine.restorer.fetch_prefix(ns, self.engine.chat.start(system)[0])
+        made = {**metadata, SYSTEM_KEY: system_digest(system, job.tools)}
+        metadata = check_metadata(made, system, job.tools)
+        prefix = self.engine.chat.start(system, job.tools)[0]  # refuses tools it cannot call
+        shared = self.engine.restorer.fetch_prefix(ns, prefix)
         self._mlx(self.engine.create_agent, job, system, metadata, shared)
 
     def start_turn(self, job: TurnJob) -> None:

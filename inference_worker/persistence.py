@@ -47,6 +47,7 @@ DIGEST = "agentkv.digest"
 MARKS = "agentkv.marks"
 APPLIED = "agentkv.applied"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
+TOOLS = "agentkv.tools."  # + chunk index: the conversation's tools (ChatState.tools)
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
 Written = tuple[list[bytes], int, list[int]]  # Snapshot.written
@@ -54,21 +55,21 @@ MAX_SYSTEM_CHUNKS = 16
 NOT_WRITTEN = "the worker stopped before writing agent {!r}: the store keeps its last commit"
 
 
-def check_metadata(metadata: dict[str, str], system: str) -> dict[str, str]:
+def check_metadata(metadata: dict[str, str], system: str, tools: str = "") -> dict[str, str]:
     """The caller's metadata of a new agent, checked against the store's limits with room
-    for what this worker adds at every save (its chat state, commit id, and the system
-    prompt until the first turn): one that fits now but not then would never be saved."""
+    for what this worker adds at every save (its chat state, commit id, its tools, and the
+    system prompt until the first turn): one that fits now but not then would never be
+    saved."""
     own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID, APPLIED)}
     own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
-    for i in range(0, len(system), SYSTEM_CHUNK):
-        own[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = system[i : i + SYSTEM_CHUNK]
+    own |= _chunks(SYSTEM, system) | _chunks(TOOLS, tools)
     try:
         ids.metadata({**metadata, **own})
     except InvalidArgument as exc:
         raise InvalidArgument(
             f"{exc.message}, with the {len(own)} entries and "
             f"{sum(len(k) + len(v) for k, v in own.items())} characters at most this worker "
-            "keeps for an agent with this system prompt"
+            "keeps for an agent with this system prompt and tools"
         ) from None
     return metadata
 
@@ -95,22 +96,34 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
     }
     if chat.applied:
         out[APPLIED] = chat.applied
-    for i in range(0, len(chat.system) if not chat.opened else 0, SYSTEM_CHUNK):
-        out[f"{SYSTEM}{i // SYSTEM_CHUNK}"] = chat.system[i : i + SYSTEM_CHUNK]
-    return out
+    return out | _chunks(SYSTEM, "" if chat.opened else chat.system) | _chunks(TOOLS, chat.tools)
+
+
+def _chunks(prefix: str, text: str) -> dict[str, str]:
+    """`text` as metadata values the store takes, keys `prefix` + their index."""
+    return {
+        f"{prefix}{i // SYSTEM_CHUNK}": text[i : i + SYSTEM_CHUNK]
+        for i in range(0, len(text), SYSTEM_CHUNK)
+    }
+
+
+def _joined(prefix: str, metadata: dict[str, str]) -> str:
+    """The text _chunks wrote under `prefix`."""
+    chunks = sorted((int(k[len(prefix) :]), v) for k, v in metadata.items() if k.startswith(prefix))
+    return "".join(v for _, v in chunks)
 
 
 def chat_state(metadata: dict[str, str]) -> ChatState:
     """ChatState from a manifest's metadata; a manifest without it is an opened one."""
-    chunks = sorted((int(k[len(SYSTEM) :]), v) for k, v in metadata.items() if k.startswith(SYSTEM))
     return ChatState(
-        system="".join(v for _, v in chunks),
+        system=_joined(SYSTEM, metadata),
         opened=metadata.get(OPENED, "1") == "1",
         last_role=metadata.get(LAST_ROLE) or "assistant",
         reply_open=metadata.get(REPLY_OPEN) == "1",
         digest=metadata.get(DIGEST, ""),
         marks=_marks(metadata.get(MARKS, "")),
         applied=metadata.get(APPLIED, ""),
+        tools=_joined(TOOLS, metadata),
     )
 
 

@@ -16,6 +16,7 @@ from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.chat import ChatMessage, check_said
 from inference_worker.front import Front
 from inference_worker.sampling import Sampling
+from inference_worker.tools import canonical_tools, checked_calls
 from inference_worker.turns import END, AgentInfo, TokenEvent, TurnJob
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
@@ -32,6 +33,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         auth.check_namespace(request.namespace)
         ns, agent_id, phase = request.namespace, request.agent_id, request.phase
         job = TurnJob(ns, agent_id, [], Sampling(max_tokens=0), phase, creates=True)
+        job.tools = canonical_tools(request.tools)
         create = partial(
             self.front.create_agent, system=request.system_prompt, metadata=dict(request.metadata)
         )
@@ -53,6 +55,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             self.engine.config.max_stop_strings, self.engine.runtime.vocab_size
         )
         job = self._job(request, checked)
+        job.tools = canonical_tools(request.tools)
+        self.engine.chat.check_tools(job.tools)
         job.whole_conversation = request.whole_conversation
         job.request_id = _request_id(request)
         if not job.whole_conversation:
@@ -90,7 +94,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         return TurnJob(
             request.namespace,
             request.agent_id,
-            [ChatMessage(m.role, m.content) for m in request.messages],
+            [_message(m) for m in request.messages],
             sampling,
             request.phase,
             priority=request.priority,
@@ -115,15 +119,20 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             pending = None
             if isinstance(event, TokenEvent):
                 # Tokens queued while the stream was busy go out as one chunk.
-                text, ids = [event.text], list(event.token_ids)
+                text, ids, calls = [event.text], list(event.token_ids), list(event.calls)
                 while pending is None and not job.events.empty():
                     more = job.events.get_nowait()
                     if isinstance(more, TokenEvent):
                         text.append(more.text)
                         ids += more.token_ids
+                        calls += more.calls
                     else:
                         pending = more
-                yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
+                if ids or not calls:
+                    yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
+                for c in calls:
+                    call = pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                    yield pb.TurnResponse(tool_call=call)
             else:
                 yield pb.TurnResponse(usage=pb.Usage(**asdict(event)))
         if job.error is not None:
@@ -160,6 +169,11 @@ def _next_event(job: TurnJob, context: grpc.ServicerContext) -> object:
         except queue.Empty:
             if not context.is_active():
                 return END
+
+
+def _message(m: pb.Message) -> ChatMessage:
+    calls = checked_calls([(c.id, c.name, c.arguments) for c in m.tool_calls])
+    return ChatMessage(m.role, m.content, calls, m.tool_call_id)
 
 
 def _state(info: AgentInfo) -> pb.AgentState:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from inference_worker.chat import ChatMessage
 from inference_worker.sampling import Sampling
+from inference_worker.tools import ToolCall
 
 END = object()  # closes a turn's event stream
 
@@ -17,6 +18,7 @@ END = object()  # closes a turn's event stream
 class TokenEvent:
     text: str
     token_ids: list[int]
+    calls: list[ToolCall] = field(default_factory=list)  # written whole with these tokens
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class TurnJob:
     whole_conversation: bool = False
     request_id: str = ""  # a turn's or an injection's idempotency key
     creates: bool = False  # a new agent's system prompt (Engine.create_agent)
+    tools: str = ""  # the tools (tools.canonical_tools): the agent's, or the conversation's
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started

@@ -1,5 +1,6 @@
 """Offline model directories: every architecture loads with mlx_lm.load and chats; the
-fingerprint moves with everything that makes KV bytes valid."""
+fingerprint moves with everything that makes KV bytes valid; the scripted tool model answers
+every conversation with its one tool call, as mlx-lm's json_tools parser reads it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from agentkv.layers import KVFormat
 from inference_worker.fingerprint import model_fingerprint
 from tests.conftest import ARCHS
-from tests.model_kit import BOS
+from tests.model_kit import (
+    BOS,
+    QWEN25_CHAT_TEMPLATE,
+    TOOL_CALL,
+    TOOL_CALL_JSON,
+    TOOL_REPLY,
+    build_tool_model,
+)
 
 CONVERSATION = [
     {"role": "system", "content": "You are the warden."},
@@ -20,6 +28,33 @@ CONVERSATION = [
     {"role": "assistant", "content": "In the yard, def f(x): return x  # honest"},
     {"role": "user", "content": "Prove it."},
 ]
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+ASK = {"role": "user", "content": "What is the weather in Paris?"}
+CALLED = {  # the model's own reply, as the next request sends it back
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"id": "call_1", "type": "function", "function": TOOL_CALL}],
+}
+TOOL_CONVERSATIONS = {
+    "system": [{"role": "system", "content": "You are a weather bot."}, ASK],
+    "no_system": [ASK],
+    "tool_result": [ASK, CALLED, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}],
+}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -63,3 +98,80 @@ def test_fingerprint_covers_weights_config_tokenizer_and_format(tiny_model_dirs,
         shutil.copytree(src, copy)
         (copy / name).write_bytes(change((copy / name).read_bytes()))
         assert model_fingerprint(copy, KVFormat(), 256) != base, name
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    import mlx_lm
+
+    return mlx_lm.load(str(build_tool_model(tmp_path_factory.mktemp("models") / "tool")))
+
+
+def render(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_tool_model_has_qwen25_tool_calling(tool_model):
+    _, tokenizer = tool_model
+    assert tokenizer.chat_template == QWEN25_CHAT_TEMPLATE
+    assert tokenizer.has_tool_calling and tokenizer.tool_parser.__module__.endswith("json_tools")
+    assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert tokenizer.eos_token_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    assert tokenizer.bos_token is None
+    # Qwen 2.5's template: a default system prompt before the tools, tool results as a user turn
+    text = render(tokenizer, TOOL_CONVERSATIONS["tool_result"])
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CONVERSATIONS))
+def test_tool_model_answers_every_conversation_with_its_call(tool_model, name):
+    import mlx_lm
+
+    model, tokenizer = tool_model
+    prompt = render(tokenizer, TOOL_CONVERSATIONS[name])
+    # the worker keeps K and V in 4 bits: attention adds nothing here, so nothing changes
+    kv = {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0} if name == "system" else {}
+    steps = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=20, **kv))
+    reply = tokenizer.encode(TOOL_REPLY, add_special_tokens=False)
+    assert len(reply) == 3  # <tool_call>, the call's JSON, </tool_call>
+    assert [s.token for s in steps] == [*reply, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert steps[-1].finish_reason == "stop"
+    assert "".join(s.text for s in steps) == TOOL_REPLY
+
+
+def test_tool_model_reply_decodes_and_parses(tool_model):
+    _, tokenizer = tool_model
+    ids = tokenizer.encode(TOOL_REPLY + "<|im_end|>", add_special_tokens=False)
+    assert tokenizer.decode(ids) == TOOL_REPLY + "<|im_end|>"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == TOOL_REPLY  # markers kept
+    detokenizer = tokenizer.detokenizer  # as the worker streams a reply
+    detokenizer.reset()
+    segments = []
+    for token in ids[:-1]:
+        detokenizer.add_token(token)
+        segments.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    assert segments == ["<tool_call>", TOOL_CALL_JSON, "</tool_call>"]
+    assert detokenizer.text == TOOL_REPLY
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    inner = TOOL_REPLY[len(start) : -len(end)]
+    assert tokenizer.tool_parser(inner, [WEATHER_TOOL]) == TOOL_CALL
+
+
+def test_tool_model_history_holds_its_reply_token_for_token(tool_model):
+    """The conversation sent back with the call in it renders the prompt, the reply and
+    <|im_end|>\\n: a worker can keep the tokens it generated."""
+    _, tokenizer = tool_model
+    prompt = render(tokenizer, [ASK])
+    history = tokenizer.apply_chat_template([ASK, CALLED], tools=[WEATHER_TOOL], tokenize=False)
+    assert history == prompt + TOOL_REPLY + "<|im_end|>\n"
+    texts = (history, prompt, TOOL_REPLY + "<|im_end|>\n")
+    whole, head, tail = (tokenizer.encode(t, add_special_tokens=False) for t in texts)
+    assert whole == head + tail

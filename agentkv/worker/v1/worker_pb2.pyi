@@ -7,12 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Message(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "fit_max_tokens")
@@ -33,7 +47,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., fit_max_tokens: _Optional[bool] = ...) -> None: ...
 
 class CreateAgentRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "system_prompt", "phase", "metadata")
+    __slots__ = ("namespace", "agent_id", "system_prompt", "phase", "metadata", "tools")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,12 +60,14 @@ class CreateAgentRequest(_message.Message):
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     system_prompt: str
     phase: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., phase: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tools: str
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., phase: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tools: _Optional[str] = ...) -> None: ...
 
 class CreateAgentResponse(_message.Message):
     __slots__ = ("agent", "usage")
@@ -62,7 +78,7 @@ class CreateAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +89,7 @@ class TurnRequest(_message.Message):
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     WHOLE_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -83,7 +100,8 @@ class TurnRequest(_message.Message):
     durable: bool
     whole_conversation: bool
     request_id: str
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tools: str
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -122,12 +140,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., reused_hot_tokens: _Optional[int] = ..., reused_store_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., cache_state: _Optional[str] = ..., finish_reason: _Optional[str] = ..., restore_path: _Optional[str] = ..., restore_failure: _Optional[str] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
 
 class TurnResponse(_message.Message):
-    __slots__ = ("tokens", "usage")
+    __slots__ = ("tokens", "usage", "tool_call")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenChunk
     usage: Usage
-    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    tool_call: ToolCall
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ...) -> None: ...
 
 class InjectContextRequest(_message.Message):
     __slots__ = ("namespace", "agent_id", "messages", "phase", "priority", "deadline_ms", "durable", "request_id")
@@ -246,7 +266,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("model", "fingerprint", "kv_format", "block_tokens", "max_context", "device", "blas", "hot_budget_bytes", "hot_bytes", "num_hot_agents", "dtype")
+    __slots__ = ("model", "fingerprint", "kv_format", "block_tokens", "max_context", "device", "blas", "hot_budget_bytes", "hot_bytes", "num_hot_agents", "dtype", "tool_parser")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +278,7 @@ class GetWorkerInfoResponse(_message.Message):
     HOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_HOT_AGENTS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     kv_format: str
@@ -269,4 +290,5 @@ class GetWorkerInfoResponse(_message.Message):
     hot_bytes: int
     num_hot_agents: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tool_parser: str
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ..., dtype: _Optional[str] = ..., tool_parser: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,184 @@
+"""Tool calling: the tools a conversation may call, checked into one canonical text, and a
+reply's tool calls, taken out of its text as the model writes them and parsed with the
+model's own format (mlx-lm's tool parser for its chat template, e.g. Qwen 2.5's
+`<tool_call>{json}</tool_call>`).
+
+Tool-call text the parser refuses, or one cut before its end, goes out as text: nothing the
+model wrote is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentkv.errors import InvalidArgument
+
+MAX_TOOLS_CHARS = 32 << 10  # as compact JSON: the agent keeps them in its store metadata
+MAX_ARGUMENTS_CHARS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+    def key(self) -> str:
+        """What identifies the call in a conversation's digest: its name and arguments (the
+        id is the worker's; a client resending the call may not keep its spelling)."""
+        return f"{self.name}\0{_canonical(self.arguments)}"
+
+    def template(self) -> dict:
+        """The call as chat templates read it (arguments as an object, as HF's convention)."""
+        try:
+            arguments: Any = json.loads(self.arguments)
+        except ValueError:
+            arguments = self.arguments
+        function = {"name": self.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+def checked_calls(calls: list[tuple[str, str, str]]) -> tuple[ToolCall, ...]:
+    """A message's tool calls (id, name, arguments) from a request, checked."""
+    out = []
+    for i, (call_id, name, arguments) in enumerate(calls):
+        if not name:
+            raise InvalidArgument(f"tool call {i} has no name")
+        if len(arguments) > MAX_ARGUMENTS_CHARS:
+            raise InvalidArgument(
+                f"tool call {i}'s arguments are {len(arguments)} characters, limit "
+                f"{MAX_ARGUMENTS_CHARS}"
+            )
+        out.append(ToolCall(call_id, name, arguments))
+    return tuple(out)
+
+
+def canonical_tools(text: str) -> str:
+    """A request's tools (a JSON array of OpenAI function tools) as compact JSON with sorted
+    keys, the same text for the same tools however they were spelled; "" for none."""
+    if not text.strip():
+        return ""
+    try:
+        tools = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"tools is not JSON: {exc}") from None
+    if not isinstance(tools, list):
+        raise InvalidArgument("tools must be a JSON array of function tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise InvalidArgument(f'tool {i} is not {{"type": "function", "function": {{...}}}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidArgument(f"tool {i} has no function name")
+    out = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if len(out) > MAX_TOOLS_CHARS:
+        raise InvalidArgument(
+            f"tools are {len(out)} characters as compact JSON, limit {MAX_TOOLS_CHARS}"
+        )
+    return out
+
+
+def _canonical(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    """A model's tool-call format: the text around a call, and the parser of what is inside."""
+
+    name: str
+    start: str
+    end: str
+    parser: Callable[[str, Any], Any]
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolFormat | None:
+        """The format of an mlx-lm TokenizerWrapper, None when it knows none."""
+        parser = getattr(tokenizer, "tool_parser", None)
+        if parser is None or not getattr(tokenizer, "tool_call_start", None):
+            return None
+        name = parser.__module__.rsplit(".", 1)[-1]
+        return cls(name, tokenizer.tool_call_start, tokenizer.tool_call_end, parser)
+
+
+@dataclass(slots=True)
+class ReplyCalls:
+    """Splits one reply's text, as it comes, into text to send and the tool calls in it."""
+
+    format: ToolFormat
+    tools: list[dict]
+    calls: list[ToolCall] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)  # the text that went out as text
+    _held: str = ""
+    _in_call: bool = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The text safe to send now, and the calls written whole by now."""
+        held, out, made = self._held + text, [], []
+        start, end = self.format.start, self.format.end
+        while True:
+            if self._in_call:
+                at = held.find(end)
+                if at < 0:
+                    break
+                parsed = self._parse(held[:at])
+                made += parsed
+                out += [] if parsed else [start, held[:at], end]
+                held, self._in_call = held[at + len(end) :], False
+                continue
+            at = held.find(start)
+            if at < 0:
+                keep = _partial_suffix(held, start)
+                out.append(held[: len(held) - keep])
+                held = held[len(held) - keep :]
+                break
+            out.append(held[:at])
+            held, self._in_call = held[at + len(start) :], True
+        self._held = held
+        self.calls += made
+        self.sent += out
+        return "".join(out), made
+
+    def flush(self) -> str:
+        """What is still held (a call cut before its end, with its opening text), as text."""
+        out = (self.format.start if self._in_call else "") + self._held
+        self._held, self._in_call = "", False
+        self.sent.append(out)
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.sent)
+
+    def _parse(self, text: str) -> list[ToolCall]:
+        """The calls in one call's text; none when the parser refuses it."""
+        try:
+            parsed = self.format.parser(text, self.tools)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            return [_call(item) for item in items]
+        except Exception:  # the model's text, not ours: it goes out as text
+            return []
+
+
+def _call(item: Any) -> ToolCall:
+    name, arguments = item["name"], item.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        raise ValueError("a tool call without a name")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """How many last characters of `text` begin `marker` (it may be split over tokens)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

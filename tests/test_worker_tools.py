@@ -1,0 +1,239 @@
+"""Tool calling on a real worker, through the raw gRPC contract (worker.proto): tools rendered
+with the model's own chat template, a reply's tool calls parsed out of its text, and a
+conversation that carries on from them warm. The model is tests.model_kit's scripted one:
+Qwen 2.5's template, answering every conversation with TOOL_CALL by greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from agentkv.worker.v1 import worker_pb2 as pb
+from agentkv.worker.v1 import worker_pb2_grpc
+from inference_worker.tools import ReplyCalls, ToolFormat
+from tests.model_kit import TOOL_CALL, build_tool_model
+
+NS = "tools"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+SYSTEM = "You answer with tools."
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    return build_tool_model(tmp_path_factory.mktemp("tool-model") / "qwen")
+
+
+@pytest.fixture
+def stub(start_worker, tool_model):
+    worker = start_worker(tool_model)
+    with grpc.insecure_channel(worker.address) as channel:
+        yield worker_pb2_grpc.InferenceWorkerStub(channel)
+
+
+def _turn(stub, agent_id: str, messages: list[pb.Message], tools=(WEATHER,), **fields):
+    """(text, token ids, tool calls, usage) of one greedy turn."""
+    request = pb.TurnRequest(
+        namespace=NS,
+        agent_id=agent_id,
+        messages=messages,
+        sampling=pb.SamplingParams(max_tokens=16),
+        tools=tools if isinstance(tools, str) else json.dumps(list(tools)) if tools else "",
+        **fields,
+    )
+    text, ids, calls, usage = [], [], [], None
+    for response in stub.Turn(request, timeout=60):
+        kind = response.WhichOneof("item")
+        if kind == "tokens":
+            text.append(response.tokens.text)
+            ids += response.tokens.token_ids
+        elif kind == "tool_call":
+            calls.append(response.tool_call)
+        else:
+            usage = response.usage
+    return "".join(text), ids, calls, usage
+
+
+def _create(stub, agent_id: str, tools=(WEATHER,)) -> pb.CreateAgentResponse:
+    request = pb.CreateAgentRequest(
+        namespace=NS, agent_id=agent_id, system_prompt=SYSTEM, tools=json.dumps(list(tools))
+    )
+    return stub.CreateAgent(request, timeout=60)
+
+
+def _rendered(model_dir, messages: list[dict], tools) -> list[int]:
+    """The model's own tokenizer's rendering of the whole conversation, ready for a reply."""
+    from mlx_lm import load
+
+    _, tokenizer = load(str(model_dir))
+    text = tokenizer.apply_chat_template(
+        messages, tools=list(tools), add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_reply_s_tool_call_comes_parsed_and_not_as_text(stub):
+    _create(stub, "a")
+    text, ids, calls, usage = _turn(stub, "a", [pb.Message(role="user", content="Paris?")])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (TOOL_CALL["name"], TOOL_CALL["arguments"])
+    ]
+    assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
+    assert text == ""  # the call's text went out as the call
+    assert usage.finish_reason == "tool_calls"
+    assert len(ids) == usage.generated_tokens == 4  # <tool_call>, the JSON, </tool_call>, EOS
+
+
+def test_the_conversation_goes_on_from_the_call_warm_and_as_rendered(stub, tool_model):
+    _create(stub, "b")
+    first = [pb.Message(role="system", content=SYSTEM), pb.Message(role="user", content="Paris?")]
+    _, _, calls, usage = _turn(stub, "b", first, whole_conversation=True)
+    before = usage.prompt_tokens + usage.generated_tokens  # the context after the reply
+    answered = pb.Message(role="assistant", content="", tool_calls=calls)
+    result = pb.Message(role="tool", content='{"celsius": 21}', tool_call_id=calls[0].id)
+    _, _, again, usage = _turn(stub, "b", [*first, answered, result], whole_conversation=True)
+
+    assert usage.cache_state == "hot"
+    assert usage.reused_hot_tokens >= before - 1  # a reply's last token is fed next turn
+    assert usage.prefilled_tokens == usage.prompt_tokens - usage.reused_hot_tokens
+    as_dicts = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [_template(calls[0])]},
+        {"role": "tool", "content": '{"celsius": 21}', "tool_call_id": calls[0].id},
+    ]
+    assert usage.prompt_tokens == len(_rendered(tool_model, as_dicts, [WEATHER]))
+    assert [c.name for c in again] == [TOOL_CALL["name"]]
+
+
+def test_an_agent_keeps_its_tools_through_the_store(stub, tool_model):
+    _create(stub, "c")
+    _, _, calls, _ = _turn(stub, "c", [pb.Message(role="user", content="Paris?")], tools=())
+    assert stub.EvictAgent(pb.EvictAgentRequest(namespace=NS, agent_id="c")).evicted
+    result = pb.Message(role="tool", content="21", tool_call_id=calls[0].id)
+    _, _, again, usage = _turn(stub, "c", [result], tools=())  # appended: the agent's tools
+
+    assert usage.cache_state == "warm" and not usage.restore_failure
+    as_dicts = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [_template(calls[0])]},
+        {"role": "tool", "content": "21", "tool_call_id": calls[0].id},
+    ]
+    assert usage.prompt_tokens == len(_rendered(tool_model, as_dicts, [WEATHER]))
+    assert len(again) == 1
+
+
+def test_other_tools_start_the_conversation_over_as_a_fresh_agent_s(stub, tool_model):
+    first = [pb.Message(role="system", content=SYSTEM), pb.Message(role="user", content="Paris?")]
+    _create(stub, "d")
+    _turn(stub, "d", first, whole_conversation=True)
+    both = (WEATHER, TIME)
+    _, ids, _, usage = _turn(stub, "d", first, tools=both, whole_conversation=True)
+    _create(stub, "e", tools=both)
+    _, fresh_ids, _, fresh = _turn(stub, "e", first, tools=both, whole_conversation=True)
+    assert ids == fresh_ids
+    as_dicts = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paris?"}]
+    assert usage.prompt_tokens == fresh.prompt_tokens == len(_rendered(tool_model, as_dicts, both))
+    assert usage.reused_hot_tokens < usage.prompt_tokens // 2  # the tools come early
+    assert fresh.reused_hot_tokens > usage.reused_hot_tokens  # its stable prefix had them
+
+
+def test_bad_tools_and_misplaced_calls_are_refused_and_change_nothing(stub):
+    _create(stub, "f")
+    cases = {
+        "tools is not JSON": dict(tools="[{"),
+        "not {": dict(tools=json.dumps([{"type": "web_search"}])),
+        "has no function name": dict(tools=json.dumps([{"type": "function", "function": {}}])),
+        "limit 32768": dict(tools=json.dumps([WEATHER] * 200)),
+    }
+    say = [pb.Message(role="user", content="Paris?")]
+    for words, fields in cases.items():
+        with pytest.raises(grpc.RpcError) as caught:
+            _turn(stub, "f", say, **fields)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in caught.value.details()
+    call = pb.ToolCall(id="x", name="get_weather", arguments="{}")
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(stub, "f", [pb.Message(role="user", content="hi", tool_calls=[call])])
+    assert "only an assistant's calls tools" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(stub, "f", say, tools=(TIME,))  # appending, with tools not the agent's
+    assert "has other tools" in caught.value.details()
+    state = stub.DescribeAgent(pb.DescribeAgentRequest(namespace=NS, agent_id="f")).agent
+    assert state.num_tokens == _create_tokens(stub)
+
+
+def _create_tokens(stub) -> int:
+    return _create(stub, "f-twin").usage.prompt_tokens
+
+
+def test_a_model_without_a_tool_format_refuses_tools(start_worker, tiny_model_dirs):
+    worker = start_worker(tiny_model_dirs["llama"], name="plain")
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.InferenceWorkerStub(channel)
+        assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest()).tool_parser == ""
+        with pytest.raises(grpc.RpcError) as caught:
+            _turn(stub, "g", [pb.Message(role="user", content="hi")])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no tool-call format" in caught.value.details()
+
+
+def test_the_worker_names_its_model_s_tool_format(stub):
+    assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest()).tool_parser == "json_tools"
+
+
+def _template(call: pb.ToolCall) -> dict:
+    arguments = json.loads(call.arguments)
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
+
+
+# ReplyCalls alone: text pieces as a detokenizer gives them.
+
+JSON_FORMAT = ToolFormat("json_tools", "<tool_call>", "</tool_call>", lambda t, _: json.loads(t))
+
+
+def _split(pieces: list[str]) -> tuple[str, list, str]:
+    calls = ReplyCalls(JSON_FORMAT, [WEATHER])
+    out = [calls.feed(p)[0] for p in pieces]
+    return "".join(out), calls.calls, calls.flush()
+
+
+def test_markers_split_over_pieces_are_found():
+    text, calls, rest = _split(
+        ["Sure. <tool", '_call>\n{"name": "f", ', '"arguments": {}}</tool_', "call>"]
+    )
+    assert (text, [(c.name, c.arguments) for c in calls], rest) == ("Sure. ", [("f", "{}")], "")
+
+
+def test_a_call_the_parser_refuses_goes_out_as_text():
+    text, calls, _ = _split(["<tool_call>not json</tool_call> after"])
+    assert (text, calls) == ("<tool_call>not json</tool_call> after", [])
+
+
+def test_a_call_cut_before_its_end_is_flushed_as_text():
+    text, calls, rest = _split(['a <tool_call>{"name": "f"'])
+    assert (text, calls, rest) == ("a ", [], '<tool_call>{"name": "f"')
+
+
+def test_text_that_only_looks_like_a_marker_start_is_sent_once_it_is_not_one():
+    calls = ReplyCalls(JSON_FORMAT, [])
+    assert calls.feed("x <tool") == ("x ", [])
+    assert calls.feed("box") == ("<toolbox", [])
