@@ -77,7 +77,8 @@ class AsyncWorkerClient(BaseWorkerClient):
 
 class AsyncReply(BaseReply):
     """A reply streaming in: `async for` its text pieces (any number of consumers, each from
-    the start); `.text`, `.token_ids` and `.usage` are whole once `await wait()` returns.
+    the start), or events() for its tool calls too; `.text`, `.tool_calls`, `.token_ids` and
+    `.usage` are whole once `await wait()` returns.
     `.worker` is the address that served it. A reader cancelled while it waits (as by
     asyncio.wait_for's timeout) stops alone: the turn goes on for the other readers and the
     next one. `await close()` (or `async with`) stops it for all."""
@@ -93,14 +94,20 @@ class AsyncReply(BaseReply):
         self._reading: asyncio.Task[None] | None = None  # the read every waiting reader awaits
 
     def __aiter__(self) -> AsyncIterator[str]:
-        return self._iterate()
+        return self._follow(self._result.pieces)
 
-    async def _iterate(self) -> AsyncIterator[str]:
-        seen, pieces = 0, self._result.pieces
+    def events(self) -> AsyncIterator[str | pb.ToolCall]:
+        """As `async for` over the reply, with its tool calls (pb.ToolCall) among its text
+        pieces, in the order the worker sent them."""
+        return self._follow(self._result.events)
+
+    async def _follow(self, items: list[T]) -> AsyncIterator[T]:
+        """Every item of `items` (a list of the reply's result) from the start, as they come."""
+        seen = 0
         while True:
-            while seen < len(pieces):
+            while seen < len(items):
                 seen += 1
-                yield pieces[seen - 1]
+                yield items[seen - 1]
             if self.done:
                 return
             await self._advance()

@@ -27,8 +27,10 @@ from agentkv.client.worker_core import (
     MaybeAwaitable,
     Messages,
     T,
+    Tools,
     as_messages,
     same,
+    tools_json,
     turn_request,
 )
 from agentkv.errors import (
@@ -115,22 +117,34 @@ class BaseAgentMemory:
         self.store: Any = self._open_store(store, security) if store else None
 
     def agent(
-        self, agent_id: str, system: str | None = None, *, phase: str = "", replace: bool = False
+        self,
+        agent_id: str,
+        system: str | None = None,
+        *,
+        tools: Tools = None,
+        phase: str = "",
+        replace: bool = False,
     ) -> MaybeAwaitable[BaseAgent]:
-        """A handle on an agent. With `system`, the agent is created (its system prompt
-        prefilled and persisted) unless it already exists with that system prompt, when it
-        is used as it is (`created` False). One that exists with another system prompt
-        raises SystemPromptDiffers, or with `replace` is deleted and made anew. Without
-        `system`, the agent must exist by the time it is used."""
-        return self._run(self._agent(agent_id, system, phase, replace))
+        """A handle on an agent. With `system`, the agent is created (its system prompt, and
+        `tools` with it, prefilled and persisted) unless it already exists with that system
+        prompt and those tools, when it is used as it is (`created` False). One that exists
+        with another system prompt or other tools raises SystemPromptDiffers, or with
+        `replace` is deleted and made anew. Without `system`, the agent must exist by the
+        time it is used. `tools`: OpenAI function tools ([{"type": "function", "function":
+        {"name", "description", "parameters"}}], or their JSON text) its turns may call;
+        only for a model with a tool-call format (GetWorkerInfo's tool_parser), else
+        InvalidArgument."""
+        return self._run(self._agent(agent_id, system, tools_json(tools), phase, replace))
 
-    def _agent(self, agent_id: str, system: str | None, phase: str, replace: bool) -> Steps[Any]:
+    def _agent(
+        self, agent_id: str, system: str | None, tools: str, phase: str, replace: bool
+    ) -> Steps[Any]:
         agent = self.agent_class(self, agent_id)
         if system is None:
             return agent
 
         def create(worker: Any) -> Any:
-            return worker.create_agent(self.namespace, agent_id, system, phase=phase)
+            return worker.create_agent(self.namespace, agent_id, system, tools=tools, phase=phase)
 
         try:
             agent.state = yield from self._routed(agent_id, create)
@@ -238,17 +252,24 @@ class BaseAgent:
         temperature: float = 0.0,
         phase: str = "",
         timeout: float | None = None,
+        tools: Tools = None,
         **options: Any,
     ) -> MaybeAwaitable[BaseReply]:
         """Sends a message and returns (in asyncio, awaits) once the reply's first token
         arrives; iterate the reply (`async for`, in asyncio) for the rest of its text as it
         streams, or read `.text` for all of it (after `await reply.wait()`, in asyncio).
+        `text`: a text (one message with `role`), or messages: (role, content) pairs or
+        OpenAI-style dicts (an assistant's "tool_calls", a tool's "tool_call_id" and
+        content; see pb_messages). `tools`: OpenAI function tools (a list of dicts, or their
+        JSON text); with whole_conversation the conversation's, else none (the agent's own,
+        given to agent()) or the agent's. The reply's `.tool_calls` holds the calls the
+        model made, and its usage's finish_reason is "tool_calls" when it made any.
         `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
         (`text` is the whole conversation so far, resent, its system message first). A
         retry on another worker after a lost first response does not run the turn twice
         (its request_id): it raises TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)
-        options.update(max_tokens=max_tokens, temperature=temperature)
+        options.update(max_tokens=max_tokens, temperature=temperature, tools=tools_json(tools))
         options.update(request_id=secrets.token_hex(16), phase=phase, durable=mem.durable)
 
         def start(worker: BaseWorkerClient) -> Any:
@@ -260,12 +281,13 @@ class BaseAgent:
     def inject(
         self, messages: Messages, *, role: str = "user", phase: str = ""
     ) -> MaybeAwaitable[pb.InjectContextResponse]:
-        """Appends messages to the agent's context without a reply: only they are prefilled.
-        A retry on another worker after a lost reply adds nothing (its request_id)."""
-        mem, pairs, key = self.memory, as_messages(messages, role), secrets.token_hex(16)
+        """Appends messages (say's kinds) to the agent's context without a reply: only they
+        are prefilled. A retry on another worker after a lost reply adds nothing (its
+        request_id)."""
+        mem, said, key = self.memory, as_messages(messages, role), secrets.token_hex(16)
         return self._call(
             lambda w: w.inject(
-                mem.namespace, self.id, pairs, phase=phase, durable=mem.durable, request_id=key
+                mem.namespace, self.id, said, phase=phase, durable=mem.durable, request_id=key
             ),
             self._injected,
         )

@@ -43,8 +43,9 @@ T = TypeVar("T")
 
 class Reply(BaseReply):
     """A reply streaming in: iterate for text pieces (any number of readers, threads
-    included, each from the start); `.text`, `.token_ids` and `.usage` wait for the end.
-    `.worker` is the address that served it. close() it (or use `with`) to stop it early."""
+    included, each from the start), or events() for its tool calls too; `.text`,
+    `.tool_calls`, `.token_ids` and `.usage` wait for the end. `.worker` is the address that
+    served it. close() it (or use `with`) to stop it early."""
 
     def __init__(
         self, agent: Agent, call: grpc.Call, first: pb.TurnResponse | None, worker: str
@@ -53,14 +54,23 @@ class Reply(BaseReply):
         self._lock = threading.Lock()  # one reader pulls from the call at a time
 
     def __iter__(self) -> Iterator[str]:
-        """Every piece from the start; a reply cut off or closed raises its error once
+        """Every text piece from the start; a reply cut off or closed raises its error once
         the pieces that came before it are read."""
-        seen, pieces = 0, self._result.pieces
+        return self._follow(self._result.pieces)
+
+    def events(self) -> Iterator[str | pb.ToolCall]:
+        """As iterating, with the reply's tool calls (pb.ToolCall) among its text pieces, in
+        the order the worker sent them."""
+        return self._follow(self._result.events)
+
+    def _follow(self, items: list[T]) -> Iterator[T]:
+        """Every item of `items` (a list of the reply's result) from the start, as they come."""
+        seen = 0
         while True:
             with self._lock:
-                while seen == len(pieces) and not self.done:
+                while seen == len(items) and not self.done:
                     self._pull()
-                new = pieces[seen:]
+                new = items[seen:]
             seen += len(new)
             yield from new
             if not new and self.done:

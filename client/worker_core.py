@@ -6,8 +6,9 @@ clients, which add the I/O; routing and agents are client/core.py's.
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, TypeVar, Union
@@ -15,31 +16,107 @@ from typing import Any, TypeVar, Union
 import grpc
 
 from agentkv.channels import ClientSecurity
-from agentkv.errors import AgentKVError, FailedPrecondition, Unavailable, from_rpc_error
+from agentkv.errors import (
+    AgentKVError,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    from_rpc_error,
+)
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 
 T = TypeVar("T")
 MaybeAwaitable = Union[T, Awaitable[T]]  # noqa: UP007 (a generic alias needs Union on 3.10)
-Messages = str | Sequence[tuple[str, str]]
+# A (role, content) pair, an OpenAI-style message dict, or the worker's own Message.
+Message = Union[tuple[str, str], Mapping[str, Any], pb.Message]  # noqa: UP007 (3.10)
+Messages = Union[str, Sequence[Message]]  # noqa: UP007
+# OpenAI function tools: a list of {"type": "function", "function": {...}}, or its JSON text.
+Tools = Union[str, Sequence[Mapping[str, Any]], None]  # noqa: UP007
 Responses = Iterator[pb.TurnResponse] | AsyncIterator[pb.TurnResponse]
 
 
-def as_messages(messages: Messages, role: str = "user") -> list[tuple[str, str]]:
-    """A text becomes one message with `role`; (role, content) pairs pass through."""
+def as_messages(messages: Messages, role: str = "user") -> list[pb.Message]:
+    """A text becomes one message with `role`; a sequence of messages is converted as
+    pb_messages does."""
     if isinstance(messages, str):
-        return [(role, messages)]
-    return [(r, c) for r, c in messages]
+        return [pb.Message(role=role, content=messages)]
+    return pb_messages(messages)
 
 
-def pb_messages(messages: Sequence[tuple[str, str]]) -> list[pb.Message]:
-    return [pb.Message(role=role, content=content) for role, content in messages]
+def pb_messages(messages: Sequence[Message]) -> list[pb.Message]:
+    """Messages as the worker takes them, each one a (role, content) pair, a pb.Message, or
+    an OpenAI-style dict: {"role", "content"} (a text, text parts, or None for an assistant
+    message that only calls tools), an assistant's "tool_calls" ([{"id", "type":
+    "function", "function": {"name", "arguments"}}]), a tool's "tool_call_id"."""
+    return [message_of(message, i) for i, message in enumerate(messages)]
+
+
+def message_of(message: Message, index: int = 0) -> pb.Message:
+    """One message of pb_messages' kinds as a pb.Message; InvalidArgument for another."""
+    if isinstance(message, pb.Message):
+        return message
+    if isinstance(message, Mapping):
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidArgument(f"message {index} has no role")
+        return pb.Message(
+            role=role,
+            content=_content(message.get("content"), index),
+            tool_calls=[tool_call_of(call) for call in message.get("tool_calls") or ()],
+            tool_call_id=message.get("tool_call_id") or "",
+        )
+    if isinstance(message, (tuple, list)) and len(message) == 2:
+        return pb.Message(role=message[0], content=message[1])
+    raise InvalidArgument(
+        f"message {index} is neither a (role, content) pair nor a message dict: {message!r}"
+    )
+
+
+def _content(content: Any, index: int) -> str:
+    """A message dict's content as text: None is none, text parts are joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, Sequence) and all(_is_text_part(part) for part in content):
+        return "".join(part["text"] for part in content)
+    raise InvalidArgument(f"message {index}'s content is neither a text nor text parts")
+
+
+def _is_text_part(part: Any) -> bool:
+    return (
+        isinstance(part, Mapping)
+        and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+    )
+
+
+def tool_call_of(call: Mapping[str, Any] | pb.ToolCall) -> pb.ToolCall:
+    """A tool call as OpenAI writes it ({"id", "type": "function", "function": {"name",
+    "arguments"}}; arguments as JSON text, or an object) as a pb.ToolCall."""
+    if isinstance(call, pb.ToolCall):
+        return call
+    function = call.get("function")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidArgument(f'a tool call is not {{"function": {{"name": ...}}}}: {call!r}')
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
+
+
+def tools_json(tools: Tools) -> str:
+    """Tools as the worker takes them (CreateAgentRequest.tools, TurnRequest.tools): a list
+    of OpenAI function tools written as a JSON array, a text passed as it is, "" for none.
+    The worker checks them."""
+    if not tools:
+        return ""
+    return tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
 
 
 def turn_request(
     namespace: str,
     agent_id: str,
-    messages: Sequence[tuple[str, str]],
+    messages: Sequence[Message],
     *,
     phase: str = "",
     priority: int = 0,
@@ -47,12 +124,15 @@ def turn_request(
     durable: bool = False,
     whole_conversation: bool = False,
     request_id: str = "",
+    tools: Tools = None,
     **sampling: Any,
 ) -> pb.TurnRequest:
     """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
     resent (its system message first), not only what is new (see TurnRequest in the proto).
     A retry with the same `request_id` is not run again once the first was taken: TurnTaken.
-    `sampling`: SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
+    `tools` (tools_json's): with whole_conversation the conversation's, else none (the
+    agent's own) or the agent's. `sampling`: SamplingParams' fields (max_tokens,
+    temperature, top_p, top_k, stop, seed)."""
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,
@@ -64,15 +144,20 @@ def turn_request(
         durable=durable,
         whole_conversation=whole_conversation,
         request_id=request_id,
+        tools=tools_json(tools),
     )
 
 
 @dataclass(slots=True)
 class TurnResult:
-    """A turn's reply as its responses arrive: text pieces, token ids, then the usage."""
+    """A turn's reply as its responses arrive: text pieces, token ids and tool calls (a turn
+    with tools: each once the model wrote it whole; its text is not among the pieces), then
+    the usage."""
 
     pieces: list[str] = field(default_factory=list)  # the non-empty text pieces, in order
     token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[pb.ToolCall] = field(default_factory=list)
+    events: list[str | pb.ToolCall] = field(default_factory=list)  # pieces and calls, in order
     usage: pb.Usage | None = None
 
     @property
@@ -80,11 +165,16 @@ class TurnResult:
         return "".join(self.pieces)
 
     def add(self, response: pb.TurnResponse) -> None:
-        """Takes one streamed response: a chunk of tokens, or the closing usage."""
-        if response.HasField("tokens"):
+        """Takes one streamed response: a chunk of tokens, a tool call, or the usage."""
+        kind = response.WhichOneof("item")
+        if kind == "tokens":
             self.token_ids += response.tokens.token_ids
             if response.tokens.text:
                 self.pieces.append(response.tokens.text)
+                self.events.append(response.tokens.text)
+        elif kind == "tool_call":
+            self.tool_calls.append(response.tool_call)
+            self.events.append(response.tool_call)
         else:
             self.usage = response.usage
 
@@ -115,10 +205,16 @@ class BaseWorkerClient:
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
     def create_agent(
-        self, namespace: str, agent_id: str, system: str = "", **fields: Any
+        self, namespace: str, agent_id: str, system: str = "", *, tools: Tools = None, **fields: Any
     ) -> MaybeAwaitable[pb.AgentState]:
+        """A new agent: its system prompt (and `tools`, tools_json's, rendered with it)
+        prefilled and persisted. `fields`: CreateAgentRequest's phase, metadata."""
         request = pb.CreateAgentRequest(
-            namespace=namespace, agent_id=agent_id, system_prompt=system, **fields
+            namespace=namespace,
+            agent_id=agent_id,
+            system_prompt=system,
+            tools=tools_json(tools),
+            **fields,
         )
         return self._unary("CreateAgent", request, agent_of)
 
@@ -126,14 +222,14 @@ class BaseWorkerClient:
         self,
         namespace: str,
         agent_id: str,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Message],
         *,
         timeout: float | None = None,
         **options: Any,
     ) -> Responses:
-        """Streams a turn's responses (`async for` them in asyncio): token chunks, then the
-        usage. Closing the stream early cancels the turn, which frees its slot on the worker.
-        `options`: turn_request's."""
+        """Streams a turn's responses (`async for` them in asyncio): token chunks and tool
+        calls, then the usage. Closing the stream early cancels the turn, which frees its
+        slot on the worker. `options`: turn_request's."""
         request = turn_request(namespace, agent_id, messages, **options)
         return self._stream(request, timeout or self.timeout)
 
@@ -143,17 +239,17 @@ class BaseWorkerClient:
         return self.stub.Turn(request, timeout=timeout or self.timeout)
 
     def turn(
-        self, namespace: str, agent_id: str, messages: Sequence[tuple[str, str]], **options: Any
+        self, namespace: str, agent_id: str, messages: Sequence[Message], **options: Any
     ) -> MaybeAwaitable[TurnResult]:
-        """A whole turn: the reply's text, its token ids and the usage. Takes stream_turn's
-        options and sampling fields."""
+        """A whole turn: the reply's text, its token ids, its tool calls and the usage. Takes
+        stream_turn's options and sampling fields."""
         return self._collect(self.stream_turn(namespace, agent_id, messages, **options))
 
     def inject(
         self,
         namespace: str,
         agent_id: str,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[Message],
         *,
         phase: str = "",
         durable: bool = False,
@@ -302,6 +398,13 @@ class BaseReply:
     @property
     def text(self) -> str:
         return self._whole().text
+
+    @property
+    def tool_calls(self) -> list[pb.ToolCall]:
+        """The reply's tool calls (id, name, arguments as JSON text), parsed by the worker
+        from what the model wrote (a turn with tools); whole once the reply has ended, as
+        `.text`, which holds none of their text."""
+        return list(self._whole().tool_calls)
 
     @property
     def token_ids(self) -> list[int]:

@@ -2,10 +2,11 @@
 
 Frameworks resend the whole conversation on every call. The gateway holds no KV and no
 conversation: it names the agent (X-Agent-Id; else X-Session-ID; else one anonymous agent per
-end user, cache key, system prompt and first user message), and sends the whole
-conversation to that agent's worker as a `whole_conversation` turn. The worker resumes from
-its own last reply, matched by the text it sent, and prefills only what is new; an edited
-history resumes from before the edit (inference_worker/chat.py, `resume`).
+end user, cache key, system prompt, first user message and tools), and sends the whole
+conversation, with its tools, to that agent's worker as a `whole_conversation` turn. The
+worker resumes from its own last reply, matched by the text it sent (and the tool calls it
+made), and prefills only what is new; an edited history resumes from before the edit
+(inference_worker/chat.py, `resume`).
 
 Starlette on uvicorn: a small ASGI toolkit (no schema layer: OpenAI's own rules are checked
 in gateway/protocol.py) with streaming responses that are cancelled when the client goes.
@@ -145,7 +146,8 @@ class Gateway:
             "x-agentkv-ttft-ms": f"{usage.time_to_first_token_ms:.3f}",
         }
         extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
-        return JSONResponse(completion.whole(reply.text, usage, extension), headers=facts)
+        whole = completion.whole(reply.text, usage, extension, reply.tool_calls)
+        return JSONResponse(whole, headers=facts)
 
     async def models(self, request: Request) -> Response:
         self._namespace(request)
@@ -274,12 +276,16 @@ class Gateway:
 
     async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
         """The agent's turn, made first when it does not exist (a spare never does)."""
-        memory, options = agent.memory, {"whole_conversation": True, **call.sampling}
+        memory = agent.memory
+        options = {"whole_conversation": True, "tools": call.tools, **call.sampling}
         if agent not in self.spares:
             with contextlib.suppress(AgentNotFound):
                 return Turn(await agent.say(call.messages, **options))
         request = pb.CreateAgentRequest(
-            namespace=memory.namespace, agent_id=agent.id, system_prompt=call.system
+            namespace=memory.namespace,
+            agent_id=agent.id,
+            system_prompt=call.system,
+            tools=call.tools,
         )
         created = None
         creating = asyncio.ensure_future(
@@ -316,13 +322,18 @@ class Gateway:
     async def _events(
         self, turn: Turn, call: ChatCall, completion: Completion, namespace: str
     ) -> AsyncIterator[str]:
-        """The reply as server-sent events in OpenAI's chunk format, then `data: [DONE]`. An
-        error after the first chunk is sent as an error event (the status line is gone)."""
-        reply = turn.reply
+        """The reply as server-sent events in OpenAI's chunk format (each tool call whole in
+        one chunk, as the worker sends it), then `data: [DONE]`. An error after the first
+        chunk is sent as an error event (the status line is gone)."""
+        reply, calls = turn.reply, 0
         try:
             yield _sse(completion.chunk({"role": "assistant", "content": ""}))
-            async for piece in reply:
-                yield _sse(completion.chunk({"content": piece}))
+            async for item in reply.events():
+                if isinstance(item, str):
+                    yield _sse(completion.chunk({"content": item}))
+                else:
+                    yield _sse(completion.tool_call_chunk(item, calls))
+                    calls += 1
             usage = with_creation(reply.usage, turn.created)
             extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
             last = completion.chunk({}, finish_reason(usage))

@@ -1,12 +1,20 @@
 """OpenAI's chat-completions wire format, sans I/O: a request body checked into a ChatCall,
-replies and stream chunks built from the worker's usage, and agentkv's errors as OpenAI's
-error JSON with the HTTP status that fits their gRPC code."""
+replies and stream chunks built from the worker's usage and tool calls, and agentkv's errors
+as OpenAI's error JSON with the HTTP status that fits their gRPC code.
+
+Tools are OpenAI function tools, rendered by the model's chat template; the worker parses the
+calls the model writes. Nothing constrains what the model writes (no constrained decoding):
+it decides whether to call a tool, which, and how many, so only tool_choice "auto" is taken.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +23,13 @@ import grpc
 from agentkv import ids
 from agentkv.errors import AgentKVError
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 # Accepted and meaningless here, or equal to what agentkv does anyway.
 IGNORED = {
     "model",
@@ -25,8 +39,8 @@ IGNORED = {
     "store",
     "metadata",
     "service_tier",
-    "parallel_tool_calls",
 }
+TOOLING = {"tools", "tool_choice", "parallel_tool_calls"}  # checked by _tools
 # Accepted at their neutral value only; any other value is refused, never ignored.
 NEUTRAL = {
     "n": 1,
@@ -35,9 +49,7 @@ NEUTRAL = {
     "logprobs": False,
     "top_logprobs": None,
     "logit_bias": None,
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
+    "functions": None,  # the legacy form of tools
     "function_call": None,
     "response_format": None,
     "modalities": None,
@@ -50,6 +62,12 @@ NEUTRAL = {
 SCOPE = ("prompt_cache_key", "user", "safety_identifier")  # ChatCall.scope
 SAMPLING = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed"}
 MAX_STOPS = 4  # OpenAI's own limit
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+NO_CONSTRAINTS = (
+    "the model decides whether to call a tool, and which: agentkv has no constrained "
+    'decoding (only tool_choice "auto")'
+)
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -106,24 +124,29 @@ class ChatCall:
     """A checked chat-completions request."""
 
     model: str
-    messages: list[tuple[str, str]]  # (role, text), developer messages as system
+    # OpenAI-style message dicts as the SDK takes them: role (developer as system) and
+    # content (text), an assistant's tool_calls, a tool's tool_call_id.
+    messages: list[dict[str, Any]]
     stream: bool
     include_usage: bool
     sampling: dict[str, Any] = field(default_factory=dict)  # the worker's SamplingParams
     # Whose conversation it is: prompt_cache_key, user, safety_identifier. In OpenAI's API
     # they name a group of requests and an end user, never one conversation.
     scope: tuple[str, ...] = ()
+    tools: str = ""  # the function tools as compact JSON, keys sorted; "" for none
 
     @property
     def system(self) -> str:
         """The leading system message's text, the agent's system prompt."""
-        return self.messages[0][1] if self.messages and self.messages[0][0] == "system" else ""
+        first = self.messages[0] if self.messages else {}
+        return first["content"] if first.get("role") == "system" else ""
 
     def anonymous_id(self) -> str:
-        """The agent a request with no identity goes to: one per scope, system prompt and
-        first user message, so that a client that resends its history finds it again."""
-        first = next((m for m in self.messages if m[0] == "user"), None)
+        """The agent a request with no identity goes to: one per scope, system prompt, first
+        user message and tools, so that a client that resends its history finds it again."""
+        first = next((("user", m["content"]) for m in self.messages if m["role"] == "user"), None)
         key = (*self.scope, self.system, first) if any(self.scope) else (self.system, first)
+        key += (self.tools,) if self.tools else ()
         h = hashlib.blake2b(repr(key).encode(), digest_size=12)
         return f"anon-{h.hexdigest()}"
 
@@ -134,7 +157,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name in body:
-        if not any(name in known for known in (IGNORED, SCOPE, SAMPLING, NEUTRAL)):
+        if not any(name in known for known in (IGNORED, SCOPE, SAMPLING, NEUTRAL, TOOLING)):
             raise invalid(f"unsupported parameter: {name!r}", name, "unsupported_parameter")
     for name, neutral in NEUTRAL.items():
         value = body.get(name)  # null: not given, as OpenAI reads it
@@ -160,6 +183,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         bool(_typed(options or {}, "include_usage", bool, False)),
         _sampling(body, default_max_tokens),
         scope=tuple(_typed(body, name, str, "") or "" for name in SCOPE),
+        tools=_tools(body),
     )
     return call
 
@@ -168,16 +192,18 @@ def _text_format(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type") == "text"
 
 
-def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
-    value = body.get(name, default)
+def _typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:
+    """body[name] when it is a `kind` (null or absent: `default`); `where`: the object's
+    place in the request, when not the body."""
+    value, param = body.get(name, default), f"{where}.{name}" if where else name
     if (
         value is not None
         and value is not default
         and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
     ):
-        raise invalid(f"{name} must be a {kind.__name__}, got {value!r}", name)
+        raise invalid(f"{param} must be a {kind.__name__}, got {value!r}", param)
     if kind is str and value:
-        _utf8(value, name)
+        _utf8(value, param)
     return value
 
 
@@ -189,31 +215,106 @@ def _utf8(text: str, where: str) -> None:
         raise invalid(f"{where} holds a lone surrogate escape, not valid Unicode", where) from None
 
 
-def _messages(messages: Any) -> list[tuple[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages: a non-empty array of messages is required", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object", where)
-        role = message.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise invalid(
-                f"{where}.role {role!r} is not supported (system, developer, user, assistant)",
-                f"{where}.role",
-                "unsupported_value",
-            )
-        if message.get("tool_calls") or message.get("function_call"):
-            raise invalid(f"{where}: tool calls are not supported", where, "unsupported_value")
-        out.append((ROLES[role], _text(message.get("content"), f"{where}.content")))
-    if out[-1][0] == "assistant":
+    out = [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    if out[-1]["role"] == "assistant":
         raise invalid(
             "the last message is the assistant's: agentkv does not continue a partial reply",
             f"messages[{len(out) - 1}]",
             "unsupported_value",
         )
+    _answered(out)
     return out
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    """One message as the SDK takes it: its role, its text, an assistant's tool calls (its
+    content may then be null or absent), a tool's tool_call_id."""
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object", where)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise invalid(
+            f"{where}.role {role!r} is not supported ({', '.join(ROLES)})",
+            f"{where}.role",
+            "unsupported_value",
+        )
+    if message.get("function_call") is not None:
+        raise invalid(
+            f"{where}: function_call (the legacy form of tool_calls) is not supported",
+            f"{where}.function_call",
+            "unsupported_value",
+        )
+    calls, content = message.get("tool_calls"), message.get("content")
+    out: dict[str, Any] = {"role": ROLES[role]}
+    if calls is not None and role != "assistant":
+        raise invalid(f"{where}: only an assistant message has tool_calls", f"{where}.tool_calls")
+    if calls:  # [] is none
+        out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    text_needed = not calls or content is not None
+    out["content"] = _text(content, f"{where}.content") if text_needed else ""
+    call_id = message.get("tool_call_id")
+    if role == "tool" or call_id is not None:
+        if role != "tool" or not isinstance(call_id, str) or not call_id:
+            raise invalid(
+                f"{where}: a tool message, and only one, has a tool_call_id (a string)",
+                f"{where}.tool_call_id",
+            )
+        _utf8(call_id, f"{where}.tool_call_id")
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, each {"id", "type": "function", "function":
+    {"name", "arguments"}} with string fields (arguments: the JSON text of an object)."""
+    if not isinstance(calls, list):
+        raise invalid(f"{where} must be an array of tool calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type") != "function":
+            raise invalid(f'{at} must be {{"type": "function", "function": {{...}}}}', at)
+        fields = {"id": call.get("id"), **{k: function.get(k) for k in ("name", "arguments")}}
+        for name, value in fields.items():
+            if not isinstance(value, str) or not (value or name == "arguments"):
+                raise invalid(f"{at}: its {name} must be a non-empty string", f"{at}.{name}")
+            _utf8(value, f"{at}.{name}")
+        function = {"name": fields["name"], "arguments": fields["arguments"]}
+        out.append({"id": fields["id"], "type": "function", "function": function})
+    return out
+
+
+def _answered(messages: list[dict[str, Any]]) -> None:
+    """OpenAI's rule: a tool message answers a call of the assistant message before it
+    (tool messages only between them), and every call is answered before another message
+    comes or the conversation ends."""
+    pending: set[str] = set()  # the last assistant message's calls not yet answered
+    for i, message in enumerate(messages):
+        if message["role"] == "tool":
+            if message["tool_call_id"] not in pending:
+                raise invalid(
+                    f"messages[{i}]: a tool message must answer a tool call of the assistant "
+                    f"message before it; {message['tool_call_id']!r} is none of its calls",
+                    f"messages[{i}].tool_call_id",
+                )
+            pending.discard(message["tool_call_id"])
+            continue
+        _all_answered(pending, i)
+        pending = {call["id"] for call in message.get("tool_calls", ())}
+    _all_answered(pending, len(messages) - 1)
+
+
+def _all_answered(pending: set[str], i: int) -> None:
+    if pending:
+        raise invalid(
+            f"messages[{i}]: the tool calls {sorted(pending)} of the assistant message before "
+            "it have no tool message answering them",
+            f"messages[{i}]",
+        )
 
 
 def _text(content: Any, where: str) -> str:
@@ -234,6 +335,75 @@ def _text(content: Any, where: str) -> str:
         _utf8(text, where)
         return text
     raise invalid(f"{where} must be a string or an array of text parts", where)
+
+
+def _tools(body: dict) -> str:
+    """The request's function tools as compact JSON, keys sorted (the worker's canonical
+    form), "" for none; tool_choice "auto" only, parallel_tool_calls taken as given."""
+    _typed(body, "parallel_tool_calls", bool, None)  # the model decides anyway
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto"):
+        known = choice in ("none", "required") or isinstance(choice, dict)
+        if not known:
+            raise invalid(
+                f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
+                "tool_choice",
+            )
+        raise invalid(
+            f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value"
+        )
+    tools = body.get("tools")
+    if tools is None:
+        return ""
+    if not isinstance(tools, list):
+        raise invalid("tools must be an array of function tools", "tools")
+    for i, tool in enumerate(tools):
+        _tool(tool, f"tools[{i}]")
+    text = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    _utf8(text, "tools")
+    return text if tools else ""
+
+
+def _tool(tool: Any, where: str) -> None:
+    """One tool: {"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}, as OpenAI specifies it. Other kinds of tool, and strict schemas, which
+    only constrained decoding could keep, are refused."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+        raise invalid(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
+    if tool["type"] != "function":
+        raise invalid(
+            f"{where}: only function tools are supported, not {tool['type']!r} tools",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise invalid(f"{where}.function must be an object", f"{where}.function")
+    _known(tool, {"type", "function"}, where)
+    where += ".function"
+    _known(function, FUNCTION_KEYS, where)
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(
+            f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
+            f"{where}.name",
+        )
+    for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+        _typed(function, key, kind, None, where)
+    if function.get("strict"):
+        raise invalid(
+            f"{where}.strict: {NO_CONSTRAINTS}, so nothing holds the arguments to the schema",
+            f"{where}.strict",
+            "unsupported_value",
+        )
+
+
+def _known(obj: dict, known: set[str], where: str) -> None:
+    """Refuses a field of `obj` (at `where`) that is not `known`, as an unknown parameter."""
+    extra = sorted(set(obj) - known)
+    if extra:
+        param = f"{where}.{extra[0]}"
+        raise invalid(f"unsupported parameter: {param}", param, "unsupported_parameter")
 
 
 def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
@@ -301,8 +471,15 @@ def agent_id(header: str, session: str, call: ChatCall) -> str:
 
 
 def finish_reason(usage: Any) -> str:
-    """OpenAI's finish_reason of a turn: "length" when max_tokens cut it, else "stop"."""
-    return "length" if usage.finish_reason == "length" else "stop"
+    """OpenAI's finish_reason of a turn: "length" when max_tokens cut it, "tool_calls" when
+    it ended after calling tools, else "stop"."""
+    return usage.finish_reason if usage.finish_reason in ("length", "tool_calls") else "stop"
+
+
+def tool_call_json(call: Any) -> dict[str, Any]:
+    """A tool call (the worker's ToolCall) as OpenAI writes it in a message."""
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 def with_creation(usage: Any, created: Any) -> Any:
@@ -355,10 +532,18 @@ class Completion:
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def whole(self, text: str, usage: Any, extension: dict[str, Any]) -> dict[str, Any]:
+    def whole(
+        self, text: str, usage: Any, extension: dict[str, Any], tool_calls: Sequence[Any] = ()
+    ) -> dict[str, Any]:
+        """The whole reply. With tool calls, its content is null when the model wrote no
+        other text than white space (as OpenAI's)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["content"] = text if text.strip() else None
+            message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "finish_reason": finish_reason(usage),
             "logprobs": None,
         }
@@ -372,6 +557,10 @@ class Completion:
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def tool_call_chunk(self, call: Any, index: int) -> dict[str, Any]:
+        """A tool call, whole in one delta; `index`: its place among the reply's calls."""
+        return self.chunk({"tool_calls": [{"index": index, **tool_call_json(call)}]})
 
     def usage_chunk(self, usage: Any, extension: dict[str, Any]) -> dict[str, Any]:
         return {

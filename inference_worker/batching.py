@@ -294,8 +294,8 @@ class Batcher:
         if held and (rest := self._rest(turn)):
             self._send(turn, rest, [])  # what was held back for stop strings
         calls = turn.calls
-        if calls is not None and (rest := calls.flush()):
-            turn.job.events.put(TokenEvent(rest, []))  # a tool call cut before its end
+        if calls is not None and any(rest := calls.flush()):  # text, or a call ending here
+            turn.job.events.put(TokenEvent(rest[0], [], rest[1]))
         u.finish_reason = "tool_calls" if reason == "stop" and calls and calls.calls else reason
         if u.generated_tokens > 1:
             elapsed = max(time.perf_counter() - turn.first_at, 1e-9)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from agentkv.errors import InvalidArgument
-from inference_worker.tools import ReplyCalls, ToolCall, ToolFormat
+from inference_worker.tools import ReplyCalls, ToolCall, ToolFormat, canonical_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 _PING = {"role": "user", "content": "ping-q7Zx"}
@@ -44,7 +44,12 @@ _PLACEHOLDERS = {  # a conversation ending with each role
     ],
 }
 _PROBE = "q7Zx"
+_PROBE_TOOLS = canonical_tools(json.dumps([{"type": "function", "function": {"name": "t_q7Zx"}}]))
 _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is stable
+
+
+class NotAppendOnly(InvalidArgument):
+    """The template rewrites what came before when these messages are added."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +190,7 @@ class ChatFormat:
         self.reply_closing = self._encode(self._closing) if self._closing else []
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
         self.eos_ids = {ids} if isinstance(ids, int) else set(ids)
-        self.tool_format = ToolFormat.of(tokenizer)
+        self.tool_format = ToolFormat.of(tokenizer) if self._tools_stay_put() else None
 
     def start(self, system: str, tools: str = "") -> tuple[list[int], ChatState]:
         """A new conversation: its stable prefix (the tokens every first user turn renders
@@ -200,13 +205,25 @@ class ChatFormat:
         state = ChatState(system, opened=False, digest=start_digest(system, tools), tools=tools)
         return first[0][: max(0, shared - 1)], state
 
-    def check_tools(self, tools: str) -> None:
-        """Refuses tools for a model whose tool calls would not be understood."""
-        if tools and self.tool_format is None:
+    def check_tools(self, tools: str, messages: Sequence[ChatMessage] = ()) -> None:
+        """Refuses tools, tool calls and tool results for a model whose tool calls would not
+        be understood, or whose template renders them where a turn cannot append them."""
+        tooled = any(m.tool_calls or m.role == "tool" for m in messages)
+        if (tools or tooled) and self.tool_format is None:
             raise InvalidArgument(
                 "this model has no tool-call format mlx-lm knows (none is inferred from its "
-                "chat template): a turn with tools would get its calls as text"
+                "chat template), or its template renders tools anew with each user message: "
+                "tools, tool calls and tool results are refused"
             )
+
+    def _tools_stay_put(self) -> bool:
+        """Whether the template renders tools once, where a user message appended later
+        does not render them again (Mistral v0.3 renders them before the last one)."""
+        try:
+            user = ChatMessage("user", "again-q7Zx")
+            return "t_q7Zx" not in self._appended([user], True, "assistant", _PROBE_TOOLS)
+        except InvalidArgument:
+            return False
 
     def reply_calls(self, tools: str) -> ReplyCalls | None:
         """What takes a reply's tool calls out of its text, for a conversation with tools."""
@@ -245,18 +262,23 @@ class ChatFormat:
         tools: str = "",
     ) -> list[int]:
         """Token ids that `messages` add to a conversation whose last message is `after`'s."""
+        return self._encode(self._appended(messages, generation_prompt, after, tools))
+
+    def _appended(
+        self, messages: Sequence[ChatMessage], generation_prompt: bool, after: str, tools: str
+    ) -> str:
         placeholder = _PLACEHOLDERS.get(after, _PLACEHOLDERS["assistant"])
         before = self._render(placeholder, False, tools)
         full = self._render(placeholder + _dicts(messages), generation_prompt, tools)
         if not full.startswith(before):  # e.g. Qwen3 renders a last reply differently
             before = self._reply_end(full, placeholder[-1])
         if before is None:
-            raise InvalidArgument(
+            raise NotAppendOnly(
                 "the model's chat template does not render this conversation append-only: "
                 f"appending {', '.join(m.role for m in messages) or 'a generation prompt'} "
                 f"after a {after} message rewrites what came before"
             )
-        return self._encode(full[len(before) :])
+        return full[len(before) :]
 
     def _reply_end(self, full: str, last: dict) -> str | None:
         """The text of `full` up to the end of the placeholder's last reply and its closing,
@@ -313,7 +335,7 @@ def check_said(messages: Sequence[ChatMessage]) -> None:
     `say` is a caller's slip). A resent whole conversation may hold one, as OpenAI's API
     allows: an empty reply, cut at once by a stop string, comes back in the history."""
     for i, m in enumerate(messages):
-        if not m.content.strip() and not m.tool_calls:
+        if not m.content.strip() and not m.tool_calls and m.role != "tool":
             raise InvalidArgument(f"message {i} ({m.role}) is empty")
 
 

@@ -37,11 +37,26 @@ from inference_worker.agents import (
     system_digest,
 )
 from inference_worker.batching import ActiveTurn, Batcher
-from inference_worker.chat import ChatFormat, ChatMessage, ChatState, Resumed, chain, resume
+from inference_worker.chat import (
+    ChatFormat,
+    ChatMessage,
+    ChatState,
+    NotAppendOnly,
+    Resumed,
+    chain,
+    resume,
+)
 from inference_worker.config import WorkerConfig
 from inference_worker.freshness import StoreView, is_current
 from inference_worker.metrics import WorkerMetrics
-from inference_worker.persistence import Persister, check_system, not_committed, turn_not_durable
+from inference_worker.persistence import (
+    Persister,
+    caller_metadata,
+    check_metadata,
+    check_system,
+    not_committed,
+    turn_not_durable,
+)
 from inference_worker.restore import Fetched, Restorer
 from inference_worker.runtime import Runtime
 from inference_worker.scheduler import Request, Scheduler
@@ -253,12 +268,7 @@ class Engine:
             raise TurnTaken(TAKEN.format(agent.agent_id, job.request_id))
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
-        if job.whole_conversation:
-            start = self._resumed(agent, job.messages, job.tools)
-        else:  # the messages follow the agent's context, all of whose cache it keeps
-            _check_own_tools(agent, job.tools)
-            start = Resumed(agent.tokens, agent.chat, [] if again else job.messages, None)
-        tokens, chat = self.chat.extend(start.tokens, start.state, start.messages, max_tokens > 0)
+        start, tokens, chat = self._extended(job, agent, again)
         if job.request_id:
             chat = replace(chat, applied=job.request_id)
         if job.sampling.fit_max_tokens and max_tokens:  # at least 1: a full context is refused
@@ -293,11 +303,36 @@ class Engine:
         )
         return ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
 
-    def _resumed(self, agent: Agent, messages: list[ChatMessage], tools: str) -> Resumed:
-        """Where a resent whole conversation picks up the agent's (chat.resume), with the
-        cache a turn starting over may keep: a new agent's stable prefix, none of it when
-        the agent was made with another system prompt or other tools."""
-        start = resume(agent.tokens, agent.chat, messages, tools)
+    def _extended(
+        self, job: TurnJob, agent: Agent, again: bool
+    ) -> tuple[Resumed, list[int], ChatState]:
+        """Where the turn starts, and the context and state after its messages. A resent
+        conversation that the template cannot append to from the mark it resumes at (Qwen
+        merges tool results that follow one another) starts over; one with new tools must
+        leave room for them in the agent's metadata."""
+        reply = job.sampling.max_tokens > 0
+        if not job.whole_conversation:  # they follow the context, all of whose cache it keeps
+            _check_own_tools(agent, job.tools)
+            start = Resumed(agent.tokens, agent.chat, [] if again else job.messages, None)
+            return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+        if job.tools != agent.chat.tools:
+            check_metadata(caller_metadata(agent.metadata), "", job.tools)
+        start = self._resumed(agent, job.messages, job.tools, agent.chat)
+        try:
+            return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+        except NotAppendOnly:
+            if not start.tokens:
+                raise
+        start = self._resumed(agent, job.messages, job.tools, replace(agent.chat, marks=()))
+        return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+
+    def _resumed(
+        self, agent: Agent, messages: list[ChatMessage], tools: str, chat: ChatState
+    ) -> Resumed:
+        """Where a resent whole conversation picks up the agent's (chat.resume from `chat`),
+        with the cache a turn starting over may keep: a new agent's stable prefix, none of
+        it when the agent was made with another system prompt or other tools."""
+        start = resume(agent.tokens, chat, messages, tools)
         if start.cached is None:
             system, made = start.state.system, system_digest(start.state.system, tools)
             same = agent.metadata.get(SYSTEM_KEY, made) == made

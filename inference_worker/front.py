@@ -65,7 +65,8 @@ class Front:
         """Refuses messages too long for the context however they tokenize, here on the RPC
         thread: tokenizing megabytes on the MLX thread would stall every agent's decoding."""
         rt = self.engine.runtime
-        chars = sum(len(m.content) for m in job.messages)
+        calls = (c for m in job.messages for c in m.tool_calls)
+        chars = sum(len(m.content) for m in job.messages) + sum(len(c.arguments) for c in calls)
         if chars > rt.max_context * rt.token_chars:
             raise OutOfRange(
                 f"messages of {chars} characters are over the model's limit of "

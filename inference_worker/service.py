@@ -56,7 +56,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         )
         job = self._job(request, checked)
         job.tools = canonical_tools(request.tools)
-        self.engine.chat.check_tools(job.tools)
+        self.engine.chat.check_tools(job.tools, job.messages)
         job.whole_conversation = request.whole_conversation
         job.request_id = _request_id(request)
         if not job.whole_conversation:
@@ -71,6 +71,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             raise InvalidArgument("InjectContext needs at least one message")
         job = self._job(request, Sampling(max_tokens=0))
         check_said(job.messages)
+        self.engine.chat.check_tools("", job.messages)
         job.request_id = _request_id(request)
         usage = None
         for response in self._run(job, context):
@@ -128,7 +129,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                         calls += more.calls
                     else:
                         pending = more
-                if ids or not calls:
+                if ids or any(text) or not calls:
                     yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
                 for c in calls:
                     call = pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)

@@ -10,7 +10,8 @@ model wrote is dropped.
 from __future__ import annotations
 
 import json
-import uuid
+import secrets
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from agentkv.errors import InvalidArgument
 
 MAX_TOOLS_CHARS = 32 << 10  # as compact JSON: the agent keeps them in its store metadata
 MAX_ARGUMENTS_CHARS = 1 << 20
+_ID_CHARS = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +127,7 @@ class ReplyCalls:
         start, end = self.format.start, self.format.end
         while True:
             if self._in_call:
-                at = held.find(end)
+                at = held.find(end) if end else -1  # no end: the call runs to the reply's
                 if at < 0:
                     break
                 parsed = self._parse(held[:at])
@@ -146,12 +148,16 @@ class ReplyCalls:
         self.sent += out
         return "".join(out), made
 
-    def flush(self) -> str:
-        """What is still held (a call cut before its end, with its opening text), as text."""
-        out = (self.format.start if self._in_call else "") + self._held
-        self._held, self._in_call = "", False
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        """At the reply's end: what is still held, as text (a call cut before its end, with
+        its opening text), or the last call (a format whose calls end with the reply)."""
+        held, self._held = self._held, ""
+        made = self._parse(held) if self._in_call and not self.format.end else []
+        out = "" if made else (self.format.start if self._in_call else "") + held
+        self._in_call = False
+        self.calls += made
         self.sent.append(out)
-        return out
+        return out, made
 
     @property
     def text(self) -> str:
@@ -173,7 +179,8 @@ def _call(item: Any) -> ToolCall:
         raise ValueError("a tool call without a name")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+    # 9 letters and digits: the ids Mistral's templates accept (OpenAI's have no format)
+    return ToolCall("".join(secrets.choice(_ID_CHARS) for _ in range(9)), name, arguments)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -56,6 +56,21 @@ QWEN25_CHAT_TEMPLATE: str = json.loads(
     (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.json").read_text()
 )["chat_template"]
 TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+WEATHER_TOOL = {  # the tool TOOL_CALL calls, as an OpenAI request names it
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
 TOOL_CALL_JSON = "\n" + json.dumps(TOOL_CALL) + "\n"  # between the markers: one added token
 TOOL_REPLY = "<tool_call>" + TOOL_CALL_JSON + "</tool_call>"  # then <|im_end|>
 QWEN_CHAT = ChatSpec(

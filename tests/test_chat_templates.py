@@ -231,3 +231,13 @@ def test_a_template_error_is_invalid_argument_not_internal(base_tokenizer):
     fmt = ChatFormat(tok)
     with pytest.raises(InvalidArgument, match="chat template refuses"):
         fmt.extend([], ChatState(opened=False), [ChatMessage("assistant", "hi")], True)
+
+
+@pytest.mark.parametrize(
+    "name, callable_", [("qwen2_5", True), ("qwen3", True), ("llama3_1", True), ("mistral", False)]
+)
+def test_tools_are_taken_only_where_the_template_renders_them_once(base_tokenizer, name, callable_):
+    """Mistral v0.3 renders the tools before the last user message: appended turn by turn,
+    they would come back with every one, so its tool calling is refused."""
+    tok, _ = fixture_tokenizer(name, base_tokenizer)
+    assert ChatFormat(tok)._tools_stay_put() is callable_

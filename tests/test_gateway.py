@@ -306,15 +306,16 @@ def test_bad_requests_get_openais_error_format(stack):
     messages = [{"role": "user", "content": "Hello."}]
     cases = [
         (dict(model="gpt-4o"), 404, "model_not_found"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_value"),
+        (dict(tool_choice="required"), 400, "unsupported_value"),  # the model decides
+        (dict(tools=[{"type": "custom", "custom": {"name": "f"}}]), 400, "unsupported_value"),
         (dict(n=2), 400, "unsupported_value"),
         (dict(frequency_penalty=0.5), 400, "unsupported_value"),
         (dict(temperature=3), 400, None),
         (dict(messages=[]), 400, None),
-        (
+        (  # a tool's result answering no call
             dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
             400,
-            "unsupported_value",
+            None,
         ),
         (
             dict(messages=[*messages, {"role": "assistant", "content": "Hi"}]),
@@ -343,6 +344,21 @@ def test_bad_requests_get_openais_error_format(stack):
     assert lone.status == 400 and lone.json()["error"]["param"] == "messages[0].content"
     nowhere = raw(address, "GET", "/v1/completions")
     assert nowhere.status == 404 and "error" in nowhere.json()
+
+
+def test_tools_for_a_model_without_a_tool_call_format_are_a_400(stack):
+    """SmolLM2's chat template has no tool-call format mlx-lm knows: its worker refuses tools
+    (the model's calls would come back as text), for a new agent and for one that exists."""
+    client = stack.client()
+    with WorkerClient(stack.worker_address) as worker:
+        assert worker.info().tool_parser == ""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    ask(client, messages, "no-tools")  # made without tools
+    for agent, stream in ((None, False), (None, True), ("no-tools", False)):
+        error = error_of(lambda a=agent, s=stream: ask(client, messages, a, tools=tools, stream=s))
+        assert error.status_code == 400 and error.body["code"] == "invalid_argument"
+        assert "tool-call format" in error.body["message"], error.body
 
 
 # "anon-named" is a name given, not an anonymous agent's: no agent of its own when busy

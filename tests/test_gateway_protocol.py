@@ -3,13 +3,22 @@ refused (never ignored), every gRPC status as an HTTP status, and how an agent i
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import grpc
 import pytest
 
 from agentkv import errors
-from agentkv.gateway.protocol import HTTPError, agent_id, parse_chat, usage_json, with_creation
+from agentkv.gateway.protocol import (
+    Completion,
+    HTTPError,
+    agent_id,
+    finish_reason,
+    parse_chat,
+    usage_json,
+    with_creation,
+)
 from agentkv.worker.v1 import worker_pb2 as pb
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
@@ -30,7 +39,9 @@ def test_a_request_maps_to_the_workers_sampling():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     call = parsed(messages=[{"role": "developer", "content": "Be brief."},
                             {"role": "user", "content": parts}])  # fmt: skip
-    assert call.messages == [("system", "Be brief."), ("user", "ab")] and call.system == "Be brief."
+    assert call.messages == [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "ab"}]  # fmt: skip
+    assert call.system == "Be brief." and call.tools == ""
     assert parsed(stream=True, stream_options={"include_usage": True}).include_usage
     assert not parsed(stream=True, stream_options=None).include_usage  # null: not given
     assert not parsed(stream_options=None).include_usage
@@ -41,7 +52,7 @@ def test_a_request_maps_to_the_workers_sampling():
     "fields, param",
     [
         ({"n": 3}, "n"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"presence_penalty": 1}, "presence_penalty"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
@@ -71,7 +82,8 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"best_of": 2}, "best_of"),
         ({"model": ""}, "model"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
@@ -94,7 +106,7 @@ def test_what_openai_allows_is_read_as_openai_means_it():
         "temperature": 0.0, "top_p": 1.0, "max_tokens": 0}  # fmt: skip
     assert parsed(stop=[]).sampling == parsed().sampling
     pair = json.loads('"\\ud83d\\ude00"')  # JSON's escaped surrogate pair: one character
-    assert parsed(messages=[{"role": "user", "content": pair}]).messages[0][1] == "😀"
+    assert parsed(messages=[{"role": "user", "content": pair}]).messages[0]["content"] == "😀"
 
 
 def test_cached_tokens_are_never_negative():
@@ -161,3 +173,193 @@ def test_a_first_call_counts_what_making_its_agent_took():
     )
     assert whole.cache_state == "warm" and turn.prefilled_tokens == 60  # a copy
     assert with_creation(turn, None) is turn
+
+
+# Tool calling: OpenAI function tools pass to the worker; what only constrained decoding
+# could promise is refused.
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+LOOP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "content": "22 C", "tool_call_id": "call_1"},
+]
+
+
+def test_function_tools_are_sent_as_compact_json_with_sorted_keys():
+    call = parsed(tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    assert call.tools == json.dumps([WEATHER], sort_keys=True, separators=(",", ":"))
+    assert json.loads(call.tools) == [WEATHER]
+    reordered = {"function": dict(reversed(WEATHER["function"].items())), "type": "function"}
+    assert parsed(tools=[reordered]).tools == call.tools  # the same tools, however spelled
+    strict_off = {**WEATHER, "function": {**WEATHER["function"], "strict": False}}
+    assert json.loads(parsed(tools=[strict_off], parallel_tool_calls=True).tools) == [strict_off]
+    minimal = {"type": "function", "function": {"name": "now"}}  # no description, parameters
+    assert json.loads(parsed(tools=[minimal]).tools) == [minimal]
+    for none in ({}, {"tools": None}, {"tools": []}, {"tool_choice": None},
+                 {"tool_choice": "auto"}, {"parallel_tool_calls": None}):  # fmt: skip
+        assert parsed(**none).tools == ""
+
+
+def test_a_tool_loop_passes_to_the_worker_as_the_sdk_takes_it():
+    parts = [{"type": "text", "text": "22 "}, {"type": "text", "text": "C"}]
+    loop = [*LOOP[:2], {**LOOP[2], "content": parts}]
+    call = parsed(messages=loop, tools=[WEATHER])
+    assert call.messages == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},  # null content: none
+        {"role": "tool", "content": "22 C", "tool_call_id": "call_1"},
+    ]
+    # As the openai package gives a reply back (message.model_dump()): extra nulls, no content
+    dumped = {"role": "assistant", "content": None, "refusal": None, "audio": None,
+              "function_call": None, "annotations": None, "tool_calls": [CALL]}  # fmt: skip
+    absent = {"role": "assistant", "tool_calls": [CALL]}
+    for assistant in (dumped, absent, {**absent, "content": ""}):
+        assert parsed(messages=[LOOP[0], assistant, LOOP[2]]).messages == call.messages
+    worded = {**absent, "content": "Let me look."}
+    assert parsed(messages=[LOOP[0], worded, LOOP[2]]).messages[1]["content"] == "Let me look."
+    # Two calls, answered in any order, then the conversation goes on.
+    other = {**CALL, "id": "call_2"}
+    two = [LOOP[0], {"role": "assistant", "tool_calls": [CALL, other]},
+           {**LOOP[2], "tool_call_id": "call_2"}, LOOP[2],
+           {"role": "assistant", "content": "22 C."},
+           {"role": "user", "content": "Thanks"}]  # fmt: skip
+    assert [m["role"] for m in parsed(messages=two).messages] == [
+        "user", "assistant", "tool", "tool", "assistant", "user"]  # fmt: skip
+
+
+BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}}
+
+
+@pytest.mark.parametrize(
+    "fields, param, code",
+    [
+        ({"tool_choice": "none"}, "tool_choice", "unsupported_value"),
+        ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice", "unsupported_value"),
+        ({"tool_choice": "sometimes"}, "tool_choice", None),
+        ({"tool_choice": 1}, "tool_choice", None),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", None),
+        ({"tools": WEATHER}, "tools", None),
+        ({"tools": ["get_weather"]}, "tools[0]", None),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type",
+         "unsupported_value"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_value"),
+        ({"tools": [{**WEATHER, "extra": 1}]}, "tools[0].extra", "unsupported_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "returns": {}}}]},
+         "tools[0].function.returns", "unsupported_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+         "tools[0].function.strict", "unsupported_value"),
+        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+         "tools[0].function.name", None),
+        ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+         "tools[0].function.name", None),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+         "tools[0].function.name", None),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+         "tools[0].function.parameters", None),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]},
+         "tools[0].function.description", None),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+         "tools[0].function.description", None),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"\ud800": 1}}}]},
+         "tools", None),  # a lone surrogate anywhere in them
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_value"),
+        ({"function_call": "auto"}, "function_call", "unsupported_value"),
+        ({"messages": [LOOP[0], {"role": "assistant", "content": None,
+                                 "function_call": {"name": "f", "arguments": "{}"}}, LOOP[2]]},
+         "messages[1].function_call", "unsupported_value"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "call_1"}]},
+         "messages[0].tool_call_id", None),  # answers no call
+        ({"messages": [*LOOP[:2], {**LOOP[2], "tool_call_id": "call_9"}]},
+         "messages[2].tool_call_id", None),
+        ({"messages": [*LOOP, LOOP[2]]}, "messages[3].tool_call_id", None),  # answered twice
+        ({"messages": [*LOOP[:2], {"role": "user", "content": "And?"}]}, "messages[2]", None),
+        ({"messages": [LOOP[0], {"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "c2"}]},
+                       LOOP[2]]}, "messages[2]", None),  # c2 never answered
+        ({"messages": LOOP[:2]}, "messages[1]", "unsupported_value"),  # the assistant's last
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
+         "messages[0].tool_calls", None),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]},
+         "messages[0].tool_call_id", None),
+        ({"messages": [{"role": "tool", "content": None, "tool_call_id": "call_1"}]},
+         "messages[0].content", None),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]},
+         "messages[0].tool_call_id", None),
+        ({"messages": [LOOP[0], {"role": "assistant", "content": None}, LOOP[0]]},
+         "messages[1].content", None),  # no calls: a text is needed
+        ({"messages": [LOOP[0], {"role": "assistant", "tool_calls": {"id": "call_1"}}, LOOP[2]]},
+         "messages[1].tool_calls", None),
+        ({"messages": [LOOP[0], {"role": "assistant", "tool_calls": [BAD_CALL]}, LOOP[2]]},
+         "messages[1].tool_calls[0].arguments", None),  # an object, not its JSON text
+        ({"messages": [LOOP[0], {"role": "assistant", "tool_calls": [{**CALL, "id": ""}]},
+                       LOOP[2]]}, "messages[1].tool_calls[0].id", None),
+        ({"messages": [LOOP[0], {"role": "assistant", "tool_calls": [{**CALL, "type": None}]},
+                       LOOP[2]]}, "messages[1].tool_calls[0]", None),
+    ],
+)  # fmt: skip
+def test_what_tools_cannot_do_here_is_refused_by_name(fields, param, code):
+    with pytest.raises(HTTPError) as refused:
+        parsed(**fields)
+    error = refused.value.body()["error"]
+    assert refused.value.status == 400 and (error["param"], error["code"]) == (param, code)
+    assert error["type"] == "invalid_request_error"
+    if code == "unsupported_value" and "tool_choice" in param:
+        assert "the model decides" in error["message"]  # no constrained decoding
+
+
+def test_tools_are_part_of_an_anonymous_conversation():
+    plain = agent_id("", "", parsed())
+    # a conversation without tools keeps its agent: the digest of what it was before tools
+    key = repr(("", ("user", "Hi"))).encode()
+    assert plain == "anon-" + hashlib.blake2b(key, digest_size=12).hexdigest()
+    weather = agent_id("", "", parsed(tools=[WEATHER]))
+    other = {"type": "function", "function": {"name": "get_time"}}
+    assert len({plain, weather, agent_id("", "", parsed(tools=[other]))}) == 3
+    spelled = {"function": WEATHER["function"], "type": "function"}
+    assert agent_id("", "", parsed(tools=[spelled])) == weather
+    resent = parsed(tools=[WEATHER], messages=[{"role": "user", "content": "Hi"}, *LOOP[1:]])
+    assert agent_id("", "", resent) == weather  # the same conversation, resent
+
+
+def test_a_reply_that_calls_tools_is_written_as_openais():
+    usage = pb.Usage(prompt_tokens=9, generated_tokens=5, finish_reason="tool_calls")
+    calls = [pb.ToolCall(id="call_a", name="get_weather", arguments='{"city": "Paris"}'),
+             pb.ToolCall(id="call_b", name="get_time", arguments="{}")]  # fmt: skip
+    completion = Completion("m")
+    whole = completion.whole("\n", usage, {}, calls)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": None,  # white space alone is no text
+        "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function",
+             "function": {"name": "get_time", "arguments": "{}"}},
+        ],
+    }  # fmt: skip
+    said = completion.whole("Checking.", usage, {}, calls[:1])["choices"][0]["message"]
+    assert said["content"] == "Checking." and len(said["tool_calls"]) == 1
+    plain = completion.whole("Hi", pb.Usage(finish_reason="stop"), {})["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "Hi"}  # no tool_calls key
+    chunk = completion.tool_call_chunk(calls[1], 1)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == whole["id"]
+    assert chunk["choices"] == [{"index": 0, "finish_reason": None, "logprobs": None, "delta": {
+        "tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                        "function": {"name": "get_time", "arguments": "{}"}}]}}]  # fmt: skip
+    reasons = {r: finish_reason(pb.Usage(finish_reason=r)) for r in
+               ("stop", "length", "tool_calls", "cancelled", "deadline", "none")}  # fmt: skip
+    assert reasons == {"stop": "stop", "length": "length", "tool_calls": "tool_calls",
+                       "cancelled": "stop", "deadline": "stop", "none": "stop"}  # fmt: skip

@@ -19,6 +19,7 @@ from tests.model_kit import (
     TOOL_CALL,
     TOOL_CALL_JSON,
     TOOL_REPLY,
+    WEATHER_TOOL,
     build_tool_model,
 )
 
@@ -29,21 +30,6 @@ CONVERSATION = [
     {"role": "user", "content": "Prove it."},
 ]
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
-    },
-}
 ASK = {"role": "user", "content": "What is the weather in Paris?"}
 CALLED = {  # the model's own reply, as the next request sends it back
     "role": "assistant",

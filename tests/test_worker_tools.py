@@ -13,21 +13,10 @@ import pytest
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.tools import ReplyCalls, ToolFormat
-from tests.model_kit import TOOL_CALL, build_tool_model
+from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tool_model
 
 NS = "tools"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = WEATHER_TOOL
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 SYSTEM = "You answer with tools."
 
@@ -91,7 +80,7 @@ def test_a_reply_s_tool_call_comes_parsed_and_not_as_text(stub):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         (TOOL_CALL["name"], TOOL_CALL["arguments"])
     ]
-    assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
+    assert calls[0].id.isalnum() and len(calls[0].id) == 9  # as Mistral's templates ask
     assert text == ""  # the call's text went out as the call
     assert usage.finish_reason == "tool_calls"
     assert len(ids) == usage.generated_tokens == 4  # <tool_call>, the JSON, </tool_call>, EOS
@@ -177,6 +166,52 @@ def test_bad_tools_and_misplaced_calls_are_refused_and_change_nothing(stub):
     assert state.num_tokens == _create_tokens(stub)
 
 
+def test_a_second_tool_result_after_a_mark_on_the_first_starts_over_as_a_fresh_agent(stub):
+    """Qwen's template merges tool results that follow one another into one block: a resent
+    conversation resuming at a mark after the first cannot append the second to it."""
+    first = [pb.Message(role="system", content=SYSTEM), pb.Message(role="user", content="Two?")]
+    _create(stub, "h")
+    _, _, calls, _ = _turn(stub, "h", first, whole_conversation=True)
+    said = pb.Message(role="assistant", content="", tool_calls=calls)
+    one = pb.Message(role="tool", content="21", tool_call_id=calls[0].id)
+    two = pb.Message(role="tool", content="22", tool_call_id=calls[0].id)
+    request = dict(whole_conversation=True, sampling=pb.SamplingParams(max_tokens=0))
+    _turn_fields(stub, "h", [*first, said, one], **request)  # a mark after the first result
+    _, ids, _, usage = _turn(stub, "h", [*first, said, one, two], whole_conversation=True)
+    _create(stub, "i")
+    _, fresh_ids, _, fresh = _turn(stub, "i", [*first, said, one, two], whole_conversation=True)
+    assert (ids, usage.prompt_tokens) == (fresh_ids, fresh.prompt_tokens)
+
+
+def test_new_tools_that_leave_no_room_in_the_agent_s_metadata_are_refused(stub):
+    request = pb.CreateAgentRequest(
+        namespace=NS, agent_id="j", system_prompt=SYSTEM, metadata={"notes": "n" * 4000}
+    )
+    for i in range(22):
+        request.metadata[f"notes{i}"] = "n" * 4000
+    stub.CreateAgent(request, timeout=60)
+    big = {**WEATHER, "function": {**WEATHER["function"], "description": "d" * 8000}}
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(
+            stub,
+            "j",
+            [pb.Message(role="user", content="hi")],
+            tools=(big,),
+            whole_conversation=True,
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "keeps for an agent with this system prompt and tools" in caught.value.details()
+    _, _, _, usage = _turn(stub, "j", [pb.Message(role="user", content="hi")], (), durable=True)
+    assert usage.generated_tokens  # the agent still saves
+
+
+def _turn_fields(stub, agent_id: str, messages, **fields):
+    request = pb.TurnRequest(
+        namespace=NS, agent_id=agent_id, messages=messages, tools=json.dumps([WEATHER]), **fields
+    )
+    return list(stub.Turn(request, timeout=60))
+
+
 def _create_tokens(stub) -> int:
     return _create(stub, "f-twin").usage.prompt_tokens
 
@@ -186,10 +221,15 @@ def test_a_model_without_a_tool_format_refuses_tools(start_worker, tiny_model_di
     with grpc.insecure_channel(worker.address) as channel:
         stub = worker_pb2_grpc.InferenceWorkerStub(channel)
         assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest()).tool_parser == ""
-        with pytest.raises(grpc.RpcError) as caught:
-            _turn(stub, "g", [pb.Message(role="user", content="hi")])
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "no tool-call format" in caught.value.details()
+        result = pb.Message(role="tool", content="21", tool_call_id="abc")
+        for tools, said in (((WEATHER,), "hi"), ((), result)):
+            message = (
+                said if isinstance(said, pb.Message) else pb.Message(role="user", content=said)
+            )
+            with pytest.raises(grpc.RpcError) as caught:
+                _turn(stub, "g", [message], tools=tools)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "no tool-call format" in caught.value.details()
 
 
 def test_the_worker_names_its_model_s_tool_format(stub):
@@ -213,7 +253,7 @@ JSON_FORMAT = ToolFormat("json_tools", "<tool_call>", "</tool_call>", lambda t, 
 def _split(pieces: list[str]) -> tuple[str, list, str]:
     calls = ReplyCalls(JSON_FORMAT, [WEATHER])
     out = [calls.feed(p)[0] for p in pieces]
-    return "".join(out), calls.calls, calls.flush()
+    return "".join(out), calls.calls, calls.flush()[0]
 
 
 def test_markers_split_over_pieces_are_found():
@@ -231,6 +271,15 @@ def test_a_call_the_parser_refuses_goes_out_as_text():
 def test_a_call_cut_before_its_end_is_flushed_as_text():
     text, calls, rest = _split(['a <tool_call>{"name": "f"'])
     assert (text, calls, rest) == ("a ", [], '<tool_call>{"name": "f"')
+
+
+def test_a_format_whose_calls_end_with_the_reply_gets_its_call_at_the_end():
+    mistral = ToolFormat("mistral", "[TOOL_CALLS]", "", lambda t, _: json.loads(t))
+    calls = ReplyCalls(mistral, [])
+    assert calls.feed('ok [TOOL_CALLS] {"name": "f", ') == ("ok ", [])
+    assert calls.feed('"arguments": {"a": 1}}') == ("", [])
+    text, made = calls.flush()
+    assert (text, [(c.name, json.loads(c.arguments)) for c in made]) == ("", [("f", {"a": 1})])
 
 
 def test_text_that_only_looks_like_a_marker_start_is_sent_once_it_is_not_one():
