@@ -366,8 +366,9 @@ def _tools(body: dict) -> str:
 
 def _tool(tool: Any, where: str) -> None:
     """One tool: {"type": "function", "function": {"name", "description", "parameters",
-    "strict"}}, as OpenAI specifies it. Other kinds of tool, and strict schemas, which
-    only constrained decoding could keep, are refused."""
+    "strict"}}, as OpenAI specifies it; other kinds of tool are refused. `strict` is taken
+    as given but not enforced (there is no constrained decoding, as in mlx-lm's server):
+    OpenAI's Agents SDK sets it on every function tool."""
     if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
         raise invalid(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
     if tool["type"] != "function":
@@ -390,12 +391,6 @@ def _tool(tool: Any, where: str) -> None:
         )
     for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
         _typed(function, key, kind, None, where)
-    if function.get("strict"):
-        raise invalid(
-            f"{where}.strict: {NO_CONSTRAINTS}, so nothing holds the arguments to the schema",
-            f"{where}.strict",
-            "unsupported_value",
-        )
 
 
 def _known(obj: dict, known: set[str], where: str) -> None:

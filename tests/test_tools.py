@@ -259,3 +259,49 @@ def test_the_asyncio_sdk_collects_tool_calls_too(stack):
     calls, events, finish = asyncio.run(main())
     assert len(calls) == 1 and events == calls and finish == "tool_calls"
     the_call(calls[0].name, calls[0].arguments)
+
+
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_resumes_warm(stack):
+    """OpenAI's Agents SDK, unchanged, over the gateway: its agent's function tool is called
+    with the model's arguments, and the next run, resending the history with the call and
+    its result, resumes the agent's cache."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    ran = []
+
+    @function_tool
+    def get_weather(city: str, unit: str = "celsius") -> str:
+        """The current weather in a city."""
+        ran.append((city, unit))
+        return f"21 degrees {unit} in {city}"
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=stack.client().base_url, api_key="unused")
+    agent = Agent(
+        name="weather",
+        instructions=SYSTEM,
+        tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=32),
+        tool_use_behavior="stop_on_first_tool",  # the scripted model would call for ever
+    )
+
+    async def twice():  # one event loop: the client's connections belong to it
+        first = await Runner.run(agent, ASK)
+        history = [*first.to_input_list(), {"role": "user", "content": "And tomorrow?"}]
+        return first, await Runner.run(agent, history)
+
+    first, second = asyncio.run(twice())
+    assert first.final_output == "21 degrees celsius in Paris"
+    assert ran[0] == (TOOL_CALL["arguments"]["city"], TOOL_CALL["arguments"]["unit"])
+    usage = first.raw_responses[0].usage
+    cached = second.raw_responses[0].usage.input_tokens_details.cached_tokens
+    assert cached >= usage.input_tokens + usage.output_tokens - 1  # its call and result too
+    assert second.final_output == first.final_output and ran[1] == ran[0]
