@@ -53,15 +53,18 @@ def pb_messages(messages: Sequence[Message]) -> list[pb.Message]:
 
 
 def message_of(message: Message, index: int = 0) -> pb.Message:
-    """One message of pb_messages' kinds as a pb.Message; InvalidArgument for another."""
+    """One message of pb_messages' kinds as a pb.Message (the openai client's message
+    objects as their dicts; "developer" is "system", as OpenAI reads it); InvalidArgument
+    for another."""
     if isinstance(message, pb.Message):
         return message
+    message = _dumped(message)
     if isinstance(message, Mapping):
         role = message.get("role")
         if not isinstance(role, str):
             raise InvalidArgument(f"message {index} has no role")
         return pb.Message(
-            role=role,
+            role="system" if role == "developer" else role,
             content=_content(message.get("content"), index),
             tool_calls=[tool_call_of(call) for call in message.get("tool_calls") or ()],
             tool_call_id=message.get("tool_call_id") or "",
@@ -92,16 +95,24 @@ def _is_text_part(part: Any) -> bool:
 
 def tool_call_of(call: Mapping[str, Any] | pb.ToolCall) -> pb.ToolCall:
     """A tool call as OpenAI writes it ({"id", "type": "function", "function": {"name",
-    "arguments"}}; arguments as JSON text, or an object) as a pb.ToolCall."""
+    "arguments"}}; arguments as JSON text, or an object; or the openai client's object of
+    it) as a pb.ToolCall."""
     if isinstance(call, pb.ToolCall):
         return call
-    function = call.get("function")
+    call = _dumped(call)
+    function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise InvalidArgument(f'a tool call is not {{"function": {{"name": ...}}}}: {call!r}')
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
     return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
+
+
+def _dumped(value: Any) -> Any:
+    """A pydantic model (the openai client's messages and calls) as its dict."""
+    dump = getattr(value, "model_dump", None)
+    return dump() if callable(dump) else value
 
 
 def tools_json(tools: Tools) -> str:
@@ -125,14 +136,16 @@ def turn_request(
     whole_conversation: bool = False,
     request_id: str = "",
     tools: Tools = None,
+    max_tool_calls: int = 0,
     **sampling: Any,
 ) -> pb.TurnRequest:
     """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
     resent (its system message first), not only what is new (see TurnRequest in the proto).
     A retry with the same `request_id` is not run again once the first was taken: TurnTaken.
     `tools` (tools_json's): with whole_conversation the conversation's, else none (the
-    agent's own) or the agent's. `sampling`: SamplingParams' fields (max_tokens,
-    temperature, top_p, top_k, stop, seed)."""
+    agent's own) or the agent's; `max_tool_calls` (not 0) ends the reply after that many
+    calls. `sampling`: SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop,
+    seed)."""
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,
@@ -145,6 +158,7 @@ def turn_request(
         whole_conversation=whole_conversation,
         request_id=request_id,
         tools=tools_json(tools),
+        max_tool_calls=max_tool_calls,
     )
 
 

@@ -278,6 +278,7 @@ class Gateway:
         """The agent's turn, made first when it does not exist (a spare never does)."""
         memory = agent.memory
         options = {"whole_conversation": True, "tools": call.tools, **call.sampling}
+        options["max_tool_calls"] = call.max_tool_calls
         if agent not in self.spares:
             with contextlib.suppress(AgentNotFound):
                 return Turn(await agent.say(call.messages, **options))

@@ -134,6 +134,7 @@ class ChatCall:
     # they name a group of requests and an end user, never one conversation.
     scope: tuple[str, ...] = ()
     tools: str = ""  # the function tools as compact JSON, keys sorted; "" for none
+    max_tool_calls: int = 0  # 1 for parallel_tool_calls false: the reply ends after one
 
     @property
     def system(self) -> str:
@@ -184,6 +185,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         _sampling(body, default_max_tokens),
         scope=tuple(_typed(body, name, str, "") or "" for name in SCOPE),
         tools=_tools(body),
+        max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
     )
     return call
 
@@ -249,7 +251,7 @@ def _message(message: Any, where: str) -> dict[str, Any]:
         )
     calls, content = message.get("tool_calls"), message.get("content")
     out: dict[str, Any] = {"role": ROLES[role]}
-    if calls is not None and role != "assistant":
+    if calls and role != "assistant":  # [] is none, as null
         raise invalid(f"{where}: only an assistant message has tool_calls", f"{where}.tool_calls")
     if calls:  # [] is none
         out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
@@ -339,8 +341,8 @@ def _text(content: Any, where: str) -> str:
 
 def _tools(body: dict) -> str:
     """The request's function tools as compact JSON, keys sorted (the worker's canonical
-    form), "" for none; tool_choice "auto" only, parallel_tool_calls taken as given."""
-    _typed(body, "parallel_tool_calls", bool, None)  # the model decides anyway
+    form), "" for none; tool_choice "auto" only (the model decides whether to call)."""
+    _typed(body, "parallel_tool_calls", bool, None)
     choice = body.get("tool_choice")
     if choice not in (None, "auto"):
         known = choice in ("none", "required") or isinstance(choice, dict)

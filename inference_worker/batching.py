@@ -215,7 +215,7 @@ class Batcher:
         turn.detok.add_token(token)
         text, stopped = turn.stops.feed(turn.detok.last_segment)
         self._send(turn, text, [token])
-        return "stop" if stopped else ""
+        return "stop" if stopped or (turn.calls is not None and turn.calls.full) else ""
 
     @staticmethod
     def _rest(turn: ActiveTurn) -> str:

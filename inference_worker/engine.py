@@ -283,7 +283,8 @@ class Engine:
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
-        turn.calls = self.chat.reply_calls(chat.tools) if max_tokens else None
+        calls = self.chat.reply_calls(chat.tools, job.max_tool_calls)
+        turn.calls = calls if max_tokens else None
         return turn, tokens, chat
 
     def _turn(

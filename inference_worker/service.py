@@ -56,6 +56,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         )
         job = self._job(request, checked)
         job.tools = canonical_tools(request.tools)
+        job.max_tool_calls = request.max_tool_calls
         self.engine.chat.check_tools(job.tools, job.messages)
         job.whole_conversation = request.whole_conversation
         job.request_id = _request_id(request)

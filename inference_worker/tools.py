@@ -116,6 +116,7 @@ class ReplyCalls:
 
     format: ToolFormat
     tools: list[dict]
+    limit: int = 0  # the reply ends after this many calls; 0: no limit
     calls: list[ToolCall] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)  # the text that went out as text
     _held: str = ""
@@ -158,6 +159,11 @@ class ReplyCalls:
         self.calls += made
         self.sent.append(out)
         return out, made
+
+    @property
+    def full(self) -> bool:
+        """Whether the reply made as many calls as it may."""
+        return 0 < self.limit <= len(self.calls)
 
     @property
     def text(self) -> str:

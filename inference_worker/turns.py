@@ -53,6 +53,7 @@ class TurnJob:
     request_id: str = ""  # a turn's or an injection's idempotency key
     creates: bool = False  # a new agent's system prompt (Engine.create_agent)
     tools: str = ""  # the tools (tools.canonical_tools): the agent's, or the conversation's
+    max_tool_calls: int = 0  # the reply ends after this many calls; 0: no limit
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started

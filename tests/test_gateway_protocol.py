@@ -197,6 +197,11 @@ LOOP = [
 
 def test_function_tools_are_sent_as_compact_json_with_sorted_keys():
     call = parsed(tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    assert call.max_tool_calls == 1  # the worker ends the reply after one call
+    assert parsed(tools=[WEATHER], parallel_tool_calls=True).max_tool_calls == 0
+    assert parsed(tools=[WEATHER]).max_tool_calls == 0
+    user = parsed(messages=[{"role": "user", "content": "hi", "tool_calls": []}]).messages
+    assert user == [{"role": "user", "content": "hi"}]  # [] is no calls, as null
     assert call.tools == json.dumps([WEATHER], sort_keys=True, separators=(",", ":"))
     assert json.loads(call.tools) == [WEATHER]
     reordered = {"function": dict(reversed(WEATHER["function"].items())), "type": "function"}

@@ -305,3 +305,22 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_and_resumes_warm(stack):
     cached = second.raw_responses[0].usage.input_tokens_details.cached_tokens
     assert cached >= usage.input_tokens + usage.output_tokens - 1  # its call and result too
     assert second.final_output == first.final_output and ran[1] == ran[0]
+
+
+def test_the_sdk_takes_the_openai_clients_message_objects_and_the_developer_role():
+    from openai.types.chat import ChatCompletionMessage
+
+    call = {"id": "abc123XYZ", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    said = ChatCompletionMessage.model_validate(
+        {"role": "assistant", "content": None, "tool_calls": [call]}
+    )
+    messages = as_messages([{"role": "developer", "content": SYSTEM}, said])
+    assert [m.role for m in messages] == ["system", "assistant"]
+    assert messages[1].tool_calls == [
+        pb.ToolCall(id="abc123XYZ", name="get_weather", arguments='{"city": "Paris"}')
+    ]
+    as_dicts = as_messages([{"role": "assistant", "content": None, "tool_calls": said.tool_calls}])
+    assert as_dicts[0].tool_calls == messages[1].tool_calls  # the call objects alone too
+    with pytest.raises(InvalidArgument):
+        as_messages([{"role": "assistant", "tool_calls": [object()]}])

@@ -108,6 +108,19 @@ def test_the_conversation_goes_on_from_the_call_warm_and_as_rendered(stub, tool_
     assert [c.name for c in again] == [TOOL_CALL["name"]]
 
 
+def test_a_reply_may_end_at_its_first_call_and_the_conversation_goes_on_from_it(stub):
+    _create(stub, "k")
+    ask = [pb.Message(role="system", content=SYSTEM), pb.Message(role="user", content="Paris?")]
+    _, ids, calls, usage = _turn(stub, "k", ask, whole_conversation=True, max_tool_calls=1)
+    assert len(calls) == 1 and usage.finish_reason == "tool_calls"
+    assert usage.generated_tokens == len(ids) == 3  # ended at </tool_call>, before its EOS
+    said = pb.Message(role="assistant", content="", tool_calls=calls)
+    result = pb.Message(role="tool", content="21", tool_call_id=calls[0].id)
+    _, _, _, again = _turn(stub, "k", [*ask, said, result], whole_conversation=True)
+    assert again.cache_state == "hot"
+    assert again.reused_hot_tokens == usage.prompt_tokens + usage.generated_tokens - 1
+
+
 def test_an_agent_keeps_its_tools_through_the_store(stub, tool_model):
     _create(stub, "c")
     _, _, calls, _ = _turn(stub, "c", [pb.Message(role="user", content="Paris?")], tools=())

@@ -78,7 +78,7 @@ class CreateAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools", "max_tool_calls")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class TurnRequest(_message.Message):
     WHOLE_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -101,7 +102,8 @@ class TurnRequest(_message.Message):
     whole_conversation: bool
     request_id: str
     tools: str
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
+    max_tool_calls: int
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ..., max_tool_calls: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("text", "token_ids")
