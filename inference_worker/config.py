@@ -31,6 +31,12 @@ class WorkerConfig(ServerConfig):
         "own 4/8-bit layers); auto: float32 on CPU, native on a GPU",
         choices=GGUF_WEIGHTS,
     )
+    chat_template: str = flag(
+        "",
+        "a chat template (Jinja) to use instead of the model's own: a file of it, or a "
+        "tokenizer_config.json holding one (its tool-call format is inferred from it)",
+        shown="the model's",
+    )
     kv: KVFormat = nested(KVFormat)
     block_tokens: int = flag(256, "tokens per stored block (a multiple of 16)")
     prefill_chunk: int = flag(512, "tokens per prefill chunk")

@@ -33,12 +33,17 @@ def _hash_file(digest: xxhash.xxh3_128, path: Path) -> None:
             digest.update(chunk)
 
 
-def model_fingerprint(model_dir: Path, fmt: KVFormat, block_tokens: int, dtype: str = "") -> str:
+def model_fingerprint(
+    model_dir: Path, fmt: KVFormat, block_tokens: int, dtype: str = "", template: str = ""
+) -> str:
     """e.g. "llama-5f0c...:k4v4g64f16:b256" (at most 128 characters, store-safe). `dtype`, the
-    dtype the weights are cast to ("" if none), is hashed too: it changes the KV computed."""
+    dtype the weights are cast to ("" if none), is hashed too: it changes the KV computed;
+    so is a chat template used instead of the model's (`template`): it renders the tokens."""
     digest = xxhash.xxh3_128()
     if dtype:
         digest.update(f"dtype:{dtype}\0".encode())
+    if template:
+        digest.update(f"chat_template:{template}\0".encode())
     config = json.loads((model_dir / "config.json").read_text())
     digest.update(json.dumps(config, sort_keys=True).encode())
     for name in TOKENIZER_FILES:

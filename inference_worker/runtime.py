@@ -163,9 +163,11 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
     restore_path = config.restore_path  # auto: locate when the store is on this host
     if restore_path == "auto":
         restore_path = "locate" if is_loopback(config.store) else "stream"
+    template = read_template(config.chat_template)
     mlx = MLXThread()
     try:
-        model, tokenizer, layers, num_logits = mlx.submit(load_model, path, dtype).result()
+        loading = mlx.submit(load_model, path, dtype, template)
+        model, tokenizer, layers, num_logits = loading.result()
         config.kv.check_fits(layers)
     except ValueError as exc:  # as a model that does not run here: one line, not a trace
         mlx.close()
@@ -181,7 +183,7 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
         device,
         dtype,
         path,
-        model_fingerprint(path, config.kv, config.block_tokens, dtype),
+        model_fingerprint(path, config.kv, config.block_tokens, dtype, template),
         int(model_config.get("max_position_embeddings") or 1 << 17),
         config.quantized_query_max or (1 if device == "cpu" else 32),
         restore_path,
@@ -195,10 +197,29 @@ def resolve_runtime(config: WorkerConfig) -> Runtime:
     )
 
 
-def load_model(path: Path, dtype: str) -> tuple[Any, Any, tuple[LayerSpec, ...], int]:
-    """The model and its tokenizer, loaded on this thread (the MLX thread) and cast to
-    `dtype` ("": as stored), with each layer's spec and the vocabulary size."""
-    model, tokenizer = load(str(path))
+def read_template(path: str) -> str:
+    """The chat template in a file (Jinja), or in a tokenizer_config.json's chat_template;
+    "" for none. RuntimeError, one line, for a file that holds none."""
+    if not path:
+        return ""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        if path.endswith(".json"):
+            text = json.loads(text)["chat_template"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"--chat-template {path}: no chat template read: {exc!r}") from None
+    if not isinstance(text, str) or not text.strip():
+        raise RuntimeError(f"--chat-template {path}: the chat template is empty or not a text")
+    return text
+
+
+def load_model(
+    path: Path, dtype: str, template: str = ""
+) -> tuple[Any, Any, tuple[LayerSpec, ...], int]:
+    """The model and its tokenizer (with `template` as its chat template, when given),
+    loaded on this thread (the MLX thread) and cast to `dtype` ("": as stored), with each
+    layer's spec and the vocabulary size."""
+    model, tokenizer = load(str(path), {"chat_template": template} if template else None)
     if dtype:
         model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
     try:  # one probe token through the model: also proves it runs here

@@ -6,6 +6,8 @@ Qwen 2.5's template, answering every conversation with TOOL_CALL by greedy decod
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.tools import ReplyCalls, ToolFormat
-from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tool_model
+from tests.model_kit import QWEN25_CHAT_TEMPLATE, TOOL_CALL, WEATHER_TOOL, build_tool_model
 
 NS = "tools"
 WEATHER = WEATHER_TOOL
@@ -299,3 +301,55 @@ def test_text_that_only_looks_like_a_marker_start_is_sent_once_it_is_not_one():
     calls = ReplyCalls(JSON_FORMAT, [])
     assert calls.feed("x <tool") == ("x ", [])
     assert calls.feed("box") == ("<toolbox", [])
+
+
+def test_a_chat_template_given_to_a_worker_replaces_the_model_s_own(
+    start_worker, tiny_model_dirs, tmp_path
+):
+    """--chat-template: the tiny llama (whose own template has no tools) with Qwen 2.5's,
+    from its tokenizer_config.json: its tool-call format is inferred, its turns render with
+    it, and its fingerprint is another model's (the tokens differ)."""
+    from transformers import AutoTokenizer
+
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": QWEN25_CHAT_TEMPLATE}))
+    model, tools = tiny_model_dirs["llama"], json.dumps([WEATHER])
+    plain = start_worker(model, name="plain")
+    templated = start_worker(model, "--chat-template", str(config), name="templated")
+    infos = []
+    for worker in (plain, templated):
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.InferenceWorkerStub(channel)
+            infos.append(stub.GetWorkerInfo(pb.GetWorkerInfoRequest()))
+            if worker is templated:
+                stub.CreateAgent(pb.CreateAgentRequest(namespace=NS, agent_id="t", tools=tools))
+                say = [pb.Message(role="user", content="Paris?")]
+                _, _, _, usage = _turn(stub, "t", say, whole_conversation=True)
+    assert (infos[0].tool_parser, infos[1].tool_parser) == ("", "json_tools")
+    assert infos[0].fingerprint != infos[1].fingerprint
+    ids = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+        [{"role": "user", "content": "Paris?"}],
+        tools=[WEATHER],
+        chat_template=QWEN25_CHAT_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert usage.prompt_tokens == len(ids)
+
+
+def test_a_chat_template_file_that_holds_none_stops_the_worker_in_one_line(
+    tiny_model_dirs, tmp_path
+):
+    empty = tmp_path / "tokenizer_config.json"
+    empty.write_text("{}")
+    for path, words in ((tmp_path / "missing.jinja", "No such file"), (empty, "KeyError")):
+        done = subprocess.run(
+            [sys.executable, "-m", "inference_worker", "--model", str(tiny_model_dirs["llama"]),
+             "--store", "127.0.0.1:1", "--chat-template", str(path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip().splitlines()[-1]  # after the log's JSON line
+        assert line.startswith("agentkv-worker: error: --chat-template") and words in line
+        assert "Traceback" not in done.stderr
