@@ -38,7 +38,7 @@ import yaml
 
 from agentkv.client.memory import AgentMemory
 from agentkv.client.workflow import Record, Role, Workflow
-from agentkv.errors import InvalidArgument
+from agentkv.errors import AgentKVError, InvalidArgument, OutOfRange
 from agentkv.ids import (
     AGENT_ID_RE,
     MAX_PHASE,
@@ -254,6 +254,7 @@ def run_scenario(
     scenario's). With `reset`, agents left by an earlier run are deleted first. Pass a
     `workflow` to go on with one that ran before."""
     if workflow is None:
+        check_fits(scenario, memory)
         workflow = Workflow(
             memory, scenario.roles, mode=mode, sampling=scenario.sampling, on_record=on_record
         )
@@ -268,6 +269,33 @@ def run_scenario(
                 extra = {} if turn.max_tokens is None else {"max_tokens": turn.max_tokens}
                 phase.say(turn.agent, turn.say, **extra)
     return workflow
+
+
+def check_fits(scenario: Scenario, memory: AgentMemory) -> None:
+    """Refuses, before anything is reset, a max_tokens that no context of a worker's model
+    could hold (it would fail mid-run, the earlier run's agents deleted). A worker that
+    does not answer is passed by: routing finds another."""
+    asked = [
+        (t.max_tokens, f"phase {phase.name!r}, turn {i + 1} ({t.agent})")
+        for phase in scenario.phases
+        for i, t in enumerate(phase.turns)
+        if t.max_tokens
+    ]
+    if scenario.sampling.get("max_tokens"):
+        asked.append((scenario.sampling["max_tokens"], "sampling.max_tokens"))
+    if not asked:
+        return
+    most, where = max(asked)
+    for address, worker in memory.workers.items():
+        try:
+            context = worker.info().max_context
+        except AgentKVError:
+            continue
+        if most >= context:
+            raise OutOfRange(
+                f"{scenario.name}: {where} asks for up to {most} tokens; the model of worker "
+                f"{address} holds {context} tokens of context in all, prompt included"
+            )
 
 
 def _role(check: _Checker, item: Any, where: str, document_chars: int | None) -> Role:

@@ -39,9 +39,9 @@ class Server(uvicorn.Server):
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
         facts = {"address": address, "workers": self.gateway.workers, "store": self.gateway.store}
-        log.info("serving", extra=facts)
-        if self.gateway.address_file:
+        if self.gateway.address_file:  # before "serving", as the services write theirs
             write_atomically(Path(self.gateway.address_file), json.dumps({"address": address}))
+        log.info("serving", extra=facts)
 
     async def shutdown(self, sockets=None) -> None:
         log.info("stopping")

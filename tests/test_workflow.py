@@ -620,6 +620,26 @@ def test_cli_runs_a_scenario_and_lists_agents(
         timeout=60,
     )
     assert bad.returncode == 2 and "cannot read" in bad.stderr
+    # A max_tokens past the model's context (4,096) is refused before the reset, in a line.
+    scenario.write_text(
+        scenario.read_text().replace("say: Go on.}", "say: Go on., max_tokens: 5000}")
+    )
+    long = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "run", str(scenario), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert long.returncode == 2 and "Traceback" not in long.stderr
+    assert "phase 'two', turn 1 (a) asks for up to 5000 tokens" in long.stderr
+    assert "holds 4096 tokens of context" in long.stderr
+    again = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "agents", "-n", "tiny", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert sorted(line.split()[0] for line in again.stdout.splitlines()[2:]) == ["a", "b"]
 
 
 @pytest.mark.timeout(1200)  # over pytest's 300 s default: the demo runs SmolLM2
