@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import uuid
@@ -37,7 +38,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentkv.auth import Principal, TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
-from agentkv.errors import AgentExists, AgentKVError, AgentNotFound, FailedPrecondition
+from agentkv.errors import (
+    AgentExists,
+    AgentKVError,
+    AgentNotFound,
+    FailedPrecondition,
+    FingerprintMismatch,
+)
 from agentkv.gateway.config import GatewayConfig
 from agentkv.gateway.protocol import (
     ChatCall,
@@ -82,6 +89,7 @@ class Gateway:
         )
         self.memory: AsyncAgentMemory | None = None
         self.model_id = config.model_name
+        self.fingerprint = ""  # the workers' model's, once asked (_info)
         # Spare agents are made for one turn alone: nothing reaches them once it ends.
         self.spares: set[AsyncAgent] = set()  # made, their deletion not yet begun
         self.deletions: set[asyncio.Task] = set()  # of spare agents, under way
@@ -247,16 +255,20 @@ class Gateway:
     async def _model(self) -> str:
         """The served model's id: --model-name, else the first worker's model."""
         if not self.model_id:
-            for worker in self.memory.workers.values():
-                try:
-                    info = await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
-                except (AgentKVError, asyncio.TimeoutError):
-                    continue
-                self.model_id = model_id(info.model)
-                break
-            else:
-                raise HTTPError(503, "no worker answers", "service_unavailable", code="unavailable")
+            self.model_id = model_id((await self._info()).model)
         return self.model_id
+
+    async def _info(self) -> Any:
+        """The first worker's GetWorkerInfo that answers; 503 when none does. Its
+        fingerprint is kept."""
+        for worker in self.memory.workers.values():
+            try:
+                info = await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
+            except (AgentKVError, asyncio.TimeoutError):
+                continue
+            self.fingerprint = info.fingerprint
+            return info
+        raise HTTPError(503, "no worker answers", "service_unavailable", code="unavailable")
 
     async def _start(
         self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
@@ -268,11 +280,22 @@ class Gateway:
         while True:
             try:
                 return await self._say(agent, call)
+            except FingerprintMismatch:  # another model's gateway made it, on the same store
+                if not anonymous or agent.id != agent_id:
+                    raise
+                agent = AsyncAgent(memory, f"{agent_id}-{await self._model_key()}")
+                continue
             except FailedPrecondition as exc:
                 if not anonymous or "in progress" not in exc.message:
                     raise
             agent = AsyncAgent(memory, f"{agent_id}-{uuid.uuid4().hex[:8]}")
             self.spares.add(agent)  # before it exists: a stop meanwhile deletes it too
+
+    async def _model_key(self) -> str:
+        """A short hash of the workers' model fingerprint: what tells this model's anonymous
+        agents from another's made for the same conversation."""
+        fingerprint = self.fingerprint or (await self._info()).fingerprint
+        return hashlib.blake2b(fingerprint.encode(), digest_size=4).hexdigest()
 
     async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
         """The agent's turn, made first when it does not exist (a spare never does)."""

@@ -816,3 +816,27 @@ def test_no_worker_is_a_503(stack):
         assert raw(gateway.address, "GET", "/health").status == 503
     finally:
         gateway.stop()
+
+
+def test_an_anonymous_conversation_sent_to_gateways_of_two_models_gets_an_agent_each(stack):
+    """Two gateways on one store and namespace serving other models (here the same weights
+    stored in other blocks: another fingerprint): an anonymous conversation sent to both
+    finds its own agent on each, not a 409 for the other model's."""
+    other = worker_process(
+        str(stack.model), stack.store.address, stack.root / "other.log",
+        extra_args=["--block-tokens", "128"],
+    ).start()  # fmt: skip
+    gateway = stack.start_gateway([other.address], name="other-model")
+    try:
+        messages = [{"role": "user", "content": "Name three rivers. (two models)"}]
+        first = ask(stack.client(), messages)
+        own = first.agentkv["agent_id"]
+        stack.sdk.wait_durable("default", own)  # in the store, where the other model meets it
+        second = ask(stack.client(gateway), messages)
+        theirs = second.agentkv["agent_id"]
+        assert own.startswith("anon-") and theirs.startswith(f"{own}-") and theirs != own
+        assert ask(stack.client(gateway), messages).agentkv["agent_id"] == theirs
+        assert ask(stack.client(), messages).agentkv["agent_id"] == own
+    finally:
+        gateway.stop()
+        other.stop()
