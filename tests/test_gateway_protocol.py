@@ -8,6 +8,8 @@ import json
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentkv import errors
 from agentkv.gateway.protocol import (
@@ -367,3 +369,81 @@ def test_a_reply_that_calls_tools_is_written_as_openais():
                ("stop", "length", "tool_calls", "cancelled", "deadline", "none")}  # fmt: skip
     assert reasons == {"stop": "stop", "length": "length", "tool_calls": "tool_calls",
                        "cancelled": "stop", "deadline": "stop", "none": "stop"}  # fmt: skip
+
+
+# Any JSON body, near OpenAI's shapes: a ChatCall or a 400, never another exception (which
+# the gateway would answer as a 500). Each body is a valid tool loop with up to 3 of its values
+# replaced by random JSON, or dropped.
+
+JSON_LEAF = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+    st.sampled_from(["", "user", "assistant", "tool", "function", "get_weather", "auto", "\ud800"]),
+    st.text(max_size=12),
+)  # fmt: skip
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+LOOP = {
+    "model": "m",
+    "messages": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "abc123XYZ", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "abc123XYZ", "content": "21"},
+    ],
+    "tools": [WEATHER],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_tokens": 9,
+    "stop": ["END"],
+}  # fmt: skip
+
+
+def _places(value, path=()):
+    """Every path to a value inside `value`."""
+    yield path
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, inner in items:
+        yield from _places(inner, (*path, key))
+
+
+@st.composite
+def bodies(draw):
+    body = json.loads(json.dumps(LOOP))
+    for _ in range(draw(st.integers(0, 3))):
+        path = draw(st.sampled_from(list(_places(body))[1:]))
+        *above, last = path
+        parent = body
+        for key in above:
+            parent = parent[key]
+        if draw(st.booleans()) and isinstance(parent, dict):
+            del parent[last]
+        else:
+            parent[last] = draw(JSON)
+    return body
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(bodies())
+def test_any_body_is_a_chat_call_or_a_400(body):
+    try:
+        call = parse_chat(body, default_max_tokens=64)
+    except HTTPError as exc:
+        assert exc.status == 400
+        return
+    call.anonymous_id()  # what a call without identity is named by
+    assert isinstance(call.tools, str) and call.messages
