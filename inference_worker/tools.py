@@ -37,7 +37,7 @@ class ToolCall:
     def template(self) -> dict:
         """The call as chat templates read it (arguments as an object, as HF's convention)."""
         try:
-            arguments: Any = json.loads(self.arguments)
+            arguments: Any = loads(self.arguments)
         except ValueError:
             arguments = self.arguments
         function = {"name": self.name, "arguments": arguments}
@@ -65,7 +65,7 @@ def canonical_tools(text: str) -> str:
     if not text.strip():
         return ""
     try:
-        tools = json.loads(text)
+        tools = loads(text)
     except ValueError as exc:
         raise InvalidArgument(f"tools is not JSON: {exc}") from None
     if not isinstance(tools, list):
@@ -86,9 +86,18 @@ def canonical_tools(text: str) -> str:
 
 def _canonical(arguments: str) -> str:
     try:
-        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+        return json.dumps(loads(arguments), sort_keys=True, separators=(",", ":"))
     except ValueError:
         return arguments
+
+
+def loads(text: str) -> Any:
+    """json.loads, with a nesting too deep for Python's parser a ValueError too (a caller's
+    JSON, not a bug of ours)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 @dataclass(frozen=True, slots=True)

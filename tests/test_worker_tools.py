@@ -220,6 +220,26 @@ def test_new_tools_that_leave_no_room_in_the_agent_s_metadata_are_refused(stub):
     assert usage.generated_tokens  # the agent still saves
 
 
+def test_json_nested_too_deeply_is_the_caller_s_error_not_the_worker_s(stub):
+    """Python's JSON parser gives up past ~1,000 levels (RecursionError): tools so deep are
+    refused, and a resent call's arguments so deep are rendered as the text they are."""
+    deep = "[" * 1500 + "]" * 1500
+    say = [pb.Message(role="user", content="Paris?")]
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(stub, "n", say, tools=deep)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tools is not JSON: JSON nested too deeply" in caught.value.details()
+    _create(stub, "n")
+    call = pb.ToolCall(id="abc123XYZ", name="get_weather", arguments=deep)
+    said = pb.Message(role="assistant", content="", tool_calls=[call])
+    result = pb.Message(role="tool", content="21", tool_call_id="abc123XYZ")
+    try:
+        _, _, calls, _ = _turn(stub, "n", [*say, said, result], whole_conversation=True)
+        assert len(calls) == 1
+    except grpc.RpcError as exc:  # the text may not fit the tiny model's context
+        assert exc.code() == grpc.StatusCode.OUT_OF_RANGE, exc.details()
+
+
 def _turn_fields(stub, agent_id: str, messages, **fields):
     request = pb.TurnRequest(
         namespace=NS, agent_id=agent_id, messages=messages, tools=json.dumps([WEATHER]), **fields
