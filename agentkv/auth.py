@@ -90,7 +90,7 @@ class TokenTable:
         server could not honour as written."""
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ValueError(f"auth tokens file {path}: {exc}") from None
         items = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(items, list) or not items:

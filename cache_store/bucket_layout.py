@@ -99,7 +99,7 @@ def read_manifest(body: bytes, metadata: dict[str, str], namespace: str, agent_i
             and all(int(b["num_bytes"]) >= 0 and int(b["xxh3"], 16) >= 0 for b in m["blocks"])
         )
         manifest_record(m)  # every field the record takes, of its type
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptRecord(f"{where} does not decode: {exc!r}") from exc
     if not ok:
         raise CorruptRecord(f"{where} names another agent or format")
@@ -148,7 +148,7 @@ def parse_payload(
         specs = [(name, e["dtype"], e["shape"]) for name, e in entries]
         offsets = [tuple(e["data_offsets"]) for _, e in entries]
         claimed = tuple(meta.get(k) for k in ("key", "fingerprint", "namespace", "num_tokens"))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptBlock(f"{where} has no readable header") from exc
     if claimed != (base.key.hex(), base.fingerprint, base.namespace, str(len(base.token_ids))):
         raise CorruptBlock(f"{where} names another block")

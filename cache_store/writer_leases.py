@@ -233,5 +233,5 @@ def _lease_fields(body: bytes) -> tuple[str, int]:
     try:
         d = json.loads(body)
         return str(d["store"]), int(d["expires_unix_ms"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return "", 0

@@ -206,7 +206,7 @@ def read_template(path: str) -> str:
         text = Path(path).read_text(encoding="utf-8")
         if path.endswith(".json"):
             text = json.loads(text)["chat_template"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise RuntimeError(f"--chat-template {path}: no chat template read: {exc!r}") from None
     if not isinstance(text, str) or not text.strip():
         raise RuntimeError(f"--chat-template {path}: the chat template is empty or not a text")

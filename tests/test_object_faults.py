@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import lmdb
+import pytest
 import xxhash
 
 from cache_store.records import encode_uploaded_id
@@ -308,3 +309,21 @@ def test_a_lease_renewal_retried_across_a_frozen_bucket_is_not_a_lost_lease(buck
         store.stop()
         front.close()
         weed.stop(kill=True)
+
+
+def test_json_nested_too_deeply_in_the_bucket_is_corrupt_not_a_crash():
+    """Python's JSON parser gives up past ~1,000 levels (RecursionError): a manifest, a
+    block's header or a lease object written so deep into the bucket is corrupt (DATA_LOSS,
+    a re-prefill) or an expired lease, never an INTERNAL error or a dead thread."""
+    from agentkv.errors import CorruptBlock, CorruptRecord
+    from cache_store.bucket_layout import parse_payload, read_manifest, xxh3
+    from cache_store.records import BlockRecord
+    from cache_store.writer_leases import _lease_fields
+
+    deep = b"[" * 5000 + b"]" * 5000
+    with pytest.raises(CorruptRecord, match="does not decode"):
+        read_manifest(deep, {"agentkv-xxh3": xxh3(deep)}, "ns", "a")
+    base = BlockRecord("ns", b"k" * 16, b"", "fp", [1], [], [], 0, "x", 0)
+    with pytest.raises(CorruptBlock, match="no readable header"):
+        parse_payload(len(deep).to_bytes(8, "little") + deep, base, 1 << 20)
+    assert _lease_fields(deep) == ("", 0)

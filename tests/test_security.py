@@ -203,6 +203,9 @@ def test_token_tables_and_safe_defaults_are_checked(tmp_path):
         (tmp_path / "t.json").write_text(json.dumps(body))
         with pytest.raises(ValueError, match=message):
             TokenTable.load(tmp_path / "t.json")
+    (tmp_path / "t.json").write_text('{"tokens": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"auth tokens file .*t\.json: maximum recursion"):
+        TokenTable.load(tmp_path / "t.json")  # nested too deeply: one line, no traceback
     with pytest.raises(ValueError, match="needs --auth-tokens"):
         ServerSecurity().check("0.0.0.0:50051", loopback=False)
     ServerSecurity(allow_unauthenticated=True).check("0.0.0.0:50051", loopback=False)
