@@ -213,7 +213,8 @@ class ChatFormat:
             raise InvalidArgument(
                 "this model has no tool-call format mlx-lm knows (none is inferred from its "
                 "chat template), or its template renders tools anew with each user message: "
-                "tools, tool calls and tool results are refused"
+                "tools, tool calls and tool results are refused (a worker started with "
+                "--chat-template FILE uses a template that has one)"
             )
 
     def _tools_stay_put(self) -> bool:

@@ -387,7 +387,7 @@ JSON = st.recursive(
     ),
     max_leaves=8,
 )
-LOOP = {
+FUZZED_LOOP = {
     "model": "m",
     "messages": [
         {"role": "system", "content": "Use tools."},
@@ -423,7 +423,7 @@ def _places(value, path=()):
 
 @st.composite
 def bodies(draw):
-    body = json.loads(json.dumps(LOOP))
+    body = json.loads(json.dumps(FUZZED_LOOP))
     for _ in range(draw(st.integers(0, 3))):
         path = draw(st.sampled_from(list(_places(body))[1:]))
         *above, last = path

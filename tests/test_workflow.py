@@ -71,6 +71,8 @@ class FakeReply:
 
 
 class FakeMemory:
+    workers: dict = {}  # none to ask what context they hold (scenario.check_fits)
+
     def __init__(self) -> None:
         self.log: list = []
 
