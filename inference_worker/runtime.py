@@ -27,7 +27,6 @@ from inference_worker.fingerprint import model_fingerprint
 from inference_worker.layer_spec import model_layers
 from inference_worker.models import resolve_model
 from inference_worker.sampling import vocab_size
-from inference_worker.tools import ToolFormat
 
 log = logging.getLogger("agentkv.worker")
 TICK_SECONDS = 2.0  # the longest the MLX thread waits for a job before its tick runs
@@ -148,7 +147,6 @@ class Runtime:
             "device": self.device,
             "dtype": self.dtype or "as stored",
             "blas": blas or "reference",
-            "tool_parser": tools.name if (tools := ToolFormat.of(self.tokenizer)) else "",
         }
 
 

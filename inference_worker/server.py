@@ -28,7 +28,10 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
     metrics = WorkerMetrics()
     store = StoreClient(config.store, timeout=config.store_timeout, security=config.store_security)
     engine = Engine(config, runtime, store, metrics)
-    info = runtime.info(config, blas)
+    # The tool-call format turns use (ChatFormat's: none where its template renders tools
+    # anew with each user message, whatever mlx-lm infers).
+    tools = engine.chat.tool_format
+    info = {**runtime.info(config, blas), "tool_parser": tools.name if tools else ""}
     servicer = InferenceWorkerServicer(Front(engine, config.store_check_timeout), info)
     service = worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"]
     served = bind_service(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -356,6 +357,21 @@ def test_a_chat_template_given_to_a_worker_replaces_the_model_s_own(
         return_dict=False,
     )
     assert usage.prompt_tokens == len(ids)
+
+
+def test_a_worker_names_no_tool_format_where_its_template_renders_tools_anew(
+    start_worker, tiny_model_dirs
+):
+    """Mistral v0.3's template: mlx-lm infers its parser, but the tools come back before
+    each user message, so the worker refuses tools, and says it has no tool format."""
+    fixture = Path(__file__).parent / "fixtures" / "chat_templates" / "mistral.json"
+    worker = start_worker(tiny_model_dirs["llama"], "--chat-template", str(fixture))
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.InferenceWorkerStub(channel)
+        assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest()).tool_parser == ""
+        with pytest.raises(grpc.RpcError) as caught:
+            _turn(stub, "m", [pb.Message(role="user", content="hi")])
+    assert "no tool-call format" in caught.value.details()
 
 
 def test_a_chat_template_file_that_holds_none_stops_the_worker_in_one_line(
