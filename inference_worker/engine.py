@@ -53,7 +53,6 @@ from inference_worker.persistence import (
     Persister,
     caller_metadata,
     check_metadata,
-    check_system,
     not_committed,
     turn_not_durable,
 )
@@ -181,9 +180,15 @@ class Engine:
     # agents (each runs on the MLX thread)
 
     def create_agent(
-        self, job: TurnJob, system: str, metadata: dict[str, str], shared: Fetched | None = None
+        self,
+        job: TurnJob,
+        system: str,
+        metadata: dict[str, str],
+        start: tuple[list[int], ChatState],
+        shared: Fetched | None = None,
     ) -> None:
-        """Starts a new agent (ids and metadata checked by the caller): its system prompt is
+        """Starts a new agent (ids, metadata and system prompt checked by the caller, which
+        rendered its stable prefix: `start`, ChatFormat.start's): its system prompt is
         prefilled after the blocks of `shared` (Restorer.fetch_prefix: the same prefix,
         stored) as a turn of its own, scheduled in chunks between the others' steps and
         within the hot budget; its usage and END arrive on job.events.
@@ -202,8 +207,7 @@ class Engine:
             return
         if hot is not None:  # the RPC thread asked the store
             raise agent_exists(ns, agent_id, hot.metadata, system, job.tools)
-        check_system(system)
-        tokens, chat = self.chat.start(system, job.tools)
+        tokens, chat = start
         caches = self.restorer.empty_caches()
         agent = Agent(ns, agent_id, tokens, caches, phase=job.phase, metadata=metadata, chat=chat)
         agent.check_context(0, self.runtime.max_context)

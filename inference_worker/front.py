@@ -44,9 +44,10 @@ class Front:
         check_system(system)
         made = {**metadata, SYSTEM_KEY: system_digest(system, job.tools)}
         metadata = check_metadata(made, system, job.tools)
-        prefix = self.engine.chat.start(system, job.tools)[0]  # refuses tools it cannot call
-        shared = self.engine.restorer.fetch_prefix(ns, prefix)
-        self._mlx(self.engine.create_agent, job, system, metadata, shared)
+        # Rendered here, not on the MLX thread; it refuses tools the model cannot call.
+        start = self.engine.chat.start(system, job.tools)
+        shared = self.engine.restorer.fetch_prefix(ns, start[0])
+        self._mlx(self.engine.create_agent, job, system, metadata, start, shared)
 
     def start_turn(self, job: TurnJob) -> None:
         """Queues the turn (Engine.start_turn); raises what refused it. The store is asked

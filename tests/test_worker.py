@@ -96,7 +96,8 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
     engine = Engine(config, resolve_runtime(config), client, WorkerMetrics())
     try:
         create = TurnJob("default", "a", [], Sampling(max_tokens=0), creates=True)
-        engine.submit(engine.create_agent, create, SYSTEM, {}).result()
+        start = engine.chat.start(SYSTEM)  # the stable prefix, as Front renders it
+        engine.submit(engine.create_agent, create, SYSTEM, {}, start).result()
         job = TurnJob("default", "a", [ChatMessage(*Q1[0])], Sampling(max_tokens=0))
         engine.submit(engine.start_turn, job).result()
         for started in (create, job):
