@@ -195,9 +195,12 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
 
 
 @contextmanager
-def typed_errors() -> Iterator[None]:
-    """A gRPC error raised inside leaves as its agentkv class (from_rpc_error)."""
+def typed_errors(peer: str = "") -> Iterator[None]:
+    """A gRPC error raised inside leaves as its agentkv class (from_rpc_error), saying which
+    kind of server it came from (`peer`, e.g. "store"), when given."""
     try:
         yield
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
+        error = from_rpc_error(exc)
+        error.peer = peer or error.peer
+        raise error from None

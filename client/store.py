@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-import grpc
+from typing import Any
 
 from agentkv import wire
 from agentkv.channels import ClientSecurity
@@ -29,14 +27,12 @@ from agentkv.errors import (
     ReplyTooLarge,
     ResourceExhausted,
     Unavailable,
-    from_rpc_error,
     typed_errors,
 )
 from agentkv.rpc import message_options
 from agentkv.v1 import store_pb2 as pb
 from agentkv.v1 import store_pb2_grpc
 
-T = TypeVar("T")
 _METHOD = "/agentkv.v1.CacheStore/"
 CLOSED = "the store client was closed (its process is stopping)"
 
@@ -91,16 +87,16 @@ class StoreClient:
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """Any unary RPC by name, e.g. call("GetAgent", pb.GetAgentRequest(...))."""
         rpc = getattr(self.stub, method)
-        return self._typed(lambda: rpc(request, timeout=timeout or self.timeout))
+        with self._typed():
+            return rpc(request, timeout=timeout or self.timeout)
 
-    def _typed(self, call: Callable[[], T]) -> T:
-        """call()'s result; a gRPC error as its typed AgentKVError."""
+    @contextlib.contextmanager
+    def _typed(self) -> Iterator[None]:
+        """Every call's errors: a gRPC error as its typed AgentKVError, from the store; a
+        call on the closed client as Unavailable."""
         try:
-            return call()
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
-            error.peer = "store"
-            raise error from None
+            with typed_errors(peer="store"):
+                yield
         except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
             if not self.closed:
                 raise
@@ -117,7 +113,8 @@ class StoreClient:
     ) -> pb.PutBlocksResponse:
         """Uploads blocks in one stream; a block's parent must be stored already or precede it."""
         messages = put_messages(namespace, fingerprint, blocks, check_chunk_bytes(chunk_bytes))
-        return self._typed(lambda: self._put(messages, timeout=self.timeout))
+        with self._typed():
+            return self._put(messages, timeout=self.timeout)
 
     def get_blocks(
         self, namespace: str, fingerprint: str, keys: Sequence[bytes], layers: Sequence[int] = ()
@@ -131,9 +128,8 @@ class StoreClient:
                 keys=keys[start : start + wire.MAX_KEYS_PER_READ],
                 layers=layers,
             )
-            stream = self._get(request, timeout=self.timeout)
-            with typed_errors():
-                yield from _assemble(stream)
+            with self._typed():
+                yield from _assemble(self._get(request, timeout=self.timeout))
 
     def read_blocks_local(
         self,

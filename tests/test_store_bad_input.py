@@ -739,3 +739,25 @@ def test_dedup_never_crosses_namespaces(store, store_process):
     )
     assert [p.parts[1] for p in files] == ["a", "a", "b", "b"]
     assert [b.key for b in store.list_blocks("b")] == sorted(keys)
+
+
+def test_every_store_call_says_its_error_came_from_the_store_and_a_closed_client_is_unavailable(
+    store,
+):
+    """Unary calls, PutBlocks and the GetBlocks stream alike: the CLI names the store in the
+    error it prints from `peer`."""
+    from agentkv.errors import AgentKVError, Unavailable
+
+    missing = [block_key(FP, b"", [1, 2])]
+    calls = {
+        "GetAgent": lambda c: c.get_agent(NS, "nobody", fingerprint=FP),
+        "GetBlocks": lambda c: list(c.get_blocks(NS, FP, missing)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(AgentKVError) as caught:
+            call(store)
+        assert caught.value.peer == "store", name
+    store.close()
+    for call in calls.values():
+        with pytest.raises(Unavailable, match="store client was closed"):
+            call(store)
