@@ -316,20 +316,24 @@ class Engine:
         merges tool results that follow one another) starts over; one with new tools must
         leave room for them in the agent's metadata."""
         reply = job.sampling.max_tokens > 0
+
+        def extended(start: Resumed) -> tuple[Resumed, list[int], ChatState]:
+            return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+
         if not job.whole_conversation:  # they follow the context, all of whose cache it keeps
             _check_own_tools(agent, job.tools)
-            start = Resumed(agent.tokens, agent.chat, [] if again else job.messages, None)
-            return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+            return extended(Resumed(agent.tokens, agent.chat, [] if again else job.messages, None))
         if job.tools != agent.chat.tools:
             check_metadata(caller_metadata(agent.metadata), "", job.tools)
         start = self._resumed(agent, job.messages, job.tools, agent.chat)
         try:
-            return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+            return extended(start)
         except NotAppendOnly:
             if not start.tokens:
                 raise
-        start = self._resumed(agent, job.messages, job.tools, replace(agent.chat, marks=()))
-        return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
+        return extended(
+            self._resumed(agent, job.messages, job.tools, replace(agent.chat, marks=()))
+        )
 
     def _resumed(
         self, agent: Agent, messages: list[ChatMessage], tools: str, chat: ChatState
