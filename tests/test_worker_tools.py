@@ -37,12 +37,13 @@ def stub(start_worker, tool_model):
 
 
 def _turn(stub, agent_id: str, messages: list[pb.Message], tools=(WEATHER,), **fields):
-    """(text, token ids, tool calls, usage) of one greedy turn."""
+    """(text, token ids, tool calls, usage) of one greedy turn (16 tokens at most, unless
+    `fields` give another sampling)."""
+    fields.setdefault("sampling", pb.SamplingParams(max_tokens=16))
     request = pb.TurnRequest(
         namespace=NS,
         agent_id=agent_id,
         messages=messages,
-        sampling=pb.SamplingParams(max_tokens=16),
         tools=tools if isinstance(tools, str) else json.dumps(list(tools)) if tools else "",
         **fields,
     )
@@ -101,12 +102,7 @@ def test_the_conversation_goes_on_from_the_call_warm_and_as_rendered(stub, tool_
     assert usage.cache_state == "hot"
     assert usage.reused_hot_tokens >= before - 1  # a reply's last token is fed next turn
     assert usage.prefilled_tokens == usage.prompt_tokens - usage.reused_hot_tokens
-    as_dicts = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [_template(calls[0])]},
-        {"role": "tool", "content": '{"celsius": 21}', "tool_call_id": calls[0].id},
-    ]
+    as_dicts = _paris_loop(calls[0], '{"celsius": 21}')
     assert usage.prompt_tokens == len(_rendered(tool_model, as_dicts, [WEATHER]))
     assert [c.name for c in again] == [TOOL_CALL["name"]]
 
@@ -132,12 +128,7 @@ def test_an_agent_keeps_its_tools_through_the_store(stub, tool_model):
     _, _, again, usage = _turn(stub, "c", [result], tools=())  # appended: the agent's tools
 
     assert usage.cache_state == "warm" and not usage.restore_failure
-    as_dicts = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [_template(calls[0])]},
-        {"role": "tool", "content": "21", "tool_call_id": calls[0].id},
-    ]
+    as_dicts = _paris_loop(calls[0], "21")
     assert usage.prompt_tokens == len(_rendered(tool_model, as_dicts, [WEATHER]))
     assert len(again) == 1
 
@@ -192,7 +183,7 @@ def test_a_second_tool_result_after_a_mark_on_the_first_starts_over_as_a_fresh_a
     one = pb.Message(role="tool", content="21", tool_call_id=calls[0].id)
     two = pb.Message(role="tool", content="22", tool_call_id=calls[0].id)
     request = dict(whole_conversation=True, sampling=pb.SamplingParams(max_tokens=0))
-    _turn_fields(stub, "h", [*first, said, one], **request)  # a mark after the first result
+    _turn(stub, "h", [*first, said, one], **request)  # a mark after the first result
     _, ids, _, usage = _turn(stub, "h", [*first, said, one, two], whole_conversation=True)
     _create(stub, "i")
     _, fresh_ids, _, fresh = _turn(stub, "i", [*first, said, one, two], whole_conversation=True)
@@ -241,13 +232,6 @@ def test_json_nested_too_deeply_is_the_caller_s_error_not_the_worker_s(stub):
         assert exc.code() == grpc.StatusCode.OUT_OF_RANGE, exc.details()
 
 
-def _turn_fields(stub, agent_id: str, messages, **fields):
-    request = pb.TurnRequest(
-        namespace=NS, agent_id=agent_id, messages=messages, tools=json.dumps([WEATHER]), **fields
-    )
-    return list(stub.Turn(request, timeout=60))
-
-
 def _create_tokens(stub) -> int:
     return _create(stub, "f-twin").usage.prompt_tokens
 
@@ -270,6 +254,17 @@ def test_a_model_without_a_tool_format_refuses_tools(start_worker, tiny_model_di
 
 def test_the_worker_names_its_model_s_tool_format(stub):
     assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest()).tool_parser == "json_tools"
+
+
+def _paris_loop(call: pb.ToolCall, result: str) -> list[dict]:
+    """The system prompt, "Paris?", the model's call and the tool's `result`, as the
+    tokenizer's own template takes them."""
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [_template(call)]},
+        {"role": "tool", "content": result, "tool_call_id": call.id},
+    ]
 
 
 def _template(call: pb.ToolCall) -> dict:
