@@ -59,6 +59,7 @@ def test_an_injection_cancelled_mid_prefill_adds_nothing_and_its_retry_adds_it_o
     )
     w = WorkerClient(proc.address, timeout=120)
     create(w, ("default", "hog"), ("default", "other"), ("default", "cut"), ("default", "twin"))
+    w.wait_durable("default", "cut")  # its creation committed: the generation compared below
     before = w.describe("default", "cut")
     hog = w.stream_turn("default", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
     next(hog)  # every step now takes seconds, and prefills at most 128 tokens beside it
