@@ -297,6 +297,7 @@ class Batcher:
         if calls is not None and any(rest := calls.flush()):  # text, or a call ending here
             turn.job.events.put(TokenEvent(rest[0], [], rest[1]))
         u.finish_reason = "tool_calls" if reason == "stop" and calls and calls.calls else reason
+        u.stop_sequence = turn.stops.matched if u.finish_reason == "stop" else ""
         if u.generated_tokens > 1:
             elapsed = max(time.perf_counter() - turn.first_at, 1e-9)
             u.decode_tokens_per_second = (u.generated_tokens - 1) / elapsed

@@ -89,15 +89,18 @@ class StopMatcher:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.sent = 0
+        self.matched = ""  # the stop string reached, once one is
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Returns (text safe to send now, whether a stop string was reached)."""
         self.text += piece
         hits = [
-            i for s in self.stops if (i := self.text.find(s, max(0, self.sent - self.hold))) >= 0
+            (i, s)
+            for s in self.stops
+            if (i := self.text.find(s, max(0, self.sent - self.hold))) >= 0
         ]
         if hits:
-            end = min(hits)
+            end, self.matched = min(hits, key=lambda hit: hit[0])
             out, self.sent = self.text[self.sent : end], end
             return out, True
         safe = max(self.sent, len(self.text) - self.hold)

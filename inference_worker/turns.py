@@ -35,6 +35,7 @@ class UsageEvent:
     restore_path: str = ""
     restore_failure: str = ""
     restored_bytes: int = 0
+    stop_sequence: str = ""  # the stop string that ended the reply
 
 
 @dataclass(slots=True)

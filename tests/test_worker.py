@@ -288,6 +288,8 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(tiny_model_dirs, start_wor
     cut = w.turn("default", "stopper2", Q1, max_tokens=24, temperature=1.5, seed=42, stop=[stop])
     assert cut.usage.finish_reason == "stop" and stop not in cut.text
     assert free.text.startswith(cut.text) and len(cut.text) < len(free.text)
+    assert cut.usage.stop_sequence == stop  # which one ended it (Anthropic's stop_sequence)
+    assert not free.usage.stop_sequence
     # A stop string that never comes holds back its length less one character until the
     # end: a turn cut by max_tokens sends that too.
     w.create_agent("default", "stopper3", SYSTEM)

@@ -93,7 +93,10 @@ def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
     ],
 )
 def test_stop_strings_are_never_sent(pieces, stops, expected):
-    assert feed_all(StopMatcher(stops), pieces) == expected
+    matcher = StopMatcher(stops)
+    assert feed_all(matcher, pieces) == expected
+    reached = expected[1] and min(stops, key=lambda s: "".join(pieces).find(s))
+    assert matcher.matched == (reached or "")
 
 
 @dataclass

@@ -114,7 +114,7 @@ class TokenChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_hot_tokens", "reused_store_tokens", "prefilled_tokens", "generated_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "cache_state", "finish_reason", "restore_path", "restore_failure", "restored_bytes")
+    __slots__ = ("prompt_tokens", "reused_hot_tokens", "reused_store_tokens", "prefilled_tokens", "generated_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "cache_state", "finish_reason", "restore_path", "restore_failure", "restored_bytes", "stop_sequence")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_HOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class Usage(_message.Message):
     RESTORE_PATH_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FAILURE_FIELD_NUMBER: _ClassVar[int]
     RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     reused_hot_tokens: int
     reused_store_tokens: int
@@ -139,7 +140,8 @@ class Usage(_message.Message):
     restore_path: str
     restore_failure: str
     restored_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_hot_tokens: _Optional[int] = ..., reused_store_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., cache_state: _Optional[str] = ..., finish_reason: _Optional[str] = ..., restore_path: _Optional[str] = ..., restore_failure: _Optional[str] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_hot_tokens: _Optional[int] = ..., reused_store_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., cache_state: _Optional[str] = ..., finish_reason: _Optional[str] = ..., restore_path: _Optional[str] = ..., restore_failure: _Optional[str] = ..., restored_bytes: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class TurnResponse(_message.Message):
     __slots__ = ("tokens", "usage", "tool_call")
