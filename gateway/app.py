@@ -1,4 +1,7 @@
-"""The gateway: OpenAI's chat-completions API over HTTP, on the asyncio SDK.
+"""The gateway: OpenAI's chat-completions API and Anthropic's Messages API over HTTP, on the
+asyncio SDK. Both are one path: each API's wire format is a sans-I/O module
+(gateway/protocol.py, gateway/anthropic.py) that checks a request into a ChatCall and builds
+the reply, whole or streamed, and its errors.
 
 Frameworks resend the whole conversation on every call. The gateway holds no KV and no
 conversation: it names the agent (X-Agent-Id; else X-Session-ID; else one anonymous agent per
@@ -45,6 +48,7 @@ from agentkv.errors import (
     FailedPrecondition,
     FingerprintMismatch,
 )
+from agentkv.gateway import anthropic
 from agentkv.gateway.config import GatewayConfig
 from agentkv.gateway.protocol import (
     ChatCall,
@@ -52,7 +56,6 @@ from agentkv.gateway.protocol import (
     HTTPError,
     agent_id,
     agentkv_json,
-    finish_reason,
     parse_chat,
     with_creation,
 )
@@ -67,6 +70,27 @@ SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 STOPPED = "the gateway is stopping: this reply did not end within its drain; send it again"
 # Not cached, nor held back by a buffering proxy (nginx reads X-Accel-Buffering).
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+@dataclass(frozen=True, slots=True)
+class API:
+    """One HTTP API's wire format: its request body checked into a ChatCall (with the
+    gateway's default max_tokens), the reply's builder (the model's id: whole, or streamed:
+    opening, text, call, closing, error), and its error JSON."""
+
+    parse: Callable[[Any, int], ChatCall]
+    reply: Callable[[str], Any]
+    error_body: Callable[[HTTPError], dict[str, Any]]
+
+
+OPENAI = API(parse_chat, Completion, HTTPError.body)
+ANTHROPIC = API(lambda body, _: anthropic.parse_messages(body), anthropic.MessageReply,
+                anthropic.error_body)  # fmt: skip
+
+
+def api_of(path: str) -> API:
+    """The API a request path belongs to (its errors' JSON)."""
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
 
 
 @dataclass(slots=True)
@@ -114,8 +138,16 @@ class Gateway:
     # routes
 
     async def chat(self, request: Request) -> Response:
+        """OpenAI's POST /v1/chat/completions."""
+        return await self._converse(request, OPENAI)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's POST /v1/messages: the same agents, turns and figures."""
+        return await self._converse(request, ANTHROPIC)
+
+    async def _converse(self, request: Request, api: API) -> Response:
         namespace = self._namespace(request)
-        call = parse_chat(await self._body(request), self.config.max_tokens)
+        call = api.parse(await self._body(request), self.config.max_tokens)
         if call.model != await self._model():
             raise HTTPError(
                 404,
@@ -138,7 +170,7 @@ class Gateway:
             "x-agentkv-namespace": namespace,
             "x-agentkv-worker": reply.worker,
         }
-        completion = Completion(call.model)
+        completion = api.reply(call.model)
         if call.stream:
             events = self._events(turn, call, completion, namespace)
             headers = facts | STREAM_HEADERS
@@ -196,7 +228,8 @@ class Gateway:
         states = await asyncio.gather(*map(probe, self.memory.workers.values()))
         up = "serving" in states
         body: dict[str, Any] = {"status": "ok" if up else "unavailable"}
-        if self.tokens is None or request.headers.get("authorization"):
+        given = request.headers.get("authorization") or request.headers.get("x-api-key")
+        if self.tokens is None or given:
             self._principal(request)  # a token that is given must be valid
             body["workers"] = dict(zip(self.memory.workers, states, strict=True))
         return JSONResponse(body, status_code=200 if up else 503)
@@ -225,14 +258,16 @@ class Gateway:
         return namespace
 
     def _principal(self, request: Request) -> Principal | None:
+        """Who the bearer token (Authorization: Bearer, or Anthropic's X-Api-Key) names."""
         if self.tokens is None:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        who = self.tokens.principal(token.strip()) if scheme.lower() == "bearer" else None
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        who = self.tokens.principal(token or request.headers.get("x-api-key", "").strip())
         if who is None:
             raise HTTPError(
                 401,
-                "a valid bearer token is required (Authorization: Bearer ...)",
+                "a valid bearer token is required (Authorization: Bearer ..., or X-Api-Key)",
                 "authentication_error",
                 code="invalid_api_key",
             )
@@ -344,29 +379,25 @@ class Gateway:
         return whole
 
     async def _events(
-        self, turn: Turn, call: ChatCall, completion: Completion, namespace: str
+        self, turn: Turn, call: ChatCall, reply_of: Any, namespace: str
     ) -> AsyncIterator[str]:
-        """The reply as server-sent events in OpenAI's chunk format (each tool call whole in
-        one chunk, as the worker sends it), then `data: [DONE]`. An error after the first
-        chunk is sent as an error event (the status line is gone)."""
-        reply, calls = turn.reply, 0
+        """The reply as server-sent events in its API's stream format (each tool call whole,
+        as the worker sends it). An error after the first event is sent as an error event
+        (the status line is gone)."""
+        reply = turn.reply
         try:
-            yield _sse(completion.chunk({"role": "assistant", "content": ""}))
+            for piece in reply_of.opening():
+                yield piece
             async for item in reply.events():
-                if isinstance(item, str):
-                    yield _sse(completion.chunk({"content": item}))
-                else:
-                    yield _sse(completion.tool_call_chunk(item, calls))
-                    calls += 1
+                pieces = reply_of.text(item) if isinstance(item, str) else reply_of.call(item)
+                for piece in pieces:
+                    yield piece
             usage = with_creation(reply.usage, turn.created)
             extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
-            last = completion.chunk({}, finish_reason(usage))
-            yield _sse({**last, "agentkv": extension})
-            if call.include_usage:
-                yield _sse(completion.usage_chunk(usage, extension))
-            yield "data: [DONE]\n\n"
+            for piece in reply_of.closing(usage, extension, call.include_usage):
+                yield piece
         except AgentKVError as exc:
-            yield _sse(HTTPError.of(exc).body())
+            yield reply_of.error(HTTPError.of(exc))
         finally:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
@@ -433,12 +464,8 @@ async def _delete_spare(agent: AsyncAgent, creating: asyncio.Future | None) -> N
     log.warning("a spare agent's turn did not end", extra={"agent": agent.id})
 
 
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _answering_errors(route: Callable[[Request], Awaitable[Response]]) -> Callable:
-    """The route, answering every error as OpenAI's error JSON: agentkv's with the status
+def _answering_errors(route: Callable[[Request], Awaitable[Response]], api: API) -> Callable:
+    """The route, answering every error as its API's error JSON: agentkv's with the status
     of their gRPC code, anything else as a 500 (logged once, with its traceback)."""
 
     @functools.wraps(route)
@@ -454,7 +481,7 @@ def _answering_errors(route: Callable[[Request], Awaitable[Response]]) -> Callab
             error = HTTPError(500, f"internal error: {type(exc).__name__}", "server_error")
         if error.status >= 500:
             log.warning("request failed", extra={"status": error.status, "error": error.message})
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(api.error_body(error), status_code=error.status)
 
     return answer
 
@@ -481,24 +508,26 @@ class CutOff:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
             error = HTTPError(503, STOPPED, "service_unavailable", code="unavailable")
+            api = api_of(scope["path"])
             if not sent:
-                await JSONResponse(error.body(), status_code=503)(scope, receive, send)
+                await JSONResponse(api.error_body(error), status_code=503)(scope, receive, send)
             elif sent[0]["type"] == "http.response.start" or sent[0].get("more_body"):
-                body = _sse(error.body()).encode()  # the response under way is a stream
+                body = api.reply("").error(error).encode()  # the response under way: a stream
                 await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _no_route(request: Request, exc: HTTPException) -> Response:
     error = HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    return JSONResponse(error.body(), status_code=exc.status_code)
+    return JSONResponse(api_of(request.url.path).error_body(error), status_code=exc.status_code)
 
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = Gateway(config)
     routes = [
-        Route(path, _answering_errors(route), methods=[method])
+        Route(path, _answering_errors(route, api_of(path)), methods=[method])
         for method, path, route in (
             ("POST", "/v1/chat/completions", gateway.chat),
+            ("POST", "/v1/messages", gateway.messages),
             ("GET", "/v1/models", gateway.models),
             ("GET", "/v1/models/{model:path}", gateway.one_model),
             ("GET", "/v1/agents", gateway.agents),

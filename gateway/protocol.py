@@ -172,18 +172,18 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model: a model id is required", "model")
-    _utf8(model, "model")
-    stream = _typed(body, "stream", bool, False)
-    options = _typed(body, "stream_options", dict, None)
+    utf8(model, "model")
+    stream = typed(body, "stream", bool, False)
+    options = typed(body, "stream_options", dict, None)
     if options is not None and not stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     call = ChatCall(
         model,
         _messages(body.get("messages")),
         stream,
-        bool(_typed(options or {}, "include_usage", bool, False)),
+        bool(typed(options or {}, "include_usage", bool, False)),
         _sampling(body, default_max_tokens),
-        scope=tuple(_typed(body, name, str, "") or "" for name in SCOPE),
+        scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=_tools(body),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
     )
@@ -194,7 +194,7 @@ def _text_format(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type") == "text"
 
 
-def _typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:
+def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:
     """body[name] when it is a `kind` (null or absent: `default`); `where`: the object's
     place in the request, when not the body."""
     value, param = body.get(name, default), f"{where}.{name}" if where else name
@@ -205,11 +205,11 @@ def _typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> 
     ):
         raise invalid(f"{param} must be a {kind.__name__}, got {value!r}", param)
     if kind is str and value:
-        _utf8(value, param)
+        utf8(value, param)
     return value
 
 
-def _utf8(text: str, where: str) -> None:
+def utf8(text: str, where: str) -> None:
     """JSON may escape a lone surrogate (\\ud800), which no UTF-8 text can hold."""
     try:
         text.encode()
@@ -264,7 +264,7 @@ def _message(message: Any, where: str) -> dict[str, Any]:
                 f"{where}: a tool message, and only one, has a tool_call_id (a string)",
                 f"{where}.tool_call_id",
             )
-        _utf8(call_id, f"{where}.tool_call_id")
+        utf8(call_id, f"{where}.tool_call_id")
         out["tool_call_id"] = call_id
     return out
 
@@ -284,7 +284,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         for name, value in fields.items():
             if not isinstance(value, str) or not (value or name == "arguments"):
                 raise invalid(f"{at}: its {name} must be a non-empty string", f"{at}.{name}")
-            _utf8(value, f"{at}.{name}")
+            utf8(value, f"{at}.{name}")
         function = {"name": fields["name"], "arguments": fields["arguments"]}
         out.append({"id": fields["id"], "type": "function", "function": function})
     return out
@@ -322,7 +322,7 @@ def _all_answered(pending: set[str], i: int) -> None:
 def _text(content: Any, where: str) -> str:
     """A message's content: a string, or text parts joined (other parts are refused)."""
     if isinstance(content, str):
-        _utf8(content, where)
+        utf8(content, where)
         return content
     if isinstance(content, list):
         texts = []
@@ -334,7 +334,7 @@ def _text(content: Any, where: str) -> str:
                 raise invalid(f"{where}: a text part's text must be a string", where)
             texts.append(part["text"])
         text = "".join(texts)
-        _utf8(text, where)
+        utf8(text, where)
         return text
     raise invalid(f"{where} must be a string or an array of text parts", where)
 
@@ -342,7 +342,7 @@ def _text(content: Any, where: str) -> str:
 def _tools(body: dict) -> str:
     """The request's function tools as compact JSON, keys sorted (the worker's canonical
     form), "" for none; tool_choice "auto" only (the model decides whether to call)."""
-    _typed(body, "parallel_tool_calls", bool, None)
+    typed(body, "parallel_tool_calls", bool, None)
     choice = body.get("tool_choice")
     if choice not in (None, "auto"):
         known = choice in ("none", "required") or isinstance(choice, dict)
@@ -361,8 +361,14 @@ def _tools(body: dict) -> str:
         raise invalid("tools must be an array of function tools", "tools")
     for i, tool in enumerate(tools):
         _tool(tool, f"tools[{i}]")
+    return tools_text(tools)
+
+
+def tools_text(tools: list[dict[str, Any]]) -> str:
+    """Function tools as the worker's canonical form: compact JSON, keys sorted ("" for
+    none)."""
     text = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    _utf8(text, "tools")
+    utf8(text, "tools")
     return text if tools else ""
 
 
@@ -392,7 +398,7 @@ def _tool(tool: Any, where: str) -> None:
             f"{where}.name",
         )
     for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
-        _typed(function, key, kind, None, where)
+        typed(function, key, kind, None, where)
 
 
 def _known(obj: dict, known: set[str], where: str) -> None:
@@ -405,17 +411,7 @@ def _known(obj: dict, known: set[str], where: str) -> None:
 
 def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {"temperature": 1.0}  # OpenAI's default: sampled
-    for name, low, high in (("temperature", 0, 2), ("top_p", 0, 1)):
-        value = body.get(name)
-        if value is None:
-            continue
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or not low <= value <= high
-        ):
-            raise invalid(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
-        out[name] = float(value)
+    out |= numbers(body, (("temperature", 0, 2), ("top_p", 0, 1)))
     if out.get("top_p", 1.0) <= 1e-6:  # the worker's 0 turns nucleus off; OpenAI's is greedy
         out["temperature"], out["top_p"] = 0.0, 1.0
     given = _max_tokens(body)
@@ -425,7 +421,7 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
     stops = _stops(body.get("stop"))
     if stops:
         out["stop"] = stops
-    seed = _typed(body, "seed", int, None)
+    seed = typed(body, "seed", int, None)
     if seed is not None:
         if not -(2**63) <= seed < 2**64:
             raise invalid(f"seed must be in [-2^63, 2^64), got {seed}", "seed")
@@ -433,9 +429,24 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
     return out
 
 
+def numbers(body: dict, ranges: Sequence[tuple[str, float, float]]) -> dict[str, float]:
+    """The fields of `ranges` (name, lowest, highest) that the body gives, each a number
+    within its range."""
+    out = {}
+    for name, low, high in ranges:
+        value = body.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not low <= value <= high:
+            raise invalid(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
+        out[name] = float(value)
+    return out
+
+
 def _max_tokens(body: dict) -> int | None:
     for name in ("max_completion_tokens", "max_tokens"):
-        value = _typed(body, name, int, None)
+        value = typed(body, name, int, None)
         if value is not None:
             if not 1 <= value < 2**32:
                 raise invalid(f"{name} must be in [1, 2^32), got {value}", name)
@@ -450,7 +461,7 @@ def _stops(stop: Any) -> list[str]:
     if len(stops) > MAX_STOPS:
         raise invalid(f"stop has {len(stops)} strings, at most {MAX_STOPS}", "stop")
     for s in stops:
-        _utf8(s, "stop")
+        utf8(s, "stop")
     return stops
 
 
@@ -528,6 +539,7 @@ class Completion:
     model: str
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
+    calls: int = 0  # tool calls streamed
 
     def whole(
         self, text: str, usage: Any, extension: dict[str, Any], tool_calls: Sequence[Any] = ()
@@ -551,6 +563,29 @@ class Completion:
             "agentkv": extension,
         }
 
+    # the reply streamed, as server-sent events
+
+    def opening(self) -> list[str]:
+        return [sse(self.chunk({"role": "assistant", "content": ""}))]
+
+    def text(self, piece: str) -> list[str]:
+        return [sse(self.chunk({"content": piece}))]
+
+    def call(self, call: Any) -> list[str]:
+        """A tool call, whole in one chunk."""
+        self.calls += 1
+        return [sse(self.tool_call_chunk(call, self.calls - 1))]
+
+    def closing(self, usage: Any, extension: dict[str, Any], include_usage: bool) -> list[str]:
+        """The last chunk (its finish_reason, with the `agentkv` object), the usage chunk
+        when asked for, then [DONE]."""
+        out = [sse({**self.chunk({}, finish_reason(usage)), "agentkv": extension})]
+        out += [sse(self.usage_chunk(usage, extension))] if include_usage else []
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, error: HTTPError) -> str:
+        return sse(error.body())
+
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
@@ -569,3 +604,8 @@ class Completion:
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event of OpenAI's stream: its JSON."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

@@ -1,0 +1,408 @@
+"""Anthropic's Messages API wire format, sans I/O: a request body checked into the ChatCall
+the OpenAI route makes too (so a conversation goes to the same agent, whichever API sends
+it), the reply as a Message and as Anthropic's stream events, and errors as Anthropic's error
+JSON, with the HTTP status the OpenAI route gives.
+
+Content blocks map onto OpenAI-style messages: a message's text blocks are joined; an
+assistant's tool_use blocks are its tool calls (input as JSON text); a user's tool_result
+blocks are tool messages, each in its place among the message's text. Custom tools
+({name, description, input_schema}) reach the chat template as function tools. cache_control
+is taken and needs nothing: every conversation's cache is kept anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentkv.gateway.protocol import (
+    NO_CONSTRAINTS,
+    TOOL_NAME,
+    ChatCall,
+    HTTPError,
+    invalid,
+    numbers,
+    tools_text,
+    typed,
+    utf8,
+)
+
+# Checked where they are read, or meaningless here. A top-level cache_control (mark the last
+# block) needs nothing: every conversation's cache is kept.
+IGNORED = {"model", "messages", "max_tokens", "stream", "system", "metadata", "service_tier"}
+IGNORED |= {"cache_control", "inference_geo", "user_profile_id", "workspace_id"}
+# Older clients' sampling fields (the SDK since 2.x sends none: 1.0 is Anthropic's default).
+SAMPLING = {"temperature", "top_p", "top_k", "stop_sequences"}
+TOOLING = {"tools", "tool_choice"}
+NEUTRAL = {  # accepted at these values only
+    "thinking": ({"type": "disabled"},),
+    "speed": ("standard",),
+    "container": (),
+    "output_config": (),  # no structured output (constrained decoding)
+    "diagnostics": (),  # would ask why the cache missed; agentkv's reason is its usage
+}
+BLOCK_KEYS = {
+    "text": {"type", "text", "cache_control", "citations"},
+    "tool_use": {"type", "id", "name", "input", "cache_control"},
+    "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+}
+TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict"}
+ERROR_TYPES = {  # HTTP status -> Anthropic's error type
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_body(error: HTTPError) -> dict[str, Any]:
+    """An error as Anthropic's JSON: its type (by status) and message."""
+    kind = ERROR_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def parse_messages(body: Any) -> ChatCall:
+    """The request body as a ChatCall; HTTPError 400 for anything agentkv would not do as
+    Anthropic specifies (an unknown field or a refused value is never silently dropped)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    for name in body:
+        if not any(name in known for known in (IGNORED, SAMPLING, TOOLING, NEUTRAL)):
+            raise invalid(f"{name}: unsupported parameter", name, "unsupported_parameter")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) not in (None, *neutral):
+            allowed = " or ".join(map(repr, (None, *neutral)))
+            raise invalid(f"{name}: only {allowed} is supported", name, "unsupported_value")
+    model = typed(body, "model", str, None)
+    if not model:
+        raise invalid("model: a model id is required", "model")
+    tools, max_tool_calls = _tools(body)
+    user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
+    return ChatCall(
+        model,
+        [*_system(body.get("system")), *_messages(body.get("messages"))],
+        bool(typed(body, "stream", bool, False)),
+        False,
+        _sampling(body),
+        scope=("", user or "", ""),  # metadata.user_id is OpenAI's `user`
+        tools=tools,
+        max_tool_calls=max_tool_calls,
+    )
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    """The system prompt (a string or text blocks) as a leading system message, if any."""
+    if system is None:
+        return []
+    text = _text(system, "system") if isinstance(system, list) else None
+    if text is None:
+        if not isinstance(system, str):
+            raise invalid("system must be a string or an array of text blocks", "system")
+        text = system
+        utf8(text, "system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages: a non-empty array of messages is required", "messages")
+    out, asked = [], set()  # asked: the last assistant message's tool_use ids not answered
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise invalid(f'{where}: a message is {{"role": "user" or "assistant", ...}}', where)
+        _known(message, {"role", "content"}, where)
+        content = message.get("content")
+        if isinstance(content, str):
+            utf8(content, f"{where}.content")
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise invalid(f"{where}.content must be a string or an array of blocks", where)
+        turn = _assistant(content, where) if message["role"] == "assistant" else None
+        turn = [turn] if turn else _user(content, where, asked)
+        if asked:
+            raise invalid(
+                f"{where}: tool_use ids {sorted(asked)} have no tool_result after them", where
+            )
+        asked = {call["id"] for call in (turn[0].get("tool_calls") or ())}
+        out += turn
+    if asked or out[-1]["role"] == "assistant":
+        raise invalid(
+            "the last message is the assistant's: agentkv does not continue a partial reply",
+            f"messages.{len(messages) - 1}",
+            "unsupported_value",
+        )
+    return out
+
+
+def _assistant(content: list, where: str) -> dict[str, Any]:
+    """An assistant message: its text blocks joined, its tool_use blocks as tool calls."""
+    texts, calls = [], []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        kind = _block(block, at, ("text", "tool_use"))
+        if kind == "text":
+            texts.append(block["text"])
+            continue
+        name, call_id, given = block.get("name"), block.get("id"), block.get("input")
+        if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+            raise invalid(f"{at}: a tool_use block has a non-empty id and name", at)
+        if not isinstance(given, dict):
+            raise invalid(f"{at}.input must be an object", f"{at}.input")
+        arguments = json.dumps(given, ensure_ascii=False)
+        utf8(call_id + name + arguments, at)
+        function = {"name": name, "arguments": arguments}
+        calls.append({"id": call_id, "type": "function", "function": function})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    return message | ({"tool_calls": calls} if calls else {})
+
+
+def _user(content: list, where: str, asked: set[str]) -> list[dict[str, Any]]:
+    """A user message: tool_result blocks as tool messages (each answering one of `asked`,
+    removed from it), the text blocks between them as user messages."""
+    out: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        if _block(block, at, ("text", "tool_result")) == "text":
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"] += block["text"]
+            else:
+                out.append({"role": "user", "content": block["text"]})
+            continue
+        call_id = block.get("tool_use_id")
+        if call_id not in asked:
+            raise invalid(
+                f"{at}: a tool_result answers a tool_use of the assistant message before it; "
+                f"{call_id!r} is none of them",
+                f"{at}.tool_use_id",
+            )
+        asked.discard(call_id)
+        typed(block, "is_error", bool, None, at)
+        result = block.get("content", "")
+        text = result if isinstance(result, str) else _text(result, f"{at}.content")
+        utf8(text, f"{at}.content")
+        out.append({"role": "tool", "content": text, "tool_call_id": call_id})
+    return out or [{"role": "user", "content": ""}]
+
+
+def _block(block: Any, where: str, kinds: Sequence[str]) -> str:
+    """A content block's type, one of `kinds`, its fields checked (a text block's text)."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind not in kinds:
+        raise invalid(
+            f"{where}: {kind!r} blocks are not supported here, only {', '.join(kinds)}",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    _known(block, BLOCK_KEYS[kind], where)
+    if kind == "text":
+        if not isinstance(block.get("text"), str) or block.get("citations"):
+            raise invalid(f"{where}: a text block has a string text and no citations", where)
+        utf8(block["text"], f"{where}.text")
+    return kind
+
+
+def _text(blocks: list, where: str) -> str:
+    """Text blocks (a system prompt, a tool's result) joined."""
+    if not isinstance(blocks, list):
+        raise invalid(f"{where} must be a string or an array of text blocks", where)
+    for j, block in enumerate(blocks):
+        _block(block, f"{where}.{j}", ("text",))
+    return "".join(block["text"] for block in blocks)
+
+
+def _known(obj: dict, known: set[str], where: str) -> None:
+    extra = sorted(set(obj) - known)
+    if extra:
+        param = f"{where}.{extra[0]}"
+        raise invalid(f"{param}: unsupported parameter", param, "unsupported_parameter")
+
+
+def _tools(body: dict) -> tuple[str, int]:
+    """The custom tools as function tools' compact JSON (the OpenAI route's form), and the
+    most tool calls a reply may make (1 with disable_parallel_tool_use, else no limit)."""
+    choice = typed(body, "tool_choice", dict, None) or {"type": "auto"}
+    if choice.get("type") != "auto":
+        raise invalid(
+            f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS.replace('tool_choice ', '')}",
+            "tool_choice",
+            "unsupported_value",
+        )
+    _known(choice, {"type", "disable_parallel_tool_use"}, "tool_choice")
+    single = typed(choice, "disable_parallel_tool_use", bool, False, "tool_choice")
+    tools = typed(body, "tools", list, None) or []
+    functions = [_tool(tool, f"tools.{i}") for i, tool in enumerate(tools)]
+    return tools_text(functions), 1 if single else 0
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    """A custom tool as a function tool; a server tool (web search, bash, ...) is refused."""
+    if not isinstance(tool, dict):
+        raise invalid(f"{where} must be a tool object", where)
+    if tool.get("type") not in (None, "custom"):
+        raise invalid(
+            f"{where}: only custom tools are supported, not {tool['type']!r}",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    _known(tool, TOOL_KEYS, where)
+    name = tool.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(f"{where}.name must be 1 to 64 letters, digits, _ or -", f"{where}.name")
+    schema = typed(tool, "input_schema", dict, None, where)
+    if schema is None:
+        raise invalid(f"{where}.input_schema: a JSON schema object is required", where)
+    typed(tool, "strict", bool, None, where)  # taken, not enforced (no constrained decoding)
+    description = typed(tool, "description", str, None, where)
+    function = {"name": name, "parameters": schema}
+    if description is not None:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def _sampling(body: dict) -> dict[str, Any]:
+    """SamplingParams: max_tokens (required, as Anthropic's), temperature in [0, 1] (1 by
+    default), top_p, top_k, stop_sequences."""
+    out: dict[str, Any] = {"temperature": 1.0}
+    out |= numbers(body, (("temperature", 0, 1), ("top_p", 0, 1)))
+    top_k = typed(body, "top_k", int, None)
+    if top_k is not None:
+        if not 0 <= top_k < 2**32:
+            raise invalid(f"top_k must be at least 0, got {top_k}", "top_k")
+        out["top_k"] = top_k
+    max_tokens = typed(body, "max_tokens", int, None)
+    if max_tokens is None or not 1 <= max_tokens < 2**32:
+        raise invalid(f"max_tokens: an integer of at least 1 is required, got {max_tokens}")
+    out["max_tokens"] = max_tokens
+    stops = typed(body, "stop_sequences", list, None) or []
+    if not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop_sequences must be an array of non-empty strings", "stop_sequences")
+    for s in stops:
+        utf8(s, "stop_sequences")
+    return out | ({"stop": stops} if stops else {})
+
+
+def stop_reason(usage: Any) -> str:
+    """Anthropic's stop_reason of a turn."""
+    if usage.finish_reason == "stop" and usage.stop_sequence:
+        return "stop_sequence"
+    return STOP_REASONS.get(usage.finish_reason, "end_turn")
+
+
+def usage_json(usage: Any) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are those prefilled, cache_read_input_tokens those the
+    turn found in RAM or the store (Anthropic's total input is their sum)."""
+    cached = max(usage.prompt_tokens - usage.prefilled_tokens, 0)
+    return {
+        "input_tokens": usage.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.generated_tokens,
+    }
+
+
+def tool_use(call: Any) -> dict[str, Any]:
+    """A tool call (the worker's ToolCall: arguments a JSON object's text) as a block."""
+    arguments = json.loads(call.arguments)
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+
+
+def event(name: str, data: dict[str, Any]) -> str:
+    """One server-sent event as Anthropic sends it: its name, then its JSON."""
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass(slots=True)
+class MessageReply:
+    """One reply's id and the pieces of Anthropic's JSON it is sent as: whole, or as stream
+    events. Streamed, white space is held back until text follows it, so that the stream's
+    blocks are the whole reply's (white space before a tool call is no block of its own)."""
+
+    model: str
+    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
+    blocks: int = 0  # content blocks started
+    calls: int = 0  # tool_use blocks sent
+    open: bool = False  # a text block is open
+    held: str = ""  # white space not yet sent
+
+    def whole(
+        self, text: str, usage: Any, extension: dict[str, Any], tool_calls: Sequence[Any] = ()
+    ) -> dict[str, Any]:
+        keep = text.strip() or (text and not tool_calls)
+        content = [{"type": "text", "text": text}] if keep else []
+        content += [tool_use(call) for call in tool_calls]
+        return self._message(content, stop_reason(usage), usage.stop_sequence or None) | {
+            "usage": usage_json(usage),
+            "agentkv": extension,
+        }
+
+    def opening(self) -> list[str]:
+        start = self._message([], None, None) | {"usage": {"input_tokens": 0, "output_tokens": 0}}
+        return [event("message_start", {"type": "message_start", "message": start}), PING]
+
+    def text(self, piece: str) -> list[str]:
+        self.held += piece
+        return self._flush() if self.held.strip() else []
+
+    def call(self, call: Any) -> list[str]:
+        self.held, self.calls = "", self.calls + 1
+        out = self._close() + self._start(tool_use(call) | {"input": {}})
+        delta = {"type": "input_json_delta", "partial_json": call.arguments}
+        out += [self._event("content_block_delta", delta=delta)]
+        return out + self._close(force=True)
+
+    def closing(self, usage: Any, extension: dict[str, Any], include_usage: bool) -> list[str]:
+        out = self._flush() if self.held and (self.open or not self.calls) else []
+        out += self._close()
+        delta = {"stop_reason": stop_reason(usage), "stop_sequence": usage.stop_sequence or None}
+        end = {"type": "message_delta", "delta": delta, "usage": usage_json(usage)}
+        return out + [
+            event("message_delta", end | {"agentkv": extension}),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+
+    def error(self, error: HTTPError) -> str:
+        return event("error", error_body(error))
+
+    def _message(self, content: list, reason: str | None, stop: str | None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": stop,
+        }
+
+    def _flush(self) -> list[str]:
+        """The text held, in the open text block or a new one."""
+        out = [] if self.open else self._start({"type": "text", "text": ""})
+        self.open, delta = True, {"type": "text_delta", "text": self.held}
+        self.held = ""
+        return out + [self._event("content_block_delta", delta=delta)]
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        self.blocks += 1
+        return [self._event("content_block_start", content_block=block)]
+
+    def _close(self, force: bool = False) -> list[str]:
+        if not (self.open or force):
+            return []
+        self.open = False
+        return [self._event("content_block_stop")]
+
+    def _event(self, name: str, **data: Any) -> str:
+        return event(name, {"type": name, "index": self.blocks - 1, **data})
+
+
+PING = event("ping", {"type": "ping"})
