@@ -310,6 +310,12 @@ class BaseWorkerClient:
     def info(self) -> MaybeAwaitable[pb.GetWorkerInfoResponse]:
         return self._unary("GetWorkerInfo", pb.GetWorkerInfoRequest(), same)
 
+    def count_tokens(self, messages: Sequence[Message], tools: Tools = None) -> MaybeAwaitable[int]:
+        """The tokens a whole conversation (its system message first) renders to through
+        the model's chat template, ready for the reply: a fresh agent's prompt_tokens."""
+        request = pb.CountTokensRequest(messages=pb_messages(messages), tools=tools_json(tools))
+        return self._unary("CountTokens", request, attrgetter("prompt_tokens"))
+
 
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
     """What readers of a reply that `exc` cut short get: a worker that went away may have

@@ -205,6 +205,13 @@ class ChatFormat:
         state = ChatState(system, opened=False, digest=start_digest(system, tools), tools=tools)
         return first[0][: max(0, shared - 1)], state
 
+    def count(self, messages: Sequence[ChatMessage], tools: str = "") -> int:
+        """The tokens a whole conversation renders to as a new agent's first turn, ready
+        for its reply."""
+        self.check_tools(tools, messages)
+        start = resume([], ChatState(), messages, tools)
+        return len(self.extend(start.tokens, start.state, start.messages, True)[0])
+
     def check_tools(self, tools: str, messages: Sequence[ChatMessage] = ()) -> None:
         """Refuses tools, tool calls and tool results for a model whose tool calls would not
         be understood, or whose template renders them where a turn cannot append them."""

@@ -155,6 +155,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         deleted = self.front.delete(request.namespace, request.agent_id)
         return pb.DeleteAgentResponse(deleted=deleted)
 
+    def CountTokens(self, request: pb.CountTokensRequest, context) -> pb.CountTokensResponse:
+        messages = [_message(m) for m in request.messages]
+        count = self.engine.chat.count(messages, canonical_tools(request.tools))
+        return pb.CountTokensResponse(prompt_tokens=count)
+
     def GetWorkerInfo(self, request: pb.GetWorkerInfoRequest, context) -> pb.GetWorkerInfoResponse:
         budget, used, count = self.front.hot_tier()
         return pb.GetWorkerInfoResponse(

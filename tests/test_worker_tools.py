@@ -107,6 +107,25 @@ def test_the_conversation_goes_on_from_the_call_warm_and_as_rendered(stub, tool_
     assert [c.name for c in again] == [TOOL_CALL["name"]]
 
 
+def test_count_tokens_is_the_prompt_a_fresh_agent_gets_and_keeps_nothing(stub, tool_model):
+    first = [pb.Message(role="system", content=SYSTEM), pb.Message(role="user", content="Paris?")]
+    tools = json.dumps([WEATHER])
+    counted = stub.CountTokens(pb.CountTokensRequest(messages=first, tools=tools), timeout=60)
+    _create(stub, "counted")
+    _, _, calls, usage = _turn(stub, "counted", first, whole_conversation=True)
+    assert counted.prompt_tokens == usage.prompt_tokens
+    answered = pb.Message(role="assistant", content="", tool_calls=calls)
+    result = pb.Message(role="tool", content='{"celsius": 21}', tool_call_id=calls[0].id)
+    loop = [*first, answered, result]
+    counted = stub.CountTokens(pb.CountTokensRequest(messages=loop, tools=tools), timeout=60)
+    as_dicts = _paris_loop(calls[0], '{"celsius": 21}')
+    assert counted.prompt_tokens == len(_rendered(tool_model, as_dicts, [WEATHER]))
+    assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest()).num_hot_agents == 1  # "counted"
+    with pytest.raises(grpc.RpcError) as caught:  # bad tools: the turn's refusal
+        stub.CountTokens(pb.CountTokensRequest(messages=first, tools="[{]"), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_a_reply_may_end_at_its_first_call_and_the_conversation_goes_on_from_it(stub):
     _create(stub, "k")
     ask = [pb.Message(role="system", content=SYSTEM), pb.Message(role="user", content="Paris?")]
@@ -250,6 +269,9 @@ def test_a_model_without_a_tool_format_refuses_tools(start_worker, tiny_model_di
                 _turn(stub, "g", [message], tools=tools)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "no tool-call format" in caught.value.details()
+            request = pb.CountTokensRequest(messages=[message], tools=json.dumps(list(tools)))
+            with pytest.raises(grpc.RpcError, match="no tool-call format"):
+                stub.CountTokens(request, timeout=60)
 
 
 def test_the_worker_names_its_model_s_tool_format(stub):

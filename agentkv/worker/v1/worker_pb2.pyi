@@ -296,3 +296,17 @@ class GetWorkerInfoResponse(_message.Message):
     dtype: str
     tool_parser: str
     def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ..., dtype: _Optional[str] = ..., tool_parser: _Optional[str] = ...) -> None: ...
+
+class CountTokensRequest(_message.Message):
+    __slots__ = ("messages", "tools")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    tools: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[str] = ...) -> None: ...
+
+class CountTokensResponse(_message.Message):
+    __slots__ = ("prompt_tokens",)
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...

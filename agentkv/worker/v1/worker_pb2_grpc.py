@@ -75,6 +75,11 @@ class InferenceWorkerStub:
                 request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.GetWorkerInfoResponse.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/agentkv.worker.v1.InferenceWorker/CountTokens',
+                request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensRequest.SerializeToString,
+                response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceWorkerServicer:
@@ -139,6 +144,15 @@ class InferenceWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountTokens(self, request, context):
+        """Counts the tokens a conversation renders to through the model's chat template, as a new
+        agent's first turn would render it, ready for the reply. Nothing runs and nothing is
+        kept (Anthropic's count_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +195,11 @@ def add_InferenceWorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.FromString,
                     response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.GetWorkerInfoResponse.SerializeToString,
+            ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensRequest.FromString,
+                    response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +419,33 @@ class InferenceWorker:
             '/agentkv.worker.v1.InferenceWorker/GetWorkerInfo',
             agentkv_dot_worker_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
             agentkv_dot_worker_dot_v1_dot_worker__pb2.GetWorkerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentkv.worker.v1.InferenceWorker/CountTokens',
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensRequest.SerializeToString,
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,
