@@ -99,6 +99,14 @@ def parse_messages(body: Any) -> ChatCall:
     )
 
 
+def parse_count(body: Any) -> ChatCall:
+    """A count_tokens body (a Messages body without max_tokens or stream) as a ChatCall."""
+    for name in ("max_tokens", "stream"):
+        if isinstance(body, dict) and name in body:
+            raise invalid(f"{name}: count_tokens takes none", name, "unsupported_parameter")
+    return parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body)
+
+
 def _system(system: Any) -> list[dict[str, Any]]:
     """The system prompt (a string or text blocks) as a leading system message, if any."""
     if system is None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -145,9 +146,17 @@ class Gateway:
         """Anthropic's POST /v1/messages: the same agents, turns and figures."""
         return await self._converse(request, ANTHROPIC)
 
-    async def _converse(self, request: Request, api: API) -> Response:
-        namespace = self._namespace(request)
-        call = api.parse(await self._body(request), self.config.max_tokens)
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's POST /v1/messages/count_tokens: the conversation's tokens through the
+        model's chat template, counted by a worker (the first that answers)."""
+        self._namespace(request)
+        call = await self._call(request, anthropic.parse_count)
+        tokens = await self._first_worker(lambda w: w.count_tokens(call.messages, call.tools))
+        return JSONResponse({"input_tokens": tokens})
+
+    async def _call(self, request: Request, parse: Callable[[Any], ChatCall]) -> ChatCall:
+        """The request's body, checked, for the model served here (else a 404)."""
+        call = parse(await self._body(request))
         if call.model != await self._model():
             raise HTTPError(
                 404,
@@ -156,6 +165,11 @@ class Gateway:
                 "model",
                 "model_not_found",
             )
+        return call
+
+    async def _converse(self, request: Request, api: API) -> Response:
+        namespace = self._namespace(request)
+        call = await self._call(request, lambda body: api.parse(body, self.config.max_tokens))
         memory = self.memory.in_namespace(namespace)
         headers = request.headers
         named, session = headers.get("x-agent-id", ""), headers.get("x-session-id", "")
@@ -296,13 +310,21 @@ class Gateway:
     async def _info(self) -> Any:
         """The first worker's GetWorkerInfo that answers; 503 when none does. Its
         fingerprint is kept."""
+        info = await self._first_worker(lambda worker: worker.info())
+        self.fingerprint = info.fingerprint
+        return info
+
+    async def _first_worker(self, ask: Callable[[Any], Awaitable[T]]) -> T:
+        """ask(worker) of the first worker that answers; 503 when none does. An answer that
+        is an error of the request's own (not a worker unreachable) is raised."""
         for worker in self.memory.workers.values():
             try:
-                info = await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
-            except (AgentKVError, asyncio.TimeoutError):
+                return await asyncio.wait_for(ask(worker), INFO_TIMEOUT)
+            except AgentKVError as exc:
+                if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                    raise
+            except asyncio.TimeoutError:
                 continue
-            self.fingerprint = info.fingerprint
-            return info
         raise HTTPError(503, "no worker answers", "service_unavailable", code="unavailable")
 
     async def _start(
@@ -528,6 +550,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         for method, path, route in (
             ("POST", "/v1/chat/completions", gateway.chat),
             ("POST", "/v1/messages", gateway.messages),
+            ("POST", "/v1/messages/count_tokens", gateway.count_tokens),
             ("GET", "/v1/models", gateway.models),
             ("GET", "/v1/models/{model:path}", gateway.one_model),
             ("GET", "/v1/agents", gateway.agents),

@@ -18,6 +18,7 @@ import anthropic
 import pytest
 
 from agentkv import defaults
+from agentkv.client.worker import WorkerClient
 from agentkv.gateway.anthropic import MessageReply, parse_messages
 from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.launch import gateway_process, store_process, worker_process
@@ -307,6 +308,27 @@ def test_stop_sequences_and_max_tokens_end_a_reply_as_anthropics_do(stack):
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
 
 
+def test_count_tokens_is_the_prompt_a_fresh_agent_gets(stack):
+    client, messages = stack.client(), [{"role": "user", "content": ASK[0]}]
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
+    first = ask(client, messages, "counted")
+    assert counted.input_tokens == first.usage.input_tokens + first.usage.cache_read_input_tokens
+    messages += [{"role": "assistant", "content": first.content},
+                 {"role": "user", "content": ASK[1]}]  # fmt: skip
+    with WorkerClient(stack.worker.address) as worker:
+        hot = worker.info().num_hot_agents
+        counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
+        assert worker.info().num_hot_agents == hot  # counting makes no agent
+    fresh = ask(client, messages, "counted-fresh")  # told the whole conversation at once
+    assert counted.input_tokens == fresh.usage.input_tokens + fresh.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-opus", messages=messages)
+    with pytest.raises(anthropic.BadRequestError, match="count_tokens takes none"):
+        client.messages.count_tokens(model=MODEL, messages=messages, extra_body={"max_tokens": 8})
+    with pytest.raises(anthropic.BadRequestError, match="no tool-call format"):
+        client.messages.count_tokens(model=MODEL, messages=messages, tools=[TOOL])
+
+
 def test_bad_requests_get_anthropics_error_format(stack):
     client = stack.client()
     with pytest.raises(anthropic.BadRequestError) as caught:
@@ -424,3 +446,8 @@ def test_a_tool_loop_comes_back_as_tool_use_blocks_and_resumes_warm(tools):
     [streamed] = [block for block in final.content if block.type == "tool_use"]
     assert (streamed.name, streamed.input) == (TOOL_CALL["name"], TOOL_CALL["arguments"])
     assert final.stop_reason == "tool_use"
+    # count_tokens with the tools: the loop's prompt, as the tokenizer's template renders it
+    counted = client.messages.count_tokens(
+        model="qwen-tools", system="You are a weather assistant.", messages=messages, tools=[TOOL]
+    )
+    assert counted.input_tokens == tools.prompt_tokens(conversation)
