@@ -194,6 +194,8 @@ def _call(item: Any) -> ToolCall:
         raise ValueError("a tool call without a name")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(loads(arguments), dict):  # a client reads them as an object
+        raise ValueError("a tool call's arguments are not a JSON object")
     # 9 letters and digits: the ids Mistral's templates accept (OpenAI's have no format)
     return ToolCall("".join(secrets.choice(_ID_CHARS) for _ in range(9)), name, arguments)
 

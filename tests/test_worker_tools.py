@@ -321,6 +321,13 @@ def test_a_call_the_parser_refuses_goes_out_as_text():
     assert (text, calls) == ("<tool_call>not json</tool_call> after", [])
 
 
+@pytest.mark.parametrize("arguments", ['"Paris"', "null", "[1, 2]", '"{not json"', "7"])
+def test_a_call_whose_arguments_are_no_json_object_goes_out_as_text(arguments):
+    """Clients read a call's arguments as an object (Anthropic's tool_use input is one)."""
+    said = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    assert _split([said]) == (said, [], "")
+
+
 def test_a_call_cut_before_its_end_is_flushed_as_text():
     text, calls, rest = _split(['a <tool_call>{"name": "f"'])
     assert (text, calls, rest) == ("a ", [], '<tool_call>{"name": "f"')
