@@ -3,11 +3,12 @@ the OpenAI route makes too (so a conversation goes to the same agent, whichever 
 it), the reply as a Message and as Anthropic's stream events, and errors as Anthropic's error
 JSON, with the HTTP status the OpenAI route gives.
 
-Content blocks map onto OpenAI-style messages: a message's text blocks are joined; an
-assistant's tool_use blocks are its tool calls (input as JSON text); a user's tool_result
-blocks are tool messages, each in its place among the message's text. Custom tools
-({name, description, input_schema}) reach the chat template as function tools. cache_control
-is taken and needs nothing: every conversation's cache is kept anyway.
+Content blocks map onto OpenAI-style messages: a message's text blocks are joined (as the
+OpenAI route joins text parts); an assistant's tool_use blocks are its tool calls (input as
+JSON text); a user's tool_result blocks, which come first, are tool messages; user messages
+in a row are one, as Anthropic reads them. Custom tools ({name, description, input_schema})
+reach the chat template as function tools. cache_control is taken and needs nothing: every
+conversation's cache is kept anyway.
 """
 
 from __future__ import annotations
@@ -36,38 +37,48 @@ IGNORED = {"model", "messages", "max_tokens", "stream", "system", "metadata", "s
 IGNORED |= {"cache_control", "inference_geo", "user_profile_id", "workspace_id"}
 # Older clients' sampling fields (the SDK since 2.x sends none: 1.0 is Anthropic's default).
 SAMPLING = {"temperature", "top_p", "top_k", "stop_sequences"}
-TOOLING = {"tools", "tool_choice"}
-NEUTRAL = {  # accepted at these values only
-    "thinking": ({"type": "disabled"},),
+CHECKED = {"tools", "tool_choice", "thinking", "output_config", "context_management"}
+NEUTRAL = {  # accepted at these values only (or null)
     "speed": ("standard",),
     "container": (),
-    "output_config": (),  # no structured output (constrained decoding)
     "diagnostics": (),  # would ask why the cache missed; agentkv's reason is its usage
 }
+# Thinking the model may do or not: a reply without thinking is a valid answer to all three.
+THINKING = ("disabled", "adaptive", "enabled")
 BLOCK_KEYS = {
     "text": {"type", "text", "cache_control", "citations"},
-    "tool_use": {"type", "id", "name", "input", "cache_control"},
+    "tool_use": {"type", "id", "name", "input", "cache_control", "caller"},
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
 }
 TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict"}
+TOOL_KEYS |= {"eager_input_streaming"}  # calls are streamed whole anyway
+# Claude Code's first system block: a per-request billing stamp, no instruction to the model.
+# Kept, it would make every request another conversation (llama.cpp and vLLM drop it too).
+BILLING = "x-anthropic-billing-header:"
 ERROR_TYPES = {  # HTTP status -> Anthropic's error type
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
 }
-STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+STOP_REASONS = {"length": "max_tokens", "deadline": "max_tokens", "none": "max_tokens"}
+STOP_REASONS |= {"tool_calls": "tool_use"}
+TOO_LONG = "prompt is too long: "  # Anthropic's words, which clients look for to compact
 
 
 def error_body(error: HTTPError) -> dict[str, Any]:
     """An error as Anthropic's JSON: its type (by status) and message."""
     kind = ERROR_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if error.code == "context_length_exceeded":
+        message = TOO_LONG + message
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def parse_messages(body: Any) -> ChatCall:
@@ -76,12 +87,13 @@ def parse_messages(body: Any) -> ChatCall:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name in body:
-        if not any(name in known for known in (IGNORED, SAMPLING, TOOLING, NEUTRAL)):
-            raise invalid(f"{name}: unsupported parameter", name, "unsupported_parameter")
+        if not any(name in known for known in (IGNORED, SAMPLING, CHECKED, NEUTRAL)):
+            raise invalid(f"{name!r}: unsupported parameter", name, "unsupported_parameter")
     for name, neutral in NEUTRAL.items():
         if body.get(name) not in (None, *neutral):
             allowed = " or ".join(map(repr, (None, *neutral)))
             raise invalid(f"{name}: only {allowed} is supported", name, "unsupported_value")
+    _hints(body)
     model = typed(body, "model", str, None)
     if not model:
         raise invalid("model: a model id is required", "model")
@@ -107,17 +119,51 @@ def parse_count(body: Any) -> ChatCall:
     return parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body)
 
 
+def _hints(body: dict) -> None:
+    """Fields that ask the model for what it may or may not do, taken when no answer breaks
+    them: thinking (none is returned), output_config's effort, context_management that
+    clears thinking (there is none to clear). A structured output format (constrained
+    decoding) or clearing tool uses (an edit of the history) is refused."""
+    thinking = typed(body, "thinking", dict, None) or {"type": "disabled"}
+    if thinking.get("type") not in THINKING:
+        raise invalid(f"thinking.type must be one of {', '.join(THINKING)}", "thinking.type")
+    config = typed(body, "output_config", dict, None) or {}
+    _known(config, {"effort"}, "output_config")
+    typed(config, "effort", str, None, "output_config")
+    context = typed(body, "context_management", dict, None) or {}
+    _known(context, {"edits"}, "context_management")
+    edits = typed(context, "edits", list, None, "context_management") or []
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not isinstance(kind, str) or not kind.startswith("clear_thinking"):
+            where = f"context_management.edits.{i}"
+            raise invalid(
+                f"{where}: only clear_thinking edits are supported (agentkv keeps the whole "
+                "conversation the client sends)",
+                where,
+                "unsupported_value",
+            )
+
+
 def _system(system: Any) -> list[dict[str, Any]]:
-    """The system prompt (a string or text blocks) as a leading system message, if any."""
+    """The system prompt (a string or text blocks, less a billing stamp) as a leading system
+    message, if any."""
     if system is None:
         return []
-    text = _text(system, "system") if isinstance(system, list) else None
-    if text is None:
-        if not isinstance(system, str):
-            raise invalid("system must be a string or an array of text blocks", "system")
+    if isinstance(system, list):
+        blocks = [b for b in system if not _billing(b)]
+        text = _text(blocks, "system")
+    elif isinstance(system, str):
         text = system
         utf8(text, "system")
+    else:
+        raise invalid("system must be a string or an array of text blocks", "system")
     return [{"role": "system", "content": text}] if text else []
+
+
+def _billing(block: Any) -> bool:
+    text = block.get("text") if isinstance(block, dict) else None
+    return isinstance(text, str) and text.startswith(BILLING)
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -126,23 +172,27 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     out, asked = [], set()  # asked: the last assistant message's tool_use ids not answered
     for i, message in enumerate(messages):
         where = f"messages.{i}"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise invalid(f'{where}: a message is {{"role": "user" or "assistant", ...}}', where)
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant", "system") or (role == "system" and not i):
+            raise invalid(
+                f'{where}: a message is {{"role": "user", "assistant" or "system" (not first: '
+                'the top-level system is), "content": ...}',
+                where,
+            )
         _known(message, {"role", "content"}, where)
-        content = message.get("content")
-        if isinstance(content, str):
-            utf8(content, f"{where}.content")
-            content = [{"type": "text", "text": content}]
-        if not isinstance(content, list):
-            raise invalid(f"{where}.content must be a string or an array of blocks", where)
-        turn = _assistant(content, where) if message["role"] == "assistant" else None
-        turn = [turn] if turn else _user(content, where, asked)
+        content = _blocks(message.get("content"), where)
+        if role == "assistant":
+            turn = [_assistant(content, where)]
+        elif role == "user":
+            turn = _user(content, where, asked)
+        else:
+            turn = [{"role": "system", "content": _text(content, f"{where}.content")}]
         if asked:
             raise invalid(
                 f"{where}: tool_use ids {sorted(asked)} have no tool_result after them", where
             )
         asked = {call["id"] for call in (turn[0].get("tool_calls") or ())}
-        out += turn
+        _add(out, turn)
     if asked or out[-1]["role"] == "assistant":
         raise invalid(
             "the last message is the assistant's: agentkv does not continue a partial reply",
@@ -150,6 +200,24 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             "unsupported_value",
         )
     return out
+
+
+def _blocks(content: Any, where: str) -> list:
+    """A message's content as blocks (a string is one text block); never none."""
+    if isinstance(content, str):
+        utf8(content, f"{where}.content")
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise invalid(f"{where}.content must be a string or a non-empty array of blocks", where)
+    return content
+
+
+def _add(out: list[dict[str, Any]], turn: list[dict[str, Any]]) -> None:
+    """Appends a message's messages; user text right after user text is one message, as
+    Anthropic reads consecutive user turns."""
+    if out and out[-1]["role"] == "user" and turn[0]["role"] == "user":
+        out[-1]["content"] += "\n\n" + turn.pop(0)["content"]
+    out += turn
 
 
 def _assistant(content: list, where: str) -> dict[str, Any]:
@@ -166,6 +234,8 @@ def _assistant(content: list, where: str) -> dict[str, Any]:
             raise invalid(f"{at}: a tool_use block has a non-empty id and name", at)
         if not isinstance(given, dict):
             raise invalid(f"{at}.input must be an object", f"{at}.input")
+        if block.get("caller") not in (None, {"type": "direct"}):
+            raise invalid(f"{at}.caller: only a direct call", f"{at}.caller", "unsupported_value")
         arguments = json.dumps(given, ensure_ascii=False)
         utf8(call_id + name + arguments, at)
         function = {"name": name, "arguments": arguments}
@@ -175,31 +245,33 @@ def _assistant(content: list, where: str) -> dict[str, Any]:
 
 
 def _user(content: list, where: str, asked: set[str]) -> list[dict[str, Any]]:
-    """A user message: tool_result blocks as tool messages (each answering one of `asked`,
-    removed from it), the text blocks between them as user messages."""
+    """A user message: its tool_result blocks (first, as Anthropic requires) as tool
+    messages, each answering one of `asked` (removed from it), then its text as one user
+    message. A result marked is_error reads "Error: " before its text."""
     out: list[dict[str, Any]] = []
+    texts: list[str] = []
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
         if _block(block, at, ("text", "tool_result")) == "text":
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += block["text"]
-            else:
-                out.append({"role": "user", "content": block["text"]})
+            texts.append(block["text"])
             continue
-        call_id = block.get("tool_use_id")
-        if call_id not in asked:
+        if texts:
+            raise invalid(f"{at}: tool_result blocks come first in a user message", at)
+        call_id = typed(block, "tool_use_id", str, None, at)
+        if not call_id or call_id not in asked:
             raise invalid(
                 f"{at}: a tool_result answers a tool_use of the assistant message before it; "
                 f"{call_id!r} is none of them",
                 f"{at}.tool_use_id",
             )
         asked.discard(call_id)
-        typed(block, "is_error", bool, None, at)
+        error = typed(block, "is_error", bool, None, at)
         result = block.get("content", "")
         text = result if isinstance(result, str) else _text(result, f"{at}.content")
         utf8(text, f"{at}.content")
+        text = f"Error: {text}" if error else text
         out.append({"role": "tool", "content": text, "tool_call_id": call_id})
-    return out or [{"role": "user", "content": ""}]
+    return out + ([{"role": "user", "content": "".join(texts)}] if texts else [])
 
 
 def _block(block: Any, where: str, kinds: Sequence[str]) -> str:
@@ -219,7 +291,7 @@ def _block(block: Any, where: str, kinds: Sequence[str]) -> str:
     return kind
 
 
-def _text(blocks: list, where: str) -> str:
+def _text(blocks: Any, where: str) -> str:
     """Text blocks (a system prompt, a tool's result) joined."""
     if not isinstance(blocks, list):
         raise invalid(f"{where} must be a string or an array of text blocks", where)
@@ -238,7 +310,8 @@ def _known(obj: dict, known: set[str], where: str) -> None:
 def _tools(body: dict) -> tuple[str, int]:
     """The custom tools as function tools' compact JSON (the OpenAI route's form), and the
     most tool calls a reply may make (1 with disable_parallel_tool_use, else no limit)."""
-    choice = typed(body, "tool_choice", dict, None) or {"type": "auto"}
+    choice = typed(body, "tool_choice", dict, None)
+    choice = {"type": "auto"} if choice is None else choice
     if choice.get("type") != "auto":
         raise invalid(
             f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS.replace('tool_choice ', '')}",
@@ -269,7 +342,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     schema = typed(tool, "input_schema", dict, None, where)
     if schema is None:
         raise invalid(f"{where}.input_schema: a JSON schema object is required", where)
-    typed(tool, "strict", bool, None, where)  # taken, not enforced (no constrained decoding)
+    for flag in ("strict", "eager_input_streaming"):  # taken, not enforced: no constraints
+        typed(tool, flag, bool, None, where)
     description = typed(tool, "description", str, None, where)
     function = {"name": name, "parameters": schema}
     if description is not None:
@@ -278,9 +352,10 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 
 
 def _sampling(body: dict) -> dict[str, Any]:
-    """SamplingParams: max_tokens (required, as Anthropic's), temperature in [0, 1] (1 by
-    default), top_p, top_k, stop_sequences."""
-    out: dict[str, Any] = {"temperature": 1.0}
+    """SamplingParams: max_tokens (required, as Anthropic's; a ceiling, lowered to the room
+    the context has left; 0 only adds the conversation to the cache), temperature in [0, 1]
+    (1 by default), top_p (0: greedy), top_k, stop_sequences."""
+    out: dict[str, Any] = {"temperature": 1.0, "fit_max_tokens": True}
     out |= numbers(body, (("temperature", 0, 1), ("top_p", 0, 1)))
     top_k = typed(body, "top_k", int, None)
     if top_k is not None:
@@ -288,8 +363,8 @@ def _sampling(body: dict) -> dict[str, Any]:
             raise invalid(f"top_k must be at least 0, got {top_k}", "top_k")
         out["top_k"] = top_k
     max_tokens = typed(body, "max_tokens", int, None)
-    if max_tokens is None or not 1 <= max_tokens < 2**32:
-        raise invalid(f"max_tokens: an integer of at least 1 is required, got {max_tokens}")
+    if max_tokens is None or not 0 <= max_tokens < 2**32:
+        raise invalid(f"max_tokens: an integer of at least 0 is required, got {max_tokens}")
     out["max_tokens"] = max_tokens
     stops = typed(body, "stop_sequences", list, None) or []
     if not all(isinstance(s, str) and s for s in stops):
@@ -299,10 +374,14 @@ def _sampling(body: dict) -> dict[str, Any]:
     return out | ({"stop": stops} if stops else {})
 
 
-def stop_reason(usage: Any) -> str:
-    """Anthropic's stop_reason of a turn."""
+def stop_reason(usage: Any, max_tokens: int) -> str:
+    """Anthropic's stop_reason of a turn that asked for up to `max_tokens`: one the context's
+    room cut shorter is "model_context_window_exceeded"; one cut by the gateway's --timeout
+    "max_tokens", as it did not end by itself."""
     if usage.finish_reason == "stop" and usage.stop_sequence:
         return "stop_sequence"
+    if usage.finish_reason == "length" and usage.generated_tokens < max_tokens:
+        return "model_context_window_exceeded"
     return STOP_REASONS.get(usage.finish_reason, "end_turn")
 
 
@@ -324,34 +403,46 @@ def tool_use(call: Any) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
 
 
+def model_json(model: str) -> dict[str, Any]:
+    """The served model as Anthropic's model object."""
+    created = "1970-01-01T00:00:00Z"  # not known: the epoch, as the OpenAI route's 0
+    return {"type": "model", "id": model, "display_name": model, "created_at": created}
+
+
 def event(name: str, data: dict[str, Any]) -> str:
     """One server-sent event as Anthropic sends it: its name, then its JSON."""
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def error_event(error: HTTPError) -> str:
+    return event("error", error_body(error))
+
+
 @dataclass(slots=True)
 class MessageReply:
-    """One reply's id and the pieces of Anthropic's JSON it is sent as: whole, or as stream
-    events. Streamed, white space is held back until text follows it, so that the stream's
-    blocks are the whole reply's (white space before a tool call is no block of its own)."""
+    """One reply's id and the pieces of Anthropic's JSON it is sent as: streamed (opening,
+    text, call, closing), or whole, built by replaying its events through the same steps, so
+    the two are the same message. White space is held back until text follows it: before a
+    call, or at the end after one, it is no block of its own."""
 
     model: str
+    max_tokens: int  # asked for: a reply cut shorter met the context's end
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
-    blocks: int = 0  # content blocks started
+    blocks: list[dict[str, Any]] = field(default_factory=list)  # as a client adds them up
     calls: int = 0  # tool_use blocks sent
     open: bool = False  # a text block is open
     held: str = ""  # white space not yet sent
 
-    def whole(
-        self, text: str, usage: Any, extension: dict[str, Any], tool_calls: Sequence[Any] = ()
-    ) -> dict[str, Any]:
-        keep = text.strip() or (text and not tool_calls)
-        content = [{"type": "text", "text": text}] if keep else []
-        content += [tool_use(call) for call in tool_calls]
-        return self._message(content, stop_reason(usage), usage.stop_sequence or None) | {
-            "usage": usage_json(usage),
-            "agentkv": extension,
-        }
+    @classmethod
+    def of(cls, call: ChatCall) -> MessageReply:
+        return cls(call.model, call.sampling["max_tokens"])
+
+    def whole(self, events: Sequence[Any], usage: Any, extension: dict[str, Any]) -> dict:
+        for item in events:
+            self.text(item) if isinstance(item, str) else self.call(item)
+        self.closing(usage, extension, False)
+        message = self._message(self.blocks, *self._stop(usage))
+        return message | {"usage": usage_json(usage), "agentkv": extension}
 
     def opening(self) -> list[str]:
         start = self._message([], None, None) | {"usage": {"input_tokens": 0, "output_tokens": 0}}
@@ -363,7 +454,9 @@ class MessageReply:
 
     def call(self, call: Any) -> list[str]:
         self.held, self.calls = "", self.calls + 1
-        out = self._close() + self._start(tool_use(call) | {"input": {}})
+        use = tool_use(call)
+        out = self._close() + self._start(use | {"input": {}})
+        self.blocks[-1]["input"] = use["input"]
         delta = {"type": "input_json_delta", "partial_json": call.arguments}
         out += [self._event("content_block_delta", delta=delta)]
         return out + self._close(force=True)
@@ -371,15 +464,16 @@ class MessageReply:
     def closing(self, usage: Any, extension: dict[str, Any], include_usage: bool) -> list[str]:
         out = self._flush() if self.held and (self.open or not self.calls) else []
         out += self._close()
-        delta = {"stop_reason": stop_reason(usage), "stop_sequence": usage.stop_sequence or None}
-        end = {"type": "message_delta", "delta": delta, "usage": usage_json(usage)}
-        return out + [
-            event("message_delta", end | {"agentkv": extension}),
-            event("message_stop", {"type": "message_stop"}),
-        ]
+        reason, stop = self._stop(usage)
+        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop}}
+        end = delta | {"usage": usage_json(usage), "agentkv": extension}
+        return out + [event("message_delta", end), event("message_stop", {"type": "message_stop"})]
 
     def error(self, error: HTTPError) -> str:
-        return event("error", error_body(error))
+        return error_event(error)
+
+    def _stop(self, usage: Any) -> tuple[str, str | None]:
+        return stop_reason(usage, self.max_tokens), usage.stop_sequence or None
 
     def _message(self, content: list, reason: str | None, stop: str | None) -> dict[str, Any]:
         return {
@@ -396,11 +490,12 @@ class MessageReply:
         """The text held, in the open text block or a new one."""
         out = [] if self.open else self._start({"type": "text", "text": ""})
         self.open, delta = True, {"type": "text_delta", "text": self.held}
+        self.blocks[-1]["text"] += self.held
         self.held = ""
         return out + [self._event("content_block_delta", delta=delta)]
 
     def _start(self, block: dict[str, Any]) -> list[str]:
-        self.blocks += 1
+        self.blocks.append(dict(block))
         return [self._event("content_block_start", content_block=block)]
 
     def _close(self, force: bool = False) -> list[str]:
@@ -410,7 +505,7 @@ class MessageReply:
         return [self._event("content_block_stop")]
 
     def _event(self, name: str, **data: Any) -> str:
-        return event(name, {"type": name, "index": self.blocks - 1, **data})
+        return event(name, {"type": name, "index": len(self.blocks) - 1, **data})
 
 
 PING = event("ping", {"type": "ping"})

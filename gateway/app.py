@@ -58,6 +58,7 @@ from agentkv.gateway.protocol import (
     agent_id,
     agentkv_json,
     parse_chat,
+    sse,
     with_creation,
 )
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -76,17 +77,25 @@ STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 @dataclass(frozen=True, slots=True)
 class API:
     """One HTTP API's wire format: its request body checked into a ChatCall (with the
-    gateway's default max_tokens), the reply's builder (the model's id: whole, or streamed:
-    opening, text, call, closing, error), and its error JSON."""
+    gateway's default max_tokens), the reply's builder for a call (whole, from the reply's
+    events; or streamed: opening, text, call, closing, error), its error JSON and its
+    stream's error event."""
 
     parse: Callable[[Any, int], ChatCall]
-    reply: Callable[[str], Any]
+    reply: Callable[[ChatCall], Any]
     error_body: Callable[[HTTPError], dict[str, Any]]
+    error_event: Callable[[HTTPError], str]
 
 
-OPENAI = API(parse_chat, Completion, HTTPError.body)
-ANTHROPIC = API(lambda body, _: anthropic.parse_messages(body), anthropic.MessageReply,
-                anthropic.error_body)  # fmt: skip
+OPENAI = API(
+    parse_chat, lambda call: Completion(call.model), HTTPError.body, lambda e: sse(e.body())
+)
+ANTHROPIC = API(
+    lambda body, _: anthropic.parse_messages(body),
+    anthropic.MessageReply.of,
+    anthropic.error_body,
+    anthropic.error_event,
+)
 
 
 def api_of(path: str) -> API:
@@ -184,7 +193,7 @@ class Gateway:
             "x-agentkv-namespace": namespace,
             "x-agentkv-worker": reply.worker,
         }
-        completion = api.reply(call.model)
+        completion = api.reply(call)
         if call.stream:
             events = self._events(turn, call, completion, namespace)
             headers = facts | STREAM_HEADERS
@@ -200,12 +209,18 @@ class Gateway:
             "x-agentkv-ttft-ms": f"{usage.time_to_first_token_ms:.3f}",
         }
         extension = agentkv_json(namespace, reply.agent.id, reply.worker, usage)
-        whole = completion.whole(reply.text, usage, extension, reply.tool_calls)
+        events = [item async for item in reply.events()]  # whole by now
+        whole = completion.whole(events, usage, extension)
         return JSONResponse(whole, headers=facts)
 
     async def models(self, request: Request) -> Response:
+        """The model served, in OpenAI's list, or Anthropic's for a client that sends its
+        anthropic-version header."""
         self._namespace(request)
         model = await self._model()
+        if "anthropic-version" in request.headers:
+            page = {"data": [anthropic.model_json(model)], "has_more": False}
+            return JSONResponse(page | {"first_id": model, "last_id": model})
         return JSONResponse({"object": "list", "data": [self._model_json(model)]})
 
     async def one_model(self, request: Request) -> Response:
@@ -217,6 +232,8 @@ class Gateway:
                 f"model {request.path_params['model']!r} does not exist here",
                 code="model_not_found",
             )
+        if "anthropic-version" in request.headers:
+            return JSONResponse(anthropic.model_json(model))
         return JSONResponse(self._model_json(model))
 
     async def agents(self, request: Request) -> Response:
@@ -420,6 +437,9 @@ class Gateway:
                 yield piece
         except AgentKVError as exc:
             yield reply_of.error(HTTPError.of(exc))
+        except Exception as exc:  # a bug of ours: the stream still ends with an error event
+            log.exception("a streamed reply failed unexpectedly")
+            yield reply_of.error(HTTPError(500, f"internal error: {type(exc).__name__}"))
         finally:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
@@ -534,7 +554,7 @@ class CutOff:
             if not sent:
                 await JSONResponse(api.error_body(error), status_code=503)(scope, receive, send)
             elif sent[0]["type"] == "http.response.start" or sent[0].get("more_body"):
-                body = api.reply("").error(error).encode()  # the response under way: a stream
+                body = api.error_event(error).encode()  # the response under way is a stream
                 await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

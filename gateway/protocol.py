@@ -96,6 +96,8 @@ class HTTPError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
+        # A lone surrogate (a field's name, quoted back) cannot be sent as UTF-8: escaped.
+        message, param = escaped(message), escaped(param) if param is not None else None
         self.status, self.message, self.kind, self.param, self.code = (
             status,
             message,
@@ -113,6 +115,11 @@ class HTTPError(Exception):
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return {"error": error}
+
+
+def escaped(text: str) -> str:
+    """Text with any lone surrogate written as its escape, so that it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> HTTPError:
@@ -412,8 +419,6 @@ def _known(obj: dict, known: set[str], where: str) -> None:
 def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {"temperature": 1.0}  # OpenAI's default: sampled
     out |= numbers(body, (("temperature", 0, 2), ("top_p", 0, 1)))
-    if out.get("top_p", 1.0) <= 1e-6:  # the worker's 0 turns nucleus off; OpenAI's is greedy
-        out["temperature"], out["top_p"] = 0.0, 1.0
     given = _max_tokens(body)
     out["max_tokens"] = given or default_max_tokens
     if given is None:  # as OpenAI: the reply may use what room the context has left
@@ -441,6 +446,8 @@ def numbers(body: dict, ranges: Sequence[tuple[str, float, float]]) -> dict[str,
         if not number or not low <= value <= high:
             raise invalid(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
         out[name] = float(value)
+    if out.get("top_p", 1.0) <= 1e-6:  # the worker's 0 turns nucleus off; the APIs' is greedy
+        out["temperature"], out["top_p"] = 0.0, 1.0
     return out
 
 
@@ -541,11 +548,12 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     calls: int = 0  # tool calls streamed
 
-    def whole(
-        self, text: str, usage: Any, extension: dict[str, Any], tool_calls: Sequence[Any] = ()
-    ) -> dict[str, Any]:
-        """The whole reply. With tool calls, its content is null when the model wrote no
-        other text than white space (as OpenAI's)."""
+    def whole(self, events: Sequence[Any], usage: Any, extension: dict[str, Any]) -> dict[str, Any]:
+        """The whole reply, from its events (text pieces and tool calls, in order). With tool
+        calls, its content is null when the model wrote no other text than white space (as
+        OpenAI's)."""
+        text = "".join(e for e in events if isinstance(e, str))
+        tool_calls = [e for e in events if not isinstance(e, str)]
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message["content"] = text if text.strip() else None

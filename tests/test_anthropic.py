@@ -19,7 +19,7 @@ import pytest
 
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
-from agentkv.gateway.anthropic import MessageReply, parse_messages
+from agentkv.gateway.anthropic import MessageReply, error_body, parse_messages
 from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -78,7 +78,9 @@ def test_a_conversation_is_the_same_call_through_either_api():
     assert ours.messages == theirs.messages
     assert ours.tools == theirs.tools and ours.scope == theirs.scope
     assert ours.anonymous_id() == theirs.anonymous_id()  # so it reaches the same agent
-    assert ours.sampling == {"temperature": 1.0, "max_tokens": 8}
+    # max_tokens is a ceiling, as Anthropic's current models read it: lowered to the room
+    # the context has left
+    assert ours.sampling == {"temperature": 1.0, "max_tokens": 8, "fit_max_tokens": True}
     assert not ours.stream and ours.max_tool_calls == 0
     single = {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}
     assert parse_messages(anthropic_body(**single)).max_tool_calls == 1
@@ -90,7 +92,7 @@ def test_a_conversation_is_the_same_call_through_either_api():
     neutral |= {"cache_control": {"type": "ephemeral"}, "service_tier": "auto"}
     sampling = parse_messages(anthropic_body(**options, **neutral)).sampling
     assert sampling == {"temperature": 0.0, "top_p": 0.5, "top_k": 40, "max_tokens": 8,
-                        "stop": ["\n\n"]}  # fmt: skip
+                        "stop": ["\n\n"], "fit_max_tokens": True}  # fmt: skip
 
 
 def edited(path: str, value) -> dict:
@@ -112,19 +114,33 @@ def edited(path: str, value) -> dict:
     "path, value, param",
     [
         ("max_tokens", ..., None),  # required, as Anthropic's
-        ("max_tokens", 0, None),
+        ("max_tokens", -1, None),
         ("temperature", 1.5, "temperature"),  # Anthropic's range is [0, 1]
         ("top_k", -1, "top_k"),
         ("stop_sequences", [""], "stop_sequences"),
-        ("thinking", {"type": "enabled", "budget_tokens": 1024}, "thinking"),
+        ("thinking", {"type": "sometimes"}, "thinking.type"),
         ("mcp_servers", [], "mcp_servers"),
-        ("output_config", {"format": {"type": "json_schema"}}, "output_config"),
+        ("output_config", {"format": {"type": "json_schema"}}, "output_config.format"),
+        (
+            "context_management",
+            {"edits": [{"type": "clear_tool_uses_20250919"}]},
+            "context_management.edits.0",
+        ),
+        ("tool_choice", {}, "tool_choice"),
         ("speed", "fast", "speed"),
         ("system", 7, "system"),
         ("metadata", {"user_id": 7}, "metadata.user_id"),
         ("messages", [], "messages"),
         ("messages.0.role", "system", "messages.0"),
         ("messages.0.content.0", {"type": "image", "source": {}}, "messages.0.content.0.type"),
+        ("messages.0.content", [], "messages.0"),
+        ("messages.2.content.0.tool_use_id", ["toolu_01"], "messages.2.content.0.tool_use_id"),
+        (
+            "messages.2.content",
+            [{"type": "text", "text": "first"}, {"type": "tool_result", "tool_use_id": "toolu_01"}],
+            "messages.2.content.1",
+        ),
+        ("messages.1.content.1.caller", {"type": "code_execution"}, "messages.1.content.1.caller"),
         ("messages.0.content.0.citations", [{"type": "x"}], "messages.0.content.0"),
         ("messages.1.content.1.input", "Paris", "messages.1.content.1.input"),
         ("messages.2.content.0.tool_use_id", "toolu_02", "messages.2.content.0.tool_use_id"),
@@ -164,11 +180,12 @@ def test_a_streamed_reply_adds_up_to_the_whole_one():
     call = pb.ToolCall(id="abc123XYZ", name="get_weather", arguments='{"city": "Paris"}')
     usage = pb.Usage(prompt_tokens=30, prefilled_tokens=10, generated_tokens=12,
                      finish_reason="tool_calls")  # fmt: skip
-    whole = MessageReply("m").whole("Let me look.", usage, {}, [call])
+    items = ["Let ", "me look.", "\n", call, "\n"]  # as the worker sends them
+    whole = MessageReply("m", 16).whole(items, usage, {})
     assert whole["stop_reason"] == "tool_use" and whole["stop_sequence"] is None
     assert whole["usage"] == {"input_tokens": 10, "cache_creation_input_tokens": 0,
                               "cache_read_input_tokens": 20, "output_tokens": 12}  # fmt: skip
-    events = stream_of(MessageReply("m"), ["Let ", "me look.", "\n", call, "\n"], usage)
+    events = stream_of(MessageReply("m", 16), items, usage)
     names = [name for name, _ in events]
     assert names == ["message_start", "ping", "content_block_start", "content_block_delta",
                      "content_block_delta", "content_block_stop", "content_block_start",
@@ -185,16 +202,63 @@ def test_a_streamed_reply_adds_up_to_the_whole_one():
             else:
                 block["input"] = json.loads(delta["partial_json"])
     assert blocks == whole["content"]  # white space around the call makes no block
+    assert [b["type"] for b in blocks] == ["text", "tool_use"]
+    assert blocks[0]["text"] == "Let me look." and blocks[1]["input"] == {"city": "Paris"}
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
     # A reply ended by a stop sequence names it; white space alone is a reply too.
     stopped = pb.Usage(finish_reason="stop", stop_sequence="\n\n")
-    message = MessageReply("m").whole(" ", stopped, {})
+    message = MessageReply("m", 16).whole([" "], stopped, {})
     assert message["stop_reason"] == "stop_sequence" and message["stop_sequence"] == "\n\n"
     assert message["content"] == [{"type": "text", "text": " "}]
-    streamed = stream_of(MessageReply("m"), [" "], stopped)
-    assert [data["delta"]["text"] for name, data in streamed if name == "content_block_delta"] == [
-        " "
-    ]
+    streamed = stream_of(MessageReply("m", 16), [" "], stopped)
+    texts = [data["delta"]["text"] for name, data in streamed if name == "content_block_delta"]
+    assert texts == [" "]
+    # Cut short by the context's end, by --timeout, or asked for no reply (max_tokens 0)
+    ends = {
+        ("length", 16): "max_tokens",
+        ("length", 9): "model_context_window_exceeded",
+        ("deadline", 3): "max_tokens",
+        ("none", 0): "max_tokens",
+        ("stop", 5): "end_turn",
+    }
+    for (finish, made), reason in ends.items():
+        usage = pb.Usage(finish_reason=finish, generated_tokens=made)
+        assert MessageReply("m", 16).whole([], usage, {})["stop_reason"] == reason
+
+
+def test_what_clients_send_besides_the_conversation_is_taken_as_they_mean_it():
+    """Claude Code's per-request billing stamp is no part of the system prompt; a system
+    message later in the conversation, hints the model may ignore (thinking, effort,
+    clearing thinking), a failed tool's result, user turns in a row and top_p 0."""
+    stamp = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=fa690;"}
+    body = anthropic_body()
+    body["system"].insert(0, stamp)
+    assert parse_messages(body).messages == parse_messages(anthropic_body()).messages
+    assert parse_messages(body).anonymous_id() == parse_messages(anthropic_body()).anonymous_id()
+    body = anthropic_body(thinking={"type": "adaptive"}, output_config={"effort": "high"},
+                          context_management={"edits": [{"type": "clear_thinking_20251015"}]},
+                          top_p=0)  # fmt: skip
+    body["messages"][2]["content"][0]["is_error"] = True
+    body["messages"] += [{"role": "user", "content": "And Rome?"},
+                         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                         {"role": "user", "content": "Please."}]  # fmt: skip
+    call = parse_messages(body)
+    assert [m["role"] for m in call.messages] == ["system", "user", "assistant", "tool", "user",
+                                                  "system", "user"]  # fmt: skip
+    assert call.messages[3]["content"] == "Error: " + RESULT
+    assert call.messages[4]["content"] == "Thanks!\n\nAnd Rome?"  # one user turn
+    assert call.sampling["temperature"] == 0.0 and call.sampling["top_p"] == 1.0  # greedy
+    use = body["messages"][1]["content"][1] | {"caller": {"type": "direct"}}
+    body["messages"][1]["content"][1] = use
+    body["tools"][0]["eager_input_streaming"] = True
+    assert parse_messages(body).messages == call.messages
+
+
+def test_an_error_quoting_a_lone_surrogate_is_still_json():
+    with pytest.raises(HTTPError) as caught:
+        parse_messages(anthropic_body(**{"\ud800": 1}))
+    body = error_body(caught.value)
+    assert json.loads(json.dumps(body, ensure_ascii=False).encode())["error"]["message"]
 
 
 # Against real processes: text on the default model
@@ -346,8 +410,29 @@ def test_bad_requests_get_anthropics_error_format(stack):
     # Tools for a model whose template has no tool-call format: the worker's refusal.
     with pytest.raises(anthropic.BadRequestError, match="no tool-call format"):
         ask(client, [{"role": "user", "content": "Hi"}], "no-tools", tools=[TOOL])
-    with pytest.raises(anthropic.BadRequestError, match="over the model's limit of 8192"):
-        ask(client, [{"role": "user", "content": "Hi"}], "bad", max_tokens=9000)  # past its 8,192
+    # A prompt past the model's context, in Anthropic's words (clients look for them)
+    with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: .* 8192"):
+        ask(client, [{"role": "user", "content": "apple " * 9000}], "too-long")
+    # A field named with a lone surrogate escape: quoted back escaped, still JSON
+    status, answer = post(stack.gateway.address, "/v1/messages",
+                          {"model": MODEL, "max_tokens": 2, "\ud800": 1})  # fmt: skip
+    assert status == 400 and "\\ud800" in answer["error"]["message"]
+
+
+def test_max_tokens_past_the_context_is_a_ceiling_and_0_only_fills_the_cache(stack):
+    client, messages = stack.client(), [{"role": "user", "content": ASK[0]}]
+    warmed = ask(client, messages, "prefetched", max_tokens=0)
+    assert warmed.content == [] and warmed.stop_reason == "max_tokens"
+    assert warmed.usage.output_tokens == 0 and warmed.usage.input_tokens > 0
+    # 20,000 tokens, past SmolLM2's 8,192 (Claude Code asks for 32,000, streamed; the SDK
+    # refuses more than ~21,000 without a stream)
+    reply = ask(client, messages, "prefetched", max_tokens=20000)
+    held = warmed.usage.input_tokens + warmed.usage.cache_read_input_tokens
+    assert reply.usage.cache_read_input_tokens == held  # all but the generation prompt
+    assert reply.agentkv["cache_state"] == "hot" and text_of(reply)
+    assert reply.stop_reason == "end_turn"
+    models = client.models.list()  # Anthropic's shape, for a client that says its version
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].type == "model"
 
 
 def test_an_api_key_is_a_bearer_token(stack, tmp_path):
@@ -378,6 +463,10 @@ def test_an_api_key_is_a_bearer_token(stack, tmp_path):
                        "or X-Api-Key)"}}  # fmt: skip
     finally:
         gateway.stop()
+
+
+def _no_ids(blocks: list) -> list[dict]:
+    return [{k: v for k, v in b.model_dump().items() if k != "id"} for b in blocks]
 
 
 def post(address: str, path: str, body: dict, **headers: str) -> tuple[int, dict]:
@@ -446,6 +535,8 @@ def test_a_tool_loop_comes_back_as_tool_use_blocks_and_resumes_warm(tools):
     [streamed] = [block for block in final.content if block.type == "tool_use"]
     assert (streamed.name, streamed.input) == (TOOL_CALL["name"], TOOL_CALL["arguments"])
     assert final.stop_reason == "tool_use"
+    # the same message as the whole reply (the worker's text before the call included)
+    assert _no_ids(final.content) == _no_ids(first.content)
     # count_tokens with the tools: the loop's prompt, as the tokenizer's template renders it
     counted = client.messages.count_tokens(
         model="qwen-tools", system="You are a weather assistant.", messages=messages, tools=[TOOL]
