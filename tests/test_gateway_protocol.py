@@ -343,7 +343,7 @@ def test_a_reply_that_calls_tools_is_written_as_openais():
     calls = [pb.ToolCall(id="call_a", name="get_weather", arguments='{"city": "Paris"}'),
              pb.ToolCall(id="call_b", name="get_time", arguments="{}")]  # fmt: skip
     completion = Completion("m")
-    whole = completion.whole("\n", usage, {}, calls)
+    whole = completion.whole(["\n", *calls], usage, {})  # the reply's events, in order
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"] == {
@@ -356,9 +356,9 @@ def test_a_reply_that_calls_tools_is_written_as_openais():
              "function": {"name": "get_time", "arguments": "{}"}},
         ],
     }  # fmt: skip
-    said = completion.whole("Checking.", usage, {}, calls[:1])["choices"][0]["message"]
+    said = completion.whole(["Checking.", calls[0]], usage, {})["choices"][0]["message"]
     assert said["content"] == "Checking." and len(said["tool_calls"]) == 1
-    plain = completion.whole("Hi", pb.Usage(finish_reason="stop"), {})["choices"][0]
+    plain = completion.whole(["Hi"], pb.Usage(finish_reason="stop"), {})["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "Hi"}  # no tool_calls key
     chunk = completion.tool_call_chunk(calls[1], 1)
     assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == whole["id"]
