@@ -37,6 +37,7 @@ from inference_worker.agents import SYSTEM_KEY, Agent
 from inference_worker.blocks import cache_blocks
 from inference_worker.chat import ChatState, Mark, common_prefix
 from inference_worker.metrics import WorkerMetrics
+from inference_worker.tools import pack_tools, unpack_tools
 
 log = logging.getLogger("agentkv.worker")
 REPLY_OPEN = "agentkv.reply_open"
@@ -47,7 +48,8 @@ DIGEST = "agentkv.digest"
 MARKS = "agentkv.marks"
 APPLIED = "agentkv.applied"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
-TOOLS = "agentkv.tools."  # + chunk index: the conversation's tools (ChatState.tools)
+TOOLS = "agentkv.toolsz."  # + chunk index: the conversation's tools, packed (pack_tools)
+PLAIN_TOOLS = "agentkv.tools."  # + chunk index: as written before they were packed
 INTERNAL_PREFIX = "agentkv."  # metadata keys that are the worker's own, not the caller's
 SYSTEM_CHUNK = 4096  # the store's longest metadata value
 Written = tuple[list[bytes], int, list[int]]  # Snapshot.written
@@ -62,7 +64,7 @@ def check_metadata(metadata: dict[str, str], system: str, tools: str = "") -> di
     saved."""
     own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID, APPLIED)}
     own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
-    own |= _chunks(SYSTEM, system) | _chunks(TOOLS, tools)
+    own |= _chunks(SYSTEM, system) | _chunks(TOOLS, pack_tools(tools))
     try:
         ids.metadata({**metadata, **own})
     except InvalidArgument as exc:
@@ -96,7 +98,8 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
     }
     if chat.applied:
         out[APPLIED] = chat.applied
-    return out | _chunks(SYSTEM, "" if chat.opened else chat.system) | _chunks(TOOLS, chat.tools)
+    out |= _chunks(SYSTEM, "" if chat.opened else chat.system)
+    return out | _chunks(TOOLS, pack_tools(chat.tools))
 
 
 def _chunks(prefix: str, text: str) -> dict[str, str]:
@@ -123,7 +126,7 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
         digest=metadata.get(DIGEST, ""),
         marks=_marks(metadata.get(MARKS, "")),
         applied=metadata.get(APPLIED, ""),
-        tools=_joined(TOOLS, metadata),
+        tools=unpack_tools(_joined(TOOLS, metadata)) or _joined(PLAIN_TOOLS, metadata),
     )
 
 

@@ -9,16 +9,22 @@ model wrote is dropped.
 
 from __future__ import annotations
 
+import base64
+import functools
 import json
 import secrets
 import string
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.errors import InvalidArgument
 
-MAX_TOOLS_CHARS = 32 << 10  # as compact JSON: the agent keeps them in its store metadata
+# The agent keeps its tools in its store metadata, compressed (pack_tools): at most this
+# many characters so, of at most MAX_TOOLS_CHARS as compact JSON.
+MAX_PACKED_TOOLS = 64 << 10
+MAX_TOOLS_CHARS = 1 << 20
 MAX_ARGUMENTS_CHARS = 1 << 20
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -77,11 +83,24 @@ def canonical_tools(text: str) -> str:
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidArgument(f"tool {i} has no function name")
     out = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    if len(out) > MAX_TOOLS_CHARS:
+    if len(out) > MAX_TOOLS_CHARS or len(pack_tools(out)) > MAX_PACKED_TOOLS:
         raise InvalidArgument(
-            f"tools are {len(out)} characters as compact JSON, limit {MAX_TOOLS_CHARS}"
+            f"tools are {len(out)} characters as compact JSON, {len(pack_tools(out))} "
+            f"compressed; an agent keeps at most {MAX_PACKED_TOOLS} compressed (of at most "
+            f"{MAX_TOOLS_CHARS} as JSON)"
         )
     return out
+
+
+@functools.lru_cache(maxsize=64)  # an agent's tools are packed again at every save
+def pack_tools(tools: str) -> str:
+    """Canonical tools as the agent's metadata keeps them: zlib-compressed, base64 (tool
+    schemas compress 4-8 times: many tools fit the store's metadata room)."""
+    return base64.b64encode(zlib.compress(tools.encode(), 9)).decode() if tools else ""
+
+
+def unpack_tools(packed: str) -> str:
+    return zlib.decompress(base64.b64decode(packed)).decode() if packed else ""
 
 
 def _canonical(arguments: str) -> str:

@@ -6,6 +6,7 @@ Qwen 2.5's template, answering every conversation with TOOL_CALL by greedy decod
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -173,7 +174,7 @@ def test_bad_tools_and_misplaced_calls_are_refused_and_change_nothing(stub):
         "tools is not JSON": dict(tools="[{"),
         "not {": dict(tools=json.dumps([{"type": "web_search"}])),
         "has no function name": dict(tools=json.dumps([{"type": "function", "function": {}}])),
-        "limit 32768": dict(tools=json.dumps([WEATHER] * 200)),
+        "at most 65536 compressed": dict(tools=json.dumps([_noise_tool(150_000)])),
     }
     say = [pb.Message(role="user", content="Paris?")]
     for words, fields in cases.items():
@@ -216,7 +217,7 @@ def test_new_tools_that_leave_no_room_in_the_agent_s_metadata_are_refused(stub):
     for i in range(22):
         request.metadata[f"notes{i}"] = "n" * 4000
     stub.CreateAgent(request, timeout=60)
-    big = {**WEATHER, "function": {**WEATHER["function"], "description": "d" * 8000}}
+    big = _noise_tool(8000)  # two metadata values, packed
     with pytest.raises(grpc.RpcError) as caught:
         _turn(
             stub,
@@ -296,6 +297,58 @@ def _template(call: pb.ToolCall) -> dict:
         "type": "function",
         "function": {"name": call.name, "arguments": arguments},
     }
+
+
+def _noise_tool(size: int) -> dict:
+    """A tool whose description is `size` characters that do not compress (hex digits of
+    random bytes: zlib and base64 leave them about as long)."""
+    noise = random.Random(size).randbytes(size // 2).hex()
+    return {**WEATHER, "function": {**WEATHER["function"], "description": noise}}
+
+
+# Tools as the agent's metadata keeps them (persistence.chat_metadata), sans I/O
+
+
+def _stdlib_tools() -> list[dict]:
+    """Function tools as agent frameworks write them: one per public function of a few
+    standard modules, its docstring the description, its parameters a JSON schema."""
+    import inspect
+    import logging
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    import textwrap
+
+    tools = []
+    for module in (os, shutil, textwrap, json, inspect, logging, subprocess, tempfile):
+        for name, fn in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(fn) or not fn.__doc__:
+                continue
+            params = list(inspect.signature(fn).parameters)
+            properties = {p: {"type": "string", "description": f"the {p}"} for p in params}
+            schema = {"type": "object", "properties": properties, "required": params[:1]}
+            function = {"name": f"{module.__name__}_{name}", "description": fn.__doc__,
+                        "parameters": schema}  # fmt: skip
+            tools.append({"type": "function", "function": function})
+    return tools
+
+
+def test_a_large_tool_list_is_kept_packed_and_comes_back_whole():
+    from inference_worker.chat import ChatState
+    from inference_worker.persistence import chat_metadata, chat_state, check_metadata
+    from inference_worker.tools import canonical_tools
+
+    tools = canonical_tools(json.dumps(_stdlib_tools()))
+    assert len(tools) > 96 << 10  # past what the store keeps of an agent's metadata
+    check_metadata({}, "You are a helpful agent. " * 400, tools)  # a long system prompt too
+    chat = ChatState(system="sys", opened=False, digest="d", tools=tools)
+    metadata = chat_metadata(chat)
+    assert chat_state(metadata).tools == tools and chat_state(metadata).system == "sys"
+    # an agent saved before tools were packed keeps them as plain text
+    plain = {k: v for k, v in metadata.items() if not k.startswith("agentkv.toolsz.")}
+    plain |= {f"agentkv.tools.{i}": tools[i * 4096 : (i + 1) * 4096] for i in range(40)}
+    assert chat_state(plain).tools == tools
 
 
 # ReplyCalls alone: text pieces as a detokenizer gives them.
