@@ -5,10 +5,9 @@ JSON, with the HTTP status the OpenAI route gives.
 
 Content blocks map onto OpenAI-style messages: a message's text blocks are joined (as the
 OpenAI route joins text parts); an assistant's tool_use blocks are its tool calls (input as
-JSON text); a user's tool_result blocks, which come first, are tool messages; user messages
-in a row are one, as Anthropic reads them. Custom tools ({name, description, input_schema})
-reach the chat template as function tools. cache_control is taken and needs nothing: every
-conversation's cache is kept anyway.
+JSON text); a user's tool_result blocks, which come first, are tool messages. Custom tools
+({name, description, input_schema}) reach the chat template as function tools. cache_control
+is taken and needs nothing: every conversation's cache is kept anyway.
 """
 
 from __future__ import annotations
@@ -81,9 +80,10 @@ def error_body(error: HTTPError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def parse_messages(body: Any) -> ChatCall:
+def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     """The request body as a ChatCall; HTTPError 400 for anything agentkv would not do as
-    Anthropic specifies (an unknown field or a refused value is never silently dropped)."""
+    Anthropic specifies (an unknown field or a refused value is never silently dropped).
+    `counting`: a count_tokens body, which may end with the assistant's message."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     for name in body:
@@ -101,7 +101,7 @@ def parse_messages(body: Any) -> ChatCall:
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
     return ChatCall(
         model,
-        [*_system(body.get("system")), *_messages(body.get("messages"))],
+        [*_system(body.get("system")), *_messages(body.get("messages"), counting)],
         bool(typed(body, "stream", bool, False)),
         False,
         _sampling(body),
@@ -116,7 +116,7 @@ def parse_count(body: Any) -> ChatCall:
     for name in ("max_tokens", "stream"):
         if isinstance(body, dict) and name in body:
             raise invalid(f"{name}: count_tokens takes none", name, "unsupported_parameter")
-    return parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body)
+    return parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body, True)
 
 
 def _hints(body: dict) -> None:
@@ -166,7 +166,9 @@ def _billing(block: Any) -> bool:
     return isinstance(text, str) and text.startswith(BILLING)
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def _messages(messages: Any, counting: bool = False) -> list[dict[str, Any]]:
+    """The conversation as OpenAI-style messages. Unless `counting` (count_tokens counts a
+    conversation that ends with the assistant's message too), a reply is what comes next."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages: a non-empty array of messages is required", "messages")
     out, asked = [], set()  # asked: the last assistant message's tool_use ids not answered
@@ -192,8 +194,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
                 f"{where}: tool_use ids {sorted(asked)} have no tool_result after them", where
             )
         asked = {call["id"] for call in (turn[0].get("tool_calls") or ())}
-        _add(out, turn)
-    if asked or out[-1]["role"] == "assistant":
+        out += turn
+    if not counting and (asked or out[-1]["role"] == "assistant"):
         raise invalid(
             "the last message is the assistant's: agentkv does not continue a partial reply",
             f"messages.{len(messages) - 1}",
@@ -210,14 +212,6 @@ def _blocks(content: Any, where: str) -> list:
     if not isinstance(content, list) or not content:
         raise invalid(f"{where}.content must be a string or a non-empty array of blocks", where)
     return content
-
-
-def _add(out: list[dict[str, Any]], turn: list[dict[str, Any]]) -> None:
-    """Appends a message's messages; user text right after user text is one message, as
-    Anthropic reads consecutive user turns."""
-    if out and out[-1]["role"] == "user" and turn[0]["role"] == "user":
-        out[-1]["content"] += "\n\n" + turn.pop(0)["content"]
-    out += turn
 
 
 def _assistant(content: list, where: str) -> dict[str, Any]:

@@ -66,6 +66,13 @@ from agentkv.worker.v1 import worker_pb2 as pb
 log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")
 INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
+PASSED_BY = {  # what a worker answers that another may not: _first_worker asks the next
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNIMPLEMENTED,  # an older worker, during a rolling upgrade
+    grpc.StatusCode.UNAUTHENTICATED,  # the gateway's --upstream-* credentials, not the client's
+    grpc.StatusCode.PERMISSION_DENIED,
+}
 # Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
 # worker's next step, and the agent cannot be deleted before.
 SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
@@ -293,8 +300,9 @@ class Gateway:
         if self.tokens is None:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        who = self.tokens.principal(token or request.headers.get("x-api-key", "").strip())
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        given = (bearer, request.headers.get("x-api-key", "").strip())  # either may be valid
+        who = next(filter(None, (self.tokens.principal(t) for t in given if t)), None)
         if who is None:
             raise HTTPError(
                 401,
@@ -332,17 +340,21 @@ class Gateway:
         return info
 
     async def _first_worker(self, ask: Callable[[Any], Awaitable[T]]) -> T:
-        """ask(worker) of the first worker that answers; 503 when none does. An answer that
-        is an error of the request's own (not a worker unreachable) is raised."""
-        for worker in self.memory.workers.values():
+        """ask(worker) of the first worker that answers. One that cannot (unreachable, slow,
+        too old for the call, refusing the gateway's own credentials) is passed by; any
+        other error is the request's, raised. None answers: a 503 saying the last why."""
+        last = "no worker is configured"
+        for address, worker in self.memory.workers.items():
             try:
                 return await asyncio.wait_for(ask(worker), INFO_TIMEOUT)
             except AgentKVError as exc:
-                if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                if exc.code not in PASSED_BY:
                     raise
+                last = f"{address}: {exc.message}"
             except asyncio.TimeoutError:
-                continue
-        raise HTTPError(503, "no worker answers", "service_unavailable", code="unavailable")
+                last = f"{address}: no answer within {INFO_TIMEOUT:g} s"
+        message = f"no worker answers (last: {last})"
+        raise HTTPError(503, message, "service_unavailable", code="unavailable")
 
     async def _start(
         self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
@@ -439,7 +451,8 @@ class Gateway:
             yield reply_of.error(HTTPError.of(exc))
         except Exception as exc:  # a bug of ours: the stream still ends with an error event
             log.exception("a streamed reply failed unexpectedly")
-            yield reply_of.error(HTTPError(500, f"internal error: {type(exc).__name__}"))
+            error = HTTPError(500, f"internal error: {type(exc).__name__}", "server_error")
+            yield reply_of.error(error)
         finally:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()

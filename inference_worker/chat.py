@@ -207,10 +207,11 @@ class ChatFormat:
 
     def count(self, messages: Sequence[ChatMessage], tools: str = "") -> int:
         """The tokens a whole conversation renders to as a new agent's first turn, ready
-        for its reply."""
+        for its reply (or, ending with the assistant's message, as it stands)."""
         self.check_tools(tools, messages)
         start = resume([], ChatState(), messages, tools)
-        return len(self.extend(start.tokens, start.state, start.messages, True)[0])
+        reply = not messages or messages[-1].role != "assistant"
+        return len(self.extend(start.tokens, start.state, start.messages, reply)[0])
 
     def check_tools(self, tools: str, messages: Sequence[ChatMessage] = ()) -> None:
         """Refuses tools, tool calls and tool results for a model whose tool calls would not

@@ -213,10 +213,16 @@ def _call(item: Any) -> ToolCall:
         raise ValueError("a tool call without a name")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    if not isinstance(loads(arguments), dict):  # a client reads them as an object
+    parsed = json.loads(arguments, parse_constant=_no_constant)  # NaN: no JSON to clients
+    if not isinstance(parsed, dict):  # a client reads them as an object
         raise ValueError("a tool call's arguments are not a JSON object")
+    json.dumps(parsed, allow_nan=False, ensure_ascii=False).encode()  # 1e999, "\ud800": no
     # 9 letters and digits: the ids Mistral's templates accept (OpenAI's have no format)
     return ToolCall("".join(secrets.choice(_ID_CHARS) for _ in range(9)), name, arguments)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON value")
 
 
 def _partial_suffix(text: str, marker: str) -> int:

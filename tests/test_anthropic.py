@@ -24,6 +24,7 @@ from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
+from tests.helpers import free_address
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL
 from tests.test_tools import ToolStack
 
@@ -243,10 +244,11 @@ def test_what_clients_send_besides_the_conversation_is_taken_as_they_mean_it():
                          {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
                          {"role": "user", "content": "Please."}]  # fmt: skip
     call = parse_messages(body)
+    # user turns in a row stay apart (so a conversation filled with max_tokens 0 goes on warm)
     assert [m["role"] for m in call.messages] == ["system", "user", "assistant", "tool", "user",
-                                                  "system", "user"]  # fmt: skip
+                                                  "user", "system", "user"]  # fmt: skip
     assert call.messages[3]["content"] == "Error: " + RESULT
-    assert call.messages[4]["content"] == "Thanks!\n\nAnd Rome?"  # one user turn
+    assert [m["content"] for m in call.messages[4:6]] == ["Thanks!", "And Rome?"]
     assert call.sampling["temperature"] == 0.0 and call.sampling["top_p"] == 1.0  # greedy
     use = body["messages"][1]["content"][1] | {"caller": {"type": "direct"}}
     body["messages"][1]["content"][1] = use
@@ -268,7 +270,7 @@ class Stack:
     """A store, a worker on SmolLM2 and a gateway (with a token table when `tokens`)."""
 
     def __init__(self, root: Path, tokens: Path | None = None) -> None:
-        model = resolve_model(defaults.MODEL, "auto", "cpu", root / "model-cache")
+        self.model = model = resolve_model(defaults.MODEL, "auto", "cpu", root / "model-cache")
         self.store = store_process(root / "data", root / "store.log").start()
         self.worker = worker_process(
             str(model), self.store.address, root / "worker.log", extra_args=["--block-tokens", "64"]
@@ -277,6 +279,17 @@ class Stack:
         self.gateway = gateway_process(
             [self.worker.address], root / "gateway.log", self.store.address, "127.0.0.1:0", flags
         ).start()
+
+    def rendered(self, messages: list[dict], reply: bool = False) -> int:
+        """Tokens of a conversation as the model's own chat template renders it, as it
+        stands or (`reply`) ready for the reply."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model))
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=reply, return_dict=False
+        )
+        return len(ids)
 
     def client(self, **options) -> anthropic.Anthropic:
         options.setdefault("api_key", "unused")
@@ -385,6 +398,11 @@ def test_count_tokens_is_the_prompt_a_fresh_agent_gets(stack):
         assert worker.info().num_hot_agents == hot  # counting makes no agent
     fresh = ask(client, messages, "counted-fresh")  # told the whole conversation at once
     assert counted.input_tokens == fresh.usage.input_tokens + fresh.usage.cache_read_input_tokens
+    # a history that ends with the assistant's message counts as it stands (LangChain's
+    # trim_messages counts such), as the model's own template renders it
+    said = [messages[0], {"role": "assistant", "content": "Paris."}]
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=said)
+    assert counted.input_tokens == stack.rendered([{"role": "system", "content": SYSTEM}, *said])
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="claude-opus", messages=messages)
     with pytest.raises(anthropic.BadRequestError, match="count_tokens takes none"):
@@ -458,9 +476,29 @@ def test_an_api_key_is_a_bearer_token(stack, tmp_path):
         for key, status in (("token-a-0123456789", 200), ("token-b-0123456789", 401)):
             answer = post(gateway.address, "/v1/messages", body, **{"x-api-key": key})
             assert answer[0] == status
+        both = {"x-api-key": "token-a-0123456789", "authorization": "Bearer stale"}
+        assert post(gateway.address, "/v1/messages", body, **both)[0] == 200  # either will do
         assert answer[1] == {"type": "error", "error": {"type": "authentication_error",
             "message": "a valid bearer token is required (Authorization: Bearer ..., "
                        "or X-Api-Key)"}}  # fmt: skip
+    finally:
+        gateway.stop()
+
+
+def test_a_worker_that_cannot_answer_is_passed_by(stack, tmp_path):
+    """count_tokens asks the first worker that answers: a dead one is passed by."""
+    flags = ["--model-name", MODEL]
+    workers = [free_address(), stack.worker.address]
+    gateway = gateway_process(
+        workers, tmp_path / "gateway.log", stack.store.address, "127.0.0.1:0", flags
+    ).start()
+    try:
+        client = anthropic.Anthropic(
+            base_url=f"http://{gateway.address}", api_key="x", max_retries=0
+        )
+        messages = [{"role": "user", "content": ASK[0]}]
+        counted = client.messages.count_tokens(model=MODEL, messages=messages)
+        assert counted.input_tokens == stack.rendered(messages, reply=True)
     finally:
         gateway.stop()
 

@@ -374,7 +374,11 @@ def test_a_call_the_parser_refuses_goes_out_as_text():
     assert (text, calls) == ("<tool_call>not json</tool_call> after", [])
 
 
-@pytest.mark.parametrize("arguments", ['"Paris"', "null", "[1, 2]", '"{not json"', "7"])
+@pytest.mark.parametrize(
+    "arguments",
+    ['"Paris"', "null", "[1, 2]", '"{not json"', "7", '{"x": NaN}', '{"y": 1e999}',
+     '{"s": "\\ud800"}'],  # the last three: no JSON a client can read, or no UTF-8
+)  # fmt: skip
 def test_a_call_whose_arguments_are_no_json_object_goes_out_as_text(arguments):
     """Clients read a call's arguments as an object (Anthropic's tool_use input is one)."""
     said = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
