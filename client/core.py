@@ -317,6 +317,16 @@ class BaseAgent:
         self.state = state
         return state
 
+    def prefetch(self) -> MaybeAwaitable[pb.Usage]:
+        """Brings the agent into its worker's RAM now, ahead of its next turn: restored from
+        the store if it was evicted (or its worker restarted), so that turn starts hot.
+        Nothing is added to its context. The usage says what it took: cache_state "hot" (it
+        was in RAM) or "warm" (restore_path, restored_bytes; restore_failure if the store's
+        copy could not be used and it was re-prefilled)."""
+        mem = self.memory
+        usage = attrgetter("usage")
+        return self._call(lambda w: w.turn(mem.namespace, self.id, [], max_tokens=0), usage)
+
     def evict(self) -> MaybeAwaitable[bool]:
         """Drops the agent from its worker's RAM once durable; False if it was not hot."""
         evicted = attrgetter("evicted")

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agentkv import ids
 from agentkv.auth import Principal, TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
 from agentkv.errors import (
@@ -251,6 +253,20 @@ class Gateway:
         fields = ("agent_id", "tier", "num_tokens", "num_bytes", "persisted_tokens", "phase")
         agents = [{f: getattr(a, f) for f in fields} for a in await memory.agents()]
         return JSONResponse({"object": "list", "data": agents})
+
+    async def prefetch(self, request: Request) -> Response:
+        """agentkv's own POST /v1/agents/{id}/prefetch: brings the agent into its worker's
+        RAM ahead of its next call (restored from the store if it was evicted, or its worker
+        restarted), adding nothing to its context; what that took."""
+        namespace = self._namespace(request)
+        agent_id = ids.agent_id(request.path_params["agent"], "the agent id")
+        started = time.perf_counter()
+        usage = await AsyncAgent(self.memory.in_namespace(namespace), agent_id).prefetch()
+        fields = ("cache_state", "restore_path", "restored_bytes", "restore_failure")
+        body = {"object": "agentkv.prefetch", "namespace": namespace, "agent_id": agent_id}
+        body |= {name: getattr(usage, name) for name in fields}
+        body["time_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        return JSONResponse(body)
 
     async def health(self, request: Request) -> Response:
         """200 while at least one worker answers, 503 when none does. With a token table,
@@ -587,6 +603,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             ("GET", "/v1/models", gateway.models),
             ("GET", "/v1/models/{model:path}", gateway.one_model),
             ("GET", "/v1/agents", gateway.agents),
+            ("POST", "/v1/agents/{agent}/prefetch", gateway.prefetch),
             ("GET", "/health", gateway.health),
         )
     ]

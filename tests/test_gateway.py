@@ -251,6 +251,32 @@ def test_after_a_worker_restart_the_next_call_is_warm(stack):
     assert reply.choices[0].message.content == fresh[1].text
 
 
+def test_an_agent_prefetched_after_a_worker_restart_answers_hot(stack):
+    client = stack.client()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK[0]}]
+    first = ask(client, messages, "prefetched")
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": ASK[1]},
+    ]
+    stack.sdk.wait_durable("default", "prefetched")
+    stack.restart_worker()
+    fetched = raw(stack.gateway.address, "POST", "/v1/agents/prefetched/prefetch")
+    assert fetched.status == 200, fetched.text
+    body = fetched.json()
+    assert (body["agent_id"], body["namespace"], body["cache_state"]) == (
+        "prefetched", "default", "warm")  # fmt: skip
+    assert body["restored_bytes"] > 0 and not body["restore_failure"]
+    reply = ask(client, messages, "prefetched")
+    assert reply.agentkv["cache_state"] == "hot"  # restored before the call came
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert reply.usage.prompt_tokens_details.cached_tokens == held  # as without a restart
+    missing = raw(stack.gateway.address, "POST", "/v1/agents/nobody/prefetch")
+    assert missing.status == 404 and missing.json()["error"]["code"] == "not_found"
+    bad = raw(stack.gateway.address, "POST", "/v1/agents/bad%20id/prefetch")
+    assert bad.status == 400
+
+
 def test_an_edited_history_answers_as_a_fresh_agent(stack):
     client = stack.client()
     messages = [{"role": "system", "content": SYSTEM}]

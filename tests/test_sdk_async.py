@@ -245,3 +245,40 @@ def test_closing_a_reply_another_task_reads_ends_it_for_every_reader(tiny_model_
     before = asyncio.run(run())
     with AgentMemory(address) as mem:
         assert said_again(mem.agent("a"), Q2).usage.prompt_tokens < before + 1024
+
+
+def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(
+    tiny_model_dirs, start_worker, store_process
+):
+    """An evicted agent, prefetched, is in RAM with its context unchanged: its next turn is
+    hot and prefills only its new message. Sync and asyncio."""
+    from agentkv.client.memory import Agent
+
+    address = start_worker(tiny_model_dirs["llama"]).address
+    with AgentMemory(address, durable=True) as mem:
+        agent = mem.agent("fetched", system=SYSTEM)
+        agent.say(Q1, max_tokens=8).wait()
+        before = agent.describe()
+        assert agent.evict() and agent.describe().tier == "warm"
+        usage = agent.prefetch()
+        assert usage.cache_state == "warm" and usage.restored_bytes > 0
+        assert not usage.restore_failure and usage.generated_tokens == 0
+        after = agent.describe()
+        assert after.tier == "hot" and after.num_tokens == before.num_tokens  # nothing added
+        assert agent.prefetch().cache_state == "hot"  # already there: nothing to do
+        reply = agent.say(Q2, max_tokens=8)
+        assert reply.usage.cache_state == "hot"
+        assert reply.usage.prefilled_tokens == reply.usage.prompt_tokens - before.num_tokens
+        with pytest.raises(AgentNotFound):
+            Agent(mem, "nobody").prefetch()
+
+    async def run() -> tuple[str, str]:
+        async with AsyncAgentMemory(address, durable=True) as amem:
+            agent = await amem.agent("fetched-async", system=SYSTEM)
+            await (await agent.say(Q1, max_tokens=4)).wait()
+            await agent.evict()
+            fetched = await agent.prefetch()
+            reply = await (await agent.say(Q2, max_tokens=4)).wait()
+            return fetched.cache_state, reply.usage.cache_state
+
+    assert asyncio.run(run()) == ("warm", "hot")
