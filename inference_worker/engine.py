@@ -249,6 +249,10 @@ class Engine:
         agent = self._checkout(job, usage, view, fetched)
         if agent is None:
             return False
+        if _prefetch(job) and self.batcher.holds(agent):  # in RAM, mid-turn: nothing to do
+            usage.prompt_tokens, usage.finish_reason = len(agent.tokens), "none"
+            job.end(usage)
+            return True
         turn, tokens, chat = self._prepare(job, agent, usage)
         if turn.pending:
             self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
@@ -509,6 +513,11 @@ def _reply(turn: ActiveTurn) -> ChatMessage:
         return ChatMessage("assistant", turn.stops.text)
     unsent = turn.stops.text[turn.stops.sent :]
     return ChatMessage("assistant", turn.calls.text + unsent, tuple(turn.calls.calls))
+
+
+def _prefetch(job: TurnJob) -> bool:
+    """A turn that adds nothing and asks for nothing: the SDK's prefetch."""
+    return not (job.messages or job.sampling.max_tokens or job.whole_conversation)
 
 
 def _check_own_tools(agent: Agent, tools: str) -> None:
