@@ -327,6 +327,13 @@ class BaseAgent:
         usage = attrgetter("usage")
         return self._call(lambda w: w.turn(mem.namespace, self.id, [], max_tokens=0), usage)
 
+    def pin(self, pinned: bool = True) -> MaybeAwaitable[pb.AgentState]:
+        """Pins the agent in its worker's RAM (or, with False, unpins it): when room is
+        needed, it is evicted last. The pin lasts while that worker runs; it does not
+        restore an evicted agent (prefetch() does)."""
+        mem = self.memory
+        return self._call(lambda w: w.pin(mem.namespace, self.id, pinned), self._described)
+
     def evict(self) -> MaybeAwaitable[bool]:
         """Drops the agent from its worker's RAM once durable; False if it was not hot."""
         evicted = attrgetter("evicted")

@@ -307,6 +307,13 @@ class BaseWorkerClient:
         request = pb.DeleteAgentRequest(namespace=namespace, agent_id=agent_id)
         return self._unary("DeleteAgent", request, attrgetter("deleted"))
 
+    def pin(
+        self, namespace: str, agent_id: str, pinned: bool = True
+    ) -> MaybeAwaitable[pb.AgentState]:
+        """Pins the agent in this worker's RAM (evicted last), or unpins it."""
+        request = pb.PinAgentRequest(namespace=namespace, agent_id=agent_id, pinned=pinned)
+        return self._unary("PinAgent", request, agent_of)
+
     def info(self) -> MaybeAwaitable[pb.GetWorkerInfoResponse]:
         return self._unary("GetWorkerInfo", pb.GetWorkerInfoRequest(), same)
 

@@ -18,6 +18,7 @@ from agentkv.errors import (
     AgentExists,
     AgentKVError,
     OutOfRange,
+    ResourceExhausted,
     SystemPromptDiffers,
 )
 from inference_worker.chat import ChatState, common_prefix
@@ -182,6 +183,9 @@ class Checkpoint:
         return all(rewound)
 
 
+MAX_PINNED = 1024  # agents pinned on one worker (PinAgent)
+
+
 class HotTier:
     """LRU agents under a byte budget, and when they leave it; owned by the MLX thread (no
     locking needed)."""
@@ -190,6 +194,18 @@ class HotTier:
         self.budget_bytes = budget_bytes
         self.metrics = metrics or WorkerMetrics()
         self._agents: OrderedDict[AgentId, Agent] = OrderedDict()
+        self.pinned: set[AgentId] = set()  # evicted last (PinAgent); in RAM or not
+
+    def pin(self, agent_id: AgentId, pinned: bool) -> None:
+        if pinned and agent_id not in self.pinned and len(self.pinned) >= MAX_PINNED:
+            raise ResourceExhausted(f"{MAX_PINNED} agents are pinned on this worker already")
+        (self.pinned.add if pinned else self.pinned.discard)(agent_id)
+
+    def _by_eviction(self) -> list[Agent]:
+        """The agents in the order they give way: unpinned ones least recently used first,
+        then pinned ones so."""
+        agents = list(self._agents.values())
+        return sorted(agents, key=lambda a: a.id in self.pinned)  # stable: LRU within each
 
     def get(self, agent_id: AgentId) -> Agent | None:
         agent = self._agents.get(agent_id)
@@ -214,12 +230,11 @@ class HotTier:
     def enforce(self, keep: set[AgentId] | frozenset[AgentId] = frozenset()) -> list[Agent]:
         """Evicts least recently used durable agents until under budget; returns them."""
         evicted = []
-        for agent_id in list(self._agents):
+        for agent in self._by_eviction():
             if self.nbytes <= self.budget_bytes:
                 break
-            agent = self._agents[agent_id]
-            if agent_id not in keep and agent.durable and not agent.persist_failed:
-                evicted.append(self._agents.pop(agent_id))
+            if agent.id not in keep and agent.durable and not agent.persist_failed:
+                evicted.append(self._agents.pop(agent.id))
         if self.nbytes > self.budget_bytes:
             log.warning(
                 "hot tier over budget: agents not yet durable",
@@ -241,7 +256,7 @@ class HotTier:
         hot tier is a cache, and a turn must not wait for RAM that only idle agents hold.
         Least recently used first, and only durable ones (their state is in the store).
         Returns the bytes idle agents still hold."""
-        idle = [a for a in self._agents.values() if a.id not in busy]  # LRU first
+        idle = [a for a in self._by_eviction() if a.id not in busy]  # LRU first, pinned last
         held = sum(a.nbytes for a in idle)
         for agent in idle:
             if held <= room:

@@ -407,7 +407,15 @@ class Engine:
     def describe_hot(self, ns: str, agent_id: str) -> AgentInfo | None:
         """The agent's state if it is in RAM here; None if only the store may hold it."""
         agent = self.hot.get((ns, agent_id))
-        return agent.info("hot") if agent is not None else None
+        if agent is None:
+            return None
+        info = agent.info("hot")
+        info.pinned = agent.id in self.hot.pinned
+        return info
+
+    def pin(self, ns: str, agent_id: str, pinned: bool) -> None:
+        """Pins the agent (it need not be in RAM now), or unpins it: see HotTier."""
+        self.hot.pin((ns, agent_id), pinned)
 
     def fork_source(self, ns: str, source_id: str, agent_id: str) -> bool:
         """Checks a fork can start here; whether its source is in RAM (it must then be made
@@ -455,6 +463,7 @@ class Engine:
             raise FailedPrecondition(
                 f"agent {agent_id!r} has a turn in progress: delete it once the turn ends"
             )
+        self.hot.pin((ns, agent_id), False)
         return self.hot.pop((ns, agent_id))
 
     def keep(self, agent: Agent) -> None:

@@ -83,7 +83,14 @@ class Front:
         m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.runtime.fingerprint)
         tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
         sizes = len(m.token_ids), m.num_bytes, sum(m.block_num_tokens)
-        return AgentInfo(m.namespace, m.agent_id, tier, *sizes, m.generation, m.phase)
+        pinned = (ns, agent_id) in self.engine.hot.pinned
+        return AgentInfo(m.namespace, m.agent_id, tier, *sizes, m.generation, m.phase, pinned)
+
+    def pin(self, ns: str, agent_id: str, pinned: bool) -> AgentInfo:
+        """Pins or unpins an agent that exists (here or in the store: NOT_FOUND if not)."""
+        self.describe(ns, agent_id)
+        self._mlx(self.engine.pin, ids.namespace(ns), ids.agent_id(agent_id), pinned)
+        return self.describe(ns, agent_id)
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         """Drops the agent from RAM once its whole cache is committed."""

@@ -155,6 +155,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         deleted = self.front.delete(request.namespace, request.agent_id)
         return pb.DeleteAgentResponse(deleted=deleted)
 
+    def PinAgent(self, request: pb.PinAgentRequest, context) -> pb.PinAgentResponse:
+        auth.check_namespace(request.namespace)
+        info = self.front.pin(request.namespace, request.agent_id, request.pinned)
+        return pb.PinAgentResponse(agent=_state(info))
+
     def CountTokens(self, request: pb.CountTokensRequest, context) -> pb.CountTokensResponse:
         messages = [_message(m) for m in request.messages]
         count = self.engine.chat.count(messages, canonical_tools(request.tools))

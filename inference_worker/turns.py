@@ -77,3 +77,4 @@ class AgentInfo:
     persisted_tokens: int
     generation: int
     phase: str
+    pinned: bool = False

@@ -18,7 +18,7 @@ from agentkv.client.aio import AsyncAgentMemory
 from agentkv.client.memory import AgentMemory
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentKVError, DiskFull, QuotaExceeded, Unavailable
+from agentkv.errors import AgentKVError, AgentNotFound, DiskFull, QuotaExceeded, Unavailable
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
 from tests.helpers import free_address, freeze
@@ -245,6 +245,36 @@ def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worke
     metrics = proc._find_event("serving", 0)["metrics"]
     text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
     assert re.search(r'agentkv_worker_evictions_total\{reason="waiting_turn"\} [1-9]', text)
+
+
+def test_a_pinned_agent_is_evicted_last(tiny_model_dirs, start_worker):
+    """A hot budget that holds a few agents: six others come and go, and the pinned one
+    stays hot though it is the least recently used; unpinned, the same six push it out.
+    Whoever is evicted comes back warm, and the pin is refused for an unknown agent."""
+    proc = start_worker(tiny_model_dirs["llama"], "--hot-budget", "300K")
+    w = WorkerClient(proc.address)
+    w.timeout = 60
+
+    def talk(agent: str) -> None:
+        w.create_agent("ns", agent, SYSTEM)
+        w.turn("ns", agent, Q1, max_tokens=4, durable=True)
+
+    talk("coordinator")
+    state = w.pin("ns", "coordinator")
+    assert state.pinned and state.tier == "hot"
+    for i in range(6):
+        talk(f"pinned-phase-{i}")
+    assert w.describe("ns", "pinned-phase-0").tier == "warm"  # there was pressure
+    state = w.describe("ns", "coordinator")
+    assert state.tier == "hot" and state.pinned
+    assert not w.pin("ns", "coordinator", False).pinned
+    for i in range(6):
+        talk(f"unpinned-phase-{i}")
+    state = w.describe("ns", "coordinator")
+    assert state.tier == "warm" and not state.pinned
+    assert w.turn("ns", "coordinator", Q2, max_tokens=4).usage.cache_state == "warm"
+    with pytest.raises(AgentNotFound):
+        w.pin("ns", "nobody")
 
 
 def conversation(w: WorkerClient, agent: str, questions: list[str]) -> list[list[int]]:

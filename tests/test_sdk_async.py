@@ -271,6 +271,8 @@ def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(
         assert reply.usage.prefilled_tokens == reply.usage.prompt_tokens - before.num_tokens
         with pytest.raises(AgentNotFound):
             Agent(mem, "nobody").prefetch()
+        assert agent.pin().pinned and agent.describe().pinned  # evicted last, from now on
+        assert not agent.pin(False).pinned
         long = agent.say(Q1, max_tokens=3000)  # a turn in flight for seconds
         assert agent.prefetch().cache_state == "hot"  # not "already has a turn in progress"
         long.close()

@@ -226,7 +226,7 @@ class DescribeAgentRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class AgentState(_message.Message):
-    __slots__ = ("namespace", "agent_id", "tier", "num_tokens", "num_bytes", "persisted_tokens", "generation", "phase")
+    __slots__ = ("namespace", "agent_id", "tier", "num_tokens", "num_bytes", "persisted_tokens", "generation", "phase", "pinned")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class AgentState(_message.Message):
     PERSISTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     tier: str
@@ -243,7 +244,8 @@ class AgentState(_message.Message):
     persisted_tokens: int
     generation: int
     phase: str
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., tier: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., persisted_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., tier: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., persisted_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., phase: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class DescribeAgentResponse(_message.Message):
     __slots__ = ("agent",)
@@ -310,3 +312,19 @@ class CountTokensResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class PinAgentRequest(_message.Message):
+    __slots__ = ("namespace", "agent_id", "pinned")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    agent_id: str
+    pinned: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class PinAgentResponse(_message.Message):
+    __slots__ = ("agent",)
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    agent: AgentState
+    def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ...) -> None: ...

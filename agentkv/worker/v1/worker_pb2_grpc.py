@@ -80,6 +80,11 @@ class InferenceWorkerStub:
                 request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensRequest.SerializeToString,
                 response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.PinAgent = channel.unary_unary(
+                '/agentkv.worker.v1.InferenceWorker/PinAgent',
+                request_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.PinAgentRequest.SerializeToString,
+                response_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.PinAgentResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceWorkerServicer:
@@ -153,6 +158,17 @@ class InferenceWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinAgent(self, request, context):
+        """Pins an agent in this worker's RAM, or unpins it: when room is needed, a pinned agent's
+        idle cache is evicted last, after every unpinned one's (a coordinator that every phase
+        talks to stays hot while short-lived agents come and go). The pin is this worker's, in
+        RAM: a restart forgets it. Pinning does not restore an evicted agent: prefetch it (a
+        Turn with no messages and max_tokens 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +216,11 @@ def add_InferenceWorkerServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensRequest.FromString,
                     response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'PinAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinAgent,
+                    request_deserializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.PinAgentRequest.FromString,
+                    response_serializer=agentkv_dot_worker_dot_v1_dot_worker__pb2.PinAgentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +467,33 @@ class InferenceWorker:
             '/agentkv.worker.v1.InferenceWorker/CountTokens',
             agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensRequest.SerializeToString,
             agentkv_dot_worker_dot_v1_dot_worker__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentkv.worker.v1.InferenceWorker/PinAgent',
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.PinAgentRequest.SerializeToString,
+            agentkv_dot_worker_dot_v1_dot_worker__pb2.PinAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,
