@@ -268,6 +268,16 @@ class Gateway:
         body["time_ms"] = round((time.perf_counter() - started) * 1000, 3)
         return JSONResponse(body)
 
+    async def pin(self, request: Request) -> Response:
+        """agentkv's own POST /v1/agents/{id}/pin and /unpin: the agent's cache is evicted
+        last from its worker's RAM (or no longer so); the agent as it now stands."""
+        namespace = self._namespace(request)
+        agent_id = ids.agent_id(request.path_params["agent"], "the agent id")
+        pinned = request.url.path.endswith("/pin")
+        state = await AsyncAgent(self.memory.in_namespace(namespace), agent_id).pin(pinned)
+        fields = ("agent_id", "tier", "num_tokens", "num_bytes", "pinned")
+        return JSONResponse({"namespace": namespace} | {f: getattr(state, f) for f in fields})
+
     async def health(self, request: Request) -> Response:
         """200 while at least one worker answers, 503 when none does. With a token table,
         each worker's address and state only for a caller with a valid token."""
@@ -604,6 +614,8 @@ def create_app(config: GatewayConfig) -> Starlette:
             ("GET", "/v1/models/{model:path}", gateway.one_model),
             ("GET", "/v1/agents", gateway.agents),
             ("POST", "/v1/agents/{agent}/prefetch", gateway.prefetch),
+            ("POST", "/v1/agents/{agent}/pin", gateway.pin),
+            ("POST", "/v1/agents/{agent}/unpin", gateway.pin),
             ("GET", "/health", gateway.health),
         )
     ]

@@ -271,6 +271,9 @@ def test_an_agent_prefetched_after_a_worker_restart_answers_hot(stack):
     assert reply.agentkv["cache_state"] == "hot"  # restored before the call came
     held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert reply.usage.prompt_tokens_details.cached_tokens == held  # as without a restart
+    pinned = raw(stack.gateway.address, "POST", "/v1/agents/prefetched/pin").json()
+    assert pinned["pinned"] and pinned["tier"] == "hot" and pinned["agent_id"] == "prefetched"
+    assert not raw(stack.gateway.address, "POST", "/v1/agents/prefetched/unpin").json()["pinned"]
     missing = raw(stack.gateway.address, "POST", "/v1/agents/nobody/prefetch")
     assert missing.status == 404 and missing.json()["error"]["code"] == "not_found"
     bad = raw(stack.gateway.address, "POST", "/v1/agents/bad%20id/prefetch")
