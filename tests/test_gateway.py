@@ -233,17 +233,24 @@ def test_the_agent_comes_from_the_first_identity_given(stack):
         agent({"X-Agent-Id": "no spaces allowed"})
 
 
-def test_after_a_worker_restart_the_next_call_is_warm(stack):
-    client = stack.client()
-    fresh = sdk_turns(stack, "restart-twin", ASK[:2])
+def said_then_restarted(stack: Stack, client: openai.OpenAI, agent: str) -> tuple[Any, list]:
+    """The agent's first call (ASK[0]), durable; then its worker restarted. That call's
+    reply and the conversation with the next question."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK[0]}]
-    first = ask(client, messages, "restarted")
+    first = ask(client, messages, agent)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": ASK[1]},
     ]
-    stack.sdk.wait_durable("default", "restarted")
+    stack.sdk.wait_durable("default", agent)
     stack.restart_worker()
+    return first, messages
+
+
+def test_after_a_worker_restart_the_next_call_is_warm(stack):
+    client = stack.client()
+    fresh = sdk_turns(stack, "restart-twin", ASK[:2])
+    first, messages = said_then_restarted(stack, client, "restarted")
     reply = ask(client, messages, "restarted")
     assert reply.agentkv["cache_state"] == "warm" and not reply.agentkv["restore_failure"]
     held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
@@ -253,14 +260,7 @@ def test_after_a_worker_restart_the_next_call_is_warm(stack):
 
 def test_an_agent_prefetched_after_a_worker_restart_answers_hot(stack):
     client = stack.client()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK[0]}]
-    first = ask(client, messages, "prefetched")
-    messages += [
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": ASK[1]},
-    ]
-    stack.sdk.wait_durable("default", "prefetched")
-    stack.restart_worker()
+    first, messages = said_then_restarted(stack, client, "prefetched")
     fetched = raw(stack.gateway.address, "POST", "/v1/agents/prefetched/prefetch")
     assert fetched.status == 200, fetched.text
     body = fetched.json()
