@@ -23,9 +23,17 @@ from agentkv.errors import (
 )
 from agentkv.v1 import store_pb2 as store_pb
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
+from inference_worker.chat import ChatMessage
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
-from inference_worker.persistence import check_metadata, check_system, fork_metadata, made_by_fork
+from inference_worker.persistence import (
+    INTERNAL_PREFIX,
+    check_metadata,
+    check_system,
+    fork_metadata,
+    made_by_fork,
+)
+from inference_worker.runtime import Runtime
 from inference_worker.turns import AgentInfo, TurnJob
 
 
@@ -42,6 +50,12 @@ class Front:
         if stored is not None:
             raise agent_exists(ns, agent_id, stored.metadata, system, job.tools)
         check_system(system)
+        reserved = sorted(k for k in metadata if k.startswith(INTERNAL_PREFIX))
+        if reserved:
+            raise InvalidArgument(
+                f"metadata key {reserved[0]!r}: keys that start with {INTERNAL_PREFIX!r} are "
+                "the worker's own (the agent's conversation state)"
+            )
         made = {**metadata, SYSTEM_KEY: system_digest(system, job.tools)}
         metadata = check_metadata(made, system, job.tools)
         # Rendered here, not on the MLX thread; it refuses tools the model cannot call.
@@ -56,24 +70,17 @@ class Front:
         ns, agent_id = _checked(job)
         if job.whole_conversation and not job.messages:
             raise InvalidArgument("whole_conversation needs the conversation: no message came")
-        self._check_fits(job)
+        _check_fits(self.engine.runtime, job.messages)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             fetched = self.engine.restorer.fetch(ns, agent_id)
             self._mlx(self.engine.start_turn, job, view, fetched)
 
-    def _check_fits(self, job: TurnJob) -> None:
-        """Refuses messages too long for the context however they tokenize, here on the RPC
-        thread: tokenizing megabytes on the MLX thread would stall every agent's decoding."""
-        rt = self.engine.runtime
-        calls = (c for m in job.messages for c in m.tool_calls)
-        chars = sum(len(m.content) for m in job.messages) + sum(len(c.arguments) for c in calls)
-        if chars > rt.max_context * rt.token_chars:
-            raise OutOfRange(
-                f"messages of {chars} characters are over the model's limit of "
-                f"{rt.max_context} tokens however they tokenize (no token of its vocabulary "
-                f"spells more than {rt.token_chars} characters)"
-            )
+    def count_tokens(self, messages: list[ChatMessage], tools: str) -> int:
+        """A conversation's tokens (ChatFormat.count), here on the RPC thread; one too long
+        for the context however it tokenizes is refused before it is rendered."""
+        _check_fits(self.engine.runtime, messages, len(tools))
+        return self.engine.chat.count(messages, tools)
 
     def describe(self, ns: str, agent_id: str) -> AgentInfo:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
@@ -198,3 +205,17 @@ def _checked(job: TurnJob) -> tuple[str, str]:
     job.namespace, job.agent_id = ids.namespace(job.namespace), ids.agent_id(job.agent_id)
     ids.phase(job.phase)
     return job.namespace, job.agent_id
+
+
+def _check_fits(rt: Runtime, messages: list[ChatMessage], more: int = 0) -> None:
+    """Refuses messages (and `more` characters: tools) too long for the context however they
+    tokenize, here on the RPC thread: tokenizing megabytes on the MLX thread would stall
+    every agent's decoding, and on an RPC thread every other call's."""
+    calls = (c for m in messages for c in m.tool_calls)
+    chars = sum(len(m.content) for m in messages) + sum(len(c.arguments) for c in calls) + more
+    if chars > rt.max_context * rt.token_chars:
+        raise OutOfRange(
+            f"messages of {chars} characters are over the model's limit of "
+            f"{rt.max_context} tokens however they tokenize (no token of its vocabulary "
+            f"spells more than {rt.token_chars} characters)"
+        )

@@ -25,6 +25,7 @@ from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
     AgentKVError,
+    CorruptRecord,
     DeadlineExceeded,
     FailedPrecondition,
     GenerationConflict,
@@ -37,7 +38,7 @@ from inference_worker.agents import SYSTEM_KEY, Agent
 from inference_worker.blocks import cache_blocks
 from inference_worker.chat import ChatState, Mark, common_prefix
 from inference_worker.metrics import WorkerMetrics
-from inference_worker.tools import pack_tools, unpack_tools
+from inference_worker.tools import PLAIN_TOOLS_CHARS, pack_tools, unpack_tools
 
 log = logging.getLogger("agentkv.worker")
 REPLY_OPEN = "agentkv.reply_open"
@@ -64,7 +65,7 @@ def check_metadata(metadata: dict[str, str], system: str, tools: str = "") -> di
     saved."""
     own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID, APPLIED)}
     own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
-    own |= _chunks(SYSTEM, system) | _chunks(TOOLS, pack_tools(tools))
+    own |= _chunks(SYSTEM, system) | tools_metadata(tools)
     try:
         ids.metadata({**metadata, **own})
     except InvalidArgument as exc:
@@ -99,7 +100,15 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
     if chat.applied:
         out[APPLIED] = chat.applied
     out |= _chunks(SYSTEM, "" if chat.opened else chat.system)
-    return out | _chunks(TOOLS, pack_tools(chat.tools))
+    return out | tools_metadata(chat.tools)
+
+
+def tools_metadata(tools: str) -> dict[str, str]:
+    """Tools as metadata: as text when workers before packing could read them (so they
+    keep an agent's tools in a mixed fleet), packed past that."""
+    if len(tools) <= PLAIN_TOOLS_CHARS:
+        return _chunks(PLAIN_TOOLS, tools)
+    return _chunks(TOOLS, pack_tools(tools))
 
 
 def _chunks(prefix: str, text: str) -> dict[str, str]:
@@ -117,7 +126,12 @@ def _joined(prefix: str, metadata: dict[str, str]) -> str:
 
 
 def chat_state(metadata: dict[str, str]) -> ChatState:
-    """ChatState from a manifest's metadata; a manifest without it is an opened one."""
+    """ChatState from a manifest's metadata; a manifest without it is an opened one. Tools
+    that do not unpack are the record's corruption (no worker wrote them so)."""
+    try:
+        packed = unpack_tools(_joined(TOOLS, metadata)) if _joined(TOOLS, metadata) else ""
+    except ValueError as exc:
+        raise CorruptRecord(f"the agent's stored tools cannot be read: {exc}") from None
     return ChatState(
         system=_joined(SYSTEM, metadata),
         opened=metadata.get(OPENED, "1") == "1",
@@ -126,7 +140,7 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
         digest=metadata.get(DIGEST, ""),
         marks=_marks(metadata.get(MARKS, "")),
         applied=metadata.get(APPLIED, ""),
-        tools=unpack_tools(_joined(TOOLS, metadata)) or _joined(PLAIN_TOOLS, metadata),
+        tools=packed or _joined(PLAIN_TOOLS, metadata),
     )
 
 

@@ -162,7 +162,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
     def CountTokens(self, request: pb.CountTokensRequest, context) -> pb.CountTokensResponse:
         messages = [_message(m) for m in request.messages]
-        count = self.engine.chat.count(messages, canonical_tools(request.tools))
+        count = self.front.count_tokens(messages, canonical_tools(request.tools))
         return pb.CountTokensResponse(prompt_tokens=count)
 
     def GetWorkerInfo(self, request: pb.GetWorkerInfoRequest, context) -> pb.GetWorkerInfoResponse:

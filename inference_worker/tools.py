@@ -10,7 +10,8 @@ model wrote is dropped.
 from __future__ import annotations
 
 import base64
-import functools
+import binascii
+import hashlib
 import json
 import secrets
 import string
@@ -21,10 +22,14 @@ from typing import Any
 
 from agentkv.errors import InvalidArgument
 
-# The agent keeps its tools in its store metadata, compressed (pack_tools): at most this
-# many characters so, of at most MAX_TOOLS_CHARS as compact JSON.
+# The agent keeps its tools in its store metadata: as text up to PLAIN_TOOLS_CHARS (what
+# workers before packing read), past that compressed (pack_tools), at most MAX_PACKED_TOOLS
+# characters so, of at most MAX_TOOLS_CHARS as compact JSON.
+PLAIN_TOOLS_CHARS = 32 << 10
 MAX_PACKED_TOOLS = 64 << 10
 MAX_TOOLS_CHARS = 1 << 20
+PACKED = "z1:"  # the codec of a packed value: zlib, then base64
+_packed: dict[str, str] = {}  # sha256 of tools: pack_tools's, for the saves of an agent
 MAX_ARGUMENTS_CHARS = 1 << 20
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -83,24 +88,45 @@ def canonical_tools(text: str) -> str:
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidArgument(f"tool {i} has no function name")
     out = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    if len(out) > MAX_TOOLS_CHARS or len(pack_tools(out)) > MAX_PACKED_TOOLS:
+    size = len(out.encode())
+    packed = len(pack_tools(out)) if len(out) > PLAIN_TOOLS_CHARS and size <= MAX_TOOLS_CHARS else 0
+    if size > MAX_TOOLS_CHARS or packed > MAX_PACKED_TOOLS:
         raise InvalidArgument(
-            f"tools are {len(out)} characters as compact JSON, {len(pack_tools(out))} "
-            f"compressed; an agent keeps at most {MAX_PACKED_TOOLS} compressed (of at most "
-            f"{MAX_TOOLS_CHARS} as JSON)"
+            f"tools are {size} bytes as compact JSON{f', {packed} compressed' if packed else ''}"
+            f"; an agent keeps at most {MAX_PACKED_TOOLS} characters of them compressed, of "
+            f"at most {MAX_TOOLS_CHARS} bytes as JSON"
         )
     return out
 
 
-@functools.lru_cache(maxsize=64)  # an agent's tools are packed again at every save
 def pack_tools(tools: str) -> str:
-    """Canonical tools as the agent's metadata keeps them: zlib-compressed, base64 (tool
-    schemas compress 4-8 times: many tools fit the store's metadata room)."""
-    return base64.b64encode(zlib.compress(tools.encode(), 9)).decode() if tools else ""
+    """Canonical tools past PLAIN_TOOLS_CHARS as the agent's metadata keeps them: "z1:",
+    then zlib-compressed and base64 (tool schemas compress about 4 times). Each agent's are
+    packed once, not at every save."""
+    key = hashlib.sha256(tools.encode()).hexdigest()
+    packed = (
+        _packed.get(key) or PACKED + base64.b64encode(zlib.compress(tools.encode(), 9)).decode()
+    )
+    if key not in _packed and len(packed) <= MAX_PACKED_TOOLS:  # only what an agent keeps
+        if len(_packed) >= 64:
+            _packed.pop(next(iter(_packed)))
+        _packed[key] = packed
+    return packed
 
 
 def unpack_tools(packed: str) -> str:
-    return zlib.decompress(base64.b64decode(packed)).decode() if packed else ""
+    """pack_tools's tools; ValueError for a value it did not write, or one that would grow
+    past MAX_TOOLS_CHARS bytes (written by no worker)."""
+    if not packed.startswith(PACKED):
+        raise ValueError(f"packed tools of an unknown codec {packed[:8]!r}")
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(base64.b64decode(packed[len(PACKED) :]), MAX_TOOLS_CHARS + 1)
+        if len(data) > MAX_TOOLS_CHARS or inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"packed tools past {MAX_TOOLS_CHARS} bytes, or cut short")
+        return data.decode()
+    except (zlib.error, binascii.Error, UnicodeDecodeError) as exc:
+        raise ValueError(f"packed tools that do not decode: {exc}") from None
 
 
 def _canonical(arguments: str) -> str:
@@ -208,7 +234,8 @@ class ReplyCalls:
 
 
 def _call(item: Any) -> ToolCall:
-    name, arguments = item["name"], item.get("arguments", {})
+    name, arguments = item["name"], item.get("arguments")
+    arguments = {} if arguments is None else arguments  # a tool without parameters
     if not isinstance(name, str) or not name:
         raise ValueError("a tool call without a name")
     if not isinstance(arguments, str):

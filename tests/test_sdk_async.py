@@ -261,20 +261,26 @@ def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(
         before = agent.describe()
         assert agent.evict() and agent.describe().tier == "warm"
         usage = agent.prefetch()
+        assert agent.describe().generation == before.generation  # nothing written
         assert usage.cache_state == "warm" and usage.restored_bytes > 0
         assert not usage.restore_failure and usage.generated_tokens == 0
         after = agent.describe()
         assert after.tier == "hot" and after.num_tokens == before.num_tokens  # nothing added
         assert agent.prefetch().cache_state == "hot"  # already there: nothing to do
+        assert agent.describe().generation == before.generation
         reply = agent.say(Q2, max_tokens=8)
         assert reply.usage.cache_state == "hot"
-        assert reply.usage.prefilled_tokens == reply.usage.prompt_tokens - before.num_tokens
+        # all of its context came from RAM but the reply's last token, which a turn feeds
+        held = before.num_tokens - 1
+        assert reply.usage.prefilled_tokens == reply.usage.prompt_tokens - held
         with pytest.raises(AgentNotFound):
             Agent(mem, "nobody").prefetch()
         assert agent.pin().pinned and agent.describe().pinned  # evicted last, from now on
         assert not agent.pin(False).pinned
         long = agent.say(Q1, max_tokens=3000)  # a turn in flight for seconds
-        assert agent.prefetch().cache_state == "hot"  # not "already has a turn in progress"
+        usage = agent.prefetch()  # not "already has a turn in progress"
+        assert usage.cache_state == "hot" and usage.finish_reason == "none"
+        assert not long.done  # it was mid-turn
         long.close()
 
     async def run() -> tuple[str, str]:

@@ -125,6 +125,17 @@ def test_count_tokens_is_the_prompt_a_fresh_agent_gets_and_keeps_nothing(stub, t
     with pytest.raises(grpc.RpcError) as caught:  # bad tools: the turn's refusal
         stub.CountTokens(pb.CountTokensRequest(messages=first, tools="[{]"), timeout=60)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    huge = [pb.Message(role="user", content="x" * (1 << 20))]  # refused before it renders
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CountTokens(pb.CountTokensRequest(messages=huge), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "however they tokenize" in caught.value.details()
+    reserved = pb.CreateAgentRequest(namespace=NS, agent_id="reserved", metadata={
+        "agentkv.toolsz.0": "garbage"})  # fmt: skip
+    with pytest.raises(grpc.RpcError) as caught:  # the worker's own keys
+        stub.CreateAgent(reserved, timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the worker's own" in caught.value.details()
 
 
 def test_a_reply_may_end_at_its_first_call_and_the_conversation_goes_on_from_it(stub):
@@ -174,7 +185,9 @@ def test_bad_tools_and_misplaced_calls_are_refused_and_change_nothing(stub):
         "tools is not JSON": dict(tools="[{"),
         "not {": dict(tools=json.dumps([{"type": "web_search"}])),
         "has no function name": dict(tools=json.dumps([{"type": "function", "function": {}}])),
-        "at most 65536 compressed": dict(tools=json.dumps([_noise_tool(150_000)])),
+        "at most 65536 characters of them compressed": dict(
+            tools=json.dumps([_noise_tool(150_000)])
+        ),
     }
     say = [pb.Message(role="user", content="Paris?")]
     for words, fields in cases.items():
@@ -351,6 +364,26 @@ def test_a_large_tool_list_is_kept_packed_and_comes_back_whole():
     assert chat_state(plain).tools == tools
 
 
+def test_tools_a_worker_before_packing_could_read_stay_text_and_bad_packs_are_corrupt():
+    import base64
+    import zlib
+
+    from agentkv.errors import CorruptRecord
+    from inference_worker.chat import ChatState
+    from inference_worker.persistence import chat_metadata, chat_state
+    from inference_worker.tools import canonical_tools
+
+    small = canonical_tools(json.dumps([WEATHER]))
+    kept = chat_metadata(ChatState(tools=small))
+    assert kept["agentkv.tools.0"] == small and not any("toolsz" in k for k in kept)
+    big = canonical_tools(json.dumps(_stdlib_tools()))
+    assert chat_metadata(ChatState(tools=big))["agentkv.toolsz.0"].startswith("z1:")
+    bomb = "z1:" + base64.b64encode(zlib.compress(b"\0" * (4 << 20), 9)).decode()
+    for bad in ("garbage", "z1:!!!", "z9:abc", bomb):  # no worker wrote these
+        with pytest.raises(CorruptRecord, match="stored tools cannot be read"):
+            chat_state({"agentkv.toolsz.0": bad})
+
+
 # ReplyCalls alone: text pieces as a detokenizer gives them.
 
 JSON_FORMAT = ToolFormat("json_tools", "<tool_call>", "</tool_call>", lambda t, _: json.loads(t))
@@ -376,13 +409,18 @@ def test_a_call_the_parser_refuses_goes_out_as_text():
 
 @pytest.mark.parametrize(
     "arguments",
-    ['"Paris"', "null", "[1, 2]", '"{not json"', "7", '{"x": NaN}', '{"y": 1e999}',
+    ['"Paris"', "[1, 2]", '"{not json"', "7", '{"x": NaN}', '{"y": 1e999}',
      '{"s": "\\ud800"}'],  # the last three: no JSON a client can read, or no UTF-8
 )  # fmt: skip
 def test_a_call_whose_arguments_are_no_json_object_goes_out_as_text(arguments):
     """Clients read a call's arguments as an object (Anthropic's tool_use input is one)."""
     said = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
     assert _split([said]) == (said, [], "")
+
+
+def test_a_call_with_null_arguments_is_one_without_parameters():
+    _, calls, _ = _split(['<tool_call>{"name": "f", "arguments": null}</tool_call>'])
+    assert [(c.name, c.arguments) for c in calls] == [("f", "{}")]
 
 
 def test_a_call_cut_before_its_end_is_flushed_as_text():
