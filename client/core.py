@@ -322,7 +322,8 @@ class BaseAgent:
         the store if it was evicted (or its worker restarted), so that turn starts hot.
         Nothing is added to its context. The usage says what it took: cache_state "hot" (it
         was in RAM) or "warm" (restore_path, restored_bytes; restore_failure if the store's
-        copy could not be used and it was re-prefilled)."""
+        copy could not be used and it was re-prefilled). An agent mid-turn raises
+        FailedPrecondition, as a turn does: it is in RAM already."""
         mem = self.memory
         usage = attrgetter("usage")
         return self._call(lambda w: w.turn(mem.namespace, self.id, [], max_tokens=0), usage)

@@ -249,12 +249,12 @@ class Engine:
         agent = self._checkout(job, usage, view, fetched)
         if agent is None:
             return False
-        if _prefetch(job) and (self.batcher.holds(agent) or not usage.restore_failure):
-            # In RAM now (or mid-turn): nothing to run or write. One whose restore failed
-            # goes on as a turn: its context is prefilled again, then written.
+        if _prefetch(job) and not (self.batcher.holds(agent) or usage.restore_failure):
+            # In RAM now: nothing to run or write. One whose restore failed goes on as a turn
+            # (its context is prefilled again, then written); one mid-turn, or still being
+            # made, is refused as any turn is (FAILED_PRECONDITION, "in progress").
             usage.prompt_tokens, usage.finish_reason = len(agent.tokens), "none"
-            if not self.batcher.holds(agent):
-                self.hot.admit(agent, self.batcher.busy())  # within budget, as a turn's end
+            self.hot.admit(agent, self.batcher.busy())  # within budget, as a turn's end
             job.end(usage)
             return True
         turn, tokens, chat = self._prepare(job, agent, usage)

@@ -278,8 +278,8 @@ def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(
         assert agent.pin().pinned and agent.describe().pinned  # evicted last, from now on
         assert not agent.pin(False).pinned
         long = agent.say(Q1, max_tokens=3000)  # a turn in flight for seconds
-        usage = agent.prefetch()  # not "already has a turn in progress"
-        assert usage.cache_state == "hot" and usage.finish_reason == "none"
+        with pytest.raises(FailedPrecondition, match="in progress"):  # as any turn's
+            agent.prefetch()
         assert not long.done  # it was mid-turn
         long.close()
 
