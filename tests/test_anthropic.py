@@ -254,6 +254,14 @@ def test_what_clients_send_besides_the_conversation_is_taken_as_they_mean_it():
     body["messages"][1]["content"][1] = use
     body["tools"][0]["eager_input_streaming"] = True
     assert parse_messages(body).messages == call.messages
+    # assistant turns in a row are one (a client may send the text and the call apart)
+    split = anthropic_body()
+    text, use = split["messages"][1]["content"]
+    split["messages"][1:2] = [{"role": "assistant", "content": [use]},
+                              {"role": "assistant", "content": [text]}]  # fmt: skip
+    [merged] = [m for m in parse_messages(split).messages if m["role"] == "assistant"]
+    [whole] = [m for m in parse_messages(anthropic_body()).messages if m["role"] == "assistant"]
+    assert merged["tool_calls"] == whole["tool_calls"] and merged["content"] == "Let me look."
 
 
 def test_an_error_quoting_a_lone_surrogate_is_still_json():
