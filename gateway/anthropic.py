@@ -24,6 +24,7 @@ from agentkv.gateway.protocol import (
     ChatCall,
     HTTPError,
     invalid,
+    known_only,
     numbers,
     tools_text,
     typed,
@@ -42,6 +43,7 @@ NEUTRAL = {  # accepted at these values only (or null)
     "container": (),
     "diagnostics": (),  # would ask why the cache missed; agentkv's reason is its usage
 }
+KNOWN = {*IGNORED, *SAMPLING, *CHECKED, *NEUTRAL}  # a body's fields
 # Thinking the model may do or not: a reply without thinking is a valid answer to all three.
 THINKING = ("disabled", "adaptive", "enabled")
 BLOCK_KEYS = {
@@ -86,9 +88,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     `counting`: a count_tokens body, which may end with the assistant's message."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    for name in body:
-        if not any(name in known for known in (IGNORED, SAMPLING, CHECKED, NEUTRAL)):
-            raise invalid(f"{name!r}: unsupported parameter", name, "unsupported_parameter")
+    known_only(body, KNOWN)
     for name, neutral in NEUTRAL.items():
         if body.get(name) not in (None, *neutral):
             allowed = " or ".join(map(repr, (None, *neutral)))
@@ -128,10 +128,10 @@ def _hints(body: dict) -> None:
     if thinking.get("type") not in THINKING:
         raise invalid(f"thinking.type must be one of {', '.join(THINKING)}", "thinking.type")
     config = typed(body, "output_config", dict, None) or {}
-    _known(config, {"effort"}, "output_config")
+    known_only(config, {"effort"}, "output_config")
     typed(config, "effort", str, None, "output_config")
     context = typed(body, "context_management", dict, None) or {}
-    _known(context, {"edits"}, "context_management")
+    known_only(context, {"edits"}, "context_management")
     edits = typed(context, "edits", list, None, "context_management") or []
     for i, edit in enumerate(edits):
         kind = edit.get("type") if isinstance(edit, dict) else None
@@ -181,7 +181,7 @@ def _messages(messages: Any, counting: bool = False) -> list[dict[str, Any]]:
                 'the top-level system is), "content": ...}',
                 where,
             )
-        _known(message, {"role", "content"}, where)
+        known_only(message, {"role", "content"}, where)
         content = _blocks(message.get("content"), where)
         if role == "assistant" and out and out[-1]["role"] == "assistant":
             # assistant turns in a row are one, as Anthropic reads them: its calls too
@@ -289,7 +289,7 @@ def _block(block: Any, where: str, kinds: Sequence[str]) -> str:
             f"{where}.type",
             "unsupported_value",
         )
-    _known(block, BLOCK_KEYS[kind], where)
+    known_only(block, BLOCK_KEYS[kind], where)
     if kind == "text":
         if not isinstance(block.get("text"), str) or block.get("citations"):
             raise invalid(f"{where}: a text block has a string text and no citations", where)
@@ -306,13 +306,6 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(block["text"] for block in blocks)
 
 
-def _known(obj: dict, known: set[str], where: str) -> None:
-    extra = sorted(set(obj) - known)
-    if extra:
-        param = f"{where}.{extra[0]}"
-        raise invalid(f"{param}: unsupported parameter", param, "unsupported_parameter")
-
-
 def _tools(body: dict) -> tuple[str, int]:
     """The custom tools as function tools' compact JSON (the OpenAI route's form), and the
     most tool calls a reply may make (1 with disable_parallel_tool_use, else no limit)."""
@@ -324,7 +317,7 @@ def _tools(body: dict) -> tuple[str, int]:
             "tool_choice",
             "unsupported_value",
         )
-    _known(choice, {"type", "disable_parallel_tool_use"}, "tool_choice")
+    known_only(choice, {"type", "disable_parallel_tool_use"}, "tool_choice")
     single = typed(choice, "disable_parallel_tool_use", bool, False, "tool_choice")
     tools = typed(body, "tools", list, None) or []
     functions = [_tool(tool, f"tools.{i}") for i, tool in enumerate(tools)]
@@ -341,7 +334,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
             f"{where}.type",
             "unsupported_value",
         )
-    _known(tool, TOOL_KEYS, where)
+    known_only(tool, TOOL_KEYS, where)
     name = tool.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise invalid(f"{where}.name must be 1 to 64 letters, digits, _ or -", f"{where}.name")

@@ -61,6 +61,7 @@ NEUTRAL = {
 }
 SCOPE = ("prompt_cache_key", "user", "safety_identifier")  # ChatCall.scope
 SAMPLING = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed"}
+KNOWN = {*IGNORED, *SCOPE, *SAMPLING, *NEUTRAL, *TOOLING}  # a body's fields
 MAX_STOPS = 4  # OpenAI's own limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -164,9 +165,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     OpenAI specifies (an unknown field or a refused value is never silently dropped)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    for name in body:
-        if not any(name in known for known in (IGNORED, SCOPE, SAMPLING, NEUTRAL, TOOLING)):
-            raise invalid(f"unsupported parameter: {name!r}", name, "unsupported_parameter")
+    known_only(body, KNOWN)
     for name, neutral in NEUTRAL.items():
         value = body.get(name)  # null: not given, as OpenAI reads it
         text = name == "response_format" and _text_format(value)
@@ -395,9 +394,9 @@ def _tool(tool: Any, where: str) -> None:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise invalid(f"{where}.function must be an object", f"{where}.function")
-    _known(tool, {"type", "function"}, where)
+    known_only(tool, {"type", "function"}, where)
     where += ".function"
-    _known(function, FUNCTION_KEYS, where)
+    known_only(function, FUNCTION_KEYS, where)
     name = function.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise invalid(
@@ -408,11 +407,12 @@ def _tool(tool: Any, where: str) -> None:
         typed(function, key, kind, None, where)
 
 
-def _known(obj: dict, known: set[str], where: str) -> None:
-    """Refuses a field of `obj` (at `where`) that is not `known`, as an unknown parameter."""
+def known_only(obj: dict, known: set[str], where: str = "") -> None:
+    """Refuses a field of `obj` (at `where`; "": the body) that is not `known`, as an unknown
+    parameter: one is never silently dropped. The first, by name, is named."""
     extra = sorted(set(obj) - known)
     if extra:
-        param = f"{where}.{extra[0]}"
+        param = f"{where}.{extra[0]}" if where else extra[0]
         raise invalid(f"unsupported parameter: {param}", param, "unsupported_parameter")
 
 
@@ -436,7 +436,7 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
 
 def numbers(body: dict, ranges: Sequence[tuple[str, float, float]]) -> dict[str, float]:
     """The fields of `ranges` (name, lowest, highest) that the body gives, each a number
-    within its range."""
+    within its range; a top_p of 0 as greedy (both APIs' reading; the worker's 0 is off)."""
     out = {}
     for name, low, high in ranges:
         value = body.get(name)
