@@ -258,12 +258,12 @@ class Gateway:
         """agentkv's own POST /v1/agents/{id}/prefetch: brings the agent into its worker's
         RAM ahead of its next call (restored from the store if it was evicted, or its worker
         restarted), adding nothing to its context; what that took."""
-        namespace = self._namespace(request)
-        agent_id = ids.agent_id(request.path_params["agent"], "the agent id")
+        agent = self._path_agent(request)
         started = time.perf_counter()
-        usage = await AsyncAgent(self.memory.in_namespace(namespace), agent_id).prefetch()
+        usage = await agent.prefetch()
         fields = ("cache_state", "restore_path", "restored_bytes", "restore_failure")
-        body = {"object": "agentkv.prefetch", "namespace": namespace, "agent_id": agent_id}
+        body = {"object": "agentkv.prefetch", "namespace": agent.memory.namespace}
+        body["agent_id"] = agent.id
         body |= {name: getattr(usage, name) for name in fields}
         body["time_ms"] = round((time.perf_counter() - started) * 1000, 3)
         return JSONResponse(body)
@@ -271,12 +271,16 @@ class Gateway:
     async def pin(self, request: Request) -> Response:
         """agentkv's own POST /v1/agents/{id}/pin and /unpin: the agent's cache is evicted
         last from its worker's RAM (or no longer so); the agent as it now stands."""
-        namespace = self._namespace(request)
-        agent_id = ids.agent_id(request.path_params["agent"], "the agent id")
-        pinned = request.url.path.endswith("/pin")
-        state = await AsyncAgent(self.memory.in_namespace(namespace), agent_id).pin(pinned)
+        agent = self._path_agent(request)
+        state = await agent.pin(request.url.path.endswith("/pin"))
         fields = ("agent_id", "tier", "num_tokens", "num_bytes", "pinned")
-        return JSONResponse({"namespace": namespace} | {f: getattr(state, f) for f in fields})
+        body = {"namespace": agent.memory.namespace}
+        return JSONResponse(body | {f: getattr(state, f) for f in fields})
+
+    def _path_agent(self, request: Request) -> AsyncAgent:
+        """The agent a /v1/agents/{id}/... path names, in the caller's namespace."""
+        memory = self.memory.in_namespace(self._namespace(request))
+        return AsyncAgent(memory, ids.agent_id(request.path_params["agent"], "the agent id"))
 
     async def health(self, request: Request) -> Response:
         """200 while at least one worker answers, 503 when none does. With a token table,

@@ -299,14 +299,17 @@ class Stack:
         )
         return len(ids)
 
-    def client(self, **options) -> anthropic.Anthropic:
-        options.setdefault("api_key", "unused")
-        url = f"http://{self.gateway.address}"
-        return anthropic.Anthropic(base_url=url, max_retries=0, **options)
+    def client(self) -> anthropic.Anthropic:
+        return client_of(self.gateway.address)
 
     def stop(self) -> None:
         for proc in (self.gateway, self.worker, self.store):
             proc.stop()
+
+
+def client_of(address: str, api_key: str = "unused") -> anthropic.Anthropic:
+    """The official client of the gateway at `address`, without its retries."""
+    return anthropic.Anthropic(base_url=f"http://{address}", api_key=api_key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -471,11 +474,10 @@ def test_an_api_key_is_a_bearer_token(stack, tmp_path):
         [stack.worker.address], tmp_path / "gateway.log", stack.store.address, "127.0.0.1:0", flags
     ).start()
     try:
-        url = f"http://{gateway.address}"
-        client = anthropic.Anthropic(base_url=url, api_key="token-a-0123456789", max_retries=0)
+        client = client_of(gateway.address, "token-a-0123456789")
         reply = ask(client, [{"role": "user", "content": ASK[0]}], "keyed", max_tokens=2)
         assert reply.agentkv["namespace"] == "team-a"
-        wrong = anthropic.Anthropic(base_url=url, api_key="token-b-0123456789", max_retries=0)
+        wrong = client_of(gateway.address, "token-b-0123456789")
         with pytest.raises(anthropic.AuthenticationError) as caught:
             ask(wrong, [{"role": "user", "content": ASK[0]}], "keyed", max_tokens=2)
         assert caught.value.body["error"]["type"] == "authentication_error"
@@ -501,9 +503,7 @@ def test_a_worker_that_cannot_answer_is_passed_by(stack, tmp_path):
         workers, tmp_path / "gateway.log", stack.store.address, "127.0.0.1:0", flags
     ).start()
     try:
-        client = anthropic.Anthropic(
-            base_url=f"http://{gateway.address}", api_key="x", max_retries=0
-        )
+        client = client_of(gateway.address)
         messages = [{"role": "user", "content": ASK[0]}]
         counted = client.messages.count_tokens(model=MODEL, messages=messages)
         assert counted.input_tokens == stack.rendered(messages, reply=True)
@@ -538,9 +538,7 @@ def tools(tmp_path_factory):
 
 
 def test_a_tool_loop_comes_back_as_tool_use_blocks_and_resumes_warm(tools):
-    client = anthropic.Anthropic(
-        base_url=f"http://{tools.gateway.address}", api_key="unused", max_retries=0
-    )
+    client = client_of(tools.gateway.address)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
 
     def turn():
