@@ -95,9 +95,10 @@ class Front:
 
     def pin(self, ns: str, agent_id: str, pinned: bool) -> AgentInfo:
         """Pins or unpins an agent that exists (here or in the store: NOT_FOUND if not)."""
-        self.describe(ns, agent_id)
-        self._mlx(self.engine.pin, ids.namespace(ns), ids.agent_id(agent_id), pinned)
-        return self.describe(ns, agent_id)
+        info = self.describe(ns, agent_id)
+        self._mlx(self.engine.pin, info.namespace, info.agent_id, pinned)
+        info.pinned = pinned
+        return info
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
         """Drops the agent from RAM once its whole cache is committed."""
