@@ -27,6 +27,33 @@ def parse_bytes(text: str) -> int:
     return num_bytes
 
 
+SECONDS_PER = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_seconds(text: str) -> float:
+    """'90', '90s', '30m', '12h', '7d' -> seconds. ValueError, naming `text`, for anything
+    else: negative or not finite."""
+    number = text.strip().lower()
+    unit = SECONDS_PER.get(number[-1:], 0)
+    try:
+        seconds = float(number[:-1] if unit else number) * (unit or 1)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"not a duration: {text!r} (seconds, or with s, m, h or d, e.g. 12h)")
+    return seconds
+
+
+def human_seconds(seconds: float) -> str:
+    """86400 -> '1d', 5400 -> '90m', 0 -> 'never'; the largest unit that divides it whole."""
+    if not seconds:
+        return "never"
+    for unit, size in reversed(SECONDS_PER.items()):
+        if seconds % size == 0:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:g}s"
+
+
 def human_bytes(num_bytes: float) -> str:
     """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -23,7 +23,6 @@ from typing import Any, Protocol, TypeVar
 from agentkv.errors import DiskFull, QuotaExceeded, ResourceExhausted
 from cache_store import manifests
 from cache_store.leases import BlockId
-from cache_store.metrics import StoreMetrics
 from cache_store.parts import Parts
 from cache_store.records import AgentRecord, BlockRecord
 
@@ -248,7 +247,7 @@ class Capacity:
     def _evict_one_agent(self, namespace: str | None) -> bool:
         """Deletes the least recently used agent whose blocks would then become evictable."""
         with self.index.read() as txn:
-            agents = sorted(self.index.agents(txn, namespace), key=self._agent_last_access)
+            agents = sorted(self.index.agents(txn, namespace), key=self.agent_last_access)
             if self.uploads is not None:  # only agents the object store holds: they stay
                 agents = [a for a in agents if self._in_object_store(txn, a)]
             victim = next((a for a in agents if self._frees_space(txn, a)), None)
@@ -262,11 +261,19 @@ class Capacity:
         log.info("agent evicted", extra={"namespace": victim.namespace, "agent": victim.agent_id})
         return True
 
+    def drop_unreferenced(self, namespace: str, keys: list[bytes]) -> int:
+        """Deletes those of these blocks no agent holds and no lease protects; how many."""
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                dropped += self._delete_unreferenced((namespace, key), False) is not None
+        return dropped
+
     def _in_object_store(self, txn: Any, agent: AgentRecord) -> bool:
         uploaded = self.index.uploaded_generation(txn, agent.namespace, agent.agent_id)
         return uploaded == agent.generation
 
-    def _agent_last_access(self, agent: AgentRecord) -> int:
+    def agent_last_access(self, agent: AgentRecord) -> int:
         return self._agent_access.get((agent.namespace, agent.agent_id), agent.updated_ms)
 
     def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
@@ -311,31 +318,3 @@ class Capacity:
                 self.index.bump(txn, "evicted_blocks")
         self.payloads.delete(record)
         return record
-
-
-class IdleCollector:
-    """Deletes unreferenced blocks that have sat idle for `idle_seconds`, so garbage never
-    piles up without a quota: it looks every min(idle_seconds / 4, 60) s, on its own thread,
-    until close()."""
-
-    def __init__(self, capacity: Capacity, idle_seconds: float, metrics: StoreMetrics) -> None:
-        self.capacity, self.idle_ms, self.metrics = capacity, int(idle_seconds * 1000), metrics
-        self.interval = min(idle_seconds / 4, 60.0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="idle-gc", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                deleted, freed = self.capacity.collect(None, self.idle_ms, self._stop.is_set)
-            except Exception:  # a full disk or a bad record: the next round tries again
-                log.exception("idle collection failed")
-                continue
-            if deleted:
-                self.metrics.evictions.labels("idle_block").inc(deleted)
-                log.info("idle blocks collected", extra={"blocks": deleted, "bytes": freed})
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()

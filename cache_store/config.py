@@ -3,29 +3,42 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from agentkv import defaults
 from agentkv.flags import flag
 from agentkv.ids import NAMESPACE_RE
 from agentkv.serving import ServerConfig, listen_flag
-from agentkv.units import parse_bytes
+from agentkv.units import parse_bytes, parse_seconds
 from agentkv.wire import MAX_CHUNK_BYTES
 from cache_store.objects import Location
 
 ANY_NAMESPACE = "*"
+T = TypeVar("T")
 
 
-def parse_namespace_quota(text: str) -> tuple[str, int]:
-    """'team-a=2G' -> ('team-a', 2 GiB); '*=1G' sets the default for every other namespace."""
-    name, sep, size = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected NAMESPACE=SIZE or *=SIZE, got {text!r}")
-    try:
-        return name.strip(), parse_bytes(size)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {size!r} in {text!r}") from None
+def per_namespace(parse: Callable[[str], T], what: str) -> Callable[[str], tuple[str, T]]:
+    """A parser of 'NAMESPACE=VALUE' ('*=VALUE': every namespace not named) for one setting."""
+
+    def parse_setting(text: str) -> tuple[str, T]:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(
+                f"expected NAMESPACE={what.upper()} or *={what.upper()}, got {text!r}"
+            )
+        try:
+            return name.strip(), parse(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {what} {value!r} in {text!r}") from None
+
+    return parse_setting
+
+
+parse_namespace_quota = per_namespace(parse_bytes, "size")  # 'team-a=2G' -> ('team-a', 2 GiB)
+parse_namespace_idle = per_namespace(parse_seconds, "duration")  # 'team-a=7d'
 
 
 @dataclass(slots=True)
@@ -54,6 +67,26 @@ class StoreConfig(ServerConfig):
         3600.0,
         "delete unreferenced blocks (no agent's) nobody has read or written for this long; "
         "0: only quota pressure and CollectGarbage (agentkv store gc) delete them",
+    )
+    # Retention: agents nobody has read or written for this long are deleted (idle.py).
+    agent_idle_seconds: float = flag(
+        0.0,
+        "delete agents nobody has read or written for this long, e.g. 7d (s, m, h, d), and "
+        "their blocks no other agent shares; 0: keep agents until deleted (or evicted)",
+        name="agent-idle",
+        parse=parse_seconds,
+        metavar="DURATION",
+        shown="0",
+    )
+    namespace_agent_idle: dict[str, float] = flag(
+        help="a namespace's --agent-idle, e.g. team-a=12h (0: keep its agents); '*=DURATION' "
+        "for every namespace not named; repeatable",
+        name="namespace-agent-idle",
+        parse=parse_namespace_idle,
+        convert=dict,
+        factory=dict,
+        action="append",
+        metavar="NS=DURATION",
     )
     lease_seconds: int = flag(60, "how long a read or upload lease lasts unless renewed")
     # The object-store tier (tier.py).
@@ -120,6 +153,7 @@ class StoreConfig(ServerConfig):
                 raise ValueError(f"namespace quota for invalid namespace {name!r}")
             if size <= 0:
                 raise ValueError(f"namespace quota for {name!r} must be > 0, got {size}")
+        self._check_agent_idle()
         if self.gc_idle_seconds and self.gc_idle_seconds < 2 * self.lease_seconds:
             raise ValueError(
                 f"gc_idle_seconds must be 0 or at least twice lease_seconds "
@@ -155,6 +189,25 @@ class StoreConfig(ServerConfig):
         if not 0 <= self.umask <= 0o777:
             raise ValueError(f"umask must be an octal mode 000..777, got {self.umask:o}")
         self.check_serving()
+
+    def _check_agent_idle(self) -> None:
+        """Retention of 0 (keep), or at least twice a lease: a turn's reads and writes hold
+        the agent's blocks under leases, and its first read marks it used."""
+        least = 2 * self.lease_seconds
+        for name, seconds in [("", self.agent_idle_seconds), *self.namespace_agent_idle.items()]:
+            if name not in ("", ANY_NAMESPACE) and not NAMESPACE_RE.fullmatch(name):
+                raise ValueError(f"agent retention for invalid namespace {name!r}")
+            if seconds and seconds < least:
+                where = f" for namespace {name!r}" if name else ""
+                raise ValueError(
+                    f"--agent-idle{where} must be 0 or at least twice --lease-seconds "
+                    f"({least} s), got {seconds:g} s"
+                )
+
+    def agent_idle(self, namespace: str) -> float:
+        """How long one namespace's agents may sit unused before they are deleted; 0: kept."""
+        default = self.namespace_agent_idle.get(ANY_NAMESPACE, self.agent_idle_seconds)
+        return self.namespace_agent_idle.get(namespace, default)
 
     def namespace_quota(self, namespace: str) -> int:
         """The byte quota of one namespace; 0 when it has none."""

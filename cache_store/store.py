@@ -13,11 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import (
-    FingerprintMismatch,
-)
-from cache_store import integrity, manifests, schema
-from cache_store.capacity import Capacity, IdleCollector, now_ms
+from agentkv.errors import AgentNotFound, FingerprintMismatch
+from cache_store import idle, integrity, manifests, schema
+from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
 from cache_store.index import Index
 from cache_store.leases import Leases
@@ -27,7 +25,7 @@ from cache_store.objects import Bucket, Location, ObjectStoreDown
 from cache_store.parts import Parts
 from cache_store.payloads import Payloads
 from cache_store.reads import BlockReads
-from cache_store.records import BlockRecord
+from cache_store.records import AgentRecord, BlockRecord
 from cache_store.tier import ObjectTier
 from cache_store.upkeep import Upkeep
 from cache_store.uploads import PutHeader, PutResult, Uploads
@@ -72,8 +70,8 @@ class CacheStore:
         self.tier = self._object_tier() if config.object_store else None
         self.capacity.uploads = self.reads.tier = self.tier
         self.metrics.watch_usage(self.stats)
-        idle = config.gc_idle_seconds
-        self.collector = IdleCollector(self.capacity, idle, self.metrics) if idle else None
+        self.retention = idle.Retention(config, self.index, self.capacity, self.delete_agent)
+        self.sweeper = idle.sweeper(config, self.capacity, self.retention)
 
     def _object_tier(self) -> ObjectTier:
         config = self.config
@@ -83,8 +81,8 @@ class CacheStore:
         return ObjectTier(self.parts, self.capacity, bucket, self.upkeep.quarantine)
 
     def close(self) -> None:
-        if self.collector is not None:
-            self.collector.close()  # before the index it reads closes
+        if self.sweeper is not None:
+            self.sweeper.close()  # before the index it reads closes
         if self.tier is not None:
             self.tier.close()
         self.index.close()
@@ -112,6 +110,7 @@ class CacheStore:
         if release_lease_id:
             self.leases.release(release_lease_id)
         self.capacity.touch_agent(record.namespace, record.agent_id)
+        self.retention.forget(record.namespace, record.agent_id)
         self._agent_changed(record.namespace, record.agent_id)
         return result
 
@@ -130,7 +129,7 @@ class CacheStore:
         if self.tier is not None:
             self._fetch_if_newer(ns, agent_id)
         with self.upkeep.repairing(), self.index.read() as txn:
-            record = manifests.get(self.index, txn, ns, agent_id)
+            record = self._get(txn, ns, agent_id)
             if fingerprint and record.fingerprint != fingerprint:
                 raise FingerprintMismatch(
                     f"agent {agent_id!r} was written under fingerprint {record.fingerprint!r}, "
@@ -139,6 +138,15 @@ class CacheStore:
             result = manifests.view(self.index, txn, record)
         self.capacity.touch_agent(ns, agent_id)
         return result
+
+    def _get(self, txn: Any, namespace: str, agent_id: str) -> AgentRecord:
+        """The agent's manifest; a not-found error says when retention deleted it."""
+        try:
+            return manifests.get(self.index, txn, namespace, agent_id)
+        except AgentNotFound as exc:
+            if why := self.retention.why_gone(namespace, agent_id):
+                raise AgentNotFound(f"{exc.message}: {why}") from None
+            raise
 
     def _fetch_if_newer(self, namespace: str, agent_id: str, writing: bool = False) -> None:
         """An agent absent here is fetched from the object store; one this store has not
@@ -183,12 +191,18 @@ class CacheStore:
             return views, after
         return merge_pages(views, after, bucket, bucket_after, limit)
 
-    def delete_agent(self, namespace: str, agent_id: str, expected_generation: int = 0) -> int:
+    def delete_agent(
+        self, namespace: str, agent_id: str, expected_generation: int = 0, counter: str = ""
+    ) -> int:
+        """Deletes the agent (here and in the object store); the blocks it released. `counter`
+        names a stats counter the deletion counts in."""
         ns = ids.namespace(namespace)
         ids.agent_id(agent_id)
         self._before_write(ns, agent_id)
         with self.index.write() as txn:
             released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
+            if counter:
+                self.index.bump(txn, counter)
             if self.tier is not None:
                 self.index.put_uploaded(txn, ns, agent_id, 0)  # delete it there too
         self.capacity.forget_agent(ns, agent_id)
@@ -247,6 +261,7 @@ class CacheStore:
                 for n in (
                     "evicted_blocks",
                     "evicted_agents",
+                    "expired_agents",
                     "quarantined",
                     "quarantined_records",
                     "demoted_blocks",
@@ -262,6 +277,7 @@ class CacheStore:
             "quota_bytes": self.config.quota_bytes,
             "num_evicted_blocks": counters["evicted_blocks"],
             "num_evicted_agents": counters["evicted_agents"],
+            "num_expired_agents": counters["expired_agents"],
             "num_quarantined": counters["quarantined"] + counters["quarantined_records"],
             "num_leases": len(self.leases),
             "disk_free_bytes": self.payloads.disk_free(),

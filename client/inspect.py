@@ -29,6 +29,7 @@ def cmd_stats(client: StoreClient, args: argparse.Namespace) -> None:
                 ("quota", quota_text(s.quota_bytes)),
                 ("evicted blocks", s.num_evicted_blocks),
                 ("evicted agents", s.num_evicted_agents),
+                ("expired agents", s.num_expired_agents),
                 ("quarantined", s.num_quarantined),
                 ("leases", s.num_leases),
                 ("disk free", human_bytes(s.disk_free_bytes)),

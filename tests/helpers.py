@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +77,17 @@ def put_items(
 def local_store(data_dir: Path, **config) -> CacheStore:
     """The store's domain in this process, for races no client can steer; close() it."""
     return CacheStore(StoreConfig(data_dir=data_dir, gc_idle_seconds=0, **config))
+
+
+def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> object:
+    """Polls `condition` until it is truthy; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def same_bytes(a: Block, b) -> bool:

@@ -39,20 +39,18 @@ from cache_store import leases
 from cache_store.service import CacheStoreServicer
 from cache_store.store import CacheStore
 from cache_store.uploads import PutHeader
-from tests.helpers import FP, NS, StoreProcess, local_store, make_chain, put_items, same_bytes
+from tests.helpers import (
+    FP,
+    NS,
+    StoreProcess,
+    local_store,
+    make_chain,
+    put_items,
+    same_bytes,
+    until,
+)
 
 MiB = 1 << 20
-
-
-def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> object:
-    """Polls `condition` until it is truthy; fails naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def one_layer_block(num_bytes: int, token: int, fill: int = 1) -> Block:

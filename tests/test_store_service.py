@@ -131,6 +131,13 @@ def test_store_never_imports_mlx():
         (["--writer-lease-seconds", "-1"], "--writer-lease-seconds must be > 0"),
         (["--writer-lease-seconds", "nan"], "--writer-lease-seconds: not a finite number"),
         (["--gc-idle-seconds", "inf"], "--gc-idle-seconds: not a finite number: 'inf'"),
+        (["--agent-idle", "soon"], "--agent-idle: not a duration: 'soon'"),
+        (["--agent-idle=-1h"], "--agent-idle: not a duration: '-1h'"),
+        (["--agent-idle", "90"], "--agent-idle must be 0 or at least twice --lease-seconds"),
+        (["--namespace-agent-idle", "a"], "expected NAMESPACE=DURATION or *=DURATION, got 'a'"),
+        (["--namespace-agent-idle", "a=1y"], "invalid duration '1y' in 'a=1y'"),
+        (["--namespace-agent-idle", "a=1m"], "--agent-idle for namespace 'a' must be 0 or"),
+        (["--namespace-agent-idle", "a b=1d"], "agent retention for invalid namespace 'a b'"),
     ],
 )
 def test_bad_command_lines_are_refused(tmp_path, capsys, argv, message):

@@ -452,7 +452,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_namespaces", "num_agents", "num_blocks", "num_bytes", "quota_bytes", "num_evicted_blocks", "num_evicted_agents", "num_quarantined", "num_leases", "disk_free_bytes", "num_demoted_blocks", "num_rehydrated_blocks", "object_store", "object_store_state", "object_queue_depth", "object_put_bytes", "object_get_bytes")
+    __slots__ = ("num_namespaces", "num_agents", "num_blocks", "num_bytes", "quota_bytes", "num_evicted_blocks", "num_evicted_agents", "num_quarantined", "num_leases", "disk_free_bytes", "num_demoted_blocks", "num_rehydrated_blocks", "object_store", "object_store_state", "object_queue_depth", "object_put_bytes", "object_get_bytes", "num_expired_agents")
     NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     NUM_AGENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +470,7 @@ class GetStatsResponse(_message.Message):
     OBJECT_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     OBJECT_PUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OBJECT_GET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_AGENTS_FIELD_NUMBER: _ClassVar[int]
     num_namespaces: int
     num_agents: int
     num_blocks: int
@@ -487,7 +488,8 @@ class GetStatsResponse(_message.Message):
     object_queue_depth: int
     object_put_bytes: int
     object_get_bytes: int
-    def __init__(self, num_namespaces: _Optional[int] = ..., num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_evicted_agents: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., num_leases: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., num_demoted_blocks: _Optional[int] = ..., num_rehydrated_blocks: _Optional[int] = ..., object_store: _Optional[str] = ..., object_store_state: _Optional[str] = ..., object_queue_depth: _Optional[int] = ..., object_put_bytes: _Optional[int] = ..., object_get_bytes: _Optional[int] = ...) -> None: ...
+    num_expired_agents: int
+    def __init__(self, num_namespaces: _Optional[int] = ..., num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_evicted_agents: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., num_leases: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., num_demoted_blocks: _Optional[int] = ..., num_rehydrated_blocks: _Optional[int] = ..., object_store: _Optional[str] = ..., object_store_state: _Optional[str] = ..., object_queue_depth: _Optional[int] = ..., object_put_bytes: _Optional[int] = ..., object_get_bytes: _Optional[int] = ..., num_expired_agents: _Optional[int] = ...) -> None: ...
 
 class VerifyBlocksRequest(_message.Message):
     __slots__ = ("namespace",)
