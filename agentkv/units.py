@@ -45,11 +45,9 @@ def parse_seconds(text: str) -> float:
 
 
 def human_seconds(seconds: float) -> str:
-    """86400 -> '1d', 5400 -> '90m', 0 -> 'never'; the largest unit that divides it whole."""
-    if not seconds:
-        return "never"
+    """86400 -> '1d', 5400 -> '90m', 1.5 -> '1.5s': the largest unit that divides it whole."""
     for unit, size in reversed(SECONDS_PER.items()):
-        if seconds % size == 0:
+        if seconds and seconds % size == 0:
             return f"{seconds / size:.0f}{unit}"
     return f"{seconds:g}s"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -23,29 +24,33 @@ from cache_store.index import Index
 from cache_store.records import AgentRecord
 
 log = logging.getLogger("agentkv.store")
-MAX_INTERVAL = 60.0  # seconds between sweeps at most
+MAX_INTERVAL = 60.0  # seconds between sweeps at most, but for long retentions
 MAX_GONE = 10_000  # agents deleted for idling that a not-found error explains
 Stopping = Callable[[], bool]
 DeleteAgent = Callable[..., Any]  # CacheStore.delete_agent
 
 
 class Sweeper:
-    """Runs each sweep every `interval` seconds on its own thread until close(); a sweep
-    that raises (a full disk, a bad record) is logged and tried again next round."""
+    """Runs each sweep every its own period (seconds) on one thread until close(); a sweep
+    that raises (a full disk, a bad record) is logged and tried again next period."""
 
-    def __init__(self, interval: float, sweeps: list[Callable[[Stopping], None]]) -> None:
-        self.interval, self.sweeps = interval, sweeps
+    def __init__(self, sweeps: list[tuple[float, Callable[[Stopping], None]]]) -> None:
+        self.sweeps = sweeps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="idle-sweeper", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            for sweep in self.sweeps:
+        due = [time.monotonic() + period for period, _ in self.sweeps]
+        while not self._stop.wait(max(0.0, min(due) - time.monotonic())):
+            for i, (period, sweep) in enumerate(self.sweeps):
+                if due[i] > time.monotonic():
+                    continue
                 try:
                     sweep(self._stop.is_set)
                 except Exception:
                     log.exception("idle sweep failed")
+                due[i] = time.monotonic() + period
 
     def close(self) -> None:
         self._stop.set()
@@ -53,15 +58,17 @@ class Sweeper:
 
 
 def sweeper(config: StoreConfig, capacity: Capacity, retention: Retention) -> Sweeper | None:
-    """The store's sweeper, or None when nothing is deleted for idling."""
-    sweeps, idles = [], []
+    """The store's sweeper, or None when nothing is deleted for idling. Unreferenced blocks
+    are looked for every min(gc idle / 4, 60 s); idle agents, whose scan reads every
+    manifest, every min(retention / 4, max(60 s, retention / 1000)): an agent goes at most
+    a quarter of its retention, or 0.1% of it and no less than a minute, late."""
+    sweeps = []
     if agent_idles := [s for s in retention_settings(config) if s]:
-        sweeps.append(retention.sweep)
-        idles += agent_idles
-    if config.gc_idle_seconds:
-        sweeps.append(BlockCollection(capacity, config.gc_idle_seconds).sweep)
-        idles.append(config.gc_idle_seconds)
-    return Sweeper(min(min(idles) / 4, MAX_INTERVAL), sweeps) if sweeps else None
+        idle = min(agent_idles)
+        sweeps.append((min(idle / 4, max(MAX_INTERVAL, idle / 1000)), retention.sweep))
+    if idle := config.gc_idle_seconds:
+        sweeps.append((min(idle / 4, MAX_INTERVAL), BlockCollection(capacity, idle).sweep))
+    return Sweeper(sweeps) if sweeps else None
 
 
 def retention_settings(config: StoreConfig) -> list[float]:
@@ -125,7 +132,7 @@ class Retention:
                 self.delete(agent.namespace, agent.agent_id, agent.generation, "expired_agents")
             except AgentKVError as exc:  # committed or deleted meanwhile; not this store's
                 where = {"namespace": agent.namespace, "agent": agent.agent_id}
-                log.info("idle agent kept", extra={**where, "why": exc.message})
+                log.debug("idle agent kept", extra={**where, "why": exc.message})
                 continue
             agents += 1
             blocks += self.capacity.drop_unreferenced(agent.namespace, agent.block_keys)

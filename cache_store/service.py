@@ -230,6 +230,7 @@ class CacheStoreServicer:
                     num_blocks=u["blocks"],
                     num_bytes=u["bytes"],
                     quota_bytes=u["quota"],
+                    agent_idle_seconds=u["agent_idle"],
                 )
                 for name, u in sorted(auth.visible(self.store.list_namespaces()).items())
             ]

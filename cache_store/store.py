@@ -236,11 +236,16 @@ class CacheStore:
 
     # inspection and maintenance
 
-    def list_namespaces(self) -> dict[str, dict[str, int]]:
-        """Each namespace's agents, blocks, bytes and quota (0: none of its own)."""
+    def list_namespaces(self) -> dict[str, dict[str, float]]:
+        """Each namespace's agents, blocks, bytes, quota (0: none of its own) and retention
+        (agent_idle seconds; 0: kept)."""
         with self.index.read() as txn:
             usage = self.index.namespaces(txn)
-        return {n: {**u, "quota": self.config.namespace_quota(n)} for n, u in usage.items()}
+        config = self.config
+        return {
+            n: {**u, "quota": config.namespace_quota(n), "agent_idle": config.agent_idle(n)}
+            for n, u in usage.items()
+        }
 
     def list_blocks(
         self, namespace: str, page_token: bytes, page_size: int

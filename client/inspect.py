@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from agentkv.client.store import StoreClient
-from agentkv.units import human_bytes, table, utc_time
+from agentkv.units import human_bytes, human_seconds, table, utc_time
 from agentkv.v1 import store_pb2 as pb
 
 
@@ -56,10 +56,17 @@ def _object_store_rows(s: pb.GetStatsResponse) -> list[tuple[str, object]]:
 def cmd_namespaces(client: StoreClient, args: argparse.Namespace) -> None:
     reply = client.call("ListNamespaces", pb.ListNamespacesRequest())
     rows = [
-        (n.name, n.num_agents, n.num_blocks, human_bytes(n.num_bytes), quota_text(n.quota_bytes))
+        (
+            n.name,
+            n.num_agents,
+            n.num_blocks,
+            human_bytes(n.num_bytes),
+            quota_text(n.quota_bytes),
+            human_seconds(n.agent_idle_seconds) if n.agent_idle_seconds else "none",
+        )
         for n in reply.namespaces
     ]
-    print(table(["namespace", "agents", "blocks", "bytes", "quota"], rows))
+    print(table(["namespace", "agents", "blocks", "bytes", "quota", "retention"], rows))
 
 
 def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:

@@ -201,8 +201,8 @@ def test_a_namespace_at_its_quota_is_refused_while_others_write_on(ns_quota_stor
             assert same_bytes(blocks[0], next(c.get_blocks("team-a", FP, keys)))
         assert not list((ns_quota_store.data_dir / "tmp").iterdir())
     listing = cli("store", "namespaces", store=ns_quota_store.address).stdout
-    assert re.search(r"^team-a +3 +3 .*KiB +[\d.]+ KiB *$", listing, re.M), listing
-    assert re.search(r"^team-b +5 +5 .* none *$", listing, re.M), listing
+    assert re.search(r"^team-a +3 +3 .*KiB +[\d.]+ KiB +none *$", listing, re.M), listing
+    assert re.search(r"^team-b +5 +5 .* none +none *$", listing, re.M), listing
 
 
 def test_a_namespace_evicts_only_its_own_unreferenced_blocks(ns_quota_store):

@@ -15,6 +15,7 @@ import pytest
 
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentNotFound
+from agentkv.v1 import store_pb2 as pb
 from cache_store import capacity, idle
 from cache_store.idle import Retention
 from cache_store.manifests import Commit
@@ -193,14 +194,38 @@ def test_a_block_under_a_read_lease_outlives_its_expired_agent(store, clock):
     assert store.collect_garbage("t")[0] == 2  # unreferenced now: the next collection
 
 
+@pytest.mark.parametrize(
+    "agent_idle, gc_idle, periods",
+    [
+        (30 * 24 * HOUR, HOUR, [2592.0, 60.0]),  # a month's retention: looked at every 43 min
+        (HOUR, 0.0, [60.0]),
+        (2.0, 0.0, [0.5]),
+        (0.0, 2.0, [0.5]),
+    ],
+)
+def test_each_sweep_runs_at_its_own_period(tmp_path, agent_idle, gc_idle, periods):
+    store = local_store(tmp_path / "data", lease_seconds=1)
+    config = replace(store.config, agent_idle_seconds=agent_idle, gc_idle_seconds=gc_idle)
+    swept = idle.sweeper(config, store.capacity, store.retention)
+    try:
+        assert [period for period, _ in swept.sweeps] == periods
+    finally:
+        swept.close()
+        store.close()
+
+
+def test_no_sweeper_without_retention_or_collection(store):
+    assert idle.sweeper(store.config, store.capacity, store.retention) is None
+
+
 # a real store process
 
 
 def test_the_store_deletes_idle_agents_on_its_own(tmp_path, launched):
-    flags = ["--namespace-agent-idle", "brief=2s", *LEASE]
+    flags = ["--namespace-agent-idle", "brief=2s", "--namespace-agent-idle", "slow=12h", *LEASE]
     proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
     with proc.client() as client:
-        for ns in ("brief", "kept"):
+        for ns in ("brief", "kept", "slow"):
             blocks, _ = make_chain(list(range(2 * BLOCK)), block_tokens=BLOCK)
             client.save_agent(ns, "a", FP, list(range(2 * BLOCK)), blocks)
         until(lambda: client.stats().num_expired_agents == 1, "the retention sweep")
@@ -208,11 +233,21 @@ def test_the_store_deletes_idle_agents_on_its_own(tmp_path, launched):
             client.get_agent("brief", "a")
         assert client.get_agent("kept", "a").generation == 1
         stats = client.stats()
-        assert (stats.num_agents, stats.num_blocks) == (1, 2)  # brief's blocks went too
+        assert (stats.num_agents, stats.num_blocks) == (2, 4)  # brief's blocks went too
     assert '"event": "idle agent deleted"' in proc.log_text()
     shown = cli("store", "stats", store=proc.address)
     assert shown.returncode == 0, shown.stderr
     assert any(line.split() == ["expired", "agents", "1"] for line in shown.stdout.splitlines())
+    listed = cli("store", "namespaces", store=proc.address).stdout.splitlines()
+    assert listed[0].split()[-1] == "retention"
+    rows = {line.split()[0]: line.split()[-1] for line in listed[2:]}
+    assert rows == {"kept": "none", "slow": "12h"}  # brief is empty now: not listed
+    with proc.client() as client:
+        reply = client.call("ListNamespaces", pb.ListNamespacesRequest())
+        assert {n.name: n.agent_idle_seconds for n in reply.namespaces} == {
+            "kept": 0.0,
+            "slow": 12 * HOUR,
+        }
 
 
 # what a worker and its caller see

@@ -1,4 +1,5 @@
-"""Byte sizes from flags: every bad one is a ValueError (a usage error) that names it."""
+"""Byte sizes and durations from flags: every bad one is a ValueError (a usage error) that
+names it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from agentkv.flags import parse_config
 from agentkv.gateway.config import GatewayConfig
-from agentkv.units import parse_bytes
+from agentkv.units import human_seconds, parse_bytes, parse_seconds
 from cache_store.__main__ import build_config as store_config
 from inference_worker.__main__ import build_config as worker_config
 
@@ -21,6 +22,20 @@ def test_sizes_parse_up_to_the_largest():
         3 << 29,
         MAX_BYTES,
     ]
+
+
+def test_durations_parse_in_their_units_and_print_in_the_largest_whole_one():
+    texts = ("0", "90", "90s", "30m", "1.5h", "7d", " 12H ")
+    seconds = [parse_seconds(t) for t in texts]
+    assert seconds == [0, 90, 90, 1800, 5400, 604800, 43200]
+    assert [human_seconds(s) for s in seconds] == ["0s", "90s", "90s", "30m", "90m", "7d", "12h"]
+    assert human_seconds(1.5) == "1.5s"
+
+
+@pytest.mark.parametrize("text", ["-1", "-1d", "nan", "inf", "infd", "1e400", "", "d", "1y", "1dd"])
+def test_a_bad_duration_is_a_value_error_naming_it(text):
+    with pytest.raises(ValueError, match=f"not a duration: {text!r}"):
+        parse_seconds(text)
 
 
 @pytest.mark.parametrize("text", BAD_SIZES)

@@ -392,18 +392,20 @@ class ListNamespacesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("name", "num_agents", "num_blocks", "num_bytes", "quota_bytes")
+    __slots__ = ("name", "num_agents", "num_blocks", "num_bytes", "quota_bytes", "agent_idle_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_AGENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_agents: int
     num_blocks: int
     num_bytes: int
     quota_bytes: int
-    def __init__(self, name: _Optional[str] = ..., num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+    agent_idle_seconds: float
+    def __init__(self, name: _Optional[str] = ..., num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., agent_idle_seconds: _Optional[float] = ...) -> None: ...
 
 class ListNamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)
