@@ -28,19 +28,22 @@ def parse_bytes(text: str) -> int:
 
 
 SECONDS_PER = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_SECONDS = 36_500 * 86400  # a hundred years: longer is "forever", which is 0 where taken
 
 
 def parse_seconds(text: str) -> float:
     """'90', '90s', '30m', '12h', '7d' -> seconds. ValueError, naming `text`, for anything
-    else: negative or not finite."""
+    else: negative, or over a hundred years."""
     number = text.strip().lower()
     unit = SECONDS_PER.get(number[-1:], 0)
     try:
         seconds = float(number[:-1] if unit else number) * (unit or 1)
     except ValueError:
         seconds = -1.0
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"not a duration: {text!r} (seconds, or with s, m, h or d, e.g. 12h)")
+    if not 0 <= seconds <= MAX_SECONDS:
+        raise ValueError(
+            f"not a duration: {text!r} (seconds, or with s, m, h or d, e.g. 12h; at most 36500d)"
+        )
     return seconds
 
 

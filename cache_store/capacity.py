@@ -262,19 +262,28 @@ class Capacity:
         return True
 
     def drop_unreferenced(self, namespace: str, keys: list[bytes]) -> int:
-        """Deletes those of these blocks no agent holds and no lease protects; how many."""
+        """Deletes those of these blocks no agent holds and no lease protects; how many. The
+        lock is taken a batch at a time, as in collect."""
         dropped = 0
-        with self._lock:
-            for key in keys:
-                dropped += self._delete_unreferenced((namespace, key), False) is not None
+        for start in range(0, len(keys), COLLECT_BATCH):
+            with self._lock:
+                for key in keys[start : start + COLLECT_BATCH]:
+                    dropped += self._delete_unreferenced((namespace, key), False) is not None
         return dropped
 
     def _in_object_store(self, txn: Any, agent: AgentRecord) -> bool:
         uploaded = self.index.uploaded_generation(txn, agent.namespace, agent.agent_id)
         return uploaded == agent.generation
 
-    def agent_last_access(self, agent: AgentRecord) -> int:
-        return self._agent_access.get((agent.namespace, agent.agent_id), agent.updated_ms)
+    def agent_last_access(self, agent: AgentRecord, saved_ms: int = 0) -> int:
+        """Its last commit, or a later use: one this process saw, or `saved_ms` (the last
+        use saved in the index, idle.py)."""
+        seen = self._agent_access.get((agent.namespace, agent.agent_id), 0)
+        return max(seen, saved_ms, agent.updated_ms)
+
+    def agent_uses(self) -> dict[tuple[str, str], int]:
+        """A copy of the last use of every agent this process saw used (Unix ms)."""
+        return self._agent_access.copy()
 
     def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
         for key in agent.block_keys:

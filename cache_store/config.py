@@ -17,6 +17,7 @@ from agentkv.wire import MAX_CHUNK_BYTES
 from cache_store.objects import Location
 
 ANY_NAMESPACE = "*"
+MIN_RETENTION_LEASES = 10  # the shortest --agent-idle, in --lease-seconds
 T = TypeVar("T")
 
 
@@ -191,18 +192,25 @@ class StoreConfig(ServerConfig):
         self.check_serving()
 
     def _check_agent_idle(self) -> None:
-        """Retention of 0 (keep), or at least twice a lease: a turn's reads and writes hold
-        the agent's blocks under leases, and its first read marks it used."""
-        least = 2 * self.lease_seconds
-        for name, seconds in [("", self.agent_idle_seconds), *self.namespace_agent_idle.items()]:
+        """Retention of 0 (keep), or at least MIN_RETENTION_LEASES leases (10 min at the
+        default --lease-seconds): a turn, from the read that marks its agent used to its
+        commit, must end within it."""
+        least = MIN_RETENTION_LEASES * self.lease_seconds
+        settings = [("", self.agent_idle_seconds), *self.namespace_agent_idle.items()]
+        for name, seconds in settings:
             if name not in ("", ANY_NAMESPACE) and not NAMESPACE_RE.fullmatch(name):
                 raise ValueError(f"agent retention for invalid namespace {name!r}")
             if seconds and seconds < least:
                 where = f" for namespace {name!r}" if name else ""
                 raise ValueError(
-                    f"--agent-idle{where} must be 0 or at least twice --lease-seconds "
-                    f"({least} s), got {seconds:g} s"
+                    f"--agent-idle{where} must be 0 or at least {MIN_RETENTION_LEASES} times "
+                    f"--lease-seconds ({least} s), got {seconds:g} s"
                 )
+        if self.agent_idle_seconds and ANY_NAMESPACE in self.namespace_agent_idle:
+            raise ValueError(
+                "--agent-idle and --namespace-agent-idle '*=DURATION' both set the retention "
+                "of every namespace not named: give one"
+            )
 
     def agent_idle(self, namespace: str) -> float:
         """How long one namespace's agents may sit unused before they are deleted; 0: kept."""

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from agentkv.errors import AgentKVError
 from agentkv.units import human_seconds, utc_time
@@ -26,8 +26,8 @@ from cache_store.records import AgentRecord
 log = logging.getLogger("agentkv.store")
 MAX_INTERVAL = 60.0  # seconds between sweeps at most, but for long retentions
 MAX_GONE = 10_000  # agents deleted for idling that a not-found error explains
+LOCK_STRIPES = 64  # locks between a use and a delete for idling, one per agent hash
 Stopping = Callable[[], bool]
-DeleteAgent = Callable[..., Any]  # CacheStore.delete_agent
 
 
 class Sweeper:
@@ -88,66 +88,126 @@ class BlockCollection:
             log.info("idle blocks collected", extra={"blocks": deleted, "bytes": freed})
 
 
+class AgentStore(Protocol):
+    """What retention asks of the store (CacheStore)."""
+
+    def delete_agent(
+        self, namespace: str, agent_id: str, expected_generation: int = 0, counter: str = ""
+    ) -> int: ...
+
+    def writes(self, namespace: str) -> bool: ...
+
+
 class Retention:
-    """Deletes the agents idle past their namespace's retention, then their blocks that no
-    other agent holds and no lease protects (a shared prefix stays while it is shared)."""
+    """Deletes the agents idle past their retention, then their blocks that no other agent
+    holds and no lease protects (a shared prefix stays while it is shared).
+
+    A use is marked (mark_used) under the same lock, one of LOCK_STRIPES by agent, as the
+    sweep's last look and delete: a read that marked it first keeps the agent, and one that
+    marks it after finds it deleted. Uses this process saw are saved in the index at each
+    sweep, so a restart forgets at most one sweep's worth."""
 
     def __init__(
-        self, config: StoreConfig, index: Index, capacity: Capacity, delete: DeleteAgent
+        self, config: StoreConfig, index: Index, capacity: Capacity, store: AgentStore
     ) -> None:
-        self.config, self.index, self.capacity, self.delete = config, index, capacity, delete
+        self.config, self.index, self.capacity, self.store = config, index, capacity, store
+        self._locks = [threading.Lock() for _ in range(LOCK_STRIPES)]
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # recent, with why
+        self._gone_lock = threading.Lock()
+        self._saved: dict[tuple[str, str], int] = {}  # last uses saved in the index
+
+    def mark_used(self, namespace: str, agent_id: str) -> None:
+        """The agent is being read for use (a restore, a turn's check, a fork)."""
+        with self._locks[hash((namespace, agent_id)) % LOCK_STRIPES]:
+            self.capacity.touch_agent(namespace, agent_id)
 
     def why_gone(self, namespace: str, agent_id: str) -> str:
         """Why the agent is not found, when this process deleted it for idling; else ""."""
-        return self._gone.get((namespace, agent_id), "")
+        with self._gone_lock:
+            return self._gone.get((namespace, agent_id), "")
 
     def forget(self, namespace: str, agent_id: str) -> None:
         """The agent was written or deleted since: it is not gone for idling now."""
-        self._gone.pop((namespace, agent_id), None)
+        with self._gone_lock:
+            self._gone.pop((namespace, agent_id), None)
 
-    def expired(self) -> list[AgentRecord]:
-        """The agents idle past their retention now, from one read of the index."""
-        now = now_ms()
-        named = set(self.config.namespace_agent_idle) - {ANY_NAMESPACE}
-        everywhere = any(s for s in retention_settings(self.config) if s not in named)
-        scopes = [None] if everywhere else sorted(named)
+    def scopes(self) -> list[str | None]:
+        """The namespaces to look in: all (None) when every one not named has a retention."""
+        config = self.config
+        if config.namespace_agent_idle.get(ANY_NAMESPACE, config.agent_idle_seconds):
+            return [None]
+        named = config.namespace_agent_idle.items()
+        return sorted(n for n, seconds in named if n != ANY_NAMESPACE and seconds)
+
+    def expired(self) -> list[tuple[AgentRecord, int]]:
+        """The agents idle past their retention now, with their last use (Unix ms), from
+        one read of the index."""
+        now, found = now_ms(), []
         with self.index.read() as txn:
-            agents = [a for scope in scopes for a in self.index.agents(txn, scope)]
-        return [a for a in agents if self._is_expired(a, now)]
+            for scope in self.scopes():
+                for agent in self.index.agents(txn, scope):
+                    saved = self.index.agent_used(txn, agent.namespace, agent.agent_id)
+                    last = self.capacity.agent_last_access(agent, saved)
+                    if self._is_past(agent.namespace, last, now):
+                        found.append((agent, last))
+        return found
 
-    def _is_expired(self, agent: AgentRecord, now: int) -> bool:
-        idle_ms = int(self.config.agent_idle(agent.namespace) * 1000)
-        return bool(idle_ms) and self.capacity.agent_last_access(agent) < now - idle_ms
+    def _is_past(self, namespace: str, last_use_ms: int, now: int) -> bool:
+        idle_ms = int(self.config.agent_idle(namespace) * 1000)
+        return bool(idle_ms) and last_use_ms < now - idle_ms
 
     def sweep(self, stopping: Stopping) -> None:
+        self._save_uses()
         agents = blocks = 0
-        for agent in self.expired():
+        for agent, last in self.expired():
             if stopping():
                 break
-            if not self._is_expired(agent, now_ms()):
-                continue  # read since the scan
-            idle_s = (now_ms() - self.capacity.agent_last_access(agent)) // 1000
-            try:
-                self.delete(agent.namespace, agent.agent_id, agent.generation, "expired_agents")
-            except AgentKVError as exc:  # committed or deleted meanwhile; not this store's
-                where = {"namespace": agent.namespace, "agent": agent.agent_id}
-                log.debug("idle agent kept", extra={**where, "why": exc.message})
-                continue
-            agents += 1
-            blocks += self.capacity.drop_unreferenced(agent.namespace, agent.block_keys)
-            self._note_gone(agent, idle_s)
+            if self._expire(agent, last):
+                agents += 1
+                blocks += self.capacity.drop_unreferenced(agent.namespace, agent.block_keys)
         if agents:
             self.capacity.metrics.evictions.labels("idle_agent").inc(agents)
             log.info("idle agents deleted", extra={"agents": agents, "blocks": blocks})
 
+    def _expire(self, agent: AgentRecord, last: int) -> bool:
+        """Deletes the agent if it is still idle and still the generation the scan saw."""
+        ns, agent_id = agent.namespace, agent.agent_id
+        with self._locks[hash((ns, agent_id)) % LOCK_STRIPES]:
+            last = max(last, self.capacity.agent_last_access(agent))
+            if not self._is_past(ns, last, now_ms()) or not self.store.writes(ns):
+                return False  # used since the scan; another store writes the namespace
+            self._note_gone(agent, (now_ms() - last) // 1000)  # before: a commit forgets it
+            try:
+                self.store.delete_agent(ns, agent_id, agent.generation, "expired_agents")
+            except AgentKVError as exc:  # committed or deleted meanwhile
+                self.forget(ns, agent_id)
+                log.debug("idle agent kept", extra={"agent": agent_id, "why": exc.message})
+                return False
+        return True
+
     def _note_gone(self, agent: AgentRecord, idle: int) -> None:
         limit = human_seconds(self.config.agent_idle(agent.namespace))
         why = f"deleted at {utc_time(now_ms())} UTC, unused for {idle} s (--agent-idle {limit})"
-        self._gone[(agent.namespace, agent.agent_id)] = why
-        while len(self._gone) > MAX_GONE:
-            self._gone.popitem(last=False)
+        with self._gone_lock:
+            self._gone[(agent.namespace, agent.agent_id)] = why
+            while len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
         log.info(
             "idle agent deleted",
             extra={"namespace": agent.namespace, "agent": agent.agent_id, "idle_s": idle},
         )
+
+    def _save_uses(self) -> None:
+        """Saves in the index the uses seen since the last sweep (one write)."""
+        uses = self.capacity.agent_uses()
+        changed = {k: ms for k, ms in uses.items() if self._saved.get(k) != ms}
+        if not changed:
+            return
+        try:
+            with self.index.write() as txn:
+                for (ns, agent_id), ms in changed.items():
+                    self.index.save_agent_used(txn, ns, agent_id, ms)
+        except AgentKVError as exc:  # a full disk: the uses stay in memory meanwhile
+            log.warning("agent uses not saved", extra={"why": exc.message})
+            return
+        self._saved = uses

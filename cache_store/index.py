@@ -19,6 +19,8 @@ Sub-databases ("tables"):
                             before it has none (a delete fills it in from the record it drops),
                             and a release without it leaves it unchanged (a table it does not
                             open); one `uploaded` does not back is dropped (integrity.py).
+  used        ns/agent   -> uint64 Unix ms of the agent's last use as the retention sweep last
+                            saved it (reads since its last commit: idle.py); dropped with it
   meta        name       -> schema_version (schema.py)
   quarantine  table NUL key -> [reason, raw bytes] of a bad agent or block record
 Every value is sealed (records.seal). A point read of a bad record raises CorruptRecord, a
@@ -74,6 +76,7 @@ TABLES = (
     "remote",
     "uploaded",
     "uploaded_ids",
+    "used",
 )
 DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
 NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
@@ -113,7 +116,7 @@ class Index:
         self._agents, self._namespaces = self.dbs["agents"], self.dbs["namespaces"]
         self._counters, self._quarantine = self.dbs["counters"], self.dbs["quarantine"]
         self._remote, self._uploaded = self.dbs["remote"], self.dbs["uploaded"]
-        self._uploaded_ids = self.dbs["uploaded_ids"]
+        self._uploaded_ids, self._used = self.dbs["uploaded_ids"], self.dbs["used"]
 
     def close(self) -> None:
         self.env.close()
@@ -373,11 +376,27 @@ class Index:
     def delete_agent(self, txn: lmdb.Transaction, record: AgentRecord) -> None:
         k = ns_key(record.namespace, record.agent_id)
         txn.delete(k, db=self._agents)
+        txn.delete(k, db=self._used)
         self._add_usage(txn, record.namespace, agents=-1)
         uploaded = self.uploaded_generation(txn, record.namespace, record.agent_id)
         if uploaded and self.uploaded_id(txn, record.namespace, record.agent_id) is None:
             # an index written before the table, or an entry that was bad
             txn.put(k, encode_uploaded_id(k, uploaded, record.created_ms), db=self._uploaded_ids)
+
+    def agent_used(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> int:
+        """The agent's last use as last saved (Unix ms); 0 if none was."""
+        k = ns_key(namespace, agent_id)
+        raw = txn.get(k, db=self._used)
+        return self._u64("used", k, raw) if raw is not None else 0
+
+    def save_agent_used(
+        self, txn: lmdb.Transaction, namespace: str, agent_id: str, ms: int
+    ) -> bool:
+        """Saves the last use of an agent that exists; whether it does."""
+        k = ns_key(namespace, agent_id)
+        if txn.get(k, db=self._agents) is None:
+            return False
+        return txn.put(k, encode_u64(k, ms), db=self._used)
 
     def forget_lost_agent(self, txn: lmdb.Transaction, namespace: str, agent_id: str) -> bool:
         """Drops a quarantined manifest (its references were already recounted without it)."""

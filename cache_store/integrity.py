@@ -52,6 +52,7 @@ CHECKS: dict[str, Callable[[bytes, bytes], object]] = {
     "remote": lambda k, v: decode_u64("remote", k, v),
     "uploaded": lambda k, v: decode_u64("uploaded", k, v),
     "uploaded_ids": lambda k, v: decode_uploaded_id("uploaded_ids", k, v),
+    "used": lambda k, v: decode_u64("used", k, v),  # a bad one is dropped: the commit's stands
 }
 # A scan of every record checks the checksums of the big ones only: decoding every block
 # would double start-up time, and a sealed record that does not decode is caught on its read.

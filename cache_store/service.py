@@ -182,7 +182,9 @@ class CacheStoreServicer:
         self, request: pb.GetAgentRequest, context: grpc.ServicerContext
     ) -> pb.GetAgentResponse:
         auth.check_namespace(request.namespace)
-        view = self.store.get_agent(request.namespace, request.agent_id, request.fingerprint)
+        view = self.store.get_agent(
+            request.namespace, request.agent_id, request.fingerprint, request.peek
+        )
         return pb.GetAgentResponse(agent=replies.manifest(view, request.summary_only))
 
     def ListAgents(

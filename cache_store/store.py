@@ -70,7 +70,7 @@ class CacheStore:
         self.tier = self._object_tier() if config.object_store else None
         self.capacity.uploads = self.reads.tier = self.tier
         self.metrics.watch_usage(self.stats)
-        self.retention = idle.Retention(config, self.index, self.capacity, self.delete_agent)
+        self.retention = idle.Retention(config, self.index, self.capacity, self)
         self.sweeper = idle.sweeper(config, self.capacity, self.retention)
 
     def _object_tier(self) -> ObjectTier:
@@ -120,24 +120,31 @@ class CacheStore:
             return record, manifests.view(self.index, txn, record)
 
     def get_agent(
-        self, namespace: str, agent_id: str, fingerprint: str = ""
+        self, namespace: str, agent_id: str, fingerprint: str = "", peek: bool = False
     ) -> manifests.AgentView:
+        """The manifest and its blocks' state. A read for use (not a `peek`) counts as the
+        agent's use: retention and LRU eviction take it as recent."""
         ns = ids.namespace(namespace)
         ids.agent_id(agent_id)
         if fingerprint:
             ids.fingerprint(fingerprint)
         if self.tier is not None:
             self._fetch_if_newer(ns, agent_id)
-        with self.upkeep.repairing(), self.index.read() as txn:
-            record = self._get(txn, ns, agent_id)
-            if fingerprint and record.fingerprint != fingerprint:
-                raise FingerprintMismatch(
-                    f"agent {agent_id!r} was written under fingerprint {record.fingerprint!r}, "
-                    f"not {fingerprint!r}"
-                )
-            result = manifests.view(self.index, txn, record)
-        self.capacity.touch_agent(ns, agent_id)
-        return result
+        if not peek:
+            self.retention.mark_used(ns, agent_id)  # before the read (idle.Retention)
+        try:
+            with self.upkeep.repairing(), self.index.read() as txn:
+                record = self._get(txn, ns, agent_id)
+                if fingerprint and record.fingerprint != fingerprint:
+                    raise FingerprintMismatch(
+                        f"agent {agent_id!r} was written under fingerprint "
+                        f"{record.fingerprint!r}, not {fingerprint!r}"
+                    )
+                return manifests.view(self.index, txn, record)
+        except AgentNotFound:
+            if not peek:
+                self.capacity.forget_agent(ns, agent_id)  # no use kept of what is not there
+            raise
 
     def _get(self, txn: Any, namespace: str, agent_id: str) -> AgentRecord:
         """The agent's manifest; a not-found error says when retention deleted it."""
@@ -226,11 +233,14 @@ class CacheStore:
         self._before_write(ns, new_id)
         if self.tier is not None:
             self._fetch_if_newer(ns, source_id)
+        self.retention.mark_used(ns, source_id)  # a template agent forked from is in use
         with self.index.write() as txn:
             record = manifests.fork(
                 self.index, txn, ns, source_id, new_id, num_tokens, phase, metadata, now_ms()
             )
             view = manifests.view(self.index, txn, record)
+        self.capacity.touch_agent(ns, new_id)
+        self.retention.forget(ns, new_id)
         self._agent_changed(ns, new_id)
         return view
 
@@ -316,6 +326,11 @@ class CacheStore:
             self.tier.check_writer(namespace)
             if agent_id:
                 self._fetch_if_newer(namespace, agent_id, writing=True)
+
+    def writes(self, namespace: str) -> bool:
+        """Whether this store writes the namespace now (always, without an object store);
+        asks for nothing (a standby store never takes a namespace over to delete in it)."""
+        return self.tier is None or self.tier.writers.holds(namespace)
 
     def _block_stored(self, record: BlockRecord) -> None:
         if self.tier is not None:

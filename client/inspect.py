@@ -86,7 +86,7 @@ def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:
 
 
 def cmd_agent(client: StoreClient, args: argparse.Namespace) -> None:
-    a = client.get_agent(args.namespace, args.agent_id)
+    a = client.get_agent(args.namespace, args.agent_id, peek=True)
     missing = {k for k in a.missing_block_keys}
     print(
         table(

@@ -252,13 +252,20 @@ class StoreClient:
         return self.call("CommitAgent", pb.CommitAgentRequest(**fields)).agent
 
     def get_agent(
-        self, namespace: str, agent_id: str, fingerprint: str = "", summary_only: bool = False
+        self,
+        namespace: str,
+        agent_id: str,
+        fingerprint: str = "",
+        summary_only: bool = False,
+        peek: bool = False,
     ) -> pb.AgentManifest:
+        """The manifest; `peek`: an inspection, which the store does not count as a use."""
         request = pb.GetAgentRequest(
             namespace=namespace,
             agent_id=agent_id,
             fingerprint=fingerprint,
             summary_only=summary_only,
+            peek=peek,
         )
         return self.call("GetAgent", request).agent
 

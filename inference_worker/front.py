@@ -87,7 +87,8 @@ class Front:
         info = self._mlx(self.engine.describe_hot, ns, agent_id)
         if info is not None:
             return info
-        m = self.client.get_agent(ns, agent_id, fingerprint=self.engine.runtime.fingerprint)
+        fingerprint = self.engine.runtime.fingerprint
+        m = self.client.get_agent(ns, agent_id, fingerprint=fingerprint, peek=True)
         tier = "warm" if m.block_keys and not m.missing_block_keys else "cold"
         sizes = len(m.token_ids), m.num_bytes, sum(m.block_num_tokens)
         pinned = (ns, agent_id) in self.engine.hot.pinned
@@ -191,7 +192,7 @@ class Front:
     def _stored(self, ns: str, agent_id: str) -> Any:
         """The agent's manifest in the store, or None."""
         try:
-            return self.client.get_agent(ns, agent_id, summary_only=True)  # metadata, no tokens
+            return self.client.get_agent(ns, agent_id, summary_only=True, peek=True)
         except AgentNotFound:
             return None
 

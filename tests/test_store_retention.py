@@ -17,6 +17,7 @@ from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentNotFound
 from agentkv.v1 import store_pb2 as pb
 from cache_store import capacity, idle
+from cache_store import store as store_module
 from cache_store.idle import Retention
 from cache_store.manifests import Commit
 from tests.helpers import (
@@ -30,7 +31,7 @@ from tests.helpers import (
 )
 
 HOUR = 3600.0
-LEASE = ["--lease-seconds", "1"]  # so that 2 s is a retention the store takes
+LEASE = ["--lease-seconds", "1"]  # so that 10 s is a retention the store takes
 BLOCK = 64
 
 
@@ -52,6 +53,7 @@ def clock(monkeypatch) -> Clock:
     clock = Clock()
     monkeypatch.setattr(capacity, "now_ms", clock)
     monkeypatch.setattr(idle, "now_ms", clock)
+    monkeypatch.setattr(store_module, "now_ms", clock)  # commits' updated_ms
     return clock
 
 
@@ -144,7 +146,7 @@ def test_only_named_namespaces_are_swept_when_the_store_wide_setting_keeps(store
     save(store, "other", "a", list(range(BLOCK)))
     rules = retention(store, 0.0, brief=600.0)
     clock.advance(HOUR)
-    assert [a.namespace for a in rules.expired()] == ["brief"]
+    assert [a.namespace for a, _ in rules.expired()] == ["brief"]
     rules.sweep(lambda: False)
     assert (agents(store, "brief"), agents(store, "other")) == ([], ["a"])
 
@@ -163,9 +165,9 @@ def test_an_agent_committed_after_the_scan_stays(store, clock):
     keys = save(store, "t", "busy", list(range(BLOCK)))
     clock.advance(2 * HOUR)
     rules = retention(store)
-    (seen,) = rules.expired()
+    [(seen, last)] = rules.expired()
     store.commit_agent(Commit("t", "busy", FP, seen.generation, list(range(BLOCK)), keys))
-    rules.expired = lambda: [seen]  # the scan happened before the commit
+    rules.expired = lambda: [(seen, last)]  # the scan happened before the commit
     rules.sweep(lambda: False)
     assert store.get_agent("t", "busy").record.generation == seen.generation + 1
     assert store.stats()["num_expired_agents"] == 0
@@ -194,12 +196,88 @@ def test_a_block_under_a_read_lease_outlives_its_expired_agent(store, clock):
     assert store.collect_garbage("t")[0] == 2  # unreferenced now: the next collection
 
 
+def test_a_read_for_use_and_a_fork_count_as_use_and_an_inspection_does_not(store, clock):
+    for agent in ("restored", "template", "inspected"):
+        save(store, "t", agent, list(range(BLOCK)))
+    clock.advance(0.75 * HOUR)
+    store.get_agent("t", "restored")
+    store.fork_agent("t", "template", "child", BLOCK, "", {})
+    store.get_agent("t", "inspected", peek=True)
+    clock.advance(0.5 * HOUR)
+    retention(store).sweep(lambda: False)
+    assert agents(store, "t") == ["child", "restored", "template"]
+
+
+def test_a_use_between_the_scan_and_the_delete_keeps_the_agent(store, clock):
+    save(store, "t", "a", list(range(BLOCK)))
+    clock.advance(2 * HOUR)
+    rules = retention(store)
+    seen = rules.expired()
+    store.get_agent("t", "a")  # a worker's restore begins
+    rules.expired = lambda: seen
+    rules.sweep(lambda: False)
+    assert agents(store, "t") == ["a"]
+
+
+def test_uses_are_saved_so_a_restart_does_not_forget_them(tmp_path, clock):
+    store = local_store(tmp_path / "data")
+    save(store, "t", "a", list(range(BLOCK)))
+    clock.advance(0.75 * HOUR)
+    store.get_agent("t", "a")  # used 45 min after its commit, never committed again
+    retention(store).sweep(lambda: False)  # saves the use
+    store.close()
+    store = local_store(tmp_path / "data")  # restarted: nothing in memory
+    try:
+        clock.advance(0.5 * HOUR)  # 75 min since the commit, 30 since the use
+        retention(store).sweep(lambda: False)
+        assert agents(store, "t") == ["a"]
+        clock.advance(HOUR)
+        retention(store).sweep(lambda: False)
+        assert agents(store, "t") == []
+    finally:
+        store.close()
+
+
+def test_a_namespace_another_store_writes_is_left_alone(store, clock):
+    save(store, "t", "a", list(range(BLOCK)))
+    clock.advance(2 * HOUR)
+    store.writes = lambda namespace: False  # a standby of the namespace's writer
+    retention(store).sweep(lambda: False)
+    assert agents(store, "t") == ["a"]
+
+
+def test_an_id_forked_into_after_it_expired_is_not_said_to_have_expired(store, clock):
+    save(store, "t", "a", list(range(BLOCK)))
+    clock.advance(2 * HOUR)
+    retention(store).sweep(lambda: False)
+    save(store, "t", "template", list(range(BLOCK)))
+    store.fork_agent("t", "template", "a", BLOCK, "", {})
+    store.delete_agent("t", "a")
+    with pytest.raises(AgentNotFound) as plain:
+        store.get_agent("t", "a")
+    assert plain.value.message == "agent 'a' not found in namespace 't'"
+
+
+@pytest.mark.parametrize(
+    "agent_idle, per_namespace, scopes",
+    [
+        (HOUR, {}, [None]),
+        (0.0, {"brief": 600.0, "kept": 0.0}, ["brief"]),
+        (0.0, {"*": 600.0, "kept": 0.0}, [None]),
+        (HOUR, {"kept": 0.0}, [None]),
+        (0.0, {}, []),
+    ],
+)
+def test_the_scan_reads_only_namespaces_with_a_retention(store, agent_idle, per_namespace, scopes):
+    assert retention(store, agent_idle, **per_namespace).scopes() == scopes
+
+
 @pytest.mark.parametrize(
     "agent_idle, gc_idle, periods",
     [
         (30 * 24 * HOUR, HOUR, [2592.0, 60.0]),  # a month's retention: looked at every 43 min
         (HOUR, 0.0, [60.0]),
-        (2.0, 0.0, [0.5]),
+        (10.0, 0.0, [2.5]),
         (0.0, 2.0, [0.5]),
     ],
 )
@@ -221,19 +299,24 @@ def test_no_sweeper_without_retention_or_collection(store):
 # a real store process
 
 
+def sweep_stats(client) -> tuple[int, int, int]:
+    stats = client.stats()
+    return stats.num_expired_agents, stats.num_agents, stats.num_blocks
+
+
 def test_the_store_deletes_idle_agents_on_its_own(tmp_path, launched):
-    flags = ["--namespace-agent-idle", "brief=2s", "--namespace-agent-idle", "slow=12h", *LEASE]
+    flags = ["--namespace-agent-idle", "brief=10s", "--namespace-agent-idle", "slow=12h", *LEASE]
     proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
     with proc.client() as client:
         for ns in ("brief", "kept", "slow"):
             blocks, _ = make_chain(list(range(2 * BLOCK)), block_tokens=BLOCK)
             client.save_agent(ns, "a", FP, list(range(2 * BLOCK)), blocks)
-        until(lambda: client.stats().num_expired_agents == 1, "the retention sweep")
+        # brief's blocks go after the agent (the counter counts it first)
+        swept = (1, 2, 4)  # expired agents, agents, blocks
+        until(lambda: sweep_stats(client) == swept, f"the retention sweep: {swept}")
         with pytest.raises(AgentNotFound):
             client.get_agent("brief", "a")
         assert client.get_agent("kept", "a").generation == 1
-        stats = client.stats()
-        assert (stats.num_agents, stats.num_blocks) == (2, 4)  # brief's blocks went too
     assert '"event": "idle agent deleted"' in proc.log_text()
     shown = cli("store", "stats", store=proc.address)
     assert shown.returncode == 0, shown.stderr
@@ -260,7 +343,7 @@ def test_an_agent_expired_while_its_worker_held_it_is_not_found_and_the_gateway_
 
     from agentkv.launch import gateway_process, worker_process
 
-    flags = ["--namespace-agent-idle", "*=2s", "--namespace-agent-idle", "kept=0"]
+    flags = ["--namespace-agent-idle", "*=10s", "--namespace-agent-idle", "kept=0"]
     store = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags + LEASE))
     worker = launched(
         worker_process(
@@ -288,7 +371,7 @@ def test_an_agent_expired_while_its_worker_held_it_is_not_found_and_the_gateway_
     with pytest.raises(AgentNotFound) as refused:
         w.turn("brief", "a", [("user", "And now?")], max_tokens=4)
     assert refused.value.message.startswith("agent 'a' not found in namespace 'brief': deleted")
-    assert "(--agent-idle 2s)" in refused.value.message
+    assert "(--agent-idle 10s)" in refused.value.message
     assert w.turn("kept", "a", [("user", "And now?")], max_tokens=4).usage.prefilled_tokens
     w.create_agent("brief", "a", "Made anew.")  # the id is free again
     assert w.turn("brief", "a", [("user", "Hello")], max_tokens=4).text is not None

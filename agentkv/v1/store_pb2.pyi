@@ -287,16 +287,18 @@ class CommitAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentManifest, _Mapping]] = ...) -> None: ...
 
 class GetAgentRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "fingerprint", "summary_only")
+    __slots__ = ("namespace", "agent_id", "fingerprint", "summary_only", "peek")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PEEK_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     fingerprint: str
     summary_only: bool
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., summary_only: _Optional[bool] = ...) -> None: ...
+    peek: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., summary_only: _Optional[bool] = ..., peek: _Optional[bool] = ...) -> None: ...
 
 class GetAgentResponse(_message.Message):
     __slots__ = ("agent",)
