@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     walk = sub.add_parser("walkthrough", help="start a store and tour what it does")
     walk.add_argument("--keep", action="store_true", help="keep the data directory afterwards")
     sub.add_parser("bench", help="run the benchmarks and write one report (from a source checkout)")
-    sub.add_parser("gateway", help="serve OpenAI's chat API over workers (agentkv-gateway's flags)")
+    sub.add_parser("gateway", help="serve the OpenAI and Anthropic APIs (agentkv-gateway's flags)")
     demo = sub.add_parser("demo", help="start a store and a worker and run a workflow")
     demo.add_argument(
         "--model", help="a shipped name, GGUF file or mlx-lm model directory (default: SmolLM2)"

@@ -1,6 +1,7 @@
-"""agentkv-gateway: OpenAI's chat-completions API (POST /v1/chat/completions, GET /v1/models,
-GET /health) in front of agentkv workers. Each agent's Q4 KV cache persists in the store:
-a client that resends its whole history prefills only what is new."""
+"""agentkv-gateway: OpenAI's chat-completions and Responses APIs (POST /v1/chat/completions,
+POST /v1/responses, GET /v1/models), Anthropic's Messages API (POST /v1/messages) and
+GET /health in front of agentkv workers. Each agent's Q4 KV cache persists in the store: a
+client that resends its whole history prefills only what is new."""
 
 from __future__ import annotations
 

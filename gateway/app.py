@@ -1,7 +1,7 @@
-"""The gateway: OpenAI's chat-completions API and Anthropic's Messages API over HTTP, on the
-asyncio SDK. Both are one path: each API's wire format is a sans-I/O module
-(gateway/protocol.py, gateway/anthropic.py) that checks a request into a ChatCall and builds
-the reply, whole or streamed, and its errors.
+"""The gateway: OpenAI's chat-completions and Responses APIs and Anthropic's Messages API over
+HTTP, on the asyncio SDK. All are one path: each API's wire format is a sans-I/O module
+(gateway/protocol.py, gateway/responses.py, gateway/anthropic.py) that checks a request into
+a ChatCall and builds the reply, whole or streamed, and its errors.
 
 Frameworks resend the whole conversation on every call. The gateway holds no KV and no
 conversation: it names the agent (X-Agent-Id; else X-Session-ID; else one anonymous agent per
@@ -51,7 +51,7 @@ from agentkv.errors import (
     FailedPrecondition,
     FingerprintMismatch,
 )
-from agentkv.gateway import anthropic
+from agentkv.gateway import anthropic, responses
 from agentkv.gateway.config import GatewayConfig
 from agentkv.gateway.protocol import (
     ChatCall,
@@ -106,10 +106,19 @@ ANTHROPIC = API(
     anthropic.error_event,
 )
 
+RESPONSES = API(
+    responses.parse_responses,
+    responses.ResponseReply.of,
+    HTTPError.body,
+    responses.error_event,
+)
+
 
 def api_of(path: str) -> API:
     """The API a request path belongs to (its errors' JSON)."""
-    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
+    if path.startswith("/v1/messages"):
+        return ANTHROPIC
+    return RESPONSES if path.startswith("/v1/responses") else OPENAI
 
 
 @dataclass(slots=True)
@@ -159,6 +168,10 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         """OpenAI's POST /v1/chat/completions."""
         return await self._converse(request, OPENAI)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's POST /v1/responses: the same agents, turns and figures."""
+        return await self._converse(request, RESPONSES)
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's POST /v1/messages: the same agents, turns and figures."""
@@ -612,6 +625,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route(path, _answering_errors(route, api_of(path)), methods=[method])
         for method, path, route in (
             ("POST", "/v1/chat/completions", gateway.chat),
+            ("POST", "/v1/responses", gateway.responses),
             ("POST", "/v1/messages", gateway.messages),
             ("POST", "/v1/messages/count_tokens", gateway.count_tokens),
             ("GET", "/v1/models", gateway.models),

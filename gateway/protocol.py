@@ -143,6 +143,7 @@ class ChatCall:
     scope: tuple[str, ...] = ()
     tools: str = ""  # the function tools as compact JSON, keys sorted; "" for none
     max_tool_calls: int = 0  # 1 for parallel_tool_calls false: the reply ends after one
+    echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
 
     @property
     def system(self) -> str:

@@ -1,0 +1,480 @@
+"""OpenAI's Responses API (POST /v1/responses) wire format, sans I/O: a request body checked
+into the ChatCall the chat route makes too (so a conversation goes to the same agent,
+whichever API sends it), the reply as a Response object and as the Responses stream's
+events, built by the same steps, and errors as OpenAI's error JSON.
+
+`instructions` is the system prompt; `input` is the conversation as items: messages (text
+parts), the model's function_call items (an assistant message's tool calls) and the
+caller's function_call_output items (tool messages). The whole input is sent each call, as
+the OpenAI Agents SDK and Codex send it; agentkv keeps no responses, so `previous_response_id`
+and `conversation` (which would continue one kept) are refused, and `store` is taken as a
+hint: the conversation's cache is kept anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentkv.gateway.protocol import (
+    NO_CONSTRAINTS,
+    SCOPE,
+    TOOL_NAME,
+    ChatCall,
+    HTTPError,
+    invalid,
+    known_only,
+    numbers,
+    tools_text,
+    typed,
+    utf8,
+)
+
+# Taken and meaningless here, or equal to what agentkv does anyway (every conversation's
+# cache is kept, whatever store and prompt_cache_retention say).
+IGNORED = {"model", "input", "instructions", "stream", "store", "metadata", "service_tier"}
+IGNORED |= {"prompt_cache_retention", "stream_options"}
+CHECKED = {"tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "include"}
+SAMPLING = {"temperature", "top_p", "max_output_tokens"}
+NEUTRAL = {  # accepted at these values only (or null)
+    "background": (False,),
+    "truncation": ("disabled",),  # "auto" would drop the conversation's start
+    "top_logprobs": (0,),
+    "previous_response_id": (),  # agentkv keeps no responses: send the whole input
+    "conversation": (),
+    "prompt": (),
+    "max_tool_calls": (),
+    "context_management": (),
+}
+KNOWN = {*IGNORED, *CHECKED, *SAMPLING, *NEUTRAL, *SCOPE}
+# What `include` may ask for when the reply has none of it: encrypted reasoning (there is no
+# reasoning; Codex asks for it on every call).
+INCLUDABLE = {"reasoning.encrypted_content"}
+FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict"}
+ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+INCOMPLETE = {"length", "deadline", "none"}  # finish reasons of a reply that was cut
+
+
+def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
+    """The request body as a ChatCall; HTTPError 400 for anything agentkv would not do as
+    OpenAI specifies (an unknown field or a refused value is never silently dropped)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    known_only(body, KNOWN)
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) not in (None, *neutral):
+            allowed = " or ".join(map(repr, (None, *neutral)))
+            why = _WHY.get(name, "")
+            raise invalid(f"{name}: only {allowed} is supported{why}", name, "unsupported_value")
+    _hints(body)
+    model = typed(body, "model", str, None)
+    if not model:
+        raise invalid("model: a model id is required", "model")
+    instructions = typed(body, "instructions", str, None)
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    tools = _tools(body)
+    return ChatCall(
+        model,
+        system + _input(body.get("input")),
+        bool(typed(body, "stream", bool, False)),
+        False,
+        _sampling(body, default_max_tokens),
+        scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
+        tools=tools_text(tools),
+        max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
+        echo=_echo(body, instructions),
+    )
+
+
+_WHY = {
+    "previous_response_id": " (agentkv keeps no responses: send the whole input, as with "
+    "store false; the conversation's cache is kept and found again)",
+    "conversation": " (agentkv keeps no conversations: send the whole input)",
+    "truncation": " (agentkv keeps the whole conversation the client sends)",
+}
+
+
+def _hints(body: dict) -> None:
+    """Fields that ask for what the reply may or may not hold, taken when no answer breaks
+    them: reasoning (none is returned), text's verbosity, include of encrypted reasoning. A
+    structured output format (constrained decoding) is refused."""
+    reasoning = typed(body, "reasoning", dict, None) or {}
+    known_only(reasoning, {"effort", "summary", "generate_summary"}, "reasoning")
+    for name in ("effort", "summary", "generate_summary"):
+        typed(reasoning, name, str, None, "reasoning")
+    text = typed(body, "text", dict, None) or {}
+    known_only(text, {"format", "verbosity"}, "text")
+    typed(text, "verbosity", str, None, "text")
+    form = typed(text, "format", dict, None, "text") or {"type": "text"}
+    if form.get("type") != "text" or len(form) != 1:
+        raise invalid(
+            f"text.format {form.get('type')!r}: only text (agentkv has no constrained decoding)",
+            "text.format",
+            "unsupported_value",
+        )
+    include = typed(body, "include", list, None) or []
+    for i, name in enumerate(include):
+        if name not in INCLUDABLE:
+            raise invalid(
+                f"include[{i}] {name!r} is not supported (only {sorted(INCLUDABLE)})",
+                f"include[{i}]",
+                "unsupported_value",
+            )
+
+
+def _tools(body: dict) -> list[dict[str, Any]]:
+    """The function tools in the chat route's form ({"type": "function", "function": {...}},
+    which the worker renders); tool_choice "auto" only (the model decides whether to call)."""
+    typed(body, "parallel_tool_calls", bool, None)
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto"):
+        raise invalid(
+            f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value"
+        )
+    tools = typed(body, "tools", list, None) or []
+    return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise invalid(
+            f"{where}: only function tools are supported, not {kind!r}",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    known_only(tool, FUNCTION_KEYS, where)
+    name = tool.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(
+            f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
+            f"{where}.name",
+        )
+    function: dict[str, Any] = {"name": name}
+    for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+        value = typed(tool, key, kind, None, where)
+        if value is not None:
+            function[key] = value
+    return {"type": "function", "function": function}
+
+
+def _input(items: Any) -> list[dict[str, Any]]:
+    """The input as OpenAI-style chat messages: a string is one user message; items in a
+    row from the model (its message, its function calls) are one assistant message; each
+    function_call_output is a tool message answering a call before it."""
+    if isinstance(items, str):
+        utf8(items, "input")
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise invalid("input: a string or a non-empty array of items is required", "input")
+    out: list[dict[str, Any]] = []
+    asked: set[str] = set()  # calls not yet answered
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        message = _item(item, where)
+        if message["role"] == "tool":
+            if message["tool_call_id"] not in asked:
+                raise invalid(
+                    f"{where}: a function_call_output answers a function_call before it; "
+                    f"{message['tool_call_id']!r} is none of those not yet answered",
+                    f"{where}.call_id",
+                )
+            asked.discard(message["tool_call_id"])
+        elif message["role"] == "assistant" and out and out[-1]["role"] == "assistant":
+            out[-1] = _merged(out[-1], message)
+            asked |= {c["id"] for c in message.get("tool_calls", ())}
+            continue
+        else:
+            _unanswered(asked, where)
+            asked = {c["id"] for c in message.get("tool_calls", ())}
+        out.append(message)
+    _unanswered(asked, f"input[{len(items) - 1}]")
+    if out[-1]["role"] == "assistant":
+        raise invalid(
+            "the last item is the model's: agentkv does not continue a partial reply",
+            f"input[{len(items) - 1}]",
+            "unsupported_value",
+        )
+    return out
+
+
+def _unanswered(asked: set[str], where: str) -> None:
+    if asked:
+        raise invalid(
+            f"{where}: the function calls {sorted(asked)} have no function_call_output "
+            "answering them before it",
+            where,
+        )
+
+
+def _item(item: Any, where: str) -> dict[str, Any]:
+    """One input item as a chat message."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind not in ITEM_KEYS:
+        raise invalid(
+            f"{where}: {kind!r} items are not supported (only {', '.join(ITEM_KEYS)})",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    known_only(item, ITEM_KEYS[kind], where)
+    if kind == "function_call":
+        fields = {k: typed(item, k, str, None, where) for k in ("call_id", "name", "arguments")}
+        for name, value in fields.items():
+            if value is None or not (value or name == "arguments"):
+                raise invalid(f"{where}.{name}: a non-empty string is required", f"{where}.{name}")
+        function = {"name": fields["name"], "arguments": fields["arguments"]}
+        call = {"id": fields["call_id"], "type": "function", "function": function}
+        return {"role": "assistant", "content": "", "tool_calls": [call]}
+    if kind == "function_call_output":
+        call_id = typed(item, "call_id", str, None, where)
+        if not call_id:
+            raise invalid(f"{where}.call_id: a non-empty string is required", f"{where}.call_id")
+        output = item.get("output")
+        text = output if isinstance(output, str) else _text(output, f"{where}.output")
+        utf8(text, f"{where}.output")
+        return {"role": "tool", "content": text, "tool_call_id": call_id}
+    role = item.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role {role!r} is not supported ({', '.join(ROLES)})", where)
+    return {"role": ROLES[role], "content": _text(item.get("content"), f"{where}.content")}
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content, or a function's output: a string, or text parts joined (images,
+    files and audio are refused)."""
+    if isinstance(content, str):
+        utf8(content, where)
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where} must be a string or an array of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in TEXT_PARTS:
+            raise invalid(
+                f"{where}[{j}]: {kind!r} parts are not supported, only text",
+                f"{where}[{j}]",
+                "unsupported_value",
+            )
+        text = part.get(TEXT_PARTS[kind])
+        if not isinstance(text, str):
+            raise invalid(f"{where}[{j}]: its {TEXT_PARTS[kind]} must be a string", where)
+        texts.append(text)
+    text = "".join(texts)
+    utf8(text, where)
+    return text
+
+
+def _merged(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two of the model's items in a row as one assistant message: texts joined, calls in
+    order."""
+    calls = [*first.get("tool_calls", ()), *then.get("tool_calls", ())]
+    message = {"role": "assistant", "content": first["content"] + then["content"]}
+    return message | ({"tool_calls": calls} if calls else {})
+
+
+def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
+    """SamplingParams: temperature in [0, 2] (1 by default), top_p (0: greedy), and
+    max_output_tokens, a ceiling lowered to the room the context has left (as OpenAI's
+    "upper bound"; the gateway's default when not given)."""
+    out: dict[str, Any] = {"temperature": 1.0, "fit_max_tokens": True}
+    out |= numbers(body, (("temperature", 0, 2), ("top_p", 0, 1)))
+    given = typed(body, "max_output_tokens", int, None)
+    if given is not None and not 1 <= given < 2**32:
+        raise invalid(f"max_output_tokens must be in [1, 2^32), got {given}", "max_output_tokens")
+    out["max_tokens"] = given or default_max_tokens
+    return out
+
+
+def _echo(body: dict, instructions: str | None) -> dict[str, Any]:
+    """The request's parameters as the Response object repeats them."""
+    return {
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": typed(body, "metadata", dict, None) or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "store": typed(body, "store", bool, None) is not False,
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "tools": body.get("tools") or [],
+        **{name: body.get(name) for name in SCOPE},
+    }
+
+
+def usage_json(usage: Any) -> dict[str, Any]:
+    """The Responses API's usage; cached_tokens are those the turn did not prefill."""
+    cached = max(usage.prompt_tokens - usage.prefilled_tokens, 0)
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": usage.generated_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.generated_tokens,
+    }
+
+
+def error_event(error: HTTPError, sequence_number: int = 0) -> str:
+    """An error once the stream has begun: the Responses stream's error event."""
+    data = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+    return event("error", data | {"sequence_number": sequence_number})
+
+
+def event(name: str, data: dict[str, Any]) -> str:
+    """One server-sent event as OpenAI's Responses stream sends it: its type, then its JSON."""
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@dataclass(slots=True)
+class ResponseReply:
+    """One reply's ids and the pieces of the Responses API's JSON it is sent as: streamed
+    (opening, text, call, closing), or whole, built by replaying its events through the
+    same steps, so the two are the same Response. White space is held back until text
+    follows it: before a function call, or at the end after one, it is no message."""
+
+    request: ChatCall
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict[str, Any]] = field(default_factory=list)  # items, as a client adds up
+    sequence: int = 0  # events sent
+    open: bool = False  # a message item is open
+    held: str = ""  # white space not yet sent
+    calls: int = 0
+
+    @classmethod
+    def of(cls, call: ChatCall) -> ResponseReply:
+        return cls(call)
+
+    def whole(self, events: Sequence[Any], usage: Any, extension: dict[str, Any]) -> dict:
+        for item in events:
+            self.text(item) if isinstance(item, str) else self.call(item)
+        self.closing(usage, extension, False)
+        return self._response(usage) | {"agentkv": extension}
+
+    def opening(self) -> list[str]:
+        response = self._response(None)
+        return [
+            self._event("response.created", response=response),
+            self._event("response.in_progress", response=response),
+        ]
+
+    def text(self, piece: str) -> list[str]:
+        self.held += piece
+        return self._flush() if self.held.strip() else []
+
+    def call(self, call: Any) -> list[str]:
+        """A function call, whole: its item added, its arguments in one delta, done."""
+        self.held, self.calls = "", self.calls + 1
+        out = self._close()
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress"}
+        item |= {"arguments": "", "call_id": call.id, "name": call.name}
+        out += self._add(item)
+        at = {"item_id": item["id"], "output_index": len(self.output) - 1}
+        out.append(
+            self._event("response.function_call_arguments.delta", **at, delta=call.arguments)
+        )
+        item["arguments"] = call.arguments
+        done = {"arguments": call.arguments, "name": call.name}
+        out.append(self._event("response.function_call_arguments.done", **at, **done))
+        return out + self._done(item)
+
+    def closing(self, usage: Any, extension: dict[str, Any], include_usage: bool) -> list[str]:
+        """The text held (a reply of nothing else is a message, even an empty one), the open
+        message done, then response.completed, or response.incomplete for a reply cut short."""
+        empty = not self.output
+        out = self._flush() if (self.held and (self.open or not self.calls)) or empty else []
+        out += self._close()
+        response = self._response(usage) | {"agentkv": extension}
+        return out + [self._event(f"response.{response['status']}", response=response)]
+
+    def error(self, error: HTTPError) -> str:
+        self.sequence += 1
+        return error_event(error, self.sequence - 1)
+
+    # steps
+
+    def _flush(self) -> list[str]:
+        """The text held, in the open message or a new one."""
+        out: list[str] = []
+        if not self.open:
+            item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress"}
+            out += self._add(item | {"role": "assistant", "content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.output[-1]["content"].append(part)
+            out.append(self._event("response.content_part.added", **self._at(), part=part))
+            self.open = True
+        out.append(
+            self._event("response.output_text.delta", **self._at(), delta=self.held, logprobs=[])
+        )
+        self.output[-1]["content"][0]["text"] += self.held
+        self.held = ""
+        return out
+
+    def _close(self) -> list[str]:
+        """The open message's text and part done, then the message."""
+        if not self.open:
+            return []
+        self.open = False
+        item, at = self.output[-1], self._at()
+        part = item["content"][0]
+        text = {"text": part["text"], "logprobs": []}
+        out = [self._event("response.output_text.done", **at, **text)]
+        out.append(self._event("response.content_part.done", **at, part=part))
+        return out + self._done(item)
+
+    def _add(self, item: dict[str, Any]) -> list[str]:
+        self.output.append(item)
+        return [
+            self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+        ]
+
+    def _done(self, item: dict[str, Any]) -> list[str]:
+        item["status"] = "completed"
+        index = len(self.output) - 1
+        return [self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _at(self) -> dict[str, Any]:
+        """Where the open message's text is."""
+        index = len(self.output) - 1
+        return {"item_id": self.output[-1]["id"], "output_index": index, "content_index": 0}
+
+    def _event(self, kind: str, **data: Any) -> str:
+        self.sequence += 1
+        return event(kind, {"type": kind, "sequence_number": self.sequence - 1, **data})
+
+    def _response(self, usage: Any) -> dict[str, Any]:
+        """The Response object: in progress (no usage yet), completed, or incomplete."""
+        echo, status, incomplete = self.request.echo, "in_progress", None
+        if usage is not None:
+            cut = usage.finish_reason in INCOMPLETE
+            status = "incomplete" if cut else "completed"
+            incomplete = {"reason": "max_output_tokens"} if cut else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.request.model,
+            "output": json.loads(json.dumps(self.output)),  # as it stands now
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default",
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            "tool_choice": "auto",
+            "top_logprobs": 0,
+            "truncation": "disabled",
+            "usage": usage_json(usage) if usage is not None else None,
+            **echo,
+        }

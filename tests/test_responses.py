@@ -1,0 +1,387 @@
+"""OpenAI's Responses API on the gateway, driven by the official `openai` package and the
+OpenAI Agents SDK's default model (OpenAIResponsesModel), in front of a real store and
+worker (each a separate process): on a tiny random llama for text, on tests/model_kit.py's
+scripted Qwen 2.5-style model for function calls.
+
+The three APIs are one path: the same conversation sent as Responses input items or as chat
+messages goes to the same agent and gets the same greedy reply; resent input reads its past
+from the cache (cached_tokens) and prefills only what is new; a streamed reply's events add
+up to the whole Response. The sans-IO checks come first, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from agentkv.gateway.protocol import HTTPError, parse_chat
+from agentkv.gateway.responses import ResponseReply, parse_responses
+from agentkv.launch import gateway_process, store_process, worker_process
+from agentkv.worker.v1 import worker_pb2 as pb
+from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tiny_model, tiny_tokenizer
+from tests.test_tools import ToolStack
+
+SYSTEM = "You are the archivist of the old library, and you index every scroll."
+RESULT = '{"temperature": 21, "unit": "celsius"}'
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat form
+GREEDY = {"temperature": 0}
+
+
+# The wire format, sans I/O
+
+
+def responses_body(**extra) -> dict:
+    """A tool loop as the Agents SDK sends it: instructions, items, a function's output."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                     {"type": "input_text", "text": "Paris?"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_01", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_01", "output": RESULT},
+        {"role": "user", "content": "Thanks!"},
+    ]  # fmt: skip
+    body = {"model": "m", "instructions": SYSTEM, "input": items, "tools": [WEATHER]}
+    return copy.deepcopy(body | {"user": "u1", "store": False, "include": []} | extra)
+
+
+def chat_body() -> dict:
+    """The same conversation as the chat-completions API takes it."""
+    call = {"id": "call_01", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_01", "content": RESULT},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    return {"model": "m", "messages": messages, "tools": [WEATHER_TOOL], "user": "u1"}
+
+
+def test_a_conversation_is_the_same_call_through_either_openai_api():
+    ours, theirs = parse_responses(responses_body(), 8), parse_chat(chat_body(), 8)
+    assert ours.messages == theirs.messages
+    assert ours.tools == theirs.tools and ours.scope == theirs.scope
+    assert ours.anonymous_id() == theirs.anonymous_id()  # so it reaches the same agent
+    assert ours.sampling == {"temperature": 1.0, "fit_max_tokens": True, "max_tokens": 8}
+
+
+def test_a_string_input_is_one_user_message_and_hints_are_taken():
+    call = parse_responses(
+        {"model": "m", "input": "Hi", "max_output_tokens": 5, "top_p": 0, "parallel_tool_calls":
+         False, "reasoning": {"effort": "low", "summary": "auto"}, "metadata": {"k": "v"},
+         "text": {"format": {"type": "text"}, "verbosity": "low"}, "truncation": "disabled",
+         "include": ["reasoning.encrypted_content"], "prompt_cache_retention": "24h",
+         "prompt_cache_key": "team", "stream_options": {"include_obfuscation": False}},
+        8,
+    )  # fmt: skip
+    assert call.messages == [{"role": "user", "content": "Hi"}] and call.max_tool_calls == 1
+    assert call.sampling["max_tokens"] == 5 and call.sampling["temperature"] == 0.0
+    assert call.scope == ("team", "", "") and call.echo["metadata"] == {"k": "v"}
+
+
+@pytest.mark.parametrize(
+    "change, param, words",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole input"),
+        ({"conversation": "conv_1"}, "conversation", "keeps no conversations"),
+        ({"truncation": "auto"}, "truncation", "only None or 'disabled'"),
+        ({"background": True}, "background", "only None or False"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+         "text.format", "no constrained decoding"),
+        ({"include": ["message.output_text.logprobs"]}, "include[0]", "not supported"),
+        ({"tool_choice": "required"}, "tool_choice", "no constrained"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "1 to 64"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "[1, 2^32)"),
+        ({"temperature": 3}, "temperature", "in [0, 2]"),
+        ({"frequency_penalty": 1}, "frequency_penalty", "unsupported parameter"),
+        ({"input": []}, "input", "a string or a non-empty array"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "'reasoning' items"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content[0]", "only text"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0]", "role 'tool'"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+         "input[0].call_id", "answers a function_call before it"),
+        ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c",
+                     "name": "f", "arguments": "{}"}]}, "input[1]", "no function_call_output"),
+        ({"input": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+         "input[1]", "does not continue a partial reply"),
+        ({"input": [{"role": "user", "content": "x", "name": "n"}]}, "input[0].name",
+         "unsupported parameter"),
+    ],
+)  # fmt: skip
+def test_what_agentkv_does_not_do_is_refused_naming_the_field(change, param, words):
+    with pytest.raises(HTTPError) as refused:
+        parse_responses(responses_body(**change), 8)
+    assert refused.value.status == 400 and refused.value.param == param
+    assert words in refused.value.message
+
+
+def usage(finish: str = "stop", prompt: int = 10, generated: int = 3) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt, prefilled_tokens=4, generated_tokens=generated,
+                    finish_reason=finish)  # fmt: skip
+
+
+def replayed(events: list, finish: str = "stop") -> tuple[dict, dict, list[str]]:
+    """The whole Response, the streamed one's last state, and the stream's event types."""
+    call = parse_responses(responses_body(), 8)
+    whole = ResponseReply.of(call).whole(events, usage(finish), {"x": 1})
+    reply = ResponseReply.of(call)
+    sent = reply.opening()
+    for item in events:
+        sent += reply.text(item) if isinstance(item, str) else reply.call(item)
+    sent += reply.closing(usage(finish), {"x": 1}, False)
+    data = [json.loads(s.split("data: ", 1)[1]) for s in sent]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert all(s.startswith(f"event: {d['type']}\n") for s, d in zip(sent, data, strict=True))
+    return whole, data[-1]["response"], [d["type"] for d in data]
+
+
+def without_ids(response: dict) -> dict:
+    out = {k: v for k, v in response.items() if k not in ("id", "created_at")}
+    out["output"] = [{k: v for k, v in item.items() if k != "id"} for item in out["output"]]
+    return out
+
+
+CALL = pb.ToolCall(id="call_9", name="get_weather", arguments='{"city": "Paris"}')
+
+
+@pytest.mark.parametrize(
+    "events, kinds",
+    [
+        (["Hello", " there."], ["message"]),
+        (["\n", CALL], ["function_call"]),  # white space before a call is no message
+        (["Let me look.", CALL, "\n"], ["message", "function_call"]),
+        ([CALL, CALL], ["function_call", "function_call"]),
+        ([], ["message"]),  # an empty reply is an empty message
+    ],
+)
+def test_the_streamed_response_adds_up_to_the_whole_one(events, kinds):
+    whole, streamed, types = replayed(events)
+    assert [item["type"] for item in whole["output"]] == kinds
+    assert without_ids(whole) == without_ids({**streamed, "agentkv": {"x": 1}} | {})
+    assert whole["status"] == "completed" and whole["incomplete_details"] is None
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed"
+    assert types.count("response.output_item.added") == types.count("response.output_item.done")
+    calls = [i for i, e in enumerate(events) if not isinstance(e, str)]
+    said = "".join(e for e in events[: calls[0] if calls else None] if isinstance(e, str))
+    messages = [i for i in whole["output"] if i["type"] == "message"]
+    assert [m["content"][0]["text"] for m in messages] == (
+        [said] if said.strip() or not calls else []
+    )
+
+
+def test_a_reply_cut_short_is_incomplete():
+    whole, streamed, types = replayed(["Hel"], finish="length")
+    assert whole["status"] == streamed["status"] == "incomplete"
+    assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert types[-1] == "response.incomplete"
+    assert whole["usage"] == {
+        "input_tokens": 10,
+        "input_tokens_details": {"cached_tokens": 6},
+        "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 13,
+    }
+
+
+# Against real processes: text on a tiny random llama
+
+
+class Stack:
+    """A store, a worker on the tiny llama, and a gateway."""
+
+    def __init__(self, root: Path) -> None:
+        model = build_tiny_model("llama", root / "llama", tiny_tokenizer())
+        self.store = store_process(root / "data", root / "store.log").start()
+        args = ["--block-tokens", "64"]
+        self.worker = worker_process(
+            str(model), self.store.address, root / "w.log", extra_args=args
+        )
+        self.worker.start()
+        flags = ["--model-name", "tiny"]
+        self.gateway = gateway_process(
+            [self.worker.address], root / "gateway.log", self.store.address, "127.0.0.1:0", flags
+        ).start()
+
+    def client(self) -> openai.OpenAI:
+        url = f"http://{self.gateway.address}/v1"
+        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+    def stop(self) -> None:
+        for proc in (self.gateway, self.worker, self.store):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("responses"))
+    yield stack
+    stack.stop()
+
+
+def create(client: openai.OpenAI, items, agent: str, **options):
+    return client.responses.create(
+        model="tiny", instructions=SYSTEM, input=items, max_output_tokens=8,
+        extra_headers={"X-Agent-Id": agent}, **GREEDY, **options,
+    )  # fmt: skip
+
+
+def test_a_response_answers_as_chat_and_resent_input_reads_its_past_from_the_cache(stack):
+    client = stack.client()
+    first = create(client, "Which scrolls came in today?", "responder")
+    assert first.id.startswith("resp_") and first.object == "response"
+    assert first.status == "incomplete"  # the random model never ends: max_output_tokens
+    assert first.incomplete_details.reason == "max_output_tokens"
+    [message] = first.output
+    assert message.type == "message" and message.role == "assistant" and first.output_text
+    chat = client.chat.completions.create(
+        model="tiny", max_tokens=8, **GREEDY, extra_headers={"X-Agent-Id": "chatter"},
+        messages=[{"role": "system", "content": SYSTEM},
+                  {"role": "user", "content": "Which scrolls came in today?"}],
+    )  # fmt: skip
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert first.usage.output_tokens == 8 and first.usage.input_tokens_details.cached_tokens == 0
+    items = [{"role": "user", "content": "Which scrolls came in today?"}]
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    items += [{"role": "user", "content": "Index them."}]
+    second = create(client, items, "responder")
+    held = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens == held
+    assert second.model_extra["agentkv"]["cache_state"] == "hot"
+
+
+def test_a_streamed_response_adds_up_to_the_whole_one(stack):
+    client = stack.client()
+    whole = create(client, "Which scrolls came in today?", "whole-one")
+    with client.responses.stream(
+        model="tiny", instructions=SYSTEM, input="Which scrolls came in today?",
+        max_output_tokens=8, extra_headers={"X-Agent-Id": "streamed-one"}, **GREEDY,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1].response
+    assert deltas == last.output_text == whole.output_text
+    assert last.usage == whole.usage and last.status == whole.status
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_bad_requests_get_openai_errors(stack):
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(client, "x", "bad", previous_response_id="resp_1")
+    assert refused.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        client.responses.create(model="gpt-5", input="x")
+
+
+# Against real processes: function calls on the scripted model
+
+
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory):
+    stack = ToolStack(tmp_path_factory.mktemp("responses-tools"))
+    yield stack
+    stack.stop()
+
+
+def test_a_function_call_loop_resumes_warm_and_streams_the_same_call(tools):
+    client = tools.client()
+    items: list = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def turn(agent: str = "looper"):
+        return client.responses.create(
+            model="qwen-tools", instructions="You are a weather assistant.", input=items,
+            tools=[WEATHER], max_output_tokens=32, extra_headers={"X-Agent-Id": agent}, **GREEDY,
+        )  # fmt: skip
+
+    first = turn()
+    assert first.status == "completed"
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert (call.name, json.loads(call.arguments)) == (TOOL_CALL["name"], TOOL_CALL["arguments"])
+    assert call.call_id and call.id.startswith("fc_") and call.status == "completed"
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    items += [{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    second = turn()
+    held = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens == held
+    assert second.model_extra["agentkv"]["cache_state"] == "hot"
+    with client.responses.stream(
+        model="qwen-tools", instructions="You are a weather assistant.", input=items[:1],
+        tools=[WEATHER], max_output_tokens=32, extra_headers={"X-Agent-Id": "streamer"}, **GREEDY,
+    ) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    shape = ("type", "name", "arguments", "status")
+    assert [[getattr(i, k, None) for k in shape] for i in final.output] == [
+        [getattr(i, k, None) for k in shape] for i in first.output
+    ]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_openai_agents_sdk_agent_on_its_default_model_calls_its_tool_and_resumes_warm(
+    tools, streamed
+):
+    """OpenAI's Agents SDK, unchanged, with its default Responses model over the gateway:
+    its function tool is called with the model's arguments, and the next run, resending
+    the history with the call and its result, resumes the agent's cache."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    ran = []
+
+    @function_tool
+    def get_weather(city: str, unit: str = "celsius") -> str:
+        """The current weather in a city."""
+        ran.append((city, unit))
+        return f"21 degrees {unit} in {city}"
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=tools.client().base_url, api_key="unused")
+    agent = Agent(
+        name=f"weather-{streamed}",
+        instructions="You are a weather assistant.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model="qwen-tools", openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=32),
+        tool_use_behavior="stop_on_first_tool",  # the scripted model would call for ever
+    )
+
+    async def run(items):
+        if not streamed:
+            return await Runner.run(agent, items)
+        result = Runner.run_streamed(agent, items)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    async def twice():  # one event loop: the client's connections belong to it
+        ask = f"What is the weather in Paris? ({streamed})"
+        first = await run(ask)
+        history = [*first.to_input_list(), {"role": "user", "content": "And tomorrow?"}]
+        return first, await run(history)
+
+    first, second = asyncio.run(twice())
+    assert first.final_output == "21 degrees celsius in Paris"
+    assert ran[0] == (TOOL_CALL["arguments"]["city"], TOOL_CALL["arguments"]["unit"])
+    usage = first.raw_responses[0].usage
+    cached = second.raw_responses[0].usage.input_tokens_details.cached_tokens
+    assert cached >= usage.input_tokens + usage.output_tokens - 1  # its call and result too
+    assert second.final_output == first.final_output and ran[1] == ran[0]
