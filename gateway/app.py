@@ -216,6 +216,7 @@ class Gateway:
             "x-agentkv-worker": reply.worker,
         }
         completion = api.reply(call)
+        request.scope["agentkv.reply"] = completion  # a stop's CutOff ends its stream
         if call.stream:
             events = self._events(turn, call, completion, namespace)
             headers = facts | STREAM_HEADERS
@@ -610,7 +611,8 @@ class CutOff:
             if not sent:
                 await JSONResponse(api.error_body(error), status_code=503)(scope, receive, send)
             elif sent[0]["type"] == "http.response.start" or sent[0].get("more_body"):
-                body = api.error_event(error).encode()  # the response under way is a stream
+                reply = scope.get("agentkv.reply")  # the stream under way: its next event
+                body = (reply.error(error) if reply else api.error_event(error)).encode()
                 await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -37,8 +37,9 @@ from agentkv.gateway.protocol import (
 # Taken and meaningless here, or equal to what agentkv does anyway (every conversation's
 # cache is kept, whatever store and prompt_cache_retention say).
 IGNORED = {"model", "input", "instructions", "stream", "store", "metadata", "service_tier"}
-IGNORED |= {"prompt_cache_retention", "stream_options"}
+IGNORED |= {"prompt_cache_retention", "prompt_cache_options"}
 CHECKED = {"tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "include"}
+CHECKED |= {"stream_options"}
 SAMPLING = {"temperature", "top_p", "max_output_tokens"}
 NEUTRAL = {  # accepted at these values only (or null)
     "background": (False,),
@@ -57,12 +58,13 @@ INCLUDABLE = {"reasoning.encrypted_content"}
 FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict"}
 ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
-    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "namespace"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "caller", "name"},
 }
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 INCOMPLETE = {"length", "deadline", "none"}  # finish reasons of a reply that was cut
+REASONING = ("effort", "summary", "generate_summary", "context", "mode")  # hints: no reasoning
 
 
 def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
@@ -77,22 +79,25 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
             why = _WHY.get(name, "")
             raise invalid(f"{name}: only {allowed} is supported{why}", name, "unsupported_value")
     _hints(body)
+    stream = bool(typed(body, "stream", bool, False))
+    if typed(body, "stream_options", dict, None) is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
     model = typed(body, "model", str, None)
     if not model:
         raise invalid("model: a model id is required", "model")
     instructions = typed(body, "instructions", str, None)
     system = [{"role": "system", "content": instructions}] if instructions else []
-    tools = _tools(body)
+    tools, sampling = _tools(body), _sampling(body, default_max_tokens)
     return ChatCall(
         model,
         system + _input(body.get("input")),
-        bool(typed(body, "stream", bool, False)),
+        stream,
         False,
-        _sampling(body, default_max_tokens),
+        sampling,
         scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=tools_text(tools),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
-        echo=_echo(body, instructions),
+        echo=_echo(body, instructions, sampling["max_tokens"]),
     )
 
 
@@ -109,8 +114,8 @@ def _hints(body: dict) -> None:
     them: reasoning (none is returned), text's verbosity, include of encrypted reasoning. A
     structured output format (constrained decoding) is refused."""
     reasoning = typed(body, "reasoning", dict, None) or {}
-    known_only(reasoning, {"effort", "summary", "generate_summary"}, "reasoning")
-    for name in ("effort", "summary", "generate_summary"):
+    known_only(reasoning, set(REASONING), "reasoning")
+    for name in REASONING:
         typed(reasoning, name, str, None, "reasoning")
     text = typed(body, "text", dict, None) or {}
     known_only(text, {"format", "verbosity"}, "text")
@@ -124,7 +129,7 @@ def _hints(body: dict) -> None:
         )
     include = typed(body, "include", list, None) or []
     for i, name in enumerate(include):
-        if name not in INCLUDABLE:
+        if not isinstance(name, str) or name not in INCLUDABLE:
             raise invalid(
                 f"include[{i}] {name!r} is not supported (only {sorted(INCLUDABLE)})",
                 f"include[{i}]",
@@ -171,34 +176,43 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 def _input(items: Any) -> list[dict[str, Any]]:
     """The input as OpenAI-style chat messages: a string is one user message; items in a
     row from the model (its message, its function calls) are one assistant message; each
-    function_call_output is a tool message answering a call before it."""
+    function_call_output is a tool message answering a call before it, and the answers to
+    one message's calls are put in its calls' order (chat templates pair them by place)."""
     if isinstance(items, str):
         utf8(items, "input")
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise invalid("input: a string or a non-empty array of items is required", "input")
     out: list[dict[str, Any]] = []
-    asked: set[str] = set()  # calls not yet answered
+    asked: list[str] = []  # the last assistant message's calls, in order
+    answers: dict[str, dict[str, Any]] = {}  # their answers so far
     for i, item in enumerate(items):
         where = f"input[{i}]"
         message = _item(item, where)
         if message["role"] == "tool":
-            if message["tool_call_id"] not in asked:
+            call_id = message["tool_call_id"]
+            if call_id not in asked or call_id in answers:
                 raise invalid(
                     f"{where}: a function_call_output answers a function_call before it; "
-                    f"{message['tool_call_id']!r} is none of those not yet answered",
+                    f"{call_id!r} is none of those not yet answered",
                     f"{where}.call_id",
                 )
-            asked.discard(message["tool_call_id"])
-        elif message["role"] == "assistant" and out and out[-1]["role"] == "assistant":
-            out[-1] = _merged(out[-1], message)
-            asked |= {c["id"] for c in message.get("tool_calls", ())}
+            answers[call_id] = message
             continue
+        if (
+            message["role"] == "assistant"
+            and out
+            and out[-1]["role"] == "assistant"
+            and not answers
+        ):
+            out[-1] = message = _merged(out[-1], message)  # the model's items in a row
         else:
-            _unanswered(asked, where)
-            asked = {c["id"] for c in message.get("tool_calls", ())}
-        out.append(message)
-    _unanswered(asked, f"input[{len(items) - 1}]")
+            _all_answered(asked, answers, where, out)
+            out.append(message)
+        asked, answers = [c["id"] for c in message.get("tool_calls", ())], {}
+        if len(set(asked)) < len(asked):
+            raise invalid(f"{where}: two function calls have one call_id", f"{where}.call_id")
+    _all_answered(asked, answers, f"input[{len(items) - 1}]", out)
     if out[-1]["role"] == "assistant":
         raise invalid(
             "the last item is the model's: agentkv does not continue a partial reply",
@@ -208,19 +222,23 @@ def _input(items: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _unanswered(asked: set[str], where: str) -> None:
-    if asked:
+def _all_answered(
+    asked: list[str], answers: dict[str, dict[str, Any]], where: str, out: list[dict[str, Any]]
+) -> None:
+    """The answers to the last assistant message's calls, in its calls' order, once all came."""
+    if set(asked) - set(answers):
         raise invalid(
-            f"{where}: the function calls {sorted(asked)} have no function_call_output "
-            "answering them before it",
+            f"{where}: the function calls {sorted(set(asked) - set(answers))} have no "
+            "function_call_output answering them before it",
             where,
         )
+    out += [answers[call_id] for call_id in asked]
 
 
 def _item(item: Any, where: str) -> dict[str, Any]:
     """One input item as a chat message."""
     kind = item.get("type", "message") if isinstance(item, dict) else None
-    if kind not in ITEM_KEYS:
+    if not isinstance(kind, str) or kind not in ITEM_KEYS:
         raise invalid(
             f"{where}: {kind!r} items are not supported (only {', '.join(ITEM_KEYS)})",
             f"{where}.type",
@@ -228,6 +246,8 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         )
     known_only(item, ITEM_KEYS[kind], where)
     if kind == "function_call":
+        if item.get("namespace") is not None:
+            raise invalid(f"{where}.namespace: namespaced tools are not supported", where)
         fields = {k: typed(item, k, str, None, where) for k in ("call_id", "name", "arguments")}
         for name, value in fields.items():
             if value is None or not (value or name == "arguments"):
@@ -244,7 +264,7 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         utf8(text, f"{where}.output")
         return {"role": "tool", "content": text, "tool_call_id": call_id}
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise invalid(f"{where}.role {role!r} is not supported ({', '.join(ROLES)})", where)
     return {"role": ROLES[role], "content": _text(item.get("content"), f"{where}.content")}
 
@@ -260,7 +280,7 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in TEXT_PARTS:
+        if not isinstance(kind, str) or kind not in TEXT_PARTS:
             raise invalid(
                 f"{where}[{j}]: {kind!r} parts are not supported, only text",
                 f"{where}[{j}]",
@@ -296,19 +316,32 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def _echo(body: dict, instructions: str | None) -> dict[str, Any]:
-    """The request's parameters as the Response object repeats them."""
+def _echo(body: dict, instructions: str | None, max_tokens: int) -> dict[str, Any]:
+    """The request's parameters as the Response object repeats them (max_output_tokens: the
+    cap the reply had, the gateway's --max-tokens when the request gave none)."""
+    reasoning = {"effort": None, "summary": None} | (body.get("reasoning") or {})
+    text = {"format": {"type": "text"}, "verbosity": "medium"} | (body.get("text") or {})
     return {
         "instructions": instructions,
-        "max_output_tokens": body.get("max_output_tokens"),
+        "max_output_tokens": max_tokens,
         "metadata": typed(body, "metadata", dict, None) or {},
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "reasoning": reasoning,
         "store": typed(body, "store", bool, None) is not False,
         "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0),
+        "text": text,
         "tools": body.get("tools") or [],
+        "top_logprobs": body.get("top_logprobs") or 0,
+        "top_p": body.get("top_p", 1.0),
         **{name: body.get(name) for name in SCOPE},
     }
+
+
+def _failure(error: HTTPError) -> dict[str, str]:
+    """A failed Response's error: one of the codes OpenAI's types allow (the error event
+    before it carries agentkv's own)."""
+    code = {429: "rate_limit_exceeded", 400: "invalid_prompt"}.get(error.status, "server_error")
+    return {"code": code, "message": error.message}
 
 
 def usage_json(usage: Any) -> dict[str, Any]:
@@ -316,7 +349,11 @@ def usage_json(usage: Any) -> dict[str, Any]:
     cached = max(usage.prompt_tokens - usage.prefilled_tokens, 0)
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached},
+        # the rest was prefilled, and is kept in the cache from now on
+        "input_tokens_details": {
+            "cached_tokens": cached,
+            "cache_write_tokens": usage.prefilled_tokens,
+        },
         "output_tokens": usage.generated_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.generated_tokens,
@@ -392,13 +429,17 @@ class ResponseReply:
         message done, then response.completed, or response.incomplete for a reply cut short."""
         empty = not self.output
         out = self._flush() if (self.held and (self.open or not self.calls)) or empty else []
-        out += self._close()
+        out += self._close("incomplete" if usage.finish_reason in INCOMPLETE else "completed")
         response = self._response(usage) | {"agentkv": extension}
         return out + [self._event(f"response.{response['status']}", response=response)]
 
     def error(self, error: HTTPError) -> str:
+        """An error once the stream has begun: the error event, then response.failed."""
         self.sequence += 1
-        return error_event(error, self.sequence - 1)
+        failed = self._response(None, error)
+        return error_event(error, self.sequence - 1) + self._event(
+            "response.failed", response=failed
+        )
 
     # steps
 
@@ -419,7 +460,7 @@ class ResponseReply:
         self.held = ""
         return out
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         """The open message's text and part done, then the message."""
         if not self.open:
             return []
@@ -429,7 +470,7 @@ class ResponseReply:
         text = {"text": part["text"], "logprobs": []}
         out = [self._event("response.output_text.done", **at, **text)]
         out.append(self._event("response.content_part.done", **at, part=part))
-        return out + self._done(item)
+        return out + self._done(item, status)
 
     def _add(self, item: dict[str, Any]) -> list[str]:
         self.output.append(item)
@@ -437,8 +478,8 @@ class ResponseReply:
             self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
         ]
 
-    def _done(self, item: dict[str, Any]) -> list[str]:
-        item["status"] = "completed"
+    def _done(self, item: dict[str, Any], status: str = "completed") -> list[str]:
+        item["status"] = status
         index = len(self.output) - 1
         return [self._event("response.output_item.done", output_index=index, item=item)]
 
@@ -451,10 +492,13 @@ class ResponseReply:
         self.sequence += 1
         return event(kind, {"type": kind, "sequence_number": self.sequence - 1, **data})
 
-    def _response(self, usage: Any) -> dict[str, Any]:
-        """The Response object: in progress (no usage yet), completed, or incomplete."""
+    def _response(self, usage: Any, failed: HTTPError | None = None) -> dict[str, Any]:
+        """The Response object: in progress (no usage yet), completed, incomplete, or failed
+        (with its error)."""
         echo, status, incomplete = self.request.echo, "in_progress", None
-        if usage is not None:
+        if failed is not None:
+            status = "failed"
+        elif usage is not None:
             cut = usage.finish_reason in INCOMPLETE
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None
@@ -464,16 +508,13 @@ class ResponseReply:
             "created_at": self.created_at,
             "status": status,
             "background": False,
-            "error": None,
+            "error": _failure(failed) if failed else None,
             "incomplete_details": incomplete,
             "model": self.request.model,
             "output": json.loads(json.dumps(self.output)),  # as it stands now
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
             "service_tier": "default",
-            "text": {"format": {"type": "text"}, "verbosity": "medium"},
             "tool_choice": "auto",
-            "top_logprobs": 0,
             "truncation": "disabled",
             "usage": usage_json(usage) if usage is not None else None,
             **echo,

@@ -690,15 +690,26 @@ def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
             messages = [{"role": "user", "content": "Write a long story about a mill."}]
             chunks = iter(ask(client, messages, "drained-stream", stream=True, max_tokens=200))
             next(chunks)
+            events = iter(client.responses.create(
+                model=MODEL, input=messages, stream=True, max_output_tokens=200,
+                extra_headers={"X-Agent-Id": "drained-responses"},
+            ))  # fmt: skip
+            opened = [next(events) for _ in range(2)]  # created, in progress
             whole = pool.submit(ask, client, messages, "drained-whole", max_tokens=200)
-            started = {proxy.stalled.get(timeout=60) for _ in range(2)}
-            assert started == {"drained-stream", "drained-whole"}  # both replies are running
+            started = {proxy.stalled.get(timeout=60) for _ in range(3)}
+            assert started == {"drained-stream", "drained-whole", "drained-responses"}
             gateway.proc.send_signal(signal.SIGTERM)
             error = error_of(whole.result)
             assert error.status_code == 503 and error.body["code"] == "unavailable"
             with pytest.raises(openai.APIError, match="stopping") as cut:
                 list(chunks)
             assert cut.value.body["code"] == "unavailable"
+            # the Responses stream: its error event, next in sequence, then response.failed
+            sent = opened + list(events)
+            assert [e.type for e in sent[-2:]] == ["error", "response.failed"]
+            assert [e.sequence_number for e in sent] == list(range(len(sent)))
+            assert sent[-2].code == "unavailable" and "stopping" in sent[-2].message
+            assert sent[-1].response.error.code == "server_error"  # OpenAI's types' word
             assert gateway.proc.wait(60) == 0
             assert "Traceback" not in gateway.log_tail(200_000)
         finally:

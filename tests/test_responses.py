@@ -14,9 +14,14 @@ import asyncio
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from openai._models import construct_type
+from openai._types import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
 
 from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.gateway.responses import ResponseReply, parse_responses
@@ -75,10 +80,12 @@ def test_a_conversation_is_the_same_call_through_either_openai_api():
 def test_a_string_input_is_one_user_message_and_hints_are_taken():
     call = parse_responses(
         {"model": "m", "input": "Hi", "max_output_tokens": 5, "top_p": 0, "parallel_tool_calls":
-         False, "reasoning": {"effort": "low", "summary": "auto"}, "metadata": {"k": "v"},
+         False, "reasoning": {"effort": "low", "summary": "auto", "context": "x"},
+         "metadata": {"k": "v"},
          "text": {"format": {"type": "text"}, "verbosity": "low"}, "truncation": "disabled",
          "include": ["reasoning.encrypted_content"], "prompt_cache_retention": "24h",
-         "prompt_cache_key": "team", "stream_options": {"include_obfuscation": False}},
+         "prompt_cache_key": "team", "stream": True, "prompt_cache_options": {"x": 1},
+         "stream_options": {"include_obfuscation": False}},
         8,
     )  # fmt: skip
     assert call.messages == [{"role": "user", "content": "Hi"}] and call.max_tool_calls == 1
@@ -129,10 +136,13 @@ def usage(finish: str = "stop", prompt: int = 10, generated: int = 3) -> pb.Usag
                     finish_reason=finish)  # fmt: skip
 
 
-def replayed(events: list, finish: str = "stop") -> tuple[dict, dict, list[str]]:
-    """The whole Response, the streamed one's last state, and the stream's event types."""
+def replayed(events: list, finish: str = "stop") -> tuple[dict, Any, list[str]]:
+    """The whole Response, the streamed one as the openai package's own stream accumulator
+    adds its events up (its completed Response; the last event's for an incomplete one),
+    and the stream's event types."""
     call = parse_responses(responses_body(), 8)
     whole = ResponseReply.of(call).whole(events, usage(finish), {"x": 1})
+    Response.model_validate(whole)  # every field as the openai package types it
     reply = ResponseReply.of(call)
     sent = reply.opening()
     for item in events:
@@ -141,56 +151,124 @@ def replayed(events: list, finish: str = "stop") -> tuple[dict, dict, list[str]]
     data = [json.loads(s.split("data: ", 1)[1]) for s in sent]
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert all(s.startswith(f"event: {d['type']}\n") for s, d in zip(sent, data, strict=True))
-    return whole, data[-1]["response"], [d["type"] for d in data]
+    state = ResponseStreamState(input_tools=[WEATHER], text_format=omit)
+    for d in data:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=d))
+    added = state._completed_response or Response.model_validate(data[-1]["response"])
+    return whole, added, [d["type"] for d in data]
 
 
-def without_ids(response: dict) -> dict:
-    out = {k: v for k, v in response.items() if k not in ("id", "created_at")}
-    out["output"] = [{k: v for k, v in item.items() if k != "id"} for item in out["output"]]
+def as_sent(response: Any) -> list[tuple]:
+    """A Response's output as (type, status, text or name and arguments), ids left out."""
+    out = []
+    for item in response.output:
+        said = item.content[0].text if item.type == "message" else (item.name, item.arguments)
+        out.append((item.type, item.status, said))
     return out
 
 
-CALL = pb.ToolCall(id="call_9", name="get_weather", arguments='{"city": "Paris"}')
+CALLS = [pb.ToolCall(id=f"call_{i}", name="get_weather", arguments='{"city": "Paris"}')
+         for i in range(2)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "events, kinds",
     [
         (["Hello", " there."], ["message"]),
-        (["\n", CALL], ["function_call"]),  # white space before a call is no message
-        (["Let me look.", CALL, "\n"], ["message", "function_call"]),
-        ([CALL, CALL], ["function_call", "function_call"]),
+        (["\n", CALLS[0]], ["function_call"]),  # white space before a call is no message
+        (["Let me look.", CALLS[0], "\n"], ["message", "function_call"]),
+        (CALLS, ["function_call", "function_call"]),
         ([], ["message"]),  # an empty reply is an empty message
     ],
 )
 def test_the_streamed_response_adds_up_to_the_whole_one(events, kinds):
-    whole, streamed, types = replayed(events)
-    assert [item["type"] for item in whole["output"]] == kinds
-    assert without_ids(whole) == without_ids({**streamed, "agentkv": {"x": 1}} | {})
-    assert whole["status"] == "completed" and whole["incomplete_details"] is None
+    whole, added, types = replayed(events)
+    parsed = Response.model_validate(whole)
+    assert [item.type for item in parsed.output] == kinds
+    assert as_sent(added) == as_sent(parsed)
+    assert added.usage == parsed.usage and added.status == parsed.status
+    assert parsed.status == "completed" and parsed.incomplete_details is None
     assert types[:2] == ["response.created", "response.in_progress"]
     assert types[-1] == "response.completed"
-    assert types.count("response.output_item.added") == types.count("response.output_item.done")
     calls = [i for i, e in enumerate(events) if not isinstance(e, str)]
     said = "".join(e for e in events[: calls[0] if calls else None] if isinstance(e, str))
-    messages = [i for i in whole["output"] if i["type"] == "message"]
-    assert [m["content"][0]["text"] for m in messages] == (
-        [said] if said.strip() or not calls else []
-    )
+    expected = [said] if said.strip() or not calls else []
+    assert [item.content[0].text for item in parsed.output if item.type == "message"] == expected
 
 
 def test_a_reply_cut_short_is_incomplete():
-    whole, streamed, types = replayed(["Hel"], finish="length")
-    assert whole["status"] == streamed["status"] == "incomplete"
+    whole, added, types = replayed(["Hel"], finish="length")
+    assert whole["status"] == added.status == "incomplete"
     assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
     assert types[-1] == "response.incomplete"
+    assert as_sent(added) == [("message", "incomplete", "Hel")]
     assert whole["usage"] == {
         "input_tokens": 10,
-        "input_tokens_details": {"cached_tokens": 6},
+        "input_tokens_details": {"cached_tokens": 6, "cache_write_tokens": 4},
         "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 13,
     }
+
+
+def test_an_error_once_streaming_is_the_next_event_then_response_failed():
+    reply = ResponseReply.of(parse_responses(responses_body(), 8))
+    sent = reply.opening() + reply.text("Hel")
+    sent += [reply.error(HTTPError(503, "the gateway is stopping", code="unavailable"))]
+    events = [json.loads(line[6:]) for s in sent for line in s.splitlines() if line[:6] == "data: "]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "unavailable"
+    failed = Response.model_validate(events[-1]["response"])
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert failed.error.message == "the gateway is stopping"
+
+
+def test_function_outputs_are_put_in_their_calls_order():
+    items = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        *({"type": "function_call", "call_id": f"c{i}", "name": "get_weather",
+           "arguments": "{}"} for i in (1, 2)),
+        {"type": "function_call_output", "call_id": "c2", "output": "rome"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "par"}, {"type": "input_text", "text": "is"}],
+         "caller": None, "name": "get_weather"},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Thanks"},
+    ]  # fmt: skip
+    messages = parse_responses({"model": "m", "input": items}, 8).messages
+    assert [(m["role"], m.get("tool_call_id"), m["content"]) for m in messages[2:4]] == [
+        ("tool", "c1", "paris"),
+        ("tool", "c2", "rome"),
+    ]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
+    assert [m["role"] for m in messages[4:]] == ["system", "user"]
+
+
+@pytest.mark.parametrize(
+    "item, param",
+    [
+        ({"type": ["message"]}, "input[0].type"),
+        ({"role": ["user"], "content": "x"}, "input[0]"),
+        ({"role": "user", "content": [{"type": {}, "text": "x"}]}, "input[0].content[0]"),
+        ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+          "namespace": "mcp"}, "input[0]"),
+    ],
+)  # fmt: skip
+def test_malformed_items_are_a_400_not_a_500(item, param):
+    with pytest.raises(HTTPError) as refused:
+        parse_responses({"model": "m", "input": [item, {"role": "user", "content": "x"}]}, 8)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_two_calls_with_one_id_are_refused():
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "c", "output": "x"}
+    with pytest.raises(HTTPError, match="two function calls have one call_id"):
+        parse_responses({"model": "m", "input": [call, call, answer, answer]}, 8)
+    with pytest.raises(HTTPError) as refused:
+        parse_responses({"model": "m", "input": "x", "include": [{}]}, 8)
+    assert refused.value.param == "include[0]"
 
 
 # Against real processes: text on a tiny random llama
