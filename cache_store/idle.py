@@ -2,9 +2,11 @@
 for their namespace's --agent-idle (retention), with their blocks no other agent shares, and
 unreferenced blocks idle for --gc-idle-seconds (so garbage never piles up without a quota).
 
-An agent's last use is its last commit, or a later read this process served (a worker's
-restore, or the summary a worker asks for before each turn of an agent it holds). A delete
-names the generation the sweep saw, so an agent committed meanwhile stays.
+An agent's last use is its last commit, or a later read for use: a worker's restore, the
+summary a worker asks for before each turn of an agent it holds, a fork from it (not an
+inspection: GetAgent's `peek`). Uses are saved in the index at each sweep, so a restart
+forgets at most one sweep's worth. A delete names the generation the sweep saw, so an agent
+committed meanwhile stays.
 """
 
 from __future__ import annotations
