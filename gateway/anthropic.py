@@ -23,6 +23,7 @@ from agentkv.gateway.protocol import (
     TOOL_NAME,
     ChatCall,
     HTTPError,
+    checked_body,
     invalid,
     known_only,
     numbers,
@@ -86,13 +87,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     """The request body as a ChatCall; HTTPError 400 for anything agentkv would not do as
     Anthropic specifies (an unknown field or a refused value is never silently dropped).
     `counting`: a count_tokens body, which may end with the assistant's message."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    known_only(body, KNOWN)
-    for name, neutral in NEUTRAL.items():
-        if body.get(name) not in (None, *neutral):
-            allowed = " or ".join(map(repr, (None, *neutral)))
-            raise invalid(f"{name}: only {allowed} is supported", name, "unsupported_value")
+    body = checked_body(body, KNOWN, NEUTRAL)
     _hints(body)
     model = typed(body, "model", str, None)
     if not model:

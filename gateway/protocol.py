@@ -398,14 +398,35 @@ def _tool(tool: Any, where: str) -> None:
     known_only(tool, {"type", "function"}, where)
     where += ".function"
     known_only(function, FUNCTION_KEYS, where)
-    name = function.get("name")
+    tool_name(function.get("name"), where)
+    for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+        typed(function, key, kind, None, where)
+
+
+def tool_name(name: Any, where: str) -> str:
+    """A function's name, as OpenAI's rule has it (1 to 64 letters, digits, _ or -)."""
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise invalid(
             f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
             f"{where}.name",
         )
-    for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
-        typed(function, key, kind, None, where)
+    return name
+
+
+def checked_body(
+    body: Any, known: set[str], neutral: dict[str, tuple], why: dict[str, str] | None = None
+) -> dict:
+    """The request body: a JSON object of `known` fields only, each field of `neutral` null
+    or one of its values (else a 400 naming it, with `why` it is refused, when given)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    known_only(body, known)
+    for name, values in neutral.items():
+        if body.get(name) not in (None, *values):
+            allowed = " or ".join(map(repr, (None, *values)))
+            reason = (why or {}).get(name, "")
+            raise invalid(f"{name}: only {allowed} is supported{reason}", name, "unsupported_value")
+    return body
 
 
 def known_only(obj: dict, known: set[str], where: str = "") -> None:

@@ -23,12 +23,13 @@ from typing import Any
 from agentkv.gateway.protocol import (
     NO_CONSTRAINTS,
     SCOPE,
-    TOOL_NAME,
     ChatCall,
     HTTPError,
+    checked_body,
     invalid,
     known_only,
     numbers,
+    tool_name,
     tools_text,
     typed,
     utf8,
@@ -70,14 +71,7 @@ REASONING = ("effort", "summary", "generate_summary", "context", "mode")  # hint
 def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
     """The request body as a ChatCall; HTTPError 400 for anything agentkv would not do as
     OpenAI specifies (an unknown field or a refused value is never silently dropped)."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    known_only(body, KNOWN)
-    for name, neutral in NEUTRAL.items():
-        if body.get(name) not in (None, *neutral):
-            allowed = " or ".join(map(repr, (None, *neutral)))
-            why = _WHY.get(name, "")
-            raise invalid(f"{name}: only {allowed} is supported{why}", name, "unsupported_value")
+    body = checked_body(body, KNOWN, NEUTRAL, _WHY)
     _hints(body)
     stream = bool(typed(body, "stream", bool, False))
     if typed(body, "stream_options", dict, None) is not None and not stream:
@@ -159,13 +153,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
             "unsupported_value",
         )
     known_only(tool, FUNCTION_KEYS, where)
-    name = tool.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise invalid(
-            f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
-            f"{where}.name",
-        )
-    function: dict[str, Any] = {"name": name}
+    function: dict[str, Any] = {"name": tool_name(tool.get("name"), where)}
     for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
         value = typed(tool, key, kind, None, where)
         if value is not None:

@@ -10,10 +10,8 @@ up to the whole Response. The sans-IO checks come first, without a server."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -25,10 +23,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.gateway.responses import ResponseReply, parse_responses
-from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.worker.v1 import worker_pb2 as pb
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tiny_model, tiny_tokenizer
-from tests.test_tools import ToolStack
+from tests.test_tools import ToolStack, check_weather_agent
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll."
 RESULT = '{"temperature": 21, "unit": "celsius"}'
@@ -274,34 +271,11 @@ def test_two_calls_with_one_id_are_refused():
 # Against real processes: text on a tiny random llama
 
 
-class Stack:
-    """A store, a worker on the tiny llama, and a gateway."""
-
-    def __init__(self, root: Path) -> None:
-        model = build_tiny_model("llama", root / "llama", tiny_tokenizer())
-        self.store = store_process(root / "data", root / "store.log").start()
-        args = ["--block-tokens", "64"]
-        self.worker = worker_process(
-            str(model), self.store.address, root / "w.log", extra_args=args
-        )
-        self.worker.start()
-        flags = ["--model-name", "tiny"]
-        self.gateway = gateway_process(
-            [self.worker.address], root / "gateway.log", self.store.address, "127.0.0.1:0", flags
-        ).start()
-
-    def client(self) -> openai.OpenAI:
-        url = f"http://{self.gateway.address}/v1"
-        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-
-    def stop(self) -> None:
-        for proc in (self.gateway, self.worker, self.store):
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("responses"))
+    root = tmp_path_factory.mktemp("responses")
+    model = build_tiny_model("llama", root / "llama", tiny_tokenizer())
+    stack = ToolStack(root, model, "tiny")  # a store, a worker on the tiny llama, a gateway
     yield stack
     stack.stop()
 
@@ -411,55 +385,6 @@ def test_a_function_call_loop_resumes_warm_and_streams_the_same_call(tools):
 def test_an_openai_agents_sdk_agent_on_its_default_model_calls_its_tool_and_resumes_warm(
     tools, streamed
 ):
-    """OpenAI's Agents SDK, unchanged, with its default Responses model over the gateway:
-    its function tool is called with the model's arguments, and the next run, resending
-    the history with the call and its result, resumes the agent's cache."""
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    ran = []
-
-    @function_tool
-    def get_weather(city: str, unit: str = "celsius") -> str:
-        """The current weather in a city."""
-        ran.append((city, unit))
-        return f"21 degrees {unit} in {city}"
-
-    set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=tools.client().base_url, api_key="unused")
-    agent = Agent(
-        name=f"weather-{streamed}",
-        instructions="You are a weather assistant.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model="qwen-tools", openai_client=client),
-        model_settings=ModelSettings(temperature=0, max_tokens=32),
-        tool_use_behavior="stop_on_first_tool",  # the scripted model would call for ever
-    )
-
-    async def run(items):
-        if not streamed:
-            return await Runner.run(agent, items)
-        result = Runner.run_streamed(agent, items)
-        async for _ in result.stream_events():
-            pass
-        return result
-
-    async def twice():  # one event loop: the client's connections belong to it
-        ask = f"What is the weather in Paris? ({streamed})"
-        first = await run(ask)
-        history = [*first.to_input_list(), {"role": "user", "content": "And tomorrow?"}]
-        return first, await run(history)
-
-    first, second = asyncio.run(twice())
-    assert first.final_output == "21 degrees celsius in Paris"
-    assert ran[0] == (TOOL_CALL["arguments"]["city"], TOOL_CALL["arguments"]["unit"])
-    usage = first.raw_responses[0].usage
-    cached = second.raw_responses[0].usage.input_tokens_details.cached_tokens
-    assert cached >= usage.input_tokens + usage.output_tokens - 1  # its call and result too
-    assert second.final_output == first.final_output and ran[1] == ran[0]
+    """OpenAI's Agents SDK, unchanged, with its default Responses model over the gateway,
+    streamed and not (check_weather_agent says what is checked)."""
+    check_weather_agent(str(tools.client().base_url), "OpenAIResponsesModel", streamed)

@@ -89,16 +89,17 @@ def test_a_turns_tool_calls_are_collected_apart_from_its_text():
 
 
 class ToolStack:
-    """A store, a worker on the scripted tool-calling model, and a gateway in front of it."""
+    """A store, a worker on the scripted tool-calling model (or `model`), and a gateway in
+    front of it, serving it as `name`."""
 
-    def __init__(self, root: Path) -> None:
-        self.model = build_tool_model(root / "model")
+    def __init__(self, root: Path, model: Path | None = None, name: str = MODEL) -> None:
+        self.model = model or build_tool_model(root / "model")
         self.store = store_process(root / "data", root / "store.log").start()
         args = ["--block-tokens", "64"]
         self.worker = worker_process(
             str(self.model), self.store.address, root / "worker.log", extra_args=args
         ).start()
-        flags = ["--model-name", MODEL]
+        flags = ["--model-name", name]
         self.gateway = gateway_process(
             [self.worker.address], root / "gateway.log", self.store.address, "127.0.0.1:0", flags
         ).start()
@@ -261,42 +262,45 @@ def test_the_asyncio_sdk_collects_tool_calls_too(stack):
     the_call(calls[0].name, calls[0].arguments)
 
 
-def test_an_openai_agents_sdk_agent_calls_its_tool_and_resumes_warm(stack):
-    """OpenAI's Agents SDK, unchanged, over the gateway: its agent's function tool is called
-    with the model's arguments, and the next run, resending the history with the call and
-    its result, resumes the agent's cache."""
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def check_weather_agent(base_url: str, model_class: str, streamed: bool = False) -> None:
+    """OpenAI's Agents SDK, unchanged, over the gateway at `base_url`: an agent with one
+    function tool on `model_class` (OpenAIChatCompletionsModel, OpenAIResponsesModel), run
+    (`streamed` or not) once on ASK, then again on that run's history and a new question.
+    Its tool is called with the model's arguments, and the second run resumes the agent's
+    cache: its call and result too."""
+    import agents
 
     ran = []
 
-    @function_tool
+    @agents.function_tool
     def get_weather(city: str, unit: str = "celsius") -> str:
         """The current weather in a city."""
         ran.append((city, unit))
         return f"21 degrees {unit} in {city}"
 
-    set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=stack.client().base_url, api_key="unused")
-    agent = Agent(
-        name="weather",
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+    agent = agents.Agent(
+        name=f"weather-{model_class}-{streamed}",
         instructions=SYSTEM,
         tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-        model_settings=ModelSettings(temperature=0, max_tokens=32),
+        model=getattr(agents, model_class)(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=32),
         tool_use_behavior="stop_on_first_tool",  # the scripted model would call for ever
     )
 
+    async def run(items):
+        if not streamed:
+            return await agents.Runner.run(agent, items)
+        result = agents.Runner.run_streamed(agent, items)
+        async for _ in result.stream_events():
+            pass
+        return result
+
     async def twice():  # one event loop: the client's connections belong to it
-        first = await Runner.run(agent, ASK)
+        first = await run(f"{ASK} ({model_class}, {streamed})")
         history = [*first.to_input_list(), {"role": "user", "content": "And tomorrow?"}]
-        return first, await Runner.run(agent, history)
+        return first, await run(history)
 
     first, second = asyncio.run(twice())
     assert first.final_output == "21 degrees celsius in Paris"
@@ -305,6 +309,11 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_and_resumes_warm(stack):
     cached = second.raw_responses[0].usage.input_tokens_details.cached_tokens
     assert cached >= usage.input_tokens + usage.output_tokens - 1  # its call and result too
     assert second.final_output == first.final_output and ran[1] == ran[0]
+
+
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_resumes_warm(stack):
+    """OpenAI's Agents SDK, unchanged, over the gateway (its chat-completions model)."""
+    check_weather_agent(str(stack.client().base_url), "OpenAIChatCompletionsModel")
 
 
 def test_the_sdk_takes_the_openai_clients_message_objects_and_the_developer_role():
