@@ -173,14 +173,19 @@ class TurnResult:
     tool_calls: list[pb.ToolCall] = field(default_factory=list)
     events: list[str | pb.ToolCall] = field(default_factory=list)  # pieces and calls, in order
     usage: pb.Usage | None = None
+    started: pb.Usage | None = None  # the prompt's usage, sent before the first token
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
     def add(self, response: pb.TurnResponse) -> None:
-        """Takes one streamed response: a chunk of tokens, a tool call, or the usage."""
+        """Takes one streamed response: a chunk of tokens, a tool call, the prompt's usage
+        (before the first token), or the usage."""
         kind = response.WhichOneof("item")
+        if kind == "started":
+            self.started = response.started
+            return
         if kind == "tokens":
             self.token_ids += response.tokens.token_ids
             if response.tokens.text:
@@ -421,6 +426,13 @@ class BaseReply:
     def usage(self) -> pb.Usage:
         """The turn's usage; whole once the reply has ended, as `.text`."""
         return self._whole().usage
+
+    @property
+    def started(self) -> pb.Usage | None:
+        """The prompt's usage (prompt_tokens, the tokens reused and prefilled, cache_state),
+        known from the first token on, before the reply ends; None for a turn that generated
+        nothing, or from a worker that does not send it."""
+        return self._result.started
 
     @property
     def text(self) -> str:

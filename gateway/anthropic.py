@@ -438,8 +438,11 @@ class MessageReply:
         message = self._message(self.blocks, *self._stop(usage))
         return message | {"usage": usage_json(usage), "agentkv": extension}
 
-    def opening(self) -> list[str]:
-        start = self._message([], None, None) | {"usage": {"input_tokens": 0, "output_tokens": 0}}
+    def opening(self, started: Any = None) -> list[str]:
+        """message_start, with the prompt's usage as Anthropic's has it (`started`: the
+        worker's, sent before the first token; 0 from a worker that sends none), then ping."""
+        usage = usage_json(started) if started else {"input_tokens": 0, "output_tokens": 0}
+        start = self._message([], None, None) | {"usage": usage}
         return [event("message_start", {"type": "message_start", "message": start}), PING]
 
     def text(self, piece: str) -> list[str]:

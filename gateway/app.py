@@ -480,8 +480,9 @@ class Gateway:
         as the worker sends it). An error after the first event is sent as an error event
         (the status line is gone)."""
         reply = turn.reply
+        started = reply.started and with_creation(reply.started, turn.created)
         try:
-            for piece in reply_of.opening():
+            for piece in reply_of.opening(started):
                 yield piece
             async for item in reply.events():
                 pieces = reply_of.text(item) if isinstance(item, str) else reply_of.call(item)

@@ -595,7 +595,8 @@ class Completion:
 
     # the reply streamed, as server-sent events
 
-    def opening(self) -> list[str]:
+    def opening(self, started: Any = None) -> list[str]:
+        """The first chunk (`started`, the prompt's usage, is not sent before the end)."""
         return [sse(self.chunk({"role": "assistant", "content": ""}))]
 
     def text(self, piece: str) -> list[str]:

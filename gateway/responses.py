@@ -385,7 +385,9 @@ class ResponseReply:
         self.closing(usage, extension, False)
         return self._response(usage) | {"agentkv": extension}
 
-    def opening(self) -> list[str]:
+    def opening(self, started: Any = None) -> list[str]:
+        """response.created and response.in_progress (a Response has no usage before its
+        end: `started`, the prompt's usage, is not sent)."""
         response = self._response(None)
         return [
             self._event("response.created", response=response),

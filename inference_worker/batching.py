@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -28,7 +28,7 @@ from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.tools import ReplyCalls
-from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
+from inference_worker.turns import StartEvent, TokenEvent, TurnJob, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
 # What a turn hears when the batched step it was in failed for everyone: never the error's
@@ -202,6 +202,7 @@ class Batcher:
         if u.generated_tokens == 1:
             turn.first_at = time.perf_counter()
             u.time_to_first_token_ms = (turn.first_at - turn.job.started) * 1000
+            turn.job.events.put(StartEvent(replace(u)))  # the prompt's cost, told at once
         reason = self._emit(turn, token)
         if not reason and u.generated_tokens >= turn.request.max_tokens:
             reason = "length"

@@ -17,7 +17,7 @@ from inference_worker.chat import ChatMessage, check_said
 from inference_worker.front import Front
 from inference_worker.sampling import Sampling
 from inference_worker.tools import canonical_tools, checked_calls
-from inference_worker.turns import END, AgentInfo, TokenEvent, TurnJob
+from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJob
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 MAX_REQUEST_ID = 64
@@ -135,6 +135,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 for c in calls:
                     call = pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                     yield pb.TurnResponse(tool_call=call)
+            elif isinstance(event, StartEvent):
+                yield pb.TurnResponse(started=pb.Usage(**asdict(event.usage)))
             else:
                 yield pb.TurnResponse(usage=pb.Usage(**asdict(event)))
         if job.error is not None:

@@ -22,6 +22,13 @@ class TokenEvent:
 
 
 @dataclass(slots=True)
+class StartEvent:
+    """The prompt's usage, just before the first generated token (a copy: generated 1)."""
+
+    usage: UsageEvent
+
+
+@dataclass(slots=True)
 class UsageEvent:
     prompt_tokens: int = 0
     reused_hot_tokens: int = 0

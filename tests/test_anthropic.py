@@ -376,12 +376,18 @@ def test_a_streamed_reply_is_the_whole_one(stack):
         model=MODEL, system=SYSTEM, messages=messages, extra_body=GREEDY, max_tokens=20,
         extra_headers={"X-Agent-Id": "streamed-one"},
     ) as stream:  # fmt: skip
-        texts = list(stream.text_stream)
+        events = list(stream)
         final = stream.get_final_message()
+    texts = [e.delta.text for e in events if e.type == "content_block_delta"]
     assert "".join(texts) == text_of(final) == text_of(whole) and len(texts) > 1
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.input_tokens == whole.usage.input_tokens  # from message_delta
+    # message_start already tells what the prompt cost (Claude Code sizes its context by it)
+    start = events[0].message.usage
+    assert events[0].type == "message_start" and start.input_tokens == final.usage.input_tokens
+    assert start.cache_read_input_tokens == final.usage.cache_read_input_tokens
+    assert start.input_tokens + start.cache_read_input_tokens > 0
 
 
 def test_stop_sequences_and_max_tokens_end_a_reply_as_anthropics_do(stack):

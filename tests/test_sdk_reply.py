@@ -86,3 +86,24 @@ def test_a_reply_used_with_with_is_closed_at_its_end(tiny_model_dirs, start_work
             pieces = list(whole)
         assert whole.done and whole.text == "".join(pieces)  # a whole reply stays whole
         assert whole.usage.generated_tokens == len(whole.token_ids) == 8
+
+
+def test_a_replys_prompt_usage_comes_with_its_first_token(tiny_model_dirs, start_worker):
+    """`started`: what the prompt cost (tokens reused, prefilled, its cache state), known
+    before the reply ends, equal to that of the turn's usage at its end."""
+    with AgentMemory(start_worker(tiny_model_dirs["llama"]).address) as mem:
+        agent = mem.agent("keeper", system=SYSTEM)
+        with agent.say(ASK, max_tokens=LONG) as reply:
+            next(iter(reply))
+            started = reply.started
+            assert not reply.done  # told while the reply runs
+        said = said_again(agent, AGAIN)
+        for prompt in (started, said.started):
+            assert prompt is not None and prompt.generated_tokens == 1
+            assert prompt.prompt_tokens > len(SYSTEM) // 8
+        end = said.usage
+        fields = ("prompt_tokens", "reused_hot_tokens", "reused_store_tokens", "prefilled_tokens")
+        fields += ("cache_state", "restore_path", "time_to_first_token_ms")
+        assert [getattr(said.started, f) for f in fields] == [getattr(end, f) for f in fields]
+        assert said.started.reused_hot_tokens > 0  # the first turn's context, in RAM
+        assert agent.say([], max_tokens=0).wait().started is None  # nothing generated

@@ -144,14 +144,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., reused_hot_tokens: _Optional[int] = ..., reused_store_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., cache_state: _Optional[str] = ..., finish_reason: _Optional[str] = ..., restore_path: _Optional[str] = ..., restore_failure: _Optional[str] = ..., restored_bytes: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class TurnResponse(_message.Message):
-    __slots__ = ("tokens", "usage", "tool_call")
+    __slots__ = ("tokens", "usage", "tool_call", "started")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenChunk
     usage: Usage
     tool_call: ToolCall
-    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ...) -> None: ...
+    started: Usage
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., started: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class InjectContextRequest(_message.Message):
     __slots__ = ("namespace", "agent_id", "messages", "phase", "priority", "deadline_ms", "durable", "request_id")
