@@ -124,7 +124,7 @@ def stream_turn(worker: Any, agent: str, messages: list, max_tokens: int) -> Str
         if response.HasField("tokens"):
             stream.arrivals.append(time.perf_counter())
             stream.num_tokens += len(response.tokens.token_ids)
-        else:
+        elif response.HasField("usage"):
             stream.usage = h.usage_dict(response.usage)
     stream.ended = time.perf_counter()
     if not stream.usage:

@@ -316,7 +316,7 @@ def timed_turn(
         if response.HasField("tokens"):
             first = first or time.perf_counter()
             text += response.tokens.text
-        else:
+        elif response.HasField("usage"):
             usage = response.usage
     if usage is None or not first:
         raise RuntimeError(f"turn of {ns}/{agent} ended without a token and a usage")

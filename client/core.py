@@ -255,9 +255,10 @@ class BaseAgent:
         tools: Tools = None,
         **options: Any,
     ) -> MaybeAwaitable[BaseReply]:
-        """Sends a message and returns (in asyncio, awaits) once the reply's first token
-        arrives; iterate the reply (`async for`, in asyncio) for the rest of its text as it
-        streams, or read `.text` for all of it (after `await reply.wait()`, in asyncio).
+        """Sends a message and returns (in asyncio, awaits) once the reply's first token is
+        generated (`reply.started`, the prompt's usage, comes just before it); iterate the
+        reply (`async for`, in asyncio) for the rest of its text as it streams, or read
+        `.text` for all of it (after `await reply.wait()`, in asyncio).
         `text`: a text (one message with `role`), or messages: (role, content) pairs or
         OpenAI-style dicts (an assistant's "tool_calls", a tool's "tool_call_id" and
         content; see pb_messages). `tools`: OpenAI function tools (a list of dicts, or their

@@ -194,8 +194,8 @@ class TurnResult:
         elif kind == "tool_call":
             self.tool_calls.append(response.tool_call)
             self.events.append(response.tool_call)
-        else:
-            self.usage = response.usage
+        elif kind == "usage":
+            self.usage = response.usage  # what a later worker may add is passed by
 
 
 def same(value: T) -> T:

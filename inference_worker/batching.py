@@ -202,7 +202,6 @@ class Batcher:
         if u.generated_tokens == 1:
             turn.first_at = time.perf_counter()
             u.time_to_first_token_ms = (turn.first_at - turn.job.started) * 1000
-            turn.job.events.put(StartEvent(replace(u)))  # the prompt's cost, told at once
         reason = self._emit(turn, token)
         if not reason and u.generated_tokens >= turn.request.max_tokens:
             reason = "length"
@@ -227,9 +226,12 @@ class Batcher:
 
     @staticmethod
     def _send(turn: ActiveTurn, text: str, tokens: list[int]) -> None:
+        """One token's text (and tool calls); before the first, the prompt's usage."""
         calls = []
         if turn.calls is not None:
             text, calls = turn.calls.feed(text)
+        if turn.usage.generated_tokens == 1:  # the prompt's cost, told at once
+            turn.job.events.put(StartEvent(replace(turn.usage, finish_reason="")))
         turn.job.events.put(TokenEvent(text, tokens, calls))
 
     # joining and leaving the batch

@@ -530,7 +530,8 @@ class HeldWorker(WorkerProxy):
 
 class StalledWorker(WorkerProxy):
     """Holds each Turn of the `agents` chosen after `sent` responses (0: a turn still queued
-    or prefilling, 1: a reply still running, however fast the worker is) until `released`.
+    or prefilling, 1: a reply still running, however fast the worker is: its prompt's usage
+    came, and its first token is held back) until `released`.
     `stalled`: each agent as its Turn stalls; `ended`: as that Turn ends (cancelled)."""
 
     def __init__(self, worker: str, sent: int = 1, agents: Callable[[str], bool] = bool) -> None:

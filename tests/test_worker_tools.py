@@ -56,7 +56,7 @@ def _turn(stub, agent_id: str, messages: list[pb.Message], tools=(WEATHER,), **f
             ids += response.tokens.token_ids
         elif kind == "tool_call":
             calls.append(response.tool_call)
-        else:
+        elif kind == "usage":
             usage = response.usage
     return "".join(text), ids, calls, usage
 

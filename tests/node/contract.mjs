@@ -133,7 +133,7 @@ async function turn(worker, request) {
     if (item === "tokens") {
       reply.token_ids.push(...tokens.token_ids);
       reply.text += tokens.text;
-    } else {
+    } else if (item === "usage") {
       reply.usage = usage;
     }
   });
