@@ -24,6 +24,7 @@ from agentkv.gateway.protocol import (
     ChatCall,
     HTTPError,
     checked_body,
+    in_call_order,
     invalid,
     known_only,
     numbers,
@@ -96,7 +97,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
     return ChatCall(
         model,
-        [*_system(body.get("system")), *_messages(body.get("messages"), counting)],
+        in_call_order([*_system(body.get("system")), *_messages(body.get("messages"), counting)]),
         bool(typed(body, "stream", bool, False)),
         False,
         _sampling(body),

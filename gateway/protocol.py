@@ -235,6 +235,29 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             "unsupported_value",
         )
     _answered(out)
+    return in_call_order(out)
+
+
+def in_call_order(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each assistant message's tool results (the tool messages after it)
+    in its calls' order, whatever order they came in: chat templates pair a result with a
+    call by its place (Qwen 2.5's and Llama 3's name no call id)."""
+    out: list[dict[str, Any]] = []
+    order: dict[str, int] = {}  # the last assistant message's call ids, by place
+    for message in messages:
+        if message["role"] != "tool":
+            order = {c["id"]: i for i, c in enumerate(message.get("tool_calls", ()))}
+            out.append(message)
+            continue
+        at = len(out)  # after the tool messages before it that answer a call placed earlier
+        place = order.get(message.get("tool_call_id"), len(order))
+        while (
+            at
+            and out[at - 1]["role"] == "tool"
+            and order.get(out[at - 1].get("tool_call_id"), len(order)) > place
+        ):
+            at -= 1
+        out.insert(at, message)
     return out
 
 

@@ -447,3 +447,34 @@ def test_any_body_is_a_chat_call_or_a_400(body):
         return
     call.anonymous_id()  # what a call without identity is named by
     assert isinstance(call.tools, str) and call.messages
+
+
+def test_tool_results_are_put_in_their_calls_order():
+    """Chat templates pair a tool result with a call by its place (Qwen 2.5's and Llama 3's
+    name no call id): results sent in another order are put in the calls' order, on both
+    the OpenAI and the Anthropic route."""
+    from agentkv.gateway.anthropic import parse_messages
+
+    function = {"name": "get_weather", "arguments": "{}"}
+    calls = [{"id": f"c{i}", "type": "function", "function": function} for i in (1, 2, 3)]
+    messages = [
+        {"role": "user", "content": "Weather in three cities?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": f"c{i}", "content": f"r{i}"} for i in (3, 1, 2)),
+        {"role": "user", "content": "Thanks"},
+    ]
+    chat = parsed(messages=messages).messages
+    assert [m.get("tool_call_id") for m in chat] == [None, None, "c1", "c2", "c3", None]
+    assert [m["content"] for m in chat[2:5]] == ["r1", "r2", "r3"]
+    uses = [
+        {"type": "tool_use", "id": f"c{i}", "name": "get_weather", "input": {}} for i in (1, 2, 3)
+    ]
+    results = [
+        {"type": "tool_result", "tool_use_id": f"c{i}", "content": f"r{i}"} for i in (2, 3, 1)
+    ]
+    body = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Weather in three cities?"},
+        {"role": "assistant", "content": uses},
+        {"role": "user", "content": [*results, {"type": "text", "text": "Thanks"}]},
+    ]}  # fmt: skip
+    assert parse_messages(body).messages == chat
