@@ -27,6 +27,7 @@ from agentkv.gateway.protocol import (
     in_call_order,
     invalid,
     known_only,
+    merged_assistant,
     numbers,
     tools_text,
     typed,
@@ -181,7 +182,7 @@ def _messages(messages: Any, counting: bool = False) -> list[dict[str, Any]]:
         content = _blocks(message.get("content"), where)
         if role == "assistant" and out and out[-1]["role"] == "assistant":
             # assistant turns in a row are one, as Anthropic reads them: its calls too
-            out[-1] = _merged(out[-1], _assistant(content, where))
+            out[-1] = merged_assistant(out[-1], _assistant(content, where))
             asked = {call["id"] for call in out[-1].get("tool_calls") or ()}
             continue
         if role == "assistant":
@@ -236,13 +237,6 @@ def _assistant(content: list, where: str) -> dict[str, Any]:
         function = {"name": name, "arguments": arguments}
         calls.append({"id": call_id, "type": "function", "function": function})
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    return message | ({"tool_calls": calls} if calls else {})
-
-
-def _merged(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
-    """Two assistant messages in a row as one: texts joined, calls in order."""
-    calls = [*first.get("tool_calls", ()), *then.get("tool_calls", ())]
-    message = {"role": "assistant", "content": first["content"] + then["content"]}
     return message | ({"tool_calls": calls} if calls else {})
 
 

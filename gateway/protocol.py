@@ -238,6 +238,14 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return in_call_order(out)
 
 
+def merged_assistant(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two assistant messages in a row as one, as Anthropic's API and the Responses API read
+    the model's turns: texts joined, calls in order."""
+    calls = [*first.get("tool_calls", ()), *then.get("tool_calls", ())]
+    message = {"role": "assistant", "content": first["content"] + then["content"]}
+    return message | ({"tool_calls": calls} if calls else {})
+
+
 def in_call_order(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each assistant message's tool results (the tool messages after it)
     in its calls' order, whatever order they came in: chat templates pair a result with a

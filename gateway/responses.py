@@ -26,8 +26,10 @@ from agentkv.gateway.protocol import (
     ChatCall,
     HTTPError,
     checked_body,
+    in_call_order,
     invalid,
     known_only,
+    merged_assistant,
     numbers,
     tool_name,
     tools_text,
@@ -164,8 +166,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 def _input(items: Any) -> list[dict[str, Any]]:
     """The input as OpenAI-style chat messages: a string is one user message; items in a
     row from the model (its message, its function calls) are one assistant message; each
-    function_call_output is a tool message answering a call before it, and the answers to
-    one message's calls are put in its calls' order (chat templates pair them by place)."""
+    function_call_output is a tool message answering a call before it, put in its calls'
+    order (in_call_order: chat templates pair them by place)."""
     if isinstance(items, str):
         utf8(items, "input")
         return [{"role": "user", "content": items}]
@@ -173,54 +175,47 @@ def _input(items: Any) -> list[dict[str, Any]]:
         raise invalid("input: a string or a non-empty array of items is required", "input")
     out: list[dict[str, Any]] = []
     asked: list[str] = []  # the last assistant message's calls, in order
-    answers: dict[str, dict[str, Any]] = {}  # their answers so far
+    answered: set[str] = set()  # those answered so far
     for i, item in enumerate(items):
         where = f"input[{i}]"
         message = _item(item, where)
         if message["role"] == "tool":
             call_id = message["tool_call_id"]
-            if call_id not in asked or call_id in answers:
+            if call_id not in asked or call_id in answered:
                 raise invalid(
                     f"{where}: a function_call_output answers a function_call before it; "
                     f"{call_id!r} is none of those not yet answered",
                     f"{where}.call_id",
                 )
-            answers[call_id] = message
-            continue
-        if (
-            message["role"] == "assistant"
-            and out
-            and out[-1]["role"] == "assistant"
-            and not answers
-        ):
-            out[-1] = message = _merged(out[-1], message)  # the model's items in a row
-        else:
-            _all_answered(asked, answers, where, out)
+            answered.add(call_id)
             out.append(message)
-        asked, answers = [c["id"] for c in message.get("tool_calls", ())], {}
+            continue
+        if message["role"] == "assistant" and out and out[-1]["role"] == "assistant":
+            out[-1] = message = merged_assistant(out[-1], message)  # the model's items in a row
+        else:
+            _all_answered(asked, answered, where)
+            out.append(message)
+        asked, answered = [c["id"] for c in message.get("tool_calls", ())], set()
         if len(set(asked)) < len(asked):
             raise invalid(f"{where}: two function calls have one call_id", f"{where}.call_id")
-    _all_answered(asked, answers, f"input[{len(items) - 1}]", out)
+    _all_answered(asked, answered, f"input[{len(items) - 1}]")
     if out[-1]["role"] == "assistant":
         raise invalid(
             "the last item is the model's: agentkv does not continue a partial reply",
             f"input[{len(items) - 1}]",
             "unsupported_value",
         )
-    return out
+    return in_call_order(out)
 
 
-def _all_answered(
-    asked: list[str], answers: dict[str, dict[str, Any]], where: str, out: list[dict[str, Any]]
-) -> None:
-    """The answers to the last assistant message's calls, in its calls' order, once all came."""
-    if set(asked) - set(answers):
+def _all_answered(asked: list[str], answered: set[str], where: str) -> None:
+    """Refuses a call of the last assistant message that no output answered before `where`."""
+    if unanswered := set(asked) - answered:
         raise invalid(
-            f"{where}: the function calls {sorted(set(asked) - set(answers))} have no "
+            f"{where}: the function calls {sorted(unanswered)} have no "
             "function_call_output answering them before it",
             where,
         )
-    out += [answers[call_id] for call_id in asked]
 
 
 def _item(item: Any, where: str) -> dict[str, Any]:
@@ -281,14 +276,6 @@ def _text(content: Any, where: str) -> str:
     text = "".join(texts)
     utf8(text, where)
     return text
-
-
-def _merged(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
-    """Two of the model's items in a row as one assistant message: texts joined, calls in
-    order."""
-    calls = [*first.get("tool_calls", ()), *then.get("tool_calls", ())]
-    message = {"role": "assistant", "content": first["content"] + then["content"]}
-    return message | ({"tool_calls": calls} if calls else {})
 
 
 def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
