@@ -149,9 +149,8 @@ class StoreConfig(ServerConfig):
         self.data_dir = Path(self.data_dir).resolve()
         if self.quota_bytes < 0:
             raise ValueError(f"quota_bytes must be >= 0, got {self.quota_bytes}")
+        _check_names(self.namespace_quotas, "namespace quota")
         for name, size in self.namespace_quotas.items():
-            if name != ANY_NAMESPACE and not NAMESPACE_RE.fullmatch(name):
-                raise ValueError(f"namespace quota for invalid namespace {name!r}")
             if size <= 0:
                 raise ValueError(f"namespace quota for {name!r} must be > 0, got {size}")
         self._check_agent_idle()
@@ -196,10 +195,9 @@ class StoreConfig(ServerConfig):
         default --lease-seconds): a turn, from the read that marks its agent used to its
         commit, must end within it."""
         least = MIN_RETENTION_LEASES * self.lease_seconds
+        _check_names(self.namespace_agent_idle, "agent retention")
         settings = [("", self.agent_idle_seconds), *self.namespace_agent_idle.items()]
         for name, seconds in settings:
-            if name not in ("", ANY_NAMESPACE) and not NAMESPACE_RE.fullmatch(name):
-                raise ValueError(f"agent retention for invalid namespace {name!r}")
             if seconds and seconds < least:
                 where = f" for namespace {name!r}" if name else ""
                 raise ValueError(
@@ -220,3 +218,10 @@ class StoreConfig(ServerConfig):
     def namespace_quota(self, namespace: str) -> int:
         """The byte quota of one namespace; 0 when it has none."""
         return self.namespace_quotas.get(namespace, self.namespace_quotas.get(ANY_NAMESPACE, 0))
+
+
+def _check_names(settings: dict[str, object], what: str) -> None:
+    """Each per-namespace setting names a valid namespace, or "*" (every other one)."""
+    for name in settings:
+        if name != ANY_NAMESPACE and not NAMESPACE_RE.fullmatch(name):
+            raise ValueError(f"{what} for invalid namespace {name!r}")

@@ -128,8 +128,9 @@ def _joined(prefix: str, metadata: dict[str, str]) -> str:
 def chat_state(metadata: dict[str, str]) -> ChatState:
     """ChatState from a manifest's metadata; a manifest without it is an opened one. Tools
     that do not unpack are the record's corruption (no worker wrote them so)."""
+    packed = _joined(TOOLS, metadata)
     try:
-        packed = unpack_tools(_joined(TOOLS, metadata)) if _joined(TOOLS, metadata) else ""
+        packed = unpack_tools(packed) if packed else ""
     except ValueError as exc:
         raise CorruptRecord(f"the agent's stored tools cannot be read: {exc}") from None
     return ChatState(
