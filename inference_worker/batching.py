@@ -25,6 +25,7 @@ import mlx.core as mx
 from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
 from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
+from inference_worker.grammar import Constraint
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.tools import ReplyCalls
@@ -52,6 +53,7 @@ class ActiveTurn:
     first_at: float = 0.0
     undo: Checkpoint | None = None  # the agent before this turn, should it fail
     calls: ReplyCalls | None = None  # takes the reply's tool calls out of its text
+    constraint: Constraint | None = None  # the reply's required form, if any
 
     def __post_init__(self) -> None:
         self.sample, self.stops = self.job.sampling.sampler(), StopMatcher(self.job.sampling.stop)
@@ -141,14 +143,14 @@ class Batcher:
         logits = self.model(tokens, cache=self.batch)[:, -1, : self.vocab]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)  # the shared forward fails here, before any row's own work
-        # Greedy rows share one argmax and one sync; sampled rows draw from their own keys.
-        greedy = (
-            mx.argmax(logprobs, axis=-1).tolist() if any(t.sample is None for t in turns) else []
-        )
+        # Greedy rows share one argmax and one sync; sampled and constrained rows choose on
+        # their own.
+        free = any(t.sample is None and t.constraint is None for t in turns)
+        greedy = mx.argmax(logprobs, axis=-1).tolist() if free else []
         finished, failed = [], []
         for row, turn in enumerate(turns):
             try:
-                token = greedy[row] if turn.sample is None else turn.sample(logprobs[row])
+                token = _choose(turn, logprobs[row], greedy[row] if free else None)
                 reason = self._accept(turn, token)
             except Exception as exc:  # this row's own failure: the others go on
                 failed.append((turn, exc))
@@ -186,9 +188,7 @@ class Batcher:
             self._leave(turn, "none")
             return False
         last = logits[0, -1, : self.vocab]
-        logprobs = last - mx.logsumexp(last)
-        sample = turn.sample or (lambda x: int(mx.argmax(x).item()))
-        reason = self._accept(turn, sample(logprobs))
+        reason = self._accept(turn, _choose(turn, last - mx.logsumexp(last)))
         if reason:
             self._leave(turn, reason)
             return False
@@ -196,6 +196,8 @@ class Batcher:
 
     def _accept(self, turn: ActiveTurn, token: int) -> str:
         """Records and sends one generated token; returns why the turn ends, or ""."""
+        if turn.constraint is not None and token not in self.eos_ids:
+            turn.constraint.take(token)
         turn.agent.tokens.append(token)
         u = turn.usage
         u.generated_tokens += 1
@@ -312,3 +314,13 @@ class Batcher:
             return
         message = f"turn for agent {turn.agent.agent_id!r} did not start within its deadline"
         self._fail(turn, DeadlineExceeded(message))
+
+
+def _choose(turn: ActiveTurn, logprobs: mx.array, greedy: int | None = None) -> int:
+    """The turn's next token from its log-probabilities (vocab,): within its form, if it has
+    one; `greedy`, the batch's argmax for the row, when it is free and greedy."""
+    if turn.constraint is not None:
+        logprobs = turn.constraint.mask(logprobs)
+    elif greedy is not None and turn.sample is None:
+        return greedy
+    return int(mx.argmax(logprobs).item()) if turn.sample is None else turn.sample(logprobs)

@@ -48,6 +48,7 @@ from inference_worker.chat import (
 )
 from inference_worker.config import WorkerConfig
 from inference_worker.freshness import StoreView, is_current
+from inference_worker.grammar import Grammars
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import (
     Persister,
@@ -87,6 +88,7 @@ class Engine:
         self.config, self.runtime, self.store, self.metrics = config, runtime, store, metrics
         self.model, self.tokenizer = runtime.model, runtime.tokenizer
         self.chat = ChatFormat(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.chat.eos_ids, self.chat.tool_format)
         self.hot = HotTier(config.hot_budget_bytes, metrics)
 
         self._windowed = any(w is not None for w in runtime.windows)
@@ -297,6 +299,8 @@ class Engine:
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
         calls = self.chat.reply_calls(chat.tools, job.max_tool_calls)
         turn.calls = calls if max_tokens else None
+        if job.forms is not None and max_tokens:
+            turn.constraint = job.forms.constraint(bool(chat.tools))
         return turn, tokens, chat
 
     def _turn(

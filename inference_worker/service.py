@@ -15,6 +15,7 @@ from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.chat import ChatMessage, check_said
 from inference_worker.front import Front
+from inference_worker.grammar import OutputForm
 from inference_worker.sampling import Sampling
 from inference_worker.tools import canonical_tools, checked_calls
 from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJob
@@ -57,6 +58,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         job = self._job(request, checked)
         job.tools = canonical_tools(request.tools)
         job.max_tool_calls = request.max_tool_calls
+        job.forms = self.engine.grammars.compile(_form(request), request.tool_call_required)
         self.engine.chat.check_tools(job.tools, job.messages)
         job.whole_conversation = request.whole_conversation
         job.request_id = _request_id(request)
@@ -203,3 +205,13 @@ def _request_id(
             f"request_id of {len(request.request_id)} characters is over {MAX_REQUEST_ID}"
         )
     return request.request_id
+
+
+def _form(request: pb.TurnRequest) -> OutputForm | None:
+    """The reply's required form, if the request sets one."""
+    kind = request.format.WhichOneof("kind") if request.HasField("format") else None
+    if kind is None:
+        return None
+    if kind == "json_object" and not request.format.json_object:
+        raise InvalidArgument("format json_object must be true when set")
+    return OutputForm(kind, "" if kind == "json_object" else getattr(request.format, kind))

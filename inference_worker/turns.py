@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from inference_worker.chat import ChatMessage
+from inference_worker.grammar import Forms
 from inference_worker.sampling import Sampling
 from inference_worker.tools import ToolCall
 
@@ -62,6 +63,7 @@ class TurnJob:
     creates: bool = False  # a new agent's system prompt (Engine.create_agent)
     tools: str = ""  # the tools (tools.canonical_tools): the agent's, or the conversation's
     max_tool_calls: int = 0  # the reply ends after this many calls; 0: no limit
+    forms: Forms | None = None  # the reply's required form (structured output), compiled
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started
