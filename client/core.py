@@ -266,7 +266,9 @@ class BaseAgent:
         given to agent()) or the agent's. The reply's `.tool_calls` holds the calls the
         model made, and its usage's finish_reason is "tool_calls" when it made any.
         `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
-        (`text` is the whole conversation so far, resent, its system message first). A
+        (`text` is the whole conversation so far, resent, its system message first),
+        output_format (the reply's required form: a JSON Schema as a dict, or an
+        OutputFormat), tool_call_required (the reply opens with a tool call). A
         retry on another worker after a lost first response does not run the turn twice
         (its request_id): it raises TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)

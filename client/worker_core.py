@@ -33,6 +33,7 @@ Message = Union[tuple[str, str], Mapping[str, Any], pb.Message]  # noqa: UP007 (
 Messages = Union[str, Sequence[Message]]  # noqa: UP007
 # OpenAI function tools: a list of {"type": "function", "function": {...}}, or its JSON text.
 Tools = Union[str, Sequence[Mapping[str, Any]], None]  # noqa: UP007
+OutputFormat = Union[Mapping[str, Any], pb.OutputFormat, None]  # noqa: UP007 (a JSON Schema)
 Responses = Iterator[pb.TurnResponse] | AsyncIterator[pb.TurnResponse]
 
 
@@ -137,6 +138,8 @@ def turn_request(
     request_id: str = "",
     tools: Tools = None,
     max_tool_calls: int = 0,
+    output_format: OutputFormat = None,
+    tool_call_required: bool = False,
     **sampling: Any,
 ) -> pb.TurnRequest:
     """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
@@ -144,8 +147,10 @@ def turn_request(
     A retry with the same `request_id` is not run again once the first was taken: TurnTaken.
     `tools` (tools_json's): with whole_conversation the conversation's, else none (the
     agent's own) or the agent's; `max_tool_calls` (not 0) ends the reply after that many
-    calls. `sampling`: SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop,
-    seed)."""
+    calls. `output_format`: the reply's required form, a JSON Schema (a dict) or an
+    OutputFormat (a regex, a Lark grammar, any JSON object); `tool_call_required`: the reply
+    opens with a tool call. `sampling`: SamplingParams' fields (max_tokens, temperature,
+    top_p, top_k, stop, seed)."""
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,
@@ -159,7 +164,18 @@ def turn_request(
         request_id=request_id,
         tools=tools_json(tools),
         max_tool_calls=max_tool_calls,
+        format=as_output_format(output_format),
+        tool_call_required=tool_call_required,
     )
+
+
+def as_output_format(form: OutputFormat) -> pb.OutputFormat | None:
+    """A reply's required form: a JSON Schema (a dict) as OutputFormat's json_schema."""
+    if form is None or isinstance(form, pb.OutputFormat):
+        return form
+    if not isinstance(form, Mapping):
+        raise TypeError(f"output_format must be a JSON Schema or an OutputFormat, not {form!r}")
+    return pb.OutputFormat(json_schema=json.dumps(dict(form), ensure_ascii=False))
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from agentkv.gateway.protocol import (
     known_only,
     merged_assistant,
     numbers,
+    output_format,
     tools_text,
     typed,
     utf8,
@@ -94,7 +95,8 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     model = typed(body, "model", str, None)
     if not model:
         raise invalid("model: a model id is required", "model")
-    tools, max_tool_calls = _tools(body)
+    tools, max_tool_calls, required = _tools(body)
+    config = body.get("output_config") or {}
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
     return ChatCall(
         model,
@@ -105,7 +107,19 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
         scope=("", user or "", ""),  # metadata.user_id is OpenAI's `user`
         tools=tools,
         max_tool_calls=max_tool_calls,
+        tool_call_required=required,
+        output_format=_output_format(typed(config, "format", dict, None, "output_config")),
     )
+
+
+def _output_format(form: dict | None) -> dict[str, Any] | None:
+    """output_config.format: {"type": "json_schema", "schema": {...}}, Anthropic's only kind."""
+    where = "output_config.format"
+    if form is not None and form.get("type") != "json_schema":
+        raise invalid(f"{where}.type must be json_schema", f"{where}.type", "unsupported_value")
+    if form is not None and not isinstance(form.get("schema"), dict):
+        raise invalid(f"{where}.schema must be an object", f"{where}.schema")
+    return output_format(form and {**form, "name": "output"}, where)
 
 
 def parse_count(body: Any) -> ChatCall:
@@ -119,13 +133,13 @@ def parse_count(body: Any) -> ChatCall:
 def _hints(body: dict) -> None:
     """Fields that ask the model for what it may or may not do, taken when no answer breaks
     them: thinking (none is returned), output_config's effort, context_management that
-    clears thinking (there is none to clear). A structured output format (constrained
-    decoding) or clearing tool uses (an edit of the history) is refused."""
+    clears thinking (there is none to clear). Clearing tool uses (an edit of the history) is
+    refused."""
     thinking = typed(body, "thinking", dict, None) or {"type": "disabled"}
     if thinking.get("type") not in THINKING:
         raise invalid(f"thinking.type must be one of {', '.join(THINKING)}", "thinking.type")
     config = typed(body, "output_config", dict, None) or {}
-    known_only(config, {"effort"}, "output_config")
+    known_only(config, {"effort", "format"}, "output_config")
     typed(config, "effort", str, None, "output_config")
     context = typed(body, "context_management", dict, None) or {}
     known_only(context, {"edits"}, "context_management")
@@ -296,14 +310,16 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(block["text"] for block in blocks)
 
 
-def _tools(body: dict) -> tuple[str, int]:
-    """The custom tools as function tools' compact JSON (the OpenAI route's form), and the
-    most tool calls a reply may make (1 with disable_parallel_tool_use, else no limit)."""
+def _tools(body: dict) -> tuple[str, int, bool]:
+    """The custom tools as function tools' compact JSON (the OpenAI route's form), the most
+    tool calls a reply may make (1 with disable_parallel_tool_use, else no limit), and
+    whether the reply must open with one (tool_choice "any")."""
     choice = typed(body, "tool_choice", dict, None)
     choice = {"type": "auto"} if choice is None else choice
-    if choice.get("type") != "auto":
+    if choice.get("type") not in ("auto", "any"):
         raise invalid(
-            f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS.replace('tool_choice ', '')}",
+            f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS.split(' (')[0]} (type "
+            '"auto" or "any")',
             "tool_choice",
             "unsupported_value",
         )
@@ -311,7 +327,7 @@ def _tools(body: dict) -> tuple[str, int]:
     single = typed(choice, "disable_parallel_tool_use", bool, False, "tool_choice")
     tools = typed(body, "tools", list, None) or []
     functions = [_tool(tool, f"tools.{i}") for i, tool in enumerate(tools)]
-    return tools_text(functions), 1 if single else 0
+    return tools_text(functions), 1 if single else 0, choice["type"] == "any"
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:

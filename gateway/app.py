@@ -432,6 +432,9 @@ class Gateway:
         memory = agent.memory
         options = {"whole_conversation": True, "tools": call.tools, **call.sampling}
         options["max_tool_calls"] = call.max_tool_calls
+        options["tool_call_required"] = call.tool_call_required
+        if call.output_format is not None:
+            options["output_format"] = pb.OutputFormat(**call.output_format)
         if agent not in self.spares:
             with contextlib.suppress(AgentNotFound):
                 return Turn(await agent.say(call.messages, **options))

@@ -40,7 +40,7 @@ IGNORED = {
     "metadata",
     "service_tier",
 }
-TOOLING = {"tools", "tool_choice", "parallel_tool_calls"}  # checked by _tools
+TOOLING = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # checked apart
 # Accepted at their neutral value only; any other value is refused, never ignored.
 NEUTRAL = {
     "n": 1,
@@ -51,7 +51,6 @@ NEUTRAL = {
     "logit_bias": None,
     "functions": None,  # the legacy form of tools
     "function_call": None,
-    "response_format": None,
     "modalities": None,
     "audio": None,
     "prediction": None,
@@ -66,9 +65,10 @@ MAX_STOPS = 4  # OpenAI's own limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_CONSTRAINTS = (
-    "the model decides whether to call a tool, and which: agentkv has no constrained "
-    'decoding (only tool_choice "auto")'
+    "the model decides which tool to call: agentkv enforces a call, not a named one nor "
+    'its absence (tool_choice "auto" or "required")'
 )
+FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -143,6 +143,8 @@ class ChatCall:
     scope: tuple[str, ...] = ()
     tools: str = ""  # the function tools as compact JSON, keys sorted; "" for none
     max_tool_calls: int = 0  # 1 for parallel_tool_calls false: the reply ends after one
+    tool_call_required: bool = False  # tool_choice "required": the reply opens with a call
+    output_format: dict[str, Any] | None = None  # the worker's OutputFormat fields; None: text
     echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
 
     @property
@@ -169,8 +171,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     known_only(body, KNOWN)
     for name, neutral in NEUTRAL.items():
         value = body.get(name)  # null: not given, as OpenAI reads it
-        text = name == "response_format" and _text_format(value)
-        if value is not None and value != neutral and not text:
+        if value is not None and value != neutral:
             raise invalid(
                 f"{name}={value!r} is not supported by agentkv (only {neutral!r})",
                 name,
@@ -193,12 +194,61 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=_tools(body),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
+        tool_call_required=call_required(body.get("tool_choice")),
+        output_format=_response_format(body.get("response_format")),
     )
     return call
 
 
-def _text_format(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """Chat's response_format: output_format's, its json_schema's fields under "json_schema"."""
+    if isinstance(value, dict) and value.get("type") == "json_schema":
+        known_only(value, {"type", "json_schema"}, "response_format")
+        inner = typed(value, "json_schema", dict, None, "response_format")
+        if inner is None:
+            raise invalid("response_format.json_schema is required", "response_format.json_schema")
+        value = {"type": "json_schema", **inner}
+    return output_format(value, "response_format")
+
+
+def output_format(form: Any, where: str) -> dict[str, Any] | None:
+    """A structured output format ({"type": "text" | "json_object" | "json_schema"}, a JSON
+    Schema's name, description, schema and strict beside its type) as the worker's
+    OutputFormat fields; None for text. Every schema is enforced, strict or not (OpenAI
+    enforces only strict ones); one without a schema is any JSON."""
+    if form is None:
+        return None
+    if not isinstance(form, dict) or not isinstance(form.get("type"), str):
+        raise invalid(f'{where} must be an object with a "type"', where)
+    kind = form["type"]
+    if kind in ("text", "json_object"):
+        known_only(form, {"type"}, where)
+        return {"json_object": True} if kind == "json_object" else None
+    if kind != "json_schema":
+        raise invalid(
+            f"{where}.type {kind!r} is not one of text, json_object, json_schema",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    known_only(form, FORMAT_KEYS, where)
+    tool_name(form.get("name"), where)  # the same rule as a function's name
+    typed(form, "description", str, None, where)
+    typed(form, "strict", bool, None, where)
+    schema = typed(form, "schema", dict, None, where)
+    return {"json_schema": json.dumps({} if schema is None else schema, ensure_ascii=False)}
+
+
+def call_required(choice: Any) -> bool:
+    """OpenAI's tool_choice: "auto" (or none given) lets the model decide, "required" makes
+    the reply open with a call; a named call, or none, is not enforced (refused)."""
+    if choice in (None, "auto", "required"):
+        return choice == "required"
+    if choice != "none" and not isinstance(choice, dict):
+        raise invalid(
+            f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
+            "tool_choice",
+        )
+    raise invalid(f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value")
 
 
 def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:
@@ -379,19 +429,8 @@ def _text(content: Any, where: str) -> str:
 
 def _tools(body: dict) -> str:
     """The request's function tools as compact JSON, keys sorted (the worker's canonical
-    form), "" for none; tool_choice "auto" only (the model decides whether to call)."""
+    form), "" for none (tool_choice: call_required)."""
     typed(body, "parallel_tool_calls", bool, None)
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto"):
-        known = choice in ("none", "required") or isinstance(choice, dict)
-        if not known:
-            raise invalid(
-                f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
-                "tool_choice",
-            )
-        raise invalid(
-            f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value"
-        )
     tools = body.get("tools")
     if tools is None:
         return ""
@@ -413,8 +452,8 @@ def tools_text(tools: list[dict[str, Any]]) -> str:
 def _tool(tool: Any, where: str) -> None:
     """One tool: {"type": "function", "function": {"name", "description", "parameters",
     "strict"}}, as OpenAI specifies it; other kinds of tool are refused. `strict` is taken
-    as given but not enforced (there is no constrained decoding, as in mlx-lm's server):
-    OpenAI's Agents SDK sets it on every function tool."""
+    as given but not enforced (the call's arguments are the model's): OpenAI's Agents SDK
+    sets it on every function tool."""
     if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
         raise invalid(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
     if tool["type"] != "function":

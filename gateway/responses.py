@@ -21,16 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.gateway.protocol import (
-    NO_CONSTRAINTS,
     SCOPE,
     ChatCall,
     HTTPError,
+    call_required,
     checked_body,
     in_call_order,
     invalid,
     known_only,
     merged_assistant,
     numbers,
+    output_format,
     tool_name,
     tools_text,
     typed,
@@ -84,6 +85,7 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
     instructions = typed(body, "instructions", str, None)
     system = [{"role": "system", "content": instructions}] if instructions else []
     tools, sampling = _tools(body), _sampling(body, default_max_tokens)
+    text = typed(body, "text", dict, None) or {}
     return ChatCall(
         model,
         system + _input(body.get("input")),
@@ -93,6 +95,8 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
         scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=tools_text(tools),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
+        tool_call_required=call_required(body.get("tool_choice")),
+        output_format=output_format(typed(text, "format", dict, None, "text"), "text.format"),
         echo=_echo(body, instructions, sampling["max_tokens"]),
     )
 
@@ -107,8 +111,7 @@ _WHY = {
 
 def _hints(body: dict) -> None:
     """Fields that ask for what the reply may or may not hold, taken when no answer breaks
-    them: reasoning (none is returned), text's verbosity, include of encrypted reasoning. A
-    structured output format (constrained decoding) is refused."""
+    them: reasoning (none is returned), text's verbosity, include of encrypted reasoning."""
     reasoning = typed(body, "reasoning", dict, None) or {}
     known_only(reasoning, set(REASONING), "reasoning")
     for name in REASONING:
@@ -116,13 +119,6 @@ def _hints(body: dict) -> None:
     text = typed(body, "text", dict, None) or {}
     known_only(text, {"format", "verbosity"}, "text")
     typed(text, "verbosity", str, None, "text")
-    form = typed(text, "format", dict, None, "text") or {"type": "text"}
-    if form.get("type") != "text" or len(form) != 1:
-        raise invalid(
-            f"text.format {form.get('type')!r}: only text (agentkv has no constrained decoding)",
-            "text.format",
-            "unsupported_value",
-        )
     include = typed(body, "include", list, None) or []
     for i, name in enumerate(include):
         if not isinstance(name, str) or name not in INCLUDABLE:
@@ -135,13 +131,8 @@ def _hints(body: dict) -> None:
 
 def _tools(body: dict) -> list[dict[str, Any]]:
     """The function tools in the chat route's form ({"type": "function", "function": {...}},
-    which the worker renders); tool_choice "auto" only (the model decides whether to call)."""
+    which the worker renders); tool_choice: call_required."""
     typed(body, "parallel_tool_calls", bool, None)
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto"):
-        raise invalid(
-            f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value"
-        )
     tools = typed(body, "tools", list, None) or []
     return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
 

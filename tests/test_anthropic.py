@@ -121,7 +121,8 @@ def edited(path: str, value) -> dict:
         ("stop_sequences", [""], "stop_sequences"),
         ("thinking", {"type": "sometimes"}, "thinking.type"),
         ("mcp_servers", [], "mcp_servers"),
-        ("output_config", {"format": {"type": "json_schema"}}, "output_config.format"),
+        ("output_config", {"format": {"type": "json_schema"}}, "output_config.format.schema"),
+        ("output_config", {"format": {"type": "regex"}}, "output_config.format.type"),
         (
             "context_management",
             {"edits": [{"type": "clear_tool_uses_20250919"}]},
@@ -155,7 +156,6 @@ def edited(path: str, value) -> dict:
         ("tools.0.input_schema", ..., "tools.0"),
         ("tools.0.name", "get weather", "tools.0.name"),
         ("tools.0", {"type": "web_search_20250305", "name": "web_search"}, "tools.0.type"),
-        ("tool_choice", {"type": "any"}, "tool_choice"),
         ("tool_choice", {"type": "tool", "name": "get_weather"}, "tool_choice"),
     ],
 )

@@ -55,7 +55,13 @@ def test_a_request_maps_to_the_workers_sampling():
     [
         ({"n": 3}, "n"),
         ({"tools": [{"type": "function"}]}, "tools[0].function"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+         "response_format.schema"),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
         ({"presence_penalty": 1}, "presence_penalty"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"temperature": 2.5}, "temperature"),
@@ -252,7 +258,6 @@ BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argum
     "fields, param, code",
     [
         ({"tool_choice": "none"}, "tool_choice", "unsupported_value"),
-        ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
         ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
          "tool_choice", "unsupported_value"),
         ({"tool_choice": "sometimes"}, "tool_choice", None),
@@ -478,3 +483,19 @@ def test_tool_results_are_put_in_their_calls_order():
         {"role": "user", "content": [*results, {"type": "text", "text": "Thanks"}]},
     ]}  # fmt: skip
     assert parse_messages(body).messages == chat
+
+
+def test_a_response_format_and_a_required_call_pass_to_the_worker():
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    form = {"name": "v", "schema": schema, "strict": True, "description": "a verdict"}
+    call = parsed(
+        response_format={"type": "json_schema", "json_schema": form},
+        tools=[WEATHER],
+        tool_choice="required",
+    )
+    assert call.output_format == {"json_schema": json.dumps(schema)} and call.tool_call_required
+    assert parsed(response_format={"type": "json_object"}).output_format == {"json_object": True}
+    assert parsed(response_format={"type": "text"}).output_format is None
+    assert not parsed(tool_choice="auto").tool_call_required
+    unnamed = {"type": "json_schema", "json_schema": {"name": "v"}}  # no schema: any JSON
+    assert parsed(response_format=unnamed).output_format == {"json_schema": "{}"}

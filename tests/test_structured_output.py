@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 import grpc
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel, ConfigDict
 
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tool_model
+from tests.test_anthropic import client_of
+from tests.test_tools import ToolStack
 
 NS = "forms"
 ASK = [pb.Message(role="user", content="Is it raining in Paris?")]
@@ -214,3 +219,70 @@ def test_a_required_call_needs_tools_and_a_model_with_a_tool_format(llama, qwen)
         _turn(qwen, "r2", tool_call_required=True)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "needs tools" in caught.value.details()
+
+
+# Through the gateway, with the official clients' own structured-output helpers: each turns
+# a Pydantic model into a strict JSON Schema, sends it in its API's form, and parses the reply.
+
+
+class Verdict(BaseModel):
+    """Every value bounded (an enum: Anthropic's SDK drops a number's bounds from the schema
+    it sends), so a random model's reply ends within max_tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+    answer: Literal["yes", "no", "maybe"]
+    sure: bool
+    level: Literal[1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, tiny_model_dirs):
+    stack = ToolStack(tmp_path_factory.mktemp("forms"), tiny_model_dirs["llama"], "tiny")
+    yield stack
+    stack.stop()
+
+
+def test_openai_s_parse_helpers_get_replies_of_their_schema(gateway):
+    client, ask = gateway.client(), [{"role": "user", "content": "Is it raining in Paris?"}]
+    options = {"model": "tiny", "temperature": 0, "max_tokens": 48}
+    free = client.chat.completions.create(messages=ask, **options).choices[0]
+    with pytest.raises(ValueError):
+        Verdict.model_validate_json(free.message.content)  # the model, free, writes no Verdict
+
+    chat = client.chat.completions.parse(messages=ask, response_format=Verdict, **options)
+    assert isinstance(chat.choices[0].message.parsed, Verdict)
+    assert chat.choices[0].finish_reason == "stop"
+    with client.chat.completions.stream(messages=ask, response_format=Verdict, **options) as stream:
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].message.parsed == chat.choices[0].message.parsed
+
+    response = client.responses.parse(
+        model="tiny", input=ask, text_format=Verdict, temperature=0, max_output_tokens=48
+    )
+    assert isinstance(response.output_parsed, Verdict) and response.status == "completed"
+    assert response.text.format.type == "json_schema"  # the request's, repeated
+
+
+def test_anthropic_s_parse_helper_gets_a_reply_of_its_schema(gateway):
+    client = client_of(gateway.gateway.address)
+    message = client.messages.parse(
+        model="tiny",
+        max_tokens=48,  # sampled at Anthropic's default temperature (the SDK sends none)
+        messages=[{"role": "user", "content": "Is it raining in Paris?"}],
+        output_format=Verdict,
+    )
+    assert isinstance(message.parsed_output, Verdict) and message.stop_reason == "end_turn"
+
+
+def test_a_bad_schema_is_a_400_naming_why(gateway):
+    client = gateway.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "nonsense"}},
+            },
+        )
+    assert "nonsense" in caught.value.message
