@@ -268,7 +268,8 @@ class BaseAgent:
         `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
         (`text` is the whole conversation so far, resent, its system message first),
         output_format (the reply's required form: a JSON Schema as a dict, or an
-        OutputFormat), tool_call_required (the reply opens with a tool call). A
+        OutputFormat), tool_call_required (the reply opens with a tool call),
+        tool_call_name (with a call of that tool). A
         retry on another worker after a lost first response does not run the turn twice
         (its request_id): it raises TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)

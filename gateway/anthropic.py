@@ -30,6 +30,7 @@ from agentkv.gateway.protocol import (
     merged_assistant,
     numbers,
     output_format,
+    tool_name,
     tools_text,
     typed,
     utf8,
@@ -95,7 +96,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     model = typed(body, "model", str, None)
     if not model:
         raise invalid("model: a model id is required", "model")
-    tools, max_tool_calls, required = _tools(body)
+    tools, max_tool_calls, required, name = _tools(body)
     config = body.get("output_config") or {}
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
     return ChatCall(
@@ -108,6 +109,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
         tools=tools,
         max_tool_calls=max_tool_calls,
         tool_call_required=required,
+        tool_call_name=name,
         output_format=_output_format(typed(config, "format", dict, None, "output_config")),
     )
 
@@ -119,6 +121,7 @@ def _output_format(form: dict | None) -> dict[str, Any] | None:
         raise invalid(f"{where}.type must be json_schema", f"{where}.type", "unsupported_value")
     if form is not None and not isinstance(form.get("schema"), dict):
         raise invalid(f"{where}.schema must be an object", f"{where}.schema")
+    known_only(form or {}, {"type", "schema"}, where)
     return output_format(form and {**form, "name": "output"}, where)
 
 
@@ -310,24 +313,27 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(block["text"] for block in blocks)
 
 
-def _tools(body: dict) -> tuple[str, int, bool]:
+def _tools(body: dict) -> tuple[str, int, bool, str]:
     """The custom tools as function tools' compact JSON (the OpenAI route's form), the most
-    tool calls a reply may make (1 with disable_parallel_tool_use, else no limit), and
-    whether the reply must open with one (tool_choice "any")."""
+    tool calls a reply may make (1 with disable_parallel_tool_use, else no limit), whether
+    the reply must open with one (tool_choice "any"), and the tool it must call ("tool")."""
     choice = typed(body, "tool_choice", dict, None)
     choice = {"type": "auto"} if choice is None else choice
-    if choice.get("type") not in ("auto", "any"):
+    if choice.get("type") not in ("auto", "any", "tool"):
         raise invalid(
-            f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS.split(' (')[0]} (type "
-            '"auto" or "any")',
+            f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS}",
             "tool_choice",
             "unsupported_value",
         )
-    known_only(choice, {"type", "disable_parallel_tool_use"}, "tool_choice")
+    named = choice["type"] == "tool"
+    known_only(
+        choice, {"type", "disable_parallel_tool_use", *(["name"] if named else [])}, "tool_choice"
+    )
     single = typed(choice, "disable_parallel_tool_use", bool, False, "tool_choice")
     tools = typed(body, "tools", list, None) or []
     functions = [_tool(tool, f"tools.{i}") for i, tool in enumerate(tools)]
-    return tools_text(functions), 1 if single else 0, choice["type"] == "any"
+    name = tool_name(choice.get("name"), "tool_choice") if named else ""
+    return tools_text(functions), 1 if single else 0, choice["type"] == "any", name
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:

@@ -433,6 +433,7 @@ class Gateway:
         options = {"whole_conversation": True, "tools": call.tools, **call.sampling}
         options["max_tool_calls"] = call.max_tool_calls
         options["tool_call_required"] = call.tool_call_required
+        options["tool_call_name"] = call.tool_call_name
         if call.output_format is not None:
             options["output_format"] = pb.OutputFormat(**call.output_format)
         if agent not in self.spares:

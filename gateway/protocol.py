@@ -65,8 +65,8 @@ MAX_STOPS = 4  # OpenAI's own limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_CONSTRAINTS = (
-    "the model decides which tool to call: agentkv enforces a call, not a named one nor "
-    'its absence (tool_choice "auto" or "required")'
+    "the model decides whether to call a tool: agentkv enforces a call (any, or one named), "
+    "not its absence"
 )
 FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -144,6 +144,7 @@ class ChatCall:
     tools: str = ""  # the function tools as compact JSON, keys sorted; "" for none
     max_tool_calls: int = 0  # 1 for parallel_tool_calls false: the reply ends after one
     tool_call_required: bool = False  # tool_choice "required": the reply opens with a call
+    tool_call_name: str = ""  # a named tool_choice: the reply opens with a call of it
     output_format: dict[str, Any] | None = None  # the worker's OutputFormat fields; None: text
     echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
 
@@ -194,9 +195,9 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=_tools(body),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
-        tool_call_required=call_required(body.get("tool_choice")),
         output_format=_response_format(body.get("response_format")),
     )
+    call.tool_call_required, call.tool_call_name = tool_choice(body.get("tool_choice"), "function")
     return call
 
 
@@ -204,18 +205,20 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     """Chat's response_format: output_format's, its json_schema's fields under "json_schema"."""
     if isinstance(value, dict) and value.get("type") == "json_schema":
         known_only(value, {"type", "json_schema"}, "response_format")
+        where = "response_format.json_schema"
         inner = typed(value, "json_schema", dict, None, "response_format")
         if inner is None:
-            raise invalid("response_format.json_schema is required", "response_format.json_schema")
-        value = {"type": "json_schema", **inner}
+            raise invalid(f"{where} is required", where)
+        known_only(inner, FORMAT_KEYS - {"type"}, where)
+        return output_format({"type": "json_schema", **inner}, "response_format", where)
     return output_format(value, "response_format")
 
 
-def output_format(form: Any, where: str) -> dict[str, Any] | None:
+def output_format(form: Any, where: str, fields: str = "") -> dict[str, Any] | None:
     """A structured output format ({"type": "text" | "json_object" | "json_schema"}, a JSON
-    Schema's name, description, schema and strict beside its type) as the worker's
-    OutputFormat fields; None for text. Every schema is enforced, strict or not (OpenAI
-    enforces only strict ones); one without a schema is any JSON."""
+    Schema's name, description, schema and strict beside its type, or in `fields`) as the
+    worker's OutputFormat fields; None for text. Every schema is enforced, strict or not
+    (OpenAI enforces only strict ones); one without a schema is any JSON."""
     if form is None:
         return None
     if not isinstance(form, dict) or not isinstance(form.get("type"), str):
@@ -230,6 +233,7 @@ def output_format(form: Any, where: str) -> dict[str, Any] | None:
             f"{where}.type",
             "unsupported_value",
         )
+    where = fields or where
     known_only(form, FORMAT_KEYS, where)
     tool_name(form.get("name"), where)  # the same rule as a function's name
     typed(form, "description", str, None, where)
@@ -238,11 +242,19 @@ def output_format(form: Any, where: str) -> dict[str, Any] | None:
     return {"json_schema": json.dumps({} if schema is None else schema, ensure_ascii=False)}
 
 
-def call_required(choice: Any) -> bool:
-    """OpenAI's tool_choice: "auto" (or none given) lets the model decide, "required" makes
-    the reply open with a call; a named call, or none, is not enforced (refused)."""
+def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str]:
+    """OpenAI's tool_choice as (a call required, the tool named): "auto" (or none given) lets
+    the model decide, "required" makes the reply open with a call, {"type": "function", ...}
+    with a call of the function named (under `inner` on the chat route, beside the type on
+    the Responses route); "none" is not enforced (refused)."""
     if choice in (None, "auto", "required"):
-        return choice == "required"
+        return choice == "required", ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        known_only(choice, {"type", inner or "name"}, "tool_choice")
+        named = (typed(choice, inner, dict, None, "tool_choice") or {}) if inner else choice
+        where = f"tool_choice.{inner}" if inner else "tool_choice"
+        known_only(named, {"name"} if inner else {"type", "name"}, where)
+        return True, tool_name(named.get("name"), where)
     if choice != "none" and not isinstance(choice, dict):
         raise invalid(
             f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',

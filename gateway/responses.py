@@ -24,7 +24,6 @@ from agentkv.gateway.protocol import (
     SCOPE,
     ChatCall,
     HTTPError,
-    call_required,
     checked_body,
     in_call_order,
     invalid,
@@ -32,6 +31,7 @@ from agentkv.gateway.protocol import (
     merged_assistant,
     numbers,
     output_format,
+    tool_choice,
     tool_name,
     tools_text,
     typed,
@@ -86,7 +86,7 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
     system = [{"role": "system", "content": instructions}] if instructions else []
     tools, sampling = _tools(body), _sampling(body, default_max_tokens)
     text = typed(body, "text", dict, None) or {}
-    return ChatCall(
+    call = ChatCall(
         model,
         system + _input(body.get("input")),
         stream,
@@ -95,10 +95,11 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
         scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=tools_text(tools),
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
-        tool_call_required=call_required(body.get("tool_choice")),
         output_format=output_format(typed(text, "format", dict, None, "text"), "text.format"),
         echo=_echo(body, instructions, sampling["max_tokens"]),
     )
+    call.tool_call_required, call.tool_call_name = tool_choice(body.get("tool_choice"))
+    return call
 
 
 _WHY = {
@@ -296,6 +297,7 @@ def _echo(body: dict, instructions: str | None, max_tokens: int) -> dict[str, An
         "store": typed(body, "store", bool, None) is not False,
         "temperature": body.get("temperature", 1.0),
         "text": text,
+        "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "top_logprobs": body.get("top_logprobs") or 0,
         "top_p": body.get("top_p", 1.0),
@@ -482,7 +484,6 @@ class ResponseReply:
             "output": json.loads(json.dumps(self.output)),  # as it stands now
             "previous_response_id": None,
             "service_tier": "default",
-            "tool_choice": "auto",
             "truncation": "disabled",
             "usage": usage_json(usage) if usage is not None else None,
             **echo,

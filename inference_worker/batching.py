@@ -25,7 +25,7 @@ import mlx.core as mx
 from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
 from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
-from inference_worker.grammar import Constraint
+from inference_worker.grammar import Constraint, masked
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.tools import ReplyCalls
@@ -143,15 +143,19 @@ class Batcher:
         logits = self.model(tokens, cache=self.batch)[:, -1, : self.vocab]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)  # the shared forward fails here, before any row's own work
-        # Greedy rows share one argmax and one sync; sampled and constrained rows choose on
-        # their own.
-        free = any(t.sample is None and t.constraint is None for t in turns)
-        greedy = mx.argmax(logprobs, axis=-1).tolist() if free else []
+        refused: dict[int, AgentKVError] = {}  # rows whose form failed
+        if any(t.constraint is not None for t in turns):  # their masks, computed together
+            logprobs, refused = masked(logprobs, [t.constraint for t in turns])
+        # Greedy rows share one argmax and one sync; sampled rows draw from their own keys.
+        greedy = (
+            mx.argmax(logprobs, axis=-1).tolist() if any(t.sample is None for t in turns) else []
+        )
         finished, failed = [], []
         for row, turn in enumerate(turns):
             try:
-                token = _choose(turn, logprobs[row], greedy[row] if free else None)
-                reason = self._accept(turn, token)
+                if row in refused:
+                    raise refused[row]
+                reason = self._accept(turn, _choose(turn, logprobs[row], greedy[row : row + 1]))
             except Exception as exc:  # this row's own failure: the others go on
                 failed.append((turn, exc))
                 continue
@@ -187,8 +191,13 @@ class Batcher:
         if turn.request.max_tokens == 0:
             self._leave(turn, "none")
             return False
-        last = logits[0, -1, : self.vocab]
-        reason = self._accept(turn, _choose(turn, last - mx.logsumexp(last)))
+        last = logits[0, -1:, : self.vocab]
+        logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
+        if turn.constraint is not None:
+            logprobs, refused = masked(logprobs, [turn.constraint])
+            if refused:
+                raise refused[0]
+        reason = self._accept(turn, _choose(turn, logprobs[0]))
         if reason:
             self._leave(turn, reason)
             return False
@@ -205,6 +214,8 @@ class Batcher:
             turn.first_at = time.perf_counter()
             u.time_to_first_token_ms = (turn.first_at - turn.job.started) * 1000
         reason = self._emit(turn, token)
+        if not reason and turn.constraint is not None and turn.constraint.done:
+            reason = "form"  # complete: only its end could follow, which it needs not
         if not reason and u.generated_tokens >= turn.request.max_tokens:
             reason = "length"
         turn.next_token = token
@@ -295,12 +306,13 @@ class Batcher:
             self.scheduler.finish(turn.request)
         self.active.pop(rid, None)
         u = turn.usage
-        held = u.generated_tokens and reason in ("length", "deadline", "cancelled")
+        held = u.generated_tokens and reason in ("length", "deadline", "cancelled", "form")
         if held and (rest := self._rest(turn)):
             self._send(turn, rest, [])  # what was held back for stop strings
         calls = turn.calls
         if calls is not None and any(rest := calls.flush()):  # text, or a call ending here
             turn.job.events.put(TokenEvent(rest[0], [], rest[1]))
+        reason = "stop" if reason == "form" else reason
         u.finish_reason = "tool_calls" if reason == "stop" and calls and calls.calls else reason
         u.stop_sequence = turn.stops.matched if u.finish_reason == "stop" else ""
         if u.generated_tokens > 1:
@@ -316,11 +328,11 @@ class Batcher:
         self._fail(turn, DeadlineExceeded(message))
 
 
-def _choose(turn: ActiveTurn, logprobs: mx.array, greedy: int | None = None) -> int:
-    """The turn's next token from its log-probabilities (vocab,): within its form, if it has
-    one; `greedy`, the batch's argmax for the row, when it is free and greedy."""
-    if turn.constraint is not None:
-        logprobs = turn.constraint.mask(logprobs)
-    elif greedy is not None and turn.sample is None:
-        return greedy
-    return int(mx.argmax(logprobs).item()) if turn.sample is None else turn.sample(logprobs)
+def _choose(turn: ActiveTurn, logprobs: mx.array, greedy: list[int] = ()) -> int:
+    """The turn's next token from its log-probabilities (vocab,), masked to its form if it
+    has one; `greedy`: the batch's argmax for its row, if taken."""
+    if turn.sample is None:
+        return greedy[0] if greedy else int(mx.argmax(logprobs).item())
+    if turn.constraint is not None:  # what the form allows, as a distribution (top_p's)
+        logprobs = logprobs - mx.logsumexp(logprobs)
+    return turn.sample(logprobs)

@@ -300,7 +300,7 @@ class Engine:
         calls = self.chat.reply_calls(chat.tools, job.max_tool_calls)
         turn.calls = calls if max_tokens else None
         if job.forms is not None and max_tokens:
-            turn.constraint = job.forms.constraint(bool(chat.tools))
+            turn.constraint = job.forms.constraint(chat.tools)
         return turn, tokens, chat
 
     def _turn(

@@ -4,9 +4,12 @@ to the tokens that keep the reply a beginning of the form, and lets the reply en
 of sequence) only where the form is complete: constrained decoding.
 
 With tools in the conversation a reply may be tool calls instead (the model decides, as
-OpenAI's response_format with tools): the grammar is the form, or the model's tool-call
-opening followed by anything. A required tool call (tool_choice "required") is the opening
-alone. What a call holds after its opening stays the model's, as without a form.
+OpenAI's response_format with tools): the grammar is the form, or a call. A required tool
+call (tool_choice "required", or one named) is the call alone. Where the model's calls are
+JSON between markers (mlx-lm's json_tools: Qwen's, Hermes') and the request names its
+tools, the first call is a call of one of them (the named one) with arguments its
+parameters' schema accepts; otherwise only the call's opening is enforced. A named call is
+the whole reply (as OpenAI's); after any other first call, the rest stays the model's.
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
 so a bad one is refused before the turn queues; the MLX thread only masks and advances.
@@ -27,10 +30,14 @@ from inference_worker.tools import ToolFormat, loads
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
+MAX_REASON = 500  # characters of llguidance's reason a refusal quotes
 # Whitespace outside strings is not generated (a free model may write it for ever); a
 # schema's own "x-guidance" options win.
 JSON_OPTIONS = {"whitespace_flexible": False}
+# A call's JSON as chat templates write calls (tojson, json.dumps): what the model learned.
+CALL_JSON_OPTIONS = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 CALL_REST = "rest: <[*]>*\n"  # any token, added ones included (llguidance's special)
+JSON_CALLS = ("json_tools",)  # formats whose call is {"name", "arguments"} between markers
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +47,32 @@ class OutputForm:
 
 
 @dataclass(frozen=True, slots=True)
+class Ask:
+    """What a turn asks of its reply: a form, a tool call (`required`), of one tool (`name`)."""
+
+    form: OutputForm | None = None
+    required: bool = False
+    name: str = ""
+
+
 class Forms:
-    """A turn's compiled forms: one for a conversation without tools, one with them (the
-    form, or a tool call); None where that reply is free."""
+    """A turn's matcher, compiled for the tools the turn has: at submit where they are known
+    (the request's; none, for a whole conversation without them), else at the turn's start
+    (an agent's own tools, known only then; the form alone is checked at submit)."""
 
-    plain: Any  # llguidance.LLMatcher | None
-    with_tools: Any
-    call_required: bool
-    vocab: int  # the tokenizer's, as llguidance reads it
+    def __init__(self, grammars: Grammars, ask: Ask, entry: dict | None) -> None:
+        self._grammars, self.ask, self._entry = grammars, ask, entry
+        self._compiled: dict[str, Any] = {}  # canonical tools -> matcher (None: free)
 
-    def constraint(self, has_tools: bool) -> Constraint | None:
-        """The reply's constraint, for a conversation with tools or without."""
-        if self.call_required and not has_tools:
-            raise InvalidArgument("a required tool call needs tools: this conversation has none")
-        matcher = self.with_tools if has_tools else self.plain
-        return None if matcher is None else Constraint(matcher, self.vocab)
+    def matcher(self, tools: str) -> Any:
+        if tools not in self._compiled:
+            self._compiled = {tools: self._grammars.matcher(self.ask, self._entry, tools)}
+        return self._compiled[tools]
+
+    def constraint(self, tools: str) -> Constraint | None:
+        """The reply's constraint, for a conversation with these tools."""
+        matcher = self.matcher(tools)
+        return None if matcher is None else Constraint(matcher, self._grammars.vocab)
 
 
 class Grammars:
@@ -67,42 +85,83 @@ class Grammars:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
 
-    def compile(self, form: OutputForm | None, call_required: bool) -> Forms | None:
-        """The turn's forms; None when it has none. InvalidArgument for a form llguidance
-        cannot compile, with its reason; FailedPrecondition where the model cannot have one."""
-        if form is None and not call_required:
+    @property
+    def vocab(self) -> int:
+        return self._llg().vocab_size
+
+    def forms(self, ask: Ask, tools: str | None) -> Forms | None:
+        """The turn's forms, compiled at submit for `tools` (canonical; None: not known
+        yet); None when it asks for none. InvalidArgument for a form llguidance cannot
+        compile, with its reason; FailedPrecondition where the model cannot have one."""
+        if ask.form is None and not ask.required and not ask.name:
             return None
-        entry = _entry(form) if form is not None else None
-        if call_required and self._tool_format is None:
+        if (ask.required or ask.name) and self._tool_format is None:
             raise FailedPrecondition(
                 "a required tool call needs a model whose tool-call format the worker knows; "
                 "this model's chat template has none"
             )
-        plain = self._matcher({"grammars": [entry]}) if entry and not call_required else None
-        with_tools = None
-        if self._tool_format is not None:
-            start = f"start: {'call' if call_required or entry is None else '@form | call'}\n"
-            lark = f"{start}call: {self._call_opening()} rest\n{CALL_REST}"
-            grammars = [{"lark_grammar": lark}] + ([entry] if entry and not call_required else [])
-            with_tools = self._matcher({"grammars": grammars})
-        return Forms(plain, with_tools or plain, call_required, self._llg().vocab_size)
+        forms = Forms(self, ask, _entry(ask.form) if ask.form is not None else None)
+        if tools is not None:
+            forms.matcher(tools)
+        elif ask.form is not None:  # the form alone, checked now
+            self.matcher(Ask(ask.form), forms._entry, "")
+        return forms
+
+    def matcher(self, ask: Ask, entry: dict | None, tools: str) -> Any:
+        """The matcher of `ask` in a conversation with `tools`; None where the reply is free."""
+        required = ask.required or bool(ask.name)
+        if required and not tools:
+            raise InvalidArgument("a required tool call needs tools: this conversation has none")
+        free = [entry] if entry and not required else []  # the reply may be the form
+        if not tools or self._tool_format is None:
+            return self._matcher({"grammars": free}) if free else None
+        call, body = self._call(ask.name, tools)
+        rest = "" if ask.name else " rest"  # a named call is the whole reply, as OpenAI's
+        lark = f"start: {'@form | call' if free else 'call'}\ncall: {call}{rest}\n{CALL_REST}"
+        return self._matcher({"grammars": [{"lark_grammar": lark}, *free, *body]})
+
+    def _call(self, name: str, tools: str) -> tuple[str, list[dict]]:
+        """The first call as a Lark rule, and the grammars it refers to: its JSON where the
+        format's calls are JSON and the tools are known, else its opening then anything."""
+        functions = _functions(tools)
+        if name and name not in functions:
+            raise InvalidArgument(
+                f"tool_call_name {name!r} is not among the conversation's tools "
+                f"({', '.join(functions) or 'none'})"
+            )
+        fmt = self._tool_format
+        if fmt.name not in JSON_CALLS or not functions or not fmt.end:
+            if name:
+                raise FailedPrecondition(
+                    "a named tool call needs a model whose calls are "
+                    f"JSON ({', '.join(JSON_CALLS)}); this model's tool format is {fmt.name}"
+                )
+            return f"{self._marker(fmt.start)} rest", []  # the opening, then anything
+        schemas = [_call_schema(n, p) for n, p in functions.items() if not name or n == name]
+        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
+        opening, closing = self._marker(fmt.start), self._marker(fmt.end)
+        return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
 
     def _matcher(self, grammar: dict) -> Any:
+        """The grammar's matcher, its first mask computed: a form too costly for the limits
+        at its very start is refused here, before the turn queues."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._llg(), json.dumps(grammar), log_level=0)
-        if matcher.is_error():
-            raise InvalidArgument(f"output format: {matcher.get_error()}")
+        text = json.dumps(grammar)
+        matcher = llguidance.LLMatcher(self._llg(), text, log_level=0, limits=_limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        check(matcher)
         return matcher
 
-    def _call_opening(self) -> str:
-        """The tool-call opening as a Lark item: its text, or its token when it is a special
+    def _marker(self, text: str) -> str:
+        """A tool call's marker as a Lark item: its text, or its token when it is a special
         one (which no text spells)."""
-        start = self._tool_format.start
-        ids = self._llg().tokenize_str(start, parse_special=True)
+        ids = self._llg().tokenize_str(text, parse_special=True)
         if len(ids) == 1 and self._llg().is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
-        return json.dumps(start)
+        return json.dumps(text)
 
     def _llg(self) -> Any:
         with self._lock:
@@ -122,6 +181,21 @@ def _llg_tokenizer(tokenizer: Any, eos: list[int]) -> Any:
             f"structured output needs a fast tokenizer; this model has a {type(hf).__name__}"
             f" ({exc})"
         ) from None
+
+
+def _functions(tools: str) -> dict[str, Any]:
+    """The canonical tools' parameters' schemas by name (an object, where a tool has none)."""
+    functions = [tool["function"] for tool in (loads(tools) if tools else [])]
+    return {f["name"]: f.get("parameters") or {"type": "object"} for f in functions}
+
+
+def _call_schema(name: str, parameters: Any) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _entry(form: OutputForm) -> dict:
@@ -153,31 +227,74 @@ def _entry(form: OutputForm) -> dict:
 
 
 class Constraint:
-    """One reply's matcher as it is generated: the mask for the next token, and each token
-    taken."""
+    """One reply's matcher as it is generated: each token it takes, and whether the form is
+    complete (no token may follow)."""
 
     def __init__(self, matcher: Any, vocab: int) -> None:
-        self.matcher = matcher
-        self.bits = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
-
-    def mask(self, logprobs: mx.array) -> mx.array:
-        """The log-probabilities (vocab,) of only the tokens the form allows next,
-        renormalized."""
-        from llguidance.numpy import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, self.bits)
-        self._check()
-        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")
-        allowed = allowed[: logprobs.shape[-1]].astype(bool)
-        if not allowed.any():
-            raise AgentKVError("output format: no token of the model can continue the reply")
-        x = mx.where(mx.array(allowed), logprobs, -mx.inf)
-        return x - mx.logsumexp(x, keepdims=True)
+        self.matcher, self.vocab = matcher, vocab  # vocab: the tokenizer's, llguidance's
 
     def take(self, token: int) -> None:
         self.matcher.consume_token(token)
-        self._check()
+        check(self.matcher)
 
-    def _check(self) -> None:
-        if self.matcher.is_error():
-            raise AgentKVError(f"output format: {self.matcher.get_error()}")
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def check(matcher: Any) -> None:
+    """InvalidArgument (the form is the caller's) for a matcher in error: its reason on one
+    line, at most MAX_REASON characters (llguidance may quote the whole grammar)."""
+    if matcher.is_error():
+        reason = " ".join(matcher.get_error().split())[:MAX_REASON]
+        raise InvalidArgument(f"output format: {reason}")
+
+
+def masked(logprobs: mx.array, constraints: list[Constraint | None]) -> tuple[mx.array, dict]:
+    """The batch's log-probabilities (rows, vocab) with each constrained row's disallowed
+    tokens at -inf (its masks computed together, in llguidance's threads; a free row stays
+    bit for bit as it was), and the rows whose matcher failed, with why."""
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    rows = [(c.matcher, row) for row, c in enumerate(constraints) if c is not None]
+    vocab, width = next(c.vocab for c in constraints if c is not None), logprobs.shape[-1]
+    bits = np.full((len(constraints), (vocab + 31) // 32), -1, dtype=np.int32)
+    fill_next_token_bitmask_par(_executor(), rows, bits)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width]
+    if allowed.shape[1] < width:  # logits past the tokenizer's ids: none is allowed
+        allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
+    failed: dict[int, AgentKVError] = {}
+    for matcher, row in rows:
+        try:
+            check(matcher)
+            if not allowed[row].any():
+                raise AgentKVError("output format: no token of the model can continue it")
+        except AgentKVError as exc:
+            failed[row] = exc
+            allowed[row] = 1  # the row leaves the batch: no all -inf row (NaN) meanwhile
+    return mx.where(mx.array(allowed.astype(bool)), logprobs, -mx.inf), failed
+
+
+_EXECUTOR: list = []
+
+
+def _executor() -> Any:
+    if not _EXECUTOR:
+        import llguidance
+
+        _EXECUTOR.append(llguidance.LLExecutor())
+    return _EXECUTOR[0]
+
+
+def _limits() -> Any:
+    """Per-step limits well under llguidance's defaults: one turn's mask must not hold the
+    batch (every other tenant's rows) for more than a few milliseconds."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        step_lexer_fuel=50_000,  # ~3.5 ms
+        step_max_items=20_000,  # ~1 ms
+        max_lexer_states=50_000,
+        max_grammar_size=100_000,
+        verbose_errors=False,
+    )

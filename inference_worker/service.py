@@ -15,7 +15,7 @@ from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from inference_worker.chat import ChatMessage, check_said
 from inference_worker.front import Front
-from inference_worker.grammar import OutputForm
+from inference_worker.grammar import Ask, OutputForm
 from inference_worker.sampling import Sampling
 from inference_worker.tools import canonical_tools, checked_calls
 from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJob
@@ -58,7 +58,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         job = self._job(request, checked)
         job.tools = canonical_tools(request.tools)
         job.max_tool_calls = request.max_tool_calls
-        job.forms = self.engine.grammars.compile(_form(request), request.tool_call_required)
+        known = job.tools if job.tools or request.whole_conversation else None  # else agent's
+        ask = Ask(_form(request), request.tool_call_required, request.tool_call_name)
+        job.forms = self.engine.grammars.forms(ask, known)
+        if job.forms is not None and checked.stop:
+            raise InvalidArgument("stop strings would cut the reply's required form short")
         self.engine.chat.check_tools(job.tools, job.messages)
         job.whole_conversation = request.whole_conversation
         job.request_id = _request_id(request)

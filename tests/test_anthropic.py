@@ -85,6 +85,15 @@ def test_a_conversation_is_the_same_call_through_either_api():
     assert not ours.stream and ours.max_tool_calls == 0
     single = {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}
     assert parse_messages(anthropic_body(**single)).max_tool_calls == 1
+    forced = parse_messages(anthropic_body(tool_choice={"type": "any"}))
+    named = parse_messages(anthropic_body(tool_choice={"type": "tool", "name": "get_weather"}))
+    assert forced.tool_call_required and not forced.tool_call_name
+    assert (named.tool_call_required, named.tool_call_name) == (False, "get_weather")
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    form = {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    assert parse_messages(anthropic_body(**form)).output_format == {
+        "json_schema": json.dumps(schema)
+    }
     partial = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
     with pytest.raises(HTTPError, match="does not continue a partial reply"):
         parse_messages(anthropic_body(messages=partial))  # Anthropic's prefill
@@ -124,6 +133,11 @@ def edited(path: str, value) -> dict:
         ("output_config", {"format": {"type": "json_schema"}}, "output_config.format.schema"),
         ("output_config", {"format": {"type": "regex"}}, "output_config.format.type"),
         (
+            "output_config",
+            {"format": {"type": "json_schema", "schema": {}, "strict": True}},
+            "output_config.format.strict",
+        ),
+        (
             "context_management",
             {"edits": [{"type": "clear_tool_uses_20250919"}]},
             "context_management.edits.0",
@@ -156,7 +170,8 @@ def edited(path: str, value) -> dict:
         ("tools.0.input_schema", ..., "tools.0"),
         ("tools.0.name", "get weather", "tools.0.name"),
         ("tools.0", {"type": "web_search_20250305", "name": "web_search"}, "tools.0.type"),
-        ("tool_choice", {"type": "tool", "name": "get_weather"}, "tool_choice"),
+        ("tool_choice", {"type": "tool", "name": "get weather"}, "tool_choice.name"),
+        ("tool_choice", {"type": "none"}, "tool_choice"),
     ],
 )
 def test_what_agentkv_would_not_do_as_anthropic_specifies_is_a_400(path, value, param):

@@ -58,9 +58,11 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}},
-         "response_format.name"),
+         "response_format.json_schema.name"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
-         "response_format.schema"),
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"type": "object"}}},
+         "response_format.json_schema.type"),  # a schema where its wrapper belongs
         ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
         ({"presence_penalty": 1}, "presence_penalty"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
@@ -258,8 +260,12 @@ BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argum
     "fields, param, code",
     [
         ({"tool_choice": "none"}, "tool_choice", "unsupported_value"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice", "unsupported_value"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get weather"}}},
+         "tool_choice.function.name", None),
+        ({"tool_choice": {"type": "function", "name": "get_weather"}},
+         "tool_choice.name", "unsupported_parameter"),  # the Responses form, on chat
+        ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice",
+         "unsupported_value"),
         ({"tool_choice": "sometimes"}, "tool_choice", None),
         ({"tool_choice": 1}, "tool_choice", None),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", None),
@@ -485,6 +491,9 @@ def test_tool_results_are_put_in_their_calls_order():
     assert parse_messages(body).messages == chat
 
 
+WEATHER_NAME = {"name": "get_weather"}
+
+
 def test_a_response_format_and_a_required_call_pass_to_the_worker():
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
     form = {"name": "v", "schema": schema, "strict": True, "description": "a verdict"}
@@ -497,5 +506,7 @@ def test_a_response_format_and_a_required_call_pass_to_the_worker():
     assert parsed(response_format={"type": "json_object"}).output_format == {"json_object": True}
     assert parsed(response_format={"type": "text"}).output_format is None
     assert not parsed(tool_choice="auto").tool_call_required
+    named = parsed(tools=[WEATHER], tool_choice={"type": "function", "function": WEATHER_NAME})
+    assert (named.tool_call_required, named.tool_call_name) == (True, "get_weather")
     unnamed = {"type": "json_schema", "json_schema": {"name": "v"}}  # no schema: any JSON
     assert parsed(response_format=unnamed).output_format == {"json_schema": "{}"}

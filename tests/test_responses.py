@@ -74,6 +74,22 @@ def test_a_conversation_is_the_same_call_through_either_openai_api():
     assert ours.sampling == {"temperature": 1.0, "fit_max_tokens": True, "max_tokens": 8}
 
 
+def test_a_format_and_a_tool_choice_are_the_chat_route_s():
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    form = {"type": "json_schema", "name": "v", "schema": schema, "strict": True}
+    named = {"type": "function", "name": "get_weather"}
+    ours = parse_responses(responses_body(text={"format": form}, tool_choice=named), 8)
+    inner = {key: value for key, value in form.items() if key != "type"}  # chat's wrapping
+    chat = chat_body() | {"response_format": {"type": "json_schema", "json_schema": inner}}
+    function = {"type": "function", "function": {"name": "get_weather"}}  # chat's form
+    theirs = parse_chat(chat | {"tool_choice": function}, 8)
+    assert ours.output_format == theirs.output_format == {"json_schema": json.dumps(schema)}
+    assert ours.tool_call_name == theirs.tool_call_name == "get_weather"
+    assert ours.echo["tool_choice"] == named and ours.echo["text"]["format"] == form
+    required = parse_responses(responses_body(tool_choice="required"), 8)
+    assert required.tool_call_required and not required.tool_call_name
+
+
 def test_a_string_input_is_one_user_message_and_hints_are_taken():
     call = parse_responses(
         {"model": "m", "input": "Hi", "max_output_tokens": 5, "top_p": 0, "parallel_tool_calls":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from typing import Literal
 
 import grpc
@@ -90,6 +91,13 @@ def _create(stub, agent_id: str) -> None:
             raise
 
 
+def _described(stub, agent_id: str) -> tuple[int, int]:
+    """The agent's context length and generation, as the worker holds it."""
+    request = pb.DescribeAgentRequest(namespace=NS, agent_id=agent_id)
+    agent = stub.DescribeAgent(request).agent
+    return agent.num_tokens, agent.generation
+
+
 def _schema(schema) -> pb.OutputFormat:
     return pb.OutputFormat(json_schema=json.dumps(schema))
 
@@ -129,65 +137,182 @@ def test_a_form_cut_by_max_tokens_ends_length(llama):
     assert text.startswith("{")
 
 
-def test_a_constrained_row_in_a_batch_changes_no_other_row(llama):
-    """Constrained and free turns decoded together: each reply is what it is alone."""
+# Too costly for the worker's per-step limits once past its first token (a row of 5,001
+# items): it compiles, and fails at its first token taken.
+COSTLY = pb.OutputFormat(lark="start: " + " | ".join(f'"w{i}"' for i in range(5000)))
+
+
+def test_a_constrained_row_in_a_batch_changes_no_other_row(start_worker, tiny_model_dirs):
+    """Constrained, free and failing turns decoded together: each reply is what it is alone,
+    and the form too costly for the limits fails its own turn only, leaving its agent as it
+    was."""
+    proc = start_worker(tiny_model_dirs["llama"], "--metrics-listen", "127.0.0.1:0", name="b")
+    llama = worker_pb2_grpc.InferenceWorkerStub(grpc.insecure_channel(proc.address))
     alone_free, _, _ = _turn(llama, "alone-free", max_tokens=24)
     alone_json, _, _ = _turn(llama, "alone-json", format=_schema(VERDICT))
+    forms = (("free", None), ("json", _schema(VERDICT)), ("costly", COSTLY))
     for i in range(2):
-        for name in ("free", "json"):
+        for name, _ in forms:
             _create(llama, f"{name}-{i}")
+    created = _described(llama, "costly-0")
     streams = [
         llama.Turn(
             pb.TurnRequest(
                 namespace=NS,
                 agent_id=f"{name}-{i}",
                 messages=ASK,
-                sampling=pb.SamplingParams(max_tokens=48 if form else 24),
+                sampling=pb.SamplingParams(max_tokens=24 if form is None else 48),
                 format=form,
             ),
             timeout=120,
         )
         for i in range(2)
-        for name, form in (("free", None), ("json", _schema(VERDICT)))
+        for name, form in forms
     ]
-    texts = ["".join(r.tokens.text for r in s if r.WhichOneof("item") == "tokens") for s in streams]
-    assert texts == [alone_free, alone_json] * 2
+    texts = []
+    for stream in streams:
+        try:
+            texts.append("".join(r.tokens.text for r in stream if r.WhichOneof("item") == "tokens"))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "Current row has 5001 items" in exc.details() and len(exc.details()) < 600
+            texts.append(None)
+    assert texts == [alone_free, alone_json, None] * 2
+    for i in range(2):  # the failed turns left nothing
+        assert _described(llama, f"costly-{i}") == created
+    serving = proc._find_event("serving", 0)
+    text = urllib.request.urlopen(f"http://{serving['metrics']}/metrics", timeout=10).read()
+    counts = {
+        line.split()[0]: float(line.split()[-1])
+        for line in text.decode().splitlines()
+        if line.startswith(
+            ('agentkv_worker_batch_size_bucket{le="1.0"}', "agentkv_worker_batch_size_count")
+        )
+    }
+    single, total = (
+        counts['agentkv_worker_batch_size_bucket{le="1.0"}'],
+        counts["agentkv_worker_batch_size_count"],
+    )
+    assert single < total  # some steps decoded several rows together
 
 
-def test_tools_stay_callable_beside_a_form_and_a_form_without_tools_holds(qwen):
-    """The scripted model calls get_weather whenever it may: with tools and a form it still
-    does; without tools, the form is what it writes."""
-    text, calls, usage = _turn(qwen, "t1", tools=(WEATHER_TOOL,), format=_schema(VERDICT))
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        (TOOL_CALL["name"], TOOL_CALL["arguments"])
-    ]
-    assert usage.finish_reason == "tool_calls" and text == ""
+def test_a_form_complete_at_max_tokens_ends_stop_and_a_stop_string_is_refused(llama):
+    text, _, usage = _turn(llama, "exact", max_tokens=1, format=pb.OutputFormat(regex="x"))
+    assert (text, usage.finish_reason) == ("x", "stop")  # complete, not cut
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(llama, "stops", format=_schema(VERDICT), sampling={"stop": ['"']})
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stop strings would cut" in caught.value.details()
 
+
+def test_a_form_without_tools_holds_where_the_model_would_call(qwen):
+    """The scripted model calls get_weather whenever it may; without tools, and a form, it
+    writes the form."""
+    _, calls, _ = _turn(qwen, "t1", tools=(WEATHER_TOOL,))
+    assert [c.name for c in calls] == [TOOL_CALL["name"]]
     text, calls, usage = _turn(qwen, "t2", format=_schema(VERDICT))
     jsonschema.validate(json.loads(text), VERDICT)
     assert not calls and usage.finish_reason == "stop"
 
 
-def test_a_required_tool_call_begins_the_reply(start_worker, tmp_path):
-    """A random-weight model with Qwen 2.5's template writes no call of itself; required, its
-    reply opens with one (what follows is the model's, so it may not parse)."""
+def test_with_tools_a_form_s_reply_may_be_a_call_its_tool_s_schema_accepts(tool_model):
+    """The grammars themselves, on Qwen 2.5's template and json_tools calls: with tools, the
+    form or a call of one of them as the template writes it (its markers special tokens, its
+    JSON spaced as tojson writes it); without them, only the form."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from inference_worker.chat import ChatFormat
+    from inference_worker.grammar import Ask, Grammars, OutputForm
+    from inference_worker.tools import canonical_tools
+
+    tokenizer = load_tokenizer(tool_model)
+    chat = ChatFormat(tokenizer)
+    grammars = Grammars(tokenizer, chat.eos_ids, chat.tool_format)
+    tools = canonical_tools(json.dumps(TOOLS))
+    form = OutputForm("json_schema", json.dumps(VERDICT))
+    lyon = {"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}}
+    verdict = '{"answer":"no","sure":true,"level":3}'
+
+    def taken(with_tools: bool, text: str) -> bool:
+        known = tools if with_tools else ""
+        matcher = grammars.forms(Ask(form), known).matcher(known)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    def call(body: dict) -> str:
+        return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+
+    assert taken(True, verdict) and taken(False, verdict)
+    assert taken(True, call(lyon)) and not taken(False, call(lyon))
+    assert not taken(True, call({**lyon, "name": "get_time"}))  # no such tool
+    assert not taken(True, call({**lyon, "arguments": {"unit": "kelvin"}}))  # not its schema
+    assert not taken(True, "Sunny.")  # neither
+    get = {"type": "function", "function": {"name": "get"}}  # within the name, not it
+    tools = canonical_tools(json.dumps([*TOOLS, get]))
+    for body, expected in (({"name": "get", "arguments": {}}, False), (lyon, True)):
+        matcher = grammars.forms(Ask(name="get_weather"), tools).matcher(tools)
+        ids = tokenizer.encode(call(body), add_special_tokens=False)
+        assert (matcher.try_consume_tokens(ids) == len(ids)) is expected
+
+
+SET_MODE = {  # a tool whose every argument is bounded: a random model's call ends
+    "type": "function",
+    "function": {
+        "name": "set_mode",
+        "parameters": {
+            "type": "object",
+            "properties": {"mode": {"enum": ["on", "off", "auto"]}, "fast": {"type": "boolean"}},
+            "required": ["mode", "fast"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = (WEATHER_TOOL, SET_MODE)
+
+
+@pytest.fixture(scope="module")
+def random_qwen(tmp_path_factory):
+    """A random-weight model with Qwen 2.5's template (tools, json_tools calls): it writes no
+    call of itself."""
     from tests.model_kit import QWEN_CHAT, random_model, save_model, tiny_tokenizer, tool_config
 
     tokenizer = tiny_tokenizer(chat=QWEN_CHAT)
     config = tool_config(tokenizer.get_vocab_size())
-    model_dir = save_model(tmp_path / "rq", random_model(config, 3), config, tokenizer, QWEN_CHAT)
-    stub = _stub(start_worker, model_dir, "random-qwen")
-    free, calls, _ = _turn(stub, "free", max_tokens=12, tools=(WEATHER_TOOL,))
-    assert not calls and not free.startswith("<tool_call>")
+    path = tmp_path_factory.mktemp("random-qwen") / "model"
+    return save_model(path, random_model(config, 3), config, tokenizer, QWEN_CHAT)
 
-    text, calls, usage = _turn(
-        stub, "required", max_tokens=12, tools=(WEATHER_TOOL,), tool_call_required=True
+
+def test_a_required_or_named_call_is_one_its_tool_s_schema_accepts(start_worker, random_qwen):
+    stub = _stub(start_worker, random_qwen, "random-qwen")
+    free, calls, _ = _turn(stub, "free", max_tokens=40, tools=TOOLS)
+    assert not calls and "<tool_call>" not in free
+
+    schema = SET_MODE["function"]["parameters"]
+    required = {"tool_call_required": True, "max_tool_calls": 1}
+    for name, fields in (("named", {"tool_call_name": "set_mode"}),  # the whole reply
+                         ("required", required)):  # fmt: skip
+        tools = TOOLS if name == "named" else (SET_MODE,)
+        text, calls, usage = _turn(stub, name, max_tokens=120, tools=tools, **fields)
+        assert [c.name for c in calls] == ["set_mode"], text
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+        assert usage.finish_reason == "tool_calls"
+
+
+def test_a_named_call_needs_the_tool_and_a_json_call_format(start_worker, random_qwen, llama):
+    stub = _stub(start_worker, random_qwen, "random-qwen")
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(stub, "unknown", tools=TOOLS, tool_call_name="get_time")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'get_time' is not among the conversation's tools (get_weather, set_mode)" in (
+        caught.value.details()
     )
-    assert calls or text.startswith("<tool_call>")  # a call, parsed or not
-    assert usage.generated_tokens >= 1
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(llama, "plain", tool_call_name="set_mode")
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 BAD_FORMS = [
+    (pb.OutputFormat(regex="a" * 200_000 + "(("), "invalid regex"),  # its reason, cut short
     (pb.OutputFormat(json_schema="{not json"), "json_schema is not JSON"),
     (pb.OutputFormat(json_schema="[1, 2]"), "must be a JSON object"),
     (pb.OutputFormat(json_schema='{"type": "nonsense"}'), "nonsense"),
@@ -203,7 +328,7 @@ def test_a_form_the_worker_cannot_compile_is_refused_and_changes_nothing(llama, 
     with pytest.raises(grpc.RpcError) as caught:
         _turn(llama, "kept", format=form)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert reason in caught.value.details()
+    assert reason in caught.value.details() and len(caught.value.details()) < 600
     described = llama.DescribeAgent(pb.DescribeAgentRequest(namespace=NS, agent_id="kept"))
     assert described.agent.num_tokens == before.prompt_tokens + before.generated_tokens
     text, _, _ = _turn(llama, "after", format=_schema(VERDICT))  # the worker goes on
