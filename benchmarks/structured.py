@@ -1,0 +1,120 @@
+"""What structured output costs: a reply held to a JSON Schema against the same reply free.
+
+One worker process of --model (SmolLM2-135M by default). --agents agents at once ask the
+same question, free and then with a bounded JSON Schema, greedy; the table gives the decode
+speed the worker measured, the tokens, and how many replies were JSON the schema accepts.
+Then, in process, the per-step cost of the masks alone (llguidance) for a batch of 1 to 8
+constrained rows on the model's vocabulary.
+Run: python benchmarks/structured.py [--model SPEC] [--agents 4] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+
+import harness as h
+
+SYSTEM = "You are a helpful assistant. Answer in JSON with keys city, country, population."
+QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000},
+    },
+    "required": ["city", "country", "population"],
+    "additionalProperties": False,
+}
+
+
+def turns(worker, kind: str, args) -> list:
+    """--agents concurrent greedy turns, free or held to SCHEMA: their TurnResults."""
+    form = {"output_format": SCHEMA} if kind == "json" else {}
+    results: list = [None] * args.agents
+
+    def run(i: int) -> None:
+        agent = f"{kind}-{i}"
+        worker.create_agent("structured", agent, SYSTEM)
+        ask = [("user", QUESTIONS[i % len(QUESTIONS)])]
+        results[i] = worker.turn("structured", agent, ask, max_tokens=args.max_tokens, **form)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.agents)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def valid(result) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads("".join(result.pieces)), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return result.usage.finish_reason == "stop"
+
+
+def mask_ms(path, rows: int, steps: int) -> float:
+    """Median ms of one step's masks for `rows` constrained rows (random logits; the
+    argmax taken, as a greedy step)."""
+    import mlx.core as mx
+    from mlx_lm.tokenizer_utils import load
+
+    from inference_worker.chat import ChatFormat
+    from inference_worker.grammar import Ask, Grammars, OutputForm, masked
+
+    tokenizer = load(path)
+    chat = ChatFormat(tokenizer)
+    grammars = Grammars(tokenizer, chat.eos_ids, chat.tool_format)
+    form = Ask(OutputForm("json_schema", json.dumps(SCHEMA)))
+    constraints = [grammars.forms(form, "").constraint("") for _ in range(rows)]
+    times = []
+    for _ in range(steps):
+        logprobs = mx.random.normal((rows, grammars.vocab))
+        mx.eval(logprobs)
+        start = time.perf_counter()
+        out, _ = masked(logprobs, constraints)
+        tokens = mx.argmax(out, axis=-1).tolist()
+        times.append((time.perf_counter() - start) * 1e3)
+        for c, token in zip(constraints, tokens, strict=True):
+            if c.done or token in chat.eos_ids:
+                return statistics.median(times)
+            c.take(token)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = h.parser(__doc__, quick={"agents": 2, "max_tokens": 24})
+    p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    h.open_model(args)
+    rows = []
+    with h.services(None, args.path, {"w": []}) as svc:
+        for kind in ("free", "json"):
+            h.say(f"{args.agents} agents, {kind} ...")
+            results = turns(svc.workers["w"], kind, args)
+            speed = statistics.median(r.usage.decode_tokens_per_second for r in results)
+            tokens = sum(r.usage.generated_tokens for r in results)
+            ok = sum(valid(r) for r in results)
+            rows.append((kind, args.agents, f"{speed:.1f}", tokens, f"{ok} of {len(results)}"))
+    masks = [(n, f"{mask_ms(args.path, n, 24):.2f}") for n in (1, 4, 8)]
+    sections = [
+        ("free vs held to a JSON Schema (decode)", h.table(
+            ["reply", "agents", "decode tok/s (median)", "tokens", "JSON the schema accepts"],
+            rows,
+        )),
+        ("the masks alone, per step", h.table(["constrained rows", "ms (median)"], masks)),
+    ]  # fmt: skip
+    header = {"model": args.described, "machine": h.machine()}
+    h.report("structured", args.out, header, sections, document={"decode": rows, "masks": masks})
+
+
+if __name__ == "__main__":
+    main()
