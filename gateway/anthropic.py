@@ -28,6 +28,7 @@ from agentkv.gateway.protocol import (
     invalid,
     known_only,
     merged_assistant,
+    named_tool,
     numbers,
     output_format,
     tool_name,
@@ -99,7 +100,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     tools, max_tool_calls, required, name = _tools(body)
     config = body.get("output_config") or {}
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
-    return ChatCall(
+    call = ChatCall(
         model,
         in_call_order([*_system(body.get("system")), *_messages(body.get("messages"), counting)]),
         bool(typed(body, "stream", bool, False)),
@@ -112,6 +113,8 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
         tool_call_name=name,
         output_format=_output_format(typed(config, "format", dict, None, "output_config")),
     )
+    named_tool(call, "tool_choice.name")
+    return call
 
 
 def _output_format(form: dict | None) -> dict[str, Any] | None:

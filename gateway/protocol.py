@@ -65,8 +65,8 @@ MAX_STOPS = 4  # OpenAI's own limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_CONSTRAINTS = (
-    "the model decides whether to call a tool: agentkv enforces a call (any, or one named), "
-    "not its absence"
+    "the model decides whether to call a tool, and which, unless a call is asked for: "
+    "agentkv enforces a call (any, or one named), not a call's absence nor a subset of tools"
 )
 FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -198,6 +198,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         output_format=_response_format(body.get("response_format")),
     )
     call.tool_call_required, call.tool_call_name = tool_choice(body.get("tool_choice"), "function")
+    named_tool(call, "tool_choice.function.name")
     return call
 
 
@@ -240,6 +241,14 @@ def output_format(form: Any, where: str, fields: str = "") -> dict[str, Any] | N
     typed(form, "strict", bool, None, where)
     schema = typed(form, "schema", dict, None, where)
     return {"json_schema": json.dumps({} if schema is None else schema, ensure_ascii=False)}
+
+
+def named_tool(call: ChatCall, where: str) -> None:
+    """A named tool_choice must name one of the request's tools."""
+    names = [tool["function"]["name"] for tool in json.loads(call.tools or "[]")]
+    if call.tool_call_name and call.tool_call_name not in names:
+        listed = ", ".join(names) or "none"
+        raise invalid(f"{where} {call.tool_call_name!r} is not among the tools ({listed})", where)
 
 
 def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str]:

@@ -29,6 +29,7 @@ from agentkv.gateway.protocol import (
     invalid,
     known_only,
     merged_assistant,
+    named_tool,
     numbers,
     output_format,
     tool_choice,
@@ -99,6 +100,7 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
         echo=_echo(body, instructions, sampling["max_tokens"]),
     )
     call.tool_call_required, call.tool_call_name = tool_choice(body.get("tool_choice"))
+    named_tool(call, "tool_choice.name")
     return call
 
 
@@ -288,6 +290,7 @@ def _echo(body: dict, instructions: str | None, max_tokens: int) -> dict[str, An
     cap the reply had, the gateway's --max-tokens when the request gave none)."""
     reasoning = {"effort": None, "summary": None} | (body.get("reasoning") or {})
     text = {"format": {"type": "text"}, "verbosity": "medium"} | (body.get("text") or {})
+    text["format"] = text["format"] or {"type": "text"}  # null: left out
     return {
         "instructions": instructions,
         "max_output_tokens": max_tokens,

@@ -35,7 +35,10 @@ MAX_REASON = 500  # characters of llguidance's reason a refusal quotes
 # schema's own "x-guidance" options win.
 JSON_OPTIONS = {"whitespace_flexible": False}
 # A call's JSON as chat templates write calls (tojson, json.dumps): what the model learned.
+# Keywords llguidance does not implement (a "format" it does not know) are left unchecked:
+# OpenAI takes any schema in a function that is not strict.
 CALL_JSON_OPTIONS = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
+CALL_JSON_OPTIONS["lenient"] = True
 CALL_REST = "rest: <[*]>*\n"  # any token, added ones included (llguidance's special)
 JSON_CALLS = ("json_tools",)  # formats whose call is {"name", "arguments"} between markers
 
@@ -64,10 +67,17 @@ class Forms:
         self._grammars, self.ask, self._entry = grammars, ask, entry
         self._compiled: dict[str, Any] = {}  # canonical tools -> matcher (None: free)
 
+    def compile(self, tools: str, source: str = "") -> None:
+        """Compiles for the conversation's `tools` (canonical), from `source` (the same
+        tools as the request wrote them, their properties in its order) when given."""
+        self._compiled = {tools: self._grammars.matcher(self.ask, self._entry, source or tools)}
+
     def matcher(self, tools: str) -> Any:
+        """A fresh matcher for a conversation with `tools` (each one is used once: it holds
+        where its reply is)."""
         if tools not in self._compiled:
-            self._compiled = {tools: self._grammars.matcher(self.ask, self._entry, tools)}
-        return self._compiled[tools]
+            self.compile(tools)
+        return self._compiled.pop(tools)
 
     def constraint(self, tools: str) -> Constraint | None:
         """The reply's constraint, for a conversation with these tools."""
@@ -89,10 +99,12 @@ class Grammars:
     def vocab(self) -> int:
         return self._llg().vocab_size
 
-    def forms(self, ask: Ask, tools: str | None) -> Forms | None:
+    def forms(self, ask: Ask, tools: str | None, source: str = "") -> Forms | None:
         """The turn's forms, compiled at submit for `tools` (canonical; None: not known
-        yet); None when it asks for none. InvalidArgument for a form llguidance cannot
-        compile, with its reason; FailedPrecondition where the model cannot have one."""
+        yet; `source`: as the request wrote them); None when it asks for none.
+        InvalidArgument for a form llguidance cannot compile, with its reason;
+        FailedPrecondition where the model cannot have one. The form is checked alone too,
+        though a required call leaves it nothing to hold (the reply is the call)."""
         if ask.form is None and not ask.required and not ask.name:
             return None
         if (ask.required or ask.name) and self._tool_format is None:
@@ -100,11 +112,12 @@ class Grammars:
                 "a required tool call needs a model whose tool-call format the worker knows; "
                 "this model's chat template has none"
             )
+        self._llg()  # built here, on an RPC thread, not at a turn's start on the MLX thread
         forms = Forms(self, ask, _entry(ask.form) if ask.form is not None else None)
+        if ask.form is not None and (tools is None or ask.required or ask.name):
+            self.matcher(Ask(ask.form), forms._entry, "")  # the form alone, checked now
         if tools is not None:
-            forms.matcher(tools)
-        elif ask.form is not None:  # the form alone, checked now
-            self.matcher(Ask(ask.form), forms._entry, "")
+            forms.compile(tools, source)
         return forms
 
     def matcher(self, ask: Ask, entry: dict | None, tools: str) -> Any:
@@ -140,6 +153,12 @@ class Grammars:
         schemas = [_call_schema(n, p) for n, p in functions.items() if not name or n == name]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
+        try:
+            self._matcher({"grammars": [grammar]})
+        except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
+            if name:
+                raise InvalidArgument(f"tool {name!r}'s parameters: {exc.message}") from None
+            return f"{self._marker(fmt.start)} rest", []  # the opening, then anything
         opening, closing = self._marker(fmt.start), self._marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
 
@@ -156,12 +175,21 @@ class Grammars:
         return matcher
 
     def _marker(self, text: str) -> str:
-        """A tool call's marker as a Lark item: its text, or its token when it is a special
-        one (which no text spells)."""
-        ids = self._llg().tokenize_str(text, parse_special=True)
-        if len(ids) == 1 and self._llg().is_special_token(ids[0]):
-            return f"<[{ids[0]}]>"
-        return json.dumps(text)
+        """A tool call's marker as Lark items: its text, with each special token in it as
+        that token (which no text spells)."""
+        llg = self._llg()
+        ids = llg.tokenize_str(text, parse_special=True)
+        if not any(llg.is_special_token(i) for i in ids):
+            return json.dumps(text)
+        items, run = [], []
+        for i in [*ids, None]:
+            if i is None or llg.is_special_token(i):
+                items += [json.dumps(llg.decode_str(run))] if run else []
+                items += [f"<[{i}]>"] if i is not None else []
+                run = []
+            else:
+                run.append(i)
+        return " ".join(items)
 
     def _llg(self) -> Any:
         with self._lock:
@@ -254,18 +282,27 @@ def masked(logprobs: mx.array, constraints: list[Constraint | None]) -> tuple[mx
     """The batch's log-probabilities (rows, vocab) with each constrained row's disallowed
     tokens at -inf (its masks computed together, in llguidance's threads; a free row stays
     bit for bit as it was), and the rows whose matcher failed, with why."""
-    from llguidance.numpy import fill_next_token_bitmask_par
+    from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
     rows = [(c.matcher, row) for row, c in enumerate(constraints) if c is not None]
     vocab, width = next(c.vocab for c in constraints if c is not None), logprobs.shape[-1]
     bits = np.full((len(constraints), (vocab + 31) // 32), -1, dtype=np.int32)
-    fill_next_token_bitmask_par(_executor(), rows, bits)
+    failed: dict[int, AgentKVError] = {}
+    try:
+        fill_next_token_bitmask_par(_executor(), rows, bits)
+    except Exception:  # a misuse (a row's matcher twice): row by row, failing only its rows
+        for matcher, row in rows:
+            try:
+                fill_next_token_bitmask(matcher, bits, row)
+            except Exception as exc:
+                failed[row] = AgentKVError(f"output format: {type(exc).__name__}: {exc}")
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width]
     if allowed.shape[1] < width:  # logits past the tokenizer's ids: none is allowed
         allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
-    failed: dict[int, AgentKVError] = {}
     for matcher, row in rows:
         try:
+            if row in failed:
+                raise failed[row]
             check(matcher)
             if not allowed[row].any():
                 raise AgentKVError("output format: no token of the model can continue it")

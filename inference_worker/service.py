@@ -60,7 +60,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         job.max_tool_calls = request.max_tool_calls
         known = job.tools if job.tools or request.whole_conversation else None  # else agent's
         ask = Ask(_form(request), request.tool_call_required, request.tool_call_name)
-        job.forms = self.engine.grammars.forms(ask, known)
+        job.forms = self.engine.grammars.forms(ask, known, request.tools if job.tools else "")
         if job.forms is not None and checked.stop:
             raise InvalidArgument("stop strings would cut the reply's required form short")
         self.engine.chat.check_tools(job.tools, job.messages)

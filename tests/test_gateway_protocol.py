@@ -266,6 +266,8 @@ BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argum
          "tool_choice.name", "unsupported_parameter"),  # the Responses form, on chat
         ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice",
          "unsupported_value"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "now"}}},
+         "tool_choice.function.name", None),  # a tool the request does not have
         ({"tool_choice": "sometimes"}, "tool_choice", None),
         ({"tool_choice": 1}, "tool_choice", None),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", None),

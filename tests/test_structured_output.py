@@ -13,10 +13,12 @@ from typing import Literal
 
 import grpc
 import jsonschema
+import mlx.core as mx
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict
 
+from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tool_model
@@ -215,19 +217,37 @@ def test_a_form_without_tools_holds_where_the_model_would_call(qwen):
     assert not calls and usage.finish_reason == "stop"
 
 
-def test_with_tools_a_form_s_reply_may_be_a_call_its_tool_s_schema_accepts(tool_model):
-    """The grammars themselves, on Qwen 2.5's template and json_tools calls: with tools, the
-    form or a call of one of them as the template writes it (its markers special tokens, its
-    JSON spaced as tojson writes it); without them, only the form."""
+@pytest.fixture(scope="module")
+def qwen_grammars(tool_model):
+    """(Grammars, tokenizer) of Qwen 2.5's template and json_tools calls."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from inference_worker.chat import ChatFormat
-    from inference_worker.grammar import Ask, Grammars, OutputForm
-    from inference_worker.tools import canonical_tools
+    from inference_worker.grammar import Grammars
 
     tokenizer = load_tokenizer(tool_model)
     chat = ChatFormat(tokenizer)
-    grammars = Grammars(tokenizer, chat.eos_ids, chat.tool_format)
+    return Grammars(tokenizer, chat.eos_ids, chat.tool_format), tokenizer
+
+
+def _takes(matcher, tokenizer, text: str) -> bool:
+    """Whether the matcher takes all of `text` and may end there."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def _call(body: dict) -> str:
+    return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+
+
+def test_with_tools_a_form_s_reply_may_be_a_call_its_tool_s_schema_accepts(qwen_grammars):
+    """The grammars themselves, on Qwen 2.5's template and json_tools calls: with tools, the
+    form or a call of one of them as the template writes it (its markers special tokens, its
+    JSON spaced as tojson writes it); without them, only the form."""
+    from inference_worker.grammar import Ask, OutputForm
+    from inference_worker.tools import canonical_tools
+
+    grammars, tokenizer = qwen_grammars
     tools = canonical_tools(json.dumps(TOOLS))
     form = OutputForm("json_schema", json.dumps(VERDICT))
     lyon = {"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}}
@@ -239,9 +259,7 @@ def test_with_tools_a_form_s_reply_may_be_a_call_its_tool_s_schema_accepts(tool_
         ids = tokenizer.encode(text, add_special_tokens=False)
         return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
 
-    def call(body: dict) -> str:
-        return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
-
+    call = _call
     assert taken(True, verdict) and taken(False, verdict)
     assert taken(True, call(lyon)) and not taken(False, call(lyon))
     assert not taken(True, call({**lyon, "name": "get_time"}))  # no such tool
@@ -411,3 +429,56 @@ def test_a_bad_schema_is_a_400_naming_why(gateway):
             },
         )
     assert "nonsense" in caught.value.message
+
+
+def test_a_call_keeps_the_request_s_key_order_and_odd_tool_schemas_do_not_block_it(
+    qwen_grammars,
+):
+    """A call's arguments in the order the request's schema gives them (canonical tools sort
+    keys); a tool schema llguidance cannot hold leaves a required call its opening only, and
+    refuses a call of that very tool with its name."""
+    from inference_worker.grammar import Ask
+    from inference_worker.tools import canonical_tools
+
+    grammars, tokenizer = qwen_grammars
+    source = json.dumps([SET_MODE])  # "mode" before "fast", as written
+    call = _call({"name": "set_mode", "arguments": {"mode": "on", "fast": True}})
+    required = Ask(required=True)
+    as_written = grammars.forms(required, canonical_tools(source), source)
+    assert _takes(as_written.matcher(canonical_tools(source)), tokenizer, call)
+    sorted_only = grammars.forms(required, canonical_tools(source))
+    assert not _takes(sorted_only.matcher(canonical_tools(source)), tokenizer, call)
+
+    properties = {
+        "when": {"type": "string", "format": "weird"},  # unknown to llguidance: unchecked
+        "code": {"type": "string", "pattern": "(?=a)b"},  # a lookahead: no grammar holds it
+    }
+    parameters = {"type": "object", "properties": properties}
+    odd = {"type": "function", "function": {"name": "odd", "parameters": parameters}}
+    tools = canonical_tools(json.dumps([odd]))
+    opening = _call({"name": "anything", "arguments": 1})  # the opening only is enforced
+    assert _takes(grammars.forms(required, tools).matcher(tools), tokenizer, opening)
+    with pytest.raises(InvalidArgument, match="tool 'odd''s parameters"):
+        grammars.forms(Ask(name="odd"), tools)
+    del properties["code"]  # what is left: a format llguidance does not know, left unchecked
+    tools = canonical_tools(json.dumps([odd]))
+    named = grammars.forms(Ask(name="odd"), tools).matcher(tools)
+    assert _takes(named, tokenizer, _call({"name": "odd", "arguments": {"when": "today"}}))
+
+
+def test_a_marker_with_special_tokens_inside_and_a_matcher_used_once(qwen_grammars):
+    from inference_worker.grammar import Ask, Grammars, masked
+    from inference_worker.tools import ToolFormat, canonical_tools
+
+    _, tokenizer = qwen_grammars
+    fmt = ToolFormat("custom", "<|im_start|>call", "", lambda text, tools: json.loads(text))
+    grammars = Grammars(tokenizer, {2}, fmt)
+    tools = canonical_tools(json.dumps([SET_MODE]))
+    forms = grammars.forms(Ask(required=True), tools)
+    first = forms.constraint(tools)
+    assert _takes(first.matcher, tokenizer, '<|im_start|>call{"x": 1}')
+    second = forms.constraint(tools)  # compiled anew: the first is where its reply is
+    assert second.matcher is not first.matcher
+    logprobs = mx.zeros((2, grammars.vocab))
+    _, failed = masked(logprobs, [second, second])  # one matcher in two rows: no batch error
+    assert not failed
