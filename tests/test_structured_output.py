@@ -482,3 +482,24 @@ def test_a_marker_with_special_tokens_inside_and_a_matcher_used_once(qwen_gramma
     logprobs = mx.zeros((2, grammars.vocab))
     _, failed = masked(logprobs, [second, second])  # one matcher in two rows: no batch error
     assert not failed
+
+
+@pytest.mark.parametrize("model_class", ["OpenAIChatCompletionsModel", "OpenAIResponsesModel"])
+def test_an_agents_sdk_agent_with_an_output_type_gets_one(gateway, model_class):
+    """OpenAI's Agents SDK, unchanged: an agent's output_type becomes a strict JSON Schema in
+    the request (response_format, or text.format), and its final output is parsed into it."""
+    import asyncio
+
+    import agents
+
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=f"http://{gateway.gateway.address}/v1", api_key="-")
+    agent = agents.Agent(
+        name=f"judge-{model_class}",
+        instructions="You judge questions.",
+        output_type=Verdict,
+        model=getattr(agents, model_class)(model="tiny", openai_client=client),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=48),
+    )
+    result = asyncio.run(agents.Runner.run(agent, "Is it raining in Paris?"))
+    assert isinstance(result.final_output, Verdict)
