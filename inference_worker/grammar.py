@@ -12,7 +12,8 @@ parameters' schema accepts; otherwise only the call's opening is enforced. A nam
 the whole reply (as OpenAI's); after any other first call, the rest stays the model's.
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
-so a bad one is refused before the turn queues; the MLX thread only masks and advances.
+so a bad one is refused before the turn queues; the MLX thread masks and advances, and
+compiles only for an agent's own tools (a turn that sends none: known at its start).
 """
 
 from __future__ import annotations
