@@ -141,6 +141,7 @@ def turn_request(
     output_format: OutputFormat = None,
     tool_call_required: bool = False,
     tool_call_name: str = "",
+    tool_call_forbidden: bool = False,
     **sampling: Any,
 ) -> pb.TurnRequest:
     """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
@@ -150,7 +151,8 @@ def turn_request(
     agent's own) or the agent's; `max_tool_calls` (not 0) ends the reply after that many
     calls. `output_format`: the reply's required form, a JSON Schema (a dict) or an
     OutputFormat (a regex, a Lark grammar, any JSON object); `tool_call_required`: the reply
-    opens with a tool call, `tool_call_name`: with a call of that tool. `sampling`:
+    opens with a tool call, `tool_call_name`: with a call of that tool;
+    `tool_call_forbidden`: it makes none. `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
     return pb.TurnRequest(
         namespace=namespace,
@@ -168,6 +170,7 @@ def turn_request(
         format=as_output_format(output_format),
         tool_call_required=tool_call_required,
         tool_call_name=tool_call_name,
+        tool_call_forbidden=tool_call_forbidden,
     )
 
 

@@ -98,6 +98,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     if not model:
         raise invalid("model: a model id is required", "model")
     tools, max_tool_calls, required, name = _tools(body)
+    forbidden = (body.get("tool_choice") or {}).get("type") == "none"
     config = body.get("output_config") or {}
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
     call = ChatCall(
@@ -111,6 +112,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
         max_tool_calls=max_tool_calls,
         tool_call_required=required,
         tool_call_name=name,
+        tool_call_forbidden=forbidden,
         output_format=_output_format(typed(config, "format", dict, None, "output_config")),
     )
     named_tool(call, "tool_choice.name")
@@ -322,7 +324,7 @@ def _tools(body: dict) -> tuple[str, int, bool, str]:
     the reply must open with one (tool_choice "any"), and the tool it must call ("tool")."""
     choice = typed(body, "tool_choice", dict, None)
     choice = {"type": "auto"} if choice is None else choice
-    if choice.get("type") not in ("auto", "any", "tool"):
+    if choice.get("type") not in ("auto", "any", "tool", "none"):
         raise invalid(
             f"tool_choice {choice.get('type')!r}: {NO_CONSTRAINTS}",
             "tool_choice",

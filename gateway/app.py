@@ -434,6 +434,7 @@ class Gateway:
         options["max_tool_calls"] = call.max_tool_calls
         options["tool_call_required"] = call.tool_call_required
         options["tool_call_name"] = call.tool_call_name
+        options["tool_call_forbidden"] = call.tool_call_forbidden
         if call.output_format is not None:
             options["output_format"] = pb.OutputFormat(**call.output_format)
         if agent not in self.spares:

@@ -65,8 +65,8 @@ MAX_STOPS = 4  # OpenAI's own limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_CONSTRAINTS = (
-    "the model decides whether to call a tool, and which, unless a call is asked for: "
-    "agentkv enforces a call (any, or one named), not a call's absence nor a subset of tools"
+    "the model decides whether to call a tool, and which, unless asked: agentkv enforces a "
+    "call (any, or one named) or none, not a subset of the tools"
 )
 FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -145,6 +145,7 @@ class ChatCall:
     max_tool_calls: int = 0  # 1 for parallel_tool_calls false: the reply ends after one
     tool_call_required: bool = False  # tool_choice "required": the reply opens with a call
     tool_call_name: str = ""  # a named tool_choice: the reply opens with a call of it
+    tool_call_forbidden: bool = False  # tool_choice "none": the reply makes no call
     output_format: dict[str, Any] | None = None  # the worker's OutputFormat fields; None: text
     echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
 
@@ -197,7 +198,8 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
         output_format=_response_format(body.get("response_format")),
     )
-    call.tool_call_required, call.tool_call_name = tool_choice(body.get("tool_choice"), "function")
+    choice = tool_choice(body.get("tool_choice"), "function")
+    call.tool_call_required, call.tool_call_name, call.tool_call_forbidden = choice
     named_tool(call, "tool_choice.function.name")
     return call
 
@@ -251,20 +253,21 @@ def named_tool(call: ChatCall, where: str) -> None:
         raise invalid(f"{where} {call.tool_call_name!r} is not among the tools ({listed})", where)
 
 
-def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str]:
-    """OpenAI's tool_choice as (a call required, the tool named): "auto" (or none given) lets
-    the model decide, "required" makes the reply open with a call, {"type": "function", ...}
-    with a call of the function named (under `inner` on the chat route, beside the type on
-    the Responses route); "none" is not enforced (refused)."""
-    if choice in (None, "auto", "required"):
-        return choice == "required", ""
+def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str, bool]:
+    """OpenAI's tool_choice as (a call required, the tool named, a call forbidden): "auto"
+    (or none given) lets the model decide, "required" makes the reply open with a call,
+    {"type": "function", ...} with a call of the function named (under `inner` on the chat
+    route, beside the type on the Responses route), "none" makes none; a subset of the
+    tools (allowed_tools) is not enforced (refused)."""
+    if choice in (None, "auto", "required", "none"):
+        return choice == "required", "", choice == "none"
     if isinstance(choice, dict) and choice.get("type") == "function":
         known_only(choice, {"type", inner or "name"}, "tool_choice")
         named = (typed(choice, inner, dict, None, "tool_choice") or {}) if inner else choice
         where = f"tool_choice.{inner}" if inner else "tool_choice"
         known_only(named, {"name"} if inner else {"type", "name"}, where)
-        return True, tool_name(named.get("name"), where)
-    if choice != "none" and not isinstance(choice, dict):
+        return True, tool_name(named.get("name"), where), False
+    if not isinstance(choice, dict):
         raise invalid(
             f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
             "tool_choice",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -52,11 +52,13 @@ class OutputForm:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """What a turn asks of its reply: a form, a tool call (`required`), of one tool (`name`)."""
+    """What a turn asks of its reply: a form, a tool call (`required`), of one tool (`name`),
+    or none (`forbidden`)."""
 
     form: OutputForm | None = None
     required: bool = False
     name: str = ""
+    forbidden: bool = False
 
 
 class Forms:
@@ -106,7 +108,11 @@ class Grammars:
         InvalidArgument for a form llguidance cannot compile, with its reason;
         FailedPrecondition where the model cannot have one. The form is checked alone too,
         though a required call leaves it nothing to hold (the reply is the call)."""
-        if ask.form is None and not ask.required and not ask.name:
+        if (ask.required or ask.name) and ask.forbidden:
+            raise InvalidArgument("a tool call cannot be both required and forbidden")
+        if ask.forbidden and (self._tool_format is None or tools == ""):
+            ask = replace(ask, forbidden=False)  # no call to forbid: no tools, or no format
+        if ask.form is None and not ask.required and not ask.name and not ask.forbidden:
             return None
         if (ask.required or ask.name) and self._tool_format is None:
             raise FailedPrecondition(
@@ -129,6 +135,9 @@ class Grammars:
         free = [entry] if entry and not required else []  # the reply may be the form
         if not tools or self._tool_format is None:
             return self._matcher({"grammars": free}) if free else None
+        if ask.forbidden:  # the form, or anything but the call's opening token
+            no_call = [{"lark_grammar": f"start: <[^{self._opening_token()}]>*\n"}]
+            return self._matcher({"grammars": free or no_call})
         call, body = self._call(ask.name, tools)
         rest = "" if ask.name else " rest"  # a named call is the whole reply, as OpenAI's
         lark = f"start: {'@form | call' if free else 'call'}\ncall: {call}{rest}\n{CALL_REST}"
@@ -174,6 +183,16 @@ class Grammars:
             matcher.compute_bitmask()
         check(matcher)
         return matcher
+
+    def _opening_token(self) -> int:
+        """The special token a call opens with: what a reply without calls may not write."""
+        ids = self._llg().tokenize_str(self._tool_format.start, parse_special=True)
+        if len(ids) != 1 or not self._llg().is_special_token(ids[0]):
+            raise FailedPrecondition(
+                f"a forbidden tool call needs a model whose calls open with a special token; "
+                f"this model's open with {self._tool_format.start!r}, which text can spell"
+            )
+        return ids[0]
 
     def _marker(self, text: str) -> str:
         """A tool call's marker as Lark items: its text, with each special token in it as

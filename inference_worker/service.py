@@ -59,7 +59,12 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         job.tools = canonical_tools(request.tools)
         job.max_tool_calls = request.max_tool_calls
         known = job.tools if job.tools or request.whole_conversation else None  # else agent's
-        ask = Ask(_form(request), request.tool_call_required, request.tool_call_name)
+        ask = Ask(
+            _form(request),
+            request.tool_call_required,
+            request.tool_call_name,
+            request.tool_call_forbidden,
+        )
         job.forms = self.engine.grammars.forms(ask, known, request.tools if job.tools else "")
         if job.forms is not None and checked.stop:
             raise InvalidArgument("stop strings would cut the reply's required form short")

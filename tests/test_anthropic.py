@@ -89,6 +89,7 @@ def test_a_conversation_is_the_same_call_through_either_api():
     named = parse_messages(anthropic_body(tool_choice={"type": "tool", "name": "get_weather"}))
     assert forced.tool_call_required and not forced.tool_call_name
     assert (named.tool_call_required, named.tool_call_name) == (False, "get_weather")
+    assert parse_messages(anthropic_body(tool_choice={"type": "none"})).tool_call_forbidden
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
     form = {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
     assert parse_messages(anthropic_body(**form)).output_format == {
@@ -171,7 +172,7 @@ def edited(path: str, value) -> dict:
         ("tools.0.name", "get weather", "tools.0.name"),
         ("tools.0", {"type": "web_search_20250305", "name": "web_search"}, "tools.0.type"),
         ("tool_choice", {"type": "tool", "name": "get weather"}, "tool_choice.name"),
-        ("tool_choice", {"type": "none"}, "tool_choice"),
+        ("tool_choice", {"type": "some"}, "tool_choice"),
     ],
 )
 def test_what_agentkv_would_not_do_as_anthropic_specifies_is_a_400(path, value, param):

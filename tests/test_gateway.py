@@ -335,7 +335,16 @@ def test_bad_requests_get_openais_error_format(stack):
     messages = [{"role": "user", "content": "Hello."}]
     cases = [
         (dict(model="gpt-4o"), 404, "model_not_found"),
-        (dict(tool_choice="none"), 400, "unsupported_value"),  # the model decides
+        (  # a subset of the tools: not enforced
+            dict(
+                tool_choice={
+                    "type": "allowed_tools",
+                    "allowed_tools": {"mode": "auto", "tools": []},
+                }
+            ),
+            400,
+            "unsupported_value",
+        ),
         (dict(tools=[{"type": "custom", "custom": {"name": "f"}}]), 400, "unsupported_value"),
         (dict(n=2), 400, "unsupported_value"),
         (dict(frequency_penalty=0.5), 400, "unsupported_value"),

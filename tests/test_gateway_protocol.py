@@ -259,7 +259,6 @@ BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argum
 @pytest.mark.parametrize(
     "fields, param, code",
     [
-        ({"tool_choice": "none"}, "tool_choice", "unsupported_value"),
         ({"tool_choice": {"type": "function", "function": {"name": "get weather"}}},
          "tool_choice.function.name", None),
         ({"tool_choice": {"type": "function", "name": "get_weather"}},
@@ -508,6 +507,8 @@ def test_a_response_format_and_a_required_call_pass_to_the_worker():
     assert parsed(response_format={"type": "json_object"}).output_format == {"json_object": True}
     assert parsed(response_format={"type": "text"}).output_format is None
     assert not parsed(tool_choice="auto").tool_call_required
+    assert parsed(tools=[WEATHER], tool_choice="none").tool_call_forbidden
+    assert not parsed(tools=[WEATHER], tool_choice="auto").tool_call_forbidden
     named = parsed(tools=[WEATHER], tool_choice={"type": "function", "function": WEATHER_NAME})
     assert (named.tool_call_required, named.tool_call_name) == (True, "get_weather")
     unnamed = {"type": "json_schema", "json_schema": {"name": "v"}}  # no schema: any JSON

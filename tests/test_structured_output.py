@@ -353,6 +353,25 @@ def test_a_form_the_worker_cannot_compile_is_refused_and_changes_nothing(llama, 
     jsonschema.validate(json.loads(text), VERDICT)
 
 
+def test_a_forbidden_call_is_not_made_where_the_model_would_make_one(qwen, llama):
+    """The scripted model calls get_weather whenever it may: forbidden, it writes no call, or
+    its form; a call both required and forbidden is refused; without tools (or a tool
+    format) there is nothing to forbid."""
+    text, calls, usage = _turn(qwen, "f1", tools=(WEATHER_TOOL,), tool_call_forbidden=True)
+    assert not calls and "<tool_call>" not in text and usage.finish_reason != "tool_calls"
+    text, calls, usage = _turn(
+        qwen, "f2", tools=(WEATHER_TOOL,), tool_call_forbidden=True, format=_schema(VERDICT)
+    )
+    jsonschema.validate(json.loads(text), VERDICT)
+    assert not calls and usage.finish_reason == "stop"
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(qwen, "f3", tools=(WEATHER_TOOL,), tool_call_forbidden=True, tool_call_required=True)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "both required and forbidden" in caught.value.details()
+    free, _, _ = _turn(llama, "f4", max_tokens=8)
+    assert _turn(llama, "f5", max_tokens=8, tool_call_forbidden=True)[0] == free
+
+
 def test_a_required_call_needs_tools_and_a_model_with_a_tool_format(llama, qwen):
     with pytest.raises(grpc.RpcError) as caught:
         _turn(llama, "r1", tool_call_required=True)
@@ -503,3 +522,15 @@ def test_an_agents_sdk_agent_with_an_output_type_gets_one(gateway, model_class):
     )
     result = asyncio.run(agents.Runner.run(agent, "Is it raining in Paris?"))
     assert isinstance(result.final_output, Verdict)
+
+
+def test_a_call_is_forbidden_only_where_a_special_token_opens_it(qwen_grammars):
+    from agentkv.errors import FailedPrecondition
+    from inference_worker.grammar import Ask, Grammars
+    from inference_worker.tools import ToolFormat, canonical_tools
+
+    _, tokenizer = qwen_grammars
+    fmt = ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text))
+    tools = canonical_tools(json.dumps([SET_MODE]))
+    with pytest.raises(FailedPrecondition, match="open with 'CALL:', which text can spell"):
+        Grammars(tokenizer, {2}, fmt).forms(Ask(forbidden=True), tools)
