@@ -97,8 +97,7 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
     model = typed(body, "model", str, None)
     if not model:
         raise invalid("model: a model id is required", "model")
-    tools, max_tool_calls, required, name = _tools(body)
-    forbidden = (body.get("tool_choice") or {}).get("type") == "none"
+    tools, max_tool_calls, required, name, forbidden = _tools(body)
     config = body.get("output_config") or {}
     user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
     call = ChatCall(
@@ -318,10 +317,11 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(block["text"] for block in blocks)
 
 
-def _tools(body: dict) -> tuple[str, int, bool, str]:
+def _tools(body: dict) -> tuple[str, int, bool, str, bool]:
     """The custom tools as function tools' compact JSON (the OpenAI route's form), the most
     tool calls a reply may make (1 with disable_parallel_tool_use, else no limit), whether
-    the reply must open with one (tool_choice "any"), and the tool it must call ("tool")."""
+    the reply must open with one (tool_choice "any"), the tool it must call ("tool"), and
+    whether it may make none ("none", which has no other field)."""
     choice = typed(body, "tool_choice", dict, None)
     choice = {"type": "auto"} if choice is None else choice
     if choice.get("type") not in ("auto", "any", "tool", "none"):
@@ -330,15 +330,15 @@ def _tools(body: dict) -> tuple[str, int, bool, str]:
             "tool_choice",
             "unsupported_value",
         )
-    named = choice["type"] == "tool"
-    known_only(
-        choice, {"type", "disable_parallel_tool_use", *(["name"] if named else [])}, "tool_choice"
-    )
+    kind = choice["type"]
+    named = kind == "tool"
+    keys = {"type"} if kind == "none" else {"type", "disable_parallel_tool_use"}
+    known_only(choice, keys | ({"name"} if named else set()), "tool_choice")
     single = typed(choice, "disable_parallel_tool_use", bool, False, "tool_choice")
     tools = typed(body, "tools", list, None) or []
     functions = [_tool(tool, f"tools.{i}") for i, tool in enumerate(tools)]
     name = tool_name(choice.get("name"), "tool_choice") if named else ""
-    return tools_text(functions), 1 if single else 0, choice["type"] == "any", name
+    return tools_text(functions), 1 if single else 0, kind == "any", name, kind == "none"
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
@@ -358,7 +358,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     schema = typed(tool, "input_schema", dict, None, where)
     if schema is None:
         raise invalid(f"{where}.input_schema: a JSON schema object is required", where)
-    for flag in ("strict", "eager_input_streaming"):  # taken, not enforced: no constraints
+    for flag in ("strict", "eager_input_streaming"):  # taken (strict: as the OpenAI route's)
         typed(tool, flag, bool, None, where)
     description = typed(tool, "description", str, None, where)
     function = {"name": name, "parameters": schema}

@@ -3,8 +3,9 @@ replies and stream chunks built from the worker's usage and tool calls, and agen
 as OpenAI's error JSON with the HTTP status that fits their gRPC code.
 
 Tools are OpenAI function tools, rendered by the model's chat template; the worker parses the
-calls the model writes. Nothing constrains what the model writes (no constrained decoding):
-it decides whether to call a tool, which, and how many, so only tool_choice "auto" is taken.
+calls the model writes. With tool_choice "auto" the model decides whether to call a tool,
+which, and how many; "required", a named function and "none" are enforced by the worker's
+constrained decoding, as response_format is (inference_worker/grammar.py).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class ChatCall:
     tools: str = ""  # the function tools as compact JSON, keys sorted; "" for none
     max_tool_calls: int = 0  # 1 for parallel_tool_calls false: the reply ends after one
     tool_call_required: bool = False  # tool_choice "required": the reply opens with a call
-    tool_call_name: str = ""  # a named tool_choice: the reply opens with a call of it
+    tool_call_name: str = ""  # a named tool_choice: the reply is one call of it
     tool_call_forbidden: bool = False  # tool_choice "none": the reply makes no call
     output_format: dict[str, Any] | None = None  # the worker's OutputFormat fields; None: text
     echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
@@ -453,7 +454,7 @@ def _text(content: Any, where: str) -> str:
 
 def _tools(body: dict) -> str:
     """The request's function tools as compact JSON, keys sorted (the worker's canonical
-    form), "" for none (tool_choice: call_required)."""
+    form), "" for none (tool_choice: tool_choice())."""
     typed(body, "parallel_tool_calls", bool, None)
     tools = body.get("tools")
     if tools is None:
@@ -476,8 +477,9 @@ def tools_text(tools: list[dict[str, Any]]) -> str:
 def _tool(tool: Any, where: str) -> None:
     """One tool: {"type": "function", "function": {"name", "description", "parameters",
     "strict"}}, as OpenAI specifies it; other kinds of tool are refused. `strict` is taken
-    as given but not enforced (the call's arguments are the model's): OpenAI's Agents SDK
-    sets it on every function tool."""
+    as given (OpenAI's Agents SDK sets it on every function tool): a call's arguments are
+    held to `parameters` where the worker constrains the call (a call required or named, or
+    beside a response_format), whatever `strict` says, and are the model's elsewhere."""
     if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
         raise invalid(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
     if tool["type"] != "function":

@@ -136,7 +136,7 @@ def _hints(body: dict) -> None:
 
 def _tools(body: dict) -> list[dict[str, Any]]:
     """The function tools in the chat route's form ({"type": "function", "function": {...}},
-    which the worker renders); tool_choice: call_required."""
+    which the worker renders); tool_choice: tool_choice()."""
     typed(body, "parallel_tool_calls", bool, None)
     tools = typed(body, "tools", list, None) or []
     return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]

@@ -298,7 +298,8 @@ class Engine:
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
         calls = self.chat.reply_calls(chat.tools, job.max_tool_calls)
-        turn.calls = calls if max_tokens else None
+        forbidden = job.forms is not None and job.forms.ask.forbidden  # spelled calls: text
+        turn.calls = calls if max_tokens and not forbidden else None
         if job.forms is not None and max_tokens:
             turn.constraint = job.forms.constraint(chat.tools)
         return turn, tokens, chat

@@ -9,7 +9,9 @@ call (tool_choice "required", or one named) is the call alone. Where the model's
 JSON between markers (mlx-lm's json_tools: Qwen's, Hermes') and the request names its
 tools, the first call is a call of one of them (the named one) with arguments its
 parameters' schema accepts; otherwise only the call's opening is enforced. A named call is
-the whole reply (as OpenAI's); after any other first call, the rest stays the model's.
+the whole reply (as OpenAI's); after any other first call, the rest stays the model's. A
+forbidden call (tool_choice "none") is its opening token masked at every step, where that
+opening is a special token; the reply's text is then not read for calls.
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
 so a bad one is refused before the turn queues; the MLX thread masks and advances, and
@@ -112,6 +114,8 @@ class Grammars:
             raise InvalidArgument("a tool call cannot be both required and forbidden")
         if ask.forbidden and (self._tool_format is None or tools == ""):
             ask = replace(ask, forbidden=False)  # no call to forbid: no tools, or no format
+        if ask.forbidden:
+            self._opening_token()  # refused now, not at the turn's start
         if ask.form is None and not ask.required and not ask.name and not ask.forbidden:
             return None
         if (ask.required or ask.name) and self._tool_format is None:

@@ -173,6 +173,11 @@ def edited(path: str, value) -> dict:
         ("tools.0", {"type": "web_search_20250305", "name": "web_search"}, "tools.0.type"),
         ("tool_choice", {"type": "tool", "name": "get weather"}, "tool_choice.name"),
         ("tool_choice", {"type": "some"}, "tool_choice"),
+        (
+            "tool_choice",
+            {"type": "none", "disable_parallel_tool_use": True},  # none has no other field
+            "tool_choice.disable_parallel_tool_use",
+        ),
     ],
 )
 def test_what_agentkv_would_not_do_as_anthropic_specifies_is_a_400(path, value, param):

@@ -88,6 +88,7 @@ def test_a_format_and_a_tool_choice_are_the_chat_route_s():
     assert ours.echo["tool_choice"] == named and ours.echo["text"]["format"] == form
     required = parse_responses(responses_body(tool_choice="required"), 8)
     assert required.tool_call_required and not required.tool_call_name
+    assert parse_responses(responses_body(tool_choice="none"), 8).tool_call_forbidden
     assert parse_responses(responses_body(text={"format": None}), 8).echo["text"]["format"] == {
         "type": "text"
     }  # null: left out, as OpenAI reads it

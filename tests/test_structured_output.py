@@ -255,9 +255,7 @@ def test_with_tools_a_form_s_reply_may_be_a_call_its_tool_s_schema_accepts(qwen_
 
     def taken(with_tools: bool, text: str) -> bool:
         known = tools if with_tools else ""
-        matcher = grammars.forms(Ask(form), known).matcher(known)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+        return _takes(grammars.forms(Ask(form), known).matcher(known), tokenizer, text)
 
     call = _call
     assert taken(True, verdict) and taken(False, verdict)
@@ -355,8 +353,8 @@ def test_a_form_the_worker_cannot_compile_is_refused_and_changes_nothing(llama, 
 
 def test_a_forbidden_call_is_not_made_where_the_model_would_make_one(qwen, llama):
     """The scripted model calls get_weather whenever it may: forbidden, it writes no call, or
-    its form; a call both required and forbidden is refused; without tools (or a tool
-    format) there is nothing to forbid."""
+    its form; a call both required and forbidden is refused; without tools there is nothing
+    to forbid, on a model without a tool format too (not refused, the reply unchanged)."""
     text, calls, usage = _turn(qwen, "f1", tools=(WEATHER_TOOL,), tool_call_forbidden=True)
     assert not calls and "<tool_call>" not in text and usage.finish_reason != "tool_calls"
     text, calls, usage = _turn(
@@ -532,5 +530,6 @@ def test_a_call_is_forbidden_only_where_a_special_token_opens_it(qwen_grammars):
     _, tokenizer = qwen_grammars
     fmt = ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text))
     tools = canonical_tools(json.dumps([SET_MODE]))
-    with pytest.raises(FailedPrecondition, match="open with 'CALL:', which text can spell"):
-        Grammars(tokenizer, {2}, fmt).forms(Ask(forbidden=True), tools)
+    for known in (tools, None):  # None: the agent's own tools, refused at submit all the same
+        with pytest.raises(FailedPrecondition, match="open with 'CALL:', which text can spell"):
+            Grammars(tokenizer, {2}, fmt).forms(Ask(forbidden=True), known)
