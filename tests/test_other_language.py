@@ -28,6 +28,12 @@ from tests.helpers import FP, make_chain
 NODE_DIR = Path(__file__).parent / "node"
 SYSTEM = "You are the archivist of the lighthouse. " * 6
 QUESTION = "Which ships passed the rocks last winter?"
+SCHEMA = {  # bounded: a random model's reply ends within MAX_TOKENS
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
 MAX_TOKENS = 12
 AGENT = "twin"  # the same agent in two namespaces: one made from Node, one from Python
 NODE_NS, PYTHON_NS, BLOCK_NS = "node", "python", "blocks"
@@ -96,6 +102,7 @@ def node(node_path, store_address, worker_address, python_blocks) -> dict:
         "block_namespace": BLOCK_NS,
         "put_spans": NODE_SPANS,
         "read_keys": [key.hex() for key in python_blocks[1]],
+        "form": {"namespace": f"{NODE_NS}-form", "schema": SCHEMA, "max_tokens": 48},
     }
     done = subprocess.run(
         [node_path, "contract.mjs", json.dumps(config)],
@@ -117,6 +124,21 @@ def as_dict(message) -> dict:
 
 def drop(fields: dict, names: tuple[str, ...]) -> dict:
     return {k: v for k, v in fields.items() if k not in names}
+
+
+def test_a_reply_held_to_a_schema_from_node_is_the_python_sdks(node, worker_address):
+    """OutputFormat (a oneof) from Node: the same JSON the Python SDK gets, of the schema."""
+    namespace = f"{PYTHON_NS}-form"  # its own: no prefix shared with the other test's agents
+    with WorkerClient(worker_address) as worker:
+        worker.create_agent(namespace, AGENT, system=SYSTEM)
+        reply = worker.turn(
+            namespace, AGENT, [("user", QUESTION)], max_tokens=48, temperature=0.0,
+            output_format=SCHEMA,
+        )  # fmt: skip
+    assert json.loads(reply.text)["answer"] in SCHEMA["properties"]["answer"]["enum"]
+    assert node["formed"]["text"] == reply.text and node["formed"]["usage"]["finish_reason"] == (
+        "stop"
+    )
 
 
 def test_a_greedy_turn_from_node_is_the_python_sdks(node, worker_address):

@@ -163,6 +163,11 @@ async function main(config) {
   out.created = (await unary(worker, "CreateAgent", create)).agent;
   out.turn = await turn(worker, { namespace, agent_id, messages, sampling, durable: true });
   out.described = (await unary(worker, "DescribeAgent", { namespace, agent_id })).agent;
+  const formed = { namespace: config.form.namespace, agent_id, system_prompt: config.system };
+  await unary(worker, "CreateAgent", formed);
+  const format = { json_schema: JSON.stringify(config.form.schema) };
+  const held = { ...sampling, max_tokens: config.form.max_tokens };
+  out.formed = await turn(worker, { ...formed, messages, sampling: held, format });
 
   const nobody = { namespace, agent_id: unknown };
   const blockScope = { namespace: config.block_namespace, fingerprint };
