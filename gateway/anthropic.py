@@ -30,7 +30,6 @@ from agentkv.gateway.protocol import (
     merged_assistant,
     named_tool,
     numbers,
-    output_format,
     tool_name,
     tools_text,
     typed,
@@ -119,14 +118,17 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
 
 
 def _output_format(form: dict | None) -> dict[str, Any] | None:
-    """output_config.format: {"type": "json_schema", "schema": {...}}, Anthropic's only kind."""
+    """output_config.format: {"type": "json_schema", "schema": {...}}, Anthropic's only kind
+    (no name, unlike OpenAI's), as the worker's OutputFormat fields."""
     where = "output_config.format"
-    if form is not None and form.get("type") != "json_schema":
+    if form is None:
+        return None
+    if form.get("type") != "json_schema":
         raise invalid(f"{where}.type must be json_schema", f"{where}.type", "unsupported_value")
-    if form is not None and not isinstance(form.get("schema"), dict):
+    if not isinstance(form.get("schema"), dict):
         raise invalid(f"{where}.schema must be an object", f"{where}.schema")
-    known_only(form or {}, {"type", "schema"}, where)
-    return output_format(form and {**form, "name": "output"}, where)
+    known_only(form, {"type", "schema"}, where)
+    return {"json_schema": json.dumps(form["schema"], ensure_ascii=False)}
 
 
 def parse_count(body: Any) -> ChatCall:
