@@ -48,6 +48,10 @@ class BlockNotFound(NotFound):
     pass
 
 
+class MarkNotFound(NotFound):
+    """An agent's conversation has no such point (a turn's Usage.mark) to continue from."""
+
+
 class AgentExists(AgentKVError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
@@ -62,6 +66,10 @@ class FailedPrecondition(AgentKVError):
 
 class FingerprintMismatch(FailedPrecondition):
     """A block or agent was written under another model or KV format."""
+
+
+class TurnsFollow(FailedPrecondition):
+    """A turn asked to continue from its agent's last point, and later turns follow it."""
 
 
 class GenerationConflict(AgentKVError):

@@ -142,6 +142,9 @@ def turn_request(
     tool_call_required: bool = False,
     tool_call_name: str = "",
     tool_call_forbidden: bool = False,
+    after_mark: str = "",
+    after_mark_last: bool = False,
+    mark_name: str = "",
     **sampling: Any,
 ) -> pb.TurnRequest:
     """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
@@ -152,7 +155,10 @@ def turn_request(
     calls. `output_format`: the reply's required form, a JSON Schema (a dict) or an
     OutputFormat (a regex, a Lark grammar, any JSON object); `tool_call_required`: the reply
     opens with a tool call, `tool_call_name`: with a call of that tool;
-    `tool_call_forbidden`: it makes none. `sampling`:
+    `tool_call_forbidden`: it makes none. `after_mark`: `messages` follow that point of the
+    agent's conversation (an earlier reply's usage.mark), the turns after it dropped;
+    `after_mark_last`: only if none follow it (else TurnsFollow); `mark_name`: a name
+    after_mark may give for the point this turn ends at. `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
     return pb.TurnRequest(
         namespace=namespace,
@@ -171,6 +177,9 @@ def turn_request(
         tool_call_required=tool_call_required,
         tool_call_name=tool_call_name,
         tool_call_forbidden=tool_call_forbidden,
+        after_mark=after_mark,
+        after_mark_last=after_mark_last,
+        mark_name=mark_name,
     )
 
 

@@ -26,7 +26,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from agentkv.errors import InvalidArgument
+from agentkv.errors import InvalidArgument, MarkNotFound, TurnsFollow
 from inference_worker.tools import ReplyCalls, ToolCall, ToolFormat, canonical_tools
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -89,6 +89,7 @@ class Mark:
     cached: int
     last_role: str
     reply_open: bool
+    name: str = ""  # what its turn's caller named it (TurnRequest.mark_name), if anything
 
 
 MAX_MARKS = 64  # an agent keeps its last this many marks (one a turn): one metadata value
@@ -107,9 +108,9 @@ class ChatState:
     applied: str = ""  # request_id of the last turn or injection taken (a retry of it)
     tools: str = ""  # the conversation's tools (tools.canonical_tools), rendered in each part
 
-    def marked(self, end: int, cached: int) -> ChatState:
+    def marked(self, end: int, cached: int, name: str = "") -> ChatState:
         """This state with a mark here, at token `end` (`cached` of them in the cache)."""
-        mark = Mark(self.digest, end, cached, self.last_role, self.reply_open)
+        mark = Mark(self.digest, end, cached, self.last_role, self.reply_open, name)
         kept = tuple(m for m in self.marks if m.end < end)[-(MAX_MARKS - 1) :]
         return replace(self, marks=(*kept, mark))
 
@@ -166,19 +167,56 @@ def resume(
     for n, mark in enumerate(reversed(state.marks)):
         i = at.get(mark.digest)
         if i is not None and mark.end <= len(tokens):
-            kept = state.marks[: len(state.marks) - n]
-            resumed = ChatState(
-                last_role=mark.last_role,
-                reply_open=mark.reply_open,
-                digest=mark.digest,
-                marks=kept,
-                tools=tools,
-            )
-            return Resumed(list(tokens[: mark.end]), resumed, list(messages[i:]), mark.cached)
+            return _resumed_at(tokens, state, n, tools, messages[i:])
     system = messages[0].content if messages and messages[0].role == "system" else ""
     rest = list(messages[1:]) if messages and messages[0].role == "system" else list(messages)
     state = ChatState(system, opened=False, digest=start_digest(system, tools), tools=tools)
     return Resumed([], state, rest, None)
+
+
+def continued(
+    tokens: Sequence[int],
+    state: ChatState,
+    key: str,
+    messages: Sequence[ChatMessage],
+    last_only: bool = False,
+    agent_id: str = "",
+) -> Resumed:
+    """Where `messages` pick up this agent's conversation when they follow its mark `key`
+    (a turn's Usage.mark, or the name its turn gave it), not its end: its tokens and state
+    there (the turns after it are dropped, as an edited resent conversation drops them).
+    MarkNotFound when the agent keeps no such mark; TurnsFollow, with `last_only`, when
+    turns follow it."""
+    for n, mark in enumerate(reversed(state.marks)):
+        if key not in (mark.digest, mark.name or None) or mark.end > len(tokens):
+            continue
+        if n and last_only:
+            raise TurnsFollow(
+                f"{n} turn(s) of agent {agent_id!r} follow the point {key!r}: continuing "
+                "from it would drop them (fork the agent to branch there)"
+            )
+        return _resumed_at(tokens, state, n, state.tools, messages)
+    raise MarkNotFound(
+        f"agent {agent_id!r} has no point {key!r} in its conversation: a later turn went "
+        f"on from before it, or it is older than the agent's last {MAX_MARKS} turns"
+    )
+
+
+def _resumed_at(
+    tokens: Sequence[int], state: ChatState, n: int, tools: str, messages: Sequence[ChatMessage]
+) -> Resumed:
+    """The agent's conversation at its `n`th mark from the last (0: the last), with the
+    `messages` that follow it there still to render."""
+    kept = state.marks[: len(state.marks) - n]
+    mark = kept[-1]
+    resumed = ChatState(
+        last_role=mark.last_role,
+        reply_open=mark.reply_open,
+        digest=mark.digest,
+        marks=kept,
+        tools=tools,
+    )
+    return Resumed(list(tokens[: mark.end]), resumed, list(messages), mark.cached)
 
 
 class ChatFormat:

@@ -44,6 +44,7 @@ from inference_worker.chat import (
     NotAppendOnly,
     Resumed,
     chain,
+    continued,
     resume,
 )
 from inference_worker.config import WorkerConfig
@@ -278,7 +279,7 @@ class Engine:
         from before it, so it runs again without repeating anything)."""
         max_tokens = job.sampling.max_tokens
         again = bool(job.request_id) and job.request_id == agent.chat.applied  # a lost reply's
-        if again and max_tokens and not job.whole_conversation:
+        if again and max_tokens and not (job.whole_conversation or job.after_mark):
             raise TurnTaken(TAKEN.format(agent.agent_id, job.request_id))
         if self.batcher.holds(agent):
             raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
@@ -333,6 +334,11 @@ class Engine:
         def extended(start: Resumed) -> tuple[Resumed, list[int], ChatState]:
             return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
 
+        if job.after_mark:  # they follow that point of it (a retry: the same, again)
+            _check_own_tools(agent, job.tools)
+            last = job.after_mark_last and not again
+            at = job.after_mark, job.messages, last, agent.agent_id
+            return extended(continued(agent.tokens, agent.chat, *at))
         if not job.whole_conversation:  # they follow the context, all of whose cache it keeps
             _check_own_tools(agent, job.tools)
             return extended(Resumed(agent.tokens, agent.chat, [] if again else job.messages, None))
@@ -396,7 +402,8 @@ class Engine:
             self.metrics.generated_tokens.inc(usage.generated_tokens)
             self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
         if usage.generated_tokens or job.messages:
-            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached)
+            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached, job.mark_name)
+            usage.mark = agent.chat.digest
         self._finish_turn(agent)
         if job.creates:
             for waiting, system in self._creating.pop(agent.id, []):

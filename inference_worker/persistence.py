@@ -93,9 +93,7 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
         LAST_ROLE: chat.last_role,
         OPENED: "1" if chat.opened else "0",
         DIGEST: chat.digest,
-        MARKS: ";".join(
-            f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}" for m in chat.marks
-        ),
+        MARKS: _marks_text(chat.marks),
     }
     if chat.applied:
         out[APPLIED] = chat.applied
@@ -145,12 +143,25 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
     )
 
 
+def _marks_text(marks: tuple[Mark, ...]) -> str:
+    """Marks as one metadata value: the latest that fit in one (named ones are longer)."""
+    items = [
+        f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}"
+        + (f",{m.name}" if m.name else "")
+        for m in marks
+    ]
+    while len(";".join(items)) > SYSTEM_CHUNK:
+        items.pop(0)
+    return ";".join(items)
+
+
 def _marks(text: str) -> tuple[Mark, ...]:
-    """Marks as chat_metadata writes them; a manifest from before marks has none."""
+    """Marks as chat_metadata writes them (a name only where one was given); a manifest
+    from before marks has none."""
     marks = []
     for item in filter(None, text.split(";")):
-        digest, end, cached, role, reply_open = item.split(",")
-        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1"))
+        digest, end, cached, role, reply_open, *name = item.split(",")
+        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", *name))
     return tuple(marks)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from functools import partial
@@ -22,6 +23,8 @@ from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJ
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 MAX_REQUEST_ID = 64
+MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
+MARK_NAME = re.compile(r"[A-Za-z0-9_-]{1,16}")  # fits in a mark (persistence._marks)
 
 
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
@@ -70,6 +73,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             raise InvalidArgument("stop strings would cut the reply's required form short")
         self.engine.chat.check_tools(job.tools, job.messages)
         job.whole_conversation = request.whole_conversation
+        job.after_mark, job.after_mark_last = request.after_mark, request.after_mark_last
+        job.mark_name = request.mark_name
+        _check_mark(job)
         job.request_id = _request_id(request)
         if not job.whole_conversation:
             check_said(job.messages)
@@ -224,3 +230,16 @@ def _form(request: pb.TurnRequest) -> OutputForm | None:
     if kind == "json_object" and not request.format.json_object:
         raise InvalidArgument("format json_object must be true when set")
     return OutputForm(kind, "" if kind == "json_object" else getattr(request.format, kind))
+
+
+def _check_mark(job: TurnJob) -> None:
+    """Refuses an after_mark that no turn reports (a mark is 24 characters), or one that
+    comes with a resent conversation (which finds its own point)."""
+    if len(job.after_mark) > MAX_MARK:
+        raise InvalidArgument(f"after_mark is a turn's Usage.mark, at most {MAX_MARK} characters")
+    if job.mark_name and not MARK_NAME.fullmatch(job.mark_name):
+        raise InvalidArgument(
+            f"mark_name {job.mark_name[:40]!r} is not 1 to 16 letters, digits, '_' or '-'"
+        )
+    if job.after_mark and job.whole_conversation:
+        raise InvalidArgument("after_mark continues a conversation; whole_conversation resends it")

@@ -44,6 +44,7 @@ class UsageEvent:
     restore_failure: str = ""
     restored_bytes: int = 0
     stop_sequence: str = ""  # the stop string that ended the reply
+    mark: str = ""  # the conversation's point after the turn (chat.Mark's digest)
 
 
 @dataclass(slots=True)
@@ -59,6 +60,11 @@ class TurnJob:
     durable: bool = False  # the usage waits for the store commit
     # `messages` are the whole conversation, resent (chat.resume), not only what is new
     whole_conversation: bool = False
+    # `messages` follow this mark of the agent's conversation (chat.continued), not its end;
+    # with after_mark_last, only if it is the last
+    after_mark: str = ""
+    after_mark_last: bool = False
+    mark_name: str = ""  # what the turn's mark is named, besides its digest
     request_id: str = ""  # a turn's or an injection's idempotency key
     creates: bool = False  # a new agent's system prompt (Engine.create_agent)
     tools: str = ""  # the tools (tools.canonical_tools): the agent's, or the conversation's

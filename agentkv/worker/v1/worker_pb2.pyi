@@ -78,7 +78,7 @@ class CreateAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools", "max_tool_calls", "format", "tool_call_required", "tool_call_name", "tool_call_forbidden")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools", "max_tool_calls", "format", "tool_call_required", "tool_call_name", "tool_call_forbidden", "after_mark", "after_mark_last", "mark_name")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,9 @@ class TurnRequest(_message.Message):
     TOOL_CALL_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORBIDDEN_FIELD_NUMBER: _ClassVar[int]
+    AFTER_MARK_FIELD_NUMBER: _ClassVar[int]
+    AFTER_MARK_LAST_FIELD_NUMBER: _ClassVar[int]
+    MARK_NAME_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -111,7 +114,10 @@ class TurnRequest(_message.Message):
     tool_call_required: bool
     tool_call_name: str
     tool_call_forbidden: bool
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ..., max_tool_calls: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, _Mapping]] = ..., tool_call_required: _Optional[bool] = ..., tool_call_name: _Optional[str] = ..., tool_call_forbidden: _Optional[bool] = ...) -> None: ...
+    after_mark: str
+    after_mark_last: bool
+    mark_name: str
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ..., max_tool_calls: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, _Mapping]] = ..., tool_call_required: _Optional[bool] = ..., tool_call_name: _Optional[str] = ..., tool_call_forbidden: _Optional[bool] = ..., after_mark: _Optional[str] = ..., after_mark_last: _Optional[bool] = ..., mark_name: _Optional[str] = ...) -> None: ...
 
 class OutputFormat(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "lark")
@@ -134,7 +140,7 @@ class TokenChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "reused_hot_tokens", "reused_store_tokens", "prefilled_tokens", "generated_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "cache_state", "finish_reason", "restore_path", "restore_failure", "restored_bytes", "stop_sequence")
+    __slots__ = ("prompt_tokens", "reused_hot_tokens", "reused_store_tokens", "prefilled_tokens", "generated_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "cache_state", "finish_reason", "restore_path", "restore_failure", "restored_bytes", "stop_sequence", "mark")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_HOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +154,7 @@ class Usage(_message.Message):
     RESTORE_FAILURE_FIELD_NUMBER: _ClassVar[int]
     RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     reused_hot_tokens: int
     reused_store_tokens: int
@@ -161,7 +168,8 @@ class Usage(_message.Message):
     restore_failure: str
     restored_bytes: int
     stop_sequence: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_hot_tokens: _Optional[int] = ..., reused_store_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., cache_state: _Optional[str] = ..., finish_reason: _Optional[str] = ..., restore_path: _Optional[str] = ..., restore_failure: _Optional[str] = ..., restored_bytes: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
+    mark: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reused_hot_tokens: _Optional[int] = ..., reused_store_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., cache_state: _Optional[str] = ..., finish_reason: _Optional[str] = ..., restore_path: _Optional[str] = ..., restore_failure: _Optional[str] = ..., restored_bytes: _Optional[int] = ..., stop_sequence: _Optional[str] = ..., mark: _Optional[str] = ...) -> None: ...
 
 class TurnResponse(_message.Message):
     __slots__ = ("tokens", "usage", "tool_call", "started")

@@ -1,0 +1,116 @@
+"""Turns that continue an agent's conversation from an earlier point (TurnRequest.after_mark,
+Usage.mark, mark_name), on the default model in real store and worker processes: from its
+last point a turn is an ordinary append; from an earlier one it drops the turns after it
+and answers token for token as a fresh agent told that branch turn by turn does, reusing
+the cache up to the point; a point the agent no longer keeps is NOT_FOUND and changes
+nothing, and after_mark_last refuses to drop anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv import defaults
+from agentkv.client.worker import WorkerClient
+from agentkv.errors import InvalidArgument, MarkNotFound, TurnsFollow
+from inference_worker.models import resolve_model
+
+NS = "marks"
+SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
+ASK = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+BRANCH = "And of Spain?"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return resolve_model(defaults.MODEL, "auto", "cpu", tmp_path_factory.mktemp("model-cache"))
+
+
+def told(w: WorkerClient, agent: str, questions: list[str]) -> list:
+    """A fresh agent told the conversation one question a turn."""
+    w.create_agent(NS, agent, SYSTEM)
+    return [w.turn(NS, agent, [("user", q)], max_tokens=16) for q in questions]
+
+
+def test_a_turn_continues_from_an_earlier_point_as_a_fresh_agent_would(smollm2, start_worker):
+    w = WorkerClient(start_worker(smollm2).address)
+    replies = told(w, "main", ASK)
+    marks = [r.usage.mark for r in replies]
+    assert all(len(m) == 24 for m in marks) and len(set(marks)) == 3
+    tokens = w.describe(NS, "main").num_tokens
+
+    # From the last point: an ordinary append, the same as a fresh agent's third turn would
+    # be followed by.
+    last = w.turn(NS, "main", [("user", "Thanks!")], max_tokens=16, after_mark=marks[-1])
+    plain = told(w, "plain", [*ASK, "Thanks!"])[-1]
+    assert last.token_ids == plain.token_ids
+    assert last.usage.prefilled_tokens == plain.usage.prefilled_tokens
+
+    # From the first reply: the turns after it are dropped, the reply is the branch's, and
+    # only the new question (and the first reply's last token) is prefilled.
+    branch = w.turn(NS, "main", [("user", BRANCH)], max_tokens=16, after_mark=marks[0])
+    want = told(w, "fresh-branch", [ASK[0], BRANCH])[-1]
+    assert branch.token_ids == want.token_ids
+    assert branch.usage.prompt_tokens == want.usage.prompt_tokens
+    assert branch.usage.prefilled_tokens == want.usage.prefilled_tokens
+    assert branch.usage.prompt_tokens < tokens
+    assert branch.usage.mark != marks[1]
+
+    # The dropped points are gone; the agent is unchanged by the refusal.
+    before = w.describe(NS, "main")
+    with pytest.raises(MarkNotFound, match="has no point"):
+        w.turn(NS, "main", [("user", "Go on.")], max_tokens=4, after_mark=marks[1])
+    assert w.describe(NS, "main").num_tokens == before.num_tokens
+
+
+def test_after_mark_last_refuses_to_drop_turns(smollm2, start_worker):
+    w = WorkerClient(start_worker(smollm2).address)
+    first, second = told(w, "kept", ASK[:2])
+    before = w.describe(NS, "kept")
+    with pytest.raises(TurnsFollow, match="1 turn"):
+        w.turn(
+            NS, "kept", [("user", BRANCH)], max_tokens=8,
+            after_mark=first.usage.mark, after_mark_last=True,
+        )  # fmt: skip
+    after = w.describe(NS, "kept")
+    assert (after.num_tokens, after.generation) == (before.num_tokens, before.generation)
+    # The last point is taken, and equals an append.
+    go_on = w.turn(
+        NS, "kept", [("user", ASK[2])], max_tokens=16,
+        after_mark=second.usage.mark, after_mark_last=True,
+    )  # fmt: skip
+    assert go_on.token_ids == told(w, "kept-fresh", ASK)[-1].token_ids
+
+
+def test_a_named_point_is_found_after_a_restore(smollm2, start_worker):
+    """A name given with the turn (mark_name) finds its point as its digest does, in the
+    store too: the worker that continues from it restored the agent."""
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "named", SYSTEM)
+    first = w.turn(NS, "named", [("user", ASK[0])], max_tokens=16, mark_name="first-0")
+    w.turn(NS, "named", [("user", ASK[1])], max_tokens=16, mark_name="second-1")
+    w.evict(NS, "named")
+    got = w.turn(NS, "named", [("user", BRANCH)], max_tokens=16, after_mark="first-0")
+    assert got.usage.cache_state == "warm"
+    # all the first turn left in the cache: all but its reply's last token
+    held = first.usage.prompt_tokens + first.usage.generated_tokens - 1
+    assert got.usage.reused_store_tokens == held
+    assert got.token_ids == told(w, "named-fresh", [ASK[0], BRANCH])[-1].token_ids
+    with pytest.raises(MarkNotFound):
+        w.turn(NS, "named", [("user", "Go on.")], max_tokens=4, after_mark="second-1")
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"after_mark": "x" * 65}, "at most 64 characters"),
+        ({"after_mark": "m", "whole_conversation": True}, "whole_conversation resends"),
+        ({"mark_name": "a,b"}, "letters, digits"),
+        ({"mark_name": "n" * 17}, "1 to 16"),
+    ],
+)  # fmt: skip
+def test_bad_marks_are_refused(smollm2, start_worker, options, match):
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "bad", SYSTEM)
+    with pytest.raises(InvalidArgument, match=match):
+        w.turn(NS, "bad", [("user", ASK[0])], max_tokens=4, **options)
+    assert w.turn(NS, "bad", [("user", ASK[0])], max_tokens=4).usage.mark
