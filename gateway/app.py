@@ -50,6 +50,8 @@ from agentkv.errors import (
     AgentNotFound,
     FailedPrecondition,
     FingerprintMismatch,
+    MarkNotFound,
+    TurnsFollow,
 )
 from agentkv.gateway import anthropic, responses
 from agentkv.gateway.config import GatewayConfig
@@ -205,11 +207,15 @@ class Gateway:
         headers = request.headers
         named, session = headers.get("x-agent-id", ""), headers.get("x-session-id", "")
         anonymous = not (named or session)
-        starting = self._start(memory, agent_id(named, session, call), call, anonymous)
+        if call.after is not None:  # previous_response_id: that agent, whatever the headers
+            starting = self._continue(memory, call)
+        else:
+            starting = self._start(memory, agent_id(named, session, call), call, anonymous)
         started, turn = await _while_connected(request, starting)
         if not started:
             return Response(status_code=499)  # gone before the first token: nobody reads it
         reply = turn.reply
+        call.agent_id = reply.agent.id
         facts = {
             "x-agentkv-agent-id": reply.agent.id,
             "x-agentkv-namespace": namespace,
@@ -427,16 +433,27 @@ class Gateway:
         fingerprint = self.fingerprint or (await self._info()).fingerprint
         return hashlib.blake2b(fingerprint.encode(), digest_size=4).hexdigest()
 
+    async def _continue(self, memory: AsyncAgentMemory, call: ChatCall) -> Turn:
+        """The turn of a call that continues a response (previous_response_id): its new
+        messages after the point the response's reply ended at, on its agent, or, when
+        later turns follow that point there, on a fork of it (both branches stay)."""
+        agent_id = call.after[0] if call.after else ""
+        agent, options = AsyncAgent(memory, agent_id), _options(call)
+        previous = call.echo.get("previous_response_id") or ""
+        try:
+            try:
+                return Turn(await agent.say(call.messages, **options, after_mark_last=True))
+            except TurnsFollow:
+                branch = f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}"
+                fork = await agent.fork(branch)
+                return Turn(await fork.say(call.messages, **options))
+        except (AgentNotFound, MarkNotFound) as exc:
+            raise responses.not_found(previous, exc.message) from None
+
     async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
         """The agent's turn, made first when it does not exist (a spare never does)."""
         memory = agent.memory
-        options = {"whole_conversation": True, "tools": call.tools, **call.sampling}
-        options["max_tool_calls"] = call.max_tool_calls
-        options["tool_call_required"] = call.tool_call_required
-        options["tool_call_name"] = call.tool_call_name
-        options["tool_call_forbidden"] = call.tool_call_forbidden
-        if call.output_format is not None:
-            options["output_format"] = pb.OutputFormat(**call.output_format)
+        options = _options(call)
         if agent not in self.spares:
             with contextlib.suppress(AgentNotFound):
                 return Turn(await agent.say(call.messages, **options))
@@ -507,6 +524,21 @@ class Gateway:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
             self._ended(reply.agent)
+
+
+def _options(call: ChatCall) -> dict[str, Any]:
+    """The SDK's say() options for `call`: the whole conversation with its tools, or what
+    follows a previous response's point; sampling; tool choice; the reply's form."""
+    options = {"whole_conversation": call.after is None, "tools": call.tools, **call.sampling}
+    options["max_tool_calls"] = call.max_tool_calls
+    options["tool_call_required"] = call.tool_call_required
+    options["tool_call_name"] = call.tool_call_name
+    options["tool_call_forbidden"] = call.tool_call_forbidden
+    options["mark_name"] = call.mark_name
+    options["after_mark"] = call.after[1] if call.after else ""
+    if call.output_format is not None:
+        options["output_format"] = pb.OutputFormat(**call.output_format)
+    return options
 
 
 def model_id(model: str) -> str:

@@ -149,6 +149,11 @@ class ChatCall:
     tool_call_forbidden: bool = False  # tool_choice "none": the reply makes no call
     output_format: dict[str, Any] | None = None  # the worker's OutputFormat fields; None: text
     echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
+    # The Responses API's previous_response_id: the agent and the point of its conversation
+    # that `messages` (only what is new) follow; None: `messages` are the whole conversation.
+    after: tuple[str, str] | None = None
+    mark_name: str = ""  # the name of the point this turn ends at (the response's id)
+    agent_id: str = ""  # the agent that took the turn, once it started
 
     @property
     def system(self) -> str:

@@ -5,21 +5,32 @@ events, built by the same steps, and errors as OpenAI's error JSON.
 
 `instructions` is the system prompt; `input` is the conversation as items: messages (text
 parts), the model's function_call items (an assistant message's tool calls) and the
-caller's function_call_output items (tool messages). The whole input is sent each call, as
-the OpenAI Agents SDK and Codex send it; agentkv keeps no responses, so `previous_response_id`
-and `conversation` (which would continue one kept) are refused, and `store` is taken as a
-hint: the conversation's cache is kept anyway.
+caller's function_call_output items (tool messages). The whole input may be sent each call,
+as the OpenAI Agents SDK and Codex send it, or only what is new, after a
+`previous_response_id`. agentkv keeps no response objects: a response's id names its agent
+and the point its reply ended at in the agent's conversation (TurnRequest.mark_name), which
+the agent keeps with its cache, in the store too. So a call that continues a response sends
+only the new items to that agent, after that point, whatever happened since (the gateway
+restarted, the agent was evicted); one that continues an earlier response than the agent's
+last goes on in a fork of the agent, so that both branches stay. `conversation` stays
+refused, and `store` is a hint: the conversation's cache is kept anyway.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentkv import ids
+from agentkv.errors import AgentKVError
 from agentkv.gateway.protocol import (
     SCOPE,
     ChatCall,
@@ -44,13 +55,12 @@ from agentkv.gateway.protocol import (
 IGNORED = {"model", "input", "instructions", "stream", "store", "metadata", "service_tier"}
 IGNORED |= {"prompt_cache_retention", "prompt_cache_options"}
 CHECKED = {"tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "include"}
-CHECKED |= {"stream_options"}
+CHECKED |= {"stream_options", "previous_response_id"}
 SAMPLING = {"temperature", "top_p", "max_output_tokens"}
 NEUTRAL = {  # accepted at these values only (or null)
     "background": (False,),
     "truncation": ("disabled",),  # "auto" would drop the conversation's start
     "top_logprobs": (0,),
-    "previous_response_id": (),  # agentkv keeps no responses: send the whole input
     "conversation": (),
     "prompt": (),
     "max_tool_calls": (),
@@ -87,9 +97,10 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
     system = [{"role": "system", "content": instructions}] if instructions else []
     tools, sampling = _tools(body), _sampling(body, default_max_tokens)
     text = typed(body, "text", dict, None) or {}
+    after = _previous(body, instructions, tools_text(tools))
     call = ChatCall(
         model,
-        system + _input(body.get("input")),
+        (system if after is None else []) + _input(body.get("input"), after is not None),
         stream,
         False,
         sampling,
@@ -103,13 +114,60 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
         body.get("tool_choice")
     )
     named_tool(call, "tool_choice.name")
+    call.after, call.mark_name = after, secrets.token_hex(6)
     return call
 
 
+def response_id(agent_id: str, mark_name: str, instructions: str | None, tools: str) -> str:
+    """A response's id: the point its reply ends at (`mark_name`, 12 hex digits), then its
+    agent and what its conversation was set up with (a digest of its instructions and
+    tools), so that a call continuing it goes to that point of that agent's conversation."""
+    named = json.dumps([agent_id, _setup(instructions, tools)], separators=(",", ":"))
+    return f"resp_{mark_name}{base64.urlsafe_b64encode(named.encode()).decode().rstrip('=')}"
+
+
+def _setup(instructions: str | None, tools: str) -> str:
+    h = hashlib.blake2b(json.dumps([instructions or "", tools]).encode(), digest_size=6)
+    return h.hexdigest()
+
+
+def _previous(body: dict, instructions: str | None, tools: str) -> tuple[str, str] | None:
+    """The agent and point previous_response_id names (response_id's), None without one; a
+    400 for an id this gateway did not make, or instructions and tools other than the
+    response's (they are at the start of the agent's cached conversation)."""
+    previous = typed(body, "previous_response_id", str, None)
+    if not previous:
+        return None
+    try:
+        if not previous.startswith("resp_"):
+            raise ValueError(previous)
+        named = previous[17:]
+        agent_id, setup = json.loads(base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)))
+        mark, agent_id = previous[5:17], ids.agent_id(agent_id)
+    except (binascii.Error, ValueError, TypeError, AgentKVError):
+        raise not_found(previous, "it is not the id of a response agentkv made") from None
+    if setup != _setup(instructions, tools):
+        raise invalid(
+            "previous_response_id: agentkv continues the response's conversation as cached, "
+            "which begins with its instructions and tools: send the same ones (or the whole "
+            "input, without previous_response_id, to change them)",
+            "previous_response_id",
+        )
+    return agent_id, mark
+
+
+def not_found(previous: str, why: str) -> HTTPError:
+    """OpenAI's error for a previous_response_id it does not find, with agentkv's reason."""
+    return invalid(
+        f"Previous response with id {previous[:200]!r} not found: {why}",
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+
+
 _WHY = {
-    "previous_response_id": " (agentkv keeps no responses: send the whole input, as with "
-    "store false; the conversation's cache is kept and found again)",
-    "conversation": " (agentkv keeps no conversations: send the whole input)",
+    "conversation": " (agentkv keeps no conversation objects: send the whole input, or "
+    "only what is new with previous_response_id)",
     "truncation": " (agentkv keeps the whole conversation the client sends)",
 }
 
@@ -159,11 +217,13 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _input(items: Any) -> list[dict[str, Any]]:
+def _input(items: Any, continuing: bool = False) -> list[dict[str, Any]]:
     """The input as OpenAI-style chat messages: a string is one user message; items in a
     row from the model (its message, its function calls) are one assistant message; each
     function_call_output is a tool message answering a call before it, put in its calls'
-    order (in_call_order: chat templates pair them by place)."""
+    order (in_call_order: chat templates pair them by place). `continuing` (after a
+    previous response): those before any of the model's items answer that response's
+    calls, in the order given (the worker checks them against its template)."""
     if isinstance(items, str):
         utf8(items, "input")
         return [{"role": "user", "content": items}]
@@ -177,6 +237,11 @@ def _input(items: Any) -> list[dict[str, Any]]:
         message = _item(item, where)
         if message["role"] == "tool":
             call_id = message["tool_call_id"]
+            leading = continuing and all(m["role"] == "tool" for m in out)
+            if leading and call_id not in answered:  # the previous response's calls'
+                answered.add(call_id)
+                out.append(message)
+                continue
             if call_id not in asked or call_id in answered:
                 raise invalid(
                     f"{where}: a function_call_output answers a function_call before it; "
@@ -298,6 +363,7 @@ def _echo(body: dict, instructions: str | None, max_tokens: int) -> dict[str, An
         "max_output_tokens": max_tokens,
         "metadata": typed(body, "metadata", dict, None) or {},
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "previous_response_id": body.get("previous_response_id") or None,
         "reasoning": reasoning,
         "store": typed(body, "store", bool, None) is not False,
         "temperature": body.get("temperature", 1.0),
@@ -362,7 +428,9 @@ class ResponseReply:
 
     @classmethod
     def of(cls, call: ChatCall) -> ResponseReply:
-        return cls(call)
+        """The reply to `call`, whose id names the point its turn ends at (response_id)."""
+        named = (call.agent_id, call.mark_name, call.echo.get("instructions"), call.tools)
+        return cls(call, response_id(*named)) if call.mark_name else cls(call)
 
     def whole(self, events: Sequence[Any], usage: Any, extension: dict[str, Any]) -> dict:
         for item in events:
@@ -487,7 +555,6 @@ class ResponseReply:
             "incomplete_details": incomplete,
             "model": self.request.model,
             "output": json.loads(json.dumps(self.output)),  # as it stands now
-            "previous_response_id": None,
             "service_tier": "default",
             "truncation": "disabled",
             "usage": usage_json(usage) if usage is not None else None,

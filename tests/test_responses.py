@@ -21,8 +21,9 @@ from openai._types import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
+from agentkv.client.worker import WorkerClient
 from agentkv.gateway.protocol import HTTPError, parse_chat
-from agentkv.gateway.responses import ResponseReply, parse_responses
+from agentkv.gateway.responses import ResponseReply, parse_responses, response_id
 from agentkv.worker.v1 import worker_pb2 as pb
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tiny_model, tiny_tokenizer
 from tests.test_tools import ToolStack, check_weather_agent
@@ -116,8 +117,8 @@ def test_a_string_input_is_one_user_message_and_hints_are_taken():
 @pytest.mark.parametrize(
     "change, param, words",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole input"),
-        ({"conversation": "conv_1"}, "conversation", "keeps no conversations"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not the id of a response"),
+        ({"conversation": "conv_1"}, "conversation", "keeps no conversation objects"),
         ({"truncation": "auto"}, "truncation", "only None or 'disabled'"),
         ({"background": True}, "background", "only None or False"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 7}}},
@@ -151,6 +152,34 @@ def test_what_agentkv_does_not_do_is_refused_naming_the_field(change, param, wor
         parse_responses(responses_body(**change), 8)
     assert refused.value.status == 400 and refused.value.param == param
     assert words in refused.value.message
+
+
+def test_a_previous_response_id_names_its_agent_and_point():
+    """A response's id names the agent and the point its reply ends at; a call continuing
+    it sends only its new items (no system message: the agent's conversation begins with
+    it), and may begin with the outputs of the previous response's calls."""
+    body = responses_body()
+    first = parse_responses(body, 8)
+    rid = response_id("anon-1", first.mark_name, SYSTEM, first.tools)
+    outputs = [{"type": "function_call_output", "call_id": c, "output": "x"} for c in "ab"]
+    then = {"previous_response_id": rid, "input": [*outputs, {"role": "user", "content": "Hi"}]}
+    call = parse_responses(body | then, 8)
+    assert call.after == ("anon-1", first.mark_name) and len(first.mark_name) == 12
+    assert [m["role"] for m in call.messages] == ["tool", "tool", "user"]
+    assert call.mark_name != first.mark_name and call.echo["previous_response_id"] == rid
+    for change, words in [
+        ({"instructions": "Another system prompt."}, "send the same ones"),
+        ({"tools": []}, "send the same ones"),
+        ({"previous_response_id": rid[:-4]}, "not the id of a response agentkv made"),
+        ({"previous_response_id": "resp_" + "0" * 12 + "bm90IGpzb24"}, "not the id"),
+        ({"input": [*outputs, outputs[0]]}, "answers a function_call before it"),
+    ]:
+        with pytest.raises(HTTPError, match=words) as refused:
+            parse_responses(body | then | change, 8)
+        assert refused.value.param in ("previous_response_id", "input[2].call_id")
+    without = {"input": outputs}  # not continuing: the outputs answer no call before them
+    with pytest.raises(HTTPError, match="answers a function_call before it"):
+        parse_responses(body | without, 8)
 
 
 def usage(finish: str = "stop", prompt: int = 10, generated: int = 3) -> pb.Usage:
@@ -354,11 +383,76 @@ def test_a_streamed_response_adds_up_to_the_whole_one(stack):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def continued(client: openai.OpenAI, previous, text: str, instructions: str = SYSTEM):
+    return client.responses.create(
+        model="tiny", instructions=instructions, input=text, max_output_tokens=8,
+        previous_response_id=previous.id, **GREEDY,
+    )  # fmt: skip
+
+
+def agent_of(response) -> str:
+    return response.model_extra["agentkv"]["agent_id"]
+
+
+def test_a_previous_response_id_continues_its_agent_and_branches_keep(stack):
+    """Only the new input is sent: the reply is the one the whole input resent gets, read
+    from the cache up to the previous reply. Continuing an earlier response than the
+    agent's last goes on in a fork, so both branches can be continued; an evicted agent is
+    restored from the store."""
+    client = stack.client()
+    first = create(client, "Which scrolls came in today?", "chained")
+    second = continued(client, first, "Index them.")
+    assert second.previous_response_id == first.id and agent_of(second) == "chained"
+    held = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens == held
+    items = [{"role": "user", "content": "Which scrolls came in today?"}]
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+
+    def resent(agent: str, text: str):
+        """The same conversation, the whole input resent each call, on another agent."""
+        assert create(client, items[0]["content"], agent).output_text == first.output_text
+        return create(client, [*items, {"role": "user", "content": text}], agent)
+
+    want = resent("resender", "Index them.")
+    assert second.output_text == want.output_text
+    assert second.usage.input_tokens == want.usage.input_tokens
+
+    branch = continued(client, first, "Burn them.")  # from the first again: a fork
+    assert agent_of(branch).startswith("chained-b")
+    assert branch.usage.input_tokens_details.cached_tokens == held
+    want = resent("burner", "Burn them.")
+    assert branch.output_text == want.output_text
+    assert branch.usage.input_tokens == want.usage.input_tokens
+
+    WorkerClient(stack.worker.address).evict("default", "chained")
+    third = continued(client, second, "Thank you.")  # the first branch, still there
+    assert agent_of(third) == "chained" and third.model_extra["agentkv"]["cache_state"] == "warm"
+    assert third.usage.input_tokens_details.cached_tokens == (
+        second.usage.input_tokens + second.usage.output_tokens - 1
+    )
+    with client.responses.stream(
+        model="tiny", instructions=SYSTEM, input="Thank you.", max_output_tokens=8,
+        previous_response_id=second.id, **GREEDY,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+    created, last = events[0].response, events[-1].response
+    assert created.id == last.id != third.id and last.output_text == third.output_text
+    assert continued(client, last, "Bye.").status in ("completed", "incomplete")
+
+
 def test_bad_requests_get_openai_errors(stack):
     client = stack.client()
     with pytest.raises(openai.BadRequestError) as refused:
         create(client, "x", "bad", previous_response_id="resp_1")
     assert refused.value.body["param"] == "previous_response_id"
+    assert refused.value.body["code"] == "previous_response_not_found"
+    gone = create(client, "Which scrolls came in today?", "deleted-later")
+    WorkerClient(stack.worker.address).delete("default", "deleted-later")
+    with pytest.raises(openai.BadRequestError, match="not found") as refused:
+        continued(client, gone, "Index them.")
+    assert refused.value.body["code"] == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError, match="send the same ones"):
+        continued(client, gone, "Index them.", instructions="Be brief.")
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         client.responses.create(model="gpt-5", input="x")
 
@@ -406,10 +500,41 @@ def test_a_function_call_loop_resumes_warm_and_streams_the_same_call(tools):
     ]
 
 
-@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("streamed, by_id", [(False, False), (True, False), (False, True)])
 def test_an_openai_agents_sdk_agent_on_its_default_model_calls_its_tool_and_resumes_warm(
-    tools, streamed
+    tools, streamed, by_id
 ):
     """OpenAI's Agents SDK, unchanged, with its default Responses model over the gateway,
-    streamed and not (check_weather_agent says what is checked)."""
-    check_weather_agent(str(tools.client().base_url), "OpenAIResponsesModel", streamed)
+    streamed and not, the second run resending its history or continuing the first's last
+    response by id (check_weather_agent says what is checked)."""
+    check_weather_agent(str(tools.client().base_url), "OpenAIResponsesModel", streamed, by_id)
+
+
+def test_a_function_call_s_result_continues_its_response_by_id(tools):
+    """Only the function's output is sent, after the response that made the call: the reply
+    is the one the whole input resent gets."""
+    client = tools.client()
+    ask = "What is the weather in Paris?"
+
+    def turn(items, agent: str = "", **options):
+        return client.responses.create(
+            model="qwen-tools", instructions="You are a weather assistant.", input=items,
+            tools=[WEATHER], max_output_tokens=32, **GREEDY, **options,
+            extra_headers={"X-Agent-Id": agent} if agent else None,
+        )  # fmt: skip
+
+    first = turn(ask, "by-id")
+    [call] = [item for item in first.output if item.type == "function_call"]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    second = turn([result], previous_response_id=first.id)
+    held = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens == held
+    items = [{"role": "user", "content": ask}]
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    assert turn(ask, "resent").output_text == first.output_text
+    whole = turn([*items, result], "resent")
+    shape = ("type", "name", "arguments", "text")
+    assert [[getattr(i, k, None) for k in shape] for i in second.output] == [
+        [getattr(i, k, None) for k in shape] for i in whole.output
+    ]
+    assert second.usage.input_tokens == whole.usage.input_tokens

@@ -262,12 +262,15 @@ def test_the_asyncio_sdk_collects_tool_calls_too(stack):
     the_call(calls[0].name, calls[0].arguments)
 
 
-def check_weather_agent(base_url: str, model_class: str, streamed: bool = False) -> None:
+def check_weather_agent(
+    base_url: str, model_class: str, streamed: bool = False, by_id: bool = False
+) -> None:
     """OpenAI's Agents SDK, unchanged, over the gateway at `base_url`: an agent with one
     function tool on `model_class` (OpenAIChatCompletionsModel, OpenAIResponsesModel), run
-    (`streamed` or not) once on ASK, then again on that run's history and a new question.
-    Its tool is called with the model's arguments, and the second run resumes the agent's
-    cache: its call and result too."""
+    (`streamed` or not) once on ASK, then again on that run's history and a new question
+    (`by_id`: on only what followed its last response, the tool's result, and the question,
+    with previous_response_id). Its tool is called with the model's arguments, and the
+    second run resumes the agent's cache: its call and result too."""
     import agents
 
     ran = []
@@ -289,16 +292,22 @@ def check_weather_agent(base_url: str, model_class: str, streamed: bool = False)
         tool_use_behavior="stop_on_first_tool",  # the scripted model would call for ever
     )
 
-    async def run(items):
+    async def run(items, **options):
         if not streamed:
-            return await agents.Runner.run(agent, items)
-        result = agents.Runner.run_streamed(agent, items)
+            return await agents.Runner.run(agent, items, **options)
+        result = agents.Runner.run_streamed(agent, items, **options)
         async for _ in result.stream_events():
             pass
         return result
 
     async def twice():  # one event loop: the client's connections belong to it
-        first = await run(f"{ASK} ({model_class}, {streamed})")
+        first = await run(f"{ASK} ({model_class}, {streamed}, {by_id})")
+        if by_id:
+            result = first.to_input_list()[-1]
+            assert result["type"] == "function_call_output"
+            new = [result, {"role": "user", "content": "And tomorrow?"}]
+            second = await run(new, previous_response_id=first.last_response_id)
+            return first, second
         history = [*first.to_input_list(), {"role": "user", "content": "And tomorrow?"}]
         return first, await run(history)
 
