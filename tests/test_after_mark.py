@@ -13,22 +13,14 @@ from agentkv import defaults
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import InvalidArgument, MarkNotFound, TurnsFollow
 from inference_worker.models import resolve_model
-
-NS = "marks"
-SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
-ASK = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
-BRANCH = "And of Spain?"
+from tests.test_whole_conversation import ASK, NS, SYSTEM
+from tests.test_whole_conversation import EDITED as BRANCH
+from tests.test_whole_conversation import step_by_step as told  # a fresh agent, turn by turn
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     return resolve_model(defaults.MODEL, "auto", "cpu", tmp_path_factory.mktemp("model-cache"))
-
-
-def told(w: WorkerClient, agent: str, questions: list[str]) -> list:
-    """A fresh agent told the conversation one question a turn."""
-    w.create_agent(NS, agent, SYSTEM)
-    return [w.turn(NS, agent, [("user", q)], max_tokens=16) for q in questions]
 
 
 def test_a_turn_continues_from_an_earlier_point_as_a_fresh_agent_would(smollm2, start_worker):
