@@ -216,6 +216,8 @@ class Gateway:
             return Response(status_code=499)  # gone before the first token: nobody reads it
         reply = turn.reply
         call.agent_id = reply.agent.id
+        if call.mark_name:  # a Responses id names the agent: a spare one is kept for it
+            self.spares.discard(reply.agent)
         facts = {
             "x-agentkv-agent-id": reply.agent.id,
             "x-agentkv-namespace": namespace,
@@ -446,7 +448,12 @@ class Gateway:
             except TurnsFollow:
                 branch = f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}"
                 fork = await agent.fork(branch)
+            try:
                 return Turn(await fork.say(call.messages, **options))
+            except BaseException:  # a branch that never took its turn is not kept
+                self.spares.add(fork)
+                self._ended(fork)
+                raise
         except (AgentNotFound, MarkNotFound) as exc:
             raise responses.not_found(previous, exc.message) from None
 

@@ -144,7 +144,7 @@ def _previous(body: dict, instructions: str | None, tools: str) -> tuple[str, st
         named = previous[17:]
         agent_id, setup = json.loads(base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)))
         mark, agent_id = previous[5:17], ids.agent_id(agent_id)
-    except (binascii.Error, ValueError, TypeError, AgentKVError):
+    except (binascii.Error, ValueError, TypeError, RecursionError, AgentKVError):
         raise not_found(previous, "it is not the id of a response agentkv made") from None
     if setup != _setup(instructions, tools):
         raise invalid(
@@ -223,7 +223,8 @@ def _input(items: Any, continuing: bool = False) -> list[dict[str, Any]]:
     function_call_output is a tool message answering a call before it, put in its calls'
     order (in_call_order: chat templates pair them by place). `continuing` (after a
     previous response): those before any of the model's items answer that response's
-    calls, in the order given (the worker checks them against its template)."""
+    calls, in the order given; the gateway keeps no calls to check them against, so their
+    order is the caller's to get right (the Agents SDK sends them in the calls' order)."""
     if isinstance(items, str):
         utf8(items, "input")
         return [{"role": "user", "content": items}]

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +47,7 @@ LAST_ROLE = "agentkv.last_role"
 OPENED = "agentkv.opened"
 DIGEST = "agentkv.digest"
 MARKS = "agentkv.marks"
+MARK_NAMES = "agentkv.mark_names"  # digest,name;... of the marks a caller named
 APPLIED = "agentkv.applied"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
 TOOLS = "agentkv.toolsz."  # + chunk index: the conversation's tools, packed (pack_tools)
@@ -65,6 +66,7 @@ def check_metadata(metadata: dict[str, str], system: str, tools: str = "") -> di
     saved."""
     own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID, APPLIED)}
     own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
+    own[MARK_NAMES] = "x" * SYSTEM_CHUNK  # their names, where a caller gave them
     own |= _chunks(SYSTEM, system) | tools_metadata(tools)
     try:
         ids.metadata({**metadata, **own})
@@ -93,8 +95,7 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
         LAST_ROLE: chat.last_role,
         OPENED: "1" if chat.opened else "0",
         DIGEST: chat.digest,
-        MARKS: _marks_text(chat.marks),
-    }
+    } | _marks_text(chat.marks)
     if chat.applied:
         out[APPLIED] = chat.applied
     out |= _chunks(SYSTEM, "" if chat.opened else chat.system)
@@ -137,31 +138,39 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
         last_role=metadata.get(LAST_ROLE) or "assistant",
         reply_open=metadata.get(REPLY_OPEN) == "1",
         digest=metadata.get(DIGEST, ""),
-        marks=_marks(metadata.get(MARKS, "")),
+        marks=_marks(metadata.get(MARKS, ""), metadata.get(MARK_NAMES, "")),
         applied=metadata.get(APPLIED, ""),
         tools=packed or _joined(PLAIN_TOOLS, metadata),
     )
 
 
-def _marks_text(marks: tuple[Mark, ...]) -> str:
-    """Marks as one metadata value: the latest that fit in one (named ones are longer)."""
-    items = [
-        f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}"
-        + (f",{m.name}" if m.name else "")
-        for m in marks
-    ]
-    while len(";".join(items)) > SYSTEM_CHUNK:
-        items.pop(0)
-    return ";".join(items)
+def _marks_text(marks: tuple[Mark, ...]) -> dict[str, str]:
+    """Marks as metadata: one value of them all (as workers before names wrote it, so that
+    they read it still), and one of the names given, by digest, where any was."""
+    out = {MARKS: _latest(f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}"
+                          for m in marks)}  # fmt: skip
+    if any(m.name for m in marks):
+        out[MARK_NAMES] = _latest(f"{m.digest},{m.name}" for m in marks if m.name)
+    return out
 
 
-def _marks(text: str) -> tuple[Mark, ...]:
-    """Marks as chat_metadata writes them (a name only where one was given); a manifest
-    from before marks has none."""
+def _latest(items: Iterable[str]) -> str:
+    """The latest items that fit in one metadata value (all of 64 marks do)."""
+    kept = list(items)
+    while len(";".join(kept)) > SYSTEM_CHUNK:
+        kept.pop(0)
+    return ";".join(kept)
+
+
+def _marks(text: str, names: str = "") -> tuple[Mark, ...]:
+    """Marks as chat_metadata writes them, with their names; a manifest from before marks
+    has none."""
+    named = dict(item.split(",") for item in filter(None, names.split(";")))
     marks = []
     for item in filter(None, text.split(";")):
-        digest, end, cached, role, reply_open, *name = item.split(",")
-        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", *name))
+        digest, end, cached, role, reply_open = item.split(",")
+        name = named.get(digest, "")
+        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", name))
     return tuple(marks)
 
 

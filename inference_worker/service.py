@@ -241,5 +241,7 @@ def _check_mark(job: TurnJob) -> None:
         raise InvalidArgument(
             f"mark_name {job.mark_name[:40]!r} is not 1 to 16 letters, digits, '_' or '-'"
         )
+    if job.after_mark_last and not job.after_mark:
+        raise InvalidArgument("after_mark_last needs an after_mark")
     if job.after_mark and job.whole_conversation:
         raise InvalidArgument("after_mark continues a conversation; whole_conversation resends it")

@@ -106,3 +106,22 @@ def test_bad_marks_are_refused(smollm2, start_worker, options, match):
     with pytest.raises(InvalidArgument, match=match):
         w.turn(NS, "bad", [("user", ASK[0])], max_tokens=4, **options)
     assert w.turn(NS, "bad", [("user", ASK[0])], max_tokens=4).usage.mark
+
+
+def test_named_marks_keep_the_format_older_workers_read():
+    """Names go in a metadata value of their own: the marks' value stays the five fields a
+    worker from before names splits, and a manifest without names reads as before."""
+    from inference_worker.chat import ChatState, Mark
+    from inference_worker.persistence import MARK_NAMES, MARKS, chat_metadata, chat_state
+
+    marks = (
+        Mark("a" * 24, 10, 9, "assistant", True, "first-0"),
+        Mark("b" * 24, 20, 19, "user", False),
+    )
+    written = chat_metadata(ChatState(marks=marks))
+    assert all(len(item.split(",")) == 5 for item in written[MARKS].split(";"))
+    assert written[MARK_NAMES] == f"{'a' * 24},first-0"
+    assert chat_state(written).marks == marks
+    unnamed = {k: v for k, v in written.items() if k != MARK_NAMES}
+    assert [m.name for m in chat_state(unnamed).marks] == ["", ""]
+    assert MARK_NAMES not in chat_metadata(ChatState(marks=marks[1:]))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
+import time
+import urllib.request
 from typing import Any
 
 import openai
@@ -453,6 +455,29 @@ def test_bad_requests_get_openai_errors(stack):
     assert refused.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError, match="send the same ones"):
         continued(client, gone, "Index them.", instructions="Be brief.")
+
+
+def test_a_branch_whose_turn_fails_is_not_kept(stack):
+    """A call continuing an earlier response forks its agent; when the fork's turn is
+    refused (here its context would overflow), the fork is deleted, once."""
+    client = stack.client()
+    first = create(client, "Which scrolls came in today?", "overflowed")
+    continued(client, first, "Index them.")
+    with pytest.raises(openai.BadRequestError) as refused:
+        continued(client, first, "scroll " * 5000)
+    assert refused.value.body["code"] == "context_length_exceeded"
+
+    def branches() -> list[str]:
+        with urllib.request.urlopen(f"http://{stack.gateway.address}/v1/agents") as answer:
+            listed = json.load(answer)["data"]
+        return [a["agent_id"] for a in listed if a["agent_id"].startswith("overflowed-b")]
+
+    deadline = time.monotonic() + 60
+    while branches():  # deleted once its refused turn has ended
+        assert time.monotonic() < deadline, branches()
+        time.sleep(0.05)
+    assert continued(client, first, "Burn them.").status in ("completed", "incomplete")
+    assert len(branches()) == 1
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         client.responses.create(model="gpt-5", input="x")
 
