@@ -68,6 +68,10 @@ class FingerprintMismatch(FailedPrecondition):
     """A block or agent was written under another model or KV format."""
 
 
+class AgentBusy(FailedPrecondition):
+    """The agent has a turn under way: the call may be sent again once it ends."""
+
+
 class TurnsFollow(FailedPrecondition):
     """A turn asked to continue from its agent's last point, and later turns follow it."""
 

@@ -45,6 +45,7 @@ from agentkv import ids
 from agentkv.auth import Principal, TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
 from agentkv.errors import (
+    AgentBusy,
     AgentExists,
     AgentKVError,
     AgentNotFound,
@@ -444,10 +445,11 @@ class Gateway:
         previous = call.echo.get("previous_response_id") or ""
         try:
             try:
-                return Turn(await agent.say(call.messages, **options, after_mark_last=True))
+                say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)
+                return Turn(await self._when_idle(say))
             except TurnsFollow:
                 branch = f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}"
-                fork = await agent.fork(branch)
+                fork = await self._when_idle(functools.partial(agent.fork, branch))
             try:
                 return Turn(await fork.say(call.messages, **options))
             except BaseException:  # a branch that never took its turn is not kept
@@ -456,6 +458,20 @@ class Gateway:
                 raise
         except (AgentNotFound, MarkNotFound) as exc:
             raise responses.not_found(previous, exc.message) from None
+
+    async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
+        """`step` on an agent, once the agent's turn under way has ended (another call
+        continuing the same response, or one before it): it is tried again until then,
+        within the gateway's --timeout."""
+        deadline, delay = time.monotonic() + self.config.timeout, 0.02
+        while True:
+            try:
+                return await step()
+            except AgentBusy:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
         """The agent's turn, made first when it does not exist (a spare never does)."""

@@ -20,6 +20,7 @@ from typing import Any
 from agentkv import ids
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
+    AgentBusy,
     AgentExists,
     AgentKVError,
     DeadlineExceeded,
@@ -282,7 +283,7 @@ class Engine:
         if again and max_tokens and not (job.whole_conversation or job.after_mark):
             raise TurnTaken(TAKEN.format(agent.agent_id, job.request_id))
         if self.batcher.holds(agent):
-            raise FailedPrecondition(f"agent {agent.agent_id!r} already has a turn in progress")
+            raise AgentBusy(f"agent {agent.agent_id!r} already has a turn in progress")
         start, tokens, chat = self._extended(job, agent, again)
         if job.request_id:
             chat = replace(chat, applied=job.request_id)
@@ -525,9 +526,7 @@ class Engine:
 
     def _check_idle(self, agent: Agent, what: str) -> None:
         if self.batcher.holds(agent):
-            raise FailedPrecondition(
-                f"agent {agent.agent_id!r} is mid-turn; {what} it after the turn"
-            )
+            raise AgentBusy(f"agent {agent.agent_id!r} is mid-turn; {what} it after the turn")
 
 
 def _reply(turn: ActiveTurn) -> ChatMessage:

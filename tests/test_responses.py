@@ -10,6 +10,7 @@ up to the whole Response. The sans-IO checks come first, without a server."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import time
@@ -24,6 +25,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from agentkv.client.worker import WorkerClient
+from agentkv.errors import AgentBusy
 from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.gateway.responses import ResponseReply, parse_responses, response_id
 from agentkv.worker.v1 import worker_pb2 as pb
@@ -455,6 +457,31 @@ def test_bad_requests_get_openai_errors(stack):
     assert refused.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError, match="send the same ones"):
         continued(client, gone, "Index them.", instructions="Be brief.")
+
+
+def test_two_calls_continuing_one_response_at_once_both_get_their_reply(stack):
+    """The second waits for the first's turn to end, then goes on in a fork (OpenAI takes
+    both; it was a 409, "in progress")."""
+    client = stack.client()
+    first = create(client, "Which scrolls came in today?", "twins")
+    with client.responses.stream(
+        model="tiny", instructions=SYSTEM, input="Index them.", max_output_tokens=2000,
+        previous_response_id=first.id, **GREEDY,
+    ) as stream:  # fmt: skip
+        events = iter(stream)
+        assert next(events).type == "response.created"  # sent once its first token is in
+        busy = WorkerClient(stack.worker.address)
+        with pytest.raises(AgentBusy):  # the turn is under way (2,000 tokens: seconds)
+            busy.turn("default", "twins", [], max_tokens=0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(continued, stack.client(), first, "Burn them.")
+            long = [*events][-1].response  # incomplete: max_output_tokens
+            burnt = second.result(timeout=300)
+    assert agent_of(long) == "twins" and long.usage.output_tokens == 2000
+    assert agent_of(burnt).startswith("twins-b")
+    held = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert burnt.usage.input_tokens_details.cached_tokens == held
+    assert burnt.output_text == continued(client, first, "Burn them.").output_text
 
 
 def test_a_branch_whose_turn_fails_is_not_kept(stack):
