@@ -71,6 +71,7 @@ from agentkv.worker.v1 import worker_pb2 as pb
 log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")
 INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
+INFO_REQUEST = pb.GetWorkerInfoRequest()
 PASSED_BY = {  # what a worker answers that another may not: _first_worker asks the next
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -443,6 +444,10 @@ class Gateway:
         agent_id = call.after[0] if call.after else ""
         agent, options = AsyncAgent(memory, agent_id), _options(call)
         previous = call.echo.get("previous_response_id") or ""
+        info = await memory.route(agent_id, lambda w: w.call("GetWorkerInfo", INFO_REQUEST))
+        if "after_mark" not in info.features:  # it would add the input at the agent's end
+            message = f"agent {agent_id!r}'s worker predates previous_response_id: upgrade it"
+            raise HTTPError(501, message, "server_error", "previous_response_id", "not_implemented")
         try:
             try:
                 say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)

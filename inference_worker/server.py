@@ -16,7 +16,7 @@ from inference_worker.engine import Engine
 from inference_worker.front import Front
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.runtime import resolve_runtime
-from inference_worker.service import SERVICE_NAME, InferenceWorkerServicer
+from inference_worker.service import FEATURES, SERVICE_NAME, InferenceWorkerServicer
 from inference_worker.store_health import StoreHealth
 
 log = logging.getLogger("agentkv.worker")
@@ -32,6 +32,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
     # anew with each user message, whatever mlx-lm infers).
     tools = engine.chat.tool_format
     info = {**runtime.info(config, blas), "tool_parser": tools.name if tools else ""}
+    info["features"] = FEATURES
     servicer = InferenceWorkerServicer(Front(engine, config.store_check_timeout), info)
     service = worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"]
     served = bind_service(

@@ -22,6 +22,7 @@ from inference_worker.tools import canonical_tools, checked_calls
 from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJob
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
+FEATURES = ("after_mark",)  # GetWorkerInfoResponse.features: what an older worker lacks
 MAX_REQUEST_ID = 64
 MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
 MARK_NAME = re.compile(r"[A-Za-z0-9_-]{1,16}")  # fits in a mark (persistence._marks)

@@ -12,7 +12,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   committed), or a fork into that phase is committed, then the process dies before its reply
   (a turn's first response) is sent, as a worker lost at that moment does.
 
-Both errors carry SECRET, which no other turn may ever see.
+Both errors carry SECRET, which no other turn may ever see. With OLD_WORKER=1 in its
+environment the process acts as a worker from before TurnRequest.after_mark: it lists no
+features and drops the fields it would not know (proto3 drops unknown fields).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def install() -> None:
         return dies_before_first
 
     InferenceWorkerServicer.Turn = lost_stream(InferenceWorkerServicer.Turn)
+    if os.environ.get("OLD_WORKER") == "1":
+        old_worker()
     InferenceWorkerServicer.InjectContext = lost_reply(InferenceWorkerServicer.InjectContext)
     InferenceWorkerServicer.ForkAgent = lost_reply(InferenceWorkerServicer.ForkAgent)
 
@@ -88,6 +92,22 @@ def install() -> None:
 
     Sampling.sampler = faulty_sampler
     Batcher._decode = faulty_decode
+
+
+def old_worker() -> None:
+    """A worker from before after_mark: no features listed, its turn fields dropped."""
+    import inference_worker.server
+    from inference_worker.service import InferenceWorkerServicer
+
+    inference_worker.server.FEATURES = ()
+    turn = InferenceWorkerServicer.Turn
+
+    def unaware(self, request, context):
+        for name in ("after_mark", "after_mark_last", "mark_name"):
+            request.ClearField(name)
+        yield from turn(self, request, context)
+
+    InferenceWorkerServicer.Turn = unaware
 
 
 def main() -> None:

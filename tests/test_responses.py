@@ -28,6 +28,7 @@ from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentBusy
 from agentkv.gateway.protocol import HTTPError, parse_chat
 from agentkv.gateway.responses import ResponseReply, parse_responses, response_id
+from agentkv.launch import ServiceProcess, gateway_process, store_process
 from agentkv.worker.v1 import worker_pb2 as pb
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tiny_model, tiny_tokenizer
 from tests.test_tools import ToolStack, check_weather_agent
@@ -482,6 +483,30 @@ def test_two_calls_continuing_one_response_at_once_both_get_their_reply(stack):
     held = first.usage.input_tokens + first.usage.output_tokens - 1
     assert burnt.usage.input_tokens_details.cached_tokens == held
     assert burnt.output_text == continued(client, first, "Burn them.").output_text
+
+
+def test_a_worker_from_before_after_mark_is_not_asked_to_continue(stack, tmp_path):
+    """An older worker drops after_mark (proto3) and would add the input at the agent's
+    end: the gateway asks the agent's worker what it does first, and refuses (501)."""
+    store = store_process(tmp_path / "data", tmp_path / "store.log").start()
+    args = ["--model", str(stack.model), "--store", store.address, "--listen", "127.0.0.1:0"]
+    old = ServiceProcess("tests.faulty_worker", args, tmp_path / "old.log", {"OLD_WORKER": "1"})
+    old.start()
+    flags = ["--model-name", "tiny"]
+    gateway = gateway_process([old.address], tmp_path / "gw.log", store.address, extra_args=flags)
+    gateway.start()
+    try:
+        url = f"http://{gateway.address}/v1"
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        first = create(client, "Which scrolls came in today?", "old-timer")
+        before = WorkerClient(old.address).describe("default", "old-timer").num_tokens
+        with pytest.raises(openai.APIStatusError, match="predates previous_response_id") as no:
+            continued(client, first, "Index them.")
+        assert no.value.status_code == 501
+        assert WorkerClient(old.address).describe("default", "old-timer").num_tokens == before
+    finally:
+        for process in (gateway, old, store):
+            process.stop()
 
 
 def test_a_branch_whose_turn_fails_is_not_kept(stack):

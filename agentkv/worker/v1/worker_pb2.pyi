@@ -302,7 +302,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerInfoResponse(_message.Message):
-    __slots__ = ("model", "fingerprint", "kv_format", "block_tokens", "max_context", "device", "blas", "hot_budget_bytes", "hot_bytes", "num_hot_agents", "dtype", "tool_parser")
+    __slots__ = ("model", "fingerprint", "kv_format", "block_tokens", "max_context", "device", "blas", "hot_budget_bytes", "hot_bytes", "num_hot_agents", "dtype", "tool_parser", "features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class GetWorkerInfoResponse(_message.Message):
     NUM_HOT_AGENTS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: str
     fingerprint: str
     kv_format: str
@@ -327,7 +328,8 @@ class GetWorkerInfoResponse(_message.Message):
     num_hot_agents: int
     dtype: str
     tool_parser: str
-    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ..., dtype: _Optional[str] = ..., tool_parser: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kv_format: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., blas: _Optional[str] = ..., hot_budget_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., num_hot_agents: _Optional[int] = ..., dtype: _Optional[str] = ..., tool_parser: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("messages", "tools")
