@@ -223,8 +223,8 @@ def _input(items: Any, continuing: bool = False) -> list[dict[str, Any]]:
     function_call_output is a tool message answering a call before it, put in its calls'
     order (in_call_order: chat templates pair them by place). `continuing` (after a
     previous response): those before any of the model's items answer that response's
-    calls, in the order given; the gateway keeps no calls to check them against, so their
-    order is the caller's to get right (the Agents SDK sends them in the calls' order)."""
+    calls; the worker, which keeps them with the response's point, puts them in the calls'
+    order and refuses results of other calls or calls left unanswered."""
     if isinstance(items, str):
         utf8(items, "input")
         return [{"role": "user", "content": items}]

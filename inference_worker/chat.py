@@ -90,6 +90,7 @@ class Mark:
     last_role: str
     reply_open: bool
     name: str = ""  # what its turn's caller named it (TurnRequest.mark_name), if anything
+    calls: tuple[str, ...] = ()  # the ids of the tool calls its reply made, in order
 
 
 MAX_MARKS = 64  # an agent keeps its last this many marks (one a turn): one metadata value
@@ -108,9 +109,12 @@ class ChatState:
     applied: str = ""  # request_id of the last turn or injection taken (a retry of it)
     tools: str = ""  # the conversation's tools (tools.canonical_tools), rendered in each part
 
-    def marked(self, end: int, cached: int, name: str = "") -> ChatState:
-        """This state with a mark here, at token `end` (`cached` of them in the cache)."""
-        mark = Mark(self.digest, end, cached, self.last_role, self.reply_open, name)
+    def marked(
+        self, end: int, cached: int, name: str = "", calls: tuple[str, ...] = ()
+    ) -> ChatState:
+        """This state with a mark here, at token `end` (`cached` of them in the cache),
+        after a reply that made `calls`."""
+        mark = Mark(self.digest, end, cached, self.last_role, self.reply_open, name, calls)
         kept = tuple(m for m in self.marks if m.end < end)[-(MAX_MARKS - 1) :]
         return replace(self, marks=(*kept, mark))
 
@@ -195,11 +199,28 @@ def continued(
                 f"{n} turn(s) of agent {agent_id!r} follow the point {key!r}: continuing "
                 "from it would drop them (fork the agent to branch there)"
             )
-        return _resumed_at(tokens, state, n, state.tools, messages)
+        return _resumed_at(tokens, state, n, state.tools, _answering(mark, messages))
     raise MarkNotFound(
         f"agent {agent_id!r} has no point {key!r} in its conversation: a later turn went "
         f"on from before it, or it is older than the agent's last {MAX_MARKS} turns"
     )
+
+
+def _answering(mark: Mark, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """The messages, their opening tool results put in the order of the calls the reply at
+    `mark` made (templates pair results with calls by place); INVALID_ARGUMENT for results
+    of other calls, or calls left unanswered. A mark that kept no calls takes them as given."""
+    n = next((i for i, m in enumerate(messages) if m.role != "tool"), len(messages))
+    answered = [m.tool_call_id for m in messages[:n]]
+    if not mark.calls:
+        return list(messages)
+    if sorted(answered) != sorted(mark.calls):
+        raise InvalidArgument(
+            f"the reply at that point made the tool calls {list(mark.calls)}: tool results "
+            f"answer each once, before any other message (these answer {answered[:16]})"
+        )
+    place = {call_id: i for i, call_id in enumerate(mark.calls)}
+    return sorted(messages[:n], key=lambda m: place[m.tool_call_id]) + list(messages[n:])
 
 
 def _resumed_at(

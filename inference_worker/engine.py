@@ -395,15 +395,17 @@ class Engine:
             # would stay in the context over a cache that holds part of them, with no reply.
             self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
             return
+        calls: tuple[str, ...] = ()  # the reply's, for the tool results after its mark
         if usage.generated_tokens:
             reply = _reply(turn)
+            calls = tuple(call.id for call in reply.tool_calls)
             chat = agent.chat
             chat.reply_open, chat.last_role = True, "assistant"
             chat.digest = chain(chat.digest, [reply])
             self.metrics.generated_tokens.inc(usage.generated_tokens)
             self.metrics.ttft.observe(usage.time_to_first_token_ms / 1000)
         if usage.generated_tokens or job.messages:
-            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached, job.mark_name)
+            agent.chat = agent.chat.marked(len(agent.tokens), agent.cached, job.mark_name, calls)
             usage.mark = agent.chat.digest
         self._finish_turn(agent)
         if job.creates:

@@ -47,7 +47,8 @@ LAST_ROLE = "agentkv.last_role"
 OPENED = "agentkv.opened"
 DIGEST = "agentkv.digest"
 MARKS = "agentkv.marks"
-MARK_NAMES = "agentkv.mark_names"  # digest,name;... of the marks a caller named
+# digest,name,call-id call-id;... of marks a caller named or after replies with tool calls
+MARK_EXTRAS = "agentkv.mark_extras"
 APPLIED = "agentkv.applied"
 SYSTEM = "agentkv.system."  # + chunk index: the system prompt until the first turn
 TOOLS = "agentkv.toolsz."  # + chunk index: the conversation's tools, packed (pack_tools)
@@ -66,7 +67,7 @@ def check_metadata(metadata: dict[str, str], system: str, tools: str = "") -> di
     saved."""
     own = {k: "x" * 64 for k in (REPLY_OPEN, LAST_ROLE, OPENED, DIGEST, COMMIT_ID, APPLIED)}
     own[MARKS] = "x" * SYSTEM_CHUNK  # the resume points: one value, trimmed to fit
-    own[MARK_NAMES] = "x" * SYSTEM_CHUNK  # their names, where a caller gave them
+    own[MARK_EXTRAS] = "x" * SYSTEM_CHUNK  # their names and replies' calls, where any
     own |= _chunks(SYSTEM, system) | tools_metadata(tools)
     try:
         ids.metadata({**metadata, **own})
@@ -138,7 +139,7 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
         last_role=metadata.get(LAST_ROLE) or "assistant",
         reply_open=metadata.get(REPLY_OPEN) == "1",
         digest=metadata.get(DIGEST, ""),
-        marks=_marks(metadata.get(MARKS, ""), metadata.get(MARK_NAMES, "")),
+        marks=_marks(metadata.get(MARKS, ""), metadata.get(MARK_EXTRAS, "")),
         applied=metadata.get(APPLIED, ""),
         tools=packed or _joined(PLAIN_TOOLS, metadata),
     )
@@ -149,8 +150,9 @@ def _marks_text(marks: tuple[Mark, ...]) -> dict[str, str]:
     they read it still), and one of the names given, by digest, where any was."""
     out = {MARKS: _latest(f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}"
                           for m in marks)}  # fmt: skip
-    if any(m.name for m in marks):
-        out[MARK_NAMES] = _latest(f"{m.digest},{m.name}" for m in marks if m.name)
+    extras = [f"{m.digest},{m.name},{' '.join(m.calls)}" for m in marks if m.name or m.calls]
+    if extras:
+        out[MARK_EXTRAS] = _latest(extras)
     return out
 
 
@@ -162,15 +164,18 @@ def _latest(items: Iterable[str]) -> str:
     return ";".join(kept)
 
 
-def _marks(text: str, names: str = "") -> tuple[Mark, ...]:
-    """Marks as chat_metadata writes them, with their names; a manifest from before marks
-    has none."""
-    named = dict(item.split(",") for item in filter(None, names.split(";")))
+def _marks(text: str, extras: str = "") -> tuple[Mark, ...]:
+    """Marks as chat_metadata writes them, with their names and their replies' calls; a
+    manifest from before marks has none."""
+    more = {}
+    for item in filter(None, extras.split(";")):
+        digest, name, calls = item.split(",")
+        more[digest] = name, tuple(calls.split())
     marks = []
     for item in filter(None, text.split(";")):
         digest, end, cached, role, reply_open = item.split(",")
-        name = named.get(digest, "")
-        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", name))
+        extra = more.get(digest, ("", ()))
+        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", *extra))
     return tuple(marks)
 
 

@@ -7,6 +7,8 @@ nothing, and after_mark_last refuses to drop anything."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from agentkv import defaults
@@ -54,10 +56,21 @@ def test_a_turn_continues_from_an_earlier_point_as_a_fresh_agent_would(smollm2, 
     assert w.describe(NS, "main").num_tokens == before.num_tokens
 
 
+def committed(w: WorkerClient, agent: str):
+    """The agent's state once its last turn is in the store (it is written after the reply,
+    which changes its generation): all its cache, which holds all but the reply's last
+    token."""
+    deadline = time.monotonic() + 60
+    while (state := w.describe(NS, agent)).persisted_tokens < state.num_tokens - 1:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    return state
+
+
 def test_after_mark_last_refuses_to_drop_turns(smollm2, start_worker):
     w = WorkerClient(start_worker(smollm2).address)
     first, second = told(w, "kept", ASK[:2])
-    before = w.describe(NS, "kept")
+    before = committed(w, "kept")
     with pytest.raises(TurnsFollow, match="1 turn"):
         w.turn(
             NS, "kept", [("user", BRANCH)], max_tokens=8,
@@ -109,19 +122,42 @@ def test_bad_marks_are_refused(smollm2, start_worker, options, match):
 
 
 def test_named_marks_keep_the_format_older_workers_read():
-    """Names go in a metadata value of their own: the marks' value stays the five fields a
-    worker from before names splits, and a manifest without names reads as before."""
+    """Names and replies' calls go in a metadata value of their own: the marks' value stays
+    the five fields a worker from before them splits, and a manifest without them reads as
+    before."""
     from inference_worker.chat import ChatState, Mark
-    from inference_worker.persistence import MARK_NAMES, MARKS, chat_metadata, chat_state
+    from inference_worker.persistence import MARK_EXTRAS, MARKS, chat_metadata, chat_state
 
     marks = (
-        Mark("a" * 24, 10, 9, "assistant", True, "first-0"),
+        Mark("a" * 24, 10, 9, "assistant", True, "first-0", ("c1", "c2")),
         Mark("b" * 24, 20, 19, "user", False),
     )
     written = chat_metadata(ChatState(marks=marks))
     assert all(len(item.split(",")) == 5 for item in written[MARKS].split(";"))
-    assert written[MARK_NAMES] == f"{'a' * 24},first-0"
+    assert written[MARK_EXTRAS] == f"{'a' * 24},first-0,c1 c2"
     assert chat_state(written).marks == marks
-    unnamed = {k: v for k, v in written.items() if k != MARK_NAMES}
-    assert [m.name for m in chat_state(unnamed).marks] == ["", ""]
-    assert MARK_NAMES not in chat_metadata(ChatState(marks=marks[1:]))
+    before = {k: v for k, v in written.items() if k != MARK_EXTRAS}
+    assert [(m.name, m.calls) for m in chat_state(before).marks] == [("", ())] * 2
+    assert MARK_EXTRAS not in chat_metadata(ChatState(marks=marks[1:]))
+
+
+def test_tool_results_after_a_point_answer_its_calls_in_their_order():
+    """Templates pair results with calls by place: results that follow a reply's point are
+    put in its calls' order; results of other calls, or a call left unanswered, are
+    refused. A point that kept no calls (a reply without any, a worker from before) takes
+    them as given."""
+    from inference_worker.chat import ChatMessage, ChatState, Mark, continued
+
+    def result(call_id: str) -> ChatMessage:
+        return ChatMessage("tool", f"result of {call_id}", tool_call_id=call_id)
+
+    state = ChatState(marks=(Mark("d" * 24, 5, 4, "assistant", True, "", ("c1", "c2")),))
+    then = ChatMessage("user", "And tomorrow?")
+    got = continued(list(range(5)), state, "d" * 24, [result("c2"), result("c1"), then])
+    assert [m.tool_call_id for m in got.messages] == ["c1", "c2", ""]
+    for wrong in ([result("c1")], [result("c1"), result("c3")], [result("c1")] * 2, [then]):
+        with pytest.raises(InvalidArgument, match=r"made the tool calls \['c1', 'c2'\]"):
+            continued(list(range(5)), state, "d" * 24, wrong)
+    plain = ChatState(marks=(Mark("d" * 24, 5, 4, "assistant", True),))
+    got = continued(list(range(5)), plain, "d" * 24, [result("c2"), result("c1")])
+    assert [m.tool_call_id for m in got.messages] == ["c2", "c1"]

@@ -603,6 +603,9 @@ def test_a_function_call_s_result_continues_its_response_by_id(tools):
     first = turn(ask, "by-id")
     [call] = [item for item in first.output if item.type == "function_call"]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    for wrong in ([result | {"call_id": "call_nope"}], [{"role": "user", "content": "Hm?"}]):
+        with pytest.raises(openai.BadRequestError, match=f"made the tool calls .*{call.call_id}"):
+            turn(wrong, previous_response_id=first.id)  # refused, the agent as it was
     second = turn([result], previous_response_id=first.id)
     held = first.usage.input_tokens + first.usage.output_tokens - 1
     assert second.usage.input_tokens_details.cached_tokens == held
