@@ -218,8 +218,6 @@ class Gateway:
             return Response(status_code=499)  # gone before the first token: nobody reads it
         reply = turn.reply
         call.agent_id = reply.agent.id
-        if call.mark_name:  # a Responses id names the agent: a spare one is kept for it
-            self.spares.discard(reply.agent)
         facts = {
             "x-agentkv-agent-id": reply.agent.id,
             "x-agentkv-namespace": namespace,
@@ -234,6 +232,7 @@ class Gateway:
         try:
             if not await self._whole(reply, request):
                 return Response(status_code=499)  # nobody reads it: the client has gone
+            self._named(call, reply.agent)
         finally:
             self._ended(reply.agent)
         usage = with_creation(reply.usage, turn.created)
@@ -440,26 +439,25 @@ class Gateway:
     async def _continue(self, memory: AsyncAgentMemory, call: ChatCall) -> Turn:
         """The turn of a call that continues a response (previous_response_id): its new
         messages after the point the response's reply ended at, on its agent, or, when
-        later turns follow that point there, on a fork of it (both branches stay)."""
+        later turns follow that point there, on a fork of it (both branches stay). The fork
+        is a spare until its response's id goes out (_converse, _events)."""
         agent_id = call.after[0] if call.after else ""
         agent, options = AsyncAgent(memory, agent_id), _options(call)
         previous = call.echo.get("previous_response_id") or ""
-        info = await memory.route(agent_id, lambda w: w.call("GetWorkerInfo", INFO_REQUEST))
-        if "after_mark" not in info.features:  # it would add the input at the agent's end
-            message = f"agent {agent_id!r}'s worker predates previous_response_id: upgrade it"
-            raise HTTPError(501, message, "server_error", "previous_response_id", "not_implemented")
         try:
+            await _check_continues(memory, agent_id)
             try:
                 say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)
                 return Turn(await self._when_idle(say))
             except TurnsFollow:
-                branch = f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}"
-                fork = await self._when_idle(functools.partial(agent.fork, branch))
+                branch = AsyncAgent(memory, f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}")
+            self.spares.add(branch)  # before it exists: deleted unless its id goes out
             try:
-                return Turn(await fork.say(call.messages, **options))
+                await _check_continues(memory, branch.id)  # it may live on another worker
+                await self._when_idle(lambda: _to_the_end(agent.fork(branch.id)))
+                return Turn(await branch.say(call.messages, **options))
             except BaseException:  # a branch that never took its turn is not kept
-                self.spares.add(fork)
-                self._ended(fork)
+                self._ended(branch)
                 raise
         except (AgentNotFound, MarkNotFound) as exc:
             raise responses.not_found(previous, exc.message) from None
@@ -507,6 +505,12 @@ class Gateway:
             self._ended(agent)
             raise
 
+    def _named(self, call: ChatCall, agent: AsyncAgent) -> None:
+        """The reply's id goes out: a Responses id names its agent, so a spare (or a branch)
+        is kept from now on, to be continued."""
+        if call.mark_name:
+            self.spares.discard(agent)
+
     def _ended(self, agent: AsyncAgent) -> None:
         """After the agent's turn ended or was closed: a spare agent is deleted, once."""
         if agent in self.spares:
@@ -534,6 +538,7 @@ class Gateway:
         try:
             for piece in reply_of.opening(started):
                 yield piece
+            self._named(call, reply.agent)
             async for item in reply.events():
                 pieces = reply_of.text(item) if isinstance(item, str) else reply_of.call(item)
                 for piece in pieces:
@@ -591,6 +596,23 @@ async def _while_connected(request: Request, step: Awaitable[T]) -> tuple[bool, 
     if running.cancelled():
         return False, None
     return True, running.result()
+
+
+async def _check_continues(memory: AsyncAgentMemory, agent_id: str) -> None:
+    """Refuses (501) to continue a response on a worker from before after_mark (during a
+    rolling upgrade): it would drop the field and add the input at the agent's end."""
+
+    async def ask(worker: Any) -> Any:
+        return await asyncio.wait_for(worker.call("GetWorkerInfo", INFO_REQUEST), INFO_TIMEOUT)
+
+    try:
+        info = await memory.route(agent_id, ask)
+    except asyncio.TimeoutError:
+        message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
+        raise HTTPError(503, message, "service_unavailable", code="unavailable") from None
+    if "after_mark" not in info.features:
+        message = f"agent {agent_id!r}'s worker predates previous_response_id: upgrade it"
+        raise HTTPError(501, message, "server_error", "previous_response_id", "not_implemented")
 
 
 async def _to_the_end(step: Awaitable[T]) -> T:

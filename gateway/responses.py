@@ -221,10 +221,9 @@ def _input(items: Any, continuing: bool = False) -> list[dict[str, Any]]:
     """The input as OpenAI-style chat messages: a string is one user message; items in a
     row from the model (its message, its function calls) are one assistant message; each
     function_call_output is a tool message answering a call before it, put in its calls'
-    order (in_call_order: chat templates pair them by place). `continuing` (after a
-    previous response): those before any of the model's items answer that response's
-    calls; the worker, which keeps them with the response's point, puts them in the calls'
-    order and refuses results of other calls or calls left unanswered."""
+    order (in_call_order: chat templates pair them by place). `continuing`: those before
+    any of the model's items answer the previous response's calls, which the worker keeps
+    (it puts them in order, and refuses others' or calls left unanswered)."""
     if isinstance(items, str):
         utf8(items, "input")
         return [{"role": "user", "content": items}]

@@ -150,10 +150,27 @@ def _marks_text(marks: tuple[Mark, ...]) -> dict[str, str]:
     they read it still), and one of the names given, by digest, where any was."""
     out = {MARKS: _latest(f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}"
                           for m in marks)}  # fmt: skip
-    extras = [f"{m.digest},{m.name},{' '.join(m.calls)}" for m in marks if m.name or m.calls]
-    if extras:
-        out[MARK_EXTRAS] = _latest(extras)
+    if extras := _extras(marks):
+        out[MARK_EXTRAS] = extras
     return out
+
+
+def _extras(marks: tuple[Mark, ...]) -> str:
+    """The marks' names and their replies' calls, in one metadata value: every name (64
+    take about 2,700 characters), and the latest replies' calls while they fit (a mark
+    without its calls takes the tool results after it as given)."""
+    kept = {m.digest: [m.name, ""] for m in marks if m.name or m.calls}
+
+    def items() -> list[str]:
+        return [f"{digest},{name},{calls}" for digest, (name, calls) in kept.items()]
+
+    for m in reversed(marks):
+        if m.calls:
+            kept[m.digest][1] = " ".join(m.calls)
+            if len(";".join(items())) > SYSTEM_CHUNK:
+                kept[m.digest][1] = ""
+                break
+    return _latest(items())
 
 
 def _latest(items: Iterable[str]) -> str:
@@ -169,11 +186,11 @@ def _marks(text: str, extras: str = "") -> tuple[Mark, ...]:
     manifest from before marks has none."""
     more = {}
     for item in filter(None, extras.split(";")):
-        digest, name, calls = item.split(",")
+        digest, name, calls, *_ = item.split(",")  # later fields: a later worker's
         more[digest] = name, tuple(calls.split())
     marks = []
     for item in filter(None, text.split(";")):
-        digest, end, cached, role, reply_open = item.split(",")
+        digest, end, cached, role, reply_open, *_ = item.split(",")
         extra = more.get(digest, ("", ()))
         marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", *extra))
     return tuple(marks)

@@ -139,6 +139,18 @@ def test_named_marks_keep_the_format_older_workers_read():
     before = {k: v for k, v in written.items() if k != MARK_EXTRAS}
     assert [(m.name, m.calls) for m in chat_state(before).marks] == [("", ())] * 2
     assert MARK_EXTRAS not in chat_metadata(ChatState(marks=marks[1:]))
+    # 64 named marks after replies of 5 calls each: every name is kept, and the latest
+    # replies' calls while they fit in one value
+    many = tuple(
+        Mark(
+            f"{i:024x}", i, i, "assistant", True, f"n{i:011x}", tuple(f"c{i}x{j}" for j in "12345")
+        )
+        for i in range(64)
+    )
+    extras = chat_metadata(ChatState(marks=many))[MARK_EXTRAS]
+    read = chat_state(chat_metadata(ChatState(marks=many))).marks
+    assert len(extras) <= 4096 and [m.name for m in read] == [m.name for m in many]
+    assert read[-1].calls == many[-1].calls and read[0].calls == ()
 
 
 def test_tool_results_after_a_point_answer_its_calls_in_their_order():

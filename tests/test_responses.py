@@ -458,6 +458,8 @@ def test_bad_requests_get_openai_errors(stack):
     assert refused.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError, match="send the same ones"):
         continued(client, gone, "Index them.", instructions="Be brief.")
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        client.responses.create(model="gpt-5", input="x")
 
 
 def test_two_calls_continuing_one_response_at_once_both_get_their_reply(stack):
@@ -518,6 +520,7 @@ def test_a_branch_whose_turn_fails_is_not_kept(stack):
     with pytest.raises(openai.BadRequestError) as refused:
         continued(client, first, "scroll " * 5000)
     assert refused.value.body["code"] == "context_length_exceeded"
+    assert "agent 'overflowed-b" in refused.value.message  # the fork's turn was refused
 
     def branches() -> list[str]:
         with urllib.request.urlopen(f"http://{stack.gateway.address}/v1/agents") as answer:
@@ -530,8 +533,6 @@ def test_a_branch_whose_turn_fails_is_not_kept(stack):
         time.sleep(0.05)
     assert continued(client, first, "Burn them.").status in ("completed", "incomplete")
     assert len(branches()) == 1
-    with pytest.raises(openai.NotFoundError, match="does not exist here"):
-        client.responses.create(model="gpt-5", input="x")
 
 
 # Against real processes: function calls on the scripted model
