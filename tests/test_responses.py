@@ -468,19 +468,19 @@ def test_two_calls_continuing_one_response_at_once_both_get_their_reply(stack):
     client = stack.client()
     first = create(client, "Which scrolls came in today?", "twins")
     with client.responses.stream(
-        model="tiny", instructions=SYSTEM, input="Index them.", max_output_tokens=2000,
+        model="tiny", instructions=SYSTEM, input="Index them.", max_output_tokens=3000,
         previous_response_id=first.id, **GREEDY,
     ) as stream:  # fmt: skip
         events = iter(stream)
         assert next(events).type == "response.created"  # sent once its first token is in
         busy = WorkerClient(stack.worker.address)
-        with pytest.raises(AgentBusy):  # the turn is under way (2,000 tokens: seconds)
+        with pytest.raises(AgentBusy):  # the turn is under way (3,000 tokens: about 8 s here)
             busy.turn("default", "twins", [], max_tokens=0)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             second = pool.submit(continued, stack.client(), first, "Burn them.")
             long = [*events][-1].response  # incomplete: max_output_tokens
             burnt = second.result(timeout=300)
-    assert agent_of(long) == "twins" and long.usage.output_tokens == 2000
+    assert agent_of(long) == "twins" and long.usage.output_tokens == 3000
     assert agent_of(burnt).startswith("twins-b")
     held = first.usage.input_tokens + first.usage.output_tokens - 1
     assert burnt.usage.input_tokens_details.cached_tokens == held
