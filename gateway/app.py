@@ -177,6 +177,17 @@ class Gateway:
         """OpenAI's POST /v1/responses: the same agents, turns and figures."""
         return await self._converse(request, RESPONSES)
 
+    async def kept_response(self, request: Request) -> Response:
+        """GET /v1/responses/{id} (and its input_items), DELETE: a 404 that says why (the
+        caller's token checked first)."""
+        self._namespace(request)
+        message = (
+            "agentkv keeps no response objects, only each agent's cache: a response's id is "
+            "continued with previous_response_id, not read back or deleted (the store's "
+            "retention removes an agent left unused)"
+        )
+        raise HTTPError(404, message, "invalid_request_error", code="not_found")
+
     async def messages(self, request: Request) -> Response:
         """Anthropic's POST /v1/messages: the same agents, turns and figures."""
         return await self._converse(request, ANTHROPIC)
@@ -716,6 +727,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         for method, path, route in (
             ("POST", "/v1/chat/completions", gateway.chat),
             ("POST", "/v1/responses", gateway.responses),
+            ("GET", "/v1/responses/{response:path}", gateway.kept_response),
+            ("DELETE", "/v1/responses/{response}", gateway.kept_response),
             ("POST", "/v1/messages", gateway.messages),
             ("POST", "/v1/messages/count_tokens", gateway.count_tokens),
             ("GET", "/v1/models", gateway.models),

@@ -460,6 +460,13 @@ def test_bad_requests_get_openai_errors(stack):
         continued(client, gone, "Index them.", instructions="Be brief.")
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         client.responses.create(model="gpt-5", input="x")
+    for kept in (
+        client.responses.retrieve,
+        client.responses.delete,
+        client.responses.input_items.list,
+    ):
+        with pytest.raises(openai.NotFoundError, match="keeps no response objects"):
+            kept(gone.id)
 
 
 def test_two_calls_continuing_one_response_at_once_both_get_their_reply(stack):
