@@ -79,6 +79,7 @@ ITEM_KEYS = {
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 INCOMPLETE = {"length", "deadline", "none"}  # finish reasons of a reply that was cut
+MARK_NAME_CHARS = 12  # a response's mark name: hex digits, the first of its id after resp_
 REASONING = ("effort", "summary", "generate_summary", "context", "mode")  # hints: no reasoning
 
 
@@ -114,12 +115,12 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
         body.get("tool_choice")
     )
     named_tool(call, "tool_choice.name")
-    call.after, call.mark_name = after, secrets.token_hex(6)
+    call.after, call.mark_name = after, secrets.token_hex(MARK_NAME_CHARS // 2)
     return call
 
 
 def response_id(agent_id: str, mark_name: str, instructions: str | None, tools: str) -> str:
-    """A response's id: the point its reply ends at (`mark_name`, 12 hex digits), then its
+    """A response's id: the point its reply ends at (`mark_name`, hex digits), then its
     agent and what its conversation was set up with (a digest of its instructions and
     tools), so that a call continuing it goes to that point of that agent's conversation."""
     named = json.dumps([agent_id, _setup(instructions, tools)], separators=(",", ":"))
@@ -141,9 +142,10 @@ def _previous(body: dict, instructions: str | None, tools: str) -> tuple[str, st
     try:
         if not previous.startswith("resp_"):
             raise ValueError(previous)
-        named = previous[17:]
+        rest = previous.removeprefix("resp_")
+        mark, named = rest[:MARK_NAME_CHARS], rest[MARK_NAME_CHARS:]
         agent_id, setup = json.loads(base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)))
-        mark, agent_id = previous[5:17], ids.agent_id(agent_id)
+        agent_id = ids.agent_id(agent_id)
     except (binascii.Error, ValueError, TypeError, RecursionError, AgentKVError):
         raise not_found(previous, "it is not the id of a response agentkv made") from None
     if setup != _setup(instructions, tools):

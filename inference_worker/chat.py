@@ -210,10 +210,10 @@ def _answering(mark: Mark, messages: Sequence[ChatMessage]) -> list[ChatMessage]
     """The messages, their opening tool results put in the order of the calls the reply at
     `mark` made (templates pair results with calls by place); INVALID_ARGUMENT for results
     of other calls, or calls left unanswered. A mark that kept no calls takes them as given."""
-    n = next((i for i, m in enumerate(messages) if m.role != "tool"), len(messages))
-    answered = [m.tool_call_id for m in messages[:n]]
     if not mark.calls:
         return list(messages)
+    n = next((i for i, m in enumerate(messages) if m.role != "tool"), len(messages))
+    answered = [m.tool_call_id for m in messages[:n]]
     if sorted(answered) != sorted(mark.calls):
         raise InvalidArgument(
             f"the reply at that point made the tool calls {list(mark.calls)}: tool results "

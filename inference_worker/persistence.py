@@ -96,7 +96,7 @@ def chat_metadata(chat: ChatState) -> dict[str, str]:
         LAST_ROLE: chat.last_role,
         OPENED: "1" if chat.opened else "0",
         DIGEST: chat.digest,
-    } | _marks_text(chat.marks)
+    } | _marks_metadata(chat.marks)
     if chat.applied:
         out[APPLIED] = chat.applied
     out |= _chunks(SYSTEM, "" if chat.opened else chat.system)
@@ -145,9 +145,10 @@ def chat_state(metadata: dict[str, str]) -> ChatState:
     )
 
 
-def _marks_text(marks: tuple[Mark, ...]) -> dict[str, str]:
-    """Marks as metadata: one value of them all (as workers before names wrote it, so that
-    they read it still), and one of the names given, by digest, where any was."""
+def _marks_metadata(marks: tuple[Mark, ...]) -> dict[str, str]:
+    """Marks as metadata: one value of them all, five fields each (as workers before names
+    and calls wrote it, so that they read it still), and one of their names and replies'
+    calls, by digest, where any has them (_extras)."""
     out = {MARKS: _latest(f"{m.digest},{m.end},{m.cached},{m.last_role},{int(m.reply_open)}"
                           for m in marks)}  # fmt: skip
     if extras := _extras(marks):

@@ -25,7 +25,8 @@ SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 FEATURES = ("after_mark",)  # GetWorkerInfoResponse.features: what an older worker lacks
 MAX_REQUEST_ID = 64
 MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
-MARK_NAME = re.compile(r"[A-Za-z0-9_-]{1,16}")  # fits in a mark (persistence._marks)
+# no ',', ';' or space: persistence._extras joins names with them
+MARK_NAME = re.compile(r"[A-Za-z0-9_-]{1,16}")
 
 
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
