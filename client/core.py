@@ -268,12 +268,13 @@ class BaseAgent:
         `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
         (`text` is the whole conversation so far, resent, its system message first),
         output_format (the reply's required form: a JSON Schema as a dict, or an
-        OutputFormat), tool_call_required (the reply opens with a tool call),
-        tool_call_name (with a call of that tool), tool_call_forbidden (with none),
-        after_mark (`text` follows that point of the conversation, an earlier reply's
-        usage.mark: the turns after it are dropped; after_mark_last: only if none do). A
-        retry on another worker after a lost first response does not run the turn twice
-        (its request_id): it raises TurnTaken when the turn was taken and its reply lost."""
+        OutputFormat), tool_call_required (the reply opens with a tool call), tool_call_name
+        (with a call of that tool), tool_call_forbidden (with none), tool_call_allowed
+        (calls of these tools only, the conversation's tools kept), after_mark (`text`
+        follows that point of the conversation, an earlier reply's usage.mark: the turns
+        after it are dropped; after_mark_last: only if none do). A retry on another worker
+        after a lost first response does not run the turn twice (its request_id): it raises
+        TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)
         options.update(max_tokens=max_tokens, temperature=temperature, tools=tools_json(tools))
         options.update(request_id=secrets.token_hex(16), phase=phase, durable=mem.durable)

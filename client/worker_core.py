@@ -142,6 +142,7 @@ def turn_request(
     tool_call_required: bool = False,
     tool_call_name: str = "",
     tool_call_forbidden: bool = False,
+    tool_call_allowed: Sequence[str] = (),
     after_mark: str = "",
     after_mark_last: bool = False,
     mark_name: str = "",
@@ -155,10 +156,11 @@ def turn_request(
     calls. `output_format`: the reply's required form, a JSON Schema (a dict) or an
     OutputFormat (a regex, a Lark grammar, any JSON object); `tool_call_required`: the reply
     opens with a tool call, `tool_call_name`: with a call of that tool;
-    `tool_call_forbidden`: it makes none. `after_mark`: `messages` follow that point of the
-    agent's conversation (an earlier reply's usage.mark), the turns after it dropped;
-    `after_mark_last`: only if none follow it (else TurnsFollow); `mark_name`: a name
-    after_mark may give for the point this turn ends at. `sampling`:
+    `tool_call_forbidden`: it makes none; `tool_call_allowed`: its calls are of these tools
+    only (the conversation keeping all its tools, and its cache). `after_mark`: `messages`
+    follow that point of the agent's conversation (an earlier reply's usage.mark), the turns
+    after it dropped; `after_mark_last`: only if none follow it (else TurnsFollow);
+    `mark_name`: a name after_mark may give for the point this turn ends at. `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
     return pb.TurnRequest(
         namespace=namespace,
@@ -177,6 +179,7 @@ def turn_request(
         tool_call_required=tool_call_required,
         tool_call_name=tool_call_name,
         tool_call_forbidden=tool_call_forbidden,
+        tool_call_allowed=list(tool_call_allowed),
         after_mark=after_mark,
         after_mark_last=after_mark_last,
         mark_name=mark_name,

@@ -11,7 +11,10 @@ tools, the first call is a call of one of them (the named one) with arguments it
 parameters' schema accepts; otherwise only the call's opening is enforced. A named call is
 the whole reply (as OpenAI's); after any other first call, the rest stays the model's. A
 forbidden call (tool_choice "none") is its opening token masked at every step, where that
-opening is a special token; the reply's text is then not read for calls.
+opening is a special token; the reply's text is then not read for calls. Calls allowed of
+some tools only (tool_choice "allowed_tools", the conversation keeping all its tools so that
+its cached prefix holds) are every call of the reply, where the calls are JSON and open with
+a special token: text between them cannot spell another.
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
 so a bad one is refused before the turn queues; the MLX thread masks and advances, and
@@ -55,12 +58,13 @@ class OutputForm:
 @dataclass(frozen=True, slots=True)
 class Ask:
     """What a turn asks of its reply: a form, a tool call (`required`), of one tool (`name`),
-    or none (`forbidden`)."""
+    or none (`forbidden`); calls, if any, of some tools only (`allowed`)."""
 
     form: OutputForm | None = None
     required: bool = False
     name: str = ""
     forbidden: bool = False
+    allowed: tuple[str, ...] = ()
 
 
 class Forms:
@@ -112,17 +116,21 @@ class Grammars:
         though a required call leaves it nothing to hold (the reply is the call)."""
         if (ask.required or ask.name) and ask.forbidden:
             raise InvalidArgument("a tool call cannot be both required and forbidden")
+        if ask.allowed and (ask.name or ask.forbidden):
+            raise InvalidArgument(
+                "tool_call_allowed restricts calls: not with tool_call_name or tool_call_forbidden"
+            )
         if ask.forbidden and (self._tool_format is None or tools == ""):
             ask = replace(ask, forbidden=False)  # no call to forbid: no tools, or no format
-        if ask.forbidden:
-            self._opening_token()  # refused now, not at the turn's start
-        if ask.form is None and not ask.required and not ask.name and not ask.forbidden:
+        if ask == Ask():
             return None
-        if (ask.required or ask.name) and self._tool_format is None:
+        if (ask.required or ask.name or ask.allowed) and self._tool_format is None:
             raise FailedPrecondition(
-                "a required tool call needs a model whose tool-call format the worker knows; "
-                "this model's chat template has none"
+                "a required or restricted tool call needs a model whose tool-call format the "
+                "worker knows; this model's chat template has none"
             )
+        if ask.forbidden or ask.allowed:
+            self._opening_token()  # refused now, not at the turn's start
         self._llg()  # built here, on an RPC thread, not at a turn's start on the MLX thread
         forms = Forms(self, ask, _entry(ask.form) if ask.form is not None else None)
         if ask.form is not None and (tools is None or ask.required or ask.name):
@@ -137,44 +145,65 @@ class Grammars:
         if required and not tools:
             raise InvalidArgument("a required tool call needs tools: this conversation has none")
         free = [entry] if entry and not required else []  # the reply may be the form
-        if not tools or self._tool_format is None:
+        if (not tools and not ask.allowed) or self._tool_format is None:
             return self._matcher({"grammars": free}) if free else None
         if ask.forbidden:  # the form, or anything but the call's opening token
-            no_call = [{"lark_grammar": f"start: <[^{self._opening_token()}]>*\n"}]
-            return self._matcher({"grammars": free or no_call})
-        call, body = self._call(ask.name, tools)
-        rest = "" if ask.name else " rest"  # a named call is the whole reply, as OpenAI's
-        lark = f"start: {'@form | call' if free else 'call'}\ncall: {call}{rest}\n{CALL_REST}"
+            return self._matcher({"grammars": free or [{"lark_grammar": self._text()}]})
+        names = self._named(ask, _functions(tools))
+        if not (free or required or names):
+            return None  # every tool allowed: nothing to enforce
+        call, body = self._call(names, tools, ask)
+        if ask.name:  # the call is the whole reply, as OpenAI's
+            lark = "start: call\n"
+        elif names:  # text between calls of the allowed tools only
+            first = "@form | call rest" if free else "call rest" if required else "rest"
+            lark = f"start: {first}\nrest: text (call text)*\n{self._text('text')}"
+        else:
+            lark = f"start: {'@form | call rest' if free else 'call rest'}\n{CALL_REST}"
+        lark += f"call: {call}\n"
         return self._matcher({"grammars": [{"lark_grammar": lark}, *free, *body]})
 
-    def _call(self, name: str, tools: str) -> tuple[str, list[dict]]:
-        """The first call as a Lark rule, and the grammars it refers to: its JSON where the
-        format's calls are JSON and the tools are known, else its opening then anything."""
-        functions = _functions(tools)
-        if name and name not in functions:
-            raise InvalidArgument(
-                f"tool_call_name {name!r} is not among the conversation's tools "
-                f"({', '.join(functions) or 'none'})"
-            )
-        fmt = self._tool_format
-        if fmt.name not in JSON_CALLS or not functions or not fmt.end:
-            if name:
-                raise FailedPrecondition(
-                    "a named tool call needs a model whose calls are "
-                    f"JSON ({', '.join(JSON_CALLS)}); this model's tool format is {fmt.name}"
+    def _named(self, ask: Ask, functions: dict[str, Any]) -> tuple[str, ...]:
+        """The tools the reply's calls may be of: the named one, or those allowed (none of
+        the conversation's left out: any). InvalidArgument for one the conversation lacks."""
+        names, field = ((ask.name,), "tool_call_name") if ask.name else (ask.allowed, "")
+        for name in names:
+            if name not in functions:
+                raise InvalidArgument(
+                    f"{field or 'tool_call_allowed'} {name!r} is not among the conversation's "
+                    f"tools ({', '.join(functions) or 'none'})"
                 )
-            return f"{self._marker(fmt.start)} rest", []  # the opening, then anything
-        schemas = [_call_schema(n, p) for n, p in functions.items() if not name or n == name]
+        return () if field == "" and set(functions) <= set(names) else names
+
+    def _call(self, names: tuple[str, ...], tools: str, ask: Ask) -> tuple[str, list[dict]]:
+        """A call as a Lark rule, and the grammars it refers to: its JSON, of one of `names`
+        (any tool: none), where the format's calls are JSON and the tools are known, else
+        its opening (the rest left to the model)."""
+        functions, fmt = _functions(tools), self._tool_format
+        what = "a named tool call needs" if ask.name else "calls of some tools only need"
+        if fmt.name not in JSON_CALLS or not functions or not fmt.end:
+            if names:
+                raise FailedPrecondition(
+                    f"{what} a model whose calls are JSON ({', '.join(JSON_CALLS)}); "
+                    f"this model's tool format is {fmt.name}"
+                )
+            return self._marker(fmt.start), []
+        schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
         try:
             self._matcher({"grammars": [grammar]})
         except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
-            if name:
-                raise InvalidArgument(f"tool {name!r}'s parameters: {exc.message}") from None
-            return f"{self._marker(fmt.start)} rest", []  # the opening, then anything
+            if names:
+                whose = f"tool {ask.name!r}'s" if ask.name else "the allowed tools'"
+                raise InvalidArgument(f"{whose} parameters: {exc.message}") from None
+            return self._marker(fmt.start), []
         opening, closing = self._marker(fmt.start), self._marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
+
+    def _text(self, rule: str = "start") -> str:
+        """A Lark rule for text without a call: any token but the calls' opening one."""
+        return f"{rule}: <[^{self._opening_token()}]>*\n"
 
     def _matcher(self, grammar: dict) -> Any:
         """The grammar's matcher, its first mask computed: a form too costly for the limits
@@ -193,8 +222,9 @@ class Grammars:
         ids = self._llg().tokenize_str(self._tool_format.start, parse_special=True)
         if len(ids) != 1 or not self._llg().is_special_token(ids[0]):
             raise FailedPrecondition(
-                f"a forbidden tool call needs a model whose calls open with a special token; "
-                f"this model's open with {self._tool_format.start!r}, which text can spell"
+                "a forbidden or restricted tool call needs a model whose calls open with a "
+                f"special token; this model's open with {self._tool_format.start!r}, which "
+                "text can spell"
             )
         return ids[0]
 

@@ -22,7 +22,8 @@ from inference_worker.tools import canonical_tools, checked_calls
 from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJob
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
-FEATURES = ("after_mark",)  # GetWorkerInfoResponse.features: what an older worker lacks
+# GetWorkerInfoResponse.features: what an older worker lacks
+FEATURES = ("after_mark", "tool_call_allowed")
 MAX_REQUEST_ID = 64
 MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
 # no ',', ';' or space: persistence._extras joins names with them
@@ -69,6 +70,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             request.tool_call_required,
             request.tool_call_name,
             request.tool_call_forbidden,
+            tuple(request.tool_call_allowed),
         )
         job.forms = self.engine.grammars.forms(ask, known, request.tools if job.tools else "")
         if job.forms is not None and checked.stop:

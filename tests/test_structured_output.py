@@ -305,9 +305,10 @@ def test_a_required_or_named_call_is_one_its_tool_s_schema_accepts(start_worker,
 
     schema = SET_MODE["function"]["parameters"]
     required = {"tool_call_required": True, "max_tool_calls": 1}
+    allowed = {**required, "tool_call_allowed": ["set_mode"]}  # of TOOLS, only set_mode
     for name, fields in (("named", {"tool_call_name": "set_mode"}),  # the whole reply
-                         ("required", required)):  # fmt: skip
-        tools = TOOLS if name == "named" else (SET_MODE,)
+                         ("required", required), ("allowed", allowed)):  # fmt: skip
+        tools = (SET_MODE,) if name == "required" else TOOLS
         text, calls, usage = _turn(stub, name, max_tokens=120, tools=tools, **fields)
         assert [c.name for c in calls] == ["set_mode"], text
         jsonschema.validate(json.loads(calls[0].arguments), schema)
@@ -368,6 +369,30 @@ def test_a_forbidden_call_is_not_made_where_the_model_would_make_one(qwen, llama
     assert "both required and forbidden" in caught.value.details()
     free, _, _ = _turn(llama, "f4", max_tokens=8)
     assert _turn(llama, "f5", max_tokens=8, tool_call_forbidden=True)[0] == free
+
+
+def test_a_call_of_a_tool_not_allowed_is_not_made_where_the_model_would_make_one(qwen, llama):
+    """The scripted model calls get_weather whenever it may: with only set_mode allowed, the
+    conversation keeping both tools, it makes no call of get_weather (a call it makes is of
+    set_mode). A tool the conversation lacks is refused, the agent unchanged; a model
+    without a tool format cannot restrict its calls."""
+    _, calls, _ = _turn(qwen, "a1", tools=TOOLS)
+    assert [c.name for c in calls] == ["get_weather"]
+    text, calls, usage = _turn(qwen, "a2", tools=TOOLS, tool_call_allowed=["set_mode"])
+    assert all(c.name == "set_mode" for c in calls) and "get_weather" not in text, text
+    assert usage.finish_reason in ("stop", "length", "tool_calls")
+    before = _described(qwen, "a2")
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(qwen, "a2", tools=TOOLS, tool_call_allowed=["set_mode", "get_time"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tool_call_allowed 'get_time' is not among the conversation's tools" in (
+        caught.value.details()
+    )
+    assert _described(qwen, "a2") == before
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(llama, "a3", tool_call_allowed=["set_mode"])
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tool-call format" in caught.value.details()
 
 
 def test_a_required_call_needs_tools_and_a_model_with_a_tool_format(llama, qwen):
@@ -531,5 +556,42 @@ def test_a_call_is_forbidden_only_where_a_special_token_opens_it(qwen_grammars):
     fmt = ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text))
     tools = canonical_tools(json.dumps([SET_MODE]))
     for known in (tools, None):  # None: the agent's own tools, refused at submit all the same
-        with pytest.raises(FailedPrecondition, match="open with 'CALL:', which text can spell"):
-            Grammars(tokenizer, {2}, fmt).forms(Ask(forbidden=True), known)
+        for ask in (Ask(forbidden=True), Ask(allowed=("set_mode",))):
+            with pytest.raises(FailedPrecondition, match="open with 'CALL:', which text can"):
+                Grammars(tokenizer, {2}, fmt).forms(ask, known)
+
+
+def test_calls_allowed_of_some_tools_are_every_call_of_theirs(qwen_grammars):
+    """tool_choice allowed_tools, in the grammars on Qwen 2.5's calls: every call of the
+    reply is one of an allowed tool that its schema accepts; text may come before, between
+    or instead of them, unless a call is required; with a form, the form or such calls. All
+    the tools allowed restrict nothing; a tool the conversation lacks is refused."""
+    from inference_worker.grammar import Ask, OutputForm
+    from inference_worker.tools import canonical_tools
+
+    grammars, tokenizer = qwen_grammars
+    tools = canonical_tools(json.dumps(TOOLS))
+    lyon = _call({"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}})
+    on = _call({"name": "set_mode", "arguments": {"fast": True, "mode": "on"}})  # canonical
+    bad = _call({"name": "set_mode", "arguments": {"fast": True, "mode": "up"}})
+
+    def taken(ask: Ask, text: str) -> bool:
+        return _takes(grammars.forms(ask, tools).matcher(tools), tokenizer, text)
+
+    auto = Ask(allowed=("set_mode",))
+    assert taken(auto, "Sunny.") and taken(auto, on) and taken(auto, f"I will.\n{on}\n{on}")
+    assert not taken(auto, lyon) and not taken(auto, f"Let me look.\n{lyon}")
+    assert not taken(auto, f"{on}\n{lyon}") and not taken(auto, bad)  # every call, its schema
+    required = Ask(required=True, allowed=("set_mode",))
+    assert taken(required, on) and taken(required, f"{on}\nDone.")
+    assert not taken(required, "Sunny.") and not taken(required, lyon)
+    form = Ask(OutputForm("json_schema", json.dumps(VERDICT)), allowed=("set_mode",))
+    assert taken(form, '{"answer":"no","sure":true,"level":3}') and taken(form, on)
+    assert not taken(form, lyon) and not taken(form, "Sunny.")
+    assert taken(Ask(allowed=("get_weather",)), lyon)
+    both = Ask(allowed=("set_mode", "get_weather"))
+    assert grammars.forms(both, tools).matcher(tools) is None  # all of them: free
+    with pytest.raises(InvalidArgument, match="'get_time' is not among the conversation's"):
+        grammars.forms(Ask(allowed=("get_time",)), tools)
+    with pytest.raises(InvalidArgument, match="not with tool_call_name or tool_call_forbidden"):
+        grammars.forms(Ask(name="set_mode", allowed=("set_mode",)), tools)
