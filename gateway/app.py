@@ -456,7 +456,7 @@ class Gateway:
         agent, options = AsyncAgent(memory, agent_id), _options(call)
         previous = call.echo.get("previous_response_id") or ""
         try:
-            await _check_continues(memory, agent_id)
+            await _check_features(memory, agent_id, call)
             try:
                 say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)
                 return Turn(await self._when_idle(say))
@@ -464,7 +464,7 @@ class Gateway:
                 branch = AsyncAgent(memory, f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}")
             self.spares.add(branch)  # before it exists: deleted unless its id goes out
             try:
-                await _check_continues(memory, branch.id)  # it may live on another worker
+                await _check_features(memory, branch.id, call)  # it may live on another worker
                 await self._when_idle(lambda: _to_the_end(agent.fork(branch.id)))
                 return Turn(await branch.say(call.messages, **options))
             except BaseException:  # a branch that never took its turn is not kept
@@ -491,6 +491,7 @@ class Gateway:
         """The agent's turn, made first when it does not exist (a spare never does)."""
         memory = agent.memory
         options = _options(call)
+        await _check_features(memory, agent.id, call)
         if agent not in self.spares:
             with contextlib.suppress(AgentNotFound):
                 return Turn(await agent.say(call.messages, **options))
@@ -578,6 +579,7 @@ def _options(call: ChatCall) -> dict[str, Any]:
     options["tool_call_required"] = call.tool_call_required
     options["tool_call_name"] = call.tool_call_name
     options["tool_call_forbidden"] = call.tool_call_forbidden
+    options["tool_call_allowed"] = call.tool_call_allowed
     options["mark_name"] = call.mark_name
     options["after_mark"] = call.after[1] if call.after else ""
     if call.output_format is not None:
@@ -609,9 +611,16 @@ async def _while_connected(request: Request, step: Awaitable[T]) -> tuple[bool, 
     return True, running.result()
 
 
-async def _check_continues(memory: AsyncAgentMemory, agent_id: str) -> None:
-    """Refuses (501) to continue a response on a worker from before after_mark (during a
-    rolling upgrade): it would drop the field and add the input at the agent's end."""
+async def _check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCall) -> None:
+    """Refuses (501) a call that the agent's worker, from before a field the call needs
+    (during a rolling upgrade), would misread: it would drop previous_response_id's
+    after_mark and add the input at the agent's end, or allowed_tools' tool_call_allowed
+    and let every tool be called."""
+    needs = {"after_mark": ("previous_response_id",) * 2} if call.after else {}
+    if call.tool_call_allowed:
+        needs["tool_call_allowed"] = ("tool_choice", "tool_choice allowed_tools")
+    if not needs:
+        return
 
     async def ask(worker: Any) -> Any:
         return await asyncio.wait_for(worker.call("GetWorkerInfo", INFO_REQUEST), INFO_TIMEOUT)
@@ -621,9 +630,10 @@ async def _check_continues(memory: AsyncAgentMemory, agent_id: str) -> None:
     except asyncio.TimeoutError:
         message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
         raise HTTPError(503, message, "service_unavailable", code="unavailable") from None
-    if "after_mark" not in info.features:
-        message = f"agent {agent_id!r}'s worker predates previous_response_id: upgrade it"
-        raise HTTPError(501, message, "server_error", "previous_response_id", "not_implemented")
+    for feature, (param, what) in needs.items():
+        if feature not in info.features:
+            message = f"agent {agent_id!r}'s worker predates {what}: upgrade it"
+            raise HTTPError(501, message, "server_error", param, "not_implemented")
 
 
 async def _to_the_end(step: Awaitable[T]) -> T:

@@ -67,7 +67,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_CONSTRAINTS = (
     "the model decides whether to call a tool, and which, unless asked: agentkv enforces a "
-    "call (any, or one named) or none, not a subset of the tools"
+    "call (any, one named, or of some function tools only) or none"
 )
 FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -147,6 +147,8 @@ class ChatCall:
     tool_call_required: bool = False  # tool_choice "required": the reply opens with a call
     tool_call_name: str = ""  # a named tool_choice: the reply is one call of it
     tool_call_forbidden: bool = False  # tool_choice "none": the reply makes no call
+    # tool_choice allowed_tools: its calls are of these tools only, the tools kept whole
+    tool_call_allowed: tuple[str, ...] = ()
     output_format: dict[str, Any] | None = None  # the worker's OutputFormat fields; None: text
     echo: dict[str, Any] = field(default_factory=dict)  # what the API's reply repeats of it
     # The Responses API's previous_response_id: the agent and the point of its conversation
@@ -204,9 +206,9 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
         output_format=_response_format(body.get("response_format")),
     )
-    choice = tool_choice(body.get("tool_choice"), "function")
-    call.tool_call_required, call.tool_call_name, call.tool_call_forbidden = choice
-    named_tool(call, "tool_choice.function.name")
+    (call.tool_call_required, call.tool_call_name, call.tool_call_forbidden,
+     call.tool_call_allowed) = tool_choice(body.get("tool_choice"), "function")  # fmt: skip
+    named_tool(call, "tool_choice.function.name", "tool_choice.allowed_tools.tools")
     return call
 
 
@@ -251,34 +253,65 @@ def output_format(form: Any, where: str, fields: str = "") -> dict[str, Any] | N
     return {"json_schema": json.dumps({} if schema is None else schema, ensure_ascii=False)}
 
 
-def named_tool(call: ChatCall, where: str) -> None:
-    """A named tool_choice must name one of the request's tools."""
+def named_tool(call: ChatCall, where: str, allowed: str = "") -> None:
+    """A named tool_choice must name one of the request's tools, and allowed_tools (at
+    `allowed`) list only them."""
     names = [tool["function"]["name"] for tool in json.loads(call.tools or "[]")]
+    listed = ", ".join(names) or "none"
     if call.tool_call_name and call.tool_call_name not in names:
-        listed = ", ".join(names) or "none"
         raise invalid(f"{where} {call.tool_call_name!r} is not among the tools ({listed})", where)
+    for name in call.tool_call_allowed:
+        if name not in names:
+            raise invalid(f"{allowed}: {name!r} is not among the tools ({listed})", allowed)
 
 
-def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str, bool]:
-    """OpenAI's tool_choice as (a call required, the tool named, a call forbidden): "auto"
-    (or none given) lets the model decide, "required" makes the reply open with a call,
-    {"type": "function", ...} with a call of the function named (under `inner` on the chat
-    route, beside the type on the Responses route), "none" makes none; a subset of the
-    tools (allowed_tools) is not enforced (refused)."""
+def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str, bool, tuple[str, ...]]:
+    """OpenAI's tool_choice as (a call required, the tool named, a call forbidden, the tools
+    allowed): "auto" (or none given) lets the model decide, "required" makes the reply open
+    with a call, {"type": "function", ...} with a call of the function named (under `inner`
+    on the chat route, beside the type on the Responses route), "none" makes none;
+    {"type": "allowed_tools", ...} lets its calls be of some tools only (allowed_tools)."""
     if choice in (None, "auto", "required", "none"):
-        return choice == "required", "", choice == "none"
+        return choice == "required", "", choice == "none", ()
     if isinstance(choice, dict) and choice.get("type") == "function":
         known_only(choice, {"type", inner or "name"}, "tool_choice")
         named = (typed(choice, inner, dict, None, "tool_choice") or {}) if inner else choice
         where = f"tool_choice.{inner}" if inner else "tool_choice"
         known_only(named, {"name"} if inner else {"type", "name"}, where)
-        return True, tool_name(named.get("name"), where), False
+        return True, tool_name(named.get("name"), where), False, ()
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return _allowed_tools(choice, "allowed_tools" if inner else "", inner)
     if not isinstance(choice, dict):
         raise invalid(
             f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
             "tool_choice",
         )
     raise invalid(f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value")
+
+
+def _allowed_tools(choice: dict, outer: str, inner: str) -> tuple[bool, str, bool, tuple[str, ...]]:
+    """allowed_tools' mode and function tools (under `outer` and each tool's `inner` on the
+    chat route, beside the type on the Responses route). Allowing none is "none"."""
+    known_only(choice, {"type", outer} if outer else {"type", "mode", "tools"}, "tool_choice")
+    where = f"tool_choice.{outer}" if outer else "tool_choice"
+    body = (typed(choice, outer, dict, None, "tool_choice") or {}) if outer else choice
+    known_only(body, {"mode", "tools"} | (set() if outer else {"type"}), where)
+    mode, tools = body.get("mode"), body.get("tools")
+    if mode not in ("auto", "required"):
+        raise invalid(f'{where}.mode must be "auto" or "required", got {mode!r}', f"{where}.mode")
+    if not isinstance(tools, list):
+        raise invalid(f"{where}.tools must be an array of tools", f"{where}.tools")
+    names = []
+    for i, tool in enumerate(tools):
+        at = f"{where}.tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(f"{at}: agentkv calls only function tools", at, "unsupported_value")
+        known_only(tool, {"type", inner or "name"}, at)
+        named = (typed(tool, inner, dict, None, at) or {}) if inner else tool
+        names.append(tool_name(named.get("name"), f"{at}.{inner}" if inner else at))
+    if not names and mode == "required":
+        raise invalid(f"{where}.tools: a required call needs a tool allowed", f"{where}.tools")
+    return mode == "required", "", not names, tuple(dict.fromkeys(names))
 
 
 def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:

@@ -263,7 +263,7 @@ BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argum
          "tool_choice.function.name", None),
         ({"tool_choice": {"type": "function", "name": "get_weather"}},
          "tool_choice.name", "unsupported_parameter"),  # the Responses form, on chat
-        ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice",
+        ({"tool_choice": {"type": "custom", "custom": {"name": "x"}}}, "tool_choice",
          "unsupported_value"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "now"}}},
          "tool_choice.function.name", None),  # a tool the request does not have
@@ -334,6 +334,57 @@ def test_what_tools_cannot_do_here_is_refused_by_name(fields, param, code):
     assert error["type"] == "invalid_request_error"
     if code == "unsupported_value" and "tool_choice" in param:
         assert "the model decides" in error["message"]  # no constrained decoding
+
+
+GET_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def allowed(mode: str, *names: str, **more) -> dict:
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools, **more}}
+
+
+def test_allowed_tools_pass_to_the_worker_with_the_tools_whole():
+    """allowed_tools restricts the calls, not the conversation: its tools, and so its agent
+    and cached prefix, are those of the same request without it. Allowing none is "none"."""
+    call = parsed(tools=[WEATHER, GET_TIME], tool_choice=allowed("auto", "get_time"))
+    assert call.tool_call_allowed == ("get_time",)
+    assert not (call.tool_call_required or call.tool_call_forbidden or call.tool_call_name)
+    free = parsed(tools=[WEATHER, GET_TIME])
+    assert call.tools == free.tools and agent_id("", "", call) == agent_id("", "", free)
+    twice = parsed(tools=[WEATHER, GET_TIME], tool_choice=allowed("required", *["get_time"] * 2))
+    assert twice.tool_call_required and twice.tool_call_allowed == ("get_time",)
+    none = parsed(tools=[WEATHER], tool_choice=allowed("auto"))
+    assert none.tool_call_forbidden and not none.tool_call_allowed
+
+
+@pytest.mark.parametrize(
+    "choice, param, code",
+    [
+        (allowed("sometimes", "get_weather"), "tool_choice.allowed_tools.mode", None),
+        ({"type": "allowed_tools", "allowed_tools": {"mode": "auto"}},
+         "tool_choice.allowed_tools.tools", None),
+        (allowed("required"), "tool_choice.allowed_tools.tools", None),  # none to call
+        (allowed("auto", "get_time"), "tool_choice.allowed_tools.tools", None),  # not a tool
+        (allowed("auto", "get weather"), "tool_choice.allowed_tools.tools[0].function.name",
+         None),
+        (allowed("auto", "get_weather", extra=1), "tool_choice.allowed_tools.extra",
+         "unsupported_parameter"),
+        ({"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice.mode",
+         "unsupported_parameter"),  # the Responses form, on chat
+        ({"type": "allowed_tools", "allowed_tools": {
+            "mode": "auto", "tools": [{"type": "custom", "custom": {"name": "f"}}]}},
+         "tool_choice.allowed_tools.tools[0]", "unsupported_value"),
+        ({"type": "allowed_tools", "allowed_tools": {
+            "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}},
+         "tool_choice.allowed_tools.tools[0].name", "unsupported_parameter"),
+    ],
+)  # fmt: skip
+def test_bad_allowed_tools_are_refused_by_name(choice, param, code):
+    with pytest.raises(HTTPError) as refused:
+        parsed(tools=[WEATHER], tool_choice=choice)
+    error = refused.value.body()["error"]
+    assert refused.value.status == 400 and (error["param"], error["code"]) == (param, code)
 
 
 def test_tools_are_part_of_an_anonymous_conversation():

@@ -37,6 +37,7 @@ SYSTEM = "You are the archivist of the old library, and you index every scroll."
 RESULT = '{"temperature": 21, "unit": "celsius"}'
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat form
 GREEDY = {"temperature": 0}
+WEATHER_NAMED = {"type": "function", "name": "get_weather"}
 
 
 # The wire format, sans I/O
@@ -101,6 +102,15 @@ def test_a_format_and_a_tool_choice_are_the_chat_route_s():
     with pytest.raises(HTTPError) as refused:
         parse_responses(responses_body(tool_choice={"type": "function", "name": "now"}), 8)
     assert refused.value.param == "tool_choice.name"
+    flat = {"type": "allowed_tools", "mode": "required", "tools": [named]}
+    ours = parse_responses(responses_body(tool_choice=flat), 8)
+    nested = {"mode": "required", "tools": [function]}  # chat's form
+    theirs = parse_chat(
+        chat | {"tool_choice": {"type": "allowed_tools", "allowed_tools": nested}}, 8
+    )
+    assert ours.tool_call_allowed == theirs.tool_call_allowed == ("get_weather",)
+    assert ours.tool_call_required and theirs.tool_call_required and ours.tools == theirs.tools
+    assert ours.echo["tool_choice"] == flat
 
 
 def test_a_string_input_is_one_user_message_and_hints_are_taken():
@@ -130,8 +140,9 @@ def test_a_string_input_is_one_user_message_and_hints_are_taken():
          "text.format.schema", "must be a dict"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type", "not one of"),
         ({"include": ["message.output_text.logprobs"]}, "include[0]", "not supported"),
-        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
-         "the model decides"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "the model decides"),
+        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
+            {"type": "function", "name": "get_time"}]}}, "tool_choice.tools", "not among"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
         ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "1 to 64"),
         ({"max_output_tokens": 0}, "max_output_tokens", "[1, 2^32)"),
@@ -496,7 +507,8 @@ def test_two_calls_continuing_one_response_at_once_both_get_their_reply(stack):
 
 def test_a_worker_from_before_after_mark_is_not_asked_to_continue(stack, tmp_path):
     """An older worker drops after_mark (proto3) and would add the input at the agent's
-    end: the gateway asks the agent's worker what it does first, and refuses (501)."""
+    end, or tool_call_allowed and let any tool be called: the gateway asks the agent's
+    worker what it does first, and refuses (501)."""
     store = store_process(tmp_path / "data", tmp_path / "store.log").start()
     args = ["--model", str(stack.model), "--store", store.address, "--listen", "127.0.0.1:0"]
     old = ServiceProcess("tests.faulty_worker", args, tmp_path / "old.log", {"OLD_WORKER": "1"})
@@ -513,6 +525,10 @@ def test_a_worker_from_before_after_mark_is_not_asked_to_continue(stack, tmp_pat
             continued(client, first, "Index them.")
         assert no.value.status_code == 501
         assert WorkerClient(old.address).describe("default", "old-timer").num_tokens == before
+        only = {"type": "allowed_tools", "mode": "auto", "tools": [WEATHER_NAMED]}
+        with pytest.raises(openai.APIStatusError, match="predates tool_choice allowed_tools") as no:
+            client.responses.create(model="tiny", input="Hi", tools=[WEATHER], tool_choice=only)
+        assert (no.value.status_code, no.value.body["param"]) == (501, "tool_choice")
     finally:
         for process in (gateway, old, store):
             process.stop()
