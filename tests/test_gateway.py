@@ -335,13 +335,8 @@ def test_bad_requests_get_openais_error_format(stack):
     messages = [{"role": "user", "content": "Hello."}]
     cases = [
         (dict(model="gpt-4o"), 404, "model_not_found"),
-        (  # a subset of the tools: not enforced
-            dict(
-                tool_choice={
-                    "type": "allowed_tools",
-                    "allowed_tools": {"mode": "auto", "tools": []},
-                }
-            ),
+        (  # a custom tool: agentkv calls only functions
+            dict(tool_choice={"type": "custom", "custom": {"name": "f"}}),
             400,
             "unsupported_value",
         ),
