@@ -293,12 +293,14 @@ class ChatFormat:
         except InvalidArgument:
             return False
 
-    def reply_calls(self, tools: str, limit: int = 0) -> ReplyCalls | None:
-        """What takes a reply's tool calls (up to `limit`, when not 0) out of its text, for a
-        conversation with tools."""
+    def reply_calls(
+        self, tools: str, limit: int = 0, allowed: Sequence[str] = ()
+    ) -> ReplyCalls | None:
+        """What takes a reply's tool calls (up to `limit`, when not 0; of the `allowed`
+        tools, when given) out of its text, for a conversation with tools."""
         if not tools or self.tool_format is None:
             return None
-        return ReplyCalls(self.tool_format, json.loads(tools), limit)
+        return ReplyCalls(self.tool_format, json.loads(tools), limit, frozenset(allowed))
 
     def extend(
         self,

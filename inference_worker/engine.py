@@ -50,7 +50,7 @@ from inference_worker.chat import (
 )
 from inference_worker.config import WorkerConfig
 from inference_worker.freshness import StoreView, is_current
-from inference_worker.grammar import Grammars
+from inference_worker.grammar import Ask, Grammars
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import (
     Persister,
@@ -299,8 +299,9 @@ class Engine:
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
-        calls = self.chat.reply_calls(chat.tools, job.max_tool_calls)
-        forbidden = job.forms is not None and job.forms.ask.forbidden  # spelled calls: text
+        ask = job.forms.ask if job.forms is not None else Ask()
+        calls = self.chat.reply_calls(chat.tools, job.max_tool_calls, ask.allowed)
+        forbidden = ask.forbidden  # spelled calls: text
         turn.calls = calls if max_tokens and not forbidden else None
         if job.forms is not None and max_tokens:
             turn.constraint = job.forms.constraint(chat.tools)

@@ -66,6 +66,11 @@ class Ask:
     forbidden: bool = False
     allowed: tuple[str, ...] = ()
 
+    @property
+    def holds_form(self) -> bool:
+        """Whether the reply must be a whole form or call, which a stop string would cut."""
+        return self.form is not None or self.required or bool(self.name)
+
 
 class Forms:
     """A turn's matcher, compiled for the tools the turn has: at submit where they are known
@@ -122,6 +127,8 @@ class Grammars:
             )
         if ask.forbidden and (self._tool_format is None or tools == ""):
             ask = replace(ask, forbidden=False)  # no call to forbid: no tools, or no format
+        if ask.allowed and tools and set(_functions(tools)) <= set(ask.allowed):
+            ask = replace(ask, allowed=())  # every tool allowed: nothing to restrict
         if ask == Ask():
             return None
         if (ask.required or ask.name or ask.allowed) and self._tool_format is None:
@@ -131,6 +138,8 @@ class Grammars:
             )
         if ask.forbidden or ask.allowed:
             self._opening_token()  # refused now, not at the turn's start
+        if ask.name or ask.allowed:
+            self._json_calls(ask)
         self._llg()  # built here, on an RPC thread, not at a turn's start on the MLX thread
         forms = Forms(self, ask, _entry(ask.form) if ask.form is not None else None)
         if ask.form is not None and (tools is None or ask.required or ask.name):
@@ -166,27 +175,23 @@ class Grammars:
     def _named(self, ask: Ask, functions: dict[str, Any]) -> tuple[str, ...]:
         """The tools the reply's calls may be of: the named one, or those allowed (none of
         the conversation's left out: any). InvalidArgument for one the conversation lacks."""
-        names, field = ((ask.name,), "tool_call_name") if ask.name else (ask.allowed, "")
+        field, names = ("tool_call_name", (ask.name,)) if ask.name else ("", ask.allowed)
         for name in names:
             if name not in functions:
                 raise InvalidArgument(
                     f"{field or 'tool_call_allowed'} {name!r} is not among the conversation's "
                     f"tools ({', '.join(functions) or 'none'})"
                 )
-        return () if field == "" and set(functions) <= set(names) else names
+        return () if not ask.name and set(functions) <= set(names) else names
 
     def _call(self, names: tuple[str, ...], tools: str, ask: Ask) -> tuple[str, list[dict]]:
         """A call as a Lark rule, and the grammars it refers to: its JSON, of one of `names`
         (any tool: none), where the format's calls are JSON and the tools are known, else
         its opening (the rest left to the model)."""
         functions, fmt = _functions(tools), self._tool_format
-        what = "a named tool call needs" if ask.name else "calls of some tools only need"
         if fmt.name not in JSON_CALLS or not functions or not fmt.end:
             if names:
-                raise FailedPrecondition(
-                    f"{what} a model whose calls are JSON ({', '.join(JSON_CALLS)}); "
-                    f"this model's tool format is {fmt.name}"
-                )
+                self._json_calls(ask)
             return self._marker(fmt.start), []
         schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
@@ -200,6 +205,17 @@ class Grammars:
             return self._marker(fmt.start), []
         opening, closing = self._marker(fmt.start), self._marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
+
+    def _json_calls(self, ask: Ask) -> None:
+        """FailedPrecondition unless the model's calls are JSON between markers: what a call
+        named, or calls of some tools only, need."""
+        fmt = self._tool_format
+        if fmt.name not in JSON_CALLS or not fmt.end:
+            what = "a named tool call needs" if ask.name else "calls of some tools only need"
+            raise FailedPrecondition(
+                f"{what} a model whose calls are JSON ({', '.join(JSON_CALLS)}); "
+                f"this model's tool format is {fmt.name}"
+            )
 
     def _text(self, rule: str = "start") -> str:
         """A Lark rule for text without a call: any token but the calls' opening one."""

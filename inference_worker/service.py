@@ -73,7 +73,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             tuple(request.tool_call_allowed),
         )
         job.forms = self.engine.grammars.forms(ask, known, request.tools if job.tools else "")
-        if job.forms is not None and checked.stop:
+        if job.forms is not None and job.forms.ask.holds_form and checked.stop:
             raise InvalidArgument("stop strings would cut the reply's required form short")
         self.engine.chat.check_tools(job.tools, job.messages)
         job.whole_conversation = request.whole_conversation

@@ -171,6 +171,9 @@ class ReplyCalls:
     format: ToolFormat
     tools: list[dict]
     limit: int = 0  # the reply ends after this many calls; 0: no limit
+    # The tools its calls may be of (tool_call_allowed; empty: any): a call of another,
+    # spelled in ordinary tokens where the grammar masks the opening one, goes out as text.
+    allowed: frozenset[str] = frozenset()
     calls: list[ToolCall] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)  # the text that went out as text
     _held: str = ""
@@ -228,9 +231,11 @@ class ReplyCalls:
         try:
             parsed = self.format.parser(text, self.tools)
             items = parsed if isinstance(parsed, list) else [parsed]
-            return [_call(item) for item in items]
+            calls = [_call(item) for item in items]
         except Exception:  # the model's text, not ours: it goes out as text
             return []
+        allowed = self.allowed or {call.name for call in calls}
+        return calls if all(call.name in allowed for call in calls) else []
 
 
 def _call(item: Any) -> ToolCall:

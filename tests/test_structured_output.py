@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from time import sleep, time
 from typing import Literal
 
 import grpc
@@ -94,9 +95,12 @@ def _create(stub, agent_id: str) -> None:
 
 
 def _described(stub, agent_id: str) -> tuple[int, int]:
-    """The agent's context length and generation, as the worker holds it."""
-    request = pb.DescribeAgentRequest(namespace=NS, agent_id=agent_id)
-    agent = stub.DescribeAgent(request).agent
+    """The agent's context length and generation, as the worker holds it once its last
+    turn is in the store (written after the reply, it changes the generation)."""
+    request, deadline = pb.DescribeAgentRequest(namespace=NS, agent_id=agent_id), time() + 60
+    while (agent := stub.DescribeAgent(request).agent).persisted_tokens < agent.num_tokens - 1:
+        assert time() < deadline, agent
+        sleep(0.05)
     return agent.num_tokens, agent.generation
 
 
@@ -393,6 +397,27 @@ def test_a_call_of_a_tool_not_allowed_is_not_made_where_the_model_would_make_one
         _turn(llama, "a3", tool_call_allowed=["set_mode"])
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "tool-call format" in caught.value.details()
+    # A stop string cuts no required form here; every tool allowed restricts nothing.
+    _, calls, _ = _turn(qwen, "a4", tools=TOOLS, tool_call_allowed=["set_mode", "get_weather"],
+                        sampling={"stop": ["\n\n"]})  # fmt: skip
+    assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_the_agent_s_own_tools_are_allowed_at_the_turn_s_start(qwen):
+    """A turn that sends no tools has its agent's: the tools allowed are checked against
+    them once the turn starts, and a refusal there changes nothing."""
+    create = pb.CreateAgentRequest(namespace=NS, agent_id="own", tools=json.dumps(TOOLS))
+    qwen.CreateAgent(create, timeout=60)
+    before = _described(qwen, "own")
+    with pytest.raises(grpc.RpcError) as caught:
+        _turn(qwen, "own", tool_call_allowed=["get_time"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'get_time' is not among the conversation's tools (get_weather, set_mode)" in (
+        caught.value.details()
+    )
+    assert _described(qwen, "own") == before
+    text, calls, _ = _turn(qwen, "own", tool_call_allowed=["set_mode"])
+    assert all(c.name == "set_mode" for c in calls) and "get_weather" not in text, text
 
 
 def test_a_required_call_needs_tools_and_a_model_with_a_tool_format(llama, qwen):
@@ -554,7 +579,7 @@ def test_a_call_is_forbidden_only_where_a_special_token_opens_it(qwen_grammars):
 
     _, tokenizer = qwen_grammars
     fmt = ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text))
-    tools = canonical_tools(json.dumps([SET_MODE]))
+    tools = canonical_tools(json.dumps(TOOLS))
     for known in (tools, None):  # None: the agent's own tools, refused at submit all the same
         for ask in (Ask(forbidden=True), Ask(allowed=("set_mode",))):
             with pytest.raises(FailedPrecondition, match="open with 'CALL:', which text can"):
@@ -590,8 +615,26 @@ def test_calls_allowed_of_some_tools_are_every_call_of_theirs(qwen_grammars):
     assert not taken(form, lyon) and not taken(form, "Sunny.")
     assert taken(Ask(allowed=("get_weather",)), lyon)
     both = Ask(allowed=("set_mode", "get_weather"))
-    assert grammars.forms(both, tools).matcher(tools) is None  # all of them: free
+    assert grammars.forms(both, tools) is None  # all of them: free
     with pytest.raises(InvalidArgument, match="'get_time' is not among the conversation's"):
         grammars.forms(Ask(allowed=("get_time",)), tools)
     with pytest.raises(InvalidArgument, match="not with tool_call_name or tool_call_forbidden"):
         grammars.forms(Ask(name="set_mode", allowed=("set_mode",)), tools)
+
+
+def test_a_spelled_call_of_a_tool_not_allowed_goes_out_as_text(qwen_grammars):
+    """The grammar masks the calls' opening token, but text may spell the opening in ordinary
+    tokens, and the reply's text is read for calls: one of a tool not allowed is text."""
+    from inference_worker.chat import ChatFormat
+    from inference_worker.tools import canonical_tools
+
+    _, tokenizer = qwen_grammars
+    tools = canonical_tools(json.dumps(TOOLS))
+    lyon = _call({"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}})
+    on = _call({"name": "set_mode", "arguments": {"mode": "on", "fast": True}})
+    for allowed, made in ((("set_mode",), ["set_mode"]), ((), ["get_weather", "set_mode"])):
+        calls = ChatFormat(tokenizer).reply_calls(tools, 0, allowed)
+        text, first = calls.feed(f"{lyon}\n{on}")
+        rest, last = calls.flush()
+        assert [call.name for call in first + last] == made
+        assert (lyon in text + rest) is bool(allowed)
