@@ -162,6 +162,7 @@ def turn_request(
     after it dropped; `after_mark_last`: only if none follow it (else TurnsFollow);
     `mark_name`: a name after_mark may give for the point this turn ends at. `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
+    allowed = [tool_call_allowed] if isinstance(tool_call_allowed, str) else tool_call_allowed
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,
@@ -179,7 +180,7 @@ def turn_request(
         tool_call_required=tool_call_required,
         tool_call_name=tool_call_name,
         tool_call_forbidden=tool_call_forbidden,
-        tool_call_allowed=list(tool_call_allowed),
+        tool_call_allowed=allowed,
         after_mark=after_mark,
         after_mark_last=after_mark_last,
         mark_name=mark_name,

@@ -616,7 +616,7 @@ async def _check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCal
     (during a rolling upgrade), would misread: it would drop previous_response_id's
     after_mark and add the input at the agent's end, or allowed_tools' tool_call_allowed
     and let every tool be called."""
-    needs = {"after_mark": ("previous_response_id",) * 2} if call.after else {}
+    needs = {"after_mark": ("previous_response_id", "previous_response_id")} if call.after else {}
     if call.tool_call_allowed:
         needs["tool_call_allowed"] = ("tool_choice", "tool_choice allowed_tools")
     if not needs:

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -67,8 +67,9 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_CONSTRAINTS = (
     "the model decides whether to call a tool, and which, unless asked: agentkv enforces a "
-    "call (any, one named, or of some function tools only) or none"
+    "call (any, or one named) or none"
 )
+OPENAI_CHOICES = "a call (any, one named, or of the allowed_tools) or none"
 FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -157,6 +158,11 @@ class ChatCall:
     mark_name: str = ""  # the name of the point this turn ends at (the response's id)
     agent_id: str = ""  # the agent that took the turn, once it started
 
+    def choose(self, choice: ToolChoice) -> None:
+        """Takes OpenAI's tool_choice, as tool_choice() reads it."""
+        self.tool_call_required, self.tool_call_name = choice.required, choice.name
+        self.tool_call_forbidden, self.tool_call_allowed = choice.forbidden, choice.allowed
+
     @property
     def system(self) -> str:
         """The leading system message's text, the agent's system prompt."""
@@ -206,8 +212,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         max_tool_calls=1 if body.get("parallel_tool_calls") is False else 0,
         output_format=_response_format(body.get("response_format")),
     )
-    (call.tool_call_required, call.tool_call_name, call.tool_call_forbidden,
-     call.tool_call_allowed) = tool_choice(body.get("tool_choice"), "function")  # fmt: skip
+    call.choose(tool_choice(body.get("tool_choice"), "function"))
     named_tool(call, "tool_choice.function.name", "tool_choice.allowed_tools.tools")
     return call
 
@@ -255,7 +260,8 @@ def output_format(form: Any, where: str, fields: str = "") -> dict[str, Any] | N
 
 def named_tool(call: ChatCall, where: str, allowed: str = "") -> None:
     """A named tool_choice must name one of the request's tools, and allowed_tools (at
-    `allowed`) list only them."""
+    `allowed`) list only them; allowing all of them restricts nothing (and needs no worker
+    that can)."""
     names = [tool["function"]["name"] for tool in json.loads(call.tools or "[]")]
     listed = ", ".join(names) or "none"
     if call.tool_call_name and call.tool_call_name not in names:
@@ -263,22 +269,33 @@ def named_tool(call: ChatCall, where: str, allowed: str = "") -> None:
     for name in call.tool_call_allowed:
         if name not in names:
             raise invalid(f"{allowed}: {name!r} is not among the tools ({listed})", allowed)
+    if set(names) <= set(call.tool_call_allowed):
+        call.tool_call_allowed = ()
 
 
-def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str, bool, tuple[str, ...]]:
+class ToolChoice(NamedTuple):
+    """OpenAI's tool_choice, as the worker's TurnRequest takes it (tool_call_*)."""
+
+    required: bool = False
+    name: str = ""
+    forbidden: bool = False
+    allowed: tuple[str, ...] = ()
+
+
+def tool_choice(choice: Any, inner: str = "") -> ToolChoice:
     """OpenAI's tool_choice as (a call required, the tool named, a call forbidden, the tools
     allowed): "auto" (or none given) lets the model decide, "required" makes the reply open
     with a call, {"type": "function", ...} with a call of the function named (under `inner`
     on the chat route, beside the type on the Responses route), "none" makes none;
     {"type": "allowed_tools", ...} lets its calls be of some tools only (allowed_tools)."""
     if choice in (None, "auto", "required", "none"):
-        return choice == "required", "", choice == "none", ()
+        return ToolChoice(required=choice == "required", forbidden=choice == "none")
     if isinstance(choice, dict) and choice.get("type") == "function":
         known_only(choice, {"type", inner or "name"}, "tool_choice")
         named = (typed(choice, inner, dict, None, "tool_choice") or {}) if inner else choice
         where = f"tool_choice.{inner}" if inner else "tool_choice"
         known_only(named, {"name"} if inner else {"type", "name"}, where)
-        return True, tool_name(named.get("name"), where), False, ()
+        return ToolChoice(required=True, name=tool_name(named.get("name"), where))
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         return _allowed_tools(choice, "allowed_tools" if inner else "", inner)
     if not isinstance(choice, dict):
@@ -286,10 +303,11 @@ def tool_choice(choice: Any, inner: str = "") -> tuple[bool, str, bool, tuple[st
             f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
             "tool_choice",
         )
-    raise invalid(f"tool_choice={choice!r}: {NO_CONSTRAINTS}", "tool_choice", "unsupported_value")
+    message = f"tool_choice={choice!r}: {NO_CONSTRAINTS.split(': ')[0]}: agentkv enforces "
+    raise invalid(message + OPENAI_CHOICES, "tool_choice", "unsupported_value")
 
 
-def _allowed_tools(choice: dict, outer: str, inner: str) -> tuple[bool, str, bool, tuple[str, ...]]:
+def _allowed_tools(choice: dict, outer: str, inner: str) -> ToolChoice:
     """allowed_tools' mode and function tools (under `outer` and each tool's `inner` on the
     chat route, beside the type on the Responses route). Allowing none is "none"."""
     known_only(choice, {"type", outer} if outer else {"type", "mode", "tools"}, "tool_choice")
@@ -311,7 +329,7 @@ def _allowed_tools(choice: dict, outer: str, inner: str) -> tuple[bool, str, boo
         names.append(tool_name(named.get("name"), f"{at}.{inner}" if inner else at))
     if not names and mode == "required":
         raise invalid(f"{where}.tools: a required call needs a tool allowed", f"{where}.tools")
-    return mode == "required", "", not names, tuple(dict.fromkeys(names))
+    return ToolChoice(mode == "required", "", not names, tuple(dict.fromkeys(names)))
 
 
 def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:

@@ -111,8 +111,7 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
         output_format=output_format(typed(text, "format", dict, None, "text"), "text.format"),
         echo=_echo(body, instructions, sampling["max_tokens"]),
     )
-    (call.tool_call_required, call.tool_call_name, call.tool_call_forbidden,
-     call.tool_call_allowed) = tool_choice(body.get("tool_choice"))  # fmt: skip
+    call.choose(tool_choice(body.get("tool_choice")))
     named_tool(call, "tool_choice.name", "tool_choice.tools")
     call.after, call.mark_name = after, secrets.token_hex(MARK_NAME_CHARS // 2)
     return call

@@ -356,6 +356,10 @@ def test_allowed_tools_pass_to_the_worker_with_the_tools_whole():
     assert twice.tool_call_required and twice.tool_call_allowed == ("get_time",)
     none = parsed(tools=[WEATHER], tool_choice=allowed("auto"))
     assert none.tool_call_forbidden and not none.tool_call_allowed
+    every = parsed(
+        tools=[WEATHER, GET_TIME], tool_choice=allowed("required", "get_time", "get_weather")
+    )
+    assert every.tool_call_required and not every.tool_call_allowed  # nothing to restrict
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ RESULT = '{"temperature": 21, "unit": "celsius"}'
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat form
 GREEDY = {"temperature": 0}
 WEATHER_NAMED = {"type": "function", "name": "get_weather"}
+TWO = [WEATHER, {"type": "function", "name": "get_time"}]  # tools, one of them allowed
 
 
 # The wire format, sans I/O
@@ -103,11 +104,13 @@ def test_a_format_and_a_tool_choice_are_the_chat_route_s():
         parse_responses(responses_body(tool_choice={"type": "function", "name": "now"}), 8)
     assert refused.value.param == "tool_choice.name"
     flat = {"type": "allowed_tools", "mode": "required", "tools": [named]}
-    ours = parse_responses(responses_body(tool_choice=flat), 8)
+    ours = parse_responses(responses_body(tool_choice=flat, tools=TWO), 8)
     nested = {"mode": "required", "tools": [function]}  # chat's form
-    theirs = parse_chat(
-        chat | {"tool_choice": {"type": "allowed_tools", "allowed_tools": nested}}, 8
-    )
+    two = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TWO
+    ]
+    choice = {"type": "allowed_tools", "allowed_tools": nested}
+    theirs = parse_chat(chat | {"tool_choice": choice, "tools": two}, 8)
     assert ours.tool_call_allowed == theirs.tool_call_allowed == ("get_weather",)
     assert ours.tool_call_required and theirs.tool_call_required and ours.tools == theirs.tools
     assert ours.echo["tool_choice"] == flat
@@ -527,7 +530,7 @@ def test_a_worker_from_before_after_mark_is_not_asked_to_continue(stack, tmp_pat
         assert WorkerClient(old.address).describe("default", "old-timer").num_tokens == before
         only = {"type": "allowed_tools", "mode": "auto", "tools": [WEATHER_NAMED]}
         with pytest.raises(openai.APIStatusError, match="predates tool_choice allowed_tools") as no:
-            client.responses.create(model="tiny", input="Hi", tools=[WEATHER], tool_choice=only)
+            client.responses.create(model="tiny", input="Hi", tools=TWO, tool_choice=only)
         assert (no.value.status_code, no.value.body["param"]) == (501, "tool_choice")
     finally:
         for process in (gateway, old, store):
