@@ -14,7 +14,8 @@ forbidden call (tool_choice "none") is its opening token masked at every step, w
 opening is a special token; the reply's text is then not read for calls. Calls allowed of
 some tools only (tool_choice "allowed_tools", the conversation keeping all its tools so that
 its cached prefix holds) are every call of the reply, where the calls are JSON and open with
-a special token: text between them cannot spell another.
+a special token, which the text between them may not write (a call of another tool spelled
+in ordinary tokens is text: ReplyCalls.allowed).
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
 so a bad one is refused before the turn queues; the MLX thread masks and advances, and
