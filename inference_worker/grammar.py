@@ -15,7 +15,10 @@ opening is a special token; the reply's text is then not read for calls. Calls a
 some tools only (tool_choice "allowed_tools", the conversation keeping all its tools so that
 its cached prefix holds) are every call of the reply, where the calls are JSON and open with
 a special token, which the text between them may not write (a call of another tool spelled
-in ordinary tokens is text: ReplyCalls.allowed).
+in ordinary tokens is text: ReplyCalls.allowed). So are the calls of a conversation whose
+tools include a strict one (OpenAI's "strict": true), where nothing else restricts them:
+each is a call of one of its tools that the tool's schema accepts; on a model whose calls
+cannot be held so, strict is taken and not enforced, as before.
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
 so a bad one is refused before the turn queues; the MLX thread masks and advances, and
@@ -66,6 +69,7 @@ class Ask:
     name: str = ""
     forbidden: bool = False
     allowed: tuple[str, ...] = ()
+    strict: bool = False  # allowed: all the tools, for a strict one among them
 
     @property
     def holds_form(self) -> bool:
@@ -130,6 +134,7 @@ class Grammars:
             ask = replace(ask, forbidden=False)  # no call to forbid: no tools, or no format
         if ask.allowed and tools and set(_functions(tools)) <= set(ask.allowed):
             ask = replace(ask, allowed=())  # every tool allowed: nothing to restrict
+        ask = self._strict(ask, tools)
         if ask == Ask():
             return None
         if (ask.required or ask.name or ask.allowed) and self._tool_format is None:
@@ -183,7 +188,23 @@ class Grammars:
                     f"{field or 'tool_call_allowed'} {name!r} is not among the conversation's "
                     f"tools ({', '.join(functions) or 'none'})"
                 )
-        return () if not ask.name and set(functions) <= set(names) else names
+        return () if not (ask.name or ask.strict) and set(functions) <= set(names) else names
+
+    def _strict(self, ask: Ask, tools: str | None) -> Ask:
+        """`ask` with every call held to its tool's schema, where the conversation's tools
+        (known now) include a strict one and nothing else restricts the calls, on a model
+        whose calls can be held so (JSON between markers, opening with a special token);
+        elsewhere `ask`: strict is taken, not enforced."""
+        fmt = self._tool_format
+        if not tools or ask.name or ask.forbidden or ask.allowed or fmt is None:
+            return ask
+        if fmt.name not in JSON_CALLS or not fmt.end or not _any_strict(tools):
+            return ask
+        try:
+            self._opening_token()
+        except FailedPrecondition:
+            return ask
+        return replace(ask, allowed=tuple(_functions(tools)), strict=True)
 
     def _call(self, names: tuple[str, ...], tools: str, ask: Ask) -> tuple[str, list[dict]]:
         """A call as a Lark rule, and the grammars it refers to: its JSON, of one of `names`
@@ -200,7 +221,7 @@ class Grammars:
         try:
             self._matcher({"grammars": [grammar]})
         except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
-            if names:
+            if names and not ask.strict:
                 whose = f"tool {ask.name!r}'s" if ask.name else "the allowed tools'"
                 raise InvalidArgument(f"{whose} parameters: {exc.message}") from None
             return self._marker(fmt.start), []
@@ -286,6 +307,11 @@ def _functions(tools: str) -> dict[str, Any]:
     """The canonical tools' parameters' schemas by name (an object, where a tool has none)."""
     functions = [tool["function"] for tool in (loads(tools) if tools else [])]
     return {f["name"]: f.get("parameters") or {"type": "object"} for f in functions}
+
+
+def _any_strict(tools: str) -> bool:
+    """Whether one of the canonical tools is strict (OpenAI's "strict": true)."""
+    return any(tool["function"].get("strict") is True for tool in loads(tools))
 
 
 def _call_schema(name: str, parameters: Any) -> dict:

@@ -403,6 +403,21 @@ def test_a_call_of_a_tool_not_allowed_is_not_made_where_the_model_would_make_one
     assert [c.name for c in calls] == ["get_weather"]
 
 
+def test_a_strict_tool_s_call_is_one_its_schema_accepts(qwen):
+    """The scripted model calls get_weather with unit "celsius" whenever it may: a tool
+    that takes only "kelvin" gets that call as written unless it is strict; strict, the
+    call the reply makes is one the schema accepts."""
+    kelvin = {"city": {"enum": ["Paris"]}, "unit": {"enum": ["kelvin"]}}  # bounded: it ends
+    loose = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "parameters": {
+        "type": "object", "properties": kelvin, "required": ["city", "unit"],
+        "additionalProperties": False}}}  # fmt: skip
+    _, calls, _ = _turn(qwen, "loose", tools=(loose,))
+    assert [json.loads(c.arguments)["unit"] for c in calls] == ["celsius"]
+    text, calls, _ = _turn(qwen, "strict", tools=(strict(loose),), max_tokens=64)
+    assert [c.name for c in calls] == ["get_weather"], text
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "unit": "kelvin"}]
+
+
 def test_the_agent_s_own_tools_are_allowed_at_the_turn_s_start(qwen):
     """A turn that sends no tools has its agent's: the tools allowed are checked against
     them once the turn starts, and a refusal there changes nothing."""
@@ -620,6 +635,38 @@ def test_calls_allowed_of_some_tools_are_every_call_of_theirs(qwen_grammars):
         grammars.forms(Ask(allowed=("get_time",)), tools)
     with pytest.raises(InvalidArgument, match="not with tool_call_name or tool_call_forbidden"):
         grammars.forms(Ask(name="set_mode", allowed=("set_mode",)), tools)
+
+
+def strict(tool: dict, **parameters) -> dict:
+    """The tool marked strict (OpenAI's "strict": true), its parameters' fields replaced."""
+    function = tool["function"]
+    merged = {**function["parameters"], **parameters}
+    return {**tool, "function": {**function, "parameters": merged, "strict": True}}
+
+
+def test_strict_tools_hold_every_call_to_a_tool_s_schema(qwen_grammars):
+    """A strict tool among the conversation's (OpenAI's "strict": true): every call of the
+    reply is one of its tools, with arguments its schema accepts; text may come before,
+    between or instead of them. No strict tool, or a model whose calls cannot be held so:
+    strict is taken, not enforced, and the reply is free."""
+    from inference_worker.grammar import Ask, Grammars
+    from inference_worker.tools import ToolFormat, canonical_tools
+
+    grammars, tokenizer = qwen_grammars
+    tools = canonical_tools(json.dumps([WEATHER_TOOL, strict(SET_MODE)]))
+    forms = grammars.forms(Ask(), tools)
+    assert forms is not None and forms.ask.strict and not forms.ask.holds_form
+    lyon = _call({"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}})
+    on = _call({"name": "set_mode", "arguments": {"fast": True, "mode": "on"}})  # canonical
+    bad = _call({"name": "set_mode", "arguments": {"fast": True, "mode": "up"}})
+    other = _call({"name": "get_time", "arguments": {}})
+    for text, expected in ((lyon, True), (on, True), (f"I will.\n{on}\n{lyon}", True),
+                           ("Sunny.", True), (bad, False), (other, False),
+                           (f"{on}\n{bad}", False)):  # fmt: skip
+        assert _takes(grammars.forms(Ask(), tools).matcher(tools), tokenizer, text) is expected
+    assert grammars.forms(Ask(), canonical_tools(json.dumps(TOOLS))) is None  # none strict
+    fmt = ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text))
+    assert Grammars(tokenizer, {2}, fmt).forms(Ask(), tools) is None  # cannot be held: free
 
 
 def test_a_spelled_call_of_a_tool_not_allowed_goes_out_as_text(qwen_grammars):
