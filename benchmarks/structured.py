@@ -4,7 +4,9 @@ One worker process of --model (SmolLM2-135M by default). --agents agents at once
 same question, free and then with a bounded JSON Schema, greedy; the table gives the decode
 speed the worker measured, the tokens, and how many replies were JSON the schema accepts.
 Then, in process, the per-step cost of the masks alone (llguidance) for a batch of 1 to 8
-constrained rows on the model's vocabulary.
+constrained rows on the model's vocabulary, and what holding a turn's calls to strict tools
+costs at its submit (compiling the calls' grammar, its first mask): 1 to 32 tools of four
+parameters, calls as json_tools writes them between two of the model's special tokens.
 Run: python benchmarks/structured.py [--model SPEC] [--agents 4] [--max-tokens 64]
 """
 
@@ -89,6 +91,35 @@ def mask_ms(path, rows: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def strict_ms(path, count: int, repeats: int = 5) -> float:
+    """Median ms to compile a turn's forms at submit for `count` strict tools."""
+    from mlx_lm.tokenizer_utils import load
+
+    from inference_worker.chat import ChatFormat
+    from inference_worker.grammar import Ask, Grammars
+    from inference_worker.tools import ToolFormat, canonical_tools
+
+    tokenizer = load(path)
+    opening, closing = tokenizer.all_special_tokens[:2]
+    calls = ToolFormat("json_tools", opening, closing, lambda text, tools: json.loads(text))
+    grammars = Grammars(tokenizer, ChatFormat(tokenizer).eos_ids, calls)
+    parameters = {
+        "type": "object",
+        "properties": SCHEMA["properties"] | {"on": {"type": "boolean"}},
+    }
+    functions = [
+        {"name": f"tool_{i}", "strict": True, "parameters": parameters} for i in range(count)
+    ]
+    tools = canonical_tools(json.dumps([{"type": "function", "function": f} for f in functions]))
+    grammars.forms(Ask(), tools)  # the tokenizer's llguidance form, built once per worker
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        assert grammars.forms(Ask(), tools) is not None
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = h.parser(__doc__, quick={"agents": 2, "max_tokens": 24})
     p.add_argument("--agents", type=int, default=4)
@@ -105,15 +136,23 @@ def main(argv: list[str] | None = None) -> None:
             ok = sum(valid(r) for r in results)
             rows.append((kind, args.agents, f"{speed:.1f}", tokens, f"{ok} of {len(results)}"))
     masks = [(n, f"{mask_ms(args.path, n, 24):.2f}") for n in (1, 4, 8)]
+    strict = [(n, f"{strict_ms(args.path, n):.1f}") for n in (1, 8, 32)]
     sections = [
         ("free vs held to a JSON Schema (decode)", h.table(
             ["reply", "agents", "decode tok/s (median)", "tokens", "JSON the schema accepts"],
             rows,
         )),
         ("the masks alone, per step", h.table(["constrained rows", "ms (median)"], masks)),
+        ("strict tools, compiled at a turn's submit", h.table(["tools", "ms (median)"], strict)),
     ]  # fmt: skip
     header = {"model": args.described, "machine": h.machine()}
-    h.report("structured", args.out, header, sections, document={"decode": rows, "masks": masks})
+    h.report(
+        "structured",
+        args.out,
+        header,
+        sections,
+        document={"decode": rows, "masks": masks, "strict": strict},
+    )
 
 
 if __name__ == "__main__":
