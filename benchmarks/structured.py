@@ -69,7 +69,8 @@ def mask_ms(path, rows: int, steps: int) -> float:
     from mlx_lm.tokenizer_utils import load
 
     from inference_worker.chat import ChatFormat
-    from inference_worker.grammar import Ask, Grammars, OutputForm, masked
+    from inference_worker.grammar import Ask, Grammars, OutputForm
+    from inference_worker.masks import masked
 
     tokenizer = load(path)
     chat = ChatFormat(tokenizer)

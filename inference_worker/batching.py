@@ -25,7 +25,7 @@ import mlx.core as mx
 from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
 from inference_worker.agents import Agent, AgentId, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
-from inference_worker.grammar import Constraint, masked
+from inference_worker.masks import Constraint, masked
 from inference_worker.sampling import StopMatcher
 from inference_worker.scheduler import Request, Scheduler, Step
 from inference_worker.tools import ReplyCalls

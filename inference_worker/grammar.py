@@ -28,19 +28,19 @@ compiles only for an agent's own tools (a turn that sends none: known at its sta
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
-
-from agentkv.errors import AgentKVError, FailedPrecondition, InvalidArgument
+from agentkv.errors import FailedPrecondition, InvalidArgument
+from inference_worker.masks import Constraint, check, limits
 from inference_worker.tools import ToolFormat, loads
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
-MAX_REASON = 500  # characters of llguidance's reason a refusal quotes
+MATCHERS_KEPT = 64  # compiled grammars a worker keeps, to copy for the next turn
 # Whitespace outside strings is not generated (a free model may write it for ever); a
 # schema's own "x-guidance" options win.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -85,11 +85,16 @@ class Forms:
     def __init__(self, grammars: Grammars, ask: Ask, entry: dict | None) -> None:
         self._grammars, self.ask, self._entry = grammars, ask, entry
         self._compiled: dict[str, Any] = {}  # canonical tools -> matcher (None: free)
+        self._written = ("", "")  # canonical tools, as the request wrote them
 
     def compile(self, tools: str, source: str = "") -> None:
         """Compiles for the conversation's `tools` (canonical), from `source` (the same
-        tools as the request wrote them, their properties in its order) when given."""
-        self._compiled = {tools: self._grammars.matcher(self.ask, self._entry, source or tools)}
+        tools as the request wrote them, their properties in its order) when given, or
+        given for them before."""
+        if source:
+            self._written = (tools, source)
+        written = self._written[1] if self._written[0] == tools else tools
+        self._compiled = {tools: self._grammars.matcher(self.ask, self._entry, written)}
 
     def matcher(self, tools: str) -> Any:
         """A fresh matcher for a conversation with `tools` (each one is used once: it holds
@@ -100,8 +105,8 @@ class Forms:
 
     def constraint(self, tools: str) -> Constraint | None:
         """The reply's constraint, for a conversation with these tools."""
-        matcher = self.matcher(tools)
-        return None if matcher is None else Constraint(matcher, self._grammars.vocab)
+        matcher, optional = self.matcher(tools), self.ask.strict and not self.ask.holds_form
+        return None if matcher is None else Constraint(matcher, self._grammars.vocab, optional)
 
 
 class Grammars:
@@ -113,6 +118,7 @@ class Grammars:
         self._hf, self._eos, self._tool_format = tokenizer, sorted(eos_ids), tool_format
         self._lock = threading.Lock()
         self._tokenizer: Any = None
+        self._kept: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher
 
     @property
     def vocab(self) -> int:
@@ -163,7 +169,8 @@ class Grammars:
         if (not tools and not ask.allowed) or self._tool_format is None:
             return self._matcher({"grammars": free}) if free else None
         if ask.forbidden:  # the form, or anything but the call's opening token
-            return self._matcher({"grammars": free or [{"lark_grammar": self._text()}]})
+            no_call = f"start: <[^{self._opening_token()}]>*\n"
+            return self._matcher({"grammars": free or [{"lark_grammar": no_call}]})
         names = self._named(ask, _functions(tools))
         if not (free or required or names):
             return None  # every tool allowed: nothing to enforce
@@ -172,7 +179,7 @@ class Grammars:
             lark = "start: call\n"
         elif names:  # text between calls of the allowed tools only
             first = "@form | call rest" if free else "call rest" if required else "rest"
-            lark = f"start: {first}\nrest: text (call text)*\n{self._text('text')}"
+            lark = f"start: {first}\nrest: text (call text)*\n{self._text()}"
         else:
             lark = f"start: {'@form | call rest' if free else 'call rest'}\n{CALL_REST}"
         lark += f"call: {call}\n"
@@ -202,7 +209,8 @@ class Grammars:
             return ask
         try:
             self._opening_token()
-        except FailedPrecondition:
+            self._call_body(tuple(_functions(tools)), tools)
+        except (FailedPrecondition, InvalidArgument):  # its schemas, llguidance cannot hold
             return ask
         return replace(ask, allowed=tuple(_functions(tools)), strict=True)
 
@@ -210,23 +218,30 @@ class Grammars:
         """A call as a Lark rule, and the grammars it refers to: its JSON, of one of `names`
         (any tool: none), where the format's calls are JSON and the tools are known, else
         its opening (the rest left to the model)."""
-        functions, fmt = _functions(tools), self._tool_format
-        if fmt.name not in JSON_CALLS or not functions or not fmt.end:
+        fmt = self._tool_format
+        if fmt.name not in JSON_CALLS or not _functions(tools) or not fmt.end:
             if names:
                 self._json_calls(ask)
             return self._marker(fmt.start), []
-        schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
-        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
         try:
-            self._matcher({"grammars": [grammar]})
+            grammar = self._call_body(names, tools)
         except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
-            if names and not ask.strict:
+            if names:
                 whose = f"tool {ask.name!r}'s" if ask.name else "the allowed tools'"
                 raise InvalidArgument(f"{whose} parameters: {exc.message}") from None
             return self._marker(fmt.start), []
         opening, closing = self._marker(fmt.start), self._marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
+
+    def _call_body(self, names: tuple[str, ...], tools: str) -> dict:
+        """The grammar of a call's JSON, of one of `names` (any tool: none), compiled once
+        to check it: InvalidArgument where llguidance cannot hold a tool's parameters."""
+        functions = _functions(tools)
+        schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
+        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
+        self._matcher({"grammars": [grammar]})
+        return grammar
 
     def _json_calls(self, ask: Ask) -> None:
         """FailedPrecondition unless the model's calls are JSON between markers: what a call
@@ -239,9 +254,11 @@ class Grammars:
                 f"this model's tool format is {fmt.name}"
             )
 
-    def _text(self, rule: str = "start") -> str:
-        """A Lark rule for text without a call: any token but the calls' opening one."""
-        return f"{rule}: <[^{self._opening_token()}]>*\n"
+    def _text(self) -> str:
+        """Lark rules for the text between calls: text that neither writes the calls'
+        opening token (special: no text matches it) nor spells it in ordinary tokens."""
+        spelled = re.escape(self._tool_format.start).replace("/", "\\/")
+        return f"text: TEXT?\nTEXT: /(?s:.+)/ & ~/(?s:.*{spelled}.*)/\n"
 
     def _matcher(self, grammar: dict) -> Any:
         """The grammar's matcher, its first mask computed: a form too costly for the limits
@@ -249,10 +266,19 @@ class Grammars:
         import llguidance
 
         text = json.dumps(grammar)
-        matcher = llguidance.LLMatcher(self._llg(), text, log_level=0, limits=_limits())
+        with self._lock:
+            kept = self._kept.get(text)
+            if kept is not None:
+                self._kept.move_to_end(text)
+                return kept.deep_copy()  # a compiled grammar, at its start
+        matcher = llguidance.LLMatcher(self._llg(), text, log_level=0, limits=limits())
         if not matcher.is_error():
             matcher.compute_bitmask()
         check(matcher)
+        with self._lock:
+            self._kept[text] = matcher.deep_copy()
+            while len(self._kept) > MATCHERS_KEPT:
+                self._kept.popitem(last=False)
         return matcher
 
     def _opening_token(self) -> int:
@@ -349,86 +375,3 @@ def _entry(form: OutputForm) -> dict:
     options = schema.get("x-guidance")
     options = {**JSON_OPTIONS, **(options if isinstance(options, dict) else {})}
     return {"name": "form", "json_schema": {**schema, "x-guidance": options}}
-
-
-class Constraint:
-    """One reply's matcher as it is generated: each token it takes, and whether the form is
-    complete (no token may follow)."""
-
-    def __init__(self, matcher: Any, vocab: int) -> None:
-        self.matcher, self.vocab = matcher, vocab  # vocab: the tokenizer's, llguidance's
-
-    def take(self, token: int) -> None:
-        self.matcher.consume_token(token)
-        check(self.matcher)
-
-    @property
-    def done(self) -> bool:
-        return self.matcher.is_stopped()
-
-
-def check(matcher: Any) -> None:
-    """InvalidArgument (the form is the caller's) for a matcher in error: its reason on one
-    line, at most MAX_REASON characters (llguidance may quote the whole grammar)."""
-    if matcher.is_error():
-        reason = " ".join(matcher.get_error().split())[:MAX_REASON]
-        raise InvalidArgument(f"output format: {reason}")
-
-
-def masked(logprobs: mx.array, constraints: list[Constraint | None]) -> tuple[mx.array, dict]:
-    """The batch's log-probabilities (rows, vocab) with each constrained row's disallowed
-    tokens at -inf (its masks computed together, in llguidance's threads; a free row stays
-    bit for bit as it was), and the rows whose matcher failed, with why."""
-    from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
-
-    rows = [(c.matcher, row) for row, c in enumerate(constraints) if c is not None]
-    vocab, width = next(c.vocab for c in constraints if c is not None), logprobs.shape[-1]
-    bits = np.full((len(constraints), (vocab + 31) // 32), -1, dtype=np.int32)
-    failed: dict[int, AgentKVError] = {}
-    try:
-        fill_next_token_bitmask_par(_executor(), rows, bits)
-    except Exception:  # a misuse (a row's matcher twice): row by row, failing only its rows
-        for matcher, row in rows:
-            try:
-                fill_next_token_bitmask(matcher, bits, row)
-            except Exception as exc:
-                failed[row] = AgentKVError(f"output format: {type(exc).__name__}: {exc}")
-    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width]
-    if allowed.shape[1] < width:  # logits past the tokenizer's ids: none is allowed
-        allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
-    for matcher, row in rows:
-        try:
-            if row in failed:
-                raise failed[row]
-            check(matcher)
-            if not allowed[row].any():
-                raise AgentKVError("output format: no token of the model can continue it")
-        except AgentKVError as exc:
-            failed[row] = exc
-            allowed[row] = 1  # the row leaves the batch: no all -inf row (NaN) meanwhile
-    return mx.where(mx.array(allowed.astype(bool)), logprobs, -mx.inf), failed
-
-
-_EXECUTOR: list = []
-
-
-def _executor() -> Any:
-    if not _EXECUTOR:
-        import llguidance
-
-        _EXECUTOR.append(llguidance.LLExecutor())
-    return _EXECUTOR[0]
-
-
-def _limits() -> Any:
-    """Per-step limits well under llguidance's defaults: one turn's mask must not hold the
-    batch (every other tenant's rows) for more than a few milliseconds."""
-    import llguidance
-
-    return llguidance.LLParserLimits(
-        step_lexer_fuel=50_000,  # ~3.5 ms
-        step_max_items=20_000,  # ~1 ms
-        max_lexer_states=50_000,
-        max_grammar_size=100_000,
-        verbose_errors=False,
-    )

@@ -549,7 +549,8 @@ def test_a_call_keeps_the_request_s_key_order_and_odd_tool_schemas_do_not_block_
 
 
 def test_a_marker_with_special_tokens_inside_and_a_matcher_used_once(qwen_grammars):
-    from inference_worker.grammar import Ask, Grammars, masked
+    from inference_worker.grammar import Ask, Grammars
+    from inference_worker.masks import masked
     from inference_worker.tools import ToolFormat, canonical_tools
 
     _, tokenizer = qwen_grammars
@@ -622,6 +623,10 @@ def test_calls_allowed_of_some_tools_are_every_call_of_theirs(qwen_grammars):
     assert taken(auto, "Sunny.") and taken(auto, on) and taken(auto, f"I will.\n{on}\n{on}")
     assert not taken(auto, lyon) and not taken(auto, f"Let me look.\n{lyon}")
     assert not taken(auto, f"{on}\n{lyon}") and not taken(auto, bad)  # every call, its schema
+    spelled = [i for c in "<tool_call>" for i in tokenizer.encode(c, add_special_tokens=False)]
+    body = tokenizer.encode(lyon.removeprefix("<tool_call>"), add_special_tokens=False)
+    matcher = grammars.forms(auto, tools).matcher(tools)
+    assert matcher.try_consume_tokens(spelled + body) < len(spelled + body)  # not as text
     required = Ask(required=True, allowed=("set_mode",))
     assert taken(required, on) and taken(required, f"{on}\nDone.")
     assert not taken(required, "Sunny.") and not taken(required, lyon)
@@ -665,8 +670,69 @@ def test_strict_tools_hold_every_call_to_a_tool_s_schema(qwen_grammars):
                            (f"{on}\n{bad}", False)):  # fmt: skip
         assert _takes(grammars.forms(Ask(), tools).matcher(tools), tokenizer, text) is expected
     assert grammars.forms(Ask(), canonical_tools(json.dumps(TOOLS))) is None  # none strict
-    fmt = ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text))
-    assert Grammars(tokenizer, {2}, fmt).forms(Ask(), tools) is None  # cannot be held: free
+    for fmt in (
+        ToolFormat("custom", "CALL:", "", lambda text, tools: json.loads(text)),
+        ToolFormat("json_tools", "CALL:", "END", lambda text, tools: json.loads(text)),
+    ):
+        assert Grammars(tokenizer, {2}, fmt).forms(Ask(), tools) is None  # cannot be held
+    assert grammars.forms(Ask(), None) is None  # an agent's own tools: not known at submit
+    lookahead = strict(WEATHER_TOOL, properties={"city": {"type": "string", "pattern": "(?<=a)b"}})
+    assert grammars.forms(Ask(), canonical_tools(json.dumps([lookahead]))) is None  # nor so
+
+
+def test_strict_tools_hold_the_calls_beside_a_required_call_or_a_form(qwen_grammars):
+    """Strict tools hold every call where a call is required too (not only the first), and
+    where the reply may be a form instead; the arguments in the request's own key order."""
+    from inference_worker.grammar import Ask, OutputForm
+    from inference_worker.tools import canonical_tools
+
+    grammars, tokenizer = qwen_grammars
+    source = json.dumps([WEATHER_TOOL, strict(SET_MODE)])  # set_mode's: mode, then fast
+    tools = canonical_tools(source)
+    on = _call({"name": "set_mode", "arguments": {"mode": "on", "fast": True}})
+    other = _call({"name": "get_time", "arguments": {}})
+    verdict = '{"answer":"no","sure":true,"level":3}'
+
+    def taken(ask: Ask, text: str) -> bool:
+        forms = grammars.forms(ask, tools, source)
+        return _takes(forms.matcher(tools), tokenizer, text)
+
+    required = Ask(required=True)
+    assert taken(required, f"{on}\nDone.") and not taken(required, f"{on}\n{other}")
+    form = Ask(OutputForm("json_schema", json.dumps(VERDICT)))
+    assert taken(form, verdict) and taken(form, on) and not taken(form, other)
+    assert not taken(form, "Sunny.")
+    forms = grammars.forms(Ask(), tools, source)
+    for _ in range(2):  # compiled again for the same tools: still in the request's order
+        assert _takes(forms.matcher(tools), tokenizer, on)
+
+
+def test_a_failed_optional_constraint_is_dropped_and_a_required_one_fails(qwen_grammars):
+    """A strict tools' constraint holds what the caller did not ask for: where its matcher
+    fails, the reply goes on free; a form's failure fails the turn."""
+    import mlx.core as mx
+
+    from inference_worker.grammar import Ask
+    from inference_worker.masks import masked
+    from inference_worker.tools import canonical_tools
+
+    grammars, tokenizer = qwen_grammars
+    tools = canonical_tools(json.dumps([strict(SET_MODE)]))
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
+    bad = tokenizer.encode("Sunny", add_special_tokens=False)[0]  # no call's JSON begins so
+    optional = grammars.forms(Ask(), tools).constraint(tools)
+    assert optional.optional
+    optional.take(opening)
+    optional.take(bad)
+    assert optional.matcher is None and not optional.done
+    logprobs = mx.zeros((1, grammars.vocab))
+    out, failed = masked(logprobs, [optional])
+    assert not failed and mx.array_equal(out, logprobs).item()
+    held = grammars.forms(Ask(required=True), tools).constraint(tools)
+    assert not held.optional
+    held.take(opening)
+    with pytest.raises(InvalidArgument):
+        held.take(bad)
 
 
 def test_a_spelled_call_of_a_tool_not_allowed_goes_out_as_text(qwen_grammars):
