@@ -360,10 +360,10 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     schema = typed(tool, "input_schema", dict, None, where)
     if schema is None:
         raise invalid(f"{where}.input_schema: a JSON schema object is required", where)
-    for flag in ("strict", "eager_input_streaming"):  # taken (strict: as the OpenAI route's)
-        typed(tool, flag, bool, None, where)
+    strict = typed(tool, "strict", bool, None, where)  # enforced as the OpenAI route's
+    typed(tool, "eager_input_streaming", bool, None, where)  # taken
     description = typed(tool, "description", str, None, where)
-    function = {"name": name, "parameters": schema}
+    function = {"name": name, "parameters": schema} | ({"strict": True} if strict else {})
     if description is not None:
         function["description"] = description
     return {"type": "function", "function": function}

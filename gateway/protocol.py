@@ -532,10 +532,11 @@ def tools_text(tools: list[dict[str, Any]]) -> str:
 
 def _tool(tool: Any, where: str) -> None:
     """One tool: {"type": "function", "function": {"name", "description", "parameters",
-    "strict"}}, as OpenAI specifies it; other kinds of tool are refused. `strict` is taken
-    as given (OpenAI's Agents SDK sets it on every function tool): a call's arguments are
-    held to `parameters` where the worker constrains the call (a call required or named, or
-    beside a response_format), whatever `strict` says, and are the model's elsewhere."""
+    "strict"}}, as OpenAI specifies it; other kinds of tool are refused. `strict` passes to
+    the worker (OpenAI's Agents SDK sets it on every function tool), which holds every call
+    to the tools' `parameters` where the model's calls can be held; a call's arguments are
+    held so wherever the worker constrains the call (required, named, allowed, or beside a
+    response_format), whatever `strict` says."""
     if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
         raise invalid(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
     if tool["type"] != "function":

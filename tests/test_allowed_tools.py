@@ -2,9 +2,12 @@
 worker on tests/model_kit.py's scripted model, which calls get_weather whenever it may: with
 only set_mode allowed it calls no get_weather, while the conversation keeps both tools, so
 the next turn resumes its cache. Narrowing the tools list instead, as clients did before
-allowed_tools, changes the prompt near its start and loses the cache."""
+allowed_tools, changes the prompt near its start and loses the cache. A strict tool's calls
+are held to its schema the same way."""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -100,3 +103,17 @@ def test_allowed_tools_the_request_lacks_are_a_400(stack):
         with pytest.raises(openai.BadRequestError) as refused:
             turn(client, "refused", ASK, BOTH, tool_choice=choice)
         assert refused.value.body["param"] == param
+
+
+def test_a_strict_tool_s_calls_are_held_to_its_schema(stack):
+    """The scripted model calls get_weather with unit "celsius": a tool that takes only
+    "kelvin" gets that call as written, unless it is strict (the Agents SDK's default)."""
+    properties = {"city": {"enum": ["Paris"]}, "unit": {"enum": ["kelvin"]}}
+    kelvin = {"type": "object", "properties": properties, "required": ["city", "unit"]}
+    kelvin["additionalProperties"] = False
+    for strict, unit in ((False, "celsius"), (True, "kelvin")):
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": kelvin}}
+        tool["function"]["strict"] = strict
+        reply, _ = turn(stack.client(), f"strict-{strict}", ASK, [tool])
+        arguments = [json.loads(c.function.arguments) for c in reply.choices[0].message.tool_calls]
+        assert [a["unit"] for a in arguments] == [unit]

@@ -79,6 +79,10 @@ def test_a_conversation_is_the_same_call_through_either_api():
     assert ours.messages == theirs.messages
     assert ours.tools == theirs.tools and ours.scope == theirs.scope
     assert ours.anonymous_id() == theirs.anonymous_id()  # so it reaches the same agent
+    strict = parse_messages(anthropic_body(tools=[TOOL | {"strict": True}]))  # held the same
+    openai_strict = parse_chat(openai_body() | {"tools": [{**WEATHER_TOOL, "function": WEATHER | {
+        "strict": True}}]}, 8)  # fmt: skip
+    assert strict.tools == openai_strict.tools and '"strict":true' in strict.tools
     # max_tokens is a ceiling, as Anthropic's current models read it: lowered to the room
     # the context has left
     assert ours.sampling == {"temperature": 1.0, "max_tokens": 8, "fit_max_tokens": True}

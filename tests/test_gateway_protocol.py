@@ -216,7 +216,7 @@ def test_function_tools_are_sent_as_compact_json_with_sorted_keys():
     assert json.loads(call.tools) == [WEATHER]
     reordered = {"function": dict(reversed(WEATHER["function"].items())), "type": "function"}
     assert parsed(tools=[reordered]).tools == call.tools  # the same tools, however spelled
-    for strict in (False, True):  # taken, not enforced: the Agents SDK sets it on every tool
+    for strict in (False, True):  # passed on: the Agents SDK sets it on every tool
         tool = {**WEATHER, "function": {**WEATHER["function"], "strict": strict}}
         assert json.loads(parsed(tools=[tool], parallel_tool_calls=True).tools) == [tool]
     minimal = {"type": "function", "function": {"name": "now"}}  # no description, parameters
