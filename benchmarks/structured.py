@@ -5,8 +5,9 @@ same question, free and then with a bounded JSON Schema, greedy; the table gives
 speed the worker measured, the tokens, and how many replies were JSON the schema accepts.
 Then, in process, the per-step cost of the masks alone (llguidance) for a batch of 1 to 8
 constrained rows on the model's vocabulary, and what holding a turn's calls to strict tools
-costs at its submit (compiling the calls' grammar, its first mask): 1 to 32 tools of four
-parameters, calls as json_tools writes them between two of the model's special tokens.
+costs: at its submit (compiling the calls' grammar, its first mask; or copying one the
+worker keeps), for 1 to 32 tools of four parameters, and in its masks; calls as json_tools
+writes them, between two of the model's special tokens.
 Run: python benchmarks/structured.py [--model SPEC] [--agents 4] [--max-tokens 64]
 """
 
@@ -62,21 +63,20 @@ def valid(result) -> bool:
     return result.usage.finish_reason == "stop"
 
 
-def mask_ms(path, rows: int, steps: int) -> float:
+def mask_ms(path, rows: int, steps: int, strict: bool = False) -> float:
     """Median ms of one step's masks for `rows` constrained rows (random logits; the
-    argmax taken, as a greedy step)."""
+    argmax taken, as a greedy step): held to SCHEMA, or, `strict`, to 8 strict tools'
+    calls (text, or calls, as random logits choose)."""
     import mlx.core as mx
-    from mlx_lm.tokenizer_utils import load
 
-    from inference_worker.chat import ChatFormat
-    from inference_worker.grammar import Ask, Grammars, OutputForm
+    from inference_worker.grammar import Ask, OutputForm
     from inference_worker.masks import masked
 
-    tokenizer = load(path)
-    chat = ChatFormat(tokenizer)
-    grammars = Grammars(tokenizer, chat.eos_ids, chat.tool_format)
-    form = Ask(OutputForm("json_schema", json.dumps(SCHEMA)))
-    constraints = [grammars.forms(form, "").constraint("") for _ in range(rows)]
+    grammars, eos = _tool_grammars(path)
+    ask, tools = Ask(OutputForm("json_schema", json.dumps(SCHEMA))), ""
+    if strict:
+        ask, tools = Ask(), _strict_tools(8)
+    constraints = [grammars.forms(ask, tools).constraint(tools) for _ in range(rows)]
     times = []
     for _ in range(steps):
         logprobs = mx.random.normal((rows, grammars.vocab))
@@ -86,39 +86,57 @@ def mask_ms(path, rows: int, steps: int) -> float:
         tokens = mx.argmax(out, axis=-1).tolist()
         times.append((time.perf_counter() - start) * 1e3)
         for c, token in zip(constraints, tokens, strict=True):
-            if c.done or token in chat.eos_ids:
+            if c.done or token in eos:
                 return statistics.median(times)
             c.take(token)
     return statistics.median(times)
 
 
-def strict_ms(path, count: int, repeats: int = 5) -> float:
-    """Median ms to compile a turn's forms at submit for `count` strict tools."""
+def strict_ms(path, count: int, repeats: int = 5) -> tuple[float, float]:
+    """Median ms to compile a turn's forms at submit for `count` strict tools: tools new
+    to the worker, and the same tools again (a kept grammar, copied)."""
+    from inference_worker.grammar import Ask
+
+    grammars, _ = _tool_grammars(path)
+    grammars.forms(Ask(), _strict_tools(count, "warm-up"))  # llguidance's tokenizer, once
+    new, again = [], []
+    for i in range(repeats):
+        tools = _strict_tools(count, str(i))
+        for times in (new, again):
+            start = time.perf_counter()
+            assert grammars.forms(Ask(), tools) is not None
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(new), statistics.median(again)
+
+
+def _tool_grammars(path) -> tuple:
+    """(Grammars, end-of-sequence ids) of the model's tokenizer, its calls json_tools'
+    between two of its special tokens (SmolLM2's template writes no calls)."""
     from mlx_lm.tokenizer_utils import load
 
     from inference_worker.chat import ChatFormat
-    from inference_worker.grammar import Ask, Grammars
-    from inference_worker.tools import ToolFormat, canonical_tools
+    from inference_worker.grammar import Grammars
+    from inference_worker.tools import ToolFormat
 
     tokenizer = load(path)
     opening, closing = tokenizer.all_special_tokens[:2]
     calls = ToolFormat("json_tools", opening, closing, lambda text, tools: json.loads(text))
-    grammars = Grammars(tokenizer, ChatFormat(tokenizer).eos_ids, calls)
-    parameters = {
-        "type": "object",
-        "properties": SCHEMA["properties"] | {"on": {"type": "boolean"}},
-    }
+    eos = ChatFormat(tokenizer).eos_ids
+    return Grammars(tokenizer, eos, calls), eos
+
+
+def _strict_tools(count: int, salt: str = "") -> str:
+    """`count` strict tools of four parameters, as canonical tools; `salt` in their
+    parameters' title makes them new to a worker (a grammar it has not compiled)."""
+    from inference_worker.tools import canonical_tools
+
+    properties = SCHEMA["properties"] | {"on": {"type": "boolean"}}
+    parameters = {"type": "object", "properties": properties, "additionalProperties": False}
+    parameters["title"] = salt
     functions = [
         {"name": f"tool_{i}", "strict": True, "parameters": parameters} for i in range(count)
     ]
-    tools = canonical_tools(json.dumps([{"type": "function", "function": f} for f in functions]))
-    grammars.forms(Ask(), tools)  # the tokenizer's llguidance form, built once per worker
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        assert grammars.forms(Ask(), tools) is not None
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return canonical_tools(json.dumps([{"type": "function", "function": f} for f in functions]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,15 +154,22 @@ def main(argv: list[str] | None = None) -> None:
             tokens = sum(r.usage.generated_tokens for r in results)
             ok = sum(valid(r) for r in results)
             rows.append((kind, args.agents, f"{speed:.1f}", tokens, f"{ok} of {len(results)}"))
-    masks = [(n, f"{mask_ms(args.path, n, 24):.2f}") for n in (1, 4, 8)]
-    strict = [(n, f"{strict_ms(args.path, n):.1f}") for n in (1, 8, 32)]
+    masks = [
+        (n, f"{mask_ms(args.path, n, 24):.2f}", f"{mask_ms(args.path, n, 24, True):.2f}")
+        for n in (1, 4, 8)
+    ]
+    strict = [(n, *(f"{ms:.1f}" for ms in strict_ms(args.path, n))) for n in (1, 8, 32)]
     sections = [
         ("free vs held to a JSON Schema (decode)", h.table(
             ["reply", "agents", "decode tok/s (median)", "tokens", "JSON the schema accepts"],
             rows,
         )),
-        ("the masks alone, per step", h.table(["constrained rows", "ms (median)"], masks)),
-        ("strict tools, compiled at a turn's submit", h.table(["tools", "ms (median)"], strict)),
+        ("the masks alone, per step (ms, median)", h.table(
+            ["constrained rows", "held to the JSON Schema", "8 strict tools"], masks
+        )),
+        ("strict tools at a turn's submit (ms, median)", h.table(
+            ["tools", "new to the worker: compiled", "the same again: copied"], strict
+        )),
     ]  # fmt: skip
     header = {"model": args.described, "machine": h.machine()}
     h.report(
