@@ -14,11 +14,13 @@ forbidden call (tool_choice "none") is its opening token masked at every step, w
 opening is a special token; the reply's text is then not read for calls. Calls allowed of
 some tools only (tool_choice "allowed_tools", the conversation keeping all its tools so that
 its cached prefix holds) are every call of the reply, where the calls are JSON and open with
-a special token, which the text between them may not write (a call of another tool spelled
-in ordinary tokens is text: ReplyCalls.allowed). So are the calls of a conversation whose
-tools include a strict one (OpenAI's "strict": true), where nothing else restricts them:
-each is a call of one of its tools that the tool's schema accepts; on a model whose calls
-cannot be held so, strict is taken and not enforced, as before.
+a special token: the text between them may neither write that token nor spell it in
+ordinary tokens (its other special and added tokens it may). So are the calls of a
+conversation whose tools include a strict one (OpenAI's "strict": true), where nothing else
+restricts them: each is a call of one of its tools that the tool's schema accepts; on a
+model whose calls cannot be held so, or tools whose grammar llguidance cannot hold, strict
+is taken and not enforced, as before, and a strict constraint that fails mid-reply is
+dropped (masks.Constraint.optional).
 
 Forms are compiled at submit, on the RPC thread (llguidance drops the GIL while it builds),
 so a bad one is refused before the turn queues; the MLX thread masks and advances, and
@@ -119,6 +121,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._kept: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher
+        self._special: set[int] | None = None  # _special_ids
 
     @property
     def vocab(self) -> int:
@@ -140,7 +143,16 @@ class Grammars:
             ask = replace(ask, forbidden=False)  # no call to forbid: no tools, or no format
         if ask.allowed and tools and set(_functions(tools)) <= set(ask.allowed):
             ask = replace(ask, allowed=())  # every tool allowed: nothing to restrict
-        ask = self._strict(ask, tools)
+        held = self._strict(ask, tools)
+        try:
+            return self._forms(held, tools, source)
+        except InvalidArgument:  # the strict tools' grammar: llguidance cannot hold it
+            if held is ask:
+                raise
+        return self._forms(ask, tools, source)  # strict taken, not enforced
+
+    def _forms(self, ask: Ask, tools: str | None, source: str) -> Forms | None:
+        """forms(), `ask` checked and settled."""
         if ask == Ask():
             return None
         if (ask.required or ask.name or ask.allowed) and self._tool_format is None:
@@ -209,8 +221,7 @@ class Grammars:
             return ask
         try:
             self._opening_token()
-            self._call_body(tuple(_functions(tools)), tools)
-        except (FailedPrecondition, InvalidArgument):  # its schemas, llguidance cannot hold
+        except FailedPrecondition:
             return ask
         return replace(ask, allowed=tuple(_functions(tools)), strict=True)
 
@@ -218,13 +229,16 @@ class Grammars:
         """A call as a Lark rule, and the grammars it refers to: its JSON, of one of `names`
         (any tool: none), where the format's calls are JSON and the tools are known, else
         its opening (the rest left to the model)."""
-        fmt = self._tool_format
-        if fmt.name not in JSON_CALLS or not _functions(tools) or not fmt.end:
+        functions, fmt = _functions(tools), self._tool_format
+        if fmt.name not in JSON_CALLS or not functions or not fmt.end:
             if names:
                 self._json_calls(ask)
             return self._marker(fmt.start), []
+        schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
+        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
         try:
-            grammar = self._call_body(names, tools)
+            self._matcher({"grammars": [grammar]})
         except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
             if names:
                 whose = f"tool {ask.name!r}'s" if ask.name else "the allowed tools'"
@@ -232,16 +246,6 @@ class Grammars:
             return self._marker(fmt.start), []
         opening, closing = self._marker(fmt.start), self._marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
-
-    def _call_body(self, names: tuple[str, ...], tools: str) -> dict:
-        """The grammar of a call's JSON, of one of `names` (any tool: none), compiled once
-        to check it: InvalidArgument where llguidance cannot hold a tool's parameters."""
-        functions = _functions(tools)
-        schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
-        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
-        self._matcher({"grammars": [grammar]})
-        return grammar
 
     def _json_calls(self, ask: Ask) -> None:
         """FailedPrecondition unless the model's calls are JSON between markers: what a call
@@ -256,9 +260,21 @@ class Grammars:
 
     def _text(self) -> str:
         """Lark rules for the text between calls: text that neither writes the calls'
-        opening token (special: no text matches it) nor spells it in ordinary tokens."""
+        opening token nor spells it in ordinary tokens; the model's other special and
+        added tokens (<think>, <tool_response>), which no text matches, between its runs."""
         spelled = re.escape(self._tool_format.start).replace("/", "\\/")
-        return f"text: TEXT?\nTEXT: /(?s:.+)/ & ~/(?s:.*{spelled}.*)/\n"
+        lexeme = f"TEXT: /(?s:.+)/ & ~/(?s:.*{spelled}.*)/\n"
+        others = _ranges(sorted(self._special_ids() - {self._opening_token()}))
+        between = f" (<[{others}]> TEXT?)*" if others else ""
+        return f"text: TEXT?{between}\n{lexeme}"
+
+    def _special_ids(self) -> set[int]:
+        """The ids of the tokenizer's special and added tokens, as llguidance reads them."""
+        llg = self._llg()
+        with self._lock:
+            if self._special is None:
+                self._special = {i for i in range(llg.vocab_size) if llg.is_special_token(i)}
+            return self._special
 
     def _matcher(self, grammar: dict) -> Any:
         """The grammar's matcher, its first mask computed: a form too costly for the limits
@@ -333,6 +349,17 @@ def _functions(tools: str) -> dict[str, Any]:
     """The canonical tools' parameters' schemas by name (an object, where a tool has none)."""
     functions = [tool["function"] for tool in (loads(tools) if tools else [])]
     return {f["name"]: f.get("parameters") or {"type": "object"} for f in functions}
+
+
+def _ranges(ids: list[int]) -> str:
+    """Sorted token ids as a Lark token range's items: runs as "a-b", comma separated."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _any_strict(tools: str) -> bool:

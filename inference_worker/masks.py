@@ -5,6 +5,7 @@ cannot hold the others' rows for more than a few milliseconds."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ import numpy as np
 from agentkv.errors import AgentKVError, InvalidArgument
 
 MAX_REASON = 500  # characters of llguidance's reason a refusal quotes
+log = logging.getLogger(__name__)
 
 
 class Constraint:
@@ -33,10 +35,15 @@ class Constraint:
         """InvalidArgument where the matcher failed; an optional one is dropped instead."""
         try:
             check(self.matcher)
-        except InvalidArgument:
+        except InvalidArgument as exc:
             if not self.optional:
                 raise
-            self.matcher = None
+            self.drop(exc)
+
+    def drop(self, why: AgentKVError) -> None:
+        """An optional constraint that failed: the reply goes on free (logged, with why)."""
+        log.warning("strict tools' calls no longer held in a reply", extra={"why": why.message})
+        self.matcher = None
 
     @property
     def done(self) -> bool:
@@ -88,7 +95,7 @@ def masked(logprobs: mx.array, constraints: list[Constraint | None]) -> tuple[mx
         except AgentKVError as exc:
             allowed[row] = 1  # free from now on, or leaving the batch: no all -inf row (NaN)
             if constraint.optional:
-                constraint.matcher = None
+                constraint.drop(exc)
             else:
                 failed[row] = exc
     return mx.where(mx.array(allowed.astype(bool)), logprobs, -mx.inf), failed

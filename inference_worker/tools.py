@@ -171,8 +171,9 @@ class ReplyCalls:
     format: ToolFormat
     tools: list[dict]
     limit: int = 0  # the reply ends after this many calls; 0: no limit
-    # The tools its calls may be of (tool_call_allowed; empty: any): a call of another,
-    # spelled in ordinary tokens where the grammar masks the opening one, goes out as text.
+    # The tools its calls may be of (tool_call_allowed, or all, for strict tools; empty:
+    # any): a call of another goes out as text. The grammar makes none, but a reply whose
+    # strict constraint was dropped mid-reply is free.
     allowed: frozenset[str] = frozenset()
     calls: list[ToolCall] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)  # the text that went out as text

@@ -626,7 +626,8 @@ def test_calls_allowed_of_some_tools_are_every_call_of_theirs(qwen_grammars):
     spelled = [i for c in "<tool_call>" for i in tokenizer.encode(c, add_special_tokens=False)]
     body = tokenizer.encode(lyon.removeprefix("<tool_call>"), add_special_tokens=False)
     matcher = grammars.forms(auto, tools).matcher(tools)
-    assert matcher.try_consume_tokens(spelled + body) < len(spelled + body)  # not as text
+    assert matcher.try_consume_tokens(spelled + body) == len(spelled) - 1  # refused at ">"
+    assert taken(auto, "Hi <tool_response> there") and taken(auto, f"<|im_start|>\n{on}")
     required = Ask(required=True, allowed=("set_mode",))
     assert taken(required, on) and taken(required, f"{on}\nDone.")
     assert not taken(required, "Sunny.") and not taken(required, lyon)
@@ -733,6 +734,15 @@ def test_a_failed_optional_constraint_is_dropped_and_a_required_one_fails(qwen_g
     held.take(opening)
     with pytest.raises(InvalidArgument):
         held.take(bad)
+    # In a batch's step, where a matcher fails its mask (here: a token it did not allow):
+    optional = grammars.forms(Ask(), tools).constraint(tools)
+    held = grammars.forms(Ask(required=True), tools).constraint(tools)
+    for constraint in (optional, held):
+        constraint.matcher.consume_token(opening)
+        constraint.matcher.consume_token(bad)
+    out, failed = masked(mx.zeros((2, grammars.vocab)), [optional, held])
+    assert list(failed) == [1] and optional.matcher is None  # the optional one: free
+    assert mx.array_equal(out[0], mx.zeros(grammars.vocab)).item()
 
 
 def test_a_spelled_call_of_a_tool_not_allowed_goes_out_as_text(qwen_grammars):
