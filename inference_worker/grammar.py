@@ -30,6 +30,7 @@ compiles only for an agent's own tools (a turn that sends none: known at its sta
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -43,6 +44,7 @@ from inference_worker.tools import ToolFormat, loads
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
 MATCHERS_KEPT = 64  # compiled grammars a worker keeps, to copy for the next turn
+log = logging.getLogger("agentkv.worker")
 # Whitespace outside strings is not generated (a free model may write it for ever); a
 # schema's own "x-guidance" options win.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -146,10 +148,11 @@ class Grammars:
         held = self._strict(ask, tools)
         try:
             return self._forms(held, tools, source)
-        except InvalidArgument:  # the strict tools' grammar: llguidance cannot hold it
+        except InvalidArgument as exc:  # the strict tools' grammar: llguidance cannot hold it
             if held is ask:
                 raise
-        return self._forms(ask, tools, source)  # strict taken, not enforced
+            log.info("strict tools taken, not enforced", extra={"why": exc.message})
+        return self._forms(ask, tools, source)
 
     def _forms(self, ask: Ask, tools: str | None, source: str) -> Forms | None:
         """forms(), `ask` checked and settled."""
@@ -260,8 +263,9 @@ class Grammars:
 
     def _text(self) -> str:
         """Lark rules for the text between calls: text that neither writes the calls'
-        opening token nor spells it in ordinary tokens; the model's other special and
-        added tokens (<think>, <tool_response>), which no text matches, between its runs."""
+        opening token nor spells it in ordinary tokens; the other tokens llguidance reads
+        as special (bracketed added ones: <think>, <tool_response>), which no text matches,
+        between its runs."""
         spelled = re.escape(self._tool_format.start).replace("/", "\\/")
         lexeme = f"TEXT: /(?s:.+)/ & ~/(?s:.*{spelled}.*)/\n"
         others = _ranges(sorted(self._special_ids() - {self._opening_token()}))
@@ -269,7 +273,8 @@ class Grammars:
         return f"text: TEXT?{between}\n{lexeme}"
 
     def _special_ids(self) -> set[int]:
-        """The ids of the tokenizer's special and added tokens, as llguidance reads them."""
+        """The ids of the tokens llguidance reads as special (the tokenizer's bracketed
+        added tokens, its end of sequence among them)."""
         llg = self._llg()
         with self._lock:
             if self._special is None:

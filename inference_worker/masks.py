@@ -14,7 +14,7 @@ import numpy as np
 from agentkv.errors import AgentKVError, InvalidArgument
 
 MAX_REASON = 500  # characters of llguidance's reason a refusal quotes
-log = logging.getLogger(__name__)
+log = logging.getLogger("agentkv.worker")
 
 
 class Constraint:
