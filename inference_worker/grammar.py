@@ -15,7 +15,7 @@ opening is a special token; the reply's text is then not read for calls. Calls a
 some tools only (tool_choice "allowed_tools", the conversation keeping all its tools so that
 its cached prefix holds) are every call of the reply, where the calls are JSON and open with
 a special token: the text between them may neither write that token nor spell it in
-ordinary tokens (its other special and added tokens it may). So are the calls of a
+ordinary tokens (the other tokens llguidance reads as special it may). So are the calls of a
 conversation whose tools include a strict one (OpenAI's "strict": true), where nothing else
 restricts them: each is a call of one of its tools that the tool's schema accepts; on a
 model whose calls cannot be held so, or tools whose grammar llguidance cannot hold, strict
