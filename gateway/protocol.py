@@ -65,11 +65,11 @@ KNOWN = {*IGNORED, *SCOPE, *SAMPLING, *NEUTRAL, *TOOLING}  # a body's fields
 MAX_STOPS = 4  # OpenAI's own limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
-NO_CONSTRAINTS = (
-    "the model decides whether to call a tool, and which, unless asked: agentkv enforces a "
-    "call (any, or one named) or none"
+MODEL_DECIDES = "the model decides whether to call a tool, and which, unless asked"
+NO_CONSTRAINTS = f"{MODEL_DECIDES}: agentkv enforces a call (any, or one named) or none"
+OPENAI_CHOICES = (  # OpenAI's API also restricts calls to some tools (allowed_tools)
+    f"{MODEL_DECIDES}: agentkv enforces a call (any, one named, or of the allowed_tools) or none"
 )
-OPENAI_CHOICES = "a call (any, one named, or of the allowed_tools) or none"
 FORMAT_KEYS = {"type", "name", "description", "schema", "strict"}  # a json_schema format
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -303,8 +303,7 @@ def tool_choice(choice: Any, inner: str = "") -> ToolChoice:
             f'tool_choice must be "auto", "none", "required" or an object, got {choice!r}',
             "tool_choice",
         )
-    message = f"tool_choice={choice!r}: {NO_CONSTRAINTS.split(': ')[0]}: agentkv enforces "
-    raise invalid(message + OPENAI_CHOICES, "tool_choice", "unsupported_value")
+    raise invalid(f"tool_choice={choice!r}: {OPENAI_CHOICES}", "tool_choice", "unsupported_value")
 
 
 def _allowed_tools(choice: dict, outer: str, inner: str) -> ToolChoice:
