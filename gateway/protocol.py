@@ -292,7 +292,7 @@ def tool_choice(choice: Any, inner: str = "") -> ToolChoice:
         return ToolChoice(required=choice == "required", forbidden=choice == "none")
     if isinstance(choice, dict) and choice.get("type") == "function":
         known_only(choice, {"type", inner or "name"}, "tool_choice")
-        named = (typed(choice, inner, dict, None, "tool_choice") or {}) if inner else choice
+        named = _within(choice, inner, "tool_choice")
         where = f"tool_choice.{inner}" if inner else "tool_choice"
         known_only(named, {"name"} if inner else {"type", "name"}, where)
         return ToolChoice(required=True, name=tool_name(named.get("name"), where))
@@ -311,7 +311,7 @@ def _allowed_tools(choice: dict, outer: str, inner: str) -> ToolChoice:
     chat route, beside the type on the Responses route). Allowing none is "none"."""
     known_only(choice, {"type", outer} if outer else {"type", "mode", "tools"}, "tool_choice")
     where = f"tool_choice.{outer}" if outer else "tool_choice"
-    body = (typed(choice, outer, dict, None, "tool_choice") or {}) if outer else choice
+    body = _within(choice, outer, "tool_choice")
     known_only(body, {"mode", "tools"} | (set() if outer else {"type"}), where)
     mode, tools = body.get("mode"), body.get("tools")
     if mode not in ("auto", "required"):
@@ -324,11 +324,18 @@ def _allowed_tools(choice: dict, outer: str, inner: str) -> ToolChoice:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise invalid(f"{at}: agentkv calls only function tools", at, "unsupported_value")
         known_only(tool, {"type", inner or "name"}, at)
-        named = (typed(tool, inner, dict, None, at) or {}) if inner else tool
+        named = _within(tool, inner, at)
         names.append(tool_name(named.get("name"), f"{at}.{inner}" if inner else at))
     if not names and mode == "required":
         raise invalid(f"{where}.tools: a required call needs a tool allowed", f"{where}.tools")
-    return ToolChoice(mode == "required", "", not names, tuple(dict.fromkeys(names)))
+    allowed = tuple(dict.fromkeys(names))
+    return ToolChoice(required=mode == "required", forbidden=not names, allowed=allowed)
+
+
+def _within(obj: dict, key: str, where: str) -> dict:
+    """obj[key], an object, where the chat route nests a tool choice's fields under it
+    (`key`); `obj` itself where the Responses route puts them beside its type (`key` "")."""
+    return (typed(obj, key, dict, None, where) or {}) if key else obj
 
 
 def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:

@@ -301,8 +301,7 @@ class Engine:
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
         ask = job.forms.ask if job.forms is not None else Ask()
         calls = self.chat.reply_calls(chat.tools, job.max_tool_calls, ask.allowed)
-        forbidden = ask.forbidden  # spelled calls: text
-        turn.calls = calls if max_tokens and not forbidden else None
+        turn.calls = calls if max_tokens and not ask.forbidden else None  # spelled calls: text
         if job.forms is not None and max_tokens:
             turn.constraint = job.forms.constraint(chat.tools)
         return turn, tokens, chat

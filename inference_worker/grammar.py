@@ -203,12 +203,14 @@ class Grammars:
     def _named(self, ask: Ask, functions: dict[str, Any]) -> tuple[str, ...]:
         """The tools the reply's calls may be of: the named one, or those allowed (none of
         the conversation's left out: any). InvalidArgument for one the conversation lacks."""
-        field, names = ("tool_call_name", (ask.name,)) if ask.name else ("", ask.allowed)
+        field, names = (
+            ("tool_call_name", (ask.name,)) if ask.name else ("tool_call_allowed", ask.allowed)
+        )
         for name in names:
             if name not in functions:
                 raise InvalidArgument(
-                    f"{field or 'tool_call_allowed'} {name!r} is not among the conversation's "
-                    f"tools ({', '.join(functions) or 'none'})"
+                    f"{field} {name!r} is not among the conversation's tools "
+                    f"({', '.join(functions) or 'none'})"
                 )
         return () if not (ask.name or ask.strict) and set(functions) <= set(names) else names
 
