@@ -18,6 +18,7 @@ from agentkv.client.aio import AsyncAgentMemory
 from agentkv.client.memory import AgentMemory
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
+from agentkv.client.worker_core import TurnResult
 from agentkv.errors import AgentKVError, AgentNotFound, DiskFull, QuotaExceeded, Unavailable
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
@@ -57,7 +58,9 @@ def test_a_worker_killed_mid_turn_loses_only_that_turn(tiny_model_dirs, start_wo
     assert again.token_ids == reference.token_ids  # as if the killed turn never happened
 
 
-def test_two_workers_racing_on_one_agent_one_wins_one_reports(tiny_model_dirs, start_worker):
+def test_two_workers_racing_on_one_agent_one_wins_one_reports(
+    tiny_model_dirs, start_worker, store_process
+):
     model = tiny_model_dirs["llama"]
     a = WorkerClient(start_worker(model, name="a").address)
     b = WorkerClient(start_worker(model, name="b").address)
@@ -67,19 +70,34 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(tiny_model_dirs, s
     b.turn("ns", "shared", [("user", "Hello from b.")], max_tokens=0, durable=True)  # b holds it
     a.evict("ns", "shared")
     a.turn("ns", "shared", [("user", "Hello from a.")], max_tokens=0, durable=True)  # a reloads
-    # Now both hold it hot at the same generation; each commits a turn at once.
-    barrier, results = threading.Barrier(2), {}
+    # Now both hold it hot at the same generation; each commits a turn at once. Both turns
+    # must be past their start's check with the store before either commits (else the later
+    # one sees the newer generation, reloads, and both win in turn): the store is frozen
+    # until each has streamed a token, so each check goes unanswered and the RAM copy stands.
+    generating, results = threading.Semaphore(0), {}
 
     def race(name: str, worker: WorkerClient) -> None:
-        barrier.wait()
         try:
-            results[name] = worker.turn("ns", "shared", Q2, max_tokens=4, durable=True)
+            stream = worker.stream_turn("ns", "shared", Q2, max_tokens=4, durable=True)
+            result = TurnResult()
+            result.add(next(stream))
+            generating.release()
+            for response in stream:
+                result.add(response)
+            results[name] = result
         except Unavailable as exc:
             results[name] = exc
+            generating.release()
 
     threads = [threading.Thread(target=race, args=(n, w)) for n, w in (("a", a), ("b", b))]
-    for t in threads:
-        t.start()
+    freeze(store_process.proc.pid)
+    try:
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert generating.acquire(timeout=60), "a racing turn streamed nothing in 60 s"
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
     for t in threads:
         t.join(60)
     won = [n for n, r in results.items() if not isinstance(r, Exception)]
