@@ -18,23 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.gateway.protocol import (
-    NO_CONSTRAINTS,
-    TOOL_NAME,
-    ChatCall,
-    HTTPError,
-    checked_body,
-    in_call_order,
-    invalid,
-    known_only,
-    merged_assistant,
-    named_tool,
-    numbers,
-    tool_name,
-    tools_text,
-    typed,
-    utf8,
-)
+from agentkv.gateway.errors import HTTPError, invalid
+from agentkv.gateway.fields import checked_body, known_only, numbers, typed, utf8
+from agentkv.gateway.messages import in_call_order, merged_assistant
+from agentkv.gateway.protocol import ChatCall, named_tool
+from agentkv.gateway.tooling import NO_CONSTRAINTS, TOOL_NAME, tool_name, tools_text
 
 # Checked where they are read, or meaningless here. A top-level cache_control (mark the last
 # block) needs nothing: every conversation's cache is kept.

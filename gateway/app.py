@@ -12,7 +12,8 @@ made), and prefills only what is new; an edited history resumes from before the 
 (inference_worker/chat.py, `resume`).
 
 Starlette on uvicorn: a small ASGI toolkit (no schema layer: OpenAI's own rules are checked
-in gateway/protocol.py) with streaming responses that are cancelled when the client goes.
+in gateway/protocol.py and the modules it uses) with streaming responses that are cancelled
+when the client goes.
 """
 
 from __future__ import annotations
@@ -55,17 +56,10 @@ from agentkv.errors import (
     TurnsFollow,
 )
 from agentkv.gateway import anthropic, responses
+from agentkv.gateway.completion import Completion, agentkv_json, sse, with_creation
 from agentkv.gateway.config import GatewayConfig
-from agentkv.gateway.protocol import (
-    ChatCall,
-    Completion,
-    HTTPError,
-    agent_id,
-    agentkv_json,
-    parse_chat,
-    sse,
-    with_creation,
-)
+from agentkv.gateway.errors import HTTPError
+from agentkv.gateway.protocol import ChatCall, agent_id, parse_chat
 from agentkv.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("agentkv.gateway")

@@ -31,24 +31,11 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.errors import AgentKVError
-from agentkv.gateway.protocol import (
-    SCOPE,
-    ChatCall,
-    HTTPError,
-    checked_body,
-    in_call_order,
-    invalid,
-    known_only,
-    merged_assistant,
-    named_tool,
-    numbers,
-    output_format,
-    tool_choice,
-    tool_name,
-    tools_text,
-    typed,
-    utf8,
-)
+from agentkv.gateway.errors import HTTPError, invalid
+from agentkv.gateway.fields import checked_body, known_only, numbers, typed, utf8
+from agentkv.gateway.messages import in_call_order, merged_assistant
+from agentkv.gateway.protocol import SCOPE, ChatCall, named_tool
+from agentkv.gateway.tooling import output_format, tool_choice, tool_name, tools_text
 
 # Taken and meaningless here, or equal to what agentkv does anyway (every conversation's
 # cache is kept, whatever store and prompt_cache_retention say).

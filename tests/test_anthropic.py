@@ -20,7 +20,8 @@ import pytest
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
 from agentkv.gateway.anthropic import MessageReply, error_body, parse_messages
-from agentkv.gateway.protocol import HTTPError, parse_chat
+from agentkv.gateway.errors import HTTPError
+from agentkv.gateway.protocol import parse_chat
 from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model

@@ -12,15 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import errors
-from agentkv.gateway.protocol import (
-    Completion,
-    HTTPError,
-    agent_id,
-    finish_reason,
-    parse_chat,
-    usage_json,
-    with_creation,
-)
+from agentkv.gateway.completion import Completion, finish_reason, usage_json, with_creation
+from agentkv.gateway.errors import HTTPError
+from agentkv.gateway.protocol import agent_id, parse_chat
 from agentkv.worker.v1 import worker_pb2 as pb
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}

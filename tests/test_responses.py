@@ -26,7 +26,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentBusy
-from agentkv.gateway.protocol import HTTPError, parse_chat
+from agentkv.gateway.errors import HTTPError
+from agentkv.gateway.protocol import parse_chat
 from agentkv.gateway.responses import ResponseReply, parse_responses, response_id
 from agentkv.launch import ServiceProcess, gateway_process, store_process
 from agentkv.worker.v1 import worker_pb2 as pb

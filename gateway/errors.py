@@ -1,0 +1,68 @@
+"""agentkv's errors as the HTTP APIs answer them: an HTTPError carries the status, the
+error's type, the parameter at fault and a code; the gRPC code of an agentkv error picks its
+status (OpenAI's error JSON; the Anthropic route writes its own from the same fields)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from agentkv.errors import AgentKVError
+
+STATUS = {  # gRPC code -> HTTP status, OpenAI error type
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+class HTTPError(Exception):
+    """An error answered as OpenAI's error JSON with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        # A lone surrogate (a field's name, quoted back) cannot be sent as UTF-8: escaped.
+        message, param = escaped(message), escaped(param) if param is not None else None
+        self.status, self.message, self.kind, self.param, self.code = (
+            status,
+            message,
+            kind,
+            param,
+            code,
+        )
+
+    @classmethod
+    def of(cls, exc: AgentKVError) -> HTTPError:
+        status, kind = STATUS.get(exc.code, (500, "server_error"))
+        code = "context_length_exceeded" if exc.code == grpc.StatusCode.OUT_OF_RANGE else None
+        return cls(status, exc.message, kind, code=code or exc.code.name.lower())
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def escaped(text: str) -> str:
+    """Text with any lone surrogate written as its escape, so that it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> HTTPError:
+    return HTTPError(400, message, param=param, code=code)

@@ -1,0 +1,75 @@
+"""A request body's fields checked, each refusal a 400 naming the field: types, UTF-8 text,
+numbers within a range, and fields agentkv does not know (refused, never dropped). Shared by
+the chat, Responses and Anthropic routes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentkv.gateway.errors import invalid
+
+
+def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:
+    """body[name] when it is a `kind` (null or absent: `default`); `where`: the object's
+    place in the request, when not the body."""
+    value, param = body.get(name, default), f"{where}.{name}" if where else name
+    if (
+        value is not None
+        and value is not default
+        and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
+    ):
+        raise invalid(f"{param} must be a {kind.__name__}, got {value!r}", param)
+    if kind is str and value:
+        utf8(value, param)
+    return value
+
+
+def utf8(text: str, where: str) -> None:
+    """JSON may escape a lone surrogate (\\ud800), which no UTF-8 text can hold."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise invalid(f"{where} holds a lone surrogate escape, not valid Unicode", where) from None
+
+
+def checked_body(
+    body: Any, known: set[str], neutral: dict[str, tuple], why: dict[str, str] | None = None
+) -> dict:
+    """The request body: a JSON object of `known` fields only, each field of `neutral` null
+    or one of its values (else a 400 naming it, with `why` it is refused, when given)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    known_only(body, known)
+    for name, values in neutral.items():
+        if body.get(name) not in (None, *values):
+            allowed = " or ".join(map(repr, (None, *values)))
+            reason = (why or {}).get(name, "")
+            raise invalid(f"{name}: only {allowed} is supported{reason}", name, "unsupported_value")
+    return body
+
+
+def known_only(obj: dict, known: set[str], where: str = "") -> None:
+    """Refuses a field of `obj` (at `where`; "": the body) that is not `known`, as an unknown
+    parameter: one is never silently dropped. The first, by name, is named."""
+    extra = sorted(set(obj) - known)
+    if extra:
+        param = f"{where}.{extra[0]}" if where else extra[0]
+        raise invalid(f"unsupported parameter: {param}", param, "unsupported_parameter")
+
+
+def numbers(body: dict, ranges: Sequence[tuple[str, float, float]]) -> dict[str, float]:
+    """The fields of `ranges` (name, lowest, highest) that the body gives, each a number
+    within its range; a top_p of 0 as greedy (both APIs' reading; the worker's 0 is off)."""
+    out = {}
+    for name, low, high in ranges:
+        value = body.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not low <= value <= high:
+            raise invalid(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
+        out[name] = float(value)
+    if out.get("top_p", 1.0) <= 1e-6:  # the worker's 0 turns nucleus off; the APIs' is greedy
+        out["temperature"], out["top_p"] = 0.0, 1.0
+    return out
