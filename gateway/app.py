@@ -19,16 +19,12 @@ when the client goes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,35 +33,25 @@ import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentkv import ids
 from agentkv.auth import Principal, TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
-from agentkv.errors import (
-    AgentBusy,
-    AgentExists,
-    AgentKVError,
-    AgentNotFound,
-    FailedPrecondition,
-    FingerprintMismatch,
-    MarkNotFound,
-    TurnsFollow,
-)
-from agentkv.gateway import anthropic, responses
-from agentkv.gateway.completion import Completion, agentkv_json, sse, with_creation
+from agentkv.errors import AgentKVError
+from agentkv.gateway import anthropic
+from agentkv.gateway.apis import ANTHROPIC, API, OPENAI, RESPONSES, api_of
+from agentkv.gateway.asgi import CutOff, answering_errors, no_route, while_connected
+from agentkv.gateway.completion import agentkv_json, with_creation
 from agentkv.gateway.config import GatewayConfig
 from agentkv.gateway.errors import HTTPError
-from agentkv.gateway.protocol import ChatCall, agent_id, parse_chat
-from agentkv.worker.v1 import worker_pb2 as pb
+from agentkv.gateway.protocol import ChatCall, agent_id
+from agentkv.gateway.turns import INFO_TIMEOUT, Turn, Turns
 
 log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")
-INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
-INFO_REQUEST = pb.GetWorkerInfoRequest()
 PASSED_BY = {  # what a worker answers that another may not: _first_worker asks the next
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -73,64 +59,13 @@ PASSED_BY = {  # what a worker answers that another may not: _first_worker asks 
     grpc.StatusCode.UNAUTHENTICATED,  # the gateway's --upstream-* credentials, not the client's
     grpc.StatusCode.PERMISSION_DENIED,
 }
-# Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
-# worker's next step, and the agent cannot be deleted before.
-SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
-STOPPED = "the gateway is stopping: this reply did not end within its drain; send it again"
 # Not cached, nor held back by a buffering proxy (nginx reads X-Accel-Buffering).
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-@dataclass(frozen=True, slots=True)
-class API:
-    """One HTTP API's wire format: its request body checked into a ChatCall (with the
-    gateway's default max_tokens), the reply's builder for a call (whole, from the reply's
-    events; or streamed: opening, text, call, closing, error), its error JSON and its
-    stream's error event."""
-
-    parse: Callable[[Any, int], ChatCall]
-    reply: Callable[[ChatCall], Any]
-    error_body: Callable[[HTTPError], dict[str, Any]]
-    error_event: Callable[[HTTPError], str]
-
-
-OPENAI = API(
-    parse_chat, lambda call: Completion(call.model), HTTPError.body, lambda e: sse(e.body())
-)
-ANTHROPIC = API(
-    lambda body, _: anthropic.parse_messages(body),
-    anthropic.MessageReply.of,
-    anthropic.error_body,
-    anthropic.error_event,
-)
-
-RESPONSES = API(
-    responses.parse_responses,
-    responses.ResponseReply.of,
-    HTTPError.body,
-    responses.error_event,
-)
-
-
-def api_of(path: str) -> API:
-    """The API a request path belongs to (its errors' JSON)."""
-    if path.startswith("/v1/messages"):
-        return ANTHROPIC
-    return RESPONSES if path.startswith("/v1/responses") else OPENAI
-
-
-@dataclass(slots=True)
-class Turn:
-    """A turn under way: its reply (from its first token) and what making its agent took
-    (its CreateAgent usage; None when it existed)."""
-
-    reply: AsyncReply
-    created: Any = None
-
-
 class Gateway:
     """The routes' state: one AsyncAgentMemory (made in the server's event loop), the token
-    table, the model's id."""
+    table, the model's id, and the turns under way with their spare agents (turns.py)."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -140,11 +75,7 @@ class Gateway:
         self.memory: AsyncAgentMemory | None = None
         self.model_id = config.model_name
         self.fingerprint = ""  # the workers' model's, once asked (_info)
-        # Spare agents are made for one turn alone: nothing reaches them once it ends.
-        self.spares: set[AsyncAgent] = set()  # made, their deletion not yet begun
-        self.deletions: set[asyncio.Task] = set()  # of spare agents, under way
-        # CreateAgent calls under way: a spare's deletion waits for its creation to end.
-        self.creations: dict[AsyncAgent, asyncio.Future] = {}
+        self.turns = Turns(self._model_key, config.timeout)
 
     async def start(self) -> None:
         c = self.config
@@ -155,9 +86,7 @@ class Gateway:
     async def stop(self) -> None:
         """Deletes every spare agent left, each once its creation and turn have ended, then
         closes the connections. Requests have drained by now (or were cancelled)."""
-        for agent in list(self.spares):
-            self._ended(agent)
-        await asyncio.gather(*self.deletions, return_exceptions=True)
+        await self.turns.stop()
         if self.memory is not None:
             await self.memory.close()
 
@@ -215,10 +144,10 @@ class Gateway:
         named, session = headers.get("x-agent-id", ""), headers.get("x-session-id", "")
         anonymous = not (named or session)
         if call.after is not None:  # previous_response_id: that agent, whatever the headers
-            starting = self._continue(memory, call)
+            starting = self.turns.continued(memory, call)
         else:
-            starting = self._start(memory, agent_id(named, session, call), call, anonymous)
-        started, turn = await _while_connected(request, starting)
+            starting = self.turns.start(memory, agent_id(named, session, call), call, anonymous)
+        started, turn = await while_connected(request, starting)
         if not started:
             return Response(status_code=499)  # gone before the first token: nobody reads it
         reply = turn.reply
@@ -237,9 +166,9 @@ class Gateway:
         try:
             if not await self._whole(reply, request):
                 return Response(status_code=499)  # nobody reads it: the client has gone
-            self._named(call, reply.agent)
+            self.turns.named(call, reply.agent)
         finally:
-            self._ended(reply.agent)
+            self.turns.ended(reply.agent)
         usage = with_creation(reply.usage, turn.created)
         facts |= {
             "x-agentkv-cache-state": usage.cache_state,
@@ -414,121 +343,16 @@ class Gateway:
         message = f"no worker answers (last: {last})"
         raise HTTPError(503, message, "service_unavailable", code="unavailable")
 
-    async def _start(
-        self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
-    ) -> Turn:
-        """The turn, once its reply's first token is in. A call without identity whose
-        agent is busy (the same conversation sent twice at once, or resent while its
-        stopped turn ends) gets a spare agent, deleted once its turn ends."""
-        agent = AsyncAgent(memory, agent_id)
-        while True:
-            try:
-                return await self._say(agent, call)
-            except FingerprintMismatch:  # another model's gateway made it, on the same store
-                if not anonymous or agent.id != agent_id:
-                    raise
-                agent = AsyncAgent(memory, f"{agent_id}-{await self._model_key()}")
-                continue
-            except FailedPrecondition as exc:
-                if not anonymous or "in progress" not in exc.message:
-                    raise
-            agent = AsyncAgent(memory, f"{agent_id}-{uuid.uuid4().hex[:8]}")
-            self.spares.add(agent)  # before it exists: a stop meanwhile deletes it too
-
     async def _model_key(self) -> str:
         """A short hash of the workers' model fingerprint: what tells this model's anonymous
         agents from another's made for the same conversation."""
         fingerprint = self.fingerprint or (await self._info()).fingerprint
         return hashlib.blake2b(fingerprint.encode(), digest_size=4).hexdigest()
 
-    async def _continue(self, memory: AsyncAgentMemory, call: ChatCall) -> Turn:
-        """The turn of a call that continues a response (previous_response_id): its new
-        messages after the point the response's reply ended at, on its agent, or, when
-        later turns follow that point there, on a fork of it (both branches stay). The fork
-        is a spare until its response's id goes out (_converse, _events)."""
-        agent_id = call.after[0] if call.after else ""
-        agent, options = AsyncAgent(memory, agent_id), _options(call)
-        previous = call.echo.get("previous_response_id") or ""
-        try:
-            await _check_features(memory, agent_id, call)
-            try:
-                say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)
-                return Turn(await self._when_idle(say))
-            except TurnsFollow:
-                branch = AsyncAgent(memory, f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}")
-            self.spares.add(branch)  # before it exists: deleted unless its id goes out
-            try:
-                await _check_features(memory, branch.id, call)  # it may live on another worker
-                await self._when_idle(lambda: _to_the_end(agent.fork(branch.id)))
-                return Turn(await branch.say(call.messages, **options))
-            except BaseException:  # a branch that never took its turn is not kept
-                self._ended(branch)
-                raise
-        except (AgentNotFound, MarkNotFound) as exc:
-            raise responses.not_found(previous, exc.message) from None
-
-    async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
-        """`step` on an agent, once the agent's turn under way has ended (another call
-        continuing the same response, or one before it): it is tried again until then,
-        within the gateway's --timeout."""
-        deadline, delay = time.monotonic() + self.config.timeout, 0.02
-        while True:
-            try:
-                return await step()
-            except AgentBusy:
-                if time.monotonic() + delay > deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
-        """The agent's turn, made first when it does not exist (a spare never does)."""
-        memory = agent.memory
-        options = _options(call)
-        await _check_features(memory, agent.id, call)
-        if agent not in self.spares:
-            with contextlib.suppress(AgentNotFound):
-                return Turn(await agent.say(call.messages, **options))
-        request = pb.CreateAgentRequest(
-            namespace=memory.namespace,
-            agent_id=agent.id,
-            system_prompt=call.system,
-            tools=call.tools,
-        )
-        created = None
-        creating = asyncio.ensure_future(
-            memory.route(agent.id, lambda w: w.call("CreateAgent", request))
-        )
-        self.creations[agent] = creating
-        creating.add_done_callback(lambda _: self.creations.pop(agent, None))
-        try:
-            with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
-                # Its worker makes it even once cancelled: a spare is deleted after that.
-                made = await _to_the_end(creating)
-                created = made.usage  # prompt: the turn resumes from the stored one
-            return Turn(await agent.say(call.messages, **options), created)
-        except BaseException:
-            self._ended(agent)
-            raise
-
-    def _named(self, call: ChatCall, agent: AsyncAgent) -> None:
-        """The reply's id goes out: a Responses id names its agent, so a spare (or a branch)
-        is kept from now on, to be continued."""
-        if call.mark_name:
-            self.spares.discard(agent)
-
-    def _ended(self, agent: AsyncAgent) -> None:
-        """After the agent's turn ended or was closed: a spare agent is deleted, once."""
-        if agent in self.spares:
-            self.spares.remove(agent)
-            task = asyncio.create_task(_delete_spare(agent, self.creations.get(agent)))
-            self.deletions.add(task)
-            task.add_done_callback(self.deletions.discard)
-
     async def _whole(self, reply: AsyncReply, request: Request) -> bool:
         """Waits for the whole reply; a client that leaves first cancels the turn (False)."""
         try:
-            whole, _ = await _while_connected(request, reply.wait())
+            whole, _ = await while_connected(request, reply.wait())
         finally:
             await reply.close()  # a no-op once it is whole
         return whole
@@ -544,7 +368,7 @@ class Gateway:
         try:
             for piece in reply_of.opening(started):
                 yield piece
-            self._named(call, reply.agent)
+            self.turns.named(call, reply.agent)
             async for item in reply.events():
                 pieces = reply_of.text(item) if isinstance(item, str) else reply_of.call(item)
                 for piece in pieces:
@@ -562,23 +386,7 @@ class Gateway:
         finally:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
-            self._ended(reply.agent)
-
-
-def _options(call: ChatCall) -> dict[str, Any]:
-    """The SDK's say() options for `call`: the whole conversation with its tools, or what
-    follows a previous response's point; sampling; tool choice; the reply's form."""
-    options = {"whole_conversation": call.after is None, "tools": call.tools, **call.sampling}
-    options["max_tool_calls"] = call.max_tool_calls
-    options["tool_call_required"] = call.tool_call_required
-    options["tool_call_name"] = call.tool_call_name
-    options["tool_call_forbidden"] = call.tool_call_forbidden
-    options["tool_call_allowed"] = call.tool_call_allowed
-    options["mark_name"] = call.mark_name
-    options["after_mark"] = call.after[1] if call.after else ""
-    if call.output_format is not None:
-        options["output_format"] = pb.OutputFormat(**call.output_format)
-    return options
+            self.turns.ended(reply.agent)
 
 
 def model_id(model: str) -> str:
@@ -588,146 +396,10 @@ def model_id(model: str) -> str:
     return name.removesuffix(".gguf")
 
 
-async def _while_connected(request: Request, step: Awaitable[T]) -> tuple[bool, T | None]:
-    """(True, what `step` returns), or (False, None) when the client goes away first, which
-    cancels the step. Raises what the step raises."""
-    running = asyncio.ensure_future(step)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not running.done():
-            running.cancel()
-            await asyncio.wait({running})
-    if running.cancelled():
-        return False, None
-    return True, running.result()
-
-
-async def _check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCall) -> None:
-    """Refuses (501) a call that the agent's worker, from before a field the call needs
-    (during a rolling upgrade), would misread: it would drop previous_response_id's
-    after_mark and add the input at the agent's end, or allowed_tools' tool_call_allowed
-    and let every tool be called."""
-    needs = {"after_mark": ("previous_response_id", "previous_response_id")} if call.after else {}
-    if call.tool_call_allowed:
-        needs["tool_call_allowed"] = ("tool_choice", "tool_choice allowed_tools")
-    if not needs:
-        return
-
-    async def ask(worker: Any) -> Any:
-        return await asyncio.wait_for(worker.call("GetWorkerInfo", INFO_REQUEST), INFO_TIMEOUT)
-
-    try:
-        info = await memory.route(agent_id, ask)
-    except asyncio.TimeoutError:
-        message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
-        raise HTTPError(503, message, "service_unavailable", code="unavailable") from None
-    for feature, (param, what) in needs.items():
-        if feature not in info.features:
-            message = f"agent {agent_id!r}'s worker predates {what}: upgrade it"
-            raise HTTPError(501, message, "server_error", param, "not_implemented")
-
-
-async def _to_the_end(step: Awaitable[T]) -> T:
-    """What `step` returns; a caller cancelled meanwhile is so once the step has ended."""
-    running = asyncio.ensure_future(step)
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        await asyncio.wait({running})
-        raise
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client goes away."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _delete_spare(agent: AsyncAgent, creating: asyncio.Future | None) -> None:
-    """Deletes a spare agent once its creation (`creating`, when under way: a stop's
-    deletion would reach the worker before the agent) and its turn have ended there."""
-    if creating is not None:
-        await asyncio.wait({creating})
-    for delay in SPARE_DELETE_DELAYS:
-        await asyncio.sleep(delay)
-        try:
-            await agent.delete()
-            return
-        except FailedPrecondition:  # its turn, cancelled, has not ended yet
-            continue
-        except AgentKVError as exc:
-            log.warning(
-                "a spare agent was not deleted", extra={"agent": agent.id, "error": str(exc)}
-            )
-            return
-    log.warning("a spare agent's turn did not end", extra={"agent": agent.id})
-
-
-def _answering_errors(route: Callable[[Request], Awaitable[Response]], api: API) -> Callable:
-    """The route, answering every error as its API's error JSON: agentkv's with the status
-    of their gRPC code, anything else as a 500 (logged once, with its traceback)."""
-
-    @functools.wraps(route)
-    async def answer(request: Request) -> Response:
-        try:
-            return await route(request)
-        except (HTTPError, AgentKVError) as exc:
-            error = exc if isinstance(exc, HTTPError) else HTTPError.of(exc)
-        except ClientDisconnect:  # gone while sending its body: nobody reads an answer
-            return Response(status_code=499)
-        except Exception as exc:
-            log.exception("request failed unexpectedly")
-            error = HTTPError(500, f"internal error: {type(exc).__name__}", "server_error")
-        if error.status >= 500:
-            log.warning("request failed", extra={"status": error.status, "error": error.message})
-        return JSONResponse(api.error_body(error), status_code=error.status)
-
-    return answer
-
-
-class CutOff:
-    """ASGI middleware for the end of a stop's drain: the server cancels the requests still
-    running, which then end as the worker's turns do, with a 503 `unavailable` (an error
-    event once their stream has begun) rather than uvicorn's plain-text 500 or a stream cut
-    off, and a traceback. Only a stop cancels a request so: a client's leaving ends its own."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        sent: list[Message] = []  # the last message sent
-
-        async def sending(message: Message) -> None:
-            await send(message)
-            sent[:] = [message]
-
-        try:
-            await self.app(scope, receive, sending)
-        except asyncio.CancelledError:
-            error = HTTPError(503, STOPPED, "service_unavailable", code="unavailable")
-            api = api_of(scope["path"])
-            if not sent:
-                await JSONResponse(api.error_body(error), status_code=503)(scope, receive, send)
-            elif sent[0]["type"] == "http.response.start" or sent[0].get("more_body"):
-                reply = scope.get("agentkv.reply")  # the stream under way: its next event
-                body = (reply.error(error) if reply else api.error_event(error)).encode()
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _no_route(request: Request, exc: HTTPException) -> Response:
-    error = HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    return JSONResponse(api_of(request.url.path).error_body(error), status_code=exc.status_code)
-
-
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = Gateway(config)
     routes = [
-        Route(path, _answering_errors(route, api_of(path)), methods=[method])
+        Route(path, answering_errors(route, api_of(path)), methods=[method])
         for method, path, route in (
             ("POST", "/v1/chat/completions", gateway.chat),
             ("POST", "/v1/responses", gateway.responses),
@@ -753,7 +425,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         finally:
             await gateway.stop()
 
-    handlers = {HTTPException: _no_route}
+    handlers = {HTTPException: no_route}
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

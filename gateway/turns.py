@@ -1,0 +1,238 @@
+"""Turns on agents as the gateway starts them: a call's agent made when it does not exist yet,
+a spare agent for a call without identity whose agent is busy (deleted once its turn ends),
+a branch of an agent for a response continued from a point that later turns follow, and a
+refusal (501) of a call that the agent's worker predates."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
+from agentkv.errors import (
+    AgentBusy,
+    AgentExists,
+    AgentKVError,
+    AgentNotFound,
+    FailedPrecondition,
+    FingerprintMismatch,
+    MarkNotFound,
+    TurnsFollow,
+)
+from agentkv.gateway import responses
+from agentkv.gateway.asgi import to_the_end
+from agentkv.gateway.errors import HTTPError
+from agentkv.gateway.protocol import ChatCall
+from agentkv.worker.v1 import worker_pb2 as pb
+
+log = logging.getLogger("agentkv.gateway")
+T = TypeVar("T")
+INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
+INFO_REQUEST = pb.GetWorkerInfoRequest()
+
+# Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
+# worker's next step, and the agent cannot be deleted before.
+SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+
+
+@dataclass(slots=True)
+class Turn:
+    """A turn under way: its reply (from its first token) and what making its agent took
+    (its CreateAgent usage; None when it existed)."""
+
+    reply: AsyncReply
+    created: Any = None
+
+
+def say_options(call: ChatCall) -> dict[str, Any]:
+    """The SDK's say() options for `call`: the whole conversation with its tools, or what
+    follows a previous response's point; sampling; tool choice; the reply's form."""
+    options = {"whole_conversation": call.after is None, "tools": call.tools, **call.sampling}
+    options["max_tool_calls"] = call.max_tool_calls
+    options["tool_call_required"] = call.tool_call_required
+    options["tool_call_name"] = call.tool_call_name
+    options["tool_call_forbidden"] = call.tool_call_forbidden
+    options["tool_call_allowed"] = call.tool_call_allowed
+    options["mark_name"] = call.mark_name
+    options["after_mark"] = call.after[1] if call.after else ""
+    if call.output_format is not None:
+        options["output_format"] = pb.OutputFormat(**call.output_format)
+    return options
+
+
+async def check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCall) -> None:
+    """Refuses (501) a call that the agent's worker, from before a field the call needs
+    (during a rolling upgrade), would misread: it would drop previous_response_id's
+    after_mark and add the input at the agent's end, or allowed_tools' tool_call_allowed
+    and let every tool be called."""
+    needs = {"after_mark": ("previous_response_id", "previous_response_id")} if call.after else {}
+    if call.tool_call_allowed:
+        needs["tool_call_allowed"] = ("tool_choice", "tool_choice allowed_tools")
+    if not needs:
+        return
+
+    async def ask(worker: Any) -> Any:
+        return await asyncio.wait_for(worker.call("GetWorkerInfo", INFO_REQUEST), INFO_TIMEOUT)
+
+    try:
+        info = await memory.route(agent_id, ask)
+    except asyncio.TimeoutError:
+        message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
+        raise HTTPError(503, message, "service_unavailable", code="unavailable") from None
+    for feature, (param, what) in needs.items():
+        if feature not in info.features:
+            message = f"agent {agent_id!r}'s worker predates {what}: upgrade it"
+            raise HTTPError(501, message, "server_error", param, "not_implemented")
+
+
+async def delete_spare(agent: AsyncAgent, creating: asyncio.Future | None) -> None:
+    """Deletes a spare agent once its creation (`creating`, when under way: a stop's
+    deletion would reach the worker before the agent) and its turn have ended there."""
+    if creating is not None:
+        await asyncio.wait({creating})
+    for delay in SPARE_DELETE_DELAYS:
+        await asyncio.sleep(delay)
+        try:
+            await agent.delete()
+            return
+        except FailedPrecondition:  # its turn, cancelled, has not ended yet
+            continue
+        except AgentKVError as exc:
+            log.warning(
+                "a spare agent was not deleted", extra={"agent": agent.id, "error": str(exc)}
+            )
+            return
+    log.warning("a spare agent's turn did not end", extra={"agent": agent.id})
+
+
+class Turns:
+    """The turns the gateway starts, and the spare agents made for them: each spare is
+    deleted once its turn ends, or at the gateway's stop. `model_key` names the workers'
+    model (what tells its anonymous agents from another model's); `timeout`: how long a
+    turn waits for its agent's turn under way to end."""
+
+    def __init__(self, model_key: Callable[[], Awaitable[str]], timeout: float) -> None:
+        self.model_key, self.timeout = model_key, timeout
+        # Spare agents are made for one turn alone: nothing reaches them once it ends.
+        self.spares: set[AsyncAgent] = set()  # made, their deletion not yet begun
+        self.deletions: set[asyncio.Task] = set()  # of spare agents, under way
+        # CreateAgent calls under way: a spare's deletion waits for its creation to end.
+        self.creations: dict[AsyncAgent, asyncio.Future] = {}
+
+    async def stop(self) -> None:
+        """Deletes every spare agent left, each once its creation and turn have ended."""
+        for agent in list(self.spares):
+            self.ended(agent)
+        await asyncio.gather(*self.deletions, return_exceptions=True)
+
+    async def start(
+        self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
+    ) -> Turn:
+        """The turn, once its reply's first token is in. A call without identity whose
+        agent is busy (the same conversation sent twice at once, or resent while its
+        stopped turn ends) gets a spare agent, deleted once its turn ends."""
+        agent = AsyncAgent(memory, agent_id)
+        while True:
+            try:
+                return await self._say(agent, call)
+            except FingerprintMismatch:  # another model's gateway made it, on the same store
+                if not anonymous or agent.id != agent_id:
+                    raise
+                agent = AsyncAgent(memory, f"{agent_id}-{await self.model_key()}")
+                continue
+            except FailedPrecondition as exc:
+                if not anonymous or "in progress" not in exc.message:
+                    raise
+            agent = AsyncAgent(memory, f"{agent_id}-{uuid.uuid4().hex[:8]}")
+            self.spares.add(agent)  # before it exists: a stop meanwhile deletes it too
+
+    async def continued(self, memory: AsyncAgentMemory, call: ChatCall) -> Turn:
+        """The turn of a call that continues a response (previous_response_id): its new
+        messages after the point the response's reply ended at, on its agent, or, when
+        later turns follow that point there, on a fork of it (both branches stay). The fork
+        is a spare until its response's id goes out (the gateway's reply, whole or streamed)."""
+        agent_id = call.after[0] if call.after else ""
+        agent, options = AsyncAgent(memory, agent_id), say_options(call)
+        previous = call.echo.get("previous_response_id") or ""
+        try:
+            await check_features(memory, agent_id, call)
+            try:
+                say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)
+                return Turn(await self._when_idle(say))
+            except TurnsFollow:
+                branch = AsyncAgent(memory, f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}")
+            self.spares.add(branch)  # before it exists: deleted unless its id goes out
+            try:
+                await check_features(memory, branch.id, call)  # it may live on another worker
+                await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
+                return Turn(await branch.say(call.messages, **options))
+            except BaseException:  # a branch that never took its turn is not kept
+                self.ended(branch)
+                raise
+        except (AgentNotFound, MarkNotFound) as exc:
+            raise responses.not_found(previous, exc.message) from None
+
+    async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
+        """`step` on an agent, once the agent's turn under way has ended (another call
+        continuing the same response, or one before it): it is tried again until then,
+        within the gateway's --timeout."""
+        deadline, delay = time.monotonic() + self.timeout, 0.02
+        while True:
+            try:
+                return await step()
+            except AgentBusy:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
+        """The agent's turn, made first when it does not exist (a spare never does)."""
+        memory = agent.memory
+        options = say_options(call)
+        await check_features(memory, agent.id, call)
+        if agent not in self.spares:
+            with contextlib.suppress(AgentNotFound):
+                return Turn(await agent.say(call.messages, **options))
+        request = pb.CreateAgentRequest(
+            namespace=memory.namespace,
+            agent_id=agent.id,
+            system_prompt=call.system,
+            tools=call.tools,
+        )
+        created = None
+        creating = asyncio.ensure_future(
+            memory.route(agent.id, lambda w: w.call("CreateAgent", request))
+        )
+        self.creations[agent] = creating
+        creating.add_done_callback(lambda _: self.creations.pop(agent, None))
+        try:
+            with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
+                # Its worker makes it even once cancelled: a spare is deleted after that.
+                made = await to_the_end(creating)
+                created = made.usage  # prompt: the turn resumes from the stored one
+            return Turn(await agent.say(call.messages, **options), created)
+        except BaseException:
+            self.ended(agent)
+            raise
+
+    def named(self, call: ChatCall, agent: AsyncAgent) -> None:
+        """The reply's id goes out: a Responses id names its agent, so a spare (or a branch)
+        is kept from now on, to be continued."""
+        if call.mark_name:
+            self.spares.discard(agent)
+
+    def ended(self, agent: AsyncAgent) -> None:
+        """After the agent's turn ended or was closed: a spare agent is deleted, once."""
+        if agent in self.spares:
+            self.spares.remove(agent)
+            task = asyncio.create_task(delete_spare(agent, self.creations.get(agent)))
+            self.deletions.add(task)
+            task.add_done_callback(self.deletions.discard)
