@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -77,6 +79,14 @@ def put_items(
 def local_store(data_dir: Path, **config) -> CacheStore:
     """The store's domain in this process, for races no client can steer; close() it."""
     return CacheStore(StoreConfig(data_dir=data_dir, gc_idle_seconds=0, **config))
+
+
+def metric(proc: ServiceProcess, name: str) -> float:
+    """A metric's value (an unlabelled one) on the process's --metrics-listen page; 0 if absent."""
+    address = proc._find_event("serving", 0)["metrics"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> object:

@@ -14,9 +14,11 @@ import pytest
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentExists, AgentNotFound, FailedPrecondition, ResourceExhausted
 from agentkv.worker.v1 import worker_pb2 as pb
+from tests.helpers import metric, until
 
 PROMPTS = {f"agent{i}": "You are the warden. " * (3 + 11 * i) for i in range(4)}
 QUESTION = [("user", "Where were you?")]
+DECODE_STEPS = "agentkv_worker_batch_size_count"  # one observation a decode step
 
 
 def test_concurrent_turns_batch_and_match_sequential(tiny_model_dirs, start_worker):
@@ -31,17 +33,15 @@ def test_concurrent_turns_batch_and_match_sequential(tiny_model_dirs, start_work
         alone.create_agent("seq", agent, system)
         expected[agent] = alone.turn("seq", agent, QUESTION, max_tokens=48).token_ids
         batched.create_agent("par", agent, system)
-    got, barrier = {}, threading.Barrier(len(PROMPTS))
-
-    def run(agent: str) -> None:
-        barrier.wait()
-        got[agent] = batched.turn("par", agent, QUESTION, max_tokens=48).token_ids
-
-    threads = [threading.Thread(target=run, args=(a,)) for a in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    # Each turn runs long (3000 tokens, a stop never met), so that once every one has
+    # streamed a token all four are in the batch at once, however late each was admitted.
+    calls = {agent: long_turn(batched, agent, "par", QUESTION) for agent in PROMPTS}
+    got = {}
+    for agent, call in calls.items():
+        got[agent] = tokens_of(call, 1)
+    for agent, call in calls.items():
+        got[agent] = (got[agent] + tokens_of(call, 48 - len(got[agent])))[:48]
+        call.cancel()
     assert got == expected
     serving = proc._find_event("serving", 0)
     text = urllib.request.urlopen(f"http://{serving['metrics']}/metrics", timeout=10).read()
@@ -58,14 +58,26 @@ def test_concurrent_turns_batch_and_match_sequential(tiny_model_dirs, start_work
     assert float(single.split()[-1]) < float(total.split()[-1])  # some steps decoded several
 
 
-def long_turn(worker: WorkerClient, agent: str):
+def long_turn(worker: WorkerClient, agent: str, namespace: str = "default", messages=None):
+    """A turn of 3000 tokens that no stop string ends (the tiny model never writes \\x00)."""
     request = pb.TurnRequest(
-        namespace="default",
+        namespace=namespace,
         agent_id=agent,
-        messages=[pb.Message(role="user", content="Talk.")],
+        messages=[pb.Message(role=r, content=c) for r, c in messages or [("user", "Talk.")]],
         sampling=pb.SamplingParams(max_tokens=3000, stop=["\x00"]),
     )
     return worker.stub.Turn(request, timeout=120)
+
+
+def tokens_of(call, n: int) -> list[int]:
+    """At least `n` more token ids from a turn's stream (all it has left, if fewer)."""
+    ids: list[int] = []
+    for response in call:
+        if response.WhichOneof("item") == "tokens":
+            ids += response.tokens.token_ids
+        if len(ids) >= n:
+            break
+    return ids
 
 
 def test_cancelled_stream_frees_its_slot_and_keeps_the_agent(tiny_model_dirs, start_worker):
@@ -83,15 +95,17 @@ def test_cancelled_stream_frees_its_slot_and_keeps_the_agent(tiny_model_dirs, st
 
 
 def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model_dirs, start_worker):
-    w = WorkerClient(
-        start_worker(tiny_model_dirs["llama"], "--max-batch", "1", "--queue-limit", "1").address
+    proc = start_worker(
+        tiny_model_dirs["llama"],
+        *("--max-batch", "1", "--queue-limit", "1", "--metrics-listen", "127.0.0.1:0"),
     )
+    w = WorkerClient(proc.address)
     for agent in ("a", "b", "c"):
         w.create_agent("default", agent, "You talk.")
     running = long_turn(w, "a")
     next(running)
     waiting = long_turn(w, "b")  # queued behind a
-    time.sleep(0.5)
+    until(lambda: metric(proc, "agentkv_worker_turns_waiting") >= 1, "b queued behind a")
     before = w.describe("default", "c").num_tokens
     with pytest.raises(ResourceExhausted, match="queue limit 1"):
         w.turn("default", "c", QUESTION, max_tokens=4)
@@ -117,26 +131,27 @@ def test_a_long_system_prompt_is_prefilled_between_the_others_steps(tiny_model_d
     """CreateAgent's prefill is scheduled as a turn's is, a chunk per step between the decode
     steps: an agent decoding meanwhile gets a token per chunk, where the whole prefill used
     to run as one job (a dozen long system prompts froze every stream for minutes)."""
-    w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--prefill-chunk", "64").address)
+    proc = start_worker(
+        tiny_model_dirs["llama"], "--prefill-chunk", "64", "--metrics-listen", "127.0.0.1:0"
+    )
+    w = WorkerClient(proc.address)
     w.create_agent("default", "talker", "You talk.")
     call = long_turn(w, "talker")
-    got, stop = [len(next(call).tokens.token_ids)], threading.Event()
+    next(call)  # decoding now, for 3000 tokens
 
-    def read() -> None:
-        with contextlib.suppress(grpc.RpcError):  # cancelled below, once counted
-            for response in call:
-                got.append(len(response.tokens.token_ids))
-                if stop.is_set():
-                    return
+    def drain() -> None:  # the stream is read, so that the worker never waits to send
+        with contextlib.suppress(grpc.RpcError):  # cancelled below
+            for _ in call:
+                pass
 
-    reader = threading.Thread(target=read)
+    reader = threading.Thread(target=drain)
     reader.start()
-    before = sum(got)
+    # Decode steps, counted by the worker: a reader thread's count lags behind it.
+    before = metric(proc, DECODE_STEPS)
     system = "The archivist indexes every scroll. " * 150
     request = pb.CreateAgentRequest(namespace="default", agent_id="reader", system_prompt=system)
     made = w.stub.CreateAgent(request, timeout=120)
-    during = sum(got) - before
-    stop.set()
+    during = metric(proc, DECODE_STEPS) - before
     call.cancel()
     reader.join()
     chunks = made.usage.prefilled_tokens // 64
@@ -152,19 +167,32 @@ def test_a_create_while_the_same_agent_is_being_made_is_answered_once_it_is(
     finds the agent made (it had been told at once, then refused: "turn in progress")."""
     w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--prefill-chunk", "64").address)
     system = "The archivist indexes every scroll. " * 150
-    first = threading.Thread(target=lambda: w.create_agent("", "twice", system))
-    first.start()
-    deadline = time.monotonic() + 60
-    while True:  # until the first create is prefilling: an empty turn is refused meanwhile
-        try:
-            w.turn("default", "twice", [], max_tokens=0)
-        except FailedPrecondition:
+    for attempt in range(10):  # a test starved through a whole prefill missed it: again
+        agent = f"twice{attempt}"
+        first = threading.Thread(target=lambda a=agent: w.create_agent("", a, system))
+        first.start()
+        if refused_while_made(w, agent):
             break
-        except AgentNotFound:
-            assert time.monotonic() < deadline, "the first create never started"
+        first.join()
+    else:
+        pytest.fail("no empty turn came while a create prefilled, in 10 tries")
     with pytest.raises(AgentExists):
-        w.create_agent("default", "twice", system)
-    reply = w.turn("default", "twice", QUESTION, max_tokens=4)
+        w.create_agent("default", agent, system)
+    reply = w.turn("default", agent, QUESTION, max_tokens=4)
     assert len(reply.token_ids) == 4 and reply.usage.cache_state == "hot"
     first.join()
-    assert w.describe("default", "twice").num_tokens > 3000  # one agent, in "default"
+    assert w.describe("default", agent).num_tokens > 3000  # one agent, in "default"
+
+
+def refused_while_made(w: WorkerClient, agent: str) -> bool:
+    """Empty turns of `agent` until one is refused as its create prefills (True), or one
+    is taken: the create had ended (False)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            w.turn("default", agent, [], max_tokens=0)
+            return False
+        except FailedPrecondition:
+            return True
+        except AgentNotFound:
+            assert time.monotonic() < deadline, "the first create never started"

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -49,7 +47,7 @@ from tests.faulty_worker import (
     SLOW_STEP_SEED,
     STEP_FAULT_SEED,
 )
-from tests.helpers import freeze
+from tests.helpers import freeze, metric
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -58,13 +56,6 @@ TALK = [("user", "Talk.")]
 # Compared replies are sampled, seeded: greedy replies of the tiny random llama repeat one
 # token that hangs on the last few, so only sampling shows the whole context was used.
 SAMPLED = {"temperature": 1.0, "seed": 7}
-
-
-def metric(proc: ServiceProcess, name: str) -> float:
-    address = proc._find_event("serving", 0)["metrics"]
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
 
 
 # restored tensors are checked against the model
