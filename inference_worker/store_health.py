@@ -20,7 +20,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class StoreHealth:
     """Asks the store's health now and every `interval` seconds until close(); logs each
-    change, a warning when it stops answering, and sets STORE_HEALTH in `servicer`."""
+    change, a warning when it stops answering, and sets STORE_HEALTH in `servicer`. The
+    first ask waits `first_timeout`: it opens the connection too (a WAN link's round trips,
+    TLS's), where a store nobody listens at is refused at once."""
 
     def __init__(
         self,
@@ -29,20 +31,23 @@ class StoreHealth:
         servicer: health.HealthServicer,
         interval: float = 5.0,
         timeout: float = 2.0,
+        first_timeout: float = 10.0,
     ) -> None:
         self.store, self.address, self.servicer = store, address, servicer
         self.interval, self.timeout = interval, timeout
         self._health = health_pb2_grpc.HealthStub(store.channel)
         self.answering: bool | None = None
         self._stop = threading.Event()
-        self.check()  # before the worker says "serving"
+        self.check(first_timeout)  # before the worker says "serving"
         self._thread = threading.Thread(target=self._run, name="store-health", daemon=True)
         self._thread.start()
 
-    def check(self) -> bool:
-        """Asks the store's grpc.health.v1 (open to every caller, no token needed)."""
+    def check(self, timeout: float | None = None) -> bool:
+        """Asks the store's grpc.health.v1 (open to every caller, no token needed), waiting
+        `timeout` seconds (the watch's own by default)."""
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+            request = health_pb2.HealthCheckRequest()
+            reply = self._health.Check(request, timeout=timeout or self.timeout)
             answering = reply.status == SERVING
             reason = (
                 "" if answering else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -92,7 +92,10 @@ async def health(address: str, security: ClientSecurity) -> bool:
 
 
 def test_a_worker_reaches_its_store_across_a_slow_link(tiny_model_dirs, store_process, tmp_path):
-    link = SlowLink(store_process.address)
+    """Its first health check opens the connection too: across a satellite's 800 ms round
+    trip that took longer than the checks' 2 s, and a worker that reached its store said
+    at start that it did not."""
+    link = SlowLink(store_process.address, delay=0.4)
     worker = worker_process(str(tiny_model_dirs["llama"]), link.address, tmp_path / "worker.log")
     try:
         log = worker.start().log_tail()
