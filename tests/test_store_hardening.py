@@ -241,7 +241,9 @@ def test_idle_streams_cannot_starve_other_calls(tmp_path, launched, hold):
     """Sixteen idle PutBlocks streams on sixteen RPC threads (the red team's setup): six hold
     a slot (--max-streams), the rest are refused at once, and other calls and the health
     check answer meanwhile. The six are cancelled once idle; then uploads go in again."""
-    flags = ["--workers", "16", "--max-streams", "6", "--stream-idle-seconds", "4"]
+    # Idle for 10 s, so that the six are not cancelled before all sixteen are opened and the
+    # ten refused, however busy the machine (4 s left it little room).
+    flags = ["--workers", "16", "--max-streams", "6", "--stream-idle-seconds", "10"]
     proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
     with proc.client() as client:
         tokens = list(range(64))

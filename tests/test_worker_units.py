@@ -204,10 +204,11 @@ def test_writes_to_a_hung_store_are_given_up_at_stop(monkeypatch):
 
     class HungStore:
         def __init__(self) -> None:
-            self.closed, self.saves = threading.Event(), 0
+            self.closed, self.entered, self.saves = threading.Event(), threading.Event(), 0
 
         def save_agent(self, *args, **fields):
             self.saves += 1
+            self.entered.set()
             self.closed.wait()  # a SIGSTOPped store answers nothing until the channel closes
             raise Unavailable("the store client was closed")
 
@@ -221,6 +222,7 @@ def test_writes_to_a_hung_store_are_given_up_at_stop(monkeypatch):
     agents = [agent(name, 100, durable=False) for name in ("a", "b", "c")]
     for a in agents:
         writes.persist(a)
+    assert store.entered.wait(60)  # the first write is in flight (its thread ran)
     assert not writes.close(timeout=0.2)  # the first write hangs: never done in time
     store.close()
     writes.join()

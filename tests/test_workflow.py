@@ -263,21 +263,23 @@ def test_agents_speaking_at_once_from_threads_hear_each_other():
     with flow.phase("one") as p:
         p.say("x", "hi")
         p.say("y", "hi")
-    y_done = threading.Event()
+    x_started, y_done = threading.Event(), threading.Event()
     agent = flow.member("x").agent
     works = agent.say
 
-    def slow(messages, **options):  # x's turn ends after y's
-        assert y_done.wait(10)
+    def slow(messages, **options):  # x's turn, its news read, ends after y's
+        x_started.set()
+        assert y_done.wait(60)
         return works(messages, **options)
 
     agent.say = slow
     with flow.phase("two") as p:
         x_turn = threading.Thread(target=p.say, args=("x", "go"))
         x_turn.start()
+        assert x_started.wait(60)  # y speaks after x's turn began, while it runs
         p.say("y", "go")
         y_done.set()
-        x_turn.join(10)
+        x_turn.join(60)
     assert [s.speaker for s in flow.transcript[2:]] == ["y", "x"]
     mem.log.clear()
     with flow.phase("three"):
