@@ -116,7 +116,8 @@ def test_a_worker_never_answers_from_a_stale_hot_copy(tiny_model_dirs, start_wor
     """A client fails over to b and later comes back to a, which still holds the agent hot
     from before: a notices the store's newer generation and restores it, turns and all."""
     model = tiny_model_dirs["llama"]
-    a = WorkerClient(start_worker(model, name="a").address)
+    # a's check with the store may take its time on a busy machine (past 2 s, RAM stands).
+    a = WorkerClient(start_worker(model, "--store-check-timeout", "30", name="a").address)
     b = WorkerClient(start_worker(model, name="b").address)
     a.create_agent("ns", "moving", SYSTEM)
     a.turn("ns", "moving", Q1, max_tokens=6, durable=True)
@@ -417,7 +418,7 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     store = launched(store_process(data, tmp_path / "store.log", listen=listen))
     budgeted = [*flags, "--hot-budget", str(budget)]
     worker = launched(worker_process(model, listen, tmp_path / "w.log", extra_args=budgeted))
-    w = WorkerClient(worker.address, timeout=30)
+    w = WorkerClient(worker.address, timeout=120)
     w.create_agent("ns", "a", SYSTEM)  # the probe's turns again, the store going down
     w.turn("ns", "a", Q1, max_tokens=4, durable=True)
     w.create_agent("ns", "b", SYSTEM)
@@ -432,7 +433,7 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     waiting.join(3)
     assert waiting.is_alive(), "b's turn ran beside a: the budget is not tight"
     launched(store_process(data, tmp_path / "store.log", listen=listen))
-    waiting.join(30)
+    waiting.join(120)  # the store's restart, a reconnect, the catch-up's write, then b
     assert "turn" in result, "b's turn never ran"
     assert len(result["turn"].token_ids) == 4
     assert w.describe("ns", "a").tier == "warm"  # written, then let go for b

@@ -268,7 +268,7 @@ def test_a_commit_whose_reply_was_lost_is_not_taken_for_another_writers(rig):
     after, ref = (w.turn(NS, agent, turns[2], **reply_to(2)) for agent in ("a", "ref"))
     assert after.usage.prompt_tokens == ref.usage.prompt_tokens, "a served turn was dropped"
     assert after.token_ids == ref.token_ids
-    w.wait_durable(NS, "a", timeout=15)
+    w.wait_durable(NS, "a", timeout=60)
     w.close()
 
 

@@ -350,7 +350,9 @@ def test_an_agent_expired_while_its_worker_held_it_is_not_found_and_the_gateway_
             str(tiny_model_dirs["llama"]),
             store.address,
             tmp_path / "worker.log",
-            extra_args=["--block-tokens", "64"],
+            # A hot agent's turn hears the store's word however busy the machine (past 2 s,
+            # the RAM copy would stand).
+            extra_args=["--block-tokens", "64", "--store-check-timeout", "30"],
         )
     )
     gateway = launched(gateway_process([worker.address], tmp_path / "gw.log", store.address))

@@ -18,15 +18,18 @@ SYSTEM = "You are the archivist of the old library, and you index every scroll. 
 Q1 = [("user", "Which scrolls came in today?")]
 Q2 = [("user", "Index them by century.")]
 Q3 = [("user", "Which century has the most?")]
-EXIT_SECONDS = 15  # under the store client's 20 s keepalive, which ended the stuck write before
+# Ample for a busy machine; that --stop-write-seconds, not the store client's 20 s keepalive,
+# ended the stuck write is read in the log ("cut").
+EXIT_SECONDS = 60
 
 
 def test_a_worker_stopped_with_a_write_to_a_hung_store_exits_and_keeps_its_durable_turns(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
     """SIGTERM with a non-durable turn's write stuck on a frozen store: the worker exits 0
-    within EXIT_SECONDS, logging that turns were not stored (before: its stop waited on the
-    write, ~25 s or more); a fresh worker restores the agent at its durable turn."""
+    once --stop-write-seconds cut the write, logging that turns were not stored (before: its
+    stop waited on the write, ~25 s or more); a fresh worker restores the agent at its
+    durable turn."""
     model = str(tiny_model_dirs["llama"])
     args = ["--block-tokens", "64", "--drain-seconds", "0", "--stop-write-seconds", "2"]
     proc = launched(
@@ -50,6 +53,7 @@ def test_a_worker_stopped_with_a_write_to_a_hung_store_exits_and_keeps_its_durab
     log = proc.log_tail(100_000)
     assert code == 0, log
     assert "stopped with turns not in the store" in log and "Traceback" not in log, log
+    assert '"cut": true' in log, log  # the bound ended the write, not the keepalive
 
     fresh = launched(
         worker_process(model, store_process.address, tmp_path / "w2.log", extra_args=args)
