@@ -32,18 +32,16 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
 from agentkv.errors import FailedPrecondition, InvalidArgument
-from inference_worker.masks import Constraint, check, limits
+from inference_worker.llg import Compiler
+from inference_worker.masks import Constraint
 from inference_worker.tools import ToolFormat, loads
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
-MATCHERS_KEPT = 64  # compiled grammars a worker keeps, to copy for the next turn
 log = logging.getLogger("agentkv.worker")
 # Whitespace outside strings is not generated (a free model may write it for ever); a
 # schema's own "x-guidance" options win.
@@ -114,20 +112,15 @@ class Forms:
 
 
 class Grammars:
-    """What compiles the forms of one model's turns: its tokenizer as llguidance reads it
-    (built on the first constrained turn, about 0.4 s for 49K tokens) and its tool-call
-    format."""
+    """What writes the grammars of one model's turns, from its tool-call format, and has
+    them compiled (llg.Compiler: its tokenizer as llguidance reads it)."""
 
     def __init__(self, tokenizer: Any, eos_ids: set[int], tool_format: ToolFormat | None):
-        self._hf, self._eos, self._tool_format = tokenizer, sorted(eos_ids), tool_format
-        self._lock = threading.Lock()
-        self._tokenizer: Any = None
-        self._kept: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher
-        self._special: set[int] | None = None  # _special_ids
+        self._compiler, self._tool_format = Compiler(tokenizer, eos_ids), tool_format
 
     @property
     def vocab(self) -> int:
-        return self._llg().vocab_size
+        return self._compiler.vocab
 
     def forms(self, ask: Ask, tools: str | None, source: str = "") -> Forms | None:
         """The turn's forms, compiled at submit for `tools` (canonical; None: not known
@@ -167,7 +160,7 @@ class Grammars:
             self._opening_token()  # refused now, not at the turn's start
         if ask.name or ask.allowed:
             self._json_calls(ask)
-        self._llg()  # built here, on an RPC thread, not at a turn's start on the MLX thread
+        self._compiler.ready()  # here, on an RPC thread, not at a turn's start
         forms = Forms(self, ask, _entry(ask.form) if ask.form is not None else None)
         if ask.form is not None and (tools is None or ask.required or ask.name):
             self.matcher(Ask(ask.form), forms._entry, "")  # the form alone, checked now
@@ -182,10 +175,10 @@ class Grammars:
             raise InvalidArgument("a required tool call needs tools: this conversation has none")
         free = [entry] if entry and not required else []  # the reply may be the form
         if (not tools and not ask.allowed) or self._tool_format is None:
-            return self._matcher({"grammars": free}) if free else None
+            return self._compiler.matcher({"grammars": free}) if free else None
         if ask.forbidden:  # the form, or anything but the call's opening token
             no_call = f"start: <[^{self._opening_token()}]>*\n"
-            return self._matcher({"grammars": free or [{"lark_grammar": no_call}]})
+            return self._compiler.matcher({"grammars": free or [{"lark_grammar": no_call}]})
         names = self._named(ask, _functions(tools))
         if not (free or required or names):
             return None  # every tool allowed: nothing to enforce
@@ -198,7 +191,7 @@ class Grammars:
         else:
             lark = f"start: {'@form | call rest' if free else 'call rest'}\n{CALL_REST}"
         lark += f"call: {call}\n"
-        return self._matcher({"grammars": [{"lark_grammar": lark}, *free, *body]})
+        return self._compiler.matcher({"grammars": [{"lark_grammar": lark}, *free, *body]})
 
     def _named(self, ask: Ask, functions: dict[str, Any]) -> tuple[str, ...]:
         """The tools the reply's calls may be of: the named one, or those allowed (none of
@@ -238,18 +231,18 @@ class Grammars:
         if fmt.name not in JSON_CALLS or not functions or not fmt.end:
             if names:
                 self._json_calls(ask)
-            return self._marker(fmt.start), []
+            return self._compiler.marker(fmt.start), []
         schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
         try:
-            self._matcher({"grammars": [grammar]})
+            self._compiler.matcher({"grammars": [grammar]})
         except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
             if names:
                 whose = f"tool {ask.name!r}'s" if ask.name else "the allowed tools'"
                 raise InvalidArgument(f"{whose} parameters: {exc.message}") from None
-            return self._marker(fmt.start), []
-        opening, closing = self._marker(fmt.start), self._marker(fmt.end)
+            return self._compiler.marker(fmt.start), []
+        opening, closing = self._compiler.marker(fmt.start), self._compiler.marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
 
     def _json_calls(self, ask: Ask) -> None:
@@ -270,86 +263,20 @@ class Grammars:
         between its runs."""
         spelled = re.escape(self._tool_format.start).replace("/", "\\/")
         lexeme = f"TEXT: /(?s:.+)/ & ~/(?s:.*{spelled}.*)/\n"
-        others = _ranges(sorted(self._special_ids() - {self._opening_token()}))
+        others = _ranges(sorted(self._compiler.special_ids() - {self._opening_token()}))
         between = f" (<[{others}]> TEXT?)*" if others else ""
         return f"text: TEXT?{between}\n{lexeme}"
 
-    def _special_ids(self) -> set[int]:
-        """The ids of the tokens llguidance reads as special (the tokenizer's bracketed
-        added tokens, its end of sequence among them)."""
-        llg = self._llg()
-        with self._lock:
-            if self._special is None:
-                self._special = {i for i in range(llg.vocab_size) if llg.is_special_token(i)}
-            return self._special
-
-    def _matcher(self, grammar: dict) -> Any:
-        """The grammar's matcher, its first mask computed: a form too costly for the limits
-        at its very start is refused here, before the turn queues."""
-        import llguidance
-
-        text = json.dumps(grammar)
-        with self._lock:
-            kept = self._kept.get(text)
-            if kept is not None:
-                self._kept.move_to_end(text)
-                return kept.deep_copy()  # a compiled grammar, at its start
-        matcher = llguidance.LLMatcher(self._llg(), text, log_level=0, limits=limits())
-        if not matcher.is_error():
-            matcher.compute_bitmask()
-        check(matcher)
-        with self._lock:
-            self._kept[text] = matcher.deep_copy()
-            while len(self._kept) > MATCHERS_KEPT:
-                self._kept.popitem(last=False)
-        return matcher
-
     def _opening_token(self) -> int:
         """The special token a call opens with: what a reply without calls may not write."""
-        ids = self._llg().tokenize_str(self._tool_format.start, parse_special=True)
-        if len(ids) != 1 or not self._llg().is_special_token(ids[0]):
+        token = self._compiler.special_token(self._tool_format.start)
+        if token is None:
             raise FailedPrecondition(
                 "a forbidden or restricted tool call needs a model whose calls open with a "
                 f"special token; this model's open with {self._tool_format.start!r}, which "
                 "text can spell"
             )
-        return ids[0]
-
-    def _marker(self, text: str) -> str:
-        """A tool call's marker as Lark items: its text, with each special token in it as
-        that token (which no text spells)."""
-        llg = self._llg()
-        ids = llg.tokenize_str(text, parse_special=True)
-        if not any(llg.is_special_token(i) for i in ids):
-            return json.dumps(text)
-        items, run = [], []
-        for i in [*ids, None]:
-            if i is None or llg.is_special_token(i):
-                items += [json.dumps(llg.decode_str(run))] if run else []
-                items += [f"<[{i}]>"] if i is not None else []
-                run = []
-            else:
-                run.append(i)
-        return " ".join(items)
-
-    def _llg(self) -> Any:
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = _llg_tokenizer(self._hf, self._eos)
-            return self._tokenizer
-
-
-def _llg_tokenizer(tokenizer: Any, eos: list[int]) -> Any:
-    import llguidance.hf
-
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
-    try:
-        return llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=eos)
-    except ValueError as exc:  # a slow (Python) tokenizer
-        raise FailedPrecondition(
-            f"structured output needs a fast tokenizer; this model has a {type(hf).__name__}"
-            f" ({exc})"
-        ) from None
+        return token
 
 
 def _functions(tools: str) -> dict[str, Any]:
