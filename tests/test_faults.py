@@ -41,7 +41,7 @@ def test_a_worker_killed_mid_turn_loses_only_that_turn(tiny_model_dirs, start_wo
         w.turn("ns", agent, Q1, max_tokens=8, durable=True)
     committed = w.describe("ns", "keeper")
 
-    stream = w.stream_turn("ns", "keeper", Q2, max_tokens=2000)
+    stream = w.stream_turn("ns", "keeper", Q2, max_tokens=3000)  # seconds: far from whole
     next(stream)  # the turn is generating
     doomed.kill9()
     with pytest.raises(AgentKVError):

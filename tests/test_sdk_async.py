@@ -22,6 +22,7 @@ from tests.helpers import free_address, freeze
 from tests.test_sdk_reply import said_again
 
 SYSTEM = "You are the warden of the prison. " * 12
+LONG = 3000  # tokens: seconds of decoding, far from whole when the worker is killed or it is closed
 Q1 = "Where were you on the night of the fourteenth?"
 HEARD = "Prisoner B said: I was at home, ask my mother."
 Q2 = "Prove it, prisoner."
@@ -101,7 +102,7 @@ def test_a_lost_worker_moves_its_agents_to_the_next(tiny_model_dirs, start_worke
             for one in (agent, control):
                 assert (await (await one.say(Q1, max_tokens=8)).wait()).cache_state == "hot"
 
-            inflight = await agent.say(Q2, max_tokens=1024)  # about 1.5 s of decoding
+            inflight = await agent.say(Q2, max_tokens=LONG)  # about 4.5 s of decoding
             a.kill9()
             cut = r"not committed \(a stopped worker\): describe\(\) the agent before saying it"
             with pytest.raises(Unavailable, match=cut):
@@ -225,7 +226,7 @@ def test_closing_a_reply_another_task_reads_ends_it_for_every_reader(tiny_model_
         async with AsyncAgentMemory(address) as mem:
             agent = await mem.agent("a", system=SYSTEM)
             before = (await agent.describe()).num_tokens
-            reply = await agent.say(Q1, max_tokens=1024)
+            reply = await agent.say(Q1, max_tokens=LONG)
             reader = await mid_read(reply.wait())
             await reply.close()
             with pytest.raises(FailedPrecondition, match=closed):
@@ -244,7 +245,7 @@ def test_closing_a_reply_another_task_reads_ends_it_for_every_reader(tiny_model_
 
     before = asyncio.run(run())
     with AgentMemory(address) as mem:
-        assert said_again(mem.agent("a"), Q2).usage.prompt_tokens < before + 1024
+        assert said_again(mem.agent("a"), Q2).usage.prompt_tokens < before + LONG
 
 
 def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(

@@ -16,7 +16,7 @@ from agentkv.errors import FailedPrecondition
 SYSTEM = "You are the keeper of the lighthouse. " * 12
 ASK = "What did you see from the lamp room last night?"
 AGAIN = "And the night before?"
-LONG = 1024  # tokens: about 1.5 s of decoding, far from whole when it is closed
+LONG = 3000  # tokens: about 4.5 s of decoding, far from whole when it is closed
 CLOSED = r"the reply of Agent\(default/keeper\) was closed after \d+ tokens"
 
 
