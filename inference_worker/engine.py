@@ -303,7 +303,7 @@ class Engine:
         calls = self.chat.reply_calls(chat.tools, job.max_tool_calls, ask.allowed)
         turn.calls = calls if max_tokens and not ask.forbidden else None  # spelled calls: text
         if job.forms is not None and max_tokens:
-            turn.constraint = job.forms.constraint(chat.tools)
+            turn.constraint = job.forms.constraint(chat.tools, agent.agent_id)
         return turn, tokens, chat
 
     def _turn(

@@ -105,10 +105,12 @@ class Forms:
             self.compile(tools)
         return self._compiled.pop(tools)
 
-    def constraint(self, tools: str) -> Constraint | None:
-        """The reply's constraint, for a conversation with these tools."""
+    def constraint(self, tools: str, agent: str = "") -> Constraint | None:
+        """The reply's constraint, for `agent`'s conversation with these tools."""
         matcher, optional = self.matcher(tools), self.ask.strict and not self.ask.holds_form
-        return None if matcher is None else Constraint(matcher, self._grammars.vocab, optional)
+        if matcher is None:
+            return None
+        return Constraint(matcher, self._grammars.vocab, optional, agent)
 
 
 class Grammars:

@@ -20,11 +20,12 @@ log = logging.getLogger("agentkv.worker")
 class Constraint:
     """One reply's matcher as it is generated: each token it takes, and whether the form is
     complete (no token may follow). An `optional` one holds what the caller did not ask for
-    (strict tools' calls): where it fails, it is dropped and the reply goes on free."""
+    (strict tools' calls): where it fails, it is dropped and the reply goes on free. `agent`:
+    whose reply it is (named in the log)."""
 
-    def __init__(self, matcher: Any, vocab: int, optional: bool = False) -> None:
+    def __init__(self, matcher: Any, vocab: int, optional: bool = False, agent: str = "") -> None:
         self.matcher, self.vocab = matcher, vocab  # vocab: the tokenizer's, llguidance's
-        self.optional = optional
+        self.optional, self.agent = optional, agent
 
     def take(self, token: int) -> None:
         if self.matcher is not None:
@@ -42,7 +43,10 @@ class Constraint:
 
     def drop(self, why: AgentKVError) -> None:
         """An optional constraint that failed: the reply goes on free (logged, with why)."""
-        log.warning("strict tools' calls no longer held in a reply", extra={"why": why.message})
+        log.warning(
+            "strict tools' calls no longer held in a reply",
+            extra={"agent": self.agent, "why": why.message},
+        )
         self.matcher = None
 
     @property

@@ -708,9 +708,10 @@ def test_strict_tools_hold_the_calls_beside_a_required_call_or_a_form(qwen_gramm
         assert _takes(forms.matcher(tools), tokenizer, on)
 
 
-def test_a_failed_optional_constraint_is_dropped_and_a_required_one_fails(qwen_grammars):
+def test_a_failed_optional_constraint_is_dropped_and_a_required_one_fails(qwen_grammars, caplog):
     """A strict tools' constraint holds what the caller did not ask for: where its matcher
-    fails, the reply goes on free; a form's failure fails the turn."""
+    fails, the reply goes on free (logged, naming the agent); a form's failure fails the
+    turn."""
     import mlx.core as mx
 
     from inference_worker.grammar import Ask
@@ -721,11 +722,14 @@ def test_a_failed_optional_constraint_is_dropped_and_a_required_one_fails(qwen_g
     tools = canonical_tools(json.dumps([strict(SET_MODE)]))
     opening = tokenizer.convert_tokens_to_ids("<tool_call>")
     bad = tokenizer.encode("Sunny", add_special_tokens=False)[0]  # no call's JSON begins so
-    optional = grammars.forms(Ask(), tools).constraint(tools)
+    optional = grammars.forms(Ask(), tools).constraint(tools, "kelvin")
     assert optional.optional
     optional.take(opening)
-    optional.take(bad)
+    with caplog.at_level("WARNING", logger="agentkv.worker"):
+        optional.take(bad)
     assert optional.matcher is None and not optional.done
+    (dropped,) = [r for r in caplog.records if "no longer held" in r.getMessage()]
+    assert dropped.agent == "kelvin" and dropped.why.startswith("output format")
     logprobs = mx.zeros((1, grammars.vocab))
     out, failed = masked(logprobs, [optional])
     assert not failed and mx.array_equal(out, logprobs).item()
