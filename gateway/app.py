@@ -1,7 +1,8 @@
 """The gateway: OpenAI's chat-completions and Responses APIs and Anthropic's Messages API over
-HTTP, on the asyncio SDK. All are one path: each API's wire format is a sans-I/O module
-(gateway/protocol.py, gateway/responses.py, gateway/anthropic.py) that checks a request into
-a ChatCall and builds the reply, whole or streamed, and its errors.
+HTTP, on the asyncio SDK. All are one path: each API's wire format (apis.py) checks a request
+into a ChatCall and builds the reply, whole or streamed, and its errors, sans I/O
+(gateway/protocol.py with completion.py and errors.py, gateway/responses.py,
+gateway/anthropic.py).
 
 Frameworks resend the whole conversation on every call. The gateway holds no KV and no
 conversation: it names the agent (X-Agent-Id; else X-Session-ID; else one anonymous agent per
@@ -45,10 +46,10 @@ from agentkv.gateway import anthropic
 from agentkv.gateway.apis import ANTHROPIC, API, OPENAI, RESPONSES, api_of
 from agentkv.gateway.asgi import CutOff, answering_errors, no_route, while_connected
 from agentkv.gateway.completion import agentkv_json, with_creation
-from agentkv.gateway.config import GatewayConfig
+from agentkv.gateway.config import INFO_TIMEOUT, GatewayConfig
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import ChatCall, agent_id
-from agentkv.gateway.turns import INFO_TIMEOUT, Turn, Turns
+from agentkv.gateway.turns import Turn, Turns
 
 log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")

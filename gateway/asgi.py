@@ -1,6 +1,6 @@
 """The gateway's HTTP plumbing on Starlette: every error of a route answered in its API's
 error JSON, a stop's cut-off requests ended as 503s (or an error event), and steps that end
-when the client goes away (or run to their end though it did)."""
+when the client goes away."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ async def while_connected(request: Request, step: Awaitable[T]) -> tuple[bool, T
     """(True, what `step` returns), or (False, None) when the client goes away first, which
     cancels the step. Raises what the step raises."""
     running = asyncio.ensure_future(step)
-    gone = asyncio.ensure_future(disconnected(request))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -100,17 +100,7 @@ async def while_connected(request: Request, step: Awaitable[T]) -> tuple[bool, T
     return True, running.result()
 
 
-async def disconnected(request: Request) -> None:
+async def _disconnected(request: Request) -> None:
     """Returns when the client goes away."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def to_the_end(step: Awaitable[T]) -> T:
-    """What `step` returns; a caller cancelled meanwhile is so once the step has ended."""
-    running = asyncio.ensure_future(step)
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        await asyncio.wait({running})
-        raise

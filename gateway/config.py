@@ -12,6 +12,8 @@ from agentkv.security import ServerSecurity
 from agentkv.serving import log_level_flag
 from agentkv.units import parse_bytes
 
+INFO_TIMEOUT = 5.0  # seconds a worker gets to answer a health, model or feature check
+
 
 @dataclass(slots=True)
 class GatewayConfig:

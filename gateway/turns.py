@@ -27,14 +27,13 @@ from agentkv.errors import (
     TurnsFollow,
 )
 from agentkv.gateway import responses
-from agentkv.gateway.asgi import to_the_end
+from agentkv.gateway.config import INFO_TIMEOUT
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import ChatCall
 from agentkv.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")
-INFO_TIMEOUT = 5.0  # seconds a health check or the model's name waits for a worker
 INFO_REQUEST = pb.GetWorkerInfoRequest()
 
 # Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
@@ -236,3 +235,13 @@ class Turns:
             task = asyncio.create_task(delete_spare(agent, self.creations.get(agent)))
             self.deletions.add(task)
             task.add_done_callback(self.deletions.discard)
+
+
+async def to_the_end(step: Awaitable[T]) -> T:
+    """What `step` returns; a caller cancelled meanwhile is so once the step has ended."""
+    running = asyncio.ensure_future(step)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait({running})
+        raise

@@ -162,7 +162,7 @@ class Grammars:
             self._opening_token()  # refused now, not at the turn's start
         if ask.name or ask.allowed:
             self._json_calls(ask)
-        self._compiler.ready()  # here, on an RPC thread, not at a turn's start
+        self._compiler.ready()  # here, on an RPC thread, not on the MLX thread at a turn's start
         forms = Forms(self, ask, _entry(ask.form) if ask.form is not None else None)
         if ask.form is not None and (tools is None or ask.required or ask.name):
             self.matcher(Ask(ask.form), forms._entry, "")  # the form alone, checked now

@@ -1,7 +1,7 @@
-"""Constrained decoding's step: each constrained row's matcher (grammar.py compiles them)
-masks its logits to the tokens that keep the reply a beginning of its form, the rows of a
-batch together, in llguidance's threads, under per-step limits, so that one tenant's form
-cannot hold the others' rows for more than a few milliseconds."""
+"""Constrained decoding's step: each constrained row's matcher (grammar.py writes it, llg.py
+compiles it) masks its logits to the tokens that keep the reply a beginning of its form, the
+rows of a batch together, in llguidance's threads, under per-step limits, so that one
+tenant's form cannot hold the others' rows for more than a few milliseconds."""
 
 from __future__ import annotations
 
