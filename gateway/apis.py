@@ -1,6 +1,7 @@
 """The HTTP APIs the gateway serves, each one wire format over the same turns: OpenAI's chat
-completions (protocol.py, completion.py), OpenAI's Responses API (responses.py) and
-Anthropic's Messages API (anthropic.py); which a request's path belongs to."""
+completions (protocol.py, completion.py), OpenAI's Responses API (responses.py,
+response_reply.py) and Anthropic's Messages API (anthropic.py, anthropic_reply.py); which a
+request's path belongs to."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentkv.gateway import anthropic, responses
+from agentkv.gateway import anthropic, anthropic_reply, response_reply, responses
 from agentkv.gateway.completion import Completion, sse
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import ChatCall, parse_chat
@@ -34,17 +35,17 @@ OPENAI = API(
 
 ANTHROPIC = API(
     lambda body, _: anthropic.parse_messages(body),
-    anthropic.MessageReply.of,
-    anthropic.error_body,
-    anthropic.error_event,
+    anthropic_reply.MessageReply.of,
+    anthropic_reply.error_body,
+    anthropic_reply.error_event,
 )
 
 
 RESPONSES = API(
     responses.parse_responses,
-    responses.ResponseReply.of,
+    response_reply.ResponseReply.of,
     HTTPError.body,
-    responses.error_event,
+    response_reply.error_event,
 )
 
 

@@ -1,8 +1,8 @@
 """The gateway: OpenAI's chat-completions and Responses APIs and Anthropic's Messages API over
 HTTP, on the asyncio SDK. All are one path: each API's wire format (apis.py) checks a request
 into a ChatCall and builds the reply, whole or streamed, and its errors, sans I/O
-(gateway/protocol.py with completion.py and errors.py, gateway/responses.py,
-gateway/anthropic.py).
+(gateway/protocol.py with completion.py and errors.py, gateway/responses.py with
+response_reply.py, gateway/anthropic.py with anthropic_reply.py).
 
 Frameworks resend the whole conversation on every call. The gateway holds no KV and no
 conversation: it names the agent (X-Agent-Id; else X-Session-ID; else one anonymous agent per
@@ -42,7 +42,7 @@ from agentkv import ids
 from agentkv.auth import Principal, TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
 from agentkv.errors import AgentKVError
-from agentkv.gateway import anthropic
+from agentkv.gateway import anthropic, anthropic_reply
 from agentkv.gateway.apis import ANTHROPIC, API, OPENAI, RESPONSES, api_of
 from agentkv.gateway.asgi import CutOff, answering_errors, no_route, while_connected
 from agentkv.gateway.completion import agentkv_json, with_creation
@@ -186,7 +186,7 @@ class Gateway:
         self._namespace(request)
         model = await self._model()
         if "anthropic-version" in request.headers:
-            page = {"data": [anthropic.model_json(model)], "has_more": False}
+            page = {"data": [anthropic_reply.model_json(model)], "has_more": False}
             return JSONResponse(page | {"first_id": model, "last_id": model})
         return JSONResponse({"object": "list", "data": [self._model_json(model)]})
 
@@ -200,7 +200,7 @@ class Gateway:
                 code="model_not_found",
             )
         if "anthropic-version" in request.headers:
-            return JSONResponse(anthropic.model_json(model))
+            return JSONResponse(anthropic_reply.model_json(model))
         return JSONResponse(self._model_json(model))
 
     async def agents(self, request: Request) -> Response:

@@ -19,7 +19,8 @@ import pytest
 
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
-from agentkv.gateway.anthropic import MessageReply, error_body, parse_messages
+from agentkv.gateway.anthropic import parse_messages
+from agentkv.gateway.anthropic_reply import MessageReply, error_body
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import parse_chat
 from agentkv.launch import gateway_process, store_process, worker_process

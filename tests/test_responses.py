@@ -28,7 +28,8 @@ from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentBusy
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import parse_chat
-from agentkv.gateway.responses import ResponseReply, parse_responses, response_id
+from agentkv.gateway.response_reply import ResponseReply
+from agentkv.gateway.responses import parse_responses, response_id
 from agentkv.launch import ServiceProcess, gateway_process, store_process
 from agentkv.worker.v1 import worker_pb2 as pb
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tiny_model, tiny_tokenizer
