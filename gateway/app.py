@@ -20,17 +20,13 @@ when the client goes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -39,34 +35,30 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentkv import ids
-from agentkv.auth import Principal, TokenTable
+from agentkv.auth import TokenTable
 from agentkv.client.aio import AsyncAgent, AsyncAgentMemory, AsyncReply
 from agentkv.errors import AgentKVError
 from agentkv.gateway import anthropic, anthropic_reply
 from agentkv.gateway.apis import ANTHROPIC, API, OPENAI, RESPONSES, api_of
 from agentkv.gateway.asgi import CutOff, answering_errors, no_route, while_connected
+from agentkv.gateway.callers import Callers
 from agentkv.gateway.completion import agentkv_json, with_creation
 from agentkv.gateway.config import INFO_TIMEOUT, GatewayConfig
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import ChatCall, agent_id
 from agentkv.gateway.turns import Turn, Turns
+from agentkv.gateway.workers import Served
 
 log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")
-PASSED_BY = {  # what a worker answers that another may not: _first_worker asks the next
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.UNIMPLEMENTED,  # an older worker, during a rolling upgrade
-    grpc.StatusCode.UNAUTHENTICATED,  # the gateway's --upstream-* credentials, not the client's
-    grpc.StatusCode.PERMISSION_DENIED,
-}
 # Not cached, nor held back by a buffering proxy (nginx reads X-Accel-Buffering).
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 class Gateway:
     """The routes' state: one AsyncAgentMemory (made in the server's event loop), the token
-    table, the model's id, and the turns under way with their spare agents (turns.py)."""
+    table and callers (callers.py), the served model (workers.py), and the turns under way
+    with their spare agents (turns.py)."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -74,15 +66,16 @@ class Gateway:
             TokenTable.load(config.security.auth_tokens) if config.security.auth_tokens else None
         )
         self.memory: AsyncAgentMemory | None = None
-        self.model_id = config.model_name
-        self.fingerprint = ""  # the workers' model's, once asked (_info)
-        self.turns = Turns(self._model_key, config.timeout)
+        self.callers = Callers(self.tokens, config.namespace, config.max_body_bytes)
+        self.served: Served | None = None  # made with the memory, in the server's loop
+        self.turns = Turns(lambda: self.served.model_key(), config.timeout)
 
     async def start(self) -> None:
         c = self.config
         self.memory = AsyncAgentMemory(
             c.workers, c.store or None, c.namespace, timeout=c.timeout, security=c.upstream
         )
+        self.served = Served(self.memory.workers, c.model_name)
 
     async def stop(self) -> None:
         """Deletes every spare agent left, each once its creation and turn have ended, then
@@ -104,7 +97,7 @@ class Gateway:
     async def kept_response(self, request: Request) -> Response:
         """GET /v1/responses/{id} (and its input_items), DELETE: a 404 that says why (the
         caller's token checked first)."""
-        self._namespace(request)
+        self.callers.namespace(request)
         message = (
             "agentkv keeps no response objects, only each agent's cache: a response's id is "
             "continued with previous_response_id, not read back or deleted (the store's "
@@ -119,15 +112,15 @@ class Gateway:
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's POST /v1/messages/count_tokens: the conversation's tokens through the
         model's chat template, counted by a worker (the first that answers)."""
-        self._namespace(request)
+        self.callers.namespace(request)
         call = await self._call(request, anthropic.parse_count)
-        tokens = await self._first_worker(lambda w: w.count_tokens(call.messages, call.tools))
+        tokens = await self.served.first_worker(lambda w: w.count_tokens(call.messages, call.tools))
         return JSONResponse({"input_tokens": tokens})
 
     async def _call(self, request: Request, parse: Callable[[Any], ChatCall]) -> ChatCall:
         """The request's body, checked, for the model served here (else a 404)."""
-        call = parse(await self._body(request))
-        if call.model != await self._model():
+        call = parse(await self.callers.body(request))
+        if call.model != await self.served.model():
             raise HTTPError(
                 404,
                 f"model {call.model!r} does not exist here; GET /v1/models lists it",
@@ -138,7 +131,7 @@ class Gateway:
         return call
 
     async def _converse(self, request: Request, api: API) -> Response:
-        namespace = self._namespace(request)
+        namespace = self.callers.namespace(request)
         call = await self._call(request, lambda body: api.parse(body, self.config.max_tokens))
         memory = self.memory.in_namespace(namespace)
         headers = request.headers
@@ -183,16 +176,16 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         """The model served, in OpenAI's list, or Anthropic's for a client that sends its
         anthropic-version header."""
-        self._namespace(request)
-        model = await self._model()
+        self.callers.namespace(request)
+        model = await self.served.model()
         if "anthropic-version" in request.headers:
             page = {"data": [anthropic_reply.model_json(model)], "has_more": False}
             return JSONResponse(page | {"first_id": model, "last_id": model})
         return JSONResponse({"object": "list", "data": [self._model_json(model)]})
 
     async def one_model(self, request: Request) -> Response:
-        self._namespace(request)
-        model = await self._model()
+        self.callers.namespace(request)
+        model = await self.served.model()
         if request.path_params["model"] != model:
             raise HTTPError(
                 404,
@@ -205,7 +198,7 @@ class Gateway:
 
     async def agents(self, request: Request) -> Response:
         """The namespace's agents (agentkv's own endpoint): tier, tokens, bytes, phase."""
-        memory = self.memory.in_namespace(self._namespace(request))
+        memory = self.memory.in_namespace(self.callers.namespace(request))
         if memory.store is None:
             raise HTTPError(404, "listing agents needs the gateway's --store", code="no_store")
         fields = ("agent_id", "tier", "num_tokens", "num_bytes", "persisted_tokens", "phase")
@@ -237,7 +230,7 @@ class Gateway:
 
     def _path_agent(self, request: Request) -> AsyncAgent:
         """The agent a /v1/agents/{id}/... path names, in the caller's namespace."""
-        memory = self.memory.in_namespace(self._namespace(request))
+        memory = self.memory.in_namespace(self.callers.namespace(request))
         return AsyncAgent(memory, ids.agent_id(request.path_params["agent"], "the agent id"))
 
     async def health(self, request: Request) -> Response:
@@ -256,7 +249,7 @@ class Gateway:
         body: dict[str, Any] = {"status": "ok" if up else "unavailable"}
         given = request.headers.get("authorization") or request.headers.get("x-api-key")
         if self.tokens is None or given:
-            self._principal(request)  # a token that is given must be valid
+            self.callers.principal(request)  # a token that is given must be valid
             body["workers"] = dict(zip(self.memory.workers, states, strict=True))
         return JSONResponse(body, status_code=200 if up else 503)
 
@@ -265,90 +258,6 @@ class Gateway:
     @staticmethod
     def _model_json(model: str) -> dict[str, Any]:
         return {"id": model, "object": "model", "created": 0, "owned_by": "agentkv"}
-
-    def _namespace(self, request: Request) -> str:
-        """The caller's namespace: X-Namespace, else its token's only namespace, else the
-        gateway's --namespace; with a token table, one the bearer token may use."""
-        asked = request.headers.get("x-namespace", "")
-        who = self._principal(request)
-        if not asked and who is not None and who.namespaces and len(who.namespaces) == 1:
-            asked = next(iter(who.namespaces))
-        namespace = asked or self.config.namespace
-        if who is not None and not who.allows(namespace):
-            raise HTTPError(
-                403,
-                f"token {who.name!r} may not use namespace {namespace!r}",
-                "permission_error",
-                code="permission_denied",
-            )
-        return namespace
-
-    def _principal(self, request: Request) -> Principal | None:
-        """Who the bearer token (Authorization: Bearer, or Anthropic's X-Api-Key) names."""
-        if self.tokens is None:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        bearer = token.strip() if scheme.lower() == "bearer" else ""
-        given = (bearer, request.headers.get("x-api-key", "").strip())  # either may be valid
-        who = next(filter(None, (self.tokens.principal(t) for t in given if t)), None)
-        if who is None:
-            raise HTTPError(
-                401,
-                "a valid bearer token is required (Authorization: Bearer ..., or X-Api-Key)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
-        return who
-
-    async def _body(self, request: Request) -> Any:
-        limit, chunks, size = self.config.max_body_bytes, [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"request body over {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise HTTPError(400, f"the request body is not JSON: {exc}") from None
-        except RecursionError:
-            raise HTTPError(400, "the request body is nested too deeply") from None
-
-    async def _model(self) -> str:
-        """The served model's id: --model-name, else the first worker's model."""
-        if not self.model_id:
-            self.model_id = model_id((await self._info()).model)
-        return self.model_id
-
-    async def _info(self) -> Any:
-        """The first worker's GetWorkerInfo that answers; 503 when none does. Its
-        fingerprint is kept."""
-        info = await self._first_worker(lambda worker: worker.info())
-        self.fingerprint = info.fingerprint
-        return info
-
-    async def _first_worker(self, ask: Callable[[Any], Awaitable[T]]) -> T:
-        """ask(worker) of the first worker that answers. One that cannot (unreachable, slow,
-        too old for the call, refusing the gateway's own credentials) is passed by; any
-        other error is the request's, raised. None answers: a 503 saying the last why."""
-        last = "no worker is configured"
-        for address, worker in self.memory.workers.items():
-            try:
-                return await asyncio.wait_for(ask(worker), INFO_TIMEOUT)
-            except AgentKVError as exc:
-                if exc.code not in PASSED_BY:
-                    raise
-                last = f"{address}: {exc.message}"
-            except asyncio.TimeoutError:
-                last = f"{address}: no answer within {INFO_TIMEOUT:g} s"
-        message = f"no worker answers (last: {last})"
-        raise HTTPError(503, message, "service_unavailable", code="unavailable")
-
-    async def _model_key(self) -> str:
-        """A short hash of the workers' model fingerprint: what tells this model's anonymous
-        agents from another's made for the same conversation."""
-        fingerprint = self.fingerprint or (await self._info()).fingerprint
-        return hashlib.blake2b(fingerprint.encode(), digest_size=4).hexdigest()
 
     async def _whole(self, reply: AsyncReply, request: Request) -> bool:
         """Waits for the whole reply; a client that leaves first cancels the turn (False)."""
@@ -388,13 +297,6 @@ class Gateway:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
             self.turns.ended(reply.agent)
-
-
-def model_id(model: str) -> str:
-    """What clients call the workers' model: its --model name, or a path's last part (a
-    GGUF file's without .gguf)."""
-    name = Path(model).name if "/" in model else model
-    return name.removesuffix(".gguf")
 
 
 def create_app(config: GatewayConfig) -> Starlette:
