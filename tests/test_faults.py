@@ -70,32 +70,39 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(
     b.turn("ns", "shared", [("user", "Hello from b.")], max_tokens=0, durable=True)  # b holds it
     a.evict("ns", "shared")
     a.turn("ns", "shared", [("user", "Hello from a.")], max_tokens=0, durable=True)  # a reloads
+    b.turn("ns", "shared", [], max_tokens=0)  # b, behind a's commit, reloads it too
+    assert a.describe("ns", "shared").generation == b.describe("ns", "shared").generation
     # Now both hold it hot at the same generation; each commits a turn at once. Both turns
     # must be past their start's check with the store before either commits (else the later
     # one sees the newer generation, reloads, and both win in turn): the store is frozen
-    # until each has streamed a token, so each check goes unanswered and the RAM copy stands.
+    # until each has streamed its first response, so each check goes unanswered and the RAM
+    # copy, current, stands.
     generating, results = threading.Semaphore(0), {}
 
     def race(name: str, worker: WorkerClient) -> None:
+        released = False
         try:
             stream = worker.stream_turn("ns", "shared", Q2, max_tokens=4, durable=True)
             result = TurnResult()
             result.add(next(stream))
             generating.release()
+            released = True
             for response in stream:
                 result.add(response)
             results[name] = result
         except Unavailable as exc:
             results[name] = exc
-            generating.release()
+        finally:
+            if not released:  # failed before its first response: the main thread goes on
+                generating.release()
 
     threads = [threading.Thread(target=race, args=(n, w)) for n, w in (("a", a), ("b", b))]
-    freeze(store_process.proc.pid)
     try:
+        freeze(store_process.proc.pid)
         for t in threads:
             t.start()
-        for _ in threads:
-            assert generating.acquire(timeout=60), "a racing turn streamed nothing in 60 s"
+        for _ in threads:  # within the clients' keepalive (20 s), which a frozen store outlasts
+            assert generating.acquire(timeout=15), "a racing turn streamed nothing in 15 s"
     finally:
         os.kill(store_process.proc.pid, signal.SIGCONT)
     for t in threads:

@@ -156,7 +156,7 @@ def test_a_long_system_prompt_is_prefilled_between_the_others_steps(tiny_model_d
     reader.join()
     chunks = made.usage.prefilled_tokens // 64
     assert chunks >= 30, made.usage
-    assert during >= chunks // 2, during  # a token a step; before: 3 to 6, sent before it ran
+    assert during >= chunks, during  # a decode step a chunk (59 for 51 here); before: 3 to 6
 
 
 def test_a_create_while_the_same_agent_is_being_made_is_answered_once_it_is(
