@@ -8,6 +8,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
+
 from agentkv import wire
 from agentkv.channels import ClientSecurity
 from agentkv.client.blocks import (
@@ -69,8 +71,8 @@ class StoreClient:
         )
 
     def close(self) -> None:
-        """Ends the calls in flight on every thread (CANCELLED); later calls raise
-        Unavailable. Closing again does nothing."""
+        """Ends the calls in flight on every thread; they and later calls raise Unavailable
+        (CLOSED). Closing again does nothing."""
         if self.closed:
             return
         self.closed = True
@@ -93,12 +95,16 @@ class StoreClient:
     @contextlib.contextmanager
     def _typed(self) -> Iterator[None]:
         """Every call's errors: a gRPC error as its typed AgentKVError, from the store; a
-        call on the closed client as Unavailable."""
+        call on the closed client, or one in flight that closing it ended, as Unavailable."""
         try:
             with typed_errors(peer="store"):
                 yield
         except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
             if not self.closed:
+                raise
+            raise Unavailable(CLOSED) from None
+        except AgentKVError as exc:  # gRPC's CANCELLED "Channel closed!", once closed
+            if not self.closed or exc.code != grpc.StatusCode.CANCELLED:
                 raise
             raise Unavailable(CLOSED) from None
 

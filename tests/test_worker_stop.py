@@ -53,7 +53,8 @@ def test_a_worker_stopped_with_a_write_to_a_hung_store_exits_and_keeps_its_durab
     log = proc.log_tail(100_000)
     assert code == 0, log
     assert "stopped with turns not in the store" in log and "Traceback" not in log, log
-    assert '"cut": true' in log, log  # the bound ended the write, not the keepalive
+    assert '"cut": true' in log, log  # past the bound, the store client was closed
+    assert "the store client was closed" in log, log  # which ended the write, not a keepalive
 
     fresh = launched(
         worker_process(model, store_process.address, tmp_path / "w2.log", extra_args=args)
