@@ -62,11 +62,10 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.tokens = (
-            TokenTable.load(config.security.auth_tokens) if config.security.auth_tokens else None
-        )
+        auth = config.security.auth_tokens
+        tokens = TokenTable.load(auth) if auth else None
         self.memory: AsyncAgentMemory | None = None
-        self.callers = Callers(self.tokens, config.namespace, config.max_body_bytes)
+        self.callers = Callers(tokens, config.namespace, config.max_body_bytes)
         self.served: Served | None = None  # made with the memory, in the server's loop
         self.turns = Turns(lambda: self.served.model_key(), config.timeout)
 
@@ -248,7 +247,7 @@ class Gateway:
         up = "serving" in states
         body: dict[str, Any] = {"status": "ok" if up else "unavailable"}
         given = request.headers.get("authorization") or request.headers.get("x-api-key")
-        if self.tokens is None or given:
+        if self.callers.tokens is None or given:
             self.callers.principal(request)  # a token that is given must be valid
             body["workers"] = dict(zip(self.memory.workers, states, strict=True))
         return JSONResponse(body, status_code=200 if up else 503)
