@@ -50,7 +50,7 @@ from inference_worker.chat import (
 )
 from inference_worker.config import WorkerConfig
 from inference_worker.freshness import StoreView, is_current
-from inference_worker.grammar import Ask, Grammars
+from inference_worker.grammar import Ask, Forms, Grammars
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.persistence import (
     Persister,
@@ -299,12 +299,21 @@ class Engine:
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
-        ask = job.forms.ask if job.forms is not None else Ask()
+        forms = self._forms(job, chat.tools) if max_tokens else job.forms
+        ask = forms.ask if forms is not None else Ask()
         calls = self.chat.reply_calls(chat.tools, job.max_tool_calls, ask.allowed)
         turn.calls = calls if max_tokens and not ask.forbidden else None  # spelled calls: text
-        if job.forms is not None and max_tokens:
-            turn.constraint = job.forms.constraint(chat.tools, agent.agent_id)
+        if forms is not None and max_tokens:
+            turn.constraint = forms.constraint(chat.tools, agent.agent_id)
         return turn, tokens, chat
+
+    def _forms(self, job: TurnJob, tools: str) -> Forms | None:
+        """The reply's forms: compiled at submit, or settled now where the turn sent no tools
+        and its agent's own apply (known only now), so that strict ones among them hold its
+        calls as a request's strict tools do (Grammars.forms)."""
+        if job.tools or job.whole_conversation or not tools:
+            return job.forms
+        return self.grammars.forms(job.forms.ask if job.forms is not None else Ask(), tools)
 
     def _turn(
         self,

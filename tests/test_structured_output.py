@@ -418,6 +418,24 @@ def test_a_strict_tool_s_call_is_one_its_schema_accepts(qwen):
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "unit": "kelvin"}]
 
 
+def test_an_agent_s_own_strict_tools_hold_its_calls(qwen):
+    """A turn that sends no tools has its agent's: a strict one among them holds the
+    reply's calls to its schema as a request's would (before, only tools sent with the turn
+    were held)."""
+    kelvin = {"city": {"enum": ["Paris"]}, "unit": {"enum": ["kelvin"]}}
+    loose = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "parameters": {
+        "type": "object", "properties": kelvin, "required": ["city", "unit"],
+        "additionalProperties": False}}}  # fmt: skip
+    units = {}
+    for agent, tool in (("own-loose", loose), ("own-strict", strict(loose))):
+        create = pb.CreateAgentRequest(namespace=NS, agent_id=agent, tools=json.dumps([tool]))
+        qwen.CreateAgent(create, timeout=60)
+        text, calls, _ = _turn(qwen, agent, max_tokens=64)
+        assert [c.name for c in calls] == ["get_weather"], text
+        units[agent] = json.loads(calls[0].arguments)["unit"]
+    assert units == {"own-loose": "celsius", "own-strict": "kelvin"}
+
+
 def test_the_agent_s_own_tools_are_allowed_at_the_turn_s_start(qwen):
     """A turn that sends no tools has its agent's: the tools allowed are checked against
     them once the turn starts, and a refusal there changes nothing."""
