@@ -102,11 +102,11 @@ class StoreClient:
         except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
             if not self.closed:
                 raise
-            raise Unavailable(CLOSED) from None
+            raise _closed() from None
         except AgentKVError as exc:  # gRPC's CANCELLED "Channel closed!", once closed
             if not self.closed or exc.code != grpc.StatusCode.CANCELLED:
                 raise
-            raise Unavailable(CLOSED) from None
+            raise _closed() from None
 
     # payloads
 
@@ -205,6 +205,8 @@ class StoreClient:
 
     def _reader(self) -> ThreadPoolExecutor:
         with self._lock:
+            if self.closed:  # its pool is shut down
+                raise _closed()
             if self._read_pool is None:
                 self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="agentkv-read")
             return self._read_pool
@@ -359,3 +361,10 @@ def _assemble(stream: Iterable[bytes]) -> Iterator[StoredBlock]:
             header = None
     if header is not None:
         raise CorruptBlock(f"GetBlocks stream ended inside block {header.key.hex()}")
+
+
+def _closed() -> Unavailable:
+    """What a call on a closed client, or one closing it ended, raises."""
+    error = Unavailable(CLOSED)
+    error.peer = "store"
+    return error

@@ -310,10 +310,10 @@ class Engine:
     def _forms(self, job: TurnJob, tools: str) -> Forms | None:
         """The reply's forms: compiled at submit, or settled now where the turn sent no tools
         and its agent's own apply (known only now), so that strict ones among them hold its
-        calls as a request's strict tools do (Grammars.forms)."""
+        calls as a request's strict tools do (Grammars.settled)."""
         if job.tools or job.whole_conversation or not tools:
             return job.forms
-        return self.grammars.forms(job.forms.ask if job.forms is not None else Ask(), tools)
+        return self.grammars.settled(job.forms, tools)
 
     def _turn(
         self,

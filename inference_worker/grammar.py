@@ -29,9 +29,12 @@ compiles only for an agent's own tools (a turn that sends none: known at its sta
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,6 +45,7 @@ from inference_worker.tools import ToolFormat, loads
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
+LOGGED_KEPT = 1024  # tool sets whose unenforced strict is logged once
 log = logging.getLogger("agentkv.worker")
 # Whitespace outside strings is not generated (a free model may write it for ever); a
 # schema's own "x-guidance" options win.
@@ -119,6 +123,9 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, eos_ids: set[int], tool_format: ToolFormat | None):
         self._compiler, self._tool_format = Compiler(tokenizer, eos_ids), tool_format
+        self._lock = threading.Lock()
+        # The last LOGGED_KEPT tools (by hash) whose strict was logged as not enforced.
+        self._logged: OrderedDict[int, None] = OrderedDict()
 
     @property
     def vocab(self) -> int:
@@ -146,8 +153,39 @@ class Grammars:
         except InvalidArgument as exc:  # the strict tools' grammar: llguidance cannot hold it
             if held is ask:
                 raise
-            log.info("strict tools taken, not enforced", extra={"why": exc.message})
+            self._unenforced(tools, exc)
         return self._forms(ask, tools, source)
+
+    def settled(self, forms: Forms | None, tools: str) -> Forms | None:
+        """`forms` (None: nothing asked) of a turn whose tools, its agent's own, are known
+        only at its start (on the MLX thread): held to strict ones among them, as forms()
+        holds a request's, compiled now; else `forms` as they were."""
+        ask = forms.ask if forms is not None else Ask()
+        held = self._strict(ask, tools)
+        if held is ask:
+            return forms
+        strict = Forms(self, held, forms._entry if forms is not None else None)
+        try:
+            strict.compile(tools)
+        except InvalidArgument as exc:
+            self._unenforced(tools, exc)
+            return forms
+        return strict
+
+    def warm(self, tools: str) -> None:
+        """Compiles what an agent's strict tools hold its calls to, on the caller's thread
+        (CreateAgent's RPC thread), so that its turns find it compiled."""
+        self.forms(Ask(), tools or None)
+
+    def _unenforced(self, tools: str, exc: InvalidArgument) -> None:
+        """Logs, once for these tools, that their strict is taken and not enforced."""
+        with self._lock:
+            if hash(tools) in self._logged:
+                return
+            self._logged[hash(tools)] = None
+            while len(self._logged) > LOGGED_KEPT:
+                self._logged.popitem(last=False)
+        log.info("strict tools taken, not enforced", extra={"why": exc.message})
 
     def _forms(self, ask: Ask, tools: str | None, source: str) -> Forms | None:
         """forms(), `ask` checked and settled."""
@@ -298,8 +336,10 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
+@functools.lru_cache(maxsize=64)
 def _any_strict(tools: str) -> bool:
-    """Whether one of the canonical tools is strict (OpenAI's "strict": true)."""
+    """Whether one of the canonical tools is strict (OpenAI's "strict": true); kept, as an
+    agent's own tools are asked each turn."""
     return any(tool["function"].get("strict") is True for tool in loads(tools))
 
 

@@ -11,10 +11,10 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from agentkv.errors import FailedPrecondition
+from agentkv.errors import FailedPrecondition, InvalidArgument
 from inference_worker.masks import check, limits
 
-MATCHERS_KEPT = 64  # compiled grammars a worker keeps, to copy for the next turn
+MATCHERS_KEPT = 64  # grammars a worker keeps compiled (or failed), for the next turn
 
 
 class Compiler:
@@ -25,7 +25,8 @@ class Compiler:
         self._hf, self._eos = tokenizer, sorted(eos_ids)
         self._lock = threading.Lock()
         self._tokenizer: Any = None
-        self._kept: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher
+        # grammar -> a fresh matcher, or the InvalidArgument it failed with
+        self._kept: OrderedDict[str, Any] = OrderedDict()
         self._special: set[int] | None = None  # special_ids
 
     @property
@@ -46,16 +47,26 @@ class Compiler:
             kept = self._kept.get(text)
             if kept is not None:
                 self._kept.move_to_end(text)
+                if isinstance(kept, InvalidArgument):
+                    raise kept  # failed before: not compiled again on every turn
                 return kept.deep_copy()  # a compiled grammar, at its start
         matcher = llguidance.LLMatcher(self._llg(), text, log_level=0, limits=limits())
         if not matcher.is_error():
             matcher.compute_bitmask()
-        check(matcher)
+        try:
+            check(matcher)
+        except InvalidArgument as exc:
+            self._keep(text, exc)
+            raise
+        self._keep(text, matcher.deep_copy())
+        return matcher
+
+    def _keep(self, text: str, kept: Any) -> None:
+        """Keeps a grammar's fresh matcher, or why it failed, among the last MATCHERS_KEPT."""
         with self._lock:
-            self._kept[text] = matcher.deep_copy()
+            self._kept[text] = kept
             while len(self._kept) > MATCHERS_KEPT:
                 self._kept.popitem(last=False)
-        return matcher
 
     def special_token(self, text: str) -> int | None:
         """The id of the one special token `text` is; None when it is not one."""

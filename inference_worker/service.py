@@ -41,6 +41,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         ns, agent_id, phase = request.namespace, request.agent_id, request.phase
         job = TurnJob(ns, agent_id, [], Sampling(max_tokens=0), phase, creates=True)
         job.tools = canonical_tools(request.tools)
+        self.engine.grammars.warm(job.tools)  # strict tools: compiled here, not at a turn
         create = partial(
             self.front.create_agent, system=request.system_prompt, metadata=dict(request.metadata)
         )

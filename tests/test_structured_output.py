@@ -699,6 +699,31 @@ def test_strict_tools_hold_every_call_to_a_tool_s_schema(qwen_grammars):
     assert grammars.forms(Ask(), canonical_tools(json.dumps([lookahead]))) is None  # nor so
 
 
+def test_own_strict_tools_llguidance_cannot_hold_are_compiled_and_logged_once(
+    qwen_grammars, monkeypatch, caplog
+):
+    """An agent's own tools are settled at each turn's start (on the MLX thread): a strict
+    grammar llguidance cannot hold is compiled once and logged once, the reply free, not
+    tried again every turn (a failed compile is kept as a compiled one is)."""
+    import llguidance
+
+    from inference_worker.tools import canonical_tools
+
+    grammars, _ = qwen_grammars
+    built, real = [], llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *a, **k: built.append(1) or real(*a, **k))
+    odd = strict(WEATHER_TOOL, properties={"city": {"type": "string", "pattern": "(?<=x)y"}})
+    tools = canonical_tools(json.dumps([odd]))
+    with caplog.at_level("INFO", logger="agentkv.worker"):
+        for _ in range(3):
+            assert grammars.settled(None, tools) is None  # free, as before strict
+    assert len(built) == 1
+    assert len([r for r in caplog.records if "not enforced" in r.getMessage()]) == 1
+    held = grammars.settled(None, canonical_tools(json.dumps([strict(SET_MODE)])))
+    assert held is not None and held.ask.strict
+    assert grammars.settled(None, canonical_tools(json.dumps(TOOLS))) is None  # none strict
+
+
 def test_strict_tools_hold_the_calls_beside_a_required_call_or_a_form(qwen_grammars):
     """Strict tools hold every call where a call is required too (not only the first), and
     where the reply may be a form instead; the arguments in the request's own key order."""
