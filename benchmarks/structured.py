@@ -92,21 +92,25 @@ def mask_ms(path, rows: int, steps: int, strict: bool = False) -> float:
     return statistics.median(times)
 
 
-def strict_ms(path, count: int, repeats: int = 5) -> tuple[float, float]:
+def strict_ms(path, count: int, repeats: int = 5) -> tuple[float, float, float]:
     """Median ms to compile a turn's forms at submit for `count` strict tools: tools new
-    to the worker, and the same tools again (a kept grammar, copied)."""
+    to the worker, the same tools again (a kept grammar, copied), and an agent's own tools
+    settled at its turn's start (compiled at its creation: copied)."""
     from inference_worker.grammar import Ask
 
     grammars, _ = _tool_grammars(path)
     grammars.forms(Ask(), _strict_tools(count, "warm-up"))  # llguidance's tokenizer, once
-    new, again = [], []
+    new, again, own = [], [], []
     for i in range(repeats):
         tools = _strict_tools(count, str(i))
         for times in (new, again):
             start = time.perf_counter()
             assert grammars.forms(Ask(), tools) is not None
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(new), statistics.median(again)
+        start = time.perf_counter()  # an agent's own tools, at its turn's start (MLX thread)
+        assert grammars.settled(None, tools) is not None
+        own.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(new), statistics.median(again), statistics.median(own)
 
 
 def _tool_grammars(path) -> tuple:
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             ["constrained rows", "held to the JSON Schema", "8 strict tools"], masks
         )),
         ("strict tools at a turn's submit (ms, median)", h.table(
-            ["tools", "new to the worker: compiled", "the same again: copied"], strict
+            ["tools", "new to the worker: compiled", "the same again: copied",
+             "an agent's own, at a turn's start"], strict
         )),
     ]  # fmt: skip
     header = {"model": args.described, "machine": h.machine()}
