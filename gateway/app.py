@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -50,7 +50,6 @@ from agentkv.gateway.turns import Turn, Turns
 from agentkv.gateway.workers import Served
 
 log = logging.getLogger("agentkv.gateway")
-T = TypeVar("T")
 # Not cached, nor held back by a buffering proxy (nginx reads X-Accel-Buffering).
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
