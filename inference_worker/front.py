@@ -28,6 +28,7 @@ from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
 from inference_worker.persistence import (
     INTERNAL_PREFIX,
+    chat_state,
     check_metadata,
     check_system,
     fork_metadata,
@@ -74,7 +75,20 @@ class Front:
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             fetched = self.engine.restorer.fetch(ns, agent_id)
+            self._warm(job, fetched.manifest)
             self._mlx(self.engine.start_turn, job, view, fetched)
+
+    def _warm(self, job: TurnJob, manifest: Any) -> None:
+        """For a turn on the agent's own tools (it sends none), compiles their strict
+        grammar here, from the restored manifest, where the MLX thread would at the turn's
+        start (an agent this worker did not create: restarted, or moved here)."""
+        if job.tools or job.whole_conversation or not job.sampling.max_tokens:
+            return
+        try:
+            tools = chat_state(dict(manifest.metadata)).tools
+        except AgentKVError:  # the restore reports a corrupt record
+            return
+        self.engine.grammars.warm(tools)
 
     def count_tokens(self, messages: list[ChatMessage], tools: str) -> int:
         """A conversation's tokens (ChatFormat.count), here on the RPC thread; one too long

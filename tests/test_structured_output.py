@@ -418,10 +418,10 @@ def test_a_strict_tool_s_call_is_one_its_schema_accepts(qwen):
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "unit": "kelvin"}]
 
 
-def test_an_agent_s_own_strict_tools_hold_its_calls(qwen):
+def test_an_agent_s_own_strict_tools_hold_its_calls(qwen, start_worker, tool_model):
     """A turn that sends no tools has its agent's: a strict one among them holds the
     reply's calls to its schema as a request's would (before, only tools sent with the turn
-    were held)."""
+    were held), on the worker that made it and on one that restores it."""
     kelvin = {"city": {"enum": ["Paris"]}, "unit": {"enum": ["kelvin"]}}
     loose = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "parameters": {
         "type": "object", "properties": kelvin, "required": ["city", "unit"],
@@ -433,7 +433,13 @@ def test_an_agent_s_own_strict_tools_hold_its_calls(qwen):
         text, calls, _ = _turn(qwen, agent, max_tokens=64)
         assert [c.name for c in calls] == ["get_weather"], text
         units[agent] = json.loads(calls[0].arguments)["unit"]
-    assert units == {"own-loose": "celsius", "own-strict": "kelvin"}
+    moved = pb.CreateAgentRequest(namespace=NS, agent_id="moved", tools=json.dumps([strict(loose)]))
+    qwen.CreateAgent(moved, timeout=60)
+    other = _stub(start_worker, tool_model, "other")  # restores it from the store
+    text, calls, usage = _turn(other, "moved", max_tokens=64)
+    assert usage.cache_state == "warm" and [c.name for c in calls] == ["get_weather"], text
+    units["moved"] = json.loads(calls[0].arguments)["unit"]
+    assert units == {"own-loose": "celsius", "own-strict": "kelvin", "moved": "kelvin"}
 
 
 def test_the_agent_s_own_tools_are_allowed_at_the_turn_s_start(qwen):
