@@ -21,6 +21,7 @@ from agentkv.client import synthetic
 from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
 from agentkv.launch import ServiceProcess, store_process
+from agentkv.worker.v1 import worker_pb2 as worker_pb
 from cache_store.config import StoreConfig
 from cache_store.store import CacheStore
 from cache_store.uploads import PutHeader
@@ -87,6 +88,28 @@ def metric(proc: ServiceProcess, name: str) -> float:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def long_turn(w, ns: str, agent: str, messages=(("user", "Talk."),), max_tokens: int = 3000):
+    """A greedy turn's raw stream that goes on until cancelled or `max_tokens` (the tiny
+    model never says "\\x00")."""
+    request = worker_pb.TurnRequest(
+        namespace=ns,
+        agent_id=agent,
+        messages=[worker_pb.Message(role=r, content=c) for r, c in messages],
+        sampling=worker_pb.SamplingParams(max_tokens=max_tokens, stop=["\x00"]),
+    )
+    return w.stub.Turn(request, timeout=120)
+
+
+def read_tokens(call, at_least: int, into: list[int], texts: list[str] | None = None) -> None:
+    """Reads the stream until `into` holds at least `at_least` token ids (their text
+    pieces into `texts`, when given)."""
+    while len(into) < at_least:
+        response = next(call)
+        into += response.tokens.token_ids
+        if texts is not None:
+            texts.append(response.tokens.text)
 
 
 def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> object:

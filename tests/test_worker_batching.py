@@ -14,7 +14,7 @@ import pytest
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentExists, AgentNotFound, FailedPrecondition, ResourceExhausted
 from agentkv.worker.v1 import worker_pb2 as pb
-from tests.helpers import metric, until
+from tests.helpers import long_turn, metric, read_tokens, until
 
 PROMPTS = {f"agent{i}": "You are the warden. " * (3 + 11 * i) for i in range(4)}
 QUESTION = [("user", "Where were you?")]
@@ -35,12 +35,13 @@ def test_concurrent_turns_batch_and_match_sequential(tiny_model_dirs, start_work
         batched.create_agent("par", agent, system)
     # Each turn runs long (3000 tokens, a stop never met), so that once every one has
     # streamed a token all four are in the batch at once, however late each was admitted.
-    calls = {agent: long_turn(batched, agent, "par", QUESTION) for agent in PROMPTS}
-    got = {}
+    calls = {agent: long_turn(batched, "par", agent, QUESTION) for agent in PROMPTS}
+    got: dict[str, list[int]] = {agent: [] for agent in PROMPTS}
     for agent, call in calls.items():
-        got[agent] = tokens_of(call, 1)
+        read_tokens(call, 1, got[agent])
     for agent, call in calls.items():
-        got[agent] = (got[agent] + tokens_of(call, 48 - len(got[agent])))[:48]
+        read_tokens(call, 48, got[agent])
+        got[agent] = got[agent][:48]
         call.cancel()
     assert got == expected
     serving = proc._find_event("serving", 0)
@@ -58,33 +59,11 @@ def test_concurrent_turns_batch_and_match_sequential(tiny_model_dirs, start_work
     assert float(single.split()[-1]) < float(total.split()[-1])  # some steps decoded several
 
 
-def long_turn(worker: WorkerClient, agent: str, namespace: str = "default", messages=None):
-    """A turn of 3000 tokens that no stop string ends (the tiny model never writes \\x00)."""
-    request = pb.TurnRequest(
-        namespace=namespace,
-        agent_id=agent,
-        messages=[pb.Message(role=r, content=c) for r, c in messages or [("user", "Talk.")]],
-        sampling=pb.SamplingParams(max_tokens=3000, stop=["\x00"]),
-    )
-    return worker.stub.Turn(request, timeout=120)
-
-
-def tokens_of(call, n: int) -> list[int]:
-    """At least `n` more token ids from a turn's stream (all it has left, if fewer)."""
-    ids: list[int] = []
-    for response in call:
-        if response.WhichOneof("item") == "tokens":
-            ids += response.tokens.token_ids
-        if len(ids) >= n:
-            break
-    return ids
-
-
 def test_cancelled_stream_frees_its_slot_and_keeps_the_agent(tiny_model_dirs, start_worker):
     w = WorkerClient(start_worker(tiny_model_dirs["llama"], "--max-batch", "1").address)
     w.create_agent("default", "talker", "You talk.")
     w.create_agent("default", "next", "You wait.")
-    call = long_turn(w, "talker")
+    call = long_turn(w, "default", "talker")
     next(call)  # generating now, holding the only slot
     call.cancel()
     start = time.monotonic()
@@ -102,9 +81,9 @@ def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model_dirs, start_
     w = WorkerClient(proc.address)
     for agent in ("a", "b", "c"):
         w.create_agent("default", agent, "You talk.")
-    running = long_turn(w, "a")
+    running = long_turn(w, "default", "a")
     next(running)
-    waiting = long_turn(w, "b")  # queued behind a
+    waiting = long_turn(w, "default", "b")  # queued behind a
     until(lambda: metric(proc, "agentkv_worker_turns_waiting") >= 1, "b queued behind a")
     before = w.describe("default", "c").num_tokens
     with pytest.raises(ResourceExhausted, match="queue limit 1"):
@@ -136,7 +115,7 @@ def test_a_long_system_prompt_is_prefilled_between_the_others_steps(tiny_model_d
     )
     w = WorkerClient(proc.address)
     w.create_agent("default", "talker", "You talk.")
-    call = long_turn(w, "talker")
+    call = long_turn(w, "default", "talker")
     next(call)  # decoding now, for 3000 tokens
 
     def drain() -> None:  # the stream is read, so that the worker never waits to send

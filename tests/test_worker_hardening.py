@@ -38,7 +38,6 @@ from agentkv.errors import (
 )
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
-from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.kv_cache import NUMPY_DTYPES
 from tests.faulty_worker import (
     REPLY_LOST_PHASE,
@@ -47,7 +46,7 @@ from tests.faulty_worker import (
     SLOW_STEP_SEED,
     STEP_FAULT_SEED,
 )
-from tests.helpers import freeze, metric
+from tests.helpers import freeze, long_turn, metric, read_tokens
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -170,25 +169,6 @@ def faulty_worker(launched, model, store_process, tmp_path) -> WorkerClient:
     return WorkerClient(
         faulty_process(launched, model, store_process, tmp_path).address, timeout=60
     )
-
-
-def long_turn(w: WorkerClient, ns: str, agent: str, max_tokens: int = 3000):
-    """A greedy turn that goes on until cancelled (the tiny model never says "\\x00")."""
-    request = pb.TurnRequest(
-        namespace=ns,
-        agent_id=agent,
-        messages=[pb.Message(role=r, content=c) for r, c in TALK],
-        sampling=pb.SamplingParams(max_tokens=max_tokens, stop=["\x00"]),
-    )
-    return w.stub.Turn(request, timeout=120)
-
-
-def read_tokens(call, at_least: int, into: list[int], texts: list[str]) -> None:
-    """Reads the stream until `into` holds at least `at_least` token ids."""
-    while len(into) < at_least:
-        response = next(call)
-        into += response.tokens.token_ids
-        texts.append(response.tokens.text)
 
 
 def create(w: WorkerClient, *agents: tuple[str, str]) -> None:
