@@ -311,7 +311,7 @@ class Engine:
         """The reply's forms: compiled at submit, or settled now where the turn sent no tools
         and its agent's own apply (known only now), so that strict ones among them hold its
         calls as a request's strict tools do (Grammars.settled)."""
-        if job.tools or job.whole_conversation or not tools:
+        if not job.own_tools or not tools:
             return job.forms
         return self.grammars.settled(job.forms, tools)
 

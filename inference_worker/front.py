@@ -82,7 +82,7 @@ class Front:
         """For a turn on the agent's own tools (it sends none), compiles their strict
         grammar here, from the restored manifest, where the MLX thread would at the turn's
         start (an agent this worker did not create: restarted, or moved here)."""
-        if job.tools or job.whole_conversation or not job.sampling.max_tokens:
+        if not job.own_tools or not job.sampling.max_tokens:
             return
         try:
             tools = chat_state(dict(manifest.metadata)).tools

@@ -65,7 +65,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         job = self._job(request, checked)
         job.tools = canonical_tools(request.tools)
         job.max_tool_calls = request.max_tool_calls
-        known = job.tools if job.tools or request.whole_conversation else None  # else agent's
+        job.whole_conversation = request.whole_conversation
+        known = None if job.own_tools else job.tools  # the agent's: known at the turn's start
         ask = Ask(
             _form(request),
             request.tool_call_required,
@@ -77,7 +78,6 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         if job.forms is not None and job.forms.ask.holds_form and checked.stop:
             raise InvalidArgument("stop strings would cut the reply's required form short")
         self.engine.chat.check_tools(job.tools, job.messages)
-        job.whole_conversation = request.whole_conversation
         job.after_mark, job.after_mark_last = request.after_mark, request.after_mark_last
         job.mark_name = request.mark_name
         _check_mark(job)

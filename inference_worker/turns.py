@@ -74,6 +74,12 @@ class TurnJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None  # set when the turn failed after it started
 
+    @property
+    def own_tools(self) -> bool:
+        """Whether the agent's own tools apply, known only at the turn's start: it sends no
+        tools, nor the whole conversation (whose tools are the ones it sends)."""
+        return not (self.tools or self.whole_conversation)
+
     def end(self, usage: UsageEvent | None = None, error: Exception | None = None) -> None:
         """Closes the event stream: the usage, if any, then END; `error` is what it raises."""
         self.error = error
