@@ -148,7 +148,7 @@ class Resumed:
     messages: list[ChatMessage]
     cached: int | None
     # Started over: the stable prefix's tokens, which the cache keeps whole or the turn
-    # prefills as a turn of their own, as a new agent's are made (Engine._resumed).
+    # prefills as a turn of their own, as a new agent's are made (context._resumed).
     prefix: int = 0
 
 

@@ -19,50 +19,21 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.client.store import StoreClient
-from agentkv.errors import (
-    AgentBusy,
-    AgentExists,
-    AgentKVError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    TurnTaken,
-    Unavailable,
-)
-from inference_worker.agents import (
-    SYSTEM_KEY,
-    Agent,
-    AgentId,
-    HotTier,
-    agent_exists,
-    system_digest,
-)
+from agentkv.errors import AgentBusy, AgentKVError, DeadlineExceeded, TurnTaken, Unavailable
+from inference_worker.agents import Agent, AgentId, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
-from inference_worker.chat import (
-    ChatFormat,
-    ChatMessage,
-    ChatState,
-    NotAppendOnly,
-    Resumed,
-    chain,
-    continued,
-    resume,
-)
+from inference_worker.chat import ChatFormat, ChatMessage, ChatState, chain
 from inference_worker.config import WorkerConfig
+from inference_worker.context import extended
 from inference_worker.freshness import StoreView, is_current
 from inference_worker.grammar import Ask, Forms, Grammars
+from inference_worker.hot_agents import HotAgents
 from inference_worker.metrics import WorkerMetrics
-from inference_worker.persistence import (
-    Persister,
-    caller_metadata,
-    check_metadata,
-    not_committed,
-    turn_not_durable,
-)
+from inference_worker.persistence import Persister, turn_not_durable
 from inference_worker.restore import Fetched, Restorer
 from inference_worker.runtime import Runtime
 from inference_worker.scheduler import Request, Scheduler
-from inference_worker.turns import AgentInfo, TurnJob, UsageEvent
+from inference_worker.turns import TurnJob, UsageEvent
 
 STOPPED = "the worker stopped before the turn of agent {!r} finished; send it again"
 TAKEN = (
@@ -109,6 +80,7 @@ class Engine:
             runtime.vocab_size,
         )
         self.restorer = Restorer(config, runtime, store)
+        self.agents = HotAgents(self.hot, self.batcher, self.persister)
         # Agents whose creation is prefilling, each with the creates of it that came since
         # (job, system prompt): those are answered once it is made, or failed.
         self._creating: dict[AgentId, list[tuple[TurnJob, str]]] = {}
@@ -284,7 +256,7 @@ class Engine:
             raise TurnTaken(TAKEN.format(agent.agent_id, job.request_id))
         if self.batcher.holds(agent):
             raise AgentBusy(f"agent {agent.agent_id!r} already has a turn in progress")
-        start, tokens, chat = self._extended(job, agent, again)
+        start, tokens, chat = extended(self.chat, job, agent, again)
         if job.request_id:
             chat = replace(chat, applied=job.request_id)
         if job.sampling.fit_max_tokens and max_tokens:  # at least 1: a full context is refused
@@ -331,52 +303,6 @@ class Engine:
             rid, len(pending), max_tokens, memory, job.priority, deadline, job.namespace
         )
         return ActiveTurn(job, agent, usage, request, pending, self.tokenizer.detokenizer)
-
-    def _extended(
-        self, job: TurnJob, agent: Agent, again: bool
-    ) -> tuple[Resumed, list[int], ChatState]:
-        """Where the turn starts, and the context and state after its messages. A resent
-        conversation that the template cannot append to from the mark it resumes at (Qwen
-        merges tool results that follow one another) starts over; one with new tools must
-        leave room for them in the agent's metadata."""
-        reply = job.sampling.max_tokens > 0
-
-        def extended(start: Resumed) -> tuple[Resumed, list[int], ChatState]:
-            return start, *self.chat.extend(start.tokens, start.state, start.messages, reply)
-
-        if job.after_mark:  # they follow that point of it (a retry: the same, again)
-            _check_own_tools(agent, job.tools)
-            last = job.after_mark_last and not again
-            at = job.after_mark, job.messages, last, agent.agent_id
-            return extended(continued(agent.tokens, agent.chat, *at))
-        if not job.whole_conversation:  # they follow the context, all of whose cache it keeps
-            _check_own_tools(agent, job.tools)
-            return extended(Resumed(agent.tokens, agent.chat, [] if again else job.messages, None))
-        if job.tools != agent.chat.tools:
-            check_metadata(caller_metadata(agent.metadata), "", job.tools)
-        start = self._resumed(agent, job.messages, job.tools, agent.chat)
-        try:
-            return extended(start)
-        except NotAppendOnly:
-            if not start.tokens:
-                raise
-        return extended(
-            self._resumed(agent, job.messages, job.tools, replace(agent.chat, marks=()))
-        )
-
-    def _resumed(
-        self, agent: Agent, messages: list[ChatMessage], tools: str, chat: ChatState
-    ) -> Resumed:
-        """Where a resent whole conversation picks up the agent's (chat.resume from `chat`),
-        with the cache a turn starting over may keep: a new agent's stable prefix, none of
-        it when the agent was made with another system prompt or other tools."""
-        start = resume(agent.tokens, chat, messages, tools)
-        if start.cached is None:
-            system, made = start.state.system, system_digest(start.state.system, tools)
-            same = agent.metadata.get(SYSTEM_KEY, made) == made
-            start.prefix = len(self.chat.start(system, tools)[0])
-            start.cached = start.prefix if same else 0
-        return start
 
     def _turn_failed(self, turn: ActiveTurn, error: AgentKVError, scope: str) -> None:
         """A turn failed after it was queued: its agent goes back to before it (so a retry
@@ -432,73 +358,6 @@ class Engine:
         else:
             job.end(usage)
 
-    def describe_hot(self, ns: str, agent_id: str) -> AgentInfo | None:
-        """The agent's state if it is in RAM here; None if only the store may hold it."""
-        agent = self.hot.get((ns, agent_id))
-        if agent is None:
-            return None
-        info = agent.info("hot")
-        info.pinned = agent.id in self.hot.pinned
-        return info
-
-    def pin(self, ns: str, agent_id: str, pinned: bool) -> None:
-        """Pins the agent (it need not be in RAM now), or unpins it: see HotTier."""
-        self.hot.pin((ns, agent_id), pinned)
-
-    def fork_source(self, ns: str, source_id: str, agent_id: str) -> bool:
-        """Checks a fork can start here; whether its source is in RAM (it must then be made
-        durable first) rather than only in the store."""
-        if self.hot.get((ns, agent_id)) is not None:
-            raise AgentExists(f"agent {agent_id!r} already exists in namespace {ns!r}")
-        source = self.hot.get((ns, source_id))
-        if source is None or source.stale:
-            return False
-        self._check_idle(source, "fork")
-        return True
-
-    def write_pending(self, ns: str, agent_id: str, retry: bool) -> Future | None:
-        """The agent's store write in flight, for the caller to wait on off this thread;
-        with `retry`, a new one when the last failed or left tokens unwritten."""
-        agent = self.hot.get((ns, agent_id))
-        if agent is None or self.batcher.holds(agent):
-            return None  # durable_agent then says why
-        return self.persister.pending(agent, retry)
-
-    def durable_agent(self, ns: str, agent_id: str, what: str) -> Agent | None:
-        """The agent in RAM, whose whole cache is committed; None when it is not in RAM.
-        Raises when it is mid-turn, or its cache was not committed (write_pending first)."""
-        agent = self.hot.get((ns, agent_id))
-        if agent is None:
-            return None
-        self._check_idle(agent, what)
-        if not agent.durable or agent.persist_failed:
-            raise not_committed(agent, agent.persist_error, "the cache")
-        return agent
-
-    def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
-        """Drops a durable agent from RAM (write_pending first); (evicted, bytes freed)."""
-        agent = self.durable_agent(ns, agent_id, "evict")
-        if agent is None:
-            return False, 0
-        self.hot.pop(agent.id)
-        return True, agent.nbytes
-
-    def drop(self, ns: str, agent_id: str) -> Agent | None:
-        """Forgets the agent here (it is being deleted); the agent, if it was in RAM. One
-        with a turn in flight is not deleted: the turn would put it back."""
-        agent = self.hot.get((ns, agent_id))
-        if agent is not None and self.batcher.holds(agent):
-            raise FailedPrecondition(
-                f"agent {agent_id!r} has a turn in progress: delete it once the turn ends"
-            )
-        self.hot.pin((ns, agent_id), False)
-        return self.hot.pop((ns, agent_id))
-
-    def keep(self, agent: Agent) -> None:
-        """Takes back an agent whose deletion failed, unless one of its id came meanwhile."""
-        if self.hot.get(agent.id) is None:
-            self.hot.put(agent)
-
     # turn steps
 
     def _checkout(
@@ -535,10 +394,6 @@ class Engine:
         if self._windowed:
             self.submit(self.hot.release, agent, self.batcher.holds)
 
-    def _check_idle(self, agent: Agent, what: str) -> None:
-        if self.batcher.holds(agent):
-            raise AgentBusy(f"agent {agent.agent_id!r} is mid-turn; {what} it after the turn")
-
 
 def _reply(turn: ActiveTurn) -> ChatMessage:
     """What the context holds of a reply: the text sent, and past a stop string the text the
@@ -553,16 +408,6 @@ def _reply(turn: ActiveTurn) -> ChatMessage:
 def _prefetch(job: TurnJob) -> bool:
     """A turn that adds nothing and asks for nothing: the SDK's prefetch."""
     return not (job.messages or job.sampling.max_tokens or job.whole_conversation)
-
-
-def _check_own_tools(agent: Agent, tools: str) -> None:
-    """Refuses a turn that appends to the agent's context with other tools than its own."""
-    if tools and tools != agent.chat.tools:
-        raise InvalidArgument(
-            f"agent {agent.agent_id!r} has {'other' if agent.chat.tools else 'no'} tools: a "
-            "turn adding to its context names its own or none; send the whole conversation "
-            "(whole_conversation) to change them"
-        )
 
 
 def _ended_early(turn: ActiveTurn) -> DeadlineExceeded:

@@ -98,7 +98,7 @@ class Front:
 
     def describe(self, ns: str, agent_id: str) -> AgentInfo:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
-        info = self._mlx(self.engine.describe_hot, ns, agent_id)
+        info = self._mlx(self.engine.agents.describe_hot, ns, agent_id)
         if info is not None:
             return info
         fingerprint = self.engine.runtime.fingerprint
@@ -111,7 +111,7 @@ class Front:
     def pin(self, ns: str, agent_id: str, pinned: bool) -> AgentInfo:
         """Pins or unpins an agent that exists (here or in the store: NOT_FOUND if not)."""
         info = self.describe(ns, agent_id)
-        self._mlx(self.engine.pin, info.namespace, info.agent_id, pinned)
+        self._mlx(self.engine.agents.pin, info.namespace, info.agent_id, pinned)
         info.pinned = pinned
         return info
 
@@ -119,7 +119,7 @@ class Front:
         """Drops the agent from RAM once its whole cache is committed."""
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
         self._wait_durable(ns, agent_id)
-        return self._mlx(self.engine.evict, ns, agent_id)
+        return self._mlx(self.engine.agents.evict, ns, agent_id)
 
     def fork(
         self, ns: str, source_id: str, agent_id: str, phase: str, request_id: str = ""
@@ -146,9 +146,9 @@ class Front:
         return stored is not None and made_by_fork(stored.metadata, request_id)
 
     def _fork(self, ns: str, source_id: str, agent_id: str, phase: str, request_id: str) -> None:
-        if self._mlx(self.engine.fork_source, ns, source_id, agent_id):
+        if self._mlx(self.engine.agents.fork_source, ns, source_id, agent_id):
             self._wait_durable(ns, source_id)
-            self._mlx(self.engine.durable_agent, ns, source_id, "fork")
+            self._mlx(self.engine.agents.durable_agent, ns, source_id, "fork")
         # The source as committed (it must be this model's): the fork takes these tokens with
         # their chat state, and the request_id in the same write, for a retry to know it by.
         source = self.client.get_agent(ns, source_id, fingerprint=self.engine.runtime.fingerprint)
@@ -178,7 +178,7 @@ class Front:
 
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
-        agent = self._mlx(self.engine.drop, ns, agent_id)
+        agent = self._mlx(self.engine.agents.drop, ns, agent_id)
         try:
             if agent is not None and agent.pending is not None:
                 agent.pending.result()  # its last write lands before the delete
@@ -187,7 +187,7 @@ class Front:
             return agent is not None
         except AgentKVError:  # not deleted (the store is down): what only RAM holds stays
             if agent is not None:
-                self._mlx(self.engine.keep, agent)
+                self._mlx(self.engine.agents.keep, agent)
             raise
         return True
 
@@ -199,7 +199,7 @@ class Front:
     def _wait_durable(self, ns: str, agent_id: str) -> None:
         """Waits here for the agent's write in flight, then for one more if that failed."""
         for retry in (False, True):
-            pending = self._mlx(self.engine.write_pending, ns, agent_id, retry)
+            pending = self._mlx(self.engine.agents.write_pending, ns, agent_id, retry)
             if pending is not None:
                 pending.result()
 

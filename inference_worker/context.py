@@ -1,0 +1,78 @@
+"""A turn's new context: where it starts in its agent's (after the agent's last token, at
+a mark, or where a resent whole conversation first differs), and the tokens and chat
+state once its messages are rendered there. Computed without changing the agent."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from agentkv.errors import InvalidArgument
+from inference_worker.agents import SYSTEM_KEY, Agent, system_digest
+from inference_worker.chat import (
+    ChatFormat,
+    ChatMessage,
+    ChatState,
+    NotAppendOnly,
+    Resumed,
+    continued,
+    resume,
+)
+from inference_worker.persistence import caller_metadata, check_metadata
+from inference_worker.turns import TurnJob
+
+
+def extended(
+    chat: ChatFormat, job: TurnJob, agent: Agent, again: bool
+) -> tuple[Resumed, list[int], ChatState]:
+    """Where the turn starts, and the context and state after its messages (`again`: a
+    retry of the call the agent took last, which adds none). A resent conversation that
+    the template cannot append to from the mark it resumes at (Qwen merges tool results
+    that follow one another) starts over; one with new tools must leave room for them in
+    the agent's metadata."""
+    reply = job.sampling.max_tokens > 0
+
+    def extend(start: Resumed) -> tuple[Resumed, list[int], ChatState]:
+        return start, *chat.extend(start.tokens, start.state, start.messages, reply)
+
+    if job.after_mark:  # they follow that point of it (a retry: the same, again)
+        _check_own_tools(agent, job.tools)
+        last = job.after_mark_last and not again
+        at = job.after_mark, job.messages, last, agent.agent_id
+        return extend(continued(agent.tokens, agent.chat, *at))
+    if not job.whole_conversation:  # they follow the context, all of whose cache it keeps
+        _check_own_tools(agent, job.tools)
+        return extend(Resumed(agent.tokens, agent.chat, [] if again else job.messages, None))
+    if job.tools != agent.chat.tools:
+        check_metadata(caller_metadata(agent.metadata), "", job.tools)
+    start = _resumed(chat, agent, job.messages, job.tools, agent.chat)
+    try:
+        return extend(start)
+    except NotAppendOnly:
+        if not start.tokens:
+            raise
+    return extend(_resumed(chat, agent, job.messages, job.tools, replace(agent.chat, marks=())))
+
+
+def _resumed(
+    chat: ChatFormat, agent: Agent, messages: list[ChatMessage], tools: str, state: ChatState
+) -> Resumed:
+    """Where a resent whole conversation picks up the agent's (chat.resume from `state`),
+    with the cache a turn starting over may keep: a new agent's stable prefix, none of
+    it when the agent was made with another system prompt or other tools."""
+    start = resume(agent.tokens, state, messages, tools)
+    if start.cached is None:
+        system, made = start.state.system, system_digest(start.state.system, tools)
+        same = agent.metadata.get(SYSTEM_KEY, made) == made
+        start.prefix = len(chat.start(system, tools)[0])
+        start.cached = start.prefix if same else 0
+    return start
+
+
+def _check_own_tools(agent: Agent, tools: str) -> None:
+    """Refuses a turn that appends to the agent's context with other tools than its own."""
+    if tools and tools != agent.chat.tools:
+        raise InvalidArgument(
+            f"agent {agent.agent_id!r} has {'other' if agent.chat.tools else 'no'} tools: a "
+            "turn adding to its context names its own or none; send the whole conversation "
+            "(whole_conversation) to change them"
+        )
