@@ -20,19 +20,9 @@ from operator import attrgetter
 from typing import Any, Generic
 
 from agentkv.channels import ClientSecurity
+from agentkv.client.messages import Messages, Tools, as_messages, tools_json, turn_request
 from agentkv.client.routing import Attempts, Router
-from agentkv.client.worker_core import (
-    BaseReply,
-    BaseWorkerClient,
-    MaybeAwaitable,
-    Messages,
-    T,
-    Tools,
-    as_messages,
-    same,
-    tools_json,
-    turn_request,
-)
+from agentkv.client.worker_core import BaseReply, BaseWorkerClient, MaybeAwaitable, T, same
 from agentkv.errors import (
     AgentExists,
     AgentKVError,

@@ -25,15 +25,10 @@ import grpc
 
 from agentkv.channels import ClientSecurity
 from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
+from agentkv.client.messages import Messages, as_messages
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
-from agentkv.client.worker_core import (
-    BaseReply,
-    Messages,
-    TurnResult,
-    as_messages,
-    cut_off,
-)
+from agentkv.client.worker_core import BaseReply, TurnResult, cut_off
 from agentkv.errors import typed_errors
 from agentkv.worker.v1 import worker_pb2 as pb
 

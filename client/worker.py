@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 import grpc
 
 from agentkv.channels import ClientSecurity
-from agentkv.client.worker_core import BaseWorkerClient, TurnResult, pb_messages
+from agentkv.client.messages import pb_messages
+from agentkv.client.worker_core import BaseWorkerClient, TurnResult
 from agentkv.errors import typed_errors
 from agentkv.worker.v1 import worker_pb2 as pb
 

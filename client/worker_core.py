@@ -1,14 +1,13 @@
-"""The InferenceWorker's RPCs, sans-IO: each request built from its arguments; a streamed
-turn assembled into its result, and a reply's state with the error of a reply cut off or
-closed. Shared by the sync (client/worker.py, client/memory.py) and asyncio (client/aio.py)
+"""The InferenceWorker's RPCs, sans-IO: each request built from its arguments (a turn's
+by client/messages.py); a streamed turn assembled into its result, and a reply's state
+with the error of a reply cut off or closed. Shared by the sync (client/worker.py, client/memory.py) and asyncio (client/aio.py)
 clients, which add the I/O; routing and agents are client/core.py's.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, TypeVar, Union
@@ -16,10 +15,16 @@ from typing import Any, TypeVar, Union
 import grpc
 
 from agentkv.channels import ClientSecurity
+from agentkv.client.messages import (
+    Message,
+    Tools,
+    pb_messages,
+    tools_json,
+    turn_request,
+)
 from agentkv.errors import (
     AgentKVError,
     FailedPrecondition,
-    InvalidArgument,
     Unavailable,
     from_rpc_error,
 )
@@ -28,172 +33,7 @@ from agentkv.worker.v1 import worker_pb2_grpc
 
 T = TypeVar("T")
 MaybeAwaitable = Union[T, Awaitable[T]]  # noqa: UP007 (a generic alias needs Union on 3.10)
-# A (role, content) pair, an OpenAI-style message dict, or the worker's own Message.
-Message = Union[tuple[str, str], Mapping[str, Any], pb.Message]  # noqa: UP007 (3.10)
-Messages = Union[str, Sequence[Message]]  # noqa: UP007
-# OpenAI function tools: a list of {"type": "function", "function": {...}}, or its JSON text.
-Tools = Union[str, Sequence[Mapping[str, Any]], None]  # noqa: UP007
-OutputFormat = Union[Mapping[str, Any], pb.OutputFormat, None]  # noqa: UP007 (a JSON Schema)
 Responses = Iterator[pb.TurnResponse] | AsyncIterator[pb.TurnResponse]
-
-
-def as_messages(messages: Messages, role: str = "user") -> list[pb.Message]:
-    """A text becomes one message with `role`; a sequence of messages is converted as
-    pb_messages does."""
-    if isinstance(messages, str):
-        return [pb.Message(role=role, content=messages)]
-    return pb_messages(messages)
-
-
-def pb_messages(messages: Sequence[Message]) -> list[pb.Message]:
-    """Messages as the worker takes them, each one a (role, content) pair, a pb.Message, or
-    an OpenAI-style dict: {"role", "content"} (a text, text parts, or None for an assistant
-    message that only calls tools), an assistant's "tool_calls" ([{"id", "type":
-    "function", "function": {"name", "arguments"}}]), a tool's "tool_call_id"."""
-    return [message_of(message, i) for i, message in enumerate(messages)]
-
-
-def message_of(message: Message, index: int = 0) -> pb.Message:
-    """One message of pb_messages' kinds as a pb.Message (the openai client's message
-    objects as their dicts; "developer" is "system", as OpenAI reads it); InvalidArgument
-    for another."""
-    if isinstance(message, pb.Message):
-        return message
-    message = _dumped(message)
-    if isinstance(message, Mapping):
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise InvalidArgument(f"message {index} has no role")
-        return pb.Message(
-            role="system" if role == "developer" else role,
-            content=_content(message.get("content"), index),
-            tool_calls=[tool_call_of(call) for call in message.get("tool_calls") or ()],
-            tool_call_id=message.get("tool_call_id") or "",
-        )
-    if isinstance(message, (tuple, list)) and len(message) == 2:
-        return pb.Message(role=message[0], content=message[1])
-    raise InvalidArgument(
-        f"message {index} is neither a (role, content) pair nor a message dict: {message!r}"
-    )
-
-
-def _content(content: Any, index: int) -> str:
-    """A message dict's content as text: None is none, text parts are joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, Sequence) and all(_is_text_part(part) for part in content):
-        return "".join(part["text"] for part in content)
-    raise InvalidArgument(f"message {index}'s content is neither a text nor text parts")
-
-
-def _is_text_part(part: Any) -> bool:
-    return (
-        isinstance(part, Mapping)
-        and part.get("type") == "text"
-        and isinstance(part.get("text"), str)
-    )
-
-
-def tool_call_of(call: Mapping[str, Any] | pb.ToolCall) -> pb.ToolCall:
-    """A tool call as OpenAI writes it ({"id", "type": "function", "function": {"name",
-    "arguments"}}; arguments as JSON text, or an object; or the openai client's object of
-    it) as a pb.ToolCall."""
-    if isinstance(call, pb.ToolCall):
-        return call
-    call = _dumped(call)
-    function = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise InvalidArgument(f'a tool call is not {{"function": {{"name": ...}}}}: {call!r}')
-    arguments = function.get("arguments")
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
-
-
-def _dumped(value: Any) -> Any:
-    """A pydantic model (the openai client's messages and calls) as its dict."""
-    dump = getattr(value, "model_dump", None)
-    return dump() if callable(dump) else value
-
-
-def tools_json(tools: Tools) -> str:
-    """Tools as the worker takes them (CreateAgentRequest.tools, TurnRequest.tools): a list
-    of OpenAI function tools written as a JSON array, a text passed as it is, "" for none.
-    The worker checks them."""
-    if not tools:
-        return ""
-    return tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
-
-
-def turn_request(
-    namespace: str,
-    agent_id: str,
-    messages: Sequence[Message],
-    *,
-    phase: str = "",
-    priority: int = 0,
-    deadline_ms: int = 0,
-    durable: bool = False,
-    whole_conversation: bool = False,
-    request_id: str = "",
-    tools: Tools = None,
-    max_tool_calls: int = 0,
-    output_format: OutputFormat = None,
-    tool_call_required: bool = False,
-    tool_call_name: str = "",
-    tool_call_forbidden: bool = False,
-    tool_call_allowed: Sequence[str] = (),
-    after_mark: str = "",
-    after_mark_last: bool = False,
-    mark_name: str = "",
-    **sampling: Any,
-) -> pb.TurnRequest:
-    """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
-    resent (its system message first), not only what is new (see TurnRequest in the proto).
-    A retry with the same `request_id` is not run again once the first was taken: TurnTaken.
-    `tools` (tools_json's): with whole_conversation the conversation's, else none (the
-    agent's own) or the agent's; `max_tool_calls` (not 0) ends the reply after that many
-    calls. `output_format`: the reply's required form, a JSON Schema (a dict) or an
-    OutputFormat (a regex, a Lark grammar, any JSON object); `tool_call_required`: the reply
-    opens with a tool call, `tool_call_name`: with a call of that tool;
-    `tool_call_forbidden`: it makes none; `tool_call_allowed`: its calls are of these tools
-    only (the conversation keeping all its tools, and its cache). `after_mark`: `messages`
-    follow that point of the agent's conversation (an earlier reply's usage.mark), the turns
-    after it dropped; `after_mark_last`: only if none follow it (else TurnsFollow);
-    `mark_name`: a name after_mark may give for the point this turn ends at. `sampling`:
-    SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
-    allowed = [tool_call_allowed] if isinstance(tool_call_allowed, str) else tool_call_allowed
-    return pb.TurnRequest(
-        namespace=namespace,
-        agent_id=agent_id,
-        messages=pb_messages(messages),
-        sampling=pb.SamplingParams(**sampling),
-        phase=phase,
-        priority=priority,
-        deadline_ms=deadline_ms,
-        durable=durable,
-        whole_conversation=whole_conversation,
-        request_id=request_id,
-        tools=tools_json(tools),
-        max_tool_calls=max_tool_calls,
-        format=as_output_format(output_format),
-        tool_call_required=tool_call_required,
-        tool_call_name=tool_call_name,
-        tool_call_forbidden=tool_call_forbidden,
-        tool_call_allowed=allowed,
-        after_mark=after_mark,
-        after_mark_last=after_mark_last,
-        mark_name=mark_name,
-    )
-
-
-def as_output_format(form: OutputFormat) -> pb.OutputFormat | None:
-    """A reply's required form: a JSON Schema (a dict) as OutputFormat's json_schema."""
-    if form is None or isinstance(form, pb.OutputFormat):
-        return form
-    if not isinstance(form, Mapping):
-        raise TypeError(f"output_format must be a JSON Schema or an OutputFormat, not {form!r}")
-    return pb.OutputFormat(json_schema=json.dumps(dict(form), ensure_ascii=False))
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from inference_worker.chat import (
     continued,
     resume,
 )
-from inference_worker.persistence import caller_metadata, check_metadata
+from inference_worker.metadata import caller_metadata, check_metadata
 from inference_worker.turns import TurnJob
 
 

@@ -26,7 +26,7 @@ from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.chat import ChatMessage
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
-from inference_worker.persistence import (
+from inference_worker.metadata import (
     INTERNAL_PREFIX,
     chat_state,
     check_metadata,

@@ -32,7 +32,7 @@ from inference_worker.blocks import (
 )
 from inference_worker.config import WorkerConfig
 from inference_worker.kv_cache import QuantizedKV
-from inference_worker.persistence import caller_metadata, chat_state
+from inference_worker.metadata import caller_metadata, chat_state
 from inference_worker.runtime import Runtime
 from inference_worker.turns import UsageEvent
 

@@ -26,7 +26,7 @@ SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 FEATURES = ("after_mark", "tool_call_allowed")
 MAX_REQUEST_ID = 64
 MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
-# no ',', ';' or space: persistence._extras joins names with them
+# no ',', ';' or space: metadata._extras joins names with them
 MARK_NAME = re.compile(r"[A-Za-z0-9_-]{1,16}")
 
 

@@ -126,7 +126,7 @@ def test_named_marks_keep_the_format_older_workers_read():
     the five fields a worker from before them splits, and a manifest without them reads as
     before."""
     from inference_worker.chat import ChatState, Mark
-    from inference_worker.persistence import MARK_EXTRAS, MARKS, chat_metadata, chat_state
+    from inference_worker.metadata import MARK_EXTRAS, MARKS, chat_metadata, chat_state
 
     marks = (
         Mark("a" * 24, 10, 9, "assistant", True, "first-0", ("c1", "c2")),

@@ -19,8 +19,9 @@ import pytest
 
 from agentkv.client.aio import AsyncAgentMemory
 from agentkv.client.memory import AgentMemory
+from agentkv.client.messages import as_messages, tools_json, turn_request
 from agentkv.client.worker import WorkerClient
-from agentkv.client.worker_core import TurnResult, as_messages, tools_json, turn_request
+from agentkv.client.worker_core import TurnResult
 from agentkv.errors import InvalidArgument, SystemPromptDiffers
 from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.worker.v1 import worker_pb2 as pb

@@ -10,8 +10,8 @@ import time
 
 import grpc
 
+from agentkv.client.messages import pb_messages
 from agentkv.client.worker import WorkerClient
-from agentkv.client.worker_core import pb_messages
 from agentkv.worker.v1 import worker_pb2 as pb
 from tests.faulty_worker import SLOW_STEP_SEED
 from tests.helpers import freeze

@@ -319,7 +319,7 @@ def _noise_tool(size: int) -> dict:
     return {**WEATHER, "function": {**WEATHER["function"], "description": noise}}
 
 
-# Tools as the agent's metadata keeps them (persistence.chat_metadata), sans I/O
+# Tools as the agent's metadata keeps them (metadata.chat_metadata), sans I/O
 
 
 def _stdlib_tools() -> list[dict]:
@@ -349,7 +349,7 @@ def _stdlib_tools() -> list[dict]:
 
 def test_a_large_tool_list_is_kept_packed_and_comes_back_whole():
     from inference_worker.chat import ChatState
-    from inference_worker.persistence import chat_metadata, chat_state, check_metadata
+    from inference_worker.metadata import chat_metadata, chat_state, check_metadata
     from inference_worker.tools import canonical_tools
 
     tools = canonical_tools(json.dumps(_stdlib_tools()))
@@ -370,7 +370,7 @@ def test_tools_a_worker_before_packing_could_read_stay_text_and_bad_packs_are_co
 
     from agentkv.errors import CorruptRecord
     from inference_worker.chat import ChatState
-    from inference_worker.persistence import chat_metadata, chat_state
+    from inference_worker.metadata import chat_metadata, chat_state
     from inference_worker.tools import canonical_tools
 
     small = canonical_tools(json.dumps([WEATHER]))
