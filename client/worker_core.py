@@ -1,7 +1,8 @@
 """The InferenceWorker's RPCs, sans-IO: each request built from its arguments (a turn's
 by client/messages.py); a streamed turn assembled into its result, and a reply's state
-with the error of a reply cut off or closed. Shared by the sync (client/worker.py, client/memory.py) and asyncio (client/aio.py)
-clients, which add the I/O; routing and agents are client/core.py's.
+with the error of a reply cut off or closed. Shared by the sync (client/worker.py,
+client/memory.py) and asyncio (client/aio.py) clients, which add the I/O; routing and
+agents are client/core.py's.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from agentkv.errors import (
     ResourceExhausted,
     SystemPromptDiffers,
 )
-from inference_worker.chat import ChatState, common_prefix
+from inference_worker.conversation import ChatState, common_prefix
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.turns import AgentInfo, UsageEvent

@@ -8,15 +8,8 @@ from dataclasses import replace
 
 from agentkv.errors import InvalidArgument
 from inference_worker.agents import SYSTEM_KEY, Agent, system_digest
-from inference_worker.chat import (
-    ChatFormat,
-    ChatMessage,
-    ChatState,
-    NotAppendOnly,
-    Resumed,
-    continued,
-    resume,
-)
+from inference_worker.chat import ChatFormat, NotAppendOnly
+from inference_worker.conversation import ChatMessage, ChatState, Resumed, continued, resume
 from inference_worker.metadata import caller_metadata, check_metadata
 from inference_worker.turns import TurnJob
 
@@ -56,7 +49,7 @@ def extended(
 def _resumed(
     chat: ChatFormat, agent: Agent, messages: list[ChatMessage], tools: str, state: ChatState
 ) -> Resumed:
-    """Where a resent whole conversation picks up the agent's (chat.resume from `state`),
+    """Where a resent whole conversation picks up the agent's (conversation.resume from `state`),
     with the cache a turn starting over may keep: a new agent's stable prefix, none of
     it when the agent was made with another system prompt or other tools."""
     start = resume(agent.tokens, state, messages, tools)

@@ -22,9 +22,10 @@ from agentkv.client.store import StoreClient
 from agentkv.errors import AgentBusy, AgentKVError, DeadlineExceeded, TurnTaken, Unavailable
 from inference_worker.agents import Agent, AgentId, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
-from inference_worker.chat import ChatFormat, ChatMessage, ChatState, chain
+from inference_worker.chat import ChatFormat
 from inference_worker.config import WorkerConfig
 from inference_worker.context import extended
+from inference_worker.conversation import ChatMessage, ChatState, chain
 from inference_worker.freshness import StoreView, is_current
 from inference_worker.grammar import Ask, Forms, Grammars
 from inference_worker.hot_agents import HotAgents

@@ -23,7 +23,7 @@ from agentkv.errors import (
 )
 from agentkv.v1 import store_pb2 as store_pb
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
-from inference_worker.chat import ChatMessage
+from inference_worker.conversation import ChatMessage
 from inference_worker.engine import Engine
 from inference_worker.freshness import read_view
 from inference_worker.metadata import (

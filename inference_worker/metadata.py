@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from agentkv import ids
 from agentkv.errors import CorruptRecord, InvalidArgument
 from inference_worker.agents import SYSTEM_KEY
-from inference_worker.chat import ChatState, Mark
+from inference_worker.conversation import ChatState, Mark
 from inference_worker.tools import PLAIN_TOOLS_CHARS, pack_tools, unpack_tools
 
 REPLY_OPEN = "agentkv.reply_open"

@@ -33,7 +33,7 @@ from agentkv.errors import (
 )
 from inference_worker.agents import Agent
 from inference_worker.blocks import cache_blocks
-from inference_worker.chat import common_prefix
+from inference_worker.conversation import common_prefix
 from inference_worker.metadata import COMMIT_ID, chat_metadata
 from inference_worker.metrics import WorkerMetrics
 

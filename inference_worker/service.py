@@ -14,7 +14,7 @@ from agentkv import auth
 from agentkv.errors import InvalidArgument
 from agentkv.worker.v1 import worker_pb2 as pb
 from agentkv.worker.v1 import worker_pb2_grpc
-from inference_worker.chat import ChatMessage, check_said
+from inference_worker.conversation import ChatMessage, check_said
 from inference_worker.front import Front
 from inference_worker.grammar import Ask, OutputForm
 from inference_worker.sampling import Sampling

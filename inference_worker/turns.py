@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from inference_worker.chat import ChatMessage
+from inference_worker.conversation import ChatMessage
 from inference_worker.grammar import Forms
 from inference_worker.sampling import Sampling
 from inference_worker.tools import ToolCall
@@ -44,7 +44,7 @@ class UsageEvent:
     restore_failure: str = ""
     restored_bytes: int = 0
     stop_sequence: str = ""  # the stop string that ended the reply
-    mark: str = ""  # the conversation's point after the turn (chat.Mark's digest)
+    mark: str = ""  # the conversation's point after the turn (conversation.Mark's digest)
 
 
 @dataclass(slots=True)
@@ -58,9 +58,9 @@ class TurnJob:
     priority: int = 0
     deadline_ms: int = 0
     durable: bool = False  # the usage waits for the store commit
-    # `messages` are the whole conversation, resent (chat.resume), not only what is new
+    # `messages` are the whole conversation, resent (conversation.resume), not only what is new
     whole_conversation: bool = False
-    # `messages` follow this mark of the agent's conversation (chat.continued), not its end;
+    # `messages` follow this mark of the agent's conversation (conversation.continued), not its end;
     # with after_mark_last, only if it is the last
     after_mark: str = ""
     after_mark_last: bool = False

@@ -125,7 +125,7 @@ def test_named_marks_keep_the_format_older_workers_read():
     """Names and replies' calls go in a metadata value of their own: the marks' value stays
     the five fields a worker from before them splits, and a manifest without them reads as
     before."""
-    from inference_worker.chat import ChatState, Mark
+    from inference_worker.conversation import ChatState, Mark
     from inference_worker.metadata import MARK_EXTRAS, MARKS, chat_metadata, chat_state
 
     marks = (
@@ -158,7 +158,7 @@ def test_tool_results_after_a_point_answer_its_calls_in_their_order():
     put in its calls' order; results of other calls, or a call left unanswered, are
     refused. A point that kept no calls (a reply without any, a worker from before) takes
     them as given."""
-    from inference_worker.chat import ChatMessage, ChatState, Mark, continued
+    from inference_worker.conversation import ChatMessage, ChatState, Mark, continued
 
     def result(call_id: str) -> ChatMessage:
         return ChatMessage("tool", f"result of {call_id}", tool_call_id=call_id)

@@ -14,7 +14,8 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from agentkv.errors import InvalidArgument
-from inference_worker.chat import ChatFormat, ChatMessage, ChatState, common_prefix
+from inference_worker.chat import ChatFormat
+from inference_worker.conversation import ChatMessage, ChatState, common_prefix
 from tests.model_kit import CHAT_TEMPLATE, tiny_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"

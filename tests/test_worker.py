@@ -76,8 +76,8 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
     import mlx.core as mx
 
     from agentkv.client.store import StoreClient
-    from inference_worker.chat import ChatMessage
     from inference_worker.config import WorkerConfig
+    from inference_worker.conversation import ChatMessage
     from inference_worker.engine import Engine
     from inference_worker.metrics import WorkerMetrics
     from inference_worker.runtime import resolve_runtime

@@ -348,7 +348,7 @@ def _stdlib_tools() -> list[dict]:
 
 
 def test_a_large_tool_list_is_kept_packed_and_comes_back_whole():
-    from inference_worker.chat import ChatState
+    from inference_worker.conversation import ChatState
     from inference_worker.metadata import chat_metadata, chat_state, check_metadata
     from inference_worker.tools import canonical_tools
 
@@ -369,7 +369,7 @@ def test_tools_a_worker_before_packing_could_read_stay_text_and_bad_packs_are_co
     import zlib
 
     from agentkv.errors import CorruptRecord
-    from inference_worker.chat import ChatState
+    from inference_worker.conversation import ChatState
     from inference_worker.metadata import chat_metadata, chat_state
     from inference_worker.tools import canonical_tools
 
