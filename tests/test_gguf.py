@@ -26,8 +26,8 @@ from inference_worker.gguf_import import (
     cached_import,
     format_version,
     import_gguf,
-    read_gguf,
 )
+from inference_worker.gguf_model import read_gguf
 from inference_worker.gguf_tokenizer import build_tokenizer
 from inference_worker.models import ModelError, resolve_model
 from tests.gguf_kit import ggml_data, write_gguf
@@ -486,7 +486,8 @@ def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path,
 def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
     """Llama 3.x GGUFs carry RoPE scaling only as llama.cpp's precomputed rope_freqs
     tensor; the importer recognises Llama 3's settings from it, and the logits match."""
-    from inference_worker.gguf_import import GGUFError, llama3_rope
+    from inference_worker.gguf_import import GGUFError
+    from inference_worker.gguf_model import llama3_rope
     from tests.model_kit import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
