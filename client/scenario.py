@@ -27,20 +27,17 @@ many as an agent holds with its context in a store at its defaults.
 from __future__ import annotations
 
 import re
-import reprlib
 import sysconfig
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from agentkv.client.memory import AgentMemory
+from agentkv.client.scenario_yaml import Checker, ScenarioError, read_yaml, shown
 from agentkv.client.workflow import Record, Role, Workflow
-from agentkv.errors import AgentKVError, InvalidArgument, OutOfRange
+from agentkv.errors import AgentKVError, OutOfRange
 from agentkv.ids import (
-    AGENT_ID_RE,
     MAX_PHASE,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -48,91 +45,22 @@ from agentkv.ids import (
     NAMESPACE_RE,
 )
 
+__all__ = [
+    "PhaseSpec",
+    "Scenario",
+    "ScenarioError",
+    "Turn",
+    "check_fits",
+    "load_scenario",
+    "parse_scenario",
+    "run_scenario",
+]
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
-MAX_SCENARIO_BYTES = 1 << 20
-MAX_EXPANDED = MAX_SCENARIO_BYTES  # characters and values, once its aliases are written out
 # As many tokens as an agent holds, its context included, in a store at its defaults (its
 # max_agent_tokens): a turn asking more is absurd whatever the model, whose context the
 # scenario cannot know (a worker refuses a turn past it).
 MAX_TOKENS = 1 << 21
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-
-
-class ScenarioError(InvalidArgument):
-    """A scenario file that cannot run, with where and why."""
-
-
-_SHOWN = reprlib.Repr()  # its output bounded, whatever the value, in time and length
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 80, 80
-
-
-def _shown(value: Any, limit: int = 100) -> str:
-    """`value` as Python writes it, cut short: a message stays one short line."""
-    text = _SHOWN.repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _Expands(Exception):
-    """A document whose aliases repeat so much that, written out, it is over MAX_EXPANDED."""
-
-
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser, if built
-    """yaml's safe loader, refusing a mapping that gives a key twice (yaml keeps the last),
-    and a document that its aliases expand past MAX_EXPANDED ("billion laughs": yaml shares
-    an alias's value, but a merge key copies it, and a check walks and shows it whole)."""
-
-    def construct_document(self, node):
-        if _expanded_size(node) > MAX_EXPANDED:
-            raise _Expands
-        return super().construct_document(node)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base` merges keys that this mapping may override
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, Hashable):
-                continue  # refused by yaml itself, as unhashable
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {_shown(key)} appears twice", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _expanded_size(root: yaml.Node) -> int:
-    """The characters of `root`'s scalars plus its values, each counted wherever an alias
-    repeats it; 0 for a document without aliases (the file's size bounds it). Counting
-    stops past MAX_EXPANDED, and a value that holds itself is endless."""
-    sizes: dict[int, int] = {}
-    inside: set[int] = set()  # the values being counted, root first
-    aliased = False
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, counted = stack.pop()
-        if counted:
-            inside.discard(id(node))
-            own = len(node.value) if isinstance(node, yaml.ScalarNode) else 0
-            sizes[id(node)] = 1 + own + sum(sizes[id(child)] for child in _children(node))
-            if aliased and sizes[id(node)] > MAX_EXPANDED:
-                break
-        elif id(node) in inside:
-            return MAX_EXPANDED + 1
-        elif id(node) in sizes:
-            aliased = True
-        else:
-            inside.add(id(node))
-            stack.append((node, True))
-            stack.extend((child, False) for child in _children(node))
-    return max(sizes.values()) if aliased else 0
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    return node.value if isinstance(node, yaml.SequenceNode) else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,35 +91,11 @@ class Scenario:
 def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenario:
     """Reads and checks a scenario file. `document_chars` caps every module document (tests
     run the shipped scenarios on tiny models with short contexts)."""
-    path = Path(path)
-    try:
-        with path.open("rb") as file:
-            raw = file.read(MAX_SCENARIO_BYTES + 1)  # no more: it may be endless (/dev/zero)
-    except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(raw) > MAX_SCENARIO_BYTES:
-        raise ScenarioError(f"{path}: over 1 MiB ({MAX_SCENARIO_BYTES} bytes), the limit")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ScenarioError(f"{path}: not UTF-8 text (a bad byte at offset {exc.start})") from None
-    try:
-        data = yaml.load(text, Loader=_Loader)
-    except _Expands:
-        raise ScenarioError(
-            f"{path}: its aliases (*name) repeat so much that written out it would pass 1 MiB "
-            f"({MAX_EXPANDED} characters and values), the limit"
-        ) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ScenarioError(f"{path}:{where}: not valid YAML: {problem}") from None
-    return parse_scenario(data, str(path), document_chars)
+    return parse_scenario(read_yaml(Path(path)), str(path), document_chars)
 
 
 def parse_scenario(data: Any, source: str = "scenario", document_chars: int | None = None):
-    check = _Checker(source)
+    check = Checker(source)
     top = check.mapping(
         data, "", {"name", "namespace", "description", "sampling"}, {"agents", "phases"}
     )
@@ -226,14 +130,14 @@ def parse_scenario(data: Any, source: str = "scenario", document_chars: int | No
     )
 
 
-def _namespace(check: _Checker, top: dict, name: str) -> str:
+def _namespace(check: Checker, top: dict, name: str) -> str:
     if "namespace" in top:
         return check.ident(top["namespace"], "namespace", NAMESPACE_RE)
     if not NAMESPACE_RE.fullmatch(name):
         where = "name" if "name" in top else "name (the file's)"
         check.fail(
             where,
-            f"{_shown(name)} is no valid namespace (it must match {NAMESPACE_RE.pattern}), which "
+            f"{shown(name)} is no valid namespace (it must match {NAMESPACE_RE.pattern}), which "
             "the name is when no namespace is given: give a namespace",
         )
     return name
@@ -298,7 +202,7 @@ def check_fits(scenario: Scenario, memory: AgentMemory) -> None:
             )
 
 
-def _role(check: _Checker, item: Any, where: str, document_chars: int | None) -> Role:
+def _role(check: Checker, item: Any, where: str, document_chars: int | None) -> Role:
     fields = check.mapping(item, where, {"system", "permanent", "hears", "document"}, {"id"})
     hears = fields.get("hears")
     if hears is not None:
@@ -318,7 +222,7 @@ def _role(check: _Checker, item: Any, where: str, document_chars: int | None) ->
     )
 
 
-def _document(check: _Checker, item: Any, where: str, cap: int | None) -> str:
+def _document(check: Checker, item: Any, where: str, cap: int | None) -> str:
     fields = check.mapping(item, where, {"text", "module", "chars"})
     if ("text" in fields) == ("module" in fields):
         check.fail(where, "give exactly one of text or module")
@@ -327,11 +231,11 @@ def _document(check: _Checker, item: Any, where: str, cap: int | None) -> str:
     module = check.text(fields["module"], f"{where}.module")
     chars = fields.get("chars", 14000)
     if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
-        check.fail(f"{where}.chars", f"must be a positive integer, not {_shown(chars)}")
+        check.fail(f"{where}.chars", f"must be a positive integer, not {shown(chars)}")
     origin = _stdlib_source(module) if _MODULE.fullmatch(module) else None
     if origin is None:
         check.fail(
-            f"{where}.module", f"{_shown(module)} is not a pure-Python standard-library module"
+            f"{where}.module", f"{shown(module)} is not a pure-Python standard-library module"
         )
     try:
         text = origin.read_text(encoding="utf-8")
@@ -350,7 +254,7 @@ def _stdlib_source(module: str) -> Path | None:
     return None
 
 
-def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
+def _sampling(check: Checker, value: Any) -> dict[str, Any]:
     """The scenario's sampling, each value of the type and range the worker takes."""
     sampling = dict(check.mapping(value, "sampling", SAMPLING_FIELDS))
     for name, low, high in (("top_k", 0, 2**32), ("seed", 0, 2**64)):
@@ -363,12 +267,12 @@ def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
         real = isinstance(number, (int, float)) and not isinstance(number, bool)
         if not real or not 0 <= number <= high:
             check.fail(
-                f"sampling.{name}", f"must be a number in [0, {high:g}], not {_shown(number)}"
+                f"sampling.{name}", f"must be a number in [0, {high:g}], not {shown(number)}"
             )
     stop = sampling.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-        check.fail("sampling.stop", f"must be text or a list of texts, not {_shown(stop)}")
+        check.fail("sampling.stop", f"must be text or a list of texts, not {shown(stop)}")
     if len(stops) > MAX_STOP_STRINGS:
         check.fail("sampling.stop", f"{len(stops)} stop strings, limit {MAX_STOP_STRINGS}")
     if any(len(x) > MAX_STOP_CHARS for x in stops):
@@ -378,7 +282,7 @@ def _sampling(check: _Checker, value: Any) -> dict[str, Any]:
     return sampling
 
 
-def _max_tokens(check: _Checker, value: Any, where: str) -> int:
+def _max_tokens(check: Checker, value: Any, where: str) -> int:
     """Tokens to generate: never more than an agent holds, whatever its model."""
     tokens = check.whole(value, where, 1, 2**32)
     if tokens > MAX_TOKENS:
@@ -391,7 +295,7 @@ def _max_tokens(check: _Checker, value: Any, where: str) -> int:
     return tokens
 
 
-def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
+def _phase(check: Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
     fields = check.mapping(item, where, {"brief", "evict_after"}, {"name", "turns"})
     turns = []
     for j, turn in enumerate(check.sequence(fields["turns"], f"{where}.turns")):
@@ -413,53 +317,3 @@ def _phase(check: _Checker, item: Any, where: str, ids: list[str]) -> PhaseSpec:
         tuple(turns),
         check.flag(fields.get("evict_after", False), f"{where}.evict_after"),
     )
-
-
-class _Checker:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, where: str, message: str):
-        raise ScenarioError(f"{self.source}: {where or 'top level'}: {message}")
-
-    def mapping(self, value: Any, where: str, optional: set, required: set = frozenset()):
-        if not isinstance(value, dict):
-            self.fail(where, f"must be a mapping, not {type(value).__name__}")
-        unknown = sorted(set(map(str, value)) - optional - required)
-        if unknown:
-            allowed = ", ".join(sorted(optional | required))
-            self.fail(where, f"unknown key {_shown(unknown[0])} (allowed: {allowed})")
-        missing = sorted(required - set(value))
-        if missing:
-            self.fail(where, f"missing key {missing[0]!r}")
-        return value
-
-    def sequence(self, value: Any, where: str, empty: bool = False) -> list:
-        if not isinstance(value, list):
-            self.fail(where, f"must be a list, not {type(value).__name__}")
-        if not value and not empty:
-            self.fail(where, "must not be empty")
-        return value
-
-    def text(self, value: Any, where: str, empty: bool = False) -> str:
-        if not isinstance(value, str):
-            self.fail(where, f"must be text, not {type(value).__name__}")
-        if not empty and not value.strip():
-            self.fail(where, "must not be empty")
-        return value
-
-    def ident(self, value: Any, where: str, pattern: re.Pattern = AGENT_ID_RE) -> str:
-        if not isinstance(value, str) or not pattern.fullmatch(value):
-            self.fail(where, f"{_shown(value)} is not a valid id (it must match {pattern.pattern})")
-        return value
-
-    def whole(self, value: Any, where: str, low: int, high: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-            bound = f"2^{high.bit_length() - 1}"
-            self.fail(where, f"must be a whole number in [{low}, {bound}), not {_shown(value)}")
-        return value
-
-    def flag(self, value: Any, where: str) -> bool:
-        if not isinstance(value, bool):
-            self.fail(where, f"must be true or false, not {_shown(value)}")
-        return value
