@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,6 +160,25 @@ def stopping(services: Collection[ServiceProcess], interrupted: bool = False) ->
         signal.signal(signal.SIGINT, previous)
     if insisted and not interrupted:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def running(services: dict[str, ServiceProcess], root: Path, keep: bool) -> Iterator[None]:
+    """Runs a command's block, which starts `services` (each added as it starts); whatever
+    ends it (a Ctrl-C, a service that never starts) then stops them (`stopping`) and keeps
+    `root`, saying where, or removes it."""
+    interrupted = False
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        with stopping(list(services.values()), interrupted):
+            if keep:
+                print(f"\ndata and logs kept in {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 def store_process(

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import statistics
 import sys
@@ -26,7 +25,7 @@ from agentkv import defaults
 from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
 from agentkv.client.workflow import Record, Workflow
-from agentkv.launch import ServiceProcess, stopping, store_process, worker_process
+from agentkv.launch import ServiceProcess, running, store_process, worker_process
 from agentkv.units import human_bytes, table
 
 EPILOGUE = PhaseSpec(
@@ -107,8 +106,7 @@ def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> N
     root = Path(tempfile.mkdtemp(prefix="agentkv-demo-"))
     print(f"agentkv demo: {scenario.description}\nmodel {model}, data in {root}\n")
     services: dict[str, ServiceProcess] = {}
-    interrupted = False
-    try:
+    with running(services, root, keep):
         flow = _persistent_run(scenario, model, root, services)
         baseline = None
         if cold:
@@ -120,15 +118,6 @@ def run(model: str = defaults.MODEL, keep: bool = False, cold: bool = True) -> N
                 baseline = run_scenario(scenario, mem, mode="cold")
         print("\nper phase (mean time to first token of the phase's turns):")
         print(phase_summary(flow, baseline))
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        with stopping(list(services.values()), interrupted):
-            if keep:
-                print(f"\ndata and logs kept in {root}")
-            else:
-                shutil.rmtree(root, ignore_errors=True)
 
 
 def _persistent_run(

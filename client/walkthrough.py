@@ -6,7 +6,6 @@ restores (both paths), forks, races, corrupts and heals Llama-3.1-8B-shaped Q4 K
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from agentkv.client.store import StoreClient
 from agentkv.client.synthetic import make_chain
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import CorruptBlock, GenerationConflict
-from agentkv.launch import ServiceProcess, stopping, store_process, worker_process
+from agentkv.launch import ServiceProcess, running, store_process, worker_process
 from agentkv.units import human_bytes, table
 from agentkv.v1 import store_pb2 as pb
 
@@ -188,20 +187,11 @@ def ask(w: WorkerClient, question: str) -> list[object]:
 def run(keep: bool = False) -> None:
     root = Path(tempfile.mkdtemp(prefix="agentkv-walkthrough-"))
     services = {"store": store_process(root / "data", root / "store.log", own_session=True)}
-    interrupted = False
-    try:  # from here, whatever ends the tour (a Ctrl-C, a store that never starts) cleans up
+    # from here, whatever ends the tour (a Ctrl-C, a store that never starts) cleans up
+    with running(services, root, keep):
         service = services["store"].start()
         pid, address = service.proc.pid, service.address
         print(f"agentkv-store running as pid {pid} on {address}, data in {root}")
         with StoreClient(service.address) as client:
             tour(client, root / "data")
         worker_tour(service.address, root, services)
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        with stopping(list(services.values()), interrupted):
-            if keep:
-                print(f"\ndata and log kept in {root}")
-            else:
-                shutil.rmtree(root, ignore_errors=True)
