@@ -1,6 +1,7 @@
 """The SDK's sans-IO core, shared by the sync (client/memory.py) and asyncio (client/aio.py)
 clients: routing attempts, an agent's calls, replies assembled from their stream, the error of
-a reply cut off. The worker's RPCs themselves are built in client/worker_core.py.
+a reply cut off. The worker's RPCs themselves are built in client/worker_core.py, a
+turn's request in client/messages.py.
 
 Every public method is written once, in a Base class here; the transport's subclass adds the
 I/O, a few lines a kind of call, each returning its result (sync) or an awaitable of it

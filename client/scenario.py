@@ -91,7 +91,8 @@ class Scenario:
 def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenario:
     """Reads and checks a scenario file. `document_chars` caps every module document (tests
     run the shipped scenarios on tiny models with short contexts)."""
-    return parse_scenario(read_yaml(Path(path)), str(path), document_chars)
+    path = Path(path)
+    return parse_scenario(read_yaml(path), str(path), document_chars)
 
 
 def parse_scenario(data: Any, source: str = "scenario", document_chars: int | None = None):

@@ -10,7 +10,7 @@ end user, cache key, system prompt, first user message and tools), and sends the
 conversation, with its tools, to that agent's worker as a `whole_conversation` turn. The
 worker resumes from its own last reply, matched by the text it sent (and the tool calls it
 made), and prefills only what is new; an edited history resumes from before the edit
-(inference_worker/chat.py, `resume`).
+(inference_worker/conversation.py, `resume`).
 
 Starlette on uvicorn: a small ASGI toolkit (no schema layer: OpenAI's own rules are checked
 in gateway/protocol.py and the modules it uses) with streaming responses that are cancelled

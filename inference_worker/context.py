@@ -17,8 +17,10 @@ from inference_worker.turns import TurnJob
 def extended(
     chat: ChatFormat, job: TurnJob, agent: Agent, again: bool
 ) -> tuple[Resumed, list[int], ChatState]:
-    """Where the turn starts, and the context and state after its messages (`again`: a
-    retry of the call the agent took last, which adds none). A resent conversation that
+    """Where the turn starts, and the context and state after its messages. `again`: a
+    retry of the call the agent took last; appended to the context, its messages are not
+    added twice; after a mark, it is not refused for the turns that follow it (its own).
+    A resent conversation that
     the template cannot append to from the mark it resumes at (Qwen merges tool results
     that follow one another) starts over; one with new tools must leave room for them in
     the agent's metadata."""

@@ -1,6 +1,7 @@
 """A conversation's state, apart from how a template renders it: its messages, the
 digests that name what it said, its marks (the points a resent conversation or after_mark
-resumes at), and where a turn's messages pick up an agent's context."""
+resumes at), where a turn's messages pick up an agent's context, and the checks on what
+they say."""
 
 from __future__ import annotations
 

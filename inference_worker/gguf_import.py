@@ -1,15 +1,10 @@
 """GGUF import: a llama.cpp model file as an mlx-lm model directory.
 
 `import_gguf(file, out, weights)` writes config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json, which `mlx_lm.load` opens offline. Tensors are read from their raw
-blocks (gguf_header, gguf_quants) and either dequantized (float32, float16, bfloat16) or, for
-"native", kept quantized where MLX has the layout: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
-Q5_K are MLX affine quantization with group size 32, so they load as 4-, 5- or 8-bit MLX
-layers (the K-quants' scales rounded to fp16); Q2_K, Q3_K and Q6_K scale groups of 16, which
-MLX has no layout for, and come as float16.
-The tensors and the architecture's names and config are gguf_model.py's.
-`cached_import` does it once per file, keyed by the file's hash, which also enters the
-directory's config (and so the worker's fingerprint).
+tokenizer_config.json, which `mlx_lm.load` opens offline; the tensors and config come from
+gguf_model.py, the tokenizer from gguf_tokenizer.py. The directory is written whole or not
+at all (staged, then renamed into place). `cached_import` does it once per file, keyed by
+the file's hash, which also enters the directory's config (and so the worker's fingerprint).
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """A GGUF file as an mlx-lm model's weights and config: its tensors read from their raw
 blocks (gguf_header, gguf_quants) and dequantized or, for "native", kept as MLX affine
 quantization; the architecture's tensor names and config; what llama.cpp's converter
-changed (Q/K row order, Gemma's norms, Llama 3's RoPE factors) undone."""
+changed (Q/K row order, Gemma's norms, Llama 3's RoPE factors) undone.
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K are MLX affine quantization with group size 32,
+so under "native" they load as 4-, 5- or 8-bit MLX layers (the K-quants' scales rounded to
+fp16); Q2_K, Q3_K and Q6_K scale groups of 16, which MLX has no layout for, and come as
+float16."""
 
 from __future__ import annotations
 

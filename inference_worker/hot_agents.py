@@ -13,6 +13,8 @@ from inference_worker.turns import AgentInfo
 
 
 class HotAgents:
+    """The agents in RAM as RPCs see them: each call runs on the MLX thread (Front._mlx)."""
+
     def __init__(self, hot: HotTier, batcher: Batcher, persister: Persister) -> None:
         self.hot, self.batcher, self.persister = hot, batcher, persister
 

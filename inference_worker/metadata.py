@@ -1,6 +1,7 @@
 """An agent's metadata in its manifest: the caller's entries, and the worker's own (keys
 that start with INTERNAL_PREFIX): the conversation's state (ChatState: its system prompt
-until the first turn, tools, marks) and the id of the commit that wrote it."""
+until the first turn, tools, marks) and the id of the commit that wrote it; the limits a
+new agent's metadata is checked against, and a fork's metadata."""
 
 from __future__ import annotations
 
