@@ -41,14 +41,19 @@ def start(config: WorkerConfig) -> None:
     from inference_worker.blas import load_optimized_blas
 
     blas = load_optimized_blas()  # before anything imports mlx
+    from agentkv.errors import AgentKVError
     from inference_worker.models import ModelError
     from inference_worker.server import serve
 
     try:
         serve(config, blas)
-    except (RuntimeError, ModelError, OSError) as exc:  # no model, or it cannot run here
-        logging.getLogger("agentkv.worker").error("cannot start", extra={"error": str(exc)})
-        print(f"agentkv-worker: error: {exc}", file=sys.stderr)
+    except (RuntimeError, ModelError, OSError, AgentKVError) as exc:
+        # no model, it cannot run here, or its chat template fails on the worker's probes
+        error = exc.message if isinstance(exc, AgentKVError) else str(exc)
+        if isinstance(exc, AgentKVError) and config.chat_template:
+            error += f" (--chat-template {config.chat_template})"
+        logging.getLogger("agentkv.worker").error("cannot start", extra={"error": error})
+        print(f"agentkv-worker: error: {error}", file=sys.stderr)
         sys.exit(2)
 
 

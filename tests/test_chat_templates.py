@@ -242,3 +242,24 @@ def test_tools_are_taken_only_where_the_template_renders_them_once(base_tokenize
     they would come back with every one, so its tool calling is refused."""
     tok, _ = fixture_tokenizer(name, base_tokenizer)
     assert ChatFormat(tok)._tools_stay_put() is callable_
+
+
+@pytest.mark.parametrize(
+    "template, says",
+    [
+        ("not a template {{", "unexpected 'end of template'"),
+        ('{{ raise_exception("no system prompts here") }}', "no system prompts here"),
+    ],
+)
+def test_a_chat_template_that_cannot_render_stops_the_worker_in_one_line(
+    tiny_model_dirs, tmp_path, template, says
+):
+    """A --chat-template that fails on the worker's probe conversations is its one line
+    naming the file, exit 2, not a traceback through jinja."""
+    from tests.test_gguf import worker_error
+
+    path = tmp_path / "bad.jinja"
+    path.write_text(template)
+    last = worker_error(tiny_model_dirs["llama"], tmp_path, "--chat-template", str(path))
+    assert last.startswith("agentkv-worker: error: ") and says in last, last
+    assert f"(--chat-template {path})" in last

@@ -258,10 +258,13 @@ def test_an_unsupported_architecture_is_one_line(tmp_path):
     assert not list((tmp_path / "cache").glob("*"))  # nothing half-imported
 
 
-def _worker_error(model, tmp_path) -> str:
+def worker_error(model, tmp_path, *args: str) -> str:
     """The last line a worker started on `model` prints as it exits with 2, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "inference_worker", "--model", str(model), "--store", "127.0.0.1:1"],
+        [
+            *(sys.executable, "-m", "inference_worker", "--model", str(model)),
+            *("--store", "127.0.0.1:1", *args),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -273,7 +276,7 @@ def _worker_error(model, tmp_path) -> str:
 
 def test_worker_refuses_an_unsupported_gguf_in_one_line(tmp_path):
     gguf = _bare_gguf(tmp_path / "rwkv.gguf", "rwkv6")
-    last = _worker_error(gguf, tmp_path)
+    last = worker_error(gguf, tmp_path)
     assert last.startswith("agentkv-worker: error: GGUF architecture 'rwkv6' is not supported")
 
 
@@ -334,7 +337,7 @@ def test_a_model_directory_agentkv_cannot_run_is_one_line_from_the_worker(
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba9"}))
         says = f"model at {model}: mlx-lm "
-    last = _worker_error(model, tmp_path)
+    last = worker_error(model, tmp_path)
     assert last.startswith("agentkv-worker: error: ") and says in last, last
     if kind != "recurrent-layers":
         assert "mamba9 not supported" in last
