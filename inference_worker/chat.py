@@ -17,12 +17,19 @@ INVALID_ARGUMENT carrying the template's own message.
 Tools (inference_worker.tools) are rendered wherever the template puts them, in every render
 of the conversation, the placeholder's too; like the system prompt they are part of what a
 resent conversation must match.
+
+What callers write is text, never control tokens: a special token's text (`<|im_start|>`)
+in a message, a tool call's arguments or a tool's definition is tokenized as the characters
+it spells, so no message can close its own turn and open a system one. Only the template's
+own markup becomes special tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from typing import Any
 
 from agentkv.errors import InvalidArgument
 from inference_worker.conversation import (
@@ -52,6 +59,10 @@ _PLACEHOLDERS = {  # a conversation ending with each role
 _PROBE = "q7Zx"
 _PROBE_TOOLS = canonical_tools(json.dumps([{"type": "function", "function": {"name": "t_q7Zx"}}]))
 _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is stable
+# A special token's text in what a caller wrote, as rendered: the template passes these
+# private-use characters through, and _encode spells the token's text there as text.
+_OPEN, _CLOSE = "\U000f0000", "\U000f0001"
+_ESCAPED = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 
 
 class NotAppendOnly(InvalidArgument):
@@ -63,6 +74,9 @@ class ChatFormat:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._specials = _special_texts(tokenizer)
+        self._index = {text: i for i, text in enumerate(self._specials)}
+        self._special = re.compile(_trie(self._specials) or "(?!)")
         self._closing = self._closing_text()  # what closes a reply, e.g. "<|im_end|>\n"
         self.reply_closing = self._encode(self._closing) if self._closing else []
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
@@ -194,7 +208,8 @@ class ChatFormat:
         return answered[at + len(_PROBE) :] if at >= 0 else ""
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: str = "") -> str:
-        extra = {"tools": json.loads(tools)} if tools else {}
+        extra = {"tools": self._escaped(json.loads(tools))} if tools else {}
+        messages = self._escaped(messages)  # what callers wrote: text, never markup
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
@@ -207,7 +222,64 @@ class ChatFormat:
             ) from exc
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if _OPEN not in text:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        for i, part in enumerate(_ESCAPED.split(text)):  # markup, escaped, markup, ...
+            if i % 2 == 0:
+                ids += self.tokenizer.encode(part, add_special_tokens=False) if part else []
+            else:
+                ids += self._spelled(self._specials[int(part)])
+        return ids
+
+    def _escaped(self, value: Any) -> Any:
+        """`value` (a message's field, a tool's definition) with every special token's text
+        in its strings escaped (_OPEN index _CLOSE), for _encode to spell."""
+        if isinstance(value, str):
+            if not self._special.search(value):
+                return value
+            return self._special.sub(lambda m: f"{_OPEN}{self._index[m.group()]}{_CLOSE}", value)
+        if isinstance(value, dict):
+            return {k: self._escaped(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._escaped(v) for v in value]
+        return value
+
+    def _spelled(self, text: str) -> list[int]:
+        """Tokens that spell `text`, a special token's, as text: cut where no special token
+        can match."""
+        head, tail = text[:1], text[1:]
+        rest = self._spelled(tail) if self._special.search(tail) else self._plain(tail)
+        return self._plain(head) + rest
+
+    def _plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _special_texts(tokenizer: Any) -> list[str]:
+    """The texts of the tokenizer's special tokens (those a text would turn into one)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return sorted({t.content for t in added.values() if t.special and t.content})
+
+
+def _trie(words: Sequence[str]) -> str:
+    """A regex matching any of `words`, the longest where several match, as a trie: one
+    step per character, however many words (Gemma 3 has thousands of special tokens)."""
+    root: dict = {}
+    for word in words:
+        node = root
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{body})?" if "" in node else body
+
+    return pattern(root)
 
 
 def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:
