@@ -107,8 +107,8 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"block_tokens must be a positive multiple of 16: {self.block_tokens}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.hot_budget_bytes < 0:
-            raise ValueError(f"hot_budget_bytes must be >= 0, got {self.hot_budget_bytes}")
+        if self.hot_budget_bytes <= 0:  # no turn could ever run
+            raise ValueError(f"hot_budget_bytes must be > 0, got {self.hot_budget_bytes}")
         if not 0 < self.store_check_timeout <= self.store_timeout:
             raise ValueError(
                 f"store_check_timeout must be in (0, store_timeout={self.store_timeout}], "

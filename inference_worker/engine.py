@@ -198,7 +198,7 @@ class Engine:
         memory = agent.memory_for(len(tokens), self.runtime.token_bytes)
         turn = self._turn(job, agent, usage, pending, memory)
         if pending:
-            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
+            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED, OUT_OF_RANGE
         for cache in agent.caches:
             cache.begin_turn()
         self.hot.put(agent)
@@ -236,7 +236,7 @@ class Engine:
             return True
         turn, tokens, chat = self._prepare(job, agent, usage)
         if turn.pending:
-            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED
+            self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED, OUT_OF_RANGE
         keep, block_tokens = len(tokens) - len(turn.pending), self.config.block_tokens
         turn.undo = agent.begin_turn(tokens, chat, job.phase, keep, block_tokens)
         if not turn.pending:  # nothing to run: an empty append-only turn ends here

@@ -19,7 +19,14 @@ from agentkv.client.memory import AgentMemory
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.client.worker_core import TurnResult
-from agentkv.errors import AgentKVError, AgentNotFound, DiskFull, QuotaExceeded, Unavailable
+from agentkv.errors import (
+    AgentKVError,
+    AgentNotFound,
+    DiskFull,
+    OutOfRange,
+    QuotaExceeded,
+    Unavailable,
+)
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
 from tests.helpers import free_address, freeze
@@ -271,6 +278,21 @@ def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worke
     metrics = proc._find_event("serving", 0)["metrics"]
     text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
     assert re.search(r'agentkv_worker_evictions_total\{reason="waiting_turn"\} [1-9]', text)
+
+
+def test_a_turn_past_the_whole_hot_budget_is_out_of_range_and_changes_nothing(
+    tiny_model_dirs, start_worker
+):
+    """A turn whose KV cache could never fit the worker's whole hot budget is OUT_OF_RANGE
+    (HTTP 400 at the gateway), not RESOURCE_EXHAUSTED (a 429 that clients retry in vain),
+    and the agent is as it was: a turn that fits runs next."""
+    proc = start_worker(tiny_model_dirs["llama"], "--hot-budget", "150K")
+    w = WorkerClient(proc.address)
+    w.timeout = 60
+    w.create_agent("ns", "a", SYSTEM)
+    with pytest.raises(OutOfRange, match=r"whole memory budget of 153600 \(--hot-budget\)"):
+        w.turn("ns", "a", Q1, max_tokens=1000)
+    assert len(w.turn("ns", "a", Q1, max_tokens=4).token_ids) == 4
 
 
 def test_a_pinned_agent_is_evicted_last(tiny_model_dirs, start_worker):

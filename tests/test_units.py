@@ -65,3 +65,11 @@ def test_a_bad_size_flag_is_a_usage_error(capsys, build, argv, text):
         build([arg.format(text) for arg in argv])
     assert exit.value.code == 2
     assert text in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_hot_budget_of_nothing_is_a_usage_error(capsys):
+    """No turn could ever run in a hot budget of 0: refused at start, not turn by turn."""
+    with pytest.raises(SystemExit) as exit:
+        worker_config(["--model", "m", "--store", "127.0.0.1:1", "--hot-budget", "0"])
+    assert exit.value.code == 2
+    assert "hot_budget_bytes must be > 0" in capsys.readouterr().err
