@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from agentkv import logs
 from agentkv.errors import AgentKVError
@@ -18,14 +19,25 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
 def main(argv: list[str] | None = None) -> None:
     config = build_config(argv)
     logs.configure(config.log_level)
+    data_dir = Path(config.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        sys.exit(f"agentkv-store: error: --data-dir {data_dir} is a file, not a directory")
     try:
         serve(config)
     except (AgentKVError, OSError) as exc:  # at start-up: a data dir in use, a bad index
-        message = exc.message if isinstance(exc, AgentKVError) else str(exc)
-        sys.exit(f"agentkv-store: error: {message}")
+        sys.exit(f"agentkv-store: error: {_said(exc)}")
     except KeyboardInterrupt:  # while it opens: once it serves, SIGINT stops it gracefully
         print("agentkv-store: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def _said(exc: AgentKVError | OSError) -> str:
+    """The error in words: an OSError's without its errno ("Read-only file system: PATH")."""
+    if isinstance(exc, AgentKVError):
+        return exc.message
+    if exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return str(exc)
 
 
 if __name__ == "__main__":

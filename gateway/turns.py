@@ -23,7 +23,9 @@ from agentkv.errors import (
     AgentNotFound,
     FailedPrecondition,
     FingerprintMismatch,
+    InvalidArgument,
     MarkNotFound,
+    OutOfRange,
     TurnsFollow,
 )
 from agentkv.gateway import responses
@@ -206,7 +208,7 @@ class Turns:
             system_prompt=call.system,
             tools=call.tools,
         )
-        created = None
+        created, made = None, False
         creating = asyncio.ensure_future(
             memory.route(agent.id, lambda w: w.call("CreateAgent", request))
         )
@@ -215,9 +217,14 @@ class Turns:
         try:
             with contextlib.suppress(AgentExists):  # made meanwhile, or with another system
                 # Its worker makes it even once cancelled: a spare is deleted after that.
-                made = await to_the_end(creating)
-                created = made.usage  # prompt: the turn resumes from the stored one
+                created = (await to_the_end(creating)).usage  # the turn resumes from it
+                made = True
             return Turn(await agent.say(call.messages, **options), created)
+        except (InvalidArgument, OutOfRange):  # the turn refused, before it changed anything
+            if made:
+                self.spares.add(agent)  # made for this call alone: deleted, as a spare is
+            self.ended(agent)
+            raise
         except BaseException:
             self.ended(agent)
             raise

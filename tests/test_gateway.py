@@ -34,7 +34,7 @@ from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.rpc import ALLOW_KEEPALIVE
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
-from tests.helpers import free_address
+from tests.helpers import free_address, until
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
@@ -377,6 +377,25 @@ def test_bad_requests_get_openais_error_format(stack):
     assert lone.status == 400 and lone.json()["error"]["param"] == "messages[0].content"
     nowhere = raw(address, "GET", "/v1/completions")
     assert nowhere.status == 404 and "error" in nowhere.json()
+
+
+def test_a_refused_first_call_leaves_no_agent_behind(stack):
+    """A call refused before its turn ran (its context and max_tokens past the model's
+    window) leaves no agent it made: named or anonymous, the store lists what it did
+    before, so failing requests do not grow the store."""
+    from agentkv.client.store import StoreClient
+
+    def agents() -> tuple[set[str], int]:  # in the store, and how many in the worker's RAM
+        with StoreClient(stack.store.address) as store, WorkerClient(stack.worker_address) as w:
+            return {a.agent_id for a in store.list_agents("default")}, w.info().num_hot_agents
+
+    before = agents()
+    client = stack.client()
+    messages = [{"role": "user", "content": "A question asked once, and refused."}]
+    for agent in ("refused-first", None):
+        error = error_of(lambda a=agent: ask(client, messages, a, max_tokens=100_000))
+        assert error.status_code == 400 and error.body["code"] == "context_length_exceeded"
+    until(lambda: agents() == before, "the refused calls' agents deleted")
 
 
 def test_tools_for_a_model_without_a_tool_call_format_are_a_400(stack):

@@ -119,6 +119,23 @@ def rss_bytes(pid: int) -> int:
 # 1. one store per data dir
 
 
+def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
+    """--data-dir naming a file (a typo for its folder) says so, not "[Errno 17] File
+    exists", and leaves the file as it was."""
+    path = tmp_path / "afile"
+    path.write_text("mine")
+    run = subprocess.run(
+        [sys.executable, "-m", "cache_store", "--data-dir", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == f"agentkv-store: error: --data-dir {path} is a file, not a directory"
+    assert path.read_text() == "mine"
+
+
 def test_a_second_store_on_a_data_dir_in_use_refuses_to_start(store_process, hold):
     """Even after a 'stale lock' clean-up deletes LMDB's lock file, a second store on the same
     data dir exits at once with one line naming the holder's pid, and touches nothing: the
