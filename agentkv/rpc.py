@@ -222,7 +222,11 @@ def start_metrics(listen: str | None, registry: CollectorRegistry) -> str | None
     if not listen:
         return None
     host, _, port = listen.rpartition(":")
-    httpd, _ = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    try:
+        httpd, _ = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    except OSError as exc:  # the port taken, or not an address of this host
+        why = exc.strerror or str(exc)
+        raise OSError(f"could not serve metrics on {listen} (--metrics-listen): {why}") from None
     return f"{host}:{httpd.server_port}"  # an IPv6 host keeps its brackets
 
 

@@ -9,6 +9,16 @@ from typing import Any
 
 from agentkv.gateway.errors import invalid
 
+# Python's types as a JSON body's caller names them
+JSON_KINDS = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+}
+
 
 def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> Any:
     """body[name] when it is a `kind` (null or absent: `default`); `where`: the object's
@@ -19,7 +29,8 @@ def typed(body: dict, name: str, kind: type, default: Any, where: str = "") -> A
         and value is not default
         and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
     ):
-        raise invalid(f"{param} must be a {kind.__name__}, got {value!r}", param)
+        said = JSON_KINDS.get(kind, kind.__name__)
+        raise invalid(f"{param} must be {said}, got {value!r}", param)
     if kind is str and value:
         utf8(value, param)
     return value

@@ -40,6 +40,8 @@ def _import(argv: list[str] | None) -> None:
     started = time.perf_counter()
     try:
         path = shipped_file(args.file) if args.file in SHIPPED else Path(args.file)
+        if not path.exists():
+            raise ValueError(f"{path}: no such file or directory")
         if not path.is_file() or not is_gguf(path):
             raise ValueError(f"{path} is not a GGUF file")
         out = (

@@ -557,3 +557,17 @@ def test_agentkv_model_import_writes_the_directory_or_says_why_in_one_line(sourc
                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "'mamba'" in bad.stderr
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_agentkv_model_import_of_a_missing_file_says_there_is_none(tmp_path):
+    """A typo in the file's name reads as one ("no such file"), not as a file of the
+    wrong kind, as the worker's --model says."""
+    missing = tmp_path / "nosuch.gguf"
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "model", "import", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr == f"error: {missing}: no such file or directory\n"

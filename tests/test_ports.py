@@ -40,6 +40,26 @@ def test_a_worker_on_a_port_in_use_refuses_to_start(store_process, tiny_model_di
     )
 
 
+def test_a_metrics_port_in_use_is_one_line_naming_the_flag(store_process, tmp_path):
+    """--metrics-listen on a port another server holds: the store says which flag, not a
+    bare "[Errno 98] Address already in use"."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        second = start(
+            *("cache_store", "--data-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0"),
+            *("--metrics-listen", taken),
+        )
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"agentkv-store: error: could not serve metrics on {taken} (--metrics-listen): "
+        "Address already in use"
+    )
+
+
 def test_a_second_store_on_a_unix_socket_in_use_refuses_and_leaves_it(tmp_path):
     from agentkv.launch import store_process as new_store
 

@@ -142,7 +142,7 @@ def test_a_string_input_is_one_user_message_and_hints_are_taken():
         ({"truncation": "auto"}, "truncation", "only None or 'disabled'"),
         ({"background": True}, "background", "only None or False"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 7}}},
-         "text.format.schema", "must be a dict"),
+         "text.format.schema", "must be an object"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type", "not one of"),
         ({"include": ["message.output_text.logprobs"]}, "include[0]", "not supported"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "the model decides"),
