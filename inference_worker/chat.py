@@ -59,10 +59,12 @@ _PLACEHOLDERS = {  # a conversation ending with each role
 _PROBE = "q7Zx"
 _PROBE_TOOLS = canonical_tools(json.dumps([{"type": "function", "function": {"name": "t_q7Zx"}}]))
 _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is stable
-# A special token's text in what a caller wrote, as rendered: the template passes these
-# private-use characters through, and _encode spells the token's text there as text.
+# An added token's text in what a caller wrote, as rendered: the template passes these
+# private-use characters through (callers' own are dropped), and _encode spells the token's
+# text there as text.
 _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
-_ESCAPED = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+_ESCAPED = re.compile(f"{_OPEN}([0-9]+){_CLOSE}")
+_MARKERS = re.compile(f"[{_OPEN}{_CLOSE}]")
 
 
 class NotAppendOnly(InvalidArgument):
@@ -74,9 +76,12 @@ class ChatFormat:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._specials = _special_texts(tokenizer)
-        self._index = {text: i for i, text in enumerate(self._specials)}
-        self._special = re.compile(_trie(self._specials) or "(?!)")
+        specials, added = _added_texts(tokenizer)
+        self._added = sorted(added)  # every added token's text, special or not
+        self._index = {text: i for i, text in enumerate(self._added)}
+        self._special = re.compile(_trie(specials) or "(?!)")  # what an assistant's text escapes
+        self._control = re.compile(_trie(self._added) or "(?!)")  # what all else escapes
+        self._newline = self._plain("\n")  # what _piece strips: "\n" before a piece
         self._closing = self._closing_text()  # what closes a reply, e.g. "<|im_end|>\n"
         self.reply_closing = self._encode(self._closing) if self._closing else []
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
@@ -208,8 +213,11 @@ class ChatFormat:
         return answered[at + len(_PROBE) :] if at >= 0 else ""
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: str = "") -> str:
-        extra = {"tools": self._escaped(json.loads(tools))} if tools else {}
-        messages = self._escaped(messages)  # what callers wrote: text, never markup
+        # What callers wrote is text, never markup: every added token's text in it is
+        # escaped, but for the special ones only in an assistant's text (a model's own
+        # <think> or <tool_call> stays as it wrote them).
+        extra = {"tools": self._escaped(json.loads(tools), self._control)} if tools else {}
+        messages = [self._escaped_message(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
@@ -223,43 +231,63 @@ class ChatFormat:
 
     def _encode(self, text: str) -> list[int]:
         if _OPEN not in text:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._plain(text)
         ids: list[int] = []
         for i, part in enumerate(_ESCAPED.split(text)):  # markup, escaped, markup, ...
-            if i % 2 == 0:
-                ids += self.tokenizer.encode(part, add_special_tokens=False) if part else []
-            else:
-                ids += self._spelled(self._specials[int(part)])
+            if i % 2 and int(part) < len(self._added):
+                ids += self._spelled(self._added[int(part)], bool(ids))
+            elif part:
+                ids += self._piece(part) if ids else self._plain(part)
         return ids
 
-    def _escaped(self, value: Any) -> Any:
-        """`value` (a message's field, a tool's definition) with every special token's text
-        in its strings escaped (_OPEN index _CLOSE), for _encode to spell."""
+    def _escaped_message(self, message: dict) -> dict:
+        if message.get("role") != "assistant":
+            return self._escaped(message, self._control)
+        content = message.get("content")
+        escaped = self._escaped(message, self._control)
+        return {**escaped, "content": self._escaped(content, self._special)}
+
+    def _escaped(self, value: Any, tokens: re.Pattern) -> Any:
+        """`value` (a message, a tool's definition) with every text of `tokens` in its
+        strings, keys too, escaped (_OPEN index _CLOSE) for _encode to spell."""
         if isinstance(value, str):
-            if not self._special.search(value):
+            if _MARKERS.search(value):
+                value = _MARKERS.sub("", value)
+            if not tokens.search(value):
                 return value
-            return self._special.sub(lambda m: f"{_OPEN}{self._index[m.group()]}{_CLOSE}", value)
+            return tokens.sub(lambda m: f"{_OPEN}{self._index[m.group()]}{_CLOSE}", value)
         if isinstance(value, dict):
-            return {k: self._escaped(v) for k, v in value.items()}
+            return {self._escaped(k, tokens): self._escaped(v, tokens) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._escaped(v) for v in value]
+            return [self._escaped(v, tokens) for v in value]
         return value
 
-    def _spelled(self, text: str) -> list[int]:
-        """Tokens that spell `text`, a special token's, as text: cut where no special token
-        can match."""
+    def _spelled(self, text: str, within: bool) -> list[int]:
+        """Tokens that spell `text`, an added token's, as text (`within` a text already
+        begun): cut where no added token can match."""
         head, tail = text[:1], text[1:]
-        rest = self._spelled(tail) if self._special.search(tail) else self._plain(tail)
-        return self._plain(head) + rest
+        first = self._piece(head) if within else self._plain(head)
+        rest = self._spelled(tail, True) if self._control.search(tail) else self._piece(tail)
+        return first + rest
+
+    def _piece(self, text: str) -> list[int]:
+        """`text` tokenized as it would be after other text: a tokenizer that marks the
+        start of its input (SentencePiece's "▁") is given a newline first, then its tokens
+        are dropped."""
+        ids = self._plain("\n" + text) if text else []
+        n = len(self._newline)
+        return ids[n:] if n and ids[:n] == self._newline else self._plain(text)
 
     def _plain(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def _special_texts(tokenizer: Any) -> list[str]:
-    """The texts of the tokenizer's special tokens (those a text would turn into one)."""
+def _added_texts(tokenizer: Any) -> tuple[set[str], set[str]]:
+    """The texts of the tokenizer's special tokens, and of all its added tokens (those a
+    text turns into one, special or not: Qwen's <tool_call> is not special)."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return sorted({t.content for t in added.values() if t.special and t.content})
+    texts = {t.content for t in added.values() if t.content}
+    return {t.content for t in added.values() if t.special and t.content}, texts
 
 
 def _trie(words: Sequence[str]) -> str:
