@@ -102,6 +102,10 @@ class OutOfRange(AgentKVError):
     code = grpc.StatusCode.OUT_OF_RANGE
 
 
+class OverBudget(OutOfRange):
+    """A turn whose KV cache could never fit the worker's whole memory budget."""
+
+
 class CorruptBlock(AgentKVError):
     """A payload failed its checksum, was truncated or vanished; it has been quarantined."""
 

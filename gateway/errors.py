@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from agentkv.errors import AgentKVError
+from agentkv.errors import AgentKVError, OverBudget
 
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -51,7 +51,8 @@ class HTTPError(Exception):
     @classmethod
     def of(cls, exc: AgentKVError) -> HTTPError:
         status, kind = STATUS.get(exc.code, (500, "server_error"))
-        code = "context_length_exceeded" if exc.code == grpc.StatusCode.OUT_OF_RANGE else None
+        too_long = exc.code == grpc.StatusCode.OUT_OF_RANGE and not isinstance(exc, OverBudget)
+        code = "context_length_exceeded" if too_long else None
         return cls(status, exc.message, kind, code=code or exc.code.name.lower())
 
     def body(self) -> dict[str, Any]:

@@ -262,7 +262,9 @@ class Engine:
             chat = replace(chat, applied=job.request_id)
         if job.sampling.fit_max_tokens and max_tokens:  # at least 1: a full context is refused
             room = self.runtime.max_context - len(tokens)
-            max_tokens = job.sampling.max_tokens = max(1, min(max_tokens, room))
+            held = agent.memory_for(len(tokens), self.runtime.token_bytes)
+            budget = (self.config.hot_budget_bytes - held) // max(1, self.runtime.token_bytes)
+            max_tokens = job.sampling.max_tokens = max(1, min(max_tokens, room, budget))
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
         reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached, start.prefix)
         pending = tokens[reuse:]

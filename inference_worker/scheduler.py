@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from agentkv.errors import OutOfRange, ResourceExhausted
+from agentkv.errors import OverBudget, ResourceExhausted
 from inference_worker.config import WorkerConfig
 
 
@@ -90,10 +90,10 @@ class Scheduler:
     def submit(self, request: Request) -> Request | None:
         """Queues a request; returns the one it pushed out of a full queue, if any (the last
         in line of the namespace holding the most places, when the request's own namespace
-        holds at least two fewer). Raises OutOfRange for one that could never run here (not
+        holds at least two fewer). Raises OverBudget for one that could never run here (not
         retried: it never would), ResourceExhausted for one that may not wait."""
         if request.memory_bytes > self.memory_budget:
-            raise OutOfRange(
+            raise OverBudget(
                 f"the turn needs {request.memory_bytes} bytes of KV cache (its context and "
                 f"max_tokens), more than this worker's whole memory budget of "
                 f"{self.memory_budget} (--hot-budget): ask for fewer tokens"

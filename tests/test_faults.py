@@ -23,7 +23,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     DiskFull,
-    OutOfRange,
+    OverBudget,
     QuotaExceeded,
     Unavailable,
 )
@@ -285,14 +285,18 @@ def test_a_turn_past_the_whole_hot_budget_is_out_of_range_and_changes_nothing(
 ):
     """A turn whose KV cache could never fit the worker's whole hot budget is OUT_OF_RANGE
     (HTTP 400 at the gateway), not RESOURCE_EXHAUSTED (a 429 that clients retry in vain),
-    and the agent is as it was: a turn that fits runs next."""
+    and the agent is as it was: a turn that fits runs next. One that lets the worker fit
+    its max_tokens (fit_max_tokens, as the gateway sends when a call gives none) is cut
+    to what the budget holds, and runs."""
     proc = start_worker(tiny_model_dirs["llama"], "--hot-budget", "150K")
     w = WorkerClient(proc.address)
     w.timeout = 60
     w.create_agent("ns", "a", SYSTEM)
-    with pytest.raises(OutOfRange, match=r"whole memory budget of 153600 \(--hot-budget\)"):
+    with pytest.raises(OverBudget, match=r"whole memory budget of 153600 \(--hot-budget\)"):
         w.turn("ns", "a", Q1, max_tokens=1000)
     assert len(w.turn("ns", "a", Q1, max_tokens=4).token_ids) == 4
+    fitted = w.turn("ns", "a", Q1, max_tokens=1000, fit_max_tokens=True)
+    assert 0 < len(fitted.token_ids) < 1000
 
 
 def test_a_pinned_agent_is_evicted_last(tiny_model_dirs, start_worker):

@@ -132,6 +132,9 @@ def test_every_grpc_status_has_its_http_status():
         assert error.body()["error"]["message"] == "why"
     assert HTTPError.of(errors.GenerationConflict("raced", current_generation=3)).status == 409
     assert HTTPError.of(errors.OutOfRange("long")).code == "context_length_exceeded"
+    # past the worker's memory, not the context: compacting the prompt would not help
+    over = HTTPError.of(errors.OverBudget("big"))
+    assert (over.status, over.code) == (400, "out_of_range")
     assert (
         HTTPError.of(errors.ResourceExhausted("full")).code
         == grpc.StatusCode.RESOURCE_EXHAUSTED.name.lower()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentkv.errors import OutOfRange, ResourceExhausted
+from agentkv.errors import OverBudget, ResourceExhausted
 from inference_worker.config import WorkerConfig
 from inference_worker.scheduler import Request, Scheduler, State
 
@@ -128,7 +128,7 @@ def test_the_hot_room_is_the_head_of_the_lines():
 
 def test_a_full_queue_and_an_impossible_request_are_refused():
     s = sched(max_batch=1, queue_limit=2, memory_budget=500)
-    with pytest.raises(OutOfRange, match=r"1000 bytes.*budget of 500"):
+    with pytest.raises(OverBudget, match=r"1000 bytes.*budget of 500"):
         s.submit(req("huge", memory=1000))
     s.submit(req("a"))
     s.submit(req("b"))
