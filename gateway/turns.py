@@ -93,6 +93,17 @@ async def check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCall
             raise HTTPError(501, message, "server_error", param, "not_implemented")
 
 
+async def delete_refused(agent: AsyncAgent) -> None:
+    """Deletes an agent made for a call whose turn was refused, once: one that another
+    call's turn holds meanwhile (the same conversation, sent again) is kept."""
+    try:
+        await agent.delete()
+    except AgentKVError as exc:
+        log.info(
+            "an agent a refused call made was kept", extra={"agent": agent.id, "error": str(exc)}
+        )
+
+
 async def delete_spare(agent: AsyncAgent, creating: asyncio.Future | None) -> None:
     """Deletes a spare agent once its creation (`creating`, when under way: a stop's
     deletion would reach the worker before the agent) and its turn have ended there."""
@@ -221,8 +232,10 @@ class Turns:
                 made = True
             return Turn(await agent.say(call.messages, **options), created)
         except (InvalidArgument, OutOfRange):  # the turn refused, before it changed anything
-            if made:
-                self.spares.add(agent)  # made for this call alone: deleted, as a spare is
+            if made and agent not in self.spares:  # made for this call alone
+                task = asyncio.create_task(delete_refused(agent))
+                self.deletions.add(task)
+                task.add_done_callback(self.deletions.discard)
             self.ended(agent)
             raise
         except BaseException:

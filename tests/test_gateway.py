@@ -381,21 +381,30 @@ def test_bad_requests_get_openais_error_format(stack):
 
 def test_a_refused_first_call_leaves_no_agent_behind(stack):
     """A call refused before its turn ran (its context and max_tokens past the model's
-    window) leaves no agent it made: named or anonymous, the store lists what it did
-    before, so failing requests do not grow the store."""
-    from agentkv.client.store import StoreClient
+    window) leaves no agent it made, named or anonymous, so failing requests do not grow
+    the store. (The anonymous agent's id is learnt from a call that ran, then deleted.)"""
+    from agentkv.errors import AgentNotFound
 
-    def agents() -> tuple[set[str], int]:  # in the store, and how many in the worker's RAM
-        with StoreClient(stack.store.address) as store, WorkerClient(stack.worker_address) as w:
-            return {a.agent_id for a in store.list_agents("default")}, w.info().num_hot_agents
-
-    before = agents()
     client = stack.client()
     messages = [{"role": "user", "content": "A question asked once, and refused."}]
-    for agent in ("refused-first", None):
-        error = error_of(lambda a=agent: ask(client, messages, a, max_tokens=100_000))
-        assert error.status_code == 400 and error.body["code"] == "context_length_exceeded"
-    until(lambda: agents() == before, "the refused calls' agents deleted")
+    ran = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=1, temperature=0
+    )
+    anonymous = ran.headers["x-agentkv-agent-id"]
+    with WorkerClient(stack.worker_address) as worker:
+        assert worker.delete("default", anonymous)
+        for agent in ("refused-first", None):
+            error = error_of(lambda a=agent: ask(client, messages, a, max_tokens=100_000))
+            assert error.status_code == 400 and error.body["code"] == "context_length_exceeded"
+
+        def gone(agent_id: str) -> bool:
+            try:
+                worker.describe("default", agent_id)
+            except AgentNotFound:
+                return True
+            return False
+
+        until(lambda: gone("refused-first") and gone(anonymous), "the refused calls' agents")
 
 
 def test_tools_for_a_model_without_a_tool_call_format_are_a_400(stack):
