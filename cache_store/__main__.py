@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from agentkv import logs
 from agentkv.errors import AgentKVError
@@ -19,9 +18,6 @@ def build_config(argv: list[str] | None = None) -> StoreConfig:
 def main(argv: list[str] | None = None) -> None:
     config = build_config(argv)
     logs.configure(config.log_level)
-    data_dir = Path(config.data_dir)
-    if data_dir.exists() and not data_dir.is_dir():
-        sys.exit(f"agentkv-store: error: --data-dir {data_dir} is a file, not a directory")
     try:
         serve(config)
     except (AgentKVError, OSError) as exc:  # at start-up: a data dir in use, a bad index

@@ -37,7 +37,12 @@ class CacheStore:
     def __init__(self, config: StoreConfig, metrics: StoreMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or StoreMetrics()
-        config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:  # a file where the directory goes (a typo for its folder)
+            raise NotADirectoryError(
+                f"--data-dir {config.data_dir} is a file, not a directory"
+            ) from None
         self.lock = DataDirLock(config.data_dir)
         self.lock.acquire()  # before anything below touches the directory
         try:
