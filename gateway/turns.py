@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -233,9 +233,7 @@ class Turns:
             return Turn(await agent.say(call.messages, **options), created)
         except (InvalidArgument, OutOfRange):  # the turn refused, before it changed anything
             if made and agent not in self.spares:  # made for this call alone
-                task = asyncio.create_task(delete_refused(agent))
-                self.deletions.add(task)
-                task.add_done_callback(self.deletions.discard)
+                self._deleting(delete_refused(agent))
             self.ended(agent)
             raise
         except BaseException:
@@ -252,9 +250,13 @@ class Turns:
         """After the agent's turn ended or was closed: a spare agent is deleted, once."""
         if agent in self.spares:
             self.spares.remove(agent)
-            task = asyncio.create_task(delete_spare(agent, self.creations.get(agent)))
-            self.deletions.add(task)
-            task.add_done_callback(self.deletions.discard)
+            self._deleting(delete_spare(agent, self.creations.get(agent)))
+
+    def _deleting(self, deletion: Coroutine[Any, Any, None]) -> None:
+        """Runs a deletion, which the gateway's stop waits for (`deletions`)."""
+        task = asyncio.create_task(deletion)
+        self.deletions.add(task)
+        task.add_done_callback(self.deletions.discard)
 
 
 async def to_the_end(step: Awaitable[T]) -> T:
