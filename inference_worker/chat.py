@@ -18,10 +18,11 @@ Tools (inference_worker.tools) are rendered wherever the template puts them, in 
 of the conversation, the placeholder's too; like the system prompt they are part of what a
 resent conversation must match.
 
-What callers write is text, never control tokens: a special token's text (`<|im_start|>`)
-in a message, a tool call's arguments or a tool's definition is tokenized as the characters
-it spells, so no message can close its own turn and open a system one. Only the template's
-own markup becomes special tokens.
+What callers write is text, never control tokens: an added token's text (`<|im_start|>`,
+Qwen's `<tool_call>`) in a message, a tool's definition, a call's arguments or a tool's
+result is tokenized as the characters it spells, so no message can close its own turn and
+open a system one, or plant a call. Only the template's own markup becomes those tokens; an
+assistant's text keeps the model's own non-special ones (`<think>`).
 """
 
 from __future__ import annotations
@@ -241,11 +242,12 @@ class ChatFormat:
         return ids
 
     def _escaped_message(self, message: dict) -> dict:
-        if message.get("role") != "assistant":
-            return self._escaped(message, self._control)
-        content = message.get("content")
-        escaped = self._escaped(message, self._control)
-        return {**escaped, "content": self._escaped(content, self._special)}
+        """A message escaped: an assistant's text of the special tokens only."""
+        own = message.get("role") == "assistant"
+        return {
+            k: self._escaped(v, self._special if own and k == "content" else self._control)
+            for k, v in message.items()
+        }
 
     def _escaped(self, value: Any, tokens: re.Pattern) -> Any:
         """`value` (a message, a tool's definition) with every text of `tokens` in its
