@@ -7,7 +7,14 @@ top-level client/ folder, which the next lines let Python find there too (an edi
 maps it as well; this covers a checkout on sys.path ahead of a regular install).
 """
 
+import os
 from pathlib import Path
+
+# gRPC's C core writes its own INFO lines to stderr ("I1205 ... chttp2_transport.cc ... Got
+# goaway" when a peer stops or thaws) between the services' JSON lines. Its verbosity is read
+# once, when grpc is imported, and every agentkv process imports this package first. An
+# operator's GRPC_VERBOSITY still wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,12 @@ CLI, the asyncio SDK and a worker reach it, in plaintext and over TLS."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -169,3 +174,56 @@ def test_a_call_quiet_for_long_is_not_ended_by_keepalive_pings():
     finally:
         channel.close()
         server.stop(0)
+
+
+def test_grpc_core_lines_stay_out_of_a_service_log(tmp_path):
+    """A peer that goes away with calls on the wire makes gRPC's C core write "Got goaway" to
+    stderr, between a service's JSON lines. A process that imports agentkv first, as each
+    service does, logs JSON only. The peer here is a raw HTTP/2 server that answers a call with
+    GOAWAY, then a PING: the client's ack says it has read the GOAWAY."""
+    script = tmp_path / "goaway.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import logging, socket, struct, threading
+            from agentkv import logs
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            logs.configure()
+
+            def frame(kind, flags, payload=b""):
+                size = struct.pack(">I", len(payload))[1:]
+                return size + bytes([kind, flags]) + struct.pack(">I", 0) + payload
+
+            listener, acked = socket.create_server(("127.0.0.1", 0)), threading.Event()
+
+            def serve():
+                peer, _ = listener.accept()
+                peer.recv(65536)  # the client's preface and its call
+                goaway = frame(7, 0, struct.pack(">II", 0, 2) + b"going away")
+                ping = frame(6, 0, b"8 bytes!")
+                peer.sendall(frame(4, 0) + frame(4, 1) + goaway + ping)  # SETTINGS, its ack
+                seen = b""
+                while frame(6, 1, b"8 bytes!") not in seen:
+                    seen += peer.recv(65536)
+                acked.set()
+
+            threading.Thread(target=serve, daemon=True).start()
+            channel = grpc.insecure_channel(f"127.0.0.1:{listener.getsockname()[1]}")
+            call = health_pb2_grpc.HealthStub(channel).Check.future(
+                health_pb2.HealthCheckRequest(), timeout=120
+            )
+            assert acked.wait(120)
+            call.cancel()
+            logging.getLogger("probe").info("after goaway")
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    assert not [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert [json.loads(line)["event"] for line in done.stderr.splitlines()] == ["after goaway"]
