@@ -231,10 +231,14 @@ class Batcher:
         return "stop" if stopped or (turn.calls is not None and turn.calls.full) else ""
 
     @staticmethod
-    def _rest(turn: ActiveTurn) -> str:
-        """The text the detokenizer and the stop matcher still hold, up to a stop string."""
+    def _rest(turn: ActiveTurn, cut: bool = False) -> str:
+        """The text the detokenizer and the stop matcher still hold, up to a stop string. A
+        reply `cut` short (its max_tokens, its deadline, a cancel) may end inside a
+        character's bytes, which the detokenizer holds and would end in U+FFFD: they are
+        dropped (the reply's tokens keep them). A genuine U+FFFD at the cut goes too."""
         turn.detok.finalize()
-        text, stopped = turn.stops.feed(turn.detok.last_segment)
+        segment = turn.detok.last_segment
+        text, stopped = turn.stops.feed(segment.rstrip("\ufffd") if cut else segment)
         return text if stopped else text + turn.stops.flush()
 
     @staticmethod
@@ -307,7 +311,7 @@ class Batcher:
         self.active.pop(rid, None)
         u = turn.usage
         held = u.generated_tokens and reason in ("length", "deadline", "cancelled", "form")
-        if held and (rest := self._rest(turn)):
+        if held and (rest := self._rest(turn, cut=reason != "form")):
             self._send(turn, rest, [])  # what was held back for stop strings
         calls = turn.calls
         if calls is not None and any(rest := calls.flush()):  # text, or a call ending here

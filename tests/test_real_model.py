@@ -94,3 +94,23 @@ def test_stored_context_is_the_whole_conversation(smollm2, tokenizer, start_work
     if not system:
         assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
         assert text.count("<|im_start|>") == 6
+
+
+def test_a_reply_cut_inside_a_character_ends_before_it(smollm2, tokenizer, start_worker):
+    """A max_tokens that ends inside a character's bytes (an emoji takes several tokens): the
+    reply's text ends before that character, not in U+FFFD, and begins the uncut reply."""
+    w = WorkerClient(start_worker(smollm2).address)
+    question = [("user", "Repeat exactly: 🙂🙂🙂")]
+    w.create_agent("emoji", "whole", "")
+    whole = w.turn("emoji", "whole", question, max_tokens=30)
+    ids = list(whole.token_ids)
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert "🙂" in whole.text and cuts, (whole.text, ids)
+    for k in cuts[:2]:
+        w.create_agent("emoji", f"cut{k}", "")
+        cut = w.turn("emoji", f"cut{k}", question, max_tokens=k)
+        assert list(cut.token_ids) == ids[:k] and cut.usage.finish_reason == "length"
+        assert cut.text == tokenizer.decode(ids[:k]).rstrip("\ufffd"), cut.text
+        assert "\ufffd" not in cut.text and whole.text.startswith(cut.text)
+        again = w.turn("emoji", f"cut{k}", [("user", "Thanks.")], max_tokens=2)
+        assert again.usage.reused_hot_tokens > 0  # the cut reply stays in its context
