@@ -200,6 +200,11 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
     metadata = dict(error.trailing_metadata() or ())
     if "ping timeout" in message and ERROR_KEY not in metadata:  # the client's keepalive
         message = f"no answer to a keepalive ping: hung, or its link is down ({message})"
+    if code == grpc.StatusCode.UNIMPLEMENTED and ERROR_KEY not in metadata:  # gRPC's own
+        message = (
+            f"the server there does not serve this call ({message}): is the address another "
+            "kind of service's, a store's where a worker's belongs, or the other way round?"
+        )
     cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
     if issubclass(cls, GenerationConflict):
         result = cls(message, int(metadata.get(GENERATION_KEY, "0")))

@@ -204,15 +204,25 @@ class BaseWorkerClient:
         return self._unary("CountTokens", request, attrgetter("prompt_tokens"))
 
 
+class ReplyCutOff(Unavailable):
+    """A reply whose worker went away after `num_tokens` of its tokens (worker `worker`)."""
+
+    def __init__(self, message: str, worker: str, num_tokens: int) -> None:
+        super().__init__(message)
+        self.worker, self.num_tokens = worker, num_tokens
+
+
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
     """What readers of a reply that `exc` cut short get: a worker that went away may have
     kept the turn (a cut link) or lost it (a stopped worker); an answer of its own stands."""
     if isinstance(exc, Unavailable) and not exc.remote:
-        return Unavailable(
+        return ReplyCutOff(
             f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
             "the turn may be in the agent's context (a cut link) or not committed (a stopped "
             "worker): describe() the agent before saying it, and say it again only if its "
-            "context lacks the turn"
+            "context lacks the turn",
+            worker,
+            num_tokens,
         )
     return exc
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from agentkv.client.worker_core import ReplyCutOff
 from agentkv.errors import AgentKVError, OverBudget
 
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -53,11 +54,21 @@ class HTTPError(Exception):
         status, kind = STATUS.get(exc.code, (500, "server_error"))
         too_long = exc.code == grpc.StatusCode.OUT_OF_RANGE and not isinstance(exc, OverBudget)
         code = "context_length_exceeded" if too_long else None
-        return cls(status, exc.message, kind, code=code or exc.code.name.lower())
+        return cls(status, http_message(exc), kind, code=code or exc.code.name.lower())
 
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return {"error": error}
+
+
+def http_message(exc: AgentKVError) -> str:
+    """The error's message in an HTTP client's terms where the SDK's own speaks of its
+    methods: a reply cut off by its worker's end is simply sent again (a whole conversation
+    resumes from its last complete turn; a previous response's point is still there)."""
+    if isinstance(exc, ReplyCutOff):
+        tokens = f"{exc.num_tokens} token{'' if exc.num_tokens == 1 else 's'}"
+        return f"the worker went away after {tokens} of the reply; send the request again"
+    return exc.message
 
 
 def escaped(text: str) -> str:

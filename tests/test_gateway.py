@@ -749,6 +749,30 @@ def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
             gateway.stop()
 
 
+def test_a_worker_gone_mid_reply_is_a_503_that_says_send_it_again(stack):
+    """A worker that goes away mid-reply (its link cut) ends the reply with 503 `unavailable`
+    in an HTTP client's terms (send it again), not the SDK's (describe() the agent)."""
+    with StalledWorker(stack.worker_address, sent=2) as proxy, ThreadPoolExecutor(1) as pool:
+        gateway = stack.start_gateway([proxy.address], name="cut-link")
+        try:
+            client = stack.client(gateway)
+            messages = [{"role": "user", "content": "Write a long story about a mill."}]
+            chunks = iter(ask(client, messages, "cut-stream", stream=True, max_tokens=200))
+            next(chunks)
+            whole = pool.submit(ask, client, messages, "cut-whole", max_tokens=200)
+            assert {proxy.stalled.get(timeout=60) for _ in range(2)} == {"cut-stream", "cut-whole"}
+            proxy.server.stop(0)  # both replies hold one token
+            said = "the worker went away after 1 token of the reply; send the request again"
+            error = error_of(whole.result)
+            assert error.status_code == 503 and error.body["code"] == "unavailable"
+            assert error.body["message"] == said
+            with pytest.raises(openai.APIError) as cut:
+                list(chunks)
+            assert cut.value.body["code"] == "unavailable" and cut.value.message == said
+        finally:
+            gateway.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_client_gone_before_its_first_token_cancels_its_turn_and_spare_then(stack, stream):
     """A client that leaves while its turn waits for its first token (queued, or in a long

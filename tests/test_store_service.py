@@ -13,6 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from agentkv.client.worker import WorkerClient
+from agentkv.errors import AgentKVError
 from agentkv.launch import ServiceProcess
 from agentkv.units import parse_bytes
 from cache_store.__main__ import build_config
@@ -30,6 +32,16 @@ def test_health_and_reflection(store_process):
         (reply,) = stub.ServerReflectionInfo(iter([request]), timeout=10)
         names = {s.name for s in reply.list_services_response.service}
         assert {"agentkv.v1.CacheStore", "grpc.health.v1.Health"} <= names
+
+
+def test_a_worker_call_to_a_store_says_it_may_be_the_wrong_service(store_process):
+    """gRPC's bare "Method not found!" (a worker's address mistaken for a store's) becomes a
+    message that says what is likely wrong."""
+    with WorkerClient(store_process.address) as w, pytest.raises(AgentKVError) as caught:
+        w.info()
+    assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert "a store's where a worker's belongs" in caught.value.message
+    assert "Method not found" in caught.value.message
 
 
 def test_reflection_v1_answers_as_v1alpha_does(store_process):
