@@ -773,6 +773,18 @@ def test_a_worker_gone_mid_reply_is_a_503_that_says_send_it_again(stack):
             gateway.stop()
 
 
+def test_a_turn_past_the_gateways_timeout_is_a_504_naming_the_flag(stack):
+    with StalledWorker(stack.worker_address) as proxy:
+        gateway = stack.start_gateway([proxy.address], "--timeout", "3", name="timed")
+        try:
+            messages = [{"role": "user", "content": "Write a long story about a mill."}]
+            error = error_of(lambda: ask(stack.client(gateway), messages, "timed", max_tokens=50))
+            assert error.status_code == 504 and error.body["code"] == "deadline_exceeded"
+            assert "within the gateway's --timeout" in error.body["message"]
+        finally:
+            gateway.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_client_gone_before_its_first_token_cancels_its_turn_and_spare_then(stack, stream):
     """A client that leaves while its turn waits for its first token (queued, or in a long
