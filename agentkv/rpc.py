@@ -79,7 +79,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
     def _abort(self, exc: Exception, context: grpc.ServicerContext, method: str) -> None:
         if isinstance(exc, AgentKVError):
-            code, message, trailers = exc.code, exc.message, exc.trailing_metadata()
+            code, message, trailers = exc.code, from_peer(exc), exc.trailing_metadata()
             log.info("rpc failed", extra={"method": method, "code": code.name, "error": message})
         elif isinstance(exc, grpc.RpcError) and not context.is_active():
             raise exc  # the client went away; nothing to answer
@@ -91,6 +91,17 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             self._on_error(code)
         context.set_trailing_metadata(trailers)
         context.abort(code, message)
+
+
+def from_peer(exc: AgentKVError) -> str:
+    """The error's message, saying which server it came from when it is the transport's
+    (gRPC's "failed to connect ... SETTINGS frame") on a call this server made to another
+    (a worker's to its store), not this server's own."""
+    if not exc.peer or exc.remote:
+        return exc.message
+    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"the {exc.peer} did not answer: {exc.message}"
+    return f"a call to the {exc.peer} failed: {exc.message}"
 
 
 def guarded(
