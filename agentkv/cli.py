@@ -6,7 +6,7 @@ agentkv run SCENARIO         run a workflow scenario (a YAML file, or a shipped 
 agentkv agents               list agents with their tier (hot, warm, cold), tokens and bytes
 agentkv store stats|namespaces|agents|agent|blocks|verify|gc   inspect and maintain a store
 agentkv walkthrough          a guided tour of the store and the worker
-agentkv plan --config NAME --context 8K --budget 10.2Gi   how many agents' KV caches fit
+agentkv plan [--config NAME] --context 8K --budget 10.2Gi   how many agents' KV caches fit
 """
 
 from __future__ import annotations
@@ -146,7 +146,11 @@ def _run_child(command: list[str], **popen: object) -> int:
 
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="a config.json, a model directory, or a shipped name")
+    p.add_argument(
+        "--config",
+        default=defaults.MODEL,
+        help="a config.json, a model directory, or a shipped name (default: the default model)",
+    )
     p.add_argument(
         "--context",
         action="append",
@@ -313,8 +317,8 @@ def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    if not (args.config and args.context and args.budget):
-        raise ValueError("plan needs --config, --context and --budget")
+    if not (args.context and args.budget):
+        raise ValueError("plan needs --context and --budget")
     print_plan(args.config, args.context, args.budget, args.bits, args.group_size, args.chunk)
 
 

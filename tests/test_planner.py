@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from agentkv import defaults
 from agentkv.layers import (
     FP16,
     KVStorage,
@@ -292,6 +293,16 @@ def test_cli_plan_reads_a_model_directory(tmp_path):
     assert row(out.stdout, "8192").endswith(" 9 33 33")  # 10.2e9 bytes / 1 GiB and / 0.28125 GiB
 
 
+def test_cli_plan_takes_the_default_model_by_default_and_by_its_name():
+    """--config defaults to the default model, whose name is the worker's --model's."""
+    for config in ([], ["--config", defaults.MODEL]):
+        out = agentkv("plan", *config, "--context", "8K", "--budget", "1G")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"{defaults.MODEL}: 30 layers (30 full); 3 KV heads")
+        # 30 layers x 3 heads x (64 + 64) x 8192 tokens: 2 bytes each, or 4 bits + 2 x 2 / 64
+        assert row(out.stdout, "8192") == "8192 0.176 GiB 0.049 GiB 0.049 GiB 5 18 18"
+
+
 def test_capacity_benchmark_sets_table14_beside_the_planner(tmp_path):
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "capacity.py"
     cmd = [sys.executable, str(script), "--out", str(tmp_path)]
@@ -311,7 +322,7 @@ def test_capacity_benchmark_sets_table14_beside_the_planner(tmp_path):
         (["--config", "nope", "--context", "8K", "--budget", "1G"], "no model config at 'nope'"),
         (["--config", "llama3_1_8b", "--context", "8K", "--budget", "lots"], "argument --budget"),
         (["--config", "llama3_1_8b", "--context", "8K", "--budget", "0"], "positive number"),
-        (["--config", "llama3_1_8b", "--context", "8K"], "needs --config, --context and --budget"),
+        (["--config", "llama3_1_8b", "--context", "8K"], "needs --context and --budget"),
     ],
     ids=["missing-file", "bad-budget", "zero-budget", "no-budget"],
 )

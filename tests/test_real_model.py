@@ -5,10 +5,14 @@ the stored context is the whole conversation rendered by the model's own ChatML 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from agentkv import defaults
 from agentkv.client.worker import WorkerClient
+from agentkv.layers import layer_specs
+from agentkv.planner import load_config
 from inference_worker.models import resolve_model
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
@@ -114,3 +118,15 @@ def test_a_reply_cut_inside_a_character_ends_before_it(smollm2, tokenizer, start
         assert "\ufffd" not in cut.text and whole.text.startswith(cut.text)
         again = w.turn("emoji", f"cut{k}", [("user", "Thanks.")], max_tokens=2)
         assert again.usage.reused_hot_tokens > 0  # the cut reply stays in its context
+
+
+def test_the_planners_config_of_the_default_model_is_the_imported_one(smollm2):
+    """`agentkv plan` reads the default model's shipped config (agentkv/model_configs); the
+    worker runs the config its GGUF import writes. Every field the planner keeps agrees."""
+    imported = json.loads((smollm2 / "config.json").read_text())
+    shipped = load_config(defaults.MODEL)
+    assert layer_specs(shipped) == layer_specs(imported)
+    kept = set(shipped) - {"architectures", "eos_token_id", "rms_norm_eps"}
+    assert {k: shipped[k] for k in kept} == {k: imported[k] for k in kept}
+    assert [shipped["eos_token_id"]] == imported["eos_token_id"]
+    assert shipped["rms_norm_eps"] == pytest.approx(imported["rms_norm_eps"], rel=1e-6)
