@@ -227,12 +227,21 @@ def _stops(stop: Any) -> list[str]:
     return stops
 
 
+def sent_as(header: str) -> str:
+    """A header's value as its sender wrote it: HTTP carries bytes, which the ASGI server
+    reads as Latin-1, so UTF-8 text (a refused agent id, quoted back) came out garbled."""
+    try:
+        return header.encode("latin-1").decode("utf-8")
+    except UnicodeError:  # Latin-1 text after all
+        return header
+
+
 def agent_id(header: str, session: str, call: ChatCall) -> str:
     """The agent a call goes to: X-Agent-Id as given, else X-Session-ID, used as given when
     it is a valid agent id and digested when not, else the anonymous agent of its scope,
     system prompt and first message."""
     if header:
-        return ids.agent_id(header, "X-Agent-Id")
+        return ids.agent_id(sent_as(header), "X-Agent-Id")
     if not session:
         return call.anonymous_id()
     if ids.AGENT_ID_RE.fullmatch(session):

@@ -377,6 +377,10 @@ def test_bad_requests_get_openais_error_format(stack):
     assert lone.status == 400 and lone.json()["error"]["param"] == "messages[0].content"
     nowhere = raw(address, "GET", "/v1/completions")
     assert nowhere.status == 404 and "error" in nowhere.json()
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4}).encode()
+    accented = raw(address, "POST", path, body, X_Agent_Id="agént".encode())  # UTF-8 bytes
+    assert accented.status == 400, accented
+    assert "invalid X-Agent-Id 'agént'" in accented.json()["error"]["message"]
 
 
 def test_a_refused_first_call_leaves_no_agent_behind(stack):
