@@ -127,7 +127,9 @@ def test_every_grpc_status_has_its_http_status():
         errors.CorruptBlock: 500, errors.AgentKVError: 500,
     }  # fmt: skip
     for kind, status in expected.items():
-        error = HTTPError.of(kind("why"))
+        answer = kind("why")
+        answer.remote = True  # a worker's answer (the gateway's own deadline says --timeout)
+        error = HTTPError.of(answer)
         assert error.status == status, kind
         assert error.body()["error"]["message"] == "why"
     assert HTTPError.of(errors.GenerationConflict("raced", current_generation=3)).status == 409
