@@ -14,6 +14,7 @@ turn (`fail_all`).
 
 from __future__ import annotations
 
+import codecs
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.tokenizer_utils import _byte_decoder as byte_decoder
 
 from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
 from inference_worker.agents import Agent, AgentId, Checkpoint
@@ -234,11 +236,12 @@ class Batcher:
     def _rest(turn: ActiveTurn, cut: bool = False) -> str:
         """The text the detokenizer and the stop matcher still hold, up to a stop string. A
         reply `cut` short (its max_tokens, its deadline, a cancel) may end inside a
-        character's bytes, which the detokenizer holds and would end in U+FFFD: they are
-        dropped (the reply's tokens keep them). A genuine U+FFFD at the cut goes too."""
+        character's bytes, which the detokenizer holds and would end in U+FFFD: that one is
+        dropped (the reply's tokens keep its bytes); invalid bytes stay U+FFFD."""
+        partial = cut and ends_inside_a_character(turn.detok)
         turn.detok.finalize()
         segment = turn.detok.last_segment
-        text, stopped = turn.stops.feed(segment.rstrip("\ufffd") if cut else segment)
+        text, stopped = turn.stops.feed(segment.removesuffix("\ufffd") if partial else segment)
         return text if stopped else text + turn.stops.flush()
 
     @staticmethod
@@ -340,3 +343,16 @@ def _choose(turn: ActiveTurn, logprobs: mx.array, greedy: list[int] = ()) -> int
     if turn.constraint is not None:  # what the form allows, as a distribution (top_p's)
         logprobs = logprobs - mx.logsumexp(logprobs)
     return turn.sample(logprobs)
+
+
+def ends_inside_a_character(detok: Any) -> bool:
+    """Whether the bytes an mlx-lm streaming detokenizer holds end with an incomplete UTF-8
+    character. It holds them in `_unflushed`: bytes (SentencePiece's), or byte-level BPE's
+    characters for bytes; a detokenizer that holds none there (the naive one) says no."""
+    held = getattr(detok, "_unflushed", b"")
+    if isinstance(held, str):
+        table = byte_decoder()
+        held = bytes(table[c] for c in held if c in table)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(held)
+    return bool(decoder.getstate()[0])  # what it holds back for the next bytes
