@@ -93,10 +93,13 @@ class Scheduler:
         holds at least two fewer). Raises OverBudget for one that could never run here (not
         retried: it never would), ResourceExhausted for one that may not wait."""
         if request.memory_bytes > self.memory_budget:
+            what, fewer = "its context", "a shorter context"  # a new agent's prefix, say
+            if request.max_tokens:
+                what, fewer = "its context and max_tokens", "fewer tokens"
             raise OverBudget(
-                f"the turn needs {request.memory_bytes} bytes of KV cache (its context and "
-                f"max_tokens), more than this worker's whole memory budget of "
-                f"{self.memory_budget} (--hot-budget): ask for fewer tokens"
+                f"the turn needs {request.memory_bytes} bytes of KV cache ({what}), more than "
+                f"this worker's whole memory budget of {self.memory_budget} (--hot-budget): "
+                f"ask for {fewer}"
             )
         pushed = None
         if len(self.waiting) >= self.queue_limit:

@@ -136,6 +136,16 @@ def test_a_full_queue_and_an_impossible_request_are_refused():
         s.submit(req("c"))
 
 
+def test_an_impossible_request_names_what_to_cut():
+    """A turn asks for fewer tokens; a new agent's prefix alone (no tokens asked for) for a
+    shorter context."""
+    s = sched(memory_budget=500)
+    with pytest.raises(OverBudget, match=r"\(its context and max_tokens\).*fewer tokens$"):
+        s.submit(req("turn", memory=1000, max_tokens=8))
+    with pytest.raises(OverBudget, match=r"\(its context\).*a shorter context$"):
+        s.submit(req("create", memory=1000, max_tokens=0))
+
+
 def test_requests_finish_at_max_tokens_and_append_only_turns_at_prefill():
     s = sched()
     gen, append = req("gen", max_tokens=3), req("append", max_tokens=0)
