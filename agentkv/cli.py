@@ -149,7 +149,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         default=defaults.MODEL,
-        help="a config.json, a model directory, or a shipped name (default: the default model)",
+        help=f"a config.json, a model directory, or a shipped name (default: {defaults.MODEL})",
     )
     p.add_argument(
         "--context",

@@ -85,6 +85,9 @@ class GenerationConflict(AgentKVError):
         super().__init__(message)
         self.current_generation = current_generation
 
+    def __reduce__(self) -> tuple:  # pickled and copied with both arguments
+        return (type(self), (self.message, self.current_generation))
+
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return (*super().trailing_metadata(), (GENERATION_KEY, str(self.current_generation)))
 
@@ -202,8 +205,9 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
         message = f"no answer to a keepalive ping: hung, or its link is down ({message})"
     if code == grpc.StatusCode.UNIMPLEMENTED and ERROR_KEY not in metadata:  # gRPC's own
         message = (
-            f"the server there does not serve this call ({message}): is the address another "
-            "kind of service's, a store's where a worker's belongs, or the other way round?"
+            f"the server there does not serve this call ({message}): an older agentkv that "
+            "lacks it, or another kind of service (a store's address where a worker's "
+            "belongs, or the other way round)"
         )
     cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
     if issubclass(cls, GenerationConflict):

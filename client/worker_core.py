@@ -205,11 +205,14 @@ class BaseWorkerClient:
 
 
 class ReplyCutOff(Unavailable):
-    """A reply whose worker went away after `num_tokens` of its tokens (worker `worker`)."""
+    """A reply cut off after `num_tokens` tokens: its worker (at `worker`) went away."""
 
     def __init__(self, message: str, worker: str, num_tokens: int) -> None:
         super().__init__(message)
         self.worker, self.num_tokens = worker, num_tokens
+
+    def __reduce__(self) -> tuple:  # pickled and copied with every argument
+        return (type(self), (self.message, self.worker, self.num_tokens))
 
 
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:

@@ -67,7 +67,8 @@ def http_message(exc: AgentKVError) -> str:
     again (a whole conversation resumes from its last complete turn; a previous response's
     point is still there); the SDK's deadline is the gateway's --timeout."""
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and not exc.remote:  # the SDK's deadline
-        return f"the worker did not answer within the gateway's --timeout ({exc.message})"
+        peer = exc.peer or "worker"
+        return f"the call to the {peer} did not end within the gateway's --timeout ({exc.message})"
     if isinstance(exc, ReplyCutOff):
         tokens = f"{exc.num_tokens} token{'' if exc.num_tokens == 1 else 's'}"
         return f"the worker went away after {tokens} of the reply; send the request again"

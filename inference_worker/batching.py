@@ -15,6 +15,7 @@ turn (`fail_all`).
 from __future__ import annotations
 
 import codecs
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import _byte_decoder as byte_decoder
 
 from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
 from inference_worker.agents import Agent, AgentId, Checkpoint
@@ -347,12 +347,23 @@ def _choose(turn: ActiveTurn, logprobs: mx.array, greedy: list[int] = ()) -> int
 
 def ends_inside_a_character(detok: Any) -> bool:
     """Whether the bytes an mlx-lm streaming detokenizer holds end with an incomplete UTF-8
-    character. It holds them in `_unflushed`: bytes (SentencePiece's), or byte-level BPE's
-    characters for bytes; a detokenizer that holds none there (the naive one) says no."""
+    character. It holds them in `_unflushed` (mlx-lm's own name, <0.33 as pinned): bytes
+    (SentencePiece's), or byte-level BPE's characters for bytes, read back as its
+    `_decode_bytes` does; a detokenizer that holds none there (the naive one) says no."""
     held = getattr(detok, "_unflushed", b"")
     if isinstance(held, str):
-        table = byte_decoder()
-        held = bytes(table[c] for c in held if c in table)
+        table = gpt2_bytes()
+        held = b"".join(bytes([table[c]]) if c in table else c.encode() for c in held)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.decode(held)
     return bool(decoder.getstate()[0])  # what it holds back for the next bytes
+
+
+@functools.cache
+def gpt2_bytes() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, read back: GPT-2's table (bytes that print
+    stand for themselves; the others take the characters from U+0100 on, in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}

@@ -95,7 +95,7 @@ class Scheduler:
         if request.memory_bytes > self.memory_budget:
             what, fewer = "its context", "a shorter context"  # a new agent's prefix, say
             if request.max_tokens:
-                what, fewer = "its context and max_tokens", "fewer tokens"
+                what, fewer = "its context and max_tokens", "fewer tokens or a shorter context"
             raise OverBudget(
                 f"the turn needs {request.memory_bytes} bytes of KV cache ({what}), more than "
                 f"this worker's whole memory budget of {self.memory_budget} (--hot-budget): "

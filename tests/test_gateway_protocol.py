@@ -3,8 +3,10 @@ refused (never ignored), every gRPC status as an HTTP status, and how an agent i
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import pickle
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import errors
+from agentkv.client.worker_core import ReplyCutOff
 from agentkv.gateway.completion import Completion, finish_reason, usage_json, with_creation
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import agent_id, parse_chat
@@ -116,6 +119,30 @@ def test_what_openai_allows_is_read_as_openai_means_it():
 def test_cached_tokens_are_never_negative():
     usage = pb.Usage(prompt_tokens=10, prefilled_tokens=12)  # a template that added tokens
     assert usage_json(usage)["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_the_sdks_own_errors_read_in_http_terms():
+    """The SDK's deadline is the gateway's --timeout (a store's call says so); a reply cut
+    off by its worker is sent again; a worker's own answers pass as they are."""
+    deadline = errors.DeadlineExceeded("Deadline Exceeded")
+    assert HTTPError.of(deadline).message == (
+        "the call to the worker did not end within the gateway's --timeout (Deadline Exceeded)"
+    )
+    deadline.peer = "store"
+    assert "the call to the store did not end" in HTTPError.of(deadline).message
+    for tokens, said in ((1, "1 token"), (0, "0 tokens"), (7, "7 tokens")):
+        cut = HTTPError.of(ReplyCutOff("describe() the agent", "w:1", tokens))
+        assert (cut.status, cut.code) == (503, "unavailable")
+        assert (
+            cut.message == f"the worker went away after {said} of the reply; send the request again"
+        )
+
+
+def test_errors_with_more_than_a_message_survive_pickling():
+    cut = pickle.loads(pickle.dumps(ReplyCutOff("gone", "w:1", 3)))
+    assert (type(cut), cut.message, cut.worker, cut.num_tokens) == (ReplyCutOff, "gone", "w:1", 3)
+    lost = copy.copy(errors.GenerationConflict("raced", current_generation=4))
+    assert (lost.message, lost.current_generation) == ("raced", 4)
 
 
 def test_every_grpc_status_has_its_http_status():

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
 from agentkv.errors import InvalidArgument, Unavailable
 from inference_worker.agents import Agent, HotTier
+from inference_worker.batching import ends_inside_a_character, gpt2_bytes
 from inference_worker.sampling import Sampling, StopMatcher
 
 
@@ -285,3 +287,41 @@ def test_a_process_whose_mlx_threads_ended_exits_cleanly():
             [sys.executable, "-c", MLX_THREADS_THEN_EXIT], stderr=subprocess.PIPE, text=True
         )
         assert run.returncode == 0, run.stderr[-1000:]
+
+
+def _bpe(text: bytes) -> str:
+    """`text` as byte-level BPE writes it, one character per byte."""
+    back = {b: c for c, b in gpt2_bytes().items()}
+    return "".join(back[b] for b in text)
+
+
+@pytest.mark.parametrize(
+    "held, inside",
+    [
+        (b"ab\xf0\x9f\x99", True),  # the first 3 of an emoji's 4 bytes
+        (b" \xe2\x80", True),
+        (b"\xff\xf0\x9f", True),  # an invalid byte, then a character begun
+        (b"ab\x80\x80", False),  # invalid bytes: they stay U+FFFD
+        (b"\xff", False),
+        (b"ab\xf0\x9f\x99\x82", False),  # whole
+        (b"", False),
+    ],
+)
+def test_a_cut_drops_only_a_character_begun(held, inside):
+    """What a reply cut short drops: the U+FFFD of a character its last bytes began, read
+    from what the detokenizer holds: bytes (SentencePiece) or byte-level BPE's characters."""
+    for unflushed in (held, _bpe(held)):
+        assert ends_inside_a_character(SimpleNamespace(_unflushed=unflushed)) is inside
+    assert not ends_inside_a_character(SimpleNamespace())  # the naive one holds tokens
+
+
+def test_mlx_lm_detokenizers_hold_their_bytes_where_a_cut_reads_them():
+    """The private names ends_inside_a_character reads: an mlx-lm upgrade that renames them
+    fails here, not in a reply."""
+    from mlx_lm import tokenizer_utils
+
+    assert gpt2_bytes() == tokenizer_utils._byte_decoder()
+    for kind in (tokenizer_utils.BPEStreamingDetokenizer, tokenizer_utils.SPMStreamingDetokenizer):
+        detok = object.__new__(kind)
+        detok.reset()
+        assert detok._unflushed in ("", b""), kind
