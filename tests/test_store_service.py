@@ -40,7 +40,7 @@ def test_a_worker_call_to_a_store_says_it_may_be_the_wrong_service(store_process
     with WorkerClient(store_process.address) as w, pytest.raises(AgentKVError) as caught:
         w.info()
     assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
-    assert "a store's where a worker's belongs" in caught.value.message
+    assert "a store's address where a worker's belongs" in caught.value.message
     assert "Method not found" in caught.value.message
 
 
