@@ -260,10 +260,14 @@ class Turns:
 
 
 async def to_the_end(step: Awaitable[T]) -> T:
-    """What `step` returns; a caller cancelled meanwhile is so once the step has ended."""
+    """What `step` returns; a caller cancelled meanwhile is so once the step has ended, and
+    the step's error, if any, goes with it (not to asyncio's "Task exception was never
+    retrieved", logged once for each such call: a client gone while its agent was made)."""
     running = asyncio.ensure_future(step)
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
         await asyncio.wait({running})
+        if not running.cancelled():
+            running.exception()  # retrieved: the cancelled caller answers no one
         raise

@@ -3,7 +3,9 @@ refused (never ignored), every gRPC status as an HTTP status, and how an agent i
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import gc
 import hashlib
 import json
 import pickle
@@ -18,6 +20,7 @@ from agentkv.client.worker_core import ReplyCutOff
 from agentkv.gateway.completion import Completion, finish_reason, usage_json, with_creation
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import agent_id, parse_chat
+from agentkv.gateway.turns import to_the_end
 from agentkv.worker.v1 import worker_pb2 as pb
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
@@ -594,3 +597,31 @@ def test_a_response_format_and_a_required_call_pass_to_the_worker():
     assert (named.tool_call_required, named.tool_call_name) == (True, "get_weather")
     unnamed = {"type": "json_schema", "json_schema": {"name": "v"}}  # no schema: any JSON
     assert parsed(response_format=unnamed).output_format == {"json_schema": "{}"}
+
+
+def test_a_step_whose_caller_left_has_its_error_retrieved():
+    """to_the_end runs a step (a CreateAgent) to its end after its caller (a client gone) is
+    cancelled; the step's error then is no one's, and asyncio does not log it as "never
+    retrieved" (a red team's burst of identical calls wrote one such error line per call)."""
+
+    async def caller_leaves() -> list[str]:
+        logged: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: logged.append(c["message"]))
+        release, started = asyncio.Event(), asyncio.Event()
+
+        async def create() -> None:
+            started.set()
+            await release.wait()
+            raise errors.AgentExists("made meanwhile")
+
+        caller = asyncio.ensure_future(to_the_end(create()))
+        await started.wait()
+        caller.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        del caller
+        gc.collect()  # a task's unretrieved error is logged when the task is freed
+        return logged
+
+    assert asyncio.run(caller_leaves()) == []
