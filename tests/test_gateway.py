@@ -716,6 +716,16 @@ def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(sta
             gateway.stop()
 
 
+MILL = [{"role": "user", "content": "Write a long story about a mill."}]
+
+
+def opened_stream(client: openai.OpenAI, agent: str) -> Iterator:
+    """A long streamed reply of `agent`'s, its first chunk read."""
+    chunks = iter(ask(client, MILL, agent, stream=True, max_tokens=200))
+    next(chunks)
+    return chunks
+
+
 def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
     """SIGTERM gives replies in flight the drain's 10 s; one still running then ends as the
     worker's do, with 503 `unavailable` (send it again): OpenAI's error JSON, an error event
@@ -723,10 +733,8 @@ def test_replies_still_running_when_a_stop_has_drained_end_with_a_503(stack):
     with StalledWorker(stack.worker_address) as proxy, ThreadPoolExecutor(1) as pool:
         gateway = stack.start_gateway([proxy.address], name="drained")
         try:
-            client = stack.client(gateway)
-            messages = [{"role": "user", "content": "Write a long story about a mill."}]
-            chunks = iter(ask(client, messages, "drained-stream", stream=True, max_tokens=200))
-            next(chunks)
+            client, messages = stack.client(gateway), MILL
+            chunks = opened_stream(client, "drained-stream")
             events = iter(client.responses.create(
                 model=MODEL, input=messages, stream=True, max_output_tokens=200,
                 extra_headers={"X-Agent-Id": "drained-responses"},
@@ -759,10 +767,8 @@ def test_a_worker_gone_mid_reply_is_a_503_that_says_send_it_again(stack):
     with StalledWorker(stack.worker_address, sent=2) as proxy, ThreadPoolExecutor(1) as pool:
         gateway = stack.start_gateway([proxy.address], name="cut-link")
         try:
-            client = stack.client(gateway)
-            messages = [{"role": "user", "content": "Write a long story about a mill."}]
-            chunks = iter(ask(client, messages, "cut-stream", stream=True, max_tokens=200))
-            next(chunks)
+            client, messages = stack.client(gateway), MILL
+            chunks = opened_stream(client, "cut-stream")
             whole = pool.submit(ask, client, messages, "cut-whole", max_tokens=200)
             assert {proxy.stalled.get(timeout=60) for _ in range(2)} == {"cut-stream", "cut-whole"}
             proxy.server.stop(0)  # both replies hold one token
