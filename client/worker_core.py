@@ -215,12 +215,16 @@ class ReplyCutOff(Unavailable):
         return (type(self), (self.message, self.worker, self.num_tokens))
 
 
+def tokens(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
     """What readers of a reply that `exc` cut short get: a worker that went away may have
     kept the turn (a cut link) or lost it (a stopped worker); an answer of its own stands."""
     if isinstance(exc, Unavailable) and not exc.remote:
         return ReplyCutOff(
-            f"worker {worker} went away after {num_tokens} tokens of the reply of {agent!r}; "
+            f"worker {worker} went away after {tokens(num_tokens)} of the reply of {agent!r}; "
             "the turn may be in the agent's context (a cut link) or not committed (a stopped "
             "worker): describe() the agent before saying it, and say it again only if its "
             "context lacks the turn",

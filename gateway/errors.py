@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from agentkv.client.worker_core import ReplyCutOff
+from agentkv.client.worker_core import ReplyCutOff, tokens
 from agentkv.errors import AgentKVError, OverBudget
 
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
@@ -70,8 +70,8 @@ def http_message(exc: AgentKVError) -> str:
         peer = exc.peer or "worker"
         return f"the call to the {peer} did not end within the gateway's --timeout ({exc.message})"
     if isinstance(exc, ReplyCutOff):
-        tokens = f"{exc.num_tokens} token{'' if exc.num_tokens == 1 else 's'}"
-        return f"the worker went away after {tokens} of the reply; send the request again"
+        said = tokens(exc.num_tokens)
+        return f"the worker went away after {said} of the reply; send the request again"
     return exc.message
 
 
