@@ -8,7 +8,9 @@ OpenAI's response_format with tools): the grammar is the form, or a call. A requ
 call (tool_choice "required", or one named) is the call alone. Where the model's calls are
 JSON between markers (mlx-lm's json_tools: Qwen's, Hermes') and the request names its
 tools, the first call is a call of one of them (the named one) with arguments its
-parameters' schema accepts; otherwise only the call's opening is enforced. A named call is
+parameters' schema accepts (references within it, "#/$defs/...", resolved); where no
+grammar holds those schemas, a call of one of them with any object (a named one is
+refused); otherwise only the call's opening is enforced. A named call is
 the whole reply (as OpenAI's); after any other first call, the rest stays the model's. A
 forbidden call (tool_choice "none") is its opening token masked at every step, where that
 opening is a special token; the reply's text is then not read for calls. Calls allowed of
@@ -272,18 +274,31 @@ class Grammars:
             if names:
                 self._json_calls(ask)
             return self._compiler.marker(fmt.start), []
-        schemas = [_call_schema(n, p) for n, p in functions.items() if not names or n in names]
-        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
+        chosen = {n: p for n, p in functions.items() if not names or n in names}
         try:
-            self._compiler.matcher({"grammars": [grammar]})
+            grammar = self._call_body(chosen)
         except InvalidArgument as exc:  # a tool's parameters llguidance cannot hold
             if names:
-                whose = f"tool {ask.name!r}'s" if ask.name else "the allowed tools'"
+                whose = f"tool {ask.name}'s" if ask.name else "the allowed tools'"
                 raise InvalidArgument(f"{whose} parameters: {exc.message}") from None
-            return self._compiler.marker(fmt.start), []
+            # A call of one of the tools all the same (a required call, or a form's), its
+            # arguments any object: never a tool the conversation lacks.
+            grammar = self._call_body({name: {"type": "object"} for name in chosen})
         opening, closing = self._compiler.marker(fmt.start), self._compiler.marker(fmt.end)
         return f'{opening} "\\n"? @call_body "\\n"? {closing}', [grammar]
+
+    def _call_body(self, functions: dict[str, Any]) -> dict:
+        """The grammar of a call's JSON, of one of `functions` (name: parameters' schema),
+        compiled once here: InvalidArgument for parameters llguidance cannot hold."""
+        many = len(functions) > 1
+        schemas = [
+            _call_schema(name, params, f"#/anyOf/{i}" if many else "#")
+            for i, (name, params) in enumerate(functions.items())
+        ]
+        body = {"anyOf": schemas} if many else schemas[0]
+        grammar = {"name": "call_body", "json_schema": {**body, "x-guidance": CALL_JSON_OPTIONS}}
+        self._compiler.matcher({"grammars": [grammar]})
+        return grammar
 
     def _json_calls(self, ask: Ask) -> None:
         """FailedPrecondition unless the model's calls are JSON between markers: what a call
@@ -343,13 +358,37 @@ def _any_strict(tools: str) -> bool:
     return any(tool["function"].get("strict") is True for tool in loads(tools))
 
 
-def _call_schema(name: str, parameters: Any) -> dict:
+def _call_schema(name: str, parameters: Any, at: str) -> dict:
+    """A call's JSON, at `at` in the call's schema: the tool's name and its arguments. The
+    parameters' own references ("#/$defs/X", as Pydantic writes nested models, or "#") are
+    to their root: they are moved to where the parameters now sit."""
+    at += "/properties/arguments"
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": _rebased(parameters, at)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """`schema` with every local reference ("#...") taken as from `at`."""
+    if isinstance(schema, list):
+        return [_rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = at + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, at)
+    return out
 
 
 def _entry(form: OutputForm) -> dict:

@@ -275,6 +275,57 @@ def test_with_tools_a_form_s_reply_may_be_a_call_its_tool_s_schema_accepts(qwen_
         assert (matcher.try_consume_tokens(ids) == len(ids)) is expected
 
 
+PYDANTIC = {  # a nested model, as Pydantic writes it: its parts in $defs, by reference
+    "type": "object",
+    "properties": {"loc": {"$ref": "#/$defs/Location"}},
+    "required": ["loc"],
+    "additionalProperties": False,
+    "$defs": {
+        "Location": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "near": {"$ref": "#/$defs/Location"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    },
+}
+TREE = {"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}
+
+
+def test_a_call_s_schema_resolves_its_own_references(qwen_grammars):
+    """A tool's parameters that refer to their own parts ("#/$defs/...", "#") hold its
+    call, alone or among others (a red team's Pydantic model was refused when named, and
+    not enforced when required); a required call whose tools llguidance cannot hold is
+    still a call of one of them."""
+    from inference_worker.grammar import Ask
+    from inference_worker.tools import canonical_tools
+
+    grammars, tokenizer = qwen_grammars
+
+    def function(name: str, parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    tools = canonical_tools(json.dumps([function("lookup", PYDANTIC), function("tree", TREE)]))
+    paris = {"loc": {"city": "Paris", "near": {"city": "Lyon"}}}
+    for ask in (Ask(name="lookup"), Ask(required=True)):
+
+        def taken(body: dict, ask=ask) -> bool:
+            return _takes(grammars.forms(ask, tools).matcher(tools), tokenizer, _call(body))
+
+        assert taken({"name": "lookup", "arguments": paris})
+        assert not taken({"name": "lookup", "arguments": {"loc": {"near": {"city": "Lyon"}}}})
+        assert not taken({"name": "get_weather", "arguments": {"city": "Paris"}})
+    tree = {"name": "tree", "arguments": {"child": {"child": {}}}}
+    required = grammars.forms(Ask(required=True), tools).matcher(tools)
+    assert _takes(required, tokenizer, _call(tree))
+    odd = canonical_tools(json.dumps([function("odd", {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}})]))  # fmt: skip
+    required = grammars.forms(Ask(required=True), odd).matcher(odd)
+    assert _takes(required, tokenizer, _call({"name": "odd", "arguments": {"a": 1}}))
+    required = grammars.forms(Ask(required=True), odd).matcher(odd)
+    assert not _takes(required, tokenizer, _call({"name": "get_weather", "arguments": {}}))
+
+
 SET_MODE = {  # a tool whose every argument is bounded: a random model's call ends
     "type": "function",
     "function": {
@@ -562,9 +613,12 @@ def test_a_call_keeps_the_request_s_key_order_and_odd_tool_schemas_do_not_block_
     parameters = {"type": "object", "properties": properties}
     odd = {"type": "function", "function": {"name": "odd", "parameters": parameters}}
     tools = canonical_tools(json.dumps([odd]))
-    opening = _call({"name": "anything", "arguments": 1})  # the opening only is enforced
-    assert _takes(grammars.forms(required, tools).matcher(tools), tokenizer, opening)
-    with pytest.raises(InvalidArgument, match="tool 'odd''s parameters"):
+    # a required call of tools llguidance cannot hold: one of them, its arguments any object
+    for body, taken in (({"name": "odd", "arguments": {"code": "c"}}, True),
+                        ({"name": "anything", "arguments": 1}, False)):  # fmt: skip
+        matcher = grammars.forms(required, tools).matcher(tools)
+        assert _takes(matcher, tokenizer, _call(body)) is taken
+    with pytest.raises(InvalidArgument, match="tool odd's parameters"):
         grammars.forms(Ask(name="odd"), tools)
     del properties["code"]  # what is left: a format llguidance does not know, left unchecked
     tools = canonical_tools(json.dumps([odd]))
