@@ -68,6 +68,12 @@ class FingerprintMismatch(FailedPrecondition):
     """A block or agent was written under another model or KV format."""
 
 
+class ModelLacks(FailedPrecondition):
+    """A request needs what this worker's model lacks (a tool-call format, calls as JSON,
+    calls that open with a special token): not a state that may change, a bad request for
+    this model (an HTTP 400)."""
+
+
 class AgentBusy(FailedPrecondition):
     """The agent has a turn under way: the call may be sent again once it ends."""
 

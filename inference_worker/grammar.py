@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agentkv.errors import FailedPrecondition, InvalidArgument
+from agentkv.errors import FailedPrecondition, InvalidArgument, ModelLacks
 from inference_worker.llg import Compiler
 from inference_worker.masks import Constraint
 from inference_worker.tools import ToolFormat, loads
@@ -137,7 +137,7 @@ class Grammars:
         """The turn's forms, compiled at submit for `tools` (canonical; None: not known
         yet; `source`: as the request wrote them); None when it asks for none.
         InvalidArgument for a form llguidance cannot compile, with its reason;
-        FailedPrecondition where the model cannot have one. The form is checked alone too,
+        ModelLacks where the model cannot have one. The form is checked alone too,
         though a required call leaves it nothing to hold (the reply is the call)."""
         if (ask.required or ask.name) and ask.forbidden:
             raise InvalidArgument("a tool call cannot be both required and forbidden")
@@ -194,7 +194,7 @@ class Grammars:
         if ask == Ask():
             return None
         if (ask.required or ask.name or ask.allowed) and self._tool_format is None:
-            raise FailedPrecondition(
+            raise ModelLacks(
                 "a required or restricted tool call needs a model whose tool-call format the "
                 "worker knows; this model's chat template has none"
             )
@@ -301,12 +301,12 @@ class Grammars:
         return grammar
 
     def _json_calls(self, ask: Ask) -> None:
-        """FailedPrecondition unless the model's calls are JSON between markers: what a call
+        """ModelLacks unless the model's calls are JSON between markers: what a call
         named, or calls of some tools only, need."""
         fmt = self._tool_format
         if fmt.name not in JSON_CALLS or not fmt.end:
             what = "a named tool call needs" if ask.name else "calls of some tools only need"
-            raise FailedPrecondition(
+            raise ModelLacks(
                 f"{what} a model whose calls are JSON ({', '.join(JSON_CALLS)}); "
                 f"this model's tool format is {fmt.name}"
             )
@@ -326,7 +326,7 @@ class Grammars:
         """The special token a call opens with: what a reply without calls may not write."""
         token = self._compiler.special_token(self._tool_format.start)
         if token is None:
-            raise FailedPrecondition(
+            raise ModelLacks(
                 "a forbidden or restricted tool call needs a model whose calls open with a "
                 f"special token; this model's open with {self._tool_format.start!r}, which "
                 "text can spell"

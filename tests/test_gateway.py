@@ -342,6 +342,7 @@ def test_bad_requests_get_openais_error_format(stack):
         ),
         (dict(tools=[{"type": "custom", "custom": {"name": "f"}}]), 400, "unsupported_value"),
         (dict(n=2), 400, "unsupported_value"),
+        (dict(tool_choice="required"), 400, "unsupported_value"),  # this model has no calls
         (dict(frequency_penalty=0.5), 400, "unsupported_value"),
         (dict(temperature=3), 400, None),
         (dict(messages=[]), 400, None),
