@@ -217,6 +217,8 @@ def _assistant(content: list, where: str) -> dict[str, Any]:
             raise invalid(f"{at}.input must be an object", f"{at}.input")
         if block.get("caller") not in (None, {"type": "direct"}):
             raise invalid(f"{at}.caller: only a direct call", f"{at}.caller", "unsupported_value")
+        if any(c["id"] == call_id for c in calls):  # a result would answer either
+            raise invalid(f"{at}: two tool_use blocks have one id, {call_id!r}", f"{at}.id")
         arguments = json.dumps(given, ensure_ascii=False)
         utf8(call_id + name + arguments, at)
         function = {"name": name, "arguments": arguments}
@@ -231,6 +233,7 @@ def _user(content: list, where: str, asked: set[str]) -> list[dict[str, Any]]:
     message. A result marked is_error reads "Error: " before its text."""
     out: list[dict[str, Any]] = []
     texts: list[str] = []
+    answered: set[str] = set()
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
         if _block(block, at, ("text", "tool_result")) == "text":
@@ -239,6 +242,9 @@ def _user(content: list, where: str, asked: set[str]) -> list[dict[str, Any]]:
         if texts:
             raise invalid(f"{at}: tool_result blocks come first in a user message", at)
         call_id = typed(block, "tool_use_id", str, None, at)
+        if call_id in answered:
+            raise invalid(f"{at}: a second tool_result for {call_id!r}", f"{at}.tool_use_id")
+        answered.add(call_id)
         if not call_id or call_id not in asked:
             raise invalid(
                 f"{at}: a tool_result answers a tool_use of the assistant message before it; "

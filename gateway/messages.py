@@ -119,6 +119,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             if not isinstance(value, str) or not (value or name == "arguments"):
                 raise invalid(f"{at}: its {name} must be a non-empty string", f"{at}.{name}")
             utf8(value, f"{at}.{name}")
+        if any(c["id"] == fields["id"] for c in out):  # a result would answer either
+            raise invalid(f"{at}: two tool calls have one id, {fields['id']!r}", f"{at}.id")
         function = {"name": fields["name"], "arguments": fields["arguments"]}
         out.append({"id": fields["id"], "type": "function", "function": function})
     return out

@@ -545,6 +545,36 @@ def test_any_body_is_a_chat_call_or_a_400(body):
     assert isinstance(call.tools, str) and call.messages
 
 
+def test_a_tool_call_id_given_twice_is_refused_on_every_route():
+    """Two calls of one id (a result would answer either), or two results of one call: a
+    400 on the OpenAI route and the Anthropic one, as on the Responses one."""
+    from agentkv.gateway.anthropic import parse_messages
+
+    function = {"name": "get_weather", "arguments": "{}"}
+    calls = [{"id": "c1", "type": "function", "function": function}] * 2
+    messages = [
+        {"role": "user", "content": "Weather in two cities?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+    ]
+    with pytest.raises(HTTPError, match=r"two tool calls have one id, 'c1'") as caught:
+        parsed(messages=messages)
+    assert caught.value.param == "messages[1].tool_calls[1].id"
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "r"}
+    for uses, results, said in (
+        ([use, use], [result], "two tool_use blocks have one id, 't1'"),
+        ([use], [result, result], "a second tool_result for 't1'"),
+    ):
+        body = {"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": uses},
+            {"role": "user", "content": results},
+        ]}  # fmt: skip
+        with pytest.raises(HTTPError, match=said):
+            parse_messages(body)
+
+
 def test_tool_results_are_put_in_their_calls_order():
     """Chat templates pair a tool result with a call by its place (Qwen 2.5's and Llama 3's
     name no call id): results sent in another order are put in the calls' order, on both
