@@ -655,3 +655,12 @@ def test_a_step_whose_caller_left_has_its_error_retrieved():
         return logged
 
     assert asyncio.run(caller_leaves()) == []
+
+
+def test_an_anthropic_max_tokens_out_of_range_says_the_range():
+    from agentkv.gateway.anthropic import parse_messages
+
+    for value in (10**12, -1):
+        body = {"model": "m", "max_tokens": value, "messages": [{"role": "user", "content": "Hi"}]}
+        with pytest.raises(HTTPError, match=rf"in \[0, 2\^32\) is required, got {value}$"):
+            parse_messages(body)
