@@ -22,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 import secrets
 from typing import Any
 
@@ -63,6 +64,7 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 INCOMPLETE = {"length", "deadline", "none"}  # finish reasons of a reply that was cut
 MARK_NAME_CHARS = 12  # a response's mark name: hex digits, the first of its id after resp_
+MARK_NAME = re.compile(f"[0-9a-f]{{{MARK_NAME_CHARS}}}")
 REASONING = ("effort", "summary", "generate_summary", "context", "mode")  # hints: no reasoning
 
 
@@ -125,6 +127,8 @@ def _previous(body: dict, instructions: str | None, tools: str) -> tuple[str, st
             raise ValueError(previous)
         rest = previous.removeprefix("resp_")
         mark, named = rest[:MARK_NAME_CHARS], rest[MARK_NAME_CHARS:]
+        if not MARK_NAME.fullmatch(mark):  # secrets.token_hex's, as response_id writes it
+            raise ValueError(mark)
         agent_id, setup = json.loads(base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)))
         agent_id = ids.agent_id(agent_id)
     except (binascii.Error, ValueError, TypeError, RecursionError, AgentKVError):

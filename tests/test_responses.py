@@ -193,6 +193,7 @@ def test_a_previous_response_id_names_its_agent_and_point():
         ({"tools": []}, "send the same ones"),
         ({"previous_response_id": rid[:-4]}, "not the id of a response agentkv made"),
         ({"previous_response_id": "resp_" + "0" * 12 + "bm90IGpzb24"}, "not the id"),
+        ({"previous_response_id": "resp_../../../../" + rid[17:]}, "not the id"),  # its mark
         ({"input": [*outputs, outputs[0]]}, "answers a function_call before it"),
     ]:
         with pytest.raises(HTTPError, match=words) as refused:
