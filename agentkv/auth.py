@@ -113,10 +113,15 @@ class TokenTable:
         return found
 
 
+ENTRY_KEYS = frozenset({"name", "sha256", "token", "namespaces"})
+
+
 def _entry(item: Any, i: int, where: str) -> tuple[bytes, Principal]:
     """One table entry: its token's SHA-256 and who it is."""
     if not isinstance(item, dict) or ("sha256" in item) == ("token" in item):
         raise ValueError(f"{where}: give exactly one of 'sha256' or 'token'")
+    if unknown := sorted(set(item) - ENTRY_KEYS):  # a misspelt field, or one not kept here
+        raise ValueError(f"{where}: unknown field(s) {unknown}: an entry has {sorted(ENTRY_KEYS)}")
     name = str(item.get("name") or f"token {i}")
     spaces = item.get("namespaces")
     if not isinstance(spaces, list) or not spaces:
@@ -140,7 +145,9 @@ def _digest(item: dict, where: str) -> bytes:
             raise ValueError(f"{where}: sha256 must be 64 hex digits")
         return digest
     token = item["token"]
-    if not isinstance(token, str) or len(token) < 16:
+    if not isinstance(token, str):
+        raise ValueError(f"{where}: a token is a string, not {type(token).__name__}")
+    if len(token) < 16:
         raise ValueError(f"{where}: a token needs at least 16 characters")
     if not TOKEN_RE.fullmatch(token):  # an authorization header carries no other
         raise ValueError(f"{where}: a token is printable ASCII with no spaces")

@@ -199,6 +199,11 @@ def test_token_tables_and_safe_defaults_are_checked(tmp_path):
         ({"tokens": [{"token": "with space 0123456789", "namespaces": ["a"]}]}, "no spaces"),
         ({"tokens": [{"token": TEAM_A, "namespaces": ["Team A"]}]}, "namespace 'Team A'"),
         ({"tokens": [{"token": TEAM_A, "namespaces": ["a", 7]}]}, r"tokens\[0\]: namespace 7"),
+        ({"tokens": [{"token": 12345678901234567890, "namespaces": ["a"]}]}, "a string, not int"),
+        (
+            {"tokens": [{"token": TEAM_A, "namespaces": ["a"], "expires_at": 1}]},
+            r"tokens\[0\]: unknown field\(s\) \['expires_at'\]",
+        ),
     ):
         (tmp_path / "t.json").write_text(json.dumps(body))
         with pytest.raises(ValueError, match=message):
