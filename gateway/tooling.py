@@ -118,7 +118,19 @@ def _within(obj: dict, key: str, where: str) -> dict:
 
 def tools_text(tools: list[dict[str, Any]]) -> str:
     """Function tools as the worker's canonical form: compact JSON, keys sorted ("" for
-    none)."""
+    none). Two of one name (a call could not say which), or parameters not of an object
+    (a call's arguments are one), are refused, as OpenAI and Anthropic do."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if function["name"] in names:
+            where = f"tools[{i}]"
+            raise invalid(f"{where}: a second tool named {function['name']!r}", where)
+        names.add(function["name"])
+        parameters = function.get("parameters") or {}
+        if parameters.get("type", "object") != "object":
+            where = f"tools[{i}]"
+            raise invalid(f"{where}: its parameters' schema is not of an object", where)
     text = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     utf8(text, "tools")
     return text if tools else ""

@@ -664,3 +664,20 @@ def test_an_anthropic_max_tokens_out_of_range_says_the_range():
         body = {"model": "m", "max_tokens": value, "messages": [{"role": "user", "content": "Hi"}]}
         with pytest.raises(HTTPError, match=rf"in \[0, 2\^32\) is required, got {value}$"):
             parse_messages(body)
+
+
+def test_two_tools_of_one_name_or_parameters_not_of_an_object_are_refused():
+    def tool(name: str, parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    weather = tool("get_weather", {"type": "object"})
+    for tools, said in (
+        ([weather, weather], r"tools\[1\]: a second tool named 'get_weather'"),
+        (
+            [tool("f", {"type": "string"})],
+            r"tools\[0\]: its parameters' schema is not of an object",
+        ),
+    ):
+        with pytest.raises(HTTPError, match=said):
+            parsed(tools=tools)
+    assert parsed(tools=[weather, tool("f", {})]).tools  # no type given: an object's
