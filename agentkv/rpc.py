@@ -97,7 +97,7 @@ def from_peer(exc: AgentKVError) -> str:
     """The error's message, saying which server it came from when it is the transport's
     (gRPC's "failed to connect ... SETTINGS frame") on a call this server made to another
     (a worker's to its store), not this server's own."""
-    if not exc.peer or exc.remote or exc.peer in exc.message:  # its own words name it
+    if not exc.peer or exc.remote or exc.message.startswith(f"the {exc.peer}"):  # named it
         return exc.message
     if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return f"the {exc.peer} did not answer: {exc.message}"

@@ -227,3 +227,25 @@ def test_grpc_core_lines_stay_out_of_a_service_log(tmp_path):
     assert done.returncode == 0, done.stderr
     assert not [line for line in done.stderr.splitlines() if not line.startswith("{")]
     assert [json.loads(line)["event"] for line in done.stderr.splitlines()] == ["after goaway"]
+
+
+def test_a_peers_transport_error_says_which_peer_once():
+    """A worker's answer for a transport error of its call to the store names the store,
+    even where the store's address spells "store" (Kubernetes' agentkv-store); an error that
+    already begins by naming it (the SDK's closed client) is not named twice."""
+    from agentkv.client.store import CLOSED
+    from agentkv.errors import DeadlineExceeded, Unavailable
+    from agentkv.rpc import from_peer
+
+    def of_store(error):
+        error.peer = "store"
+        return from_peer(error)
+
+    down = "failed to connect to all addresses; last error: ipv4:agentkv-store:50051: refused"
+    assert of_store(Unavailable(down)) == f"the store did not answer: {down}"
+    assert of_store(DeadlineExceeded("Deadline Exceeded")).startswith("the store did not answer")
+    assert of_store(Unavailable(CLOSED)) == CLOSED
+    answered = Unavailable("not committed")
+    answered.remote = True  # the store's own answer: its words as they are
+    assert of_store(answered) == "not committed"
+    assert from_peer(Unavailable(down)) == down  # this server's own error
