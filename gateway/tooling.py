@@ -122,14 +122,12 @@ def tools_text(tools: list[dict[str, Any]]) -> str:
     (a call's arguments are one), are refused, as OpenAI and Anthropic do."""
     names: set[str] = set()
     for i, tool in enumerate(tools):
-        function = tool["function"]
+        function, where = tool["function"], f"tools[{i}]"
         if function["name"] in names:
-            where = f"tools[{i}]"
             raise invalid(f"{where}: a second tool named {function['name']!r}", where)
         names.add(function["name"])
         parameters = function.get("parameters") or {}
         if parameters.get("type", "object") != "object":
-            where = f"tools[{i}]"
             raise invalid(f"{where}: its parameters' schema is not of an object", where)
     text = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     utf8(text, "tools")
