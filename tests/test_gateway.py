@@ -487,6 +487,7 @@ class WorkerProxy:
         self.channel, self.linger = grpc.insecure_channel(worker), linger
         self.turns: dict[str, grpc.Future] = {}  # agent -> its last Turn, when lingering
         self.refused: Counter[str] = Counter()  # agent -> deletions refused (mid-turn)
+        self.forwarded: Counter[str] = Counter()  # agent -> reply tokens passed on
         handler = grpc.method_handlers_generic_handler("agentkv.worker.v1.InferenceWorker", {
             name: grpc.unary_unary_rpc_method_handler(partial(self._unary, name))
             for name in ("CreateAgent", "DescribeAgent", "DeleteAgent", "GetWorkerInfo")
@@ -515,15 +516,17 @@ class WorkerProxy:
 
     def _turn(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         responded = self._hold("Turn", request, context)
+        agent = pb.TurnRequest.FromString(request).agent_id
         method = self.channel.unary_stream("/agentkv.worker.v1.InferenceWorker/Turn")
         responses = method(request, timeout=context.time_remaining())
         if self.linger:
-            self.turns[pb.TurnRequest.FromString(request).agent_id] = responses
+            self.turns[agent] = responses
         else:
             context.add_callback(responses.cancel)
         try:
             for response in responses:
                 responded()
+                self.forwarded[agent] += len(pb.TurnResponse.FromString(response).tokens.token_ids)
                 yield response
         except grpc.RpcError as exc:
             _forward_error(exc, context)
@@ -772,14 +775,21 @@ def test_a_worker_gone_mid_reply_is_a_503_that_says_send_it_again(stack):
             chunks = opened_stream(client, "cut-stream")
             whole = pool.submit(ask, client, messages, "cut-whole", max_tokens=200)
             assert {proxy.stalled.get(timeout=60) for _ in range(2)} == {"cut-stream", "cut-whole"}
-            proxy.server.stop(0)  # both replies hold one token
-            said = "the worker went away after 1 token of the reply; send the request again"
+            proxy.server.stop(0)  # each reply has its first chunk of tokens (a busy worker's
+            # stream sends those queued while it was sending as one chunk)
+
+            def said(agent: str) -> str:
+                n = proxy.forwarded[agent]
+                count = "1 token" if n == 1 else f"{n} tokens"
+                return f"the worker went away after {count} of the reply; send the request again"
+
             error = error_of(whole.result)
             assert error.status_code == 503 and error.body["code"] == "unavailable"
-            assert error.body["message"] == said
+            assert proxy.forwarded["cut-whole"] >= 1 and error.body["message"] == said("cut-whole")
             with pytest.raises(openai.APIError) as cut:
                 list(chunks)
-            assert cut.value.body["code"] == "unavailable" and cut.value.message == said
+            assert cut.value.body["code"] == "unavailable"
+            assert proxy.forwarded["cut-stream"] >= 1 and cut.value.message == said("cut-stream")
         finally:
             gateway.stop()
 
