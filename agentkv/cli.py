@@ -370,17 +370,25 @@ def _main(argv: list[str]) -> None:
 # gRPC's reasons for a connection that was made but never became gRPC's: nothing came back
 # before its connect timeout (20 s; "Endpoint closing" with TLS), or something not HTTP/2 did.
 _NO_ANSWER = ("before receiving SETTINGS frame", "(Endpoint closing)", "Failed parsing HTTP/2")
+# gRPC's words for a host name that does not resolve (its native resolver's; c-ares's)
+_UNRESOLVED = ("errors resolving", "DNS resolution failed")
 
 
 def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     """For a service nobody listens at: one line naming it and how to point elsewhere; for
     one that took the connection but never answered, or whose TLS did not fit the
-    client's, what failed."""
-    if not isinstance(exc, Unavailable) or exc.remote or "failed to connect" not in exc.message:
+    client's, what failed; for a host name that does not resolve, that."""
+    unresolved = any(words in exc.message for words in _UNRESOLVED)
+    if not isinstance(exc, Unavailable) or exc.remote:
+        return None
+    if "failed to connect" not in exc.message and not unresolved:
         return None
     store = args.command == "store" or exc.peer == "store"
     workers = "" if store else ", ".join(_workers(args))  # `agentkv store` has no --worker
     peer = f"the store at {args.store}" if store else f"the worker at {workers}"
+    if unresolved:
+        flags = "--store / AGENTKV_STORE" if store else "--worker / AGENTKV_WORKERS"
+        return f"{peer}: its host name does not resolve (check {flags}; gRPC: {exc.message})"
     # "...; last error: UNKNOWN: ipv4:HOST:PORT: Tls handshake failed (...): ...: OK"
     reason = exc.message.rpartition("last error: ")[2].split(": ", 2)[-1].removesuffix(": OK")
     if any(words in reason for words in _NO_ANSWER):

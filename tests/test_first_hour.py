@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,13 +36,33 @@ def test_a_store_named_by_host_name_is_still_the_one_blamed():
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: no store at localhost:{port} ")
 
 
+def test_a_host_name_that_does_not_resolve_is_one_line_naming_the_flag():
+    """.invalid never resolves (RFC 2606): the CLI names the address and where it came from,
+    with gRPC's reason, for the flag and for the environment variable alike."""
+    for args, env in (
+        (["store", "stats", "--store", "nohost.invalid:50051"], {}),
+        (["agents"], {"AGENTKV_STORE": "nohost.invalid:50051"}),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "agentkv.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+        )
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith(
+            "error: the store at nohost.invalid:50051: its host name does not resolve "
+            "(check --store / AGENTKV_STORE; gRPC: "
+        ), proc.stderr
+
+
 def test_a_server_that_takes_the_connection_but_does_not_answer_is_not_called_absent(
     store_process, tmp_path
 ):
     """A hung store (SIGSTOP), a listener that never speaks (in plaintext and to TLS) and an
     HTTP server each took the connection: the CLI says so, with gRPC's reason, not "no store
     at". gRPC's connect timeout (20 s) ends the wait for one that says nothing."""
-    import os
     import signal
     import socket
     import threading
