@@ -96,9 +96,8 @@ def from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **given:
                 values[f.name] = convert(value) if convert else value
         return cls(**values)
     except ValueError as exc:
-        if not prefix:
-            raise
-        raise ValueError(_prefixed(str(exc), cls, prefix)) from None
+        message = _prefixed(str(exc), cls, prefix) if prefix else str(exc)
+        raise ValueError(_from_environment(message, cls, args, prefix)) from None
 
 
 def _prefixed(message: str, cls: type, prefix: str) -> str:
@@ -110,6 +109,26 @@ def _prefixed(message: str, cls: type, prefix: str) -> str:
     ]
     flags = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])--({flags})(?![\w-])", rf"--{prefix}\1", message)
+
+
+def _from_environment(message: str, cls: type, args: argparse.Namespace, prefix: str) -> str:
+    """`message` with each of `cls`'s flags whose value came from its environment variable
+    named as that variable too: AGENTKV_TLS_CA (--tls-ca) /dir: is a directory."""
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("env"):
+            continue
+        name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
+        variable = _variable(name)
+        if os.environ.get(variable) and getattr(args, _dest(prefix, f)) == os.environ[variable]:
+            message = re.sub(
+                rf"(?<![\w-]){re.escape(name)}(?![\w-])", f"{variable} ({name})", message
+            )
+    return message
+
+
+def _variable(name: str) -> str:
+    """The environment variable a flag's default is read from (`env`)."""
+    return "AGENTKV_" + name[2:].replace("-", "_").upper()
 
 
 def parse_config(
@@ -181,7 +200,7 @@ def _options(f: dataclasses.Field, hint: Any, name: str) -> dict[str, Any]:
         action = "store_false" if default else "store_true"
         return {"help": meta["help"], "action": action, **meta["options"]}
     if meta["env"]:
-        variable = "AGENTKV_" + name[2:].replace("-", "_").upper()
+        variable = _variable(name)
         default = os.environ.get(variable, default)
         options["help"] += f" (env {variable})"
     shown = meta["shown"] or (None if default in (None, "") else "%(default)s")

@@ -392,7 +392,7 @@ def test_a_clients_bad_tls_flag_is_one_line_naming_the_flag_given(
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-def test_a_bad_tls_file_from_the_environment_is_named_by_its_flag(tmp_path, client):
+def test_a_bad_tls_file_from_the_environment_is_named_by_its_variable_and_flag(tmp_path, client):
     prefix, (module, *args) = CLIENTS[client]
     variable = "AGENTKV_" + prefix.upper().replace("-", "_") + "TLS_CA"
     env = {**os.environ, variable: "missing.pem"}
@@ -400,7 +400,7 @@ def test_a_bad_tls_file_from_the_environment_is_named_by_its_flag(tmp_path, clie
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1].endswith(
-        f"error: --{prefix}tls-ca missing.pem: no such file or directory"
+        f"error: {variable} (--{prefix}tls-ca) missing.pem: no such file or directory"
     ), proc.stderr
 
 
