@@ -97,7 +97,10 @@ def from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **given:
         return cls(**values)
     except ValueError as exc:
         message = _prefixed(str(exc), cls, prefix) if prefix else str(exc)
-        raise ValueError(_from_environment(message, cls, args, prefix)) from None
+        message = _from_environment(message, cls, args, prefix)
+        if message == str(exc):
+            raise
+        raise ValueError(message) from None
 
 
 def _prefixed(message: str, cls: type, prefix: str) -> str:
