@@ -96,14 +96,26 @@ def read_manifest(body: bytes, metadata: dict[str, str], namespace: str, agent_i
             m["format"] == AGENT_FORMAT
             and m["namespace"] == namespace
             and m["agent_id"] == agent_id
-            and all(int(b["num_bytes"]) >= 0 and int(b["xxh3"], 16) >= 0 for b in m["blocks"])
+            and all(0 <= int(b["num_bytes"]) < 2**63 for b in m["blocks"])
+            and all(int(b["xxh3"], 16) >= 0 for b in m["blocks"])
         )
-        manifest_record(m)  # every field the record takes, of its type
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        record = manifest_record(m)  # every field the record takes, of its type
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise CorruptRecord(f"{where} does not decode: {exc!r}") from exc
+    if not _fits_the_wire(record):
+        raise CorruptRecord(f"{where} holds a number out of range")
     if not ok:
         raise CorruptRecord(f"{where} names another agent or format")
     return m
+
+
+def _fits_the_wire(r: AgentRecord) -> bool:
+    """Whether a record's numbers fit the fields they are sent in: token ids and counts are
+    uint32, times and generations 64-bit (and none is negative)."""
+    small = (*r.token_ids, *r.block_num_tokens)
+    return all(0 <= n < 2**32 for n in small) and all(
+        0 <= n < 2**63 for n in (r.created_ms, r.updated_ms, r.generation)
+    )
 
 
 def manifest_record(m: Manifest, keys: list[bytes] | None = None) -> AgentRecord:

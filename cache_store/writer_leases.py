@@ -228,10 +228,16 @@ class WriterLeases:
         return True
 
 
+# 9999-12-31 23:59:59.999 UTC, the last time Python's datetime (utc_time) can write: a lease
+# said to run past it is not one a store wrote.
+LAST_WRITABLE_MS = 253_402_300_799_999
+
+
 def _lease_fields(body: bytes) -> tuple[str, int]:
     """(holder, expires_unix_ms) of a lease object; an unreadable one counts as expired."""
     try:
         d = json.loads(body)
-        return str(d["store"]), int(d["expires_unix_ms"])
-    except (ValueError, KeyError, TypeError, RecursionError):
+        holder, expires = str(d["store"]), int(d["expires_unix_ms"])
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError):  # Infinity too
         return "", 0
+    return (holder, expires) if 0 <= expires <= LAST_WRITABLE_MS else ("", 0)

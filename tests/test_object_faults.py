@@ -327,3 +327,6 @@ def test_json_nested_too_deeply_in_the_bucket_is_corrupt_not_a_crash():
     with pytest.raises(CorruptBlock, match="no readable header"):
         parse_payload(len(deep).to_bytes(8, "little") + deep, base, 1 << 20)
     assert _lease_fields(deep) == ("", 0)
+    # Python's JSON reads these; none is an int, or one a message can write as a time
+    for expires in (b"Infinity", b"1e400", b"NaN", b"-5", str(2**70).encode()):
+        assert _lease_fields(b'{"store": "other", "expires_unix_ms": %s}' % expires) == ("", 0)

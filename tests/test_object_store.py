@@ -455,19 +455,40 @@ def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uplo
 def test_a_manifest_whose_fields_are_bad_is_data_loss_and_hides_no_other_agent(
     weed, bucket, tmp_path
 ):
+    """A field missing, or a number its wire field cannot hold (written whole, its checksum
+    made anew, by another store's version or any bucket writer): that agent is DATA_LOSS,
+    and the namespace's listing still shows every other one."""
+
+    def setter(field: str, value: object) -> Callable:
+        return lambda m: m.__setitem__(field, value)
+
+    out_of_range = {
+        "negative": setter("generation", -5),
+        "huge": setter("generation", 2**70),
+        "infinite": setter("generation", float("inf")),  # JSON's Infinity
+        "overflowing": setter("created_unix_ms", 1e400),
+        "wide-token": lambda m: m["token_ids"].__setitem__(0, 2**40),
+    }
     store = start_store(tmp_path, "a", tier_args(weed, bucket))
     with store.client() as c:
         save(c, "good", list(range(1, 100)))
         save(c, "bad", list(range(1, 100)) + [3] * 20)
+        for i, name in enumerate(out_of_range):
+            save(c, name, list(range(1, 100)) + [4 + i] * 20)
         wait_for("the uploads", lambda: uploaded(c))
     store.stop()
     rewrite_manifest(weed, bucket, "bad", lambda m: m["blocks"][0].pop("num_bytes"))
+    for name, change in out_of_range.items():
+        rewrite_manifest(weed, bucket, name, change)
     fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
     try:
         with fresh.client() as c:
             assert [a.agent_id for a in c.list_agents(NS)] == ["good"]
             with pytest.raises(CorruptRecord, match="does not decode"):
                 c.get_agent(NS, "bad")
+            for name in out_of_range:
+                with pytest.raises(CorruptRecord, match=r"does not decode|out of range"):
+                    c.get_agent(NS, name)
             assert c.get_agent(NS, "good").generation == 1
     finally:
         fresh.stop()
