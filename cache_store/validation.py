@@ -78,5 +78,7 @@ def _tensor(
         raise InvalidArgument(f"tensor {name!r} has unknown dtype {show(dtype)}")
     if len(shape) > 8:
         raise InvalidArgument(f"tensor {name!r} has {len(shape)} dimensions, limit 8")
+    if not all(type(n) is int and n >= 0 for n in shape):  # JSON (a bucket's) may say -1, 1.5
+        raise InvalidArgument(f"tensor {name!r} has shape {list(shape)}: not whole sizes")
     num_bytes = math.prod(shape) * DTYPE_SIZES[dtype]
     return TensorLayout(name, dtype, tuple(shape), layer, offset, num_bytes)

@@ -311,10 +311,11 @@ def test_a_lease_renewal_retried_across_a_frozen_bucket_is_not_a_lost_lease(buck
         weed.stop(kill=True)
 
 
-def test_json_nested_too_deeply_in_the_bucket_is_corrupt_not_a_crash():
-    """Python's JSON parser gives up past ~1,000 levels (RecursionError): a manifest, a
-    block's header or a lease object written so deep into the bucket is corrupt (DATA_LOSS,
-    a re-prefill) or an expired lease, never an INTERNAL error or a dead thread."""
+def test_json_in_the_bucket_too_deep_or_out_of_range_is_corrupt_not_a_crash():
+    """Python's JSON parser gives up past ~1,000 levels (RecursionError), and reads Infinity,
+    1e400 and -1 as numbers: a manifest, a block's header or a lease object written so into
+    the bucket is corrupt (DATA_LOSS, a re-prefill) or an expired lease, never an INTERNAL
+    error or a dead thread."""
     from agentkv.errors import CorruptBlock, CorruptRecord
     from cache_store.bucket_layout import parse_payload, read_manifest, xxh3
     from cache_store.records import BlockRecord
@@ -327,6 +328,15 @@ def test_json_nested_too_deeply_in_the_bucket_is_corrupt_not_a_crash():
     with pytest.raises(CorruptBlock, match="no readable header"):
         parse_payload(len(deep).to_bytes(8, "little") + deep, base, 1 << 20)
     assert _lease_fields(deep) == ("", 0)
+    # a header whose sizes add up, with a tensor of -1 bytes: no block of ours
+    meta = {"key": base.key.hex(), "fingerprint": "fp", "namespace": "ns", "num_tokens": "1"}
+    tensors = {
+        "layers.0.k": {"dtype": "U8", "shape": [-1], "data_offsets": [0, -1]},
+        "layers.0.v": {"dtype": "U8", "shape": [2], "data_offsets": [-1, 1]},
+    }
+    header = json.dumps({"__metadata__": meta, **tensors}).encode()
+    with pytest.raises(CorruptBlock, match="not whole sizes"):
+        parse_payload(len(header).to_bytes(8, "little") + header + b"x", base, 1 << 20)
     # Python's JSON reads these; none is an int, or one a message can write as a time
     for expires in (b"Infinity", b"1e400", b"NaN", b"-5", str(2**70).encode()):
         assert _lease_fields(b'{"store": "other", "expires_unix_ms": %s}' % expires) == ("", 0)
