@@ -173,6 +173,12 @@ class Unavailable(AgentKVError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class BucketUnreachable(Unavailable):
+    """The store's object store does not answer, and the agent asked for is not on the
+    store's disk: it may be in the bucket. A write of it goes on locally, so a worker that
+    creates it goes on (its upload will not overwrite one made elsewhere)."""
+
+
 class DeadlineExceeded(AgentKVError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import AgentNotFound, FingerprintMismatch
+from agentkv.errors import AgentNotFound, BucketUnreachable, FingerprintMismatch
 from cache_store import idle, integrity, manifests, schema
 from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
@@ -177,7 +177,7 @@ class CacheStore:
             self.tier.mark_current(namespace, agent_id)
         except ObjectStoreDown as exc:
             if local is None and (not writing or uploaded):  # it may be, or is, there
-                raise ObjectStoreDown(
+                raise BucketUnreachable(
                     f"agent {agent_id!r} in namespace {namespace!r} is not on this store's disk "
                     f"and the object store cannot be asked for it: {exc.message}"
                 ) from exc

@@ -9,6 +9,7 @@ answers from RAM.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from agentkv.errors import (
     AgentExists,
     AgentKVError,
     AgentNotFound,
+    BucketUnreachable,
     GenerationConflict,
     InvalidArgument,
     OutOfRange,
@@ -36,6 +38,8 @@ from inference_worker.metadata import (
 )
 from inference_worker.runtime import Runtime
 from inference_worker.turns import AgentInfo, TurnJob
+
+log = logging.getLogger("agentkv.worker")
 
 
 class Front:
@@ -204,10 +208,18 @@ class Front:
                 pending.result()
 
     def _stored(self, ns: str, agent_id: str) -> Any:
-        """The agent's manifest in the store, or None."""
+        """The agent's manifest in the store, or None: also when the store cannot ask its
+        object store, which is down, for an agent not on its disk (the store writes a new
+        agent locally then, and its upload will not overwrite one made elsewhere)."""
         try:
             return self.client.get_agent(ns, agent_id, summary_only=True, peek=True)
         except AgentNotFound:
+            return None
+        except BucketUnreachable as exc:
+            log.warning(
+                "agent made without the object store's word that it is new",
+                extra={"namespace": ns, "agent": agent_id, "reason": exc.message},
+            )
             return None
 
     def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:

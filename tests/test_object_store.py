@@ -336,7 +336,7 @@ def test_kill9_during_uploads_loses_nothing_and_resumes(weed, bucket, tmp_path, 
         fresh.stop()
 
 
-def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path):
+def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path, tiny_model_dirs):
     weed = WeedServer(tmp_path / "weed").start()  # its own: this test stops it
     args = tier_args(weed, bucket, "--writer-lease-seconds", "6", "--object-queue-max", "4")
     args += ["--metrics-listen", "127.0.0.1:0"]
@@ -362,13 +362,29 @@ def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path)
                 assert_restores(c, agent, agent_tokens, agent_blocks, keys)
             with pytest.raises(Unavailable, match="object store"):
                 c.get_agent(NS, "never-seen")  # it may be in the bucket: not a NOT_FOUND
+            # A worker still makes a new agent (the store writes it locally), whose turn
+            # commits here and is uploaded once the bucket is back.
+            worker = worker_process(
+                str(tiny_model_dirs["llama"]), store.address, tmp_path / "worker.log"
+            ).start()
+            try:
+                with WorkerClient(worker.address) as w:
+                    w.create_agent(NS, "made-meanwhile", SYSTEM)
+                    w.turn(NS, "made-meanwhile", [("user", "Any ships?")], max_tokens=4)
+                    w.wait_durable(NS, "made-meanwhile")
+                    made = c.get_agent(NS, "made-meanwhile")
+                    assert made.generation >= 1 and len(made.token_ids) > 0
+            finally:
+                worker.stop()
             weed.start()
             wait_for("the catch-up", lambda: uploaded(c))
             assert health(store.address)[OBJECT_STORE] == "SERVING"
             assert re.search(r"^agentkv_store_object_store_up 1\.0$", scrape(store), re.M)
         store.stop()
         manifests = assert_bucket_whole(weed, bucket)
-        assert {m["agent_id"]: m["generation"] for m in manifests.values()}["a0"] == 2
+        generations = {m["agent_id"]: m["generation"] for m in manifests.values()}
+        assert generations["a0"] == 2
+        assert generations["made-meanwhile"] == made.generation
         fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
         with fresh.client() as c:
             for agent, (agent_tokens, agent_blocks, keys) in saved.items():
