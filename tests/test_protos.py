@@ -79,3 +79,14 @@ def test_the_block_key_test_vector_in_the_proto_is_what_the_store_computes():
         assert spelled.hex() == expected  # the proto's description, byte for byte
         assert block_key(fingerprint, parent, ids).hex() == expected  # what the store uses
         parent = spelled
+
+
+def test_the_contract_names_every_error_a_server_sends():
+    """store.proto lists the names the "agentkv-error" trailer may carry: each of
+    agentkv/errors.py's classes, so a client in another language can map every one."""
+    from agentkv.errors import ERRORS
+
+    text = (ROOT / "protos" / "agentkv" / "v1" / "store.proto").read_text()
+    listed = text.split('"agentkv-error" names the error, one of: ')[1].split("(INTERNAL)")[0]
+    names = re.findall(r"\w+", listed.replace("//", ""))
+    assert sorted(names) == sorted(ERRORS) and len(set(names)) == len(names)
