@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
+
+from botocore.exceptions import NoCredentialsError, ParamValidationError, PartialCredentialsError
 
 from agentkv.errors import Unavailable
 from cache_store.metrics import StoreMetrics
@@ -35,12 +38,43 @@ _LOST_RACE = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 # What an object store answers a condition it lacks (If-Match on DELETE: 501 from AWS S3
 # before it had it, 400 from others).
 _REFUSED = {"501", "NotImplemented", "400", "InvalidArgument", "InvalidRequest", "BadRequest"}
+# An object store that answered, and refused this store: its credentials or permissions.
+_DENIED = {
+    "403",
+    "AccessDenied",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+}
+# botocore's own refusals, before any request went out: not a bucket that did not answer.
+_NOT_SENT = (NoCredentialsError, PartialCredentialsError, ParamValidationError)
+# S3's bucket names: 3 to 63 lowercase letters, digits, dots and hyphens
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 log = logging.getLogger("agentkv.store")
 
 
 class ObjectStoreDown(Unavailable):
     """The object store did not answer, or answered with an error that is not ours."""
+
+
+class Refused(ObjectStoreDown):
+    """The object store answered and refused this store (its credentials or permissions)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            f"{message} (check the store's S3 credentials, AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY or its AWS profile, and that they may read and write the "
+            "bucket)"
+        )
+
+
+def failure(exc: ObjectStoreDown) -> str:
+    """How a log line names why the bucket cannot be used: refused (its credentials or
+    permissions: the operator's to fix) or unreachable (it may come back)."""
+    return "refused" if isinstance(exc, Refused) else "unreachable"
 
 
 class ConditionRefused(ObjectStoreDown):
@@ -63,6 +97,12 @@ class Location:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise ValueError(f"--object-store must be s3://BUCKET[/PREFIX], got {url!r}")
+        if not _BUCKET_NAME.fullmatch(parsed.netloc):
+            raise ValueError(
+                f"--object-store {url}: {parsed.netloc!r} is no bucket name: one is 3 to 63 "
+                "lowercase letters, digits, dots and hyphens, and begins and ends with a "
+                "letter or digit"
+            )
         prefix = parsed.path.strip("/")
         return cls(parsed.netloc, f"{prefix}/" if prefix else "")
 
@@ -262,7 +302,8 @@ class _Call:
         self.metrics.object_seconds.labels(self.op).observe(time.perf_counter() - self.start)
         code = _code(exc) if exc is not None else ""
         closed = isinstance(exc, GeneratorExit)  # a listing left early, after a page came
-        self.bucket._answered(exc is None or closed or bool(code))  # no code: no answer
+        # no code: no answer (but botocore's refusal to send is no hung bucket)
+        self.bucket._answered(exc is None or closed or bool(code) or isinstance(exc, _NOT_SENT))
         if closed:
             return False
         if exc is None:
@@ -277,6 +318,8 @@ class _Call:
         self.metrics.object_errors.labels(self.op).inc()
         what = code or type(exc).__name__
         error = ConditionRefused if self.conditional and code in _REFUSED else ObjectStoreDown
+        if code in _DENIED or isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            error = Refused
         raise error(
             f"object store {self.bucket.location}: {self.op} failed: {what}: {exc}"
         ) from exc

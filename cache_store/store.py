@@ -21,7 +21,7 @@ from cache_store.index import Index
 from cache_store.leases import Leases
 from cache_store.lock import DataDirLock
 from cache_store.metrics import StoreMetrics
-from cache_store.objects import Bucket, Location, ObjectStoreDown
+from cache_store.objects import Bucket, Location, ObjectStoreDown, failure
 from cache_store.parts import Parts
 from cache_store.payloads import Payloads
 from cache_store.reads import BlockReads
@@ -181,7 +181,7 @@ class CacheStore:
                     f"agent {agent_id!r} in namespace {namespace!r} is not on this store's disk "
                     f"and the object store cannot be asked for it: {exc.message}"
                 ) from exc
-            log.warning("object store unreachable: serving the local manifest of %r", agent_id)
+            log.warning(f"object store {failure(exc)}: serving the local manifest of {agent_id!r}")
 
     def list_agents(
         self, namespace: str, page_token: str, page_size: int

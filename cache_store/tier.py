@@ -17,7 +17,7 @@ from typing import Any
 
 from cache_store.capacity import Capacity
 from cache_store.fetcher import Fetcher
-from cache_store.objects import Bucket, ObjectStoreDown
+from cache_store.objects import Bucket, ObjectStoreDown, failure
 from cache_store.parts import Parts
 from cache_store.records import BlockRecord
 from cache_store.upload_queue import PARKED_RETRY_SECONDS, Job, JobQueue
@@ -136,7 +136,7 @@ class ObjectTier:
                 return
             except ObjectStoreDown as exc:
                 if attempt == 0:
-                    log.warning("object store unreachable", extra={"reason": exc.message})
+                    log.warning(f"object store {failure(exc)}", extra={"reason": exc.message})
                 self._set_state("unreachable")
             if self._stop.wait(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]):
                 return
@@ -155,7 +155,7 @@ class ObjectTier:
             except ObjectStoreDown as exc:
                 self.queue.retry(job)
                 if failures == 0:
-                    log.warning("object store unreachable", extra={"reason": exc.message})
+                    log.warning(f"object store {failure(exc)}", extra={"reason": exc.message})
                 self._set_state("unreachable")
                 self._stop.wait(RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)])
                 failures += 1

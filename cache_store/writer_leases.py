@@ -26,7 +26,7 @@ from agentkv.errors import FailedPrecondition
 from agentkv.serving import write_atomically
 from agentkv.units import utc_time
 from cache_store.capacity import now_ms
-from cache_store.objects import Bucket, Conflict, ObjectStoreDown
+from cache_store.objects import Bucket, Conflict, ObjectStoreDown, failure
 
 log = logging.getLogger("agentkv.store")
 
@@ -119,7 +119,7 @@ class WriterLeases:
             if namespace not in self._unverified:  # said once per outage
                 self._unverified.add(namespace)
                 log.warning(
-                    "writer lease unverified: the object store is unreachable; writing locally",
+                    f"writer lease unverified: the object store is {failure(exc)}; writing locally",
                     extra={"namespace": namespace, "reason": exc.message},
                 )
 

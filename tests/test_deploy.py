@@ -535,6 +535,27 @@ def test_compose_object_store_profile_writes_through_with_its_secrets(tmp_path):
             Exception, match=r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch"
         ):
             stranger.client().list_objects_v2(Bucket="agentkv")
+        # A store with keys the bucket refuses: not "unreachable", but refused, and what
+        # to check; its local tier serves meanwhile.
+        argv = ["--data-dir", str(tmp_path / "other"), "--listen", "127.0.0.1:0"]
+        argv += ["--object-store", "s3://agentkv/other", "--s3-endpoint", weed.endpoint]
+        other = ServiceProcess(
+            "cache_store", argv, tmp_path / "other.log", stranger.credentials
+        ).start()
+        try:
+            with StoreClient(other.address) as c:
+                c.save_agent("deploy", "a", FP, list(range(1, 80)), blocks)
+                deadline = time.monotonic() + 60
+                while "object store refused" not in other.log_tail(100_000):
+                    assert time.monotonic() < deadline, other.log_tail()
+                    time.sleep(0.05)
+                assert c.stats().object_store_state == "unreachable"  # not usable, as when down
+                assert list(c.get_agent("deploy", "a").token_ids) == list(range(1, 80))
+            logged = other.log_tail(100_000)
+            assert "check the store's S3 credentials" in logged
+            assert '"object store unreachable' not in logged  # the event's words
+        finally:
+            other.stop()
     finally:
         weed.stop(kill=True)
 

@@ -894,6 +894,20 @@ def test_a_bad_object_store_flag_is_a_clear_error(tmp_path):
         timeout=60,
     )
     assert done.returncode != 0 and "s3://BUCKET" in done.stderr
+    for name in ("a!b", "UPPER", "x"):  # S3 refuses these (boto3 before sending anything)
+        done = subprocess.run(
+            [sys.executable, "-m", "cache_store", "--data-dir", str(tmp_path / "d")]
+            + ["--object-store", f"s3://{name}/p"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines()[-1].endswith(
+            f"error: --object-store s3://{name}/p: {name!r} is no bucket name: one is 3 to 63 "
+            "lowercase letters, digits, dots and hyphens, and begins and ends with a letter "
+            "or digit"
+        ), done.stderr
 
 
 def test_a_data_dir_written_through_one_bucket_refuses_another(weed, bucket, tmp_path):
