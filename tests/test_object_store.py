@@ -839,6 +839,27 @@ def test_an_index_from_before_uploaded_ids_still_deletes_another_stores_agent_it
         store.close()
 
 
+def test_no_credentials_is_a_refusal_not_a_bucket_that_did_not_answer(monkeypatch, tmp_path):
+    """botocore refuses to send a request it cannot sign: Refused, naming what to check,
+    and the bucket is not taken for down (its other requests are not failed unsent)."""
+    from cache_store import objects
+    from cache_store.metrics import StoreMetrics
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask for
+    with socket.create_server(("127.0.0.1", 0)) as nobody:  # nothing is ever sent to it
+        location = objects.Location.parse(f"s3://{BUCKET}/p")
+        endpoint = f"http://127.0.0.1:{nobody.getsockname()[1]}"
+        bucket = objects.Bucket(location, endpoint, StoreMetrics(), timeout_seconds=0.5)
+        for _ in range(2):
+            with pytest.raises(objects.Refused, match=r"NoCredentialsError.*check the store's S3"):
+                bucket.head("a")
+            assert not bucket.down
+
+
 def test_a_hung_object_store_holds_one_request_at_a_time(monkeypatch):
     """An endpoint that takes connections and never answers: a request gives up after two
     tries; until one gets an answer, one request at a time tries and the others fail at once
