@@ -163,6 +163,7 @@ class Engine:
         metadata: dict[str, str],
         start: tuple[list[int], ChatState],
         shared: Fetched | None = None,
+        view: StoreView | None = None,
     ) -> None:
         """Starts a new agent (ids, metadata and system prompt checked by the caller, which
         rendered its stable prefix: `start`, ChatFormat.start's): its system prompt is
@@ -173,7 +174,11 @@ class Engine:
         A call cancelled (its deadline, or its client gone) before the prefill's last chunk
         ran makes nothing: it leaves the batch at the next step, no agent here or in the
         store. One cancelled later makes the agent whole all the same (in RAM at once, in
-        the store once its commit lands): the cancel is read only between steps."""
+        the store once its commit lands): the cancel is read only between steps.
+
+        A RAM copy that `view` (the store's word, asked by the caller) shows is gone from
+        the store since it was committed (deleted elsewhere) is dropped, and the agent made
+        anew, as a turn would find it gone."""
         self.batcher.let_cancelled_go()  # a retry does not wait on its cancelled first call
         if job.cancelled.is_set():
             raise DeadlineExceeded(NOT_MADE.format(job.agent_id))
@@ -182,6 +187,9 @@ class Engine:
         if hot is not None and hot.id in self._creating:  # being made: answered once it is
             self._creating[hot.id].append((job, system))
             return
+        if hot is not None and not self.batcher.holds(hot) and not self._current(hot, view):
+            self.hot.pop(hot.id)
+            hot = None
         if hot is not None:  # the RPC thread asked the store
             raise agent_exists(ns, agent_id, hot.metadata, system, job.tools)
         tokens, chat = start
@@ -369,8 +377,7 @@ class Engine:
         """The agent in RAM if that copy is current, else restored from `fetched`; None when
         it must be fetched first."""
         agent = self.hot.get((ids.namespace(job.namespace), ids.agent_id(job.agent_id)))
-        adopt = self.persister.adopt_own_commit
-        if agent is not None and (agent.stale or not is_current(agent, view, adopt)):
+        if agent is not None and not self._current(agent, view):
             self.hot.pop(agent.id)
             agent = None
         if agent is not None:
@@ -384,6 +391,10 @@ class Engine:
             self.metrics.restore_failures.inc()
         self.hot.put(restored.agent)
         return restored.agent
+
+    def _current(self, agent: Agent, view: StoreView | None) -> bool:
+        """Whether the agent's RAM copy is its latest state, by the store's `view`."""
+        return not agent.stale and is_current(agent, view, self.persister.adopt_own_commit)
 
     def _finish_turn(self, agent: Agent) -> None:
         """Queues the store write, then keeps the hot tier within budget."""

@@ -10,6 +10,7 @@ answers from RAM.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from agentkv.v1 import store_pb2 as store_pb
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
 from inference_worker.conversation import ChatMessage
 from inference_worker.engine import Engine
-from inference_worker.freshness import read_view
+from inference_worker.freshness import StoreView, read_view
 from inference_worker.metadata import (
     INTERNAL_PREFIX,
     chat_state,
@@ -51,9 +52,9 @@ class Front:
         prompt's blocks come from the store when another agent of the namespace stored the
         same prefix, and only the rest is prefilled."""
         ns, agent_id = _checked(job)
-        stored = self._stored(ns, agent_id)
-        if stored is not None:
-            raise agent_exists(ns, agent_id, stored.metadata, system, job.tools)
+        view = self._view(ns, agent_id)
+        if view.manifest is not None:
+            raise agent_exists(ns, agent_id, view.manifest.metadata, system, job.tools)
         check_system(system)
         reserved = sorted(k for k in metadata if k.startswith(INTERNAL_PREFIX))
         if reserved:
@@ -66,7 +67,7 @@ class Front:
         # Rendered here, not on the MLX thread; it refuses tools the model cannot call.
         start = self.engine.chat.start(system, job.tools)
         shared = self.engine.restorer.fetch_prefix(ns, start[0])
-        self._mlx(self.engine.create_agent, job, system, metadata, start, shared)
+        self._mlx(self.engine.create_agent, job, system, metadata, start, shared, view)
 
     def start_turn(self, job: TurnJob) -> None:
         """Queues the turn (Engine.start_turn); raises what refused it. The store is asked
@@ -146,7 +147,7 @@ class Front:
         without one: the store is not asked)."""
         if not request_id:
             return False
-        stored = self._stored(ns, agent_id)
+        stored = self._view(ns, agent_id).manifest
         return stored is not None and made_by_fork(stored.metadata, request_id)
 
     def _fork(self, ns: str, source_id: str, agent_id: str, phase: str, request_id: str) -> None:
@@ -207,20 +208,23 @@ class Front:
             if pending is not None:
                 pending.result()
 
-    def _stored(self, ns: str, agent_id: str) -> Any:
-        """The agent's manifest in the store, or None: also when the store cannot ask its
-        object store, which is down, for an agent not on its disk (the store writes a new
-        agent locally then, and its upload will not overwrite one made elsewhere)."""
+    def _view(self, ns: str, agent_id: str) -> StoreView:
+        """What the store says of the agent: its manifest, or none. Also none, though not
+        an answer, when the store cannot ask its object store, which is down, for an agent
+        not on its disk (the store writes a new agent locally then, and its upload will not
+        overwrite one made elsewhere)."""
+        asked_at = time.monotonic()
         try:
-            return self.client.get_agent(ns, agent_id, summary_only=True, peek=True)
+            manifest = self.client.get_agent(ns, agent_id, summary_only=True, peek=True)
+            return StoreView(asked_at, manifest)
         except AgentNotFound:
-            return None
+            return StoreView(asked_at)
         except BucketUnreachable as exc:
             log.warning(
                 "agent made without the object store's word that it is new",
                 extra={"namespace": ns, "agent": agent_id, "reason": exc.message},
             )
-            return None
+            return StoreView(asked_at, answered=False)
 
     def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn on the MLX thread and waits for it."""

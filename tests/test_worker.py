@@ -266,6 +266,30 @@ def test_bad_input_gets_precise_statuses_and_the_worker_serves_on(tiny_model_dir
     assert len(reply.token_ids) == 4 and reply.usage.cache_state == "hot"
 
 
+def test_an_agent_deleted_in_the_store_is_made_anew_where_a_worker_still_holds_it(
+    tiny_model_dirs, start_worker, store_process
+):
+    """A worker's RAM copy of an agent that was committed, then deleted in the store (by
+    another client, or a store that lost it): CreateAgent makes the agent anew, as a turn
+    would find it gone, rather than answer that it exists and then fail its first turn."""
+    from agentkv.client.store import StoreClient
+
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"], name="holder").address)
+    first = w.create_agent("gone", "warden", SYSTEM)
+    w.turn("gone", "warden", Q1, max_tokens=4)
+    w.wait_durable("gone", "warden")
+    assert w.describe("gone", "warden").tier == "hot"
+    with StoreClient(store_process.address) as store:
+        store.delete_agent("gone", "warden")
+    made = w.create_agent("gone", "warden", SYSTEM)
+    assert made.num_tokens == first.num_tokens  # the system prompt alone: no earlier turn
+    reply = w.turn("gone", "warden", Q2, max_tokens=4)
+    assert len(reply.token_ids) == 4 and reply.usage.cache_state == "hot"
+    w.wait_durable("gone", "warden")
+    with pytest.raises(AgentExists):  # made, and stored: now it exists
+        w.create_agent("gone", "warden", SYSTEM)
+
+
 def test_seeded_sampling_repeats_and_stop_strings_cut(tiny_model_dirs, start_worker):
     w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
     for agent in ("one", "two", "three"):
