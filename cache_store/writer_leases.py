@@ -203,21 +203,30 @@ class WriterLeases:
         try:
             self._put(namespace, if_match=lease.etag)
         except Conflict:
-            if not self._hold_own_write(namespace):
-                with self._lock:
-                    self._held.pop(namespace, None)
+            holder = self._holder(namespace)
+            if holder == self.store_id:
+                return
+            with self._lock:
+                self._held.pop(namespace, None)
+            if holder:
                 log.error(
                     "writer lease lost: another store took the namespace over",
+                    extra={"namespace": namespace, "store": holder},
+                )
+            else:
+                log.warning(
+                    "writer lease lost: its object is gone from the bucket, or unreadable; "
+                    "the next write takes it again",
                     extra={"namespace": namespace},
                 )
 
-    def _hold_own_write(self, namespace: str) -> bool:
-        """Whether the bucket's lease is this store's own: then held by its ETag, until the
-        expiry that write gave it."""
+    def _holder(self, namespace: str) -> str:
+        """Which store the bucket's lease names ("" for none). This store's own is held by
+        its ETag, until the expiry its write gave it."""
         got = self.bucket.get(lease_object(namespace))
         holder, expires = _lease_fields(got.body) if got else ("", 0)
         if holder != self.store_id:
-            return False
+            return holder
         left = min((expires - now_ms()) / 1000, self.seconds) - self.margin
         with self._lock:
             self._held[namespace] = _Held(got.etag, time.monotonic() + left)
@@ -225,7 +234,7 @@ class WriterLeases:
             "writer lease kept: the bucket holds a renewal of this store's whose answer was lost",
             extra={"namespace": namespace},
         )
-        return True
+        return holder
 
 
 # 9999-12-31 23:59:59.999 UTC, the last time Python's datetime (utc_time) can write: a lease

@@ -311,6 +311,28 @@ def test_a_lease_renewal_retried_across_a_frozen_bucket_is_not_a_lost_lease(buck
         weed.stop(kill=True)
 
 
+def test_a_lease_object_deleted_behind_the_stores_back_is_not_blamed_on_another_store(
+    weed, bucket, tmp_path
+):
+    """The writer lease's object deleted from the bucket: the renewal's If-Match fails, and
+    no other store holds it. The log says the object is gone (not that another store took
+    the namespace over), and the next write takes the lease again and uploads."""
+    store = start_store(tmp_path, "s", tier_args(weed, bucket, "--writer-lease-seconds", "3"))
+    try:
+        with store.client() as c:
+            save(c, "a", list(range(1, 100)))
+            wait_for("the upload", lambda: uploaded(c))
+            weed.client().delete_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/writer.lease")
+            wait_for("the lost renewal", lambda: "writer lease lost" in store.log_text())
+            lost = [x for x in store.log_text().splitlines() if "writer lease lost" in x]
+            assert len(lost) == 1 and "its object is gone from the bucket" in lost[0], lost
+            save(c, "b", list(range(2000, 2100)), seed=2)  # takes the lease again
+            wait_for("the upload", lambda: uploaded(c))
+        assert bucket_agents(weed, bucket) == {"a", "b"}
+    finally:
+        store.stop()
+
+
 def test_json_in_the_bucket_too_deep_or_out_of_range_is_corrupt_not_a_crash():
     """Python's JSON parser gives up past ~1,000 levels (RecursionError), and reads Infinity,
     1e400 and -1 as numbers: a manifest, a block's header or a lease object written so into
