@@ -262,10 +262,11 @@ class CacheStoreServicer:
         self, request: pb.VerifyBlocksRequest, context: grpc.ServicerContext
     ) -> pb.VerifyBlocksResponse:
         _allowed_or_all(request.namespace, "verify every namespace")
-        checked, num_bytes, corrupt = self.store.verify(request.namespace)
+        checked, num_bytes, corrupt, remote = self.store.verify(request.namespace)
         return pb.VerifyBlocksResponse(
             num_checked=checked,
             num_bytes=num_bytes,
+            num_remote=remote,
             corrupt=[
                 pb.CorruptBlockInfo(namespace=r.namespace, key=r.key, reason=reason)
                 for r, reason in corrupt

@@ -306,9 +306,10 @@ class CacheStore:
             **tier,
         }
 
-    def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]]]:
-        """Checks every index record and reads every payload, checking every checksum;
-        quarantines what fails. (blocks checked, bytes read, the corrupt and why)"""
+    def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]], int]:
+        """Checks every index record and reads every payload on this disk, checking every
+        checksum; quarantines what fails. (blocks checked, bytes read, the corrupt and why,
+        blocks only in the object store)"""
         return self.upkeep.verify(namespace)
 
     def bad_records(self, namespace: str = "") -> list[integrity.BadRecord]:

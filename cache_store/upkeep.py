@@ -50,9 +50,11 @@ class Upkeep:
             },
         )
 
-    def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]]]:
-        """Checks every index record and reads every payload, checking every checksum;
-        quarantines what fails (bad index records: see bad_records)."""
+    def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]], int]:
+        """Checks every index record and reads every payload on this disk, checking every
+        checksum; quarantines what fails (bad index records: see bad_records). Returns the
+        blocks checked, their bytes, the corrupt, and the blocks only the object store holds
+        (not read)."""
         ns = ids.namespace(namespace) if namespace else None
         with self.index.read() as txn:
             damaged = bool(integrity.scan(self.index, txn, ns))
@@ -65,10 +67,11 @@ class Upkeep:
         with self.index.read() as txn:
             records = list(self.index.blocks(txn, ns))
         corrupt: list[tuple[BlockRecord, str]] = []
-        checked = num_bytes = 0
+        checked = num_bytes = remote = 0
         for record in records:
             if not record.local:
-                continue  # in the object store; checked when fetched back
+                remote += 1  # in the object store; checked when fetched back
+                continue
             try:
                 self.payloads.verify(record)
                 checked += 1
@@ -76,7 +79,7 @@ class Upkeep:
             except CorruptBlock as exc:
                 self.quarantine(record, exc.message)
                 corrupt.append((record, exc.message))
-        return checked + len(corrupt), num_bytes, corrupt
+        return checked + len(corrupt), num_bytes, corrupt, remote
 
     def bad_records(self, namespace: str = "") -> list[integrity.BadRecord]:
         """Agent and block records found corrupt and quarantined, until the agent is deleted

@@ -133,9 +133,14 @@ def cmd_verify(client: StoreClient, args: argparse.Namespace) -> None:
     reply = client.call(
         "VerifyBlocks", pb.VerifyBlocksRequest(namespace=args.namespace), timeout=3600
     )
+    remote = (
+        f"; {reply.num_remote} only in the object store, not read here (checked when fetched)"
+        if reply.num_remote
+        else ""
+    )
     print(
         f"checked {reply.num_checked} blocks, {human_bytes(reply.num_bytes)}; "
-        f"{len(reply.corrupt)} corrupt (quarantined)"
+        f"{len(reply.corrupt)} corrupt (quarantined){remote}"
     )
     for c in reply.corrupt:
         print(f"  {c.namespace}/{c.key.hex()}: {c.reason}")

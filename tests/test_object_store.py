@@ -240,6 +240,12 @@ def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, t
             stats = c.stats()
             assert stats.num_bytes <= int(quota)
             assert stats.num_demoted_blocks > 0 and stats.num_evicted_agents == 0
+            # verify reads the blocks on this disk, and says how many it did not read
+            verified = cli("store", "verify", store=store.address)
+            assert verified.returncode == 0, verified.stderr
+            said = r"checked (\d+) blocks, .*; 0 corrupt \(quarantined\); (\d+) only in the"
+            checked, remote = map(int, re.search(said, verified.stdout).groups())
+            assert remote > 0 and checked + remote == len(list(c.list_blocks(NS)))
             for agent, (agent_tokens, agent_blocks, keys) in saved.items():
                 assert_restores(c, agent, agent_tokens, agent_blocks, keys)
             assert c.stats().num_rehydrated_blocks > 0

@@ -524,16 +524,18 @@ class CorruptRecordInfo(_message.Message):
     def __init__(self, table: _Optional[str] = ..., namespace: _Optional[str] = ..., id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class VerifyBlocksResponse(_message.Message):
-    __slots__ = ("num_checked", "num_bytes", "corrupt", "corrupt_records")
+    __slots__ = ("num_checked", "num_bytes", "corrupt", "corrupt_records", "num_remote")
     NUM_CHECKED_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOTE_FIELD_NUMBER: _ClassVar[int]
     num_checked: int
     num_bytes: int
     corrupt: _containers.RepeatedCompositeFieldContainer[CorruptBlockInfo]
     corrupt_records: _containers.RepeatedCompositeFieldContainer[CorruptRecordInfo]
-    def __init__(self, num_checked: _Optional[int] = ..., num_bytes: _Optional[int] = ..., corrupt: _Optional[_Iterable[_Union[CorruptBlockInfo, _Mapping]]] = ..., corrupt_records: _Optional[_Iterable[_Union[CorruptRecordInfo, _Mapping]]] = ...) -> None: ...
+    num_remote: int
+    def __init__(self, num_checked: _Optional[int] = ..., num_bytes: _Optional[int] = ..., corrupt: _Optional[_Iterable[_Union[CorruptBlockInfo, _Mapping]]] = ..., corrupt_records: _Optional[_Iterable[_Union[CorruptRecordInfo, _Mapping]]] = ..., num_remote: _Optional[int] = ...) -> None: ...
 
 class CollectGarbageRequest(_message.Message):
     __slots__ = ("namespace",)
