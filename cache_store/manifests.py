@@ -41,6 +41,7 @@ class AgentView:
     record: AgentRecord
     missing_block_keys: list[bytes]
     num_bytes: int
+    remote_block_keys: list[bytes] = field(default_factory=list)  # in the object store only
 
 
 def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> AgentRecord:
@@ -158,6 +159,7 @@ def get(index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str) -> A
 def view(index: Index, txn: lmdb.Transaction, record: AgentRecord) -> AgentView:
     """A block whose record is bad counts as missing: the reader restores cold from there."""
     missing: list[bytes] = []
+    remote: list[bytes] = []
     num_bytes = 0
     for key in record.block_keys:
         block = index.find_block(txn, record.namespace, key)
@@ -165,7 +167,9 @@ def view(index: Index, txn: lmdb.Transaction, record: AgentRecord) -> AgentView:
             missing.append(key)
         else:
             num_bytes += block.num_bytes
-    return AgentView(record, missing, num_bytes)
+            if not block.local:
+                remote.append(key)
+    return AgentView(record, missing, num_bytes, remote)
 
 
 def _for_update(

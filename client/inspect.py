@@ -87,7 +87,7 @@ def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:
 
 def cmd_agent(client: StoreClient, args: argparse.Namespace) -> None:
     a = client.get_agent(args.namespace, args.agent_id, peek=True)
-    missing = {k for k in a.missing_block_keys}
+    missing, remote = set(a.missing_block_keys), set(a.remote_block_keys)
     print(
         table(
             ["field", "value"],
@@ -107,8 +107,9 @@ def cmd_agent(client: StoreClient, args: argparse.Namespace) -> None:
         )
     )
     print()
+    state = {**dict.fromkeys(remote, "in the object store"), **dict.fromkeys(missing, "MISSING")}
     rows = [
-        (i, k.hex()[:16], n, "MISSING" if k in missing else "ok")
+        (i, k.hex()[:16], n, state.get(k, "ok"))
         for i, (k, n) in enumerate(zip(a.block_keys, a.block_num_tokens, strict=True))
     ]
     print(table(["#", "block", "tokens", "state"], rows))

@@ -246,6 +246,14 @@ def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, t
             said = r"checked (\d+) blocks, .*; 0 corrupt \(quarantined\); (\d+) only in the"
             checked, remote = map(int, re.search(said, verified.stdout).groups())
             assert remote > 0 and checked + remote == len(list(c.list_blocks(NS)))
+            # and an agent's blocks say which live only in the object store
+            demoted = {
+                agent: len(c.get_agent(NS, agent, peek=True).remote_block_keys) for agent in saved
+            }
+            assert sum(demoted.values()) == remote, demoted
+            agent = max(demoted, key=demoted.get)
+            shown = cli("store", "agent", agent, "-n", NS, store=store.address).stdout
+            assert shown.count("in the object store") == demoted[agent], shown
             for agent, (agent_tokens, agent_blocks, keys) in saved.items():
                 assert_restores(c, agent, agent_tokens, agent_blocks, keys)
             assert c.stats().num_rehydrated_blocks > 0

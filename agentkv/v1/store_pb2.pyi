@@ -215,7 +215,7 @@ class FindLongestPrefixResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AgentManifest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "fingerprint", "token_ids", "block_keys", "block_num_tokens", "metadata", "phase", "created_unix_ms", "updated_unix_ms", "generation", "missing_block_keys", "num_bytes")
+    __slots__ = ("namespace", "agent_id", "fingerprint", "token_ids", "block_keys", "block_num_tokens", "metadata", "phase", "created_unix_ms", "updated_unix_ms", "generation", "missing_block_keys", "num_bytes", "remote_block_keys")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class AgentManifest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MISSING_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     fingerprint: str
@@ -249,7 +250,8 @@ class AgentManifest(_message.Message):
     generation: int
     missing_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., block_num_tokens: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., phase: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., generation: _Optional[int] = ..., missing_block_keys: _Optional[_Iterable[bytes]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    remote_block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., block_num_tokens: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., phase: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., generation: _Optional[int] = ..., missing_block_keys: _Optional[_Iterable[bytes]] = ..., num_bytes: _Optional[int] = ..., remote_block_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitAgentRequest(_message.Message):
     __slots__ = ("namespace", "agent_id", "fingerprint", "expected_generation", "token_ids", "block_keys", "metadata", "phase", "release_lease_id")
