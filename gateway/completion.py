@@ -27,14 +27,18 @@ def tool_call_json(call: Any) -> dict[str, Any]:
 
 
 def with_creation(usage: Any, created: Any) -> Any:
-    """A first call's usage counts what making its agent took too: its system prompt's
-    tokens were prefilled then, or read from the store (a prefix another agent stored)."""
+    """A first call's usage counts what making its agent took too: the tokens its turn
+    found in RAM were made then, read from the store (a prefix another agent stored) or
+    prefilled. Each prompt token counts once: one the turn ran again (the last of a system
+    prompt alone, for its logits) is the turn's."""
     if created is None:
         return usage
     whole = type(usage)()
     whole.CopyFrom(usage)
-    whole.prefilled_tokens += created.prefilled_tokens
-    whole.reused_store_tokens += created.reused_store_tokens
+    made = usage.reused_hot_tokens  # a prefix of what the creation made
+    read = min(created.reused_store_tokens, made)
+    whole.prefilled_tokens += made - read
+    whole.reused_store_tokens += read
     whole.reused_hot_tokens = 0  # this call made what the turn found in RAM
     whole.cache_state = created.cache_state
     whole.restore_path = created.restore_path

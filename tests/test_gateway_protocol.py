@@ -212,6 +212,16 @@ def test_a_first_call_counts_what_making_its_agent_took():
     )
     assert whole.cache_state == "warm" and turn.prefilled_tokens == 60  # a copy
     assert with_creation(turn, None) is turn
+    # A system prompt alone: the turn ran its last token again (for its logits). Each
+    # prompt token counts once, as prefilled or read, never above the prompt.
+    turn = pb.Usage(prompt_tokens=45, prefilled_tokens=6, reused_hot_tokens=39)
+    made = pb.Usage(prompt_tokens=40, prefilled_tokens=40)
+    whole = with_creation(turn, made)
+    assert (whole.prefilled_tokens, whole.reused_store_tokens) == (45, 0)
+    made = pb.Usage(prompt_tokens=40, prefilled_tokens=8, reused_store_tokens=32)
+    whole = with_creation(turn, made)
+    assert (whole.prefilled_tokens, whole.reused_store_tokens) == (13, 32)
+    assert whole.prefilled_tokens + whole.reused_store_tokens == whole.prompt_tokens
 
 
 # Tool calling: OpenAI function tools pass to the worker; what only constrained decoding
