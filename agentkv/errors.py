@@ -27,7 +27,11 @@ class AgentKVError(Exception):
         self.message = message
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((ERROR_KEY, type(self).__name__),)
+        """The error's name for the wire: its class, or the nearest base this module
+        defines (a server's own subclass, the store's ObjectStoreDown, goes as Unavailable):
+        every name sent is one store.proto lists."""
+        shared = next(c for c in type(self).__mro__ if ERRORS.get(c.__name__) is c)
+        return ((ERROR_KEY, shared.__name__),)
 
 
 class InvalidArgument(AgentKVError):

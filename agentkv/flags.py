@@ -122,7 +122,8 @@ def _from_environment(message: str, cls: type, args: argparse.Namespace, prefix:
             continue
         name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
         variable = _variable(name)
-        if os.environ.get(variable) and getattr(args, _dest(prefix, f)) == os.environ[variable]:
+        given = getattr(args, _dest(prefix, f), None)
+        if os.environ.get(variable) and given == os.environ[variable]:
             message = re.sub(
                 rf"(?<![\w-]){re.escape(name)}(?![\w-])", f"{variable} ({name})", message
             )

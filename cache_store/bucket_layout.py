@@ -168,6 +168,8 @@ def parse_payload(
         layout = validation.tensor_layout(specs, max_block_bytes)
     except InvalidArgument as exc:
         raise CorruptBlock(f"{where}: {exc.message}") from exc
+    except (TypeError, ValueError) as exc:  # JSON's types where ours belong: "shape": 5
+        raise CorruptBlock(f"{where} has no readable header: {exc!r}") from exc
     spans = [(t.offset, t.offset + t.num_bytes) for t in layout]
     if spans != offsets or len(body) != 8 + n + sum(t.num_bytes for t in layout):
         raise CorruptBlock(f"{where} is not laid out as its header says")

@@ -50,8 +50,11 @@ _DENIED = {
 }
 # botocore's own refusals, before any request went out: not a bucket that did not answer.
 _NOT_SENT = (NoCredentialsError, PartialCredentialsError, ParamValidationError)
-# S3's bucket names: 3 to 63 lowercase letters, digits, dots and hyphens
-_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# A bucket name botocore sends (its own check); S3's names for new buckets are narrower
+# (3 to 63 lowercase letters, digits, dots and hyphens), but older ones and other servers'
+# may be uppercase or underscored.
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+_NEW_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 log = logging.getLogger("agentkv.store")
 
@@ -99,9 +102,15 @@ class Location:
             raise ValueError(f"--object-store must be s3://BUCKET[/PREFIX], got {url!r}")
         if not _BUCKET_NAME.fullmatch(parsed.netloc):
             raise ValueError(
-                f"--object-store {url}: {parsed.netloc!r} is no bucket name: one is 3 to 63 "
-                "lowercase letters, digits, dots and hyphens, and begins and ends with a "
-                "letter or digit"
+                f"--object-store {url}: {parsed.netloc!r} is no bucket name: one is up to 255 "
+                "letters, digits, dots, hyphens and underscores"
+            )
+        if not _NEW_BUCKET_NAME.fullmatch(parsed.netloc):
+            log.warning(
+                "the object store's bucket name is not one S3 takes for a new bucket (3 to 63 "
+                "lowercase letters, digits, dots and hyphens): an older bucket's, or another "
+                "server's, may be",
+                extra={"bucket": parsed.netloc},
             )
         prefix = parsed.path.strip("/")
         return cls(parsed.netloc, f"{prefix}/" if prefix else "")
@@ -276,6 +285,13 @@ class Bucket:
                 )
             self._retry_at = now + self._longest  # the others fail while this one tries
 
+    def _unsent(self) -> None:
+        """A request botocore refused to send: while the bucket is down, the next may try
+        after BREAK_SECONDS, as after one that got no answer."""
+        with self._health:
+            if self.down:
+                self._retry_at = time.monotonic() + BREAK_SECONDS
+
     def _answered(self, answered: bool) -> None:
         with self._health:
             if answered:
@@ -302,8 +318,10 @@ class _Call:
         self.metrics.object_seconds.labels(self.op).observe(time.perf_counter() - self.start)
         code = _code(exc) if exc is not None else ""
         closed = isinstance(exc, GeneratorExit)  # a listing left early, after a page came
-        # no code: no answer (but botocore's refusal to send is no hung bucket)
-        self.bucket._answered(exc is None or closed or bool(code) or isinstance(exc, _NOT_SENT))
+        if isinstance(exc, _NOT_SENT):  # botocore sent nothing: no word on the bucket
+            self.bucket._unsent()
+        else:
+            self.bucket._answered(exc is None or closed or bool(code))  # no code: no answer
         if closed:
             return False
         if exc is None:
@@ -313,7 +331,7 @@ class _Call:
             return False
         if self.absent_ok and code in _ABSENT:
             return True  # the caller's `return None` after the block runs
-        if self.conditional and code in _LOST_RACE:
+        if self.conditional and (code in _LOST_RACE or code in _ABSENT):  # changed, or gone
             raise Conflict(code) from exc
         self.metrics.object_errors.labels(self.op).inc()
         what = code or type(exc).__name__

@@ -99,7 +99,7 @@ def manifest(view: manifests.AgentView, summary_only: bool = False) -> pb.AgentM
         generation=r.generation,
         missing_block_keys=view.missing_block_keys,
         num_bytes=view.num_bytes,
-        remote_block_keys=view.remote_block_keys,
+        remote_block_keys=() if summary_only else view.remote_block_keys,
     )
 
 

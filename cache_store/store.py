@@ -177,7 +177,10 @@ class CacheStore:
             self.tier.mark_current(namespace, agent_id)
         except ObjectStoreDown as exc:
             if local is None and (not writing or uploaded):  # it may be, or is, there
-                raise BucketUnreachable(
+                # Unknown here (BucketUnreachable: a new agent may be made), or known to be
+                # in the bucket (not new: it waits for the bucket).
+                error = BucketUnreachable if uploaded is None else ObjectStoreDown
+                raise error(
                     f"agent {agent_id!r} in namespace {namespace!r} is not on this store's disk "
                     f"and the object store cannot be asked for it: {exc.message}"
                 ) from exc

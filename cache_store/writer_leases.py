@@ -119,7 +119,7 @@ class WriterLeases:
             if namespace not in self._unverified:  # said once per outage
                 self._unverified.add(namespace)
                 log.warning(
-                    f"writer lease unverified: the object store is {failure(exc)}; writing locally",
+                    f"writer lease unverified: object store {failure(exc)}; writing locally",
                     extra={"namespace": namespace, "reason": exc.message},
                 )
 

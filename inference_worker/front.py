@@ -66,6 +66,12 @@ class Front:
         metadata = check_metadata(made, system, job.tools)
         # Rendered here, not on the MLX thread; it refuses tools the model cannot call.
         start = self.engine.chat.start(system, job.tools)
+        if not view.answered:
+            log.warning(
+                "agent made without the object store's word that it is new: the store "
+                "cannot ask it",
+                extra={"namespace": ns, "agent": agent_id},
+            )
         shared = self.engine.restorer.fetch_prefix(ns, start[0])
         self._mlx(self.engine.create_agent, job, system, metadata, start, shared, view)
 
@@ -219,11 +225,7 @@ class Front:
             return StoreView(asked_at, manifest)
         except AgentNotFound:
             return StoreView(asked_at)
-        except BucketUnreachable as exc:
-            log.warning(
-                "agent made without the object store's word that it is new",
-                extra={"namespace": ns, "agent": agent_id, "reason": exc.message},
-            )
+        except BucketUnreachable:
             return StoreView(asked_at, answered=False)
 
     def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -359,6 +359,10 @@ def test_json_in_the_bucket_too_deep_or_out_of_range_is_corrupt_not_a_crash():
     header = json.dumps({"__metadata__": meta, **tensors}).encode()
     with pytest.raises(CorruptBlock, match="not whole sizes"):
         parse_payload(len(header).to_bytes(8, "little") + header + b"x", base, 1 << 20)
+    tensors = {"layers.0.k": {"dtype": "U8", "shape": 5, "data_offsets": [0, 5]}}  # no list
+    header = json.dumps({"__metadata__": meta, **tensors}).encode()
+    with pytest.raises(CorruptBlock, match="no readable header"):
+        parse_payload(len(header).to_bytes(8, "little") + header + b"x" * 5, base, 1 << 20)
     # Python's JSON reads these; none is an int, or one a message can write as a time
     for expires in (b"Infinity", b"1e400", b"NaN", b"-5", str(2**70).encode()):
         assert _lease_fields(b'{"store": "other", "expires_unix_ms": %s}' % expires) == ("", 0)

@@ -90,3 +90,27 @@ def test_the_contract_names_every_error_a_server_sends():
     listed = text.split('"agentkv-error" names the error, one of: ')[1].split("(INTERNAL)")[0]
     names = re.findall(r"\w+", listed.replace("//", ""))
     assert sorted(names) == sorted(ERRORS) and len(set(names)) == len(names)
+    # A service's own subclasses (the store's ObjectStoreDown, NamespaceHeld, ...) go on the
+    # wire by the nearest listed name.
+    from agentkv.errors import AgentKVError
+
+    for module in (
+        "cache_store.lock",
+        "cache_store.objects",
+        "cache_store.writer_leases",
+        "agentkv.client.blocks",
+        "agentkv.client.scenario_yaml",
+        "inference_worker.chat",
+    ):
+        importlib.import_module(module)
+
+    def subclasses(cls: type) -> list[type]:
+        return [cls, *(s for sub in cls.__subclasses__() for s in subclasses(sub))]
+
+    own = [c for c in subclasses(AgentKVError) if c.__name__ not in ERRORS]
+    assert {"ObjectStoreDown", "Refused", "NamespaceHeld", "DataDirInUse"} <= {
+        c.__name__ for c in own
+    }
+    for cls in subclasses(AgentKVError):
+        sent = AgentKVError.trailing_metadata(cls.__new__(cls))
+        assert dict(sent)["agentkv-error"] in names, cls
