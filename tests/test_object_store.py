@@ -29,6 +29,7 @@ from agentkv.client.worker import WorkerClient
 from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
+    BucketUnreachable,
     CorruptBlock,
     CorruptRecord,
     FailedPrecondition,
@@ -617,6 +618,13 @@ def test_a_write_of_an_agent_evicted_here_waits_for_the_bucket(bucket, tmp_path)
             commit(store, "a", tokens[:64], keys[:1], 0)
         with pytest.raises(Unavailable, match="cannot be asked"):
             store.delete_agent(NS, "a")
+        # Known to be in the bucket: not "may be new", which a worker's CreateAgent would
+        # take as leave to make it again; one this store never saw may be.
+        with pytest.raises(Unavailable, match="cannot be asked") as known:
+            store.get_agent(NS, "a")
+        assert not isinstance(known.value, BucketUnreachable)
+        with pytest.raises(BucketUnreachable):
+            store.get_agent(NS, "never-seen")
         weed.start()
         wait_for("the bucket to answer", lambda: answers(lambda: store.get_agent(NS, "a")))
         assert store.get_agent(NS, "a").record.token_ids == tokens
