@@ -111,7 +111,12 @@ def _prefixed(message: str, cls: type, prefix: str) -> str:
         if "help" in f.metadata
     ]
     flags = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
-    return re.sub(rf"(?<![\w-])--({flags})(?![\w-])", rf"--{prefix}\1", message)
+    return re.sub(_whole(f"--({flags})"), rf"--{prefix}\1", message)
+
+
+def _whole(flag: str) -> str:
+    """A pattern of `flag` (a regex) as a whole flag in a message, not part of a longer one."""
+    return rf"(?<![\w-]){flag}(?![\w-])"
 
 
 def _from_environment(message: str, cls: type, args: argparse.Namespace, prefix: str) -> str:
@@ -124,9 +129,7 @@ def _from_environment(message: str, cls: type, args: argparse.Namespace, prefix:
         variable = _variable(name)
         given = getattr(args, _dest(prefix, f), None)
         if os.environ.get(variable) and given == os.environ[variable]:
-            message = re.sub(
-                rf"(?<![\w-]){re.escape(name)}(?![\w-])", f"{variable} ({name})", message
-            )
+            message = re.sub(_whole(re.escape(name)), f"{variable} ({name})", message)
     return message
 
 

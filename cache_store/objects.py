@@ -49,7 +49,8 @@ _DENIED = {
     "ExpiredToken",
 }
 # botocore's own refusals, before any request went out: not a bucket that did not answer.
-_NOT_SENT = (NoCredentialsError, PartialCredentialsError, ParamValidationError)
+_NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError)
+_NOT_SENT = (*_NO_CREDENTIALS, ParamValidationError)
 # A bucket name botocore sends (its own check); S3's names for new buckets are narrower
 # (3 to 63 lowercase letters, digits, dots and hyphens), but older ones and other servers'
 # may be uppercase or underscored.
@@ -105,13 +106,6 @@ class Location:
                 f"--object-store {url}: {parsed.netloc!r} is no bucket name: one is up to 255 "
                 "letters, digits, dots, hyphens and underscores"
             )
-        if not _NEW_BUCKET_NAME.fullmatch(parsed.netloc):
-            log.warning(
-                "the object store's bucket name is not one S3 takes for a new bucket (3 to 63 "
-                "lowercase letters, digits, dots and hyphens): an older bucket's, or another "
-                "server's, may be",
-                extra={"bucket": parsed.netloc},
-            )
         prefix = parsed.path.strip("/")
         return cls(parsed.netloc, f"{prefix}/" if prefix else "")
 
@@ -155,6 +149,13 @@ class Bucket:
             max_pool_connections=16,
             s3={"addressing_style": "path"} if endpoint else {},
         )
+        if not _NEW_BUCKET_NAME.fullmatch(location.bucket):  # said once, at the store's start
+            log.warning(
+                "the object store's bucket name is not one S3 takes for a new bucket (3 to 63 "
+                "lowercase letters, digits, dots and hyphens): an older bucket's, or another "
+                "server's, may be",
+                extra={"bucket": location.bucket},
+            )
         session = boto3.session.Session()
         self._client = session.client(
             "s3",
@@ -336,7 +337,7 @@ class _Call:
         self.metrics.object_errors.labels(self.op).inc()
         what = code or type(exc).__name__
         error = ConditionRefused if self.conditional and code in _REFUSED else ObjectStoreDown
-        if code in _DENIED or isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        if code in _DENIED or isinstance(exc, _NO_CREDENTIALS):
             error = Refused
         raise error(
             f"object store {self.bucket.location}: {self.op} failed: {what}: {exc}"
