@@ -21,7 +21,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -137,6 +137,7 @@ class Bucket:
         self.location, self.metrics = location, metrics
         self.moved: collections.Counter[str] = collections.Counter()  # payload bytes by op
         self.down = False  # a request got no answer, and none has since
+        self.on_down: Callable[[], None] = lambda: None  # told when one first gets none
         self.conditional_deletes = True  # until the object store refuses one
         self._retry_at = 0.0  # time.monotonic(): while down, calls before it fail untried
         self._health = threading.Lock()
@@ -295,10 +296,13 @@ class Bucket:
 
     def _answered(self, answered: bool) -> None:
         with self._health:
+            went_down = not answered and not self.down
             if answered:
                 self.down = False
             else:
                 self.down, self._retry_at = True, time.monotonic() + BREAK_SECONDS
+        if went_down:
+            self.on_down()
 
 
 class _Call:

@@ -5,7 +5,8 @@ The bucket's layout is bucket_layout.py; the uploads' queue upload_queue.py (the
 the real queue: a restart rescans it and resumes); one upload uploader.py; reads fetcher.py;
 who writes a namespace writer_leases.py. This module runs the uploader threads and keeps the
 tier's state: ok, unreachable (the local tier keeps working; uploads retry with back-off) or
-backlogged (more is waiting than the queue in memory holds).
+backlogged (more is waiting than the queue in memory holds). Any request that gets no answer
+(an upload, a read, a lease) makes it unreachable; a probe then asks until the bucket answers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ObjectTier:
         self._current: dict[tuple[str, str], int] = {}  # agent -> writer term it is current in
         self.state = "starting"  # ok | unreachable | backlogged
         self._on_state: Callable[[str], None] = lambda state: None
+        self._state_lock, self._probing = threading.Lock(), threading.Lock()
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._upload_loop, name=f"uploader-{i}", daemon=True)
@@ -56,7 +58,9 @@ class ObjectTier:
         threading.Thread(target=self._start, name="object-store", daemon=True).start()
 
     def _start(self) -> None:
-        self._connect()
+        with self._probing:
+            self._connect()
+        self.bucket.on_down = self._went_down
         for thread in self._threads:
             thread.start()
 
@@ -120,10 +124,24 @@ class ObjectTier:
         return self.queue.drain(seconds)
 
     def _set_state(self, state: str) -> None:
-        if state != self.state:
-            log.info("object store state", extra={"state": state, "was": self.state})
-            self.state = state
-            self._on_state(state)
+        with self._state_lock:  # the uploaders, a probe and a read's thread may all say
+            if state != self.state:
+                log.info("object store state", extra={"state": state, "was": self.state})
+                self.state = state
+                self._on_state(state)
+
+    def _went_down(self) -> None:
+        """A request got no answer. While no upload is waiting, none would find out when the
+        bucket is back (a read that timed out, a lease renewal): a probe asks until it is."""
+        self._set_state("unreachable")
+        if self._probing.acquire(blocking=False):
+            threading.Thread(target=self._probe, name="object-store-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        try:
+            self._connect()
+        finally:
+            self._probing.release()
 
     # the uploaders
 
@@ -132,7 +150,7 @@ class ObjectTier:
         for attempt in range(1 << 30):
             try:
                 self.bucket.ensure_bucket()
-                self._set_state("ok")
+                self._set_state("ok")  # an uploader says "backlogged" after its next job
                 return
             except ObjectStoreDown as exc:
                 if attempt == 0:

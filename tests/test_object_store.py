@@ -625,7 +625,11 @@ def test_a_write_of_an_agent_evicted_here_waits_for_the_bucket(bucket, tmp_path)
         assert not isinstance(known.value, BucketUnreachable)
         with pytest.raises(BucketUnreachable):
             store.get_agent(NS, "never-seen")
+        # No upload waits, yet the reads that got no answer say the state: a probe then
+        # finds the bucket back, as no upload would.
+        assert store.tier.state == "unreachable"
         weed.start()
+        wait_for("the probe to find the bucket", lambda: store.tier.state == "ok")
         wait_for("the bucket to answer", lambda: answers(lambda: store.get_agent(NS, "a")))
         assert store.get_agent(NS, "a").record.token_ids == tokens
         commit(store, "a", tokens[:64], keys[:1], 1)
