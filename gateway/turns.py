@@ -21,6 +21,7 @@ from agentkv.errors import (
     AgentExists,
     AgentKVError,
     AgentNotFound,
+    BucketUnreachable,
     FailedPrecondition,
     FingerprintMismatch,
     InvalidArgument,
@@ -206,12 +207,14 @@ class Turns:
             delay = min(delay * 2, 0.5)
 
     async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
-        """The agent's turn, made first when it does not exist (a spare never does)."""
+        """The agent's turn, made first when it does not exist (a spare never does), or
+        when the store cannot tell, its object store being down: the call brings the whole
+        conversation, and the worker's CreateAgent takes that answer for "not known here"."""
         memory = agent.memory
         options = say_options(call)
         await check_features(memory, agent.id, call)
         if agent not in self.spares:
-            with contextlib.suppress(AgentNotFound):
+            with contextlib.suppress(AgentNotFound, BucketUnreachable):
                 return Turn(await agent.say(call.messages, **options))
         request = pb.CreateAgentRequest(
             namespace=memory.namespace,

@@ -21,6 +21,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+import openai
 import pytest
 import xxhash
 
@@ -36,7 +37,7 @@ from agentkv.errors import (
     GenerationConflict,
     Unavailable,
 )
-from agentkv.launch import ServiceProcess, worker_process
+from agentkv.launch import ServiceProcess, gateway_process, worker_process
 from tests.helpers import FP, StoreProcess, cli, make_chain, same_bytes
 from tests.weed import CREDENTIALS, WeedServer
 
@@ -389,6 +390,22 @@ def test_object_store_down_keeps_the_local_tier_and_catches_up(bucket, tmp_path,
                     w.wait_durable(NS, "made-meanwhile")
                     made = c.get_agent(NS, "made-meanwhile")
                     assert made.generation >= 1 and len(made.token_ids) > 0
+                # So does a gateway, for a conversation an agent id names (X-Agent-Id).
+                log = tmp_path / "gateway.log"
+                gateway = gateway_process([worker.address], log, store.address).start()
+                try:
+                    base = f"http://{gateway.address}/v1"
+                    http = openai.OpenAI(base_url=base, api_key="-", max_retries=0)
+                    named = http.chat.completions.create(
+                        model=Path(str(tiny_model_dirs["llama"])).name,
+                        messages=[{"role": "user", "content": "Any ships?"}],
+                        max_tokens=4,
+                        extra_headers={"X-Agent-Id": "named-meanwhile"},
+                    )
+                    assert named.usage.completion_tokens > 0
+                    WorkerClient(worker.address).wait_durable("default", "named-meanwhile")
+                finally:
+                    gateway.stop()
             finally:
                 worker.stop()
             weed.start()
