@@ -271,6 +271,7 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
         found = ", ".join(f"{name} ({count})" for name, count in elsewhere)
         print(f"no agents in namespace {args.namespace!r}; agents are in: {found} (pass -n NAME)")
     if failure is not None:  # some tiers are unknown: the listing is incomplete
+        print("tier ?: no worker said (the tokens and bytes are the store's)", file=sys.stderr)
         raise failure
 
 
@@ -370,6 +371,8 @@ def _main(argv: list[str]) -> None:
 # gRPC's reasons for a connection that was made but never became gRPC's: nothing came back
 # before its connect timeout (20 s; "Endpoint closing" with TLS), or something not HTTP/2 did.
 _NO_ANSWER = ("before receiving SETTINGS frame", "(Endpoint closing)", "Failed parsing HTTP/2")
+# the SDK's, once every worker it may route an agent to was tried and none answered
+_EXHAUSTED = "no worker could be reached"
 # gRPC's words for a host name that does not resolve (its native resolver's; c-ares's)
 _UNRESOLVED = ("errors resolving", "DNS resolution failed")
 
@@ -381,7 +384,7 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     unresolved = any(words in exc.message for words in _UNRESOLVED)
     if not isinstance(exc, Unavailable) or exc.remote:
         return None
-    if "failed to connect" not in exc.message and not unresolved:
+    if "failed to connect" not in exc.message and not unresolved and _EXHAUSTED not in exc.message:
         return None
     store = args.command == "store" or exc.peer == "store"
     workers = "" if store else ", ".join(_workers(args))  # `agentkv store` has no --worker
