@@ -99,22 +99,31 @@ class Engine:
         # The MLX thread stops between steps: a turn still in the batch (its stream's client
         # may be gone, or outlasted the drain) ends now with an error of its own, so no RPC
         # thread waits for it and the process exits.
-        for turn in list(self.batcher.active.values()):
-            turn.job.end(error=Unavailable(STOPPED.format(turn.agent.agent_id)))
-        for (_, agent_id), waiting in self._creating.items():
-            for job, _ in waiting:
-                job.end(error=Unavailable(STOPPED.format(agent_id)))
-        self._finish_writes()
+        cut = [(turn.agent.id, turn.job) for turn in self.batcher.active.values()]
+        cut += [(agent, job) for agent, waiting in self._creating.items() for job, _ in waiting]
+        for (_, agent_id), job in cut:
+            job.end(error=Unavailable(STOPPED.format(agent_id)))
+        agents = {agent: None for agent, _ in cut}  # in order, once each
+        if agents:
+            log.warning(
+                "turns cut by the stop (their callers were told to send them again)",
+                extra={"agents": len(agents), "first": [a for _, a in list(agents)[:5]]},
+            )
+        self._finish_writes(set(agents))
 
-    def _finish_writes(self) -> None:
+    def _finish_writes(self, cut: set[AgentId]) -> None:
         """Finishes queued store writes for up to `stop_write_seconds`; past that (a hung
         store) cuts them, closing the store client: each agent then has its last commit in
-        the store, and every durable turn acknowledged is in it (its reply waited for it)."""
+        the store, and every durable turn acknowledged is in it (its reply waited for it).
+        Says which agents' acknowledged turns are not in the store: not those whose only
+        unwritten part is a turn `cut` (its caller was told)."""
         finished = self.persister.close(self.config.stop_write_seconds)
         if not finished:
             self.store.close()  # the write in flight fails now, not at its deadline
         self.persister.join()
-        unwritten = self.hot.unwritten()
+        unwritten = [
+            a for a in self.hot.unwritten() if a.id not in cut or a.persist_failed or not finished
+        ]
         if unwritten:
             log.warning(
                 "stopped with turns not in the store",

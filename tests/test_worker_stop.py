@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import signal
 
+import grpc
+import pytest
+
 from agentkv.client.worker import WorkerClient
 from agentkv.launch import worker_process
-from tests.helpers import freeze
+from tests.helpers import freeze, long_turn, read_tokens
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -66,3 +69,38 @@ def test_a_worker_stopped_with_a_write_to_a_hung_store_exits_and_keeps_its_durab
     assert again.usage.cache_state == "warm"
     assert again.usage.reused_store_tokens == durable.persisted_tokens
     w.close()
+
+
+def test_a_turn_cut_by_the_stop_is_not_logged_as_a_lost_write(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """SIGTERM past the drain with a turn generating, its store well: the turn ends with
+    UNAVAILABLE, and "stopped with turns not in the store" (said of acknowledged turns the
+    store did not take) is not logged. Which way the turn ends is a race: cut by the stop
+    (logged so; the store keeps the agent as before it), or ended by gRPC's cancelling of
+    the call first, as a turn its client left (it keeps what it generated, written)."""
+    model = str(tiny_model_dirs["llama"])
+    args = ["--block-tokens", "64", "--drain-seconds", "0"]
+    proc = launched(
+        worker_process(model, store_process.address, tmp_path / "w.log", extra_args=args)
+    )
+    w = WorkerClient(proc.address, timeout=60)
+    w.create_agent("ns", "a", SYSTEM)
+    w.turn("ns", "a", Q1, max_tokens=4, durable=True)
+    before = w.describe("ns", "a").num_tokens
+    call = long_turn(w, "ns", "a", Q2)
+    read_tokens(call, 8, [])
+    proc.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as cut:
+        read_tokens(call, 1 << 30, [])
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+    w.close()
+    assert proc.proc.wait(timeout=EXIT_SECONDS) == 0
+    log = proc.log_tail(100_000)
+    assert "Traceback" not in log and "stopped with turns not in the store" not in log, log
+    with store_process.client() as store:
+        stored = len(store.get_agent("ns", "a").token_ids)
+    if "turns cut by the stop" in log:
+        assert stored == before
+    else:
+        assert stored > before + 8
