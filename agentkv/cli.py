@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-reset", action="store_true", help="keep agents of an earlier run")
     run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
     agents = sub.add_parser("agents", help="list agents: tier, tokens, bytes, phase")
-    agents.add_argument("-n", "--namespace", default="default")
+    agents.add_argument("-n", "--namespace", default="default", help="namespace")
     for p in (run, agents):
         _service_flags(p)
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
@@ -186,6 +186,12 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, ClientSecurity)
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The parser of the command `args` ran: its usage line goes with a usage error."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[args.command]
+
+
 def _addresses_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--store and --worker not given: env AGENTKV_STORE and AGENTKV_WORKERS (comma-separated),
     set but empty counting as unset, else the defaults. A malformed one is a usage error."""
@@ -271,7 +277,6 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
         found = ", ".join(f"{name} ({count})" for name, count in elsewhere)
         print(f"no agents in namespace {args.namespace!r}; agents are in: {found} (pass -n NAME)")
     if failure is not None:  # some tiers are unknown: the listing is incomplete
-        print("tier ?: no worker said (the tokens and bytes are the store's)", file=sys.stderr)
         raise failure
 
 
@@ -318,8 +323,6 @@ def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    if not (args.context and args.budget):
-        raise ValueError("plan needs --context and --budget")
     print_plan(args.config, args.context, args.budget, args.bits, args.group_size, args.chunk)
 
 
@@ -341,7 +344,9 @@ def _main(argv: list[str]) -> None:
         return
     parser = build_parser()
     args = parser.parse_args(argv)
-    _addresses_from_env(parser, args)
+    if args.command == "plan" and not (args.context and args.budget):
+        _command_parser(parser, args).error("plan needs --context and --budget")
+    _addresses_from_env(_command_parser(parser, args), args)
     try:
         if args.command in ("walkthrough", "demo"):
             cmd_with_services(args)

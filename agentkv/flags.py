@@ -170,7 +170,8 @@ class _DefaultsHelp(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
-        if shown and "%(default)" not in text and action.option_strings:
+        said = "%(default)" in text or "(default:" in text  # its help says it already
+        if shown and not said and action.option_strings:
             text += " (default: %(default)s)"
         return text
 

@@ -51,6 +51,8 @@ def print_plan(
                 if sliding
                 else f"no sliding-window layers: Q{bits} window = Q{bits}",
                 "the paper's '10.2 GB' is --budget 10.2Gi (its Table 14: benchmarks/capacity.py)",
+                "--budget reads G as 10^9 and Gi as 2^30; a worker's --hot-budget and a "
+                "store's --quota read both as 2^30",
             ]
         )
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,8 +52,28 @@ def test_a_malformed_address_in_the_environment_names_the_variable():
     proc = agentkv("store", "stats", AGENTKV_STORE="garbage")
     assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
     assert "error: env AGENTKV_STORE: " in proc.stderr.splitlines()[-1], proc.stderr
+    assert proc.stderr.startswith("usage: agentkv store "), proc.stderr  # the command's usage
     proc = agentkv("agents", "--store", free_address(), AGENTKV_WORKERS="127.0.0.1:1,,x")
     assert proc.returncode == 2 and "error: env AGENTKV_WORKERS: " in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("usage: agentkv agents "), proc.stderr
+
+
+def test_plan_without_its_figures_is_a_usage_error_of_plan():
+    proc = agentkv("plan", "--context", "8K")
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: agentkv plan "), proc.stderr
+    assert proc.stderr.splitlines()[-1] == "agentkv plan: error: plan needs --context and --budget"
+
+
+@pytest.mark.parametrize("command", ["plan", "agents", "run", "demo", "walkthrough", "store"])
+def test_help_says_each_default_once_and_helps_every_flag(command):
+    proc = agentkv(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert not re.search(r"\(default: [^)]*\) \(default:", text), text
+    flags = re.findall(r"^  (-\S+(?: [A-Z_]+)?(?:, --\S+(?: [A-Z_]+)?)?)$", proc.stdout, re.M)
+    for line in flags:  # a flag alone on its line: its help is on the next, or missing
+        after = proc.stdout.split(line + "\n", 1)[1].splitlines()[0]
+        assert after.startswith(" " * 8) and after.strip(), f"{line!r} has no help"
 
 
 def test_an_empty_address_variable_counts_as_unset():
@@ -87,14 +108,16 @@ def rows(stdout: str) -> dict[str, list[str]]:
 
 def test_agents_lists_every_agent_from_the_store_when_no_worker_answers(store_process):
     save_agents(store_process, "team", "marco", "luca")
+    nobody = free_address()
     proc = agentkv("agents", "-n", "team", "--store", store_process.address,
-                   "--worker", free_address())  # fmt: skip
+                   "--worker", nobody)  # fmt: skip
     assert proc.returncode == 2, proc.stderr  # the listing is incomplete: its tiers
     listed = rows(proc.stdout)
     assert set(listed) == {"marco", "luca"}, proc.stdout
     for cells in listed.values():
         assert cells[1:3] == ["?", "64"] and "yard" in cells, proc.stdout
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"no worker answers at {nobody} (start agentkv-worker, or pass" in proc.stderr
 
 
 def test_agents_shows_an_agent_of_another_model_in_its_own_row(

@@ -175,26 +175,6 @@ def test_agents_in_an_empty_namespace_points_at_the_namespaces_that_have_some(st
     )
 
 
-def test_agents_with_no_worker_lists_the_stores_figures_and_says_where_no_worker_answers(
-    store_process,
-):
-    from tests.helpers import FP, make_chain
-
-    tokens = list(range(64))
-    with store_process.client() as client:
-        client.save_agent("idle", "marco", FP, tokens, make_chain(tokens)[0])
-    nobody = free_address()
-    proc = agentkv("agents", "-n", "idle", "--store", store_process.address, "--worker", nobody)
-    assert proc.returncode == 2
-    (row,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("marco")]
-    assert row[1:3] == ["?", "64"] and row[-1] == nobody
-    assert proc.stderr.splitlines() == [
-        "tier ?: no worker said (the tokens and bytes are the store's)",
-        f"error: no worker answers at {nobody} (start agentkv-worker, or pass --worker / "
-        f"AGENTKV_WORKERS): no worker could be reached for agent 'marco' (3 tries over {nobody})",
-    ]
-
-
 def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
     tiny_model_dirs, store_process, start_worker
 ):
