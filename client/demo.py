@@ -23,7 +23,14 @@ from pathlib import Path
 
 from agentkv import defaults
 from agentkv.client.memory import AgentMemory
-from agentkv.client.scenario import PhaseSpec, Scenario, Turn, load_scenario, run_scenario
+from agentkv.client.scenario import (
+    PhaseSpec,
+    Scenario,
+    ScenarioError,
+    Turn,
+    load_scenario,
+    run_scenario,
+)
 from agentkv.client.workflow import Record, Workflow
 from agentkv.launch import ServiceProcess, running, store_process, worker_process
 from agentkv.units import human_bytes, table
@@ -40,9 +47,17 @@ EPILOGUE = PhaseSpec(
 
 
 def scenario_path(name: str) -> Path:
-    """A shipped scenario by name (e.g. "prisoners_dilemma"), or a path as given."""
-    shipped = resources.files("agentkv.client") / "scenarios" / f"{name}.yaml"
-    return Path(str(shipped)) if shipped.is_file() else Path(name)
+    """A shipped scenario by name (e.g. "prisoners_dilemma"), or a path as given; neither
+    there is a ScenarioError naming the shipped ones."""
+    scenarios = resources.files("agentkv.client") / "scenarios"
+    if (shipped := scenarios / f"{name}.yaml").is_file():
+        return Path(str(shipped))
+    if not Path(name).exists():
+        names = sorted(p.name[:-5] for p in scenarios.iterdir() if p.name.endswith(".yaml"))
+        raise ScenarioError(
+            f"{name}: cannot read: no such file, nor a shipped scenario ({', '.join(names)})"
+        )
+    return Path(name)
 
 
 @contextmanager

@@ -624,6 +624,14 @@ def test_cli_runs_a_scenario_and_lists_agents(
         timeout=60,
     )
     assert bad.returncode == 2 and "cannot read" in bad.stderr
+    typo = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "run", "prisoners_dilema", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert typo.returncode == 2, typo.stderr
+    assert "nor a shipped scenario (expert_routing, prisoners_dilemma)" in typo.stderr
     # A max_tokens past the model's context (4,096) is refused before the reset, in a line.
     scenario.write_text(
         scenario.read_text().replace("say: Go on.}", "say: Go on., max_tokens: 5000}")
