@@ -67,7 +67,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(GatewayConfig, "agentkv-gateway", __doc__, argv)
     logs.configure(config.log_level)
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # "serving" says it started
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.setLevel(logging.WARNING)  # "serving" says it started
+    uvicorn_log.addFilter(_cut_by_the_stop)
     for warning in config.security.warnings(config.listen, False, None)[1:]:
         log.warning(warning)
     address_file = Path(config.address_file) if config.address_file else None
@@ -86,6 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if address_file:
             address_file.unlink(missing_ok=True)
+
+
+def _cut_by_the_stop(record: logging.LogRecord) -> bool:
+    """uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded" is a stop's
+    designed end (those replies end with 503, send it again), at its error level: a warning,
+    as the worker's "turns cut by the stop"."""
+    if "timeout graceful shutdown exceeded" in str(record.msg):
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 def server_config(app, config: GatewayConfig) -> uvicorn.Config:

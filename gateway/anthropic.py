@@ -350,7 +350,8 @@ def _sampling(body: dict) -> dict[str, Any]:
         out["top_k"] = top_k
     max_tokens = typed(body, "max_tokens", int, None)
     if max_tokens is None or not 0 <= max_tokens < 2**32:
-        raise invalid(f"max_tokens: an integer in [0, 2^32) is required, got {max_tokens}")
+        got = "" if max_tokens is None else f", got {max_tokens}"  # absent, or null
+        raise invalid(f"max_tokens: an integer in [0, 2^32) is required{got}")
     out["max_tokens"] = max_tokens
     stops = typed(body, "stop_sequences", list, None) or []
     if not all(isinstance(s, str) and s for s in stops):

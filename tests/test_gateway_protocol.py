@@ -674,6 +674,10 @@ def test_an_anthropic_max_tokens_out_of_range_says_the_range():
         body = {"model": "m", "max_tokens": value, "messages": [{"role": "user", "content": "Hi"}]}
         with pytest.raises(HTTPError, match=rf"in \[0, 2\^32\) is required, got {value}$"):
             parse_messages(body)
+    for body in ({}, {"max_tokens": None}):  # absent or null: required, not "got None"
+        body |= {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+        with pytest.raises(HTTPError, match=r"in \[0, 2\^32\) is required$"):
+            parse_messages(body)
 
 
 def test_two_tools_of_one_name_or_parameters_not_of_an_object_are_refused():
