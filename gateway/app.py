@@ -67,6 +67,7 @@ class Gateway:
         self.callers = Callers(tokens, config.namespace, config.max_body_bytes)
         self.served: Served | None = None  # made with the memory, in the server's loop
         self.turns = Turns(lambda: self.served.model_key(), config.timeout)
+        self._started: asyncio.Task[None] | None = None  # the check of the workers at start
 
     async def start(self) -> None:
         c = self.config
@@ -74,10 +75,22 @@ class Gateway:
             c.workers, c.store or None, c.namespace, timeout=c.timeout, security=c.upstream
         )
         self.served = Served(self.memory.workers, c.model_name)
+        self._started = asyncio.create_task(self._warn_of_silent_workers())
+
+    async def _warn_of_silent_workers(self) -> None:
+        """At start, a warning for each worker that does not answer (its requests go to
+        the others, or get 503), as a worker warns of a store that does not."""
+        workers = self.memory.workers
+        silences = await asyncio.gather(*map(_silence, workers.values()))
+        for address, why in zip(workers, silences, strict=True):
+            if why:
+                log.warning("worker does not answer", extra={"worker": address, "reason": why})
 
     async def stop(self) -> None:
         """Deletes every spare agent left, each once its creation and turn have ended, then
         closes the connections. Requests have drained by now (or were cancelled)."""
+        if self._started is not None:
+            self._started.cancel()
         await self.turns.stop()
         if self.memory is not None:
             await self.memory.close()
@@ -236,11 +249,7 @@ class Gateway:
         each worker's address and state only for a caller with a valid token."""
 
         async def probe(worker: Any) -> str:
-            try:
-                await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
-                return "serving"
-            except (AgentKVError, asyncio.TimeoutError):
-                return "unavailable"
+            return "unavailable" if await _silence(worker) else "serving"
 
         states = await asyncio.gather(*map(probe, self.memory.workers.values()))
         up = "serving" in states
@@ -295,6 +304,17 @@ class Gateway:
             with anyio.CancelScope(shield=True):  # a client gone cancels this generator
                 await reply.close()
             self.turns.ended(reply.agent)
+
+
+async def _silence(worker: Any) -> str:
+    """Why the worker does not answer GetWorkerInfo within INFO_TIMEOUT; "" when it does."""
+    try:
+        await asyncio.wait_for(worker.info(), INFO_TIMEOUT)
+        return ""
+    except AgentKVError as exc:
+        return exc.message
+    except asyncio.TimeoutError:
+        return f"no answer within {INFO_TIMEOUT:g} s"
 
 
 def create_app(config: GatewayConfig) -> Starlette:

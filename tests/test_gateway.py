@@ -150,6 +150,26 @@ def test_models_and_health(stack):
     assert health.status == 200 and health.json()["workers"][stack.worker_address] == "serving"
 
 
+def test_a_gateway_warns_at_start_of_each_worker_that_does_not_answer(stack):
+    nobody = free_address()
+    gateway = stack.start_gateway([nobody, stack.worker_address], name="one-silent")
+    try:
+
+        def warned() -> list[dict]:
+            log = gateway.log_tail().splitlines()
+            lines = [json.loads(line) for line in log if line.startswith("{")]  # not gRPC's
+            return [line for line in lines if line["event"] == "worker does not answer"]
+
+        eventually(warned, "the warning")  # once the checks of both workers have ended
+        ((said,),) = [warned()]
+        assert said["level"] == "warning" and said["worker"] == nobody
+        assert "failed to connect" in said["reason"].lower(), said
+        health = raw(gateway.address, "GET", "/health").json()
+        assert health["workers"] == {nobody: "unavailable", stack.worker_address: "serving"}
+    finally:
+        gateway.stop()
+
+
 def test_a_resent_history_answers_as_the_sdk_and_prefills_only_the_new_message(stack):
     client, fresh = stack.client(), sdk_turns(stack, "sdk-twin", ASK)
     messages = [{"role": "system", "content": SYSTEM}]
