@@ -78,13 +78,22 @@ class Gateway:
         self._started = asyncio.create_task(self._warn_of_silent_workers())
 
     async def _warn_of_silent_workers(self) -> None:
-        """At start, a warning for each worker that does not answer (its requests go to
-        the others, or get 503), as a worker warns of a store that does not."""
-        workers = self.memory.workers
-        silences = await asyncio.gather(*map(_silence, workers.values()))
-        for address, why in zip(workers, silences, strict=True):
-            if why:
-                log.warning("worker does not answer", extra={"worker": address, "reason": why})
+        """From the start until each worker has answered once: a warning for one that does
+        not (its requests go to the others, or get 503), then word when it does, as a worker
+        says of its store."""
+        waiting, warned, pause = dict(self.memory.workers), set(), 0.5
+        while waiting:
+            silences = await asyncio.gather(*map(_silence, waiting.values()))
+            for address, why in zip(list(waiting), silences, strict=True):
+                if not why:
+                    del waiting[address]
+                    if address in warned:
+                        log.info("worker answers", extra={"worker": address})
+                elif address not in warned:
+                    warned.add(address)
+                    log.warning("worker does not answer", extra={"worker": address, "reason": why})
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 10.0)
 
     async def stop(self) -> None:
         """Deletes every spare agent left, each once its creation and turn have ended, then

@@ -150,22 +150,26 @@ def test_models_and_health(stack):
     assert health.status == 200 and health.json()["workers"][stack.worker_address] == "serving"
 
 
-def test_a_gateway_warns_at_start_of_each_worker_that_does_not_answer(stack):
-    nobody = free_address()
-    gateway = stack.start_gateway([nobody, stack.worker_address], name="one-silent")
+def test_a_gateway_says_which_workers_do_not_answer_from_its_start_until_they_do(stack):
+    silent = free_address()
+    gateway = stack.start_gateway([silent, stack.worker_address], name="one-silent")
     try:
 
-        def warned() -> list[dict]:
+        def said(event: str) -> list[dict]:
             log = gateway.log_tail().splitlines()
             lines = [json.loads(line) for line in log if line.startswith("{")]  # not gRPC's
-            return [line for line in lines if line["event"] == "worker does not answer"]
+            return [line for line in lines if line["event"] == event]
 
-        eventually(warned, "the warning")  # once the checks of both workers have ended
-        ((said,),) = [warned()]
-        assert said["level"] == "warning" and said["worker"] == nobody
-        assert "failed to connect" in said["reason"].lower(), said
+        eventually(lambda: said("worker does not answer"), "the warning")
+        (warning,) = said("worker does not answer")  # once the check of both has ended
+        assert warning["level"] == "warning" and warning["worker"] == silent
+        assert "failed to connect" in warning["reason"].lower(), warning
         health = raw(gateway.address, "GET", "/health").json()
-        assert health["workers"] == {nobody: "unavailable", stack.worker_address: "serving"}
+        assert health["workers"] == {silent: "unavailable", stack.worker_address: "serving"}
+        with WorkerProxy(stack.worker_address, listen=silent):  # it comes up
+            eventually(lambda: said("worker answers"), "word that it answers")
+            assert [line["worker"] for line in said("worker answers")] == [silent]
+            assert len(said("worker does not answer")) == 1
     finally:
         gateway.stop()
 
@@ -503,7 +507,7 @@ class WorkerProxy:
     its agent's deletion has been refused that many times, as a turn whose step is long
     (a big prefill on a busy worker) ends late."""
 
-    def __init__(self, worker: str, linger: int = 0) -> None:
+    def __init__(self, worker: str, linger: int = 0, listen: str = "127.0.0.1:0") -> None:
         self.channel, self.linger = grpc.insecure_channel(worker), linger
         self.turns: dict[str, grpc.Future] = {}  # agent -> its last Turn, when lingering
         self.refused: Counter[str] = Counter()  # agent -> deletions refused (mid-turn)
@@ -514,7 +518,7 @@ class WorkerProxy:
         } | {"Turn": grpc.unary_stream_rpc_method_handler(self._turn)})  # fmt: skip
         self.pool = ThreadPoolExecutor(16)
         self.server = grpc.server(self.pool, handlers=[handler], options=ALLOW_KEEPALIVE)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.address = f"127.0.0.1:{self.server.add_insecure_port(listen)}"
         self.server.start()
 
     def _hold(self, name: str, request: bytes, context: Any) -> Callable[[], None]:
