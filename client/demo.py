@@ -67,6 +67,9 @@ def progress(label: str) -> Iterator[None]:
     started = time.perf_counter()
     try:
         yield
+    except KeyboardInterrupt:  # the CLI says "interrupted", on a line of its own
+        print(flush=True)
+        raise
     except BaseException:
         print(" failed", flush=True)
         raise
