@@ -143,6 +143,7 @@ def parse_config(
 ) -> C:
     """The config from the command line; a value its checks refuse exits with usage."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    negative_values(parser)
     add_flags(parser, cls)
     args = parser.parse_args(argv)
     try:
@@ -177,12 +178,21 @@ class _DefaultsHelp(argparse.HelpFormatter):
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every subcommand's --help shows its flags' defaults (those worth showing)."""
+    """Every subcommand's --help shows its flags' defaults (those worth showing), and takes
+    negative values as values (negative_values)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
                 command.formatter_class = _DefaultsHelp
+                negative_values(command)
                 show_defaults(command)
+
+
+def negative_values(parser: argparse.ArgumentParser) -> None:
+    """`--hot-budget -1G` gives the flag "-1G", which its parser then refuses by name: before
+    Python 3.13, argparse took only "-1" and "-1.5" for negative numbers, and "-1G" for an
+    unknown option ("expected one argument"). No flag of ours starts with a digit."""
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
 
 
 def _dest(prefix: str, f: dataclasses.Field) -> str:

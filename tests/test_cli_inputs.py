@@ -58,6 +58,26 @@ def test_a_malformed_address_in_the_environment_names_the_variable():
     assert proc.stderr.startswith("usage: agentkv agents "), proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("program", "args"),
+    [
+        ("inference_worker", ["--store", "127.0.0.1:1", "--hot-budget", "-1G"]),
+        ("cache_store", ["--data-dir", "unused", "--quota", "-5M"]),
+        ("agentkv.cli", ["plan", "--context", "8K", "--budget", "-1G"]),
+    ],
+    ids=["worker", "store", "plan"],
+)
+def test_a_negative_size_is_refused_as_that_flags_value(program, args):
+    """Not argparse's "expected one argument", as if "-1G" were an option."""
+    proc = subprocess.run(
+        [sys.executable, "-m", program, *args], capture_output=True, text=True, timeout=120
+    )
+    flag, value = args[-2:]
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    assert f"error: argument {flag}: " in proc.stderr.splitlines()[-1], proc.stderr
+    assert repr(value) in proc.stderr, proc.stderr
+
+
 def test_plan_without_its_figures_is_a_usage_error_of_plan():
     proc = agentkv("plan", "--context", "8K")
     assert proc.returncode == 2 and proc.stderr.startswith("usage: agentkv plan "), proc.stderr
