@@ -137,7 +137,7 @@ class Bucket:
         self.location, self.metrics = location, metrics
         self.moved: collections.Counter[str] = collections.Counter()  # payload bytes by op
         self.down = False  # a request got no answer, and none has since
-        self.on_down: Callable[[], None] = lambda: None  # told when one first gets none
+        self.on_down: Callable[[str], None] = lambda reason: None  # when one first gets none
         self.conditional_deletes = True  # until the object store refuses one
         self._retry_at = 0.0  # time.monotonic(): while down, calls before it fail untried
         self._health = threading.Lock()
@@ -294,7 +294,8 @@ class Bucket:
             if self.down:
                 self._retry_at = time.monotonic() + BREAK_SECONDS
 
-    def _answered(self, answered: bool) -> None:
+    def _answered(self, answered: bool, reason: str = "") -> None:
+        """Whether a request got an answer; `reason`, why not (said to on_down)."""
         with self._health:
             went_down = not answered and not self.down
             if answered:
@@ -302,7 +303,7 @@ class Bucket:
             else:
                 self.down, self._retry_at = True, time.monotonic() + BREAK_SECONDS
         if went_down:
-            self.on_down()
+            self.on_down(reason)
 
 
 class _Call:
@@ -326,7 +327,8 @@ class _Call:
         if isinstance(exc, _NOT_SENT):  # botocore sent nothing: no word on the bucket
             self.bucket._unsent()
         else:
-            self.bucket._answered(exc is None or closed or bool(code))  # no code: no answer
+            answered = exc is None or closed or bool(code)  # no code: no answer
+            self.bucket._answered(answered, "" if answered else f"{self.op}: {exc}")
         if closed:
             return False
         if exc is None:

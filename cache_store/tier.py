@@ -11,6 +11,7 @@ backlogged (more is waiting than the queue in memory holds). Any request that ge
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -49,7 +50,10 @@ class ObjectTier:
         self._current: dict[tuple[str, str], int] = {}  # agent -> writer term it is current in
         self.state = "starting"  # ok | unreachable | backlogged
         self._on_state: Callable[[str], None] = lambda state: None
-        self._state_lock, self._probing = threading.Lock(), threading.Lock()
+        # The state, whether a probe runs and which uploaders are failing: decided together.
+        self._state_lock = threading.RLock()
+        self._probing = True  # the first connect is a probe
+        self._failing: set[str] = set()  # uploader threads whose last job failed
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._upload_loop, name=f"uploader-{i}", daemon=True)
@@ -58,9 +62,8 @@ class ObjectTier:
         threading.Thread(target=self._start, name="object-store", daemon=True).start()
 
     def _start(self) -> None:
-        with self._probing:
-            self._connect()
-        self.bucket.on_down = self._went_down
+        self.bucket.on_down = self._went_down  # from the first request on: none is missed
+        self._probe(quiet=False)
         for thread in self._threads:
             thread.start()
 
@@ -130,34 +133,43 @@ class ObjectTier:
                 self.state = state
                 self._on_state(state)
 
-    def _went_down(self) -> None:
-        """A request got no answer. While no upload is waiting, none would find out when the
-        bucket is back (a read that timed out, a lease renewal): a probe asks until it is."""
-        self._set_state("unreachable")
-        if self._probing.acquire(blocking=False):
-            threading.Thread(target=self._probe, name="object-store-probe", daemon=True).start()
+    def _went_down(self, reason: str) -> None:
+        """A request got no answer: an upload, or a read or a lease renewal, after which no
+        upload may be waiting to find out when the bucket is back. A probe asks until then."""
+        with self._state_lock:
+            if self._stop.is_set():
+                return
+            self._set_state("unreachable")
+            if self._probing:
+                return
+            self._probing = True
+        log.warning("object store unreachable", extra={"reason": reason})
+        threading.Thread(target=self._probe, name="object-store-probe", daemon=True).start()
 
-    def _probe(self) -> None:
-        try:
-            self._connect()
-        finally:
-            self._probing.release()
-
-    # the uploaders
-
-    def _connect(self) -> None:
-        """Until the bucket answers (the local tier works meanwhile; uploads wait for it)."""
-        for attempt in range(1 << 30):
+    def _probe(self, quiet: bool = True) -> None:
+        """Asks until the bucket answers (the local tier works meanwhile; uploads wait), then
+        says "ok": unless a request got no answer since (it asks again) or an uploader's
+        last job failed (that uploader says "ok" once one lands; an uploader says
+        "backlogged" after its next job)."""
+        for attempt in itertools.count():
             try:
                 self.bucket.ensure_bucket()
-                self._set_state("ok")  # an uploader says "backlogged" after its next job
-                return
+                with self._state_lock:
+                    if self._stop.is_set() or not self.bucket.down:
+                        self._probing = False
+                        if not (self._stop.is_set() or self._failing):
+                            self._set_state("ok")
+                        return
             except ObjectStoreDown as exc:
-                if attempt == 0:
+                if attempt == 0 and not quiet:  # a probe's cause was said when it started
                     log.warning(f"object store {failure(exc)}", extra={"reason": exc.message})
                 self._set_state("unreachable")
             if self._stop.wait(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]):
+                with self._state_lock:
+                    self._probing = False
                 return
+
+    # the uploaders
 
     def _upload_loop(self) -> None:
         failures = 0
@@ -169,12 +181,16 @@ class ObjectTier:
                 if self.uploader.carry_out(job):
                     self.queue.retry(job)
                 failures = 0
-                self._set_state("backlogged" if self.queue.overflow else "ok")
+                with self._state_lock:
+                    self._failing.discard(threading.current_thread().name)
+                    self._set_state("backlogged" if self.queue.overflow else "ok")
             except ObjectStoreDown as exc:
                 self.queue.retry(job)
                 if failures == 0:
                     log.warning(f"object store {failure(exc)}", extra={"reason": exc.message})
-                self._set_state("unreachable")
+                with self._state_lock:
+                    self._failing.add(threading.current_thread().name)
+                    self._set_state("unreachable")
                 self._stop.wait(RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)])
                 failures += 1
             except NotWriter:

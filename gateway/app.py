@@ -20,6 +20,7 @@ when the client goes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -100,6 +101,8 @@ class Gateway:
         closes the connections. Requests have drained by now (or were cancelled)."""
         if self._started is not None:
             self._started.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._started
         await self.turns.stop()
         if self.memory is not None:
             await self.memory.close()

@@ -99,14 +99,14 @@ class Engine:
         # The MLX thread stops between steps: a turn still in the batch (its stream's client
         # may be gone, or outlasted the drain) ends now with an error of its own, so no RPC
         # thread waits for it and the process exits.
-        cut = [(turn.agent.id, turn.job) for turn in self.batcher.active.values()]
+        cut = [(turn.agent.id, turn.job) for turn in list(self.batcher.active.values())]
         cut += [(agent, job) for agent, waiting in self._creating.items() for job, _ in waiting]
         for (_, agent_id), job in cut:
             job.end(error=Unavailable(STOPPED.format(agent_id)))
         agents = {agent: None for agent, _ in cut}  # in order, once each
         if agents:
             log.warning(
-                "turns cut by the stop (their callers were told to send them again)",
+                "turns cut by the stop (their calls ended UNAVAILABLE: to be sent again)",
                 extra={"agents": len(agents), "first": [a for _, a in list(agents)[:5]]},
             )
         self._finish_writes(set(agents))

@@ -156,7 +156,7 @@ def test_a_gateway_says_which_workers_do_not_answer_from_its_start_until_they_do
     try:
 
         def said(event: str) -> list[dict]:
-            log = gateway.log_tail().splitlines()
+            log = gateway.log_tail(200_000).splitlines()
             lines = [json.loads(line) for line in log if line.startswith("{")]  # not gRPC's
             return [line for line in lines if line["event"] == event]
 
