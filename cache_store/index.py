@@ -80,6 +80,7 @@ TABLES = (
 )
 DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
 NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
+GENERATIONS_USED = "generations_used"  # counter: the highest generation of an agent deleted
 
 
 def ns_key(namespace: str, ident: bytes | str) -> bytes:
@@ -376,6 +377,9 @@ class Index:
     def delete_agent(self, txn: lmdb.Transaction, record: AgentRecord) -> None:
         k = ns_key(record.namespace, record.agent_id)
         txn.delete(k, db=self._agents)
+        used = self.counter(txn, GENERATIONS_USED)
+        if record.generation > used:
+            self.bump(txn, GENERATIONS_USED, record.generation - used)
         txn.delete(k, db=self._used)
         self._add_usage(txn, record.namespace, agents=-1)
         uploaded = self.uploaded_generation(txn, record.namespace, record.agent_id)
@@ -468,6 +472,12 @@ class Index:
             txn.delete(k, db=self._namespaces)
         else:
             txn.put(k, encode_usage(k, usage), db=self._namespaces)
+
+    def first_generation(self, txn: lmdb.Transaction) -> int:
+        """A new agent's first generation: past every generation of every agent deleted
+        here, so that no copy of a deleted agent (a worker's RAM) is ever taken for one
+        made anew under its id."""
+        return self.counter(txn, GENERATIONS_USED) + 1
 
     def counter(self, txn: lmdb.Transaction, name: str) -> int:
         k = name.encode()

@@ -69,7 +69,7 @@ def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> Agent
         phase=c.phase,
         created_ms=old.created_ms if old else now_ms,
         updated_ms=now_ms,
-        generation=current + 1,
+        generation=current + 1 if old else index.first_generation(txn),
     )
     _move_refs(index, txn, c.namespace, old.block_keys if old else [], record.block_keys)
     index.put_agent(txn, record, created=old is None)
@@ -121,7 +121,7 @@ def fork(
         phase=phase or source.phase,
         created_ms=now_ms,
         updated_ms=now_ms,
-        generation=1,
+        generation=index.first_generation(txn),
     )
     _move_refs(index, txn, namespace, [], keys)
     index.put_agent(txn, record, created=True)

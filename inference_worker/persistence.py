@@ -214,7 +214,9 @@ class Persister:
             except AgentKVError:
                 return False
         mine = agent.in_doubt.get(manifest.metadata.get(COMMIT_ID, ""))
-        if mine is None or manifest.generation != agent.generation + 1:
+        # A first commit's generation is the store's first for a new agent (past those of
+        # the agents it deleted), any other's the next.
+        if mine is None or (agent.generation and manifest.generation != agent.generation + 1):
             return False
         log.info(
             "own commit adopted, its reply was lost",

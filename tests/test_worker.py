@@ -290,6 +290,35 @@ def test_an_agent_deleted_in_the_store_is_made_anew_where_a_worker_still_holds_i
         w.create_agent("gone", "warden", SYSTEM)
 
 
+def test_a_worker_holding_a_deleted_agent_never_takes_one_made_anew_for_it(
+    tiny_model_dirs, start_worker, store_process
+):
+    """An agent deleted, then made anew under its id through another worker, while a
+    worker still holds the deleted one in RAM: the new agent's generations start past the
+    deleted one's, so that worker's next turn of it finds its copy stale and restores the
+    new agent. Before, both were at generation 2: the old copy answered "hot" and its
+    commit wrote the deleted conversation over the new one's acknowledged durable turns."""
+    from agentkv.client.store import StoreClient
+
+    model = tiny_model_dirs["llama"]
+    old = WorkerClient(start_worker(model, name="old").address)
+    new = WorkerClient(start_worker(model, name="new").address)
+    old.create_agent("again", "a", "You are Alice; the password is swordfish. " * 4)
+    old.turn("again", "a", Q1, max_tokens=4, durable=True)  # generation 2 there
+    with StoreClient(store_process.address) as store:
+        deleted = store.get_agent("again", "a").generation
+        store.delete_agent("again", "a")
+        new.create_agent("again", "a", SYSTEM)
+        new.turn("again", "a", Q1, max_tokens=4, durable=True)
+        remade = store.get_agent("again", "a")
+        assert remade.generation > deleted + 1  # past the deleted agent's generations
+        reply = old.turn("again", "a", Q2, max_tokens=4, durable=True)
+        assert reply.usage.cache_state == "warm"  # restored: its RAM copy was the old agent
+        after = store.get_agent("again", "a")
+    assert after.generation == remade.generation + 1
+    assert after.token_ids[: len(remade.token_ids)] == remade.token_ids
+
+
 def test_seeded_sampling_repeats_and_stop_strings_cut(tiny_model_dirs, start_worker):
     w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address)
     for agent in ("one", "two", "three"):
