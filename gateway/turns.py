@@ -28,6 +28,7 @@ from agentkv.errors import (
     MarkNotFound,
     OutOfRange,
     TurnsFollow,
+    Unavailable,
 )
 from agentkv.gateway import responses
 from agentkv.gateway.config import INFO_TIMEOUT
@@ -81,13 +82,16 @@ async def check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCall
         return
 
     async def ask(worker: Any) -> Any:
-        return await asyncio.wait_for(worker.call("GetWorkerInfo", INFO_REQUEST), INFO_TIMEOUT)
+        """A worker that does not answer in time is one that cannot be reached: the route
+        marks it down and asks the next (which the turn then goes to), as for a dead one."""
+        try:
+            call = worker.call("GetWorkerInfo", INFO_REQUEST)
+            return await asyncio.wait_for(call, INFO_TIMEOUT)
+        except asyncio.TimeoutError:
+            message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
+            raise Unavailable(message) from None
 
-    try:
-        info = await memory.route(agent_id, ask)
-    except asyncio.TimeoutError:
-        message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
-        raise HTTPError(503, message, "service_unavailable", code="unavailable") from None
+    info = await memory.route(agent_id, ask)
     for feature, (param, what) in needs.items():
         if feature not in info.features:
             message = f"agent {agent_id!r}'s worker predates {what}: upgrade it"

@@ -99,7 +99,17 @@ def commit_id(expected_generation: int, snap: Snapshot) -> str:
 def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:
     """The error for `what`, which needed the agent durable, when the store refused: a full
     store keeps its RESOURCE_EXHAUSTED (no other worker would fare better), all else is
-    UNAVAILABLE. Either way the agent stays in this worker's RAM and is written later."""
+    UNAVAILABLE; either way the agent stays in this worker's RAM and is written later. But
+    when another worker committed the agent meanwhile, this copy is not written at all:
+    ABORTED (GenerationConflict), saying so."""
+    if agent.stale or isinstance(error, GenerationConflict):
+        current = error.current_generation if isinstance(error, GenerationConflict) else 0
+        return GenerationConflict(
+            f"{what} of agent {agent.agent_id!r} in namespace {agent.namespace!r} was not "
+            "committed: another worker committed the agent meanwhile, and the store keeps "
+            "that; this one is dropped (send it again)",
+            current,
+        )
     reason = error.message if error is not None else "the store is unreachable"
     message = (
         f"{what} of agent {agent.agent_id!r} was not committed to the store ({reason}); "
@@ -190,8 +200,13 @@ class Persister:
                 return self._save(agent, snap)  # ours after all: this one goes on top
             agent.stale = True  # another worker owns the newer state; reload before use
             log.warning(
-                "agent committed elsewhere",
-                extra={"agent": agent.agent_id, "generation": exc.current_generation},
+                "agent committed elsewhere: this worker's turns since its last commit dropped",
+                extra={
+                    "namespace": agent.namespace,
+                    "agent": agent.agent_id,
+                    "generation": exc.current_generation,
+                    "dropped_tokens": len(agent.tokens) - agent.persisted_tokens,
+                },
             )
             return self._report("conflict", exc)
         except AgentKVError as exc:

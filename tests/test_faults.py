@@ -1,6 +1,7 @@
 """Faults around the worker: a worker killed mid-turn loses only that turn (the agent's last
 committed state is intact and its next turn answers as if the killed turn never happened),
-and two workers committing the same agent at once: exactly one wins, the other reports."""
+and two workers committing the same agent at once: exactly one wins, the other reports that
+its turn was dropped (ABORTED)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     DiskFull,
+    GenerationConflict,
     OverBudget,
     QuotaExceeded,
     Unavailable,
@@ -97,7 +99,7 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(
             for response in stream:
                 result.add(response)
             results[name] = result
-        except Unavailable as exc:
+        except GenerationConflict as exc:
             results[name] = exc
         finally:
             if not released:  # failed before its first response: the main thread goes on
@@ -117,7 +119,9 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(
     won = [n for n, r in results.items() if not isinstance(r, Exception)]
     lost = [n for n, r in results.items() if isinstance(r, Exception)]
     assert len(won) == 1 and len(lost) == 1, results
-    assert "not committed" in str(results[lost[0]])
+    # Its turn is dropped, not kept to be written later: ABORTED, saying so.
+    assert "not committed: another worker committed" in str(results[lost[0]])
+    assert "send it again" in str(results[lost[0]])
     winner, loser = (a, b) if won == ["a"] else (b, a)
     state = winner.describe("ns", "shared")
     assert loser.describe("ns", "shared").generation <= state.generation

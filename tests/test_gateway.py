@@ -744,6 +744,54 @@ def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(sta
             gateway.stop()
 
 
+class HungInfo(WorkerProxy):
+    """A worker that answers all but GetWorkerInfo, which it holds (hung) until it closes."""
+
+    def __init__(self, worker: str) -> None:
+        self.closing = threading.Event()
+        super().__init__(worker)
+
+    def _hold(self, name: str, request: bytes, context: Any) -> Callable[[], None]:
+        if name == "GetWorkerInfo":
+            self.closing.wait(120)
+        return lambda: None
+
+    def __exit__(self, *exc: object) -> None:
+        self.closing.set()
+        super().__exit__(*exc)
+
+
+def test_a_response_continued_while_its_worker_hangs_goes_on_at_the_next(stack):
+    """previous_response_id asks the agent's worker whether it knows after_mark first; one
+    that does not answer within 5 s is passed by as a dead one is (before: a 503 for every
+    such call until the SDK's routing had marked it down by other calls, ~25 s)."""
+    from agentkv.client.routing import rank
+
+    with HungInfo(stack.worker_address) as hung:
+        workers = [hung.address, stack.worker_address]
+        gateway = stack.start_gateway(workers, name="hung-info")
+        try:
+            client = stack.client(gateway)
+            # An agent whose worker is the hung one (rendezvous order, as the SDK routes).
+            agent = next(
+                f"hung-{i}"
+                for i in range(1000)
+                if rank(workers, f"default/hung-{i}")[0] == hung.address
+            )
+            named = {"X-Agent-Id": agent}
+            first = client.responses.create(
+                model=MODEL, input=ASK[0], max_output_tokens=4, extra_headers=named
+            )
+            then = client.responses.create(
+                model=MODEL, input=ASK[1], max_output_tokens=4, extra_headers=named,
+                previous_response_id=first.id,
+            )  # fmt: skip
+            assert then.error is None and then.output_text, then  # (incomplete: 4 tokens)
+            assert then.usage.input_tokens_details.cached_tokens > 0  # went on from first
+        finally:
+            gateway.stop()
+
+
 MILL = [{"role": "user", "content": "Write a long story about a mill."}]
 
 

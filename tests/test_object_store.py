@@ -485,12 +485,13 @@ def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uplo
             weed.stop(kill=True)
             c.delete_agent(NS, "a")  # its deletion there waits for the bucket...
             anew = [7] * 80
-            blocks, keys = save(c, "a", anew, seed=7)  # ...and it is made anew, generation 1
+            blocks, keys = save(c, "a", anew, seed=7)  # ...and it is made anew: generation 2,
+            # past the deleted agent's (a store never gives a new agent one a deleted had)
             weed.start()
             wait_for("the catch-up", lambda: uploaded(c))
         store.stop()
         (m,) = bucket_manifests(weed, bucket).values()
-        assert m["generation"] == 1 and m["token_ids"] == anew  # not the deleted agent's
+        assert m["generation"] == 2 and m["token_ids"] == anew  # not the deleted agent's
         fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
         with fresh.client() as c:
             assert_restores(c, "a", anew, blocks, keys)
@@ -849,7 +850,7 @@ def test_a_deletion_queued_while_the_bucket_was_down_spares_what_another_store_w
             manifests = {m["agent_id"]: m for m in bucket_manifests(weed, bucket).values()}
             assert sorted(manifests) == ["x", "z"]  # b's versions stand
             assert manifests["x"]["generation"] == 2 and manifests["x"]["token_ids"] == grown
-            assert manifests["z"]["generation"] == 1 and manifests["z"]["token_ids"] == anew
+            assert manifests["z"]["generation"] == 2 and manifests["z"]["token_ids"] == anew
             assert c.get_agent(NS, "x").generation == 2  # and a reads them
             assert_restores(c, "z", anew, z_blocks, z_keys)
             for name in "wy":
