@@ -19,7 +19,14 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentBusy, AgentKVError, DeadlineExceeded, TurnTaken, Unavailable
+from agentkv.errors import (
+    AgentBusy,
+    AgentKVError,
+    DeadlineExceeded,
+    MarkNotFound,
+    TurnTaken,
+    Unavailable,
+)
 from inference_worker.agents import Agent, AgentId, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat
@@ -37,6 +44,10 @@ from inference_worker.scheduler import Request, Scheduler
 from inference_worker.turns import TurnJob, UsageEvent
 
 STOPPED = "the worker stopped before the turn of agent {!r} finished; send it again"
+UNCHECKED = (
+    "but the store, whose copy of the agent may be newer than this worker's, could not be "
+    "asked: send it again"
+)
 TAKEN = (
     "agent {!r} already took the turn {}, whose reply was lost: describe() the agent to see "
     "its context (that turn included) before saying what comes next"
@@ -251,7 +262,14 @@ class Engine:
             self.hot.admit(agent, self.batcher.busy())  # within budget, as a turn's end
             job.end(usage)
             return True
-        turn, tokens, chat = self._prepare(job, agent, usage)
+        try:
+            turn, tokens, chat = self._prepare(job, agent, usage)
+        except MarkNotFound as exc:
+            if usage.cache_state == "hot" and view is not None and not view.answered:
+                # The store's copy, which could not be asked, may be newer than this RAM
+                # copy and hold the point (another worker went on): not a NOT_FOUND yet.
+                raise Unavailable(f"{exc.message}; {UNCHECKED}") from None
+            raise
         if turn.pending:
             self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED, OUT_OF_RANGE
         keep, block_tokens = len(tokens) - len(turn.pending), self.config.block_tokens

@@ -282,6 +282,29 @@ def test_a_hung_store_freezes_no_hot_agent_and_no_unrelated_rpc(
     assert hot.token_ids == twin.token_ids  # the hot copy answered in full
 
 
+def test_a_point_a_stale_hot_copy_lacks_is_unavailable_while_the_store_cannot_be_asked(
+    tiny_model_dirs, start_worker, store_process
+):
+    """Another worker went on with the agent, naming a point (after_mark) this worker's hot
+    copy lacks; while the store hangs, its copy cannot be checked: UNAVAILABLE, send it
+    again (before: NOT_FOUND, which the gateway answers 400 for a response id that is
+    sound). Once the store answers, the same turn restores the newer copy and goes on."""
+    model = tiny_model_dirs["llama"]
+    old = WorkerClient(start_worker(model, name="old").address, timeout=60)
+    new = WorkerClient(start_worker(model, name="new").address, timeout=60)
+    create(old, ("ns", "moved"))
+    old.turn("ns", "moved", Q1, max_tokens=4, durable=True)
+    point = new.turn("ns", "moved", Q2, max_tokens=4, durable=True).usage.mark
+    freeze(store_process.proc.pid)
+    try:
+        with pytest.raises(Unavailable, match="could not be asked: send it again"):
+            old.turn("ns", "moved", TALK, max_tokens=4, after_mark=point)
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    went_on = old.turn("ns", "moved", TALK, max_tokens=4, after_mark=point)
+    assert went_on.usage.cache_state == "warm" and len(went_on.token_ids) == 4
+
+
 def test_a_restore_from_a_hung_store_fails_once_a_keepalive_ping_goes_unanswered(
     tiny_model_dirs, start_worker, store_process
 ):
