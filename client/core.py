@@ -178,9 +178,12 @@ class BaseAgentMemory:
         attempts = Attempts(self.router, key, self.retries, self.backoff)
         for delay, address in attempts:
             last = self._served.get(key, address)
-            if last != address and last not in attempts.tried:  # not one found unreachable
-                yield from self._hand_over(last, agent_id)
             try:
+                if last != address and last not in attempts.tried:  # not one found unreachable
+                    if self.router.was_down(address):  # back? else the hand-over is for naught
+                        yield delay, partial(self.workers[address].info)
+                        delay = 0.0
+                    yield from self._hand_over(last, agent_id)
                 result = yield delay, partial(call, self.workers[address])
             except Unavailable as exc:
                 attempts.failed(address, exc)

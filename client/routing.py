@@ -56,6 +56,12 @@ class Router:
         with self._lock:
             self._down[worker] = time.monotonic() + self.down_for
 
+    def was_down(self, worker: str) -> bool:
+        """Whether the worker was marked down and has not answered since (its time out may
+        have passed: it is tried again, but may well be down still)."""
+        with self._lock:
+            return worker in self._down
+
     def mark_up(self, worker: str) -> None:
         with self._lock:
             self._down.pop(worker, None)

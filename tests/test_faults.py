@@ -172,6 +172,45 @@ def test_an_agent_going_back_to_its_worker_is_handed_over_first(tiny_model_dirs,
         assert back.usage.prompt_tokens > held_on_b  # b's turn is in its context
 
 
+@pytest.mark.parametrize("transport", ["sync", "asyncio"])
+def test_an_agent_failed_over_stays_hot_while_its_home_worker_is_still_down(
+    tiny_model_dirs, start_worker, store_process, transport
+):
+    """Its home worker down, an agent is served by the next. Each call tries the home again
+    once its time out (down_for) has passed, and while it is still down, the agent stays
+    where it is, hot: the SDK asks the home whether it answers before handing the agent
+    over (before: every retry first evicted it where it was, so it came back warm)."""
+    from agentkv.client.routing import rank
+
+    live, dead = start_worker(tiny_model_dirs["llama"]).address, free_address()
+    name = next(f"a{i}" for i in range(1000) if rank([dead, live], f"moving/a{i}")[0] == dead)
+    states = []
+
+    def turns(mem) -> None:  # down_for 0: every call tries the dead home first
+        agent = mem.agent(name, system=SYSTEM)
+        for _ in range(3):
+            states.append(agent.say("Go on.", max_tokens=2).usage.cache_state)
+
+    async def async_turns(mem) -> None:
+        agent = await mem.agent(name, system=SYSTEM)
+        for _ in range(3):
+            reply = await agent.say("Go on.", max_tokens=2)
+            states.append((await reply.wait()).usage.cache_state)
+
+    options = {"store": store_process.address, "namespace": "moving", "down_for": 0.0}
+    if transport == "sync":
+        with AgentMemory([dead, live], **options) as mem:
+            turns(mem)
+    else:
+
+        async def run() -> None:
+            async with AsyncAgentMemory([dead, live], **options) as mem:
+                await async_turns(mem)
+
+        asyncio.run(run())
+    assert states == ["hot", "hot", "hot"]
+
+
 def test_a_hung_worker_is_failed_over(tiny_model_dirs, start_worker):
     """A worker that stops answering (SIGSTOP: the kernel keeps its connections open) holds
     a turn sent to it only until the channel's keepalive finds it silent: the agent goes to
