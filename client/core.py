@@ -11,7 +11,6 @@ then call a worker) that the transport does one by one, sending back each result
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import secrets
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -30,6 +29,7 @@ from agentkv.errors import (
     AgentNotFound,
     FingerprintMismatch,
     InvalidArgument,
+    ResourceExhausted,
     SystemPromptDiffers,
     Unavailable,
 )
@@ -183,7 +183,8 @@ class BaseAgentMemory:
                     if self.router.was_down(address):  # back? else the hand-over is for naught
                         yield delay, partial(self.workers[address].info)
                         delay = 0.0
-                    yield from self._hand_over(last, agent_id)
+                    if (yield from self._hand_over(last, agent_id)):
+                        address = last  # its latest state is there, and there alone
                 result = yield delay, partial(call, self.workers[address])
             except Unavailable as exc:
                 attempts.failed(address, exc)
@@ -206,14 +207,21 @@ class BaseAgentMemory:
         except AgentNotFound:
             return None
 
-    def _hand_over(self, last: str, agent_id: str) -> Steps[None]:
+    def _hand_over(self, last: str, agent_id: str) -> Steps[bool]:
         """An agent going to another worker than the one that served it last (for this
         memory: back after a failover, or a worker added) is first evicted there, which
         commits it: a turn that worker took but had not committed would otherwise be missing
         where the agent goes. One that cannot be reached is passed by (its uncommitted turns
-        are lost with it, as `durable` says)."""
-        with contextlib.suppress(AgentKVError):
+        are lost with it, as `durable` says). Whether the agent stays at `last`: that worker
+        answered that it could not commit (its store down or full), so its latest state is
+        in that worker's RAM alone."""
+        try:
             yield 0.0, partial(self.workers[last].evict, self.namespace, agent_id)
+        except (Unavailable, ResourceExhausted) as exc:
+            return exc.remote and "not committed" in exc.message
+        except AgentKVError:
+            pass
+        return False
 
     def _key(self, agent_id: str) -> str:
         return f"{self.namespace}/{agent_id}"

@@ -31,7 +31,7 @@ from agentkv.errors import (
 )
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import free_address, freeze
+from tests.helpers import free_address, freeze, until
 
 SYSTEM = "You are the keeper of the lighthouse, and you log every ship. " * 8
 Q1 = [("user", "Which ships passed tonight?")]
@@ -209,6 +209,43 @@ def test_an_agent_failed_over_stays_hot_while_its_home_worker_is_still_down(
 
         asyncio.run(run())
     assert states == ["hot", "hot", "hot"]
+
+
+def answers(call) -> bool:
+    try:
+        call()
+        return True
+    except AgentKVError:
+        return False
+
+
+def test_an_agent_a_worker_could_not_commit_stays_there_when_its_home_is_back(
+    tiny_model_dirs, start_worker, store_process
+):
+    """Served by the next worker while its home was down, the agent took a turn there the
+    store could not commit (the store went down). When the home answers again, the SDK's
+    hand-over finds the agent cannot be committed where it is: it stays there, hot, its
+    turn included (before: it went to the home, which cannot restore it from a store that
+    is down, and the call failed UNAVAILABLE)."""
+    from agentkv.client.routing import rank
+
+    model = tiny_model_dirs["llama"]
+    covering, home = start_worker(model, name="covering").address, free_address()
+    name = next(f"a{i}" for i in range(1000) if rank([home, covering], f"kept/a{i}")[0] == home)
+    options = {"store": store_process.address, "namespace": "kept", "down_for": 0.0}
+    with AgentMemory([home, covering], **options) as mem:
+        agent = mem.agent(name, system=SYSTEM)  # its home is down: made where it is covered
+        agent.say("Which ships passed tonight?", max_tokens=2).wait()
+        store_process.proc.kill()  # the store goes away
+        store_process.proc.wait()
+        held = agent.say("And yesterday?", max_tokens=2).usage  # hot; its commit fails
+        before = WorkerClient(covering).describe("kept", name).num_tokens
+        start_worker(model, "--listen", home, name="home")  # the home is back
+        until(lambda: answers(mem.workers[home].info), "the SDK's channel to the home")
+        again = agent.say("Any storms?", max_tokens=2)
+        usage = again.usage
+    assert held.cache_state == usage.cache_state == "hot"
+    assert again.worker == covering and usage.prompt_tokens > before
 
 
 def test_a_hung_worker_is_failed_over(tiny_model_dirs, start_worker):
