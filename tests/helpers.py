@@ -19,7 +19,9 @@ from pathlib import Path
 
 from agentkv.client import synthetic
 from agentkv.client.blocks import Block
+from agentkv.client.routing import rank
 from agentkv.client.store import StoreClient
+from agentkv.errors import Unavailable
 from agentkv.launch import ServiceProcess, store_process
 from agentkv.worker.v1 import worker_pb2 as worker_pb
 from cache_store.config import StoreConfig
@@ -121,6 +123,25 @@ def until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> 
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def answers(call: Callable) -> bool:
+    """Whether a call gets through (UNAVAILABLE: not yet), for until() and its like: a
+    restarted server, or a client's channel to one, may refuse a while."""
+    try:
+        call()
+        return True
+    except Unavailable:
+        return False
+
+
+def homed_at(home: str, workers: list[str], namespace: str, prefix: str = "a") -> str:
+    """An agent id the SDK routes to `home` first among `workers` (rendezvous order)."""
+    return next(
+        f"{prefix}{i}"
+        for i in itertools.count()
+        if rank(workers, f"{namespace}/{prefix}{i}")[0] == home
+    )
 
 
 def same_bytes(a: Block, b) -> bool:

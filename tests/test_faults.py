@@ -31,7 +31,7 @@ from agentkv.errors import (
 )
 from agentkv.launch import store_process, worker_process
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import free_address, freeze, until
+from tests.helpers import answers, free_address, freeze, homed_at, until
 
 SYSTEM = "You are the keeper of the lighthouse, and you log every ship. " * 8
 Q1 = [("user", "Which ships passed tonight?")]
@@ -180,10 +180,8 @@ def test_an_agent_failed_over_stays_hot_while_its_home_worker_is_still_down(
     once its time out (down_for) has passed, and while it is still down, the agent stays
     where it is, hot: the SDK asks the home whether it answers before handing the agent
     over (before: every retry first evicted it where it was, so it came back warm)."""
-    from agentkv.client.routing import rank
-
     live, dead = start_worker(tiny_model_dirs["llama"]).address, free_address()
-    name = next(f"a{i}" for i in range(1000) if rank([dead, live], f"moving/a{i}")[0] == dead)
+    name = homed_at(dead, [dead, live], "moving")
     states = []
 
     def turns(mem) -> None:  # down_for 0: every call tries the dead home first
@@ -211,14 +209,6 @@ def test_an_agent_failed_over_stays_hot_while_its_home_worker_is_still_down(
     assert states == ["hot", "hot", "hot"]
 
 
-def answers(call) -> bool:
-    try:
-        call()
-        return True
-    except AgentKVError:
-        return False
-
-
 def test_an_agent_a_worker_could_not_commit_stays_there_when_its_home_is_back(
     tiny_model_dirs, start_worker, store_process
 ):
@@ -227,11 +217,9 @@ def test_an_agent_a_worker_could_not_commit_stays_there_when_its_home_is_back(
     hand-over finds the agent cannot be committed where it is: it stays there, hot, its
     turn included (before: it went to the home, which cannot restore it from a store that
     is down, and the call failed UNAVAILABLE)."""
-    from agentkv.client.routing import rank
-
     model = tiny_model_dirs["llama"]
     covering, home = start_worker(model, name="covering").address, free_address()
-    name = next(f"a{i}" for i in range(1000) if rank([home, covering], f"kept/a{i}")[0] == home)
+    name = homed_at(home, [home, covering], "kept")
     options = {"store": store_process.address, "namespace": "kept", "down_for": 0.0}
     with AgentMemory([home, covering], **options) as mem:
         agent = mem.agent(name, system=SYSTEM)  # its home is down: made where it is covered

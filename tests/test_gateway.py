@@ -34,7 +34,7 @@ from agentkv.launch import gateway_process, store_process, worker_process
 from agentkv.rpc import ALLOW_KEEPALIVE
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.models import resolve_model
-from tests.helpers import free_address, until
+from tests.helpers import free_address, homed_at, until
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
@@ -765,19 +765,13 @@ def test_a_response_continued_while_its_worker_hangs_goes_on_at_the_next(stack):
     """previous_response_id asks the agent's worker whether it knows after_mark first; one
     that does not answer within 5 s is passed by as a dead one is (before: a 503 for every
     such call until the SDK's routing had marked it down by other calls, ~25 s)."""
-    from agentkv.client.routing import rank
-
     with HungInfo(stack.worker_address) as hung:
         workers = [hung.address, stack.worker_address]
         gateway = stack.start_gateway(workers, name="hung-info")
         try:
             client = stack.client(gateway)
             # An agent whose worker is the hung one (rendezvous order, as the SDK routes).
-            agent = next(
-                f"hung-{i}"
-                for i in range(1000)
-                if rank(workers, f"default/hung-{i}")[0] == hung.address
-            )
+            agent = homed_at(hung.address, workers, "default", "hung-")
             named = {"X-Agent-Id": agent}
             first = client.responses.create(
                 model=MODEL, input=ASK[0], max_output_tokens=4, extra_headers=named

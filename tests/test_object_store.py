@@ -38,7 +38,7 @@ from agentkv.errors import (
     Unavailable,
 )
 from agentkv.launch import ServiceProcess, gateway_process, worker_process
-from tests.helpers import FP, StoreProcess, cli, make_chain, same_bytes
+from tests.helpers import FP, StoreProcess, answers, cli, make_chain, same_bytes
 from tests.weed import CREDENTIALS, WeedServer
 
 NS = "ns"
@@ -604,15 +604,6 @@ def commit(store, agent: str, tokens: list[int], keys: list[bytes], gen: int):
     from cache_store.manifests import Commit
 
     return store.commit_agent(Commit(NS, agent, FP, gen, tokens, keys))
-
-
-def answers(call: Callable) -> bool:
-    """Whether a call gets through: a restarted weed may answer InternalError a while."""
-    try:
-        call()
-        return True
-    except Unavailable:
-        return False
 
 
 def settled(store) -> bool:
