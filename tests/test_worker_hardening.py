@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,7 @@ from tests.faulty_worker import (
     STEP_FAULT_SEED,
 )
 from tests.helpers import freeze, long_turn, metric, read_tokens
+from tests.helpers import until as eventually
 
 SYSTEM = "You are the archivist of the old library, and you index every scroll. " * 6
 Q1 = [("user", "Which scrolls came in today?")]
@@ -313,7 +315,8 @@ def test_a_restore_from_a_hung_store_fails_once_a_keepalive_ping_goes_unanswered
     removed (ping timeout)", or with no keepalive the caller's DeadlineExceeded); the next
     one waits for the connect timeout, and says which server did not answer, as gRPC's
     "failed to connect ... SETTINGS frame" does not."""
-    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=300)
+    worker = start_worker(tiny_model_dirs["llama"])
+    w = WorkerClient(worker.address, timeout=300)
     create(w, ("ns", "sleeper"))
     w.turn("ns", "sleeper", Q1, max_tokens=4, durable=True)
     w.evict("ns", "sleeper")  # only the store holds it now
@@ -326,6 +329,13 @@ def test_a_restore_from_a_hung_store_fails_once_a_keepalive_ping_goes_unanswered
             w.turn("ns", "sleeper", Q2, max_tokens=4)
     finally:
         os.kill(store_process.proc.pid, signal.SIGCONT)
+
+    def store_answers() -> bool:  # the worker's own watch of its store, as its log says
+        events = r'"event": "(store answers|store does not answer)'
+        return re.findall(events, worker.log_tail(10**7))[-1] == "store answers"
+
+    # Its channel to the store may still be backing off from the dials the freeze failed.
+    eventually(store_answers, "the worker to find its store again", timeout=120)
     again = w.turn("ns", "sleeper", Q2, max_tokens=4)  # nothing was lost
     assert again.usage.cache_state == "warm" and len(again.token_ids) == 4
 
