@@ -183,6 +183,13 @@ class BucketUnreachable(Unavailable):
     creates it goes on (its upload will not overwrite one made elsewhere)."""
 
 
+class NotCommitted(Unavailable):
+    """A worker could not commit an agent's latest state: its store did not answer. That
+    state is in the worker's RAM alone, and is written once the store takes it, so the
+    agent's next turns belong at that worker. (A full store's refusal keeps its own
+    RESOURCE_EXHAUSTED class.)"""
+
+
 class DeadlineExceeded(AgentKVError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

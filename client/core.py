@@ -29,6 +29,7 @@ from agentkv.errors import (
     AgentNotFound,
     FingerprintMismatch,
     InvalidArgument,
+    NotCommitted,
     ResourceExhausted,
     SystemPromptDiffers,
     Unavailable,
@@ -217,8 +218,8 @@ class BaseAgentMemory:
         in that worker's RAM alone."""
         try:
             yield 0.0, partial(self.workers[last].evict, self.namespace, agent_id)
-        except (Unavailable, ResourceExhausted) as exc:
-            return exc.remote and "not committed" in exc.message
+        except (NotCommitted, ResourceExhausted) as exc:
+            return exc.remote
         except AgentKVError:
             pass
         return False

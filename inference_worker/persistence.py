@@ -27,6 +27,7 @@ from agentkv.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     GenerationConflict,
+    NotCommitted,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -99,7 +100,7 @@ def commit_id(expected_generation: int, snap: Snapshot) -> str:
 def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:
     """The error for `what`, which needed the agent durable, when the store refused: a full
     store keeps its RESOURCE_EXHAUSTED (no other worker would fare better), all else is
-    UNAVAILABLE; either way the agent stays in this worker's RAM and is written later. But
+    UNAVAILABLE (NotCommitted); either way the agent stays in this worker's RAM and is written later. But
     when another worker committed the agent meanwhile, this copy is not written at all:
     ABORTED (GenerationConflict), saying so."""
     if agent.stale or isinstance(error, GenerationConflict):
@@ -115,7 +116,7 @@ def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentK
         f"{what} of agent {agent.agent_id!r} was not committed to the store ({reason}); "
         "it stays in this worker's RAM and is written once the store takes it"
     )
-    return type(error)(message) if isinstance(error, ResourceExhausted) else Unavailable(message)
+    return type(error)(message) if isinstance(error, ResourceExhausted) else NotCommitted(message)
 
 
 def _committed(agent: Agent, generation: int, written: Written, block_tokens: int) -> None:

@@ -25,6 +25,7 @@ from agentkv.errors import (
     AgentNotFound,
     DiskFull,
     GenerationConflict,
+    NotCommitted,
     OverBudget,
     QuotaExceeded,
     Unavailable,
@@ -281,7 +282,8 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
         store.stop()  # the store goes away
         during = w.turn("ns", "keeper", Q2, max_tokens=6)
         assert during.usage.cache_state == "hot" and len(during.token_ids) == 6
-        with pytest.raises(Unavailable, match="not committed"):
+        # Typed, so the SDK can tell the agent's latest state is in this worker's RAM alone.
+        with pytest.raises(NotCommitted, match="not committed"):
             w.turn("ns", "keeper", [("user", "Log it.")], max_tokens=4, durable=True)
         # The SDKs' replies end with the call's status, not with the usage that precedes it.
         with AgentMemory(worker.address, namespace="ns", durable=True) as memory:

@@ -250,13 +250,13 @@ def test_a_commit_whose_reply_was_lost_is_not_taken_for_another_writers(rig):
     must not take its own commit for another worker's and drop the turn it served while the
     store was down (its next reply must see that turn, like a never-crashed agent's)."""
     from agentkv.client.worker import WorkerClient
-    from agentkv.errors import Unavailable
+    from agentkv.errors import NotCommitted
 
     store = rig.store("committed:2")  # CreateAgent's commit is the first, the turn's the second
     w = WorkerClient(rig.worker("worker").address, timeout=60)
     turns = [[("user", f"Ship {i}: what flag?")] for i in range(3)]
     w.create_agent(NS, "a", SYSTEM)
-    with pytest.raises(Unavailable, match="not committed"):
+    with pytest.raises(NotCommitted, match="not committed"):
         w.turn(NS, "a", turns[0], **reply_to(0), durable=True)
     until(lambda: not store.running, "the store never died after the commit")
     assert w.turn(NS, "a", turns[1], **reply_to(1)).usage.cache_state == "hot"
