@@ -29,15 +29,26 @@ class StoreView:
     answered: bool = True  # False: the store could not be asked (down, hung, refusing)
 
 
-def read_view(client: StoreClient, namespace: str, agent_id: str, timeout: float) -> StoreView:
-    """The agent's summary in the store, waiting at most `timeout` seconds; never raises."""
+def read_view(
+    client: StoreClient,
+    namespace: str,
+    agent_id: str,
+    timeout: float | None = None,
+    unanswered: type[AgentKVError] = AgentKVError,
+    peek: bool = False,
+) -> StoreView:
+    """The agent's summary in the store, waiting at most `timeout` seconds (the client's
+    own deadline when None). An `unanswered` error is a view without an answer; any other
+    raises. `peek`: an inspection, which the store does not count as a use."""
     asked_at = time.monotonic()
-    request = pb.GetAgentRequest(namespace=namespace, agent_id=agent_id, summary_only=True)
+    request = pb.GetAgentRequest(
+        namespace=namespace, agent_id=agent_id, summary_only=True, peek=peek
+    )
     try:
         return StoreView(asked_at, client.call("GetAgent", request, timeout=timeout).agent)
     except AgentNotFound:
         return StoreView(asked_at)
-    except AgentKVError:
+    except unanswered:
         return StoreView(asked_at, answered=False)
 
 

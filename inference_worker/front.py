@@ -10,7 +10,6 @@ answers from RAM.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -218,15 +217,8 @@ class Front:
         """What the store says of the agent: its manifest, or none. Also none, though not
         an answer, when the store cannot ask its object store, which is down, for an agent
         not on its disk (the store writes a new agent locally then, and its upload will not
-        overwrite one made elsewhere)."""
-        asked_at = time.monotonic()
-        try:
-            manifest = self.client.get_agent(ns, agent_id, summary_only=True, peek=True)
-            return StoreView(asked_at, manifest)
-        except AgentNotFound:
-            return StoreView(asked_at)
-        except BucketUnreachable:
-            return StoreView(asked_at, answered=False)
+        overwrite one made elsewhere). Any other error raises."""
+        return read_view(self.client, ns, agent_id, unanswered=BucketUnreachable, peek=True)
 
     def _mlx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs fn on the MLX thread and waits for it."""

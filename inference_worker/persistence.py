@@ -100,9 +100,9 @@ def commit_id(expected_generation: int, snap: Snapshot) -> str:
 def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:
     """The error for `what`, which needed the agent durable, when the store refused: a full
     store keeps its RESOURCE_EXHAUSTED (no other worker would fare better), all else is
-    UNAVAILABLE (NotCommitted); either way the agent stays in this worker's RAM and is written later. But
-    when another worker committed the agent meanwhile, this copy is not written at all:
-    ABORTED (GenerationConflict), saying so."""
+    UNAVAILABLE (NotCommitted); either way the agent stays in this worker's RAM and is
+    written later. But when another worker committed the agent meanwhile, this copy is not
+    written at all: ABORTED (GenerationConflict), saying so."""
     if agent.stale or isinstance(error, GenerationConflict):
         current = error.current_generation if isinstance(error, GenerationConflict) else 0
         return GenerationConflict(
