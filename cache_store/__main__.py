@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(config)
     except (AgentKVError, OSError) as exc:  # at start-up: a data dir in use, a bad index
-        sys.exit(f"agentkv-store: error: {_said(exc)}")
+        # exit 2, as the worker and the gateway do when they cannot start
+        print(f"agentkv-store: error: {_said(exc)}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:  # while it opens: once it serves, SIGINT stops it gracefully
         print("agentkv-store: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -22,7 +22,7 @@ def start(*args: str) -> subprocess.CompletedProcess:
 def test_a_store_on_a_port_in_use_refuses_to_start(store_process, tmp_path):
     taken = store_process.address
     second = start("cache_store", "--data-dir", str(tmp_path / "second"), "--listen", taken)
-    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.returncode == 2 and "Traceback" not in second.stderr
     assert second.stderr.strip().splitlines()[-1] == (
         f"agentkv-store: error: could not bind {taken}: in use, or not an address of this host"
     )
@@ -53,7 +53,7 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_flag(store_process, tmp_pa
             *("cache_store", "--data-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0"),
             *("--metrics-listen", taken),
         )
-    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
     assert second.stderr.strip().splitlines()[-1] == (
         f"agentkv-store: error: could not serve metrics on {taken} (--metrics-listen): "
         "Address already in use"
@@ -69,7 +69,7 @@ def test_a_second_store_on_a_unix_socket_in_use_refuses_and_leaves_it(tmp_path):
         second = start(
             "cache_store", "--data-dir", str(tmp_path / "s2"), "--listen", f"unix:{path}"
         )
-        assert second.returncode == 1 and "a server is listening there" in second.stderr
+        assert second.returncode == 2 and "a server is listening there" in second.stderr
         with StoreClient(f"unix:{path}") as client:
             assert client.stats() is not None  # the first one still answers on its socket
     finally:

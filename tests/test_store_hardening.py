@@ -130,7 +130,7 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
         text=True,
         timeout=120,
     )
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert last == f"agentkv-store: error: --data-dir {path} is a file, not a directory"
     assert path.read_text() == "mine"
