@@ -49,6 +49,8 @@ from agentkv.errors import (
     QuotaExceeded,
 )
 from cache_store.records import (
+    CHECKSUM_BYTES,
+    DECODE_ERRORS,
     AgentRecord,
     BlockRecord,
     decode_u64,
@@ -81,6 +83,8 @@ TABLES = (
 DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
 NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
 GENERATIONS_USED = "generations_used"  # counter: the highest generation of an agent deleted
+# (or quarantined: by its last legible generation, and every generation committed here)
+GENERATIONS_TOP = "generations_top"  # counter: the highest generation committed here
 
 
 def ns_key(namespace: str, ident: bytes | str) -> bytes:
@@ -370,6 +374,7 @@ class Index:
     def put_agent(self, txn: lmdb.Transaction, record: AgentRecord, created: bool) -> None:
         k = ns_key(record.namespace, record.agent_id)
         txn.put(k, record.encode(k), db=self._agents)
+        self.raise_counter(txn, GENERATIONS_TOP, record.generation)
         if created:
             txn.delete(quarantine_key("agents", k), db=self._quarantine)
             self._add_usage(txn, record.namespace, agents=1)
@@ -377,9 +382,7 @@ class Index:
     def delete_agent(self, txn: lmdb.Transaction, record: AgentRecord) -> None:
         k = ns_key(record.namespace, record.agent_id)
         txn.delete(k, db=self._agents)
-        used = self.counter(txn, GENERATIONS_USED)
-        if record.generation > used:
-            self.bump(txn, GENERATIONS_USED, record.generation - used)
+        self.raise_counter(txn, GENERATIONS_USED, record.generation)
         txn.delete(k, db=self._used)
         self._add_usage(txn, record.namespace, agents=-1)
         uploaded = self.uploaded_generation(txn, record.namespace, record.agent_id)
@@ -430,6 +433,9 @@ class Index:
         """Keeps a bad agent or block record's bytes and why (the caller drops it from `table`)."""
         qk = quarantine_key(table, key)
         txn.put(qk, seal(qk, msgpack.packb([reason, raw])), db=self._quarantine)
+        if table == "agents":  # as deleted, at a generation that may not be legible
+            top = max(self.counter(txn, GENERATIONS_TOP), _legible_generation(raw))
+            self.raise_counter(txn, GENERATIONS_USED, top)
 
     def quarantined(self, txn: lmdb.Transaction, table: str, key: bytes) -> str | None:
         """Why the record under `key` was quarantined, or None if it was not."""
@@ -475,8 +481,8 @@ class Index:
 
     def first_generation(self, txn: lmdb.Transaction) -> int:
         """A new agent's first generation: past every generation of every agent deleted
-        here, so that no copy of a deleted agent (a worker's RAM) is ever taken for one
-        made anew under its id."""
+        (or quarantined) here, so that no copy of a deleted agent (a worker's RAM) is ever
+        taken for one made anew under its id."""
         return self.counter(txn, GENERATIONS_USED) + 1
 
     def counter(self, txn: lmdb.Transaction, name: str) -> int:
@@ -487,6 +493,12 @@ class Index:
     def bump(self, txn: lmdb.Transaction, name: str, delta: int = 1) -> None:
         k = name.encode()
         txn.put(k, encode_u64(k, self.counter(txn, name) + delta), db=self._counters)
+
+    def raise_counter(self, txn: lmdb.Transaction, name: str, value: int) -> None:
+        """Sets the counter to `value` where that is higher."""
+        k = name.encode()
+        if value > self.counter(txn, name):
+            txn.put(k, encode_u64(k, value), db=self._counters)
 
     def _add_usage(
         self,
@@ -583,3 +595,12 @@ def lost_agent(namespace: str, agent_id: str, reason: str) -> CorruptRecord:
         "agents",
         ns_key(namespace, agent_id),
     )
+
+
+def _legible_generation(raw: bytes) -> int:
+    """A bad agent record's generation where its payload still decodes to one, else 0."""
+    try:
+        generation = msgpack.unpackb(raw[CHECKSUM_BYTES:])["g"]
+    except (*DECODE_ERRORS, IndexError):
+        return 0
+    return generation if isinstance(generation, int) and generation > 0 else 0

@@ -274,6 +274,66 @@ def test_a_flipped_token_in_a_manifest_is_data_loss_for_that_agent_only(stopped)
         assert cli("store", "verify", store=proc.address).returncode == 0
 
 
+def forget_counter(data_dir: Path, name: bytes) -> None:
+    env = lmdb.open(str(data_dir / "index"), max_dbs=32)
+    try:
+        with env.begin(write=True) as txn:
+            assert txn.delete(name, db=env.open_db(b"counters", txn=txn, create=False))
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("damage", ["a token", "the whole record"])
+def test_an_agent_made_anew_over_a_quarantined_manifest_starts_past_its_generation(stopped, damage):
+    """A worker may still hold the agent whose manifest was quarantined, at its last
+    generation: the agent committed anew under its id must not reach that generation, or
+    the old copy passes for it (as for a deleted agent). Its generation is read from the
+    bad record where it is legible, else the store's highest committed one is taken."""
+    proc, world = stopped
+    truth = world.agents[NS, "victim"]
+    proc.start()
+    with proc.client() as client:
+        for generation in range(1, 4):  # the victim reaches generation 4
+            client.commit_agent(
+                namespace=NS,
+                agent_id="victim",
+                fingerprint=FP,
+                expected_generation=generation,
+                token_ids=truth.token_ids,
+                block_keys=truth.block_keys,
+            )
+        assert client.get_agent(NS, "victim", summary_only=True).generation == 4
+    assert proc.stop() == 0
+    if damage == "a token":  # legible: its own generation counts, with no other word of it
+        flip_token(proc.data_dir, NS, "victim", 20)
+        forget_counter(proc.data_dir, b"generations_top")  # as an index from before it
+    else:  # its payload's map header: what is left decodes to no record at all
+        span = agent_span(proc.data_dir, NS, "victim")
+        flip(proc.data_dir, [s + span.value_at + 8 for s in span.starts], 0x80)
+    proc.start()
+    with proc.client() as client:
+        with pytest.raises(CorruptRecord):
+            client.get_agent(NS, "victim")
+        client.commit_agent(
+            namespace=NS,
+            agent_id="victim",
+            fingerprint=FP,
+            expected_generation=0,
+            token_ids=truth.token_ids,
+            block_keys=truth.block_keys,
+        )
+        assert client.get_agent(NS, "victim", summary_only=True).generation > 4
+        client.commit_agent(  # an agent new to the store starts past it too
+            namespace=NS,
+            agent_id="newcomer",
+            fingerprint=FP,
+            expected_generation=0,
+            token_ids=truth.token_ids,
+            block_keys=truth.block_keys,
+        )
+        assert client.get_agent(NS, "newcomer", summary_only=True).generation > 4
+
+
 def test_a_bad_block_record_reads_as_missing_and_the_rest_serves(stopped):
     proc, world = stopped
     victim = world.agents[NS, "victim"]
