@@ -314,24 +314,16 @@ def test_an_agent_made_anew_over_a_quarantined_manifest_starts_past_its_generati
     with proc.client() as client:
         with pytest.raises(CorruptRecord):
             client.get_agent(NS, "victim")
-        client.commit_agent(
-            namespace=NS,
-            agent_id="victim",
-            fingerprint=FP,
-            expected_generation=0,
-            token_ids=truth.token_ids,
-            block_keys=truth.block_keys,
-        )
-        assert client.get_agent(NS, "victim", summary_only=True).generation > 4
-        client.commit_agent(  # an agent new to the store starts past it too
-            namespace=NS,
-            agent_id="newcomer",
-            fingerprint=FP,
-            expected_generation=0,
-            token_ids=truth.token_ids,
-            block_keys=truth.block_keys,
-        )
-        assert client.get_agent(NS, "newcomer", summary_only=True).generation > 4
+        for agent_id in ("victim", "newcomer"):  # an agent new to the store starts past it too
+            client.commit_agent(
+                namespace=NS,
+                agent_id=agent_id,
+                fingerprint=FP,
+                expected_generation=0,
+                token_ids=truth.token_ids,
+                block_keys=truth.block_keys,
+            )
+            assert client.get_agent(NS, agent_id, summary_only=True).generation > 4
 
 
 def test_a_bad_block_record_reads_as_missing_and_the_rest_serves(stopped):
