@@ -4,6 +4,7 @@ on this machine."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def is_loopback_host(host: str) -> bool:
@@ -45,3 +46,18 @@ def client_address(address: str) -> str:
     target such as dns:///HOST:PORT passes too). Raises ValueError if malformed."""
     listen_host(address)
     return address
+
+
+def bound_socket(listen: str) -> socket.socket:
+    """A socket bound to HOST:PORT (port 0 picks one), as a server binds one (SO_REUSEADDR),
+    for it to listen on; OSError "could not bind HOST:PORT: WHY" when it cannot be bound."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"could not bind {listen}: {exc.strerror or exc}") from None
+    return sock

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from agentkv.addresses import bound_socket
 from agentkv.errors import ERROR_KEY, AgentKVError, InvalidArgument
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -194,6 +195,8 @@ def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
     address clients dial. Raises OSError when it is taken, or not an address of this host."""
     if listen.startswith("unix:") and _answers(listen[len("unix:") :]):
         raise OSError(f"could not bind {listen}: a server is listening there")
+    if not listen.startswith("unix:") and not listen.endswith(":0"):
+        bound_socket(listen).close()  # why it cannot be bound, before gRPC's own log line
     try:
         if credentials is not None:
             port = server.add_secure_port(listen, credentials)

@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from agentkv import logs
+from agentkv.addresses import bound_socket
 from agentkv.flags import parse_config
 from agentkv.gateway.app import create_app
 from agentkv.gateway.config import GatewayConfig
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         if address_file:
             address_file.unlink(missing_ok=True)  # what a script finds is this run's
         app = create_app(config)  # reads the token table
-        listener = bind(config.listen)
+        listener = bound_socket(config.listen)
         serve(Server(server_config(app, config), config), listener)
     except (ValueError, OSError) as exc:
         print(f"agentkv-gateway: error: {exc}", file=sys.stderr)
@@ -111,21 +112,6 @@ def server_config(app, config: GatewayConfig) -> uvicorn.Config:
         ssl_ca_certs=tls.tls_client_ca or None,
         ssl_cert_reqs=2 if tls.tls_client_ca else 0,  # ssl.CERT_REQUIRED with a client CA
     )
-
-
-def bind(listen: str) -> socket.socket:
-    """A socket bound to HOST:PORT (port 0 picks one) as uvicorn binds one, for it to listen
-    on; OSError in the store's and the worker's words when it cannot be bound."""
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, int(port)))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"could not bind {listen}: {exc.strerror or exc}") from None
-    return sock
 
 
 def serve(server: Server, listener: socket.socket) -> None:

@@ -24,8 +24,23 @@ def test_a_store_on_a_port_in_use_refuses_to_start(store_process, tmp_path):
     second = start("cache_store", "--data-dir", str(tmp_path / "second"), "--listen", taken)
     assert second.returncode == 2 and "Traceback" not in second.stderr
     assert second.stderr.strip().splitlines()[-1] == (
-        f"agentkv-store: error: could not bind {taken}: in use, or not an address of this host"
+        f"agentkv-store: error: could not bind {taken}: Address already in use"
     )
+    assert "add_port" not in second.stderr  # gRPC's own log line is never reached
+
+
+def test_a_store_on_an_address_of_another_host_says_so(tmp_path):
+    """Not "in use, or not an address of this host": which of the two, in the system's
+    words (192.0.2.1 is TEST-NET-1, never an address of this host)."""
+    args = ("--data-dir", str(tmp_path / "d"), "--allow-unauthenticated")
+    for listen, why in (
+        ("192.0.2.1:50999", "Cannot assign requested address"),
+        ("nosuchhost.invalid:50999", "Name or service not known"),
+    ):
+        run = start("cache_store", *args, "--listen", listen)
+        assert run.returncode == 2 and "add_port" not in run.stderr, run.stderr
+        last = run.stderr.strip().splitlines()[-1]
+        assert last == f"agentkv-store: error: could not bind {listen}: {why}"
 
 
 def test_a_worker_on_a_port_in_use_refuses_to_start(store_process, tiny_model_dirs):
@@ -33,6 +48,7 @@ def test_a_worker_on_a_port_in_use_refuses_to_start(store_process, tiny_model_di
     model = str(tiny_model_dirs["llama"])
     worker = start("inference_worker", "--model", model, "--store", taken, "--listen", taken)
     assert worker.returncode == 2 and "Traceback" not in worker.stderr
+    assert "add_port" not in worker.stderr
     assert (
         worker.stderr.strip()
         .splitlines()[-1]
