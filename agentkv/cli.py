@@ -4,7 +4,7 @@ agentkv demo                 start a store and a worker, run the prisoner's dile
 agentkv bench --quick|--full run every benchmark, write one report with the paper's tables
 agentkv run SCENARIO         run a workflow scenario (a YAML file, or a shipped one by name)
 agentkv agents               list agents with their tier (hot, warm, cold), tokens and bytes
-agentkv store stats|namespaces|agents|agent|blocks|verify|gc   inspect and maintain a store
+agentkv store stats|namespaces|agents|agent|blocks|verify|gc|delete   inspect and maintain a store
 agentkv walkthrough          a guided tour of the store and the worker
 agentkv plan [--config NAME] --context 8K --budget 10.2Gi   how many agents' KV caches fit
 """
@@ -93,8 +93,8 @@ def _store_parser(store: argparse.ArgumentParser) -> None:
                 default="" if name in ("verify", "gc") else "default",
                 help="namespace (verify and gc: all when omitted)",
             )
-        if name == "agent":
-            p.add_argument("agent_id")
+        if name in ("agent", "delete"):
+            p.add_argument("agent_id", help="the agent's id")
 
 
 def _model_parser(model: argparse.ArgumentParser) -> None:

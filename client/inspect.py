@@ -161,6 +161,12 @@ def cmd_gc(client: StoreClient, args: argparse.Namespace) -> None:
     )
 
 
+def cmd_delete(client: StoreClient, args: argparse.Namespace) -> None:
+    released = client.delete_agent(args.namespace, args.agent_id)
+    blocks = "1 block" if released == 1 else f"{released} blocks"
+    print(f"deleted {args.namespace}/{args.agent_id}; {blocks} no longer referenced")
+
+
 STORE_COMMANDS: dict[str, tuple[Callable[[StoreClient, argparse.Namespace], None], str]] = {
     "stats": (cmd_stats, "store-wide counters and capacity"),
     "namespaces": (cmd_namespaces, "namespaces with their usage"),
@@ -169,4 +175,5 @@ STORE_COMMANDS: dict[str, tuple[Callable[[StoreClient, argparse.Namespace], None
     "blocks": (cmd_blocks, "blocks of a namespace"),
     "verify": (cmd_verify, "re-read every payload and index record and check every checksum"),
     "gc": (cmd_gc, "delete unreferenced blocks and orphan files"),
+    "delete": (cmd_delete, "delete one agent (a worker holding it finds it gone)"),
 }

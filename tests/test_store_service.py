@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentKVError
+from agentkv.errors import AgentKVError, AgentNotFound
 from agentkv.launch import ServiceProcess
 from agentkv.units import parse_bytes
 from cache_store.__main__ import build_config
@@ -203,6 +203,13 @@ def test_cli_inspects_verifies_and_collects(store_process, store):
     assert "deleted 1 unreferenced" in cli("store", "gc", store=address).stdout
     missing = cli("store", "agent", "nobody", store=address)
     assert missing.returncode == 2 and "AgentNotFound (NOT_FOUND)" in missing.stderr
+    deleted = cli("store", "delete", "warden", "-n", NS, store=address)
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout.strip() == f"deleted {NS}/warden; 1 block no longer referenced"
+    with pytest.raises(AgentNotFound):
+        store.get_agent(NS, "warden")
+    again = cli("store", "delete", "warden", "-n", NS, store=address)
+    assert again.returncode == 2 and "AgentNotFound (NOT_FOUND)" in again.stderr
 
 
 def test_walkthrough_runs_end_to_end():

@@ -290,6 +290,24 @@ def test_an_agent_deleted_in_the_store_is_made_anew_where_a_worker_still_holds_i
         w.create_agent("gone", "warden", SYSTEM)
 
 
+def test_an_agent_deleted_with_the_cli_is_gone_for_the_worker_holding_it(
+    tiny_model_dirs, start_worker, store_process
+):
+    """`agentkv store delete` while a worker holds the agent hot: its next turn is NOT_FOUND
+    (the worker asks the store first), not an answer from the deleted conversation."""
+    from tests.helpers import cli
+
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"], name="holder").address)
+    w.create_agent("ops", "retired", SYSTEM)
+    w.turn("ops", "retired", Q1, max_tokens=4)
+    w.wait_durable("ops", "retired")
+    assert w.describe("ops", "retired").tier == "hot"
+    done = cli("store", "delete", "retired", "-n", "ops", store=store_process.address)
+    assert done.returncode == 0 and done.stdout.startswith("deleted ops/retired;"), done.stderr
+    with pytest.raises(AgentNotFound, match="retired"):
+        w.turn("ops", "retired", Q2, max_tokens=4)
+
+
 def test_a_worker_holding_a_deleted_agent_never_takes_one_made_anew_for_it(
     tiny_model_dirs, start_worker, store_process
 ):
