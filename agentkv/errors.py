@@ -163,6 +163,11 @@ class QuotaExceeded(ResourceExhausted):
     pass
 
 
+class NamespaceQuotaExceeded(QuotaExceeded):
+    """A namespace's own quota (--namespace-quota) is reached: its tenant's doing, unlike
+    the store's quota or a full disk, which every tenant shares."""
+
+
 class DiskFull(ResourceExhausted):
     pass
 

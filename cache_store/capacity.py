@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from agentkv.errors import DiskFull, QuotaExceeded, ResourceExhausted
+from agentkv.errors import DiskFull, NamespaceQuotaExceeded, QuotaExceeded, ResourceExhausted
 from cache_store import manifests
 from cache_store.leases import BlockId
 from cache_store.parts import Parts
@@ -72,14 +72,16 @@ class Capacity:
 
     def check_fits(self, size: int, namespace: str) -> None:
         """Refuses at once a block bigger than a quota it falls under: it could never fit."""
-        for quota, scope in (
-            (self.config.namespace_quota(namespace), f"namespace {namespace!r}"),
-            (self.config.quota_bytes, "store"),
+        for quota, scope, error in (
+            (
+                self.config.namespace_quota(namespace),
+                f"namespace {namespace!r}",
+                NamespaceQuotaExceeded,
+            ),
+            (self.config.quota_bytes, "store", QuotaExceeded),
         ):
             if quota and size > quota:
-                raise QuotaExceeded(
-                    f"block of {size} bytes exceeds the {scope} quota of {quota} bytes"
-                )
+                raise error(f"block of {size} bytes exceeds the {scope} quota of {quota} bytes")
 
     def reserve(self, size: int, namespace: str) -> None:
         """Claims `size` bytes that have arrived for an upload into `namespace`, evicting to
@@ -168,7 +170,7 @@ class Capacity:
         while (used := self._used(namespace)) + self._in_flight(namespace) + size > quota:
             if self._free_one(namespace):
                 continue
-            raise QuotaExceeded(
+            raise (QuotaExceeded if namespace is None else NamespaceQuotaExceeded)(
                 f"{scope} quota of {quota} bytes reached ({used} used, "
                 f"{self._in_flight(namespace)} in flight) and nothing can be evicted: every "
                 "block is referenced or leased"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from agentkv.errors import (
     AgentExists,
     AgentKVError,
+    NamespaceQuotaExceeded,
     OutOfRange,
     ResourceExhausted,
     SystemPromptDiffers,
@@ -53,6 +55,10 @@ class Agent:
     # time.monotonic() when RAM last matched the store (a commit landed, or the restore's
     # read): a store read asked before then may not show this worker's own latest commit.
     synced_at: float = 0.0
+    # Writes refused in a row for want of room (a quota, a full disk), and the time.monotonic()
+    # before which the next is not tried: each refusal doubles the wait, up to a minute.
+    refusals: int = 0
+    retry_at: float = 0.0
     # Held while a commit is recorded (writer thread) or a turn changes the context (MLX
     # thread): a commit of the context before a cut must not count as this one's.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -87,6 +93,11 @@ class Agent:
     @property
     def durable(self) -> bool:
         return not self.writing and self.persisted_tokens >= self.cached
+
+    @property
+    def over_quota(self) -> bool:
+        """Its last write was refused by its own namespace's quota: its tenant's limit."""
+        return isinstance(self.persist_error, NamespaceQuotaExceeded) and not self.writing
 
     def begin_turn(
         self, tokens: list[int], chat: ChatState, phase: str, keep: int, block_tokens: int
@@ -233,8 +244,8 @@ class HotTier:
         for agent in self._by_eviction():
             if self.nbytes <= self.budget_bytes:
                 break
-            if agent.id not in keep and agent.durable and not agent.persist_failed:
-                evicted.append(self._agents.pop(agent.id))
+            if agent.id not in keep and self._may_go(agent):
+                evicted.append(self._let_go(agent))
         if self.nbytes > self.budget_bytes:
             log.warning(
                 "hot tier over budget: agents not yet durable",
@@ -261,13 +272,34 @@ class HotTier:
         for agent in idle:
             if held <= room:
                 break
-            if agent.durable and not agent.persist_failed:
-                self.pop(agent.id)
-                held -= agent.nbytes
+            if self._may_go(agent):
+                held -= self._let_go(agent).nbytes
                 log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
                 self.metrics.evictions.labels(reason="waiting_turn").inc()
         self.metrics.hot_bytes.set(self.nbytes)
         return held
+
+    @staticmethod
+    def _may_go(agent: Agent) -> bool:
+        """Whether the agent may leave RAM: it is durable (the store has it), or its own
+        namespace's quota refused it, which is its tenant's limit: its turns since its last
+        commit are dropped rather than hold RAM that other tenants' turns wait for."""
+        return (agent.durable and not agent.persist_failed) or agent.over_quota
+
+    def _let_go(self, agent: Agent) -> Agent:
+        self.pop(agent.id)
+        if agent.over_quota:
+            log.warning(
+                "agent dropped from RAM: its namespace is over its store quota, so its turns "
+                "since its last commit are lost",
+                extra={
+                    "namespace": agent.namespace,
+                    "agent": agent.agent_id,
+                    "dropped_tokens": len(agent.tokens) - agent.persisted_tokens,
+                },
+            )
+            self.metrics.evictions.labels(reason="over_quota").inc()
+        return agent
 
     def release(self, agent: Agent, mid_turn: Callable[[Agent], bool]) -> None:
         """Once committed, window caches let go of what only persistence still needed."""
@@ -287,11 +319,13 @@ class HotTier:
     def failed_writes(self, mid_turn: Callable[[Agent], bool]) -> list[Agent]:
         """Agents whose last write the store refused (it was down or full), to write again:
         once the store is back, every turn served meanwhile becomes durable. Not those
-        writing now, mid-turn (their caches live in the batch) or stale."""
+        writing now, mid-turn (their caches live in the batch) or stale, nor those whose
+        wait after a refusal for want of room has not passed (Agent.retry_at)."""
+        now = time.monotonic()
         return [
             a
             for a in self._agents.values()
-            if a.persist_failed and not (a.writing or mid_turn(a) or a.stale)
+            if a.persist_failed and now >= a.retry_at and not (a.writing or mid_turn(a) or a.stale)
         ]
 
 

@@ -129,6 +129,7 @@ def _committed(agent: Agent, generation: int, written: Written, block_tokens: in
         agent.committed_full_keys = full_keys[: same // block_tokens]
         agent.persisted_tokens = min(cached, same)
     agent.in_doubt.clear()
+    agent.refusals, agent.retry_at = 0, 0.0
     agent.synced_at = time.monotonic()
 
 
@@ -214,7 +215,13 @@ class Persister:
             if isinstance(exc, (Unavailable, DeadlineExceeded)):  # it may have been applied
                 agent.in_doubt[cid] = snap.written
             agent.persist_error = exc
-            log.warning("persist failed", extra={"agent": agent.agent_id, "error": exc.message})
+            if isinstance(exc, ResourceExhausted):  # a quota or a full disk: not soon over
+                agent.refusals += 1
+                agent.retry_at = time.monotonic() + min(60.0, 2.0 * 2 ** (agent.refusals - 1))
+            log.warning(
+                "persist failed",
+                extra={"namespace": agent.namespace, "agent": agent.agent_id, "error": exc.message},
+            )
             return self._report("failed", exc)
         _committed(agent, manifest.generation, snap.written, self.block_tokens)
         return self._report("ok", None)

@@ -6,6 +6,7 @@ its turn was dropped (ABORTED)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ from agentkv.errors import (
     AgentNotFound,
     DiskFull,
     GenerationConflict,
+    NamespaceQuotaExceeded,
     NotCommitted,
     OverBudget,
     QuotaExceeded,
@@ -410,7 +412,8 @@ def conversation(w: WorkerClient, agent: str, questions: list[str]) -> list[list
 def fill(disk: Path) -> Path:
     """Writes a ballast file until the filesystem is full."""
     ballast = disk / "ballast"
-    with open(ballast, "wb") as f:
+    # unbuffered: a buffer left to flush at close would raise ENOSPC there, past the loop
+    with open(ballast, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
@@ -488,6 +491,32 @@ def test_a_namespace_at_its_quota_refuses_only_its_own_turns(tiny_model_dirs, la
         stored = c.get_agent("roomy", "keeper")
         assert len(stored.token_ids) == w.describe("roomy", "keeper").num_tokens
         assert not list(c.list_blocks("tight")) and not list(c.list_agents("tight"))
+
+
+def test_a_namespace_over_its_quota_does_not_hold_ram_another_tenant_waits_for(
+    tiny_model_dirs, launched, tmp_path
+):
+    """The red team's case: a tenant at its store quota made agents that can never be
+    written, and they held the worker's RAM, so another tenant's new agent waited until
+    its deadline. They give way now, their unwritten turns dropped (a warning says so), as
+    their tenant's durable turns were told (RESOURCE_EXHAUSTED naming the namespace)."""
+    quota = ["--namespace-quota", "tight=1K"]
+    store = launched(store_process(tmp_path / "data", tmp_path / "store.log", extra_args=quota))
+    model, flags = str(tiny_model_dirs["llama"]), ["--hot-budget", "150K"]  # one agent
+    log = tmp_path / "w.log"
+    worker = launched(worker_process(model, store.address, log, extra_args=flags))
+    w = WorkerClient(worker.address, timeout=60)
+    w.create_agent("tight", "hog", SYSTEM)
+    with pytest.raises(NamespaceQuotaExceeded, match="namespace 'tight' quota of 1024 bytes"):
+        w.turn("tight", "hog", Q1, max_tokens=4, durable=True)
+    w.create_agent("roomy", "guest", SYSTEM)  # needs the RAM the hog holds
+    assert len(w.turn("roomy", "guest", Q1, max_tokens=4, durable=True).token_ids) == 4
+    with pytest.raises(AgentNotFound):  # dropped, and never in the store
+        w.describe("tight", "hog")
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    dropped = [e for e in events if e["event"].startswith("agent dropped")]
+    assert [(e["namespace"], e["agent"]) for e in dropped] == [("tight", "hog")]
+    assert dropped[0]["dropped_tokens"] > 0
 
 
 def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_is_back(
