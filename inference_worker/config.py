@@ -57,6 +57,17 @@ class WorkerConfig(ServerConfig):
         512, "tokens per model step: every decoder's next token, then prefill chunks"
     )
     queue_limit: int = flag(64, "turns that may wait for a slot; past it RESOURCE_EXHAUSTED")
+    # A turn holds an RPC thread from its start to its end: with fewer threads than turns
+    # the batch and the queue hold, a flood from one tenant waits in gRPC's own first-come
+    # line, ahead of every other tenant, and never reaches the queue's fair order.
+    workers: int | None = flag(
+        None,
+        "RPC threads",
+        parse=int,
+        shown="--max-batch + --queue-limit + 16 (every turn it runs or queues, and the calls "
+        "beside them)",
+        kw_only=True,
+    )
     restore_path: str = flag(
         "auto",
         "how to read the store: locate (same host), stream, or auto (locate when the store "
@@ -116,6 +127,10 @@ class WorkerConfig(ServerConfig):
             )
         if self.max_batch < 1 or self.step_tokens < 1 or self.queue_limit < 0:
             raise ValueError("max_batch and step_tokens must be >= 1, queue_limit >= 0")
+        if self.workers is None:
+            self.workers = self.max_batch + self.queue_limit + 16
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.restore_path not in RESTORE_PATHS:
             raise ValueError(f"restore_path must be one of {RESTORE_PATHS}: {self.restore_path!r}")
         if self.dtype not in DTYPES:

@@ -591,3 +591,48 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     assert "place in the queue went to a turn of another namespace" in str(results["w3"])
     served = [agent for agent, result in answered if not isinstance(result, Exception)]
     assert served == ["guest", "w0", "w1", "w2"]
+
+
+def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """The red team's case: a turn holds an RPC thread to its end, and the worker had 16;
+    a flood of more turns waited in gRPC's own first-come line, ahead of another tenant's
+    turn, which never reached the queue's fair order. Now the worker has a thread for every
+    turn it runs or queues (--max-batch + --queue-limit + 16), so b's turn takes the place
+    of a's last in line and is answered first once the slot frees."""
+    extra = ("--max-batch", "1", "--queue-limit", "15", "--metrics-listen", "127.0.0.1:0")
+    proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
+    w = WorkerClient(proc.address, timeout=300)
+    flood = [f"w{i}" for i in range(15)]  # with the hog's, as many turns as 16 threads held
+    create(w, ("a", "hog"), *(("a", agent) for agent in flood), ("b", "guest"))
+    hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
+    next(hog)  # a holds the only slot; every step now takes seconds
+    answered: list[tuple[str, object]] = []
+
+    def turn(namespace: str, agent: str) -> None:
+        try:
+            answered.append((agent, w.turn(namespace, agent, TALK, max_tokens=2)))
+        except AgentKVError as exc:
+            answered.append((agent, exc))
+
+    threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
+    for thread in threads:
+        thread.start()
+    # each is queued in a model step of its own: seconds each
+    eventually(
+        lambda: metric(proc, "agentkv_worker_turns_waiting") >= len(flood),
+        "a's turns queued",
+        timeout=300,
+    )
+    threads.append(threading.Thread(target=turn, args=("b", "guest")))
+    threads[-1].start()
+    eventually(lambda: len(answered) == 1, "b's turn took a place in the queue", timeout=60)
+    hog.close()  # the slot frees: the line goes on
+    for thread in threads:
+        thread.join(300)
+    pushed = [(agent, r) for agent, r in answered if isinstance(r, Exception)]
+    assert len(pushed) == 1 and pushed[0][0] in flood  # a's last in line
+    assert "place in the queue went to a turn of another namespace" in str(pushed[0][1])
+    served = [agent for agent, result in answered if not isinstance(result, Exception)]
+    assert served[0] == "guest" and len(served) == len(flood)
