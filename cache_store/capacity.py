@@ -124,12 +124,22 @@ class Capacity:
         return freed
 
     def with_room(self, write: Callable[..., T], *args: Any) -> T:
-        """Runs an index write; on a full disk, once more after collecting unused blocks."""
+        """Runs an index write; on a full disk, once more after collecting unused blocks,
+        and past a quota (an agent record grew), once more after evicting within it."""
         try:
             return write(*args)
         except DiskFull:
             if not self.free_disk(INDEX_ROOM):
                 raise
+        except QuotaExceeded as exc:
+            if not hasattr(exc, "room"):
+                raise
+            scope, quota, grown = exc.room
+            try:
+                with self._lock:
+                    self._make_room(grown, quota, scope)
+            except QuotaExceeded:
+                raise exc from None  # its words: an agent record does not fit
         return write(*args)
 
     def unreserve(self, size: int, namespace: str) -> None:
@@ -227,7 +237,7 @@ class Capacity:
 
     def _used(self, namespace: str | None) -> int:
         with self.index.read() as txn:
-            return self.index.usage_bytes(txn, namespace)
+            return self.index.quota_usage(txn, namespace)
 
     def _in_flight(self, namespace: str | None) -> int:
         return self._reserved[namespace] if namespace is not None else self._reserved.total()

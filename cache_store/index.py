@@ -30,6 +30,7 @@ listing skips it; both note it in `suspects` for integrity.repair.
 from __future__ import annotations
 
 import logging
+import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -46,6 +47,7 @@ from agentkv.errors import (
     DiskFull,
     FingerprintMismatch,
     IndexUnusable,
+    NamespaceQuotaExceeded,
     QuotaExceeded,
 )
 from cache_store.records import (
@@ -66,6 +68,7 @@ from cache_store.records import (
 log = logging.getLogger("agentkv.store")
 
 SEP = b"\x00"
+LOW_DISK = 8 << 20  # free bytes under which a failed index write is taken for a full disk
 _U32 = struct.Struct(">I")
 TABLES = (
     "blocks",
@@ -81,7 +84,9 @@ TABLES = (
     "used",
 )
 DERIVED = ("children", "unref", "lost", "namespaces")  # rebuilt from blocks and agents
-NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0}
+# per namespace: agents, blocks, payload bytes, and the bytes of its agent records (a quota
+# covers those too: a record may hold 2^21 token ids and share every block of another)
+NO_USAGE = {"agents": 0, "blocks": 0, "bytes": 0, "records": 0}
 GENERATIONS_USED = "generations_used"  # counter: the highest generation of an agent deleted
 # (or quarantined: by its last legible generation, and every generation committed here)
 GENERATIONS_TOP = "generations_top"  # counter: the highest generation committed here
@@ -122,6 +127,8 @@ class Index:
         self._counters, self._quarantine = self.dbs["counters"], self.dbs["quarantine"]
         self._remote, self._uploaded = self.dbs["remote"], self.dbs["uploaded"]
         self._uploaded_ids, self._used = self.dbs["uploaded_ids"], self.dbs["used"]
+        # (namespace's quota, store's quota) in bytes, 0 for none: the store sets it
+        self.quotas: Callable[[str], tuple[int, int]] = lambda namespace: (0, 0)
 
     def close(self) -> None:
         self.env.close()
@@ -135,7 +142,9 @@ class Index:
         except lmdb.MapFullError as exc:
             raise QuotaExceeded(f"index is full (lmdb map size reached): {exc}") from exc
         except lmdb.Error as exc:
-            if isinstance(exc, lmdb.DiskError) or "space" in str(exc).lower():
+            # a full tmpfs fails LMDB's commit with EIO ("Input/output error")
+            low = shutil.disk_usage(self.path).free < LOW_DISK
+            if isinstance(exc, lmdb.DiskError) or "space" in str(exc).lower() or low:
                 raise DiskFull(
                     f"no space left on the store's disk while writing the index: {exc}"
                 ) from exc
@@ -372,19 +381,26 @@ class Index:
             return None
 
     def put_agent(self, txn: lmdb.Transaction, record: AgentRecord, created: bool) -> None:
+        """Puts the record; RecordOverQuota (nothing written) when its growth passes a quota."""
         k = ns_key(record.namespace, record.agent_id)
-        txn.put(k, record.encode(k), db=self._agents)
+        value, old = record.encode(k), txn.get(k, db=self._agents)
+        grown = len(value) - (len(old) if old is not None else 0)
+        if grown > 0:
+            self._check_quotas(txn, record.namespace, grown)
+        txn.put(k, value, db=self._agents)
         self.raise_counter(txn, GENERATIONS_TOP, record.generation)
         if created:
             txn.delete(quarantine_key("agents", k), db=self._quarantine)
-            self._add_usage(txn, record.namespace, agents=1)
+        self._add_usage(txn, record.namespace, agents=int(created), records=grown)
 
     def delete_agent(self, txn: lmdb.Transaction, record: AgentRecord) -> None:
         k = ns_key(record.namespace, record.agent_id)
+        old = txn.get(k, db=self._agents)
         txn.delete(k, db=self._agents)
         self.raise_counter(txn, GENERATIONS_USED, record.generation)
         txn.delete(k, db=self._used)
-        self._add_usage(txn, record.namespace, agents=-1)
+        freed = len(old) if old is not None else 0
+        self._add_usage(txn, record.namespace, agents=-1, records=-freed)
         uploaded = self.uploaded_generation(txn, record.namespace, record.agent_id)
         if uploaded and self.uploaded_id(txn, record.namespace, record.agent_id) is None:
             # an index written before the table, or an entry that was bad
@@ -472,6 +488,27 @@ class Index:
             return self._usage(txn, namespace.encode())["bytes"]
         return sum(u["bytes"] for u in self.namespaces(txn).values())
 
+    def quota_usage(self, txn: lmdb.Transaction, namespace: str | None = None) -> int:
+        """What a quota counts: payload bytes and agent records' bytes, in one namespace or
+        in all of them."""
+        usages = [self._usage(txn, namespace.encode())] if namespace is not None else None
+        return sum(u["bytes"] + u["records"] for u in usages or self.namespaces(txn).values())
+
+    def _check_quotas(self, txn: lmdb.Transaction, namespace: str, grown: int) -> None:
+        """QuotaExceeded (NamespaceQuotaExceeded for the namespace's own) when `grown` more
+        bytes of agent records pass a quota; its `room` says whose and how much, for the
+        caller to make room and try again (Capacity.with_room)."""
+        namespace_quota, store_quota = self.quotas(namespace)
+        for quota, scope in ((namespace_quota, namespace), (store_quota, None)):
+            if quota and (used := self.quota_usage(txn, scope)) + grown > quota:
+                where = "store" if scope is None else f"namespace {namespace!r}"
+                error = (QuotaExceeded if scope is None else NamespaceQuotaExceeded)(
+                    f"{where} quota of {quota} bytes reached ({used} used by payloads and "
+                    f"agent records): an agent record {grown} bytes bigger does not fit"
+                )
+                error.room = (scope, quota, grown)
+                raise error
+
     def put_usage(self, txn: lmdb.Transaction, namespace: str, usage: dict[str, int]) -> None:
         k = namespace.encode()
         if usage == NO_USAGE:
@@ -507,11 +544,14 @@ class Index:
         agents: int = 0,
         blocks: int = 0,
         num_bytes: int = 0,
+        records: int = 0,
     ) -> None:
         usage = self._usage(txn, namespace.encode())
         usage["agents"] += agents
         usage["blocks"] += blocks
         usage["bytes"] += num_bytes
+        # an index from before records were counted: never below 0 until a rebuild
+        usage["records"] = max(0, usage["records"] + records)
         self.put_usage(txn, namespace, usage)
 
     def _usage(self, txn: lmdb.Transaction, k: bytes) -> dict[str, int]:

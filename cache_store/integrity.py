@@ -230,7 +230,9 @@ def rebuild(index: Index, txn: lmdb.Transaction) -> None:
     refs: Counter[bytes] = Counter()
     usage: dict[str, dict[str, int]] = {}
     for agent in index.agents(txn, None):
-        usage.setdefault(agent.namespace, dict(NO_USAGE))["agents"] += 1
+        u = usage.setdefault(agent.namespace, dict(NO_USAGE))
+        u["agents"] += 1
+        u["records"] += len(agent.encode(ns_key(agent.namespace, agent.agent_id)))
         refs.update(ns_key(agent.namespace, key) for key in set(agent.block_keys))
     for table in DERIVED:
         txn.drop(index.dbs[table], delete=False)

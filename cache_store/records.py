@@ -111,7 +111,12 @@ def decode_usage(table: str, key: bytes, raw: bytes) -> dict[str, int]:
 
 def _usage(payload: memoryview) -> dict[str, int]:
     d = msgpack.unpackb(payload)
-    return {"agents": int(d["agents"]), "blocks": int(d["blocks"]), "bytes": int(d["bytes"])}
+    return {
+        "agents": int(d["agents"]),
+        "blocks": int(d["blocks"]),
+        "bytes": int(d["bytes"]),
+        "records": int(d.get("records", 0)),  # absent from an index written before it
+    }
 
 
 @dataclass(frozen=True, slots=True)

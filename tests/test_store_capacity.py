@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkv.errors import BlockNotFound, DiskFull, QuotaExceeded
+from agentkv.errors import BlockNotFound, DiskFull, NamespaceQuotaExceeded, QuotaExceeded
 from agentkv.v1 import store_pb2 as pb
 from cache_store.store import CacheStore
 from tests.helpers import (
@@ -172,6 +172,34 @@ def test_full_disk_is_resource_exhausted_and_nothing_is_corrupt(small_disk, tmp_
         proc.stop()
 
 
+def test_a_disk_filled_by_agent_records_is_resource_exhausted(small_disk, tmp_path):
+    """The red team's INTERNAL: records alone (no block) filled a tmpfs, and LMDB's commit
+    failed with "Input/output error", which went out as an internal error. A full disk under
+    an index write is RESOURCE_EXHAUSTED (DiskFull), and what was committed stays."""
+    proc = StoreProcess(small_disk("12m") / "data", tmp_path / "store.log").start()
+    fat = [49151] * (1 << 19)  # a record of 2 MiB
+    try:
+        with proc.client() as c:
+            kept = 0
+            with pytest.raises(DiskFull) as err:
+                for i in range(12):
+                    c.commit_agent(
+                        namespace=NS,
+                        agent_id=f"fat{i}",
+                        fingerprint=FP,
+                        token_ids=fat,
+                        block_keys=[],
+                    )
+                    kept += 1
+            assert err.value.code.name == "RESOURCE_EXHAUSTED", err.value.message
+            assert 0 < kept < 12
+            assert [len(c.get_agent(NS, f"fat{i}").token_ids) for i in range(kept)] == [
+                len(fat)
+            ] * kept
+    finally:
+        proc.stop()
+
+
 def loose_blocks(client, ns: str, first_token: int, count: int) -> list[bytes]:
     """Puts `count` unreferenced blocks into `ns` and lets their leases go; their keys."""
     keys = []
@@ -226,6 +254,32 @@ def test_a_namespace_evicts_only_its_own_agents(ns_quota_store):
         put_agent(c, "newcomer", 5000, ns="team-a")
         assert {a.agent_id for a in c.list_agents("team-a")} == {"a0", "a2", "newcomer"}
         assert [a.agent_id for a in c.list_agents("team-b")] == ["elder"]
+
+
+def test_agent_records_count_against_a_namespace_quota(ns_quota_store, block_size):
+    """The red team's attack: agent records of many token ids and no block, or forks that
+    share one block, grew the index (190 MB of a 200 MB disk) while the namespace's usage
+    said 0 bytes, and the full disk then cost another tenant its agents. A record's bytes
+    count against its namespace's quota now."""
+    fat = [49151] * block_size  # 4 bytes a token id: a record of four blocks' bytes
+    with ns_quota_store.client() as c:
+        with pytest.raises(NamespaceQuotaExceeded, match="agent record"):
+            c.commit_agent(
+                namespace="team-a", agent_id="fat", fingerprint=FP, token_ids=fat, block_keys=[]
+            )
+        c.commit_agent(  # another tenant's, with no quota, goes in
+            namespace="team-b", agent_id="fat", fingerprint=FP, token_ids=fat, block_keys=[]
+        )
+        put_agent(c, "a0", 0, ns="team-a")
+        record = 4 * BLOCK_TOKENS  # a fork's token ids alone
+        most = (3 * block_size + block_size // 2) // record
+        forks = 0
+        with pytest.raises(NamespaceQuotaExceeded, match="agent record"):
+            while forks <= most:
+                c.fork_agent("team-a", "a0", f"f{forks}")
+                forks += 1
+        assert 0 < forks < most
+        assert [a.agent_id for a in c.list_agents("team-b")] == ["fat"]
 
 
 def test_a_default_namespace_quota_and_an_override(tmp_path, block_size):
