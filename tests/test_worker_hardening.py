@@ -543,6 +543,29 @@ def test_a_turn_still_queued_when_its_worker_stops_moves_to_another(
 # one tenant's flood
 
 
+class Flood:
+    """A worker whose one slot namespace a's slow turn (the hog) holds, with a's flood
+    agents and b's guest made; turn() records each answer, or its error, in `answered`."""
+
+    @classmethod
+    def on(cls, proc, size: int, timeout: float) -> tuple:
+        """(flood agents, the hog's stream, answered, turn)."""
+        flood = cls()
+        flood.w = w = WorkerClient(proc.address, timeout=timeout)
+        agents = [f"w{i}" for i in range(size)]
+        create(w, ("a", "hog"), *(("a", agent) for agent in agents), ("b", "guest"))
+        hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
+        next(hog)  # a holds the only slot; every step now takes seconds
+        flood.answered = []
+        return agents, hog, flood.answered, flood.turn
+
+    def turn(self, namespace: str, agent: str) -> None:
+        try:
+            self.answered.append((agent, self.w.turn(namespace, agent, TALK, max_tokens=2)))
+        except AgentKVError as exc:
+            self.answered.append((agent, exc))
+
+
 def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
@@ -552,19 +575,7 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     turns, a having had its turn."""
     extra = ("--max-batch", "1", "--queue-limit", "4", "--metrics-listen", "127.0.0.1:0")
     proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
-    w = WorkerClient(proc.address, timeout=120)
-    flood = [f"w{i}" for i in range(5)]
-    create(w, ("a", "hog"), *(("a", agent) for agent in flood), ("b", "guest"))
-    hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
-    next(hog)  # a holds the only slot; every step now takes seconds
-    answered: list[tuple[str, object]] = []
-
-    def turn(namespace: str, agent: str) -> None:
-        try:
-            answered.append((agent, w.turn(namespace, agent, TALK, max_tokens=2)))
-        except AgentKVError as exc:
-            answered.append((agent, exc))
-
+    flood, hog, answered, turn = Flood.on(proc, 5, timeout=120)
     threads = []
     # each turn in order, once it waits (so many turns queued) or an answer came (its own
     # refusal, or the refusal of the turn whose place it took)
@@ -603,19 +614,8 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     of a's last in line and is answered first once the slot frees."""
     extra = ("--max-batch", "1", "--queue-limit", "15", "--metrics-listen", "127.0.0.1:0")
     proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
-    w = WorkerClient(proc.address, timeout=300)
-    flood = [f"w{i}" for i in range(15)]  # with the hog's, as many turns as 16 threads held
-    create(w, ("a", "hog"), *(("a", agent) for agent in flood), ("b", "guest"))
-    hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
-    next(hog)  # a holds the only slot; every step now takes seconds
-    answered: list[tuple[str, object]] = []
-
-    def turn(namespace: str, agent: str) -> None:
-        try:
-            answered.append((agent, w.turn(namespace, agent, TALK, max_tokens=2)))
-        except AgentKVError as exc:
-            answered.append((agent, exc))
-
+    # with the hog's, as many turns as 16 threads held
+    flood, hog, answered, turn = Flood.on(proc, 15, timeout=300)
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
     for thread in threads:
         thread.start()
