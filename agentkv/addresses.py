@@ -53,7 +53,10 @@ def bound_socket(listen: str) -> socket.socket:
     for it to listen on; OSError "could not bind HOST:PORT: WHY" when it cannot be bound."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:  # no IPv6 here, say
+        raise OSError(f"could not bind {listen}: {exc.strerror or exc}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, int(port)))

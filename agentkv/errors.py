@@ -160,7 +160,9 @@ class ResourceExhausted(AgentKVError):
 
 
 class QuotaExceeded(ResourceExhausted):
-    pass
+    # Raised by the store for an agent record that grew past a quota: (namespace, or None
+    # for the store's quota; the quota; bytes grown), for it to make room and try again.
+    room: tuple[str | None, int, int] | None = None
 
 
 class NamespaceQuotaExceeded(QuotaExceeded):

@@ -132,7 +132,7 @@ class Capacity:
             if not self.free_disk(INDEX_ROOM):
                 raise
         except QuotaExceeded as exc:
-            if not hasattr(exc, "room"):
+            if exc.room is None:
                 raise
             scope, quota, grown = exc.room
             try:

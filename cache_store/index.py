@@ -142,8 +142,8 @@ class Index:
         except lmdb.MapFullError as exc:
             raise QuotaExceeded(f"index is full (lmdb map size reached): {exc}") from exc
         except lmdb.Error as exc:
-            # a full tmpfs fails LMDB's commit with EIO ("Input/output error")
-            low = shutil.disk_usage(self.path).free < LOW_DISK
+            eio = "Input/output error" in str(exc)  # LMDB's commit on a full tmpfs
+            low = eio and shutil.disk_usage(self.path).free < LOW_DISK
             if isinstance(exc, lmdb.DiskError) or "space" in str(exc).lower() or low:
                 raise DiskFull(
                     f"no space left on the store's disk while writing the index: {exc}"
@@ -380,12 +380,16 @@ class Index:
         except CorruptRecord:
             return None
 
-    def put_agent(self, txn: lmdb.Transaction, record: AgentRecord, created: bool) -> None:
-        """Puts the record; RecordOverQuota (nothing written) when its growth passes a quota."""
+    def put_agent(
+        self, txn: lmdb.Transaction, record: AgentRecord, created: bool, checked: bool = True
+    ) -> None:
+        """Puts the record. `checked`: QuotaExceeded (nothing written) when its growth passes
+        a quota (_check_quotas); a manifest read back from the object store is counted, not
+        refused (it exists already; refusing it would refuse a read)."""
         k = ns_key(record.namespace, record.agent_id)
         value, old = record.encode(k), txn.get(k, db=self._agents)
         grown = len(value) - (len(old) if old is not None else 0)
-        if grown > 0:
+        if checked and grown > 0:
             self._check_quotas(txn, record.namespace, grown)
         txn.put(k, value, db=self._agents)
         self.raise_counter(txn, GENERATIONS_TOP, record.generation)
@@ -506,7 +510,7 @@ class Index:
                     f"{where} quota of {quota} bytes reached ({used} used by payloads and "
                     f"agent records): an agent record {grown} bytes bigger does not fit"
                 )
-                error.room = (scope, quota, grown)
+                error.room = (scope, quota, grown)  # QuotaExceeded.room
                 raise error
 
     def put_usage(self, txn: lmdb.Transaction, namespace: str, usage: dict[str, int]) -> None:

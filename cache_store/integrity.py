@@ -22,7 +22,16 @@ import msgpack
 
 from agentkv.errors import CorruptRecord, IndexUnusable
 from cache_store import schema
-from cache_store.index import DERIVED, NO_USAGE, SEP, TABLES, Index, ns_key, prefixed
+from cache_store.index import (
+    DERIVED,
+    GENERATIONS_TOP,
+    NO_USAGE,
+    SEP,
+    TABLES,
+    Index,
+    ns_key,
+    prefixed,
+)
 from cache_store.records import (
     CHECKSUM_BYTES,
     DECODE_ERRORS,
@@ -34,10 +43,14 @@ from cache_store.records import (
     decode_value,
     encode_u64,
     record_name,
+    seal,
     unseal,
 )
 
 log = logging.getLogger("agentkv.store")
+# in `meta` once a rebuild counted agent records' bytes and generations_top (an index written
+# before those were kept is recounted at its first start)
+RECOUNTED_KEY = b"records_counted"
 
 PRIMARY = ("blocks", "agents")  # quarantined and reported; everything else is rebuilt
 CHECKS: dict[str, Callable[[bytes, bytes], object]] = {
@@ -109,6 +122,10 @@ def open_index(index: Index) -> list[BadRecord]:
             found = scan(index, txn)
             if found or migrated:
                 fix(index, txn, found)
+            elif txn.get(RECOUNTED_KEY, db=index.dbs["meta"]) is None:
+                rebuild(index, txn)  # an index from before records and generations_top
+                if index.namespaces(txn):  # not a new one
+                    log.info("index usage recounted with agent records")
     except lmdb.Error as exc:
         raise IndexUnusable(
             f"the index at {index.path} is damaged beyond single records ({exc}); restore the "
@@ -137,7 +154,8 @@ def fix(index: Index, txn: lmdb.Transaction, found: Findings) -> None:
             "index table rewritten: LMDB could not find some records", extra={"table": table}
         )
     _set_aside(index, txn, found.bad)
-    rebuild(index, txn)
+    recounted = rebuild(index, txn)
+    log.warning("index rebuilt from blocks and agents", extra={"recounted_blocks": recounted})
 
 
 def repair(
@@ -225,14 +243,18 @@ def _rewrite_without(index: Index, txn: lmdb.Transaction, table: str, keys: set[
         txn.put(k, v, db=db)
 
 
-def rebuild(index: Index, txn: lmdb.Transaction) -> None:
-    """Recomputes children, unref, lost, refcounts and namespace usage from blocks and agents."""
+def rebuild(index: Index, txn: lmdb.Transaction) -> int:
+    """Recomputes children, unref, lost, refcounts and namespace usage (records' bytes too)
+    from blocks and agents, and raises generations_top to every agent's generation; how
+    many blocks' refcounts it corrected."""
     refs: Counter[bytes] = Counter()
     usage: dict[str, dict[str, int]] = {}
     for agent in index.agents(txn, None):
+        k = ns_key(agent.namespace, agent.agent_id)
         u = usage.setdefault(agent.namespace, dict(NO_USAGE))
         u["agents"] += 1
-        u["records"] += len(agent.encode(ns_key(agent.namespace, agent.agent_id)))
+        u["records"] += len(txn.get(k, db=index.dbs["agents"]) or b"")
+        index.raise_counter(txn, GENERATIONS_TOP, agent.generation)
         refs.update(ns_key(agent.namespace, key) for key in set(agent.block_keys))
     for table in DERIVED:
         txn.drop(index.dbs[table], delete=False)
@@ -254,7 +276,8 @@ def rebuild(index: Index, txn: lmdb.Transaction) -> None:
         txn.put(k, encode_u64(k, count), db=index.dbs["lost"])
     for namespace, u in usage.items():
         index.put_usage(txn, namespace, u)
-    log.warning("index rebuilt from blocks and agents", extra={"recounted_blocks": len(recounted)})
+    txn.put(RECOUNTED_KEY, seal(RECOUNTED_KEY, b""), db=index.dbs["meta"])
+    return len(recounted)
 
 
 def quarantined(index: Index, txn: lmdb.Transaction, namespace: str | None) -> list[BadRecord]:

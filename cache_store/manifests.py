@@ -81,7 +81,7 @@ def install(
 ) -> None:
     """Puts a manifest read from the object store in place of `old` (its blocks are here)."""
     _move_refs(index, txn, record.namespace, old.block_keys if old else [], record.block_keys)
-    index.put_agent(txn, record, created=old is None)
+    index.put_agent(txn, record, created=old is None, checked=False)
 
 
 def fork(

@@ -243,15 +243,17 @@ class CacheStore:
         if self.tier is not None:
             self._fetch_if_newer(ns, source_id)
         self.retention.mark_used(ns, source_id)  # a template agent forked from is in use
-        with self.index.write() as txn:
-            record = manifests.fork(
-                self.index, txn, ns, source_id, new_id, num_tokens, phase, metadata, now_ms()
-            )
-            view = manifests.view(self.index, txn, record)
+        fork = (ns, source_id, new_id, num_tokens, phase, metadata)
+        view = self.capacity.with_room(self._fork, *fork)  # its record may need room
         self.capacity.touch_agent(ns, new_id)
         self.retention.forget(ns, new_id)
         self._agent_changed(ns, new_id)
         return view
+
+    def _fork(self, ns: str, source_id: str, new_id: str, *rest: Any) -> manifests.AgentView:
+        with self.index.write() as txn:
+            record = manifests.fork(self.index, txn, ns, source_id, new_id, *rest, now_ms())
+            return manifests.view(self.index, txn, record)
 
     # inspection and maintenance
 

@@ -163,8 +163,8 @@ def cmd_gc(client: StoreClient, args: argparse.Namespace) -> None:
 
 def cmd_delete(client: StoreClient, args: argparse.Namespace) -> None:
     released = client.delete_agent(args.namespace, args.agent_id)
-    blocks = "1 block" if released == 1 else f"{released} blocks"
-    print(f"deleted {args.namespace}/{args.agent_id}; {blocks} no longer referenced")
+    refs = "1 block reference" if released == 1 else f"{released} block references"
+    print(f"deleted {args.namespace}/{args.agent_id}; released {refs}")
 
 
 STORE_COMMANDS: dict[str, tuple[Callable[[StoreClient, argparse.Namespace], None], str]] = {

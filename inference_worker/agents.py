@@ -258,8 +258,9 @@ class HotTier:
         used durable agents go, never a busy one (its turn is in flight)."""
         self.put(agent)
         for evicted in self.enforce(keep=busy | {agent.id}):
-            log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
-            self.metrics.evictions.labels(reason="budget").inc()
+            if not evicted.over_quota:  # else _let_go said so
+                log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
+                self.metrics.evictions.labels(reason="budget").inc()
         self.metrics.hot_bytes.set(self.nbytes)
 
     def make_room(self, busy: set[AgentId], room: int) -> int:
@@ -274,8 +275,9 @@ class HotTier:
                 break
             if self._may_go(agent):
                 held -= self._let_go(agent).nbytes
-                log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
-                self.metrics.evictions.labels(reason="waiting_turn").inc()
+                if not agent.over_quota:  # else _let_go said so
+                    log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
+                    self.metrics.evictions.labels(reason="waiting_turn").inc()
         self.metrics.hot_bytes.set(self.nbytes)
         return held
 

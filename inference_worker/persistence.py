@@ -217,7 +217,8 @@ class Persister:
             agent.persist_error = exc
             if isinstance(exc, ResourceExhausted):  # a quota or a full disk: not soon over
                 agent.refusals += 1
-                agent.retry_at = time.monotonic() + min(60.0, 2.0 * 2 ** (agent.refusals - 1))
+                wait = 2.0 * 2 ** min(agent.refusals - 1, 5)  # 2 s, 4 s, ... up to a minute
+                agent.retry_at = time.monotonic() + min(60.0, wait)
             log.warning(
                 "persist failed",
                 extra={"namespace": agent.namespace, "agent": agent.agent_id, "error": exc.message},

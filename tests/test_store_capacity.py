@@ -282,6 +282,21 @@ def test_agent_records_count_against_a_namespace_quota(ns_quota_store, block_siz
         assert [a.agent_id for a in c.list_agents("team-b")] == ["fat"]
 
 
+def test_a_fork_past_a_namespace_quota_first_evicts_within_it(ns_quota_store, block_size):
+    """A fork's record needs room like a commit's: the namespace's unreferenced blocks go
+    first (before: refused at once while they held the quota)."""
+    with ns_quota_store.client() as c:
+        put_agent(c, "a0", 0, ns="team-a")
+        loose_blocks(c, "team-a", 70_000, 2)  # 3 blocks of 3.5 now: room for few records
+        forks = 0
+        with pytest.raises(NamespaceQuotaExceeded, match="agent record"):
+            while forks < 1000:
+                c.fork_agent("team-a", "a0", f"f{forks}")
+                forks += 1
+        assert c.stats().num_evicted_blocks == 2  # both loose blocks gave way to records
+        assert len(list(c.list_agents("team-a"))) == forks + 1
+
+
 def test_a_default_namespace_quota_and_an_override(tmp_path, block_size):
     args = ["--namespace-quota", f"*={block_size + block_size // 2}"]
     args += ["--namespace-quota", f"big={3 * block_size}"]

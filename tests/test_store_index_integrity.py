@@ -326,6 +326,40 @@ def test_an_agent_made_anew_over_a_quarantined_manifest_starts_past_its_generati
             assert client.get_agent(NS, agent_id, summary_only=True).generation > 4
 
 
+def test_an_index_from_before_record_counts_is_recounted_at_its_first_start(stopped):
+    """An index written before agent records counted against quotas (and before the
+    highest committed generation was kept) has no such figures: its first start counts
+    them from the agents, once, so its quotas cover its old records too."""
+    from cache_store.index import GENERATIONS_TOP, Index
+
+    proc, _ = stopped
+
+    def figures() -> tuple[dict[str, int], int]:
+        index = Index(proc.data_dir / "index", 1 << 30)
+        try:
+            with index.read() as txn:
+                records = {ns: u["records"] for ns, u in index.namespaces(txn).items()}
+                return records, index.counter(txn, GENERATIONS_TOP)
+        finally:
+            index.close()
+
+    counted = figures()
+    assert counted[1] == 1 and all(counted[0].values())
+    index = Index(proc.data_dir / "index", 1 << 30)  # as the older store left it
+    try:
+        with index.write() as txn:
+            assert txn.delete(b"records_counted", db=index.dbs["meta"])
+            for namespace, usage in index.namespaces(txn).items():
+                index.put_usage(txn, namespace, {**usage, "records": 0})
+    finally:
+        index.close()
+    forget_counter(proc.data_dir, b"generations_top")
+    assert figures() == ({ns: 0 for ns in counted[0]}, 0)
+    proc.start()
+    assert proc.stop() == 0
+    assert figures() == counted
+
+
 def test_a_bad_block_record_reads_as_missing_and_the_rest_serves(stopped):
     proc, world = stopped
     victim = world.agents[NS, "victim"]

@@ -205,7 +205,7 @@ def test_cli_inspects_verifies_and_collects(store_process, store):
     assert missing.returncode == 2 and "AgentNotFound (NOT_FOUND)" in missing.stderr
     deleted = cli("store", "delete", "warden", "-n", NS, store=address)
     assert deleted.returncode == 0, deleted.stderr
-    assert deleted.stdout.strip() == f"deleted {NS}/warden; 1 block no longer referenced"
+    assert deleted.stdout.strip() == f"deleted {NS}/warden; released 1 block reference"
     with pytest.raises(AgentNotFound):
         store.get_agent(NS, "warden")
     again = cli("store", "delete", "warden", "-n", NS, store=address)
