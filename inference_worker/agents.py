@@ -206,6 +206,13 @@ class HotTier:
         self.metrics = metrics or WorkerMetrics()
         self._agents: OrderedDict[AgentId, Agent] = OrderedDict()
         self.pinned: set[AgentId] = set()  # evicted last (PinAgent); in RAM or not
+        # (budget, bytes held, agents) as of the last change, for other threads to read
+        # (GetWorkerInfo) without waiting for the MLX thread, which a flood keeps busy
+        self.figures = (budget_bytes, 0, 0)
+
+    def _publish(self) -> None:
+        self.figures = (self.budget_bytes, self.nbytes, len(self._agents))
+        self.metrics.hot_bytes.set(self.figures[1])
 
     def pin(self, agent_id: AgentId, pinned: bool) -> None:
         if pinned and agent_id not in self.pinned and len(self.pinned) >= MAX_PINNED:
@@ -227,9 +234,12 @@ class HotTier:
     def put(self, agent: Agent) -> None:
         self._agents[agent.id] = agent
         self._agents.move_to_end(agent.id)
+        self._publish()
 
     def pop(self, agent_id: AgentId) -> Agent | None:
-        return self._agents.pop(agent_id, None)
+        agent = self._agents.pop(agent_id, None)
+        self._publish()
+        return agent
 
     @property
     def nbytes(self) -> int:
@@ -261,7 +271,7 @@ class HotTier:
             if not evicted.over_quota:  # else _let_go said so
                 log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
                 self.metrics.evictions.labels(reason="budget").inc()
-        self.metrics.hot_bytes.set(self.nbytes)
+        self._publish()
 
     def make_room(self, busy: set[AgentId], room: int) -> int:
         """Idle agents give way to a waiting turn, until they hold at most `room` bytes: the
@@ -278,7 +288,7 @@ class HotTier:
                 if not agent.over_quota:  # else _let_go said so
                     log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
                     self.metrics.evictions.labels(reason="waiting_turn").inc()
-        self.metrics.hot_bytes.set(self.nbytes)
+        self._publish()
         return held
 
     @staticmethod
@@ -310,7 +320,7 @@ class HotTier:
         agent.keep_undurable()
         for cache in agent.caches:
             cache.release()
-        self.metrics.hot_bytes.set(self.nbytes)
+        self._publish()
 
     def unwritten(self) -> list[Agent]:
         """Agents whose latest state is not committed (a write failed, was cut or is still

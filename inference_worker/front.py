@@ -202,9 +202,8 @@ class Front:
         return True
 
     def hot_tier(self) -> tuple[int, int, int]:
-        """(budget, bytes held, agents) of the hot tier."""
-        hot = self.engine.hot  # owned by the MLX thread: read it there
-        return self._mlx(lambda: (hot.budget_bytes, hot.nbytes, len(hot)))
+        """(budget, bytes held, agents) of the hot tier, as of its last change."""
+        return self.engine.hot.figures
 
     def _wait_durable(self, ns: str, agent_id: str) -> None:
         """Waits here for the agent's write in flight, then for one more if that failed."""

@@ -619,6 +619,11 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
     for thread in threads:
         thread.start()
+    # GetWorkerInfo answers at once, not after a step on the MLX thread (3 s each here; the
+    # gateway's /health gave up on it after 5 s during the red team's flood: 503). Twice:
+    # the second call would land in the step that follows the first one's.
+    informed = WorkerClient(proc.address, timeout=1.5)
+    assert all(informed.info().hot_budget_bytes > 0 for _ in range(2))
     # each is queued in a model step of its own: seconds each
     eventually(
         lambda: metric(proc, "agentkv_worker_turns_waiting") >= len(flood),
