@@ -53,14 +53,13 @@ def bound_socket(listen: str) -> socket.socket:
     for it to listen on; OSError "could not bind HOST:PORT: WHY" when it cannot be bound."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
-    try:
+    sock = None
+    try:  # the socket itself fails where there is no IPv6, say
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    except OSError as exc:  # no IPv6 here, say
-        raise OSError(f"could not bind {listen}: {exc.strerror or exc}") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, int(port)))
     except OSError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise OSError(f"could not bind {listen}: {exc.strerror or exc}") from None
     return sock

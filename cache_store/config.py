@@ -219,6 +219,10 @@ class StoreConfig(ServerConfig):
         """The byte quota of one namespace; 0 when it has none."""
         return self.namespace_quotas.get(namespace, self.namespace_quotas.get(ANY_NAMESPACE, 0))
 
+    def quotas(self, namespace: str) -> tuple[int, int]:
+        """(the namespace's quota, the store's) in bytes; 0 for none."""
+        return self.namespace_quota(namespace), self.quota_bytes
+
 
 def _check_names(settings: dict[str, object], what: str) -> None:
     """Each per-namespace setting names a valid namespace, or "*" (every other one)."""

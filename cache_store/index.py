@@ -108,7 +108,14 @@ def split_key(raw: bytes) -> tuple[str, bytes]:
 
 
 class Index:
-    def __init__(self, path: Path, map_bytes: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        map_bytes: int,
+        quotas: Callable[[str], tuple[int, int]] = lambda namespace: (0, 0),
+    ) -> None:
+        """`quotas`: a namespace's quota and the store's, in bytes (0: none), which agent
+        records count against (put_agent)."""
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._suspects: set[tuple[str, bytes]] = set()  # (table, key) read bad, not repaired
@@ -127,8 +134,7 @@ class Index:
         self._counters, self._quarantine = self.dbs["counters"], self.dbs["quarantine"]
         self._remote, self._uploaded = self.dbs["remote"], self.dbs["uploaded"]
         self._uploaded_ids, self._used = self.dbs["uploaded_ids"], self.dbs["used"]
-        # (namespace's quota, store's quota) in bytes, 0 for none: the store sets it
-        self.quotas: Callable[[str], tuple[int, int]] = lambda namespace: (0, 0)
+        self.quotas = quotas
 
     def close(self) -> None:
         self.env.close()

@@ -54,8 +54,7 @@ class CacheStore:
     def _open(self) -> None:
         config = self.config
         self.payloads = Payloads(config.data_dir)
-        self.index = Index(config.data_dir / "index", config.lmdb_map_bytes)
-        self.index.quotas = lambda ns: (config.namespace_quota(ns), config.quota_bytes)
+        self.index = Index(config.data_dir / "index", config.lmdb_map_bytes, config.quotas)
         self.leases = Leases(config.max_leases_per_namespace)
         self.parts = Parts(config, self.index, self.payloads, self.leases, self.metrics)
         self.capacity = Capacity(self.parts)

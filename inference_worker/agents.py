@@ -195,6 +195,10 @@ class Checkpoint:
 
 
 MAX_PINNED = 1024  # agents pinned on one worker (PinAgent)
+EVICTED = {  # what the log says of an agent evicted, by reason
+    "budget": "agent evicted to the store",
+    "waiting_turn": "agent evicted for a waiting turn",
+}
 
 
 class HotTier:
@@ -232,9 +236,12 @@ class HotTier:
         return agent
 
     def put(self, agent: Agent) -> None:
+        self._hold(agent)
+        self._publish()
+
+    def _hold(self, agent: Agent) -> None:
         self._agents[agent.id] = agent
         self._agents.move_to_end(agent.id)
-        self._publish()
 
     def pop(self, agent_id: AgentId) -> Agent | None:
         agent = self._agents.pop(agent_id, None)
@@ -255,7 +262,7 @@ class HotTier:
             if self.nbytes <= self.budget_bytes:
                 break
             if agent.id not in keep and self._may_go(agent):
-                evicted.append(self._let_go(agent))
+                evicted.append(self._let_go(agent, "budget"))
         if self.nbytes > self.budget_bytes:
             log.warning(
                 "hot tier over budget: agents not yet durable",
@@ -266,11 +273,8 @@ class HotTier:
     def admit(self, agent: Agent, busy: set[AgentId]) -> None:
         """Holds an agent at the end of its turn, then keeps within budget: least recently
         used durable agents go, never a busy one (its turn is in flight)."""
-        self.put(agent)
-        for evicted in self.enforce(keep=busy | {agent.id}):
-            if not evicted.over_quota:  # else _let_go said so
-                log.info("agent evicted to the store", extra={"agent": evicted.agent_id})
-                self.metrics.evictions.labels(reason="budget").inc()
+        self._hold(agent)
+        self.enforce(keep=busy | {agent.id})
         self._publish()
 
     def make_room(self, busy: set[AgentId], room: int) -> int:
@@ -284,10 +288,7 @@ class HotTier:
             if held <= room:
                 break
             if self._may_go(agent):
-                held -= self._let_go(agent).nbytes
-                if not agent.over_quota:  # else _let_go said so
-                    log.info("agent evicted for a waiting turn", extra={"agent": agent.agent_id})
-                    self.metrics.evictions.labels(reason="waiting_turn").inc()
+                held -= self._let_go(agent, "waiting_turn").nbytes
         self._publish()
         return held
 
@@ -298,9 +299,14 @@ class HotTier:
         commit are dropped rather than hold RAM that other tenants' turns wait for."""
         return (agent.durable and not agent.persist_failed) or agent.over_quota
 
-    def _let_go(self, agent: Agent) -> Agent:
-        self.pop(agent.id)
-        if agent.over_quota:
+    def _let_go(self, agent: Agent, reason: str) -> Agent:
+        """Drops the agent from the tier (the caller publishes the figures once done),
+        saying so and counting it by `reason`, or as over_quota when its turns are lost."""
+        self._agents.pop(agent.id)
+        if not agent.over_quota:
+            log.info(EVICTED[reason], extra={"agent": agent.agent_id})
+        else:
+            reason = "over_quota"
             log.warning(
                 "agent dropped from RAM: its namespace is over its store quota, so its turns "
                 "since its last commit are lost",
@@ -310,7 +316,7 @@ class HotTier:
                     "dropped_tokens": len(agent.tokens) - agent.persisted_tokens,
                 },
             )
-            self.metrics.evictions.labels(reason="over_quota").inc()
+        self.metrics.evictions.labels(reason=reason).inc()
         return agent
 
     def release(self, agent: Agent, mid_turn: Callable[[Agent], bool]) -> None:

@@ -543,27 +543,24 @@ def test_a_turn_still_queued_when_its_worker_stops_moves_to_another(
 # one tenant's flood
 
 
-class Flood:
-    """A worker whose one slot namespace a's slow turn (the hog) holds, with a's flood
-    agents and b's guest made; turn() records each answer, or its error, in `answered`."""
+def flood_on(proc, size: int, timeout: float) -> tuple:
+    """A worker whose one slot namespace a's slow turn (the hog) holds, with a's `size`
+    flood agents and b's guest made: (flood agents, the hog's stream, answered, turn), where
+    turn(namespace, agent) records the agent's answer, or its error, in `answered`."""
+    w = WorkerClient(proc.address, timeout=timeout)
+    agents = [f"w{i}" for i in range(size)]
+    create(w, ("a", "hog"), *(("a", agent) for agent in agents), ("b", "guest"))
+    hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
+    next(hog)  # a holds the only slot; every step now takes seconds
+    answered: list[tuple[str, object]] = []
 
-    @classmethod
-    def on(cls, proc, size: int, timeout: float) -> tuple:
-        """(flood agents, the hog's stream, answered, turn)."""
-        flood = cls()
-        flood.w = w = WorkerClient(proc.address, timeout=timeout)
-        agents = [f"w{i}" for i in range(size)]
-        create(w, ("a", "hog"), *(("a", agent) for agent in agents), ("b", "guest"))
-        hog = w.stream_turn("a", "hog", TALK, max_tokens=100, seed=SLOW_STEP_SEED)
-        next(hog)  # a holds the only slot; every step now takes seconds
-        flood.answered = []
-        return agents, hog, flood.answered, flood.turn
-
-    def turn(self, namespace: str, agent: str) -> None:
+    def turn(namespace: str, agent: str) -> None:
         try:
-            self.answered.append((agent, self.w.turn(namespace, agent, TALK, max_tokens=2)))
+            answered.append((agent, w.turn(namespace, agent, TALK, max_tokens=2)))
         except AgentKVError as exc:
-            self.answered.append((agent, exc))
+            answered.append((agent, exc))
+
+    return agents, hog, answered, turn
 
 
 def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
@@ -575,7 +572,7 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     turns, a having had its turn."""
     extra = ("--max-batch", "1", "--queue-limit", "4", "--metrics-listen", "127.0.0.1:0")
     proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
-    flood, hog, answered, turn = Flood.on(proc, 5, timeout=120)
+    flood, hog, answered, turn = flood_on(proc, 5, timeout=120)
     threads = []
     # each turn in order, once it waits (so many turns queued) or an answer came (its own
     # refusal, or the refusal of the turn whose place it took)
@@ -615,7 +612,7 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     extra = ("--max-batch", "1", "--queue-limit", "15", "--metrics-listen", "127.0.0.1:0")
     proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
     # with the hog's, as many turns as 16 threads held
-    flood, hog, answered, turn = Flood.on(proc, 15, timeout=300)
+    flood, hog, answered, turn = flood_on(proc, 15, timeout=300)
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
     for thread in threads:
         thread.start()
