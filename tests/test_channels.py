@@ -179,8 +179,10 @@ def test_a_call_quiet_for_long_is_not_ended_by_keepalive_pings():
 def test_grpc_core_lines_stay_out_of_a_service_log(tmp_path):
     """A peer that goes away with calls on the wire makes gRPC's C core write "Got goaway" to
     stderr, between a service's JSON lines. A process that imports agentkv first, as each
-    service does, logs JSON only. The peer here is a raw HTTP/2 server that answers a call with
-    GOAWAY, then a PING: the client's ack says it has read the GOAWAY."""
+    service does, logs JSON only. The peer here is a raw HTTP/2 server that waits for the call's
+    HEADERS (a client sends its call only once the server's SETTINGS came: a GOAWAY before
+    that finds no call, and the client may drop the connection unread, as it did once in CI),
+    then answers with GOAWAY and a PING: the client's ack says it has read the GOAWAY."""
     script = tmp_path / "goaway.py"
     script.write_text(
         textwrap.dedent(
@@ -196,18 +198,25 @@ def test_grpc_core_lines_stay_out_of_a_service_log(tmp_path):
                 size = struct.pack(">I", len(payload))[1:]
                 return size + bytes([kind, flags]) + struct.pack(">I", 0) + payload
 
+            def frames(peer):
+                # the kind and flags of each frame the client sends, past its preface
+                stream = peer.makefile("rb")
+                stream.read(24)
+                while len(head := stream.read(9)) == 9:
+                    stream.read(int.from_bytes(head[:3], "big"))
+                    yield head[3], head[4]
+
             listener, acked = socket.create_server(("127.0.0.1", 0)), threading.Event()
 
             def serve():
                 peer, _ = listener.accept()
-                peer.recv(65536)  # the client's preface and its call
+                peer.sendall(frame(4, 0))  # SETTINGS
+                sent = frames(peer)
+                assert any(kind == 1 for kind, _ in sent)  # the call's HEADERS: on the wire
                 goaway = frame(7, 0, struct.pack(">II", 0, 2) + b"going away")
-                ping = frame(6, 0, b"8 bytes!")
-                peer.sendall(frame(4, 0) + frame(4, 1) + goaway + ping)  # SETTINGS, its ack
-                seen = b""
-                while frame(6, 1, b"8 bytes!") not in seen:
-                    seen += peer.recv(65536)
-                acked.set()
+                peer.sendall(frame(4, 1) + goaway + frame(6, 0, b"8 bytes!"))  # ack, GOAWAY, PING
+                if any(kind == 6 and flags & 1 for kind, flags in sent):  # the PING's ack
+                    acked.set()
 
             threading.Thread(target=serve, daemon=True).start()
             channel = grpc.insecure_channel(f"127.0.0.1:{listener.getsockname()[1]}")
