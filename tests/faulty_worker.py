@@ -8,6 +8,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   failure of the shared forward would;
 - SLOW_STEP_SEED: every decode step whose batch holds that turn takes SLOW_STEP_SECONDS more,
   as a big model's long step does (no fault: it only takes time);
+- HELD_STEP_SEED: a decode step whose batch holds that turn writes HELD_STEP_GATE's path
+  (from its environment) + ".held", then waits until that path exists: the MLX thread is
+  held as long as a test likes, and the test knows when it is;
 - REPLY_LOST_PHASE: an injection or a turn into that phase is taken (and, durable,
   committed), or a fork into that phase is committed, then the process dies before its reply
   (a turn's first response) is sent, as a worker lost at that moment does.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 
 from agentkv import logs
 from inference_worker.__main__ import build_config
@@ -31,6 +35,8 @@ ROW_FAULT_SEED = 666
 STEP_FAULT_SEED = 667
 SLOW_STEP_SEED = 668
 SLOW_STEP_SECONDS = 3.0
+HELD_STEP_SEED = 669
+HELD_STEP_GATE = "AGENTKV_TEST_HELD_STEP_GATE"
 REPLY_LOST_PHASE = "reply-lost"
 SECRET = "tenant-a-secret-7f3e"
 
@@ -88,10 +94,19 @@ def install() -> None:
             raise RuntimeError(f"{SECRET}: injected fault in the shared decode step")
         if SLOW_STEP_SEED in seeds:
             time.sleep(SLOW_STEP_SECONDS)
+        if HELD_STEP_SEED in seeds:
+            hold_until(Path(os.environ[HELD_STEP_GATE]))
         return decode(self)
 
     Sampling.sampler = faulty_sampler
     Batcher._decode = faulty_decode
+
+
+def hold_until(gate: Path) -> None:
+    """Says it holds (gate.held), then waits for the gate."""
+    gate.with_suffix(".held").touch()
+    while not gate.exists():
+        time.sleep(0.05)
 
 
 def old_worker() -> None:

@@ -41,6 +41,8 @@ from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from inference_worker.kv_cache import NUMPY_DTYPES
 from tests.faulty_worker import (
+    HELD_STEP_GATE,
+    HELD_STEP_SEED,
     REPLY_LOST_PHASE,
     ROW_FAULT_SEED,
     SECRET,
@@ -157,12 +159,13 @@ def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
 # one bad turn does not hurt the others
 
 
-def faulty_process(launched, model, store_process, tmp_path, *extra: str) -> ServiceProcess:
+def faulty_process(
+    launched, model, store_process, tmp_path, *extra: str, env: dict | None = None
+) -> ServiceProcess:
     """A started worker process with tests.faulty_worker's injected faults."""
     args = ["--model", str(model), "--store", store_process.address, "--listen", "127.0.0.1:0"]
-    proc = ServiceProcess(
-        "tests.faulty_worker", [*args, "--block-tokens", "64", *extra], tmp_path / "faulty.log"
-    )
+    args += ["--block-tokens", "64", *extra]
+    proc = ServiceProcess("tests.faulty_worker", args, tmp_path / "faulty.log", env=env)
     return launched(proc)
 
 
@@ -563,6 +566,29 @@ def flood_on(proc, size: int, timeout: float) -> tuple:
     return agents, hog, answered, turn
 
 
+def test_worker_info_answers_while_a_model_step_holds_the_mlx_thread(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """GetWorkerInfo reads the hot tier's figures as of its last change. It used to wait for
+    the MLX thread, which a flood keeps in long steps: the gateway's /health gave up on it
+    after 5 s during the red team's flood (503). Here a step holds that thread until the
+    test lets it go; the worker answers meanwhile, twice (the second call would have waited
+    for the step after the first one's), and the held turn then ends whole."""
+    gate = tmp_path / "gate"
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, env={HELD_STEP_GATE: str(gate)})
+    w = WorkerClient(proc.address, timeout=120)
+    create(w, ("a", "held"))
+    held = w.stream_turn("a", "held", TALK, max_tokens=4, seed=HELD_STEP_SEED)
+    items = [next(held)]
+    eventually(gate.with_suffix(".held").exists, "a step holds the MLX thread", timeout=120)
+    assert all(w.info().num_hot_agents == 1 for _ in range(2))
+    gate.touch()
+    items += list(held)
+    generated = sum(len(item.tokens.token_ids) for item in items if item.HasField("tokens"))
+    assert items[-1].usage.generated_tokens == generated >= 2  # past the held step
+
+
 def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
@@ -616,11 +642,6 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
     for thread in threads:
         thread.start()
-    # GetWorkerInfo answers at once, not after a step on the MLX thread (3 s each here; the
-    # gateway's /health gave up on it after 5 s during the red team's flood: 503). Twice:
-    # the second call would land in the step that follows the first one's.
-    informed = WorkerClient(proc.address, timeout=1.5)
-    assert all(informed.info().hot_budget_bytes > 0 for _ in range(2))
     # each is queued in a model step of its own: seconds each
     eventually(
         lambda: metric(proc, "agentkv_worker_turns_waiting") >= len(flood),
