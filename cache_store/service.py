@@ -231,6 +231,7 @@ class CacheStoreServicer:
                     num_agents=u["agents"],
                     num_blocks=u["blocks"],
                     num_bytes=u["bytes"],
+                    num_record_bytes=u["records"],
                     quota_bytes=u["quota"],
                     agent_idle_seconds=u["agent_idle"],
                 )

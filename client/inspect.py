@@ -61,12 +61,13 @@ def cmd_namespaces(client: StoreClient, args: argparse.Namespace) -> None:
             n.num_agents,
             n.num_blocks,
             human_bytes(n.num_bytes),
+            human_bytes(n.num_record_bytes),
             quota_text(n.quota_bytes),
             human_seconds(n.agent_idle_seconds) if n.agent_idle_seconds else "none",
         )
         for n in reply.namespaces
     ]
-    print(table(["namespace", "agents", "blocks", "bytes", "quota", "retention"], rows))
+    print(table(["namespace", "agents", "blocks", "bytes", "records", "quota", "retention"], rows))
 
 
 def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:

@@ -280,6 +280,12 @@ def test_agent_records_count_against_a_namespace_quota(ns_quota_store, block_siz
                 forks += 1
         assert 0 < forks < most
         assert [a.agent_id for a in c.list_agents("team-b")] == ["fat"]
+        listed = {
+            n.name: n for n in c.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
+        }
+        assert listed["team-b"].num_record_bytes > 4 * len(fat)  # the quota's figure, shown
+        a = listed["team-a"]
+        assert forks * record < a.num_record_bytes <= a.quota_bytes - a.num_bytes
 
 
 def test_a_fork_past_a_namespace_quota_first_evicts_within_it(ns_quota_store, block_size):

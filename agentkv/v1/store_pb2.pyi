@@ -396,20 +396,22 @@ class ListNamespacesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("name", "num_agents", "num_blocks", "num_bytes", "quota_bytes", "agent_idle_seconds")
+    __slots__ = ("name", "num_agents", "num_blocks", "num_bytes", "quota_bytes", "agent_idle_seconds", "num_record_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_AGENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     AGENT_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_agents: int
     num_blocks: int
     num_bytes: int
     quota_bytes: int
     agent_idle_seconds: float
-    def __init__(self, name: _Optional[str] = ..., num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., agent_idle_seconds: _Optional[float] = ...) -> None: ...
+    num_record_bytes: int
+    def __init__(self, name: _Optional[str] = ..., num_agents: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., agent_idle_seconds: _Optional[float] = ..., num_record_bytes: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)
