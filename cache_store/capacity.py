@@ -3,8 +3,10 @@ eviction to make room.
 
 Unreferenced blocks go first, least recently used first; with an object store, then the local
 copies of blocks safe there (demoted: restorable, fetched back on a read); with
-`evict_agents`, then whole least-recently-used agents whose deletion frees a block (with an
-object store, only agents whose manifest is there: they stay restorable). Leased blocks are
+`evict_agents`, then whole least-recently-used agents whose deletion frees a block, and,
+past a quota, where none does (forks sharing their blocks), the least recently used agent
+of all: its record's bytes count against the quota (with an object store, only agents whose
+manifest is there: they stay restorable). Leased blocks are
 never deleted. A namespace at its own quota evicts only its own blocks and agents: one tenant
 never pushes out another's. With an object store, a reservation that finds nothing to free
 waits a while for uploads to make blocks safe before it refuses.
@@ -178,7 +180,7 @@ class Capacity:
         """Evicts within `namespace` (None: the whole store) until `size` more bytes fit."""
         scope = "store" if namespace is None else f"namespace {namespace!r}"
         while (used := self._used(namespace)) + self._in_flight(namespace) + size > quota:
-            if self._free_one(namespace):
+            if self._free_one(namespace, records_count=True):
                 continue
             raise (QuotaExceeded if namespace is None else NamespaceQuotaExceeded)(
                 f"{scope} quota of {quota} bytes reached ({used} used, "
@@ -186,13 +188,14 @@ class Capacity:
                 "block is referenced or leased"
             )
 
-    def _free_one(self, namespace: str | None) -> bool:
-        """Frees one thing in `namespace` (None: anywhere), in the order the module says."""
+    def _free_one(self, namespace: str | None, records_count: bool = False) -> bool:
+        """Frees one thing in `namespace` (None: anywhere), in the order the module says;
+        `records_count`: for a quota, which counts agent records, not for a full disk."""
         if self._evict_one_block(namespace):
             return True
         if self.uploads is not None and self._demote_one_block(namespace):
             return True
-        return self.config.evict_agents and self._evict_one_agent(namespace)
+        return self.config.evict_agents and self._evict_one_agent(namespace, records_count)
 
     def _demote_one_block(self, namespace: str | None) -> bool:
         """Frees the local copy of the least recently used block safe in the object store.
@@ -256,13 +259,16 @@ class Capacity:
                 return True
         return False
 
-    def _evict_one_agent(self, namespace: str | None) -> bool:
-        """Deletes the least recently used agent whose blocks would then become evictable."""
+    def _evict_one_agent(self, namespace: str | None, records_count: bool = False) -> bool:
+        """Deletes the least recently used agent whose blocks would then become evictable;
+        where none would and `records_count`, the least recently used one."""
         with self.index.read() as txn:
             agents = sorted(self.index.agents(txn, namespace), key=self.agent_last_access)
             if self.uploads is not None:  # only agents the object store holds: they stay
                 agents = [a for a in agents if self._in_object_store(txn, a)]
             victim = next((a for a in agents if self._frees_space(txn, a)), None)
+            if victim is None and records_count and agents:
+                victim = agents[0]
         if victim is None:
             return False
         with self.index.write() as txn:

@@ -303,6 +303,35 @@ def test_a_fork_past_a_namespace_quota_first_evicts_within_it(ns_quota_store, bl
         assert len(list(c.list_agents("team-a"))) == forks + 1
 
 
+@pytest.mark.parametrize("ns_quota_store", [["--evict-agents"]], indirect=True)
+def test_with_evict_agents_forks_past_a_namespace_quota_evict_its_coldest_agents(
+    ns_quota_store, block_size
+):
+    """Forks share their blocks: deleting one frees no block, only its record, which the
+    quota counts. With --evict-agents the namespace's least recently used agents give way to
+    new records (before, the fork was refused, as without the flag); another tenant's stay."""
+    with ns_quota_store.client() as c:
+        put_agent(c, "elder", 9000, ns="team-b")  # the coldest agent in the store
+        put_agent(c, "a0", 0, ns="team-a")
+        tokens = c.get_agent("team-a", "a0").token_ids
+        most = (3 * block_size + block_size // 2) // (4 * BLOCK_TOKENS)
+        forks, source = 0, "a0"
+        while c.stats().num_evicted_agents < 3:
+            assert forks < most, "no agent gave way to the forks' records"
+            c.fork_agent("team-a", source, f"f{forks}")
+            forks, source = forks + 1, f"f{forks}"
+        gone = {"a0", "f0", "f1"}  # the coldest three, in that order
+        assert not gone & {a.agent_id for a in c.list_agents("team-a")}
+        assert len(list(c.list_agents("team-a"))) == forks + 1 - len(gone)
+        assert c.get_agent("team-a", source).token_ids == tokens
+        assert [a.agent_id for a in c.list_agents("team-b")] == ["elder"]
+        listed = {
+            n.name: n for n in c.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
+        }
+        a = listed["team-a"]
+        assert a.num_bytes + a.num_record_bytes <= a.quota_bytes
+
+
 def test_a_default_namespace_quota_and_an_override(tmp_path, block_size):
     args = ["--namespace-quota", f"*={block_size + block_size // 2}"]
     args += ["--namespace-quota", f"big={3 * block_size}"]
