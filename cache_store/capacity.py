@@ -126,23 +126,27 @@ class Capacity:
         return freed
 
     def with_room(self, write: Callable[..., T], *args: Any) -> T:
-        """Runs an index write; on a full disk, once more after collecting unused blocks,
-        and past a quota (an agent record grew), once more after evicting within it."""
-        try:
-            return write(*args)
-        except DiskFull:
-            if not self.free_disk(INDEX_ROOM):
-                raise
-        except QuotaExceeded as exc:
-            if exc.room is None:
-                raise
-            scope, quota, grown = exc.room
+        """Runs an index write; on a full disk, again after collecting unused blocks, and
+        past a quota (an agent record grew), again after evicting within it: once for the
+        disk and once for each quota (the namespace's, then the store's)."""
+        made: set[object] = set()  # DiskFull, or the scope of a quota made room in
+        while True:
             try:
-                with self._lock:
-                    self._make_room(grown, quota, scope)
-            except QuotaExceeded:
-                raise exc from None  # its words: an agent record does not fit
-        return write(*args)
+                return write(*args)
+            except DiskFull:
+                if DiskFull in made or not self.free_disk(INDEX_ROOM):
+                    raise
+                made.add(DiskFull)
+            except QuotaExceeded as exc:
+                if exc.room is None or exc.room[0] in made:
+                    raise
+                scope, quota, grown = exc.room
+                made.add(scope)
+                try:
+                    with self._lock:
+                        self._make_room(grown, quota, scope)
+                except QuotaExceeded:
+                    raise exc from None  # its words: an agent record does not fit
 
     def unreserve(self, size: int, namespace: str) -> None:
         with self._lock:

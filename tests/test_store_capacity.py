@@ -332,6 +332,27 @@ def test_with_evict_agents_forks_past_a_namespace_quota_evict_its_coldest_agents
         assert a.num_bytes + a.num_record_bytes <= a.quota_bytes
 
 
+def test_a_record_past_both_quotas_makes_room_under_each(tmp_path, block_size):
+    """A commit whose record passes the namespace's quota, then (room made there) the
+    store's, makes room under each in turn (before: refused at the second)."""
+    args = ["--quota", str(4 * block_size + block_size // 2)]
+    args += ["--namespace-quota", f"team-a={3 * block_size + block_size // 5}"]
+    proc = StoreProcess(tmp_path / "data", tmp_path / "store.log", extra_args=args).start()
+    try:
+        with proc.client() as c:
+            put_agent(c, "a0", 0, ns="team-a")
+            loose_blocks(c, "team-a", 70_000, 1)
+            loose_blocks(c, "team-b", 80_000, 2)
+            fat = [49151] * (2 * block_size // 5)  # 4 bytes a token id: 1.6 blocks' bytes
+            c.commit_agent(
+                namespace="team-a", agent_id="fat", fingerprint=FP, token_ids=fat, block_keys=[]
+            )
+            assert c.get_agent("team-a", "fat").token_ids == fat
+            assert c.stats().num_evicted_blocks == 2  # team-a's loose block, then a team-b one
+    finally:
+        proc.stop()
+
+
 def test_a_default_namespace_quota_and_an_override(tmp_path, block_size):
     args = ["--namespace-quota", f"*={block_size + block_size // 2}"]
     args += ["--namespace-quota", f"big={3 * block_size}"]
