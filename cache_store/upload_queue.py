@@ -122,15 +122,18 @@ class JobQueue:
             self._cond.notify_all()
 
     def pending(self) -> int:
-        """Jobs queued or running, and 1 while the index holds more."""
+        """Jobs queued or running, and 1 while the index holds more or is being scanned."""
         with self._cond:
-            return len(self._queue) + len(self._inflight) + self.overflow
+            return len(self._queue) + len(self._inflight) + (self.overflow or self._scanning)
 
     def backlog(self) -> int:
-        """Everything not yet written through that this process knows of."""
+        """Everything not yet written through that this process knows of, and 1 while the
+        index holds more or is being scanned for more (between the scan's start and its
+        refill, the queue is empty and no upload runs: that is not written through)."""
         with self._cond:
             parked = sum(len(jobs) for jobs in self._parked.values())
-            return len(self._queue) + len(self._inflight) + parked
+            more = self.overflow or self._scanning
+            return len(self._queue) + len(self._inflight) + parked + more
 
     def wait(self, seconds: float) -> None:
         """Waits up to `seconds` for a job to finish (or one to be added)."""

@@ -82,8 +82,13 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(
     b.turn("ns", "shared", [("user", "Hello from b.")], max_tokens=0, durable=True)  # b holds it
     a.evict("ns", "shared")
     a.turn("ns", "shared", [("user", "Hello from a.")], max_tokens=0, durable=True)  # a reloads
-    b.turn("ns", "shared", [], max_tokens=0)  # b, behind a's commit, reloads it too
-    assert a.describe("ns", "shared").generation == b.describe("ns", "shared").generation
+    # b, behind a's commit, reloads it too: on the store's answer, which a busy machine may
+    # give after b's 2 s check (needed below), when b's turn goes on from its RAM copy
+    def b_caught_up() -> bool:
+        b.turn("ns", "shared", [], max_tokens=0)
+        return a.describe("ns", "shared").generation == b.describe("ns", "shared").generation
+
+    until(b_caught_up, "b reloads a's commit", timeout=120)
     # Now both hold it hot at the same generation; each commits a turn at once. Both turns
     # must be past their start's check with the store before either commits (else the later
     # one sees the newer generation, reloads, and both win in turn): the store is frozen

@@ -297,7 +297,9 @@ def test_an_agent_deleted_with_the_cli_is_gone_for_the_worker_holding_it(
     (the worker asks the store first), not an answer from the deleted conversation."""
     from tests.helpers import cli
 
-    w = WorkerClient(start_worker(tiny_model_dirs["llama"], name="holder").address)
+    # the store's answer may be late on a busy machine: within 2 s, the RAM copy would stand
+    holder = start_worker(tiny_model_dirs["llama"], "--store-check-timeout", "30", name="holder")
+    w = WorkerClient(holder.address)
     w.create_agent("ops", "retired", SYSTEM)
     w.turn("ops", "retired", Q1, max_tokens=4)
     w.wait_durable("ops", "retired")
@@ -319,7 +321,8 @@ def test_a_worker_holding_a_deleted_agent_never_takes_one_made_anew_for_it(
     from agentkv.client.store import StoreClient
 
     model = tiny_model_dirs["llama"]
-    old = WorkerClient(start_worker(model, name="old").address)
+    late = ("--store-check-timeout", "30")  # within 2 s, a late answer keeps the RAM copy
+    old = WorkerClient(start_worker(model, *late, name="old").address)
     new = WorkerClient(start_worker(model, name="new").address)
     old.create_agent("again", "a", "You are Alice; the password is swordfish. " * 4)
     old.turn("again", "a", Q1, max_tokens=4, durable=True)  # generation 2 there

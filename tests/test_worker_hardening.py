@@ -306,7 +306,14 @@ def test_a_point_a_stale_hot_copy_lacks_is_unavailable_while_the_store_cannot_be
             old.turn("ns", "moved", TALK, max_tokens=4, after_mark=point)
     finally:
         os.kill(store_process.proc.pid, signal.SIGCONT)
-    went_on = old.turn("ns", "moved", TALK, max_tokens=4, after_mark=point)
+
+    def goes_on() -> object:  # the store, just resumed, may answer after the 2 s check
+        try:
+            return old.turn("ns", "moved", TALK, max_tokens=4, after_mark=point)
+        except Unavailable:
+            return None
+
+    went_on = eventually(goes_on, "the resumed store's answer to the check", timeout=120)
     assert went_on.usage.cache_state == "warm" and len(went_on.token_ids) == 4
 
 
