@@ -11,6 +11,10 @@ tenant's turn fail inside a batch as a bug or a bad input would:
 - HELD_STEP_SEED: a decode step whose batch holds that turn writes HELD_STEP_GATE's path
   (from its environment) + ".held", then waits until that path exists: the MLX thread is
   held as long as a test likes, and the test knows when it is;
+- FINISHED_LOG (an environment variable naming a file): each turn that ends with a reply,
+  not cancelled, appends its agent's id there as the MLX thread ends it, before its reply's
+  last response goes out: the order turns were served in, which clients' threads, woken
+  in their own time, need not record;
 - REPLY_LOST_PHASE: an injection or a turn into that phase is taken (and, durable,
   committed), or a fork into that phase is committed, then the process dies before its reply
   (a turn's first response) is sent, as a worker lost at that moment does.
@@ -37,6 +41,7 @@ SLOW_STEP_SEED = 668
 SLOW_STEP_SECONDS = 3.0
 HELD_STEP_SEED = 669
 HELD_STEP_GATE = "AGENTKV_TEST_HELD_STEP_GATE"
+FINISHED_LOG = "AGENTKV_TEST_FINISHED_LOG"
 REPLY_LOST_PHASE = "reply-lost"
 SECRET = "tenant-a-secret-7f3e"
 
@@ -98,8 +103,18 @@ def install() -> None:
             hold_until(Path(os.environ[HELD_STEP_GATE]))
         return decode(self)
 
+    finish = Batcher._finish
+
+    def logged_finish(self, turn, reason: str) -> None:
+        replied = reason != "cancelled" and turn.usage.generated_tokens  # not a create's
+        if replied and (path := os.environ.get(FINISHED_LOG)):
+            with open(path, "a") as log:
+                log.write(turn.agent.agent_id + "\n")
+        finish(self, turn, reason)
+
     Sampling.sampler = faulty_sampler
     Batcher._decode = faulty_decode
+    Batcher._finish = logged_finish
 
 
 def hold_until(gate: Path) -> None:

@@ -41,6 +41,7 @@ from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from inference_worker.kv_cache import NUMPY_DTYPES
 from tests.faulty_worker import (
+    FINISHED_LOG,
     HELD_STEP_GATE,
     HELD_STEP_SEED,
     REPLY_LOST_PHASE,
@@ -604,7 +605,10 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     refused saying so (before, b got 'worker busy'), and is answered before a's waiting
     turns, a having had its turn."""
     extra = ("--max-batch", "1", "--queue-limit", "4", "--metrics-listen", "127.0.0.1:0")
-    proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
+    finished = tmp_path / "finished"  # the order the worker served turns in
+    model = tiny_model_dirs["llama"]
+    env = {FINISHED_LOG: str(finished)}
+    proc = faulty_process(launched, model, store_process, tmp_path, *extra, env=env)
     flood, hog, answered, turn = flood_on(proc, 5, timeout=120)
     threads = []
     # each turn in order, once it waits (so many turns queued) or an answer came (its own
@@ -631,6 +635,8 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     assert isinstance(results["w3"], ResourceExhausted)
     assert "place in the queue went to a turn of another namespace" in str(results["w3"])
     served = [agent for agent, result in answered if not isinstance(result, Exception)]
+    assert sorted(served) == sorted(finished.read_text().split())  # the clients' answers
+    served = finished.read_text().split()  # in the worker's order
     assert served == ["guest", "w0", "w1", "w2"]
 
 
@@ -643,7 +649,10 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     turn it runs or queues (--max-batch + --queue-limit + 16), so b's turn takes the place
     of a's last in line and is answered first once the slot frees."""
     extra = ("--max-batch", "1", "--queue-limit", "15", "--metrics-listen", "127.0.0.1:0")
-    proc = faulty_process(launched, tiny_model_dirs["llama"], store_process, tmp_path, *extra)
+    finished = tmp_path / "finished"  # the order the worker served turns in
+    model = tiny_model_dirs["llama"]
+    env = {FINISHED_LOG: str(finished)}
+    proc = faulty_process(launched, model, store_process, tmp_path, *extra, env=env)
     # with the hog's, as many turns as 16 threads held
     flood, hog, answered, turn = flood_on(proc, 15, timeout=300)
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
@@ -665,4 +674,6 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     assert len(pushed) == 1 and pushed[0][0] in flood  # a's last in line
     assert "place in the queue went to a turn of another namespace" in str(pushed[0][1])
     served = [agent for agent, result in answered if not isinstance(result, Exception)]
+    assert sorted(served) == sorted(finished.read_text().split())  # the clients' answers
+    served = finished.read_text().split()  # in the worker's order
     assert served[0] == "guest" and len(served) == len(flood)
