@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:  # what was started is stopped, what was made removed, by then
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # another Ctrl-C now: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
 

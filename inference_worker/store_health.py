@@ -56,8 +56,7 @@ class StoreHealth:
             answering, reason = False, exc.details() or exc.code().name
         except Exception as exc:  # a closed channel at shutdown: say so, keep watching
             answering, reason = False, repr(exc)
-        if answering != self.answering:
-            self.servicer.set(STORE_HEALTH, SERVING if answering else NOT_SERVING)
+        if answering != self.answering:  # logged first: health then says what the log did
             if answering:
                 log.info("store answers", extra={"store": self.address})
             else:
@@ -66,6 +65,7 @@ class StoreHealth:
                     "be restored or persisted until it does",
                     extra={"store": self.address, "error": reason},
                 )
+            self.servicer.set(STORE_HEALTH, SERVING if answering else NOT_SERVING)
         self.answering = answering
         return answering
 

@@ -90,7 +90,7 @@ def launched():
     when the test ends, passed or failed, so no server outlives its test."""
     started = []
 
-    def launch(proc, timeout: float = 60.0):
+    def launch(proc, timeout: float | None = None):  # None: the process's own start_timeout
         started.append(proc)
         return proc.start(timeout)
 

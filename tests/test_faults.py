@@ -82,6 +82,7 @@ def test_two_workers_racing_on_one_agent_one_wins_one_reports(
     b.turn("ns", "shared", [("user", "Hello from b.")], max_tokens=0, durable=True)  # b holds it
     a.evict("ns", "shared")
     a.turn("ns", "shared", [("user", "Hello from a.")], max_tokens=0, durable=True)  # a reloads
+
     # b, behind a's commit, reloads it too: on the store's answer, which a busy machine may
     # give after b's 2 s check (needed below), when b's turn goes on from its RAM copy
     def b_caught_up() -> bool:

@@ -932,6 +932,7 @@ def test_a_client_that_leaves_a_whole_reply_cancels_it_without_a_traceback(stack
     deadline = time.monotonic() + 60
     while not agent_exists(stack, "whole-leaver"):  # made by the call, which then takes its turn
         assert time.monotonic() < deadline, stack.gateway.log_tail()
+        time.sleep(0.05)
     conn.close()
     while True:  # the abandoned turn ends long before its 400 tokens
         try:

@@ -435,9 +435,9 @@ def test_tls_and_mtls(tmp_path, certs):
         trusted = ClientSecurity(tls_ca=str(c / "ca.pem"))
         assert StoreClient(tls.address, security=trusted).stats().num_agents == 0
         with pytest.raises(Unavailable):
-            StoreClient(tls.address, timeout=5).stats()  # plaintext to a TLS server
+            StoreClient(tls.address, timeout=30).stats()  # plaintext to a TLS server
         with pytest.raises(Unavailable):
-            StoreClient(mtls.address, timeout=5, security=trusted).stats()  # no client cert
+            StoreClient(mtls.address, timeout=30, security=trusted).stats()  # no client cert
         mutual = ClientSecurity(
             tls_ca=str(c / "ca.pem"), tls_cert=str(c / "client.pem"), tls_key=str(c / "client.key")
         )
@@ -478,12 +478,12 @@ def test_the_health_port_serves_health_alone_in_plaintext(tmp_path, certs, token
         with grpc.insecure_channel(health_at) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             for service in ("", "agentkv.v1.CacheStore"):
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(Unavailable):
-            StoreClient(proc.address, timeout=5).stats()  # the service port is still mTLS
+            StoreClient(proc.address, timeout=30).stats()  # the service port is still mTLS
         with pytest.raises(AgentKVError) as err:
-            StoreClient(health_at, timeout=5, security=ClientSecurity(token=OPS)).stats()
+            StoreClient(health_at, timeout=30, security=ClientSecurity(token=OPS)).stats()
         assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
     finally:
         proc.stop()

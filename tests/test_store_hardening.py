@@ -232,7 +232,9 @@ def test_deleting_agents_on_a_full_disk_frees_room_without_collect_garbage(
 
 
 def test_unreferenced_blocks_left_idle_are_collected_without_a_quota(tmp_path, launched):
-    flags = ["--gc-idle-seconds", "2", "--lease-seconds", "1"]
+    # a lease of 30 s: a put's blocks stay theirs until its commit releases them, however
+    # slow the machine is between the two (idle 2 s, they would be collected)
+    flags = ["--gc-idle-seconds", "2", "--lease-seconds", "30"]
     proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
     with proc.client() as client:
         chains = {}
@@ -248,7 +250,8 @@ def test_unreferenced_blocks_left_idle_are_collected_without_a_quota(tmp_path, l
         for sent, back in zip(blocks, client.get_blocks(NS, FP, keys), strict=True):
             assert same_bytes(sent, back)
         assert not client.call("VerifyBlocks", pb.VerifyBlocksRequest()).corrupt
-        assert '"event": "idle blocks collected"' in proc.log_text()
+        logged = '"event": "idle blocks collected"'  # after the blocks went
+        until(lambda: logged in proc.log_text(), "the collector's log line", timeout=60)
 
 
 # 8. idle streams take no thread from other calls
