@@ -174,7 +174,7 @@ class StoreProcess:
         return self.service.proc
 
     def log_text(self) -> str:
-        return self.service.log_tail()
+        return self.service.log_path.read_text(errors="replace")  # whole: a tail may miss it
 
     def kill9(self) -> None:
         self.service.kill9()

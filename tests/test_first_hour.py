@@ -219,7 +219,7 @@ def test_a_worker_whose_store_does_not_answer_warns_and_says_so_in_health(
     ).start()
     store = None
     try:
-        assert '"event": "store does not answer' in worker.log_tail()  # before "serving"
+        assert '"event": "store does not answer' in worker.log_path.read_text()  # before "serving"
         with grpc.insecure_channel(worker.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
 
@@ -235,7 +235,7 @@ def test_a_worker_whose_store_does_not_answer_warns_and_says_so_in_health(
             while status(STORE_HEALTH) != health_pb2.HealthCheckResponse.SERVING:
                 assert time.monotonic() < deadline, "the worker never saw its store answer"
                 time.sleep(0.1)
-        assert '"event": "store answers"' in worker.log_tail()
+        assert '"event": "store answers"' in worker.log_path.read_text()
     finally:
         worker.stop()
         if store is not None:

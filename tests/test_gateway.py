@@ -733,7 +733,7 @@ def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(sta
             busy.close()
             gateway.proc.send_signal(signal.SIGTERM)
             drained = "timeout graceful shutdown exceeded"  # uvicorn cancels the request
-            eventually(lambda: drained in gateway.log_tail(), "the drain did not end")
+            eventually(lambda: drained in gateway.log_path.read_text(), "the drain did not end")
             proxy.released.set()
             assert proxy.ended.get(timeout=60) == spare  # the worker has made it
             assert gateway.proc.wait(60) == 0, gateway.log_tail()
