@@ -17,13 +17,14 @@ from typing import Any
 
 import xxhash
 
-from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord
+from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord, Unavailable
 from agentkv.keys import block_key
 from cache_store import bucket_layout as layout
 from cache_store import manifests
 from cache_store.capacity import Capacity
+from cache_store.index import GENERATIONS_USED
 from cache_store.manifests import AgentView
-from cache_store.objects import Bucket, Got
+from cache_store.objects import Bucket, Conflict, Got
 from cache_store.parts import Parts
 from cache_store.records import BlockRecord
 
@@ -92,7 +93,10 @@ class Fetcher:
         got = self.bucket.get(name)
         if got is None:
             return False
-        m = layout.read_manifest(got.body, got.metadata, namespace, agent_id)
+        try:
+            m = layout.read_manifest(got.body, got.metadata, namespace, agent_id)
+        except CorruptRecord as exc:
+            raise LostManifest(exc.message, got) from None
         with self._one_at_a_time(("agent", namespace, agent_id)):
             record = layout.manifest_record(m, self._fetch_chain(m))
             with self.index.write() as txn:
@@ -110,6 +114,30 @@ class Fetcher:
             extra={"namespace": namespace, "agent": agent_id, "blocks": len(record.block_keys)},
         )
         return True
+
+    def drop_lost(self, namespace: str, agent_id: str, lost: LostManifest) -> None:
+        """Deletes an unreadable manifest from the bucket (only that one: a manifest put
+        since stays), for a write that replaces or deletes the agent; the generation its
+        metadata names, if any, is not given to a new agent here (a worker may hold a copy
+        of the lost one)."""
+        got = lost.got
+        try:
+            self.bucket.delete(layout.agent_object(namespace, agent_id), if_match=got.etag)
+        except Conflict:
+            raise Unavailable(
+                f"the object store's manifest of agent {agent_id!r} changed while this store "
+                "dropped an unreadable one: send the request again"
+            ) from None
+        generation = got.metadata.get("agentkv-generation", "")
+        with self.index.write() as txn:
+            if generation.isdigit() and int(generation) < 2**63:
+                self.index.raise_counter(txn, GENERATIONS_USED, int(generation))
+            if self.index.find_agent(txn, namespace, agent_id) is None:
+                self.index.delete_uploaded(txn, namespace, agent_id)
+        log.warning(
+            "unreadable manifest dropped from the object store: the agent was lost",
+            extra={"namespace": namespace, "agent": agent_id, "reason": lost.message},
+        )
 
     def _fetch_chain(self, m: layout.Manifest) -> list[bytes]:
         """Lands the manifest's blocks this store lacks, in chain order, while the next
@@ -247,6 +275,15 @@ class Fetcher:
             size = sum(int(b["num_bytes"]) for b in m["blocks"])
             views.append(AgentView(layout.manifest_record(m), [], size))
         return views, names[-1][len(prefix) :] if len(names) == limit else ""
+
+
+class LostManifest(CorruptRecord):
+    """The bucket's manifest of an agent is unreadable: the agent is lost. `got` is the
+    object as read."""
+
+    def __init__(self, message: str, got: Got) -> None:
+        super().__init__(message)
+        self.got = got
 
 
 class _Prefetch:

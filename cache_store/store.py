@@ -13,10 +13,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentkv import ids
-from agentkv.errors import AgentNotFound, BucketUnreachable, FingerprintMismatch
+from agentkv.errors import (
+    AgentNotFound,
+    BucketUnreachable,
+    CorruptRecord,
+    FingerprintMismatch,
+)
 from cache_store import idle, integrity, manifests, schema
 from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
+from cache_store.fetcher import LostManifest
 from cache_store.index import Index
 from cache_store.leases import Leases
 from cache_store.lock import DataDirLock
@@ -110,7 +116,7 @@ class CacheStore:
         c.metadata = ids.metadata(c.metadata)
         c.phase = ids.phase(c.phase)
         c.block_keys = [ids.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
-        self._before_write(c.namespace, c.agent_id)
+        self._before_write(c.namespace, c.agent_id, replaces=c.expected_generation == 0)
         record, result = self.capacity.with_room(self._commit, c)
         if release_lease_id:
             self.leases.release(release_lease_id)
@@ -160,21 +166,32 @@ class CacheStore:
                 raise AgentNotFound(f"{exc.message}: {why}") from None
             raise
 
-    def _fetch_if_newer(self, namespace: str, agent_id: str, writing: bool = False) -> None:
+    def _fetch_if_newer(
+        self, namespace: str, agent_id: str, writing: bool = False, replaces: bool = False
+    ) -> bool:
         """An agent absent here is fetched from the object store; one this store has not
         written or checked since it began to write the namespace is fetched again when the
         object store holds a newer generation. While the object store is down, a read of an
         agent absent here is UNAVAILABLE (it may be there), and so is a write of one known to
         be there; a write of another goes on locally (its upload will not overwrite one made
-        elsewhere)."""
+        elsewhere). An unreadable manifest there is a lost agent: DATA_LOSS, but a write that
+        `replaces` the agent, absent here, drops it first. Whether it did."""
         with self.index.read() as txn:
             local = self.index.find_agent(txn, namespace, agent_id)
             uploaded = self.index.uploaded_generation(txn, namespace, agent_id)
         if uploaded == 0 or (local is not None and self.tier.writes_current(namespace, agent_id)):
-            return  # deleted here (the bucket's copy goes next), or this store's copy is current
+            return False  # deleted here (its copy there goes next), or this copy is current
         try:
             self.tier.fetch_agent(namespace, agent_id, local.generation if local else None)
             self.tier.mark_current(namespace, agent_id)
+        except LostManifest as exc:
+            if not replaces or local is not None:
+                raise CorruptRecord(
+                    f"{exc.message}: agent {agent_id!r} is lost (delete it, or commit it anew "
+                    "with expected_generation 0: either drops that manifest)"
+                ) from None
+            self.tier.fetcher.drop_lost(namespace, agent_id, exc)
+            return True
         except ObjectStoreDown as exc:
             if local is None and (not writing or uploaded):  # it may be, or is, there
                 # Unknown here (BucketUnreachable: a new agent may be made), or known to be
@@ -185,6 +202,7 @@ class CacheStore:
                     f"and the object store cannot be asked for it: {exc.message}"
                 ) from exc
             log.warning(f"object store {failure(exc)}: serving the local manifest of {agent_id!r}")
+        return False
 
     def list_agents(
         self, namespace: str, page_token: str, page_size: int
@@ -213,9 +231,14 @@ class CacheStore:
         names a stats counter the deletion counts in."""
         ns = ids.namespace(namespace)
         ids.agent_id(agent_id)
-        self._before_write(ns, agent_id)
+        lost = self._before_write(ns, agent_id)
         with self.index.write() as txn:
-            released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
+            try:
+                released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
+            except AgentNotFound:
+                if not lost:
+                    raise
+                return 0  # its unreadable manifest, all there was of it, is gone
             if counter:
                 self.index.bump(txn, counter)
             if self.tier is not None:
@@ -329,14 +352,17 @@ class CacheStore:
 
     # helpers
 
-    def _before_write(self, namespace: str, agent_id: str = "") -> None:
+    def _before_write(self, namespace: str, agent_id: str = "", replaces: bool = True) -> bool:
         """With an object store: this store must be the namespace's writer, and an agent
         written that is not here, or not current here, is fetched first (so its generation
-        is the bucket's)."""
+        is the bucket's). Whether its manifest there was unreadable, and dropped: a write
+        that `replaces` the agent (a delete, a commit anew, a fork's new agent) drops it; a
+        commit that expects a generation of it is DATA_LOSS, as a read is."""
         if self.tier is not None:
             self.tier.check_writer(namespace)
             if agent_id:
-                self._fetch_if_newer(namespace, agent_id, writing=True)
+                return self._fetch_if_newer(namespace, agent_id, True, replaces)
+        return False
 
     def writes(self, namespace: str) -> bool:
         """Whether this store writes the namespace now (always, without an object store);

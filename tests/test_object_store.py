@@ -474,6 +474,58 @@ def test_corrupted_objects_are_never_served(weed, bucket, tmp_path):
         store.stop()
 
 
+def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_anew(
+    weed, bucket, tmp_path
+):
+    """The red team's case: a manifest cut short in the bucket (its metadata kept), or
+    replaced by junk with none, left an agent no read could use and no delete could remove
+    (DATA_LOSS for both; only a hand in the bucket helped). A read still says it is lost,
+    and how to go on; a commit expecting a generation of it too. A delete, or a commit
+    anew, drops the unreadable manifest there, and a new agent's generations pass the lost
+    one's."""
+    tokens = list(range(1, 150))
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        for i, agent in enumerate(("cut", "junk")):
+            save(c, agent, tokens, seed=i)
+        save(c, "cut", tokens + [3] * 70, seed=0, gen=1)  # generation 2
+        wait_for("the uploads", lambda: uploaded(c))
+    store.stop()
+    s3 = weed.client()
+    name = f"{bucket}/{NS}/agents/cut"
+    got = s3.get_object(Bucket=BUCKET, Key=name)
+    body = got["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=name, Body=body[: len(body) // 2], Metadata=got["Metadata"])
+    s3.put_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/agents/junk", Body=b"\0" * 1000)
+
+    fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
+    try:
+        with fresh.client() as c:
+            for agent in ("cut", "junk"):
+                with pytest.raises(CorruptRecord, match=r"is lost \(delete it, or commit it anew"):
+                    c.get_agent(NS, agent)
+            with pytest.raises(CorruptRecord, match="is lost"):
+                save(c, "cut", [9] * 70, seed=9, gen=2)  # a turn on a worker's copy of it
+            assert c.delete_agent(NS, "cut") == 0
+            with pytest.raises(AgentNotFound):
+                c.get_agent(NS, "cut")
+            blocks, keys = save(c, "junk", [5] * 70, seed=5)  # made anew over the junk
+            assert_restores(c, "junk", [5] * 70, blocks, keys)
+            save(c, "cut", [6] * 70, seed=6)
+            assert c.get_agent(NS, "cut").generation > 2  # past the lost one's
+            wait_for("the uploads", lambda: uploaded(c))
+    finally:
+        fresh.stop()
+    third = start_store(tmp_path, "third", tier_args(weed, bucket))  # an empty data dir
+    try:
+        with third.client() as c:
+            assert_restores(c, "junk", [5] * 70, blocks, keys)  # the new one, from the bucket
+            assert list(c.get_agent(NS, "cut").token_ids) == [6] * 70
+    finally:
+        third.stop()
+    assert "unreadable manifest dropped" in fresh.log_text()
+
+
 def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uploaded(
     bucket, tmp_path
 ):
