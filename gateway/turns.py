@@ -22,6 +22,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     BucketUnreachable,
+    CorruptRecord,
     FailedPrecondition,
     FingerprintMismatch,
     InvalidArgument,
@@ -193,7 +194,7 @@ class Turns:
             except BaseException:  # a branch that never took its turn is not kept
                 self.ended(branch)
                 raise
-        except (AgentNotFound, MarkNotFound) as exc:
+        except (AgentNotFound, MarkNotFound, CorruptRecord) as exc:  # the last: lost there
             raise responses.not_found(previous, exc.message) from None
 
     async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
@@ -213,13 +214,22 @@ class Turns:
     async def _say(self, agent: AsyncAgent, call: ChatCall) -> Turn:
         """The agent's turn, made first when it does not exist (a spare never does), or
         when the store cannot tell, its object store being down: the call brings the whole
-        conversation, and the worker's CreateAgent takes that answer for "not known here"."""
+        conversation, and the worker's CreateAgent takes that answer for "not known here".
+        An agent the store lost (its manifest unreadable) is deleted and made anew."""
         memory = agent.memory
         options = say_options(call)
         await check_features(memory, agent.id, call)
         if agent not in self.spares:
-            with contextlib.suppress(AgentNotFound, BucketUnreachable):
+            try:
                 return Turn(await agent.say(call.messages, **options))
+            except (AgentNotFound, BucketUnreachable):
+                pass
+            except CorruptRecord as exc:  # lost in the store: made anew, from the whole call
+                log.warning(
+                    "agent lost in the store: made anew from the call's conversation",
+                    extra={"agent": agent.id, "error": exc.message},
+                )
+                await agent.delete()
         request = pb.CreateAgentRequest(
             namespace=memory.namespace,
             agent_id=agent.id,

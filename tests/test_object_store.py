@@ -526,6 +526,58 @@ def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_an
     assert "unreadable manifest dropped" in fresh.log_text()
 
 
+def test_a_conversation_whose_agent_the_bucket_lost_goes_on_through_the_gateway(
+    weed, bucket, tmp_path, tiny_model_dirs
+):
+    """A conversation's agent whose manifest in the bucket became unreadable, named
+    (X-Agent-Id) or not: the call brings the whole conversation, so the gateway deletes the
+    lost agent and makes it anew from it (before: 500, on every try)."""
+    model = str(tiny_model_dirs["llama"])
+    first = [{"role": "user", "content": "Any ships?"}]
+    names = {"named": {"X-Agent-Id": "named"}, "anonymous": {}}
+
+    @contextlib.contextmanager
+    def stack(name: str) -> Iterator[openai.OpenAI]:
+        store = start_store(tmp_path, name, tier_args(weed, bucket))
+        worker = worker_process(model, store.address, tmp_path / f"{name}-worker.log").start()
+        log = tmp_path / f"{name}-gateway.log"
+        gateway = gateway_process([worker.address], log, store.address).start()
+        try:
+            base = f"http://{gateway.address}/v1"
+            yield openai.OpenAI(base_url=base, api_key="-", max_retries=0)
+        finally:
+            gateway.stop()
+            worker.stop()
+            with store.client() as c:
+                wait_for("the uploads", lambda: uploaded(c))
+            store.stop()
+
+    replies = {}
+    with stack("before") as http:
+        for name, headers in names.items():
+            reply = http.chat.completions.create(
+                model=Path(model).name, messages=first, max_tokens=4, extra_headers=headers
+            )
+            replies[name] = reply.choices[0].message.content
+    s3 = weed.client()
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{bucket}/default/agents/")
+    agents = [o["Key"] for o in listed["Contents"]]
+    assert len(agents) == 2
+    for key in agents:  # cut short, the metadata kept
+        got = s3.get_object(Bucket=BUCKET, Key=key)
+        body = got["Body"].read()
+        s3.put_object(Bucket=BUCKET, Key=key, Body=body[: len(body) // 2], Metadata=got["Metadata"])
+    with stack("after") as http:  # an empty data dir: the bucket is all there is
+        for name, headers in names.items():
+            messages = [*first, {"role": "assistant", "content": replies[name]}]
+            messages.append({"role": "user", "content": "How many?"})
+            reply = http.chat.completions.create(
+                model=Path(model).name, messages=messages, max_tokens=4, extra_headers=headers
+            )
+            assert reply.usage.completion_tokens > 0, name
+    assert "agent lost in the store" in (tmp_path / "after-gateway.log").read_text()
+
+
 def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uploaded(
     bucket, tmp_path
 ):
