@@ -217,12 +217,14 @@ class ChatFormat:
         # What callers wrote is text, never markup: every added token's text in it is
         # escaped, but for the special ones only in an assistant's text (a model's own
         # <think> or <tool_call> stays as it wrote them).
-        extra = {"tools": self._escaped(json.loads(tools), self._control)} if tools else {}
-        messages = [self._escaped_message(m) for m in messages]
         try:
+            extra = {"tools": self._escaped(json.loads(tools), self._control)} if tools else {}
+            messages = [self._escaped_message(m) for m in messages]
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
             )
+        except RecursionError:
+            raise InvalidArgument("the conversation or its tools nest too deeply") from None
         except Exception as exc:  # the template's own raise_exception, or a jinja error
             roles = ", ".join(m["role"] for m in messages)
             raise InvalidArgument(

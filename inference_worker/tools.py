@@ -28,6 +28,9 @@ from agentkv.errors import InvalidArgument
 PLAIN_TOOLS_CHARS = 32 << 10
 MAX_PACKED_TOOLS = 64 << 10
 MAX_TOOLS_CHARS = 1 << 20
+# JSON levels of the tools, the array's own included: well past real schemas, well short of
+# what rendering them (recursive, in Python and in the chat template) can take
+MAX_TOOLS_DEPTH = 256
 PACKED = "z1:"  # the codec of a packed value: zlib, then base64
 _packed: dict[str, str] = {}  # sha256 of tools: pack_tools's, for the saves of an agent
 MAX_ARGUMENTS_CHARS = 1 << 20
@@ -87,6 +90,10 @@ def canonical_tools(text: str) -> str:
             raise InvalidArgument(f'tool {i} is not {{"type": "function", "function": {{...}}}}')
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidArgument(f"tool {i} has no function name")
+    if (depth := nesting(tools)) > MAX_TOOLS_DEPTH:
+        raise InvalidArgument(
+            f"tools are nested {depth} JSON levels deep; at most {MAX_TOOLS_DEPTH} are taken"
+        )
     out = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     size = len(out.encode())
     packed = len(pack_tools(out)) if len(out) > PLAIN_TOOLS_CHARS and size <= MAX_TOOLS_CHARS else 0
@@ -97,6 +104,18 @@ def canonical_tools(text: str) -> str:
             f"at most {MAX_TOOLS_CHARS} bytes as JSON"
         )
     return out
+
+
+def nesting(value: Any) -> int:
+    """How many levels of arrays and objects `value` nests (0: a plain value), counted
+    without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def pack_tools(tools: str) -> str:

@@ -265,6 +265,30 @@ def test_json_nested_too_deeply_is_the_caller_s_error_not_the_worker_s(stub):
         assert exc.code() == grpc.StatusCode.OUT_OF_RANGE, exc.details()
 
 
+def test_a_tool_schema_nested_past_what_rendering_takes_is_refused(stub):
+    """The red team's case: a tool whose parameters nest 300 objects (about 600 JSON levels,
+    under the parser's limit) crashed every call that rendered it (RecursionError: INTERNAL,
+    a traceback in the worker's log). Such tools are now refused, and nothing is made."""
+    schema: dict = {"type": "object"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    deep = {"type": "function", "function": {"name": "deep", "parameters": schema}}
+    say = [pb.Message(role="user", content="Paris?")]
+    for call in (
+        lambda: _create(stub, "deep", tools=(deep,)),
+        lambda: _turn(stub, "d", say, (deep,)),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tools are nested 604 JSON levels deep; at most 256" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.DescribeAgent(pb.DescribeAgentRequest(namespace=NS, agent_id="deep"), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    _create(stub, "d")  # the worker goes on: an agent with sound tools, and a call of one
+    assert len(_turn(stub, "d", say)[2]) == 1
+
+
 def _create_tokens(stub) -> int:
     return _create(stub, "f-twin").usage.prompt_tokens
 
