@@ -25,6 +25,7 @@ GGML_TYPES = {  # ggml.h's type ids
 # GGUF metadata value types: numbers by struct code, then string and array.
 _NUMBERS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
 _STRING, _ARRAY = 8, 9
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: real files nest none; a parser must stop somewhere
 DEFAULT_ALIGNMENT = 32
 
 
@@ -66,7 +67,7 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.unpack("<Q")[0])).decode("utf-8", "replace")
 
-    def value(self, kind: int):
+    def value(self, kind: int, depth: int = 0):
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
@@ -74,7 +75,11 @@ class _Cursor:
             if kind in _NUMBERS:  # one numpy array, not a million Python numbers
                 dtype = np.dtype(_NUMBERS[kind]).newbyteorder("<")
                 return np.frombuffer(self.take(dtype.itemsize * count), dtype).copy()
-            return [self.value(kind) for _ in range(count)]
+            if kind == _ARRAY and depth >= MAX_ARRAY_DEPTH:
+                raise GGUFError(
+                    f"GGUF metadata of {self.path} nests arrays past {MAX_ARRAY_DEPTH} levels"
+                )
+            return [self.value(kind, depth + 1) for _ in range(count)]
         if kind in _NUMBERS:
             return self.unpack("<" + _NUMBERS[kind])[0]
         raise GGUFError(f"GGUF metadata has a value of unknown type {kind}")
@@ -105,7 +110,9 @@ def _parse(cur: _Cursor) -> Header:
         dims = cur.unpack(f"<{cur.unpack('<I')[0]}Q")
         kind, offset = cur.unpack("<IQ")
         infos.append((name, GGML_TYPES.get(kind, f"type {kind}"), tuple(reversed(dims)), offset))
-    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align % 8:  # the spec: a multiple of 8
+        raise GGUFError(f"GGUF {cur.path} has general.alignment {align!r}: not a multiple of 8")
     start = -(-cur.pos // align) * align
     tensors = [TensorInfo(name, kind, shape, start + at) for name, kind, shape, at in infos]
     return Header(metadata, tensors)

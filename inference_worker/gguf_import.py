@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -126,6 +127,28 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
 
     if weights not in WEIGHTS:
         raise GGUFError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
+    try:
+        hf, tokenizer, tokenizer_json, config = _convert(path, weights)
+    except (GGUFError, OSError):
+        raise
+    except Exception as exc:  # metadata of the wrong type or value, as numpy or tokenizers meet it
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise GGUFError(
+            f"GGUF {path} holds metadata this import cannot use: {type(exc).__name__}: {said}"
+        ) from exc
+    target = out / "model.safetensors"
+    try:
+        mx.save_safetensors(str(target), hf, metadata={"format": "mlx"})
+    except RuntimeError as exc:  # MLX's words for a failed write ("Unable to write N bytes")
+        free = shutil.disk_usage(out).free
+        raise OSError(f"{target}: {exc} ({free} bytes free there)") from exc
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
+    """The model's tensors, tokenizer, tokenizer config and config, from the GGUF."""
     tensors, meta = read_gguf(path, weights)
     architecture_of(meta)  # refuse before any work
     hf, quantization = convert_tensors(tensors, meta, weights)
@@ -147,10 +170,7 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
         "name": str(meta.get("general.name", "")),
         "license": str(meta.get("general.license", "")),
     }
-    mx.save_safetensors(str(out / "model.safetensors"), hf, metadata={"format": "mlx"})
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return hf, tokenizer, tokenizer_json, config
 
 
 def default_cache_dir() -> Path:

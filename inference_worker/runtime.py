@@ -25,7 +25,7 @@ from agentkv.layers import LayerSpec
 from inference_worker.config import WorkerConfig
 from inference_worker.fingerprint import model_fingerprint
 from inference_worker.layer_spec import model_layers
-from inference_worker.models import resolve_model
+from inference_worker.models import ModelError, resolve_model
 from inference_worker.sampling import vocab_size
 
 log = logging.getLogger("agentkv.worker")
@@ -217,7 +217,16 @@ def load_model(
     """The model and its tokenizer (with `template` as its chat template, when given),
     loaded on this thread (the MLX thread) and cast to `dtype` ("": as stored), with each
     layer's spec and the vocabulary size."""
-    model, tokenizer = load(str(path), {"chat_template": template} if template else None)
+    try:
+        model, tokenizer = load(str(path), {"chat_template": template} if template else None)
+    except (OSError, RuntimeError):  # said in a line by start(), as they are
+        raise
+    except Exception as exc:  # a config or tokenizer file of the wrong shape, as mlx-lm meets it
+        said = (str(exc).strip().splitlines() or [""])[0]
+        said = said if len(said) <= 300 else said[:300] + "..."
+        raise ModelError(
+            f"the model at {path} does not load: {type(exc).__name__}: {said}"
+        ) from exc
     if dtype:
         model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
     try:  # one probe token through the model: also proves it runs here

@@ -161,18 +161,20 @@ def write_gguf(
     tokenizer_dir: Path,
     qtype: GGMLQuantizationType | None = None,
     arch: str | None = None,
-    metadata: dict[str, int | None] | None = None,
+    metadata: dict[str, int | list | None] | None = None,
     raw: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """`weights` (HF names, float32) as a GGUF; 2-D weights quantized to `qtype` if given.
-    `metadata` overrides keys (uint32; None removes one); `raw` names weights written as
-    `ggml_data` of a type instead (random, the weight's shape)."""
+    `metadata` overrides keys (uint32, or an array; None removes one); `raw` names weights
+    written as `ggml_data` of a type instead (random, the weight's shape)."""
     writer = GGUFWriter(str(path), arch or GGUF_ARCH[config["model_type"]])
     write_metadata(writer, config["model_type"], config)
     write_tokenizer(writer, tokenizer_dir)
     for key, value in (metadata or {}).items():
         writer.kv_data[0].pop(key, None)
-        if value is not None:
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif value is not None:
             writer.add_uint32(key, value)
     for hf, w in sorted(weights.items()):
         w = converted(hf, np.asarray(w, dtype=np.float32), config)

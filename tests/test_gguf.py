@@ -3,6 +3,7 @@ with the same logits as the weights they came from, for every supported architec
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -287,8 +288,23 @@ def test_worker_refuses_an_unsupported_gguf_in_one_line(tmp_path):
         ({"llama.attention.head_count": None}, "", "metadata lacks llama.attention.head_count"),
         ({"tokenizer.ggml.eos_token_id": 99999}, "", "eos_token_id 99999 is past the vocabulary"),
         ({}, "model.embed_tokens.weight", "has no token_embd.weight"),
+        # The red team's: each was a traceback (ZeroDivisionError; garbage weights read from
+        # a shifted offset for a negative one; a RecursionError 2,993 lines long).
+        ({"llama.attention.head_count": 0}, "", "cannot use: ZeroDivisionError"),
+        ({"general.alignment": 0}, "", "general.alignment 0: not a multiple of 8"),
+        ({"general.alignment": 12}, "", "general.alignment 12: not a multiple of 8"),
+        ({"general.nested": functools.reduce(lambda a, _: [a], range(20), [1])}, "", "past 8"),
     ],
-    ids=["no-tokens", "no-head-count", "eos-past-vocabulary", "no-token-embd"],
+    ids=[
+        "no-tokens",
+        "no-head-count",
+        "eos-past-vocabulary",
+        "no-token-embd",
+        "zero-heads",
+        "zero-alignment",
+        "odd-alignment",
+        "nested-arrays",
+    ],
 )
 def test_a_gguf_lacking_what_a_model_needs_is_one_line(
     sources, tmp_path, capsys, metadata, missing, says
@@ -541,6 +557,22 @@ def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, m
     assert again.info().fingerprint != worker.info().fingerprint
 
 
+@pytest.mark.parametrize("kind", ["config-value", "tokenizer-shape"])
+def test_a_model_directory_with_a_file_of_the_wrong_shape_is_one_line_from_the_worker(
+    tiny_model_dirs, tmp_path, kind
+):
+    """The red team's: a config.json value of the wrong type, or a tokenizer.json that is
+    JSON but not a tokenizer's, was mlx-lm's traceback (TypeError, KeyError)."""
+    model = shutil.copytree(tiny_model_dirs["llama"], tmp_path / kind)
+    if kind == "config-value":
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    else:
+        (model / "tokenizer.json").write_text(json.dumps({"model": {}}))
+    last = worker_error(model, tmp_path)
+    assert last.startswith(f"agentkv-worker: error: the model at {model} does not load: "), last
+
+
 def test_agentkv_model_import_writes_the_directory_or_says_why_in_one_line(sources, tmp_path):
     """The CLI runs the import as the worker package's own process (it imports none of the
     worker's modules): a GGUF becomes a directory that loads; a bad file is one line."""
@@ -557,6 +589,19 @@ def test_agentkv_model_import_writes_the_directory_or_says_why_in_one_line(sourc
                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "'mamba'" in bad.stderr
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_an_import_onto_a_full_disk_is_one_line_and_leaves_nothing(sources, tmp_path, small_disk):
+    """The red team's: MLX's failed write was a RuntimeError traceback from the CLI."""
+    path, config, _, _, w = sources["llama"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    disk = small_disk("32k")
+    cli = [sys.executable, "-m", "agentkv.cli", "model", "import", str(gguf)]
+    run = subprocess.run([*cli, "--out", str(disk / "out")], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 2 and run.stderr.startswith("error: "), run.stderr
+    assert run.stderr.count("\n") == 1 and "bytes free there" in run.stderr, run.stderr
+    assert list(disk.iterdir()) == []  # no staging directory, no half a model
 
 
 def test_agentkv_model_import_of_a_missing_file_says_there_is_none(tmp_path):
