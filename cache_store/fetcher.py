@@ -17,16 +17,17 @@ from typing import Any
 
 import xxhash
 
-from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord, Unavailable
+from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord, DiskFull, Unavailable
 from agentkv.keys import block_key
 from cache_store import bucket_layout as layout
 from cache_store import manifests
-from cache_store.capacity import Capacity
+from cache_store.capacity import DISK_SLACK, Capacity
 from cache_store.index import GENERATIONS_USED
+from cache_store.leases import StreamLease
 from cache_store.manifests import AgentView
 from cache_store.objects import Bucket, Conflict, Got
 from cache_store.parts import Parts
-from cache_store.records import BlockRecord
+from cache_store.records import AgentRecord, BlockRecord
 
 log = logging.getLogger("agentkv.store")
 
@@ -38,6 +39,7 @@ class Fetcher:
         self.index, self.payloads, self.metrics = parts.index, parts.payloads, parts.metrics
         self.capacity, self.bucket, self.publish_lock = capacity, bucket, parts.publish_lock
         self.max_block_bytes = parts.config.max_block_bytes
+        self.leases, self.lease_seconds = parts.leases, parts.config.lease_seconds
         self.pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         self._fetching: dict[tuple, threading.Lock] = {}  # one download per block or agent
         self._fetching_lock = threading.Lock()
@@ -97,22 +99,35 @@ class Fetcher:
             m = layout.read_manifest(got.body, got.metadata, namespace, agent_id)
         except CorruptRecord as exc:
             raise LostManifest(exc.message, got) from None
+        # The chain's blocks are leased until the manifest holds them: not yet any agent's,
+        # they would be the first a full disk gave up for the next one's room.
+        lease = StreamLease(self.leases, self.lease_seconds)
         with self._one_at_a_time(("agent", namespace, agent_id)):
-            record = layout.manifest_record(m, self._fetch_chain(m))
-            with self.index.write() as txn:
-                current = self.index.find_agent(txn, namespace, agent_id)
-                if current is not None and current.generation >= record.generation:
-                    return False  # committed here meanwhile
-                if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
-                    return False  # deleted here meanwhile
-                manifests.install(self.index, txn, record, current)
-                self.index.put_uploaded(
-                    txn, namespace, agent_id, record.generation, record.created_ms
-                )
+            try:
+                record = layout.manifest_record(m, self._fetch_chain(m, lease))
+                # a full disk first gives up blocks safe in the bucket, then the read fails
+                if not self.capacity.with_room(self._install, record):
+                    return False
+            finally:
+                lease.release()
         log.info(
             "agent fetched from the object store",
             extra={"namespace": namespace, "agent": agent_id, "blocks": len(record.block_keys)},
         )
+        return True
+
+    def _install(self, record: AgentRecord) -> bool:
+        """Indexes a manifest fetched from the bucket; whether it was (not when the agent
+        was committed or deleted here meanwhile)."""
+        namespace, agent_id = record.namespace, record.agent_id
+        with self.index.write() as txn:
+            current = self.index.find_agent(txn, namespace, agent_id)
+            if current is not None and current.generation >= record.generation:
+                return False  # committed here meanwhile
+            if self.index.uploaded_generation(txn, namespace, agent_id) == 0:
+                return False  # deleted here meanwhile
+            manifests.install(self.index, txn, record, current)
+            self.index.put_uploaded(txn, namespace, agent_id, record.generation, record.created_ms)
         return True
 
     def drop_lost(self, namespace: str, agent_id: str, lost: LostManifest) -> None:
@@ -139,7 +154,7 @@ class Fetcher:
             extra={"namespace": namespace, "agent": agent_id, "reason": lost.message},
         )
 
-    def _fetch_chain(self, m: layout.Manifest) -> list[bytes]:
+    def _fetch_chain(self, m: layout.Manifest, lease: StreamLease) -> list[bytes]:
         """Lands the manifest's blocks this store lacks, in chain order, while the next
         FETCH_AHEAD of them download; the chain (its keys) ends at the first unusable one."""
         namespace, keys = m["namespace"], []
@@ -167,6 +182,7 @@ class Fetcher:
                     )
                     break
                 keys.append(key)
+                lease.hold((namespace, key))
                 parent, pos = key, pos + count
         finally:
             downloads.cancel()
@@ -182,10 +198,15 @@ class Fetcher:
         digest = xxhash.xxh3_64_intdigest(got.body)
         if digest != int(entry["xxh3"], 16):
             return "failed its checksum"
+        room = len(got.body) + DISK_SLACK  # the index grows too: the manifest must fit after
+        if self.payloads.disk_free() < room:
+            self.capacity.free_disk(len(got.body))
+            if self.payloads.disk_free() < room:
+                return "no room for it on the store's disk (nothing more could be freed)"
         try:
             with self._one_at_a_time(("block", base.namespace, base.key)):
                 self._land(got.body, digest, base, existing=have is not None)
-        except CorruptBlock as exc:
+        except (CorruptBlock, DiskFull) as exc:  # the latter: even after making room
             return exc.message
         return ""
 

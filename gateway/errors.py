@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from agentkv.client.worker_core import ReplyCutOff, tokens
-from agentkv.errors import AgentKVError, ModelLacks, OverBudget
+from agentkv.errors import AgentKVError, DiskFull, ModelLacks, OverBudget
 
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -54,6 +54,8 @@ class HTTPError(Exception):
         status, kind = STATUS.get(exc.code, (500, "server_error"))
         if isinstance(exc, ModelLacks):  # a request this model cannot serve, not a conflict
             return cls(400, exc.message, code="unsupported_value")
+        if isinstance(exc, DiskFull):  # the service's trouble, not this caller's rate (429)
+            return cls(503, exc.message, "service_unavailable", code="disk_full")
         too_long = exc.code == grpc.StatusCode.OUT_OF_RANGE and not isinstance(exc, OverBudget)
         code = "context_length_exceeded" if too_long else None
         return cls(status, http_message(exc), kind, code=code or exc.code.name.lower())

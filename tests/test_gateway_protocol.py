@@ -167,6 +167,9 @@ def test_every_grpc_status_has_its_http_status():
     # past the worker's memory, not the context: compacting the prompt would not help
     over = HTTPError.of(errors.OverBudget("big"))
     assert (over.status, over.code) == (400, "out_of_range")
+    # the store's disk full: no rate limit the caller could wait out by its own pace
+    full = HTTPError.of(errors.DiskFull("no space left on the store's disk"))
+    assert (full.status, full.kind, full.code) == (503, "service_unavailable", "disk_full")
     assert (
         HTTPError.of(errors.ResourceExhausted("full")).code
         == grpc.StatusCode.RESOURCE_EXHAUSTED.name.lower()

@@ -526,6 +526,41 @@ def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_an
     assert "unreadable manifest dropped" in fresh.log_text()
 
 
+def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
+    weed, bucket, tmp_path, small_disk
+):
+    """The red team's case: a store on a full disk, the agent in the bucket. A block that
+    found no room failed the whole read (RESOURCE_EXHAUSTED, which the gateway answered
+    429), as did the manifest's own index write. Now the chain ends before the block that
+    does not fit (the conversation is whole; its tail is re-prefilled), after the disk gave
+    up what it could."""
+    tokens = list(range(1, 64 * 48 + 1))  # 48 blocks: more than the disk holds
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        blocks, keys = save(c, "a", tokens)
+        wait_for("the uploads", lambda: uploaded(c))
+    store.stop()
+    block = sum(t.data.nbytes for t in blocks[0].tensors)
+    # the index, the 1 MiB a store keeps free beyond a block, and a few blocks
+    disk = small_disk(f"{(1280 << 10) // 1024 + (8 * block) // 1024}k")
+    args = tier_args(weed, bucket)
+    full = StoreProcess(disk / "data", tmp_path / "full.log", extra_args=args).start()
+    try:
+        with full.client() as c:
+            m = c.get_agent(NS, "a", FP)
+            assert list(m.token_ids) == tokens  # the conversation, whole
+            assert (
+                0 < len(m.block_keys) < len(keys)
+                and list(m.block_keys) == keys[: len(m.block_keys)]
+            )
+            kept = len(m.block_keys)
+            back = list(c.get_blocks(NS, FP, keys[:kept]))
+            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+        assert "no room for it on the store's disk" in full.log_text()
+    finally:
+        full.stop()
+
+
 def test_a_conversation_whose_agent_the_bucket_lost_goes_on_through_the_gateway(
     weed, bucket, tmp_path, tiny_model_dirs
 ):
