@@ -83,6 +83,11 @@ class ChatFormat:
         self._special = re.compile(_trie(specials) or "(?!)")  # what an assistant's text escapes
         self._control = re.compile(_trie(self._added) or "(?!)")  # what all else escapes
         self._newline = self._plain("\n")  # what _piece strips: "\n" before a piece
+        if _PING["content"] not in (rendered := self._render([_PING], generation_prompt=True)):
+            raise InvalidArgument(  # an empty template (a GGUF's ""): every turn unheard
+                f"the model's chat template leaves out what a user says (a user message "
+                f"{_PING['content']!r} renders as {rendered[:80]!r})"
+            )
         self._closing = self._closing_text()  # what closes a reply, e.g. "<|im_end|>\n"
         self.reply_closing = self._encode(self._closing) if self._closing else []
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id

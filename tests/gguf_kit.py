@@ -161,11 +161,11 @@ def write_gguf(
     tokenizer_dir: Path,
     qtype: GGMLQuantizationType | None = None,
     arch: str | None = None,
-    metadata: dict[str, int | list | None] | None = None,
+    metadata: dict[str, int | list | str | None] | None = None,
     raw: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """`weights` (HF names, float32) as a GGUF; 2-D weights quantized to `qtype` if given.
-    `metadata` overrides keys (uint32, or an array; None removes one); `raw` names weights
+    `metadata` overrides keys (uint32, an array or a string; None removes one); `raw` names weights
     written as `ggml_data` of a type instead (random, the weight's shape)."""
     writer = GGUFWriter(str(path), arch or GGUF_ARCH[config["model_type"]])
     write_metadata(writer, config["model_type"], config)
@@ -174,6 +174,8 @@ def write_gguf(
         writer.kv_data[0].pop(key, None)
         if isinstance(value, list):
             writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
         elif value is not None:
             writer.add_uint32(key, value)
     for hf, w in sorted(weights.items()):

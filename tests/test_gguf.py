@@ -557,6 +557,17 @@ def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, m
     assert again.info().fingerprint != worker.info().fingerprint
 
 
+def test_a_gguf_whose_chat_template_leaves_out_what_users_say_is_refused(sources, tmp_path):
+    """The red team's: a tokenizer.chat_template that renders no message imported and
+    served, every conversation rendering as nothing the model could answer. (An empty one
+    is no template: refused at start before.)"""
+    path, config, _, _, w = sources["llama"]
+    mute = {"tokenizer.chat_template": "{% for message in messages %}{% endfor %}"}
+    gguf = write_gguf(tmp_path / "mute.gguf", w, config, path, metadata=mute)
+    last = worker_error(gguf, tmp_path)
+    assert last.startswith("agentkv-worker: error: the model's chat template leaves out"), last
+
+
 @pytest.mark.parametrize("kind", ["config-value", "tokenizer-shape"])
 def test_a_model_directory_with_a_file_of_the_wrong_shape_is_one_line_from_the_worker(
     tiny_model_dirs, tmp_path, kind
