@@ -60,7 +60,9 @@ def parse_messages(body: Any, counting: bool = False) -> ChatCall:
         raise invalid("model: a model id is required", "model")
     tools, max_tool_calls, required, name, forbidden = _tools(body)
     config = body.get("output_config") or {}
-    user = typed(typed(body, "metadata", dict, {}) or {}, "user_id", str, "", "metadata")
+    metadata = typed(body, "metadata", dict, {}) or {}
+    known_only(metadata, {"user_id"}, "metadata")  # Anthropic's one field there
+    user = typed(metadata, "user_id", str, "", "metadata")
     call = ChatCall(
         model,
         in_call_order([*_system(body.get("system")), *_messages(body.get("messages"), counting)]),
@@ -109,6 +111,11 @@ def _hints(body: dict) -> None:
     thinking = typed(body, "thinking", dict, None) or {"type": "disabled"}
     if thinking.get("type") not in THINKING:
         raise invalid(f"thinking.type must be one of {', '.join(THINKING)}", "thinking.type")
+    budget = typed(thinking, "budget_tokens", int, None, "thinking")
+    if budget is not None and budget < 1024:  # Anthropic's least: a budget below is refused
+        raise invalid(
+            f"thinking.budget_tokens must be at least 1024, got {budget}", "thinking.budget_tokens"
+        )
     config = typed(body, "output_config", dict, None) or {}
     known_only(config, {"effort", "format"}, "output_config")
     typed(config, "effort", str, None, "output_config")

@@ -63,7 +63,8 @@ class Callers:
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise HTTPError(400, f"the request body is not JSON: {exc}") from None
+        except ValueError as exc:  # Python's advice for long integers is not the caller's
+            said = str(exc).split("; use sys.set_int_max_str_digits()")[0]
+            raise HTTPError(400, f"the request body is not JSON: {said}") from None
         except RecursionError:
             raise HTTPError(400, "the request body is nested too deeply") from None

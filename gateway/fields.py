@@ -60,6 +60,22 @@ def checked_body(
     return body
 
 
+def metadata(body: dict) -> dict[str, str]:
+    """OpenAI's `metadata`: at most 16 pairs of strings, keys of 64 characters at most and
+    values of 512 (it is stored with the response, and echoed)."""
+    pairs = typed(body, "metadata", dict, None) or {}
+    if len(pairs) > 16:
+        raise invalid(f"metadata holds {len(pairs)} pairs; at most 16 are taken", "metadata")
+    for key, value in pairs.items():
+        if len(key) > 64:
+            raise invalid("metadata keys are 64 characters at most", f"metadata.{key[:64]}")
+        if not isinstance(value, str) or len(value) > 512:
+            raise invalid(
+                f"metadata.{key} must be a string of 512 characters at most", f"metadata.{key}"
+            )
+    return pairs
+
+
 def known_only(obj: dict, known: set[str], where: str = "") -> None:
     """Refuses a field of `obj` (at `where`; "": the body) that is not `known`, as an unknown
     parameter: one is never silently dropped. The first, by name, is named."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.gateway.errors import invalid
-from agentkv.gateway.fields import known_only, numbers, typed, utf8
+from agentkv.gateway.fields import known_only, metadata, numbers, typed, utf8
 from agentkv.gateway.messages import chat_messages
 from agentkv.gateway.tooling import (
     FORMAT_KEYS,
@@ -114,6 +114,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     known_only(body, KNOWN)
+    metadata(body)  # held to OpenAI's limits, though not stored
     for name, neutral in NEUTRAL.items():
         value = body.get(name)  # null: not given, as OpenAI reads it
         if value is not None and value != neutral:

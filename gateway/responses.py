@@ -29,7 +29,7 @@ from typing import Any
 from agentkv import ids
 from agentkv.errors import AgentKVError
 from agentkv.gateway.errors import HTTPError, invalid
-from agentkv.gateway.fields import checked_body, known_only, numbers, typed, utf8
+from agentkv.gateway.fields import checked_body, known_only, metadata, numbers, typed, utf8
 from agentkv.gateway.messages import in_call_order, merged_assistant
 from agentkv.gateway.protocol import SCOPE, ChatCall, named_tool
 from agentkv.gateway.tooling import output_format, tool_choice, tool_name, tools_text
@@ -348,7 +348,7 @@ def _echo(body: dict, instructions: str | None, max_tokens: int) -> dict[str, An
     return {
         "instructions": instructions,
         "max_output_tokens": max_tokens,
-        "metadata": typed(body, "metadata", dict, None) or {},
+        "metadata": metadata(body),
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "previous_response_id": body.get("previous_response_id") or None,
         "reasoning": reasoning,

@@ -153,6 +153,9 @@ def edited(path: str, value) -> dict:
         ("speed", "fast", "speed"),
         ("system", 7, "system"),
         ("metadata", {"user_id": 7}, "metadata.user_id"),
+        ("metadata", {"user_id": "u1", "foo": 5}, "metadata.foo"),  # the red team's
+        ("thinking", {"type": "enabled", "budget_tokens": -1}, "thinking.budget_tokens"),
+        ("thinking", {"type": "enabled", "budget_tokens": "big"}, "thinking.budget_tokens"),
         ("messages", [], "messages"),
         ("messages.0.role", "system", "messages.0"),
         ("messages.0.content.0", {"type": "image", "source": {}}, "messages.0.content.0.type"),

@@ -397,6 +397,9 @@ def test_bad_requests_get_openais_error_format(stack):
     assert huge.status == 413 and huge.json()["error"]["code"] == "request_too_large"
     deep = raw(address, "POST", path, b"[" * 50_000 + b"]" * 50_000)
     assert deep.status == 400 and "nested too deeply" in deep.json()["error"]["message"]
+    long = raw(address, "POST", path, b'{"max_tokens": ' + b"1" * 5000 + b"}")
+    said = long.json()["error"]["message"]  # the red team's: Python's advice, to a caller
+    assert long.status == 400 and "4300 digits" in said and "sys." not in said, said
     surrogate = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]})
     lone = raw(address, "POST", path, surrogate.encode())
     assert lone.status == 400 and lone.json()["error"]["param"] == "messages[0].content"

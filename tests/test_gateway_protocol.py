@@ -90,6 +90,8 @@ def test_a_request_maps_to_the_workers_sampling():
          "messages[0].content"),
         ({"messages": [{"role": "user", "content": "a\udfff"}]}, "messages[0].content"),
         ({"best_of": 2}, "best_of"),
+        ({"metadata": {"k": 7}}, "metadata.k"),  # OpenAI's: 16 pairs of strings at most
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"model": ""}, "model"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),

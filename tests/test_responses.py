@@ -151,6 +151,10 @@ def test_a_string_input_is_one_user_message_and_hints_are_taken():
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
         ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "1 to 64"),
         ({"max_output_tokens": 0}, "max_output_tokens", "[1, 2^32)"),
+        # the red team's: echoed as given (OpenAI's limits: 16 pairs of strings)
+        ({"metadata": {"k": 7}}, "metadata.k", "must be a string"),
+        ({"metadata": {f"k{i}": "v" for i in range(1000)}}, "metadata", "at most 16"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 64, "64 characters"),
         ({"temperature": 3}, "temperature", "in [0, 2]"),
         ({"frequency_penalty": 1}, "frequency_penalty", "unsupported parameter"),
         ({"input": []}, "input", "a string or a non-empty array"),
