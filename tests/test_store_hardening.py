@@ -232,9 +232,9 @@ def test_deleting_agents_on_a_full_disk_frees_room_without_collect_garbage(
 
 
 def test_unreferenced_blocks_left_idle_are_collected_without_a_quota(tmp_path, launched):
-    # a lease of 30 s: a put's blocks stay theirs until its commit releases them, however
-    # slow the machine is between the two (idle 2 s, they would be collected)
-    flags = ["--gc-idle-seconds", "2", "--lease-seconds", "30"]
+    # a put's blocks are leased until its commit, which a busy machine may delay: a lease of
+    # 5 s (the collector's idle time is at least twice a lease; 1 s and 2 s were tight)
+    flags = ["--gc-idle-seconds", "10", "--lease-seconds", "5"]
     proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
     with proc.client() as client:
         chains = {}
