@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -27,6 +27,8 @@ from cache_store import manifests
 from cache_store.leases import BlockId
 from cache_store.parts import Parts
 from cache_store.records import AgentRecord, BlockRecord
+
+AgentId = tuple[str, str]  # (namespace, agent id)
 
 log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
@@ -125,10 +127,14 @@ class Capacity:
             log.info("disk full: evicted to make room", extra={"need": need})
         return freed
 
-    def with_room(self, write: Callable[..., T], *args: Any) -> T:
+    def with_room(
+        self, write: Callable[..., T], *args: Any, spare: Collection[AgentId] | None = None
+    ) -> T:
         """Runs an index write; on a full disk, again after collecting unused blocks, and
         past a quota (an agent record grew), again after evicting within it: once for the
-        disk and once for each quota (the namespace's, then the store's)."""
+        disk and once for each quota (the namespace's, then the store's). `spare`: the write
+        grows these agents' records, so the room may come from any other agent's (with
+        evict_agents), never theirs."""
         made: set[object] = set()  # DiskFull, or the scope of a quota made room in
         while True:
             try:
@@ -144,7 +150,7 @@ class Capacity:
                 made.add(scope)
                 try:
                     with self._lock:
-                        self._make_room(grown, quota, scope)
+                        self._make_room(grown, quota, scope, spare)
                 except QuotaExceeded:
                     raise exc from None  # its words: an agent record does not fit
 
@@ -180,11 +186,13 @@ class Capacity:
 
     # eviction
 
-    def _make_room(self, size: int, quota: int, namespace: str | None) -> None:
+    def _make_room(
+        self, size: int, quota: int, namespace: str | None, spare: Collection[AgentId] | None = None
+    ) -> None:
         """Evicts within `namespace` (None: the whole store) until `size` more bytes fit."""
         scope = "store" if namespace is None else f"namespace {namespace!r}"
         while (used := self._used(namespace)) + self._in_flight(namespace) + size > quota:
-            if self._free_one(namespace, records_count=True):
+            if self._free_one(namespace, spare):
                 continue
             raise (QuotaExceeded if namespace is None else NamespaceQuotaExceeded)(
                 f"{scope} quota of {quota} bytes reached ({used} used, "
@@ -192,14 +200,14 @@ class Capacity:
                 "block is referenced or leased"
             )
 
-    def _free_one(self, namespace: str | None, records_count: bool = False) -> bool:
+    def _free_one(self, namespace: str | None, spare: Collection[AgentId] | None = None) -> bool:
         """Frees one thing in `namespace` (None: anywhere), in the order the module says;
-        `records_count`: for a quota, which counts agent records, not for a full disk."""
+        `spare`: see with_room."""
         if self._evict_one_block(namespace):
             return True
         if self.uploads is not None and self._demote_one_block(namespace):
             return True
-        return self.config.evict_agents and self._evict_one_agent(namespace, records_count)
+        return self.config.evict_agents and self._evict_one_agent(namespace, spare)
 
     def _demote_one_block(self, namespace: str | None) -> bool:
         """Frees the local copy of the least recently used block safe in the object store.
@@ -263,16 +271,19 @@ class Capacity:
                 return True
         return False
 
-    def _evict_one_agent(self, namespace: str | None, records_count: bool = False) -> bool:
+    def _evict_one_agent(
+        self, namespace: str | None, spare: Collection[AgentId] | None = None
+    ) -> bool:
         """Deletes the least recently used agent whose blocks would then become evictable;
-        where none would and `records_count`, the least recently used one."""
+        where none would, for a record's room (`spare` given), the least recently used one
+        not spared and not being read (no block of it leased): its record's bytes go."""
         with self.index.read() as txn:
             agents = sorted(self.index.agents(txn, namespace), key=self.agent_last_access)
             if self.uploads is not None:  # only agents the object store holds: they stay
                 agents = [a for a in agents if self._in_object_store(txn, a)]
             victim = next((a for a in agents if self._frees_space(txn, a)), None)
-            if victim is None and records_count and agents:
-                victim = agents[0]
+            if victim is None and spare is not None:
+                victim = next((a for a in agents if self._may_go(a, spare)), None)
         if victim is None:
             return False
         with self.index.write() as txn:
@@ -306,6 +317,10 @@ class Capacity:
     def agent_uses(self) -> dict[tuple[str, str], int]:
         """A copy of the last use of every agent this process saw used (Unix ms)."""
         return self._agent_access.copy()
+
+    def _may_go(self, agent: AgentRecord, spare: Collection[AgentId]) -> bool:
+        held = any(self.leases.is_held((agent.namespace, key)) for key in agent.block_keys)
+        return (agent.namespace, agent.agent_id) not in spare and not held
 
     def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
         for key in agent.block_keys:

@@ -106,7 +106,9 @@ class Fetcher:
             try:
                 record = layout.manifest_record(m, self._fetch_chain(m, lease))
                 # a full disk first gives up blocks safe in the bucket, then the read fails
-                if not self.capacity.with_room(self._install, record):
+                if not self.capacity.with_room(
+                    self._install, record, spare=[(namespace, agent_id)]
+                ):
                     return False
             finally:
                 lease.release()

@@ -117,7 +117,8 @@ class CacheStore:
         c.phase = ids.phase(c.phase)
         c.block_keys = [ids.key(k, f"block_keys[{i}]") for i, k in enumerate(c.block_keys)]
         self._before_write(c.namespace, c.agent_id, replaces=c.expected_generation == 0)
-        record, result = self.capacity.with_room(self._commit, c)
+        spare = [(c.namespace, c.agent_id)]  # its record's room is never its own
+        record, result = self.capacity.with_room(self._commit, c, spare=spare)
         if release_lease_id:
             self.leases.release(release_lease_id)
         self.capacity.touch_agent(record.namespace, record.agent_id)
@@ -266,7 +267,8 @@ class CacheStore:
             self._fetch_if_newer(ns, source_id)
         self.retention.mark_used(ns, source_id)  # a template agent forked from is in use
         fork = (ns, source_id, new_id, num_tokens, phase, metadata)
-        view = self.capacity.with_room(self._fork, *fork)  # its record may need room
+        spare = [(ns, source_id), (ns, new_id)]  # its record may need room, never theirs
+        view = self.capacity.with_room(self._fork, *fork, spare=spare)
         self.capacity.touch_agent(ns, new_id)
         self.retention.forget(ns, new_id)
         self._agent_changed(ns, new_id)

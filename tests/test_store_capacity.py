@@ -332,6 +332,24 @@ def test_with_evict_agents_forks_past_a_namespace_quota_evict_its_coldest_agents
         assert a.num_bytes + a.num_record_bytes <= a.quota_bytes
 
 
+@pytest.mark.parametrize("ns_quota_store", [["--evict-agents"]], indirect=True)
+def test_a_put_past_a_namespace_quota_evicts_no_agent_for_its_record_alone(ns_quota_store):
+    """Only a record's own growth takes other agents' records as room: a put of blocks still
+    evicts only agents whose deletion frees a block (review: the agents sharing one block
+    went one by one, records first, for a put's room)."""
+    with ns_quota_store.client() as c:
+        put_agent(c, "a0", 0, ns="team-a")
+        for fork in ("f0", "f1"):
+            c.fork_agent("team-a", "a0", fork)  # each shares a0's block: none frees it
+        for i in range(2):  # held by their leases: not evictable
+            blocks, _ = make_chain([70_000 + i] * BLOCK_TOKENS, seed=70_000 + i)
+            c.put_blocks("team-a", FP, blocks)
+        with pytest.raises(NamespaceQuotaExceeded):
+            put_agent(c, "x", 9000, commit=False, ns="team-a")
+        assert sorted(a.agent_id for a in c.list_agents("team-a")) == ["a0", "f0", "f1"]
+        assert c.stats().num_evicted_agents == 0
+
+
 def test_a_record_past_both_quotas_makes_room_under_each(tmp_path, block_size):
     """A commit whose record passes the namespace's quota, then (room made there) the
     store's, makes room under each in turn (before: refused at the second)."""
