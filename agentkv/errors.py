@@ -146,6 +146,11 @@ class CorruptRecord(AgentKVError):
         self.key = key
 
 
+class AgentLost(CorruptRecord):
+    """An agent whose manifest cannot be read (quarantined here, or unreadable in the object
+    store): a delete, or a commit anew, goes on without it."""
+
+
 class IndexUnusable(AgentKVError):
     """The store's index cannot be opened: another schema version, a damaged schema record,
     or LMDB's own structures damaged. Raised at start-up; the store does not serve."""

@@ -89,9 +89,9 @@ class Fetcher:
         name = layout.agent_object(namespace, agent_id)
         if local_generation is not None:
             there = self.bucket.head(name)
-            theirs = there.metadata.get("agentkv-generation", "0") if there else "0"
-            if there is None or int(theirs or 0) <= local_generation:
-                return False
+            theirs = (there.metadata.get("agentkv-generation") or "0") if there else "0"
+            if there is None or (theirs.isdigit() and int(theirs) <= local_generation):
+                return False  # (a generation that is no number: its manifest says, or is lost)
         got = self.bucket.get(name)
         if got is None:
             return False
@@ -138,6 +138,10 @@ class Fetcher:
         metadata names, if any, is not given to a new agent here (a worker may hold a copy
         of the lost one)."""
         got = lost.got
+        generation = got.metadata.get("agentkv-generation", "")
+        if generation.isdigit() and int(generation) < 2**63:  # first: never given meanwhile
+            with self.index.write() as txn:
+                self.index.raise_counter(txn, GENERATIONS_USED, int(generation))
         try:
             self.bucket.delete(layout.agent_object(namespace, agent_id), if_match=got.etag)
         except Conflict:
@@ -145,10 +149,7 @@ class Fetcher:
                 f"the object store's manifest of agent {agent_id!r} changed while this store "
                 "dropped an unreadable one: send the request again"
             ) from None
-        generation = got.metadata.get("agentkv-generation", "")
         with self.index.write() as txn:
-            if generation.isdigit() and int(generation) < 2**63:
-                self.index.raise_counter(txn, GENERATIONS_USED, int(generation))
             if self.index.find_agent(txn, namespace, agent_id) is None:
                 self.index.delete_uploaded(txn, namespace, agent_id)
         log.warning(

@@ -42,6 +42,7 @@ import lmdb
 import msgpack
 
 from agentkv.errors import (
+    AgentLost,
     BlockNotFound,
     CorruptRecord,
     DiskFull,
@@ -638,8 +639,8 @@ def quarantine_key(table: str, key: bytes) -> bytes:
     return table.encode() + SEP + key
 
 
-def lost_agent(namespace: str, agent_id: str, reason: str) -> CorruptRecord:
-    return CorruptRecord(
+def lost_agent(namespace: str, agent_id: str, reason: str) -> AgentLost:
+    return AgentLost(
         f"agent {agent_id!r} in namespace {namespace!r} is lost: {reason}; its manifest is "
         "quarantined (delete the agent, or commit it anew with expected_generation 0)",
         "agents",

@@ -14,9 +14,9 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.errors import (
+    AgentLost,
     AgentNotFound,
     BucketUnreachable,
-    CorruptRecord,
     FingerprintMismatch,
 )
 from cache_store import idle, integrity, manifests, schema
@@ -168,7 +168,12 @@ class CacheStore:
             raise
 
     def _fetch_if_newer(
-        self, namespace: str, agent_id: str, writing: bool = False, replaces: bool = False
+        self,
+        namespace: str,
+        agent_id: str,
+        writing: bool = False,
+        replaces: bool = False,
+        deleting: bool = False,
     ) -> bool:
         """An agent absent here is fetched from the object store; one this store has not
         written or checked since it began to write the namespace is fetched again when the
@@ -176,7 +181,7 @@ class CacheStore:
         agent absent here is UNAVAILABLE (it may be there), and so is a write of one known to
         be there; a write of another goes on locally (its upload will not overwrite one made
         elsewhere). An unreadable manifest there is a lost agent: DATA_LOSS, but a write that
-        `replaces` the agent, absent here, drops it first. Whether it did."""
+        `replaces` the agent, absent here, or `deleting` it, drops it first. Whether it did."""
         with self.index.read() as txn:
             local = self.index.find_agent(txn, namespace, agent_id)
             uploaded = self.index.uploaded_generation(txn, namespace, agent_id)
@@ -186,8 +191,8 @@ class CacheStore:
             self.tier.fetch_agent(namespace, agent_id, local.generation if local else None)
             self.tier.mark_current(namespace, agent_id)
         except LostManifest as exc:
-            if not replaces or local is not None:
-                raise CorruptRecord(
+            if not replaces or (local is not None and not deleting):
+                raise AgentLost(
                     f"{exc.message}: agent {agent_id!r} is lost (delete it, or commit it anew "
                     "with expected_generation 0: either drops that manifest)"
                 ) from None
@@ -232,7 +237,7 @@ class CacheStore:
         names a stats counter the deletion counts in."""
         ns = ids.namespace(namespace)
         ids.agent_id(agent_id)
-        lost = self._before_write(ns, agent_id)
+        lost = self._before_write(ns, agent_id, deleting=True)
         with self.index.write() as txn:
             try:
                 released = manifests.delete(self.index, txn, ns, agent_id, expected_generation)
@@ -354,7 +359,9 @@ class CacheStore:
 
     # helpers
 
-    def _before_write(self, namespace: str, agent_id: str = "", replaces: bool = True) -> bool:
+    def _before_write(
+        self, namespace: str, agent_id: str = "", replaces: bool = True, deleting: bool = False
+    ) -> bool:
         """With an object store: this store must be the namespace's writer, and an agent
         written that is not here, or not current here, is fetched first (so its generation
         is the bucket's). Whether its manifest there was unreadable, and dropped: a write
@@ -363,7 +370,7 @@ class CacheStore:
         if self.tier is not None:
             self.tier.check_writer(namespace)
             if agent_id:
-                return self._fetch_if_newer(namespace, agent_id, True, replaces)
+                return self._fetch_if_newer(namespace, agent_id, True, replaces, deleting)
         return False
 
     def writes(self, namespace: str) -> bool:

@@ -73,6 +73,8 @@ def metadata(body: dict) -> dict[str, str]:
             raise invalid(
                 f"metadata.{key} must be a string of 512 characters at most", f"metadata.{key}"
             )
+        utf8(key, "metadata")
+        utf8(value, f"metadata.{key}")
     return pairs
 
 

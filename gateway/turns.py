@@ -20,9 +20,9 @@ from agentkv.errors import (
     AgentBusy,
     AgentExists,
     AgentKVError,
+    AgentLost,
     AgentNotFound,
     BucketUnreachable,
-    CorruptRecord,
     FailedPrecondition,
     FingerprintMismatch,
     InvalidArgument,
@@ -194,7 +194,7 @@ class Turns:
             except BaseException:  # a branch that never took its turn is not kept
                 self.ended(branch)
                 raise
-        except (AgentNotFound, MarkNotFound, CorruptRecord) as exc:  # the last: lost there
+        except (AgentNotFound, MarkNotFound, AgentLost) as exc:  # the last: lost there
             raise responses.not_found(previous, exc.message) from None
 
     async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
@@ -224,7 +224,7 @@ class Turns:
                 return Turn(await agent.say(call.messages, **options))
             except (AgentNotFound, BucketUnreachable):
                 pass
-            except CorruptRecord as exc:  # lost in the store: made anew, from the whole call
+            except AgentLost as exc:  # lost in the store: made anew, from the whole call
                 log.warning(
                     "agent lost in the store: made anew from the call's conversation",
                     extra={"agent": agent.id, "error": exc.message},

@@ -29,6 +29,7 @@ from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import (
     AgentKVError,
+    AgentLost,
     AgentNotFound,
     BucketUnreachable,
     CorruptBlock,
@@ -502,9 +503,9 @@ def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_an
     try:
         with fresh.client() as c:
             for agent in ("cut", "junk"):
-                with pytest.raises(CorruptRecord, match=r"is lost \(delete it, or commit it anew"):
+                with pytest.raises(AgentLost, match=r"is lost \(delete it, or commit it anew"):
                     c.get_agent(NS, agent)
-            with pytest.raises(CorruptRecord, match="is lost"):
+            with pytest.raises(AgentLost, match="is lost"):
                 save(c, "cut", [9] * 70, seed=9, gen=2)  # a turn on a worker's copy of it
             assert c.delete_agent(NS, "cut") == 0
             with pytest.raises(AgentNotFound):
@@ -524,6 +525,41 @@ def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_an
     finally:
         third.stop()
     assert "unreadable manifest dropped" in fresh.log_text()
+
+
+def test_a_lost_agent_a_store_holds_an_older_copy_of_can_be_deleted(weed, bucket, tmp_path):
+    """A store holding generation 1 of an agent whose generation 2, written by another store,
+    became unreadable in the bucket: reads are DATA_LOSS (the older copy is not served as
+    current), and a delete drops both (review: it was DATA_LOSS too, so the gateway's
+    delete-and-make-anew answered 500 on every try); a new agent passes generation 2."""
+    tokens = list(range(1, 150))
+    first = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with first.client() as c:
+        save(c, "old", tokens)
+        wait_for("the upload", lambda: uploaded(c))
+    first.stop()
+    other = start_store(tmp_path, "b", tier_args(weed, bucket))
+    with other.client() as c:
+        save(c, "old", tokens + [4] * 70, seed=0, gen=c.get_agent(NS, "old").generation)
+        wait_for("the upload", lambda: uploaded(c))
+    other.stop()
+    s3 = weed.client()
+    name = f"{bucket}/{NS}/agents/old"
+    got = s3.get_object(Bucket=BUCKET, Key=name)
+    body = got["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=name, Body=body[: len(body) // 2], Metadata=got["Metadata"])
+    again = start_store(tmp_path, "a", tier_args(weed, bucket))  # generation 1 on its disk
+    try:
+        with again.client() as c:
+            with pytest.raises(AgentLost, match="is lost"):
+                c.get_agent(NS, "old")
+            c.delete_agent(NS, "old")
+            with pytest.raises(AgentNotFound):
+                c.get_agent(NS, "old")
+            save(c, "old", [8] * 70, seed=8)
+            assert c.get_agent(NS, "old").generation > 2
+    finally:
+        again.stop()
 
 
 def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
