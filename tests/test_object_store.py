@@ -475,6 +475,14 @@ def test_corrupted_objects_are_never_served(weed, bucket, tmp_path):
         store.stop()
 
 
+def cut_short(weed: WeedServer, key: str) -> None:
+    """Cuts the object at `key` to half its length, its metadata kept."""
+    s3 = weed.client()
+    got = s3.get_object(Bucket=BUCKET, Key=key)
+    body = got["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=body[: len(body) // 2], Metadata=got["Metadata"])
+
+
 def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_anew(
     weed, bucket, tmp_path
 ):
@@ -492,12 +500,8 @@ def test_an_unreadable_manifest_in_the_bucket_is_a_lost_agent_deleted_or_made_an
         save(c, "cut", tokens + [3] * 70, seed=0, gen=1)  # generation 2
         wait_for("the uploads", lambda: uploaded(c))
     store.stop()
-    s3 = weed.client()
-    name = f"{bucket}/{NS}/agents/cut"
-    got = s3.get_object(Bucket=BUCKET, Key=name)
-    body = got["Body"].read()
-    s3.put_object(Bucket=BUCKET, Key=name, Body=body[: len(body) // 2], Metadata=got["Metadata"])
-    s3.put_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/agents/junk", Body=b"\0" * 1000)
+    cut_short(weed, f"{bucket}/{NS}/agents/cut")
+    weed.client().put_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/agents/junk", Body=b"\0" * 1000)
 
     fresh = start_store(tmp_path, "fresh", tier_args(weed, bucket))
     try:
@@ -533,21 +537,14 @@ def test_a_lost_agent_a_store_holds_an_older_copy_of_can_be_deleted(weed, bucket
     current), and a delete drops both (review: it was DATA_LOSS too, so the gateway's
     delete-and-make-anew answered 500 on every try); a new agent passes generation 2."""
     tokens = list(range(1, 150))
-    first = start_store(tmp_path, "a", tier_args(weed, bucket))
-    with first.client() as c:
-        save(c, "old", tokens)
-        wait_for("the upload", lambda: uploaded(c))
-    first.stop()
-    other = start_store(tmp_path, "b", tier_args(weed, bucket))
-    with other.client() as c:
-        save(c, "old", tokens + [4] * 70, seed=0, gen=c.get_agent(NS, "old").generation)
-        wait_for("the upload", lambda: uploaded(c))
-    other.stop()
-    s3 = weed.client()
-    name = f"{bucket}/{NS}/agents/old"
-    got = s3.get_object(Bucket=BUCKET, Key=name)
-    body = got["Body"].read()
-    s3.put_object(Bucket=BUCKET, Key=name, Body=body[: len(body) // 2], Metadata=got["Metadata"])
+    for name, said in (("a", tokens), ("b", tokens + [4] * 70)):  # generation 1, then 2
+        store = start_store(tmp_path, name, tier_args(weed, bucket))
+        with store.client() as c:
+            gen = c.get_agent(NS, "old").generation if name == "b" else 0
+            save(c, "old", said, seed=0, gen=gen)
+            wait_for("the upload", lambda: uploaded(c))
+        store.stop()
+    cut_short(weed, f"{bucket}/{NS}/agents/old")
     again = start_store(tmp_path, "a", tier_args(weed, bucket))  # generation 1 on its disk
     try:
         with again.client() as c:
@@ -634,10 +631,8 @@ def test_a_conversation_whose_agent_the_bucket_lost_goes_on_through_the_gateway(
     listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{bucket}/default/agents/")
     agents = [o["Key"] for o in listed["Contents"]]
     assert len(agents) == 2
-    for key in agents:  # cut short, the metadata kept
-        got = s3.get_object(Bucket=BUCKET, Key=key)
-        body = got["Body"].read()
-        s3.put_object(Bucket=BUCKET, Key=key, Body=body[: len(body) // 2], Metadata=got["Metadata"])
+    for key in agents:
+        cut_short(weed, key)
     with stack("after") as http:  # an empty data dir: the bucket is all there is
         for name, headers in names.items():
             messages = [*first, {"role": "assistant", "content": replies[name]}]
