@@ -83,12 +83,13 @@ class ChatFormat:
         self._special = re.compile(_trie(specials) or "(?!)")  # what an assistant's text escapes
         self._control = re.compile(_trie(self._added) or "(?!)")  # what all else escapes
         self._newline = self._plain("\n")  # what _piece strips: "\n" before a piece
-        if _PING["content"] not in (rendered := self._render([_PING], generation_prompt=True)):
-            raise InvalidArgument(  # an empty template (a GGUF's ""): every turn unheard
+        asked = self._render([_PING], generation_prompt=True)
+        if _PING["content"] not in asked:
+            raise InvalidArgument(  # a template rendering no message: every turn unheard
                 f"the model's chat template leaves out what a user says (a user message "
-                f"{_PING['content']!r} renders as {rendered[:80]!r})"
+                f"{_PING['content']!r} renders as {asked[:80]!r})"
             )
-        self._closing = self._closing_text()  # what closes a reply, e.g. "<|im_end|>\n"
+        self._closing = self._closing_text(asked)  # what closes a reply, e.g. "<|im_end|>\n"
         self.reply_closing = self._encode(self._closing) if self._closing else []
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
         self.eos_ids = {ids} if isinstance(ids, int) else set(ids)
@@ -212,8 +213,8 @@ class ChatFormat:
             return closing[1:]
         return closing
 
-    def _closing_text(self) -> str:
-        asked = self._render([_PING], generation_prompt=True)
+    def _closing_text(self, asked: str) -> str:
+        """What follows a reply, from `asked` (_PING rendered for a reply to follow)."""
         answered = self._render([_PING, {"role": "assistant", "content": _PROBE}], False)
         at = answered.find(_PROBE, len(asked) if answered.startswith(asked) else 0)
         return answered[at + len(_PROBE) :] if at >= 0 else ""
