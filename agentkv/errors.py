@@ -231,6 +231,13 @@ _BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
 }
 
 
+def in_one_line(exc: BaseException, limit: int = 300) -> str:
+    """Another library's exception as part of a one-line error: its type and the first line
+    of what it says, cut at `limit` characters (some quote a whole file)."""
+    said = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {said if len(said) <= limit else said[:limit] + '...'}"
+
+
 def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
     """Rebuilds the typed error a server raised from the status and trailing metadata."""
     code = error.code()

@@ -23,6 +23,7 @@ from typing import Any
 
 import xxhash
 
+from agentkv.errors import in_one_line
 from inference_worker.gguf_model import (
     GROUP_SIZE,
     ROPE_FREQS,
@@ -132,9 +133,8 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
     except (GGUFError, OSError):
         raise
     except Exception as exc:  # metadata of the wrong type or value, as numpy or tokenizers meet it
-        said = (str(exc).strip().splitlines() or [""])[0][:300]
         raise GGUFError(
-            f"GGUF {path} holds metadata this import cannot use: {type(exc).__name__}: {said}"
+            f"GGUF {path} holds metadata this import cannot use: {in_one_line(exc)}"
         ) from exc
     target = out / "model.safetensors"
     try:

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from agentkv.addresses import is_loopback
-from agentkv.errors import Unavailable
+from agentkv.errors import Unavailable, in_one_line
 from agentkv.layers import LayerSpec
 from inference_worker.config import WorkerConfig
 from inference_worker.fingerprint import model_fingerprint
@@ -222,11 +222,7 @@ def load_model(
     except (OSError, RuntimeError):  # said in a line by start(), as they are
         raise
     except Exception as exc:  # a config or tokenizer file of the wrong shape, as mlx-lm meets it
-        said = (str(exc).strip().splitlines() or [""])[0]
-        said = said if len(said) <= 300 else said[:300] + "..."
-        raise ModelError(
-            f"the model at {path} does not load: {type(exc).__name__}: {said}"
-        ) from exc
+        raise ModelError(f"the model at {path} does not load: {in_one_line(exc)}") from exc
     if dtype:
         model.set_dtype(getattr(mx, dtype))  # floating parameters only; packed weights stay
     try:  # one probe token through the model: also proves it runs here
