@@ -124,16 +124,17 @@ class JobQueue:
     def pending(self) -> int:
         """Jobs queued or running, and 1 while the index holds more or is being scanned."""
         with self._cond:
-            return len(self._queue) + len(self._inflight) + (self.overflow or self._scanning)
+            return self._pending()
 
     def backlog(self) -> int:
-        """Everything not yet written through that this process knows of, and 1 while the
-        index holds more or is being scanned for more (between the scan's start and its
-        refill, the queue is empty and no upload runs: that is not written through)."""
+        """Everything not yet written through that this process knows of: pending, and
+        parked (between a scan's start and its refill, the queue is empty and no upload
+        runs: that is not written through)."""
         with self._cond:
-            parked = sum(len(jobs) for jobs in self._parked.values())
-            more = self.overflow or self._scanning
-            return len(self._queue) + len(self._inflight) + parked + more
+            return self._pending() + sum(len(jobs) for jobs in self._parked.values())
+
+    def _pending(self) -> int:
+        return len(self._queue) + len(self._inflight) + (self.overflow or self._scanning)
 
     def wait(self, seconds: float) -> None:
         """Waits up to `seconds` for a job to finish (or one to be added)."""
@@ -144,7 +145,7 @@ class JobQueue:
         """Waits until nothing is queued; whether it was, within `seconds`."""
         deadline = time.monotonic() + seconds
         with self._cond:
-            while self._queue or self._inflight or self.overflow or self._scanning:
+            while self._pending():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
