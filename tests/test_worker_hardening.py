@@ -554,10 +554,13 @@ def test_a_turn_still_queued_when_its_worker_stops_moves_to_another(
 # one tenant's flood
 
 
-def flood_on(proc, size: int, timeout: float) -> tuple:
-    """A worker whose one slot namespace a's slow turn (the hog) holds, with a's `size`
-    flood agents and b's guest made: (flood agents, the hog's stream, answered, turn), where
-    turn(namespace, agent) records the agent's answer, or its error, in `answered`."""
+def flood_on(launched, model, store_process, tmp_path, extra, size: int, timeout: float) -> tuple:
+    """A worker (flags `extra`; its FINISHED_LOG in tmp_path) whose one slot namespace a's
+    slow turn (the hog) holds, with a's `size` flood agents and b's guest made: (the worker,
+    flood agents, the hog's stream, answered, turn), where turn(namespace, agent) records the
+    agent's answer, or its error, in `answered`."""
+    env = {FINISHED_LOG: str(tmp_path / "finished")}
+    proc = faulty_process(launched, model, store_process, tmp_path, *extra, env=env)
     w = WorkerClient(proc.address, timeout=timeout)
     agents = [f"w{i}" for i in range(size)]
     create(w, ("a", "hog"), *(("a", agent) for agent in agents), ("b", "guest"))
@@ -571,7 +574,16 @@ def flood_on(proc, size: int, timeout: float) -> tuple:
         except AgentKVError as exc:
             answered.append((agent, exc))
 
-    return agents, hog, answered, turn
+    return proc, agents, hog, answered, turn
+
+
+def served(answered: list, tmp_path) -> list[str]:
+    """The agents answered, in the order the worker served them (its FINISHED_LOG, written
+    by the MLX thread), not the order client threads woke in; the clients' answers match."""
+    order = (tmp_path / "finished").read_text().split()
+    answers = [agent for agent, result in answered if not isinstance(result, Exception)]
+    assert sorted(answers) == sorted(order)
+    return order
 
 
 def test_worker_info_answers_while_a_model_step_holds_the_mlx_thread(
@@ -605,11 +617,10 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     refused saying so (before, b got 'worker busy'), and is answered before a's waiting
     turns, a having had its turn."""
     extra = ("--max-batch", "1", "--queue-limit", "4", "--metrics-listen", "127.0.0.1:0")
-    finished = tmp_path / "finished"  # the order the worker served turns in
     model = tiny_model_dirs["llama"]
-    env = {FINISHED_LOG: str(finished)}
-    proc = faulty_process(launched, model, store_process, tmp_path, *extra, env=env)
-    flood, hog, answered, turn = flood_on(proc, 5, timeout=120)
+    proc, flood, hog, answered, turn = flood_on(
+        launched, model, store_process, tmp_path, extra, 5, timeout=120
+    )
     threads = []
     # each turn in order, once it waits (so many turns queued) or an answer came (its own
     # refusal, or the refusal of the turn whose place it took)
@@ -634,10 +645,7 @@ def test_one_namespace_flooding_a_worker_leaves_room_and_turns_for_another(
     assert "namespace 'a' holds 4 of those places" in str(results["w4"])
     assert isinstance(results["w3"], ResourceExhausted)
     assert "place in the queue went to a turn of another namespace" in str(results["w3"])
-    served = [agent for agent, result in answered if not isinstance(result, Exception)]
-    assert sorted(served) == sorted(finished.read_text().split())  # the clients' answers
-    served = finished.read_text().split()  # in the worker's order
-    assert served == ["guest", "w0", "w1", "w2"]
+    assert served(answered, tmp_path) == ["guest", "w0", "w1", "w2"]
 
 
 def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
@@ -649,12 +657,11 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     turn it runs or queues (--max-batch + --queue-limit + 16), so b's turn takes the place
     of a's last in line and is answered first once the slot frees."""
     extra = ("--max-batch", "1", "--queue-limit", "15", "--metrics-listen", "127.0.0.1:0")
-    finished = tmp_path / "finished"  # the order the worker served turns in
     model = tiny_model_dirs["llama"]
-    env = {FINISHED_LOG: str(finished)}
-    proc = faulty_process(launched, model, store_process, tmp_path, *extra, env=env)
     # with the hog's, as many turns as 16 threads held
-    flood, hog, answered, turn = flood_on(proc, 15, timeout=300)
+    proc, flood, hog, answered, turn = flood_on(
+        launched, model, store_process, tmp_path, extra, 15, timeout=300
+    )
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
     for thread in threads:
         thread.start()
@@ -673,7 +680,5 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     pushed = [(agent, r) for agent, r in answered if isinstance(r, Exception)]
     assert len(pushed) == 1 and pushed[0][0] in flood  # a's last in line
     assert "place in the queue went to a turn of another namespace" in str(pushed[0][1])
-    served = [agent for agent, result in answered if not isinstance(result, Exception)]
-    assert sorted(served) == sorted(finished.read_text().split())  # the clients' answers
-    served = finished.read_text().split()  # in the worker's order
-    assert served[0] == "guest" and len(served) == len(flood)
+    order = served(answered, tmp_path)
+    assert order[0] == "guest" and len(order) == len(flood)
