@@ -177,11 +177,14 @@ class Checkpoint:
     phase: str
     cached: int  # cache positions the turn did not touch
     persisted: int
+    queued_keys: list[bytes]  # Agent.queued_full_keys, which a turn cuts to what it keeps
+    committed_keys: list[bytes]
 
     @classmethod
     def of(cls, agent: Agent) -> Checkpoint:
         chat, persisted = replace(agent.chat), agent.persisted_tokens
-        return cls(agent.tokens, chat, agent.phase, agent.cached, persisted)
+        keys = list(agent.queued_full_keys), list(agent.committed_full_keys)
+        return cls(agent.tokens, chat, agent.phase, agent.cached, persisted, *keys)
 
     def restore(self, agent: Agent) -> bool:
         """Puts the agent back as it was; False when its caches cannot be (see
@@ -189,6 +192,11 @@ class Checkpoint:
         with agent.lock:
             agent.tokens, agent.chat, agent.phase = self.tokens, self.chat, self.phase
             agent.persisted_tokens = max(agent.persisted_tokens, self.persisted)
+            # The next write cuts from where these end: a window has dropped what precedes.
+            # A commit landing during the turn recorded only what the turn kept of it.
+            agent.queued_full_keys = self.queued_keys
+            if len(self.committed_keys) > len(agent.committed_full_keys):
+                agent.committed_full_keys = self.committed_keys
         rewound = [cache.rewind(self.cached) for cache in agent.caches]
         agent.keep_undurable()
         return all(rewound)

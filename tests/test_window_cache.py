@@ -320,3 +320,30 @@ def test_a_resumed_turn_is_not_durable_until_written_and_can_be_written(gemma):
     assert agent.persisted_tokens == 200 and not agent.durable
     snap = snapshot(agent, "fp", BLOCK)  # the window caches still hold every new token
     assert snap.tokens == resumed and len(snap.stored_keys) == 200 // BLOCK
+
+
+def test_an_undone_resume_leaves_the_agent_writable_as_before(gemma):
+    """A turn that resumes the conversation from an earlier point (a regenerated reply)
+    fails before its first token and is undone; the next turn goes on from the context as
+    it was. Its write cuts blocks from where the store's copy ends, which the windows still
+    hold. Before, the undo left the lists of stored block keys cut back to the resume
+    point, and every write after it failed ("positions before ... left this layer's
+    window"): the agent could never be evicted or written again."""
+    from inference_worker.agents import Agent
+    from inference_worker.persistence import snapshot
+    from inference_worker.turns import UsageEvent
+
+    context = tokens(300)
+    agent = Agent(NS, "a", [], window_caches(gemma, durable=False))
+    turn_on(gemma, agent, context)
+    snapshot(agent, "fp", BLOCK)
+    committed(agent)
+    resumed = context[:40] + tokens(30, seed=6)
+    keep = agent.reusable(resumed, True, UsageEvent())
+    undo = agent.begin_turn(resumed, agent.chat, "", keep, BLOCK)
+    assert undo.restore(agent) and agent.tokens == context and agent.durable
+
+    grown = context + tokens(20, seed=7)
+    turn_on(gemma, agent, grown)
+    snap = snapshot(agent, "fp", BLOCK)
+    assert snap.tokens == grown and len(snap.stored_keys) == 300 // BLOCK
