@@ -95,6 +95,12 @@ class Agent:
         return not self.writing and self.persisted_tokens >= self.cached
 
     @property
+    def gone_stale(self) -> bool:
+        """Another worker committed it since, and no write of it is in flight: this copy
+        is never written, and it may leave RAM at no loss."""
+        return self.stale and not self.writing
+
+    @property
     def over_quota(self) -> bool:
         """Its last write was refused by its own namespace's quota: its tenant's limit."""
         return isinstance(self.persist_error, NamespaceQuotaExceeded) and not self.writing
@@ -302,16 +308,21 @@ class HotTier:
 
     @staticmethod
     def _may_go(agent: Agent) -> bool:
-        """Whether the agent may leave RAM: it is durable (the store has it), or its own
-        namespace's quota refused it, which is its tenant's limit: its turns since its last
-        commit are dropped rather than hold RAM that other tenants' turns wait for."""
-        return (agent.durable and not agent.persist_failed) or agent.over_quota
+        """Whether the agent may leave RAM: it is durable (the store has it); or stale:
+        another worker committed it since, and the store keeps that (its turns here since
+        its last commit are dropped already); or its own namespace's quota refused it,
+        which is its tenant's limit: its turns since its last commit are dropped rather
+        than hold RAM that other tenants' turns wait for."""
+        return (agent.durable and not agent.persist_failed) or agent.gone_stale or agent.over_quota
 
     def _let_go(self, agent: Agent, reason: str) -> Agent:
         """Drops the agent from the tier (the caller publishes the figures once done),
         saying so and counting it by `reason`, or as over_quota when its turns are lost."""
         self._agents.pop(agent.id)
-        if not agent.over_quota:
+        if agent.gone_stale:
+            reason = "stale"
+            log.info("stale agent dropped from RAM", extra={"agent": agent.agent_id})
+        elif not agent.over_quota:
             log.info(EVICTED[reason], extra={"agent": agent.agent_id})
         else:
             reason = "over_quota"

@@ -62,10 +62,14 @@ class HotAgents:
         return agent
 
     def evict(self, ns: str, agent_id: str) -> tuple[bool, int]:
-        """Drops a durable agent from RAM (write_pending first); (evicted, bytes freed)."""
-        agent = self.durable_agent(ns, agent_id, "evict")
+        """Drops a durable agent from RAM (write_pending first), or a stale one (another
+        worker committed it since); (evicted, bytes freed)."""
+        agent = self.hot.get((ns, agent_id))
+        if agent is None or not agent.gone_stale:
+            agent = self.durable_agent(ns, agent_id, "evict")
         if agent is None:
             return False, 0
+        self._check_idle(agent, "evict")
         self.hot.pop(agent.id)
         return True, agent.nbytes
 

@@ -30,7 +30,8 @@ class WorkerMetrics(MetricSet):
         self.evictions = c(
             "evictions",
             "Agents dropped from RAM by the hot budget (theirs is in the store; with reason "
-            "over_quota, their namespace's quota refused it and their unwritten turns are lost)",
+            "over_quota, their namespace's quota refused it and their unwritten turns are lost; "
+            "stale, another worker committed it since)",
             "reason",
         )
         self.hot_bytes = self.gauge("hot_bytes", "Bytes of hot caches")

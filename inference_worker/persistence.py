@@ -170,10 +170,10 @@ class Persister:
 
     def pending(self, agent: Agent, retry: bool) -> Future | None:
         """The agent's write in flight; with `retry`, a new one when the last failed or left
-        tokens unwritten."""
+        tokens unwritten (not when it is stale: the store keeps another worker's commit)."""
         if agent.writing:
             return agent.pending
-        if retry and (agent.persist_failed or agent.persisted_tokens < agent.cached):
+        if retry and not agent.stale and (agent.persist_failed or not agent.durable):
             self.persist(agent)
             return agent.pending
         return None

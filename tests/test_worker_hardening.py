@@ -682,3 +682,34 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     assert "place in the queue went to a turn of another namespace" in str(pushed[0][1])
     order = served(answered, tmp_path)
     assert order[0] == "guest" and len(order) == len(flood)
+
+
+def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
+    tiny_model_dirs, store_process, launched, start_worker, tmp_path
+):
+    """Worker b's turn is held mid-decode while worker a commits the same agent, so b's
+    write of that turn loses to a's commit: b's copy is stale, never to be written. b now
+    lets it go when asked (and for its budget). Before, it held it for good: every
+    EvictAgent wrote it again, lost again, and answered ABORTED; neither durable nor
+    failed, the hot tier never let it go either."""
+    gate, model = tmp_path / "gate", tiny_model_dirs["llama"]
+    env = {HELD_STEP_GATE: str(gate)}
+    b_proc = faulty_process(launched, model, store_process, tmp_path, env=env)
+    b = WorkerClient(b_proc.address, timeout=120)
+    a = WorkerClient(start_worker(model, name="a").address, timeout=120)
+    create(b, ("ns", "x"))
+    b.turn("ns", "x", TALK, max_tokens=2, durable=True)
+    held = b.stream_turn("ns", "x", [("user", "Go on.")], max_tokens=4, seed=HELD_STEP_SEED)
+    items = [next(held)]  # past its check with the store
+    eventually(gate.with_suffix(".held").exists, "a step holds b's turn", timeout=120)
+    a.turn("ns", "x", [("user", "Hello from a.")], max_tokens=0, durable=True)
+    gate.touch()
+    items += list(held)
+    log = tmp_path / "faulty.log"
+    eventually(lambda: "agent committed elsewhere" in log.read_text(), "b's write loses")
+
+    assert b.evict("ns", "x").evicted
+    assert b.info().num_hot_agents == 0
+    back = b.turn("ns", "x", [("user", "And now?")], max_tokens=2)
+    assert back.usage.cache_state == "warm"  # a's commit, from the store
+    assert b.describe("ns", "x").generation == a.describe("ns", "x").generation

@@ -4,6 +4,7 @@ and that a process whose MLX threads ended exits cleanly."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -325,3 +326,19 @@ def test_mlx_lm_detokenizers_hold_their_bytes_where_a_cut_reads_them():
         detok = object.__new__(kind)
         detok.reset()
         assert detok._unflushed in ("", b""), kind
+
+
+def test_hot_tier_lets_go_of_an_agent_another_worker_committed_since():
+    """A stale agent lost its write to another worker's commit: the store keeps that one,
+    and this copy is never written. It gives way like a durable one (before, it never did:
+    neither durable nor failed, it held its RAM for good), but not while its write is
+    still in flight."""
+    tier = HotTier(budget_bytes=100)
+    stale, writing, saved = (agent(n, 100, durable=False) for n in ("stale", "writing", "saved"))
+    saved.persisted_tokens = 10
+    stale.stale = writing.stale = True
+    writing.pending = Future()
+    for a in (stale, writing, saved):
+        tier.put(a)
+    assert [a.agent_id for a in tier.enforce(keep={saved.id})] == ["stale"]
+    assert tier.make_room(busy=set(), room=0) == 100  # saved went; the writing one stays
