@@ -287,11 +287,11 @@ class Engine:
         for a reply is refused, as that reply is gone (a whole conversation resent resumes
         from before it, so it runs again without repeating anything)."""
         max_tokens = job.sampling.max_tokens
+        if self.batcher.holds(agent):  # first: a retry of that turn learns if it is taken
+            raise AgentBusy(f"agent {agent.agent_id!r} already has a turn in progress")
         again = bool(job.request_id) and job.request_id == agent.chat.applied  # a lost reply's
         if again and max_tokens and not (job.whole_conversation or job.after_mark):
             raise TurnTaken(TAKEN.format(agent.agent_id, job.request_id))
-        if self.batcher.holds(agent):
-            raise AgentBusy(f"agent {agent.agent_id!r} already has a turn in progress")
         start, tokens, chat = extended(self.chat, job, agent, again)
         if job.request_id:
             chat = replace(chat, applied=job.request_id)

@@ -29,6 +29,7 @@ from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.client.memory import AgentMemory
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import (
+    AgentBusy,
     AgentExists,
     AgentKVError,
     DeadlineExceeded,
@@ -713,3 +714,34 @@ def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
     back = b.turn("ns", "x", [("user", "And now?")], max_tokens=2)
     assert back.usage.cache_state == "warm"  # a's commit, from the store
     assert b.describe("ns", "x").generation == a.describe("ns", "x").generation
+
+
+def test_a_retry_of_a_turn_still_running_is_told_the_agent_is_busy(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """A turn resent with its request_id while the first is still running (its client
+    thought it lost) is told the agent is busy, to send it again once the turn ends; then it
+    learns the turn was taken. Before, it was told at once that the turn was taken, though
+    the first could still be undone (cut before its first token) and so never be taken."""
+    model = tiny_model_dirs["llama"]
+    w = WorkerClient(faulty_process(launched, model, store_process, tmp_path).address)
+    create(w, ("ns", "x"))
+    # slow steps: the MLX thread answers the retry between two of them
+    first = w.stream_turn("ns", "x", TALK, max_tokens=64, seed=SLOW_STEP_SEED, request_id="r1")
+    next(first)
+    with pytest.raises(AgentBusy, match="already has a turn in progress"):
+        w.turn("ns", "x", TALK, max_tokens=4, request_id="r1")
+    first.close()  # cut after its first token: the turn is taken
+    answers = []
+
+    def answered() -> bool:
+        try:
+            w.turn("ns", "x", TALK, max_tokens=4, request_id="r1")
+        except AgentBusy:
+            return False  # the cut turn has not left the batch yet
+        except TurnTaken as exc:
+            answers.append(exc)
+        return True
+
+    eventually(answered, "the cut turn leaves the batch", timeout=120)
+    assert answers and "'x' already took the turn r1" in str(answers[0])
