@@ -56,7 +56,9 @@ class WorkerConfig(ServerConfig):
     step_tokens: int = flag(
         512, "tokens per model step: every decoder's next token, then prefill chunks"
     )
-    queue_limit: int = flag(64, "turns that may wait for a slot; past it RESOURCE_EXHAUSTED")
+    queue_limit: int = flag(
+        64, "turns that may wait for a slot (each waits for a step); past it RESOURCE_EXHAUSTED"
+    )
     # A turn holds an RPC thread from its start to its end: with fewer threads than turns
     # the batch and the queue hold, a flood from one tenant waits in gRPC's own first-come
     # line, ahead of every other tenant, and never reaches the queue's fair order.
@@ -125,8 +127,8 @@ class WorkerConfig(ServerConfig):
                 f"store_check_timeout must be in (0, store_timeout={self.store_timeout}], "
                 f"got {self.store_check_timeout}"
             )
-        if self.max_batch < 1 or self.step_tokens < 1 or self.queue_limit < 0:
-            raise ValueError("max_batch and step_tokens must be >= 1, queue_limit >= 0")
+        if min(self.max_batch, self.step_tokens, self.queue_limit) < 1:  # a turn waits first
+            raise ValueError("max_batch, step_tokens and queue_limit must be >= 1")
         if self.workers is None:
             self.workers = self.max_batch + self.queue_limit + 16
         if self.workers < 1:

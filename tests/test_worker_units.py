@@ -342,3 +342,13 @@ def test_hot_tier_lets_go_of_an_agent_another_worker_committed_since():
         tier.put(a)
     assert [a.agent_id for a in tier.enforce(keep={saved.id})] == ["stale"]
     assert tier.make_room(busy=set(), room=0) == 100  # saved went; the writing one stays
+
+
+def test_a_queue_limit_of_0_is_refused_at_start(capsys):
+    """Every turn waits in the queue for the next step to admit it: with no place there, a
+    worker refused every turn ("0 running, 0 queued ... retry later"), and said so only then."""
+    from inference_worker.__main__ import build_config
+
+    with pytest.raises(SystemExit):
+        build_config(["--model", "m", "--store", "127.0.0.1:1", "--queue-limit", "0"])
+    assert "queue_limit must be >= 1" in capsys.readouterr().err
