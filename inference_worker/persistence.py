@@ -159,9 +159,16 @@ class Persister:
         queues their write (agent.pending)."""
         try:
             snap = snapshot(agent, self.fingerprint, self.block_tokens)
-        except ValueError as exc:  # blocks it would rewrite have left a window cache
-            log.error("cannot persist agent", extra={"agent": agent.agent_id, "error": str(exc)})
-            agent.persist_error = FailedPrecondition(str(exc))
+        except Exception as exc:  # ValueError: blocks it would rewrite have left a window
+            # cache; else evaluating them failed (MLX is lazy: out of memory, say). Either way
+            # the turn has ended and its reply is out: its write fails, and is tried again.
+            log.error(
+                "cannot persist agent",
+                extra={"agent": agent.agent_id, "error": str(exc)},
+                exc_info=not isinstance(exc, ValueError),
+            )
+            failed = FailedPrecondition if isinstance(exc, ValueError) else AgentKVError
+            agent.persist_error = failed(str(exc))
             agent.pending = Future()  # a write that failed at once: a durable turn says so
             agent.pending.set_result(self._report("failed", agent.persist_error))
             return

@@ -161,17 +161,23 @@ def test_hot_tier_keeps_an_agent_whose_last_write_failed():
     assert [a.agent_id for a in tier.enforce()] == ["saved"]
 
 
-def test_a_write_that_cannot_even_be_cut_fails_the_durable_turn_waiting_on_it(monkeypatch):
-    """Should the snapshot fail (a window cache lost blocks it would rewrite), the write
-    fails at once: the turn that waits for it is not told it was committed, as it was
-    when only the earlier, finished write was there to wait on."""
-    from concurrent.futures import Future
-
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ValueError("positions before 256 left this layer's window"),
+        RuntimeError("[malloc] Attempting to allocate 8589934592 bytes"),  # MLX evaluating
+    ],
+)
+def test_a_write_that_cannot_even_be_cut_fails_the_durable_turn_waiting_on_it(monkeypatch, failure):
+    """Should the snapshot fail (a window cache lost blocks it would rewrite, or evaluating
+    them failed), the write fails at once: the turn that waits for it is not told it was
+    committed, as it was when only the earlier, finished write was there to wait on. (An
+    error other than ValueError escaped: the turn never ended, and the whole batch failed.)"""
     from inference_worker import persistence
     from inference_worker.metrics import WorkerMetrics
 
     def lost(*args):
-        raise ValueError("positions before 256 left this layer's window")
+        raise failure
 
     monkeypatch.setattr(persistence, "snapshot", lost)
     writes = persistence.Persister(None, "fp", 64, WorkerMetrics(), lambda agent: None)
@@ -180,7 +186,7 @@ def test_a_write_that_cannot_even_be_cut_fails_the_durable_turn_waiting_on_it(mo
     a.pending.set_result(None)  # the last turn's write, committed
     writes.persist(a)
     error = persistence.turn_not_durable(a, a.pending.result())
-    assert error is not None and "left this layer's window" in error.message
+    assert error is not None and str(failure) in error.message
 
 
 def test_work_handed_to_a_closed_mlx_thread_fails_at_once():
