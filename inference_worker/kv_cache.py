@@ -71,6 +71,8 @@ class QuantizedKV:
         self._turn_open = False
         self._turn: tuple[mx.array, mx.array] | None = None
         self.turn_from = 0
+        self._sized: tuple[QTensor | None, int] = (None, 0)  # keys, and their K and V's bytes
+        # at one position (nbytes', computed again once the keys change: a batch's rows)
 
     @property
     def bits(self) -> int:
@@ -262,8 +264,12 @@ class QuantizedKV:
         """Bytes of the tokens held (not of spare capacity)."""
         if self.keys is None:
             return 0
-        k, v = self.quantized(self.offset)
-        return sum(a.nbytes for a in (*k, *v))
+        # Per position, times positions: slicing every array cost ~15 us a cache, and the
+        # hot tier counts every agent's each time a turn ends, on the MLX thread.
+        if self._sized[0] is not self.keys:
+            arrays = (*self.keys, *self.values)
+            self._sized = (self.keys, sum(a.nbytes // a.shape[-2] for a in arrays))
+        return self._sized[1] * (self.offset - self.start)
 
     # blocks
 

@@ -103,6 +103,41 @@ def test_decode_uses_quantized_attention_and_prefill_does_not(tiny_models):
     assert not hasattr(mixed[0], "bits")  # mlx-lm's quantized path has one bits for K and V
 
 
+def held_bytes(cache: QuantizedKV) -> int:
+    """K and V's bytes at the positions the cache holds, sliced out."""
+    k, v = cache.quantized(cache.offset)
+    return sum(a.nbytes for a in (*k, *v))
+
+
+def test_nbytes_follows_the_positions_held_as_the_arrays_change(tiny_models):
+    """nbytes is counted per position (slicing every array each time was slow on the MLX
+    thread): it follows growth, a trim, a window's drop, and a batch's rows coming and
+    going, as the arrays sliced would say."""
+    from inference_worker.batch_cache import BatchQuantizedKV
+
+    model, _ = tiny_models["llama"]
+    caches, _ = prefill(model, PROMPT)
+    a = caches[0]
+    assert a.nbytes == held_bytes(a) > 0
+    model(mx.array([[3] * 200]), cache=caches)  # past its capacity: new arrays
+    assert a.nbytes == held_bytes(a)
+    a.trim(150)
+    assert a.nbytes == held_bytes(a)
+    window = QuantizedKV(KVFormat(), 1, 64, 64)
+    x = mx.zeros((1, 2, 300, 64), mx.float16)
+    window.keep_from = 1 << 40
+    window.update_and_fetch(x, x)
+    window.release()
+    assert window.start > 0 and window.nbytes == held_bytes(window)
+    others = [prefill(model, PROMPT[:n])[0][0] for n in (40, 90)]
+    batch = BatchQuantizedKV.merge([a, others[0]])
+    assert batch.nbytes == held_bytes(batch.kv) == 2 * held_bytes(a)  # padded to the longest
+    batch.extend([others[1]])
+    assert batch.nbytes == held_bytes(batch.kv) == 3 * held_bytes(a)
+    batch.filter([1, 2])
+    assert batch.nbytes == held_bytes(batch.kv) == 2 * held_bytes(others[1])
+
+
 def test_cache_protocol(tiny_models):
     model, _ = tiny_models["llama"]
     caches, _ = prefill(model, PROMPT)
