@@ -295,10 +295,11 @@ class Engine:
         start, tokens, chat = extended(self.chat, job, agent, again)
         if job.request_id:
             chat = replace(chat, applied=job.request_id)
+        held = agent.memory_for(len(tokens), self.runtime.token_bytes)  # its own, prefilled
         if job.sampling.fit_max_tokens and max_tokens:  # at least 1: a full context is refused
             room = self.runtime.max_context - len(tokens)
-            held = agent.memory_for(len(tokens), self.runtime.token_bytes)
-            budget = (self.config.hot_budget_bytes - held) // max(1, self.runtime.token_bytes)
+            # alone in the batch: its context there and its own, and the tokens it makes
+            budget = (self.config.hot_budget_bytes - 2 * held) // max(1, self.runtime.token_bytes)
             max_tokens = job.sampling.max_tokens = max(1, min(max_tokens, room, budget))
         agent.check_context(len(tokens) - len(agent.tokens) + max_tokens, self.runtime.max_context)
         reuse = agent.reusable(tokens, max_tokens > 0, usage, start.cached, start.prefix)
@@ -308,6 +309,7 @@ class Engine:
         waited = time.perf_counter() - job.started  # on the store, a restore: it counts
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
+        turn.request.own_bytes = held
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
         forms = self._forms(job, chat.tools) if max_tokens else job.forms
         ask = forms.ask if forms is not None else Ask()

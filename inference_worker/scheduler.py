@@ -43,7 +43,7 @@ class Request:
     request_id: str
     prompt_tokens: int  # tokens still to prefill when it starts
     max_tokens: int
-    memory_bytes: int  # KV bytes it will hold in the live batch at its longest
+    memory_bytes: int  # KV bytes its context holds at its longest (with max_tokens)
     priority: int = 0  # higher runs first
     deadline: float | None = None  # on the scheduler's clock; past it the request expires
     namespace: str = ""  # the tenant: namespaces take turns in line
@@ -52,6 +52,9 @@ class Request:
     prefilled: int = 0
     generated: int = 0
     order: int = field(default_factory=lambda: next(_ORDER))  # arrival order, for FCFS
+    # KV bytes its agent's own caches hold meanwhile (its context once prefilled): a turn
+    # that decodes has its context copied into the live batch, and keeps them to be undone
+    own_bytes: int = 0
 
     @property
     def done(self) -> bool:
@@ -92,12 +95,13 @@ class Scheduler:
         in line of the namespace holding the most places, when the request's own namespace
         holds at least two fewer). Raises OverBudget for one that could never run here (not
         retried: it never would), ResourceExhausted for one that may not wait."""
-        if request.memory_bytes > self.memory_budget:
+        if (need := claim([request])) > self.memory_budget:
             what, fewer = "its context", "a shorter context"  # a new agent's prefix, say
             if request.max_tokens:
                 what, fewer = "its context and max_tokens", "fewer tokens or a shorter context"
+            twice = ", and its context again to undo the turn" if request.own_bytes else ""
             raise OverBudget(
-                f"the turn needs {request.memory_bytes} bytes of KV cache ({what}), more than "
+                f"the turn needs {need} bytes of KV cache ({what}){twice}, more than "
                 f"this worker's whole memory budget of {self.memory_budget} (--hot-budget): "
                 f"ask for {fewer}"
             )
@@ -139,13 +143,12 @@ class Scheduler:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(r.memory_bytes for r in self.running)
+        return claim(self.running)
 
     def hot_room(self) -> int:
         """The most hot-tier bytes with which the first waiting request in line is admitted:
         admission serves the line in order, so room for a smaller one behind admits no one."""
-        head = self._line()[0]
-        return self.memory_budget - self.reserved_bytes - head.memory_bytes
+        return self.memory_budget - claim([*self.running, self._line()[0]])
 
     # one step
 
@@ -188,8 +191,7 @@ class Scheduler:
         for request in self._line():
             if len(self.running) >= self.max_batch:
                 break
-            free = self.memory_budget - self.hot_bytes - self.reserved_bytes
-            if request.memory_bytes > free:
+            if claim([*self.running, request]) > self.memory_budget - self.hot_bytes:
                 break  # first come, first served: no one overtakes the head for memory
             self.waiting.remove(request)
             self._served(request)
@@ -224,6 +226,16 @@ class Scheduler:
         self._round = max(self._round, request.round)
         self._next[request.namespace] = request.round + 1
         self._next = {ns: n for ns, n in self._next.items() if n > self._round}
+
+
+def claim(requests: list[Request]) -> int:
+    """KV bytes `requests` hold at their longest, running together: the live batch, whose
+    rows are each as long as its longest (left-padded to it), and each agent's own caches
+    beside it. A turn that asks for no tokens never joins the batch: its own caches alone."""
+    rows = [r.memory_bytes for r in requests if r.max_tokens]
+    alone = sum(r.memory_bytes for r in requests if not r.max_tokens)
+    own = sum(r.own_bytes for r in requests if r.max_tokens)
+    return alone + own + len(rows) * max(rows, default=0)
 
 
 def _in_round(request: Request) -> tuple[int, int, int]:

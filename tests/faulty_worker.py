@@ -11,6 +11,11 @@ tenant's turn fail inside a batch as a bug or a bad input would:
 - HELD_STEP_SEED: a decode step whose batch holds that turn writes HELD_STEP_GATE's path
   (from its environment) + ".held", then waits until that path exists: the MLX thread is
   held as long as a test likes, and the test knows when it is;
+- BATCH_BYTES_LOG (an environment variable naming a file): each decode step appends the KV
+  bytes the live batch holds and those the turns' agents hold beside it (their own caches,
+  kept to undo their turns), as "rows bytes";
+- STARTED_LOG (an environment variable naming a file): each turn appends its agent's id
+  there as its RPC thread hands it to the MLX thread (a held step keeps it from running);
 - FINISHED_LOG (an environment variable naming a file): each turn that ends with a reply,
   not cancelled, appends its agent's id there as the MLX thread ends it, before its reply's
   last response goes out: the order turns were served in, which clients' threads, woken
@@ -42,6 +47,8 @@ SLOW_STEP_SECONDS = 3.0
 HELD_STEP_SEED = 669
 HELD_STEP_GATE = "AGENTKV_TEST_HELD_STEP_GATE"
 FINISHED_LOG = "AGENTKV_TEST_FINISHED_LOG"
+BATCH_BYTES_LOG = "AGENTKV_TEST_BATCH_BYTES_LOG"
+STARTED_LOG = "AGENTKV_TEST_STARTED_LOG"
 REPLY_LOST_PHASE = "reply-lost"
 SECRET = "tenant-a-secret-7f3e"
 
@@ -49,6 +56,7 @@ SECRET = "tenant-a-secret-7f3e"
 def install() -> None:
     """Patches the faults in (after the BLAS is loaded: this imports mlx)."""
     from inference_worker.batching import Batcher
+    from inference_worker.front import Front
     from inference_worker.sampling import Sampling
     from inference_worker.service import InferenceWorkerServicer
 
@@ -101,6 +109,11 @@ def install() -> None:
             time.sleep(SLOW_STEP_SECONDS)
         if HELD_STEP_SEED in seeds:
             hold_until(Path(os.environ[HELD_STEP_GATE]))
+        if path := os.environ.get(BATCH_BYTES_LOG):
+            held = sum(layer.nbytes for layer in self.batch)
+            held += sum(turn.agent.nbytes for turn in self.active.values())
+            with open(path, "a") as log:
+                log.write(f"{len(self.rows)} {held}\n")
         return decode(self)
 
     finish = Batcher._finish
@@ -112,6 +125,15 @@ def install() -> None:
                 log.write(turn.agent.agent_id + "\n")
         finish(self, turn, reason)
 
+    mlx = Front._mlx
+
+    def logged_mlx(self, fn, *args):
+        if fn.__name__ == "start_turn" and (path := os.environ.get(STARTED_LOG)):
+            with open(path, "a") as log:
+                log.write(args[0].agent_id + "\n")
+        return mlx(self, fn, *args)
+
+    Front._mlx = logged_mlx
     Sampling.sampler = faulty_sampler
     Batcher._decode = faulty_decode
     Batcher._finish = logged_finish

@@ -340,8 +340,8 @@ async def say_durably(address: str, agent: str, text: str) -> None:
 def test_idle_hot_agents_give_way_to_a_waiting_turn(tiny_model_dirs, start_worker):
     """A hot budget that holds one agent: the next agent's turn evicts the idle one (it is
     in the store) instead of waiting for RAM forever, and the evicted one comes back warm."""
-    proc = start_worker(
-        tiny_model_dirs["llama"], "--hot-budget", "150K", "--metrics-listen", "127.0.0.1:0"
+    proc = start_worker(  # a turn holds its context twice: in the batch, and to undo it
+        tiny_model_dirs["llama"], "--hot-budget", "250K", "--metrics-listen", "127.0.0.1:0"
     )
     w = WorkerClient(proc.address)
     w.timeout = 60
@@ -366,11 +366,11 @@ def test_a_turn_past_the_whole_hot_budget_is_out_of_range_and_changes_nothing(
     and the agent is as it was: a turn that fits runs next. One that lets the worker fit
     its max_tokens (fit_max_tokens, as the gateway sends when a call gives none) is cut
     to what the budget holds, and runs."""
-    proc = start_worker(tiny_model_dirs["llama"], "--hot-budget", "150K")
+    proc = start_worker(tiny_model_dirs["llama"], "--hot-budget", "250K")
     w = WorkerClient(proc.address)
     w.timeout = 60
     w.create_agent("ns", "a", SYSTEM)
-    with pytest.raises(OverBudget, match=r"whole memory budget of 153600 \(--hot-budget\)"):
+    with pytest.raises(OverBudget, match=r"whole memory budget of 256000 \(--hot-budget\)"):
         w.turn("ns", "a", Q1, max_tokens=1000)
     assert len(w.turn("ns", "a", Q1, max_tokens=4).token_ids) == 4
     fitted = w.turn("ns", "a", Q1, max_tokens=1000, fit_max_tokens=True)
@@ -508,7 +508,7 @@ def test_a_namespace_over_its_quota_does_not_hold_ram_another_tenant_waits_for(
     their tenant's durable turns were told (RESOURCE_EXHAUSTED naming the namespace)."""
     quota = ["--namespace-quota", "tight=1K"]
     store = launched(store_process(tmp_path / "data", tmp_path / "store.log", extra_args=quota))
-    model, flags = str(tiny_model_dirs["llama"]), ["--hot-budget", "150K"]  # one agent
+    model, flags = str(tiny_model_dirs["llama"]), ["--hot-budget", "250K"]  # one agent
     log = tmp_path / "w.log"
     worker = launched(worker_process(model, store.address, log, extra_args=flags))
     w = WorkerClient(worker.address, timeout=60)
@@ -546,9 +546,10 @@ def test_a_turn_waiting_for_ram_that_unwritten_agents_hold_runs_once_the_store_i
     p.turn("ns", "a", Q2, max_tokens=4)
     a, b = p.describe("ns", "a"), p.describe("ns", "b")
     p.turn("ns", "b", long_turn, max_tokens=4)
-    # b's turn claims what b holds plus every token it adds (the worker's rule); the budget
-    # fits that, but not beside a: half of a's bytes short of both, half of them over.
-    claim = b.num_bytes * (p.describe("ns", "b").num_tokens + 1) // b.num_tokens
+    # b's turn claims what b holds plus every token it adds, twice: in the live batch, and
+    # beside it to undo the turn (the worker's rule); the budget fits that, but not beside
+    # a: half of a's bytes short of both, half of them over.
+    claim = 2 * b.num_bytes * (p.describe("ns", "b").num_tokens + 1) // b.num_tokens
     budget = claim + a.num_bytes // 2
     probe.stop()
 

@@ -100,10 +100,10 @@ def test_cancel_frees_the_slot_for_the_next_step():
 
 
 def test_memory_budget_counts_the_hot_tier_and_the_live_batch():
-    s = sched(memory_budget=500)
-    s.hot_bytes = 200
+    s = sched(memory_budget=600)
+    s.hot_bytes = 250
     s.submit(req("a", memory=200))
-    s.submit(req("b", memory=200))  # 200 hot + 200 a + 200 b > 500: b waits
+    s.submit(req("b", memory=200))  # 250 hot + 200 a + 200 b > 600: b waits
     s.submit(req("c", memory=10))  # fits, but may not overtake b
     assert [r.request_id for r in run_step(s).admitted] == ["a"]
     s.hot_bytes = 0  # the engine evicted hot agents to the store
@@ -123,7 +123,23 @@ def test_the_hot_room_is_the_head_of_the_lines():
     assert run_step(s).admitted == []
     s.hot_bytes = s.hot_room()
     assert [r.request_id for r in run_step(s).admitted] == ["urgent"]
-    assert s.hot_room() == 1000 - 700 - 600
+    assert s.hot_room() == 1000 - 700 - 700  # head's row in the batch is as long as urgent's
+
+
+def test_the_live_batch_pads_each_row_to_the_longest_and_own_caches_count_too():
+    """Rows in the live batch are left-padded to the longest, and each agent keeps its own
+    caches beside it, to undo its turn: a short turn beside a long one claims as much as
+    it does. A turn asking for no tokens never joins the batch. (The claim was the sum of
+    the turns' sizes: a batch could hold many times what the budget allowed.)"""
+    s = sched(memory_budget=1000)
+    s.submit(req("long", memory=400, own_bytes=100))
+    s.submit(req("short", memory=50, own_bytes=10))
+    s.submit(req("append", memory=30, max_tokens=0))
+    s.submit(req("short2", memory=50, own_bytes=10))  # 3 * 400 + 120 + 30 > 1000: it waits
+    assert [r.request_id for r in s.schedule(0.0).admitted] == ["long", "short", "append"]
+    assert s.reserved_bytes == 2 * 400 + 110 + 30
+    with pytest.raises(OverBudget, match=r"needs 1010 bytes .* and its context again to undo"):
+        s.submit(req("huge", memory=900, own_bytes=110))
 
 
 def test_a_full_queue_and_an_impossible_request_are_refused():

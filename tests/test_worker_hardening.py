@@ -42,6 +42,7 @@ from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
 from inference_worker.kv_cache import NUMPY_DTYPES
 from tests.faulty_worker import (
+    BATCH_BYTES_LOG,
     FINISHED_LOG,
     HELD_STEP_GATE,
     HELD_STEP_SEED,
@@ -49,6 +50,7 @@ from tests.faulty_worker import (
     ROW_FAULT_SEED,
     SECRET,
     SLOW_STEP_SEED,
+    STARTED_LOG,
     STEP_FAULT_SEED,
 )
 from tests.helpers import freeze, long_turn, metric, read_tokens
@@ -745,3 +747,56 @@ def test_a_retry_of_a_turn_still_running_is_told_the_agent_is_busy(
 
     eventually(answered, "the cut turn leaves the batch", timeout=120)
     assert answers and "'x' already took the turn r1" in str(answers[0])
+
+
+def test_a_long_turn_batched_with_short_ones_stays_within_the_hot_budget(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """The live batch pads every row to its longest, and each agent keeps its own caches
+    beside it, to undo its turn: short turns beside a long one hold about as much as it
+    does. Admission counts that now. It counted each turn's own size, so three short turns
+    joined a long one, and the worker held far more KV than its --hot-budget (a review
+    measured 7.8 times the caches' own bytes with eight rows). At every decode step, the
+    batch and the caches beside it stay within the budget; short turns still join the long
+    one, and every turn is answered."""
+    budget, log, gate = 1024 * 1024, tmp_path / "batch-bytes", tmp_path / "gate"
+    started = tmp_path / "started"
+    env = {BATCH_BYTES_LOG: str(log), HELD_STEP_GATE: str(gate), STARTED_LOG: str(started)}
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, "--hot-budget", "1M", env=env)
+    w = WorkerClient(proc.address, timeout=120)
+    short = ["s1", "s2", "s3"]
+    create(w, ("ns", "long"), *(("ns", agent) for agent in short))
+    w.turn("ns", "long", [("user", "tell me more " * 70)], max_tokens=0)
+    long_bytes = w.describe("ns", "long").num_bytes
+    # The case: a short turn's row is padded to the long one's, over three times its size.
+    # Two rows and the caches beside them fit the budget, four do not.
+    assert 0.2 * budget < long_bytes < 0.3 * budget, long_bytes
+    assert all(w.describe("ns", agent).num_bytes < long_bytes / 3 for agent in short)
+    replies = {}
+
+    def turn(agent: str) -> None:
+        replies[agent] = w.turn("ns", agent, TALK, max_tokens=8)
+
+    # The long turn's step holds the MLX thread until the short turns are handed to it;
+    # from then on, the thread takes one of them between two steps.
+    first = w.stream_turn("ns", "long", TALK, max_tokens=32, seed=HELD_STEP_SEED)
+    items = [next(first)]
+    eventually(gate.with_suffix(".held").exists, "a step holds the long turn", timeout=120)
+    others = [threading.Thread(target=turn, args=(agent,)) for agent in short]
+    for t in others:
+        t.start()
+
+    def handed() -> bool:
+        return started.exists() and set(short) <= set(started.read_text().split())
+
+    eventually(handed, "the short turns are handed to the MLX thread", timeout=120)
+    gate.touch()
+    for t in others:
+        t.join(300)
+    items += list(first)
+    assert items[-1].usage.generated_tokens == 32
+    assert sorted(replies) == short and all(len(r.token_ids) == 8 for r in replies.values())
+    steps = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    assert max(held for _, held in steps) <= budget, steps
+    assert max(rows for rows, _ in steps) >= 2  # the short turns join it, as they fit
