@@ -256,6 +256,7 @@ class BaseAgent:
         phase: str = "",
         timeout: float | None = None,
         tools: Tools = None,
+        durable: bool | None = None,
         **options: Any,
     ) -> MaybeAwaitable[BaseReply]:
         """Sends a message and returns (in asyncio, awaits) once the reply's first token is
@@ -268,7 +269,8 @@ class BaseAgent:
         JSON text); with whole_conversation the conversation's, else none (the agent's own,
         given to agent()) or the agent's. The reply's `.tool_calls` holds the calls the
         model made, and its usage's finish_reason is "tool_calls" when it made any.
-        `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
+        `durable`: the reply ends only once the turn is committed (None: the memory's
+        `durable`). `options`: top_p, top_k, stop, seed, priority, deadline_ms, whole_conversation
         (`text` is the whole conversation so far, resent, its system message first),
         output_format (the reply's required form: a JSON Schema as a dict, or an
         OutputFormat), tool_call_required (the reply opens with a tool call), tool_call_name
@@ -280,7 +282,8 @@ class BaseAgent:
         TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)
         options.update(max_tokens=max_tokens, temperature=temperature, tools=tools_json(tools))
-        options.update(request_id=secrets.token_hex(16), phase=phase, durable=mem.durable)
+        durable = mem.durable if durable is None else durable
+        options.update(request_id=secrets.token_hex(16), phase=phase, durable=durable)
 
         def start(worker: BaseWorkerClient) -> Any:
             request = turn_request(mem.namespace, self.id, messages, **options)
@@ -289,15 +292,21 @@ class BaseAgent:
         return self._call(start)
 
     def inject(
-        self, messages: Messages, *, role: str = "user", phase: str = ""
+        self,
+        messages: Messages,
+        *,
+        role: str = "user",
+        phase: str = "",
+        durable: bool | None = None,
     ) -> MaybeAwaitable[pb.InjectContextResponse]:
         """Appends messages (say's kinds) to the agent's context without a reply: only they
         are prefilled. A retry on another worker after a lost reply adds nothing (its
-        request_id)."""
+        request_id). `durable`: as say's."""
         mem, said, key = self.memory, as_messages(messages, role), secrets.token_hex(16)
+        durable = mem.durable if durable is None else durable
         return self._call(
             lambda w: w.inject(
-                mem.namespace, self.id, said, phase=phase, durable=mem.durable, request_id=key
+                mem.namespace, self.id, said, phase=phase, durable=durable, request_id=key
             ),
             self._injected,
         )

@@ -298,6 +298,12 @@ def test_store_down_during_turns_loses_nothing(tiny_model_dirs, tmp_path):
             reply = memory.agent("sync-sdk").say("Log it.", max_tokens=4)
             with pytest.raises(Unavailable, match="not committed"):
                 _ = reply.text
+        with AgentMemory(worker.address, namespace="ns") as memory:  # durable by the call
+            reply = memory.agent("sync-sdk").say("Log it again.", max_tokens=4, durable=True)
+            with pytest.raises(Unavailable, match="not committed"):  # it was taken as not
+                _ = reply.text
+            with pytest.raises(Unavailable, match="not committed"):
+                memory.agent("sync-sdk").inject("Noted.", durable=True)
         asyncio.run(say_durably(worker.address, "async-sdk", "Log it."))
         with pytest.raises(Unavailable):
             w.delete("ns", "keeper")  # not deleted: what only RAM holds stays there
