@@ -14,7 +14,6 @@ from agentkv.errors import AgentKVError, DiskFull, ModelLacks, OverBudget
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
@@ -56,6 +55,10 @@ class HTTPError(Exception):
             return cls(400, exc.message, code="unsupported_value")
         if isinstance(exc, DiskFull):  # the service's trouble, not this caller's rate (429)
             return cls(503, exc.message, "service_unavailable", code="disk_full")
+        if exc.code == grpc.StatusCode.UNAUTHENTICATED:  # the gateway's or its worker's own
+            # token, never this caller's key, which the gateway checks itself (a 401 there)
+            message = f"a service behind the gateway refused its credentials ({exc.message})"
+            return cls(502, message, "server_error", code="upstream_unauthenticated")
         too_long = exc.code == grpc.StatusCode.OUT_OF_RANGE and not isinstance(exc, OverBudget)
         code = "context_length_exceeded" if too_long else None
         return cls(status, http_message(exc), kind, code=code or exc.code.name.lower())

@@ -152,8 +152,8 @@ def test_errors_with_more_than_a_message_survive_pickling():
 
 def test_every_grpc_status_has_its_http_status():
     expected = {
-        errors.InvalidArgument: 400, errors.OutOfRange: 400, errors.Unauthenticated: 401,
-        errors.PermissionDenied: 403, errors.AgentNotFound: 404, errors.AgentExists: 409,
+        errors.InvalidArgument: 400, errors.OutOfRange: 400, errors.PermissionDenied: 403,
+        errors.AgentNotFound: 404, errors.AgentExists: 409,
         errors.FailedPrecondition: 409,
         errors.ResourceExhausted: 429, errors.Unavailable: 503, errors.DeadlineExceeded: 504,
         errors.CorruptBlock: 500, errors.AgentKVError: 500,
@@ -165,6 +165,11 @@ def test_every_grpc_status_has_its_http_status():
         assert error.status == status, kind
         assert error.body()["error"]["message"] == "why"
     assert HTTPError.of(errors.GenerationConflict("raced", current_generation=3)).status == 409
+    # A worker or store refusing the gateway's (or the worker's) own token: the service's
+    # configuration, not the caller's key (before, a 401 told the caller its key was wrong).
+    refused = HTTPError.of(errors.Unauthenticated("unauthenticated: no bearer token"))
+    assert (refused.status, refused.code) == (502, "upstream_unauthenticated")
+    assert "behind the gateway refused its credentials" in refused.message
     assert HTTPError.of(errors.OutOfRange("long")).code == "context_length_exceeded"
     # past the worker's memory, not the context: compacting the prompt would not help
     over = HTTPError.of(errors.OverBudget("big"))
