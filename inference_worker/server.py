@@ -17,16 +17,17 @@ from inference_worker.front import Front
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.runtime import resolve_runtime
 from inference_worker.service import FEATURES, SERVICE_NAME, InferenceWorkerServicer
-from inference_worker.store_health import StoreHealth
+from inference_worker.store_health import StoreHealth, check_store
 
 log = logging.getLogger("agentkv.worker")
 
 
 def create_server(config: WorkerConfig, blas: str | None) -> Served:
     """Loads the model, starts the engine and binds the server; does not start it."""
+    store = StoreClient(config.store, timeout=config.store_timeout, security=config.store_security)
+    check_store(store, config.store, timeout=10.0)  # before the model loads: at once
     runtime = resolve_runtime(config)
     metrics = WorkerMetrics()
-    store = StoreClient(config.store, timeout=config.store_timeout, security=config.store_security)
     engine = Engine(config, runtime, store, metrics)
     # The tool-call format turns use (ChatFormat's: none where its template renders tools
     # anew with each user message, whatever mlx-lm infers).

@@ -11,9 +11,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from agentkv.client.store import StoreClient
+from agentkv.errors import AgentKVError, FailedPrecondition, Unauthenticated
+from agentkv.v1 import store_pb2
 
 log = logging.getLogger("agentkv.worker")
 STORE_HEALTH = "agentkv.worker.store"  # SERVING while the store answers, else NOT_SERVING
+STORE_SERVICE = store_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -43,10 +46,11 @@ class StoreHealth:
         self._thread.start()
 
     def check(self, timeout: float | None = None) -> bool:
-        """Asks the store's grpc.health.v1 (open to every caller, no token needed), waiting
-        `timeout` seconds (the watch's own by default)."""
+        """Asks the store's grpc.health.v1 (open to every caller, no token needed) of the
+        store's service (a server that is no store answers NOT_FOUND), waiting `timeout`
+        seconds (the watch's own by default)."""
         try:
-            request = health_pb2.HealthCheckRequest()
+            request = health_pb2.HealthCheckRequest(service=STORE_SERVICE)
             reply = self._health.Check(request, timeout=timeout or self.timeout)
             answering = reply.status == SERVING
             reason = (
@@ -76,3 +80,28 @@ class StoreHealth:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def check_store(store: StoreClient, address: str, timeout: float) -> None:
+    """Raises when the server at the worker's --store answers but is no agentkv store, or
+    refuses the worker's token: the worker could never use it (every turn would fail, and
+    the gateway would answer its callers 401 for the worker's own token). One that does
+    not answer (down, or not started yet) is no error here: the worker serves hot agents
+    meanwhile, and StoreHealth says so."""
+    health = health_pb2_grpc.HealthStub(store.channel)
+    try:
+        health.Check(health_pb2.HealthCheckRequest(service=STORE_SERVICE), timeout=timeout)
+        store.call("GetStats", store_pb2.GetStatsRequest(), timeout)  # checks the token
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+            raise FailedPrecondition(
+                f"the server at --store {address} is not an agentkv store: it serves no "
+                f"{STORE_SERVICE} ({exc.code().name})"
+            ) from None
+    except Unauthenticated as exc:
+        raise Unauthenticated(
+            f"the store at --store {address} refuses this worker's token ({exc.message}): "
+            "give --store-token-file (or AGENTKV_STORE_TOKEN_FILE) a token its --auth-tokens holds"
+        ) from None
+    except AgentKVError:
+        pass  # PERMISSION_DENIED: a token it knows, for some namespaces; or no answer

@@ -544,6 +544,49 @@ def test_worker_enforces_tokens_and_reaches_a_secured_store(
         worker.stop()
 
 
+@pytest.mark.parametrize("token", ["", "not-a-known-token-at-all"], ids=["none", "unknown"])
+def test_a_worker_whose_store_refuses_its_token_stops_at_start(
+    tmp_path, secured_store, tiny_model_dirs, token
+):
+    """Before, it said "store answers" (health needs no token) and served: every turn then
+    failed UNAUTHENTICATED, which the gateway answered its own callers as a 401, as if
+    their key were wrong."""
+    from agentkv.launch import worker_process
+
+    extra = ["--block-tokens", "64"]
+    if token:
+        (tmp_path / "store.token").write_text(token)
+        extra += ["--store-token-file", str(tmp_path / "store.token")]
+    worker = worker_process(
+        str(tiny_model_dirs["llama"]), secured_store.address, tmp_path / "w.log", extra_args=extra
+    )
+    refused = "no bearer token" if not token else "the bearer token is not valid"
+    with pytest.raises(RuntimeError, match=f"refuses this worker's token .*{refused}"):
+        worker.start(timeout=120)
+
+
+def test_a_worker_whose_store_address_is_no_store_stops_at_start(
+    tmp_path, secured_store, tiny_model_dirs
+):
+    """A worker given another worker's address as its store (both answer grpc.health.v1)
+    said "store answers" and served; every turn then failed UNIMPLEMENTED."""
+    from agentkv.launch import worker_process
+
+    (tmp_path / "store.token").write_text(OPS)
+    model, extra = (
+        str(tiny_model_dirs["llama"]),
+        ["--store-token-file", str(tmp_path / "store.token")],
+    )
+    first = worker_process(model, secured_store.address, tmp_path / "a.log", extra_args=extra)
+    first.start(timeout=120)
+    try:
+        second = worker_process(model, first.address, tmp_path / "b.log")
+        with pytest.raises(RuntimeError, match=f"{first.address} is not an agentkv store"):
+            second.start(timeout=120)
+    finally:
+        first.stop()
+
+
 def test_cli_carries_a_token(secured_store, tmp_path):
     import os
     import sys
