@@ -45,6 +45,15 @@ def read_token(path: str) -> str:
         raise ValueError(f"token file {path}: {exc.strerror or exc}") from None
     if not token:
         raise ValueError(f"token file {path} is empty")
+    return header_token(token, f"token file {path}")
+
+
+def header_token(token: str, where: str) -> str:
+    """The token, if an authorization header can carry it (printable ASCII, no spaces, as
+    servers' token tables require); else ValueError naming `where`. gRPC would refuse it
+    on every call, as "Invalid metadata"."""
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        raise ValueError(f"{where} holds a token with characters a header cannot carry")
     return token
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from agentkv import defaults
 from agentkv.addresses import client_address
-from agentkv.channels import ClientSecurity
+from agentkv.channels import ClientSecurity, header_token
 from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, AgentNotFound, FingerprintMismatch, Unavailable
@@ -210,9 +210,9 @@ def _addresses_from_env(parser: argparse.ArgumentParser, args: argparse.Namespac
 def _security(args: argparse.Namespace) -> ClientSecurity:
     """The flags' ClientSecurity; with no --token-file, the token is env AGENTKV_TOKEN's."""
     security = from_args(ClientSecurity, args)
-    if security.token:
+    if security.token or not (token := os.environ.get("AGENTKV_TOKEN", "").strip()):
         return security
-    return dataclasses.replace(security, token=os.environ.get("AGENTKV_TOKEN", ""))
+    return dataclasses.replace(security, token=header_token(token, "env AGENTKV_TOKEN"))
 
 
 def _workers(args: argparse.Namespace) -> list[str]:

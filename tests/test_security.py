@@ -606,6 +606,15 @@ def test_cli_carries_a_token(secured_store, tmp_path):
     (tmp_path / "a.token").write_text(TEAM_A)
     denied = cli("--token-file", str(tmp_path / "a.token"), "agents", "-n", "b")
     assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr
+    # A token no header can carry is the caller's usage error, named where it came from;
+    # it was every call's INTERNAL "Invalid metadata".
+    unsent = cli("stats", AGENTKV_TOKEN=OPS[:5] + "\n" + OPS[5:])
+    assert unsent.returncode == 2, unsent.stderr
+    assert "env AGENTKV_TOKEN holds a token with characters a header cannot carry" in unsent.stderr
+    (tmp_path / "bad.token").write_text("t\u00f6k en-0123456789")
+    unsent = cli("--token-file", str(tmp_path / "bad.token"), "stats")
+    assert unsent.returncode == 2 and "Traceback" not in unsent.stderr, unsent.stderr
+    assert "bad.token holds a token with characters a header cannot carry" in unsent.stderr
 
 
 @pytest.mark.parametrize(
