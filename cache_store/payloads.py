@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from agentkv.errors import CorruptBlock, DiskFull, InvalidArgument
+from agentkv.errors import CorruptBlock, DiskFull, InvalidArgument, Unavailable
 from cache_store.records import HEADER_LAYER, BlockRecord, Segment
 from cache_store.validation import TensorLayout
 
@@ -65,9 +65,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _disk_error(exc: OSError, what: str) -> Exception:
+    """A write's OSError as the caller's status: a full disk, or a data directory the store
+    cannot write (its permissions changed, or it was deleted): not a crash of the call."""
     if exc.errno in _NO_SPACE:
         return DiskFull(f"no space left on the store's disk while {what}")
-    return exc
+    return Unavailable(f"the store cannot write its data directory while {what}: {_said(exc)}")
+
+
+def _said(exc: OSError) -> str:
+    return f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
 
 
 class BlockWriter:
@@ -173,6 +179,19 @@ class Payloads:
         self.quarantine_dir = root / "quarantine"
         for d in (root / "blocks", self.tmp_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._check_writable()
+
+    def _check_writable(self) -> None:
+        """Raises OSError (at start) unless a block can be written and moved into place:
+        a data directory another user owns, or a read-only one, fails every write."""
+        probe = self.tmp_dir / f"{secrets.token_hex(8)}.probe"
+        placed = self.root / "blocks" / probe.name
+        try:
+            probe.touch(exist_ok=False)
+            os.rename(probe, placed)
+        finally:
+            probe.unlink(missing_ok=True)
+            placed.unlink(missing_ok=True)
 
     @staticmethod
     def relpath(namespace: str, key: bytes) -> str:

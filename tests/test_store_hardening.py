@@ -33,6 +33,7 @@ from agentkv.errors import (
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    Unavailable,
 )
 from agentkv.v1 import store_pb2 as pb
 from cache_store import leases
@@ -134,6 +135,41 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert last == f"agentkv-store: error: --data-dir {path} is a file, not a directory"
     assert path.read_text() == "mine"
+
+
+def test_a_data_dir_the_store_cannot_write_stops_it_at_start(tmp_path):
+    """A data dir whose block folders cannot be written (another user's, read-only; here
+    tmp/ is a place no process may create files in) stops the store at start, in one line.
+    Before, it served, and every put crashed INTERNAL with a traceback, which workers
+    retried every 2 s without end."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tmp").symlink_to("/proc/self")
+    run = subprocess.run(
+        [sys.executable, "-m", "cache_store", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "agentkv-store: error:" in run.stderr and ".probe" in run.stderr
+
+
+def test_a_data_dir_deleted_under_a_running_store_fails_writes_unavailable(store_process):
+    """A write after the data dir went (deleted behind the store's back) is UNAVAILABLE,
+    saying so, with no traceback in the log (it was INTERNAL, logged as a crash); what the
+    store holds in its index still reads."""
+    import shutil
+
+    with StoreClient(store_process.address) as c:
+        blocks, keys = make_chain(list(range(1, 33)), 16, seed=1)
+        save(c, NS, "before", blocks, list(range(1, 33)))
+        shutil.rmtree(store_process.data_dir)
+        again, _ = make_chain(list(range(100, 132)), 16, seed=2)
+        with pytest.raises(Unavailable, match="cannot write its data directory while"):
+            save(c, NS, "after", again, list(range(100, 132)))
+        assert c.get_agent(NS, "before").block_keys == keys
+    assert "rpc crashed" not in store_process.log_text()
 
 
 def test_a_second_store_on_a_data_dir_in_use_refuses_to_start(store_process, hold):
