@@ -167,8 +167,8 @@ class StoreConfig(ServerConfig):
             raise ValueError(f"lease_seconds must be in 1..{self.max_lease_seconds}")
         if not 1 <= self.max_chunk_bytes < self.max_message_bytes:
             raise ValueError("max_chunk_bytes must be positive and below max_message_bytes")
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.workers < 2:  # one for streams, and at least one other call's
+            raise ValueError(f"workers must be >= 2, got {self.workers}")
         if not 1 <= self.max_streams < self.workers:
             raise ValueError(
                 f"max_streams must be in 1..{self.workers - 1} (below --workers {self.workers}, "

@@ -57,4 +57,8 @@ class GatewayConfig:
             )
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if not self.timeout > 0:  # every call would end at once, 504 (or 503 if negative)
+            raise ValueError(f"--timeout must be above 0 seconds, got {self.timeout}")
+        if self.max_body_bytes < 1024:  # the smallest chat request would be a 413
+            raise ValueError(f"--max-body must be at least 1K, got {self.max_body_bytes}")
         self.security.check(self.listen, is_loopback(self.listen))

@@ -73,3 +73,28 @@ def test_a_hot_budget_of_nothing_is_a_usage_error(capsys):
         worker_config(["--model", "m", "--store", "127.0.0.1:1", "--hot-budget", "0"])
     assert exit.value.code == 2
     assert "hot_budget_bytes must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--timeout", "0"], "--timeout must be above 0 seconds, got 0.0"),
+        (["--timeout", "-1"], "--timeout must be above 0 seconds, got -1.0"),
+        (["--max-body", "0"], "--max-body must be at least 1K, got 0"),
+    ],
+)
+def test_a_gateway_flag_no_call_could_pass_is_a_usage_error(capsys, flags, message):
+    """A gateway whose every call would end at once (504, or a 503 blaming the workers) or
+    be too big (413) is refused at start; it served, and failed every call."""
+    with pytest.raises(SystemExit) as exit:
+        parse_config(GatewayConfig, "gw", None, ["--worker", "h:1", *flags])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_store_of_one_rpc_thread_is_refused_naming_workers(capsys):
+    """Streams take at most all threads but one, so one thread leaves them none; the
+    message spoke of max_streams in "1..0"."""
+    with pytest.raises(SystemExit):
+        store_config(["--data-dir", "unused", "--workers", "1"])
+    assert "workers must be >= 2, got 1" in capsys.readouterr().err
