@@ -194,7 +194,15 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     target = cache_dir / key
     if (target / "config.json").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        named = (
+            "cache (env AGENTKV_MODEL_CACHE)" if os.environ.get("AGENTKV_MODEL_CACHE") else "cache"
+        )
+        raise OSError(
+            f"the model {named} {cache_dir} cannot hold imports: {exc.strerror}"
+        ) from None
     with _taking_turns(cache_dir) as alone:
         if (target / "config.json").exists():  # another process imported it meanwhile
             return target

@@ -470,6 +470,22 @@ def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(source
     assert other.exists()  # another file's: not this import's to judge
 
 
+def test_a_model_cache_that_is_no_directory_is_named_by_its_variable(
+    sources, tmp_path, monkeypatch
+):
+    """AGENTKV_MODEL_CACHE naming a file stopped the worker with "[Errno 17] File exists:
+    PATH", which named neither the variable nor the cache."""
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.setenv("AGENTKV_MODEL_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(
+        OSError, match=r"the model cache \(env AGENTKV_MODEL_CACHE\) .*afile cannot hold"
+    ):
+        cached_import(gguf, "float32")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_an_import_into_a_mount_point_is_written_inside_it(sources, tmp_path, monkeypatch):
     """A volume's root cannot be renamed into place (EBUSY): the import is staged inside it
     and moved in file by file, config.json last; an earlier import there is replaced, and a
