@@ -144,6 +144,10 @@ def turn_request(
     `mark_name`: a name after_mark may give for the point this turn ends at. `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
     allowed = [tool_call_allowed] if isinstance(tool_call_allowed, str) else tool_call_allowed
+    counts = {**sampling, "deadline_ms": deadline_ms, "max_tool_calls": max_tool_calls}
+    for name in ("max_tokens", "top_k", "deadline_ms", "max_tool_calls"):  # uint32 fields
+        if isinstance(counts.get(name), int) and counts[name] < 0:  # protobuf: "out of range"
+            raise InvalidArgument(f"{name} must be >= 0, got {counts[name]}")
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,

@@ -73,6 +73,13 @@ def test_tools_are_sent_as_json_text():
     assert json.loads(request.tools) == TOOLS and not turn_request("ns", "a", []).tools
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "top_k", "deadline_ms", "max_tool_calls"])
+def test_a_negative_count_is_refused_naming_its_field(field):
+    """protobuf's own refusal named no field: "Value out of range: -1"."""
+    with pytest.raises(InvalidArgument, match=f"^{field} must be >= 0, got -1$"):
+        turn_request("ns", "a", [("user", ASK)], **{field: -1})
+
+
 def test_a_turns_tool_calls_are_collected_apart_from_its_text():
     result, call = TurnResult(), pb.ToolCall(id="call_1", name="f", arguments="{}")
     for response in (
