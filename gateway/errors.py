@@ -59,6 +59,8 @@ class HTTPError(Exception):
             # token, never this caller's key, which the gateway checks itself (a 401 there)
             message = f"a service behind the gateway refused its credentials ({exc.message})"
             return cls(502, message, "server_error", code="upstream_unauthenticated")
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED:  # a --worker or --store of another kind
+            return cls(502, exc.message, "server_error", code="upstream_unimplemented")
         too_long = exc.code == grpc.StatusCode.OUT_OF_RANGE and not isinstance(exc, OverBudget)
         code = "context_length_exceeded" if too_long else None
         return cls(status, http_message(exc), kind, code=code or exc.code.name.lower())

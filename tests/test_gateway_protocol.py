@@ -170,6 +170,11 @@ def test_every_grpc_status_has_its_http_status():
     refused = HTTPError.of(errors.Unauthenticated("unauthenticated: no bearer token"))
     assert (refused.status, refused.code) == (502, "upstream_unauthenticated")
     assert "behind the gateway refused its credentials" in refused.message
+    # A --store or --worker address of another kind of server: the deployment's, not a 500.
+    unserved = errors.AgentKVError("the server there does not serve this call")
+    unserved.code = grpc.StatusCode.UNIMPLEMENTED
+    unserved = HTTPError.of(unserved)
+    assert (unserved.status, unserved.code) == (502, "upstream_unimplemented")
     assert HTTPError.of(errors.OutOfRange("long")).code == "context_length_exceeded"
     # past the worker's memory, not the context: compacting the prompt would not help
     over = HTTPError.of(errors.OverBudget("big"))
