@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -195,6 +196,9 @@ def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
     address clients dial. Raises OSError when it is taken, or not an address of this host."""
     if listen.startswith("unix:") and _answers(listen[len("unix:") :]):
         raise OSError(f"could not bind {listen}: a server is listening there")
+    folder = Path(listen[len("unix:") :]).parent if listen.startswith("unix:") else None
+    if folder is not None and not folder.is_dir():  # gRPC would say only that it failed
+        raise OSError(f"could not bind {listen}: no directory {folder}")
     if not listen.startswith("unix:") and not listen.endswith(":0"):
         bound_socket(listen).close()  # why it cannot be bound, before gRPC's own log line
     try:

@@ -95,6 +95,15 @@ def test_a_second_store_on_a_unix_socket_in_use_refuses_and_leaves_it(tmp_path):
         first.stop()
 
 
+def test_a_unix_socket_in_a_missing_directory_says_so(tmp_path):
+    """It said "in use, or not an address of this host", and gRPC logged a line of its own."""
+    path = tmp_path / "nodir" / "store.sock"
+    run = start("cache_store", "--data-dir", str(tmp_path / "data"), "--listen", f"unix:{path}")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == f"agentkv-store: error: could not bind unix:{path}: no directory {path.parent}"
+
+
 def test_tokens_hold_when_another_store_is_started_on_the_port(tmp_path):
     """The reviewer's case: a store with tokens, then one without on its port; before, 2 of
     12 clients without a token reached the second one."""
