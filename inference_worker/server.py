@@ -6,8 +6,10 @@ Import this only after inference_worker.blas.load_optimized_blas() (it imports m
 from __future__ import annotations
 
 import logging
+import os
 
 from agentkv.client.store import StoreClient
+from agentkv.errors import InvalidArgument
 from agentkv.rpc import service_handlers
 from agentkv.serving import Served, bind_service, serve_until_signal
 from agentkv.worker.v1 import worker_pb2
@@ -27,6 +29,7 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
     store = StoreClient(config.store, timeout=config.store_timeout, security=config.store_security)
     check_store(store, config.store, timeout=10.0)  # before the model loads: at once
     runtime = resolve_runtime(config)
+    check_budget(config, runtime.token_bytes)
     metrics = WorkerMetrics()
     engine = Engine(config, runtime, store, metrics)
     # The tool-call format turns use (ChatFormat's: none where its template renders tools
@@ -64,6 +67,24 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
         },
     )
     return served
+
+
+def check_budget(config: WorkerConfig, token_bytes: int) -> None:
+    """Refuses a hot budget that holds no turn of one block of this model (held twice while
+    it runs: in the batch, and to undo it), where every turn would be OUT_OF_RANGE; warns of
+    one past this host's RAM."""
+    least = 2 * config.block_tokens * token_bytes
+    if config.hot_budget_bytes < least:
+        raise InvalidArgument(
+            f"--hot-budget {config.hot_budget_bytes} bytes holds no turn of one block "
+            f"({config.block_tokens} tokens) of this model: give it at least {least}"
+        )
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if config.hot_budget_bytes > ram:
+        log.warning(
+            "hot budget past this host's RAM: agents are evicted only past it",
+            extra={"hot_budget": config.hot_budget_bytes, "ram": ram},
+        )
 
 
 def serve(config: WorkerConfig, blas: str | None) -> None:

@@ -383,6 +383,19 @@ def test_a_turn_past_the_whole_hot_budget_is_out_of_range_and_changes_nothing(
     assert 0 < len(fitted.token_ids) < 1000
 
 
+def test_a_hot_budget_that_holds_no_turn_stops_the_worker_at_start(
+    tiny_model_dirs, store_process, tmp_path
+):
+    """A budget too small for a turn of one block (held twice while it runs) started, and
+    every turn was then OUT_OF_RANGE: now the worker says so at start, in one line."""
+    args = ["--block-tokens", "64", "--hot-budget", "1K"]
+    model = str(tiny_model_dirs["llama"])
+    proc = worker_process(model, store_process.address, tmp_path / "w.log", extra_args=args)
+    said = r"--hot-budget 1024 bytes holds no turn of one block \(64 tokens\) of this model"
+    with pytest.raises(RuntimeError, match=said + r": give it at least \d+"):
+        proc.start(timeout=120)
+
+
 def test_a_pinned_agent_is_evicted_last(tiny_model_dirs, start_worker):
     """A hot budget that holds a few agents: six others come and go, and the pinned one
     stays hot though it is the least recently used; unpinned, the same six push it out.
