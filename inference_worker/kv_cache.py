@@ -18,6 +18,7 @@ Attention path, per query length (DESIGN.md, measured on CPU):
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -71,8 +72,10 @@ class QuantizedKV:
         self._turn_open = False
         self._turn: tuple[mx.array, mx.array] | None = None
         self.turn_from = 0
-        self._sized: tuple[QTensor | None, int] = (None, 0)  # keys, and their K and V's bytes
-        # at one position (nbytes', computed again once the keys change: a batch's rows)
+        # nbytes' K and V bytes at one position, and a weak reference to the first key array
+        # they were counted on (new arrays, a batch's rows say, are counted again; a strong
+        # one would keep replaced arrays alive)
+        self._sized: tuple[weakref.ref | None, int] = (None, 0)
 
     @property
     def bits(self) -> int:
@@ -266,10 +269,12 @@ class QuantizedKV:
             return 0
         # Per position, times positions: slicing every array cost ~15 us a cache, and the
         # hot tier counts every agent's each time a turn ends, on the MLX thread.
-        if self._sized[0] is not self.keys:
+        counted, per_position = self._sized
+        if counted is None or counted() is not self.keys[0]:
             arrays = (*self.keys, *self.values)
-            self._sized = (self.keys, sum(a.nbytes // a.shape[-2] for a in arrays))
-        return self._sized[1] * (self.offset - self.start)
+            per_position = sum(a.nbytes // a.shape[-2] for a in arrays)
+            self._sized = (weakref.ref(self.keys[0]), per_position)
+        return per_position * (self.offset - self.start)
 
     # blocks
 

@@ -3,6 +3,8 @@ real store process over both read paths, on llama, gemma3_text and deepseek_v2."
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -116,10 +118,13 @@ def test_nbytes_follows_the_positions_held_as_the_arrays_change(tiny_models):
     from inference_worker.batch_cache import BatchQuantizedKV
 
     model, _ = tiny_models["llama"]
-    caches, _ = prefill(model, PROMPT)
+    caches = prefill(model, PROMPT)[0]  # (its logits' graph would hold the arrays)
     a = caches[0]
     assert a.nbytes == held_bytes(a) > 0
-    model(mx.array([[3] * 200]), cache=caches)  # past its capacity: new arrays
+    old = weakref.ref(a.keys[0])
+    model(mx.array([[3] * 300]), cache=caches)  # past its capacity: new arrays
+    mx.eval([x for c in caches for x in c.state_arrays()])  # (lazy, they hold the old)
+    assert old() is None  # nbytes keeps no array it counted alive
     assert a.nbytes == held_bytes(a)
     a.trim(150)
     assert a.nbytes == held_bytes(a)
