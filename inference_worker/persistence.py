@@ -119,6 +119,13 @@ def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentK
     return type(error)(message) if isinstance(error, ResourceExhausted) else NotCommitted(message)
 
 
+def _back_off(agent: Agent) -> None:
+    """One more write refused in a row: the next is tried 2 s, 4 s, ... up to a minute on."""
+    agent.refusals += 1
+    wait = 2.0 * 2 ** min(agent.refusals - 1, 5)
+    agent.retry_at = time.monotonic() + min(60.0, wait)
+
+
 def _committed(agent: Agent, generation: int, written: Written, block_tokens: int) -> None:
     """Records a commit. A turn that began since may have cut the context back: only the
     part it kept is durable (Agent.begin_turn)."""
@@ -165,10 +172,11 @@ class Persister:
             log.error(
                 "cannot persist agent",
                 extra={"agent": agent.agent_id, "error": str(exc)},
-                exc_info=not isinstance(exc, ValueError),
+                exc_info=not isinstance(exc, ValueError) and not agent.refusals,  # once
             )
             failed = FailedPrecondition if isinstance(exc, ValueError) else AgentKVError
             agent.persist_error = failed(str(exc))
+            _back_off(agent)  # not soon over either: tried again after a while
             agent.pending = Future()  # a write that failed at once: a durable turn says so
             agent.pending.set_result(self._report("failed", agent.persist_error))
             return
@@ -223,9 +231,7 @@ class Persister:
                 agent.in_doubt[cid] = snap.written
             agent.persist_error = exc
             if isinstance(exc, ResourceExhausted):  # a quota or a full disk: not soon over
-                agent.refusals += 1
-                wait = 2.0 * 2 ** min(agent.refusals - 1, 5)  # 2 s, 4 s, ... up to a minute
-                agent.retry_at = time.monotonic() + min(60.0, wait)
+                _back_off(agent)
             log.warning(
                 "persist failed",
                 extra={"namespace": agent.namespace, "agent": agent.agent_id, "error": exc.message},

@@ -4,6 +4,7 @@ and that a process whose MLX threads ended exits cleanly."""
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -187,6 +188,11 @@ def test_a_write_that_cannot_even_be_cut_fails_the_durable_turn_waiting_on_it(mo
     writes.persist(a)
     error = persistence.turn_not_durable(a, a.pending.result())
     assert error is not None and str(failure) in error.message
+    # tried again after a while, not at every catch-up (it was every 2 s, with a traceback)
+    assert a.refusals == 1 and a.retry_at > time.monotonic() + 1
+    tier = HotTier(budget_bytes=1000)
+    tier.put(a)
+    assert tier.failed_writes(lambda agent: False) == []
 
 
 def test_work_handed_to_a_closed_mlx_thread_fails_at_once():
