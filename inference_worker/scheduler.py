@@ -99,7 +99,8 @@ class Scheduler:
             what, fewer = "its context", "a shorter context"  # a new agent's prefix, say
             if request.max_tokens:
                 what, fewer = "its context and max_tokens", "fewer tokens or a shorter context"
-            twice = ", and its context again to undo the turn" if request.own_bytes else ""
+            undo = request.own_bytes and request.max_tokens  # a turn that joins the batch
+            twice = ", and its context again to undo the turn" if undo else ""
             raise OverBudget(
                 f"the turn needs {need} bytes of KV cache ({what}){twice}, more than "
                 f"this worker's whole memory budget of {self.memory_budget} (--hot-budget): "

@@ -73,7 +73,7 @@ def check_budget(config: WorkerConfig, token_bytes: int) -> None:
     """Refuses a hot budget that holds no turn of one block of this model (held twice while
     it runs: in the batch, and to undo it), where every turn would be OUT_OF_RANGE; warns of
     one past this host's RAM."""
-    least = 2 * config.block_tokens * token_bytes
+    least = (2 * config.block_tokens + 1) * token_bytes  # and one token of its reply
     if config.hot_budget_bytes < least:
         raise InvalidArgument(
             f"--hot-budget {config.hot_budget_bytes} bytes holds no turn of one block "

@@ -140,6 +140,8 @@ def test_the_live_batch_pads_each_row_to_the_longest_and_own_caches_count_too():
     assert s.reserved_bytes == 2 * 400 + 110 + 30
     with pytest.raises(OverBudget, match=r"needs 1010 bytes .* and its context again to undo"):
         s.submit(req("huge", memory=900, own_bytes=110))
+    with pytest.raises(OverBudget, match=r"needs 1100 bytes of KV cache \(its context\), more"):
+        s.submit(req("inject", memory=1100, own_bytes=1100, max_tokens=0))  # never in the batch
 
 
 def test_a_full_queue_and_an_impossible_request_are_refused():
