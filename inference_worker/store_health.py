@@ -87,21 +87,30 @@ def check_store(store: StoreClient, address: str, timeout: float) -> None:
     refuses the worker's token: the worker could never use it (every turn would fail, and
     the gateway would answer its callers 401 for the worker's own token). One that does
     not answer (down, or not started yet) is no error here: the worker serves hot agents
-    meanwhile, and StoreHealth says so."""
+    meanwhile, and StoreHealth says so. A proxy that does not pass health checks on is
+    passed by: the store's own answer decides."""
     health = health_pb2_grpc.HealthStub(store.channel)
     try:
         health.Check(health_pb2.HealthCheckRequest(service=STORE_SERVICE), timeout=timeout)
-        store.call("GetStats", store_pb2.GetStatsRequest(), timeout)  # checks the token
     except grpc.RpcError as exc:
-        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
-            raise FailedPrecondition(
-                f"the server at --store {address} is not an agentkv store: it serves no "
-                f"{STORE_SERVICE} ({exc.code().name})"
-            ) from None
+        if exc.code() == grpc.StatusCode.NOT_FOUND:  # a gRPC server with other services
+            raise _no_store(address, exc.code().name) from None
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            return  # it does not answer
+    try:
+        store.call("GetStats", store_pb2.GetStatsRequest(), timeout)  # checks the token too
     except Unauthenticated as exc:
         raise Unauthenticated(
             f"the store at --store {address} refuses this worker's token ({exc.message}): "
             "give --store-token-file (or AGENTKV_STORE_TOKEN_FILE) a token its --auth-tokens holds"
         ) from None
-    except AgentKVError:
-        pass  # PERMISSION_DENIED: a token it knows, for some namespaces; or no answer
+    except AgentKVError as exc:  # PERMISSION_DENIED: a token it knows, for some namespaces
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED and not exc.remote:
+            raise _no_store(address, exc.code.name) from None
+
+
+def _no_store(address: str, why: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"the server at --store {address} is not an agentkv store: it serves no "
+        f"{STORE_SERVICE} ({why})"
+    )
