@@ -184,7 +184,8 @@ class ReplyTooLarge(ResourceExhausted):
 
 
 class Unavailable(AgentKVError):
-    """The peer could not be reached (SDK side only)."""
+    """The peer could not be reached, or cannot serve the call now (a store whose data
+    directory went away): worth sending again later."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

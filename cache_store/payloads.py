@@ -27,6 +27,9 @@ from cache_store.records import HEADER_LAYER, BlockRecord, Segment
 from cache_store.validation import TensorLayout
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+# The data directory's permissions changed, it went away, or its disk fails: the store's
+# trouble, not the call's; any other error is a bug, and stays INTERNAL with its traceback.
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EIO}
 SUFFIX = ".safetensors"
 
 
@@ -69,7 +72,9 @@ def _disk_error(exc: OSError, what: str) -> Exception:
     cannot write (its permissions changed, or it was deleted): not a crash of the call."""
     if exc.errno in _NO_SPACE:
         return DiskFull(f"no space left on the store's disk while {what}")
-    return Unavailable(f"the store cannot write its data directory while {what}: {_said(exc)}")
+    if exc.errno in _UNWRITABLE:
+        return Unavailable(f"the store cannot write its data directory while {what}: {_said(exc)}")
+    return exc
 
 
 def _said(exc: OSError) -> str:
@@ -183,12 +188,16 @@ class Payloads:
 
     def _check_writable(self) -> None:
         """Raises OSError (at start) unless a block can be written and moved into place:
-        a data directory another user owns, or a read-only one, fails every write."""
+        a data directory another user owns, or a read-only one, fails every write. A full
+        disk is no reason not to start: the store makes room as it writes."""
         probe = self.tmp_dir / f"{secrets.token_hex(8)}.probe"
         placed = self.root / "blocks" / probe.name
         try:
             probe.touch(exist_ok=False)
             os.rename(probe, placed)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
         finally:
             probe.unlink(missing_ok=True)
             placed.unlink(missing_ok=True)

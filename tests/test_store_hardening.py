@@ -137,6 +137,7 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
     assert path.read_text() == "mine"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_a_data_dir_the_store_cannot_write_stops_it_at_start(tmp_path):
     """A data dir whose block folders cannot be written (another user's, read-only; here
     tmp/ is a place no process may create files in) stops the store at start, in one line.
