@@ -175,11 +175,15 @@ def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
 
 def default_cache_dir() -> Path:
     """Where imported models live: $AGENTKV_MODEL_CACHE, else ~/.cache/agentkv/models."""
-    env = os.environ.get("AGENTKV_MODEL_CACHE")
+    env = _cache_env()
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "agentkv" / "models"
+
+
+def _cache_env() -> str:
+    return os.environ.get("AGENTKV_MODEL_CACHE", "")
 
 
 def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None = None) -> Path:
@@ -189,6 +193,7 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     drops however its holder ends): the next one finds a file imported meanwhile, and knows
     that a staging directory of its own key left there is a killed import's, and removes it."""
     check_tensor_types(path)  # also for a file imported before agentkv refused its types
+    named = "cache (env AGENTKV_MODEL_CACHE)" if not cache_dir and _cache_env() else "cache"
     cache_dir = cache_dir or default_cache_dir()
     key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{format_version(weights)}"
     target = cache_dir / key
@@ -197,9 +202,6 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        named = (
-            "cache (env AGENTKV_MODEL_CACHE)" if os.environ.get("AGENTKV_MODEL_CACHE") else "cache"
-        )
         raise OSError(
             f"the model {named} {cache_dir} cannot hold imports: {exc.strerror}"
         ) from None
