@@ -125,16 +125,21 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path):
     exists", and leaves the file as it was."""
     path = tmp_path / "afile"
     path.write_text("mine")
+    last = refused_at_start(path)
+    assert last == f"agentkv-store: error: --data-dir {path} is a file, not a directory"
+    assert path.read_text() == "mine"
+
+
+def refused_at_start(data_dir: Path) -> str:
+    """The last line of a store that refuses to start on `data_dir` (exit 2, no traceback)."""
     run = subprocess.run(
-        [sys.executable, "-m", "cache_store", "--data-dir", str(path)],
+        [sys.executable, "-m", "cache_store", "--data-dir", str(data_dir)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-    last = run.stderr.strip().splitlines()[-1]
-    assert last == f"agentkv-store: error: --data-dir {path} is a file, not a directory"
-    assert path.read_text() == "mine"
+    return run.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
@@ -146,14 +151,8 @@ def test_a_data_dir_the_store_cannot_write_stops_it_at_start(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "tmp").symlink_to("/proc/self")
-    run = subprocess.run(
-        [sys.executable, "-m", "cache_store", "--data-dir", str(data)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-    assert "agentkv-store: error:" in run.stderr and ".probe" in run.stderr
+    last = refused_at_start(data)
+    assert last.startswith("agentkv-store: error:") and ".probe" in last
 
 
 def test_a_data_dir_deleted_under_a_running_store_fails_writes_unavailable(store_process):
