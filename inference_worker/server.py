@@ -22,6 +22,7 @@ from inference_worker.service import FEATURES, SERVICE_NAME, InferenceWorkerServ
 from inference_worker.store_health import StoreHealth, check_store
 
 log = logging.getLogger("agentkv.worker")
+SHORT_TURN = 32  # tokens: a system prompt's template alone, about (a budget's least)
 
 
 def create_server(config: WorkerConfig, blas: str | None) -> Served:
@@ -70,14 +71,14 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
 
 
 def check_budget(config: WorkerConfig, token_bytes: int) -> None:
-    """Refuses a hot budget that holds no turn of one block of this model (held twice while
-    it runs: in the batch, and to undo it), where every turn would be OUT_OF_RANGE; warns of
-    one past this host's RAM."""
-    least = (2 * config.block_tokens + 1) * token_bytes  # and one token of its reply
+    """Refuses a hot budget that holds no turn of SHORT_TURN tokens of this model (held
+    twice while it runs: in the batch, and to undo it), where every turn would be
+    OUT_OF_RANGE; warns of one past this host's RAM."""
+    least = (2 * SHORT_TURN + 1) * token_bytes  # and one token of its reply
     if config.hot_budget_bytes < least:
         raise InvalidArgument(
-            f"--hot-budget {config.hot_budget_bytes} bytes holds no turn of one block "
-            f"({config.block_tokens} tokens) of this model: give it at least {least}"
+            f"--hot-budget {config.hot_budget_bytes} bytes holds no turn of {SHORT_TURN} "
+            f"tokens of this model: give it at least {least}"
         )
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if config.hot_budget_bytes > ram:

@@ -386,12 +386,12 @@ def test_a_turn_past_the_whole_hot_budget_is_out_of_range_and_changes_nothing(
 def test_a_hot_budget_that_holds_no_turn_stops_the_worker_at_start(
     tiny_model_dirs, store_process, tmp_path
 ):
-    """A budget too small for a turn of one block (held twice while it runs) started, and
-    every turn was then OUT_OF_RANGE: now the worker says so at start, in one line."""
+    """A budget too small for a short turn (32 tokens, held twice while it runs) started,
+    and every turn was then OUT_OF_RANGE: now the worker says so at start, in one line."""
     args = ["--block-tokens", "64", "--hot-budget", "1K"]
     model = str(tiny_model_dirs["llama"])
     proc = worker_process(model, store_process.address, tmp_path / "w.log", extra_args=args)
-    said = r"--hot-budget 1024 bytes holds no turn of one block \(64 tokens\) of this model"
+    said = r"--hot-budget 1024 bytes holds no turn of 32 tokens of this model"
     with pytest.raises(RuntimeError, match=said + r": give it at least \d+"):
         proc.start(timeout=120)
 
