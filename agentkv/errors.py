@@ -239,6 +239,13 @@ def in_one_line(exc: BaseException, limit: int = 300) -> str:
     return f"{type(exc).__name__}: {said if len(said) <= limit else said[:limit] + '...'}"
 
 
+def os_error_words(exc: OSError) -> str:
+    """An OSError in words, without its errno: "Read-only file system: PATH"."""
+    if exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return str(exc)
+
+
 def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
     """Rebuilds the typed error a server raised from the status and trailing metadata."""
     code = error.code()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from agentkv import logs
-from agentkv.errors import AgentKVError
+from agentkv.errors import AgentKVError, os_error_words
 from agentkv.flags import parse_config
 from cache_store.config import StoreConfig
 from cache_store.server import serve
@@ -30,12 +30,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _said(exc: AgentKVError | OSError) -> str:
-    """The error in words: an OSError's without its errno ("Read-only file system: PATH")."""
-    if isinstance(exc, AgentKVError):
-        return exc.message
-    if exc.strerror and exc.filename:
-        return f"{exc.strerror}: {exc.filename}"
-    return str(exc)
+    return exc.message if isinstance(exc, AgentKVError) else os_error_words(exc)
 
 
 if __name__ == "__main__":

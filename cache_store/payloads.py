@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from agentkv.errors import CorruptBlock, DiskFull, InvalidArgument, Unavailable
+from agentkv.errors import CorruptBlock, DiskFull, InvalidArgument, Unavailable, os_error_words
 from cache_store.records import HEADER_LAYER, BlockRecord, Segment
 from cache_store.validation import TensorLayout
 
@@ -73,12 +73,9 @@ def _disk_error(exc: OSError, what: str) -> Exception:
     if exc.errno in _NO_SPACE:
         return DiskFull(f"no space left on the store's disk while {what}")
     if exc.errno in _UNWRITABLE:
-        return Unavailable(f"the store cannot write its data directory while {what}: {_said(exc)}")
+        said = os_error_words(exc)
+        return Unavailable(f"the store cannot write its data directory while {what}: {said}")
     return exc
-
-
-def _said(exc: OSError) -> str:
-    return f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
 
 
 class BlockWriter:
