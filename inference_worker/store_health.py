@@ -87,18 +87,10 @@ def check_store(store: StoreClient, address: str, timeout: float) -> None:
     refuses the worker's token: the worker could never use it (every turn would fail, and
     the gateway would answer its callers 401 for the worker's own token). One that does
     not answer (down, or not started yet) is no error here: the worker serves hot agents
-    meanwhile, and StoreHealth says so. A proxy that does not pass health checks on is
-    passed by: the store's own answer decides."""
-    health = health_pb2_grpc.HealthStub(store.channel)
+    meanwhile, and StoreHealth says so. One call tells all three: the store's GetStats,
+    which another server does not serve and a store serves only with a token it knows."""
     try:
-        health.Check(health_pb2.HealthCheckRequest(service=STORE_SERVICE), timeout=timeout)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.NOT_FOUND:  # a gRPC server with other services
-            raise _no_store(address, exc.code().name) from None
-        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-            return  # it does not answer
-    try:
-        store.call("GetStats", store_pb2.GetStatsRequest(), timeout)  # checks the token too
+        store.call("GetStats", store_pb2.GetStatsRequest(), timeout)
     except Unauthenticated as exc:
         raise Unauthenticated(
             f"the store at --store {address} refuses this worker's token ({exc.message}): "
@@ -106,11 +98,7 @@ def check_store(store: StoreClient, address: str, timeout: float) -> None:
         ) from None
     except AgentKVError as exc:  # PERMISSION_DENIED: a token it knows, for some namespaces
         if exc.code == grpc.StatusCode.UNIMPLEMENTED and not exc.remote:
-            raise _no_store(address, exc.code.name) from None
-
-
-def _no_store(address: str, why: str) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"the server at --store {address} is not an agentkv store: it serves no "
-        f"{STORE_SERVICE} ({why})"
-    )
+            raise FailedPrecondition(
+                f"the server at --store {address} is not an agentkv store: it serves no "
+                f"{STORE_SERVICE} ({exc.code.name})"
+            ) from None
