@@ -65,11 +65,12 @@ class HotAgents:
         """Drops a durable agent from RAM (write_pending first), or a stale one (another
         worker committed it since); (evicted, bytes freed)."""
         agent = self.hot.get((ns, agent_id))
-        if agent is None or not agent.gone_stale:
-            agent = self.durable_agent(ns, agent_id, "evict")
+        if agent is not None and agent.gone_stale:
+            self._check_idle(agent, "evict")
+        else:
+            agent = self.durable_agent(ns, agent_id, "evict")  # checks it is idle too
         if agent is None:
             return False, 0
-        self._check_idle(agent, "evict")
         self.hot.pop(agent.id)
         return True, agent.nbytes
 
