@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,12 @@ from tests.helpers import StoreProcess
 # and the same sums. Read when OpenBLAS loads: here and in every process a test starts.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 load_optimized_blas()  # before anything imports mlx
+
+# A command a shell starts in the background (`cmd &`, nohup, some CI runners) ignores SIGINT,
+# and so does every process it starts: the Ctrl-C tests' commands would never see theirs. A
+# handler goes back to the default at exec, an ignored signal does not: take Python's back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
