@@ -146,9 +146,10 @@ class Engine:
             )
 
     def _tick(self) -> bool:
-        """After every job: a model step while turns are in flight. Every few seconds, busy
-        or not, the writes the store refused are retried: a turn may be waiting for RAM that
-        only those agents hold until they are durable. Whether turns are in flight."""
+        """After the jobs waiting ran: a model step while turns are in flight. Every few
+        seconds, busy or not, the writes the store refused are retried: a turn may be waiting
+        for RAM that only those agents hold until they are durable. Whether turns are in
+        flight."""
         if self.batcher.active:
             self.step()
             self.metrics.turns_waiting.set(len(self.scheduler.waiting))

@@ -10,6 +10,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,14 +31,18 @@ from inference_worker.sampling import vocab_size
 
 log = logging.getLogger("agentkv.worker")
 TICK_SECONDS = 2.0  # the longest the MLX thread waits for a job before its tick runs
+# Jobs that came during a step run together before the next one, for up to this long: a
+# burst of turns joins the batch in one step, not one step each; a flood of jobs still
+# lets the batch step at least this often.
+JOBS_SLICE_SECONDS = 0.05
 _IDLE = object()  # no job arrived within TICK_SECONDS
 STOPPING = "the worker is stopping: this call's work was not run; send it again"
 
 
 class MLXThread:
-    """Runs submitted work in order on one thread, and `on_tick` after each job (or every
-    TICK_SECONDS without one). MLX ties arrays to the thread that made them, so the model is
-    loaded here too (DeepSeek-V2 failed otherwise)."""
+    """Runs submitted work in order on one thread, and `on_tick` after the jobs waiting (or
+    every TICK_SECONDS without one). MLX ties arrays to the thread that made them, so the
+    model is loaded here too (DeepSeek-V2 failed otherwise)."""
 
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
@@ -96,15 +101,27 @@ class MLXThread:
                 item = self._jobs.get(block=not busy, timeout=TICK_SECONDS)
             except queue.Empty:
                 item = _IDLE
-            if item is None:
+            if item is not _IDLE and not self._run_waiting(item):
                 return
-            if item is not _IDLE:
-                _run(*item)
             try:
                 busy = self.on_tick()
             except Exception:  # the thread must outlive it: every RPC waits on this thread
                 log.exception("engine tick failed")
                 busy = False
+
+    def _run_waiting(self, item: tuple | None) -> bool:
+        """Runs `item`, then the jobs queued behind it, for up to JOBS_SLICE_SECONDS. False
+        once close()'s None is reached."""
+        ends = time.monotonic() + JOBS_SLICE_SECONDS
+        while item is not None:
+            _run(*item)
+            if time.monotonic() >= ends:
+                return True
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return True
+        return False
 
 
 def _run(fn: Callable[..., Any], args: tuple, future: Future) -> None:

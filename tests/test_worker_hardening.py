@@ -668,7 +668,7 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     threads = [threading.Thread(target=turn, args=("a", agent)) for agent in flood]
     for thread in threads:
         thread.start()
-    # each is queued in a model step of its own: seconds each
+    # queued between the hog's model steps (seconds each), those that came during one at once
     eventually(
         lambda: metric(proc, "agentkv_worker_turns_waiting") >= len(flood),
         "a's turns queued",

@@ -208,6 +208,34 @@ def test_work_handed_to_a_closed_mlx_thread_fails_at_once():
         mlx.submit(lambda: 2).result(timeout=5)
 
 
+def test_jobs_that_came_during_a_step_run_before_the_next_one_within_a_slice():
+    """A burst of turns handed over while a step runs joins the batch in one step: every job
+    waiting runs before the next tick. It used to be one job a tick, so the 16th turn of a
+    burst waited for 15 model steps before the scheduler saw it. Jobs longer than the slice
+    (JOBS_SLICE_SECONDS) still let a tick run between them."""
+    import threading
+    import time
+
+    from inference_worker.runtime import JOBS_SLICE_SECONDS, MLXThread
+
+    mlx = MLXThread()
+    ticks: list[int] = []
+    mlx.on_tick = lambda: bool(ticks.append(1))
+    try:
+        step = threading.Event()
+        first = mlx.submit(step.wait, 60)  # a step in progress, as far as the queue knows
+        seen = [mlx.submit(lambda: len(ticks)) for _ in range(16)]
+        step.set()
+        assert first.result(timeout=60)
+        assert [job.result(timeout=60) for job in seen] == [0] * 16
+        slow = [mlx.submit(lambda: (time.sleep(JOBS_SLICE_SECONDS), len(ticks))[1])]
+        slow += [mlx.submit(lambda: (time.sleep(JOBS_SLICE_SECONDS), len(ticks))[1])]
+        one, two = (job.result(timeout=60) for job in slow)
+        assert two > one  # a tick ran between them
+    finally:
+        mlx.close()
+
+
 def test_writes_to_a_hung_store_are_given_up_at_stop(monkeypatch):
     """At stop, queued writes to a store that never answers are waited for up to the bound;
     then the one in flight is cut (the store client closed), the queued ones never reach the
