@@ -31,10 +31,10 @@ from inference_worker.sampling import vocab_size
 
 log = logging.getLogger("agentkv.worker")
 TICK_SECONDS = 2.0  # the longest the MLX thread waits for a job before its tick runs
-# Jobs that came during a step run together before the next one, for up to this long: a
-# burst of turns joins the batch in one step, not one step each; a flood of jobs still
-# lets the batch step at least this often.
-JOBS_SLICE_SECONDS = 0.05
+# Jobs that came during a step run together before the next one, for as long as that step
+# took (at least this long): a burst of turns joins the batch in one step, not one step
+# each, and a flood of calls at most halves the pace of the turns in flight.
+JOBS_SLICE_SECONDS = 0.005
 _IDLE = object()  # no job arrived within TICK_SECONDS
 STOPPING = "the worker is stopping: this call's work was not run; send it again"
 
@@ -95,24 +95,26 @@ class MLXThread:
                 item[2].set_exception(Unavailable(STOPPING))
 
     def _serve(self) -> None:
-        busy = False
+        busy, tick = False, 0.0
         while True:
             try:
                 item = self._jobs.get(block=not busy, timeout=TICK_SECONDS)
             except queue.Empty:
                 item = _IDLE
-            if item is not _IDLE and not self._run_waiting(item):
+            if item is not _IDLE and not self._run_waiting(item, max(tick, JOBS_SLICE_SECONDS)):
                 return
+            started = time.monotonic()
             try:
                 busy = self.on_tick()
             except Exception:  # the thread must outlive it: every RPC waits on this thread
                 log.exception("engine tick failed")
                 busy = False
+            tick = time.monotonic() - started
 
-    def _run_waiting(self, item: tuple | None) -> bool:
-        """Runs `item`, then the jobs queued behind it, for up to JOBS_SLICE_SECONDS. False
-        once close()'s None is reached."""
-        ends = time.monotonic() + JOBS_SLICE_SECONDS
+    def _run_waiting(self, item: tuple | None, seconds: float) -> bool:
+        """Runs `item`, then the jobs queued behind it, for up to `seconds`. False once
+        close()'s None is reached."""
+        ends = time.monotonic() + seconds
         while item is not None:
             _run(*item)
             if time.monotonic() >= ends:

@@ -208,30 +208,43 @@ def test_work_handed_to_a_closed_mlx_thread_fails_at_once():
         mlx.submit(lambda: 2).result(timeout=5)
 
 
-def test_jobs_that_came_during_a_step_run_before_the_next_one_within_a_slice():
-    """A burst of turns handed over while a step runs joins the batch in one step: every job
-    waiting runs before the next tick. It used to be one job a tick, so the 16th turn of a
-    burst waited for 15 model steps before the scheduler saw it. Jobs longer than the slice
-    (JOBS_SLICE_SECONDS) still let a tick run between them."""
+def test_jobs_that_came_during_a_step_run_before_the_next_one_for_as_long_as_it_took(
+    monkeypatch,
+):
+    """A burst of turns handed over while a step runs joins the batch in one step: the jobs
+    waiting run before the next tick, for as long as the last tick took. It used to be one
+    job a tick, so the 16th turn of a burst waited for 15 model steps before the scheduler
+    saw it. Past that time a tick runs between jobs: a flood of calls does not stall the
+    turns in flight."""
     import threading
     import time
 
-    from inference_worker.runtime import JOBS_SLICE_SECONDS, MLXThread
+    from inference_worker import runtime
+    from tests.helpers import until
 
-    mlx = MLXThread()
-    ticks: list[int] = []
-    mlx.on_tick = lambda: bool(ticks.append(1))
+    monkeypatch.setattr(runtime, "JOBS_SLICE_SECONDS", 0.0)  # the last tick's time alone
+    mlx = runtime.MLXThread()
+    ticks: list[float] = []
+    stepping = threading.Event()
+
+    def tick() -> bool:
+        ticks.append(time.monotonic())
+        if len(ticks) == 2:  # a long step, with jobs coming meanwhile
+            stepping.set()
+            time.sleep(1.0)
+        return False
+
+    mlx.on_tick = tick
     try:
-        step = threading.Event()
-        first = mlx.submit(step.wait, 60)  # a step in progress, as far as the queue knows
-        seen = [mlx.submit(lambda: len(ticks)) for _ in range(16)]
-        step.set()
-        assert first.result(timeout=60)
-        assert [job.result(timeout=60) for job in seen] == [0] * 16
-        slow = [mlx.submit(lambda: (time.sleep(JOBS_SLICE_SECONDS), len(ticks))[1])]
-        slow += [mlx.submit(lambda: (time.sleep(JOBS_SLICE_SECONDS), len(ticks))[1])]
-        one, two = (job.result(timeout=60) for job in slow)
-        assert two > one  # a tick ran between them
+        assert mlx.submit(len, ticks).result(timeout=60) == 0  # then the first tick
+        assert mlx.submit(len, ticks).result(timeout=60) == 1  # then the long one
+        stepping.wait(60)
+        burst = [mlx.submit(len, ticks) for _ in range(16)]
+        assert [job.result(timeout=60) for job in burst] == [2] * 16  # no tick among them
+        until(lambda: len(ticks) == 3, "the tick after the burst")
+        for _ in range(3):  # a flood of calls, each past that quick tick's time
+            mlx.submit(time.sleep, 0.05)
+        assert mlx.submit(len, ticks).result(timeout=60) >= 4  # a tick ran among them
     finally:
         mlx.close()
 
