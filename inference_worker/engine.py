@@ -99,6 +99,7 @@ class Engine:
         self._turn_ids = itertools.count(1)
         self._last_catch_up = time.monotonic()
         runtime.mlx.on_tick = self._tick
+        runtime.mlx.tick_first = self.scheduler.full
 
     # the MLX thread
 

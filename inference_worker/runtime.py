@@ -48,6 +48,9 @@ class MLXThread:
         self._jobs: queue.Queue = queue.Queue()
         # The engine's step; it returns True while work is in flight: then no job is awaited.
         self.on_tick: Callable[[], bool] = lambda: False
+        # The engine's word that the next job waits for a tick: its queue is full, and a step
+        # may move turns into the batch, making room.
+        self.tick_first: Callable[[], bool] = lambda: False
         # Held only around a put: no job lands behind close()'s None, where nothing runs it.
         self._closing = threading.Lock()
         self._closed = False
@@ -112,12 +115,12 @@ class MLXThread:
             tick = time.monotonic() - started
 
     def _run_waiting(self, item: tuple | None, seconds: float) -> bool:
-        """Runs `item`, then the jobs queued behind it, for up to `seconds`. False once
-        close()'s None is reached."""
+        """Runs `item`, then the jobs queued behind it, for up to `seconds` or until
+        `tick_first`. False once close()'s None is reached."""
         ends = time.monotonic() + seconds
         while item is not None:
             _run(*item)
-            if time.monotonic() >= ends:
+            if time.monotonic() >= ends or self.tick_first():
                 return True
             try:
                 item = self._jobs.get_nowait()

@@ -107,12 +107,16 @@ class Scheduler:
                 f"ask for {fewer}"
             )
         pushed = None
-        if len(self.waiting) >= self.queue_limit:
+        if self.full():
             pushed = self._pushed_out(request.namespace)
             self.waiting.remove(pushed)
             pushed.state = State.CANCELLED
         self.waiting.append(request)
         return pushed
+
+    def full(self) -> bool:
+        """Whether the next request would find the queue full (a step may admit some)."""
+        return len(self.waiting) >= self.queue_limit
 
     def _pushed_out(self, namespace: str) -> Request:
         """Whose place in a full queue a request of `namespace` takes, or ResourceExhausted."""

@@ -687,6 +687,51 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     assert order[0] == "guest" and len(order) == len(flood)
 
 
+def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """Turns handed over during a step now run back to back before the next one. They all
+    queued before any was admitted, so a burst that the batch's free slots and the queue
+    held together was refused past the queue's limit, slots free (a review's case). Once
+    the queue is full, the next turn waits for a step, which admits some: every turn of a
+    burst of (free slots + queue limit) is answered, as when each had a step of its own."""
+    gate, started = tmp_path / "gate", tmp_path / "started"
+    env = {HELD_STEP_GATE: str(gate), STARTED_LOG: str(started)}
+    extra = ("--max-batch", "4", "--queue-limit", "2")
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, *extra, env=env)
+    w = WorkerClient(proc.address, timeout=120)
+    burst = [f"b{i}" for i in range(5)]  # 3 free slots beside the held turn, 2 places
+    create(w, ("ns", "held"), *(("ns", agent) for agent in burst))
+    held = w.stream_turn("ns", "held", TALK, max_tokens=4, seed=HELD_STEP_SEED)
+    items = [next(held)]
+    eventually(gate.with_suffix(".held").exists, "a step holds the MLX thread", timeout=120)
+    answered: dict[str, object] = {}
+
+    def turn(agent: str) -> None:
+        try:
+            answered[agent] = w.turn("ns", agent, TALK, max_tokens=2)
+        except AgentKVError as exc:
+            answered[agent] = exc
+
+    threads = [threading.Thread(target=turn, args=(agent,)) for agent in burst]
+    for thread in threads:
+        thread.start()
+
+    def handed() -> bool:
+        return started.exists() and set(burst) <= set(started.read_text().split())
+
+    eventually(handed, "the burst is handed to the MLX thread", timeout=120)
+    gate.touch()
+    for thread in threads:
+        thread.join(300)
+    items += list(held)
+    assert items[-1].usage.generated_tokens == 4
+    refused = {agent: r for agent, r in answered.items() if isinstance(r, Exception)}
+    assert not refused, refused
+    assert sorted(answered) == burst
+
+
 def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
     tiny_model_dirs, store_process, launched, start_worker, tmp_path
 ):
@@ -779,7 +824,7 @@ def test_a_long_turn_batched_with_short_ones_stays_within_the_hot_budget(
         replies[agent] = w.turn("ns", agent, TALK, max_tokens=8)
 
     # The long turn's step holds the MLX thread until the short turns are handed to it;
-    # from then on, the thread takes one of them between two steps.
+    # the thread then takes them all before its next step.
     first = w.stream_turn("ns", "long", TALK, max_tokens=32, seed=HELD_STEP_SEED)
     items = [next(first)]
     eventually(gate.with_suffix(".held").exists, "a step holds the long turn", timeout=120)

@@ -215,36 +215,44 @@ def test_jobs_that_came_during_a_step_run_before_the_next_one_for_as_long_as_it_
     waiting run before the next tick, for as long as the last tick took. It used to be one
     job a tick, so the 16th turn of a burst waited for 15 model steps before the scheduler
     saw it. Past that time a tick runs between jobs: a flood of calls does not stall the
-    turns in flight."""
+    turns in flight. The thread's clock is the test's: no timing is involved."""
     import threading
-    import time
 
     from inference_worker import runtime
     from tests.helpers import until
 
+    clock = SimpleNamespace(now=0.0)
+    clock.monotonic = lambda: clock.now
+    monkeypatch.setattr(runtime, "time", clock)
     monkeypatch.setattr(runtime, "JOBS_SLICE_SECONDS", 0.0)  # the last tick's time alone
+    monkeypatch.setattr(runtime, "TICK_SECONDS", 3600.0)  # no tick of an idle thread
     mlx = runtime.MLXThread()
-    ticks: list[float] = []
-    stepping = threading.Event()
+    ticks: list[int] = []
+    stepping, queued = threading.Event(), threading.Event()
 
     def tick() -> bool:
-        ticks.append(time.monotonic())
-        if len(ticks) == 2:  # a long step, with jobs coming meanwhile
+        ticks.append(1)
+        if len(ticks) == 2:  # a long step, the burst coming meanwhile
             stepping.set()
-            time.sleep(1.0)
+            queued.wait(60)
+            clock.now += 1.0
         return False
 
     mlx.on_tick = tick
     try:
         assert mlx.submit(len, ticks).result(timeout=60) == 0  # then the first tick
         assert mlx.submit(len, ticks).result(timeout=60) == 1  # then the long one
-        stepping.wait(60)
+        assert stepping.wait(60)
         burst = [mlx.submit(len, ticks) for _ in range(16)]
+        queued.set()
         assert [job.result(timeout=60) for job in burst] == [2] * 16  # no tick among them
-        until(lambda: len(ticks) == 3, "the tick after the burst")
-        for _ in range(3):  # a flood of calls, each past that quick tick's time
-            mlx.submit(time.sleep, 0.05)
-        assert mlx.submit(len, ticks).result(timeout=60) >= 4  # a tick ran among them
+        until(lambda: len(ticks) == 3, "the tick after the burst")  # it took no time
+        hold = threading.Event()
+        held = mlx.submit(hold.wait, 60)
+        flood = [mlx.submit(len, ticks) for _ in range(2)]
+        hold.set()
+        assert held.result(timeout=60)
+        assert [job.result(timeout=60) for job in flood] == [4, 5]  # a tick after each
     finally:
         mlx.close()
 
