@@ -687,6 +687,24 @@ def test_a_flood_past_the_rpc_threads_still_meets_the_fair_queue(
     assert order[0] == "guest" and len(order) == len(flood)
 
 
+def during_a_held_step(gate, started, agents: list[str], turn) -> None:
+    """Once a step holds the MLX thread (HELD_STEP_GATE is `gate`), hands it each agent's
+    turn(agent), on a thread of its own, and waits until all are handed (STARTED_LOG is
+    `started`); then lets the step go and waits for every turn to end."""
+    eventually(gate.with_suffix(".held").exists, "a step holds the MLX thread", timeout=120)
+    threads = [threading.Thread(target=turn, args=(agent,)) for agent in agents]
+    for thread in threads:
+        thread.start()
+
+    def handed() -> bool:
+        return started.exists() and set(agents) <= set(started.read_text().split())
+
+    eventually(handed, "the turns are handed to the MLX thread", timeout=120)
+    gate.touch()
+    for thread in threads:
+        thread.join(300)
+
+
 def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
@@ -705,7 +723,6 @@ def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
     create(w, ("ns", "held"), *(("ns", agent) for agent in burst))
     held = w.stream_turn("ns", "held", TALK, max_tokens=4, seed=HELD_STEP_SEED)
     items = [next(held)]
-    eventually(gate.with_suffix(".held").exists, "a step holds the MLX thread", timeout=120)
     answered: dict[str, object] = {}
 
     def turn(agent: str) -> None:
@@ -714,17 +731,7 @@ def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
         except AgentKVError as exc:
             answered[agent] = exc
 
-    threads = [threading.Thread(target=turn, args=(agent,)) for agent in burst]
-    for thread in threads:
-        thread.start()
-
-    def handed() -> bool:
-        return started.exists() and set(burst) <= set(started.read_text().split())
-
-    eventually(handed, "the burst is handed to the MLX thread", timeout=120)
-    gate.touch()
-    for thread in threads:
-        thread.join(300)
+    during_a_held_step(gate, started, burst, turn)
     items += list(held)
     assert items[-1].usage.generated_tokens == 4
     refused = {agent: r for agent, r in answered.items() if isinstance(r, Exception)}
@@ -827,18 +834,7 @@ def test_a_long_turn_batched_with_short_ones_stays_within_the_hot_budget(
     # the thread then takes them all before its next step.
     first = w.stream_turn("ns", "long", TALK, max_tokens=32, seed=HELD_STEP_SEED)
     items = [next(first)]
-    eventually(gate.with_suffix(".held").exists, "a step holds the long turn", timeout=120)
-    others = [threading.Thread(target=turn, args=(agent,)) for agent in short]
-    for t in others:
-        t.start()
-
-    def handed() -> bool:
-        return started.exists() and set(short) <= set(started.read_text().split())
-
-    eventually(handed, "the short turns are handed to the MLX thread", timeout=120)
-    gate.touch()
-    for t in others:
-        t.join(300)
+    during_a_held_step(gate, started, short, turn)
     items += list(first)
     assert items[-1].usage.generated_tokens == 32
     assert sorted(replies) == short and all(len(r.token_ids) == 8 for r in replies.values())
