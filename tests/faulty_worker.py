@@ -15,7 +15,8 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   bytes the live batch holds and those the turns' agents hold beside it (their own caches,
   kept to undo their turns), as "rows bytes";
 - STARTED_LOG (an environment variable naming a file): each turn appends its agent's id
-  there as its RPC thread hands it to the MLX thread (a held step keeps it from running);
+  there once its RPC thread has handed it to the MLX thread, in that thread's queue (a held
+  step keeps it from running);
 - FINISHED_LOG (an environment variable naming a file): each turn that ends with a reply,
   not cancelled, appends its agent's id there as the MLX thread ends it, before its reply's
   last response goes out: the order turns were served in, which clients' threads, woken
@@ -128,10 +129,12 @@ def install() -> None:
     mlx = Front._mlx
 
     def logged_mlx(self, fn, *args):
-        if fn.__name__ == "start_turn" and (path := os.environ.get(STARTED_LOG)):
-            with open(path, "a") as log:
-                log.write(args[0].agent_id + "\n")
-        return mlx(self, fn, *args)
+        if fn.__name__ != "start_turn" or not (path := os.environ.get(STARTED_LOG)):
+            return mlx(self, fn, *args)
+        handed = self.engine.submit(fn, *args)  # in the MLX thread's queue: then logged
+        with open(path, "a") as log:
+            log.write(args[0].agent_id + "\n")
+        return handed.result()
 
     Front._mlx = logged_mlx
     Sampling.sampler = faulty_sampler
