@@ -69,7 +69,7 @@ class Engine:
         self, config: WorkerConfig, runtime: Runtime, store: StoreClient, metrics: WorkerMetrics
     ) -> None:
         """The engine over the model loaded on runtime.mlx, whose thread from now on runs
-        the engine's tick after every job."""
+        the engine's tick after the jobs waiting (a queue full of turns waits for it)."""
         self.config, self.runtime, self.store, self.metrics = config, runtime, store, metrics
         self.model, self.tokenizer = runtime.model, runtime.tokenizer
         self.chat = ChatFormat(self.tokenizer)
