@@ -18,6 +18,7 @@ from inference_worker.engine import Engine
 from inference_worker.front import Front
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.runtime import resolve_runtime
+from inference_worker.scheduler import Request, claim
 from inference_worker.service import FEATURES, SERVICE_NAME, InferenceWorkerServicer
 from inference_worker.store_health import StoreHealth, check_store
 
@@ -71,10 +72,12 @@ def create_server(config: WorkerConfig, blas: str | None) -> Served:
 
 
 def check_budget(config: WorkerConfig, token_bytes: int) -> None:
-    """Refuses a hot budget that holds no turn of SHORT_TURN tokens of this model (held
-    twice while it runs: in the batch, and to undo it), where every turn would be
-    OUT_OF_RANGE; warns of one past this host's RAM."""
-    least = (2 * SHORT_TURN + 1) * token_bytes  # and one token of its reply
+    """Refuses a hot budget that holds no turn of SHORT_TURN tokens of this model and one
+    token of reply, as the scheduler claims it (held twice while it runs: in the batch, and
+    to undo it), where every turn would be OUT_OF_RANGE; warns of one past this host's RAM."""
+    turn = Request("least", SHORT_TURN, 1, (SHORT_TURN + 1) * token_bytes)
+    turn.own_bytes = SHORT_TURN * token_bytes
+    least = claim([turn])
     if config.hot_budget_bytes < least:
         raise InvalidArgument(
             f"--hot-budget {config.hot_budget_bytes} bytes holds no turn of {SHORT_TURN} "
