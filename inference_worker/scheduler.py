@@ -4,7 +4,11 @@ Each step spends a token budget. Every running request that is decoding gets its
 first, so streams stay smooth; what is left goes to prefill chunks, oldest first within the
 highest priority, so a long prefill is cut into pieces instead of freezing the others. New
 requests join between any two steps, while memory (hot tier + live batch) and the batch size
-allow; the rest wait in a bounded queue, and past it a request is refused at once.
+allow; the rest wait in a bounded queue, and past it a request is refused at once. A waiting
+request's agent is in RAM already (restored, or hot), so the queue is bounded in bytes too:
+the agents waiting, and the most any one of them claims on top once admitted, fit the
+budget. Admission counts them, so the budget covers every agent with a turn in flight, and
+the first in line is admitted at the latest once the batch empties.
 Namespaces (tenants) are served in turn: the line takes every namespace's first request,
 then every one's second, ...; priority orders a namespace's own requests. One namespace may
 fill the whole queue, but a full queue is shared: a newcomer of a namespace holding fewer of
@@ -107,28 +111,48 @@ class Scheduler:
                 f"ask for {fewer}"
             )
         pushed = None
-        if self.full():
-            pushed = self._pushed_out(request.namespace)
+        if len(self.waiting) >= self.queue_limit or not self._fits([*self.waiting, request]):
+            pushed = self._pushed_out(request)
             self.waiting.remove(pushed)
             pushed.state = State.CANCELLED
         self.waiting.append(request)
         return pushed
 
     def full(self) -> bool:
-        """Whether the next request would find the queue full (a step may admit some)."""
-        return len(self.waiting) >= self.queue_limit
+        """Whether the queue is full for the next request, by count or by bytes (a step may
+        admit some)."""
+        return len(self.waiting) >= self.queue_limit or queued(self.waiting) >= self.memory_budget
 
-    def _pushed_out(self, namespace: str) -> Request:
-        """Whose place in a full queue a request of `namespace` takes, or ResourceExhausted."""
+    def _fits(self, line: list[Request]) -> bool:
+        return queued(line) <= self.memory_budget
+
+    def _pushed_out(self, request: Request) -> Request:
+        """Whose place in a full queue `request` takes, or ResourceExhausted."""
+        namespace = request.namespace
         held = Counter(r.namespace for r in self.waiting)
         most, count = held.most_common(1)[0] if held else ("", 0)
+        full = len(self.waiting) >= self.queue_limit
         if held[namespace] + 1 >= count:  # it would hold as many: it waits its turn elsewhere
+            if not full:
+                raise self._no_room(request)
             raise ResourceExhausted(
                 f"worker busy: {len(self.running)} running, {len(self.waiting)} queued "
                 f"(queue limit {self.queue_limit}; namespace {namespace!r} holds "
                 f"{held[namespace]} of those places, no fewer than any other); retry later"
             )
-        return [r for r in self._line() if r.namespace == most][-1]
+        pushed = [r for r in self._line() if r.namespace == most][-1]
+        if not self._fits([r for r in self.waiting if r is not pushed] + [request]):
+            raise self._no_room(request)
+        return pushed
+
+    def _no_room(self, request: Request) -> ResourceExhausted:
+        waiting = sum(r.own_bytes for r in self.waiting)
+        return ResourceExhausted(
+            f"worker busy: the {len(self.waiting)} turns queued hold {waiting} bytes of KV "
+            f"cache, and with this turn's ({request.own_bytes} held, {claim([request])} "
+            f"once running) they would not fit the memory budget of {self.memory_budget} "
+            "(--hot-budget) when their turn comes; retry later"
+        )
 
     def cancel(self, request_id: str) -> Request | None:
         """Stops a request now; its slot and memory are free for the next step."""
@@ -153,7 +177,9 @@ class Scheduler:
     def hot_room(self) -> int:
         """The most hot-tier bytes with which the first waiting request in line is admitted:
         admission serves the line in order, so room for a smaller one behind admits no one."""
-        return self.memory_budget - claim([*self.running, self._line()[0]])
+        head = self._line()[0]
+        behind = sum(r.own_bytes for r in self.waiting) - head.own_bytes
+        return self.memory_budget - claim([*self.running, head]) - behind
 
     # one step
 
@@ -193,10 +219,12 @@ class Scheduler:
 
     def _admit(self) -> list[Request]:
         admitted = []
+        behind = sum(r.own_bytes for r in self.waiting)  # the agents still waiting hold these
         for request in self._line():
             if len(self.running) >= self.max_batch:
                 break
-            if claim([*self.running, request]) > self.memory_budget - self.hot_bytes:
+            behind -= request.own_bytes
+            if claim([*self.running, request]) > self.memory_budget - self.hot_bytes - behind:
                 break  # first come, first served: no one overtakes the head for memory
             self.waiting.remove(request)
             self._served(request)
@@ -241,6 +269,14 @@ def claim(requests: list[Request]) -> int:
     alone = sum(r.memory_bytes for r in requests if not r.max_tokens)
     own = sum(r.own_bytes for r in requests if r.max_tokens)
     return alone + own + len(rows) * max(rows, default=0)
+
+
+def queued(requests: list[Request]) -> int:
+    """The bytes a queue of `requests` asks the budget for: what their agents hold while they
+    wait, and the most any one claims on top once admitted. While it fits the budget, the
+    first in line fits beside the others once the batch is empty and idle agents gave way."""
+    extra = max((claim([r]) - r.own_bytes for r in requests), default=0)
+    return sum(r.own_bytes for r in requests) + extra
 
 
 def _in_round(request: Request) -> tuple[int, int, int]:

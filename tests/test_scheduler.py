@@ -3,6 +3,9 @@ token budget, batch size, FCFS and priorities, deadlines, cancellation and memor
 
 from __future__ import annotations
 
+import contextlib
+import random
+
 import pytest
 
 from agentkv.errors import OverBudget, ResourceExhausted
@@ -216,6 +219,71 @@ def test_one_namespace_may_fill_the_queue_but_a_full_queue_is_shared():
     with pytest.raises(ResourceExhausted, match="namespace 'b' holds 2 of those places"):
         s.submit(req("b3", namespace="b"))
     assert sorted(r.request_id for r in s.waiting) == ["a1", "a2", "b1", "b2"]
+
+
+def test_the_queue_is_bounded_in_bytes_and_admission_counts_the_agents_waiting():
+    """A waiting turn's agent is in RAM already (restored or hot), so the queue holds turns
+    while their agents, and the most any one claims on top once running, fit the budget;
+    past that a turn is refused (RESOURCE_EXHAUSTED). Admission counts the agents still
+    waiting. (Before, the queue was bounded by count alone: --queue-limit agents in RAM
+    outside the budget.)"""
+    s = sched(max_batch=2, queue_limit=8, memory_budget=1000)
+    s.submit(req("run", memory=100, own_bytes=50))
+    run_step(s)  # run: 150 claimed
+    for name in ("a", "b", "c"):
+        s.submit(req(name, memory=200, own_bytes=200))  # each holds 200, claims 400 running
+    assert not s.full()  # 3 x 200 + 200 = 800
+    with pytest.raises(ResourceExhausted, match=r"3 turns queued hold 600 bytes .* 1000"):
+        s.submit(req("d", memory=300, own_bytes=200))  # 800 + 300 > 1000
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c"]
+    s.submit(req("e", memory=400, own_bytes=0))  # a new agent's: nothing held yet
+    assert s.full()  # 600 + 0 + 400 = 1000: nothing more fits
+    with pytest.raises(ResourceExhausted, match="turns queued hold 600 bytes"):
+        s.submit(req("f", memory=10, own_bytes=10))
+    # a: claim(run, a) = 200 + 2 x 200 + 50 = 650, and b and c wait with 400: > 1000
+    assert run_step(s).admitted == []
+    assert s.hot_room() == 1000 - 650 - 400 < 0  # no idle agent may stay
+    s.finish(s.running[0])  # run ends: a (400) fits beside b and c (400); then a and b
+    assert [r.request_id for r in run_step(s).admitted] == ["a", "b"]  # (800) beside c
+
+
+def test_a_queue_full_of_bytes_is_shared_between_namespaces():
+    """A namespace whose turns hold the queue's bytes gives a place to another that holds
+    at least two fewer, as with a queue full by count; one whose pushed-out turn would not
+    free enough is refused, and pushes no one out."""
+    s = sched(max_batch=1, queue_limit=8, memory_budget=1000)
+    s.submit(req("run", memory=100))
+    run_step(s)
+    for i in range(4):
+        s.submit(req(f"a{i}", memory=100, own_bytes=200, namespace="a"))  # 4 x 200 + 100
+    with pytest.raises(ResourceExhausted, match="turns queued hold 800 bytes"):
+        s.submit(req("a4", memory=100, own_bytes=200, namespace="a"))
+    with pytest.raises(ResourceExhausted, match="turns queued hold 800 bytes"):
+        s.submit(req("big", memory=100, own_bytes=400, namespace="b"))  # a3 frees only 200
+    assert len(s.waiting) == 4
+    pushed = s.submit(req("b0", memory=100, own_bytes=150, namespace="b"))
+    assert pushed is not None and pushed.request_id == "a3"
+    assert [r.request_id for r in s.waiting] == ["a0", "a1", "a2", "b0"]
+
+
+def test_a_queue_within_its_bytes_always_admits_its_head_once_the_batch_empties():
+    """Whatever turns the byte bound lets wait, once the batch has emptied and idle agents
+    have given way (hot_bytes down to hot_room()), the first in line is admitted: counting
+    the waiting agents at admission never leaves the queue stuck."""
+    rng = random.Random(7)
+    for _ in range(300):
+        s = sched(max_batch=4, queue_limit=16, memory_budget=rng.randint(500, 5000))
+        for i in range(rng.randint(1, 30)):
+            memory = rng.randint(1, 800)
+            own = rng.choice([0, rng.randint(0, memory)])
+            tokens = rng.choice([0, 4])
+            with contextlib.suppress(OverBudget, ResourceExhausted):
+                s.submit(req(f"r{i}", max_tokens=tokens, memory=memory, own_bytes=own))
+        while s.waiting:
+            s.running.clear()  # the batch empties
+            s.hot_bytes = max(0, s.hot_room())
+            assert s.hot_room() >= 0
+            assert run_step(s).admitted, [(r.memory_bytes, r.own_bytes) for r in s.waiting]
 
 
 def test_a_higher_priority_turn_of_a_namespace_prefills_first():

@@ -739,6 +739,56 @@ def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
     assert sorted(answered) == burst
 
 
+def test_turns_waiting_for_the_batch_keep_their_agents_within_the_hot_budget(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """A waiting turn's agent is in RAM, and no longer one the hot tier may evict, so the
+    queue is bounded in bytes as well as in count, and admission counts the agents waiting.
+    Three long agents, hot, get a turn each during a held step: the third would not fit
+    beside the two waiting once its turn came, and is refused (RESOURCE_EXHAUSTED, which a
+    client retries); the other two are answered. At every decode step the batch and every
+    agent with a turn in flight, running or waiting, stay within the budget. Before, all
+    three waited (up to --queue-limit, 64), one joined the held turn's batch beside the
+    others, and the worker held 1.37 times its --hot-budget."""
+    budget, log, gate = 1024 * 1024, tmp_path / "batch-bytes", tmp_path / "gate"
+    started = tmp_path / "started"
+    env = {BATCH_BYTES_LOG: str(log), HELD_STEP_GATE: str(gate), STARTED_LOG: str(started)}
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, "--hot-budget", "1M", env=env)
+    w = WorkerClient(proc.address, timeout=120)
+    long = ["l1", "l2", "l3"]
+    create(w, ("ns", "held"), *(("ns", agent) for agent in long))
+    for agent in long:
+        w.turn("ns", agent, [("user", "tell me more " * 75)], max_tokens=0)
+    sizes = [w.describe("ns", agent).num_bytes for agent in long]
+    # The case: all four agents fit the budget idle, but two long turns waiting, and a third
+    # once running (its row in the batch beside its own caches), do not.
+    assert sum(sizes) + w.describe("ns", "held").num_bytes < 0.95 * budget, sizes
+    assert all(0.25 * budget < size < 0.3 * budget for size in sizes), sizes
+    answered: dict[str, object] = {}
+
+    def turn(agent: str) -> None:
+        try:
+            answered[agent] = w.turn("ns", agent, TALK, max_tokens=8)
+        except AgentKVError as exc:
+            answered[agent] = exc
+
+    first = w.stream_turn("ns", "held", TALK, max_tokens=32, seed=HELD_STEP_SEED)
+    items = [next(first)]
+    during_a_held_step(gate, started, long, turn)
+    items += list(first)
+    assert items[-1].usage.generated_tokens == 32
+    refused = {agent: r for agent, r in answered.items() if isinstance(r, Exception)}
+    assert len(refused) == 1, answered
+    (error,) = refused.values()
+    assert isinstance(error, ResourceExhausted)
+    assert re.search(r"2 turns queued hold \d+ bytes .* budget of 1048576", str(error))
+    replies = [r for r in answered.values() if not isinstance(r, Exception)]
+    assert all(len(r.token_ids) == 8 and r.usage.cache_state == "hot" for r in replies)
+    steps = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    assert max(held for _, held in steps) <= budget, steps
+
+
 def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
     tiny_model_dirs, store_process, launched, start_worker, tmp_path
 ):
