@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -705,6 +706,19 @@ def during_a_held_step(gate, started, agents: list[str], turn) -> None:
         thread.join(300)
 
 
+def answering(w: WorkerClient, max_tokens: int) -> tuple[dict[str, object], Callable]:
+    """A turn(agent) for during_a_held_step, and where it puts each agent's reply or error."""
+    answered: dict[str, object] = {}
+
+    def turn(agent: str) -> None:
+        try:
+            answered[agent] = w.turn("ns", agent, TALK, max_tokens=max_tokens)
+        except AgentKVError as exc:
+            answered[agent] = exc
+
+    return answered, turn
+
+
 def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
@@ -723,13 +737,7 @@ def test_a_burst_that_comes_during_a_step_fills_the_free_slots_before_the_queue(
     create(w, ("ns", "held"), *(("ns", agent) for agent in burst))
     held = w.stream_turn("ns", "held", TALK, max_tokens=4, seed=HELD_STEP_SEED)
     items = [next(held)]
-    answered: dict[str, object] = {}
-
-    def turn(agent: str) -> None:
-        try:
-            answered[agent] = w.turn("ns", agent, TALK, max_tokens=2)
-        except AgentKVError as exc:
-            answered[agent] = exc
+    answered, turn = answering(w, max_tokens=2)
 
     during_a_held_step(gate, started, burst, turn)
     items += list(held)
@@ -750,12 +758,8 @@ def test_turns_waiting_for_the_batch_keep_their_agents_within_the_hot_budget(
     agent with a turn in flight, running or waiting, stay within the budget. Before, all
     three waited (up to --queue-limit, 64), one joined the held turn's batch beside the
     others, and the worker held 1.37 times its --hot-budget."""
-    budget, log, gate = 1024 * 1024, tmp_path / "batch-bytes", tmp_path / "gate"
-    started = tmp_path / "started"
-    env = {BATCH_BYTES_LOG: str(log), HELD_STEP_GATE: str(gate), STARTED_LOG: str(started)}
-    model = tiny_model_dirs["llama"]
-    proc = faulty_process(launched, model, store_process, tmp_path, "--hot-budget", "1M", env=env)
-    w = WorkerClient(proc.address, timeout=120)
+    budget, log, gate, started = 1024 * 1024, *logged_paths(tmp_path)
+    w = logged_1m_worker(tiny_model_dirs, store_process, launched, tmp_path)
     long = ["l1", "l2", "l3"]
     create(w, ("ns", "held"), *(("ns", agent) for agent in long))
     for agent in long:
@@ -765,13 +769,7 @@ def test_turns_waiting_for_the_batch_keep_their_agents_within_the_hot_budget(
     # once running (its row in the batch beside its own caches), do not.
     assert sum(sizes) + w.describe("ns", "held").num_bytes < 0.95 * budget, sizes
     assert all(0.25 * budget < size < 0.3 * budget for size in sizes), sizes
-    answered: dict[str, object] = {}
-
-    def turn(agent: str) -> None:
-        try:
-            answered[agent] = w.turn("ns", agent, TALK, max_tokens=8)
-        except AgentKVError as exc:
-            answered[agent] = exc
+    answered, turn = answering(w, max_tokens=8)
 
     first = w.stream_turn("ns", "held", TALK, max_tokens=32, seed=HELD_STEP_SEED)
     items = [next(first)]
@@ -785,7 +783,7 @@ def test_turns_waiting_for_the_batch_keep_their_agents_within_the_hot_budget(
     assert re.search(r"2 turns queued hold \d+ bytes .* budget of 1048576", str(error))
     replies = [r for r in answered.values() if not isinstance(r, Exception)]
     assert all(len(r.token_ids) == 8 and r.usage.cache_state == "hot" for r in replies)
-    steps = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    steps = logged_steps(log)
     assert max(held for _, held in steps) <= budget, steps
 
 
@@ -851,6 +849,25 @@ def test_a_retry_of_a_turn_still_running_is_told_the_agent_is_busy(
     assert answers and "'x' already took the turn r1" in str(answers[0])
 
 
+def logged_paths(tmp_path) -> tuple:
+    """BATCH_BYTES_LOG's, HELD_STEP_GATE's and STARTED_LOG's files for a test's worker."""
+    return tmp_path / "batch-bytes", tmp_path / "gate", tmp_path / "started"
+
+
+def logged_1m_worker(tiny_model_dirs, store_process, launched, tmp_path) -> WorkerClient:
+    """A faulty worker with a --hot-budget of 1M that writes logged_paths(tmp_path)."""
+    log, gate, started = logged_paths(tmp_path)
+    env = {BATCH_BYTES_LOG: str(log), HELD_STEP_GATE: str(gate), STARTED_LOG: str(started)}
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, "--hot-budget", "1M", env=env)
+    return WorkerClient(proc.address, timeout=120)
+
+
+def logged_steps(log) -> list[tuple[int, ...]]:
+    """Each decode step's (rows in the batch, KV bytes held), from BATCH_BYTES_LOG."""
+    return [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+
+
 def test_a_long_turn_batched_with_short_ones_stays_within_the_hot_budget(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
@@ -861,12 +878,8 @@ def test_a_long_turn_batched_with_short_ones_stays_within_the_hot_budget(
     measured 7.8 times the caches' own bytes with eight rows). At every decode step, the
     batch and the caches beside it stay within the budget; short turns still join the long
     one, and every turn is answered."""
-    budget, log, gate = 1024 * 1024, tmp_path / "batch-bytes", tmp_path / "gate"
-    started = tmp_path / "started"
-    env = {BATCH_BYTES_LOG: str(log), HELD_STEP_GATE: str(gate), STARTED_LOG: str(started)}
-    model = tiny_model_dirs["llama"]
-    proc = faulty_process(launched, model, store_process, tmp_path, "--hot-budget", "1M", env=env)
-    w = WorkerClient(proc.address, timeout=120)
+    budget, log, gate, started = 1024 * 1024, *logged_paths(tmp_path)
+    w = logged_1m_worker(tiny_model_dirs, store_process, launched, tmp_path)
     short = ["s1", "s2", "s3"]
     create(w, ("ns", "long"), *(("ns", agent) for agent in short))
     w.turn("ns", "long", [("user", "tell me more " * 70)], max_tokens=0)
@@ -888,6 +901,6 @@ def test_a_long_turn_batched_with_short_ones_stays_within_the_hot_budget(
     items += list(first)
     assert items[-1].usage.generated_tokens == 32
     assert sorted(replies) == short and all(len(r.token_ids) == 8 for r in replies.values())
-    steps = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    steps = logged_steps(log)
     assert max(held for _, held in steps) <= budget, steps
     assert max(rows for rows, _ in steps) >= 2  # the short turns join it, as they fit
