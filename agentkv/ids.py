@@ -22,6 +22,7 @@ MAX_PHASE = 256
 MAX_TEMPERATURE = 10.0  # the hottest sampling a worker takes
 MAX_STOP_CHARS = 256  # characters of one stop string
 MAX_STOP_STRINGS = 16  # stop strings of one turn (a worker's default max_stop_strings)
+AgentId = tuple[str, str]  # (namespace, agent id): an agent, store-wide
 
 
 def show(value: str, limit: int = 80) -> str:

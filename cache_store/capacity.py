@@ -23,12 +23,11 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from agentkv.errors import DiskFull, NamespaceQuotaExceeded, QuotaExceeded, ResourceExhausted
+from agentkv.ids import AgentId
 from cache_store import manifests
 from cache_store.leases import BlockId
 from cache_store.parts import Parts
 from cache_store.records import AgentRecord, BlockRecord
-
-AgentId = tuple[str, str]  # (namespace, agent id)
 
 log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too

@@ -23,14 +23,13 @@ from agentkv.errors import (
     ResourceExhausted,
     SystemPromptDiffers,
 )
+from agentkv.ids import AgentId
 from inference_worker.conversation import ChatState, common_prefix
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.metrics import WorkerMetrics
 from inference_worker.turns import AgentInfo, UsageEvent
 
 log = logging.getLogger("agentkv.worker")
-
-AgentId = tuple[str, str]  # (namespace, agent_id)
 
 
 @dataclass(slots=True)

@@ -25,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
-from inference_worker.agents import Agent, AgentId, Checkpoint
+from agentkv.ids import AgentId
+from inference_worker.agents import Agent, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
 from inference_worker.masks import Constraint, masked
 from inference_worker.sampling import StopMatcher

@@ -27,7 +27,8 @@ from agentkv.errors import (
     TurnTaken,
     Unavailable,
 )
-from inference_worker.agents import Agent, AgentId, HotTier, agent_exists
+from agentkv.ids import AgentId
+from inference_worker.agents import Agent, HotTier, agent_exists
 from inference_worker.batching import ActiveTurn, Batcher
 from inference_worker.chat import ChatFormat
 from inference_worker.config import WorkerConfig
