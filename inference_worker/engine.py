@@ -367,10 +367,15 @@ class Engine:
         """A turn left the batch: persist the agent, then end its stream (a durable turn's
         once its commit is done, on the writer thread)."""
         usage, agent, job = turn.usage, turn.agent, turn.job
-        if not usage.generated_tokens and usage.finish_reason in ("cancelled", "deadline"):
+        unseen = job.cancelled.is_set() and not job.streamed  # its caller left with nothing
+        if usage.finish_reason in ("cancelled", "deadline") and (
+            not usage.generated_tokens or unseen
+        ):
             # Cut before its prefill ended (one that ends leaves with a token, or with "none"
             # when it asks for none): it goes back as a failed turn does, or its messages
             # would stay in the context over a cache that holds part of them, with no reply.
+            # So does one whose caller left before a token reached it (the step that ends a
+            # prefill also samples the first token): its caller was told it failed.
             self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
             return
         calls: tuple[str, ...] = ()  # the reply's, for the tool results after its mark
@@ -464,4 +469,6 @@ def _ended_early(turn: ActiveTurn) -> DeadlineExceeded:
     why = "was cancelled" if turn.usage.finish_reason == "cancelled" else "ran out of time"
     if not turn.job.sampling.max_tokens:
         return DeadlineExceeded(NOT_ADDED.format(agent_id, why))
+    if turn.usage.generated_tokens:  # its caller left before any of them reached it
+        return DeadlineExceeded(f"the turn of agent {agent_id!r} {why} before it replied")
     return DeadlineExceeded(f"the turn of agent {agent_id!r} {why} before its first token")

@@ -157,6 +157,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 for c in calls:
                     call = pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                     yield pb.TurnResponse(tool_call=call)
+                job.streamed = True  # gRPC sent it, and asks for more (not if cancelled)
             elif isinstance(event, StartEvent):
                 yield pb.TurnResponse(started=pb.Usage(**asdict(event.usage)))
             else:

@@ -72,6 +72,9 @@ class TurnJob:
     forms: Forms | None = None  # the reply's required form (structured output), compiled
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # a token went out on the turn's stream (set by the RPC thread once gRPC took it): a turn
+    # cancelled before that goes back, as its caller saw nothing of it
+    streamed: bool = False
     error: Exception | None = None  # set when the turn failed after it started
 
     @property

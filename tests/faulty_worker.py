@@ -21,6 +21,10 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   not cancelled, appends its agent's id there as the MLX thread ends it, before its reply's
   last response goes out: the order turns were served in, which clients' threads, woken
   in their own time, need not record;
+- CANCELLED_PREFILL_SEED: the prefill of a turn with that seed writes CANCELLED_PREFILL_MARK's
+  path (from its environment), then waits until the turn's call is cancelled (its client
+  gone) before it runs: the cancel comes during the step that prefills the turn and samples
+  its first token, and is read at the next;
 - REPLY_LOST_PHASE: an injection or a turn into that phase is taken (and, durable,
   committed), or a fork into that phase is committed, then the process dies before its reply
   (a turn's first response) is sent, as a worker lost at that moment does.
@@ -46,6 +50,8 @@ STEP_FAULT_SEED = 667
 SLOW_STEP_SEED = 668
 SLOW_STEP_SECONDS = 3.0
 HELD_STEP_SEED = 669
+CANCELLED_PREFILL_SEED = 673
+CANCELLED_PREFILL_MARK = "AGENTKV_TEST_CANCELLED_PREFILL_MARK"
 HELD_STEP_GATE = "AGENTKV_TEST_HELD_STEP_GATE"
 FINISHED_LOG = "AGENTKV_TEST_FINISHED_LOG"
 BATCH_BYTES_LOG = "AGENTKV_TEST_BATCH_BYTES_LOG"
@@ -117,6 +123,14 @@ def install() -> None:
                 log.write(f"{len(self.rows)} {held}\n")
         return decode(self)
 
+    prefill = Batcher._prefill
+
+    def prefill_once_cancelled(self, turn, n: int) -> bool:
+        if turn.job.sampling.seed == CANCELLED_PREFILL_SEED:
+            Path(os.environ[CANCELLED_PREFILL_MARK]).touch()
+            turn.job.cancelled.wait(120)
+        return prefill(self, turn, n)
+
     finish = Batcher._finish
 
     def logged_finish(self, turn, reason: str) -> None:
@@ -140,6 +154,7 @@ def install() -> None:
     Sampling.sampler = faulty_sampler
     Batcher._decode = faulty_decode
     Batcher._finish = logged_finish
+    Batcher._prefill = prefill_once_cancelled
 
 
 def hold_until(gate: Path) -> None:

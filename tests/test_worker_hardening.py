@@ -28,6 +28,7 @@ import pytest
 
 from agentkv.client.blocks import Block, StoredBlock, Tensor
 from agentkv.client.memory import AgentMemory
+from agentkv.client.messages import pb_messages
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import (
     AgentBusy,
@@ -41,9 +42,12 @@ from agentkv.errors import (
 )
 from agentkv.keys import ROOT_KEY
 from agentkv.launch import ServiceProcess
+from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.kv_cache import NUMPY_DTYPES
 from tests.faulty_worker import (
     BATCH_BYTES_LOG,
+    CANCELLED_PREFILL_MARK,
+    CANCELLED_PREFILL_SEED,
     FINISHED_LOG,
     HELD_STEP_GATE,
     HELD_STEP_SEED,
@@ -184,6 +188,42 @@ def faulty_worker(launched, model, store_process, tmp_path) -> WorkerClient:
 def create(w: WorkerClient, *agents: tuple[str, str]) -> None:
     for ns, agent in agents:
         w.create_agent(ns, agent, SYSTEM)
+
+
+def test_a_turn_whose_caller_left_before_a_token_reached_it_leaves_no_trace(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """A short prompt is prefilled and given its first token in one step, and a cancel is
+    read between steps. So a caller gone during that step (a 10 ms timeout, a client that
+    hung up) was told DEADLINE_EXCEEDED or CANCELLED, yet the agent kept its message and a
+    token that no one saw, and a retry said the message twice (the red team's case, at
+    every timeout from 0.01 to 0.3 s). Until a token has gone out on its stream, a
+    cancelled turn now goes back as a failed one does: the retry finds the agent as it was,
+    and is answered as its twin is."""
+    mark, model = tmp_path / "in-prefill", tiny_model_dirs["llama"]
+    env = {CANCELLED_PREFILL_MARK: str(mark)}
+    w = WorkerClient(faulty_process(launched, model, store_process, tmp_path, env=env).address)
+    create(w, ("ns", "left"), ("ns", "twin"))
+    before = w.describe("ns", "left").num_tokens
+    sampling = pb.SamplingParams(max_tokens=8, seed=CANCELLED_PREFILL_SEED)
+    request = pb.TurnRequest(
+        namespace="ns", agent_id="left", messages=pb_messages(Q1), sampling=sampling
+    )
+    call = w.stub.Turn(request, timeout=120)
+    eventually(mark.exists, "the turn's prefill is under way", timeout=120)
+    call.cancel()  # the prefill runs once the worker has seen it, then the first token
+
+    def retried():
+        try:
+            return w.turn("ns", "left", Q1, max_tokens=8)
+        except AgentBusy:
+            return None  # the cancelled turn leaves at the next step
+
+    retry = eventually(retried, "the cancelled turn leaves the batch", timeout=120)
+    twin = w.turn("ns", "twin", Q1, max_tokens=8)
+    assert retry.usage.prompt_tokens - retry.usage.prefilled_tokens == before
+    assert retry.usage.prompt_tokens == twin.usage.prompt_tokens
+    assert retry.token_ids == twin.token_ids
 
 
 def test_a_turn_that_fails_alone_leaves_no_trace_and_the_batch_goes_on(
