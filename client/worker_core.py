@@ -25,6 +25,7 @@ from agentkv.client.messages import (
 )
 from agentkv.errors import (
     AgentKVError,
+    DeadlineExceeded,
     FailedPrecondition,
     Unavailable,
     from_rpc_error,
@@ -221,7 +222,16 @@ def tokens(n: int) -> str:
 
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
     """What readers of a reply that `exc` cut short get: a worker that went away may have
-    kept the turn (a cut link) or lost it (a stopped worker); an answer of its own stands."""
+    kept the turn (a cut link) or lost it (a stopped worker); a call that ran out of time
+    after a token of it came kept the turn with the reply so far (one that came before is
+    undone); an answer of its own stands."""
+    if isinstance(exc, DeadlineExceeded) and not exc.remote and num_tokens:
+        kept = DeadlineExceeded(
+            f"{exc.message} after {tokens(num_tokens)} of the reply of {agent!r}: its worker "
+            "keeps the turn, with the reply so far"
+        )
+        kept.peer = exc.peer
+        return kept
     if isinstance(exc, Unavailable) and not exc.remote:
         return ReplyCutOff(
             f"worker {worker} went away after {tokens(num_tokens)} of the reply of {agent!r}; "

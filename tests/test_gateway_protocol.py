@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import errors
-from agentkv.client.worker_core import ReplyCutOff
+from agentkv.client.worker_core import ReplyCutOff, cut_off
 from agentkv.gateway.completion import Completion, finish_reason, usage_json, with_creation
 from agentkv.gateway.errors import HTTPError
 from agentkv.gateway.protocol import agent_id, parse_chat
@@ -141,6 +141,35 @@ def test_the_sdks_own_errors_read_in_http_terms():
         assert (
             cut.message == f"the worker went away after {said} of the reply; send the request again"
         )
+
+
+def test_a_call_that_ran_out_of_time_during_a_reply_says_its_worker_keeps_the_turn():
+    """A worker keeps a turn cut after a token of it went out on its stream, and undoes one
+    cut before (its caller saw none of it): the SDK's own deadline, once tokens came, says
+    the turn is kept, so its caller does not say the message again. Before any token, a
+    worker's own error, or another error, pass as they are."""
+
+    class Agent:
+        def __repr__(self) -> str:
+            return "Agent(ns/a)"
+
+    deadline = errors.DeadlineExceeded("Deadline Exceeded")
+    kept = cut_off(deadline, "w:1", 3, Agent())
+    assert isinstance(kept, errors.DeadlineExceeded) and not kept.remote
+    assert kept.message == (
+        "Deadline Exceeded after 3 tokens of the reply of Agent(ns/a): its worker keeps the "
+        "turn, with the reply so far"
+    )
+    assert HTTPError.of(kept).message.startswith(
+        "the call to the worker did not end within the gateway's --timeout (Deadline Exceeded "
+        "after 3 tokens of the reply"
+    )
+    assert cut_off(deadline, "w:1", 0, Agent()) is deadline
+    own = errors.DeadlineExceeded("the turn of agent 'a' ran out of time before its first token")
+    own.remote = True
+    assert cut_off(own, "w:1", 3, Agent()) is own
+    busy = errors.FailedPrecondition("in progress")
+    assert cut_off(busy, "w:1", 3, Agent()) is busy
 
 
 def test_errors_with_more_than_a_message_survive_pickling():
