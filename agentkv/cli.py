@@ -328,11 +328,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        _main(sys.argv[1:] if argv is None else argv)
+        try:
+            _main(sys.argv[1:] if argv is None else argv)
+        finally:
+            sys.stdout.flush()  # here, where a reader gone is caught, not at exit
     except KeyboardInterrupt:  # what was started is stopped, what was made removed, by then
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # another Ctrl-C now: no traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # its reader left (`| head`): nothing more to say, as Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+        sys.exit(141)  # 128 + SIGPIPE: what a shell reports for a writer whose pipe closed
 
 
 def _main(argv: list[str]) -> None:
@@ -366,6 +372,8 @@ def _main(argv: list[str]) -> None:
         line = _unreachable(exc, args) or f"{type(exc).__name__} ({exc.code.name}): {exc.message}"
         print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:
+        raise  # main's
     except (ValueError, OSError) as exc:  # a bad flag's value: a file, an address, a config
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -137,5 +137,6 @@ def _from_hub(repo_id: str) -> Path:
     except Exception as exc:  # offline, unknown repo, bad id: one line, not a traceback
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise ModelError(
-            f"model {repo_id!r} is not a local path and the hub did not give it: {reason}"
+            f"no model at {repo_id}: no such file or directory in {Path.cwd()}, nor did the "
+            f"Hugging Face hub give a model of that id ({reason})"
         ) from exc

@@ -246,3 +246,15 @@ def test_max_tokens_past_what_an_agent_holds_is_refused_at_load_naming_it(tmp_pa
     assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert f"{path}: {where}: 1000000000 is more than an agent can hold: " in proc.stderr
+
+
+def test_a_reader_that_leaves_ends_the_cli_quietly_as_a_pipe_does():
+    """`agentkv ... | head -1`: the reader closes the pipe before the CLI writes. It said
+    "error: [Errno 32] Broken pipe" and exit 2, as if its input were wrong; now it ends
+    silently with 141 (128 + SIGPIPE), as a shell reports any writer cut off so."""
+    cmd = [sys.executable, "-m", "agentkv.cli", "plan", "--context", "8K", "--budget", "1G"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it writes: the only reader is gone
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert stderr == ""

@@ -372,6 +372,23 @@ def test_a_missing_local_model_is_never_sent_to_the_hub(spec, says):
         resolve_model(spec)
 
 
+def test_a_missing_model_that_could_be_a_hub_id_says_it_is_neither(tmp_path):
+    """From another folder, "models/agentkv-defualt" could be a Hugging Face id. The hub,
+    out of reach, was all the error spoke of ("... check your internet connection"); it now
+    says first that no such path is here, naming the folder it looked in."""
+    code = "from inference_worker.models import resolve_model; resolve_model('models/typo')"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"inference_worker.models.ModelError: no model at models/typo: no such file or "
+        f"directory in {tmp_path}, nor did the Hugging Face hub give a model of that id ("
+    ), last
+
+
 def test_the_demo_with_a_bad_model_prints_the_workers_one_line(tmp_path):
     missing = tmp_path / "no-such-model"
     proc = subprocess.run(
