@@ -41,11 +41,11 @@ def read_token(path: str) -> str:
         return ""
     try:
         token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"token file {path}: {exc.strerror or exc}") from None
+    except OSError as exc:  # named as its flag is, or its variable (flags._from_environment)
+        raise ValueError(f"--token-file {path}: {(exc.strerror or str(exc)).lower()}") from None
     if not token:
-        raise ValueError(f"token file {path} is empty")
-    return header_token(token, f"token file {path}")
+        raise ValueError(f"--token-file {path} is empty")
+    return header_token(token, f"--token-file {path}")
 
 
 def header_token(token: str, where: str) -> str:

@@ -58,6 +58,16 @@ def test_a_malformed_address_in_the_environment_names_the_variable():
     assert proc.stderr.startswith("usage: agentkv agents "), proc.stderr
 
 
+def test_a_token_file_from_the_environment_is_named_as_that_variable():
+    """AGENTKV_TOKEN_FILE naming no file said "token file /no/such/token: ...", naming
+    neither the variable nor the flag, as AGENTKV_TLS_CA's error does."""
+    proc = agentkv("agents", "--store", free_address(), AGENTKV_TOKEN_FILE="/no/such/token")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        "error: AGENTKV_TOKEN_FILE (--token-file) /no/such/token: no such file or directory\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("program", "args"),
     [

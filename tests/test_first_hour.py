@@ -117,7 +117,7 @@ class _QuietHandler(http.server.BaseHTTPRequestHandler):
     [
         (["--tls-cert", __file__], "--tls-cert and --tls-key go together"),
         (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: no such file"),
-        (["--token-file", "/no/such/token"], "token file /no/such/token: No such file"),
+        (["--token-file", "/no/such/token"], "--token-file /no/such/token: no such file"),
         (["--worker", "127.0.0.1:2", "--worker", "127.0.0.1:2"], "worker addresses repeat"),
     ],
     ids=["cert-without-key", "missing-ca", "missing-token-file", "repeated-worker"],
