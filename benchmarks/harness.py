@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import xxhash
 
@@ -120,6 +120,13 @@ def shown(value: Any) -> str:
 # the model every benchmark runs: --model SPEC, resolved as agentkv-worker resolves it
 
 
+def usage_error(message: str) -> NoReturn:
+    """Ends a benchmark given what it cannot use (a model, a text) as the CLI does: one
+    line, "error: ...", exit 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def model_dir(spec: str | os.PathLike[str] | None = None) -> Path:
     """The local mlx-lm model directory for `--model SPEC` (None: the default model), as
     the worker resolves it: a shipped name or a .gguf file is imported once into the model
@@ -137,7 +144,7 @@ def model_dir(spec: str | os.PathLike[str] | None = None) -> Path:
     try:
         return resolve_model(spec, "auto", device).resolve()
     except ModelError as exc:
-        raise SystemExit(f"--model {spec}: {exc}") from None
+        usage_error(f"--model {spec}: {exc}")
 
 
 def load_tokenizer(path: Path):
@@ -147,7 +154,7 @@ def load_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
     if not (path / "tokenizer.json").exists():
-        raise SystemExit(f"{path} has no tokenizer.json (the benchmarks need one)")
+        usage_error(f"{path} has no tokenizer.json (the benchmarks need one)")
     return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 

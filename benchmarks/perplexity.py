@@ -206,7 +206,7 @@ def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
     there are `needed` tokens."""
     present = [name for name in CORPUS if (docs / f"{name}.rst.txt").is_file()]
     if not present:
-        raise SystemExit(
+        h.usage_error(
             f"the text is missing: no Python documentation sources at {docs} "
             f"({DOCS_HINT}, or --docs DIR for another Sphinx _sources tree)"
         )
@@ -222,7 +222,7 @@ def load_text(docs: Path, tokenizer: Any, needed: int) -> Text:
         if len(tokens) >= needed:
             break
     if len(tokens) < needed:
-        raise SystemExit(
+        h.usage_error(
             f"the text at {docs} has {len(tokens):,} tokens, too few for "
             f"{needed:,}: ask for fewer (--tokens)"
         )
@@ -708,7 +708,7 @@ def load_model(path: Path) -> tuple[Any, Any, str]:
 
     model, tokenizer = load(str(path))
     if any(w is not None for w in cache_windows(model)):
-        raise SystemExit(f"{path} has sliding-window layers; this benchmark needs full ones")
+        h.usage_error(f"{path} has sliding-window layers; this benchmark needs full ones")
     dtype = str(tree_flatten(model.parameters())[0][1].dtype).removeprefix("mlx.core.")
     return model, tokenizer, dtype
 

@@ -192,7 +192,7 @@ def check_fit(tokenizer: Any, scenario: Scenario, window: int, max_tokens: int) 
     docs = [len(tokenizer.encode(r.document).ids) for r in scenario.roles if r.document]
     need = max(docs) + CHAT_OVERHEAD + 8 * scenario.sampling.get("max_tokens", 64)
     if need > min(window, max_tokens):
-        raise SystemExit(f"expert documents need up to ~{need} tokens; the model allows {window}")
+        h.usage_error(f"expert documents need up to ~{need} tokens; the model allows {window}")
     spread = f"{min(docs)}-{max(docs)} tokens (mean {statistics.fmean(docs):.0f})"
     return f"expert documents: {spread}; model window {window}, worker max_context {max_tokens}"
 

@@ -53,3 +53,23 @@ def test_bench_quick_writes_the_whole_report(tmp_path):
 def test_bench_help_names_the_command_a_user_typed():
     run = subprocess.run([*BENCH, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith("usage: agentkv bench ")
+
+
+@pytest.mark.parametrize("command", [BENCH, [sys.executable, "benchmarks/ttft.py"]])
+def test_a_model_the_bench_cannot_use_is_a_usage_error_in_one_line(command, tmp_path):
+    """As the CLI's: "error: ..." and exit 2. It was Python's SystemExit: the line without
+    "error:", and exit 1, the code of a run that failed."""
+    missing = tmp_path / "nonexist.gguf"
+    run = subprocess.run(
+        [*command, "--model", str(missing), "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines()[-1] == (  # after a section's progress lines, if any
+        f"error: --model {missing}: no model at {missing}: no such file or directory "
+        "(shipped: smollm2-135m-instruct)"
+    )
+    assert "Traceback" not in run.stderr
