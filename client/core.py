@@ -19,6 +19,7 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, Generic
 
+from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity
 from agentkv.client.messages import Messages, Tools, as_messages, tools_json, turn_request
 from agentkv.client.routing import Attempts, Router
@@ -100,7 +101,9 @@ class BaseAgentMemory:
         worker right after a reply loses nothing (costs the commit's latency per turn).
         `security`: TLS and a bearer token for every worker and the store."""
         addresses = [workers] if isinstance(workers, str) else list(workers)
-        self.router = Router(addresses, down_for)
+        self.router = Router(addresses, down_for)  # ValueError: none, repeated, malformed
+        if store:
+            client_address(store)  # before any channel opens
         security = security or ClientSecurity()
         self.workers = {a: self.worker_class(a, timeout, security) for a in addresses}
         self.namespace = namespace

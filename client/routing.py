@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from agentkv.addresses import client_address
 from agentkv.errors import Unavailable
 
 
@@ -35,6 +36,8 @@ class Router:
             raise ValueError("at least one worker address is needed")
         if len(set(workers)) != len(workers):
             raise ValueError(f"worker addresses repeat: {list(workers)}")
+        for address in workers:
+            client_address(address)  # ValueError: "an address must be HOST:PORT or ..."
         self.workers = list(workers)
         self.down_for = down_for
         self._down: dict[str, float] = {}  # worker -> when it may be tried again

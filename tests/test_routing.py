@@ -60,3 +60,19 @@ def test_a_router_needs_distinct_workers():
         Router([])
     with pytest.raises(ValueError, match="repeat"):
         Router([WORKERS[0], WORKERS[0]])
+
+
+@pytest.mark.parametrize("memory", ["sync", "asyncio"])
+@pytest.mark.parametrize(
+    ("workers", "store", "bad"),
+    [("foo", None, "foo"), (["127.0.0.1:1", "h:99999"], None, "h:99999"), ("h:1", "bar", "bar")],
+    ids=["worker-without-port", "port-out-of-range", "store"],
+)
+def test_a_memory_given_a_malformed_address_says_so_at_once(memory, workers, store, bad):
+    """AgentMemory("foo") was taken; its first call said "no worker could be reached ...
+    over foo", as if a worker were down."""
+    from agentkv.client import AgentMemory, AsyncAgentMemory
+
+    cls = AgentMemory if memory == "sync" else AsyncAgentMemory
+    with pytest.raises(ValueError, match=f"must be HOST:PORT or unix:PATH, got '{bad}'"):
+        cls(workers, store)
