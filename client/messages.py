@@ -4,7 +4,7 @@ the worker's own), tools, a reply's required form, and a turn's whole request.""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 from agentkv.errors import InvalidArgument
@@ -22,7 +22,11 @@ def as_messages(messages: Messages, role: str = "user") -> list[pb.Message]:
     """A text becomes one message with `role`; a sequence of messages is converted as
     pb_messages does."""
     if isinstance(messages, str):
-        return [pb.Message(role=role, content=messages)]
+        return [message_of((role, messages))]
+    if not isinstance(messages, Iterable) or isinstance(messages, Mapping):
+        raise InvalidArgument(
+            f"messages must be a text or a list of messages, got {type(messages).__name__}"
+        )
     return pb_messages(messages)
 
 
@@ -52,19 +56,31 @@ def message_of(message: Message, index: int = 0) -> pb.Message:
             tool_call_id=message.get("tool_call_id") or "",
         )
     if isinstance(message, (tuple, list)) and len(message) == 2:
-        return pb.Message(role=message[0], content=message[1])
+        if not isinstance(message[0], str):
+            raise InvalidArgument(f"message {index}'s role is not a text: {message[0]!r}")
+        return pb.Message(role=message[0], content=_content(message[1], index))
     raise InvalidArgument(
         f"message {index} is neither a (role, content) pair nor a message dict: {message!r}"
     )
 
 
 def _content(content: Any, index: int) -> str:
-    """A message dict's content as text: None is none, text parts are joined."""
+    """A message's content as text: None is none, text parts are joined; InvalidArgument
+    for text that is not Unicode's (a lone surrogate: UTF-8, the wire's, cannot carry it)."""
     if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, Sequence) and all(_is_text_part(part) for part in content):
-        return "".join(part["text"] for part in content)
-    raise InvalidArgument(f"message {index}'s content is neither a text nor text parts")
+        text = content or ""
+    elif isinstance(content, Sequence) and all(_is_text_part(part) for part in content):
+        text = "".join(part["text"] for part in content)
+    else:
+        raise InvalidArgument(f"message {index}'s content is neither a text nor text parts")
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"message {index}'s content is not valid text: {exc.reason} at character "
+            f"{exc.start} ({text[exc.start]!r})"
+        ) from None
+    return text
 
 
 def _is_text_part(part: Any) -> bool:
@@ -148,6 +164,9 @@ def turn_request(
     for name in ("max_tokens", "top_k", "deadline_ms", "max_tool_calls"):  # uint32 fields
         if isinstance(counts.get(name), int) and counts[name] < 0:  # protobuf: "out of range"
             raise InvalidArgument(f"{name} must be >= 0, got {counts[name]}")
+    known = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    if unknown := sorted(set(sampling) - set(known)):  # as Python names a keyword it lacks
+        raise TypeError(f"unexpected option {unknown[0]!r} (sampling: {', '.join(known)})")
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,

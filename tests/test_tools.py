@@ -80,6 +80,34 @@ def test_a_negative_count_is_refused_naming_its_field(field):
         turn_request("ns", "a", [("user", ASK)], **{field: -1})
 
 
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ("\ud800", r"message 0's content is not valid text: surrogates not allowed at character 0"),
+        ([("user", "ok"), ("user", "a\udfffb")], r"message 1's content is not valid text: .* 1"),
+        (None, "messages must be a text or a list of messages, got NoneType"),
+        ({"role": "user", "content": "hi"}, "messages must be a text or a list of messages"),
+        ([(None, "hi")], "message 0's role is not a text: None"),
+        ([("user", None)], None),  # no content: none, as a dict's None content
+    ],
+    ids=["lone-surrogate", "surrogate-in-a-pair", "none", "one-dict", "role-none", "content-none"],
+)
+def test_messages_the_wire_cannot_carry_are_refused_naming_the_message(messages, says):
+    """Python's own errors came out of say(): UnicodeEncodeError for a lone surrogate (from
+    gRPC's serializer), TypeError for None, protobuf's "bad argument type" for a role."""
+    if says is None:
+        assert as_messages(messages)[0].content == ""
+        return
+    with pytest.raises(InvalidArgument, match=f"^{says}"):
+        as_messages(messages)
+
+
+def test_an_option_a_turn_lacks_is_named_as_python_names_a_keyword():
+    """protobuf's refusal read 'Protocol message SamplingParams has no "bogus" field'."""
+    with pytest.raises(TypeError, match=r"^unexpected option 'bogus' \(sampling: temperature, "):
+        turn_request("ns", "a", [("user", ASK)], bogus=1)
+
+
 def test_a_turns_tool_calls_are_collected_apart_from_its_text():
     result, call = TurnResult(), pb.ToolCall(id="call_1", name="f", arguments="{}")
     for response in (
