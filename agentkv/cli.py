@@ -26,7 +26,14 @@ from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity, header_token
 from agentkv.client.inspect import STORE_COMMANDS
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentKVError, AgentNotFound, FingerprintMismatch, Unavailable
+from agentkv.errors import (
+    NOT_HTTP2,
+    AgentKVError,
+    AgentNotFound,
+    FingerprintMismatch,
+    Unavailable,
+    connect_failure,
+)
 from agentkv.flags import add_flags, from_args, show_defaults, telling
 from agentkv.launch import ServiceExited, dies_with
 from agentkv.plan_report import print_plan
@@ -384,7 +391,7 @@ def _main(argv: list[str]) -> None:
 
 # gRPC's reasons for a connection that was made but never became gRPC's: nothing came back
 # before its connect timeout (20 s; "Endpoint closing" with TLS), or something not HTTP/2 did.
-_NO_ANSWER = ("before receiving SETTINGS frame", "(Endpoint closing)", "Failed parsing HTTP/2")
+_NO_ANSWER = ("before receiving SETTINGS frame", "(Endpoint closing)", NOT_HTTP2)
 # the SDK's, once every worker it may route an agent to was tried and none answered
 _EXHAUSTED = "no worker could be reached"
 # gRPC's words for a host name that does not resolve (its native resolver's; c-ares's)
@@ -407,7 +414,7 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
         flags = "--store / AGENTKV_STORE" if store else "--worker / AGENTKV_WORKERS"
         return f"{peer}: its host name does not resolve (check {flags}; gRPC: {exc.message})"
     # "...; last error: UNKNOWN: ipv4:HOST:PORT: Tls handshake failed (...): ...: OK"
-    reason = exc.message.rpartition("last error: ")[2].split(": ", 2)[-1].removesuffix(": OK")
+    reason = connect_failure(exc.message)
     if any(words in reason for words in _NO_ANSWER):
         return (
             f"{peer} took the connection but did not answer: is it hung, or not an agentkv "

@@ -232,6 +232,17 @@ _BY_CODE: dict[grpc.StatusCode, type[AgentKVError]] = {
 }
 
 
+# gRPC's reason for a connection whose server answered, but not in HTTP/2 (an HTTP/1 server,
+# say): no gRPC server, nor a proxy to one (that speaks HTTP/2 even while its backend is down).
+NOT_HTTP2 = "Failed parsing HTTP/2"
+
+
+def connect_failure(message: str) -> str:
+    """gRPC's reason in its "failed to connect to all addresses; last error: CODE: PEER:
+    REASON" message: "Connection refused", "Failed parsing HTTP/2 (...)"."""
+    return message.rpartition("last error: ")[2].split(": ", 2)[-1].removesuffix(": OK")
+
+
 def in_one_line(exc: BaseException, limit: int = 300) -> str:
     """Another library's exception as part of a one-line error: its type and the first line
     of what it says, cut at `limit` characters (some quote a whole file)."""

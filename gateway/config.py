@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentkv import defaults, ids
-from agentkv.addresses import is_loopback, listen_host
+from agentkv.addresses import client_address, is_loopback, listen_host
 from agentkv.channels import ClientSecurity
 from agentkv.flags import flag, nested
 from agentkv.security import ServerSecurity
@@ -49,6 +49,14 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("at least one --worker HOST:PORT is needed")
+        dialed = [("--worker", worker) for worker in self.workers]
+        if self.store:  # none: GET /v1/agents is a 404
+            dialed.append(("--store", self.store))
+        for name, address in dialed:  # checked as the CLI and the worker check theirs
+            try:
+                client_address(address)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
         if listen_host(self.listen) is None:
             raise ValueError(f"--listen must be HOST:PORT, got {self.listen!r}")
         if not ids.NAMESPACE_RE.fullmatch(self.namespace):

@@ -11,7 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentKVError, FailedPrecondition, Unauthenticated
+from agentkv.errors import (
+    NOT_HTTP2,
+    AgentKVError,
+    FailedPrecondition,
+    Unauthenticated,
+    connect_failure,
+)
 from agentkv.v1 import store_pb2
 
 log = logging.getLogger("agentkv.worker")
@@ -83,11 +89,13 @@ class StoreHealth:
 
 
 def check_store(store: StoreClient, address: str, timeout: float) -> None:
-    """Raises when the server at the worker's --store answers but is no agentkv store, or
-    refuses the worker's token: the worker could never use it (every turn would fail, and
-    the gateway would answer its callers 401 for the worker's own token). One that does
-    not answer (down, or not started yet) is no error here: the worker serves hot agents
-    meanwhile, and StoreHealth says so. One call tells all three: the store's GetStats,
+    """Raises when the server at the worker's --store answers but is no agentkv store (a
+    gRPC server without the store's service, or one that does not speak HTTP/2 at all, such
+    as an HTTP server), or refuses the worker's token: the worker could never use it (every
+    turn would fail, and the gateway would answer its callers 401 for the worker's own
+    token). One that does not answer (down, not started yet, hung, or behind a proxy that
+    has no store to pass the call to yet) is no error here: the worker serves hot agents
+    meanwhile, and StoreHealth says so. One call tells them all: the store's GetStats,
     which another server does not serve and a store serves only with a token it knows."""
     try:
         store.call("GetStats", store_pb2.GetStatsRequest(), timeout)
@@ -101,4 +109,9 @@ def check_store(store: StoreClient, address: str, timeout: float) -> None:
             raise FailedPrecondition(
                 f"the server at --store {address} is not an agentkv store: it serves no "
                 f"{STORE_SERVICE} ({exc.code.name})"
+            ) from None
+        if exc.code == grpc.StatusCode.UNAVAILABLE and not exc.remote and NOT_HTTP2 in exc.message:
+            raise FailedPrecondition(
+                f"the server at --store {address} is not an agentkv store: it does not speak "
+                f"gRPC's HTTP/2 (gRPC: {connect_failure(exc.message)})"
             ) from None

@@ -48,6 +48,27 @@ def test_a_malformed_address_is_a_usage_error_naming_its_flag(args, flag):
     assert f"error: argument {flag}: " in proc.stderr.splitlines()[-1], proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--worker", "foo"], "--worker"),
+        (["--worker", ""], "--worker"),
+        (["--worker", "127.0.0.1:99999"], "--worker"),  # it dialed port 34463
+        (["--worker", "127.0.0.1:1", "--worker", "x"], "--worker"),
+        (["--worker", "127.0.0.1:1", "--store", "foo"], "--store"),
+    ],
+    ids=["worker", "worker-empty", "worker-port", "second-worker", "store"],
+)
+def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(args, flag):
+    """As the CLI and the worker refuse theirs: the gateway served, and only logged "worker
+    does not answer"."""
+    cmd = [sys.executable, "-m", "agentkv.gateway", *args, "--listen", "127.0.0.1:0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"agentkv-gateway: error: {flag}: an address must be "), proc.stderr
+
+
 def test_a_malformed_address_in_the_environment_names_the_variable():
     proc = agentkv("store", "stats", AGENTKV_STORE="garbage")
     assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr

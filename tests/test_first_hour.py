@@ -5,8 +5,10 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -64,8 +66,6 @@ def test_a_server_that_takes_the_connection_but_does_not_answer_is_not_called_ab
     HTTP server each took the connection: the CLI says so, with gRPC's reason, not "no store
     at". gRPC's connect timeout (20 s) ends the wait for one that says nothing."""
     import signal
-    import socket
-    import threading
 
     from tests.helpers import make_certs
 
@@ -103,6 +103,95 @@ def test_a_server_that_takes_the_connection_but_does_not_answer_is_not_called_ab
             "is it hung, or not an agentkv gRPC server? (gRPC: "
         ), stderr
     assert "SETTINGS frame" in ended["hung"][1] and "HTTP/2" in ended["http"][1]
+
+
+def test_a_worker_whose_store_address_is_an_http_server_stops_at_start(tiny_model_dirs, tmp_path):
+    """An HTTP server at --store (the gateway's port, say) answers gRPC's preface in
+    HTTP/1: one line, exit 2, before the model loads, as for a gRPC server that is no store.
+    It logged "store does not answer" and served, waiting for it forever."""
+    from agentkv.launch import ServiceExited, worker_process
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{web.server_address[1]}"
+    worker = worker_process(str(tiny_model_dirs["llama"]), address, tmp_path / "worker.log")
+    try:
+        with pytest.raises(ServiceExited):
+            worker.start(timeout=120)
+    finally:
+        worker.stop()
+        web.shutdown()
+    assert worker.proc.returncode == 2, worker.log_tail()
+    log = worker.log_tail()
+    assert log.splitlines()[-1].startswith(
+        f"agentkv-worker: error: the server at --store {address} is not an agentkv store: it "
+        "does not speak gRPC's HTTP/2 (gRPC: Failed parsing HTTP/2 "
+    ), log
+    assert '"event": "model loaded"' not in log and "Traceback" not in log, log
+
+
+def test_a_worker_whose_store_is_behind_a_proxy_waits_for_it_to_start(tiny_model_dirs, tmp_path):
+    """A TCP proxy takes the connection and drops it while its store is not up yet: that is
+    a store not started, waited for (not a server that is no store), until it answers."""
+    from agentkv.launch import store_process, worker_process
+    from tests.helpers import until
+
+    store_address = free_address()
+    with _TcpProxy(store_address) as proxy:
+        worker = worker_process(str(tiny_model_dirs["llama"]), proxy, tmp_path / "worker.log")
+        worker.start(timeout=120)
+        store = store_process(tmp_path / "data", tmp_path / "store.log", store_address)
+        try:
+            assert '"event": "store does not answer' in worker.log_tail(), worker.log_tail()
+            store.start()
+            answers = '"event": "store answers"'
+            until(lambda: answers in worker.log_tail(), "the worker to see its store answer")
+        finally:
+            worker.stop()
+            store.stop()
+
+
+class _TcpProxy:
+    """Passes each connection on to `backend`; drops it when nothing listens there yet."""
+
+    def __init__(self, backend: str) -> None:
+        host, _, port = backend.rpartition(":")
+        self.backend = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def __enter__(self) -> str:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self.address
+
+    def __exit__(self, *exc: object) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server = socket.create_connection(self.backend)
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+
+def _pipe(source, sink) -> None:
+    """Copies `source` to `sink` until either closes."""
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        source.close()
+        sink.close()
 
 
 class _QuietHandler(http.server.BaseHTTPRequestHandler):
