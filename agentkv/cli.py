@@ -354,7 +354,7 @@ def _main(argv: list[str]) -> None:
     if argv[:1] == ["gateway"]:  # agentkv-gateway, its flags as they are
         from agentkv.gateway.__main__ import main as gateway
 
-        gateway(argv[1:])
+        gateway(argv[1:], prog="agentkv gateway")
         return
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -65,8 +65,9 @@ class Server(uvicorn.Server):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = parse_config(GatewayConfig, "agentkv-gateway", __doc__, argv)
+def main(argv: list[str] | None = None, prog: str = "agentkv-gateway") -> None:
+    """`prog`: the command the user typed (`agentkv gateway` runs this too)."""
+    config = parse_config(GatewayConfig, prog, __doc__, argv)
     logs.configure(config.log_level)
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.setLevel(logging.WARNING)  # "serving" says it started
@@ -81,10 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         listener = bound_socket(config.listen)
         serve(Server(server_config(app, config), config), listener)
     except (ValueError, OSError) as exc:
-        print(f"agentkv-gateway: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # before it serves: once it does, SIGINT stops it gracefully
-        print("agentkv-gateway: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     finally:
         if address_file:

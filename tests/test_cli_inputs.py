@@ -69,6 +69,15 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
     assert last.startswith(f"agentkv-gateway: error: {flag}: an address must be "), proc.stderr
 
 
+def test_agentkv_gateway_names_the_command_a_user_typed():
+    """`agentkv gateway --help` said "usage: agentkv-gateway", and its errors so."""
+    helped = agentkv("gateway", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: agentkv gateway ")
+    refused = agentkv("gateway", "--worker", "foo", "--listen", "127.0.0.1:0")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.splitlines()[-1].startswith("agentkv gateway: error: --worker: ")
+
+
 def test_a_malformed_address_in_the_environment_names_the_variable():
     proc = agentkv("store", "stats", AGENTKV_STORE="garbage")
     assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
