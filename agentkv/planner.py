@@ -78,12 +78,18 @@ def parse_size(text: str) -> int:
     return num_bytes
 
 
+MAX_CONTEXT_TOKENS = 1 << 30  # past any model's window; the plan's figures stay exact
+
+
 def parse_tokens(text: str) -> int:
-    """Tokens from e.g. "8192" or "8K" (8 x 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*(k?)\s*", text, re.IGNORECASE)
+    """Tokens from e.g. "8192" or "8K" (8 x 1024), 1 to MAX_CONTEXT_TOKENS."""
+    match = re.fullmatch(r"\s*(\d{1,12})\s*(k?)\s*", text, re.IGNORECASE)
     num_tokens = int(match[1]) * (1024 if match[2] else 1) if match else 0
-    if num_tokens < 1:
-        raise ValueError(f"a context is a positive number of tokens, e.g. 8192 or 8K; got {text!r}")
+    if not 1 <= num_tokens <= MAX_CONTEXT_TOKENS:
+        raise ValueError(
+            f"a context is a positive number of tokens, at most {MAX_CONTEXT_TOKENS:,} (1M K), "
+            f"e.g. 8192 or 8K; got {text!r}"
+        )
     return num_tokens
 
 

@@ -172,6 +172,10 @@ def test_parse_size_and_tokens():
     assert parse_tokens("8K") == parse_tokens("8192") == 8192
     with pytest.raises(ValueError, match="positive number of tokens"):
         parse_tokens("8M")
+    assert parse_tokens("1048576K") == 1 << 30  # the most; past it the plan's floats round
+    for huge in ("1048577K", "99999999999999999999K"):  # a red team's: 102399999999999999998976
+        with pytest.raises(ValueError, match=r"positive number of tokens, at most 1,073,741,824"):
+            parse_tokens(huge)
 
 
 def test_load_config_paths_and_errors(tmp_path):
