@@ -107,12 +107,30 @@ def _parse(cur: _Cursor) -> Header:
     infos = []
     for _ in range(num_tensors):
         name = cur.string()
-        dims = cur.unpack(f"<{cur.unpack('<I')[0]}Q")
+        dims = cur.unpack(f"<{cur.unpack('<I')[0]}q")  # int64, as llama.cpp reads them
         kind, offset = cur.unpack("<IQ")
         infos.append((name, GGML_TYPES.get(kind, f"type {kind}"), tuple(reversed(dims)), offset))
     align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0 or align % 8:  # the spec: a multiple of 8
         raise GGUFError(f"GGUF {cur.path} has general.alignment {align!r}: not a multiple of 8")
+    for name, _, shape, at in infos:
+        _check_tensor(cur.path, name, shape, at, align)
     start = -(-cur.pos // align) * align
     tensors = [TensorInfo(name, kind, shape, start + at) for name, kind, shape, at in infos]
     return Header(metadata, tensors)
+
+
+def _check_tensor(path: Path, name: str, shape: tuple[int, ...], at: int, align: int) -> None:
+    """Refuses a tensor the spec does not allow: a dimension under 1 (an empty tensor, which
+    MLX later refuses to load), or data that starts off the file's alignment (read from
+    there, its blocks decode to garbage and NaNs)."""
+    empty = [dim for dim in shape if dim <= 0]
+    if empty:
+        raise GGUFError(
+            f"GGUF {path}: tensor {name!r} has shape {list(shape)}, with a dimension of {empty[0]}"
+        )
+    if at % align:
+        raise GGUFError(
+            f"GGUF {path}: tensor {name!r} starts at offset {at}, not a multiple of the "
+            f"file's alignment {align}"
+        )

@@ -156,15 +156,38 @@ def _read_tensor(path: Path, data: np.ndarray, info: TensorInfo, weights: str) -
         raise GGUFError(f"GGUF {path} is cut short: tensor {info.name!r} lacks its data")
     stem = info.name.rpartition(".")[0]
     if weights == "native" and info.kind in AFFINE:
-        parts = zip(("weight", "scales", "biases"), affine(raw, info.kind, info.shape), strict=True)
+        packed, scales, biases = affine(raw, info.kind, info.shape)
+        _check_finite(path, info, scales, biases, per=GROUP)
+        parts = zip(("weight", "scales", "biases"), (packed, scales, biases), strict=True)
         return {f"{stem}.{part}": mx.array(array) for part, array in parts}
     target = NATIVE_FLOAT if weights == "native" else weights
     half = target == "float16" and info.kind in BLOCKS  # decoded straight into float16
-    array = mx.array(dequantize(raw, info.kind, info.shape, np.float16 if half else np.float32))
+    decoded = dequantize(raw, info.kind, info.shape, np.float16 if half else np.float32)
+    _check_finite(path, info, decoded)
+    array = mx.array(decoded)
     if info.kind not in ("F32", "F16"):
         array = array.astype(getattr(mx, target))
         mx.eval(array)  # now, so that only one tensor's float32 is held at a time
     return {info.name: array}
+
+
+def _check_finite(path: Path, info: TensorInfo, *arrays: np.ndarray, per: int = 1) -> None:
+    """Refuses a tensor with NaN or infinite weights (its model would answer one token over
+    and over). `arrays` hold its weights, or a scale and a bias per group of `per` weights."""
+    if all(map(_all_finite, arrays)):
+        return
+    finite = np.logical_and.reduce([np.isfinite(a) for a in arrays])
+    count = (finite.size - np.count_nonzero(finite)) * per
+    raise GGUFError(
+        f"GGUF {path}: tensor {info.name!r} holds {count:,} weights that are NaN or infinite"
+    )
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    if array.dtype == np.float16:  # numpy's isfinite is 5x slower there: NaN and inf are
+        # the float16s whose exponent bits are all ones, and only they reach 0x7C00
+        return int((array.view(np.uint16) & 0x7FFF).max(initial=0)) < 0x7C00
+    return bool(np.isfinite(array).all())
 
 
 def _scalar(value):

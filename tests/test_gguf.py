@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -660,3 +662,95 @@ def test_agentkv_model_import_of_a_missing_file_says_there_is_none(tmp_path):
     )
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr == f"error: {missing}: no such file or directory\n"
+
+
+def _patch(gguf: Path, name: str, dims: tuple[int, ...] | None = None, shift: int = 0) -> int:
+    """Rewrites tensor `name`'s dims (GGUF's order, int64) or moves its data offset by
+    `shift` bytes in `gguf`'s header; the offset it now has (from the data section)."""
+    data = bytearray(gguf.read_bytes())
+    at = data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    if dims is not None:
+        struct.pack_into(f"<{n_dims}q", data, at + 4, *dims)
+    (offset,) = struct.unpack_from("<Q", data, at + 8 + 8 * n_dims)
+    struct.pack_into("<Q", data, at + 8 + 8 * n_dims, offset + shift)
+    gguf.write_bytes(data)
+    return offset + shift
+
+
+def _cli_refuses(gguf: Path, tmp_path: Path) -> str:
+    """`agentkv model import gguf --out DIR`'s one line (exit 2), having left nothing."""
+    out = tmp_path / "models" / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli", "model", "import", str(gguf), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2 and run.stderr.startswith("error: GGUF "), run.stderr
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert not out.exists() and not list((tmp_path / "models").glob("*"))
+    return run.stderr
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        (
+            "misaligned",
+            "tensor 'token_embd.weight' starts at offset {offset}, not a multiple of the "
+            "file's alignment 32",
+        ),
+        ("zero-dim", "tensor 'token_embd.weight' has shape [0, {hidden}], with a dimension of 0"),
+        ("negative-dim", "tensor 'token_embd.weight' has shape [{vocab}, -5], with a dimension"),
+        ("past-the-end", "is cut short: tensor 'token_embd.weight' lacks its data"),
+        ("nan-weights", "tensor 'token_embd.weight' holds 3 weights that are NaN or infinite"),
+    ],
+    ids=["misaligned", "zero-dim", "negative-dim", "past-the-end", "nan-weights"],
+)
+def test_a_tensor_the_gguf_spec_does_not_allow_is_one_line(sources, tmp_path, case, says):
+    """The red team's: a tensor's data 3 bytes off the alignment imported (exit 0) as NaNs,
+    and the worker then answered '<|endoftext|>' to everything; a dimension of 0 imported
+    as an empty tensor that MLX refused at load. Now the CLI and the worker say why."""
+    path, config, _, _, w = sources["llama"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    if case == "nan-weights":
+        embed = w["model.embed_tokens.weight"].copy()
+        embed[1, :3] = [np.nan, np.inf, -np.inf]
+        w = {**w, "model.embed_tokens.weight": embed}
+    gguf = write_gguf(tmp_path / "bad.gguf", w, config, path)
+    name, offset = "token_embd.weight", None
+    if case == "misaligned":
+        offset = _patch(gguf, name, shift=3)
+    elif case in ("zero-dim", "negative-dim"):
+        _patch(gguf, name, dims=(hidden, 0) if case == "zero-dim" else (-5, vocab))
+    elif case == "past-the-end":
+        _patch(gguf, name, shift=1 << 30)
+    says = says.format(offset=offset, hidden=hidden, vocab=vocab)
+    assert says in _cli_refuses(gguf, tmp_path)
+    with pytest.raises(ModelError, match=re.escape(says)):
+        resolve_model(str(gguf), "float32", cache_dir=tmp_path / "cache")
+
+
+def test_the_shipped_gguf_with_its_embeddings_moved_off_the_alignment_is_refused(tmp_path):
+    """The red team's own file: SmolLM2 with token_embd.weight at offset 3, not 0."""
+    from inference_worker.models import shipped_file
+
+    gguf = tmp_path / "smollm2.gguf"
+    shutil.copyfile(shipped_file("smollm2-135m-instruct"), gguf)
+    assert _patch(gguf, "token_embd.weight", shift=3) == 3  # it was the first, at 0
+    assert _cli_refuses(gguf, tmp_path) == (
+        f"error: GGUF {gguf}: tensor 'token_embd.weight' starts at offset 3, not a multiple "
+        "of the file's alignment 32\n"
+    )
+
+
+@pytest.mark.parametrize("weights", ["float32", "float16", "bfloat16", "native"])
+def test_a_quantized_block_with_a_nan_scale_is_refused_under_every_weights(tmp_path, weights):
+    """A Q8_0 block whose fp16 scale is NaN: its 32 weights are NaN, as float32, float16 or
+    bfloat16, and as the MLX layer's scale and bias under native."""
+    data = quantize(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), Q.Q8_0)
+    data[2, 34:36] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # row 2's 2nd block
+    gguf = _bare_gguf(tmp_path / "t.gguf", "llama", data, Q.Q8_0)
+    with pytest.raises(GGUFError, match=r"'token_embd\.weight' holds 32 weights that are NaN"):
+        read_gguf(gguf, weights)
