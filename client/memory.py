@@ -87,8 +87,9 @@ class Reply(BaseReply):
     def close(self) -> None:
         """Stops the reply, from any thread: one not yet whole is cancelled on its worker,
         which keeps what it generated until then in the agent's context (as any turn cut
-        short). Its readers, those reading now included, and every later one get
-        FailedPrecondition 'the reply ... was closed'. A whole reply stays as it is."""
+        short), or undoes the turn if no token of it had been sent yet. Its readers, those
+        reading now included, and every later one get FailedPrecondition 'the reply ... was
+        closed'. A whole reply stays as it is."""
         self._close()
 
     def __enter__(self) -> Reply:

@@ -49,16 +49,16 @@ def message_of(message: Message, index: int = 0) -> pb.Message:
         role = message.get("role")
         if not isinstance(role, str):
             raise InvalidArgument(f"message {index} has no role")
+        calls = [tool_call_of(call) for call in message.get("tool_calls") or ()]
         return pb.Message(
-            role="system" if role == "developer" else role,
+            role=_text("system" if role == "developer" else role, f"message {index}'s role"),
             content=_content(message.get("content"), index),
-            tool_calls=[tool_call_of(call) for call in message.get("tool_calls") or ()],
-            tool_call_id=message.get("tool_call_id") or "",
+            tool_calls=calls,
+            tool_call_id=_text(message.get("tool_call_id") or "", f"message {index}'s call id"),
         )
     if isinstance(message, (tuple, list)) and len(message) == 2:
-        if not isinstance(message[0], str):
-            raise InvalidArgument(f"message {index}'s role is not a text: {message[0]!r}")
-        return pb.Message(role=message[0], content=_content(message[1], index))
+        role = _text(message[0], f"message {index}'s role")
+        return pb.Message(role=role, content=_content(message[1], index))
     raise InvalidArgument(
         f"message {index} is neither a (role, content) pair nor a message dict: {message!r}"
     )
@@ -73,14 +73,22 @@ def _content(content: Any, index: int) -> str:
         text = "".join(part["text"] for part in content)
     else:
         raise InvalidArgument(f"message {index}'s content is neither a text nor text parts")
+    return _text(text, f"message {index}'s content")
+
+
+def _text(value: Any, what: str) -> str:
+    """`value` if it is a text the wire carries; InvalidArgument naming `what` otherwise (not
+    a str, or with a lone surrogate, which UTF-8 cannot carry)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} is not a text: {value!r}")
     try:
-        text.encode()
+        value.encode()
     except UnicodeEncodeError as exc:
         raise InvalidArgument(
-            f"message {index}'s content is not valid text: {exc.reason} at character "
-            f"{exc.start} ({text[exc.start]!r})"
+            f"{what} is not valid text: {exc.reason} at character {exc.start} "
+            f"({value[exc.start]!r})"
         ) from None
-    return text
+    return value
 
 
 def _is_text_part(part: Any) -> bool:
@@ -104,7 +112,11 @@ def tool_call_of(call: Mapping[str, Any] | pb.ToolCall) -> pb.ToolCall:
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
-    return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
+    return pb.ToolCall(
+        id=_text(call.get("id") or "", "a tool call's id"),
+        name=_text(function["name"], "a tool call's name"),
+        arguments=_text(arguments, "a tool call's arguments"),
+    )
 
 
 def _dumped(value: Any) -> Any:
@@ -167,6 +179,10 @@ def turn_request(
     known = pb.SamplingParams.DESCRIPTOR.fields_by_name
     if unknown := sorted(set(sampling) - set(known)):  # as Python names a keyword it lacks
         raise TypeError(f"unexpected option {unknown[0]!r} (sampling: {', '.join(known)})")
+    if isinstance(sampling.get("stop"), str):  # one stop string, as OpenAI's API takes it:
+        sampling["stop"] = [sampling["stop"]]  # protobuf took each of its characters
+    for stop in sampling.get("stop") or ():
+        _text(stop, "a stop string")
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,

@@ -223,15 +223,20 @@ def tokens(n: int) -> str:
 def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> AgentKVError:
     """What readers of a reply that `exc` cut short get: a worker that went away may have
     kept the turn (a cut link) or lost it (a stopped worker); a call that ran out of time
-    after a token of it came kept the turn with the reply so far (one that came before is
-    undone); an answer of its own stands."""
-    if isinstance(exc, DeadlineExceeded) and not exc.remote and num_tokens:
-        kept = DeadlineExceeded(
-            f"{exc.message} after {tokens(num_tokens)} of the reply of {agent!r}: its worker "
+    after a token of it came kept the turn with the reply so far (one before: undone,
+    unless a token was sent that had not yet come); an answer of its own stands."""
+    if isinstance(exc, DeadlineExceeded) and not exc.remote:
+        kept = (
             "keeps the turn, with the reply so far"
+            if num_tokens
+            else "undoes the turn unless a token of it was on its way: describe() the agent "
+            "before saying it again"
         )
-        kept.peer = exc.peer
-        return kept
+        said = DeadlineExceeded(
+            f"{exc.message} after {tokens(num_tokens)} of the reply of {agent!r}: its worker {kept}"
+        )
+        said.peer = exc.peer
+        return said
     if isinstance(exc, Unavailable) and not exc.remote:
         return ReplyCutOff(
             f"worker {worker} went away after {tokens(num_tokens)} of the reply of {agent!r}; "
@@ -315,13 +320,14 @@ class BaseReply:
                 return
             if self._error is None:
                 self._error = self._closed()
-        self._call.cancel()  # the worker ends the turn, keeping what it generated
+        self._call.cancel()  # the worker ends the turn: kept, if a token of it went out
 
     def _closed(self) -> FailedPrecondition:
         num_tokens = len(self._result.token_ids)
+        kept = "keeps" if num_tokens else "undoes the turn, unless a token was on its way; it"
         return FailedPrecondition(
             f"the reply of {self.agent!r} was closed after {num_tokens} tokens; its worker "
-            "keeps what it generated until then in the agent's context"
+            f"{kept} what it generated until then in the agent's context"
         )
 
     @property

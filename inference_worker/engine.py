@@ -166,6 +166,8 @@ class Engine:
         run, postprocess. A failed shared step fails every turn in flight, not the worker."""
         if self.scheduler.waiting:  # only admitting a waiting turn reads the hot bytes
             room = self.scheduler.hot_room()
+            if room < 0 and self.scheduler.running:  # it waits for the batch, not for them:
+                room = self.config.hot_budget_bytes  # idle agents stay until it could run
             self.scheduler.hot_bytes = self.hot.make_room(self.batcher.busy(), room)
             if self.scheduler.hot_bytes > room and not self.scheduler.running:
                 time.sleep(0.005)  # nothing can run until a write lands: do not spin
@@ -228,6 +230,7 @@ class Engine:
         usage.prefilled_tokens = len(pending)
         memory = agent.memory_for(len(tokens), self.runtime.token_bytes)
         turn = self._turn(job, agent, usage, pending, memory)
+        turn.request.own_bytes = agent.nbytes  # the shared prefix's blocks, while it waits
         if pending:
             self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED, OUT_OF_RANGE
         for cache in agent.caches:
@@ -313,6 +316,8 @@ class Engine:
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.request.own_bytes = held
+        if job.sampling.fit_max_tokens:  # a ceiling: the scheduler may lower it at admission
+            turn.request.token_bytes = self.runtime.token_bytes
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
         forms = self._forms(job, chat.tools) if max_tokens else job.forms
         ask = forms.ask if forms is not None else Ask()

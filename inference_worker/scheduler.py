@@ -59,6 +59,10 @@ class Request:
     # KV bytes its agent's own caches hold meanwhile (its context once prefilled): a turn
     # that decodes has its context copied into the live batch, and keeps them to be undone
     own_bytes: int = 0
+    # KV bytes each of its max_tokens adds, when max_tokens is a ceiling (fit_max_tokens):
+    # admitted alone, it is lowered to what the budget holds beside the agents still
+    # waiting, down to one token. 0: max_tokens as asked.
+    token_bytes: int = 0
 
     @property
     def done(self) -> bool:
@@ -147,11 +151,13 @@ class Scheduler:
 
     def _no_room(self, request: Request) -> ResourceExhausted:
         waiting = sum(r.own_bytes for r in self.waiting)
+        need = queued([*self.waiting, request])
         return ResourceExhausted(
             f"worker busy: the {len(self.waiting)} turns queued hold {waiting} bytes of KV "
-            f"cache, and with this turn's ({request.own_bytes} held, {claim([request])} "
-            f"once running) they would not fit the memory budget of {self.memory_budget} "
-            "(--hot-budget) when their turn comes; retry later"
+            f"cache; with this turn ({request.own_bytes} held, {least(request)} once running) "
+            f"the queue would need {need} bytes, the agents waiting and the most one of them "
+            f"claims running, past the memory budget of {self.memory_budget} (--hot-budget); "
+            "retry later"
         )
 
     def cancel(self, request_id: str) -> Request | None:
@@ -224,7 +230,11 @@ class Scheduler:
             if len(self.running) >= self.max_batch:
                 break
             behind -= request.own_bytes
-            if claim([*self.running, request]) > self.memory_budget - self.hot_bytes - behind:
+            room = self.memory_budget - self.hot_bytes - behind
+            fits = claim([*self.running, request]) <= room
+            if not fits and not self.running and least(request) <= room:
+                _lower(request, room)  # alone, a ceiling comes down to what the budget holds
+            elif not fits:
                 break  # first come, first served: no one overtakes the head for memory
             self.waiting.remove(request)
             self._served(request)
@@ -273,10 +283,25 @@ def claim(requests: list[Request]) -> int:
 
 def queued(requests: list[Request]) -> int:
     """The bytes a queue of `requests` asks the budget for: what their agents hold while they
-    wait, and the most any one claims on top once admitted. While it fits the budget, the
-    first in line fits beside the others once the batch is empty and idle agents gave way."""
-    extra = max((claim([r]) - r.own_bytes for r in requests), default=0)
+    wait, and the most any one claims on top once admitted (a ceiling's least). While it
+    fits the budget, the first in line fits beside the others once the batch is empty and
+    idle agents gave way."""
+    extra = max((least(r) - r.own_bytes for r in requests), default=0)
     return sum(r.own_bytes for r in requests) + extra
+
+
+def least(request: Request) -> int:
+    """The least a request claims alone: its claim, or with a ceiling, at one token."""
+    cut = max(0, request.max_tokens - 1) * request.token_bytes
+    return claim([request]) - cut
+
+
+def _lower(request: Request, room: int) -> None:
+    """Lowers a ceiling's max_tokens until the request alone claims at most `room`."""
+    over = claim([request]) - room
+    cut = min(request.max_tokens - 1, -(-over // request.token_bytes))
+    request.max_tokens -= cut
+    request.memory_bytes -= cut * request.token_bytes
 
 
 def _in_round(request: Request) -> tuple[int, int, int]:

@@ -154,10 +154,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                         pending = more
                 if ids or any(text) or not calls:
                     yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
+                    job.streamed = True  # gRPC sent it, and asks for more (not if cancelled)
                 for c in calls:
                     call = pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                     yield pb.TurnResponse(tool_call=call)
-                job.streamed = True  # gRPC sent it, and asks for more (not if cancelled)
+                    job.streamed = True
             elif isinstance(event, StartEvent):
                 yield pb.TurnResponse(started=pb.Usage(**asdict(event.usage)))
             else:

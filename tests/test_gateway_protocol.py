@@ -146,8 +146,9 @@ def test_the_sdks_own_errors_read_in_http_terms():
 def test_a_call_that_ran_out_of_time_during_a_reply_says_its_worker_keeps_the_turn():
     """A worker keeps a turn cut after a token of it went out on its stream, and undoes one
     cut before (its caller saw none of it): the SDK's own deadline, once tokens came, says
-    the turn is kept, so its caller does not say the message again. Before any token, a
-    worker's own error, or another error, pass as they are."""
+    the turn is kept, so its caller does not say the message again; before any came, that
+    it is undone unless one was on its way. A worker's own error, or another, pass as they
+    are."""
 
     class Agent:
         def __repr__(self) -> str:
@@ -164,7 +165,11 @@ def test_a_call_that_ran_out_of_time_during_a_reply_says_its_worker_keeps_the_tu
         "the call to the worker did not end within the gateway's --timeout (Deadline Exceeded "
         "after 3 tokens of the reply"
     )
-    assert cut_off(deadline, "w:1", 0, Agent()) is deadline
+    early = cut_off(deadline, "w:1", 0, Agent())  # after the start, before any token came
+    assert early.message == (
+        "Deadline Exceeded after 0 tokens of the reply of Agent(ns/a): its worker undoes the "
+        "turn unless a token of it was on its way: describe() the agent before saying it again"
+    )
     own = errors.DeadlineExceeded("the turn of agent 'a' ran out of time before its first token")
     own.remote = True
     assert cut_off(own, "w:1", 3, Agent()) is own

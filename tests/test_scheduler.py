@@ -247,6 +247,27 @@ def test_the_queue_is_bounded_in_bytes_and_admission_counts_the_agents_waiting()
     assert [r.request_id for r in run_step(s).admitted] == ["a", "b"]  # (800) beside c
 
 
+def test_a_ceiling_waits_at_its_least_and_is_lowered_to_what_the_budget_holds_alone():
+    """A turn whose max_tokens is a ceiling (fit_max_tokens: the gateway's, when a call
+    gives none) is sized to the whole budget alone, so it could never wait beside another
+    agent's turn (the review's case). It now waits at its least, one token, and once the
+    batch is empty it takes what the budget holds beside the agents still waiting."""
+    s = sched(max_batch=4, queue_limit=8, memory_budget=1000)
+    s.submit(req("run", memory=100))
+    run_step(s)  # run: 200 claimed
+    big = req("big", max_tokens=160, memory=100 + 160 * 5, own_bytes=100)  # alone: 1000
+    big.token_bytes = 5
+    s.submit(big)  # waits at its least: 100 + (100 + 5)
+    s.submit(req("w", memory=320, own_bytes=300))  # 400 + max(105, 320) = 720: it waits too
+    assert run_step(s).admitted == []  # big waits for the batch, and no one overtakes it
+    s.finish(s.running[0])
+    assert run_step(s).admitted == [big]  # alone, beside w's 300: 700 for big
+    assert (big.max_tokens, big.memory_bytes) == (100, 600)  # 160 - 60 tokens of 5 bytes
+    assert s.reserved_bytes + sum(r.own_bytes for r in s.waiting) == 1000
+    s.finish(big)
+    assert [r.request_id for r in run_step(s).admitted] == ["w"]
+
+
 def test_a_queue_full_of_bytes_is_shared_between_namespaces():
     """A namespace whose turns hold the queue's bytes gives a place to another that holds
     at least two fewer, as with a queue full by count; one whose pushed-out turn would not
@@ -277,13 +298,16 @@ def test_a_queue_within_its_bytes_always_admits_its_head_once_the_batch_empties(
             memory = rng.randint(1, 800)
             own = rng.choice([0, rng.randint(0, memory)])
             tokens = rng.choice([0, 4])
+            ceiling = rng.choice([0, rng.randint(1, memory // 8 + 1)]) if tokens else 0
+            request = req(f"r{i}", max_tokens=tokens, memory=memory, own_bytes=own)
+            request.token_bytes, request.memory_bytes = ceiling, memory + 3 * ceiling
             with contextlib.suppress(OverBudget, ResourceExhausted):
-                s.submit(req(f"r{i}", max_tokens=tokens, memory=memory, own_bytes=own))
+                s.submit(request)
         while s.waiting:
             s.running.clear()  # the batch empties
-            s.hot_bytes = max(0, s.hot_room())
-            assert s.hot_room() >= 0
+            s.hot_bytes = max(0, s.hot_room())  # idle agents give way, all of them if need be
             assert run_step(s).admitted, [(r.memory_bytes, r.own_bytes) for r in s.waiting]
+            assert s.reserved_bytes + sum(r.own_bytes for r in s.waiting) <= s.memory_budget
 
 
 def test_a_higher_priority_turn_of_a_namespace_prefills_first():

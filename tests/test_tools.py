@@ -89,9 +89,16 @@ def test_a_negative_count_is_refused_naming_its_field(field):
         ({"role": "user", "content": "hi"}, "messages must be a text or a list of messages"),
         ([(None, "hi")], "message 0's role is not a text: None"),
         ([("user", None)], None),  # no content: none, as a dict's None content
+        ([("us\udc00er", "hi")], "message 0's role is not valid text"),
+        ([{"role": "tool", "content": "1", "tool_call_id": 5}], "message 0's call id is not a"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f\ud800"}}]}],
+            "a tool call's name is not valid text",
+        ),
     ],
-    ids=["lone-surrogate", "surrogate-in-a-pair", "none", "one-dict", "role-none", "content-none"],
-)
+    ids=["lone-surrogate", "surrogate-in-a-pair", "none", "one-dict", "role-none", "content-none",
+         "role-surrogate", "call-id-number", "call-name-surrogate"],
+)  # fmt: skip
 def test_messages_the_wire_cannot_carry_are_refused_naming_the_message(messages, says):
     """Python's own errors came out of say(): UnicodeEncodeError for a lone surrogate (from
     gRPC's serializer), TypeError for None, protobuf's "bad argument type" for a role."""
@@ -106,6 +113,16 @@ def test_an_option_a_turn_lacks_is_named_as_python_names_a_keyword():
     """protobuf's refusal read 'Protocol message SamplingParams has no "bogus" field'."""
     with pytest.raises(TypeError, match=r"^unexpected option 'bogus' \(sampling: temperature, "):
         turn_request("ns", "a", [("user", ASK)], bogus=1)
+
+
+def test_one_stop_string_is_one_stop_string():
+    """say(..., stop="END") stopped at any of E, N and D: protobuf takes a text given for
+    a list of texts as the list of its characters. A stop string the wire cannot carry is
+    refused naming it."""
+    assert turn_request("ns", "a", [("user", ASK)], stop="END").sampling.stop == ["END"]
+    assert turn_request("ns", "a", [("user", ASK)], stop=["a", "b"]).sampling.stop == ["a", "b"]
+    with pytest.raises(InvalidArgument, match=r"^a stop string is not valid text"):
+        turn_request("ns", "a", [("user", ASK)], stop=["ok", "\ud800"])
 
 
 def test_a_turns_tool_calls_are_collected_apart_from_its_text():

@@ -827,6 +827,37 @@ def test_turns_waiting_for_the_batch_keep_their_agents_within_the_hot_budget(
     assert max(held for _, held in steps) <= budget, steps
 
 
+def test_a_turn_that_fits_its_max_tokens_waits_beside_others_and_runs_within_the_budget(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """A turn that lets the worker fit its max_tokens (the gateway's, for a call that gives
+    none) is sized to the whole budget, alone. So, with the queue bounded in bytes, it was
+    refused whenever another turn waited (the review's case). It now waits at its least and
+    takes, once the batch is empty, what the budget holds beside the agents still waiting:
+    both turns handed over during a held step are answered, within the budget."""
+    budget, log, gate, started = 1024 * 1024, *logged_paths(tmp_path)
+    w = logged_1m_worker(tiny_model_dirs, store_process, launched, tmp_path)
+    create(w, ("ns", "held"), ("ns", "long"), ("ns", "fit"))
+    w.turn("ns", "long", [("user", "tell me more " * 75)], max_tokens=0)
+    replies: dict[str, object] = {}
+
+    def turn(agent: str) -> None:
+        fit = {"max_tokens": 4096, "fit_max_tokens": True} if agent == "fit" else {}
+        try:
+            replies[agent] = w.turn("ns", agent, TALK, **({"max_tokens": 8} | fit))
+        except AgentKVError as exc:
+            replies[agent] = exc
+
+    first = w.stream_turn("ns", "held", TALK, max_tokens=32, seed=HELD_STEP_SEED)
+    items = [next(first)]
+    during_a_held_step(gate, started, ["fit", "long"], turn)
+    items += list(first)
+    assert items[-1].usage.generated_tokens == 32
+    assert not [r for r in replies.values() if isinstance(r, Exception)], replies
+    assert len(replies["long"].token_ids) == 8 and replies["fit"].token_ids
+    assert max(held for _, held in logged_steps(log)) <= budget
+
+
 def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
     tiny_model_dirs, store_process, launched, start_worker, tmp_path
 ):
