@@ -172,22 +172,11 @@ def turn_request(
     `mark_name`: a name after_mark may give for the point this turn ends at. `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
     allowed = [tool_call_allowed] if isinstance(tool_call_allowed, str) else tool_call_allowed
-    counts = {**sampling, "deadline_ms": deadline_ms, "max_tool_calls": max_tool_calls}
-    for name in ("max_tokens", "top_k", "deadline_ms", "max_tool_calls"):  # uint32 fields
-        if isinstance(counts.get(name), int) and counts[name] < 0:  # protobuf: "out of range"
-            raise InvalidArgument(f"{name} must be >= 0, got {counts[name]}")
-    known = pb.SamplingParams.DESCRIPTOR.fields_by_name
-    if unknown := sorted(set(sampling) - set(known)):  # as Python names a keyword it lacks
-        raise TypeError(f"unexpected option {unknown[0]!r} (sampling: {', '.join(known)})")
-    if isinstance(sampling.get("stop"), str):  # one stop string, as OpenAI's API takes it:
-        sampling["stop"] = [sampling["stop"]]  # protobuf took each of its characters
-    for stop in sampling.get("stop") or ():
-        _text(stop, "a stop string")
     return pb.TurnRequest(
         namespace=namespace,
         agent_id=agent_id,
         messages=pb_messages(messages),
-        sampling=pb.SamplingParams(**sampling),
+        sampling=_sampling(sampling, deadline_ms=deadline_ms, max_tool_calls=max_tool_calls),
         phase=phase,
         priority=priority,
         deadline_ms=deadline_ms,
@@ -205,6 +194,24 @@ def turn_request(
         after_mark_last=after_mark_last,
         mark_name=mark_name,
     )
+
+
+def _sampling(sampling: dict[str, Any], **counts: int) -> pb.SamplingParams:
+    """A turn's SamplingParams, its options checked where protobuf's own errors would name
+    no field: a negative count (`counts`: the turn's other uint32 fields, checked alike),
+    an option it lacks, a stop string the wire cannot carry."""
+    counts = {**sampling, **counts}
+    for name in ("max_tokens", "top_k", "deadline_ms", "max_tool_calls"):  # uint32 fields
+        if isinstance(counts.get(name), int) and counts[name] < 0:  # protobuf: "out of range"
+            raise InvalidArgument(f"{name} must be >= 0, got {counts[name]}")
+    known = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    if unknown := sorted(set(sampling) - set(known)):  # as Python names a keyword it lacks
+        raise TypeError(f"unexpected option {unknown[0]!r} (sampling: {', '.join(known)})")
+    if isinstance(sampling.get("stop"), str):  # one stop string, as OpenAI's API takes it:
+        sampling = {**sampling, "stop": [sampling["stop"]]}  # protobuf took its characters
+    for stop in sampling.get("stop") or ():
+        _text(stop, "a stop string")
+    return pb.SamplingParams(**sampling)
 
 
 def as_output_format(form: OutputFormat) -> pb.OutputFormat | None:
