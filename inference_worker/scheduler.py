@@ -231,10 +231,9 @@ class Scheduler:
                 break
             behind -= request.own_bytes
             room = self.memory_budget - self.hot_bytes - behind
-            fits = claim([*self.running, request]) <= room
-            if not fits and not self.running and least(request) <= room:
-                _lower(request, room)  # alone, a ceiling comes down to what the budget holds
-            elif not fits:
+            if not self.running:  # alone: a ceiling comes down to what the budget holds
+                _lower(request, room + self.hot_bytes)  # once idle agents gave way
+            if claim([*self.running, request]) > room:
                 break  # first come, first served: no one overtakes the head for memory
             self.waiting.remove(request)
             self._served(request)
@@ -297,11 +296,13 @@ def least(request: Request) -> int:
 
 
 def _lower(request: Request, room: int) -> None:
-    """Lowers a ceiling's max_tokens until the request alone claims at most `room`."""
+    """Lowers a ceiling's max_tokens until the request alone claims at most `room`, or to
+    one token (a queue within its bound leaves room for that)."""
     over = claim([request]) - room
-    cut = min(request.max_tokens - 1, -(-over // request.token_bytes))
-    request.max_tokens -= cut
-    request.memory_bytes -= cut * request.token_bytes
+    if request.token_bytes and over > 0:
+        cut = min(request.max_tokens - 1, -(-over // request.token_bytes))
+        request.max_tokens -= cut
+        request.memory_bytes -= cut * request.token_bytes
 
 
 def _in_round(request: Request) -> tuple[int, int, int]:

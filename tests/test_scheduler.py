@@ -266,6 +266,16 @@ def test_a_ceiling_waits_at_its_least_and_is_lowered_to_what_the_budget_holds_al
     assert s.reserved_bytes + sum(r.own_bytes for r in s.waiting) == 1000
     s.finish(big)
     assert [r.request_id for r in run_step(s).admitted] == ["w"]
+    s.finish(s.running[0])
+    again = req("again", max_tokens=160, memory=100 + 160 * 5, own_bytes=100)
+    again.token_bytes = 5
+    s.submit(again)
+    s.submit(req("w2", memory=320, own_bytes=300))
+    s.hot_bytes = 200  # an idle agent whose write is in flight: it cannot give way yet
+    assert run_step(s).admitted == []  # it waits for that write, lowered for w2 alone
+    assert again.max_tokens == 100
+    s.hot_bytes = 0
+    assert run_step(s).admitted == [again] and again.max_tokens == 100
 
 
 def test_a_queue_full_of_bytes_is_shared_between_namespaces():
