@@ -372,15 +372,15 @@ class Engine:
         """A turn left the batch: persist the agent, then end its stream (a durable turn's
         once its commit is done, on the writer thread)."""
         usage, agent, job = turn.usage, turn.agent, turn.job
+        cut = usage.finish_reason in ("cancelled", "deadline")
         unseen = job.cancelled.is_set() and not job.streamed  # its caller left with nothing
-        if usage.finish_reason in ("cancelled", "deadline") and (
-            not usage.generated_tokens or unseen
-        ):
+        if (cut and not usage.generated_tokens) or (unseen and usage.generated_tokens):
             # Cut before its prefill ended (one that ends leaves with a token, or with "none"
             # when it asks for none): it goes back as a failed turn does, or its messages
             # would stay in the context over a cache that holds part of them, with no reply.
-            # So does one whose caller left before a token reached it (the step that ends a
-            # prefill also samples the first token): its caller was told it failed.
+            # So does one whose caller left before a token of it was sent (the step that
+            # ends a prefill samples the first token, and may end a short reply): its
+            # caller was told it failed.
             self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
             return
         calls: tuple[str, ...] = ()  # the reply's, for the tool results after its mark
@@ -467,11 +467,12 @@ def _prefetch(job: TurnJob) -> bool:
 
 
 def _ended_early(turn: ActiveTurn) -> DeadlineExceeded:
-    """What a turn that left the batch before its prefill ended raises."""
+    """What a turn that left the batch before its prefill ended raises, or one whose caller
+    left before any of its reply was sent."""
     agent_id = turn.agent.agent_id
     if turn.job.creates:
         return DeadlineExceeded(NOT_MADE.format(agent_id))
-    why = "was cancelled" if turn.usage.finish_reason == "cancelled" else "ran out of time"
+    why = "ran out of time" if turn.usage.finish_reason == "deadline" else "was cancelled"
     if not turn.job.sampling.max_tokens:
         return DeadlineExceeded(NOT_ADDED.format(agent_id, why))
     if turn.usage.generated_tokens:  # its caller left before any of them reached it

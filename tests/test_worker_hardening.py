@@ -190,8 +190,9 @@ def create(w: WorkerClient, *agents: tuple[str, str]) -> None:
         w.create_agent(ns, agent, SYSTEM)
 
 
+@pytest.mark.parametrize("max_tokens", [8, 1], ids=["cut", "whole-in-that-step"])
 def test_a_turn_whose_caller_left_before_a_token_reached_it_leaves_no_trace(
-    tiny_model_dirs, store_process, launched, tmp_path
+    tiny_model_dirs, store_process, launched, tmp_path, max_tokens
 ):
     """A short prompt is prefilled and given its first token in one step, and a cancel is
     read between steps. So a caller gone during that step (a 10 ms timeout, a client that
@@ -199,13 +200,14 @@ def test_a_turn_whose_caller_left_before_a_token_reached_it_leaves_no_trace(
     token that no one saw, and a retry said the message twice (the red team's case, at
     every timeout from 0.01 to 0.3 s). Until a token has gone out on its stream, a
     cancelled turn now goes back as a failed one does: the retry finds the agent as it was,
-    and is answered as its twin is."""
+    and is answered as its twin is. So does one whose whole reply (one token) came in that
+    step: it ended, but nothing of it went out."""
     mark, model = tmp_path / "in-prefill", tiny_model_dirs["llama"]
     env = {CANCELLED_PREFILL_MARK: str(mark)}
     w = WorkerClient(faulty_process(launched, model, store_process, tmp_path, env=env).address)
     create(w, ("ns", "left"), ("ns", "twin"))
     before = w.describe("ns", "left").num_tokens
-    sampling = pb.SamplingParams(max_tokens=8, seed=CANCELLED_PREFILL_SEED)
+    sampling = pb.SamplingParams(max_tokens=max_tokens, seed=CANCELLED_PREFILL_SEED)
     request = pb.TurnRequest(
         namespace="ns", agent_id="left", messages=pb_messages(Q1), sampling=sampling
     )
