@@ -381,7 +381,8 @@ class Engine:
             # So does one whose caller left before a token of it was sent (the step that
             # ends a prefill samples the first token, and may end a short reply): its
             # caller was told it failed.
-            self._turn_failed(turn, _ended_early(turn), usage.finish_reason)
+            scope = usage.finish_reason if cut else "cancelled"  # its caller left
+            self._turn_failed(turn, _ended_early(turn), scope)
             return
         calls: tuple[str, ...] = ()  # the reply's, for the tool results after its mark
         if usage.generated_tokens:
