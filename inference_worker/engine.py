@@ -24,6 +24,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     MarkNotFound,
+    ResourceExhausted,
     TurnTaken,
     Unavailable,
 )
@@ -233,6 +234,8 @@ class Engine:
         turn.request.own_bytes = agent.nbytes  # the shared prefix's blocks, while it waits
         if pending:
             self.batcher.add(turn)  # may refuse: RESOURCE_EXHAUSTED, OUT_OF_RANGE
+        else:
+            self._room_now(turn)  # may refuse: RESOURCE_EXHAUSTED
         for cache in agent.caches:
             cache.begin_turn()
         self.hot.put(agent)
@@ -240,6 +243,18 @@ class Engine:
         if not pending:
             turn.usage.finish_reason = "none"
             self._turn_done(turn)
+
+    def _room_now(self, turn: ActiveTurn) -> None:
+        """Room for an agent made whole at once from the store's blocks, which no step
+        admits: idle agents give way as for a waiting turn, and if they cannot (their
+        writes not landed), ResourceExhausted."""
+        room = self.scheduler.room_now(turn.request)
+        if self.hot.make_room(self.batcher.busy(), room) > room:
+            raise ResourceExhausted(
+                f"worker busy: agent {turn.agent.agent_id!r} holds {turn.request.memory_bytes} "
+                "bytes of KV cache from its first moment, more than the memory budget "
+                "(--hot-budget) has free until the writes in flight land; retry later"
+            )
 
     def start_turn(
         self, job: TurnJob, view: StoreView | None = None, fetched: Fetched | None = None

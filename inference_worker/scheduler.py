@@ -187,6 +187,12 @@ class Scheduler:
         behind = sum(r.own_bytes for r in self.waiting) - head.own_bytes
         return self.memory_budget - claim([*self.running, head]) - behind
 
+    def room_now(self, request: Request) -> int:
+        """The most idle agents may hold for `request` to run now beside the batch and the
+        agents waiting: a request that takes no step (an agent made whole at once)."""
+        waiting = sum(r.own_bytes for r in self.waiting)
+        return self.memory_budget - claim([*self.running, request]) - waiting
+
     # one step
 
     def schedule(self, now: float) -> Step:

@@ -152,13 +152,14 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                         calls += more.calls
                     else:
                         pending = more
+                # Marked before it goes: a caller may read it and leave before gRPC asks for
+                # more. A call already over sends nothing (its caller was told it failed).
+                job.streamed = job.streamed or context.is_active()
                 if ids or any(text) or not calls:
                     yield pb.TurnResponse(tokens=pb.TokenChunk(text="".join(text), token_ids=ids))
-                    job.streamed = True  # gRPC sent it, and asks for more (not if cancelled)
                 for c in calls:
                     call = pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                     yield pb.TurnResponse(tool_call=call)
-                    job.streamed = True
             elif isinstance(event, StartEvent):
                 yield pb.TurnResponse(started=pb.Usage(**asdict(event.usage)))
             else:

@@ -72,8 +72,8 @@ class TurnJob:
     forms: Forms | None = None  # the reply's required form (structured output), compiled
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # a token went out on the turn's stream (set by the RPC thread once gRPC took it): a turn
-    # cancelled before that goes back, as its caller saw nothing of it
+    # a token was handed to the turn's stream while its call was live (set by the RPC
+    # thread): a turn whose caller left before that goes back, as it saw nothing of it
     streamed: bool = False
     error: Exception | None = None  # set when the turn failed after it started
 

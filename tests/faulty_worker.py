@@ -25,6 +25,8 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   path (from its environment), then waits until the turn's call is cancelled (its client
   gone) before it runs: the cancel comes during the step that prefills the turn and samples
   its first token, and is read at the next;
+- WRITES_HELD (an environment variable naming a file): while that file exists, the worker's
+  writes to the store wait (its agents stay in RAM, not yet durable);
 - REPLY_LOST_PHASE: an injection or a turn into that phase is taken (and, durable,
   committed), or a fork into that phase is committed, then the process dies before its reply
   (a turn's first response) is sent, as a worker lost at that moment does.
@@ -52,6 +54,7 @@ SLOW_STEP_SECONDS = 3.0
 HELD_STEP_SEED = 669
 CANCELLED_PREFILL_SEED = 673
 CANCELLED_PREFILL_MARK = "AGENTKV_TEST_CANCELLED_PREFILL_MARK"
+WRITES_HELD = "AGENTKV_TEST_WRITES_HELD"
 HELD_STEP_GATE = "AGENTKV_TEST_HELD_STEP_GATE"
 FINISHED_LOG = "AGENTKV_TEST_FINISHED_LOG"
 BATCH_BYTES_LOG = "AGENTKV_TEST_BATCH_BYTES_LOG"
@@ -64,6 +67,7 @@ def install() -> None:
     """Patches the faults in (after the BLAS is loaded: this imports mlx)."""
     from inference_worker.batching import Batcher
     from inference_worker.front import Front
+    from inference_worker.persistence import Persister
     from inference_worker.sampling import Sampling
     from inference_worker.service import InferenceWorkerServicer
 
@@ -123,6 +127,15 @@ def install() -> None:
                 log.write(f"{len(self.rows)} {held}\n")
         return decode(self)
 
+    save = Persister._save
+
+    def save_once_let(self, agent, snap):
+        held = os.environ.get(WRITES_HELD)
+        while held and Path(held).exists():
+            time.sleep(0.02)
+        return save(self, agent, snap)
+
+    Persister._save = save_once_let
     prefill = Batcher._prefill
 
     def prefill_once_cancelled(self, turn, n: int) -> bool:

@@ -57,6 +57,7 @@ from tests.faulty_worker import (
     SLOW_STEP_SEED,
     STARTED_LOG,
     STEP_FAULT_SEED,
+    WRITES_HELD,
 )
 from tests.helpers import freeze, long_turn, metric, read_tokens
 from tests.helpers import until as eventually
@@ -226,6 +227,39 @@ def test_a_turn_whose_caller_left_before_a_token_reached_it_leaves_no_trace(
     assert retry.usage.prompt_tokens - retry.usage.prefilled_tokens == before
     assert retry.usage.prompt_tokens == twin.usage.prompt_tokens
     assert retry.token_ids == twin.token_ids
+
+
+def test_a_turn_whose_caller_read_a_token_and_left_at_once_keeps_its_reply_so_far(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """A turn's stream marked a token as sent only once gRPC asked for the next message, so
+    a caller that read the first token and closed at once could find the turn undone (the
+    red team: 3 of 13), though its SDK said the worker keeps it. The mark is now set before
+    the token goes: every such turn keeps its message and the reply so far."""
+    model = tiny_model_dirs["llama"]
+    w = WorkerClient(faulty_process(launched, model, store_process, tmp_path).address)
+    create(w, ("ns", "reader"))
+    for _ in range(8):
+        before = w.describe("ns", "reader").num_tokens
+        request = pb.TurnRequest(
+            namespace="ns",
+            agent_id="reader",
+            messages=pb_messages(Q1),
+            sampling=pb.SamplingParams(max_tokens=64),
+        )
+        call = w.stub.Turn(request, timeout=120)
+        assert any(response.HasField("tokens") for response in call)  # stops at the first
+        call.cancel()
+
+        def left() -> bool:
+            try:
+                w.turn("ns", "reader", [], max_tokens=0)  # adds nothing; busy while it runs
+            except AgentBusy:
+                return False
+            return True
+
+        eventually(left, "the cancelled turn leaves the batch", timeout=120)
+        assert w.describe("ns", "reader").num_tokens > before
 
 
 def test_a_turn_that_fails_alone_leaves_no_trace_and_the_batch_goes_on(
@@ -858,6 +892,44 @@ def test_a_turn_that_fits_its_max_tokens_waits_beside_others_and_runs_within_the
     assert not [r for r in replies.values() if isinstance(r, Exception)], replies
     assert len(replies["long"].token_ids) == 8 and replies["fit"].token_ids
     assert max(held for _, held in logged_steps(log)) <= budget
+
+
+def test_agents_made_at_once_from_the_store_stay_within_the_hot_budget(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """An agent whose whole system prompt is in the store (another agent's) is made at once
+    from its blocks: no step admits it, and it went into RAM unchecked. While its write was
+    in flight it could not be evicted, so concurrent creates took the worker past its
+    --hot-budget (a red team: 69 MB on 48). Now idle agents give way for it as for a
+    waiting turn, and when they cannot, the create is refused (RESOURCE_EXHAUSTED, which a
+    client retries); once the writes land, it goes through."""
+    held = tmp_path / "writes-held"
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(
+        launched, model, store_process, tmp_path, "--hot-budget", "1M", env={WRITES_HELD: str(held)}
+    )
+    w = WorkerClient(proc.address, timeout=120)
+    system = "tell me more " * 110
+    w.create_agent("ns", "seed", system)
+    w.wait_durable("ns", "seed")
+    size = w.describe("ns", "seed").num_bytes
+    assert 0.25 * (1 << 20) < size < 0.33 * (1 << 20), size  # three fit the budget, four not
+    held.touch()  # from now on the writes wait: the agents made stay in RAM
+    made, refused = [], []
+    for n in range(4):
+        try:
+            w.create_agent("ns", f"c{n}", system)
+            made.append(n)
+        except ResourceExhausted as exc:
+            refused.append(str(exc))
+    info = w.info()
+    assert info.hot_bytes <= info.hot_budget_bytes, (info.hot_bytes, made)
+    assert made == [0, 1, 2] and len(refused) == 1, refused
+    assert "worker busy: agent 'c3' holds" in refused[0]
+    held.unlink()  # the writes land: c0-c2 may give way
+    eventually(lambda: w.describe("ns", "c2").persisted_tokens, "c2's write", timeout=120)
+    w.create_agent("ns", "c3", system)
+    assert w.describe("ns", "c3").num_tokens == w.describe("ns", "seed").num_tokens
 
 
 def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(

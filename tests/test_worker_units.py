@@ -413,3 +413,26 @@ def test_a_queue_limit_of_0_is_refused_at_start(capsys):
     with pytest.raises(SystemExit):
         build_config(["--model", "m", "--store", "127.0.0.1:1", "--queue-limit", "0"])
     assert "queue_limit must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["live-call", "call-over"])
+def test_a_token_is_marked_sent_before_it_goes_and_only_on_a_live_call(live):
+    """A turn whose caller left before any of it was sent is undone; one whose caller read a
+    token is kept. The stream marked a token sent only once gRPC asked for the next message,
+    so a caller that read the first token and left at once found its turn undone (a red
+    team: 3 of 13). It is marked as it is handed over, unless the call is already over."""
+    from inference_worker.service import InferenceWorkerServicer
+    from inference_worker.turns import END, TokenEvent, TurnJob
+
+    job = TurnJob("ns", "a", [], Sampling(max_tokens=4))
+    context = SimpleNamespace(add_callback=lambda _: True, is_active=lambda: live)
+
+    def start(job: TurnJob) -> None:
+        job.events.put(TokenEvent("The", [1]))
+        job.events.put(END)
+
+    stream = InferenceWorkerServicer._run(
+        object.__new__(InferenceWorkerServicer), job, context, start
+    )
+    assert next(stream).tokens.text == "The"  # handed to gRPC; the stream not yet resumed
+    assert job.streamed is live
