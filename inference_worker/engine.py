@@ -331,7 +331,7 @@ class Engine:
         deadline = time.monotonic() - waited + job.deadline_ms / 1000 if job.deadline_ms else None
         turn = self._turn(job, agent, usage, pending, memory, deadline)
         turn.request.own_bytes = held
-        if job.sampling.fit_max_tokens:  # a ceiling: the scheduler may lower it at admission
+        if job.sampling.fit_max_tokens and max_tokens:  # a ceiling, lowered at admission
             turn.request.token_bytes = self.runtime.token_bytes
         turn.own_turn = start.prefix - reuse if reuse < start.prefix else 0
         forms = self._forms(job, chat.tools) if max_tokens else job.forms

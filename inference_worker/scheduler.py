@@ -305,7 +305,7 @@ def _lower(request: Request, room: int) -> None:
     """Lowers a ceiling's max_tokens until the request alone claims at most `room`, or to
     one token (a queue within its bound leaves room for that)."""
     over = claim([request]) - room
-    if request.token_bytes and over > 0:
+    if request.token_bytes and request.max_tokens > 1 and over > 0:
         cut = min(request.max_tokens - 1, -(-over // request.token_bytes))
         request.max_tokens -= cut
         request.memory_bytes -= cut * request.token_bytes

@@ -10,7 +10,7 @@ import pytest
 
 from agentkv.errors import OverBudget, ResourceExhausted
 from inference_worker.config import WorkerConfig
-from inference_worker.scheduler import Request, Scheduler, State
+from inference_worker.scheduler import Request, Scheduler, State, _lower
 
 
 def sched(memory_budget: int = 1000, prefill_while_decoding: int = 128, **overrides) -> Scheduler:
@@ -276,6 +276,10 @@ def test_a_ceiling_waits_at_its_least_and_is_lowered_to_what_the_budget_holds_al
     assert again.max_tokens == 100
     s.hot_bytes = 0
     assert run_step(s).admitted == [again] and again.max_tokens == 100
+    fills = req("fills", max_tokens=0, memory=300)  # asks for no tokens: nothing to lower
+    fills.token_bytes = 5
+    _lower(fills, 10)
+    assert (fills.max_tokens, fills.memory_bytes) == (0, 300)
 
 
 def test_a_queue_full_of_bytes_is_shared_between_namespaces():
