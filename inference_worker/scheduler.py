@@ -150,14 +150,13 @@ class Scheduler:
         return pushed
 
     def _no_room(self, request: Request) -> ResourceExhausted:
-        waiting = sum(r.own_bytes for r in self.waiting)
         need = queued([*self.waiting, request])
         return ResourceExhausted(
-            f"worker busy: the {len(self.waiting)} turns queued hold {waiting} bytes of KV "
-            f"cache; with this turn ({request.own_bytes} held, {least(request)} once running) "
-            f"the queue would need {need} bytes, the agents waiting and the most one of them "
-            f"claims running, past the memory budget of {self.memory_budget} (--hot-budget); "
-            "retry later"
+            f"worker busy: the {len(self.waiting)} turns queued hold {self.waiting_bytes} "
+            f"bytes of KV cache; with this turn ({request.own_bytes} held, {least(request)} "
+            f"once running) the queue would need {need} bytes, the agents waiting and the most "
+            f"one of them claims running, past the memory budget of {self.memory_budget} "
+            "(--hot-budget); retry later"
         )
 
     def cancel(self, request_id: str) -> Request | None:
@@ -180,18 +179,22 @@ class Scheduler:
     def reserved_bytes(self) -> int:
         return claim(self.running)
 
+    @property
+    def waiting_bytes(self) -> int:
+        """What the agents of the requests waiting hold in RAM meanwhile."""
+        return sum(r.own_bytes for r in self.waiting)
+
     def hot_room(self) -> int:
         """The most hot-tier bytes with which the first waiting request in line is admitted:
         admission serves the line in order, so room for a smaller one behind admits no one."""
         head = self._line()[0]
-        behind = sum(r.own_bytes for r in self.waiting) - head.own_bytes
+        behind = self.waiting_bytes - head.own_bytes
         return self.memory_budget - claim([*self.running, head]) - behind
 
     def room_now(self, request: Request) -> int:
         """The most idle agents may hold for `request` to run now beside the batch and the
         agents waiting: a request that takes no step (an agent made whole at once)."""
-        waiting = sum(r.own_bytes for r in self.waiting)
-        return self.memory_budget - claim([*self.running, request]) - waiting
+        return self.memory_budget - claim([*self.running, request]) - self.waiting_bytes
 
     # one step
 
@@ -231,7 +234,7 @@ class Scheduler:
 
     def _admit(self) -> list[Request]:
         admitted = []
-        behind = sum(r.own_bytes for r in self.waiting)  # the agents still waiting hold these
+        behind = self.waiting_bytes  # the agents still waiting hold these
         for request in self._line():
             if len(self.running) >= self.max_batch:
                 break
