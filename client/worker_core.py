@@ -226,14 +226,9 @@ def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> A
     after a token of it came kept the turn with the reply so far (one before: undone,
     unless a token was sent that had not yet come); an answer of its own stands."""
     if isinstance(exc, DeadlineExceeded) and not exc.remote:
-        kept = (
-            "keeps the turn, with the reply so far"
-            if num_tokens
-            else "undoes the turn unless a token of it was on its way: describe() the agent "
-            "before saying it again"
-        )
         said = DeadlineExceeded(
-            f"{exc.message} after {tokens(num_tokens)} of the reply of {agent!r}: its worker {kept}"
+            f"{exc.message} after {tokens(num_tokens)} of the reply of {agent!r}: its worker "
+            f"{worker_kept(num_tokens)}"
         )
         said.peer = exc.peer
         return said
@@ -247,6 +242,17 @@ def cut_off(exc: AgentKVError, worker: str, num_tokens: int, agent: object) -> A
             num_tokens,
         )
     return exc
+
+
+def worker_kept(num_tokens: int) -> str:
+    """What a worker did with a turn whose caller stopped reading after `num_tokens` of its
+    reply came (Engine._turn_done): kept, once a token of it was sent; else undone."""
+    if num_tokens:
+        return "keeps the turn, with the reply so far"
+    return (
+        "undoes the turn unless a token of it was on its way: describe() the agent before "
+        "saying it again"
+    )
 
 
 def no_reply(worker: str, agent: object) -> Unavailable:
@@ -324,10 +330,9 @@ class BaseReply:
 
     def _closed(self) -> FailedPrecondition:
         num_tokens = len(self._result.token_ids)
-        kept = "keeps" if num_tokens else "undoes the turn, unless a token was on its way; it"
         return FailedPrecondition(
             f"the reply of {self.agent!r} was closed after {num_tokens} tokens; its worker "
-            f"{kept} what it generated until then in the agent's context"
+            f"{worker_kept(num_tokens)}"
         )
 
     @property
