@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -294,3 +295,53 @@ def make_certs(d: Path, server_names: str = "IP:127.0.0.1,DNS:localhost") -> Pat
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+class TcpProxy:
+    """A loopback TCP proxy to `target` that holds every chunk `delay` seconds each way (a
+    slow link), and drops a connection while nothing listens at `target` (a proxy whose
+    backend is not up yet). Its address is `address`; close() (or `with`) stops it."""
+
+    def __init__(self, target: str, delay: float = 0.0) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target, self.delay = (host, int(port)), delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                far = socket.create_connection(self.target)
+            except OSError:  # nothing listens there yet
+                near.close()
+                continue
+            self.sockets += [near, far]
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=self._pass, args=(source, sink), daemon=True).start()
+
+    def _pass(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(self.delay)
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:  # the other end closed
+            pass
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self.listener.close()
+        for s in self.sockets:
+            s.close()

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -19,49 +18,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentkv.channels import ClientSecurity
 from agentkv.launch import store_process, worker_process
-from tests.helpers import cli, make_certs
+from tests.helpers import TcpProxy, cli, make_certs
 
 # Each way: a 300 ms round trip, a WAN link's. gRPC takes min_reconnect_backoff_ms as its
 # least connect timeout too: at 100 ms, a client gave up before a store this far answered.
 DELAY = 0.15
 
 
-class SlowLink:
+class SlowLink(TcpProxy):
     """A loopback TCP proxy to `target` that holds every chunk `delay` seconds each way."""
 
     def __init__(self, target: str, delay: float = DELAY) -> None:
-        host, port = target.rsplit(":", 1)
-        self.target, self.delay = (host, int(port)), delay
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                near, _ = self.listener.accept()
-            except OSError:  # closed
-                return
-            far = socket.create_connection(self.target)
-            self.sockets += [near, far]
-            for source, sink in ((near, far), (far, near)):
-                threading.Thread(target=self._pass, args=(source, sink), daemon=True).start()
-
-    def _pass(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                time.sleep(self.delay)
-                sink.sendall(data)
-            sink.shutdown(socket.SHUT_WR)
-        except OSError:  # the other end closed
-            pass
-
-    def close(self) -> None:
-        self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        self.listener.close()
-        for s in self.sockets:
-            s.close()
+        super().__init__(target, delay)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import free_address, freeze
+from tests.helpers import TcpProxy, free_address, freeze
 
 
 def agentkv(*args: str) -> subprocess.CompletedProcess:
@@ -137,8 +137,9 @@ def test_a_worker_whose_store_is_behind_a_proxy_waits_for_it_to_start(tiny_model
     from tests.helpers import until
 
     store_address = free_address()
-    with _TcpProxy(store_address) as proxy:
-        worker = worker_process(str(tiny_model_dirs["llama"]), proxy, tmp_path / "worker.log")
+    with TcpProxy(store_address) as proxy:
+        model = str(tiny_model_dirs["llama"])
+        worker = worker_process(model, proxy.address, tmp_path / "worker.log")
         worker.start(timeout=120)
         store = store_process(tmp_path / "data", tmp_path / "store.log", store_address)
         try:
@@ -149,49 +150,6 @@ def test_a_worker_whose_store_is_behind_a_proxy_waits_for_it_to_start(tiny_model
         finally:
             worker.stop()
             store.stop()
-
-
-class _TcpProxy:
-    """Passes each connection on to `backend`; drops it when nothing listens there yet."""
-
-    def __init__(self, backend: str) -> None:
-        host, _, port = backend.rpartition(":")
-        self.backend = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-
-    def __enter__(self) -> str:
-        threading.Thread(target=self._accept, daemon=True).start()
-        return self.address
-
-    def __exit__(self, *exc: object) -> None:
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:  # closed
-                return
-            try:
-                server = socket.create_connection(self.backend)
-            except OSError:
-                client.close()
-                continue
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
-
-
-def _pipe(source, sink) -> None:
-    """Copies `source` to `sink` until either closes."""
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-    finally:
-        source.close()
-        sink.close()
 
 
 class _QuietHandler(http.server.BaseHTTPRequestHandler):
