@@ -191,9 +191,9 @@ def start_health(
     return server, address
 
 
-def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
-    """Binds `listen` (port 0 picks one), with TLS when given `credentials`; returns the
-    address clients dial. Raises OSError when it is taken, or not an address of this host."""
+def check_bindable(listen: str) -> None:
+    """OSError "could not bind LISTEN: WHY" when `listen` cannot be bound now: a server
+    checks before it opens its data dir or loads its model, so a taken port costs nothing."""
     if listen.startswith("unix:") and _answers(listen[len("unix:") :]):
         raise OSError(f"could not bind {listen}: a server is listening there")
     folder = Path(listen[len("unix:") :]).parent if listen.startswith("unix:") else None
@@ -201,6 +201,12 @@ def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
         raise OSError(f"could not bind {listen}: no directory {folder}")
     if not listen.startswith("unix:") and not listen.endswith(":0"):
         bound_socket(listen).close()  # why it cannot be bound, before gRPC's own log line
+
+
+def bind(server: grpc.Server, listen: str, credentials: Any = None) -> str:
+    """Binds `listen` (port 0 picks one), with TLS when given `credentials`; returns the
+    address clients dial. Raises OSError when it is taken, or not an address of this host."""
+    check_bindable(listen)
     try:
         if credentials is not None:
             port = server.add_secure_port(listen, credentials)

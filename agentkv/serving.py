@@ -22,6 +22,7 @@ from agentkv.rpc import (
     StopSignals,
     add_health_and_reflection,
     bind,
+    check_bindable,
     new_server,
     start_health,
     start_metrics,
@@ -148,6 +149,7 @@ def serve_until_signal(
     address_file = Path(config.address_file) if config.address_file else None
     if address_file:
         address_file.unlink(missing_ok=True)  # what a script finds is this run's
+    check_bindable(config.listen)  # before the data dir is made or the model loads
     served = create()
     health_server = None
     try:  # whatever fails from here, the index is closed and no stale address is left

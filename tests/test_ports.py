@@ -29,6 +29,26 @@ def test_a_store_on_a_port_in_use_refuses_to_start(store_process, tmp_path):
         f"agentkv-store: error: could not bind {taken}: Address already in use"
     )
     assert "add_port" not in second.stderr  # gRPC's own log line is never reached
+    assert not (tmp_path / "second").exists()  # it checked the port before it made its data
+
+
+def test_a_worker_on_a_port_in_use_says_so_before_it_waits_for_its_store(tmp_path):
+    """Before, a worker whose --store did not answer waited for it (10 s) and loaded its
+    model, then found its own port taken."""
+    import socket
+
+    with socket.socket() as held, socket.socket() as silent:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        silent.bind(("127.0.0.1", 0))  # bound, never listening: a store that refuses
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        store = f"127.0.0.1:{silent.getsockname()[1]}"
+        worker = start(
+            "inference_worker", "--model", "nosuchmodel", "--store", store, "--listen", taken
+        )
+    assert worker.returncode == 2 and "Traceback" not in worker.stderr, worker.stderr
+    last = worker.stderr.strip().splitlines()[-1]
+    assert last == f"agentkv-worker: error: could not bind {taken}: Address already in use"
 
 
 def test_a_store_on_an_address_of_another_host_says_so(tmp_path):
