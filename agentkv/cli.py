@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentkv import defaults
+from agentkv import defaults, ids
 from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity, header_token
 from agentkv.client.inspect import STORE_COMMANDS
@@ -31,6 +31,7 @@ from agentkv.errors import (
     AgentKVError,
     AgentNotFound,
     FingerprintMismatch,
+    InvalidArgument,
     Unavailable,
     connect_failure,
 )
@@ -70,9 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="persistent: agents keep their caches; cold: every phase re-prefills (the baseline)",
     )
     run.add_argument("--no-reset", action="store_true", help="keep agents of an earlier run")
-    run.add_argument("-n", "--namespace", help="namespace (default: the scenario's)")
+    run.add_argument(
+        "-n", "--namespace", type=namespace_flag, help="namespace (default: the scenario's)"
+    )
     agents = sub.add_parser("agents", help="list agents: tier, tokens, bytes, phase")
-    agents.add_argument("-n", "--namespace", default="default", help="namespace")
+    agents.add_argument(
+        "-n", "--namespace", type=namespace_flag, default="default", help="namespace"
+    )
     for p in (run, agents):
         _service_flags(p)
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
@@ -97,11 +102,23 @@ def _store_parser(store: argparse.ArgumentParser) -> None:
             p.add_argument(
                 "-n",
                 "--namespace",
-                default="" if name in ("verify", "gc") else "default",
+                type=namespace_flag,
+                default=None if name in ("verify", "gc") else "default",
                 help="namespace (verify and gc: all when omitted)",
             )
         if name in ("agent", "delete"):
             p.add_argument("agent_id", help="the agent's id")
+
+
+def namespace_flag(value: str) -> str:
+    """-n's value, checked: an empty one is refused, where the store would read it as the
+    default namespace (or, for verify and gc, as all), as a script's unset variable would."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty namespace: name one, or leave out -n")
+    try:
+        return ids.namespace(value)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _model_parser(model: argparse.ArgumentParser) -> None:

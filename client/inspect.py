@@ -133,7 +133,7 @@ def cmd_blocks(client: StoreClient, args: argparse.Namespace) -> None:
 
 def cmd_verify(client: StoreClient, args: argparse.Namespace) -> None:
     reply = client.call(
-        "VerifyBlocks", pb.VerifyBlocksRequest(namespace=args.namespace), timeout=3600
+        "VerifyBlocks", pb.VerifyBlocksRequest(namespace=args.namespace or ""), timeout=3600
     )
     remote = (
         f"; {reply.num_remote} only in the object store, not read here (checked when fetched)"
@@ -155,7 +155,7 @@ def cmd_verify(client: StoreClient, args: argparse.Namespace) -> None:
 
 
 def cmd_gc(client: StoreClient, args: argparse.Namespace) -> None:
-    reply = client.call("CollectGarbage", pb.CollectGarbageRequest(namespace=args.namespace))
+    reply = client.call("CollectGarbage", pb.CollectGarbageRequest(namespace=args.namespace or ""))
     print(
         f"deleted {reply.num_blocks_deleted} unreferenced blocks "
         f"({human_bytes(reply.num_bytes_freed)}), removed {reply.num_orphans_removed} orphan files"

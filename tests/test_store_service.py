@@ -212,6 +212,35 @@ def test_cli_inspects_verifies_and_collects(store_process, store):
     assert again.returncode == 2 and "AgentNotFound (NOT_FOUND)" in again.stderr
 
 
+def test_an_empty_or_malformed_namespace_flag_is_refused_and_deletes_nothing(store_process, store):
+    """`agentkv store delete -n "$NS" ID` with NS unset: the store reads an empty namespace
+    as the default one, so this deleted default/ID (and `verify -n ''` checked every one)."""
+    blocks, keys = make_chain(list(range(64)), block_tokens=64)
+    put = store.put_blocks("default", FP, blocks)
+    store.commit_agent(
+        namespace="default",
+        agent_id="keeper",
+        fingerprint=FP,
+        token_ids=list(range(64)),
+        block_keys=keys,
+        release_lease_id=put.lease_id,
+    )
+    address = store_process.address
+    for args in (("delete", "keeper"), ("verify",), ("agents",), ("gc",)):
+        run = cli("store", *args, "-n", "", store=address)
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert (
+            run.stderr.strip()
+            .splitlines()[-1]
+            .endswith("argument -n/--namespace: an empty namespace: name one, or leave out -n")
+        ), run.stderr
+    bad = cli("store", "delete", "keeper", "-n", "Default", store=address)
+    assert bad.returncode == 2 and "invalid namespace 'Default': must match" in bad.stderr
+    assert store.get_agent("default", "keeper").agent_id == "keeper"  # nothing deleted
+    assert "checked 1 block" in cli("store", "verify", store=address).stdout  # all, unchanged
+    assert "keeper" in cli("store", "agents", store=address).stdout
+
+
 def test_walkthrough_runs_end_to_end():
     run = subprocess.run(
         [sys.executable, "-m", "agentkv.cli", "walkthrough"],
