@@ -182,6 +182,31 @@ class Payloads:
         for d in (root / "blocks", self.tmp_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._check_writable()
+        self._opened = self._identity()
+
+    def _identity(self) -> tuple[tuple[int, int], ...]:
+        """(device, inode) of the data directory and its blocks/ folder."""
+        return tuple(
+            (st.st_dev, st.st_ino) for st in map(os.stat, (self.root, self.root / "blocks"))
+        )
+
+    def check_root(self) -> None:
+        """Unavailable unless the data directory is still the one the store opened: deleted,
+        moved, or a volume unmounted from under it, every block's file reads as missing, and
+        each would be quarantined (lost, without an object store) for the store's trouble."""
+        try:
+            same = self._identity() == self._opened
+        except OSError:
+            same = False
+        if not same:
+            raise Unavailable(
+                f"the store's data directory {self.root} is not the one it opened (deleted, "
+                "moved or unmounted while it ran): put it back, or restart the store"
+            )
+
+    def _missing(self, record: BlockRecord) -> CorruptBlock:
+        self.check_root()  # a block's file, not the whole directory
+        return CorruptBlock(f"block {record.key.hex()} payload file is missing")
 
     def _check_writable(self) -> None:
         """Raises OSError (at start) unless a block can be written and moved into place:
@@ -231,7 +256,7 @@ class Payloads:
         try:
             fd = os.open(self.path(record.relpath), os.O_RDONLY)
         except FileNotFoundError as exc:
-            raise CorruptBlock(f"block {record.key.hex()} payload file is missing") from exc
+            raise self._missing(record) from exc
         try:
             buffer = bytearray(max_run)
             for run in _runs(segments, max_run):
@@ -296,7 +321,7 @@ class Payloads:
         try:
             return self.path(record.relpath).stat().st_size
         except FileNotFoundError as exc:
-            raise CorruptBlock(f"block {record.key.hex()} payload file is missing") from exc
+            raise self._missing(record) from exc
 
     def quarantine(self, record: BlockRecord) -> Path | None:
         """Moves a bad payload aside for inspection; None if the file was already gone."""
@@ -329,6 +354,7 @@ class Payloads:
             yield str(path.relative_to(self.root))
 
     def disk_free(self) -> int:
+        self.check_root()
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 

@@ -126,6 +126,7 @@ class BlockReads:
         record as it is now, its payload fetched back from the object store if demoted. One
         the object store cannot give back whole is quarantined (DATA_LOSS: a re-prefill); one
         deleted between its selection and the lease is NOT_FOUND, never a path to no file."""
+        self.payloads.check_root()  # nor a path into a data directory that went away
         with self.index.read() as txn:
             for s in selections:
                 s.record = self._still_there(txn, s.record)

@@ -172,6 +172,35 @@ def test_a_data_dir_deleted_under_a_running_store_fails_writes_unavailable(store
     assert "rpc crashed" not in store_process.log_text()
 
 
+def test_a_data_dir_moved_from_under_a_running_store_loses_no_block(store_process):
+    """Moved away (a folder renamed, a volume unmounted), every block's file reads as missing:
+    a read or a verify quarantined every block it met (gone for good, with no object store)
+    and stats crashed INTERNAL. Now each is UNAVAILABLE naming the directory, nothing is
+    quarantined, and once the directory is back every block reads as it was written."""
+    data = store_process.data_dir
+    moved = data.with_name(f"{data.name}.moved")
+    with StoreClient(store_process.address) as c:
+        blocks, keys = make_chain(list(range(1, 33)), 16, seed=1)
+        save(c, NS, "kept", blocks, list(range(1, 33)))
+        data.rename(moved)
+        try:
+            for call in (
+                lambda: list(c.get_blocks(NS, FP, keys)),
+                lambda: c.read_blocks_local(NS, FP, keys),  # the same-host path
+                lambda: c.call("VerifyBlocks", pb.VerifyBlocksRequest()),
+                c.stats,
+            ):
+                with pytest.raises(Unavailable, match=f"data directory {data} is not the one"):
+                    call()
+        finally:
+            moved.rename(data)
+        for sent, back in zip(blocks, c.get_blocks(NS, FP, keys), strict=True):
+            assert same_bytes(sent, back)
+        verified = c.call("VerifyBlocks", pb.VerifyBlocksRequest())
+        assert verified.num_checked == 2 and not verified.corrupt
+    assert "rpc crashed" not in store_process.log_text()
+
+
 def test_a_second_store_on_a_data_dir_in_use_refuses_to_start(store_process, hold):
     """Even after a 'stale lock' clean-up deletes LMDB's lock file, a second store on the same
     data dir exits at once with one line naming the holder's pid, and touches nothing: the
