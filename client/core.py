@@ -280,7 +280,9 @@ class BaseAgent:
         (with a call of that tool), tool_call_forbidden (with none), tool_call_allowed
         (calls of these tools only, the conversation's tools kept), after_mark (`text`
         follows that point of the conversation, an earlier reply's usage.mark: the turns
-        after it are dropped; after_mark_last: only if none do). A retry on another worker
+        after it are dropped; after_mark_last: only if none do), mark_name (a name for the
+        point this turn ends at), keep_named_marks (a resent whole conversation that would
+        drop a named point raises TurnsFollow instead). A retry on another worker
         after a lost first response does not run the turn twice (its request_id): it raises
         TurnTaken when the turn was taken and its reply lost."""
         mem, messages = self.memory, as_messages(text, role)

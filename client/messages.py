@@ -155,6 +155,7 @@ def turn_request(
     after_mark: str = "",
     after_mark_last: bool = False,
     mark_name: str = "",
+    keep_named_marks: bool = False,
     **sampling: Any,
 ) -> pb.TurnRequest:
     """A turn's request. `whole_conversation`: `messages` are the whole conversation so far,
@@ -169,7 +170,9 @@ def turn_request(
     only (the conversation keeping all its tools, and its cache). `after_mark`: `messages`
     follow that point of the agent's conversation (an earlier reply's usage.mark), the turns
     after it dropped; `after_mark_last`: only if none follow it (else TurnsFollow);
-    `mark_name`: a name after_mark may give for the point this turn ends at. `sampling`:
+    `mark_name`: a name after_mark may give for the point this turn ends at;
+    `keep_named_marks`: a resent whole conversation that would drop a named point is
+    TurnsFollow instead (branch with a fork). `sampling`:
     SamplingParams' fields (max_tokens, temperature, top_p, top_k, stop, seed)."""
     allowed = [tool_call_allowed] if isinstance(tool_call_allowed, str) else tool_call_allowed
     return pb.TurnRequest(
@@ -193,6 +196,7 @@ def turn_request(
         after_mark=after_mark,
         after_mark_last=after_mark_last,
         mark_name=mark_name,
+        keep_named_marks=keep_named_marks,
     )
 
 

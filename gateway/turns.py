@@ -66,6 +66,8 @@ def say_options(call: ChatCall) -> dict[str, Any]:
     options["tool_call_allowed"] = call.tool_call_allowed
     options["mark_name"] = call.mark_name
     options["after_mark"] = call.after[1] if call.after else ""
+    # A resent input that would drop a point a Responses id names goes to a branch instead.
+    options["keep_named_marks"] = call.after is None
     if call.output_format is not None:
         options["output_format"] = pb.OutputFormat(**call.output_format)
     return options
@@ -165,6 +167,8 @@ class Turns:
                     raise
                 agent = AsyncAgent(memory, f"{agent_id}-{await self.model_key()}")
                 continue
+            except TurnsFollow:  # it would drop points that responses' ids name
+                return await self._branched(agent, call, say_options(call))
             except FailedPrecondition as exc:
                 if not anonymous or "in progress" not in exc.message:
                     raise
@@ -185,17 +189,24 @@ class Turns:
                 say = functools.partial(agent.say, call.messages, **options, after_mark_last=True)
                 return Turn(await self._when_idle(say))
             except TurnsFollow:
-                branch = AsyncAgent(memory, f"{agent_id[:100]}-b{uuid.uuid4().hex[:8]}")
-            self.spares.add(branch)  # before it exists: deleted unless its id goes out
-            try:
-                await check_features(memory, branch.id, call)  # it may live on another worker
-                await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
-                return Turn(await branch.say(call.messages, **options))
-            except BaseException:  # a branch that never took its turn is not kept
-                self.ended(branch)
-                raise
+                return await self._branched(agent, call, options)
         except (AgentNotFound, MarkNotFound, AgentLost) as exc:  # the last: lost there
             raise responses.not_found(previous, exc.message) from None
+
+    async def _branched(self, agent: AsyncAgent, call: ChatCall, options: dict) -> Turn:
+        """The turn on a fork of `agent`, which keeps the turns the call would drop. The
+        fork is a spare until its response's id goes out (or, for a chat call, to the end)."""
+        memory = agent.memory
+        branch = AsyncAgent(memory, f"{agent.id[:100]}-b{uuid.uuid4().hex[:8]}")
+        self.spares.add(branch)  # before it exists: deleted unless its id goes out
+        try:
+            await check_features(memory, branch.id, call)  # it may live on another worker
+            await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
+            # The branch's copies of the points are named by no id: it may drop them.
+            return Turn(await branch.say(call.messages, **{**options, "keep_named_marks": False}))
+        except BaseException:  # a branch that never took its turn is not kept
+            self.ended(branch)
+            raise
 
     async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
         """`step` on an agent, once the agent's turn under way has ended (another call

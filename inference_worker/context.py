@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agentkv.errors import InvalidArgument
+from agentkv.errors import InvalidArgument, TurnsFollow
 from inference_worker.agents import SYSTEM_KEY, Agent, system_digest
 from inference_worker.chat import ChatFormat, NotAppendOnly
 from inference_worker.conversation import ChatMessage, ChatState, Resumed, continued, resume
@@ -40,12 +40,30 @@ def extended(
     if job.tools != agent.chat.tools:
         check_metadata(caller_metadata(agent.metadata), "", job.tools)
     start = _resumed(chat, agent, job.messages, job.tools, agent.chat)
+    _check_named_kept(job, agent, start, again)
     try:
         return extend(start)
     except NotAppendOnly:
         if not start.tokens:
             raise
-    return extend(_resumed(chat, agent, job.messages, job.tools, replace(agent.chat, marks=())))
+    start = _resumed(chat, agent, job.messages, job.tools, replace(agent.chat, marks=()))
+    _check_named_kept(job, agent, start, again)
+    return extend(start)
+
+
+def _check_named_kept(job: TurnJob, agent: Agent, start: Resumed, again: bool) -> None:
+    """With keep_named_marks, refuses (TurnsFollow) a resent conversation that would drop a
+    mark an earlier turn named, resuming before it or starting over: its caller branches."""
+    if not job.keep_named_marks or again:
+        return
+    kept = {m.name for m in start.state.marks}
+    dropped = [m.name for m in agent.chat.marks if m.name not in kept | {"", job.mark_name}]
+    if dropped:
+        raise TurnsFollow(
+            f"{len(dropped)} named point(s) of agent {agent.agent_id!r}, the last "
+            f"{dropped[-1]!r}, follow where this conversation leaves it: resending it would "
+            "drop them (fork the agent to branch there)"
+        )
 
 
 def _resumed(

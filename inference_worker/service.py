@@ -23,7 +23,7 @@ from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJ
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 # GetWorkerInfoResponse.features: what an older worker lacks
-FEATURES = ("after_mark", "tool_call_allowed")
+FEATURES = ("after_mark", "tool_call_allowed", "keep_named_marks")
 MAX_REQUEST_ID = 64
 MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
 # no ',', ';' or space: metadata._extras joins names with them
@@ -79,7 +79,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             raise InvalidArgument("stop strings would cut the reply's required form short")
         self.engine.chat.check_tools(job.tools, job.messages)
         job.after_mark, job.after_mark_last = request.after_mark, request.after_mark_last
-        job.mark_name = request.mark_name
+        job.mark_name, job.keep_named_marks = request.mark_name, request.keep_named_marks
         _check_mark(job)
         job.request_id = _request_id(request)
         if not job.whole_conversation:
@@ -251,5 +251,7 @@ def _check_mark(job: TurnJob) -> None:
         )
     if job.after_mark_last and not job.after_mark:
         raise InvalidArgument("after_mark_last needs an after_mark")
+    if job.keep_named_marks and not job.whole_conversation:
+        raise InvalidArgument("keep_named_marks is for a resent whole_conversation")
     if job.after_mark and job.whole_conversation:
         raise InvalidArgument("after_mark continues a conversation; whole_conversation resends it")

@@ -65,6 +65,7 @@ class TurnJob:
     after_mark: str = ""
     after_mark_last: bool = False
     mark_name: str = ""  # what the turn's mark is named, besides its digest
+    keep_named_marks: bool = False  # a resent conversation may not drop a named mark
     request_id: str = ""  # a turn's or an injection's idempotency key
     creates: bool = False  # a new agent's system prompt (Engine.create_agent)
     tools: str = ""  # the tools (tools.canonical_tools): the agent's, or the conversation's

@@ -104,10 +104,38 @@ def test_a_named_point_is_found_after_a_restore(smollm2, start_worker):
         w.turn(NS, "named", [("user", "Go on.")], max_tokens=4, after_mark="second-1")
 
 
+def test_keep_named_marks_refuses_a_resent_conversation_that_would_drop_a_named_point(
+    smollm2, start_worker
+):
+    """Two callers' conversations that open alike share an agent (the gateway's anonymous
+    ones): one's resent conversation left the agent before the other's named point (its
+    Responses id), which was dropped, and the id then refused. With keep_named_marks it is
+    TurnsFollow and nothing changes; resent from the point's end, it is taken."""
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "shared", SYSTEM)
+    opening = [("system", SYSTEM), ("user", ASK[0])]
+    whole = {"whole_conversation": True, "max_tokens": 16}
+    first = w.turn(NS, "shared", opening, mark_name="resp-a", **whole)
+    other = [("system", SYSTEM), ("user", BRANCH)]  # another caller's: edited before it
+    before = committed(w, "shared")
+    with pytest.raises(TurnsFollow, match=r"1 named point\(s\) .* the last 'resp-a'"):
+        w.turn(NS, "shared", other, keep_named_marks=True, **whole)
+    after = w.describe(NS, "shared")
+    assert (after.num_tokens, after.generation) == (before.num_tokens, before.generation)
+    going_on = [*opening, ("assistant", first.text), ("user", ASK[1])]
+    w.turn(NS, "shared", going_on, keep_named_marks=True, mark_name="resp-b", **whole)
+    got = w.turn(NS, "shared", [("user", BRANCH)], max_tokens=16, after_mark="resp-a")
+    assert got.token_ids == told(w, "fresh", [ASK[0], BRANCH])[-1].token_ids
+    w.turn(NS, "shared", other, **whole)  # without it, as before: dropped, and gone
+    with pytest.raises(MarkNotFound):
+        w.turn(NS, "shared", [("user", ASK[1])], max_tokens=4, after_mark="resp-a")
+
+
 @pytest.mark.parametrize(
     "options, match",
     [
         ({"after_mark": "x" * 65}, "at most 64 characters"),
+        ({"keep_named_marks": True}, "for a resent whole_conversation"),
         ({"after_mark": "m", "whole_conversation": True}, "whole_conversation resends"),
         ({"mark_name": "a,b"}, "letters, digits"),
         ({"mark_name": "n" * 17}, "1 to 16"),

@@ -24,6 +24,7 @@ from openai._types import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
+from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.errors import AgentBusy
 from agentkv.gateway.errors import HTTPError
@@ -32,6 +33,7 @@ from agentkv.gateway.response_reply import ResponseReply
 from agentkv.gateway.responses import parse_responses, response_id
 from agentkv.launch import ServiceProcess, gateway_process, store_process
 from agentkv.worker.v1 import worker_pb2 as pb
+from tests.helpers import until
 from tests.model_kit import TOOL_CALL, WEATHER_TOOL, build_tiny_model, tiny_tokenizer
 from tests.test_tools import ToolStack, check_weather_agent
 
@@ -464,6 +466,38 @@ def test_a_previous_response_id_continues_its_agent_and_branches_keep(stack):
     created, last = events[0].response, events[-1].response
     assert created.id == last.id != third.id and last.output_text == third.output_text
     assert continued(client, last, "Bye.").status in ("completed", "incomplete")
+
+
+def test_callers_whose_conversations_open_alike_keep_each_other_s_response_ids(stack):
+    """Calls without identity that open alike (instructions, first message) share an agent:
+    the second caller's call left it before the first one's point, which was dropped, and
+    the first caller's previous_response_id was then refused (400, not found). Now a call
+    that would drop a point a response's id names goes on in a branch, and both go on."""
+    client = stack.client()
+    opener = "Which scrolls are the oldest?"
+
+    def anonymous():
+        return client.responses.create(
+            model="tiny", instructions=SYSTEM, input=opener, max_output_tokens=8, **GREEDY
+        )
+
+    a, b = anonymous(), anonymous()
+    assert agent_of(b).startswith(f"{agent_of(a)}-b") and b.output_text == a.output_text
+    a2, b2 = continued(client, a, "Index them."), continued(client, b, "Burn them.")
+    assert (agent_of(a2), agent_of(b2)) == (agent_of(a), agent_of(b))  # each its last point
+    own = create(client, opener, "on-its-own")
+    assert a2.output_text == continued(client, own, "Index them.").output_text
+    assert b2.output_text == continued(client, own, "Burn them.").output_text
+    chat = client.chat.completions.create(  # no name: a branch of its own, not kept
+        model="tiny", max_tokens=8, **GREEDY,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": opener}],
+    )  # fmt: skip
+    assert chat.choices[0].message.content == a.output_text
+    assert continued(client, a2, "Thank you.").status in ("completed", "incomplete")
+    with StoreClient(stack.store.address) as store:
+        kept = lambda: {x.agent_id for x in store.list_agents("default")}  # noqa: E731
+        until(lambda: kept() >= {agent_of(a), agent_of(b)}, "both conversations' agents")
+        until(lambda: len({x for x in kept() if x.startswith(agent_of(a))}) == 2, "no other")
 
 
 def test_bad_requests_get_openai_errors(stack):

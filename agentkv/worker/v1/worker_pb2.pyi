@@ -78,7 +78,7 @@ class CreateAgentResponse(_message.Message):
     def __init__(self, agent: _Optional[_Union[AgentState, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools", "max_tool_calls", "format", "tool_call_required", "tool_call_name", "tool_call_forbidden", "after_mark", "after_mark_last", "mark_name", "tool_call_allowed")
+    __slots__ = ("namespace", "agent_id", "messages", "sampling", "phase", "priority", "deadline_ms", "durable", "whole_conversation", "request_id", "tools", "max_tool_calls", "format", "tool_call_required", "tool_call_name", "tool_call_forbidden", "after_mark", "after_mark_last", "mark_name", "tool_call_allowed", "keep_named_marks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class TurnRequest(_message.Message):
     AFTER_MARK_LAST_FIELD_NUMBER: _ClassVar[int]
     MARK_NAME_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_NAMED_MARKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
@@ -119,7 +120,8 @@ class TurnRequest(_message.Message):
     after_mark_last: bool
     mark_name: str
     tool_call_allowed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ..., max_tool_calls: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, _Mapping]] = ..., tool_call_required: _Optional[bool] = ..., tool_call_name: _Optional[str] = ..., tool_call_forbidden: _Optional[bool] = ..., after_mark: _Optional[str] = ..., after_mark_last: _Optional[bool] = ..., mark_name: _Optional[str] = ..., tool_call_allowed: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_named_marks: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., phase: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., durable: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., request_id: _Optional[str] = ..., tools: _Optional[str] = ..., max_tool_calls: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, _Mapping]] = ..., tool_call_required: _Optional[bool] = ..., tool_call_name: _Optional[str] = ..., tool_call_forbidden: _Optional[bool] = ..., after_mark: _Optional[str] = ..., after_mark_last: _Optional[bool] = ..., mark_name: _Optional[str] = ..., tool_call_allowed: _Optional[_Iterable[str]] = ..., keep_named_marks: _Optional[bool] = ...) -> None: ...
 
 class OutputFormat(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "lark")
