@@ -40,6 +40,7 @@ T = TypeVar("T")
 class UploadQueue(Protocol):
     def pending(self) -> int: ...
     def wait_for_uploads(self, seconds: float) -> None: ...
+    def still_holds(self, record: BlockRecord, checksum: int) -> bool: ...
 
 
 def now_ms() -> int:
@@ -218,6 +219,8 @@ class Capacity:
                 fresh = True
             while queue:
                 block = queue.pop()
+                if not self._in_bucket_now(block):
+                    continue
                 if self.leases.unless_held(block, lambda b=block: self._demote(b)):
                     self.metrics.demoted_blocks.inc()
                     return True
@@ -235,6 +238,17 @@ class Capacity:
             ]
         blocks.sort(key=lambda b: self.block_last_access((b.namespace, b.key), b.created_ms))
         return [(b.namespace, b.key) for b in reversed(blocks)]
+
+    def _in_bucket_now(self, block: BlockId) -> bool:
+        """Whether the bucket still holds the block as uploaded, asked (outside the leases'
+        lock) before its local copy goes: the index says what was uploaded, not what is
+        still there."""
+        with self.index.read() as txn:
+            record = self.index.find_block(txn, *block)
+            checksum = self.index.remote_checksum(txn, *block)
+        if record is None or not record.local or checksum is None or self.uploads is None:
+            return False
+        return self.uploads.still_holds(record, checksum)
 
     def _demote(self, block: BlockId) -> bool:
         """Under the leases' lock: marks the block demoted and deletes its file."""

@@ -249,6 +249,10 @@ class Index:
         k = ns_key(namespace, key)
         txn.put(k, encode_u64(k, checksum), db=self._remote)
 
+    def drop_remote(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> None:
+        """Forgets a block's object-store copy (found gone): it is uploaded anew."""
+        txn.delete(ns_key(namespace, key), db=self._remote)
+
     def uploaded_generation(
         self, txn: lmdb.Transaction, namespace: str, agent_id: str
     ) -> int | None:

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from cache_store import bucket_layout as layout
 from cache_store.capacity import Capacity
 from cache_store.fetcher import Fetcher
 from cache_store.objects import Bucket, ObjectStoreDown, failure
@@ -39,7 +40,7 @@ class ObjectTier:
         bucket: Bucket,
         quarantine: Callable[[BlockRecord, str], None],
     ) -> None:
-        config, self.bucket = parts.config, bucket
+        config, self.bucket, self.index = parts.config, bucket, parts.index
         self.store_id = store_identity(config.data_dir, config.store_id)
         self.writers = WriterLeases(bucket, self.store_id, config.writer_lease_seconds)
         self.uploader = Uploader(parts, bucket, self.writers, quarantine)
@@ -90,6 +91,30 @@ class ObjectTier:
 
     def block_stored(self, record: BlockRecord) -> None:
         self._enqueue(("block", record.namespace, record.key.hex()))
+
+    def still_holds(self, record: BlockRecord, checksum: int) -> bool:
+        """Whether the bucket still holds the block as uploaded (a HEAD: the payload checksum
+        in its metadata), asked before its local copy is freed. One gone behind the store's
+        back (an age-based lifecycle rule, a hand, a bucket made anew) is uploaded again,
+        where demoting it lost its only copy. False, asking nothing, while the bucket is away."""
+        if self.state not in ("ok", "backlogged"):
+            return False
+        try:
+            there = self.bucket.head(layout.block_object(record.namespace, record.key))
+        except ObjectStoreDown:
+            return False
+        if there is not None and there.metadata.get("agentkv-xxh3") == f"{checksum:016x}":
+            return True
+        with self.index.write() as txn:  # unless collected or put anew meanwhile
+            still = self.index.find_block(txn, record.namespace, record.key)
+            if still is not None and still.created_ms == record.created_ms:
+                self.index.drop_remote(txn, record.namespace, record.key)
+        log.warning(
+            "block gone from the object store: uploading it again",
+            extra={"namespace": record.namespace, "key": record.key.hex()},
+        )
+        self.block_stored(record)
+        return False
 
     def agent_changed(self, namespace: str, agent_id: str) -> None:
         """A commit, fork or delete: the manifest (or its deletion) goes out after its blocks."""

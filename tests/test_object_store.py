@@ -285,6 +285,38 @@ def test_quota_smaller_than_all_agents_demotes_and_loses_nothing(weed, bucket, t
         store.stop()
 
 
+def test_a_block_gone_from_the_bucket_is_uploaded_again_not_demoted_into_loss(
+    weed, bucket, tmp_path
+):
+    """The index says what was uploaded, not what the bucket still holds: objects deleted
+    behind the store's back (an age-based lifecycle rule, a hand) were demoted all the same,
+    the local copy deleted, and the agent's blocks lost for good (DATA_LOSS). Each is now
+    asked for (HEAD) before its local copy goes: a missing one is uploaded again first."""
+    tokens = list(range(1, 257))
+    blocks, _ = make_chain(tokens)
+    agent_bytes = sum(t.data.nbytes for b in blocks for t in b.tensors)
+    args = tier_args(weed, bucket, "--quota", str(int(agent_bytes * 1.2)))
+    store = start_store(tmp_path, "s", args)
+    try:
+        with store.client() as c:
+            blocks, keys = save(c, "one", tokens)
+            wait_for("one's uploads", lambda: uploaded(c))
+            s3 = weed.client()
+            for key in keys:
+                s3.delete_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/blocks/{key.hex()}.safetensors")
+            save(c, "two", [t + 5000 for t in tokens], seed=50)  # one's blocks must make room
+            assert c.stats().num_demoted_blocks >= 3
+            assert_restores(c, "one", tokens, blocks, keys)
+            wait_for("the uploads", lambda: uploaded(c))
+        assert "block gone from the object store: uploading it again" in store.log_text()
+        assert set(assert_bucket_whole(weed, bucket)) == {
+            f"{bucket}/{NS}/agents/one",
+            f"{bucket}/{NS}/agents/two",
+        }
+    finally:
+        store.stop()
+
+
 # crashes and outages
 
 
