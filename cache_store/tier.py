@@ -96,13 +96,14 @@ class ObjectTier:
         """Whether the bucket still holds the block as uploaded (a HEAD: the payload checksum
         in its metadata), asked before its local copy is freed. One gone behind the store's
         back (an age-based lifecycle rule, a hand, a bucket made anew) is uploaded again,
-        where demoting it lost its only copy. False, asking nothing, while the bucket is away."""
+        where demoting it lost its only copy. While the bucket is away, the index's word: the
+        local tier keeps taking writes, as it did before this check."""
         if self.state not in ("ok", "backlogged"):
-            return False
+            return True
         try:
             there = self.bucket.head(layout.block_object(record.namespace, record.key))
         except ObjectStoreDown:
-            return False
+            return True
         if there is not None and there.metadata.get("agentkv-xxh3") == f"{checksum:016x}":
             return True
         with self.index.write() as txn:  # unless collected or put anew meanwhile
