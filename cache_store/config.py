@@ -172,7 +172,8 @@ class StoreConfig(ServerConfig):
         if not 1 <= self.max_streams < self.workers:
             raise ValueError(
                 f"max_streams must be in 1..{self.workers - 1} (below --workers {self.workers}, "
-                f"so other calls always find a thread), got {self.max_streams}"
+                f"so other calls always find a thread), got {self.max_streams}: with fewer "
+                "--workers, lower --max-streams too"
             )
         if self.max_leases_per_namespace < 1:
             raise ValueError(
@@ -180,6 +181,8 @@ class StoreConfig(ServerConfig):
             )
         if self.object_store:
             Location.parse(self.object_store)  # ValueError names the flag
+            if self.s3_endpoint:
+                Location.check_endpoint(self.s3_endpoint)
         if self.writer_lease_seconds < 3:
             raise ValueError(f"writer_lease_seconds must be >= 3, got {self.writer_lease_seconds}")
         if self.object_uploaders < 1:

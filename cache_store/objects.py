@@ -107,7 +107,30 @@ class Location:
                 "letters, digits, dots, hyphens and underscores"
             )
         prefix = parsed.path.strip("/")
+        if parsed.query or parsed.fragment or parsed.params or ";" in url:
+            raise ValueError(f"--object-store {url}: a query or fragment is not taken")
+        if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+            raise ValueError(f"--object-store {url}: the prefix has an empty, '.' or '..' part")
         return cls(parsed.netloc, f"{prefix}/" if prefix else "")
+
+    @staticmethod
+    def check_endpoint(url: str) -> None:
+        """ValueError naming --s3-endpoint unless it is http(s)://HOST[:PORT]: botocore
+        raised a traceback for one that is no URL, and took another scheme, then failed
+        every call (the store said only "unreachable"), or read a path's first part as the
+        bucket."""
+        parsed = urlparse(url)
+        try:
+            parsed.port  # noqa: B018 (a port that is no number, or past 65535, raises)
+        except ValueError as exc:
+            raise ValueError(f"--s3-endpoint {url}: {exc}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"--s3-endpoint must be http(s)://HOST[:PORT], got {url!r}")
+        if parsed.path.strip("/") or parsed.query or parsed.fragment or parsed.params:
+            raise ValueError(
+                f"--s3-endpoint {url}: no path or query (the bucket and prefix go in "
+                "--object-store)"
+            )
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"

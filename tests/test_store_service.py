@@ -152,6 +152,14 @@ def test_store_never_imports_mlx():
         (["--namespace-agent-idle", "a=1y"], "invalid duration '1y' in 'a=1y'"),
         (["--namespace-agent-idle", "a=9m"], "--agent-idle for namespace 'a' must be 0 or"),
         (["--namespace-agent-idle", "a b=1d"], "agent retention for invalid namespace 'a b'"),
+        # a traceback, or a store that started and said "unreachable" for ever
+        (["--object-store", "s3://b/x", "--s3-endpoint", "notaurl"], "must be http(s)://"),
+        (["--object-store", "s3://b/x", "--s3-endpoint", "ftp://h:21"], "must be http(s)://"),
+        (["--object-store", "s3://b/x", "--s3-endpoint", "http://h:99999"], "out of range"),
+        (["--object-store", "s3://b/x", "--s3-endpoint", "http://h:1/b2"], "no path or query"),
+        (["--object-store", "s3://b/../d"], "an empty, '.' or '..' part"),
+        (["--object-store", "s3://b/x?y=1"], "a query or fragment is not taken"),
+        (["--workers", "8"], "with fewer --workers, lower --max-streams too"),
     ],
 )
 def test_bad_command_lines_are_refused(tmp_path, capsys, argv, message):
