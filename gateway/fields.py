@@ -80,8 +80,9 @@ def metadata(body: dict) -> dict[str, str]:
 
 def known_only(obj: dict, known: set[str], where: str = "") -> None:
     """Refuses a field of `obj` (at `where`; "": the body) that is not `known`, as an unknown
-    parameter: one is never silently dropped. The first, by name, is named."""
-    extra = sorted(set(obj) - known)
+    parameter: one is never silently dropped. The first, by name, is named. A null one is
+    one left out, as OpenAI reads it (an SDK's model_dump() writes every field it knows)."""
+    extra = sorted(name for name, value in obj.items() if name not in known and value is not None)
     if extra:
         param = f"{where}.{extra[0]}" if where else extra[0]
         raise invalid(f"unsupported parameter: {param}", param, "unsupported_parameter")

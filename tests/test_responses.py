@@ -324,6 +324,31 @@ def test_function_outputs_are_put_in_their_calls_order():
     assert [m["role"] for m in messages[4:]] == ["system", "user"]
 
 
+def test_items_an_sdk_dumps_with_its_nulls_are_taken_as_without_them():
+    """The openai package's model_dump() writes every field its types know, null where unset
+    (`async_`, `async` with aliases, `caller`): those were refused as unknown parameters."""
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
+
+    call = ResponseFunctionToolCall(
+        type="function_call", call_id="c1", name="get_weather", arguments='{"city": "Paris"}'
+    )
+    said = ResponseOutputMessage.model_validate(
+        {"type": "message", "id": "m1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]}
+    )  # fmt: skip
+    output = {"type": "function_call_output", "call_id": "c1", "output": RESULT}
+    for dump in ({}, {"by_alias": True}, {"exclude_none": True}):
+        items = [{"role": "user", "content": "Weather in Paris?"}, said.model_dump(**dump)]
+        items += [call.model_dump(**dump), output]
+        parsed = parse_responses({"model": "m", "input": items}, 8).messages
+        assert [m["role"] for m in parsed] == ["user", "assistant", "tool"]  # one reply
+        assert parsed[1]["content"] == "Let me look."
+        assert parsed[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    with pytest.raises(HTTPError) as refused:  # a value there is still refused
+        parse_responses({"model": "m", "input": [{**call.model_dump(), "caller": "x"}]}, 8)
+    assert refused.value.param == "input[0].caller"
+
+
 @pytest.mark.parametrize(
     "item, param",
     [
