@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentkv.gateway.errors import invalid
-from agentkv.gateway.fields import utf8
+from agentkv.gateway.fields import known_only, utf8
 
 ROLES = {
     "system": "system",
@@ -65,11 +65,18 @@ def in_call_order(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# A message's fields: `name` (a participant's) is taken and not rendered, as the chat
+# templates of most models leave it out; the others of OpenAI's are refused unless null
+# (an SDK's model_dump() writes refusal, audio, annotations as null).
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
+
+
 def _message(message: Any, where: str) -> dict[str, Any]:
     """One message as the SDK takes it: its role, its text, an assistant's tool calls (its
     content may then be null or absent), a tool's tool_call_id."""
     if not isinstance(message, dict):
         raise invalid(f"{where} must be an object", where)
+    known_only(message, MESSAGE_KEYS, where)
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise invalid(

@@ -100,6 +100,9 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
          "messages[1]"),
+        ({"messages": [{"role": "user", "content": "a", "foo": 1}]}, "messages[0].foo"),  # taken
+        ({"messages": [{"role": "assistant", "content": "a", "refusal": "no"},
+                       {"role": "user", "content": "b"}]}, "messages[0].refusal"),
     ],
 )  # fmt: skip
 def test_what_agentkv_does_not_do_is_refused_by_name(fields, param):
@@ -117,6 +120,9 @@ def test_what_openai_allows_is_read_as_openai_means_it():
     assert parsed(temperature=0.7, top_p=0, max_tokens=3).sampling | {"max_tokens": 0} == {
         "temperature": 0.0, "top_p": 1.0, "max_tokens": 0}  # fmt: skip
     assert parsed(stop=[]).sampling == parsed().sampling
+    said = {"role": "assistant", "content": "b", "refusal": None, "audio": None, "name": "x"}
+    sent = [{"role": "user", "content": "a", "name": "bob"}, said, {"role": "user", "content": "c"}]
+    assert [m["content"] for m in parsed(messages=sent).messages] == ["a", "b", "c"]
     pair = json.loads('"\\ud83d\\ude00"')  # JSON's escaped surrogate pair: one character
     assert parsed(messages=[{"role": "user", "content": pair}]).messages[0]["content"] == "😀"
 
