@@ -99,7 +99,8 @@ def commit_id(expected_generation: int, snap: Snapshot) -> str:
 
 def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentKVError:
     """The error for `what`, which needed the agent durable, when the store refused: a full
-    store keeps its RESOURCE_EXHAUSTED (no other worker would fare better), all else is
+    store keeps its RESOURCE_EXHAUSTED and a store's refusal its FAILED_PRECONDITION (a
+    namespace another store writes: no retry through this store fares better), all else is
     UNAVAILABLE (NotCommitted); either way the agent stays in this worker's RAM and is
     written later. But when another worker committed the agent meanwhile, this copy is not
     written at all: ABORTED (GenerationConflict), saying so."""
@@ -116,7 +117,10 @@ def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentK
         f"{what} of agent {agent.agent_id!r} was not committed to the store ({reason}); "
         "it stays in this worker's RAM and is written once the store takes it"
     )
-    return type(error)(message) if isinstance(error, ResourceExhausted) else NotCommitted(message)
+    if isinstance(error, ResourceExhausted):
+        return type(error)(message)
+    refused = isinstance(error, FailedPrecondition) and error.remote  # the store's word
+    return FailedPrecondition(message) if refused else NotCommitted(message)
 
 
 def _back_off(agent: Agent) -> None:
@@ -230,7 +234,8 @@ class Persister:
             if isinstance(exc, (Unavailable, DeadlineExceeded)):  # it may have been applied
                 agent.in_doubt[cid] = snap.written
             agent.persist_error = exc
-            if isinstance(exc, ResourceExhausted):  # a quota or a full disk: not soon over
+            # A quota or a full disk; a namespace another store writes: not soon over.
+            if isinstance(exc, ResourceExhausted | FailedPrecondition):
                 _back_off(agent)
             log.warning(
                 "persist failed",

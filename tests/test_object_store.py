@@ -929,6 +929,36 @@ def test_two_stores_racing_for_a_namespace_one_writes(weed, bucket, tmp_path):
             s.stop()
 
 
+def test_a_worker_on_a_store_that_only_reads_the_namespace_says_so_and_keeps_the_turn(
+    weed, bucket, tmp_path, tiny_model_dirs
+):
+    """A worker whose store only reads the namespace (another store holds its writer lease):
+    a durable call was UNAVAILABLE (NotCommitted), which a retry never clears while that
+    store writes, and its write was tried again every 2 s. Now FAILED_PRECONDITION with the
+    store's words; the agent stays in the worker's RAM, and its writes back off."""
+    writer = start_store(tmp_path, "writer", tier_args(weed, bucket))
+    reader = start_store(tmp_path, "reader", tier_args(weed, bucket))
+    model = str(tiny_model_dirs["llama"])
+    worker = worker_process(model, reader.address, tmp_path / "w.log").start()
+    try:
+        with writer.client() as c:
+            save(c, "held", list(range(1, 100)))  # the writer lease is the writer's now
+        with WorkerClient(worker.address) as w:
+            w.create_agent(NS, "kept", SYSTEM)
+            ask = [("user", "Which ships came by?")]
+            with pytest.raises(FailedPrecondition, match="is written by store") as refused:
+                w.turn(NS, "kept", ask, max_tokens=4, durable=True)
+            assert "stays in this worker's RAM" in refused.value.message
+            turn = w.turn(NS, "kept", [("user", "And then?")], max_tokens=4)
+            assert turn.usage.cache_state == "hot"  # kept, and its turns go on
+            state = w.describe(NS, "kept")
+            assert state.persisted_tokens < state.num_tokens
+    finally:
+        worker.stop()
+        reader.stop()
+        writer.stop()
+
+
 def test_a_store_that_takes_a_namespace_over_writes_on_the_buckets_latest(weed, bucket, tmp_path):
     a, b = (start_store(tmp_path, n, tier_args(weed, bucket)) for n in ("a", "b"))
     try:
