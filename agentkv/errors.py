@@ -13,6 +13,7 @@ import grpc
 
 ERROR_KEY = "agentkv-error"
 GENERATION_KEY = "agentkv-current-generation"
+RESUMED_KEY = "agentkv-resumed-at"  # TurnsFollow's resumed_at
 
 
 class AgentKVError(Exception):
@@ -83,7 +84,19 @@ class AgentBusy(FailedPrecondition):
 
 
 class TurnsFollow(FailedPrecondition):
-    """A turn asked to continue from its agent's last point, and later turns follow it."""
+    """A turn asked to continue from its agent's last point, and later turns follow it; or
+    a resent conversation would drop points that turns named (keep_named_marks).
+    `resumed_at`: then, how many of its messages the agent's context there covers."""
+
+    def __init__(self, message: str, resumed_at: int = 0) -> None:
+        super().__init__(message)
+        self.resumed_at = resumed_at
+
+    def __reduce__(self) -> tuple:  # pickled and copied with both arguments
+        return (type(self), (self.message, self.resumed_at))
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (*super().trailing_metadata(), (RESUMED_KEY, str(self.resumed_at)))
 
 
 class GenerationConflict(AgentKVError):
@@ -273,6 +286,9 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
     cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
     if issubclass(cls, GenerationConflict):
         result = cls(message, int(metadata.get(GENERATION_KEY, "0")))
+    elif issubclass(cls, TurnsFollow):
+        resumed_at = metadata.get(RESUMED_KEY, "0")
+        result = cls(message, int(resumed_at) if resumed_at.isdigit() else 0)
     else:
         result = cls(message)
         result.code = code

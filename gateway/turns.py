@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import time
 import uuid
@@ -167,8 +168,8 @@ class Turns:
                     raise
                 agent = AsyncAgent(memory, f"{agent_id}-{await self.model_key()}")
                 continue
-            except TurnsFollow:  # it would drop points that responses' ids name
-                return await self._branched(agent, call, say_options(call))
+            except TurnsFollow as exc:  # it would drop points that responses' ids name
+                return await self._resent_elsewhere(agent, call, exc.resumed_at)
             except FailedPrecondition as exc:
                 if not anonymous or "in progress" not in exc.message:
                     raise
@@ -207,6 +208,32 @@ class Turns:
         except BaseException:  # a branch that never took its turn is not kept
             self.ended(branch)
             raise
+
+    async def _resent_elsewhere(self, agent: AsyncAgent, call: ChatCall, resumed_at: int) -> Turn:
+        """The turn of a resent conversation that would drop points of `agent` that
+        responses' ids name (another conversation that opens alike went on there, or this
+        one was edited or its call sent twice), on a branch that keeps them. Where the call
+        holds a reply past the point it leaves the agent at, the branch is named by the
+        messages through that reply, so that the conversation's next calls, resent whole,
+        find it again and read their past from its cache; else the call gets a branch of its
+        own (a spare until its response's id goes out)."""
+        messages, options = call.messages, say_options(call)
+        later = range(resumed_at, len(messages))
+        reply = next((i for i in later if messages[i]["role"] == "assistant"), None)
+        if reply is None:
+            return await self._branched(agent, call, options)
+        digest = hashlib.blake2b(repr(messages[: reply + 1]).encode(), digest_size=6)
+        branch = AsyncAgent(agent.memory, f"{agent.id[:100]}-c{digest.hexdigest()}")
+        await check_features(agent.memory, branch.id, call)
+        # The branch's copies of the points are named by no id: it may drop them.
+        say = functools.partial(branch.say, messages, **{**options, "keep_named_marks": False})
+        try:
+            return Turn(await self._when_idle(say))
+        except AgentNotFound:
+            pass
+        with contextlib.suppress(AgentExists):  # made meanwhile, by this conversation's call
+            await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
+        return Turn(await self._when_idle(say))
 
     async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
         """`step` on an agent, once the agent's turn under way has ended (another call

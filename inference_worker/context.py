@@ -61,8 +61,10 @@ def _check_named_kept(job: TurnJob, agent: Agent, start: Resumed, again: bool) -
     if dropped:
         raise TurnsFollow(
             f"{len(dropped)} named point(s) of agent {agent.agent_id!r}, the last "
-            f"{dropped[-1]!r}, follow where this conversation leaves it: resending it would "
-            "drop them (fork the agent to branch there)"
+            f"{dropped[-1]!r}, follow where this conversation leaves it (after its first "
+            f"{len(job.messages) - len(start.messages)} messages): resending it would drop "
+            "them (fork the agent to branch there)",
+            resumed_at=len(job.messages) - len(start.messages),
         )
 
 

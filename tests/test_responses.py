@@ -525,6 +525,43 @@ def test_callers_whose_conversations_open_alike_keep_each_other_s_response_ids(s
         until(lambda: len({x for x in kept() if x.startswith(agent_of(a))}) == 2, "no other")
 
 
+def test_a_conversation_resent_whole_after_it_left_its_agent_goes_on_warm_in_one_branch(stack):
+    """A client that resends its whole input (the Agents SDK's default), whose conversation
+    left the agent that another one's responses name the points of: it went on in a branch
+    of its own on every call (a fork, and all past the shared point prefilled again, each
+    time). Now its next call finds the branch that its reply names, and reads its past
+    from the cache; the other conversation's ids still go on."""
+    client = stack.client()
+    opener = {"role": "user", "content": "Which scrolls are the most fragile?"}
+
+    def anonymous(items):
+        return client.responses.create(
+            model="tiny", instructions=SYSTEM, input=items, max_output_tokens=8, **GREEDY
+        )
+
+    first = anonymous([opener])
+    said = [item.model_dump(exclude_none=True) for item in first.output]
+    kept = anonymous([opener, *said, {"role": "user", "content": "Index them."}])
+    assert agent_of(kept) == agent_of(first)  # the first conversation, named by its ids
+    history = [opener, *said, {"role": "user", "content": "Burn them."}]
+    agents, cached, replies = [], [], []
+    for text in ("Now?", "And then?", "Why?"):
+        other = anonymous(history)  # the other conversation: it left the first one's points
+        agents.append(agent_of(other))
+        cached.append(other.usage.input_tokens_details.cached_tokens)
+        replies.append(other)
+        history += [item.model_dump(exclude_none=True) for item in other.output]
+        history.append({"role": "user", "content": text})
+    assert agents[0].startswith(f"{agent_of(first)}-b")  # no reply of its own yet: its own
+    assert agents[1] == agents[2] and agents[1].startswith(f"{agent_of(first)}-c")
+    held = replies[1].usage.input_tokens + replies[1].usage.output_tokens - 1
+    assert cached[2] == held  # its past, from the branch's cache
+    assert create(client, [opener], "alone").output_text == first.output_text  # turn by turn
+    own = create(client, [opener, *said, {"role": "user", "content": "Burn them."}], "alone")
+    assert replies[0].output_text == own.output_text
+    assert continued(client, kept, "Thank you.").status in ("completed", "incomplete")
+
+
 def test_bad_requests_get_openai_errors(stack):
     client = stack.client()
     with pytest.raises(openai.BadRequestError) as refused:
