@@ -188,6 +188,8 @@ def test_errors_with_more_than_a_message_survive_pickling():
     assert (type(cut), cut.message, cut.worker, cut.num_tokens) == (ReplyCutOff, "gone", "w:1", 3)
     lost = copy.copy(errors.GenerationConflict("raced", current_generation=4))
     assert (lost.message, lost.current_generation) == ("raced", 4)
+    follow = pickle.loads(pickle.dumps(errors.TurnsFollow("left", resumed_at=3)))
+    assert (follow.message, follow.resumed_at) == ("left", 3)
 
 
 def test_every_grpc_status_has_its_http_status():
