@@ -33,6 +33,7 @@ log = logging.getLogger("agentkv.store")
 DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index grows too
 INDEX_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
 COLLECT_BATCH = 64  # blocks a collection deletes per hold of the capacity lock
+MAX_MISSING_PER_DEMOTION = 8  # blocks found gone from the bucket before one demotion gives up
 UPLOAD_WAIT_SECONDS = 30.0  # how long a reservation waits for uploads to free something
 T = TypeVar("T")
 
@@ -211,20 +212,26 @@ class Capacity:
 
     def _demote_one_block(self, namespace: str | None) -> bool:
         """Frees the local copy of the least recently used block safe in the object store.
-        Candidates come from one scan, reused (each checked again) until they run out."""
+        Candidates come from one scan, reused (each checked again) until they run out. Each
+        is asked for in the bucket (a HEAD, under the lock): a wiped bucket costs a few
+        before this gives up for now (their uploads again are queued)."""
+        missing = 0
         for fresh in (False, True):  # the candidates of the last scan, then of a new one
             queue = self._demotable.get(namespace) if not fresh else None
             if not queue:
                 queue = self._demotable[namespace] = self._demotion_candidates(namespace)
                 fresh = True
-            while queue:
+            while queue and missing < MAX_MISSING_PER_DEMOTION:
                 block = queue.pop()
+                if self.leases.is_held(block):
+                    continue
                 if not self._in_bucket_now(block):
+                    missing += 1
                     continue
                 if self.leases.unless_held(block, lambda b=block: self._demote(b)):
                     self.metrics.demoted_blocks.inc()
                     return True
-            if fresh:
+            if fresh or missing >= MAX_MISSING_PER_DEMOTION:
                 return False
         return False
 

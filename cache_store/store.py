@@ -354,6 +354,7 @@ class CacheStore:
     def collect_garbage(self, namespace: str = "") -> tuple[int, int, int]:
         """Deletes unreferenced, unleased blocks, then orphan files. (blocks, bytes, orphans)"""
         ns = ids.namespace(namespace) if namespace else None
+        self.payloads.check_root()  # it deletes files: never in a directory that replaced it
         deleted, freed = self.capacity.collect(ns)
         return deleted, freed, self.upkeep.remove_orphans()
 

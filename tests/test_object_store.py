@@ -291,27 +291,33 @@ def test_a_block_gone_from_the_bucket_is_uploaded_again_not_demoted_into_loss(
     """The index says what was uploaded, not what the bucket still holds: objects deleted
     behind the store's back (an age-based lifecycle rule, a hand) were demoted all the same,
     the local copy deleted, and the agent's blocks lost for good (DATA_LOSS). Each is now
-    asked for (HEAD) before its local copy goes: a missing one is uploaded again first."""
+    asked for (HEAD) before its local copy goes: a missing one is uploaded again first. Here
+    every block of three agents goes (12, past the 8 one demotion asks for before it gives
+    up for the moment), and the fourth agent's write needs room that only they can give."""
     tokens = list(range(1, 257))
     blocks, _ = make_chain(tokens)
     agent_bytes = sum(t.data.nbytes for b in blocks for t in b.tensors)
-    args = tier_args(weed, bucket, "--quota", str(int(agent_bytes * 1.2)))
+    args = tier_args(weed, bucket, "--quota", str(int(agent_bytes * 3.5)))
     store = start_store(tmp_path, "s", args)
     try:
         with store.client() as c:
-            blocks, keys = save(c, "one", tokens)
-            wait_for("one's uploads", lambda: uploaded(c))
+            saved = {f"a{i}": [t + 1000 * i for t in tokens] for i in range(4)}
+            chains = {a: save(c, a, saved[a], seed=i) for i, a in enumerate(list(saved)[:3])}
+            wait_for("the uploads", lambda: uploaded(c))
+            assert c.stats().num_demoted_blocks == 0  # every block is here, and in the bucket
             s3 = weed.client()
-            for key in keys:
-                s3.delete_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/blocks/{key.hex()}.safetensors")
-            save(c, "two", [t + 5000 for t in tokens], seed=50)  # one's blocks must make room
-            assert c.stats().num_demoted_blocks >= 3
-            assert_restores(c, "one", tokens, blocks, keys)
+            for _, keys in chains.values():
+                for key in keys:
+                    name = f"{bucket}/{NS}/blocks/{key.hex()}.safetensors"
+                    s3.delete_object(Bucket=BUCKET, Key=name)
+            chains["a3"] = save(c, "a3", saved["a3"], seed=3)  # room from the others' blocks
+            assert c.stats().num_demoted_blocks >= 2
+            for agent, (agent_blocks, keys) in chains.items():
+                assert_restores(c, agent, saved[agent], agent_blocks, keys)
             wait_for("the uploads", lambda: uploaded(c))
         assert "block gone from the object store: uploading it again" in store.log_text()
         assert set(assert_bucket_whole(weed, bucket)) == {
-            f"{bucket}/{NS}/agents/one",
-            f"{bucket}/{NS}/agents/two",
+            f"{bucket}/{NS}/agents/{agent}" for agent in saved
         }
     finally:
         store.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -159,8 +160,6 @@ def test_a_data_dir_deleted_under_a_running_store_fails_writes_unavailable(store
     """A write after the data dir went (deleted behind the store's back) is UNAVAILABLE,
     saying so, with no traceback in the log (it was INTERNAL, logged as a crash); what the
     store holds in its index still reads."""
-    import shutil
-
     with StoreClient(store_process.address) as c:
         blocks, keys = make_chain(list(range(1, 33)), 16, seed=1)
         save(c, NS, "before", blocks, list(range(1, 33)))
@@ -176,23 +175,30 @@ def test_a_data_dir_moved_from_under_a_running_store_loses_no_block(store_proces
     """Moved away (a folder renamed, a volume unmounted), every block's file reads as missing:
     a read or a verify quarantined every block it met (gone for good, with no object store)
     and stats crashed INTERNAL. Now each is UNAVAILABLE naming the directory, nothing is
-    quarantined, and once the directory is back every block reads as it was written."""
+    quarantined, and once the directory is back every block reads as it was written. One
+    put in its place (another volume mounted there) is not touched: gc deleted its files."""
     data = store_process.data_dir
     moved = data.with_name(f"{data.name}.moved")
     with StoreClient(store_process.address) as c:
         blocks, keys = make_chain(list(range(1, 33)), 16, seed=1)
         save(c, NS, "kept", blocks, list(range(1, 33)))
         data.rename(moved)
+        other = data / "blocks" / NS / "ab" / f"{'ab' * 32}.safetensors"  # mounted over it
+        other.parent.mkdir(parents=True)
+        other.write_bytes(b"another store's block")
         try:
             for call in (
                 lambda: list(c.get_blocks(NS, FP, keys)),
                 lambda: c.read_blocks_local(NS, FP, keys),  # the same-host path
                 lambda: c.call("VerifyBlocks", pb.VerifyBlocksRequest()),
+                lambda: c.call("CollectGarbage", pb.CollectGarbageRequest()),  # deletes files
                 c.stats,
             ):
                 with pytest.raises(Unavailable, match=f"data directory {data} is not the one"):
                     call()
+            assert other.read_bytes() == b"another store's block"  # gc deleted nothing there
         finally:
+            shutil.rmtree(data, ignore_errors=True)
             moved.rename(data)
         for sent, back in zip(blocks, c.get_blocks(NS, FP, keys), strict=True):
             assert same_bytes(sent, back)
