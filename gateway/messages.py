@@ -67,7 +67,8 @@ def in_call_order(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # A message's fields: `name` (a participant's) is taken and not rendered, as the chat
 # templates of most models leave it out; the others of OpenAI's are refused unless null
-# (an SDK's model_dump() writes refusal, audio, annotations as null).
+# (an SDK's model_dump() writes refusal, audio, annotations as null), or, for annotations,
+# empty (a reply of OpenAI's own, resent).
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
 
 
@@ -76,7 +77,13 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     content may then be null or absent), a tool's tool_call_id."""
     if not isinstance(message, dict):
         raise invalid(f"{where} must be an object", where)
+    if message.get("annotations") == []:  # as OpenAI's own replies carry it: no citations
+        message = {k: v for k, v in message.items() if k != "annotations"}
     known_only(message, MESSAGE_KEYS, where)
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid(f"{where}.name must be a string", f"{where}.name")
+    utf8(name or "", f"{where}.name")
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise invalid(

@@ -101,6 +101,8 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
          "messages[1]"),
         ({"messages": [{"role": "user", "content": "a", "foo": 1}]}, "messages[0].foo"),  # taken
+        ({"messages": [{"role": "user", "content": "a", "name": 5}]}, "messages[0].name"),
+        ({"messages": [{"role": "user", "content": "a", "name": "\ud800"}]}, "messages[0].name"),
         ({"messages": [{"role": "assistant", "content": "a", "refusal": "no"},
                        {"role": "user", "content": "b"}]}, "messages[0].refusal"),
     ],
@@ -120,7 +122,8 @@ def test_what_openai_allows_is_read_as_openai_means_it():
     assert parsed(temperature=0.7, top_p=0, max_tokens=3).sampling | {"max_tokens": 0} == {
         "temperature": 0.0, "top_p": 1.0, "max_tokens": 0}  # fmt: skip
     assert parsed(stop=[]).sampling == parsed().sampling
-    said = {"role": "assistant", "content": "b", "refusal": None, "audio": None, "name": "x"}
+    said = {"role": "assistant", "content": "b", "refusal": None, "audio": None, "name": "x",
+            "annotations": []}  # fmt: skip
     sent = [{"role": "user", "content": "a", "name": "bob"}, said, {"role": "user", "content": "c"}]
     assert [m["content"] for m in parsed(messages=sent).messages] == ["a", "b", "c"]
     pair = json.loads('"\\ud83d\\ude00"')  # JSON's escaped surrogate pair: one character
