@@ -139,7 +139,10 @@ class BaseAgentMemory:
             return agent
 
         def create(worker: Any) -> Any:
-            return worker.create_agent(self.namespace, agent_id, system, tools=tools, phase=phase)
+            made = worker.create_agent  # durable: once it is in the store, as a turn is
+            return made(
+                self.namespace, agent_id, system, tools=tools, phase=phase, durable=self.durable
+            )
 
         try:
             agent.state = yield from self._routed(agent_id, create)

@@ -103,7 +103,7 @@ class BaseWorkerClient:
         self, namespace: str, agent_id: str, system: str = "", *, tools: Tools = None, **fields: Any
     ) -> MaybeAwaitable[pb.AgentState]:
         """A new agent: its system prompt (and `tools`, tools_json's, rendered with it)
-        prefilled and persisted. `fields`: CreateAgentRequest's phase, metadata."""
+        prefilled and persisted. `fields`: CreateAgentRequest's phase, metadata, durable."""
         request = pb.CreateAgentRequest(
             namespace=namespace,
             agent_id=agent_id,

@@ -23,7 +23,7 @@ from inference_worker.turns import END, AgentInfo, StartEvent, TokenEvent, TurnJ
 
 SERVICE_NAME = "agentkv.worker.v1.InferenceWorker"
 # GetWorkerInfoResponse.features: what an older worker lacks
-FEATURES = ("after_mark", "tool_call_allowed", "keep_named_marks")
+FEATURES = ("after_mark", "tool_call_allowed", "keep_named_marks", "durable_create")
 MAX_REQUEST_ID = 64
 MAX_MARK = 64  # characters of an after_mark (a Usage.mark is 24)
 # no ',', ';' or space: metadata._extras joins names with them
@@ -40,7 +40,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         auth.check_namespace(request.namespace)
         ns, agent_id, phase = request.namespace, request.agent_id, request.phase
         job = TurnJob(ns, agent_id, [], Sampling(max_tokens=0), phase, creates=True)
-        job.tools = canonical_tools(request.tools)
+        job.tools, job.durable = canonical_tools(request.tools), request.durable
         self.engine.grammars.warm(job.tools)  # strict tools: compiled here, not at a turn
         create = partial(
             self.front.create_agent, system=request.system_prompt, metadata=dict(request.metadata)

@@ -34,6 +34,7 @@ from agentkv.errors import (
     AgentBusy,
     AgentExists,
     AgentKVError,
+    AgentNotFound,
     DeadlineExceeded,
     InvalidArgument,
     ResourceExhausted,
@@ -930,6 +931,41 @@ def test_agents_made_at_once_from_the_store_stay_within_the_hot_budget(
     eventually(lambda: w.describe("ns", "c2").persisted_tokens, "c2's write", timeout=120)
     w.create_agent("ns", "c3", system)
     assert w.describe("ns", "c3").num_tokens == w.describe("ns", "seed").num_tokens
+
+
+def test_a_durable_memory_s_new_agent_is_in_the_store_when_it_is_returned(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """AgentMemory(durable=True).agent(id, system=...) returned once the system prompt was
+    prefilled, its commit still on its way: a worker lost then lost the agent, and the next
+    call (through another worker) said AgentNotFound. Now the create is durable as a turn is:
+    here its write is held, and it does not return until the write lands."""
+    held = tmp_path / "writes-held"
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, env={WRITES_HELD: str(held)})
+    w = WorkerClient(proc.address, timeout=120)
+    held.touch()
+    w.create_agent("ns", "quick", SYSTEM)  # not durable: back at once, its write waiting
+    assert w.describe("ns", "quick").persisted_tokens == 0
+    made: list = []
+    with AgentMemory(proc.address, namespace="ns", durable=True) as mem:
+        creating = threading.Thread(target=lambda: made.append(mem.agent("kept", SYSTEM)))
+        creating.start()
+
+        def in_ram() -> bool:
+            try:
+                return w.describe("ns", "kept").num_tokens > 0
+            except AgentNotFound:  # not made yet
+                return False
+
+        eventually(in_ram, "the agent, made in RAM")
+        assert creating.is_alive() and not made  # its write is held: it waits for it
+        held.unlink()
+        creating.join(timeout=120)
+        assert made and made[0].created
+    with store_process.client() as store:
+        stored = store.get_agent("ns", "kept")
+        assert len(stored.token_ids) == w.describe("ns", "kept").num_tokens
 
 
 def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(

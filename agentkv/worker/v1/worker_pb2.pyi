@@ -47,7 +47,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., fit_max_tokens: _Optional[bool] = ...) -> None: ...
 
 class CreateAgentRequest(_message.Message):
-    __slots__ = ("namespace", "agent_id", "system_prompt", "phase", "metadata", "tools")
+    __slots__ = ("namespace", "agent_id", "system_prompt", "phase", "metadata", "tools", "durable")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,13 +61,15 @@ class CreateAgentRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     agent_id: str
     system_prompt: str
     phase: str
     metadata: _containers.ScalarMap[str, str]
     tools: str
-    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., phase: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tools: _Optional[str] = ...) -> None: ...
+    durable: bool
+    def __init__(self, namespace: _Optional[str] = ..., agent_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., phase: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tools: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class CreateAgentResponse(_message.Message):
     __slots__ = ("agent", "usage")
