@@ -184,6 +184,8 @@ class AsyncAgentMemory(BaseAgentMemory):
         return address  # .store is the address
 
     async def close(self) -> None:
+        """As AgentMemory.close()."""
+        self.closed = True
         for worker in self.workers.values():
             await worker.close()
         if self._store_channel is not None:

@@ -28,6 +28,7 @@ from agentkv.errors import (
     AgentExists,
     AgentKVError,
     AgentNotFound,
+    FailedPrecondition,
     FingerprintMismatch,
     InvalidArgument,
     NotCommitted,
@@ -109,6 +110,7 @@ class BaseAgentMemory:
         self.namespace = namespace
         self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
         self._served: dict[str, str] = {}  # agent key -> the worker that last served it
+        self.closed = False  # close() ran: its channels are gone
         self.store: Any = self._open_store(store, security) if store else None
 
     def agent(
@@ -163,7 +165,14 @@ class BaseAgentMemory:
         other.namespace = namespace
         return other
 
+    def _check_open(self) -> None:
+        """A call on a closed memory is FailedPrecondition, not gRPC's own error about its
+        closed channel (a ValueError, or asyncio's UsageError)."""
+        if self.closed:
+            raise FailedPrecondition(f"this {type(self).__name__} was closed: make a new one")
+
     def _need_store(self) -> None:
+        self._check_open()
         if self.store is None:
             name = type(self).__name__
             raise InvalidArgument(f"listing agents needs the store: {name}(..., store=ADDR)")
@@ -181,6 +190,7 @@ class BaseAgentMemory:
     def _routed(
         self, agent_id: str, call: Callable[[Any], Any], then: Callable[[Any], T] = same
     ) -> Steps[T]:
+        self._check_open()
         key = self._key(agent_id)
         attempts = Attempts(self.router, key, self.retries, self.backoff)
         for delay, address in attempts:

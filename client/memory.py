@@ -121,6 +121,9 @@ class AgentMemory(BaseAgentMemory):
         return StoreClient(address, timeout=self.timeout, security=security)
 
     def close(self) -> None:
+        """Closes every connection: a reply being read fails as closed (FailedPrecondition),
+        and a later call on this memory is FailedPrecondition too."""
+        self.closed = True
         for worker in self.workers.values():
             worker.close()
         if self.store is not None:

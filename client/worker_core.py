@@ -255,6 +255,9 @@ def worker_kept(num_tokens: int) -> str:
     )
 
 
+CHANNEL_CLOSED = "Channel closed!"  # gRPC's words for a call its own client's close() ended
+
+
 def no_reply(worker: str, agent: object) -> Unavailable:
     return Unavailable(f"worker {worker} ended the turn of {agent!r} at once")
 
@@ -312,7 +315,9 @@ class BaseReply:
         reader will get it; an error kept before stands (close() before the read it cut)."""
         if isinstance(exc, grpc.RpcError):
             exc = from_rpc_error(exc)
-        if isinstance(exc, AgentKVError):
+        if isinstance(exc, AgentKVError) and CHANNEL_CLOSED in exc.message:
+            exc = self._closed()  # its memory's close(): as the reply's own, and asyncio's
+        elif isinstance(exc, AgentKVError):
             exc = cut_off(exc, self.worker, len(self._result.token_ids), self.agent)
         with self._settling:
             if self._error is None:

@@ -255,6 +255,21 @@ def test_closing_a_reply_another_task_reads_ends_it_for_every_reader(tiny_model_
         assert said_again(mem.agent("a"), Q2).usage.prompt_tokens < before + LONG
 
 
+def test_a_closed_async_memory_says_so(tiny_model_dirs, start_worker):
+    """A call after close() raised grpc's UsageError ("Channel is closed")."""
+    address = start_worker(tiny_model_dirs["llama"]).address
+
+    async def run() -> None:
+        mem = AsyncAgentMemory(address)
+        agent = await mem.agent("a", system=SYSTEM)
+        await mem.close()
+        for call in (lambda: agent.say(Q1), agent.describe, lambda: mem.agent("b", SYSTEM)):
+            with pytest.raises(FailedPrecondition, match="this AsyncAgentMemory was closed"):
+                await call()
+
+    asyncio.run(run())
+
+
 def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(
     tiny_model_dirs, start_worker, store_process
 ):

@@ -72,6 +72,26 @@ def test_closing_a_reply_other_threads_read_ends_it_for_every_reader(tiny_model_
         assert kept < before + LONG  # the worker cut the turn short
 
 
+def test_closing_the_memory_a_reply_is_read_through_closes_the_reply(tiny_model_dirs, start_worker):
+    """AgentMemory.close() while a thread reads a reply: the reader got gRPC's own words
+    ("Stream removed (Channel closed!)") as a bare AgentKVError, where asyncio's SDK and
+    reply.close() say the reply was closed; and a call after close() raised gRPC's
+    ValueError. Now both say so, as FailedPrecondition."""
+    address = start_worker(tiny_model_dirs["llama"]).address
+    mem = AgentMemory(address)
+    agent = mem.agent("keeper", system=SYSTEM)
+    reader = Reader(agent.say(ASK, max_tokens=LONG))
+    reader.start()
+    assert reader.reading.wait(60)
+    mem.close()
+    reader.join(60)
+    assert isinstance(reader.error, FailedPrecondition), reader.error
+    assert re.search(CLOSED, reader.error.message)
+    for call in (lambda: agent.say(AGAIN), agent.describe, lambda: mem.agent("other", SYSTEM)):
+        with pytest.raises(FailedPrecondition, match="this AgentMemory was closed"):
+            call()
+
+
 def test_a_reply_used_with_with_is_closed_at_its_end(tiny_model_dirs, start_worker):
     with AgentMemory(start_worker(tiny_model_dirs["llama"]).address) as mem:
         agent = mem.agent("keeper", system=SYSTEM)
