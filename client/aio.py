@@ -25,8 +25,8 @@ import grpc
 
 from agentkv.channels import ClientSecurity
 from agentkv.client.core import BaseAgent, BaseAgentMemory, Operation, Steps
-from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult
-from agentkv.errors import typed_errors
+from agentkv.client.worker_core import BaseReply, BaseWorkerClient, TurnResult, cut_off
+from agentkv.errors import DeadlineExceeded, typed_errors
 from agentkv.v1 import store_pb2, store_pb2_grpc
 from agentkv.worker.v1 import worker_pb2 as pb
 
@@ -166,8 +166,11 @@ class AsyncAgent(BaseAgent):
     """One agent of an AsyncAgentMemory. Cheap to make; holds no connection of its own."""
 
     async def _reply(self, worker: str, call: grpc.aio.UnaryStreamCall) -> AsyncReply:
-        with typed_errors():
-            first = await next_response(call)  # a worker that is down raises here
+        try:
+            with typed_errors():
+                first = await next_response(call)  # a worker that is down raises here
+        except DeadlineExceeded as exc:  # before any of it came: say what became of the turn
+            raise cut_off(exc, worker, 0, self) from None
         return AsyncReply(self, call, first, worker)
 
 

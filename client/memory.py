@@ -29,7 +29,7 @@ from agentkv.client.messages import Messages, as_messages
 from agentkv.client.store import StoreClient
 from agentkv.client.worker import WorkerClient
 from agentkv.client.worker_core import BaseReply, TurnResult, cut_off
-from agentkv.errors import typed_errors
+from agentkv.errors import DeadlineExceeded, typed_errors
 from agentkv.worker.v1 import worker_pb2 as pb
 
 __all__ = ["Agent", "AgentMemory", "Messages", "Reply", "as_messages", "cut_off"]
@@ -106,8 +106,11 @@ class Agent(BaseAgent):
     """One agent of an AgentMemory. Cheap to make; holds no connection of its own."""
 
     def _reply(self, worker: str, call: grpc.Call) -> Reply:
-        with typed_errors():
-            first = next(call, None)  # a worker that is down raises here
+        try:
+            with typed_errors():
+                first = next(call, None)  # a worker that is down raises here
+        except DeadlineExceeded as exc:  # before any of it came: say what became of the turn
+            raise cut_off(exc, worker, 0, self) from None
         return Reply(self, call, first, worker)
 
 

@@ -185,6 +185,35 @@ def test_both_sdks_give_a_hung_store_their_own_timeout(
             os.kill(store_process.proc.pid, signal.SIGCONT)
 
 
+def test_a_deadline_before_the_first_token_says_what_the_worker_did(tiny_model_dirs, start_worker):
+    """A say() whose deadline passed before any of the reply came (its worker hung) raised a
+    bare "Deadline Exceeded", naming no agent and saying nothing of the turn; now it says,
+    in both SDKs, as one cut off later does."""
+    import os
+    import signal
+
+    from agentkv.errors import DeadlineExceeded
+
+    worker = start_worker(tiny_model_dirs["llama"])
+    said = r"Deadline Exceeded after 0 tokens of the reply of (Async)?Agent\(default/a\): its "
+    said += "worker undoes the turn unless a token of it was on its way: describe"
+    with AgentMemory(worker.address) as mem:
+        agent = mem.agent("a", system=SYSTEM)
+        freeze(worker.proc.pid)
+        try:
+            with pytest.raises(DeadlineExceeded, match=said):
+                agent.say(Q1, timeout=1)
+
+            async def run() -> None:
+                async with AsyncAgentMemory(worker.address) as amem:
+                    with pytest.raises(DeadlineExceeded, match=said):
+                        await (await amem.agent("a")).say(Q1, timeout=1)
+
+            asyncio.run(run())
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+
+
 async def mid_read(reader: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     """The reader as a task, run until it waits for the reply's next response (a reply of
     hundreds of tokens is far from whole by then)."""
