@@ -42,6 +42,7 @@ log = logging.getLogger("agentkv.gateway")
 T = TypeVar("T")
 INFO_REQUEST = pb.GetWorkerInfoRequest()
 
+MAX_BRANCH_DEPTH = 3  # branches of branches a resent conversation goes down (_resent_elsewhere)
 # Seconds between tries to delete a spare agent: a turn that was cancelled ends at its
 # worker's next step, and the agent cannot be deleted before.
 SPARE_DELETE_DELAYS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
@@ -209,31 +210,45 @@ class Turns:
             self.ended(branch)
             raise
 
-    async def _resent_elsewhere(self, agent: AsyncAgent, call: ChatCall, resumed_at: int) -> Turn:
+    async def _resent_elsewhere(
+        self, agent: AsyncAgent, call: ChatCall, resumed_at: int, depth: int = 0
+    ) -> Turn:
         """The turn of a resent conversation that would drop points of `agent` that
         responses' ids name (another conversation that opens alike went on there, or this
         one was edited or its call sent twice), on a branch that keeps them. Where the call
         holds a reply past the point it leaves the agent at, the branch is named by the
         messages through that reply, so that the conversation's next calls, resent whole,
         find it again and read their past from its cache; else the call gets a branch of its
-        own (a spare until its response's id goes out)."""
+        own (a spare until its response's id goes out). A branch found is held to its own
+        points as the agent was (conversations alike through that reply, then apart), down
+        to MAX_BRANCH_DEPTH branches."""
         messages, options = call.messages, say_options(call)
         later = range(resumed_at, len(messages))
         reply = next((i for i in later if messages[i]["role"] == "assistant"), None)
-        if reply is None:
+        if reply is None or depth >= MAX_BRANCH_DEPTH:
             return await self._branched(agent, call, options)
         digest = hashlib.blake2b(repr(messages[: reply + 1]).encode(), digest_size=6)
         branch = AsyncAgent(agent.memory, f"{agent.id[:100]}-c{digest.hexdigest()}")
         await check_features(agent.memory, branch.id, call)
-        # The branch's copies of the points are named by no id: it may drop them.
-        say = functools.partial(branch.say, messages, **{**options, "keep_named_marks": False})
         try:
-            return Turn(await self._when_idle(say))
+            return await self._on_branch(branch, call, keep=True, depth=depth)
         except AgentNotFound:
-            pass
-        with contextlib.suppress(AgentExists):  # made meanwhile, by this conversation's call
+            made = True
+        try:
             await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
-        return Turn(await self._when_idle(say))
+        except AgentExists:  # made meanwhile, by another call of a conversation alike
+            made = False
+        # Made here: its copies of the agent's points are named by no id, it may drop them.
+        return await self._on_branch(branch, call, keep=not made, depth=depth)
+
+    async def _on_branch(self, branch: AsyncAgent, call: ChatCall, keep: bool, depth: int) -> Turn:
+        options = {**say_options(call), "keep_named_marks": keep}
+        try:
+            return Turn(
+                await self._when_idle(functools.partial(branch.say, call.messages, **options))
+            )
+        except TurnsFollow as exc:  # points of the branch's own that ids name: a branch of it
+            return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
 
     async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
         """`step` on an agent, once the agent's turn under way has ended (another call

@@ -562,6 +562,38 @@ def test_a_conversation_resent_whole_after_it_left_its_agent_goes_on_warm_in_one
     assert continued(client, kept, "Thank you.").status in ("completed", "incomplete")
 
 
+def test_conversations_alike_through_their_branch_s_reply_keep_each_other_s_ids_there(stack):
+    """Two conversations, resent whole, alike through the reply that names their branch
+    (canned questions, greedy replies), then apart: the second dropped the first one's
+    points on that branch. A branch found is held to its own named points as the agent
+    is: the second goes on in a branch of it, and both keep going warm."""
+    client = stack.client()
+    opener = {"role": "user", "content": "Which scrolls need copying?"}
+
+    def anonymous(items):
+        return client.responses.create(
+            model="tiny", instructions=SYSTEM, input=items, max_output_tokens=8, **GREEDY
+        )
+
+    def said(response) -> list:
+        return [item.model_dump(exclude_none=True) for item in response.output]
+
+    first = anonymous([opener])
+    anonymous([opener, *said(first), {"role": "user", "content": "Index them."}])
+    shared = [opener, *said(first), {"role": "user", "content": "Copy them."}]
+    anonymous(shared)  # the others' first call apart: a branch of its own
+    shared += said(anonymous(shared))  # alike through this reply: one -c branch for both
+    one = anonymous([*shared, {"role": "user", "content": "Now?"}])
+    two = anonymous([*shared, {"role": "user", "content": "Later?"}])  # apart from here
+    assert agent_of(one).startswith(f"{agent_of(first)}-c")
+    assert agent_of(two).startswith(f"{agent_of(one)}-c")  # a branch of that branch
+    assert continued(client, one, "Go on.").status in ("completed", "incomplete")  # kept
+    again = anonymous([*shared, {"role": "user", "content": "Later?"}, *said(two), opener])
+    assert agent_of(again) == agent_of(two)
+    held = two.usage.input_tokens + two.usage.output_tokens - 1
+    assert again.usage.input_tokens_details.cached_tokens == held
+
+
 def test_bad_requests_get_openai_errors(stack):
     client = stack.client()
     with pytest.raises(openai.BadRequestError) as refused:
