@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import time
 import uuid
@@ -217,38 +218,42 @@ class Turns:
         responses' ids name (another conversation that opens alike went on there, or this
         one was edited or its call sent twice), on a branch that keeps them. Where the call
         holds a reply past the point it leaves the agent at, the branch is named by the
-        messages through that reply, so that the conversation's next calls, resent whole,
-        find it again and read their past from its cache; else the call gets a branch of its
-        own (a spare until its response's id goes out). A branch found is held to its own
-        points as the agent was (conversations alike through that reply, then apart), down
-        to MAX_BRANCH_DEPTH branches."""
-        messages, options = call.messages, say_options(call)
-        later = range(resumed_at, len(messages))
-        reply = next((i for i in later if messages[i]["role"] == "assistant"), None)
-        if reply is None or depth >= MAX_BRANCH_DEPTH:
-            return await self._branched(agent, call, options)
-        digest = hashlib.blake2b(repr(messages[: reply + 1]).encode(), digest_size=6)
-        branch = AsyncAgent(agent.memory, f"{agent.id[:100]}-c{digest.hexdigest()}")
+        messages through that reply (at `depth`, through the depth+1th), so that the
+        conversation's next calls, resent whole, find it again and read their past from its
+        cache; else the call gets a branch of its own (a spare until its response's id goes
+        out). A branch found is held to its own points as the agent was (conversations
+        alike through that reply, then apart), down to MAX_BRANCH_DEPTH branches."""
+        messages = call.messages
+        replies = [
+            i for i in range(resumed_at, len(messages)) if messages[i]["role"] == "assistant"
+        ]
+        if len(replies) <= depth or depth >= MAX_BRANCH_DEPTH:
+            return await self._branched(agent, call, say_options(call))
+        branch = AsyncAgent(agent.memory, branch_id(agent.id, call, replies[depth]))
         await check_features(agent.memory, branch.id, call)
         try:
-            return await self._on_branch(branch, call, keep=True, depth=depth)
+            return Turn(await self._say_on(branch, call, keep=True))
         except AgentNotFound:
-            made = True
+            pass
+        except TurnsFollow as exc:  # points of the branch's own that ids name: a branch of it
+            return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
+        made = True
         try:
             await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
         except AgentExists:  # made meanwhile, by another call of a conversation alike
             made = False
-        # Made here: its copies of the agent's points are named by no id, it may drop them.
-        return await self._on_branch(branch, call, keep=not made, depth=depth)
-
-    async def _on_branch(self, branch: AsyncAgent, call: ChatCall, keep: bool, depth: int) -> Turn:
-        options = {**say_options(call), "keep_named_marks": keep}
-        try:
-            return Turn(
-                await self._when_idle(functools.partial(branch.say, call.messages, **options))
-            )
-        except TurnsFollow as exc:  # points of the branch's own that ids name: a branch of it
+        try:  # made here: its copies of the agent's points are named by no id: it drops them
+            return Turn(await self._say_on(branch, call, keep=not made))
+        except TurnsFollow as exc:
             return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
+        except BaseException:
+            if made:  # a fork whose first turn never ran is no conversation's: not kept
+                self._deleting(delete_refused(branch))
+            raise
+
+    async def _say_on(self, branch: AsyncAgent, call: ChatCall, keep: bool) -> AsyncReply:
+        options = {**say_options(call), "keep_named_marks": keep}
+        return await self._when_idle(functools.partial(branch.say, call.messages, **options))
 
     async def _when_idle(self, step: Callable[[], Awaitable[T]]) -> T:
         """`step` on an agent, once the agent's turn under way has ended (another call
@@ -327,6 +332,19 @@ class Turns:
         task = asyncio.create_task(deletion)
         self.deletions.add(task)
         task.add_done_callback(self.deletions.discard)
+
+
+def branch_id(agent_id: str, call: ChatCall, reply: int) -> str:
+    """The branch of agent `agent_id` that a conversation resent whole goes on in: named by
+    its messages through the one at `reply`, in the words the worker's digest reads
+    (role, text, calls, the call answered), and its tools."""
+    said = [
+        (m["role"], m.get("content") or "", m.get("tool_calls") or [], m.get("tool_call_id", ""))
+        for m in call.messages[: reply + 1]
+    ]
+    words = json.dumps([agent_id, call.tools, said], sort_keys=True, ensure_ascii=False)
+    digest = hashlib.blake2b(words.encode(), digest_size=6).hexdigest()
+    return f"{agent_id[:100]}-c{digest}"
 
 
 async def to_the_end(step: Awaitable[T]) -> T:

@@ -46,9 +46,9 @@ def extended(
     except NotAppendOnly:
         if not start.tokens:
             raise
-    start = _resumed(chat, agent, job.messages, job.tools, replace(agent.chat, marks=()))
-    _check_named_kept(job, agent, start, again)
-    return extend(start)
+    # Not checked: a conversation the template cannot append to from its point starts over
+    # wherever it goes (a branch would as well), so it drops its points here, as it did.
+    return extend(_resumed(chat, agent, job.messages, job.tools, replace(agent.chat, marks=())))
 
 
 def _check_named_kept(job: TurnJob, agent: Agent, start: Resumed, again: bool) -> None:

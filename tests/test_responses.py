@@ -563,10 +563,10 @@ def test_a_conversation_resent_whole_after_it_left_its_agent_goes_on_warm_in_one
 
 
 def test_conversations_alike_through_their_branch_s_reply_keep_each_other_s_ids_there(stack):
-    """Two conversations, resent whole, alike through the reply that names their branch
-    (canned questions, greedy replies), then apart: the second dropped the first one's
-    points on that branch. A branch found is held to its own named points as the agent
-    is: the second goes on in a branch of it, and both keep going warm."""
+    """Conversations resent whole, alike through the reply that names their branch (canned
+    questions, greedy replies), then apart: the later ones dropped the first one's points
+    on that branch. A branch found is held to its own named points as the agent is: each
+    goes on in a branch of it, named by its own next reply, and keeps going warm there."""
     client = stack.client()
     opener = {"role": "user", "content": "Which scrolls need copying?"}
 
@@ -581,17 +581,24 @@ def test_conversations_alike_through_their_branch_s_reply_keep_each_other_s_ids_
     first = anonymous([opener])
     anonymous([opener, *said(first), {"role": "user", "content": "Index them."}])
     shared = [opener, *said(first), {"role": "user", "content": "Copy them."}]
-    anonymous(shared)  # the others' first call apart: a branch of its own
-    shared += said(anonymous(shared))  # alike through this reply: one -c branch for both
+    shared += said(anonymous(shared))  # apart from the first: a branch of its own
     one = anonymous([*shared, {"role": "user", "content": "Now?"}])
-    two = anonymous([*shared, {"role": "user", "content": "Later?"}])  # apart from here
-    assert agent_of(one).startswith(f"{agent_of(first)}-c")
-    assert agent_of(two).startswith(f"{agent_of(one)}-c")  # a branch of that branch
+    assert agent_of(one).startswith(f"{agent_of(first)}-c")  # alike through this reply
+    branches = []
+    for ask in ("Later?", "Sooner?"):  # two more alike through it, then apart
+        history = [*shared, {"role": "user", "content": ask}]
+        calls = []
+        for _ in range(3):
+            calls.append(anonymous(history))
+            history += [*said(calls[-1]), {"role": "user", "content": "Go on."}]
+        assert agent_of(calls[0]).startswith(f"{agent_of(one)}-b")  # no reply of its own
+        assert agent_of(calls[1]) == agent_of(calls[2])  # then its own, found again
+        assert agent_of(calls[1]).startswith(f"{agent_of(one)}-c")
+        held = calls[1].usage.input_tokens + calls[1].usage.output_tokens - 1
+        assert calls[2].usage.input_tokens_details.cached_tokens == held
+        branches.append(agent_of(calls[1]))
+    assert branches[0] != branches[1]
     assert continued(client, one, "Go on.").status in ("completed", "incomplete")  # kept
-    again = anonymous([*shared, {"role": "user", "content": "Later?"}, *said(two), opener])
-    assert agent_of(again) == agent_of(two)
-    held = two.usage.input_tokens + two.usage.output_tokens - 1
-    assert again.usage.input_tokens_details.cached_tokens == held
 
 
 def test_bad_requests_get_openai_errors(stack):
