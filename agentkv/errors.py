@@ -83,36 +83,44 @@ class AgentBusy(FailedPrecondition):
     """The agent has a turn under way: the call may be sent again once it ends."""
 
 
-class TurnsFollow(FailedPrecondition):
+class _WithCount:
+    """An error that carries a count besides its message, in its attribute `count_name`:
+    kept when pickled or copied, and sent as the trailing metadata `count_key`, from which
+    from_rpc_error reads it back."""
+
+    count_name: str
+    count_key: str
+    message: str
+
+    def __reduce__(self) -> tuple:  # pickled and copied with both arguments
+        return (type(self), (self.message, getattr(self, self.count_name)))
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        count = (self.count_key, str(getattr(self, self.count_name)))
+        return (*super().trailing_metadata(), count)  # the error class's, then the count
+
+
+class TurnsFollow(_WithCount, FailedPrecondition):
     """A turn asked to continue from its agent's last point, and later turns follow it; or
     a resent conversation would drop points that turns named (keep_named_marks).
     `resumed_at`: then, how many of its messages the agent's context there covers."""
+
+    count_name, count_key = "resumed_at", RESUMED_KEY
 
     def __init__(self, message: str, resumed_at: int = 0) -> None:
         super().__init__(message)
         self.resumed_at = resumed_at
 
-    def __reduce__(self) -> tuple:  # pickled and copied with both arguments
-        return (type(self), (self.message, self.resumed_at))
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (*super().trailing_metadata(), (RESUMED_KEY, str(self.resumed_at)))
-
-
-class GenerationConflict(AgentKVError):
+class GenerationConflict(_WithCount, AgentKVError):
     """A compare-and-swap commit lost: the agent is at another generation."""
 
     code = grpc.StatusCode.ABORTED
+    count_name, count_key = "current_generation", GENERATION_KEY
 
     def __init__(self, message: str, current_generation: int) -> None:
         super().__init__(message)
         self.current_generation = current_generation
-
-    def __reduce__(self) -> tuple:  # pickled and copied with both arguments
-        return (type(self), (self.message, self.current_generation))
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (*super().trailing_metadata(), (GENERATION_KEY, str(self.current_generation)))
 
 
 class TurnTaken(AgentKVError):
@@ -284,11 +292,9 @@ def from_rpc_error(error: grpc.RpcError) -> AgentKVError:
             "belongs, or the other way round)"
         )
     cls = ERRORS.get(metadata.get(ERROR_KEY, ""), _BY_CODE.get(code, AgentKVError))
-    if issubclass(cls, GenerationConflict):
-        result = cls(message, int(metadata.get(GENERATION_KEY, "0")))
-    elif issubclass(cls, TurnsFollow):
-        resumed_at = metadata.get(RESUMED_KEY, "0")
-        result = cls(message, int(resumed_at) if resumed_at.isdigit() else 0)
+    if issubclass(cls, _WithCount):
+        count = metadata.get(cls.count_key, "0")
+        result = cls(message, int(count) if count.isdigit() else 0)
     else:
         result = cls(message)
         result.code = code
