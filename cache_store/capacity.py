@@ -249,12 +249,14 @@ class Capacity:
     def _in_bucket_now(self, block: BlockId) -> bool:
         """Whether the bucket still holds the block as uploaded, asked (outside the leases'
         lock) before its local copy goes: the index says what was uploaded, not what is
-        still there."""
+        still there. A block no longer a candidate (collected, demoted, put anew) is not
+        asked about, nor counted gone: _demote finds it so."""
         with self.index.read() as txn:
             record = self.index.find_block(txn, *block)
             checksum = self.index.remote_checksum(txn, *block)
-        if record is None or not record.local or checksum is None or self.uploads is None:
-            return False
+        if record is None or not record.local or checksum is None:
+            return True
+        assert self.uploads is not None  # only demotion asks, and only with an object store
         return self.uploads.still_holds(record, checksum)
 
     def _demote(self, block: BlockId) -> bool:

@@ -136,9 +136,8 @@ class Upkeep:
 
     def remove_orphans(self) -> int:
         """Deletes payload files no local block names (a demoted block's file is one: a
-        crash between its demotion and the unlink); Unavailable, deleting nothing, in a data
-        directory that is not the one the store opened (another mounted over it)."""
-        self.payloads.check_root()
+        crash between its demotion and the unlink). At start-up, or after
+        CacheStore.collect_garbage checked the data directory is still the one it opened."""
         with self.index.read() as txn:
             known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
         suspects = [p for p in self.payloads.block_files() if p not in known]
