@@ -200,6 +200,12 @@ class DiskFull(ResourceExhausted):
     pass
 
 
+class ServerBusy(ResourceExhausted):
+    """A worker's turn queue or memory budget, or a store's stream slots, are full for now:
+    worth sending again shortly, unlike a quota or a full disk, which stay so until someone
+    acts."""
+
+
 class ReplyTooLarge(ResourceExhausted):
     """A reply would pass the message-size limit; nothing was done: ask for less per request."""
 

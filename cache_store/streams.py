@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from agentkv.errors import ResourceExhausted
+from agentkv.errors import ServerBusy
 
 log = logging.getLogger("agentkv.store")
 
@@ -52,7 +52,7 @@ class StreamGuard:
         with self._lock:
             slots = self._slots.setdefault(method, threading.BoundedSemaphore(self.limit))
         if not slots.acquire(blocking=False):
-            raise ResourceExhausted(
+            raise ServerBusy(
                 f"the store is serving {self.limit} {method} streams, its limit; retry shortly"
             )
         watch = _Watch(method, context, time.monotonic())

@@ -42,7 +42,7 @@ def answering_errors(route: Callable[[Request], Awaitable[Response]], api: API) 
             error = HTTPError(500, f"internal error: {type(exc).__name__}", "server_error")
         if error.status >= 500:
             log.warning("request failed", extra={"status": error.status, "error": error.message})
-        return JSONResponse(api.error_body(error), status_code=error.status)
+        return JSONResponse(api.error_body(error), error.status, error.headers())
 
     return answer
 
@@ -68,10 +68,11 @@ class CutOff:
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            error = HTTPError(503, STOPPED, "service_unavailable", code="unavailable")
+            error = HTTPError(503, STOPPED, "service_unavailable", code="unavailable", retry=True)
             api = api_of(scope["path"])
             if not sent:
-                await JSONResponse(api.error_body(error), status_code=503)(scope, receive, send)
+                answer = JSONResponse(api.error_body(error), 503, error.headers())
+                await answer(scope, receive, send)
             elif sent[0]["type"] == "http.response.start" or sent[0].get("more_body"):
                 reply = scope.get("agentkv.reply")  # the stream under way: its next event
                 body = (reply.error(error) if reply else api.error_event(error)).encode()

@@ -9,7 +9,14 @@ from typing import Any
 import grpc
 
 from agentkv.client.worker_core import ReplyCutOff, tokens
-from agentkv.errors import AgentKVError, DiskFull, ModelLacks, OverBudget
+from agentkv.errors import (
+    AgentBusy,
+    AgentKVError,
+    DiskFull,
+    ModelLacks,
+    OverBudget,
+    ServerBusy,
+)
 
 STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -24,6 +31,11 @@ STATUS = {  # gRPC code -> HTTP status, OpenAI error type
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
+# Worth sending again, once the reply's retry-after has passed: a busy worker, an agent
+# mid-turn, a writer's race, a service out of reach. Any other 409, 429 or 5xx stays so.
+PASSING = (ServerBusy, AgentBusy)
+PASSING_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+RETRY_AFTER_SECONDS = 1
 
 
 class HTTPError(Exception):
@@ -36,6 +48,7 @@ class HTTPError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry: bool = False,
     ) -> None:
         super().__init__(message)
         # A lone surrogate (a field's name, quoted back) cannot be sent as UTF-8: escaped.
@@ -47,9 +60,16 @@ class HTTPError(Exception):
             param,
             code,
         )
+        self.retry = retry  # a retry would help: the service's passing state, not the call's
 
     @classmethod
     def of(cls, exc: AgentKVError) -> HTTPError:
+        error = cls._of(exc)
+        error.retry = isinstance(exc, PASSING) or exc.code in PASSING_CODES
+        return error
+
+    @classmethod
+    def _of(cls, exc: AgentKVError) -> HTTPError:
         status, kind = STATUS.get(exc.code, (500, "server_error"))
         if isinstance(exc, ModelLacks):  # a request this model cannot serve, not a conflict
             return cls(400, exc.message, code="unsupported_value")
@@ -64,6 +84,17 @@ class HTTPError(Exception):
         too_long = exc.code == grpc.StatusCode.OUT_OF_RANGE and not isinstance(exc, OverBudget)
         code = "context_length_exceeded" if too_long else None
         return cls(status, http_message(exc), kind, code=code or exc.code.name.lower())
+
+    def headers(self) -> dict[str, str]:
+        """What OpenAI's and Anthropic's clients read before they send a call again, which
+        by its status alone they do for every 408, 409, 429 and 5xx: `x-should-retry: true`
+        and `retry-after` where the trouble passes, `x-should-retry: false` where it stays
+        (a quota reached, a full disk, an agent made with another system prompt, a bug)."""
+        if self.retry:
+            return {"x-should-retry": "true", "retry-after": str(RETRY_AFTER_SECONDS)}
+        if self.status in (408, 409, 429) or self.status >= 500:
+            return {"x-should-retry": "false"}
+        return {}
 
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}

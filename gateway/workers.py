@@ -68,7 +68,7 @@ class Served:
             except asyncio.TimeoutError:
                 last = f"{address}: no answer within {INFO_TIMEOUT:g} s"
         message = f"no worker answers (last: {last})"
-        raise HTTPError(503, message, "service_unavailable", code="unavailable")
+        raise HTTPError(503, message, "service_unavailable", code="unavailable", retry=True)
 
     async def model_key(self) -> str:
         """A short hash of the workers' model fingerprint: what tells this model's anonymous

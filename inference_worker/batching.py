@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from agentkv.errors import AgentKVError, DeadlineExceeded, ResourceExhausted
+from agentkv.errors import AgentKVError, DeadlineExceeded, ServerBusy
 from agentkv.ids import AgentId
 from inference_worker.agents import Agent, Checkpoint
 from inference_worker.batch_cache import BatchQuantizedKV
@@ -82,12 +82,12 @@ class Batcher:
         self.batch: list[BatchQuantizedKV] | None = None
 
     def add(self, turn: ActiveTurn) -> None:
-        pushed = self.scheduler.submit(turn.request)  # raises ResourceExhausted when full
+        pushed = self.scheduler.submit(turn.request)  # raises ServerBusy when full
         self.active[turn.request.request_id] = turn
         if pushed is not None:  # a full queue is shared: it gave its place to `turn`
             self._fail(
                 self.active[pushed.request_id],
-                ResourceExhausted(
+                ServerBusy(
                     "worker busy: this turn's place in the queue went to a turn of another "
                     "namespace (a full queue is shared evenly); retry later"
                 ),

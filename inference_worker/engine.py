@@ -24,7 +24,7 @@ from agentkv.errors import (
     AgentKVError,
     DeadlineExceeded,
     MarkNotFound,
-    ResourceExhausted,
+    ServerBusy,
     TurnTaken,
     Unavailable,
 )
@@ -247,10 +247,10 @@ class Engine:
     def _room_now(self, turn: ActiveTurn) -> None:
         """Room for an agent made whole at once from the store's blocks, which no step
         admits: idle agents give way as for a waiting turn, and if they cannot (their
-        writes not landed), ResourceExhausted."""
+        writes not landed), ServerBusy."""
         room = self.scheduler.room_now(turn.request)
         if self.hot.make_room(self.batcher.busy(), room) > room:
-            raise ResourceExhausted(
+            raise ServerBusy(
                 f"worker busy: agent {turn.agent.agent_id!r} holds {turn.request.memory_bytes} "
                 "bytes of KV cache from its first moment, more than the memory budget "
                 "(--hot-budget) has free until the writes in flight land; retry later"

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from agentkv.errors import OverBudget, ResourceExhausted
+from agentkv.errors import OverBudget, ServerBusy
 from inference_worker.config import WorkerConfig
 
 
@@ -102,7 +102,7 @@ class Scheduler:
         """Queues a request; returns the one it pushed out of a full queue, if any (the last
         in line of the namespace holding the most places, when the request's own namespace
         holds at least two fewer). Raises OverBudget for one that could never run here (not
-        retried: it never would), ResourceExhausted for one that may not wait."""
+        retried: it never would), ServerBusy for one that may not wait."""
         if (need := claim([request])) > self.memory_budget:
             what, fewer = "its context", "a shorter context"  # a new agent's prefix, say
             if request.max_tokens:
@@ -131,7 +131,7 @@ class Scheduler:
         return queued(line) <= self.memory_budget
 
     def _pushed_out(self, request: Request) -> Request:
-        """Whose place in a full queue `request` takes, or ResourceExhausted."""
+        """Whose place in a full queue `request` takes, or ServerBusy."""
         namespace = request.namespace
         held = Counter(r.namespace for r in self.waiting)
         most, count = held.most_common(1)[0] if held else ("", 0)
@@ -139,7 +139,7 @@ class Scheduler:
         if held[namespace] + 1 >= count:  # it would hold as many: it waits its turn elsewhere
             if not full:
                 raise self._no_room(request)
-            raise ResourceExhausted(
+            raise ServerBusy(
                 f"worker busy: {len(self.running)} running, {len(self.waiting)} queued "
                 f"(queue limit {self.queue_limit}; namespace {namespace!r} holds "
                 f"{held[namespace]} of those places, no fewer than any other); retry later"
@@ -149,9 +149,9 @@ class Scheduler:
             raise self._no_room(request)
         return pushed
 
-    def _no_room(self, request: Request) -> ResourceExhausted:
+    def _no_room(self, request: Request) -> ServerBusy:
         need = queued([*self.waiting, request])
-        return ResourceExhausted(
+        return ServerBusy(
             f"worker busy: the {len(self.waiting)} turns queued hold {self.waiting_bytes} "
             f"bytes of KV cache; with this turn ({request.own_bytes} held, {least(request)} "
             f"once running) the queue would need {need} bytes, the agents waiting and the most "

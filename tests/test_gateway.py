@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2
 import openai
 import pytest
 
@@ -102,8 +103,8 @@ class Stack:
 
     def client(self, gateway=None, **options) -> openai.OpenAI:
         address = (gateway or self.gateway).address
-        options.setdefault("api_key", "unused")
-        return openai.OpenAI(base_url=f"http://{address}/v1", max_retries=0, **options)
+        options = {"api_key": "unused", "max_retries": 0, **options}
+        return openai.OpenAI(base_url=f"http://{address}/v1", **options)
 
     def stored_tokens(self, agent: str, namespace: str = "default") -> list[int]:
         self.sdk.wait_durable(namespace, agent)
@@ -463,6 +464,11 @@ def test_a_second_call_while_the_agent_is_busy_is_a_409(stack, agent):
     next(iter(stream))  # the turn is in flight
     error = error_of(lambda: ask(client, messages, agent))
     assert error.status_code == 409 and "in progress" in error.body["message"]
+    # the agent's turn under way ends: worth sending again, after a second
+    assert (error.response.headers["x-should-retry"], error.response.headers["retry-after"]) == (
+        "true",
+        "1",
+    )
     stream.close()
 
 
@@ -871,9 +877,17 @@ def test_a_turn_past_the_gateways_timeout_is_a_504_naming_the_flag(stack):
         gateway = stack.start_gateway([proxy.address], "--timeout", "3", name="timed")
         try:
             messages = [{"role": "user", "content": "Write a long story about a mill."}]
-            error = error_of(lambda: ask(stack.client(gateway), messages, "timed", max_tokens=50))
+            sent = []  # each request the openai client sends, its retries among them
+            hooks = {"request": [sent.append]}
+            client = stack.client(
+                gateway, max_retries=2, http_client=httpx2.Client(event_hooks=hooks)
+            )
+            error = error_of(lambda: ask(client, messages, "timed", max_tokens=50))
             assert error.status_code == 504 and error.body["code"] == "deadline_exceeded"
             assert "within the gateway's --timeout" in error.body["message"]
+            # A retry would run out of time as well: the client is told not to send one
+            # (before, it sent the call three times, 9 s of the worker's time for one 504).
+            assert error.response.headers["x-should-retry"] == "false" and len(sent) == 1
         finally:
             gateway.stop()
 
@@ -1016,6 +1030,12 @@ def test_no_worker_is_a_503(stack):
         client = stack.client(gateway)
         error = error_of(lambda: ask(client, [{"role": "user", "content": "Hi."}], "x"))
         assert error.status_code == 503
+        # sent again once the client's own backoff has passed the retry-after second
+        sent = []
+        hooks = {"request": [sent.append]}
+        client = stack.client(gateway, max_retries=1, http_client=httpx2.Client(event_hooks=hooks))
+        again = error_of(lambda: ask(client, [{"role": "user", "content": "Hi."}], "x"))
+        assert again.response.headers["x-should-retry"] == "true" and len(sent) == 2
         assert raw(gateway.address, "GET", "/health").status == 503
     finally:
         gateway.stop()

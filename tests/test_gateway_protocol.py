@@ -233,6 +233,36 @@ def test_every_grpc_status_has_its_http_status():
     )
 
 
+def test_the_retry_headers_say_which_errors_pass():
+    """OpenAI's and Anthropic's clients send every 408, 409, 429 and 5xx again, twice by
+    default: the gateway says which would go otherwise. A busy worker, an agent mid-turn, a
+    raced write or a service out of reach pass (retry after a second); a quota, a full disk,
+    an agent made otherwise, a deadline or a bug stay (no retry)."""
+    passing = [
+        errors.ServerBusy("worker busy"), errors.AgentBusy("in progress"),
+        errors.GenerationConflict("raced", current_generation=2),
+        errors.Unavailable("down"), errors.BucketUnreachable("away"),
+        ReplyCutOff("gone", "w:1", 3),
+    ]  # fmt: skip
+    for exc in passing:
+        headers = HTTPError.of(exc).headers()
+        assert headers == {"x-should-retry": "true", "retry-after": "1"}, exc
+    staying = [
+        errors.QuotaExceeded("full"), errors.NamespaceQuotaExceeded("full"),
+        errors.ReplyTooLarge("big"), errors.ResourceExhausted("pinned"),
+        errors.DiskFull("disk"), errors.SystemPromptDiffers("other"),
+        errors.FingerprintMismatch("model"), errors.DeadlineExceeded("slow"),
+        errors.CorruptBlock("bad"), errors.AgentKVError("bug"),
+    ]  # fmt: skip
+    for exc in staying:
+        assert HTTPError.of(exc).headers() == {"x-should-retry": "false"}, exc
+    assert HTTPError(500, "internal error: KeyError", "server_error").headers() == {
+        "x-should-retry": "false"
+    }
+    assert HTTPError.of(errors.InvalidArgument("bad")).headers() == {}  # never sent again
+    assert HTTPError(413, "too large").headers() == {}
+
+
 def test_the_agent_is_the_first_identity_given():
     call = parsed(user="u", prompt_cache_key="k")
     assert agent_id("a", "s", call) == "a"

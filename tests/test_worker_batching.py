@@ -12,7 +12,13 @@ import grpc
 import pytest
 
 from agentkv.client.worker import WorkerClient
-from agentkv.errors import AgentExists, AgentNotFound, FailedPrecondition, ResourceExhausted
+from agentkv.errors import (
+    AgentExists,
+    AgentNotFound,
+    FailedPrecondition,
+    ResourceExhausted,
+    ServerBusy,
+)
 from agentkv.worker.v1 import worker_pb2 as pb
 from tests.helpers import long_turn, metric, read_tokens, until
 
@@ -86,8 +92,9 @@ def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model_dirs, start_
     waiting = long_turn(w, "default", "b")  # queued behind a
     until(lambda: metric(proc, "agentkv_worker_turns_waiting") >= 1, "b queued behind a")
     before = w.describe("default", "c").num_tokens
-    with pytest.raises(ResourceExhausted, match="queue limit 1"):
+    with pytest.raises(ResourceExhausted, match="queue limit 1") as full:
         w.turn("default", "c", QUESTION, max_tokens=4)
+    assert type(full.value) is ServerBusy  # passing, unlike a quota (a gateway says retry)
     running.cancel()
     waiting.cancel()
     with pytest.raises(grpc.RpcError):
