@@ -10,11 +10,15 @@ answers from RAM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from agentkv import ids
 from agentkv.errors import (
+    AgentBusy,
     AgentExists,
     AgentKVError,
     AgentNotFound,
@@ -45,6 +49,10 @@ log = logging.getLogger("agentkv.worker")
 class Front:
     def __init__(self, engine: Engine, check_timeout: float) -> None:
         self.engine, self.client, self.check_timeout = engine, engine.store, check_timeout
+        # Agents being read from the store into RAM (by how many calls), and being deleted.
+        self._restoring: Counter[tuple[str, str]] = Counter()
+        self._deleting: set[tuple[str, str]] = set()
+        self._busy_lock = threading.Lock()
 
     def create_agent(self, job: TurnJob, system: str, metadata: dict[str, str]) -> None:
         """Starts a new agent (Engine.create_agent); raises what refused it. Its system
@@ -84,9 +92,10 @@ class Front:
         _check_fits(self.engine.runtime, job.messages)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
-            fetched = self.engine.restorer.fetch(ns, agent_id)
-            self._warm(job, fetched.manifest)
-            self._mlx(self.engine.start_turn, job, view, fetched)
+            with self._restore(ns, agent_id):
+                fetched = self.engine.restorer.fetch(ns, agent_id)
+                self._warm(job, fetched.manifest)
+                self._mlx(self.engine.start_turn, job, view, fetched)
 
     def _warm(self, job: TurnJob, manifest: Any) -> None:
         """For a turn on the agent's own tools (it sends none), compiles their strict
@@ -188,6 +197,21 @@ class Front:
 
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
+        key = (ns, agent_id)
+        with self._busy_lock:
+            if self._restoring[key]:
+                raise AgentBusy(
+                    f"agent {agent_id!r} is being read from the store for a turn: delete it "
+                    "once the turn ends"
+                )
+            self._deleting.add(key)
+        try:
+            return self._delete(ns, agent_id)
+        finally:
+            with self._busy_lock:
+                self._deleting.discard(key)
+
+    def _delete(self, ns: str, agent_id: str) -> bool:
         agent = self._mlx(self.engine.agents.drop, ns, agent_id)
         try:
             if agent is not None and agent.pending is not None:
@@ -200,6 +224,25 @@ class Front:
                 self._mlx(self.engine.agents.keep, agent)
             raise
         return True
+
+    @contextmanager
+    def _restore(self, ns: str, agent_id: str) -> Iterator[None]:
+        """A turn's read of the agent from the store into RAM, which a delete under way
+        refuses (AgentBusy) as a delete is refused while a turn reads: else the turn would
+        read the store before the delete reached it, and run on a copy the store no longer
+        has (its reply then lost, a copy left in RAM)."""
+        key = (ns, agent_id)
+        with self._busy_lock:
+            if key in self._deleting:
+                raise AgentBusy(f"agent {agent_id!r} is being deleted")
+            self._restoring[key] += 1
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._restoring[key] -= 1
+                if not self._restoring[key]:
+                    del self._restoring[key]
 
     def hot_tier(self) -> tuple[int, int, int]:
         """(budget, bytes held, agents) of the hot tier, as of its last change."""

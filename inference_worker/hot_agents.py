@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from agentkv.errors import AgentBusy, AgentExists, FailedPrecondition
+from agentkv.errors import AgentBusy, AgentExists
 from inference_worker.agents import Agent, HotTier
 from inference_worker.batching import Batcher
 from inference_worker.persistence import Persister, not_committed
@@ -79,7 +79,7 @@ class HotAgents:
         with a turn in flight is not deleted: the turn would put it back."""
         agent = self.hot.get((ns, agent_id))
         if agent is not None and self.batcher.holds(agent):
-            raise FailedPrecondition(
+            raise AgentBusy(
                 f"agent {agent_id!r} has a turn in progress: delete it once the turn ends"
             )
         self.hot.pin((ns, agent_id), False)

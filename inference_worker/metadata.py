@@ -154,16 +154,22 @@ def _latest(items: Iterable[str]) -> str:
 
 def _marks(text: str, extras: str = "") -> tuple[Mark, ...]:
     """Marks as chat_metadata writes them, with their names and their replies' calls; a
-    manifest from before marks has none."""
+    manifest from before marks has none. Ones no worker wrote (too few fields, a position
+    that is no number, or a cached part past the mark's end) are CorruptRecord."""
     more = {}
-    for item in filter(None, extras.split(";")):
-        digest, name, calls, *_ = item.split(",")  # later fields: a later worker's
-        more[digest] = name, tuple(calls.split())
     marks = []
-    for item in filter(None, text.split(";")):
-        digest, end, cached, role, reply_open, *_ = item.split(",")
-        extra = more.get(digest, ("", ()))
-        marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", *extra))
+    try:
+        for item in filter(None, extras.split(";")):
+            digest, name, calls, *_ = item.split(",")  # later fields: a later worker's
+            more[digest] = name, tuple(calls.split())
+        for item in filter(None, text.split(";")):
+            digest, end, cached, role, reply_open, *_ = item.split(",")
+            if not (end.isdigit() and cached.isdigit() and int(cached) <= int(end)):
+                raise ValueError(f"a mark at {end!r} with {cached!r} cached")
+            extra = more.get(digest, ("", ()))
+            marks.append(Mark(digest, int(end), int(cached), role, reply_open == "1", *extra))
+    except ValueError as exc:  # unpacking too few fields is one too
+        raise CorruptRecord(f"the agent's stored resume points cannot be read: {exc}") from None
     return tuple(marks)
 
 

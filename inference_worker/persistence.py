@@ -24,6 +24,7 @@ from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
     AgentKVError,
+    AgentNotFound,
     DeadlineExceeded,
     FailedPrecondition,
     GenerationConflict,
@@ -103,9 +104,16 @@ def not_committed(agent: Agent, error: AgentKVError | None, what: str) -> AgentK
     namespace another store writes: no retry through this store fares better), all else is
     UNAVAILABLE (NotCommitted); either way the agent stays in this worker's RAM and is
     written later. But when another worker committed the agent meanwhile, this copy is not
-    written at all: ABORTED (GenerationConflict), saying so."""
+    written at all: ABORTED (GenerationConflict), saying so; or NOT_FOUND when that was a
+    delete (generation 0: the turn, sent again, would find no agent)."""
     if agent.stale or isinstance(error, GenerationConflict):
         current = error.current_generation if isinstance(error, GenerationConflict) else 0
+        if isinstance(error, GenerationConflict) and not current:
+            return AgentNotFound(
+                f"{what} of agent {agent.agent_id!r} in namespace {agent.namespace!r} was not "
+                "committed: the agent was deleted meanwhile (elsewhere: another worker, or a "
+                "store client), and this copy is dropped"
+            )
         return GenerationConflict(
             f"{what} of agent {agent.agent_id!r} in namespace {agent.namespace!r} was not "
             "committed: another worker committed the agent meanwhile, and the store keeps "
@@ -220,8 +228,9 @@ class Persister:
             if self.adopt_own_commit(agent):
                 return self._save(agent, snap)  # ours after all: this one goes on top
             agent.stale = True  # another worker owns the newer state; reload before use
+            where = "deleted" if not exc.current_generation else "committed"
             log.warning(
-                "agent committed elsewhere: this worker's turns since its last commit dropped",
+                f"agent {where} elsewhere: this worker's turns since its last commit dropped",
                 extra={
                     "namespace": agent.namespace,
                     "agent": agent.agent_id,

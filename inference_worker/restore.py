@@ -21,7 +21,7 @@ from typing import Any
 
 from agentkv.client.blocks import StoredBlock, alloc
 from agentkv.client.store import StoreClient
-from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock
+from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock, CorruptRecord
 from inference_worker.agents import Agent
 from inference_worker.blocks import (
     HostLayer,
@@ -31,6 +31,7 @@ from inference_worker.blocks import (
     host_layers,
 )
 from inference_worker.config import WorkerConfig
+from inference_worker.conversation import ChatState
 from inference_worker.kv_cache import QuantizedKV
 from inference_worker.metadata import caller_metadata, chat_state
 from inference_worker.runtime import Runtime
@@ -62,6 +63,7 @@ class Fetched:
 
     manifest: Any  # the store's AgentManifest
     read_at: float  # time.monotonic() when the manifest was asked for
+    chat: ChatState | None = None  # the conversation's state, read from its metadata
     layers: list[HostLayer] = field(default_factory=list)  # empty: nothing restored
     keys: list[bytes] = field(default_factory=list)  # the blocks the layers hold
     counts: list[int] = field(default_factory=list)
@@ -77,6 +79,7 @@ class Restorer:
         self.windows = runtime.windows
         self.block_tokens, self.path = config.block_tokens, runtime.restore_path
         self.quantized_query_max = runtime.quantized_query_max
+        self.vocab_size = runtime.vocab_size
         self._buffer: memoryview | None = None  # reused across restores; fetch copies out
         self._lock = threading.Lock()
 
@@ -90,6 +93,7 @@ class Restorer:
         raised but reported in `failure`."""
         read_at = time.monotonic()
         manifest = self.store.get_agent(namespace, agent_id, fingerprint=self.fingerprint)
+        chat = self._readable(manifest)
         missing = set(manifest.missing_block_keys)
         keys, counts = [], []
         for key, n in zip(manifest.block_keys, manifest.block_num_tokens, strict=True):
@@ -97,7 +101,7 @@ class Restorer:
                 break
             keys.append(key)
             counts.append(n)
-        fetched = Fetched(manifest, read_at)
+        fetched = Fetched(manifest, read_at, chat)
         fetched.failure = f"{len(missing)} block(s) missing in the store" if missing else ""
         if not keys:
             return fetched
@@ -135,7 +139,32 @@ class Restorer:
         except (AgentKVError, OSError, KeyError, ValueError) as exc:
             log.warning("shared prefix unusable, prefilling", extra={"error": str(exc)})
             return None
-        return Fetched(None, time.monotonic(), layers, keys, counts, self.path, "", read)
+        return Fetched(None, time.monotonic(), None, layers, keys, counts, self.path, "", read)
+
+    def _readable(self, manifest: Any) -> ChatState:
+        """The manifest's conversation state, once its tokens and marks are found to be
+        what a worker of this model writes: a token id past the vocabulary would index past
+        the embedding table (a crash of the whole worker, or garbage read), and a mark past
+        the tokens would resume nowhere. Anything else is CorruptRecord (DATA_LOSS), the
+        agent's alone: written by hand, by another client, or damaged."""
+        whose = f"agent {manifest.agent_id!r} in namespace {manifest.namespace!r}"
+        tokens = manifest.token_ids
+        if tokens and (top := max(tokens)) >= self.vocab_size:
+            raise CorruptRecord(
+                f"{whose}: its stored tokens hold id {top}, past this model's vocabulary of "
+                f"{self.vocab_size}: no worker of this model wrote it (delete the agent, or "
+                "commit it anew)"
+            )
+        try:
+            chat = chat_state(dict(manifest.metadata))
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"{whose}: {exc.message}") from None
+        if far := [m.end for m in chat.marks if m.end > len(tokens)]:
+            raise CorruptRecord(
+                f"{whose}: its stored resume points reach token {max(far)}, past its "
+                f"{len(tokens)} tokens"
+            )
+        return chat
 
     def seed(self, agent: Agent, fetched: Fetched) -> int:
         """Gives a new agent's caches the prefix fetch_prefix read (on the MLX thread); the
@@ -168,7 +197,7 @@ class Restorer:
             generation=m.generation,
             phase=m.phase,
             metadata=caller_metadata(m.metadata),
-            chat=chat_state(m.metadata),
+            chat=fetched.chat or chat_state(m.metadata),
             synced_at=fetched.read_at,
         )
         if not fetched.layers:

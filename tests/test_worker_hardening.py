@@ -35,6 +35,7 @@ from agentkv.errors import (
     AgentExists,
     AgentKVError,
     AgentNotFound,
+    CorruptRecord,
     DeadlineExceeded,
     InvalidArgument,
     ResourceExhausted,
@@ -165,6 +166,50 @@ def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
     assert metric(proc, "agentkv_worker_restore_failures_total") == 2
     # The first block of "short" and every block of "wide" (each reported, not only the first).
     assert store.stats().num_quarantined == 1 + len(manifest.block_keys)
+
+
+def test_a_manifest_no_worker_of_this_model_wrote_fails_its_agent_alone(
+    tiny_model_dirs, start_worker, store
+):
+    """The red team's case: a namespace's writer committed straight to the store a manifest
+    whose token ids pass the model's vocabulary; the shared worker's next turn on it read
+    past the embedding table: a segmentation fault (every tenant's turns gone, again on
+    each restart) for an id of 2^32-1, garbage read for one just past the vocabulary. Marks
+    that are no numbers were an INTERNAL error with a traceback; a mark past the tokens was
+    taken. Each is now DATA_LOSS naming the agent, and the worker serves on."""
+    proc = start_worker(tiny_model_dirs["llama"])
+    w = WorkerClient(proc.address, timeout=60)
+    info = w.info()
+    w.create_agent("ref", "agent", SYSTEM)
+    w.turn("ref", "agent", Q1, max_tokens=4, durable=True)
+    good = store.get_agent("ref", "agent", fingerprint=info.fingerprint)
+    tokens, metadata = list(good.token_ids), dict(good.metadata)
+    marks = metadata["agentkv.marks"]
+    planted = {
+        "huge": (tokens[:-1] + [2**32 - 1], metadata, "tokens hold id 4294967295"),
+        "past": (tokens[:-1] + [512], metadata, "tokens hold id 512, past this model's"),
+        "words": (tokens, metadata | {"agentkv.marks": "zz,notanint,,,"}, "resume points"),
+        "short": (tokens, metadata | {"agentkv.marks": "zz,3"}, "resume points cannot"),
+        "far": (
+            tokens,
+            metadata | {"agentkv.marks": marks.replace(",", f",{10**6}0", 1)},
+            "points reach",
+        ),
+    }
+    for agent, (ids, meta, _) in planted.items():
+        store.commit_agent(
+            namespace="bad", agent_id=agent, fingerprint=info.fingerprint,
+            token_ids=ids, metadata=meta,
+        )  # fmt: skip
+    for agent, (_, _, said) in planted.items():
+        with pytest.raises(CorruptRecord, match=f"agent '{agent}' in namespace 'bad'") as bad:
+            w.turn("bad", agent, Q2, max_tokens=4)
+        assert said in bad.value.message and "Traceback" not in bad.value.message
+    reply = w.turn("ref", "agent", Q2, max_tokens=4)  # the worker serves on
+    assert len(reply.token_ids) == 4 and proc.running
+    w.evict("ref", "agent")
+    assert w.turn("ref", "agent", Q1, max_tokens=4).usage.cache_state == "warm"
+    assert "rpc crashed" not in proc.log_tail(10**7)
 
 
 # one bad turn does not hurt the others
@@ -931,6 +976,38 @@ def test_agents_made_at_once_from_the_store_stay_within_the_hot_budget(
     eventually(lambda: w.describe("ns", "c2").persisted_tokens, "c2's write", timeout=120)
     w.create_agent("ns", "c3", system)
     assert w.describe("ns", "c3").num_tokens == w.describe("ns", "seed").num_tokens
+
+
+def test_a_turn_that_comes_while_its_agent_is_deleted_is_refused_not_run_on_a_lost_copy(
+    launched, tiny_model_dirs, store_process, tmp_path
+):
+    """The red team's race: a delete drops the agent from RAM, then waits for its write in
+    flight and deletes it in the store; a turn in between read the store's copy back into
+    RAM and ran on it. The delete said done, the turn's reply was lost (its write found no
+    agent), and the worker held a copy the store had not. The write is held here, so the
+    turn comes in that window every time: it is now refused (AgentBusy), and the agent is
+    gone everywhere once the delete ends."""
+    held = tmp_path / "writes-held"
+    model = tiny_model_dirs["llama"]
+    env = {WRITES_HELD: str(held)}
+    proc = faulty_process(launched, model, store_process, tmp_path, env=env)
+    w = WorkerClient(proc.address, timeout=120)
+    w.create_agent("ns", "z", SYSTEM)
+    w.turn("ns", "z", Q1, max_tokens=4, durable=True)
+    held.touch()  # from now on the writes wait
+    w.turn("ns", "z", Q2, max_tokens=4)  # its write waits: the delete waits for it
+    deleted = {}
+    deleting = threading.Thread(target=lambda: deleted.update(done=w.delete("ns", "z")))
+    deleting.start()
+    eventually(lambda: w.describe("ns", "z").tier != "hot", "the delete's drop from RAM")
+    with pytest.raises(AgentBusy, match="agent 'z' is being deleted"):
+        w.turn("ns", "z", TALK, max_tokens=4)
+    held.unlink()
+    deleting.join(timeout=120)
+    assert deleted == {"done": True}
+    for call in (w.describe, lambda ns, a: w.turn(ns, a, TALK, max_tokens=4)):
+        with pytest.raises(AgentNotFound):
+            call("ns", "z")
 
 
 def test_a_durable_memory_s_new_agent_is_in_the_store_when_it_is_returned(
