@@ -217,6 +217,8 @@ class CacheStore:
         store's, and with an object store also those only the bucket holds (fetched on their
         first GetAgent)."""
         ns = ids.namespace(namespace)
+        if page_token:  # the last agent id of a page: anything else is none ListAgents gave
+            ids.agent_id(page_token, "page_token")
         limit = page_size_limit(page_size)
         with self.upkeep.repairing(), self.index.read() as txn:
             page, after = self.index.agent_page(txn, ns, page_token, limit)

@@ -13,7 +13,9 @@ Namespaces (tenants) are served in turn: the line takes every namespace's first 
 then every one's second, ...; priority orders a namespace's own requests. One namespace may
 fill the whole queue, but a full queue is shared: a newcomer of a namespace holding fewer of
 its places takes the place of the last in line of the namespace holding the most. So no
-tenant's flood (or priority) holds the others back.
+tenant's flood (or priority) holds the others' place in line. A running turn is not
+paused for another, though: one namespace whose turns hold every batch slot (--max-batch)
+holds a newcomer until the first of them ends, at most its max_tokens of steps.
 """
 
 from __future__ import annotations

@@ -587,6 +587,10 @@ MISC_CALLS: dict[str, tuple[Callable[[StoreClient], object], list[str]]] = {
         lambda c: c.call("ListBlocks", pb.ListBlocksRequest(namespace=NS, page_token="zz")),
         ["invalid page_token 'zz'"],
     ),
+    "ListAgents-bad-page-token": (  # the red team's: an empty page, as if the last
+        lambda c: c.call("ListAgents", pb.ListAgentsRequest(namespace=NS, page_token="\xff x")),
+        ["invalid page_token", "must match"],
+    ),
 }
 
 
