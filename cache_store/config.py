@@ -38,13 +38,20 @@ def per_namespace(parse: Callable[[str], T], what: str) -> Callable[[str], tuple
     return parse_setting
 
 
+def data_dir_path(text: str) -> Path:
+    """--data-dir's path; an empty one (an unset variable, say) is no silent "here"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: name the store's data directory")
+    return Path(text)
+
+
 parse_namespace_quota = per_namespace(parse_bytes, "size")  # 'team-a=2G' -> ('team-a', 2 GiB)
 parse_namespace_idle = per_namespace(parse_seconds, "duration")  # 'team-a=7d'
 
 
 @dataclass(slots=True)
 class StoreConfig(ServerConfig):
-    data_dir: Path = flag(help="where the index and payloads live", parse=Path)
+    data_dir: Path = flag(help="where the index and payloads live", parse=data_dir_path)
     listen: str = listen_flag(defaults.STORE_ADDRESS)
     quota_bytes: int = flag(
         0, "payload byte quota, e.g. 20G; 0: only the disk limits", name="quota", parse=parse_bytes

@@ -342,10 +342,13 @@ class Payloads:
         path.unlink(missing_ok=True)
 
     def sweep_tmp(self) -> int:
+        """Removes the uploads cut short (and disk probes) a stop left in tmp/: only the
+        store's own files, never what else a directory not made for the store holds there."""
         count = 0
-        for part in self.tmp_dir.iterdir():
-            part.unlink(missing_ok=True)
-            count += 1
+        for pattern in ("*.part", "*.probe"):
+            for part in self.tmp_dir.glob(pattern):
+                part.unlink(missing_ok=True)
+                count += 1
         return count
 
     def block_files(self) -> Iterator[str]:

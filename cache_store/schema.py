@@ -43,11 +43,18 @@ def check(index: Index, txn: lmdb.Transaction) -> bool:
             f"version {SCHEMA_VERSION}. Run the agentkv release that wrote it, or move the "
             "data dir away to start empty"
         )
-    old = any(txn.stat(index.dbs[name])["entries"] for name in TABLES)
+    old = not is_new(index, txn)
     if old:
         _seal_version_0(index, txn)
     txn.put(SCHEMA_KEY, encode_u64(SCHEMA_KEY, SCHEMA_VERSION), db=index.dbs["meta"])
     return old
+
+
+def is_new(index: Index, txn: lmdb.Transaction) -> bool:
+    """Whether the index was never written: no version recorded, and no record."""
+    if recorded(index, txn) is not None:
+        return False
+    return not any(txn.stat(index.dbs[name])["entries"] for name in TABLES)
 
 
 def bind_object_store(index: Index, location: str) -> None:

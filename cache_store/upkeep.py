@@ -3,13 +3,14 @@ quarantine of bad blocks and the sweep of orphan payload files."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from agentkv import ids
-from agentkv.errors import CorruptBlock
-from cache_store import integrity
+from agentkv.errors import CorruptBlock, IndexUnusable
+from cache_store import integrity, schema
 from cache_store.parts import Parts
 from cache_store.records import BlockRecord
 
@@ -23,7 +24,10 @@ class Upkeep:
 
     def recover(self) -> None:
         """Checks the index (schema version; every record's checksum, quarantining bad ones),
-        sweeps uploads cut short and orphans, and quarantines entries whose file is gone."""
+        sweeps uploads cut short and orphans, and quarantines entries whose file is gone.
+        A new (or emptied) index beside payload files is a lost one: IndexUnusable, as every
+        payload would be an orphan, deleted."""
+        self._check_not_lost()
         bad_records = integrity.open_index(self.index)
         self.metrics.quarantines.inc(sum(b.table in integrity.PRIMARY for b in bad_records))
         tmp = self.payloads.sweep_tmp()
@@ -49,6 +53,21 @@ class Upkeep:
                 "bad_index_records": len(bad_records),
             },
         )
+
+    def _check_not_lost(self) -> None:
+        with self.index.read() as txn:
+            new = schema.is_new(self.index, txn)
+        if not new:
+            return
+        files = sum(1 for _ in itertools.islice(self.payloads.block_files(), 1_000_000))
+        if files:
+            root = self.payloads.root
+            raise IndexUnusable(
+                f"the data dir {root} holds {files} block files, but its index "
+                f"({self.index.path}) is missing or empty: it was lost, and starting would "
+                "delete every block as an orphan. Put the index back (from a backup), or move "
+                f"{root / 'blocks'} away to start empty"
+            )
 
     def verify(self, namespace: str = "") -> tuple[int, int, list[tuple[BlockRecord, str]], int]:
         """Checks every index record and reads every payload on this disk, checking every

@@ -118,6 +118,18 @@ def test_a_negative_size_is_refused_as_that_flags_value(program, args):
     assert repr(value) in proc.stderr, proc.stderr
 
 
+def test_an_empty_data_dir_is_a_usage_error_not_the_current_directory(tmp_path):
+    """`--data-dir "$DATA"` with DATA unset: the store made its index, blocks and lock in
+    the directory it was started from (and swept its tmp/)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cache_store", "--data-dir", "", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    assert "argument --data-dir: an empty path" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plan_without_its_figures_is_a_usage_error_of_plan():
     proc = agentkv("plan", "--context", "8K")
     assert proc.returncode == 2 and proc.stderr.startswith("usage: agentkv plan "), proc.stderr

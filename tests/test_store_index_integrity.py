@@ -531,6 +531,46 @@ def test_an_index_of_another_schema_version_stops_the_store_with_one_line(stoppe
     assert "damaged schema record" in proc.log_path.read_text()
 
 
+@pytest.mark.parametrize("loss", ["removed", "emptied"])
+def test_a_lost_index_beside_block_files_stops_the_store_and_deletes_nothing(stopped, loss):
+    """The red team's case: the index gone (its data.mdb removed, or cut to nothing) while
+    blocks/ holds the payloads. The store started with a new index, called every payload
+    an orphan and deleted them all, logging it at info level. It now refuses to start,
+    saying so in one line, and every file stays; with the index put back, all is served."""
+    proc, world = stopped
+    mdb = proc.data_dir / "index" / "data.mdb"
+    saved = mdb.read_bytes()
+    files = sorted((proc.data_dir / "blocks").rglob("*.safetensors"))
+    assert files
+    if loss == "removed":
+        mdb.unlink()
+    else:
+        mdb.write_bytes(b"")
+    assert not started_or_refused(proc)
+    said = proc.log_path.read_text()
+    assert f"holds {len(files)} block files, but its index" in said and "was lost" in said
+    assert sorted((proc.data_dir / "blocks").rglob("*.safetensors")) == files
+    assert not started_or_refused(proc)  # the next start does not take the new index
+    mdb.write_bytes(saved)
+    proc.start()
+    with proc.client() as client:
+        assert check_truth(client, world) == set()
+
+
+def test_the_start_up_sweep_removes_only_the_stores_own_temporary_files(tmp_path):
+    """A --data-dir that was no store's (a project's folder): its tmp/ lost every file in it
+    at the store's start. Only uploads cut short (*.part) go now."""
+    data = tmp_path / "project"
+    (data / "tmp").mkdir(parents=True)
+    (data / "tmp" / "notes.txt").write_text("precious")
+    (data / "tmp" / "upload.part").write_bytes(b"cut short")
+    proc = StoreProcess(data, tmp_path / "store.log").start()
+    try:
+        assert sorted(p.name for p in (data / "tmp").iterdir()) == ["notes.txt"]
+    finally:
+        proc.stop()
+
+
 def test_an_index_written_before_checksums_is_sealed_at_start_up(stopped):
     """Version 0 (no meta, no checksums: what agentkv wrote before) is migrated in place."""
     proc, world = stopped
