@@ -73,8 +73,7 @@ class ServerConfig:
     def check_serving(self) -> None:
         """Refuses addresses that cannot be served and unsafe security (ServerSecurity.check)."""
         listen_host(self.listen)
-        if self.address_file and not Path(self.address_file).parent.is_dir():
-            raise ValueError(f"address_file {self.address_file}: its folder does not exist")
+        check_address_file(self.address_file)
         tcp_listen("metrics_listen", self.metrics_listen)
         tcp_listen("health_listen", self.health_listen)
         self.security.check(self.listen, self.is_loopback)
@@ -169,6 +168,31 @@ def serve_until_signal(
             health_server.stop(0)
         if address_file:
             address_file.unlink(missing_ok=True)
+
+
+def check_address_file(name: str) -> None:
+    """--address-file NAME: a file this service may write, and remove at its start (an
+    earlier run's address, which a script must not read) and at its end; a folder, or a
+    file that is no address file (a JSON object with an "address"), is never removed."""
+    if not name:
+        return
+    path = Path(name)
+    if not path.parent.is_dir():
+        why = "is not a folder" if path.parent.exists() else "does not exist"
+        raise ValueError(f"--address-file {name}: its folder {path.parent} {why}")
+    if path.is_dir():
+        raise ValueError(f"--address-file {name} is a folder: name a file in it")
+    if not path.exists():
+        return
+    try:
+        written = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        written = None
+    if not (isinstance(written, dict) and "address" in written):
+        raise ValueError(
+            f"--address-file {name} holds a file that is no address file (JSON with an "
+            '"address"), which the service would remove: name a file of its own'
+        )
 
 
 def write_atomically(path: Path, text: str) -> None:

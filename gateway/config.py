@@ -9,7 +9,7 @@ from agentkv.addresses import client_address, is_loopback, listen_host
 from agentkv.channels import ClientSecurity
 from agentkv.flags import flag, nested
 from agentkv.security import ServerSecurity
-from agentkv.serving import log_level_flag
+from agentkv.serving import check_address_file, log_level_flag
 from agentkv.units import parse_bytes
 
 INFO_TIMEOUT = 5.0  # seconds a worker gets to answer a health, model or feature check
@@ -49,6 +49,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("at least one --worker HOST:PORT is needed")
+        if repeated := sorted({w for w in self.workers if self.workers.count(w) > 1}):
+            raise ValueError(f"--worker {', '.join(repeated)} is given more than once")
+        check_address_file(self.address_file)
         dialed = [("--worker", worker) for worker in self.workers]
         if self.store:  # none: GET /v1/agents is a 404
             dialed.append(("--store", self.store))

@@ -207,6 +207,43 @@ def test_a_store_on_port_0_writes_its_bound_addresses_to_the_address_file(tmp_pa
     assert not address_file.exists()  # a stopped store leaves no address behind
 
 
+@pytest.mark.parametrize("program", ["cache_store", "agentkv.gateway"])
+def test_an_address_file_that_is_no_address_file_is_refused_and_kept(program, tmp_path):
+    """--address-file at a user's own file: removed at the start of every run, even one
+    refused (the red team's keep.json). Refused now, in one line, the file kept; a folder,
+    or a path under a file, is one line too (the gateway's was a traceback)."""
+    kept = tmp_path / "keep.json"
+    kept.write_text("keep")
+    args = {
+        "cache_store": ["--data-dir", str(tmp_path / "data")],
+        "agentkv.gateway": ["--worker", free_address()],
+    }[program] + ["--listen", "127.0.0.1:0"]
+    said = {
+        str(kept): "holds a file that is no address file",
+        str(tmp_path): "is a folder",
+        f"{kept}/x": "is not a folder",
+    }
+    for where, message in said.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", program, *args, "--address-file", where],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        last = proc.stderr.splitlines()[-1]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert ": error: --address-file " in last and message in last, proc.stderr
+    assert kept.read_text() == "keep" and not (tmp_path / "data").exists()
+
+
+def test_a_gateway_given_one_worker_twice_says_so_in_one_line():
+    worker = free_address()
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentkv.gateway", "--worker", worker, "--worker", worker],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # was 3
+    assert proc.stderr.splitlines()[-1].endswith(f"--worker {worker} is given more than once")
+
+
 def test_agents_in_an_empty_namespace_points_at_the_namespaces_that_have_some(store_process):
     from tests.helpers import FP, make_chain
 
