@@ -26,6 +26,7 @@ from agentkv.errors import (
     GenerationConflict,
     InvalidArgument,
     OutOfRange,
+    SystemPromptDiffers,
 )
 from agentkv.v1 import store_pb2 as store_pb
 from inference_worker.agents import SYSTEM_KEY, agent_exists, system_digest
@@ -61,6 +62,12 @@ class Front:
         ns, agent_id = _checked(job)
         view = self._view(ns, agent_id)
         if view.manifest is not None:
+            if view.manifest.fingerprint != self.engine.runtime.fingerprint:
+                raise SystemPromptDiffers(
+                    f"agent {agent_id!r} in namespace {ns!r} exists, written under another "
+                    f"model (fingerprint {view.manifest.fingerprint!r}): delete it first, or "
+                    "ask for it with replace=True (SDK) to make it anew with this model"
+                )
             raise agent_exists(ns, agent_id, view.manifest.metadata, system, job.tools)
         check_system(system)
         reserved = sorted(k for k in metadata if k.startswith(INTERNAL_PREFIX))

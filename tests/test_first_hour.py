@@ -286,6 +286,17 @@ def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
         fresh = mem.agent("fresh", system="You are Luca.")
         after = replaced.describe().num_tokens
         assert after == fresh.describe().num_tokens < before  # made anew, its turn gone
+        # Written under another model: asked for with its own system prompt, it was "used
+        # as it is" (created False), and every call on it then FingerprintMismatch; and
+        # replace=True could not replace it (the red team's).
+        other = "llama-0123456789abcdef0123456789abcdef:k4v4g64f16:b64"
+        mem.store.commit_agent(
+            namespace="prompts", agent_id="other", fingerprint=other, token_ids=[1, 2, 3]
+        )
+        with pytest.raises(SystemPromptDiffers, match="written under another model"):
+            mem.agent("other", system="You are Luca.")
+        made = mem.agent("other", system="You are Luca.", replace=True)
+        assert made.created and made.say("Hello.", max_tokens=2).usage.prompt_tokens > 0
 
 
 def test_a_worker_whose_store_does_not_answer_warns_and_says_so_in_health(
