@@ -13,6 +13,7 @@ import errno
 import fcntl
 import glob
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ from inference_worker.gguf_model import (
 from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
+log = logging.getLogger("agentkv.worker")
 # Bump when the output of an import changes: it names the cache directory and enters the
 # model's config, so the fingerprint of every agent stored under it. Per weights choice, so
 # that a change to one leaves the others' agents restorable (4: native keeps Q4_K; 5: and
@@ -51,7 +53,15 @@ def format_version(weights: str) -> int:
 
 
 READ_CHUNK = 16 << 20
-IMPORTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Each imported file's size and xxh3: what a cached import is checked against when it is used
+RECORD = "agentkv-import.json"
+IMPORTED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    RECORD,
+)
 INSIDE = ".import."  # a staging directory inside --out (a mount point's)
 
 
@@ -145,6 +155,33 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    files = {name: _file_facts(out / name) for name in IMPORTED_FILES if name != RECORD}
+    (out / RECORD).write_text(json.dumps(files, indent=2) + "\n")
+
+
+def _file_facts(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "xxh3": file_hash(path)}
+
+
+def damage(model: Path) -> str:
+    """Why an imported directory is not as its import wrote it ("" when it is, or when it
+    is an import from before the record, which cannot be checked): a file missing, cut
+    short, or changed."""
+    try:
+        recorded = json.loads((model / RECORD).read_text())
+    except FileNotFoundError:
+        return "" if (model / "config.json").exists() else "config.json is missing"
+    except (OSError, ValueError) as exc:
+        return f"{RECORD} cannot be read ({in_one_line(exc)})"
+    for name, facts in recorded.items():
+        path = model / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != facts["bytes"]:
+            return f"{name} is {path.stat().st_size} bytes, not the {facts['bytes']} imported"
+        if file_hash(path) != facts["xxh3"]:
+            return f"{name} is not the file imported (its xxh3 differs)"
+    return ""
 
 
 def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
@@ -197,7 +234,7 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     cache_dir = cache_dir or default_cache_dir()
     key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{format_version(weights)}"
     target = cache_dir / key
-    if (target / "config.json").exists():
+    if target.exists() and not damage(target):
         return target
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -206,8 +243,15 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
             f"the model {named} {cache_dir} cannot hold imports: {exc.strerror}"
         ) from None
     with _taking_turns(cache_dir) as alone:
-        if (target / "config.json").exists():  # another process imported it meanwhile
-            return target
+        if target.exists():
+            if not (why := damage(target)):  # another process imported it meanwhile
+                return target
+            log.warning(
+                "cached import damaged: imported again", extra={"model": str(target), "why": why}
+            )
+            aside = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+            target.rename(aside / "damaged")
+            shutil.rmtree(aside, ignore_errors=True)
         for stale in cache_dir.glob(f".{glob.escape(key)}.*") if alone else ():
             shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))

@@ -27,6 +27,7 @@ from inference_worker.gguf_import import (
     IMPORTED_FILES,
     GGUFError,
     cached_import,
+    damage,
     format_version,
     import_gguf,
 )
@@ -430,6 +431,36 @@ def test_the_import_cache_is_keyed_by_content(sources, tmp_path):
         and (changed / "config.json").read_text() != (first / "config.json").read_text()
     )
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+@pytest.mark.parametrize("harm", ["cut", "flipped", "removed"])
+def test_a_damaged_cached_import_is_imported_again(sources, tmp_path, harm):
+    """The red team's case: the cached import's weights cut short were used as they were
+    (every worker start failed with MLX's "invalid data offsets", and `agentkv model
+    import` said it was done); a byte flipped was served under a new fingerprint, every
+    agent then another model's. Each file is checked against what its import recorded, and
+    a damaged import is made again, the same as it first was."""
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cache = tmp_path / "cache"
+    target = cached_import(gguf, "float32", cache)
+    weights = target / "model.safetensors"
+    whole = weights.read_bytes()
+    assert damage(target) == ""
+    if harm == "cut":
+        weights.write_bytes(whole[: len(whole) // 2])
+        said = f"model.safetensors is {len(whole) // 2} bytes, not the {len(whole)} imported"
+    elif harm == "flipped":
+        weights.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+        said = "model.safetensors is not the file imported (its xxh3 differs)"
+    else:
+        (target / "tokenizer.json").unlink()
+        said = "tokenizer.json is missing"
+    assert damage(target) == said
+    assert cached_import(gguf, "float32", cache) == target
+    assert weights.read_bytes() == whole and damage(target) == ""
+    load(str(target))
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # nothing left aside
 
 
 def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
