@@ -113,11 +113,20 @@ def _check_out(out: Path) -> None:
     names = (
         {p.name for p in out.iterdir() if not p.name.startswith(INSIDE)} if out.is_dir() else set()
     )
-    if not names <= set(IMPORTED_FILES):
+    if not names <= set(IMPORTED_FILES) or (names and not _an_import(out)):
         raise GGUFError(
             f"{out} holds files of its own: give --out a new or empty directory, or an earlier "
             "import (replaced)"
         )
+
+
+def _an_import(out: Path) -> bool:
+    """Whether `out`, which holds only files of an import's names, is one: its config.json
+    names the GGUF it came from (a model directory of those names is not replaced)."""
+    try:
+        return "agentkv_gguf" in json.loads((out / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _replace(out: Path, staging: Path) -> None:

@@ -475,6 +475,14 @@ def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
         import_gguf(gguf, out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     (out / "notes.txt").unlink()
+    # files of an import's names, but no import's (the red team's: a model of one's own)
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    (out / "model.safetensors").write_text("mine")
+    with pytest.raises(GGUFError, match="holds files of its own"):
+        import_gguf(gguf, out)
+    assert (out / "model.safetensors").read_text() == "mine"
+    for name in ("config.json", "model.safetensors"):
+        (out / name).unlink()
     import_gguf(gguf, out)
     import_gguf(gguf, out, "native")
     assert json.loads((out / "config.json").read_text())["agentkv_gguf"]["weights"] == "native"
