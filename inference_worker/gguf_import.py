@@ -14,6 +14,7 @@ import fcntl
 import glob
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -164,6 +165,7 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _check_loads(path, out)  # before its record: one that does not load is no import
     files = {name: _file_facts(out / name) for name in IMPORTED_FILES if name != RECORD}
     (out / RECORD).write_text(json.dumps(files, indent=2) + "\n")
 
@@ -208,6 +210,7 @@ def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
         config["rope_scaling"] = llama3_rope(tensors[ROPE_FREQS], head_dim, theta)
     if quantization:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
+    _check_config(config, {name.split(".")[1] for name in tensors if name.startswith("blk.")})
     config["agentkv_gguf"] = {
         "file": path.name,
         "xxh3_128": file_hash(path),
@@ -217,6 +220,38 @@ def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
         "license": str(meta.get("general.license", "")),
     }
     return hf, tokenizer, tokenizer_json, config
+
+
+def _check_config(config: dict, blocks: set[str]) -> None:
+    """Refuses metadata that is not a number where one is meant (NaN, infinite), or a layer
+    count its tensors do not hold: built as it is, the first runs a model that says nothing
+    but its end token, the second fails in mlx-lm (a 2^32-1 one builds layers until memory
+    runs out)."""
+    for key, value in config.items():
+        values = value.values() if isinstance(value, dict) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise GGUFError(f"GGUF metadata gives {key} = {value}: not a finite number")
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and (
+        len(blocks) != layers or blocks != {str(i) for i in range(layers)}
+    ):
+        raise GGUFError(
+            f"GGUF metadata gives {layers} layers (block_count), its tensors {len(blocks)}"
+        )
+
+
+def _check_loads(path: Path, out: Path) -> None:
+    """The imported model as mlx-lm builds it from its config, every weight checked against
+    the shape the config gives it (lazily: nothing is read): metadata that disagrees with
+    the tensors (a head count, an embedding width) is the import's error, not the worker's."""
+    from mlx_lm.utils import load_model
+
+    try:
+        load_model(out, lazy=True, strict=True)
+    except Exception as exc:
+        raise GGUFError(
+            f"GGUF {path}: its metadata disagrees with its tensors: {in_one_line(exc)}"
+        ) from exc
 
 
 def default_cache_dir() -> Path:

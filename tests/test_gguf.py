@@ -433,6 +433,28 @@ def test_the_import_cache_is_keyed_by_content(sources, tmp_path):
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no staging left
 
 
+BAD_METADATA = {  # the red team's, each imported "successfully", then failing the worker
+    "no-layers": ({"llama.block_count": 0}, "gives 0 layers (block_count), its tensors 2"),
+    "more-layers": ({"llama.block_count": 1000}, "gives 1000 layers"),
+    "most-layers": ({"llama.block_count": 2**32 - 1}, "gives 4294967295 layers"),  # MemoryError
+    "kv-heads": ({"llama.attention.head_count_kv": 1}, "disagrees with its tensors"),
+    "width": ({"llama.embedding_length": 1}, "GGUF"),  # was ZeroDivisionError
+    "rope-nan": ({}, "rope_theta = nan: not a finite number"),  # answered only its end token
+}
+
+
+@pytest.mark.parametrize("case", BAD_METADATA)
+def test_gguf_metadata_its_tensors_disagree_with_is_refused_at_import(sources, tmp_path, case):
+    path, config, _, _, w = sources["llama"]
+    metadata, said = BAD_METADATA[case]
+    config = {**config, "rope_theta": float("nan")} if case == "rope-nan" else config
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path, metadata=metadata)
+    with pytest.raises(GGUFError) as refused:
+        import_gguf(gguf, tmp_path / "out")
+    assert said in refused.value.args[0], refused.value.args[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # nothing left
+
+
 @pytest.mark.parametrize("harm", ["cut", "flipped", "removed"])
 def test_a_damaged_cached_import_is_imported_again(sources, tmp_path, harm):
     """The red team's case: the cached import's weights cut short were used as they were
