@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from agentkv import logs
 from agentkv.flags import parse_config
-from inference_worker.model_import import interrupted
+from inference_worker.model_import import interrupted, interrupted_exit, unwind_on_sigterm
 
 if TYPE_CHECKING:
     from inference_worker.config import WorkerConfig
@@ -27,13 +27,13 @@ def build_config(argv: list[str] | None = None) -> WorkerConfig:
 def main(argv: list[str] | None = None) -> None:
     config = build_config(argv)
     logs.configure(config.log_level)
+    unwind_on_sigterm()  # until it serves: a model import under way is removed
     try:
         start(config)
     except (KeyboardInterrupt, ImportError) as exc:  # once it serves, SIGINT stops it gracefully
         if not interrupted(exc):
             raise
-        print("agentkv-worker: interrupted", file=sys.stderr)
-        sys.exit(130)
+        interrupted_exit(exc, "agentkv-worker: ")
 
 
 def start(config: WorkerConfig) -> None:

@@ -5,21 +5,45 @@ the worker's modules."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM before the process serves (docker stop, systemctl stop): it unwinds as a
+    Ctrl-C does, so that an import under way removes what it was writing."""
+
+
+def unwind_on_sigterm() -> None:
+    """From now until the process installs its own handling: SIGTERM raises Terminated."""
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
+def interrupted_exit(exc: BaseException, prog: str) -> None:
+    """The one line and exit status of a process a Ctrl-C (130) or SIGTERM (143) ended."""
+    if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
+        print(f"{prog}stopped (SIGTERM)", file=sys.stderr)
+        sys.exit(143)
+    print(f"{prog}interrupted", file=sys.stderr)
+    sys.exit(130)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Prints the imported directory's path, or one line saying why not (exit 2). A Ctrl-C,
     even while the modules load, leaves nothing half-written and says so (exit 130)."""
+    unwind_on_sigterm()
     try:
         _import(argv)
     except (KeyboardInterrupt, ImportError) as exc:
         if not interrupted(exc):
             raise
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        interrupted_exit(exc, "")
 
 
 def interrupted(exc: BaseException) -> bool:

@@ -339,6 +339,57 @@ def test_ctrl_c_in_bench_is_one_line_and_leaves_out_as_it_was(job, tmp_path, ear
     assert left_behind(tmp_path) == []
 
 
+# The worker's: mlx.core is patched once the worker imports it (after its BLAS is loaded).
+WORKER_SAVED_THEN_WAIT = """\
+import importlib.abc, importlib.util, os, sys, time
+class SavedThenWait(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "mlx.core":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def patched(module):
+            run(module)
+            save = module.save_safetensors
+            def saved_then_wait(*args, **kwargs):
+                save(*args, **kwargs)
+                open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
+                time.sleep(600)
+            module.save_safetensors = saved_then_wait
+        spec.loader.exec_module = patched
+        return spec
+if sys.orig_argv[1:3] == ["-m", "inference_worker"]:
+    sys.meta_path.insert(0, SavedThenWait())
+"""
+
+
+def test_a_worker_stopped_by_sigterm_while_it_imports_its_model_leaves_no_staging(
+    job, tmp_path, blackhole
+):
+    """The red team's case: `docker stop` (SIGTERM) during a worker's first start, while it
+    imported its GGUF, ended it with no word and left the import's 385 MB staging directory
+    in the model cache. SIGTERM now unwinds as a Ctrl-C does until the worker serves: one
+    line, exit 143, and nothing left in the cache."""
+    site, mark, cache = tmp_path / "site", tmp_path / "saved", tmp_path / "cache"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(WORKER_SAVED_THEN_WAIT)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "AGENTKV_TEST_SAVED_MARK": str(mark),
+        "AGENTKV_MODEL_CACHE": str(cache),
+    }
+    cmd = job("-m", "inference_worker", "--model", "smollm2-135m-instruct",
+              "--store", blackhole.address, "--listen", "127.0.0.1:0", env=env)  # fmt: skip
+    cmd.wait_for(mark.exists)
+    assert [p for p in cache.iterdir() if p.is_dir()]  # the staging directory, being written
+    cmd.signal(signal.SIGTERM)
+    code, _, err = cmd.finish()
+    assert code == 143 and "Traceback" not in err, err
+    assert err.endswith("agentkv-worker: stopped (SIGTERM)\n"), err
+    assert [p for p in cache.iterdir() if p.is_dir()] == []
+
+
 def test_ctrl_c_while_the_worker_loads_is_one_line(job, blackhole):
     """Before the worker serves, its signal handling is not installed yet: a Ctrl-C while it
     loads (here: while it asks a store that never answers) still ends in one line."""
