@@ -83,7 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
     _model_parser(sub.add_parser("model", help="import GGUF models"))
     show_defaults(parser)
+    _named_commands(parser)
     return parser
+
+
+def _named_commands(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand group of `parser` (and of its subcommands) named by its commands
+    in usage errors, "required: {stats,agents,...}", not its dest ("store_command")."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            action.metavar = "{" + ",".join(action.choices) + "}"
+            for sub in action.choices.values():
+                _named_commands(sub)
 
 
 def _store_parser(store: argparse.ArgumentParser) -> None:

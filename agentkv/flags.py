@@ -97,6 +97,7 @@ def from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **given:
         return cls(**values)
     except ValueError as exc:
         message = _prefixed(str(exc), cls, prefix) if prefix else str(exc)
+        message = _as_flags(message, cls, prefix)
         message = _from_environment(message, cls, args, prefix)
         if message == str(exc):
             raise
@@ -112,6 +113,19 @@ def _prefixed(message: str, cls: type, prefix: str) -> str:
     ]
     flags = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
     return re.sub(_whole(f"--({flags})"), rf"--{prefix}\1", message)
+
+
+def _as_flags(message: str, cls: type, prefix: str) -> str:
+    """`message` with each of `cls`'s fields that its checks name as the field
+    (hot_budget_bytes) written as the flag a user gave (--hot-budget): one with an
+    underscore anywhere (no word of a sentence has one), another where it starts the
+    message ("workers must be >= 2")."""
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
+            field = _whole(re.escape(f.name)) if "_" in f.name else f"^{re.escape(f.name)}(?= )"
+            message = re.sub(field, name, message)
+    return message
 
 
 def _whole(flag: str) -> str:

@@ -38,6 +38,13 @@ def per_namespace(parse: Callable[[str], T], what: str) -> Callable[[str], tuple
     return parse_setting
 
 
+def parse_umask(text: str) -> int:
+    """--umask's octal digits (077), as umask(1) takes them."""
+    if not (text.isascii() and text.isdigit() and set(text) <= set("01234567")):
+        raise argparse.ArgumentTypeError(f"an octal mode such as 077 or 027, got {text!r}")
+    return int(text, 8)
+
+
 def data_dir_path(text: str) -> Path:
     """--data-dir's path; an empty one (an unset variable, say) is no silent "here"."""
     if not text.strip():
@@ -148,7 +155,7 @@ class StoreConfig(ServerConfig):
         0o077,
         "octal umask for the data dir's files (077: only the store's user reads them; 027 "
         "lets its group, e.g. a worker reading payloads in place)",
-        parse=lambda text: int(text, 8),
+        parse=parse_umask,
         shown="077",
     )
 

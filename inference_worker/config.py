@@ -115,7 +115,10 @@ class WorkerConfig(ServerConfig):
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is required")
-        listen_host(self.store)
+        try:
+            listen_host(self.store)
+        except ValueError as exc:
+            raise ValueError(f"--store: {exc}") from None
         if self.block_tokens < 16 or self.block_tokens % 16:
             raise ValueError(f"block_tokens must be a positive multiple of 16: {self.block_tokens}")
         if self.prefill_chunk < 1:

@@ -69,6 +69,55 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
     assert last.startswith(f"agentkv-gateway: error: {flag}: an address must be "), proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("program", "args", "said"),
+    [
+        (
+            "agentkv.cli",
+            ["agents", "--store", "http://127.0.0.1:1"],
+            "argument --store: an address is HOST:PORT or unix:PATH, not a http:// URL: "
+            "got 'http://127.0.0.1:1' (give 127.0.0.1:1)",
+        ),
+        ("inference_worker", ["--store", "https://h:1/"], "--store: an address is HOST:PORT"),
+        ("agentkv.gateway", ["--worker", "grpc://h:1"], "--worker: an address is HOST:PORT"),
+        ("agentkv.cli", ["store"], "required: {stats,namespaces,agents,agent,blocks,verify,gc"),
+        ("agentkv.cli", ["model"], "the following arguments are required: {import}"),
+        (
+            "cache_store",
+            ["--data-dir", "d", "--umask", "999"],
+            "argument --umask: an octal mode such as 077 or 027, got '999'",
+        ),
+        ("cache_store", ["--data-dir", "d", "--workers", "1"], "error: --workers must be >= 2"),
+        (
+            "inference_worker",
+            ["--store", "h:1", "--max-batch", "0"],
+            "error: --max-batch, --step-tokens and --queue-limit must be >= 1",
+        ),
+    ],
+    ids=[
+        "cli-url",
+        "worker-url",
+        "gateway-url",
+        "store-command",
+        "model-command",
+        "umask",
+        "store-workers",
+        "worker-batch",
+    ],
+)
+def test_usage_errors_name_what_the_user_typed(program, args, said, tmp_path):
+    """The red team's: a URL where HOST:PORT belongs was "its host name does not resolve";
+    a missing subcommand was named by its dest (store_command), a bad --umask by Python's
+    int() ("invalid literal ... base 8"), and a flag's check by its field (hot_budget_bytes)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", program, *args], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2 and no_internals(proc.stderr), proc.stderr
+    assert said in proc.stderr.splitlines()[-1], proc.stderr
+    assert "_command" not in proc.stderr and "int()" not in proc.stderr
+
+
 def test_agentkv_gateway_names_the_command_a_user_typed():
     """`agentkv gateway --help` said "usage: agentkv-gateway", and its errors so."""
     helped = agentkv("gateway", "--help")

@@ -137,7 +137,7 @@ def test_store_never_imports_mlx():
         (["--listen", "unix:"], "needs a path"),
         (["--quota", "-5"], "--quota: not a byte size: '-5'"),
         (["--metrics-listen", "9464"], "must be HOST:PORT"),
-        (["--metrics-listen", "unix:/tmp/m.sock"], "metrics_listen must be HOST:PORT"),
+        (["--metrics-listen", "unix:/tmp/m.sock"], "--metrics-listen must be HOST:PORT"),
         # 0 made an idle store spin at 100% CPU and cancel every PutBlocks
         (["--stream-idle-seconds", "0"], "--stream-idle-seconds must be > 0, got 0.0"),
         (["--writer-lease-seconds", "-1"], "--writer-lease-seconds must be > 0"),

@@ -72,7 +72,8 @@ def test_a_hot_budget_of_nothing_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit:
         worker_config(["--model", "m", "--store", "127.0.0.1:1", "--hot-budget", "0"])
     assert exit.value.code == 2
-    assert "hot_budget_bytes must be > 0" in capsys.readouterr().err
+    # the flag, as the user gave it (the red team's: the field's name, hot_budget_bytes)
+    assert "error: --hot-budget must be > 0, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

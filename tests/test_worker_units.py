@@ -412,7 +412,7 @@ def test_a_queue_limit_of_0_is_refused_at_start(capsys):
 
     with pytest.raises(SystemExit):
         build_config(["--model", "m", "--store", "127.0.0.1:1", "--queue-limit", "0"])
-    assert "queue_limit must be >= 1" in capsys.readouterr().err
+    assert "--max-batch, --step-tokens and --queue-limit must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("live", [True, False], ids=["live-call", "call-over"])
