@@ -413,7 +413,8 @@ def _main(argv: list[str]) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except ServiceExited as exc:  # a service it started (demo, walkthrough): its one line
-        print(f"error: {exc.reason}", file=sys.stderr)
+        said = exc.reason  # "agentkv-worker: error: ..." says whose error it is already
+        print(said if ": error: " in said else f"error: {said}", file=sys.stderr)
         sys.exit(2)
 
 

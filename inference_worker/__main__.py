@@ -52,6 +52,8 @@ def start(config: WorkerConfig) -> None:
         error = exc.message if isinstance(exc, AgentKVError) else str(exc)
         if isinstance(exc, AgentKVError) and config.chat_template:
             error += f" (--chat-template {config.chat_template})"
+        elif isinstance(exc, AgentKVError) and "chat template" in error:
+            error += " (give the model one that works with --chat-template FILE)"
         logging.getLogger("agentkv.worker").error("cannot start", extra={"error": error})
         print(f"agentkv-worker: error: {error}", file=sys.stderr)
         sys.exit(2)

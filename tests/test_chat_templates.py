@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,24 @@ def test_a_chat_template_that_cannot_render_stops_the_worker_in_one_line(
     last = worker_error(tiny_model_dirs["llama"], tmp_path, "--chat-template", str(path))
     assert last.startswith("agentkv-worker: error: ") and says in last, last
     assert f"(--chat-template {path})" in last
+
+
+def test_a_model_without_a_chat_template_stops_the_worker_saying_which_flag_gives_one(
+    tiny_model_dirs, tmp_path
+):
+    """The red team's: its one line quoted transformers ("tokenizer.chat_template is not
+    set") and said nothing of --chat-template."""
+    from tests.test_gguf import worker_error
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["llama"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    last = worker_error(model, tmp_path)
+    assert last.startswith("agentkv-worker: error: ") and "chat template" in last, last
+    assert last.endswith("(give the model one that works with --chat-template FILE)"), last
 
 
 def _specials_in(tok: PreTrainedTokenizerFast, ids: list[int]) -> list[str]:

@@ -401,8 +401,8 @@ def test_the_demo_with_a_bad_model_prints_the_workers_one_line(tmp_path):
         timeout=240,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"error: agentkv-worker: error: no model at {missing}: no such file or directory "
+    assert proc.stderr.strip().splitlines() == [  # the worker's line, not "error: " twice
+        f"agentkv-worker: error: no model at {missing}: no such file or directory "
         "(shipped: smollm2-135m-instruct)"
     ]
     assert "Traceback" not in proc.stdout + proc.stderr
