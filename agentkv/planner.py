@@ -52,7 +52,12 @@ def load_config(name_or_path: str | Path) -> dict:
         )
     try:
         config = json.loads(path.read_text())
-    except ValueError as exc:  # not JSON, or not UTF-8
+    except UnicodeDecodeError:  # a weights file, say, or a GGUF
+        raise ValueError(
+            f"{path} is no text file: --config takes a model's config.json, its directory, or "
+            "a shipped name (a GGUF's: `agentkv model import` it, then give the directory)"
+        ) from None
+    except ValueError as exc:  # not JSON
         raise ValueError(f"{path}: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")

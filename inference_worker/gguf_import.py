@@ -81,8 +81,12 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     _check_out(out)
     if out.is_dir() and (os.path.ismount(out) or not os.access(out.parent, os.W_OK)):
         return _import_inside(path, out, weights)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:  # the import is staged beside --out: a folder that takes none
+        message = f"--out {out}: nothing can be written in {out.parent} ({exc.strerror})"
+        raise GGUFError(message) from None
     try:
         write_model(path, staging, weights)
         _replace(out, staging)
@@ -111,6 +115,9 @@ def _import_inside(path: Path, out: Path, weights: str) -> Path:
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise GGUFError(f"{out} is a file, not a directory")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise GGUFError(f"--out {out}: {above} is a file, not a directory")
     names = (
         {p.name for p in out.iterdir() if not p.name.startswith(INSIDE)} if out.is_dir() else set()
     )

@@ -53,6 +53,7 @@ def interrupted(exc: BaseException) -> bool:
 
 
 def _import(argv: list[str] | None) -> None:
+    from agentkv.errors import os_error_words
     from inference_worker.gguf_import import WEIGHTS, cached_import, import_gguf
     from inference_worker.models import SHIPPED, is_gguf, shipped_file
 
@@ -74,7 +75,8 @@ def _import(argv: list[str] | None) -> None:
             else cached_import(path, args.weights)
         )
     except (ValueError, OSError) as exc:  # GGUFError and ModelError are ValueErrors
-        print(f"error: {exc}", file=sys.stderr)
+        said = os_error_words(exc) if isinstance(exc, OSError) else str(exc)  # no [Errno N]
+        print(f"error: {said}", file=sys.stderr)
         sys.exit(2)
     print(f"{out}  ({time.perf_counter() - started:.1f} s; serve it with --model {out})")
 

@@ -497,6 +497,10 @@ def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
         import_gguf(gguf, out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     (out / "notes.txt").unlink()
+    (tmp_path / "afile").write_text("x")  # under a file: was "[Errno 17] File exists"
+    with pytest.raises(GGUFError, match=f"--out {tmp_path}/afile/x: {tmp_path}/afile is a file"):
+        import_gguf(gguf, tmp_path / "afile" / "x")
+    (tmp_path / "afile").unlink()
     # files of an import's names, but no import's (the red team's: a model of one's own)
     (out / "config.json").write_text('{"model_type": "llama"}')
     (out / "model.safetensors").write_text("mine")

@@ -211,6 +211,10 @@ def test_a_config_that_is_not_json_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: Expecting"):
         load_config(tmp_path)
+    gguf = tmp_path / "model.gguf"  # the red team's: Python's "'utf-8' codec can't decode"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00\xc3\x28")
+    with pytest.raises(ValueError, match=f"{gguf} is no text file: --config takes"):
+        load_config(gguf)
 
 
 # the paper's Table 14
