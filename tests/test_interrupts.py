@@ -31,20 +31,32 @@ if sys.orig_argv[1:3] == ["-m", os.environ.get("AGENTKV_TEST_HANG")]:
     time.sleep(600)
 """
 
-# Installed into a command's PYTHONPATH: the import (`python -m inference_worker.model_import`)
+# Installed into a command's PYTHONPATH: the import (`python -m inference_worker.model_import`,
+# or the worker's own at its start)
 # writes its weights, touches $AGENTKV_TEST_SAVED_MARK and waits, so a signal lands after the
 # weights and before the config, whatever the machine's load (a signal sent once the staging
 # directory appeared found the import done 1 run in ~15 on a busy machine: exit 0).
 SAVED_THEN_WAIT = """\
-import os, sys, time
-if sys.orig_argv[1:3] == ["-m", "inference_worker.model_import"]:
-    import mlx.core as mx
-    save = mx.save_safetensors
-    def saved_then_wait(*args, **kwargs):
-        save(*args, **kwargs)
-        open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
-        time.sleep(600)
-    mx.save_safetensors = saved_then_wait
+import importlib.abc, importlib.util, os, sys, time
+class SavedThenWait(importlib.abc.MetaPathFinder):  # once mlx.core is imported (the worker's
+    def find_spec(self, name, path, target=None):   # only after it loaded its BLAS)
+        if name != "mlx.core":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def patched(module):
+            run(module)
+            save = module.save_safetensors
+            def saved_then_wait(*args, **kwargs):
+                save(*args, **kwargs)
+                open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
+                time.sleep(600)
+            module.save_safetensors = saved_then_wait
+        spec.loader.exec_module = patched
+        return spec
+if sys.orig_argv[1:3] in (["-m", "inference_worker.model_import"], ["-m", "inference_worker"]):
+    sys.meta_path.insert(0, SavedThenWait())
 """
 
 
@@ -339,31 +351,6 @@ def test_ctrl_c_in_bench_is_one_line_and_leaves_out_as_it_was(job, tmp_path, ear
     assert left_behind(tmp_path) == []
 
 
-# The worker's: mlx.core is patched once the worker imports it (after its BLAS is loaded).
-WORKER_SAVED_THEN_WAIT = """\
-import importlib.abc, importlib.util, os, sys, time
-class SavedThenWait(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "mlx.core":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def patched(module):
-            run(module)
-            save = module.save_safetensors
-            def saved_then_wait(*args, **kwargs):
-                save(*args, **kwargs)
-                open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
-                time.sleep(600)
-            module.save_safetensors = saved_then_wait
-        spec.loader.exec_module = patched
-        return spec
-if sys.orig_argv[1:3] == ["-m", "inference_worker"]:
-    sys.meta_path.insert(0, SavedThenWait())
-"""
-
-
 def test_a_worker_stopped_by_sigterm_while_it_imports_its_model_leaves_no_staging(
     job, tmp_path, blackhole
 ):
@@ -373,7 +360,7 @@ def test_a_worker_stopped_by_sigterm_while_it_imports_its_model_leaves_no_stagin
     line, exit 143, and nothing left in the cache."""
     site, mark, cache = tmp_path / "site", tmp_path / "saved", tmp_path / "cache"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(WORKER_SAVED_THEN_WAIT)
+    (site / "sitecustomize.py").write_text(SAVED_THEN_WAIT)
     env = {
         "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
         "AGENTKV_TEST_SAVED_MARK": str(mark),
