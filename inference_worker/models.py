@@ -117,9 +117,16 @@ def resolve_model(
             return cached_import(path, gguf_weights(weights, device), cache_dir)
         except GGUFError as exc:
             raise ModelError(str(exc)) from exc
+    if weights != "auto":  # a directory is loaded as its files are: nothing would change
+        raise ModelError(
+            f"--gguf-weights {weights} is for a GGUF file, and {spec} is none (--dtype casts "
+            "a model directory's weights)"
+        )
     if path.is_dir():
         return check_model_dir(path)
-    if path.exists() or _looks_local(spec):
+    if path.exists():  # a FIFO, a device, a socket
+        raise ModelError(f"no model at {spec}: neither a GGUF file nor a model directory")
+    if _looks_local(spec):
         names = ", ".join(SHIPPED)
         raise ModelError(f"no model at {spec}: no such file or directory (shipped: {names})")
     return _from_hub(spec)

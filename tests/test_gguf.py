@@ -417,6 +417,19 @@ def test_an_incomplete_model_directory_names_what_it_lacks(tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_a_model_that_is_no_file_nor_directory_or_a_directory_with_gguf_weights_is_refused(
+    tiny_model_dirs,
+):
+    """The red team's: /dev/zero (or a FIFO) was "no such file or directory"; --gguf-weights
+    float16 with a model directory was taken, and did nothing."""
+    with pytest.raises(ModelError, match="/dev/zero: neither a GGUF file nor a model directory"):
+        resolve_model("/dev/zero")
+    model = str(tiny_model_dirs["llama"])
+    with pytest.raises(ModelError, match=f"--gguf-weights float16 is for a GGUF file, and {model}"):
+        resolve_model(model, "float16")
+    assert resolve_model(model) == Path(model)  # auto: as it was
+
+
 def test_the_import_cache_is_keyed_by_content(sources, tmp_path):
     path, config, _, _, w = sources["qwen3"]
     gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
