@@ -235,6 +235,12 @@ class Turns:
             return Turn(await self._say_on(branch, call, keep=True))
         except AgentNotFound:
             pass
+        except AgentLost as exc:  # lost in the store: forked anew, as _say makes an agent anew
+            log.warning(
+                "branch lost in the store: forked anew from its agent",
+                extra={"agent": branch.id, "error": exc.message},
+            )
+            await branch.delete()
         except TurnsFollow as exc:  # points of the branch's own that ids name: a branch of it
             return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
         made = True

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -680,6 +681,59 @@ def test_a_conversation_whose_agent_the_bucket_lost_goes_on_through_the_gateway(
             )
             assert reply.usage.completion_tokens > 0, name
     assert "agent lost in the store" in (tmp_path / "after-gateway.log").read_text()
+
+
+def test_a_conversation_whose_branch_the_bucket_lost_goes_on_in_a_branch_forked_anew(
+    weed, bucket, tmp_path, tiny_model_dirs
+):
+    """A conversation resent whole goes on in a `-c` branch of the agent another one's
+    response ids hold (gateway/turns.py). That branch's manifest unreadable in the bucket:
+    every call of the conversation computed the same branch and got DATA_LOSS (a 500), for
+    ever. The gateway now deletes the lost branch and forks it anew from the agent."""
+    model = str(tiny_model_dirs["llama"])
+    opener = {"role": "user", "content": "Which scrolls are the most fragile?"}
+
+    @contextlib.contextmanager
+    def stack(name: str) -> Iterator[Callable]:
+        store = start_store(tmp_path, name, tier_args(weed, bucket))
+        worker = worker_process(model, store.address, tmp_path / f"{name}-worker.log").start()
+        gateway = gateway_process([worker.address], tmp_path / f"{name}-gw.log", store.address)
+        gateway.start()
+        http = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="-", max_retries=0)
+
+        def ask(items: list) -> Any:
+            return http.responses.create(
+                model=Path(model).name, instructions="You index scrolls.", input=items,
+                max_output_tokens=6, temperature=0,
+            )  # fmt: skip
+
+        try:
+            yield ask
+        finally:
+            gateway.stop()
+            worker.stop()
+            with store.client() as c:
+                wait_for("the uploads", lambda: uploaded(c))
+            store.stop()
+
+    def said(reply: Any) -> list[dict]:
+        return [item.model_dump(exclude_none=True) for item in reply.output]
+
+    with stack("before") as ask:
+        first = ask([opener])
+        ask([opener, *said(first), {"role": "user", "content": "Index them."}])  # names points
+        other = [opener, *said(first), {"role": "user", "content": "Burn them."}]
+        other += [*said(ask(other)), {"role": "user", "content": "Now?"}]  # its own branch
+        on_branch = ask(other)
+        branch = on_branch.model_extra["agentkv"]["agent_id"]
+        assert "-c" in branch, branch
+    cut_short(weed, f"{bucket}/default/agents/{branch}")
+    other += [*said(on_branch), {"role": "user", "content": "And then?"}]
+    with stack("after") as ask:  # an empty data dir: the bucket is all there is
+        again = ask(other)
+        assert again.model_extra["agentkv"]["agent_id"] == branch  # its branch, made anew
+        assert again.usage.output_tokens > 0
+    assert "branch lost in the store" in (tmp_path / "after-gw.log").read_text()
 
 
 def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uploaded(
