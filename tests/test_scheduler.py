@@ -338,6 +338,34 @@ def test_a_higher_priority_turn_of_a_namespace_prefills_first():
     ]
 
 
+def test_a_namespace_never_takes_the_last_batch_slot_while_another_was_active_lately():
+    """The red team's case: eight long turns of one tenant held all eight slots, and another
+    tenant's 10-token turn waited 16.5 s for the first of them to end. While another
+    namespace had a turn within SHARED_SECONDS, the last slot stays free for it: its turn
+    starts at the next step. A lone tenant (and one alone for longer) takes every slot."""
+    from inference_worker.scheduler import SHARED_SECONDS
+
+    s = sched(max_batch=4, queue_limit=16)
+    for i in range(6):
+        s.submit(req(f"lone{i}", namespace="a", max_tokens=1000))
+    run_step(s, now=0.0)
+    assert [r.request_id for r in s.running] == ["lone0", "lone1", "lone2", "lone3"]
+    s = sched(max_batch=4, queue_limit=16)
+    s.submit(req("calm0", namespace="b", max_tokens=1))
+    run_step(s, now=0.0)  # b had a turn; it ends
+    assert not s.running
+    for i in range(6):
+        s.submit(req(f"flood{i}", namespace="a", max_tokens=1000))
+    run_step(s, now=1.0)
+    assert [r.request_id for r in s.running] == ["flood0", "flood1", "flood2"]
+    calm = req("calm1", namespace="b", max_tokens=1)
+    s.submit(calm)
+    assert run_step(s, now=2.0).admitted == [calm]
+    run_step(s, now=3.0)  # calm1 ends: a's fourth waits while b was active lately
+    assert len(s.running) == 3
+    assert [r.request_id for r in run_step(s, now=3.0 + SHARED_SECONDS + 1).admitted] == ["flood3"]
+
+
 def test_namespaces_take_turns_in_line_and_priority_counts_within_one():
     """The line serves each namespace's first turn, then each one's second, ...: a tenant
     that queued many turns (or gave them all a high priority) delays another's by one turn
