@@ -32,7 +32,7 @@ def tcp_listen(name: str, listen: str | None) -> None:
 def listen_host(listen: str) -> str | None:
     """The host part of a listen address; None for a unix socket. Raises ValueError if malformed."""
     scheme, sep, rest = listen.partition("://")
-    if sep and scheme not in ("dns", "ipv4", "ipv6"):  # gRPC's own targets pass
+    if sep and scheme in ("http", "https", "grpc", "grpcs"):  # gRPC's own targets pass
         raise ValueError(
             f"an address is HOST:PORT or unix:PATH, not a {scheme}:// URL: got {listen!r} "
             f"(give {rest.rstrip('/')})"

@@ -123,7 +123,11 @@ def _as_flags(message: str, cls: type, prefix: str) -> str:
     for f in dataclasses.fields(cls):
         if "help" in f.metadata:
             name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
-            field = _whole(re.escape(f.name)) if "_" in f.name else f"^{re.escape(f.name)}(?= )"
+            field = (  # not inside a path: a folder may be called address_file
+                rf"(?<![\w./-]){re.escape(f.name)}(?![\w/-])"
+                if "_" in f.name
+                else f"^{re.escape(f.name)}(?= )"
+            )
             message = re.sub(field, name, message)
     return message
 

@@ -182,7 +182,7 @@ def check_address_file(name: str) -> None:
         raise ValueError(f"--address-file {name}: its folder {path.parent} {why}")
     if path.is_dir():
         raise ValueError(f"--address-file {name} is a folder: name a file in it")
-    if not path.exists():
+    if not path.exists() or not path.stat().st_size:  # an empty one: made for it (mktemp)
         return
     try:
         written = json.loads(path.read_text())

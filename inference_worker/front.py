@@ -52,7 +52,7 @@ class Front:
         self.engine, self.client, self.check_timeout = engine, engine.store, check_timeout
         # Agents being read from the store into RAM (by how many calls), and being deleted.
         self._restoring: Counter[tuple[str, str]] = Counter()
-        self._deleting: set[tuple[str, str]] = set()
+        self._deleting: Counter[tuple[str, str]] = Counter()
         self._busy_lock = threading.Lock()
 
     def create_agent(self, job: TurnJob, system: str, metadata: dict[str, str]) -> None:
@@ -211,12 +211,14 @@ class Front:
                     f"agent {agent_id!r} is being read from the store for a turn: delete it "
                     "once the turn ends"
                 )
-            self._deleting.add(key)
+            self._deleting[key] += 1
         try:
             return self._delete(ns, agent_id)
         finally:
             with self._busy_lock:
-                self._deleting.discard(key)
+                self._deleting[key] -= 1
+                if not self._deleting[key]:
+                    del self._deleting[key]
 
     def _delete(self, ns: str, agent_id: str) -> bool:
         agent = self._mlx(self.engine.agents.drop, ns, agent_id)
@@ -240,7 +242,7 @@ class Front:
         has (its reply then lost, a copy left in RAM)."""
         key = (ns, agent_id)
         with self._busy_lock:
-            if key in self._deleting:
+            if self._deleting[key]:
                 raise AgentBusy(f"agent {agent_id!r} is being deleted")
             self._restoring[key] += 1
         try:

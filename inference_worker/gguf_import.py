@@ -9,6 +9,7 @@ the file's hash, which also enters the directory's config (and so the worker's f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -130,7 +131,10 @@ def _check_out(out: Path) -> None:
 
 def _an_import(out: Path) -> bool:
     """Whether `out`, which holds only files of an import's names, is one: its config.json
-    names the GGUF it came from (a model directory of those names is not replaced)."""
+    names the GGUF it came from (a model directory of those names is not replaced), or it
+    has none, as an import into it in place (_import_inside) leaves one cut short."""
+    if not (out / "config.json").exists():
+        return True
     try:
         return "agentkv_gguf" in json.loads((out / "config.json").read_text())
     except (OSError, ValueError, TypeError):
@@ -178,26 +182,32 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
 
 
 def _file_facts(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "xxh3": file_hash(path)}
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "xxh3": file_hash(path)}
 
 
 def damage(model: Path) -> str:
     """Why an imported directory is not as its import wrote it ("" when it is, or when it
     is an import from before the record, which cannot be checked): a file missing, cut
-    short, or changed."""
+    short, or changed. A file of its recorded size and modification time is taken as
+    written (every start would read the weights twice otherwise: 32 GB for an 8B model in
+    float32); one touched since is hashed."""
     try:
         recorded = json.loads((model / RECORD).read_text())
+        files = {str(name): (int(f["bytes"]), f.get("mtime_ns"), str(f["xxh3"]))
+                 for name, f in recorded.items()}  # fmt: skip
     except FileNotFoundError:
         return "" if (model / "config.json").exists() else "config.json is missing"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"{RECORD} cannot be read ({in_one_line(exc)})"
-    for name, facts in recorded.items():
+    for name, (size, mtime_ns, xxh3) in files.items():
         path = model / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != facts["bytes"]:
-            return f"{name} is {path.stat().st_size} bytes, not the {facts['bytes']} imported"
-        if file_hash(path) != facts["xxh3"]:
+        stat = path.stat()
+        if stat.st_size != size:
+            return f"{name} is {stat.st_size} bytes, not the {size} imported"
+        if stat.st_mtime_ns != mtime_ns and file_hash(path) != xxh3:
             return f"{name} is not the file imported (its xxh3 differs)"
     return ""
 
@@ -301,7 +311,8 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
                 "cached import damaged: imported again", extra={"model": str(target), "why": why}
             )
             aside = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
-            target.rename(aside / "damaged")
+            with contextlib.suppress(FileNotFoundError):  # moved by another (no flock here)
+                target.rename(aside / "damaged")
             shutil.rmtree(aside, ignore_errors=True)
         for stale in cache_dir.glob(f".{glob.escape(key)}.*") if alone else ():
             shutil.rmtree(stale, ignore_errors=True)

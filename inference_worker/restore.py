@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentkv.client.blocks import StoredBlock, alloc
@@ -144,8 +144,8 @@ class Restorer:
     def _readable(self, manifest: Any) -> ChatState:
         """The manifest's conversation state, once its tokens and marks are found to be
         what a worker of this model writes: a token id past the vocabulary would index past
-        the embedding table (a crash of the whole worker, or garbage read), and a mark past
-        the tokens would resume nowhere. Anything else is CorruptRecord (DATA_LOSS), the
+        the embedding table (a crash of the whole worker, or garbage read), and marks that
+        are no positions would resume nowhere. Either is CorruptRecord (DATA_LOSS), the
         agent's alone: written by hand, by another client, or damaged."""
         whose = f"agent {manifest.agent_id!r} in namespace {manifest.namespace!r}"
         tokens = manifest.token_ids
@@ -159,12 +159,9 @@ class Restorer:
             chat = chat_state(dict(manifest.metadata))
         except CorruptRecord as exc:
             raise CorruptRecord(f"{whose}: {exc.message}") from None
-        if far := [m.end for m in chat.marks if m.end > len(tokens)]:
-            raise CorruptRecord(
-                f"{whose}: its stored resume points reach token {max(far)}, past its "
-                f"{len(tokens)} tokens"
-            )
-        return chat
+        # Points past its tokens are no longer there (a store-level fork cut short keeps
+        # its source's): a resend cannot resume at them.
+        return replace(chat, marks=tuple(m for m in chat.marks if m.end <= len(tokens)))
 
     def seed(self, agent: Agent, fetched: Fetched) -> int:
         """Gives a new agent's caches the prefix fetch_prefix read (on the MLX thread); the

@@ -218,10 +218,12 @@ def test_an_address_file_that_is_no_address_file_is_refused_and_kept(program, tm
         "cache_store": ["--data-dir", str(tmp_path / "data")],
         "agentkv.gateway": ["--worker", free_address()],
     }[program] + ["--listen", "127.0.0.1:0"]
+    (tmp_path / "address_file").mkdir()  # a folder named like the field: its path stays
     said = {
         str(kept): "holds a file that is no address file",
         str(tmp_path): "is a folder",
         f"{kept}/x": "is not a folder",
+        str(tmp_path / "address_file"): f"{tmp_path / 'address_file'} is a folder",
     }
     for where, message in said.items():
         proc = subprocess.run(
@@ -232,6 +234,21 @@ def test_an_address_file_that_is_no_address_file_is_refused_and_kept(program, tm
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert ": error: --address-file " in last and message in last, proc.stderr
     assert kept.read_text() == "keep" and not (tmp_path / "data").exists()
+
+
+def test_an_empty_address_file_made_for_the_service_is_taken(tmp_path):
+    """`ADDR=$(mktemp); agentkv-store --address-file "$ADDR"`: an empty file is the script's
+    own, made for the address (the review's: it was refused as no address file)."""
+    from agentkv.launch import store_process
+
+    address_file = tmp_path / "addr"
+    address_file.touch()
+    flags = ["--address-file", str(address_file)]
+    store = store_process(tmp_path / "data", tmp_path / "store.log", extra_args=flags).start()
+    try:
+        assert json.loads(address_file.read_text())["address"] == store.address
+    finally:
+        store.stop()
 
 
 def test_a_gateway_given_one_worker_twice_says_so_in_one_line():

@@ -496,6 +496,10 @@ def test_a_damaged_cached_import_is_imported_again(sources, tmp_path, harm):
     assert weights.read_bytes() == whole and damage(target) == ""
     load(str(target))
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # nothing left aside
+    os.utime(weights)  # touched, the same bytes: hashed, and whole
+    assert damage(target) == ""
+    (target / "agentkv-import.json").write_text("[1, 2]")  # a record that is no record
+    assert damage(target).startswith("agentkv-import.json cannot be read")
 
 
 def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
@@ -522,6 +526,11 @@ def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
     assert (out / "model.safetensors").read_text() == "mine"
     for name in ("config.json", "model.safetensors"):
         (out / name).unlink()
+    # an in-place import cut short (config.json goes first, comes back last): redone
+    (out / "model.safetensors").write_text("half")
+    import_gguf(gguf, out)
+    shutil.rmtree(out)
+    out.mkdir()
     import_gguf(gguf, out)
     import_gguf(gguf, out, "native")
     assert json.loads((out / "config.json").read_text())["agentkv_gguf"]["weights"] == "native"

@@ -76,3 +76,14 @@ def test_a_memory_given_a_malformed_address_says_so_at_once(memory, workers, sto
     cls = AgentMemory if memory == "sync" else AsyncAgentMemory
     with pytest.raises(ValueError, match=f"must be HOST:PORT or unix:PATH, got '{bad}'"):
         cls(workers, store)
+
+
+def test_grpc_targets_pass_and_a_url_is_refused_saying_what_to_give():
+    from agentkv.addresses import client_address, listen_host
+
+    for target in ("unix:///tmp/s.sock", "unix:/tmp/s.sock", "dns:///h:1", "ipv4:127.0.0.1:1"):
+        client_address(target)  # the review's: unix:/// was refused with the URLs
+    assert listen_host("unix:///tmp/s.sock") is None
+    for url in ("http://h:1", "https://h:1/", "grpc://h:1"):
+        with pytest.raises(ValueError, match=r"not a \w+:// URL: got .* \(give h:1\)"):
+            client_address(url)

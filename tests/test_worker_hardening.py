@@ -175,8 +175,8 @@ def test_a_manifest_no_worker_of_this_model_wrote_fails_its_agent_alone(
     whose token ids pass the model's vocabulary; the shared worker's next turn on it read
     past the embedding table: a segmentation fault (every tenant's turns gone, again on
     each restart) for an id of 2^32-1, garbage read for one just past the vocabulary. Marks
-    that are no numbers were an INTERNAL error with a traceback; a mark past the tokens was
-    taken. Each is now DATA_LOSS naming the agent, and the worker serves on."""
+    that are no numbers were an INTERNAL error with a traceback. Each is now DATA_LOSS naming
+    the agent, and the worker serves on."""
     proc = start_worker(tiny_model_dirs["llama"])
     w = WorkerClient(proc.address, timeout=60)
     info = w.info()
@@ -190,11 +190,6 @@ def test_a_manifest_no_worker_of_this_model_wrote_fails_its_agent_alone(
         "past": (tokens[:-1] + [512], metadata, "tokens hold id 512, past this model's"),
         "words": (tokens, metadata | {"agentkv.marks": "zz,notanint,,,"}, "resume points"),
         "short": (tokens, metadata | {"agentkv.marks": "zz,3"}, "resume points cannot"),
-        "far": (
-            tokens,
-            metadata | {"agentkv.marks": marks.replace(",", f",{10**6}0", 1)},
-            "points reach",
-        ),
     }
     for agent, (ids, meta, _) in planted.items():
         store.commit_agent(
@@ -205,6 +200,14 @@ def test_a_manifest_no_worker_of_this_model_wrote_fails_its_agent_alone(
         with pytest.raises(CorruptRecord, match=f"agent '{agent}' in namespace 'bad'") as bad:
             w.turn("bad", agent, Q2, max_tokens=4)
         assert said in bad.value.message and "Traceback" not in bad.value.message
+    # Points past its tokens (a store-level fork cut short keeps its source's) are dropped,
+    # not its agent: a resend cannot resume at them.
+    far = metadata | {"agentkv.marks": marks.replace(",", f",{10**6}0", 1)}
+    store.commit_agent(
+        namespace="bad", agent_id="far", fingerprint=info.fingerprint, token_ids=tokens,
+        metadata=far,
+    )  # fmt: skip
+    assert len(w.turn("bad", "far", Q2, max_tokens=4).token_ids) == 4
     reply = w.turn("ref", "agent", Q2, max_tokens=4)  # the worker serves on
     assert len(reply.token_ids) == 4 and proc.running
     w.evict("ref", "agent")
