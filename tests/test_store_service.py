@@ -286,7 +286,7 @@ def test_a_walkthrough_whose_worker_cannot_start_ends_in_its_one_line(
         cli.main(["walkthrough"])
     assert exit.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: agentkv-worker: error: no model at {missing}")
+    assert err[-1].startswith(f"agentkv-worker: error: no model at {missing}")  # once
     assert "Traceback" not in "\n".join(err)
 
 
