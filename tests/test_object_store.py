@@ -633,6 +633,25 @@ def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
         full.stop()
 
 
+@contextlib.contextmanager
+def gateway_stack(weed, bucket: str, tmp_path: Path, model: str, name: str) -> Iterator:
+    """A store on the bucket (data dir `name`), a worker and a gateway; the openai client of
+    the gateway. At the end, the store's uploads are waited for before it stops."""
+    store = start_store(tmp_path, name, tier_args(weed, bucket))
+    worker = worker_process(model, store.address, tmp_path / f"{name}-worker.log").start()
+    log = tmp_path / f"{name}-gateway.log"
+    gateway = gateway_process([worker.address], log, store.address).start()
+    try:
+        base = f"http://{gateway.address}/v1"
+        yield openai.OpenAI(base_url=base, api_key="-", max_retries=0)
+    finally:
+        gateway.stop()
+        worker.stop()
+        with store.client() as c:
+            wait_for("the uploads", lambda: uploaded(c))
+        store.stop()
+
+
 def test_a_conversation_whose_agent_the_bucket_lost_goes_on_through_the_gateway(
     weed, bucket, tmp_path, tiny_model_dirs
 ):
@@ -643,21 +662,7 @@ def test_a_conversation_whose_agent_the_bucket_lost_goes_on_through_the_gateway(
     first = [{"role": "user", "content": "Any ships?"}]
     names = {"named": {"X-Agent-Id": "named"}, "anonymous": {}}
 
-    @contextlib.contextmanager
-    def stack(name: str) -> Iterator[openai.OpenAI]:
-        store = start_store(tmp_path, name, tier_args(weed, bucket))
-        worker = worker_process(model, store.address, tmp_path / f"{name}-worker.log").start()
-        log = tmp_path / f"{name}-gateway.log"
-        gateway = gateway_process([worker.address], log, store.address).start()
-        try:
-            base = f"http://{gateway.address}/v1"
-            yield openai.OpenAI(base_url=base, api_key="-", max_retries=0)
-        finally:
-            gateway.stop()
-            worker.stop()
-            with store.client() as c:
-                wait_for("the uploads", lambda: uploaded(c))
-            store.stop()
+    stack = partial(gateway_stack, weed, bucket, tmp_path, model)
 
     replies = {}
     with stack("before") as http:
@@ -695,26 +700,11 @@ def test_a_conversation_whose_branch_the_bucket_lost_goes_on_in_a_branch_forked_
 
     @contextlib.contextmanager
     def stack(name: str) -> Iterator[Callable]:
-        store = start_store(tmp_path, name, tier_args(weed, bucket))
-        worker = worker_process(model, store.address, tmp_path / f"{name}-worker.log").start()
-        gateway = gateway_process([worker.address], tmp_path / f"{name}-gw.log", store.address)
-        gateway.start()
-        http = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="-", max_retries=0)
-
-        def ask(items: list) -> Any:
-            return http.responses.create(
+        with gateway_stack(weed, bucket, tmp_path, model, name) as http:
+            yield lambda items: http.responses.create(
                 model=Path(model).name, instructions="You index scrolls.", input=items,
                 max_output_tokens=6, temperature=0,
             )  # fmt: skip
-
-        try:
-            yield ask
-        finally:
-            gateway.stop()
-            worker.stop()
-            with store.client() as c:
-                wait_for("the uploads", lambda: uploaded(c))
-            store.stop()
 
     def said(reply: Any) -> list[dict]:
         return [item.model_dump(exclude_none=True) for item in reply.output]
@@ -733,7 +723,7 @@ def test_a_conversation_whose_branch_the_bucket_lost_goes_on_in_a_branch_forked_
         again = ask(other)
         assert again.model_extra["agentkv"]["agent_id"] == branch  # its branch, made anew
         assert again.usage.output_tokens > 0
-    assert "branch lost in the store" in (tmp_path / "after-gw.log").read_text()
+    assert "branch lost in the store" in (tmp_path / "after-gateway.log").read_text()
 
 
 def test_an_agent_deleted_and_made_anew_while_the_bucket_is_down_is_the_one_uploaded(
