@@ -297,31 +297,46 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     target = cache_dir / key
     if target.exists() and not damage(target):
         return target
+    unwritable = (  # the cache's own trouble, not the import's (a full disk names its file)
+        f"the model {named} {cache_dir} cannot hold imports: {{}} (set AGENTKV_MODEL_CACHE to "
+        "a folder this user can write)"
+    )
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OSError(
-            f"the model {named} {cache_dir} cannot hold imports: {exc.strerror}"
-        ) from None
-    with _taking_turns(cache_dir) as alone:
-        if target.exists():
-            if not (why := damage(target)):  # another process imported it meanwhile
-                return target
-            log.warning(
-                "cached import damaged: imported again", extra={"model": str(target), "why": why}
-            )
-            aside = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
-            with contextlib.suppress(FileNotFoundError):  # moved by another (no flock here)
-                target.rename(aside / "damaged")
-            shutil.rmtree(aside, ignore_errors=True)
-        for stale in cache_dir.glob(f".{glob.escape(key)}.*") if alone else ():
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
-        try:
-            write_model(path, staging, weights)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        raise OSError(unwritable.format(exc.strerror)) from None
+    try:
+        with _taking_turns(cache_dir) as alone:
+            return _import_into(path, weights, cache_dir, key, alone)
+    except OSError as exc:
+        if exc.filename is None or Path(exc.filename).parent not in (cache_dir, cache_dir.parent):
+            raise
+        raise OSError(unwritable.format(exc.strerror)) from None
+
+
+def _import_into(path: Path, weights: str, cache_dir: Path, key: str, alone: bool) -> Path:
+    """The import of `path` as `cache_dir / key`, while imports there take turns: one made
+    meanwhile is taken, a damaged one set aside, and a staging directory of this key left
+    by a killed import (when the turns are held: `alone`) removed."""
+    target = cache_dir / key
+    if target.exists():
+        if not (why := damage(target)):  # another process imported it meanwhile
+            return target
+        log.warning(
+            "cached import damaged: imported again", extra={"model": str(target), "why": why}
+        )
+        aside = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+        with contextlib.suppress(FileNotFoundError):  # moved by another (no flock here)
+            target.rename(aside / "damaged")
+        shutil.rmtree(aside, ignore_errors=True)
+    for stale in cache_dir.glob(f".{glob.escape(key)}.*") if alone else ():
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+    try:
+        write_model(path, staging, weights)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

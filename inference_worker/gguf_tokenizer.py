@@ -78,12 +78,24 @@ def _byte_level(meta: dict):
     from tokenizers import Tokenizer, decoders, models
 
     tokens = vocabulary(meta)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [_merge(m, i, vocab) for i, m in enumerate(meta.get("tokenizer.ggml.merges", []))]
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
+
+
+def _merge(merge: object, i: int, vocab: dict[str, int]) -> tuple[str, str]:
+    """One of tokenizer.ggml.merges: two tokens of the vocabulary, a space apart; anything
+    else is the file's error, not the tokenizers library's ("failed to extract enum")."""
+    left, _, right = str(merge).partition(" ")
+    if not (isinstance(merge, str) and left in vocab and right in vocab):
+        raise GGUFError(
+            f"GGUF tokenizer.ggml.merges[{i}] {str(merge)[:80]!r} is not two tokens of the "
+            "vocabulary, a space apart"
+        )
+    return left, right
 
 
 def _sentencepiece(meta: dict):

@@ -453,6 +453,10 @@ BAD_METADATA = {  # the red team's, each imported "successfully", then failing t
     "kv-heads": ({"llama.attention.head_count_kv": 1}, "disagrees with its tensors"),
     "width": ({"llama.embedding_length": 1}, "GGUF"),  # was ZeroDivisionError
     "rope-nan": ({}, "rope_theta = nan: not a finite number"),  # answered only its end token
+    "merges": (  # was the tokenizers library's "TypeError: failed to extract enum PyMerges"
+        {"tokenizer.ggml.merges": ["nospace"]},
+        "tokenizer.ggml.merges[0] 'nospace' is not two tokens of the vocabulary",
+    ),
 }
 
 
@@ -500,6 +504,26 @@ def test_a_damaged_cached_import_is_imported_again(sources, tmp_path, harm):
     assert damage(target) == ""
     (target / "agentkv-import.json").write_text("[1, 2]")  # a record that is no record
     assert damage(target).startswith("agentkv-import.json cannot be read")
+
+
+def test_a_model_cache_that_takes_no_files_says_so_and_what_to_do(sources, tmp_path, monkeypatch):
+    """The red team's read-only (immutable) cache: `error: [Errno 1] Operation not permitted:
+    '.../.SmolLM2-...'`, a staging name. Root ignores modes, so the refusal is simulated."""
+    import errno
+
+    from inference_worker import gguf_import
+
+    path, config, _, _, w = sources["qwen3"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    cache = tmp_path / "cache"
+
+    def refused(prefix: str, dir: Path) -> str:
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(Path(dir) / prefix))
+
+    monkeypatch.setattr(gguf_import.tempfile, "mkdtemp", refused)
+    said = rf"the model cache {cache} cannot hold imports: Operation not permitted \(set AGENTKV"
+    with pytest.raises(OSError, match=said):
+        cached_import(gguf, "float32", cache)
 
 
 def test_an_import_into_a_directory_is_whole_or_not_there(sources, tmp_path):
