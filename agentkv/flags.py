@@ -74,7 +74,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> N
         if "nested" in f.metadata:
             add_flags(parser, f.metadata["nested"], prefix + f.metadata["prefix"])
         elif "help" in f.metadata:
-            name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
+            name = _flag_name(f, prefix)
             parser.add_argument(name, dest=_dest(prefix, f), **_options(f, hints[f.name], name))
 
 
@@ -106,11 +106,7 @@ def from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **given:
 
 def _prefixed(message: str, cls: type, prefix: str) -> str:
     """`message` with each of `cls`'s own flags (--NAME) written --PREFIXNAME."""
-    names = [
-        f.metadata["name"] or f.name.replace("_", "-")
-        for f in dataclasses.fields(cls)
-        if "help" in f.metadata
-    ]
+    names = [_flag_name(f)[2:] for f in dataclasses.fields(cls) if "help" in f.metadata]
     flags = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
     return re.sub(_whole(f"--({flags})"), rf"--{prefix}\1", message)
 
@@ -122,7 +118,7 @@ def _as_flags(message: str, cls: type, prefix: str) -> str:
     message ("workers must be >= 2")."""
     for f in dataclasses.fields(cls):
         if "help" in f.metadata:
-            name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
+            name = _flag_name(f, prefix)
             field = (  # not inside a path: a folder may be called address_file
                 rf"(?<![\w./-]){re.escape(f.name)}(?![\w/-])"
                 if "_" in f.name
@@ -130,6 +126,11 @@ def _as_flags(message: str, cls: type, prefix: str) -> str:
             )
             message = re.sub(field, name, message)
     return message
+
+
+def _flag_name(f: dataclasses.Field, prefix: str = "") -> str:
+    """The flag of a flagged field: --PREFIX plus its name, or the field's with dashes."""
+    return "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
 
 
 def _whole(flag: str) -> str:
@@ -143,7 +144,7 @@ def _from_environment(message: str, cls: type, args: argparse.Namespace, prefix:
     for f in dataclasses.fields(cls):
         if not f.metadata.get("env"):
             continue
-        name = "--" + prefix + (f.metadata["name"] or f.name.replace("_", "-"))
+        name = _flag_name(f, prefix)
         variable = _variable(name)
         given = getattr(args, _dest(prefix, f), None)
         if os.environ.get(variable) and given == os.environ[variable]:

@@ -99,7 +99,7 @@ class Front:
         _check_fits(self.engine.runtime, job.messages)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
-            with self._restore(ns, agent_id):
+            with self._busy(ns, agent_id, self._restoring, self._deleting, "is being deleted"):
                 fetched = self.engine.restorer.fetch(ns, agent_id)
                 self._warm(job, fetched.manifest)
                 self._mlx(self.engine.start_turn, job, view, fetched)
@@ -204,21 +204,9 @@ class Front:
 
     def delete(self, ns: str, agent_id: str) -> bool:
         ns, agent_id = ids.namespace(ns), ids.agent_id(agent_id)
-        key = (ns, agent_id)
-        with self._busy_lock:
-            if self._restoring[key]:
-                raise AgentBusy(
-                    f"agent {agent_id!r} is being read from the store for a turn: delete it "
-                    "once the turn ends"
-                )
-            self._deleting[key] += 1
-        try:
+        reading = "is being read from the store for a turn: delete it once the turn ends"
+        with self._busy(ns, agent_id, self._deleting, self._restoring, reading):
             return self._delete(ns, agent_id)
-        finally:
-            with self._busy_lock:
-                self._deleting[key] -= 1
-                if not self._deleting[key]:
-                    del self._deleting[key]
 
     def _delete(self, ns: str, agent_id: str) -> bool:
         agent = self._mlx(self.engine.agents.drop, ns, agent_id)
@@ -235,23 +223,25 @@ class Front:
         return True
 
     @contextmanager
-    def _restore(self, ns: str, agent_id: str) -> Iterator[None]:
-        """A turn's read of the agent from the store into RAM, which a delete under way
-        refuses (AgentBusy) as a delete is refused while a turn reads: else the turn would
-        read the store before the delete reached it, and run on a copy the store no longer
-        has (its reply then lost, a copy left in RAM)."""
+    def _busy(
+        self, ns: str, agent_id: str, doing: Counter, other: Counter, refused: str
+    ) -> Iterator[None]:
+        """Counts a call in `doing` for the agent (a turn's read of it from the store into
+        RAM, or its delete) while none is counted in `other` (else AgentBusy, the agent
+        `refused`): a turn that read the store before a delete reached it would run on a
+        copy the store no longer has (its reply then lost, a copy left in RAM)."""
         key = (ns, agent_id)
         with self._busy_lock:
-            if self._deleting[key]:
-                raise AgentBusy(f"agent {agent_id!r} is being deleted")
-            self._restoring[key] += 1
+            if other[key]:
+                raise AgentBusy(f"agent {agent_id!r} {refused}")
+            doing[key] += 1
         try:
             yield
         finally:
             with self._busy_lock:
-                self._restoring[key] -= 1
-                if not self._restoring[key]:
-                    del self._restoring[key]
+                doing[key] -= 1
+                if not doing[key]:
+                    del doing[key]
 
     def hot_tier(self) -> tuple[int, int, int]:
         """(budget, bytes held, agents) of the hot tier, as of its last change."""

@@ -63,7 +63,7 @@ class Fetched:
 
     manifest: Any  # the store's AgentManifest
     read_at: float  # time.monotonic() when the manifest was asked for
-    chat: ChatState | None = None  # the conversation's state, read from its metadata
+    chat: ChatState | None = None  # read from its metadata (a shared prefix's has none)
     layers: list[HostLayer] = field(default_factory=list)  # empty: nothing restored
     keys: list[bytes] = field(default_factory=list)  # the blocks the layers hold
     counts: list[int] = field(default_factory=list)
@@ -194,7 +194,7 @@ class Restorer:
             generation=m.generation,
             phase=m.phase,
             metadata=caller_metadata(m.metadata),
-            chat=fetched.chat or chat_state(m.metadata),
+            chat=fetched.chat,
             synced_at=fetched.read_at,
         )
         if not fetched.layers:

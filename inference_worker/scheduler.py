@@ -244,11 +244,10 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         admitted = []
         behind = self.waiting_bytes  # the agents still waiting hold these
-        held = Counter(r.namespace for r in self.running)
         for request in self._line():
             if len(self.running) >= self.max_batch:
                 break
-            if self._last_slot_kept(request, held):
+            if self._last_slot_kept(request):
                 continue  # another namespace's turn behind it may take it
             behind -= request.own_bytes
             room = self.memory_budget - self.hot_bytes - behind
@@ -260,15 +259,14 @@ class Scheduler:
             self._served(request)
             request.state = State.PREFILLING if request.prompt_tokens else State.DECODING
             self.running.append(request)
-            held[request.namespace] += 1
             admitted.append(request)
         return admitted
 
-    def _last_slot_kept(self, request: Request, held: Counter) -> bool:
+    def _last_slot_kept(self, request: Request) -> bool:
         """Whether `request` would give its namespace every batch slot while another
         namespace was active lately: a turn of that one, coming, would wait for a whole
         turn of this one (the red team's 16.5 s behind eight 1,500-token turns)."""
-        mine = held[request.namespace]
+        mine = sum(r.namespace == request.namespace for r in self.running)
         if self.max_batch < 2 or mine < self.max_batch - 1:
             return False
         return any(ns != request.namespace for ns in self._active)
