@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentkv import defaults, ids
+from agentkv import defaults, ids, tether
 from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity, header_token
 from agentkv.client.inspect import STORE_COMMANDS
@@ -36,7 +36,7 @@ from agentkv.errors import (
     connect_failure,
 )
 from agentkv.flags import add_flags, from_args, show_defaults, telling
-from agentkv.launch import ServiceExited, dies_with
+from agentkv.launch import ServiceExited
 from agentkv.plan_report import print_plan
 from agentkv.planner import parse_size, parse_tokens
 from agentkv.units import human_bytes, table
@@ -148,23 +148,21 @@ def _model_parser(model: argparse.ArgumentParser) -> None:
 def cmd_model_import(args: argparse.Namespace) -> int:
     """Runs the import in the worker's own package, as a process of its own: the CLI sits
     on every layer, but lives in agentkv/, so it imports none of the worker's modules."""
-    command = [sys.executable, "-m", "inference_worker.model_import", args.file]
-    command += ["--weights", args.weights, *(["--out", str(args.out)] if args.out else [])]
-    return _run_child(command)
+    command = ["-m", "inference_worker.model_import", args.file, "--weights", args.weights]
+    return _run_child([*command, *(["--out", str(args.out)] if args.out else [])])
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _run_child(command: list[str], **popen: object) -> int:
-    """Runs a command of the CLI's own (bench, model import) to its end: its exit code (a
+def _run_child(target: list[str], **popen: object) -> int:
+    """Runs `python TARGET` (bench, model import) to its end: its exit code (a
     shell's 128+N when signal N ended it). It runs in a session of its own, and the CLI
     passes it SIGINT, SIGTERM and SIGHUP: a Ctrl-C, which a terminal sends to the CLI's
     whole process group, reaches it once, as one sent to the CLI alone does. The child
     cleans up and says "interrupted" itself."""
-    child = subprocess.Popen(
-        command, start_new_session=True, preexec_fn=dies_with(os.getpid()), **popen
-    )
+    command = tether.command(os.getpid(), signal.SIGTERM, target)  # ended with the CLI
+    child = subprocess.Popen(command, start_new_session=True, **popen)
 
     def forward(sig: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -262,7 +260,7 @@ def cmd_bench(rest: list[str]) -> int:
             f"error: {script} not found: agentkv bench runs from a source checkout", file=sys.stderr
         )
         return 2
-    return _run_child([sys.executable, str(script), *rest], cwd=script.parent.parent)
+    return _run_child([str(script), *rest], cwd=script.parent.parent)
 
 
 def cmd_with_services(args: argparse.Namespace) -> None:

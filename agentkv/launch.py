@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -11,28 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def dies_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """For a child, before it runs: `sig` once `parent` (the thread of it that starts the
-    child) ends however it does (Linux's PR_SET_PDEATHSIG; elsewhere nothing), since in a
-    session of its own no kill of the parent's group reaches it."""
-    prctl = None
-    with contextlib.suppress(OSError, AttributeError):  # looked up here: the child only calls it
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def arrange() -> None:
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, sig)
-        if os.getppid() != parent:  # it ended before the above took hold
-            os.kill(os.getpid(), sig)
-
-    return arrange
+from agentkv import tether
 
 
 class ServiceExited(RuntimeError):
@@ -69,19 +51,13 @@ class ServiceProcess:
         self.log_path.touch()
         offset = self.log_path.stat().st_size
         env = {**os.environ, **(self.env or {})}
-        session = {}
-        if self.own_session:
-            session = {
-                "start_new_session": True,
-                "preexec_fn": dies_with(os.getpid(), signal.SIGKILL),
-            }
+        target = ["-m", self.module, *self.args]
+        command = [*self.prefix, sys.executable, *target]
+        if self.own_session:  # (agentkv.tether: no preexec_fn, so no fork handlers run)
+            command = [*self.prefix, *tether.command(os.getpid(), signal.SIGKILL, target)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [*self.prefix, sys.executable, "-m", self.module, *self.args],
-                stdout=log,
-                stderr=log,
-                env=env,
-                **session,
+                command, stdout=log, stderr=log, env=env, start_new_session=self.own_session
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

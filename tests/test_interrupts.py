@@ -26,7 +26,9 @@ TOY_MODEL = ROOT / "models" / "agentkv-default"
 # start (before any of its code runs), after touching $AGENTKV_TEST_HANG_MARK.
 HANG = """\
 import os, sys, time
-if sys.orig_argv[1:3] == ["-m", os.environ.get("AGENTKV_TEST_HANG")]:
+argv = sys.orig_argv[1:]
+argv = argv[4:] if argv[:2] == ["-m", "agentkv.tether"] else argv  # a command's own child
+if argv[:2] == ["-m", os.environ.get("AGENTKV_TEST_HANG")]:
     open(os.environ["AGENTKV_TEST_HANG_MARK"], "w").close()
     time.sleep(600)
 """
@@ -55,7 +57,9 @@ class SavedThenWait(importlib.abc.MetaPathFinder):  # once mlx.core is imported 
             module.save_safetensors = saved_then_wait
         spec.loader.exec_module = patched
         return spec
-if sys.orig_argv[1:3] in (["-m", "inference_worker.model_import"], ["-m", "inference_worker"]):
+argv = sys.orig_argv[1:]
+argv = argv[4:] if argv[:2] == ["-m", "agentkv.tether"] else argv  # a command's own child
+if argv[:2] in (["-m", "inference_worker.model_import"], ["-m", "inference_worker"]):
     sys.meta_path.insert(0, SavedThenWait())
 """
 
@@ -218,6 +222,38 @@ def ended(pid: int) -> bool:
         return "Z" in (Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1][:4])
     except OSError:
         return True
+
+
+# Run as a command: starts what commands start (a service, a script) and prints how many
+# fork()s ran the fork handlers (gRPC's hang), and what the script saw as its argv and path.
+STARTS = """\
+import os, sys
+from pathlib import Path
+from agentkv.cli import _run_child
+from agentkv.launch import store_process
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+root = Path(sys.argv[1])
+store_process(root / "data", root / "store.log", own_session=True).start().stop()
+print(len(forks), flush=True)
+script = "import os, sys; print(sys.argv, sys.path[0] == os.path.dirname(sys.argv[0]))"
+(root / "script.py").write_text(script)
+print(_run_child([str(root / "script.py"), "an", "arg"]), len(forks))
+"""
+
+
+def test_a_command_starts_its_children_without_fork_handlers(tmp_path):
+    """A command tied its services and scripts to itself in a preexec_fn, so subprocess
+    forked with fork(), which ran gRPC's fork handlers in a process with live channels: the
+    walkthrough hung in fork() restarting its worker (CI, 300 s). The child ties itself now
+    (agentkv.tether), and no fork handler runs; a script still sees its own argv and path."""
+    run = subprocess.run(
+        [sys.executable, "-c", STARTS, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.stdout.splitlines()[:1] == ["0"], run.stderr  # the service's start
+    assert run.returncode == 0, run.stderr
+    script = str(tmp_path / "script.py")
+    assert run.stdout.splitlines()[1:] == [f"{[script, 'an', 'arg']} True", "0 0"]
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc and PR_SET_PDEATHSIG")
