@@ -15,6 +15,11 @@ from pathlib import Path
 # once, when grpc is imported, and every agentkv process imports this package first. An
 # operator's GRPC_VERBOSITY still wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# gRPC's fork handlers let a child forked without exec use gRPC. agentkv forks none: it starts
+# processes (exec), where the handlers can wait forever on gRPC's own threads in a process
+# with live channels (CI's walkthrough hung in fork() restarting its worker). Read when grpc
+# is imported, like the above; an application that needs them sets it to 1 itself.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __version__ = "0.1.0"
 

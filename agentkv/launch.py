@@ -29,7 +29,7 @@ class ServiceExited(RuntimeError):
 
 @dataclass
 class ServiceProcess:
-    """A service started with `python -m MODULE ARGS`; ready once it logs the "serving" event."""
+    """A service started as `python -m MODULE ARGS`; ready once it logs the "serving" event."""
 
     module: str
     args: list[str]
@@ -43,6 +43,7 @@ class ServiceProcess:
     # reaches the command alone, which passes it on (stop(interrupted=True)). It is SIGKILLed
     # when the thread that started it ends: a command killed outright takes it along, as a
     # kill of the command's group did (a SIGTERM would have it drain to a store going too).
+    # Not one started through a prefix (agentkv.tether).
     own_session: bool = False
 
     def start(self, timeout: float | None = None) -> ServiceProcess:
@@ -53,8 +54,8 @@ class ServiceProcess:
         env = {**os.environ, **(self.env or {})}
         target = ["-m", self.module, *self.args]
         command = [*self.prefix, sys.executable, *target]
-        if self.own_session:  # (agentkv.tether: no preexec_fn, so no fork handlers run)
-            command = [*self.prefix, *tether.command(os.getpid(), signal.SIGKILL, target)]
+        if self.own_session and not self.prefix:  # agentkv.tether: no preexec_fn, no fork
+            command = tether.command(os.getpid(), signal.SIGKILL, target)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=log, env=env, start_new_session=self.own_session

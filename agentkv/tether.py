@@ -6,9 +6,11 @@ PARENT is still its parent).
 A command ties the services it starts in sessions of their own to itself this way: a kill -9
 of the command, which no group kill carries to them, takes them along. The tie was a
 subprocess preexec_fn, run between fork and exec. With one, subprocess forks with fork(),
-which runs gRPC's fork handlers in a process whose gRPC channels are live, and they can wait
-forever (the walkthrough hung in fork() restarting its worker). With none, it uses vfork(),
-which runs no handler, and the child ties itself here.
+which runs fork handlers (gRPC's could wait forever in a process with live channels: the
+walkthrough hung in fork() restarting its worker). With none, on Linux it uses vfork(), which
+runs none, and the child ties itself here. (Elsewhere subprocess forks anyway; agentkv's
+package turns gRPC's handlers off, GRPC_ENABLE_FORK_SUPPORT.) A `prefix` that forks (sudo,
+timeout) would be the parent here: ServiceProcess ties no service started through one.
 """
 
 from __future__ import annotations

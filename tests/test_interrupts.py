@@ -256,6 +256,45 @@ def test_a_command_starts_its_children_without_fork_handlers(tmp_path):
     assert run.stdout.splitlines()[1:] == [f"{[script, 'an', 'arg']} True", "0 0"]
 
 
+# Run with GRPC_VERBOSITY=INFO: starts processes with fork(), as subprocess does outside
+# Linux, while two threads call a gRPC server, as a command's may; gRPC's fork handlers log.
+FORKS = """\
+import subprocess
+subprocess._USE_VFORK = False
+import agentkv, threading, grpc
+from concurrent import futures
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+server = grpc.server(futures.ThreadPoolExecutor(4))
+health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+stub = health_pb2_grpc.HealthStub(
+    grpc.insecure_channel(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+)
+server.start()
+def call():
+    while True:
+        stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+for _ in range(2):
+    threading.Thread(target=call, daemon=True).start()
+for _ in range(100):
+    subprocess.run(["true"], check=True)
+print("forked")
+"""
+
+
+def test_an_agentkv_process_runs_no_grpc_fork_handler():
+    """Where subprocess forks with fork() anyway (macOS), gRPC's fork handlers ran in a
+    process with live channels, as they did in the walkthrough that hung. Here that failed
+    4 runs in 4 within 100 starts: a child aborted (SIGABRT), the server's pool was shut
+    down, or it hung. agentkv's package turns them off before grpc is imported."""
+    env = {**os.environ, "GRPC_VERBOSITY": "INFO"}
+    env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    run = subprocess.run(
+        [sys.executable, "-c", FORKS], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert run.stdout == "forked\n", run.stderr
+    assert [line for line in run.stderr.splitlines() if "fork" in line.lower()] == []
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc and PR_SET_PDEATHSIG")
 def test_a_cli_killed_outright_takes_its_import_with_it(job, tmp_path):
     """`kill -9` of the CLI's process group (a CI or supervisor timeout) reaches no child in

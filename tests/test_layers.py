@@ -1,6 +1,6 @@
 """The layers' arrows run one way, read from the source's imports (function-level ones too).
 
-agentkv core (errors, keys, wire, ids, units, addresses, layers, flags, planner, stubs)
+agentkv core (errors, keys, wire, ids, units, addresses, layers, flags, planner, tether, stubs)
   <- RPC plumbing (agentkv.rpc, .auth, .channels, .security, .serving, .launch)
   <- cache_store/ and client/ (neither imports the other)
   <- inference_worker/ and gateway/ (services: neither imports the other, nor the store)
