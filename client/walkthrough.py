@@ -151,22 +151,23 @@ def worker_tour(store_address: str, root: Path, services: dict[str, ServiceProce
     log = root / "worker.log"
     worker = services["worker"] = worker_process(model, store_address, log, own_session=True)
     worker.start()
-    w = WorkerClient(worker.address)
-    info = w.info()
-    print(f"worker pid {worker.proc.pid}: {info.fingerprint}, BLAS {Path(info.blas).name}")
-    t = time.perf_counter()
-    w.create_agent("demo", "marco", MARCO)
-    print(
-        f"marco: {w.describe('demo', 'marco').num_tokens}-token system prompt prefilled "
-        f"(cold) in {(time.perf_counter() - t) * 1000:.0f} ms"
-    )
-    rows = [ask(w, "What does join in posixpath do?"), ask(w, "What does sorted do?")]
-    w.evict("demo", "marco")
-    rows.append(ask(w, "What does open do?"))
+    with WorkerClient(worker.address) as w:  # closed before the restart: no channel left
+        info = w.info()
+        print(f"worker pid {worker.proc.pid}: {info.fingerprint}, BLAS {Path(info.blas).name}")
+        t = time.perf_counter()
+        w.create_agent("demo", "marco", MARCO)
+        print(
+            f"marco: {w.describe('demo', 'marco').num_tokens}-token system prompt prefilled "
+            f"(cold) in {(time.perf_counter() - t) * 1000:.0f} ms"
+        )
+        rows = [ask(w, "What does join in posixpath do?"), ask(w, "What does sorted do?")]
+        w.evict("demo", "marco")
+        rows.append(ask(w, "What does open do?"))
     worker.stop()
     worker = services["worker"] = worker_process(model, store_address, log, own_session=True)
     worker.start()
-    rows.append(ask(WorkerClient(worker.address), "What does print do?"))
+    with WorkerClient(worker.address) as w:
+        rows.append(ask(w, "What does print do?"))
     print(table(["turn", "cache", "ttft ms", "reused", "prefilled", "reply"], rows))
 
 

@@ -198,6 +198,27 @@ def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
     )
 
 
+def command(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`agentkv ARGS` to its end. One that runs past `timeout` (below the test's own, so this
+    fires first) fails with what it printed and the tails of the logs in the folder it named
+    ("data in DIR"): CI said only "Timeout (>300.0s)" when the walkthrough hung."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "agentkv.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as hung:  # its output is bytes, whatever text= says
+        said = b"".join(out or b"" for out in (hung.stdout, hung.stderr)).decode(errors="replace")
+        folders = re.findall(r"data in (\S+)", said)
+        logs = [log for folder in folders for log in sorted(Path(folder).glob("*.log"))]
+        tails = "".join(f"\n--- {log}:\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+        raise AssertionError(
+            f"agentkv {args[0]} ran past {timeout} s:\n{said[-5000:]}{tails}"
+        ) from None
+
+
 # Ports a test picks for a server it starts by address. Each pytest-xdist worker (and a run
 # without xdist, as the only worker) has its own share of 10000-19999, and the +10000 twins
 # that weed's gRPC ports need in 20000-29999: below Linux's ephemeral range (32768-60999), so

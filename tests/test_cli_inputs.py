@@ -356,6 +356,6 @@ def test_a_reader_that_leaves_ends_the_cli_quietly_as_a_pipe_does():
     cmd = [sys.executable, "-m", "agentkv.cli", "plan", "--context", "8K", "--budget", "1G"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before it writes: the only reader is gone
-    stderr = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141, stderr
-    assert stderr == ""
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 141, stderr
+    assert stderr == b""

@@ -101,7 +101,7 @@ def test_restored_logits_are_bit_identical(tiny_model_dirs, store_process, arch)
         job = TurnJob("default", "a", [ChatMessage(*Q1[0])], Sampling(max_tokens=0))
         engine.submit(engine.start_turn, job).result()
         for started in (create, job):
-            while started.events.get() is not END:
+            while started.events.get(timeout=120) is not END:
                 pass
         engine.persister.flush()
 
