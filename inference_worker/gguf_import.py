@@ -351,7 +351,7 @@ def _taking_turns(directory: Path) -> Iterator[bool]:
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd, directory)
         except OSError as exc:
             if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
@@ -360,3 +360,16 @@ def _taking_turns(directory: Path) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)  # drops the flock
+
+
+def _lock(fd: int, directory: Path) -> None:
+    """An exclusive flock on `fd`, saying so when it waits for another import (a worker's
+    start waited without a word, its log silent, however long the other took or hung)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning(
+            "waiting for another import into the model cache to end",
+            extra={"cache": str(directory)},
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)

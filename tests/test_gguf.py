@@ -575,11 +575,16 @@ def staging_left(sources, tmp_path: Path, suffix: str) -> tuple[Path, Path, Path
     return gguf, cache, target, staging
 
 
-def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(sources, tmp_path):
+def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(
+    sources, tmp_path, caplog
+):
     """A staging directory of the same import that nobody holds (its process was killed) goes
-    at the next import; one an import in progress holds (another process) stays meanwhile."""
+    at the next import; one an import in progress holds (another process) stays meanwhile.
+    The import that waits says so (it waited without a word: a worker's start, silent)."""
     import fcntl
     import threading
+
+    from tests.helpers import until
 
     gguf, cache, target, stale = staging_left(sources, tmp_path, "k1ll3d")
     (stale / "model.safetensors").write_bytes(b"half of it")
@@ -589,9 +594,10 @@ def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(source
     held = os.open(tmp_path / ".cache.import-lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
     importing = threading.Thread(target=cached_import, args=(gguf, "float32", cache))
+    waiting = "waiting for another import into the model cache to end"
     try:
         importing.start()
-        importing.join(1.0)
+        until(lambda: waiting in caplog.messages, "the import to say it waits")
         assert stale.exists() and not target.exists()  # it waits for the other import
     finally:
         os.close(held)
