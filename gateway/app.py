@@ -97,13 +97,19 @@ class Gateway:
             pause = min(pause * 2, 10.0)
 
     async def stop(self) -> None:
-        """Deletes every spare agent left, each once its creation and turn have ended, then
-        closes the connections. Requests have drained by now (or were cancelled)."""
+        """Deletes every spare agent left, each once its creation and turn have ended (for
+        --cleanup-seconds), then closes the connections. Requests have drained by now (or
+        were cancelled)."""
         if self._started is not None:
             self._started.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._started
-        await self.turns.stop()
+        left = await self.turns.stop(self.config.cleanup_seconds)
+        if left:
+            log.warning(
+                "spare agents left in the store: their deletion did not end in time",
+                extra={"agents": left, "seconds": self.config.cleanup_seconds},
+            )
         if self.memory is not None:
             await self.memory.close()
 

@@ -41,6 +41,11 @@ class GatewayConfig:
         shown="8M",
     )
     timeout: float = flag(300.0, "seconds a turn may take on a worker")
+    cleanup_seconds: float = flag(
+        30.0,
+        "seconds a stop waits, after the drain, to delete the spare agents its calls made "
+        "(those left then are named in the log)",
+    )
     log_level: str = log_level_flag()
     address_file: str = flag("", "once serving, write the bound address to this file as JSON")
     security: ServerSecurity = nested(ServerSecurity)  # its clients: TLS, the token table
@@ -70,6 +75,8 @@ class GatewayConfig:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if not self.timeout > 0:  # every call would end at once, 504 (or 503 if negative)
             raise ValueError(f"--timeout must be above 0 seconds, got {self.timeout}")
+        if not self.cleanup_seconds >= 0:
+            raise ValueError(f"--cleanup-seconds must be 0 or more, got {self.cleanup_seconds}")
         if self.max_body_bytes < 1024:  # the smallest chat request would be a 413
             raise ValueError(f"--max-body must be at least 1K, got {self.max_body_bytes}")
         self.security.check(self.listen, is_loopback(self.listen))

@@ -149,11 +149,19 @@ class Turns:
         # CreateAgent calls under way: a spare's deletion waits for its creation to end.
         self.creations: dict[AsyncAgent, asyncio.Future] = {}
 
-    async def stop(self) -> None:
-        """Deletes every spare agent left, each once its creation and turn have ended."""
+    async def stop(self, seconds: float) -> list[str]:
+        """Deletes every spare agent left, each once its creation and turn have ended, for
+        at most `seconds`; returns the agents whose deletion had not ended then (a hung
+        worker held the stop until each call's deadline: minutes)."""
         for agent in list(self.spares):
             self.ended(agent)
-        await asyncio.gather(*self.deletions, return_exceptions=True)
+        if not self.deletions:
+            return []
+        _, left = await asyncio.wait(set(self.deletions), timeout=seconds)
+        for deletion in left:
+            deletion.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return sorted(deletion.get_name() for deletion in left)
 
     async def start(
         self, memory: AsyncAgentMemory, agent_id: str, call: ChatCall, anonymous: bool
@@ -254,7 +262,7 @@ class Turns:
             return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
         except BaseException:
             if made:  # a fork whose first turn never ran is no conversation's: not kept
-                self._deleting(delete_refused(branch))
+                self._deleting(delete_refused(branch), branch.id)
             raise
 
     async def _say_on(self, branch: AsyncAgent, call: ChatCall, keep: bool) -> AsyncReply:
@@ -314,7 +322,7 @@ class Turns:
             return Turn(await agent.say(call.messages, **options), created)
         except (InvalidArgument, OutOfRange):  # the turn refused, before it changed anything
             if made and agent not in self.spares:  # made for this call alone
-                self._deleting(delete_refused(agent))
+                self._deleting(delete_refused(agent), agent.id)
             self.ended(agent)
             raise
         except BaseException:
@@ -331,11 +339,11 @@ class Turns:
         """After the agent's turn ended or was closed: a spare agent is deleted, once."""
         if agent in self.spares:
             self.spares.remove(agent)
-            self._deleting(delete_spare(agent, self.creations.get(agent)))
+            self._deleting(delete_spare(agent, self.creations.get(agent)), agent.id)
 
-    def _deleting(self, deletion: Coroutine[Any, Any, None]) -> None:
+    def _deleting(self, deletion: Coroutine[Any, Any, None], agent_id: str) -> None:
         """Runs a deletion, which the gateway's stop waits for (`deletions`)."""
-        task = asyncio.create_task(deletion)
+        task = asyncio.create_task(deletion, name=agent_id)
         self.deletions.add(task)
         task.add_done_callback(self.deletions.discard)
 

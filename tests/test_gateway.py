@@ -753,6 +753,35 @@ def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(sta
             gateway.stop()
 
 
+def test_a_stop_leaves_a_spare_its_hung_worker_holds_and_names_it(stack):
+    """A spare whose CreateAgent the worker holds (hung: it answers pings, not calls) kept
+    the stop waiting for that call's deadline, --timeout (5 minutes), then for its delete's.
+    The stop now waits --cleanup-seconds, names the spare left in its log, and exits."""
+    with (
+        HeldCreation(stack.worker_address, agents=is_spare) as proxy,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        gateway = stack.start_gateway([proxy.address], "--cleanup-seconds", "1", name="left")
+        try:
+            client = stack.client(gateway)
+            messages = [{"role": "user", "content": "Write a long story about a mill. (left)"}]
+            busy = ask(client, messages, stream=True, max_tokens=400)
+            next(iter(busy))  # the conversation's own agent is busy: the next call's is a spare
+            call = pool.submit(ask, client, messages, max_tokens=8)
+            spare = proxy.stalled.get(timeout=60)
+            busy.close()
+            gateway.proc.send_signal(signal.SIGTERM)
+            assert gateway.proc.wait(30) == 0, gateway.log_tail()  # the proxy holds it 60 s
+            lines = gateway.log_tail(200_000).splitlines()
+            logged = [json.loads(line) for line in lines if line.startswith("{")]
+            (said,) = [entry for entry in logged if entry["event"].startswith("spare agents")]
+            assert said["agents"] == [spare] and said["level"] == "warning", said
+            assert error_of(call.result).status_code == 503
+        finally:
+            proxy.released.set()
+            gateway.stop()
+
+
 class HungInfo(WorkerProxy):
     """A worker that answers all but GetWorkerInfo, which it holds (hung) until it closes."""
 
