@@ -75,7 +75,7 @@ class GatewayConfig:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if not self.timeout > 0:  # every call would end at once, 504 (or 503 if negative)
             raise ValueError(f"--timeout must be above 0 seconds, got {self.timeout}")
-        if not self.cleanup_seconds >= 0:
+        if self.cleanup_seconds < 0:
             raise ValueError(f"--cleanup-seconds must be 0 or more, got {self.cleanup_seconds}")
         if self.max_body_bytes < 1024:  # the smallest chat request would be a 413
             raise ValueError(f"--max-body must be at least 1K, got {self.max_body_bytes}")

@@ -82,7 +82,7 @@ def test_a_hot_budget_of_nothing_is_a_usage_error(capsys):
         (["--timeout", "0"], "--timeout must be above 0 seconds, got 0.0"),
         (["--timeout", "-1"], "--timeout must be above 0 seconds, got -1.0"),
         (["--max-body", "0"], "--max-body must be at least 1K, got 0"),
-        (["--cleanup-seconds", "nan"], "--cleanup-seconds must be 0 or more, got nan"),
+        (["--cleanup-seconds", "-1"], "--cleanup-seconds must be 0 or more, got -1.0"),
     ],
 )
 def test_a_gateway_flag_no_call_could_pass_is_a_usage_error(capsys, flags, message):
