@@ -724,6 +724,20 @@ def test_a_stopped_gateway_deletes_its_spare_agents_before_it_exits(stack):
             gateway.stop()
 
 
+def stop_creating_a_spare(stack, gateway, proxy, pool, tag: str) -> tuple[str, Any]:
+    """Has `gateway` make a spare agent (its conversation's own is busy) whose CreateAgent
+    `proxy` holds, then SIGTERMs it: the spare's id, and its call (a Future)."""
+    client = stack.client(gateway)
+    messages = [{"role": "user", "content": f"Write a long story about a mill. ({tag})"}]
+    busy = ask(client, messages, stream=True, max_tokens=400)
+    next(iter(busy))  # the conversation's own agent is busy: the next call's is a spare
+    call = pool.submit(ask, client, messages, max_tokens=8)
+    spare = proxy.stalled.get(timeout=60)
+    busy.close()
+    gateway.proc.send_signal(signal.SIGTERM)
+    return spare, call
+
+
 def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(stack):
     """A spare's CreateAgent still running when the drain ends (its request cancelled) makes
     the agent all the same: the gateway deletes it once made, not before, then exits."""
@@ -733,14 +747,7 @@ def test_a_stopped_gateway_deletes_a_spare_whose_creation_outlived_the_drain(sta
     ):
         gateway = stack.start_gateway([proxy.address], name="stopped-creating")
         try:
-            client = stack.client(gateway)
-            messages = [{"role": "user", "content": "Write a long story about a mill. (made)"}]
-            busy = ask(client, messages, stream=True, max_tokens=400)
-            next(iter(busy))  # the conversation's own agent is busy: the next call's is a spare
-            call = pool.submit(ask, client, messages, max_tokens=8)
-            spare = proxy.stalled.get(timeout=60)
-            busy.close()
-            gateway.proc.send_signal(signal.SIGTERM)
+            spare, call = stop_creating_a_spare(stack, gateway, proxy, pool, "made")
             drained = "timeout graceful shutdown exceeded"  # uvicorn cancels the request
             eventually(lambda: drained in gateway.log_path.read_text(), "the drain did not end")
             proxy.released.set()
@@ -763,14 +770,7 @@ def test_a_stop_leaves_a_spare_its_hung_worker_holds_and_names_it(stack):
     ):
         gateway = stack.start_gateway([proxy.address], "--cleanup-seconds", "1", name="left")
         try:
-            client = stack.client(gateway)
-            messages = [{"role": "user", "content": "Write a long story about a mill. (left)"}]
-            busy = ask(client, messages, stream=True, max_tokens=400)
-            next(iter(busy))  # the conversation's own agent is busy: the next call's is a spare
-            call = pool.submit(ask, client, messages, max_tokens=8)
-            spare = proxy.stalled.get(timeout=60)
-            busy.close()
-            gateway.proc.send_signal(signal.SIGTERM)
+            spare, call = stop_creating_a_spare(stack, gateway, proxy, pool, "left")
             assert gateway.proc.wait(30) == 0, gateway.log_tail()  # the proxy holds it 60 s
             lines = gateway.log_tail(200_000).splitlines()
             logged = [json.loads(line) for line in lines if line.startswith("{")]
