@@ -187,24 +187,15 @@ class StoreProcess:
         return StoreClient(self.address, **kwargs)
 
 
-def cli(*args: str, store: str = "") -> subprocess.CompletedProcess:
-    """`agentkv ARGS[0] [--store STORE] ARGS[1:]` as a user runs it."""
+def cli(*args: str, store: str = "", timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """`agentkv ARGS[0] [--store STORE] ARGS[1:]` as a user runs it. One that runs past
+    `timeout` (keep it below the test's own, so this fires first) fails with what it printed
+    and the tails of the logs in the folder it named ("data in DIR"): CI said only
+    "Timeout (>300.0s)" when the walkthrough hung."""
     prefix = ["--store", store] if store else []
-    return subprocess.run(
-        [sys.executable, "-m", "agentkv.cli", args[0], *prefix, *args[1:]],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def command(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """`agentkv ARGS` to its end. One that runs past `timeout` (below the test's own, so this
-    fires first) fails with what it printed and the tails of the logs in the folder it named
-    ("data in DIR"): CI said only "Timeout (>300.0s)" when the walkthrough hung."""
     try:
         return subprocess.run(
-            [sys.executable, "-m", "agentkv.cli", *args],
+            [sys.executable, "-m", "agentkv.cli", args[0], *prefix, *args[1:]],
             capture_output=True,
             text=True,
             timeout=timeout,

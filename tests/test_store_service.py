@@ -18,7 +18,7 @@ from agentkv.errors import AgentKVError, AgentNotFound
 from agentkv.launch import ServiceProcess
 from agentkv.units import parse_bytes
 from cache_store.__main__ import build_config
-from tests.helpers import FP, NS, StoreProcess, cli, command, make_chain
+from tests.helpers import FP, NS, StoreProcess, cli, make_chain
 
 
 def test_health_and_reflection(store_process):
@@ -250,7 +250,7 @@ def test_an_empty_or_malformed_namespace_flag_is_refused_and_deletes_nothing(sto
 
 
 def test_walkthrough_runs_end_to_end():
-    run = command("walkthrough", timeout=240)  # about 5 s here; pytest's own limit is 300 s
+    run = cli("walkthrough", timeout=240)  # about 5 s here; pytest's own limit is 300 s
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert "bit-exact on both paths: True" in out

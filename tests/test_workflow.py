@@ -23,7 +23,7 @@ from agentkv.client.memory import AgentMemory
 from agentkv.client.scenario import ScenarioError, load_scenario, parse_scenario, run_scenario
 from agentkv.client.workflow import Role, Workflow
 from agentkv.errors import AgentNotFound, InvalidArgument, Unavailable
-from tests.helpers import command
+from tests.helpers import cli
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "client" / "scenarios"
 
@@ -658,7 +658,7 @@ def test_cli_runs_a_scenario_and_lists_agents(
 @pytest.mark.timeout(1200)  # over pytest's 300 s default: the demo runs SmolLM2
 def test_the_demo_runs_end_to_end():
     """The README's main command, on the default model (SmolLM2): every agent resumes warm."""
-    run = command("demo", timeout=1100)  # about 4 minutes on SmolLM2 on 2 cores
+    run = cli("demo", timeout=1100)  # about 4 minutes on SmolLM2 on 2 cores
     assert run.returncode == 0, run.stderr
     out = run.stdout
     for phase in ("arrest", "interrogation", "deal", "pressure", "verdict", "epilogue"):
