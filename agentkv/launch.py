@@ -40,11 +40,12 @@ class ServiceProcess:
     prefix: Sequence[str] = ()  # e.g. ("ip", "netns", "exec", NAME): run it elsewhere
     start_timeout: float = 60.0  # a service that fails exits, which start() sees at once
     # In a session of its own, as a command starts one for a user: a Ctrl-C at the terminal
-    # reaches the command alone, which passes it on (stop(interrupted=True)). It is SIGKILLed
-    # when the thread that started it ends: a command killed outright takes it along, as a
-    # kill of the command's group did (a SIGTERM would have it drain to a store going too).
-    # Not one started through a prefix (agentkv.tether).
+    # reaches the command alone, which passes it on (stop(interrupted=True)). It is tied too.
     own_session: bool = False
+    # SIGKILLed when the thread that started it ends: a command or a benchmark killed
+    # outright takes it along (a SIGTERM would have it drain to a store going too). Not one
+    # started through a prefix (agentkv.tether).
+    tied: bool = False
 
     def start(self, timeout: float | None = None) -> ServiceProcess:
         timeout = self.start_timeout if timeout is None else timeout
@@ -54,7 +55,7 @@ class ServiceProcess:
         env = {**os.environ, **(self.env or {})}
         target = ["-m", self.module, *self.args]
         command = [*self.prefix, sys.executable, *target]
-        if self.own_session and not self.prefix:  # agentkv.tether: no preexec_fn, no fork
+        if (self.own_session or self.tied) and not self.prefix:  # no preexec_fn, no fork
             command = tether.command(os.getpid(), signal.SIGKILL, target)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -1,7 +1,8 @@
 """`python -m agentkv.tether PARENT SIGNAL (-m MODULE | SCRIPT) ARGS...` runs, in this
 process, what `python -m MODULE ARGS` (or `python SCRIPT ARGS`) would, once it has asked the
 kernel for SIGNAL when PARENT ends (Linux's PR_SET_PDEATHSIG; elsewhere it only checks that
-PARENT is still its parent).
+PARENT is still its parent). `--exec PROGRAM ARGS` instead becomes PROGRAM (the request
+outlives the exec): a server that is no Python module, or one started as `python -c`.
 
 A command ties the services it starts in sessions of their own to itself this way: a kill -9
 of the command, which no group kill carries to them, takes them along. The tie was a
@@ -26,8 +27,9 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def command(parent: int, sig: int, target: Sequence[str]) -> list[str]:
-    """The command that runs `target` (python's arguments: "-m", MODULE, ... or SCRIPT, ...)
-    tied to `parent`, the thread of it that starts the child (os.getpid() from the main one)."""
+    """The command that runs `target` (python's arguments: "-m", MODULE, ... or SCRIPT, ...;
+    or "--exec", PROGRAM, ...) tied to `parent`, the thread of it that starts the child
+    (os.getpid() from the main one)."""
     return [sys.executable, "-m", "agentkv.tether", str(parent), str(int(sig)), *target]
 
 
@@ -42,6 +44,11 @@ def tie(parent: int, sig: int) -> None:
 def main(argv: list[str]) -> None:
     parent, sig, *target = argv
     tie(int(parent), int(sig))
+    if target[0] == "--exec":
+        try:
+            os.execvp(target[1], target[1:])
+        except OSError as exc:  # one line, as a shell says it
+            sys.exit(f"{target[1]}: {exc.strerror}")
     if target[0] == "-m":
         sys.argv = target[1:]  # run_module puts the module's file first, as -m does
         runpy.run_module(target[1], run_name="__main__", alter_sys=True)

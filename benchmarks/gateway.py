@@ -99,7 +99,10 @@ def http_process(command: list[str], log: Path, url: str, ready_path: str) -> su
     """Starts a server process and waits until `url + ready_path` answers 200."""
     import urllib.request
 
-    proc = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    from agentkv import tether
+
+    tied = tether.command(os.getpid(), signal.SIGKILL, ["--exec", *command])  # dies with us
+    proc = subprocess.Popen(tied, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -186,6 +189,7 @@ def agentkv_server(svc: Any, args: argparse.Namespace, root: Path, worker_args: 
         gateway = gateway_process(
             [svc.addresses["agentkv"]], root / "gateway.log", svc.store_address, extra_args=flags
         )
+        gateway.tied = True
         held["gateway"] = gateway.start(timeout=120)
         return f"http://{held['gateway'].address}/v1"
 

@@ -222,6 +222,9 @@ class Services:
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
     def start(self, service: ServiceProcess) -> ServiceProcess:
+        """`service` started, and stopped at the end; killed with the script, when started
+        by its main thread (a killed thread would take it along)."""
+        service.tied = threading.current_thread() is threading.main_thread()
         self.stack.callback(service.stop)
         return service.start(timeout=600)
 
@@ -261,8 +264,7 @@ def services(
     from agentkv.client.store import StoreClient
 
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM (a killed benchmark) unwinds like an error, so the processes stop too.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        signal.signal(signal.SIGTERM, terminated)
     with ExitStack() as stack:
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentkv-bench-")))
@@ -273,6 +275,13 @@ def services(
         for name, args in (workers or {}).items():
             svc.start_worker(name, model, args)
         yield svc
+
+
+def terminated(*_: object) -> NoReturn:
+    """SIGTERM (a killed benchmark, or its report's) unwinds like an error, so the processes
+    stop too; a second one (its group's and its parent's) does not cut that short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signal.SIGTERM)
 
 
 def retry(fn: Callable[[], Any], timeout: float, pause: float) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 import threading
@@ -62,6 +63,7 @@ class Stores:
         args = ["--object-store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", self.weed.endpoint]
         data = data_dir or self.root / f"store{self.count}"
         self.proc = store_process(data, self.root / "store.log", self.address, args, CREDENTIALS)
+        self.proc.tied = True  # killed with this script
         self.proc.start(timeout=120)
         client = StoreClient(self.address)
         self.stack.callback(client.close)
@@ -93,6 +95,7 @@ def run_contexts(
     a = stores.start(data_dir=root / "store-a")
     log = root / "worker.log"
     wproc = worker_process(str(args.path), stores.address, log, extra_args=WORKER_ARGS)
+    wproc.tied = True
     stack.callback(wproc.stop)
     wproc.start(timeout=600)
     worker = WorkerClient(wproc.address, timeout=1800)  # a cold 8K prefill takes minutes here
@@ -252,9 +255,10 @@ def measure(args: Any, tokenizer: Any) -> tuple[dict, dict]:
     """The contexts' rows, then the steady load, against one SeaweedFS."""
     os.environ.update(CREDENTIALS)
     root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
+    signal.signal(signal.SIGTERM, h.terminated)  # its processes stop, its files go
     try:
         with ExitStack() as stack:
-            weed = WeedServer(root / "weed").start()
+            weed = WeedServer(root / "weed", tied=True).start()
             stack.callback(weed.stop, True)
             h.say("weed server up; contexts")
             measured = run_contexts(args, tokenizer, root, stack, weed)

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -112,6 +113,8 @@ def run_section(
 ) -> Result:
     """Runs one benchmark script, echoing its progress, and keeps what it printed. A section
     that runs a model gets --model: the resolved directory (shown as the spec given)."""
+    from agentkv import tether
+
     out = raw / section.name
     out.mkdir(parents=True, exist_ok=True)
     args = section.full if full else section.quick
@@ -129,15 +132,17 @@ def run_section(
     lines: list[str] = []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    with subprocess.Popen(command, cwd=ROOT, env=env, **pipes) as proc:
+    # SIGTERM once this process ends, killed outright: it unwinds as on a SIGTERM of ours
+    tied = tether.command(os.getpid(), signal.SIGTERM, command[1:])
+    with subprocess.Popen(tied, cwd=ROOT, env=env, **pipes) as proc:
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
                 if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
                     print(f"  {section.name}: {line.rstrip()}", flush=True)
-        except KeyboardInterrupt:
-            end_after_interrupt(proc)
+        except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: SIGTERM (main)
+            end_after_interrupt(proc, terminated=isinstance(exc, SystemExit))
             raise
     result.returncode = proc.returncode
     result.seconds = time.perf_counter() - started
@@ -148,12 +153,15 @@ def run_section(
     return result
 
 
-def end_after_interrupt(script: subprocess.Popen, grace: float = 60.0) -> None:
+def end_after_interrupt(
+    script: subprocess.Popen, grace: float = 60.0, terminated: bool = False
+) -> None:
     """Waits for a section's script to end: a Ctrl-C reaches it too (a terminal's goes to the
     whole process group, and `agentkv bench` passes one on to it), and it stops its services
     first. One that the Ctrl-C missed gets SIGTERM after `grace` seconds, SIGKILL after as
-    many again: until it ends it may write into the directory about to be removed."""
-    for stop in (lambda: None, script.terminate, script.kill):
+    many again: until it ends it may write into the directory about to be removed. A SIGTERM
+    of this process (`terminated`; maybe of it alone: its parent ended) is passed on at once."""
+    for stop in (script.terminate if terminated else lambda: None, script.terminate, script.kill):
         stop()
         try:
             script.wait(grace)
@@ -261,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     report, reruns just those sections and keeps the others' results."""
     args = parse_args(argv)
     spec, path, described = resolve_model(args.model)  # before anything is written
+    from harness import terminated
+
+    signal.signal(signal.SIGTERM, terminated)  # unwinds: its script ends, staging is removed
     mode = "full" if args.full else "quick"
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     previous = kept_results(args.out, mode) if args.only else {}

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.launch import ServiceProcess
+from agentkv.tether import command as tether_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY_MODEL = ROOT / "models" / "agentkv-default"
@@ -256,6 +257,33 @@ def test_a_command_starts_its_children_without_fork_handlers(tmp_path):
     assert run.stdout.splitlines()[1:] == [f"{[script, 'an', 'arg']} True", "0 0"]
 
 
+# Run as a command: starts `sleep` tied to itself through an exec (agentkv.tether --exec),
+# prints its pid, and waits
+EXEC_TIED = """\
+import os, signal, subprocess, time
+from agentkv import tether
+child = subprocess.Popen(tether.command(os.getpid(), signal.SIGKILL, ["--exec", "sleep", "600"]))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc and PR_SET_PDEATHSIG")
+def test_a_program_tied_through_an_exec_ends_with_what_started_it(job):
+    """A server that is no Python module (weed; a peer's, started with python -c) is tied by
+    the tether becoming it: a kill -9 of what started it takes it along. A program that is
+    not there is one line."""
+    cmd = job("-c", EXEC_TIED)
+    cmd.wait_for(lambda: cmd.out)
+    pid = int(cmd.out[0])
+    wait_until(lambda: command_line(pid).startswith("sleep 600"), "the tether did not exec")
+    cmd.signal(signal.SIGKILL, group=False)
+    wait_until(lambda: ended(pid), "the tied program outlived what started it")
+    missing = tether_command(os.getpid(), signal.SIGKILL, ["--exec", "no-such-program", "x"])
+    run = subprocess.run(missing, capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (1, "no-such-program: No such file or directory\n")
+
+
 # Run with GRPC_VERBOSITY=INFO: starts processes with fork(), as subprocess does outside
 # Linux, while two threads call a gRPC server, as a command's may; gRPC's fork handlers log.
 FORKS = """\
@@ -424,6 +452,56 @@ def test_ctrl_c_in_bench_is_one_line_and_leaves_out_as_it_was(job, tmp_path, ear
     assert {path: path.read_text() for path in out.rglob("*") if path.is_file()} == files
     assert list(tmp_path.iterdir()) == ([out] if earlier else [])
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux's /proc and PR_SET_PDEATHSIG")
+@pytest.mark.parametrize(
+    ("victim", "sig"),
+    [
+        ("agentkv.cli", signal.SIGTERM),
+        ("agentkv.cli", signal.SIGKILL),
+        ("report.py", signal.SIGKILL),
+        ("store_io.py", signal.SIGKILL),
+    ],
+    ids=[
+        "sigterm-to-the-cli",
+        "kill-9-of-the-cli",
+        "kill-9-of-the-report",
+        "kill-9-of-the-section",
+    ],
+)
+def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, victim, sig):
+    """`agentkv bench` runs benchmarks/report.py, which runs each section's script, which
+    starts its services. A SIGTERM or a kill -9 of the CLI ended the report at once, its
+    staging directory left beside --out, and the script ran on; a kill -9 of the script left
+    its store running, orphaned. Now each is tied to what started it, and a SIGTERM unwinds:
+    whichever ends, what it started ends, and a report that unwound leaves nothing but --out
+    as it was (here: none, or the report of the section that failed). (A script whose report
+    was killed outright ended before too, on its next line to the report's closed pipe.)"""
+    out = tmp_path / "out"
+    args = cli("bench", "--quick", "--only", "restore_path", "--out", str(out))
+    cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path)})
+    try:
+        cmd.wait_for(lambda: running(tmp_path, "cache_store"))  # the section's script and store
+        (pid,) = [p for p in left_behind(tmp_path) if victim in command_line(p)]
+        os.kill(pid, sig)
+        code, _, err = cmd.finish(180)
+        wait_until(lambda: not left_behind(tmp_path), "a process outlived what started it", 120)
+    finally:
+        for pid in left_behind(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in err, err
+    if victim == "store_io.py":  # the section failed; the report is written all the same
+        assert code == 1, err
+        assert "FAILED TO RUN" in (out / "REPORT.md").read_text()
+        assert list(tmp_path.iterdir()) == [out]
+    elif victim == "report.py":  # killed outright: its staging directory is left
+        assert code == 128 + sig, err
+        assert list(tmp_path.rglob("*.json")) == []  # the script ended before its results
+    else:
+        assert code == (128 + sig if sig == signal.SIGTERM else -sig), err
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_a_worker_stopped_by_sigterm_while_it_imports_its_model_leaves_no_staging(

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentkv import tether
 from tests.helpers import free_ports
 
 # Any S3 client needs credentials; a weed server without an IAM config accepts any.
@@ -32,6 +33,7 @@ class WeedServer:
     extra_args: list[str] = field(default_factory=list)  # e.g. -s3.config=FILE
     credentials: dict[str, str] = field(default_factory=lambda: dict(CREDENTIALS))
     proc: subprocess.Popen | None = None
+    tied: bool = False  # SIGKILLed when the thread that starts it ends (agentkv.tether)
 
     @property
     def endpoint(self) -> str:
@@ -41,31 +43,31 @@ class WeedServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         master, volume, filer, s3 = self.ports
         log = open(self.directory / "weed.log", "ab")  # noqa: SIM115 (the process keeps it)
+        command = [
+            weed_binary(),
+            "server",
+            f"-dir={self.directory}",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-master.port={master}",
+            f"-volume.port={volume}",
+            f"-filer.port={filer}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.volumeSizeLimitMB=256",
+            "-volume.max=64",  # volume slots: each new collection (bucket) takes several
+            "-s3.port.iceberg=0",  # servers on fixed ports a second weed could not bind
+            "-s3.port.lance=0",
+            "-master.telemetry=false",  # nothing leaves this machine
+            # A master restarted on its directory waits out a raft election before it
+            # serves: 10 s by default, 16 s of a restart here; 1 s makes it ~3 s, as new.
+            "-master.electionTimeout=1s",
+            *self.extra_args,
+        ]
+        if self.tied:
+            command = tether.command(os.getpid(), signal.SIGKILL, ["--exec", *command])
         self.proc = subprocess.Popen(
-            [
-                weed_binary(),
-                "server",
-                f"-dir={self.directory}",
-                "-s3",
-                f"-s3.port={s3}",
-                f"-master.port={master}",
-                f"-volume.port={volume}",
-                f"-filer.port={filer}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                "-master.volumeSizeLimitMB=256",
-                "-volume.max=64",  # volume slots: each new collection (bucket) takes several
-                "-s3.port.iceberg=0",  # servers on fixed ports a second weed could not bind
-                "-s3.port.lance=0",
-                "-master.telemetry=false",  # nothing leaves this machine
-                # A master restarted on its directory waits out a raft election before it
-                # serves: 10 s by default, 16 s of a restart here; 1 s makes it ~3 s, as new.
-                "-master.electionTimeout=1s",
-                *self.extra_args,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
         deadline = time.monotonic() + timeout
