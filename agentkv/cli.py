@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from agentkv.errors import (
     NOT_HTTP2,
     AgentKVError,
     AgentNotFound,
+    DeadlineExceeded,
     FingerprintMismatch,
     InvalidArgument,
     Unavailable,
@@ -44,6 +46,8 @@ from agentkv.units import human_bytes, table
 if TYPE_CHECKING:
     from agentkv.client.memory import AgentMemory
     from agentkv.v1.store_pb2 import AgentSummary
+
+LISTING_SECONDS = 60.0  # a call of `agentkv store` or `agents` (a listing, a stat) may take
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument(
         "-n", "--namespace", type=namespace_flag, default="default", help="namespace"
     )
-    for p in (run, agents):
-        _service_flags(p)
+    # a turn's call lasts its whole reply: a cold prefill of a long context takes minutes
+    _service_flags(run, 300.0, " (a turn's lasts its whole reply)")
+    _service_flags(agents, LISTING_SECONDS)
     _plan_flags(sub.add_parser("plan", help="how many agents' KV caches fit in a memory budget"))
     _model_parser(sub.add_parser("model", help="import GGUF models"))
     show_defaults(parser)
@@ -207,7 +212,7 @@ def _store_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _service_flags(p: argparse.ArgumentParser) -> None:
+def _service_flags(p: argparse.ArgumentParser, timeout: float, calls: str = "") -> None:
     _store_flag(p)
     p.add_argument(
         "--worker",
@@ -216,7 +221,21 @@ def _service_flags(p: argparse.ArgumentParser) -> None:
         help=f"worker address; repeat for several (env AGENTKV_WORKERS, comma-separated; "
         f"default: {defaults.WORKER_ADDRESS})",
     )
+    p.add_argument(
+        "--timeout",
+        type=telling(_seconds),
+        default=timeout,
+        metavar="SECONDS",
+        help=f"seconds a call to a worker or the store may take{calls}",
+    )
     add_flags(p, ClientSecurity)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"not a number of seconds above 0: {text!r}")
+    return value
 
 
 def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -288,7 +307,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     scenario = load_scenario(scenario_path(args.scenario))
     namespace = args.namespace or scenario.namespace
     print(f"{scenario.name} ({args.mode}) in namespace {namespace!r}: {scenario.description}")
-    with AgentMemory(_workers(args), args.store, namespace, security=_security(args)) as mem:
+    with AgentMemory(
+        _workers(args), args.store, namespace, timeout=args.timeout, security=_security(args)
+    ) as mem:
         run_scenario(
             scenario,
             mem,
@@ -302,7 +323,9 @@ def cmd_run(args: argparse.Namespace) -> None:
 def cmd_list_agents(args: argparse.Namespace) -> None:
     from agentkv.client.memory import AgentMemory
 
-    with AgentMemory(_workers(args), args.store, args.namespace, security=_security(args)) as mem:
+    with AgentMemory(
+        _workers(args), args.store, args.namespace, timeout=args.timeout, security=_security(args)
+    ) as mem:
         rows, failure = _agent_rows(mem, list(mem.store.list_agents(args.namespace)))
         elsewhere = [] if rows else _namespaces_with_agents(mem.store)
     print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
@@ -399,7 +422,7 @@ def _main(argv: list[str]) -> None:
         if args.command in ("run", "agents"):
             (cmd_run if args.command == "run" else cmd_list_agents)(args)
             return
-        with StoreClient(args.store, timeout=60, security=_security(args)) as client:
+        with StoreClient(args.store, timeout=LISTING_SECONDS, security=_security(args)) as client:
             STORE_COMMANDS[args.store_command][0](client, args)
     except AgentKVError as exc:
         line = _unreachable(exc, args) or f"{type(exc).__name__} ({exc.code.name}): {exc.message}"
@@ -430,13 +453,17 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     one that took the connection but never answered, or whose TLS did not fit the
     client's, what failed; for a host name that does not resolve, that."""
     unresolved = any(words in exc.message for words in _UNRESOLVED)
-    if not isinstance(exc, Unavailable) or exc.remote:
-        return None
-    if "failed to connect" not in exc.message and not unresolved and _EXHAUSTED not in exc.message:
+    if not isinstance(exc, Unavailable | DeadlineExceeded) or exc.remote:
         return None
     store = args.command == "store" or exc.peer == "store"
     workers = "" if store else ", ".join(_workers(args))  # `agentkv store` has no --worker
     peer = f"the store at {args.store}" if store else f"the worker at {workers}"
+    if isinstance(exc, DeadlineExceeded):  # the client's deadline: it took the call, no end
+        seconds = getattr(args, "timeout", LISTING_SECONDS)  # `agentkv store` has no --timeout
+        longer = " (--timeout SECONDS gives it longer)" if hasattr(args, "timeout") else ""
+        return f"a call to {peer} did not end within {seconds:g} s: is it hung, or busy?{longer}"
+    if "failed to connect" not in exc.message and not unresolved and _EXHAUSTED not in exc.message:
+        return None
     if unresolved:
         flags = "--store / AGENTKV_STORE" if store else "--worker / AGENTKV_WORKERS"
         return f"{peer}: its host name does not resolve (check {flags}; gRPC: {exc.message})"

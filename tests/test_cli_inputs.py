@@ -10,7 +10,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from tests.helpers import FP, free_address, make_chain
@@ -239,6 +242,47 @@ def test_agents_lists_every_agent_from_the_store_when_no_worker_answers(store_pr
         assert cells[1:3] == ["?", "64"] and "yard" in cells, proc.stdout
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert f"no worker answers at {nobody} (start agentkv-worker, or pass" in proc.stderr
+
+
+class Hung(grpc.GenericRpcHandler):
+    """A worker that takes every call and answers none (hung: its connection answers pings,
+    so only a deadline ends a call) until `released`."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def service(self, handler_call_details):
+        def hold(request: bytes, context: grpc.ServicerContext) -> bytes:
+            self.released.wait(120)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+        return grpc.unary_unary_rpc_method_handler(hold)
+
+
+def test_agents_against_a_hung_worker_ends_at_its_timeout(store_process):
+    """A worker that took the listing's calls and answered none kept `agentkv agents`
+    waiting for the SDK's deadline, five minutes. The listing's calls get 60 s (--timeout):
+    it lists what the store has, and says why the tiers are missing."""
+    save_agents(store_process, "team", "marco", "luca")
+    hung = Hung()
+    server = grpc.server(ThreadPoolExecutor(4), handlers=[hung])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = agentkv("agents", "-n", "team", "--store", store_process.address,
+                       "--worker", f"127.0.0.1:{port}", "--timeout", "1")  # fmt: skip
+    finally:
+        hung.released.set()
+        server.stop(None)
+    assert proc.returncode == 2, proc.stderr  # the listing is incomplete: its tiers
+    listed = rows(proc.stdout)
+    assert set(listed) == {"marco", "luca"}, proc.stdout
+    assert all(cells[1:3] == ["?", "64"] for cells in listed.values()), proc.stdout
+    assert proc.stderr.count("\n") == 1 and no_internals(proc.stderr), proc.stderr
+    assert proc.stderr == (
+        f"error: a call to the worker at 127.0.0.1:{port} did not end within 1 s: is it hung, "
+        "or busy? (--timeout SECONDS gives it longer)\n"
+    )
 
 
 def test_agents_shows_an_agent_of_another_model_in_its_own_row(
