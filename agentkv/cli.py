@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from agentkv.client.memory import AgentMemory
     from agentkv.v1.store_pb2 import AgentSummary
 
-LISTING_SECONDS = 60.0  # a call of `agentkv store` or `agents` (a listing, a stat) may take
+LISTING_SECONDS = 60.0  # a call of `agentkv agents` or `store` (but verify's) may take
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,10 +442,24 @@ def _main(argv: list[str]) -> None:
 # gRPC's reasons for a connection that was made but never became gRPC's: nothing came back
 # before its connect timeout (20 s; "Endpoint closing" with TLS), or something not HTTP/2 did.
 _NO_ANSWER = ("before receiving SETTINGS frame", "(Endpoint closing)", NOT_HTTP2)
+# gRPC's words for a call its client's deadline ended
+DEADLINE_WORDS = "Deadline Exceeded"
 # the SDK's, once every worker it may route an agent to was tried and none answered
 _EXHAUSTED = "no worker could be reached"
 # gRPC's words for a host name that does not resolve (its native resolver's; c-ares's)
 _UNRESOLVED = ("errors resolving", "DNS resolution failed")
+
+
+def _too_long(exc: AgentKVError, args: argparse.Namespace) -> str:
+    """A call past the deadline --timeout gave it: which service took it, and what became of
+    a turn it cut short (the SDK's account: kept with the reply so far, or undone)."""
+    workers = _workers(args)
+    peer = "the worker at " if len(workers) == 1 else "a worker of "
+    peer = f"the store at {args.store}" if exc.peer == "store" else peer + ", ".join(workers)
+    line = f"a call to {peer} did not end within {args.timeout:g} s: is it hung, or busy? "
+    line += "(--timeout SECONDS gives it longer)"
+    turn = exc.message.removeprefix(DEADLINE_WORDS).strip()  # "after N tokens of ...", if any
+    return f"{line}. It ended {turn}." if turn else line
 
 
 def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
@@ -453,17 +467,17 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
     one that took the connection but never answered, or whose TLS did not fit the
     client's, what failed; for a host name that does not resolve, that."""
     unresolved = any(words in exc.message for words in _UNRESOLVED)
-    if not isinstance(exc, Unavailable | DeadlineExceeded) or exc.remote:
+    if exc.remote:
+        return None
+    if isinstance(exc, DeadlineExceeded) and hasattr(args, "timeout"):  # run, agents
+        return _too_long(exc, args)
+    if not isinstance(exc, Unavailable):
+        return None
+    if "failed to connect" not in exc.message and not unresolved and _EXHAUSTED not in exc.message:
         return None
     store = args.command == "store" or exc.peer == "store"
     workers = "" if store else ", ".join(_workers(args))  # `agentkv store` has no --worker
     peer = f"the store at {args.store}" if store else f"the worker at {workers}"
-    if isinstance(exc, DeadlineExceeded):  # the client's deadline: it took the call, no end
-        seconds = getattr(args, "timeout", LISTING_SECONDS)  # `agentkv store` has no --timeout
-        longer = " (--timeout SECONDS gives it longer)" if hasattr(args, "timeout") else ""
-        return f"a call to {peer} did not end within {seconds:g} s: is it hung, or busy?{longer}"
-    if "failed to connect" not in exc.message and not unresolved and _EXHAUSTED not in exc.message:
-        return None
     if unresolved:
         flags = "--store / AGENTKV_STORE" if store else "--worker / AGENTKV_WORKERS"
         return f"{peer}: its host name does not resolve (check {flags}; gRPC: {exc.message})"

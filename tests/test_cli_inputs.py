@@ -4,6 +4,7 @@ described. From the real CLI, as a user runs it."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -270,7 +271,7 @@ def test_agents_against_a_hung_worker_ends_at_its_timeout(store_process):
     server.start()
     try:
         proc = agentkv("agents", "-n", "team", "--store", store_process.address,
-                       "--worker", f"127.0.0.1:{port}", "--timeout", "1")  # fmt: skip
+                       "--worker", f"127.0.0.1:{port}", "--timeout", "5")  # fmt: skip
     finally:
         hung.released.set()
         server.stop(None)
@@ -280,9 +281,30 @@ def test_agents_against_a_hung_worker_ends_at_its_timeout(store_process):
     assert all(cells[1:3] == ["?", "64"] for cells in listed.values()), proc.stdout
     assert proc.stderr.count("\n") == 1 and no_internals(proc.stderr), proc.stderr
     assert proc.stderr == (
-        f"error: a call to the worker at 127.0.0.1:{port} did not end within 1 s: is it hung, "
+        f"error: a call to the worker at 127.0.0.1:{port} did not end within 5 s: is it hung, "
         "or busy? (--timeout SECONDS gives it longer)\n"
     )
+
+
+def test_a_turn_past_its_deadline_says_what_became_of_it_and_other_commands_as_they_were():
+    """`run`'s line keeps the SDK's account of a turn its deadline cut (kept or undone) and
+    names all the workers it may have gone to; a command without --worker or --timeout (demo,
+    walkthrough, store) gets its error's own line, as before (reading --worker there raised
+    AttributeError)."""
+    from agentkv.cli import _unreachable
+    from agentkv.errors import DeadlineExceeded, Unavailable
+
+    args = argparse.Namespace(command="run", worker=["a:1", "b:2"], store="s:3", timeout=300.0)
+    cut = "Deadline Exceeded after 3 tokens of the reply of Agent('x'): its worker keeps the turn"
+    assert _unreachable(DeadlineExceeded(cut), args) == (
+        "a call to a worker of a:1, b:2 did not end within 300 s: is it hung, or busy? "
+        "(--timeout SECONDS gives it longer). It ended after 3 tokens of the reply of "
+        "Agent('x'): its worker keeps the turn."
+    )
+    for command in ("demo", "walkthrough", "store"):
+        args = argparse.Namespace(command=command, store="s:3")
+        for exc in (DeadlineExceeded("Deadline Exceeded"), Unavailable("Socket closed")):
+            assert _unreachable(exc, args) is None
 
 
 def test_agents_shows_an_agent_of_another_model_in_its_own_row(
