@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import os
 import runpy
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -45,6 +46,9 @@ def main(argv: list[str]) -> None:
     parent, sig, *target = argv
     tie(int(parent), int(sig))
     if target[0] == "--exec":
+        for sig in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; an exec would keep that
+            if hasattr(signal, sig):
+                signal.signal(getattr(signal, sig), signal.SIG_DFL)
         try:
             os.execvp(target[1], target[1:])
         except OSError as exc:  # one line, as a shell says it

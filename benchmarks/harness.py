@@ -263,8 +263,7 @@ def services(
     their files under `root` (None: a temporary directory, removed at the end)."""
     from agentkv.client.store import StoreClient
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminated)
+    unwind_on_signals()
     with ExitStack() as stack:
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentkv-bench-")))
@@ -277,11 +276,22 @@ def services(
         yield svc
 
 
-def terminated(*_: object) -> NoReturn:
-    """SIGTERM (a killed benchmark, or its report's) unwinds like an error, so the processes
-    stop too; a second one (its group's and its parent's) does not cut that short."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(128 + signal.SIGTERM)
+ENDINGS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def unwind_on_signals() -> None:
+    """SIGTERM and SIGHUP (a killed benchmark, its report's end, a closed terminal) unwind
+    like an error, so its processes stop and its files go; not where ignored (nohup)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in ENDINGS:
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                signal.signal(sig, _unwind)
+
+
+def _unwind(signum: int, _frame: object) -> NoReturn:
+    for sig in ENDINGS:  # a second (its group's and its parent's) does not cut that short
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 def retry(fn: Callable[[], Any], timeout: float, pause: float) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
 import tempfile
 import threading
@@ -170,12 +169,14 @@ def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> di
     start = time.monotonic()
     for t in threads:
         t.start()
-    while time.monotonic() - start < args.load_seconds:
-        depths.append(store.stats().object_queue_depth)
-        time.sleep(0.1)
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        while time.monotonic() - start < args.load_seconds:
+            depths.append(store.stats().object_queue_depth)
+            time.sleep(0.1)
+    finally:  # an error or a signal: the writers stop before the store does
+        stop.set()
+        for t in threads:
+            t.join()
     load_s, at_stop = time.monotonic() - start, store.stats()
     drained(store)
     drain_s, put = time.monotonic() - start - load_s, store.stats().object_put_bytes
@@ -255,11 +256,12 @@ def measure(args: Any, tokenizer: Any) -> tuple[dict, dict]:
     """The contexts' rows, then the steady load, against one SeaweedFS."""
     os.environ.update(CREDENTIALS)
     root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
-    signal.signal(signal.SIGTERM, h.terminated)  # its processes stop, its files go
+    h.unwind_on_signals()  # its processes stop, its files go
     try:
         with ExitStack() as stack:
-            weed = WeedServer(root / "weed", tied=True).start()
-            stack.callback(weed.stop, True)
+            weed = WeedServer(root / "weed", tied=True)
+            stack.callback(weed.stop, True)  # before its start: a signal may come during it
+            weed.start()
             h.say("weed server up; contexts")
             measured = run_contexts(args, tokenizer, root, stack, weed)
             args.kv_shape = kv_shape(args.path)

@@ -14,9 +14,9 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,6 +29,7 @@ import harness as h
 from harness import fmt as ms
 from paper import TTFT
 
+from agentkv import tether
 from inference_worker.blas import load_optimized_blas
 
 NS = "peers"
@@ -376,8 +377,8 @@ class AgentkvPeer:
 def child(spec: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    done = subprocess.run([sys.executable, str(SELF), "--child", f.name], capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    command = tether.command(os.getpid(), signal.SIGKILL, [str(SELF), "--child", f.name])
+    done = subprocess.run(command, capture_output=True, text=True, check=False)  # dies with us
     os.unlink(f.name)
     if done.returncode:
         raise RuntimeError(f"restart child exited {done.returncode}:\n{done.stderr[-3000:]}")

@@ -17,12 +17,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+GRACE = 60.0  # seconds a section's script gets to end once told to, before the next step
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,54 @@ class Result:
     error: str = ""
 
 
+class Ending:
+    """A SIGTERM or SIGHUP (its CLI's, passed on; its parent's end, agentkv.tether; a closed
+    terminal) ends the run as a Ctrl-C does, leaving --out as it was. While a section's
+    script runs it is passed on (the script unwinds and stops its services; SIGKILL after
+    GRACE s), and the report ends once the script has; elsewhere it unwinds at once, but
+    not in a `deferred` block (a script starting; the report being published): after it."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.script: subprocess.Popen | None = None
+        self.deferring = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) != signal.SIG_IGN:  # nohup's stays
+                signal.signal(sig, self.caught)
+
+    def caught(self, signum: int, _frame: object) -> None:
+        if not self.signum:  # the first: the CLI's and the tether's may both come
+            self.signum = signum
+            if self.script is not None:
+                self.watch(self.script)
+            elif not self.deferring:
+                raise SystemExit(128 + signum)
+
+    def watch(self, script: subprocess.Popen) -> None:
+        """`script` is the section's running: a signal caught before or after is its."""
+        self.script = script
+        if self.signum:
+            script.terminate()
+            kill = threading.Timer(GRACE, script.kill)
+            kill.daemon = True  # nothing to wait for once the report ends
+            kill.start()
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.signum:
+            raise SystemExit(128 + self.signum)
+
+
+ENDING = Ending()
+
+
 def resolve_model(spec: str | None) -> tuple[str, Path, str]:
     """(spec, directory, one line describing it) for --model SPEC (None: the worker's
     default), resolved as the worker resolves it (a GGUF imported once) by
@@ -134,34 +186,34 @@ def run_section(
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     # SIGTERM once this process ends, killed outright: it unwinds as on a SIGTERM of ours
     tied = tether.command(os.getpid(), signal.SIGTERM, command[1:])
-    with subprocess.Popen(tied, cwd=ROOT, env=env, **pipes) as proc:
+    with ENDING.deferred(), subprocess.Popen(tied, cwd=ROOT, env=env, **pipes) as proc:
         assert proc.stdout is not None
+        ENDING.watch(proc)
         try:
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
                 if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
                     print(f"  {section.name}: {line.rstrip()}", flush=True)
-        except (KeyboardInterrupt, SystemExit) as exc:  # SystemExit: SIGTERM (main)
-            end_after_interrupt(proc, terminated=isinstance(exc, SystemExit))
+        except KeyboardInterrupt:
+            end_after_interrupt(proc)
             raise
+        finally:
+            ENDING.script = None
     result.returncode = proc.returncode
     result.seconds = time.perf_counter() - started
     parse_output(lines, result)
     if result.returncode != 0:
-        result.error = "\n".join(lines[-30:])
+        result.error = "\n".join(lines[-30:]) or f"exited {result.returncode}, saying nothing"
     result.files = sorted(str(p.relative_to(raw.parent)) for p in out.glob("*.png"))
     return result
 
 
-def end_after_interrupt(
-    script: subprocess.Popen, grace: float = 60.0, terminated: bool = False
-) -> None:
+def end_after_interrupt(script: subprocess.Popen, grace: float = GRACE) -> None:
     """Waits for a section's script to end: a Ctrl-C reaches it too (a terminal's goes to the
     whole process group, and `agentkv bench` passes one on to it), and it stops its services
     first. One that the Ctrl-C missed gets SIGTERM after `grace` seconds, SIGKILL after as
-    many again: until it ends it may write into the directory about to be removed. A SIGTERM
-    of this process (`terminated`; maybe of it alone: its parent ended) is passed on at once."""
-    for stop in (script.terminate if terminated else lambda: None, script.terminate, script.kill):
+    many again: until it ends it may write into the directory about to be removed."""
+    for stop in (lambda: None, script.terminate, script.kill):
         stop()
         try:
             script.wait(grace)
@@ -268,15 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     outright leaves the staging directory, .NAME.PID.partial). With --only into an existing
     report, reruns just those sections and keeps the others' results."""
     args = parse_args(argv)
+    ENDING.install()
     spec, path, described = resolve_model(args.model)  # before anything is written
-    from harness import terminated
-
-    signal.signal(signal.SIGTERM, terminated)  # unwinds: its script ends, staging is removed
     mode = "full" if args.full else "quick"
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     previous = kept_results(args.out, mode) if args.only else {}
-    staging = stage(args.out, [name for name in previous if name not in args.only])
+    staging = args.out.with_name(f".{args.out.name}.{os.getpid()}.partial")
     try:
+        stage(staging, args.out, [name for name in previous if name not in args.only])
         facts = machine(described)
         facts["plots"] = plots()
         print(f"model: {facts['model']}\nplots: {facts['plots']}", flush=True)
@@ -292,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             previous[section.name] = result
         results = [previous[s.name] for s in SECTIONS if s.name in previous]
         write_report(staging, results, facts, mode)
-        publish(staging, args.out)
+        with ENDING.deferred():
+            publish(staging, args.out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already once published
     return summary(results, args.out, mode)
@@ -310,17 +362,15 @@ def kept_results(out: Path, mode: str) -> dict[str, Result]:
     return {r["section"]: Result(**r) for r in old["sections"]}
 
 
-def stage(out: Path, kept: list[str]) -> Path:
-    """A new directory beside `out` to write the report in, holding the raw results in `out`
-    of the `kept` sections (hard links where the file system has them: no copy)."""
-    staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
+def stage(staging: Path, out: Path, kept: list[str]) -> None:
+    """`staging`, a new directory beside `out` to write the report in, holding the raw results
+    in `out` of the `kept` sections (hard links where the file system has them: no copy)."""
     shutil.rmtree(staging, ignore_errors=True)  # a run of the same pid, killed outright
     staging.mkdir(parents=True)
     for name in kept:
         if (out / "raw" / name).is_dir():
             shutil.copytree(out / "raw" / name, staging / "raw" / name, copy_function=link)
     (staging / "raw").mkdir(exist_ok=True)
-    return staging
 
 
 def link(source: str, target: str) -> None:

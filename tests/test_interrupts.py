@@ -459,12 +459,14 @@ def test_ctrl_c_in_bench_is_one_line_and_leaves_out_as_it_was(job, tmp_path, ear
     ("victim", "sig"),
     [
         ("agentkv.cli", signal.SIGTERM),
+        ("agentkv.cli", signal.SIGHUP),
         ("agentkv.cli", signal.SIGKILL),
         ("report.py", signal.SIGKILL),
         ("store_io.py", signal.SIGKILL),
     ],
     ids=[
         "sigterm-to-the-cli",
+        "sighup-to-the-cli",
         "kill-9-of-the-cli",
         "kill-9-of-the-report",
         "kill-9-of-the-section",
@@ -472,15 +474,17 @@ def test_ctrl_c_in_bench_is_one_line_and_leaves_out_as_it_was(job, tmp_path, ear
 )
 def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, victim, sig):
     """`agentkv bench` runs benchmarks/report.py, which runs each section's script, which
-    starts its services. A SIGTERM or a kill -9 of the CLI ended the report at once, its
-    staging directory left beside --out, and the script ran on; a kill -9 of the script left
-    its store running, orphaned. Now each is tied to what started it, and a SIGTERM unwinds:
-    whichever ends, what it started ends, and a report that unwound leaves nothing but --out
-    as it was (here: none, or the report of the section that failed). (A script whose report
-    was killed outright ended before too, on its next line to the report's closed pipe.)"""
-    out = tmp_path / "out"
+    starts its services. A SIGTERM, a SIGHUP or a kill -9 of the CLI ended the report at
+    once, its staging directory left beside --out, and the script ran on; a kill -9 of the
+    script left its store running, orphaned. Now each is tied to what started it, and a
+    SIGTERM or SIGHUP unwinds: whichever ends, what it started ends, and what unwound leaves
+    nothing but --out as it was (here: none, or the report of the section that failed) and
+    no temporary directory. (A script whose report was killed outright ended before too, on
+    its next line to the report's closed pipe.)"""
+    out, temp = tmp_path / "out", tmp_path / "tmp"
+    temp.mkdir()
     args = cli("bench", "--quick", "--only", "restore_path", "--out", str(out))
-    cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path)})
+    cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path), "TMPDIR": str(temp)})
     try:
         cmd.wait_for(lambda: running(tmp_path, "cache_store"))  # the section's script and store
         (pid,) = [p for p in left_behind(tmp_path) if victim in command_line(p)]
@@ -495,13 +499,15 @@ def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, 
     if victim == "store_io.py":  # the section failed; the report is written all the same
         assert code == 1, err
         assert "FAILED TO RUN" in (out / "REPORT.md").read_text()
-        assert list(tmp_path.iterdir()) == [out]
-    elif victim == "report.py":  # killed outright: its staging directory is left
+        assert sorted(tmp_path.iterdir()) == [out, temp]  # and the script's temp (kill -9)
+        return
+    assert list(temp.iterdir()) == []  # the script unwound
+    if victim == "report.py":  # killed outright: its staging directory is left
         assert code == 128 + sig, err
         assert list(tmp_path.rglob("*.json")) == []  # the script ended before its results
     else:
-        assert code == (128 + sig if sig == signal.SIGTERM else -sig), err
-        assert list(tmp_path.iterdir()) == []
+        assert code == (-sig if sig == signal.SIGKILL else 128 + sig), err
+        assert list(tmp_path.iterdir()) == [temp]
 
 
 def test_a_worker_stopped_by_sigterm_while_it_imports_its_model_leaves_no_staging(
