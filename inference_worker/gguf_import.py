@@ -38,6 +38,7 @@ from inference_worker.gguf_model import (
     read_gguf,
 )
 from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
+from inference_worker.model_cache import cache_env, default_cache_dir, remembered
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
 log = logging.getLogger("agentkv.worker")
@@ -73,6 +74,12 @@ def file_hash(path: Path) -> str:
         while chunk := f.read(READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def gguf_digest(path: Path, cache_dir: Path) -> str:
+    """The GGUF's xxh3_128, remembered in the model cache: a worker's start reads the file
+    whole only when it is new there, or changed (model_cache.remembered)."""
+    return remembered("gguf xxh3_128", [path], lambda: file_hash(path), cache_dir)
 
 
 def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
@@ -271,19 +278,6 @@ def _check_loads(path: Path, out: Path) -> None:
         ) from exc
 
 
-def default_cache_dir() -> Path:
-    """Where imported models live: $AGENTKV_MODEL_CACHE, else ~/.cache/agentkv/models."""
-    env = _cache_env()
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "agentkv" / "models"
-
-
-def _cache_env() -> str:
-    return os.environ.get("AGENTKV_MODEL_CACHE", "")
-
-
 def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None = None) -> Path:
     """The imported directory for `path`, made once per file content and weights choice.
     The import is written beside and renamed into place, so a crash leaves none or all.
@@ -291,9 +285,10 @@ def cached_import(path: Path, weights: str = "float32", cache_dir: Path | None =
     drops however its holder ends): the next one finds a file imported meanwhile, and knows
     that a staging directory of its own key left there is a killed import's, and removes it."""
     check_tensor_types(path)  # also for a file imported before agentkv refused its types
-    named = "cache (env AGENTKV_MODEL_CACHE)" if not cache_dir and _cache_env() else "cache"
+    named = "cache (env AGENTKV_MODEL_CACHE)" if not cache_dir and cache_env() else "cache"
     cache_dir = cache_dir or default_cache_dir()
-    key = f"{path.stem[:48]}-{file_hash(path)[:16]}-{weights}-v{format_version(weights)}"
+    digest = gguf_digest(path, cache_dir)
+    key = f"{path.stem[:48]}-{digest[:16]}-{weights}-v{format_version(weights)}"
     target = cache_dir / key
     if target.exists() and not damage(target):
         return target
