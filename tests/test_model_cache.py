@@ -47,6 +47,53 @@ def test_a_remembered_fingerprint_is_the_one_computed_until_a_file_changes(model
     changed = model_fingerprint(model, KVFormat(), 256)
     assert changed != first
     assert model_fingerprint(model, KVFormat(8, 4), 256) != changed  # its format is its own
+    assert model_fingerprint(model, KVFormat(), 256, "float32") != changed  # its dtype
+    assert model_fingerprint(model, KVFormat(), 256, "", "{{ x }}") != changed  # its template
+    shutil.copy(weights, model / "model-2.safetensors")  # a shard more: hashed too
+    assert model_fingerprint(model, KVFormat(), 256) != changed
+
+
+def test_the_samples_tell_apart_files_alike_in_every_other_fact(tmp_path):
+    """Where the kernel keeps no change time (an image, a FUSE object store), two files of one
+    size and modification time at one path and inode differ in their samples."""
+    path, samples = tmp_path / "w.bin", model_cache.FACTS.index("samples")
+    path.write_bytes(bytes(8 << 20))
+    before = model_cache._facts(path)
+    with open(path, "r+b") as f:
+        f.seek((5 << 20) + (256 << 10))  # in no window (64 KiB at each 16th of the file)
+        f.write(b"\1")
+    assert model_cache._facts(path)[samples] == before[samples]
+    with open(path, "r+b") as f:
+        f.seek(4 << 20)  # the start of the window at half the file
+        f.write(b"\1")
+    assert model_cache._facts(path)[samples] != before[samples]
+
+
+def test_what_is_not_remembered(model, monkeypatch):
+    """A file changed while it was read, or one whose change time has no nanoseconds (kept by
+    no kernel: it may be the same after a rewrite), leaves no digest behind."""
+    monkeypatch.setattr(model_cache, "RACY_SECONDS", 0.0)
+    store = model.parent / "cache" / model_cache.DIGESTS
+    weights = model / "model.safetensors"
+    compute = model_cache.remembered
+
+    def rewritten() -> str:
+        weights.write_bytes(weights.read_bytes())
+        return "a digest of bytes that are gone"
+
+    assert compute("x", [weights], rewritten) == "a digest of bytes that are gone"
+    assert not store.exists()
+    facts = model_cache._facts
+
+    def whole_seconds(path: Path) -> list:
+        found = facts(path)
+        found[model_cache.FACTS.index("ctime")] //= 10**9
+        found[model_cache.FACTS.index("ctime")] *= 10**9
+        return found
+
+    monkeypatch.setattr(model_cache, "_facts", whole_seconds)
+    assert compute("x", [weights], lambda: "d") == "d"
+    assert not store.exists()
 
 
 def test_a_file_written_just_before_its_reading_is_not_remembered(model, monkeypatch):
@@ -71,10 +118,24 @@ def test_a_damaged_digest_file_is_read_as_empty(model, monkeypatch):
     monkeypatch.setattr(model_cache, "RACY_SECONDS", 0.0)
     fresh = model_fingerprint(model, KVFormat(), 256)
     store = model.parent / "cache" / model_cache.DIGESTS
-    for damage in ('{"cut short', '["a list"]', '{"key": 7}'):
+    too_large = json.dumps({f"k{i}": "v" * 200 for i in range(6000)})
+    for damage in ('{"cut short', '["a list"]', '{"key": 7}', "[" * 100_000, too_large):
         store.write_text(damage)
         assert model_fingerprint(model, KVFormat(), 256) == fresh
     assert fresh in json.loads(store.read_text()).values()  # remembered anew
+    key = next(iter(json.loads(store.read_text())))
+    store.write_text(json.dumps({key: ""}))  # an empty digest is none
+    assert model_fingerprint(model, KVFormat(), 256) == fresh
+    store.unlink()
+    os.mkfifo(store)  # no regular file: not read (opening a FIFO to read would block)
+    assert model_fingerprint(model, KVFormat(), 256) == fresh
+
+
+def test_no_home_directory_costs_only_the_reading(model, monkeypatch):
+    monkeypatch.delenv("AGENTKV_MODEL_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    assert model_fingerprint(model, KVFormat(), 256).startswith("llama-")
 
 
 def test_a_gguf_digest_is_remembered_in_the_cache_it_imports_into(tmp_path, monkeypatch):
