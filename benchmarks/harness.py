@@ -92,7 +92,8 @@ def parser(
     quick_help: str = "a smoke run",
 ) -> Parser:
     """--model (when the section runs one), --contexts and --passes (when given defaults),
-    --quick (its settings, listed in its help) and --out."""
+    --quick (its settings, listed in its help) and --out; a SIGTERM or SIGHUP unwinds."""
+    unwind_on_signals()  # from the start: a script makes temporary files before services
     quick = dict(quick or {})
     p = Parser(quick, description=doc.splitlines()[0])
     if model:
@@ -263,7 +264,6 @@ def services(
     their files under `root` (None: a temporary directory, removed at the end)."""
     from agentkv.client.store import StoreClient
 
-    unwind_on_signals()
     with ExitStack() as stack:
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agentkv-bench-")))

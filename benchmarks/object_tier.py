@@ -167,16 +167,17 @@ def steady_load(args: Any, root: Path, stack: ExitStack, weed: WeedServer) -> di
         for w in range(args.writers)
     ]
     start = time.monotonic()
-    for t in threads:
-        t.start()
     try:
+        for t in threads:
+            t.start()
         while time.monotonic() - start < args.load_seconds:
             depths.append(store.stats().object_queue_depth)
             time.sleep(0.1)
     finally:  # an error or a signal: the writers stop before the store does
         stop.set()
         for t in threads:
-            t.join()
+            if t.is_alive():
+                t.join()
     load_s, at_stop = time.monotonic() - start, store.stats()
     drained(store)
     drain_s, put = time.monotonic() - start - load_s, store.stats().object_put_bytes
@@ -256,7 +257,6 @@ def measure(args: Any, tokenizer: Any) -> tuple[dict, dict]:
     """The contexts' rows, then the steady load, against one SeaweedFS."""
     os.environ.update(CREDENTIALS)
     root = Path(tempfile.mkdtemp(prefix="agentkv-tier-"))
-    h.unwind_on_signals()  # its processes stop, its files go
     try:
         with ExitStack() as stack:
             weed = WeedServer(root / "weed", tied=True)

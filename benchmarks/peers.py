@@ -378,8 +378,10 @@ def child(spec: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     command = tether.command(os.getpid(), signal.SIGKILL, [str(SELF), "--child", f.name])
-    done = subprocess.run(command, capture_output=True, text=True, check=False)  # dies with us
-    os.unlink(f.name)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)  # dies with us
+    finally:
+        os.unlink(f.name)
     if done.returncode:
         raise RuntimeError(f"restart child exited {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -92,7 +92,8 @@ class Ending:
     terminal) ends the run as a Ctrl-C does, leaving --out as it was. While a section's
     script runs it is passed on (the script unwinds and stops its services; SIGKILL after
     GRACE s), and the report ends once the script has; elsewhere it unwinds at once, but
-    not in a `deferred` block (a script starting; the report being published): after it."""
+    not in a `deferred` block (a script starting, where `check` ends it after; the report
+    being published, or its staging removed: then it ends as it would have)."""
 
     def __init__(self) -> None:
         self.signum = 0
@@ -128,6 +129,9 @@ class Ending:
             yield
         finally:
             self.deferring = False
+
+    def check(self) -> None:
+        """Ends the run here if a signal came while deferred."""
         if self.signum:
             raise SystemExit(128 + self.signum)
 
@@ -165,8 +169,6 @@ def run_section(
 ) -> Result:
     """Runs one benchmark script, echoing its progress, and keeps what it printed. A section
     that runs a model gets --model: the resolved directory (shown as the spec given)."""
-    from agentkv import tether
-
     out = raw / section.name
     out.mkdir(parents=True, exist_ok=True)
     args = section.full if full else section.quick
@@ -181,31 +183,47 @@ def run_section(
         result.error = f"benchmarks/{section.script} is missing"
         return result
     started = time.perf_counter()
-    lines: list[str] = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    # SIGTERM once this process ends, killed outright: it unwinds as on a SIGTERM of ours
-    tied = tether.command(os.getpid(), signal.SIGTERM, command[1:])
-    with ENDING.deferred(), subprocess.Popen(tied, cwd=ROOT, env=env, **pipes) as proc:
-        assert proc.stdout is not None
-        ENDING.watch(proc)
-        try:
-            for line in proc.stdout:
-                lines.append(line.rstrip("\n"))
-                if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
-                    print(f"  {section.name}: {line.rstrip()}", flush=True)
-        except KeyboardInterrupt:
-            end_after_interrupt(proc)
-            raise
-        finally:
-            ENDING.script = None
-    result.returncode = proc.returncode
+    result.returncode, lines = run_script(command[1:], section.name if echo else "")
     result.seconds = time.perf_counter() - started
     parse_output(lines, result)
     if result.returncode != 0:
         result.error = "\n".join(lines[-30:]) or f"exited {result.returncode}, saying nothing"
     result.files = sorted(str(p.relative_to(raw.parent)) for p in out.glob("*.png"))
     return result
+
+
+def run_script(target: list[str], echo: str) -> tuple[int, list[str]]:
+    """Runs a section's script (`target`: its path and arguments) to its end: its exit code
+    and the lines it printed, its progress lines echoed under the name `echo` ("": none). It
+    is ENDING's until it has ended (Popen's exit waits for it), and gets SIGTERM once this
+    process ends, killed outright: it unwinds as on a SIGTERM of ours."""
+    from agentkv import tether
+
+    command = tether.command(os.getpid(), signal.SIGTERM, target)
+    lines: list[str] = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    try:
+        with (
+            ENDING.deferred(),
+            subprocess.Popen(
+                command, **pipes, text=True, errors="replace", cwd=ROOT, env=env
+            ) as proc,
+        ):
+            assert proc.stdout is not None
+            ENDING.watch(proc)
+            try:
+                for line in proc.stdout:
+                    lines.append(line.rstrip("\n"))
+                    if echo and line.startswith("["):  # progress lines: "[  12.3s] ..."
+                        print(f"  {echo}: {line.rstrip()}", flush=True)
+            except KeyboardInterrupt:
+                end_after_interrupt(proc)
+                raise
+    finally:
+        ENDING.script = None
+    ENDING.check()
+    return proc.returncode, lines
 
 
 def end_after_interrupt(script: subprocess.Popen, grace: float = GRACE) -> None:
@@ -343,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             previous[section.name] = result
         results = [previous[s.name] for s in SECTIONS if s.name in previous]
         write_report(staging, results, facts, mode)
-        with ENDING.deferred():
+        with ENDING.deferred():  # the report is whole: it ends as it would have
             publish(staging, args.out)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already once published
+        with ENDING.deferred():  # a signal now does not leave half of it
+            shutil.rmtree(staging, ignore_errors=True)  # gone already once published
     return summary(results, args.out, mode)
 
 
