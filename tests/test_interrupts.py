@@ -484,7 +484,11 @@ def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, 
     out, temp = tmp_path / "out", tmp_path / "tmp"
     temp.mkdir()
     args = cli("bench", "--quick", "--only", "restore_path", "--out", str(out))
-    cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path), "TMPDIR": str(temp)})
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # nohup's SIG_IGN, if any, stays here
+    try:
+        cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path), "TMPDIR": str(temp)})
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
     try:
         cmd.wait_for(lambda: running(tmp_path, "cache_store"))  # the section's script and store
         (pid,) = [p for p in left_behind(tmp_path) if victim in command_line(p)]
