@@ -46,9 +46,9 @@ def main(argv: list[str]) -> None:
     parent, sig, *target = argv
     tie(int(parent), int(sig))
     if target[0] == "--exec":
-        for sig in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; an exec would keep that
-            if hasattr(signal, sig):
-                signal.signal(getattr(signal, sig), signal.SIG_DFL)
+        for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; an exec would keep that
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
         try:
             os.execvp(target[1], target[1:])
         except OSError as exc:  # one line, as a shell says it
