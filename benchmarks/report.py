@@ -201,7 +201,8 @@ def run_script(target: list[str], echo: str) -> tuple[int, list[str]]:
 
     command = tether.command(os.getpid(), signal.SIGTERM, target)
     lines: list[str] = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the repo first, the user's kept
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     try:
         with (

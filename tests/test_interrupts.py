@@ -225,6 +225,34 @@ def ended(pid: int) -> bool:
         return True
 
 
+# Installed into a command's PYTHONPATH: a benchmark script, once its store serves, touches
+# $AGENTKV_TEST_HELD_MARK and waits, so a signal lands while it runs, however fast its section
+# is and however busy the machine.
+HOLD_AFTER_STORE = """\
+import importlib.abc, importlib.util, os, sys, time
+class HoldAfterStore(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "harness":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def patched(module):
+            run(module)
+            start = module.Services.start
+            def held(self, service):
+                started = start(self, service)
+                if service.module == "cache_store":
+                    open(os.environ["AGENTKV_TEST_HELD_MARK"], "w").close()
+                    time.sleep(600)
+                return started
+            module.Services.start = held
+        spec.loader.exec_module = patched
+        return spec
+sys.meta_path.insert(0, HoldAfterStore())
+"""
+
+
 # Run as a command: starts what commands start (a service, a script) and prints how many
 # fork()s ran the fork handlers (gRPC's hang), and what the script saw as its argv and path.
 STARTS = """\
@@ -479,18 +507,21 @@ def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, 
     script left its store running, orphaned. Now each is tied to what started it, and a
     SIGTERM or SIGHUP unwinds: whichever ends, what it started ends, and what unwound leaves
     nothing but --out as it was (here: none, or the report of the section that failed) and
-    no temporary directory. (A script whose report was killed outright ended before too, on
-    its next line to the report's closed pipe.)"""
-    out, temp = tmp_path / "out", tmp_path / "tmp"
-    temp.mkdir()
+    no temporary directory. The script holds once its store serves (HOLD_AFTER_STORE): the
+    signal lands while it runs, and it prints nothing that a closed pipe would end it on."""
+    out, temp, site, held = (tmp_path / name for name in ("out", "tmp", "site", "held"))
+    for directory in (temp, site):
+        directory.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD_AFTER_STORE)
     args = cli("bench", "--quick", "--only", "restore_path", "--out", str(out))
+    env = {"AGENTKV_TEST_RUN": str(tmp_path), "TMPDIR": str(temp), "PYTHONPATH": str(site)}
     ignored = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # nohup's SIG_IGN, if any, stays here
     try:
-        cmd = job(*args, env={"AGENTKV_TEST_RUN": str(tmp_path), "TMPDIR": str(temp)})
+        cmd = job(*args, env={**env, "AGENTKV_TEST_HELD_MARK": str(held)})
     finally:
         signal.signal(signal.SIGHUP, ignored)
     try:
-        cmd.wait_for(lambda: running(tmp_path, "cache_store"))  # the section's script and store
+        cmd.wait_for(held.exists)  # the section's script, its store serving
         (pid,) = [p for p in left_behind(tmp_path) if victim in command_line(p)]
         os.kill(pid, sig)
         code, _, err = cmd.finish(180)
@@ -503,7 +534,7 @@ def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, 
     if victim == "store_io.py":  # the section failed; the report is written all the same
         assert code == 1, err
         assert "FAILED TO RUN" in (out / "REPORT.md").read_text()
-        assert sorted(tmp_path.iterdir()) == [out, temp]  # and the script's temp (kill -9)
+        assert sorted(tmp_path.iterdir()) == [held, out, site, temp]  # its temp (kill -9)
         return
     assert list(temp.iterdir()) == []  # the script unwound
     if victim == "report.py":  # killed outright: its staging directory is left
@@ -511,7 +542,7 @@ def test_a_bench_ended_by_a_signal_takes_what_it_started_with_it(job, tmp_path, 
         assert list(tmp_path.rglob("*.json")) == []  # the script ended before its results
     else:
         assert code == (-sig if sig == signal.SIGKILL else 128 + sig), err
-        assert list(tmp_path.iterdir()) == [temp]
+        assert sorted(tmp_path.iterdir()) == [held, site, temp]
 
 
 def test_a_worker_stopped_by_sigterm_while_it_imports_its_model_leaves_no_staging(
