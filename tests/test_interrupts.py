@@ -34,35 +34,50 @@ if argv[:2] == ["-m", os.environ.get("AGENTKV_TEST_HANG")]:
     time.sleep(600)
 """
 
-# Installed into a command's PYTHONPATH: the import (`python -m inference_worker.model_import`,
-# or the worker's own at its start)
-# writes its weights, touches $AGENTKV_TEST_SAVED_MARK and waits, so a signal lands after the
-# weights and before the config, whatever the machine's load (a signal sent once the staging
-# directory appeared found the import done 1 run in ~15 on a busy machine: exit 0).
-SAVED_THEN_WAIT = """\
+
+def on_import(module: str, patch: str, when: str = "True") -> str:
+    """A sitecustomize.py that, where `when` holds, runs `patch` (the source of a function
+    patch(module)) on `module` once it is imported, before anything uses it."""
+    return f"""\
 import importlib.abc, importlib.util, os, sys, time
-class SavedThenWait(importlib.abc.MetaPathFinder):  # once mlx.core is imported (the worker's
-    def find_spec(self, name, path, target=None):   # only after it loaded its BLAS)
-        if name != "mlx.core":
+{patch}
+class OnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != {module!r}:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         run = spec.loader.exec_module
         def patched(module):
             run(module)
-            save = module.save_safetensors
-            def saved_then_wait(*args, **kwargs):
-                save(*args, **kwargs)
-                open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
-                time.sleep(600)
-            module.save_safetensors = saved_then_wait
+            patch(module)
         spec.loader.exec_module = patched
         return spec
 argv = sys.orig_argv[1:]
 argv = argv[4:] if argv[:2] == ["-m", "agentkv.tether"] else argv  # a command's own child
-if argv[:2] in (["-m", "inference_worker.model_import"], ["-m", "inference_worker"]):
-    sys.meta_path.insert(0, SavedThenWait())
+if {when}:
+    sys.meta_path.insert(0, OnImport())
 """
+
+
+# Installed into a command's PYTHONPATH: the import (`python -m inference_worker.model_import`,
+# or the worker's own at its start, once mlx.core is imported: only after it loaded its BLAS)
+# writes its weights, touches $AGENTKV_TEST_SAVED_MARK and waits, so a signal lands after the
+# weights and before the config, whatever the machine's load (a signal sent once the staging
+# directory appeared found the import done 1 run in ~15 on a busy machine: exit 0).
+SAVED_THEN_WAIT = on_import(
+    "mlx.core",
+    """\
+def patch(module):
+    save = module.save_safetensors
+    def saved_then_wait(*args, **kwargs):
+        save(*args, **kwargs)
+        open(os.environ["AGENTKV_TEST_SAVED_MARK"], "w").close()
+        time.sleep(600)
+    module.save_safetensors = saved_then_wait
+""",
+    'argv[:2] in (["-m", "inference_worker.model_import"], ["-m", "inference_worker"])',
+)
 
 
 class Job:
@@ -228,29 +243,21 @@ def ended(pid: int) -> bool:
 # Installed into a command's PYTHONPATH: a benchmark script, once its store serves, touches
 # $AGENTKV_TEST_HELD_MARK and waits, so a signal lands while it runs, however fast its section
 # is and however busy the machine.
-HOLD_AFTER_STORE = """\
-import importlib.abc, importlib.util, os, sys, time
-class HoldAfterStore(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "harness":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def patched(module):
-            run(module)
-            start = module.Services.start
-            def held(self, service):
-                started = start(self, service)
-                if service.module == "cache_store":
-                    open(os.environ["AGENTKV_TEST_HELD_MARK"], "w").close()
-                    time.sleep(600)
-                return started
-            module.Services.start = held
-        spec.loader.exec_module = patched
-        return spec
-sys.meta_path.insert(0, HoldAfterStore())
-"""
+HOLD_AFTER_STORE = on_import(
+    "harness",
+    """\
+def patch(module):
+    start = module.Services.start
+    def held(self, service):
+        started = start(self, service)
+        if service.module == "cache_store":
+            open(os.environ["AGENTKV_TEST_HELD_MARK"], "w").close()
+            for _ in range(6000):  # in steps: a signal another thread takes is run between
+                time.sleep(0.1)
+        return started
+    module.Services.start = held
+""",
+)
 
 
 # Run as a command: starts what commands start (a service, a script) and prints how many
