@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
@@ -67,8 +68,7 @@ def remembered(
     if (known := _read(store).get(key)) is not None:
         return known
     value = digest()
-    changes = [f[FACTS.index("ctime")] for f in before]
-    if any(ns % 10**9 == 0 or ns >= settled for ns in changes):  # kept by no kernel, or racy
+    if any(f.ctime % 10**9 == 0 or f.ctime >= settled for f in before):  # no kernel's, racy
         why = "a file changed just now, or keeps no change time"
         log.debug("digest not remembered", extra={"cache": str(store), "error": why})
     elif [_facts(path) for path in files] == before:  # not changed while it was read
@@ -76,11 +76,19 @@ def remembered(
     return value
 
 
-FACTS = ("path", "resolved", "dev", "ino", "size", "mtime", "ctime", "samples")
+class Facts(NamedTuple):  # a list in the key's JSON
+    path: str
+    resolved: str
+    dev: int
+    ino: int
+    size: int
+    mtime: int  # ns
+    ctime: int  # ns
+    samples: str  # xxh3_64 of the SAMPLES windows
 
 
-def _facts(path: Path) -> list:
-    """FACTS of a file, from one open of it (stat and samples of the same file)."""
+def _facts(path: Path) -> Facts:
+    """A file's Facts, from one open of it (stat and samples of the same file)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
@@ -91,8 +99,8 @@ def _facts(path: Path) -> list:
             sampled.update(os.pread(fd, SAMPLE, offset))
     finally:
         os.close(fd)
-    where = [str(path), str(path.resolve()), st.st_dev, st.st_ino]
-    return [*where, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sampled.hexdigest()]
+    where = (str(path), str(path.resolve()), st.st_dev, st.st_ino)
+    return Facts(*where, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sampled.hexdigest())
 
 
 def _read(store: Path) -> dict[str, str]:

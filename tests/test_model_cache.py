@@ -56,17 +56,17 @@ def test_a_remembered_fingerprint_is_the_one_computed_until_a_file_changes(model
 def test_the_samples_tell_apart_files_alike_in_every_other_fact(tmp_path):
     """Where the kernel keeps no change time (an image, a FUSE object store), two files of one
     size and modification time at one path and inode differ in their samples."""
-    path, samples = tmp_path / "w.bin", model_cache.FACTS.index("samples")
+    path = tmp_path / "w.bin"
     path.write_bytes(bytes(8 << 20))
     before = model_cache._facts(path)
     with open(path, "r+b") as f:
         f.seek((5 << 20) + (256 << 10))  # in no window (64 KiB at each 16th of the file)
         f.write(b"\1")
-    assert model_cache._facts(path)[samples] == before[samples]
+    assert model_cache._facts(path).samples == before.samples
     with open(path, "r+b") as f:
         f.seek(4 << 20)  # the start of the window at half the file
         f.write(b"\1")
-    assert model_cache._facts(path)[samples] != before[samples]
+    assert model_cache._facts(path).samples != before.samples
 
 
 def test_what_is_not_remembered(model, monkeypatch):
@@ -85,11 +85,9 @@ def test_what_is_not_remembered(model, monkeypatch):
     assert not store.exists()
     facts = model_cache._facts
 
-    def whole_seconds(path: Path) -> list:
+    def whole_seconds(path: Path) -> model_cache.Facts:
         found = facts(path)
-        found[model_cache.FACTS.index("ctime")] //= 10**9
-        found[model_cache.FACTS.index("ctime")] *= 10**9
-        return found
+        return found._replace(ctime=found.ctime // 10**9 * 10**9)
 
     monkeypatch.setattr(model_cache, "_facts", whole_seconds)
     assert compute("x", [weights], lambda: "d") == "d"
