@@ -454,8 +454,10 @@ def _too_long(exc: AgentKVError, args: argparse.Namespace) -> str:
     """A call past the deadline --timeout gave it: which service took it, and what became of
     a turn it cut short (the SDK's account: kept with the reply so far, or undone)."""
     workers = _workers(args)
-    peer = "the worker at " if len(workers) == 1 else "a worker of "
-    peer = f"the store at {args.store}" if exc.peer == "store" else peer + ", ".join(workers)
+    if exc.peer == "store":
+        peer = f"the store at {args.store}"
+    else:
+        peer = ("the worker at " if len(workers) == 1 else "a worker of ") + ", ".join(workers)
     line = f"a call to {peer} did not end within {args.timeout:g} s: is it hung, or busy? "
     line += "(--timeout SECONDS gives it longer)"
     turn = exc.message.removeprefix(DEADLINE_WORDS).strip()  # "after N tokens of ...", if any
