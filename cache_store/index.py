@@ -497,12 +497,6 @@ class Index:
                 usage[k.decode(errors="replace")] = u
         return usage
 
-    def usage_bytes(self, txn: lmdb.Transaction, namespace: str | None = None) -> int:
-        """Payload bytes in one namespace, or in all of them."""
-        if namespace is not None:
-            return self._usage(txn, namespace.encode())["bytes"]
-        return sum(u["bytes"] for u in self.namespaces(txn).values())
-
     def quota_usage(self, txn: lmdb.Transaction, namespace: str | None = None) -> int:
         """What a quota counts: payload bytes and agent records' bytes, in one namespace or
         in all of them."""
