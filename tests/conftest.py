@@ -14,8 +14,9 @@ from tests.helpers import StoreProcess
 
 # OpenBLAS's idle threads spin for ~0.1 s after every call before they sleep: in the demo that
 # was 74 of its 251 CPU seconds, in system time, taken from the suite's other processes (-n
-# auto runs a pytest worker per core). Threads that sleep at once keep the same thread count
-# and the same sums. Read when OpenBLAS loads: here and in every process a test starts.
+# auto runs a pytest worker per core and one more). Threads that sleep at once keep the same
+# thread count and the same sums. Read when OpenBLAS loads: here and in every process a test
+# starts.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 load_optimized_blas()  # before anything imports mlx
 

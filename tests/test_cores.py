@@ -1,5 +1,5 @@
-"""scripts/cores.py: the pytest workers scripts/test.sh starts, a container's CPU quota
-counted as its cores."""
+"""scripts/cores.py: the cores scripts/test.sh counts (a pytest worker each, and one more), a
+container's CPU quota counted as its cores."""
 
 from __future__ import annotations
 
