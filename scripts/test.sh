@@ -12,6 +12,6 @@ ruff format --check .
 # the files in collection order: tests/conftest.py puts the longest first. `-n 0` runs them in
 # one process. A container's CPU quota counts as its cores (xdist counts the host's CPUs). The
 # one more: with a worker per core, a quarter of 2 cores' time went idle, tests waiting on a
-# hung peer's keepalive, a deadline, a restart; 3 workers took pytest from 21.5 to 18.3 min.
+# hung peer's keepalive, a deadline, a restart; on 2 cores, 3 workers took 1 to 3 min less.
 export PYTEST_XDIST_AUTO_NUM_WORKERS="${PYTEST_XDIST_AUTO_NUM_WORKERS:-$(($(python scripts/cores.py) + 1))}"
 python -m pytest -n auto --dist loadfile --no-loadscope-reorder "$@"
