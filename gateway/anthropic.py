@@ -20,7 +20,13 @@ from agentkv.gateway.errors import invalid
 from agentkv.gateway.fields import checked_body, known_only, numbers, typed, utf8
 from agentkv.gateway.messages import in_call_order, merged_assistant
 from agentkv.gateway.protocol import ChatCall, named_tool
-from agentkv.gateway.tooling import NO_CONSTRAINTS, TOOL_NAME, tool_name, tools_text
+from agentkv.gateway.tooling import (
+    NO_CONSTRAINTS,
+    TOOL_NAME,
+    schema_format,
+    tool_name,
+    tools_text,
+)
 
 # Checked where they are read, or meaningless here. A top-level cache_control (mark the last
 # block) needs nothing: every conversation's cache is kept.
@@ -92,7 +98,7 @@ def _output_format(form: dict | None) -> dict[str, Any] | None:
     if not isinstance(form.get("schema"), dict):
         raise invalid(f"{where}.schema must be an object", f"{where}.schema")
     known_only(form, {"type", "schema"}, where)
-    return {"json_schema": json.dumps(form["schema"], ensure_ascii=False)}
+    return schema_format(form["schema"], f"{where}.schema")
 
 
 def parse_count(body: Any) -> ChatCall:

@@ -4,6 +4,7 @@ table), the namespace the call may use, and the request body as JSON within its 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.requests import Request
@@ -62,9 +63,31 @@ class Callers:
                 raise HTTPError(413, f"request body over {limit} bytes", code="request_too_large")
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            text = b"".join(chunks).decode("utf-8-sig")  # RFC 8259: UTF-8 (a BOM let by)
+        except UnicodeDecodeError as exc:  # json.loads(bytes) would let surrogates' bytes by
+            raise HTTPError(
+                400, f"the request body is not UTF-8 text: {exc.reason} at byte {exc.start}"
+            ) from None
+        try:
+            return json.loads(text, parse_float=_finite, parse_constant=_not_a_number)
         except ValueError as exc:  # Python's advice for long integers is not the caller's
             said = str(exc).split("; use sys.set_int_max_str_digits()")[0]
             raise HTTPError(400, f"the request body is not JSON: {said}") from None
         except RecursionError:
             raise HTTPError(400, "the request body is nested too deeply") from None
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent, refused past a double's range: a reply
+    that echoes it (a tool's schema) could not be JSON again."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise HTTPError(
+            400, f"the request body holds the number {text[:40]}, past a double's range"
+        )
+    return value
+
+
+def _not_a_number(text: str) -> float:
+    """NaN, Infinity, -Infinity: Python's JSON takes them, JSON does not."""
+    raise HTTPError(400, f"the request body is not JSON: {text} is no JSON value")

@@ -135,7 +135,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
         model,
         chat_messages(body.get("messages")),
         stream,
-        bool(typed(options or {}, "include_usage", bool, False)),
+        _include_usage(options),
         _sampling(body, default_max_tokens),
         scope=tuple(typed(body, name, str, "") or "" for name in SCOPE),
         tools=_tools(body),
@@ -145,6 +145,15 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatCall:
     call.choose(tool_choice(body.get("tool_choice"), "function"))
     named_tool(call, "tool_choice.function.name", "tool_choice.allowed_tools.tools")
     return call
+
+
+def _include_usage(options: dict | None) -> bool:
+    """stream_options: include_usage, and include_obfuscation, which changes nothing here
+    (agentkv pads no stream event; OpenAI's default pads them)."""
+    options = options or {}
+    known_only(options, {"include_usage", "include_obfuscation"}, "stream_options")
+    typed(options, "include_obfuscation", bool, None, "stream_options")
+    return bool(typed(options, "include_usage", bool, False, "stream_options"))
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -208,13 +217,14 @@ def _sampling(body: dict, default_max_tokens: int) -> dict[str, Any]:
 
 
 def _max_tokens(body: dict) -> int | None:
+    """max_completion_tokens, else the older max_tokens; each given is checked."""
+    given = []
     for name in ("max_completion_tokens", "max_tokens"):
         value = typed(body, name, int, None)
-        if value is not None:
-            if not 1 <= value < 2**32:
-                raise invalid(f"{name} must be in [1, 2^32), got {value}", name)
-            return value
-    return None
+        if value is not None and not 1 <= value < 2**32:
+            raise invalid(f"{name} must be in [1, 2^32), got {value}", name)
+        given += [] if value is None else [value]
+    return given[0] if given else None
 
 
 def _stops(stop: Any) -> list[str]:

@@ -74,8 +74,11 @@ def parse_responses(body: Any, default_max_tokens: int) -> ChatCall:
     body = checked_body(body, KNOWN, NEUTRAL, _WHY)
     _hints(body)
     stream = bool(typed(body, "stream", bool, False))
-    if typed(body, "stream_options", dict, None) is not None and not stream:
-        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if (options := typed(body, "stream_options", dict, None)) is not None:
+        if not stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        known_only(options, {"include_obfuscation"}, "stream_options")  # no padding here
+        typed(options, "include_obfuscation", bool, None, "stream_options")
     model = typed(body, "model", str, None)
     if not model:
         raise invalid("model: a model id is required", "model")

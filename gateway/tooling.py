@@ -48,7 +48,15 @@ def output_format(form: Any, where: str, fields: str = "") -> dict[str, Any] | N
     typed(form, "description", str, None, where)
     typed(form, "strict", bool, None, where)
     schema = typed(form, "schema", dict, None, where)
-    return {"json_schema": json.dumps({} if schema is None else schema, ensure_ascii=False)}
+    return schema_format({} if schema is None else schema, f"{where}.schema")
+
+
+def schema_format(schema: dict, where: str) -> dict[str, str]:
+    """A JSON Schema as the worker's OutputFormat field: JSON text, refused (a 400 naming
+    `where`) where a lone surrogate escape in it could not go as UTF-8."""
+    text = json.dumps(schema, ensure_ascii=False)
+    utf8(text, where)
+    return {"json_schema": text}
 
 
 class ToolChoice(NamedTuple):

@@ -141,6 +141,11 @@ def edited(path: str, value) -> dict:
         ("output_config", {"format": {"type": "regex"}}, "output_config.format.type"),
         (
             "output_config",
+            {"format": {"type": "json_schema", "schema": {"title": "\ud800"}}},
+            "output_config.format.schema",  # a lone surrogate escape: no UTF-8 can hold it
+        ),
+        (
+            "output_config",
             {"format": {"type": "json_schema", "schema": {}, "strict": True}},
             "output_config.format.strict",
         ),

@@ -404,6 +404,24 @@ def test_bad_requests_get_openais_error_format(stack):
     surrogate = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]})
     lone = raw(address, "POST", path, surrogate.encode())
     assert lone.status == 400 and lone.json()["error"]["param"] == "messages[0].content"
+    form = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"title": "\ud800"}}}
+    body = json.dumps({"model": MODEL, "messages": messages, "response_format": form})
+    in_schema = raw(address, "POST", path, body.encode())  # was a 500, from the worker's stub
+    assert in_schema.status == 400, in_schema
+    assert in_schema.json()["error"]["param"] == "response_format.json_schema.schema"
+    encoded = surrogate.replace("\\ud800", "\ud800").encode(errors="surrogatepass")
+    assert b"\xed\xa0\x80" in encoded  # the surrogate's bytes, which no UTF-8 text holds
+    not_utf8 = raw(address, "POST", path, encoded)
+    assert not_utf8.status == 400, not_utf8
+    assert "not UTF-8" in not_utf8.json()["error"]["message"]
+    for number in ("1e999", "NaN", "-Infinity"):  # Python's JSON takes them; a reply of them
+        schema = {"type": "object", "properties": {"n": {"type": "number", "maximum": 0}}}
+        form = {"type": "json_schema", "name": "n", "schema": schema}  # is echoed back
+        body = json.dumps({"model": MODEL, "input": "x", "text": {"format": form}})
+        body = body.replace('"maximum": 0', f'"maximum": {number}')
+        refused = raw(address, "POST", "/v1/responses", body.encode())
+        assert refused.status == 400, (number, refused)
+        assert number in refused.json()["error"]["message"], refused.json()
     nowhere = raw(address, "GET", "/v1/completions")
     assert nowhere.status == 404 and "error" in nowhere.json()
     body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4}).encode()

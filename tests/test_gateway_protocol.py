@@ -81,7 +81,17 @@ def test_a_request_maps_to_the_workers_sampling():
         ({"stop": 0}, "stop"),
         ({"stop": ["\ud800"]}, "stop"),  # a lone surrogate: JSON allows it, UTF-8 does not
         ({"user": "\ud800"}, "user"),
-        ({"stream": True, "stream_options": {"include_usage": "false"}}, "include_usage"),
+        ({"stream": True, "stream_options": {"include_usage": "false"}},
+         "stream_options.include_usage"),
+        ({"stream": True, "stream_options": {"include_usage": True, "usage": True}},
+         "stream_options.usage"),  # not dropped unread
+        ({"stream": True, "stream_options": {"include_obfuscation": 1}},
+         "stream_options.include_obfuscation"),
+        ({"max_completion_tokens": 16, "max_tokens": -5}, "max_tokens"),  # both are read
+        ({"max_completion_tokens": 16, "max_tokens": "lots"}, "max_tokens"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "description": "\ud800"}}}},
+         "response_format.json_schema.schema"),  # a lone surrogate anywhere in it
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # OpenAI: stream only
         ({"stream": False, "stream_options": {}}, "stream_options"),
         ({"safety_identifier": 7}, "safety_identifier"),
@@ -122,6 +132,11 @@ def test_what_openai_allows_is_read_as_openai_means_it():
     assert parsed(temperature=0.7, top_p=0, max_tokens=3).sampling | {"max_tokens": 0} == {
         "temperature": 0.0, "top_p": 1.0, "max_tokens": 0}  # fmt: skip
     assert parsed(stop=[]).sampling == parsed().sampling
+    assert parsed(max_completion_tokens=9, max_tokens=5).sampling["max_tokens"] == 9  # the newer
+    streamed = parsed(
+        stream=True, stream_options={"include_usage": True, "include_obfuscation": True}
+    )
+    assert streamed.include_usage  # obfuscation: no padding here, nothing to turn on or off
     said = {"role": "assistant", "content": "b", "refusal": None, "audio": None, "name": "x",
             "annotations": []}  # fmt: skip
     sent = [{"role": "user", "content": "a", "name": "bob"}, said, {"role": "user", "content": "c"}]

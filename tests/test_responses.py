@@ -14,6 +14,7 @@ import concurrent.futures
 import copy
 import json
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -146,6 +147,12 @@ def test_a_string_input_is_one_user_message_and_hints_are_taken():
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 7}}},
          "text.format.schema", "must be an object"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type", "not one of"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"title": "\ud800"}}}},
+         "text.format.schema", "lone surrogate"),
+        ({"stream": True, "stream_options": {"include_usage": True}},
+         "stream_options.include_usage", "unsupported parameter"),  # chat's, not this API's
+        ({"stream": True, "stream_options": {"include_obfuscation": "no"}},
+         "stream_options.include_obfuscation", "must be"),
         ({"include": ["message.output_text.logprobs"]}, "include[0]", "not supported"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "the model decides"),
         ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
@@ -754,6 +761,31 @@ def test_an_openai_agents_sdk_agent_on_its_default_model_calls_its_tool_and_resu
     streamed and not, the second run resending its history or continuing the first's last
     response by id (check_weather_agent says what is checked)."""
     check_weather_agent(str(tools.client().base_url), "OpenAIResponsesModel", streamed, by_id)
+
+
+def test_a_number_json_cannot_carry_back_is_refused_before_the_turn(tools):
+    """A tool's schema holding a number past a double's range (1e999), or Python's NaN and
+    Infinity: its echo in the reply could not be JSON (a 500 once the turn had run), so
+    the body is refused as it is read, and the tool taken as sent next."""
+    url = f"http://{tools.gateway.address}/v1/responses"
+    for number in ("1e999", "NaN", "-Infinity"):
+        maximum = {"type": "object", "properties": {"n": {"type": "number", "maximum": 0}}}
+        tool = {**WEATHER, "parameters": maximum}
+        body = json.dumps({"model": "qwen-tools", "input": "Hi", "tools": [tool], **GREEDY})
+        body = body.replace('"maximum": 0', f'"maximum": {number}')
+        ask = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(ask, timeout=120)
+        said = json.loads(refused.value.read())["error"]["message"]
+        assert refused.value.code == 400 and number in said, (number, said)
+    tool = {**WEATHER, "parameters": {"type": "object", "properties": {"n": {"maximum": 1e300}}}}
+    reply = tools.client().responses.create(
+        model="qwen-tools", input="Hi", tools=[tool], max_output_tokens=4, **GREEDY
+    )
+    assert (
+        reply.status in ("completed", "incomplete")
+        and reply.tools[0].parameters == tool["parameters"]
+    )
 
 
 def test_a_function_call_s_result_continues_its_response_by_id(tools):
