@@ -85,6 +85,13 @@ def manifest(record: AgentRecord, blocks: list[dict], writer: str) -> tuple[byte
     return body, meta
 
 
+def generation_named(metadata: dict[str, str]) -> int | None:
+    """The generation an object's metadata names (0: none named); None where it is no
+    number a store writes (edited by hand, or garbled)."""
+    given = metadata.get("agentkv-generation") or "0"
+    return int(given) if given.isascii() and given.isdigit() and len(given) < 20 else None
+
+
 def read_manifest(body: bytes, metadata: dict[str, str], namespace: str, agent_id: str) -> Manifest:
     """A manifest from the bucket, checked; CorruptRecord (DATA_LOSS) if it is not whole."""
     where = f"the object store's manifest of agent {agent_id!r} in namespace {namespace!r}"

@@ -89,8 +89,8 @@ class Fetcher:
         name = layout.agent_object(namespace, agent_id)
         if local_generation is not None:
             there = self.bucket.head(name)
-            theirs = (there.metadata.get("agentkv-generation") or "0") if there else "0"
-            if there is None or (theirs.isdigit() and int(theirs) <= local_generation):
+            theirs = layout.generation_named(there.metadata) if there else 0
+            if there is None or (theirs is not None and theirs <= local_generation):
                 return False  # (a generation that is no number: its manifest says, or is lost)
         got = self.bucket.get(name)
         if got is None:
@@ -138,10 +138,10 @@ class Fetcher:
         metadata names, if any, is not given to a new agent here (a worker may hold a copy
         of the lost one)."""
         got = lost.got
-        generation = got.metadata.get("agentkv-generation", "")
-        if generation.isdigit() and int(generation) < 2**63:  # first: never given meanwhile
+        generation = layout.generation_named(got.metadata)
+        if generation and generation < 2**63:  # first: never given meanwhile
             with self.index.write() as txn:
-                self.index.raise_counter(txn, GENERATIONS_USED, int(generation))
+                self.index.raise_counter(txn, GENERATIONS_USED, generation)
         try:
             self.bucket.delete(layout.agent_object(namespace, agent_id), if_match=got.etag)
         except Conflict:

@@ -187,20 +187,26 @@ class Uploader:
         there = self.bucket.head(layout.agent_object(namespace, agent_id))
         if there is None:
             return {"if_none_match": True}
-        theirs = int(there.metadata.get("agentkv-generation", "0") or 0)
+        theirs = layout.generation_named(there.metadata)  # None: garbled
         ours = there.metadata.get("agentkv-writer") == self.writers.store_id
         if ours and there.metadata.get("agentkv-xxh3") == checksum:
             self._mark_uploaded(record)  # put before a crash
             return None
-        # Ours to replace: the one this store put last, an older one of its own, or one of its
-        # own whose deletion is pending (deleted here and created anew).
-        if theirs == (done or 0) or (ours and (theirs < record.generation or done == 0)):
+        # Ours to replace: the one this store put last, an older one of its own (or one of its
+        # own whose generation no longer reads), or one of its own whose deletion is pending
+        # (deleted here and created anew).
+        older = theirs is None or theirs < record.generation
+        if theirs == (done or 0) or (ours and (older or done == 0)):
             return {"if_match": there.etag}
         self.diverged.add((namespace, agent_id))
         log.error(
             "agent diverged: the object store holds another store's version; kept here, not "
             "written over it",
-            extra={"namespace": namespace, "agent": agent_id, "theirs": theirs},
+            extra={
+                "namespace": namespace,
+                "agent": agent_id,
+                "theirs": there.metadata.get("agentkv-generation", "")[:40],
+            },
         )
         return None
 

@@ -366,3 +366,40 @@ def test_json_in_the_bucket_too_deep_or_out_of_range_is_corrupt_not_a_crash():
     # Python's JSON reads these; none is an int, or one a message can write as a time
     for expires in (b"Infinity", b"1e400", b"NaN", b"-5", str(2**70).encode()):
         assert _lease_fields(b'{"store": "other", "expires_unix_ms": %s}' % expires) == ("", 0)
+
+
+def test_a_manifest_whose_generation_no_longer_reads_is_replaced_if_ours_else_kept(
+    weed, bucket, tmp_path
+):
+    """A manifest in the bucket whose agentkv-generation metadata is no number (edited by
+    hand, garbled): the uploader's next write of that agent raised ValueError on it, logged
+    a traceback, and failed again at every scan after; the new version never reached the
+    bucket. Now one this store wrote is replaced by the new version; another store's is
+    kept, and the agent marked diverged, as for any version of theirs."""
+    store = start_store(tmp_path, "s", tier_args(weed, bucket))
+    s3 = weed.client()
+    try:
+        with store.client() as c:
+            for name in ("mine", "theirs"):
+                save(c, name, list(range(1, 100)))
+            wait_for("the uploads", lambda: uploaded(c))
+            for name, writer in (("mine", None), ("theirs", "elsewhere")):
+                key = f"{bucket}/{NS}/agents/{name}"
+                got = s3.get_object(Bucket=BUCKET, Key=key)
+                meta = {**got["Metadata"], "agentkv-generation": "x"}
+                meta["agentkv-writer"] = writer or meta["agentkv-writer"]
+                s3.put_object(Bucket=BUCKET, Key=key, Body=got["Body"].read(), Metadata=meta)
+            for name in ("mine", "theirs"):
+                gen = c.get_agent(NS, name).generation
+                save(c, name, list(range(1, 170)), seed=1, gen=gen)
+            wait_for("the new versions' uploads", lambda: uploaded(c))
+            mine = s3.head_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/agents/mine")["Metadata"]
+            assert mine["agentkv-generation"] == str(c.get_agent(NS, "mine").generation)
+            theirs = s3.head_object(Bucket=BUCKET, Key=f"{bucket}/{NS}/agents/theirs")
+            assert theirs["Metadata"]["agentkv-writer"] == "elsewhere"  # not written over
+            assert len(c.get_agent(NS, "theirs").token_ids) == 169  # kept here
+    finally:
+        store.stop()
+    log = (tmp_path / "s.log").read_text()
+    assert "Traceback" not in log
+    assert log.count("agent diverged") == 1 and '"theirs": "x"' in log
