@@ -6,7 +6,7 @@ copies of blocks safe there (demoted: restorable, fetched back on a read); with
 `evict_agents`, then whole least-recently-used agents whose deletion frees a block, and,
 past a quota, where none does (forks sharing their blocks), the least recently used agent
 of all: its record's bytes count against the quota (with an object store, only agents whose
-manifest is there: they stay restorable). Leased blocks are
+manifest is there, and every block, each asked: they stay restorable). Leased blocks are
 never deleted. A namespace at its own quota evicts only its own blocks and agents: one tenant
 never pushes out another's. With an object store, a reservation that finds nothing to free
 waits a while for uploads to make blocks safe before it refuses.
@@ -303,9 +303,13 @@ class Capacity:
             agents = sorted(self.index.agents(txn, namespace), key=self.agent_last_access)
             if self.uploads is not None:  # only agents the object store holds: they stay
                 agents = [a for a in agents if self._in_object_store(txn, a)]
-            victim = next((a for a in agents if self._frees_space(txn, a)), None)
-            if victim is None and spare is not None:
-                victim = next((a for a in agents if self._may_go(a, spare)), None)
+            victims = [a for a in agents if self._frees_space(txn, a)]
+            if not victims and spare is not None:
+                victims = [a for a in agents if self._may_go(a, spare)]
+        # As demotion does, the bucket is asked for its local blocks before they go: one
+        # found gone there (queued to be uploaded again) keeps its agent, for now.
+        asked = victims[:MAX_MISSING_PER_DEMOTION] if self.uploads is not None else victims[:1]
+        victim = next((a for a in asked if self._blocks_in_bucket_now(a)), None)
         if victim is None:
             return False
         with self.index.write() as txn:
@@ -326,9 +330,21 @@ class Capacity:
                     dropped += self._delete_unreferenced((namespace, key), False) is not None
         return dropped
 
+    def _blocks_in_bucket_now(self, agent: AgentRecord) -> bool:
+        """Whether the bucket still holds each block of `agent` that is here (each asked, to
+        the first it does not: that one is queued to be uploaded again)."""
+        if self.uploads is None:
+            return True
+        return all(self._in_bucket_now((agent.namespace, key)) for key in agent.block_keys)
+
     def _in_object_store(self, txn: Any, agent: AgentRecord) -> bool:
+        """Its manifest as it is here, and every block it names, in the bucket: a block
+        found gone from there (waiting to be uploaded again) keeps its agent here."""
         uploaded = self.index.uploaded_generation(txn, agent.namespace, agent.agent_id)
-        return uploaded == agent.generation
+        return uploaded == agent.generation and all(
+            self.index.remote_checksum(txn, agent.namespace, key) is not None
+            for key in agent.block_keys
+        )
 
     def agent_last_access(self, agent: AgentRecord, saved_ms: int = 0) -> int:
         """Its last commit, or a later use: one this process saw, or `saved_ms` (the last

@@ -163,6 +163,9 @@ class Fetcher:
         namespace, keys = m["namespace"], []
         parent, pos, fetched = b"", 0, 0
         entries = [(bytes.fromhex(e["key"]), int(e["num_tokens"]), e) for e in m["blocks"]]
+        # Leased first: the room an earlier block's landing asks for would otherwise be made
+        # from a later one here, not yet any agent's (the agent evicted here, say).
+        lease.hold(*((namespace, k) for k, _, _ in entries))
         with self.index.read() as txn:
             have = {k: self.index.find_block(txn, namespace, k) for k, _, _ in entries}
         wanted = [k for k, _, _ in entries if have[k] is None or not have[k].local]
@@ -174,10 +177,13 @@ class Fetcher:
                 tokens = [int(t) for t in m["token_ids"][pos : pos + count]]
                 made = block_key(m["fingerprint"], parent, tokens)
                 why = "" if key == made else "its tokens and parent make another key"
+                lease.renew()  # however long the downloads take
                 if not why and key in downloads:
                     draft = have[key] or layout.draft_block(m, key, parent, pos, count)
                     why = self._land_fetched(downloads.take(key), entry, draft, have[key])
                     fetched += not why
+                elif not why and not self._still_here(have[key]):  # a lease that had lapsed
+                    why = "deleted here while the chain was fetched"
                 if why:
                     log.warning(
                         "object store block unusable: the chain ends before it",
@@ -185,12 +191,16 @@ class Fetcher:
                     )
                     break
                 keys.append(key)
-                lease.hold((namespace, key))
                 parent, pos = key, pos + count
         finally:
             downloads.cancel()
             self._count_rehydrated(fetched)
         return keys
+
+    def _still_here(self, had: BlockRecord | None) -> bool:
+        with self.index.read() as txn:
+            now = None if had is None else self.index.find_block(txn, had.namespace, had.key)
+        return now is not None and now.local and now.created_ms == had.created_ms
 
     def _land_fetched(
         self, got: Got | None, entry: dict[str, Any], base: BlockRecord, have: BlockRecord | None

@@ -141,10 +141,10 @@ class StreamLease:
         self.lease_id, self.expires = "", 0
         self.blocks: list[BlockId] = []
 
-    def hold(self, block: BlockId) -> bool:
-        """Adds a block and renews the lease; True if it had lapsed (see renew)."""
-        self.blocks.append(block)
-        return self.renew([block])
+    def hold(self, *blocks: BlockId) -> bool:
+        """Adds blocks and renews the lease; True if it had lapsed (see renew)."""
+        self.blocks += blocks
+        return self.renew(list(blocks))
 
     def renew(self, added: list[BlockId] | None = None) -> bool:
         """Another `seconds` from now; True if the lease had lapsed and was taken anew."""

@@ -21,10 +21,11 @@ import xxhash
 
 from cache_store.records import encode_uploaded_id
 from tests import test_object_store as tier
-from tests.helpers import freeze
+from tests.helpers import freeze, make_chain
 from tests.test_object_store import (
     BUCKET,
     NS,
+    assert_restores,
     bucket_agents,
     save,
     start_store,
@@ -130,7 +131,8 @@ class S3Front(http.server.ThreadingHTTPServer):
     """An HTTP front for weed's S3 API that passes each request on, one at a time in the order
     they came (as a server taking them in turn), and records them; with `refuse_conditional_
     deletes`, it answers a DELETE with If-Match 501 NotImplemented itself, as object stores
-    without conditional deletes do. `after_forward` sees each request weed answered."""
+    without conditional deletes do. `before_forward` sees each request before its turn (and
+    may hold it), `after_forward` each request weed answered."""
 
     daemon_threads = True
 
@@ -139,6 +141,7 @@ class S3Front(http.server.ThreadingHTTPServer):
         self.upstream = urlparse(weed.endpoint).port
         self.refuse_conditional_deletes = refuse_conditional_deletes
         self.after_forward: Callable[[Seen], None] = lambda seen: None
+        self.before_forward: Callable[[Seen], None] = lambda seen: None  # not in turn
         self.seen: list[Seen] = []
         self._in_turn = threading.Lock()
         threading.Thread(target=self.serve_forever, name="s3-front", daemon=True).start()
@@ -166,6 +169,7 @@ class S3Front(http.server.ThreadingHTTPServer):
         ):
             return 501, [("Content-Type", "application/xml")], NOT_IMPLEMENTED
         headers = {k: v for k, v in seen.headers.items() if k not in _HOP_BY_HOP}
+        self.before_forward(seen)
         with self._in_turn:
             weed = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=300)
             try:
@@ -403,3 +407,48 @@ def test_a_manifest_whose_generation_no_longer_reads_is_replaced_if_ours_else_ke
     log = (tmp_path / "s.log").read_text()
     assert "Traceback" not in log
     assert log.count("agent diverged") == 1 and '"theirs": "x"' in log
+
+
+def test_an_agent_whose_blocks_are_gone_from_the_bucket_is_not_evicted_into_loss(
+    weed, bucket, tmp_path
+):
+    """With --evict-agents, an agent was evicted when the bucket held its manifest as it
+    is here, though its blocks had just been found gone from there (deleted behind the
+    store's back; their uploads again queued, not done): its blocks, unreferenced then,
+    were deleted next, and the bucket's manifest named blocks nowhere. Now an agent goes
+    only with every block of it in the bucket, asked: here the other one goes."""
+    tokens = {"a0": list(range(1, 64 * 9 + 1)), "a1": list(range(1000, 1256))}
+    tokens["a2"] = list(range(2000, 2256))
+    one = make_chain(tokens["a1"])[0][0]
+    block = sum(t.data.nbytes for t in one.tensors)
+    front = S3Front(weed)
+    quota = ("--quota", str(int(block * 19)), "--evict-agents")  # 17 blocks, then 4 more
+    store = start_store(tmp_path, "s", tier_args(front, bucket, *quota))
+    held = threading.Event()
+    try:
+        with store.client() as c:
+            chains = {a: save(c, a, t, seed=i) for i, (a, t) in enumerate(tokens.items())}
+            wait_for("the uploads", lambda: uploaded(c))
+            for key in chains["a0"][1]:
+                name = f"{bucket}/{NS}/blocks/{key.hex()}.safetensors"
+                weed.client().delete_object(Bucket=BUCKET, Key=name)
+
+            def hold_puts(seen: Seen) -> None:  # the uploads again wait
+                if seen.method == "PUT" and "/blocks/" in seen.path:
+                    held.wait(300)
+
+            front.before_forward = hold_puts
+            tokens["a3"] = list(range(3000, 3256))
+            chains["a3"] = save(c, "a3", tokens["a3"], seed=3)  # room: an agent evicted
+            evicted = store.log_text().count('"event": "agent evicted"')
+            assert evicted == 1 and '"agent": "a1"' in store.log_text()
+            assert_restores(c, "a0", tokens["a0"], *chains["a0"])  # here, whole
+            held.set()
+            wait_for("the uploads again", lambda: uploaded(c))
+            for agent in tokens:  # a1 from the bucket
+                assert_restores(c, agent, tokens[agent], *chains[agent])
+        assert "block gone from the object store: uploading it again" in store.log_text()
+    finally:
+        held.set()
+        store.stop()
+        front.close()
