@@ -435,7 +435,8 @@ class Engine:
         """The agent in RAM if that copy is current, else restored from `fetched`; None when
         it must be fetched first."""
         agent = self.hot.get((ids.namespace(job.namespace), ids.agent_id(job.agent_id)))
-        if agent is not None and not self._current(agent, view):
+        held = agent is not None and self.batcher.holds(agent)  # mid-turn: busy, not dropped
+        if agent is not None and not held and not self._current(agent, view):
             self.hot.pop(agent.id)
             agent = None
         if agent is not None:

@@ -1079,6 +1079,27 @@ def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
     assert b.describe("ns", "x").generation == a.describe("ns", "x").generation
 
 
+def test_a_turn_on_an_agent_mid_turn_here_is_busy_though_another_worker_committed_it(
+    tiny_model_dirs, store_process, launched, start_worker, tmp_path
+):
+    """Worker b's turn is in its batch (slow steps) when worker a commits the same agent. A
+    second turn on b then found b's copy behind the store's and dropped it from RAM, though
+    the first turn still ran on it: it restored a's commit and ran beside the first, two
+    turns of one agent at once (each agent's one turn at a time bypassed). It is now told
+    the agent is busy, as any turn beside a running one is."""
+    model = tiny_model_dirs["llama"]
+    b = WorkerClient(faulty_process(launched, model, store_process, tmp_path).address)
+    a = WorkerClient(start_worker(model, name="a").address, timeout=120)
+    create(b, ("ns", "x"))
+    b.turn("ns", "x", TALK, max_tokens=2, durable=True)
+    first = b.stream_turn("ns", "x", [("user", "Go on.")], max_tokens=64, seed=SLOW_STEP_SEED)
+    next(first)  # in b's batch
+    a.turn("ns", "x", [("user", "Hello from a.")], max_tokens=0, durable=True)
+    with pytest.raises(AgentBusy, match="already has a turn in progress"):
+        b.turn("ns", "x", [("user", "Meanwhile?")], max_tokens=2)
+    first.close()
+
+
 def test_a_retry_of_a_turn_still_running_is_told_the_agent_is_busy(
     tiny_model_dirs, store_process, launched, tmp_path
 ):
