@@ -22,7 +22,14 @@ from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from agentkv.errors import DiskFull, NamespaceQuotaExceeded, QuotaExceeded, ResourceExhausted
+from agentkv.errors import (
+    AgentNotFound,
+    DiskFull,
+    GenerationConflict,
+    NamespaceQuotaExceeded,
+    QuotaExceeded,
+    ResourceExhausted,
+)
 from agentkv.ids import AgentId
 from cache_store import manifests
 from cache_store.leases import BlockId
@@ -34,6 +41,7 @@ DISK_SLACK = 1 << 20  # kept free beyond a write that hit a full disk: the index
 INDEX_ROOM = 4 << 20  # what a full index write asks to be freed before it tries again
 COLLECT_BATCH = 64  # blocks a collection deletes per hold of the capacity lock
 MAX_MISSING_PER_DEMOTION = 8  # blocks found gone from the bucket before one demotion gives up
+MAX_VICTIMS_ASKED = 8  # agents one eviction tries (each may be committed since, or not whole there)
 UPLOAD_WAIT_SECONDS = 30.0  # how long a reservation waits for uploads to free something
 T = TypeVar("T")
 
@@ -298,26 +306,36 @@ class Capacity:
     ) -> bool:
         """Deletes the least recently used agent whose blocks would then become evictable;
         where none would, for a record's room (`spare` given), the least recently used one
-        not spared and not being read (no block of it leased): its record's bytes go."""
+        not being read (no block of it leased): its record's bytes go. Never one `spare`
+        names: the write that needs the room grows it."""
+        spared = set(spare or ())
         with self.index.read() as txn:
             agents = sorted(self.index.agents(txn, namespace), key=self.agent_last_access)
+            agents = [a for a in agents if (a.namespace, a.agent_id) not in spared]
             if self.uploads is not None:  # only agents the object store holds: they stay
                 agents = [a for a in agents if self._in_object_store(txn, a)]
             victims = [a for a in agents if self._frees_space(txn, a)]
             if not victims and spare is not None:
-                victims = [a for a in agents if self._may_go(a, spare)]
-        # As demotion does, the bucket is asked for its local blocks before they go: one
-        # found gone there (queued to be uploaded again) keeps its agent, for now.
-        asked = victims[:MAX_MISSING_PER_DEMOTION] if self.uploads is not None else victims[:1]
-        victim = next((a for a in asked if self._blocks_in_bucket_now(a)), None)
-        if victim is None:
+                victims = [a for a in agents if self._unread(a)]
+        return any(self._evict_agent(a) for a in victims[:MAX_VICTIMS_ASKED])
+
+    def _evict_agent(self, victim: AgentRecord) -> bool:
+        """Deletes `victim` if it is still the generation the scan saw (not committed since)
+        and, with an object store, the bucket still holds each block of it here, asked as a
+        demotion asks (one found gone there is queued to be uploaded again: its agent stays
+        for now). Whether it went."""
+        if not self._blocks_in_bucket_now(victim):
             return False
-        with self.index.write() as txn:
-            manifests.delete(self.index, txn, victim.namespace, victim.agent_id, 0)
-            self.index.bump(txn, "evicted_agents")
-        self.forget_agent(victim.namespace, victim.agent_id)
+        ns, agent_id = victim.namespace, victim.agent_id
+        try:
+            with self.index.write() as txn:
+                manifests.delete(self.index, txn, ns, agent_id, victim.generation)
+                self.index.bump(txn, "evicted_agents")
+        except (GenerationConflict, AgentNotFound):
+            return False  # committed or deleted since the scan: another goes
+        self.forget_agent(ns, agent_id)
         self.metrics.evictions.labels("agent").inc()
-        log.info("agent evicted", extra={"namespace": victim.namespace, "agent": victim.agent_id})
+        log.info("agent evicted", extra={"namespace": ns, "agent": agent_id})
         return True
 
     def drop_unreferenced(self, namespace: str, keys: list[bytes]) -> int:
@@ -356,9 +374,9 @@ class Capacity:
         """A copy of the last use of every agent this process saw used (Unix ms)."""
         return self._agent_access.copy()
 
-    def _may_go(self, agent: AgentRecord, spare: Collection[AgentId]) -> bool:
-        held = any(self.leases.is_held((agent.namespace, key)) for key in agent.block_keys)
-        return (agent.namespace, agent.agent_id) not in spare and not held
+    def _unread(self, agent: AgentRecord) -> bool:
+        """No block of the agent leased (being read, or written)."""
+        return not any(self.leases.is_held((agent.namespace, key)) for key in agent.block_keys)
 
     def _frees_space(self, txn: Any, agent: AgentRecord) -> bool:
         for key in agent.block_keys:

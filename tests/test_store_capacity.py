@@ -333,6 +333,71 @@ def test_with_evict_agents_forks_past_a_namespace_quota_evict_its_coldest_agents
 
 
 @pytest.mark.parametrize("ns_quota_store", [["--evict-agents"]], indirect=True)
+def test_a_commit_past_a_namespace_quota_never_evicts_the_agent_it_commits(
+    ns_quota_store, block_size
+):
+    """A commit whose record grows past the quota makes room from other agents, never its
+    own: the coldest agent with a block of its own was evicted even when it was the one
+    being committed (the commit then failed: its agent was gone), where only the fallback
+    for agents sharing their blocks spared it."""
+    with ns_quota_store.client() as c:
+        tokens = list(range(BLOCK_TOKENS))
+        blocks, _ = make_chain(tokens, block_tokens=BLOCK_TOKENS, seed=0)
+        _, a0 = c.save_agent("team-a", "a0", FP, tokens, blocks)  # the coldest, unread since
+        for i in (1, 2):  # 3 of the 3.5 blocks
+            put_agent(c, f"a{i}", 1000 * i, ns="team-a")
+        tail = list(range(5000, 5000 + block_size // 4))  # its record: past the quota
+        grown = c.commit_agent(
+            namespace="team-a",
+            agent_id="a0",
+            fingerprint=FP,
+            expected_generation=a0.generation,
+            token_ids=[*tokens, *tail],
+            block_keys=list(a0.block_keys),
+        )
+        assert grown.generation > a0.generation
+        assert len(c.get_agent("team-a", "a0").token_ids) == BLOCK_TOKENS + len(tail)
+        assert c.stats().num_evicted_agents == 1
+        assert sorted(a.agent_id for a in c.list_agents("team-a")) == ["a0", "a2"]
+
+
+def test_an_agent_committed_after_eviction_chose_it_is_kept(tmp_path, block_size):
+    """Eviction picks its agent from one read of the index, then deletes it in a write of
+    its own: one committed between the two (its client told its commit took) was deleted
+    all the same, whatever its generation. Now the delete expects the generation it chose,
+    and the next agent goes instead. (In one process: the commit lands in that gap.)"""
+    from tests.test_object_store import NS as TIER_NS
+    from tests.test_object_store import commit, put_blocks
+
+    store = local_store(tmp_path / "data", quota_bytes=4 * block_size, evict_agents=True)
+    try:
+        chains = {}
+        for i, agent in enumerate(("a0", "a1")):  # a0 the coldest
+            tokens = list(range(1000 * i, 1000 * i + BLOCK_TOKENS))
+            blocks, keys = make_chain(tokens, block_tokens=BLOCK_TOKENS, seed=i)
+            put_blocks(store, blocks)
+            chains[agent] = (tokens, keys, commit(store, agent, tokens, keys, 0).record.generation)
+        generations = {agent: chain[2] for agent, chain in chains.items()}
+        asked = store.capacity._blocks_in_bucket_now
+
+        def committed_meanwhile(agent):
+            if agent.agent_id == "a0" and chains["a0"][2] == agent.generation:
+                tokens, keys, generation = chains["a0"]  # a turn's token past its blocks:
+                grown = commit(store, "a0", [*tokens, 7], keys, generation).record
+                chains["a0"] = (grown.token_ids, keys, grown.generation)
+            return asked(agent)
+
+        store.capacity._blocks_in_bucket_now = committed_meanwhile
+        with store.capacity._lock:
+            assert store.capacity._evict_one_agent(None)
+        [kept] = store.list_agents(TIER_NS, "", 10)[0]
+        assert (kept.record.agent_id, kept.record.generation) == ("a0", chains["a0"][2])
+        assert chains["a0"][2] > generations["a0"]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("ns_quota_store", [["--evict-agents"]], indirect=True)
 def test_a_put_past_a_namespace_quota_evicts_no_agent_for_its_record_alone(ns_quota_store):
     """Only a record's own growth takes other agents' records as room: a put of blocks still
     evicts only agents whose deletion frees a block (review: the agents sharing one block
