@@ -23,6 +23,10 @@ log = logging.getLogger("agentkv.client")
 # a WAN link (or TLS at 30 ms each way) answered in time; at gRPC's 20 s, the SDK waited
 # that long on a host that is down before it moved an agent to the next worker.
 CONNECT_TIMEOUT_MS = 5000
+# gRPC counts a deadline in nanoseconds on its clock: one of ~7e9 s or more overflows and has
+# passed at once (DEADLINE_EXCEEDED before the call leaves). Longer timeouts, inf included,
+# are this long (31 years): no deadline, as asked.
+LONGEST_TIMEOUT = 1e9
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -189,6 +193,11 @@ class _BearerToken(
 
     def intercept_stream_stream(self, continuation, details, requests):
         return continuation(self._details(details), requests)
+
+
+def call_timeout(seconds: float | None) -> float | None:
+    """A call's timeout as gRPC takes it: one past LONGEST_TIMEOUT (inf) is that long."""
+    return None if seconds is None else min(seconds, LONGEST_TIMEOUT)
 
 
 @dataclass(frozen=True)

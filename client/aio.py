@@ -219,7 +219,7 @@ class AsyncAgentMemory(BaseAgentMemory):
         stub = store_pb2_grpc.CacheStoreStub(self._store_channel)
         request = store_pb2.ListAgentsRequest(namespace=self.namespace)
         while True:
-            with typed_errors():
+            with typed_errors(peer="store"):
                 page = await stub.ListAgents(request, timeout=self.timeout)
             for summary in page.agents:
                 yield summary

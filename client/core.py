@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import Any, Generic
 
 from agentkv.addresses import client_address
-from agentkv.channels import ClientSecurity
+from agentkv.channels import ClientSecurity, call_timeout
 from agentkv.client.messages import Messages, Tools, as_messages, tools_json, turn_request
 from agentkv.client.routing import Attempts, Router
 from agentkv.client.worker_core import BaseReply, BaseWorkerClient, MaybeAwaitable, T, same
@@ -108,7 +108,8 @@ class BaseAgentMemory:
         security = security or ClientSecurity()
         self.workers = {a: self.worker_class(a, timeout, security) for a in addresses}
         self.namespace = namespace
-        self.timeout, self.retries, self.backoff, self.durable = timeout, retries, backoff, durable
+        self.timeout, self.retries = call_timeout(timeout), retries
+        self.backoff, self.durable = backoff, durable
         self._served: dict[str, str] = {}  # agent key -> the worker that last served it
         self.closed = False  # close() ran: its channels are gone
         self.store: Any = self._open_store(store, security) if store else None

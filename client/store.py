@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from agentkv import wire
-from agentkv.channels import ClientSecurity
+from agentkv.channels import ClientSecurity, call_timeout
 from agentkv.client.blocks import (
     Block,
     CorruptFile,
@@ -51,7 +51,7 @@ class StoreClient:
     ):
         """`security`: TLS and a bearer token (agentkv.channels); none for plain loopback."""
         self.address = address
-        self.timeout = timeout
+        self.timeout = call_timeout(timeout)
         self.channel = (security or ClientSecurity()).channel(
             address, message_options(max_message_bytes)
         )
@@ -90,7 +90,7 @@ class StoreClient:
         """Any unary RPC by name, e.g. call("GetAgent", pb.GetAgentRequest(...))."""
         rpc = getattr(self.stub, method)
         with self._typed():
-            return rpc(request, timeout=timeout or self.timeout)
+            return rpc(request, timeout=call_timeout(timeout) or self.timeout)
 
     @contextlib.contextmanager
     def _typed(self) -> Iterator[None]:

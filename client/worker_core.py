@@ -15,7 +15,7 @@ from typing import Any, TypeVar, Union
 
 import grpc
 
-from agentkv.channels import ClientSecurity
+from agentkv.channels import ClientSecurity, call_timeout
 from agentkv.client.messages import (
     Message,
     Tools,
@@ -95,7 +95,7 @@ class BaseWorkerClient:
         self, address: str, timeout: float = 300.0, security: ClientSecurity | None = None
     ) -> None:
         self.address = address
-        self.timeout = timeout
+        self.timeout = call_timeout(timeout)
         self.channel = self._open(security or ClientSecurity(), address)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
@@ -126,12 +126,12 @@ class BaseWorkerClient:
         calls, then the usage. Closing the stream early cancels the turn, which frees its
         slot on the worker. `options`: turn_request's."""
         request = turn_request(namespace, agent_id, messages, **options)
-        return self._stream(request, timeout or self.timeout)
+        return self._stream(request, call_timeout(timeout) or self.timeout)
 
     def open_turn(self, request: pb.TurnRequest, timeout: float | None = None) -> Any:
         """A turn's gRPC call, none of it read yet: what a reply reads (iterates, or `await
         call.read()` in asyncio), and cancels when closed."""
-        return self.stub.Turn(request, timeout=timeout or self.timeout)
+        return self.stub.Turn(request, timeout=call_timeout(timeout) or self.timeout)
 
     def turn(
         self, namespace: str, agent_id: str, messages: Sequence[Message], **options: Any

@@ -157,7 +157,9 @@ def test_both_sdks_give_a_hung_store_their_own_timeout(
     tiny_model_dirs, start_worker, store_process
 ):
     """AgentMemory(timeout=2) waits 2 s for a store that does not answer (SIGSTOP), as
-    AsyncAgentMemory does, not the store client's own 60 s."""
+    AsyncAgentMemory does, not the store client's own 60 s. Each says the store did not
+    answer (the asyncio one's error named no peer, so the gateway's GET /v1/agents blamed
+    the worker)."""
     import os
     import signal
     import time
@@ -178,9 +180,20 @@ def test_both_sdks_give_a_hung_store_their_own_timeout(
         freeze(store_process.proc.pid)
         try:
             started = time.monotonic()
-            with pytest.raises(DeadlineExceeded):
+            with pytest.raises(DeadlineExceeded) as waited:
                 mem.agents()
             assert time.monotonic() - started < 30  # 60 s before
+            assert waited.value.peer == "store"
+
+            async def listed_async() -> None:
+                async with AsyncAgentMemory(worker, store=store_process.address, timeout=2) as m:
+                    await m.agents()
+
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded) as waited:
+                asyncio.run(listed_async())
+            assert time.monotonic() - started < 30
+            assert waited.value.peer == "store"
         finally:
             os.kill(store_process.proc.pid, signal.SIGCONT)
 
@@ -345,3 +358,33 @@ def test_prefetch_brings_an_agent_back_into_ram_before_its_turn(
             return fetched.cache_state, reply.usage.cache_state
 
     assert asyncio.run(run()) == ("warm", "hot")
+
+
+def test_a_timeout_past_grpcs_longest_deadline_waits_that_long(
+    tiny_model_dirs, start_worker, store_process
+):
+    """A timeout of inf, or 1e10 s, overflowed gRPC's deadline (nanoseconds on its clock),
+    which had then passed: every call failed at once, DEADLINE_EXCEEDED, in both SDKs, the
+    store's client and `agentkv agents --timeout`. Now such a timeout is 31 years long."""
+    import math
+
+    from agentkv.client.store import StoreClient
+    from agentkv.client.worker import WorkerClient
+    from tests.helpers import cli
+
+    worker = start_worker(tiny_model_dirs["llama"]).address
+    with AgentMemory(worker, store=store_process.address, timeout=math.inf) as mem:
+        agent = mem.agent("patient", system="Be brief.")
+        assert agent.say("Hi", max_tokens=2, timeout=math.inf).usage.generated_tokens > 0
+        assert [s.agent_id for s in mem.agents()] == ["patient"]
+    assert WorkerClient(worker, timeout=1e10).info().num_hot_agents == 1
+    with StoreClient(store_process.address, timeout=1e10) as store:
+        assert store.stats().num_agents == 1
+
+    async def run() -> list:
+        async with AsyncAgentMemory(worker, store=store_process.address, timeout=math.inf) as m:
+            return await m.agents()
+
+    assert [s.agent_id for s in asyncio.run(run())] == ["patient"]
+    listed = cli("agents", "--worker", worker, "--timeout", "1e10", store=store_process.address)
+    assert listed.returncode == 0 and "patient" in listed.stdout, listed.stderr
