@@ -188,7 +188,7 @@ class AsyncAgentMemory(BaseAgentMemory):
 
     async def close(self) -> None:
         """As AgentMemory.close()."""
-        self.closed = True
+        self._shut.set()
         for worker in self.workers.values():
             await worker.close()
         if self._store_channel is not None:

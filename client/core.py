@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -111,7 +112,7 @@ class BaseAgentMemory:
         self.timeout, self.retries = call_timeout(timeout), retries
         self.backoff, self.durable = backoff, durable
         self._served: dict[str, str] = {}  # agent key -> the worker that last served it
-        self.closed = False  # close() ran: its channels are gone
+        self._shut = threading.Event()  # close() ran: the channels are gone (in_namespace's too)
         self.store: Any = self._open_store(store, security) if store else None
 
     def agent(
@@ -160,11 +161,16 @@ class BaseAgentMemory:
         return agent
 
     def in_namespace(self, namespace: str) -> BaseAgentMemory:
-        """This memory for another namespace, sharing its connections and routing (close
-        only the first)."""
+        """This memory for another namespace, sharing its connections and routing: closing
+        either closes both."""
         other = copy.copy(self)
         other.namespace = namespace
         return other
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran, on this memory or on one in_namespace made of it or it of."""
+        return self._shut.is_set()
 
     def _check_open(self) -> None:
         """A call on a closed memory is FailedPrecondition, not gRPC's own error about its

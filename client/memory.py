@@ -126,7 +126,7 @@ class AgentMemory(BaseAgentMemory):
     def close(self) -> None:
         """Closes every connection: a reply being read fails as closed (FailedPrecondition),
         and a later call on this memory is FailedPrecondition too."""
-        self.closed = True
+        self._shut.set()
         for worker in self.workers.values():
             worker.close()
         if self.store is not None:

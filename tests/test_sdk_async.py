@@ -388,3 +388,31 @@ def test_a_timeout_past_grpcs_longest_deadline_waits_that_long(
     assert [s.agent_id for s in asyncio.run(run())] == ["patient"]
     listed = cli("agents", "--worker", worker, "--timeout", "1e10", store=store_process.address)
     assert listed.returncode == 0 and "patient" in listed.stdout, listed.stderr
+
+
+def test_a_memory_in_another_namespace_is_closed_with_the_one_it_shares_channels_with(
+    tiny_model_dirs, start_worker
+):
+    """in_namespace() shares its memory's channels, but copied its open state: once either
+    was closed, a call on the other met gRPC's own error about its closed channel (a
+    ValueError in the sync SDK), not FailedPrecondition. Both are closed together now."""
+    worker = start_worker(tiny_model_dirs["llama"]).address
+    for closed_first in ("the first", "its copy"):
+        mem = AgentMemory(worker)
+        other = mem.in_namespace("team-b")
+        other.agent("b", system="Be brief.")
+        (mem if closed_first == "the first" else other).close()
+        for memory in (mem, other):
+            with pytest.raises(FailedPrecondition, match="was closed"):
+                memory.agent("c", system="Be brief.")
+
+    async def run() -> None:
+        mem = AsyncAgentMemory(worker)
+        with_copy = mem.in_namespace("team-c")
+        await with_copy.agent("b", system="Be brief.")
+        await with_copy.close()
+        for memory in (mem, with_copy):
+            with pytest.raises(FailedPrecondition, match="was closed"):
+                await memory.agent("c", system="Be brief.")
+
+    asyncio.run(run())
