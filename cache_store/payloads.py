@@ -351,9 +351,9 @@ class Payloads:
                 count += 1
         return count
 
-    def block_files(self) -> Iterator[str]:
-        """Relative paths of every payload file under blocks/."""
-        for path in (self.root / "blocks").glob(f"*/*/*{SUFFIX}"):
+    def block_files(self, namespace: str | None = None) -> Iterator[str]:
+        """Relative paths of every payload file under blocks/ (of one namespace's, given)."""
+        for path in (self.root / "blocks").glob(f"{namespace or '*'}/*/*{SUFFIX}"):
             yield str(path.relative_to(self.root))
 
     def disk_free(self) -> int:

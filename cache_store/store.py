@@ -358,7 +358,7 @@ class CacheStore:
         ns = ids.namespace(namespace) if namespace else None
         self.payloads.check_root()  # it deletes files: never in a directory that replaced it
         deleted, freed = self.capacity.collect(ns)
-        return deleted, freed, self.upkeep.remove_orphans()
+        return deleted, freed, self.upkeep.remove_orphans(ns)
 
     # helpers
 

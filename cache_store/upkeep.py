@@ -153,17 +153,21 @@ class Upkeep:
             },
         )
 
-    def remove_orphans(self) -> int:
+    def remove_orphans(self, namespace: str | None = None) -> int:
         """Deletes payload files no local block names (a demoted block's file is one: a
-        crash between its demotion and the unlink). At start-up, or after
-        CacheStore.collect_garbage checked the data directory is still the one it opened."""
+        crash between its demotion and the unlink), in one namespace or (None) all. At
+        start-up, or after CacheStore.collect_garbage checked the data directory is still
+        the one it opened. The scan holds every put's publishing a moment: one tenant's
+        collection reads its own blocks only."""
         with self.index.read() as txn:
-            known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
-        suspects = [p for p in self.payloads.block_files() if p not in known]
+            known = {r.relpath for r in self.index.blocks(txn, namespace) if r.local}
+        suspects = [p for p in self.payloads.block_files(namespace) if p not in known]
+        if not suspects:
+            return 0
         removed = 0
         with self.parts.publish_lock:  # a put between rename and index commit is no orphan
             with self.index.read() as txn:
-                known = {r.relpath for r in self.index.blocks(txn, None) if r.local}
+                known = {r.relpath for r in self.index.blocks(txn, namespace) if r.local}
             for relpath in suspects:
                 if relpath not in known:
                     self.payloads.path(relpath).unlink(missing_ok=True)

@@ -118,7 +118,9 @@ class Uploads:
 
     def begin(self, header: PutHeader, lease: StreamLease) -> BlockUpload:
         """Opens a block's upload; its key is leased before the store looks for a twin, so
-        a twin found (a dedup hit) cannot be collected before the commit that names it."""
+        a twin found (a dedup hit) cannot be collected before the commit that names it, and
+        so is its parent, found stored: unleased and no agent's, it went while the block's
+        bytes came in, and a commit of the chain found it gone."""
         ns = ids.namespace(header.namespace)
         fp = ids.fingerprint(header.fingerprint)
         parent = ids.key(header.parent_key, "parent_key", allow_root=True)
@@ -128,7 +130,7 @@ class Uploads:
         layout = validation.tensor_layout(header.tensors, self.config.max_block_bytes)
         self.before_write(ns)
         key = block_key(fp, parent, tokens)
-        if lease.hold((ns, key)):
+        if lease.hold((ns, key), *([(ns, parent)] if parent else [])):
             self._check_kept(lease, writing=(ns, key))  # looked for just below
         with self.index.read() as txn:
             if parent:

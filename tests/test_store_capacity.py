@@ -154,6 +154,57 @@ def test_collect_garbage_keeps_referenced_and_leased(store):
     assert [b.key for b in store.list_blocks(NS)] == keys[:1]
 
 
+def test_a_tenant_s_collection_removes_its_own_orphan_files_only(store_process):
+    """CollectGarbage for one namespace swept every namespace's payload files for orphans,
+    and held every put's publishing while it read every tenant's blocks: one tenant's
+    collection reached into the others' (its reply counted their files). It sweeps its
+    own namespace now; a store-wide collection (no namespace) sweeps them all."""
+    name = f"{'ab' * 32}.safetensors"
+    orphans = {ns: store_process.data_dir / "blocks" / ns / "ab" / name for ns in ("a", "b")}
+    with store_process.client() as c:
+        for ns in orphans:
+            put_agent(c, "kept", 0, ns=ns)
+            orphans[ns].parent.mkdir(parents=True, exist_ok=True)
+            orphans[ns].write_bytes(b"left by a crash")
+        gc = c.call("CollectGarbage", pb.CollectGarbageRequest(namespace="a"))
+        assert gc.num_orphans_removed == 1
+        assert not orphans["a"].exists() and orphans["b"].exists()
+        gc = c.call("CollectGarbage", pb.CollectGarbageRequest())
+        assert gc.num_orphans_removed == 1 and not orphans["b"].exists()
+        assert [len(list(c.list_blocks(ns))) for ns in orphans] == [1, 1]  # theirs stay
+
+
+def test_a_block_s_parent_stays_while_the_block_comes_in(tmp_path):
+    """A block's parent, stored by an earlier stream whose lease was let go, was checked
+    when the block's header came but not leased: a collection while the block's bytes came
+    in deleted it (unleased, no agent's), the put answered OK, and the commit of the chain
+    found the parent gone. It is leased with the block now. (In one process: the
+    collection runs between the header and the bytes.)"""
+    from cache_store.manifests import Commit
+
+    store = local_store(tmp_path / "data")
+    try:
+        tokens = list(range(2 * BLOCK_TOKENS))
+        (parent, child), keys = make_chain(tokens, block_tokens=BLOCK_TOKENS)
+        _, lease, _ = store.put_stream(put_items(NS, FP, [parent]))
+        store.leases.release(lease)
+        collected = []
+
+        def child_stream():
+            items = put_items(NS, FP, [child])
+            yield next(items)  # the header: its parent is found stored
+            collected.append(store.collect_garbage(NS)[0])
+            yield from items
+
+        _, lease, _ = store.put_stream(child_stream())
+        assert collected == [0]
+        store.commit_agent(Commit(NS, "a", FP, 0, tokens, keys))
+        store.leases.release(lease)
+        assert [b.key for b in store.list_blocks(NS, b"", 10)[0]] == sorted(keys)
+    finally:
+        store.close()
+
+
 def test_full_disk_is_resource_exhausted_and_nothing_is_corrupt(small_disk, tmp_path):
     proc = StoreProcess(small_disk("3m") / "data", tmp_path / "store.log").start()
     try:
