@@ -17,7 +17,14 @@ from typing import Any
 
 import xxhash
 
-from agentkv.errors import BlockNotFound, CorruptBlock, CorruptRecord, DiskFull, Unavailable
+from agentkv.errors import (
+    BlockNotFound,
+    CorruptBlock,
+    CorruptRecord,
+    DiskFull,
+    QuotaExceeded,
+    Unavailable,
+)
 from agentkv.keys import block_key
 from cache_store import bucket_layout as layout
 from cache_store import manifests
@@ -219,7 +226,7 @@ class Fetcher:
         try:
             with self._one_at_a_time(("block", base.namespace, base.key)):
                 self._land(got.body, digest, base, existing=have is not None)
-        except (CorruptBlock, DiskFull) as exc:  # the latter: even after making room
+        except (CorruptBlock, DiskFull, QuotaExceeded) as exc:  # the last two: room made first
             return exc.message
         return ""
 

@@ -640,6 +640,31 @@ def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
         full.stop()
 
 
+def test_a_store_at_its_quota_reads_what_fits_of_an_agent_in_the_bucket(weed, bucket, tmp_path):
+    """As a full disk, a quota that a fetched chain would pass: the block that did not fit
+    failed the whole read (RESOURCE_EXHAUSTED, the gateway's 429). Now the chain ends
+    before it, and the rest is re-prefilled."""
+    tokens = list(range(1, 64 * 24 + 1))  # 24 blocks: more than the quota holds
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        blocks, keys = save(c, "a", tokens)
+        wait_for("the uploads", lambda: uploaded(c))
+    store.stop()
+    block = sum(t.data.nbytes for t in blocks[0].tensors)
+    small = start_store(tmp_path, "small", tier_args(weed, bucket, "--quota", str(8 * block)))
+    try:
+        with small.client() as c:
+            m = c.get_agent(NS, "a", FP)
+            assert list(m.token_ids) == tokens  # the conversation, whole
+            kept = len(m.block_keys)
+            assert 0 < kept < len(keys) and list(m.block_keys) == keys[:kept]
+            back = list(c.get_blocks(NS, FP, keys[:kept]))
+            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+        assert "quota" in small.log_text()
+    finally:
+        small.stop()
+
+
 @contextlib.contextmanager
 def gateway_stack(weed, bucket: str, tmp_path: Path, model: str, name: str) -> Iterator:
     """A store on the bucket (data dir `name`), a worker and a gateway; the openai client of
