@@ -605,6 +605,28 @@ def test_a_lost_agent_a_store_holds_an_older_copy_of_can_be_deleted(weed, bucket
         again.stop()
 
 
+def agent_in_the_bucket(weed, bucket: str, tmp_path: Path, num_blocks: int):
+    """Agent "a" of `num_blocks` blocks, uploaded by a store now stopped: its tokens,
+    blocks and keys, and one block's payload bytes."""
+    tokens = list(range(1, 64 * num_blocks + 1))
+    store = start_store(tmp_path, "a", tier_args(weed, bucket))
+    with store.client() as c:
+        blocks, keys = save(c, "a", tokens)
+        wait_for("the uploads", lambda: uploaded(c))
+    store.stop()
+    return tokens, blocks, keys, sum(t.data.nbytes for t in blocks[0].tensors)
+
+
+def assert_reads_what_fits(c: StoreClient, tokens, blocks, keys) -> None:
+    """The conversation whole, and a leading part of its chain, the blocks as stored."""
+    m = c.get_agent(NS, "a", FP)
+    assert list(m.token_ids) == tokens
+    kept = len(m.block_keys)
+    assert 0 < kept < len(keys) and list(m.block_keys) == keys[:kept]
+    back = list(c.get_blocks(NS, FP, keys[:kept]))
+    assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+
+
 def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
     weed, bucket, tmp_path, small_disk
 ):
@@ -613,28 +635,14 @@ def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
     429), as did the manifest's own index write. Now the chain ends before the block that
     does not fit (the conversation is whole; its tail is re-prefilled), after the disk gave
     up what it could."""
-    tokens = list(range(1, 64 * 48 + 1))  # 48 blocks: more than the disk holds
-    store = start_store(tmp_path, "a", tier_args(weed, bucket))
-    with store.client() as c:
-        blocks, keys = save(c, "a", tokens)
-        wait_for("the uploads", lambda: uploaded(c))
-    store.stop()
-    block = sum(t.data.nbytes for t in blocks[0].tensors)
+    tokens, blocks, keys, block = agent_in_the_bucket(weed, bucket, tmp_path, 48)  # > the disk
     # the index, the 1 MiB a store keeps free beyond a block, and a few blocks
     disk = small_disk(f"{(1280 << 10) // 1024 + (8 * block) // 1024}k")
     args = tier_args(weed, bucket)
     full = StoreProcess(disk / "data", tmp_path / "full.log", extra_args=args).start()
     try:
         with full.client() as c:
-            m = c.get_agent(NS, "a", FP)
-            assert list(m.token_ids) == tokens  # the conversation, whole
-            assert (
-                0 < len(m.block_keys) < len(keys)
-                and list(m.block_keys) == keys[: len(m.block_keys)]
-            )
-            kept = len(m.block_keys)
-            back = list(c.get_blocks(NS, FP, keys[:kept]))
-            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+            assert_reads_what_fits(c, tokens, blocks, keys)
         assert "no room for it on the store's disk" in full.log_text()
     finally:
         full.stop()
@@ -644,22 +652,11 @@ def test_a_store_at_its_quota_reads_what_fits_of_an_agent_in_the_bucket(weed, bu
     """As a full disk, a quota that a fetched chain would pass: the block that did not fit
     failed the whole read (RESOURCE_EXHAUSTED, the gateway's 429). Now the chain ends
     before it, and the rest is re-prefilled."""
-    tokens = list(range(1, 64 * 24 + 1))  # 24 blocks: more than the quota holds
-    store = start_store(tmp_path, "a", tier_args(weed, bucket))
-    with store.client() as c:
-        blocks, keys = save(c, "a", tokens)
-        wait_for("the uploads", lambda: uploaded(c))
-    store.stop()
-    block = sum(t.data.nbytes for t in blocks[0].tensors)
+    tokens, blocks, keys, block = agent_in_the_bucket(weed, bucket, tmp_path, 24)  # > the quota
     small = start_store(tmp_path, "small", tier_args(weed, bucket, "--quota", str(8 * block)))
     try:
         with small.client() as c:
-            m = c.get_agent(NS, "a", FP)
-            assert list(m.token_ids) == tokens  # the conversation, whole
-            kept = len(m.block_keys)
-            assert 0 < kept < len(keys) and list(m.block_keys) == keys[:kept]
-            back = list(c.get_blocks(NS, FP, keys[:kept]))
-            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+            assert_reads_what_fits(c, tokens, blocks, keys)
         assert "quota" in small.log_text()
     finally:
         small.stop()
