@@ -617,14 +617,20 @@ def agent_in_the_bucket(weed, bucket: str, tmp_path: Path, num_blocks: int):
     return tokens, blocks, keys, sum(t.data.nbytes for t in blocks[0].tensors)
 
 
-def assert_reads_what_fits(c: StoreClient, tokens, blocks, keys) -> None:
-    """The conversation whole, and a leading part of its chain, the blocks as stored."""
-    m = c.get_agent(NS, "a", FP)
-    assert list(m.token_ids) == tokens
-    kept = len(m.block_keys)
-    assert 0 < kept < len(keys) and list(m.block_keys) == keys[:kept]
-    back = list(c.get_blocks(NS, FP, keys[:kept]))
-    assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+def assert_reads_what_fits(store: StoreProcess, said: str, tokens, blocks, keys) -> None:
+    """`store` reads the conversation whole, and a leading part of its chain, the blocks as
+    stored, its log saying why the chain ended there; then it stops."""
+    try:
+        with store.client() as c:
+            m = c.get_agent(NS, "a", FP)
+            assert list(m.token_ids) == tokens
+            kept = len(m.block_keys)
+            assert 0 < kept < len(keys) and list(m.block_keys) == keys[:kept]
+            back = list(c.get_blocks(NS, FP, keys[:kept]))
+            assert all(same_bytes(a, b) for a, b in zip(blocks, back, strict=False))
+        assert said in store.log_text()
+    finally:
+        store.stop()
 
 
 def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
@@ -640,12 +646,7 @@ def test_a_store_whose_disk_is_full_reads_what_fits_of_an_agent_in_the_bucket(
     disk = small_disk(f"{(1280 << 10) // 1024 + (8 * block) // 1024}k")
     args = tier_args(weed, bucket)
     full = StoreProcess(disk / "data", tmp_path / "full.log", extra_args=args).start()
-    try:
-        with full.client() as c:
-            assert_reads_what_fits(c, tokens, blocks, keys)
-        assert "no room for it on the store's disk" in full.log_text()
-    finally:
-        full.stop()
+    assert_reads_what_fits(full, "no room for it on the store's disk", tokens, blocks, keys)
 
 
 def test_a_store_at_its_quota_reads_what_fits_of_an_agent_in_the_bucket(weed, bucket, tmp_path):
@@ -654,12 +655,7 @@ def test_a_store_at_its_quota_reads_what_fits_of_an_agent_in_the_bucket(weed, bu
     before it, and the rest is re-prefilled."""
     tokens, blocks, keys, block = agent_in_the_bucket(weed, bucket, tmp_path, 24)  # > the quota
     small = start_store(tmp_path, "small", tier_args(weed, bucket, "--quota", str(8 * block)))
-    try:
-        with small.client() as c:
-            assert_reads_what_fits(c, tokens, blocks, keys)
-        assert "quota" in small.log_text()
-    finally:
-        small.stop()
+    assert_reads_what_fits(small, "quota", tokens, blocks, keys)
 
 
 @contextlib.contextmanager
