@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -40,6 +41,7 @@ from agentkv.errors import (
 from agentkv.v1 import store_pb2
 from agentkv.worker.v1 import worker_pb2 as pb
 
+SERVED_KEPT = 1 << 16  # agents whose last worker a memory remembers (~130 bytes each)
 OTHER_MODEL = "other model"  # the tier a listing gives an agent written under another model
 
 Step = tuple[float, Callable[[], Any]]  # wait this many seconds, then call (or await) this
@@ -111,7 +113,8 @@ class BaseAgentMemory:
         self.namespace = namespace
         self.timeout, self.retries = call_timeout(timeout), retries
         self.backoff, self.durable = backoff, durable
-        self._served: dict[str, str] = {}  # agent key -> the worker that last served it
+        # agent key -> the worker that last served it, for the last SERVED_KEPT agents
+        self._served: OrderedDict[str, str] = OrderedDict()
         self._shut = threading.Event()  # close() ran: the channels are gone (in_namespace's too)
         self.store: Any = self._open_store(store, security) if store else None
 
@@ -195,7 +198,11 @@ class BaseAgentMemory:
         return self._run(self._routed(agent_id, call))
 
     def _routed(
-        self, agent_id: str, call: Callable[[Any], Any], then: Callable[[Any], T] = same
+        self,
+        agent_id: str,
+        call: Callable[[Any], Any],
+        then: Callable[[Any], T] = same,
+        deletes: bool = False,
     ) -> Steps[T]:
         self._check_open()
         key = self._key(agent_id)
@@ -214,7 +221,7 @@ class BaseAgentMemory:
                 attempts.failed(address, exc)
                 continue
             attempts.succeeded(address)
-            self._served[key] = address
+            self._serve(key, None if deletes else address)
             return then(result)
         raise attempts.exhausted(agent_id)
 
@@ -230,6 +237,16 @@ class BaseAgentMemory:
             return of_other_model(self.namespace, summary)
         except AgentNotFound:
             return None
+
+    def _serve(self, key: str, address: str | None) -> None:
+        """Remembers the worker that served the agent last (None: it was deleted there);
+        the agents served longest ago are forgotten past SERVED_KEPT (a gateway's memory
+        serves every conversation it sees)."""
+        self._served.pop(key, None)
+        if address is not None:
+            self._served[key] = address
+            while len(self._served) > SERVED_KEPT:
+                self._served.popitem(last=False)
 
     def _hand_over(self, last: str, agent_id: str) -> Steps[bool]:
         """An agent going to another worker than the one that served it last (for this
@@ -265,9 +282,11 @@ class BaseAgent:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.memory.namespace}/{self.id})"
 
-    def _call(self, call: Callable[[Any], Any], then: Callable[[Any], T] = same) -> Any:
+    def _call(
+        self, call: Callable[[Any], Any], then: Callable[[Any], T] = same, deletes: bool = False
+    ) -> Any:
         mem = self.memory
-        return mem._run(mem._routed(self.id, call, then))
+        return mem._run(mem._routed(self.id, call, then, deletes))
 
     def say(
         self,
@@ -386,7 +405,7 @@ class BaseAgent:
 
     def delete(self) -> MaybeAwaitable[bool]:
         """Deletes the agent from its worker and the store; False if it did not exist."""
-        return self._call(lambda w: w.delete(self.memory.namespace, self.id))
+        return self._call(lambda w: w.delete(self.memory.namespace, self.id), deletes=True)
 
 
 def of_other_model(namespace: str, summary: store_pb2.AgentSummary) -> pb.AgentState:

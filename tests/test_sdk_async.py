@@ -416,3 +416,23 @@ def test_a_memory_in_another_namespace_is_closed_with_the_one_it_shares_channels
                 await memory.agent("c", system="Be brief.")
 
     asyncio.run(run())
+
+
+def test_a_memory_forgets_deleted_agents_workers_and_remembers_the_latest_agents_only(
+    tiny_model_dirs, start_worker, monkeypatch
+):
+    """A memory remembers which worker served each agent last (for hand-overs), and kept
+    it for every agent it ever served, deleted ones too: a gateway's memory, serving every
+    conversation, spares and branches included, grew for good (~130 bytes an agent). It
+    forgets a deleted agent's now, and keeps the last SERVED_KEPT agents."""
+    from agentkv.client import core
+
+    monkeypatch.setattr(core, "SERVED_KEPT", 2)
+    worker = start_worker(tiny_model_dirs["llama"]).address
+    with AgentMemory(worker) as mem:
+        made = {name: mem.agent(name, system="Be brief.") for name in ("a", "b", "c")}
+        assert list(mem._served) == ["default/b", "default/c"]
+        assert made["c"].delete()
+        assert list(mem._served) == ["default/b"]
+        made["a"].describe()  # served again: remembered again, as the latest
+        assert list(mem._served) == ["default/b", "default/a"]
