@@ -14,6 +14,7 @@ waits a while for uploads to make blocks safe before it refuses.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -264,7 +265,7 @@ class Capacity:
             checksum = self.index.remote_checksum(txn, *block)
         if record is None or not record.local or checksum is None:
             return True
-        assert self.uploads is not None  # only demotion asks, and only with an object store
+        assert self.uploads is not None  # demotion and eviction ask, only with an object store
         return self.uploads.still_holds(record, checksum)
 
     def _demote(self, block: BlockId) -> bool:
@@ -312,12 +313,20 @@ class Capacity:
         with self.index.read() as txn:
             agents = sorted(self.index.agents(txn, namespace), key=self.agent_last_access)
             agents = [a for a in agents if (a.namespace, a.agent_id) not in spared]
-            if self.uploads is not None:  # only agents the object store holds: they stay
-                agents = [a for a in agents if self._in_object_store(txn, a)]
-            victims = [a for a in agents if self._frees_space(txn, a)]
-            if not victims and spare is not None:
-                victims = [a for a in agents if self._unread(a)]
-        return any(self._evict_agent(a) for a in victims[:MAX_VICTIMS_ASKED])
+            victims = self._coldest(txn, agents, partial(self._frees_space, txn))
+            others = self._coldest(txn, agents, self._unread) if spare is not None else []
+        if any(self._evict_agent(a) for a in victims):
+            return True
+        return any(self._evict_agent(a) for a in others if a not in victims)
+
+    def _coldest(
+        self, txn: Any, agents: list[AgentRecord], fits: Callable[[AgentRecord], bool]
+    ) -> list[AgentRecord]:
+        """The first MAX_VICTIMS_ASKED of `agents` that fit and, with an object store, that
+        it holds (they stay restorable)."""
+        anywhere = self.uploads is None
+        chosen = (a for a in agents if fits(a) and (anywhere or self._in_object_store(txn, a)))
+        return list(itertools.islice(chosen, MAX_VICTIMS_ASKED))
 
     def _evict_agent(self, victim: AgentRecord) -> bool:
         """Deletes `victim` if it is still the generation the scan saw (not committed since)
@@ -349,11 +358,15 @@ class Capacity:
         return dropped
 
     def _blocks_in_bucket_now(self, agent: AgentRecord) -> bool:
-        """Whether the bucket still holds each block of `agent` that is here (each asked, to
-        the first it does not: that one is queued to be uploaded again)."""
+        """Whether the bucket still holds each block of `agent` that its eviction would
+        delete here (its own, no other agent's), each asked to the first it does not (that
+        one is queued to be uploaded again)."""
         if self.uploads is None:
             return True
-        return all(self._in_bucket_now((agent.namespace, key)) for key in agent.block_keys)
+        with self.index.read() as txn:
+            records = (self.index.find_block(txn, agent.namespace, k) for k in agent.block_keys)
+            own = [(r.namespace, r.key) for r in records if r and r.local and r.refcount == 1]
+        return all(self._in_bucket_now(block) for block in own)
 
     def _in_object_store(self, txn: Any, agent: AgentRecord) -> bool:
         """Its manifest as it is here, and every block it names, in the bucket: a block

@@ -168,7 +168,7 @@ class Fetcher:
         """Lands the manifest's blocks this store lacks, in chain order, while the next
         FETCH_AHEAD of them download; the chain (its keys) ends at the first unusable one."""
         namespace, keys = m["namespace"], []
-        parent, pos, fetched = b"", 0, 0
+        parent, pos, fetched, lapsed = b"", 0, 0, False
         entries = [(bytes.fromhex(e["key"]), int(e["num_tokens"]), e) for e in m["blocks"]]
         # Leased first: the room an earlier block's landing asks for would otherwise be made
         # from a later one here, not yet any agent's (the agent evicted here, say).
@@ -184,12 +184,12 @@ class Fetcher:
                 tokens = [int(t) for t in m["token_ids"][pos : pos + count]]
                 made = block_key(m["fingerprint"], parent, tokens)
                 why = "" if key == made else "its tokens and parent make another key"
-                lease.renew()  # however long the downloads take
+                lapsed |= lease.renew()  # however long the downloads take
                 if not why and key in downloads:
                     draft = have[key] or layout.draft_block(m, key, parent, pos, count)
                     why = self._land_fetched(downloads.take(key), entry, draft, have[key])
                     fetched += not why
-                elif not why and not self._still_here(have[key]):  # a lease that had lapsed
+                elif not why and not self._still_here(have[key]):  # the lease had lapsed
                     why = "deleted here while the chain was fetched"
                 if why:
                     log.warning(
@@ -202,6 +202,15 @@ class Fetcher:
         finally:
             downloads.cancel()
             self._count_rehydrated(fetched)
+        return self._still_kept(namespace, keys) if lapsed else keys
+
+    def _still_kept(self, namespace: str, keys: list[bytes]) -> list[bytes]:
+        """The chain up to its first block collected while the lease had lapsed (a download
+        stalled past --lease-seconds): the manifest names no block that is gone."""
+        with self.index.read() as txn:
+            for i, key in enumerate(keys):
+                if self.index.find_block(txn, namespace, key) is None:  # demoted: restorable
+                    return keys[:i]
         return keys
 
     def _still_here(self, had: BlockRecord | None) -> bool:

@@ -3,6 +3,7 @@ table), the namespace the call may use, and the request body as JSON within its 
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from typing import Any
@@ -62,11 +63,13 @@ class Callers:
             if size > limit:
                 raise HTTPError(413, f"request body over {limit} bytes", code="request_too_large")
             chunks.append(chunk)
+        data = b"".join(chunks)
         try:
-            text = b"".join(chunks).decode("utf-8-sig")  # RFC 8259: UTF-8 (a BOM let by)
+            text = data.decode("utf-8-sig")  # RFC 8259: UTF-8 (a BOM let by)
         except UnicodeDecodeError as exc:  # json.loads(bytes) would let surrogates' bytes by
+            at = exc.start + 3 * data.startswith(codecs.BOM_UTF8)  # counted after the BOM
             raise HTTPError(
-                400, f"the request body is not UTF-8 text: {exc.reason} at byte {exc.start}"
+                400, f"the request body is not UTF-8 text: {exc.reason} at byte {at}"
             ) from None
         try:
             return json.loads(text, parse_float=_finite, parse_constant=_not_a_number)

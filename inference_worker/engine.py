@@ -432,8 +432,9 @@ class Engine:
     def _checkout(
         self, job: TurnJob, usage: UsageEvent, view: StoreView | None, fetched: Fetched | None
     ) -> Agent | None:
-        """The agent in RAM if that copy is current, else restored from `fetched`; None when
-        it must be fetched first."""
+        """The agent in RAM if that copy is current, or mid-turn here (the turn is then
+        refused, AgentBusy, by _prepare, which every caller runs next), else restored from
+        `fetched`; None when it must be fetched first."""
         agent = self.hot.get((ids.namespace(job.namespace), ids.agent_id(job.agent_id)))
         held = agent is not None and self.batcher.holds(agent)  # mid-turn: busy, not dropped
         if agent is not None and not held and not self._current(agent, view):
