@@ -251,11 +251,7 @@ class Turns:
             await branch.delete()
         except TurnsFollow as exc:  # points of the branch's own that ids name: a branch of it
             return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
-        made = True
-        try:
-            await self._when_idle(lambda: to_the_end(agent.fork(branch.id)))
-        except AgentExists:  # made meanwhile, by another call of a conversation alike
-            made = False
+        made = await self._fork_branch(agent, branch)
         try:  # made here: its copies of the agent's points are named by no id: it drops them
             return Turn(await self._say_on(branch, call, keep=not made))
         except TurnsFollow as exc:
@@ -264,6 +260,26 @@ class Turns:
             if made:  # a fork whose first turn never ran is no conversation's: not kept
                 self._deleting(delete_refused(branch), branch.id)
             raise
+
+    async def _fork_branch(self, agent: AsyncAgent, branch: AsyncAgent) -> bool:
+        """Forks `branch` off `agent`; whether this call made it (not: another call of a
+        conversation alike made it meanwhile). Its worker makes it even once the call is
+        cancelled (its client gone): it is then deleted, made for no one."""
+        forked: list[bool] = []
+
+        async def fork() -> None:
+            await agent.fork(branch.id)
+            forked.append(True)
+
+        try:
+            await self._when_idle(lambda: to_the_end(fork()))
+        except AgentExists:
+            return False
+        except BaseException:
+            if forked:
+                self._deleting(delete_refused(branch), branch.id)
+            raise
+        return True
 
     async def _say_on(self, branch: AsyncAgent, call: ChatCall, keep: bool) -> AsyncReply:
         options = {**say_options(call), "keep_named_marks": keep}
@@ -290,7 +306,11 @@ class Turns:
         An agent the store lost (its manifest unreadable) is deleted and made anew."""
         memory = agent.memory
         options = say_options(call)
-        await check_features(memory, agent.id, call)
+        try:
+            await check_features(memory, agent.id, call)
+        except BaseException:
+            self.spares.discard(agent)  # a spare not made yet: nothing to delete, ever
+            raise
         if agent not in self.spares:
             try:
                 return Turn(await agent.say(call.messages, **options))

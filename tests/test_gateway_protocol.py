@@ -800,3 +800,66 @@ def test_two_tools_of_one_name_or_parameters_not_of_an_object_are_refused():
         with pytest.raises(HTTPError, match=said):
             parsed(tools=tools)
     assert parsed(tools=[weather, tool("f", {})]).tools  # no type given: an object's
+
+
+def test_a_branch_forked_for_a_caller_that_left_is_deleted():
+    """A resent conversation's branch is forked to the end even once its caller left (the
+    worker makes it either way); it then took no turn and was left in the store, where the
+    conversation's next call found it, its points still the agent's, and branched deeper
+    each time. It is deleted now; a fork that failed, or that another call made meanwhile,
+    is left as it is."""
+    from agentkv.gateway.turns import Turns
+
+    class Agent:
+        def __init__(self, id: str, fails: Exception | None = None) -> None:
+            self.id, self.fails, self.deleted = id, fails, 0
+            self.release, self.started = asyncio.Event(), asyncio.Event()
+
+        async def fork(self, branch_id: str) -> None:
+            self.started.set()
+            await self.release.wait()
+            if self.fails:
+                raise self.fails
+
+        async def delete(self) -> bool:
+            self.deleted += 1
+            return True
+
+    async def caller_leaves(fails: Exception | None) -> int:
+        turns, agent, branch = Turns(lambda: None, 60.0), Agent("a", fails), Agent("a-b")
+        caller = asyncio.ensure_future(turns._fork_branch(agent, branch))
+        await agent.started.wait()
+        caller.cancel()
+        agent.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.gather(*turns.deletions)
+        return branch.deleted
+
+    assert asyncio.run(caller_leaves(None)) == 1
+    assert asyncio.run(caller_leaves(errors.AgentExists("made meanwhile"))) == 0
+    assert asyncio.run(caller_leaves(errors.Unavailable("worker gone"))) == 0
+
+
+def test_a_spare_whose_call_is_refused_before_it_is_made_is_let_go(monkeypatch):
+    """A spare agent (its conversation busy) whose call its worker's features refuse (a
+    501 during a rolling upgrade), or whose caller left during that check, stayed among
+    the gateway's spares until the gateway stopped, which then asked to delete an agent
+    never made. It is let go at once now."""
+    from agentkv.client.aio import AsyncAgent
+    from agentkv.gateway import turns as gateway_turns
+
+    async def refused(*args) -> None:
+        raise HTTPError(501, "its worker predates tool_choice allowed_tools: upgrade it")
+
+    monkeypatch.setattr(gateway_turns, "check_features", refused)
+
+    async def say_on_a_spare() -> set:
+        turns = gateway_turns.Turns(lambda: None, 60.0)
+        spare = AsyncAgent(None, "anon-1234-abcd0123")
+        turns.spares.add(spare)
+        with pytest.raises(HTTPError):
+            await turns._say(spare, parsed())
+        return turns.spares
+
+    assert asyncio.run(say_on_a_spare()) == set()
