@@ -169,9 +169,7 @@ class Restorer:
         agent.caches = caches_from_host(
             fetched.layers, self.windows, self.fmt, self.quantized_query_max, self.block_tokens
         )
-        agent.queued_full_keys = [
-            k for k, n in zip(fetched.keys, fetched.counts, strict=True) if n == self.block_tokens
-        ]
+        agent.queued_full_keys = leading_full(fetched.keys, fetched.counts, self.block_tokens)
         return sum(fetched.counts)
 
     def _report_misfit(self, namespace: str, exc: BlockMisfit) -> None:
@@ -204,11 +202,7 @@ class Restorer:
         )
         keys, counts = fetched.keys, fetched.counts
         agent.persisted_tokens = sum(counts)
-        agent.queued_full_keys = [
-            k for k, n in zip(keys, counts, strict=True) if n == self.block_tokens
-        ]
-        if len(agent.queued_full_keys) < len(keys) - 1:  # a short block mid-chain: recut
-            agent.queued_full_keys = []
+        agent.queued_full_keys = leading_full(keys, counts, self.block_tokens)
         agent.committed_full_keys = list(agent.queued_full_keys)
         return Restored(agent, sum(counts), fetched.path, fetched.failure, fetched.bytes_read)
 
@@ -267,3 +261,11 @@ class Restorer:
             QuantizedKV(self.fmt, self.quantized_query_max, w, self.block_tokens)
             for w in self.windows
         ]
+
+
+def leading_full(keys: list[bytes], counts: list[int], block_tokens: int) -> list[bytes]:
+    """The chain's leading full blocks, from its first to the first short one: the next
+    write cuts its blocks on from their end (a chain a worker did not cut, a short block
+    before full ones, is cut again from there)."""
+    pairs = itertools.takewhile(lambda kn: kn[1] == block_tokens, zip(keys, counts, strict=True))
+    return [key for key, _ in pairs]

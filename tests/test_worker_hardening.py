@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -42,7 +43,7 @@ from agentkv.errors import (
     TurnTaken,
     Unavailable,
 )
-from agentkv.keys import ROOT_KEY
+from agentkv.keys import ROOT_KEY, block_key
 from agentkv.launch import ServiceProcess
 from agentkv.worker.v1 import worker_pb2 as pb
 from inference_worker.kv_cache import NUMPY_DTYPES
@@ -166,6 +167,45 @@ def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
     assert metric(proc, "agentkv_worker_restore_failures_total") == 2
     # The first block of "short" and every block of "wide" (each reported, not only the first).
     assert store.stats().num_quarantined == 1 + len(manifest.block_keys)
+
+
+def test_a_chain_cut_unlike_a_worker_s_is_written_again_from_its_start(
+    tiny_model_dirs, start_worker, store
+):
+    """A writer in the namespace committed the agent's own KV, cut at other places: a
+    short block, then full ones ([50, 64, ...] tokens), as a worker never cuts. The restore
+    kept the full blocks after the short one as the chain's leading full blocks, so each
+    write cut its blocks on from the wrong position: its commit was refused (the chain's
+    parents did not follow), again on every retry, and the agent never durable. The next
+    write now cuts its blocks again from the start."""
+    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=60)
+    fp = w.info().fingerprint
+    w.create_agent("ref", "agent", SYSTEM)
+    w.turn("ref", "agent", Q1, max_tokens=8, durable=True)
+    manifest = store.get_agent("ref", "agent", fingerprint=fp)
+    stored = list(store.get_blocks("ref", fp, list(manifest.block_keys)))
+    tokens = [t for block in stored for t in block.token_ids]
+    assert len(tokens) >= 50 + 64  # a short block and a full one at least
+    layers = {  # every tensor of the chain, its positions (axis 2) end to end
+        name: (dtype, np.concatenate([arrays(b)[name][1] for b in stored], axis=2))
+        for name, (dtype, _) in arrays(stored[0]).items()
+    }
+    cuts = [0, *range(50, len(tokens) + 1, 64)]  # ends with a full block: the rest a tail
+    blocks, parent = [], ROOT_KEY
+    for start, end in itertools.pairwise(cuts):
+        tensors = [
+            Tensor(name, dtype, (x := np.ascontiguousarray(a[:, :, start:end])).shape, x)
+            for name, (dtype, a) in layers.items()
+        ]
+        blocks.append(Block(parent, tokens[start:end], tensors))
+        parent = block_key(fp, parent, tokens[start:end])
+    store.save_agent(
+        "recut", "agent", fp, list(manifest.token_ids), blocks, metadata=dict(manifest.metadata)
+    )
+    reply = w.turn("recut", "agent", Q2, max_tokens=4, durable=True)  # ends once committed
+    assert reply.usage.cache_state == "warm" and not reply.usage.restore_failure
+    written = store.get_agent("recut", "agent", fingerprint=fp)
+    assert list(written.block_num_tokens[:2]) == [64, 64]  # cut again as a worker cuts
 
 
 def test_a_manifest_no_worker_of_this_model_wrote_fails_its_agent_alone(
