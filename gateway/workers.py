@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from agentkv.gateway.config import INFO_TIMEOUT
 from agentkv.gateway.errors import HTTPError
 
 T = TypeVar("T")
+PASSED_FOR = 30.0  # seconds a worker first_worker passed by is asked after the others
 PASSED_BY = {  # what a worker answers that another may not: first_worker asks the next
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -39,6 +41,7 @@ class Served:
     def __init__(self, workers: dict[str, Any], model_name: str) -> None:
         self.workers, self.model_id = workers, model_name
         self.fingerprint = ""  # the workers' model's, once asked (info)
+        self.passed_at: dict[str, float] = {}  # address -> when first_worker last passed it by
 
     async def model(self) -> str:
         """The served model's id: --model-name, else the first worker's model."""
@@ -58,17 +61,26 @@ class Served:
         too old for the call, refusing the gateway's own credentials) is passed by; any
         other error is the request's, raised. None answers: a 503 saying the last why."""
         last = "no worker is configured"
-        for address, worker in self.workers.items():
+        for address in self._in_turn():
             try:
-                return await asyncio.wait_for(ask(worker), INFO_TIMEOUT)
+                answer = await asyncio.wait_for(ask(self.workers[address]), INFO_TIMEOUT)
+                self.passed_at.pop(address, None)
+                return answer
             except AgentKVError as exc:
                 if exc.code not in PASSED_BY:
                     raise
                 last = f"{address}: {exc.message}"
             except asyncio.TimeoutError:
                 last = f"{address}: no answer within {INFO_TIMEOUT:g} s"
+            self.passed_at[address] = time.monotonic()
         message = f"no worker answers (last: {last})"
         raise HTTPError(503, message, "service_unavailable", code="unavailable", retry=True)
+
+    def _in_turn(self) -> list[str]:
+        """The workers in their order, those passed by within PASSED_FOR seconds last (a
+        hung one cost every count_tokens its INFO_TIMEOUT)."""
+        recent = time.monotonic() - PASSED_FOR
+        return sorted(self.workers, key=lambda a: self.passed_at.get(a, 0.0) > recent)
 
     async def model_key(self) -> str:
         """A short hash of the workers' model fingerprint: what tells this model's anonymous

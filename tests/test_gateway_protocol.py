@@ -863,3 +863,34 @@ def test_a_spare_whose_call_is_refused_before_it_is_made_is_let_go(monkeypatch):
         return turns.spares
 
     assert asyncio.run(say_on_a_spare()) == set()
+
+
+def test_a_worker_that_did_not_answer_is_asked_last_for_a_while(monkeypatch):
+    """count_tokens and the model's info go to the first worker that answers, asked in
+    their configured order: a hung first worker cost every such call its INFO_TIMEOUT (5 s)
+    before the next was asked. One passed by is asked after the others for PASSED_FOR s."""
+    from agentkv.gateway import workers as gateway_workers
+
+    monkeypatch.setattr(gateway_workers, "INFO_TIMEOUT", 0.05)
+    asked: list[str] = []
+
+    class Worker:
+        def __init__(self, address: str, hung: bool) -> None:
+            self.address, self.hung = address, hung
+
+        async def info(self) -> str:
+            asked.append(self.address)
+            if self.hung:
+                await asyncio.Event().wait()  # never answers
+            return self.address
+
+    served = gateway_workers.Served({"a": Worker("a", True), "b": Worker("b", False)}, "")
+
+    async def twice() -> list[str]:
+        return [await served.first_worker(lambda w: w.info()) for _ in range(2)]
+
+    assert asyncio.run(twice()) == ["b", "b"]
+    assert asked == ["a", "b", "b"]  # the hung one once, not on every call
+    monkeypatch.setattr(gateway_workers, "PASSED_FOR", 0.0)  # its while over: asked first again
+    asked.clear()
+    assert asyncio.run(twice()) == ["b", "b"] and asked == ["a", "b", "a", "b"]
