@@ -202,6 +202,7 @@ class Fetcher:
         finally:
             downloads.cancel()
             self._count_rehydrated(fetched)
+        lapsed |= lease.renew()  # the last download's wait, too
         return self._still_kept(namespace, keys) if lapsed else keys
 
     def _still_kept(self, namespace: str, keys: list[bytes]) -> list[bytes]:

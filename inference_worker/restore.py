@@ -101,6 +101,8 @@ class Restorer:
                 break
             keys.append(key)
             counts.append(n)
+            if n != self.block_tokens:  # a worker's chain ends at its one short block; one
+                break  # cut otherwise is read to there, as if it did (the rest prefilled)
         fetched = Fetched(manifest, read_at, chat)
         fetched.failure = f"{len(missing)} block(s) missing in the store" if missing else ""
         if not keys:
@@ -265,7 +267,6 @@ class Restorer:
 
 def leading_full(keys: list[bytes], counts: list[int], block_tokens: int) -> list[bytes]:
     """The chain's leading full blocks, from its first to the first short one: the next
-    write cuts its blocks on from their end (a chain a worker did not cut, a short block
-    before full ones, is cut again from there)."""
+    write cuts its blocks on from their end."""
     pairs = itertools.takewhile(lambda kn: kn[1] == block_tokens, zip(keys, counts, strict=True))
     return [key for key, _ in pairs]

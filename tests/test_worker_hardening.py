@@ -169,16 +169,18 @@ def test_a_block_that_does_not_fit_the_model_is_a_restore_failure(
     assert store.stats().num_quarantined == 1 + len(manifest.block_keys)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])  # gemma: sliding-window layers
 def test_a_chain_cut_unlike_a_worker_s_is_written_again_from_its_start(
-    tiny_model_dirs, start_worker, store
+    tiny_model_dirs, start_worker, store, arch
 ):
     """A writer in the namespace committed the agent's own KV, cut at other places: a
     short block, then full ones ([50, 64, ...] tokens), as a worker never cuts. The restore
     kept the full blocks after the short one as the chain's leading full blocks, so each
     write cut its blocks on from the wrong position: its commit was refused (the chain's
-    parents did not follow), again on every retry, and the agent never durable. The next
-    write now cuts its blocks again from the start."""
-    w = WorkerClient(start_worker(tiny_model_dirs["llama"]).address, timeout=60)
+    parents did not follow), again on every retry, and the agent never durable. A restore
+    now reads a chain to its first short block, where a worker's ends (the rest is
+    prefilled again), and the next write cuts its blocks again from the start."""
+    w = WorkerClient(start_worker(tiny_model_dirs[arch]).address, timeout=60)
     fp = w.info().fingerprint
     w.create_agent("ref", "agent", SYSTEM)
     w.turn("ref", "agent", Q1, max_tokens=8, durable=True)
@@ -204,6 +206,7 @@ def test_a_chain_cut_unlike_a_worker_s_is_written_again_from_its_start(
     )
     reply = w.turn("recut", "agent", Q2, max_tokens=4, durable=True)  # ends once committed
     assert reply.usage.cache_state == "warm" and not reply.usage.restore_failure
+    assert reply.usage.reused_store_tokens == 50  # the chain to its short block
     written = store.get_agent("recut", "agent", fingerprint=fp)
     assert list(written.block_num_tokens[:2]) == [64, 64]  # cut again as a worker cuts
 
