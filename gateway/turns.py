@@ -251,15 +251,20 @@ class Turns:
             await branch.delete()
         except TurnsFollow as exc:  # points of the branch's own that ids name: a branch of it
             return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
-        made = await self._fork_branch(agent, branch)
-        try:  # made here: its copies of the agent's points are named by no id: it drops them
-            return Turn(await self._say_on(branch, call, keep=not made))
-        except TurnsFollow as exc:
-            return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
-        except BaseException:
-            if made:  # a fork whose first turn never ran is no conversation's: not kept
-                self._deleting(delete_refused(branch), branch.id)
-            raise
+        for again in (False, True):
+            made = await self._fork_branch(agent, branch)
+            try:  # made here: its copies of the agent's points are named by no id: it drops them
+                return Turn(await self._say_on(branch, call, keep=not made))
+            except AgentNotFound:  # another call's fork, deleted as its first turn never ran
+                if made or again:
+                    raise
+            except TurnsFollow as exc:
+                return await self._resent_elsewhere(branch, call, exc.resumed_at, depth + 1)
+            except BaseException:
+                if made:  # a fork whose first turn never ran is no conversation's: not kept
+                    self._deleting(delete_refused(branch), branch.id)
+                raise
+        raise AssertionError("unreachable: the second try returns or raises")
 
     async def _fork_branch(self, agent: AsyncAgent, branch: AsyncAgent) -> bool:
         """Forks `branch` off `agent`; whether this call made it (not: another call of a
