@@ -373,7 +373,9 @@ def test_a_timeout_past_grpcs_longest_deadline_waits_that_long(
     from tests.helpers import cli
 
     worker = start_worker(tiny_model_dirs["llama"]).address
-    with AgentMemory(worker, store=store_process.address, timeout=math.inf) as mem:
+    with AgentMemory(  # durable: the agent is in the store once each call returns
+        worker, store=store_process.address, timeout=math.inf, durable=True
+    ) as mem:
         agent = mem.agent("patient", system="Be brief.")
         assert agent.say("Hi", max_tokens=2, timeout=math.inf).usage.generated_tokens > 0
         assert [s.agent_id for s in mem.agents()] == ["patient"]
