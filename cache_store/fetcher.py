@@ -92,12 +92,15 @@ class Fetcher:
         """Copies the bucket's manifest of an agent, and every block it names that is not
         here, into the local tier, when it is newer than `local_generation` (None: absent
         here). Whether it did. A block that is missing or fails its checksum ends the chain
-        there (its tokens are re-prefilled); a manifest that fails its own is DATA_LOSS."""
+        there (its tokens are re-prefilled); a manifest that fails its own is DATA_LOSS. One
+        held here that the bucket has no manifest of raises NotInBucket."""
         name = layout.agent_object(namespace, agent_id)
         if local_generation is not None:
             there = self.bucket.head(name)
-            theirs = layout.generation_named(there.metadata) if there else 0
-            if there is None or (theirs is not None and theirs <= local_generation):
+            if there is None:
+                raise NotInBucket(f"agent {agent_id!r} in namespace {namespace!r}")
+            theirs = layout.generation_named(there.metadata)
+            if theirs is not None and theirs <= local_generation:
                 return False  # (a generation that is no number: its manifest says, or is lost)
         got = self.bucket.get(name)
         if got is None:
@@ -326,6 +329,11 @@ class Fetcher:
             size = sum(int(b["num_bytes"]) for b in m["blocks"])
             views.append(AgentView(layout.manifest_record(m), [], size))
         return views, names[-1][len(prefix) :] if len(names) == limit else ""
+
+
+class NotInBucket(Exception):
+    """The bucket holds no manifest of an agent this store holds: deleted there, or not
+    uploaded yet (the store's index tells which)."""
 
 
 class LostManifest(CorruptRecord):

@@ -18,11 +18,12 @@ from agentkv.errors import (
     AgentNotFound,
     BucketUnreachable,
     FingerprintMismatch,
+    GenerationConflict,
 )
 from cache_store import idle, integrity, manifests, schema
 from cache_store.capacity import Capacity, now_ms
 from cache_store.config import StoreConfig
-from cache_store.fetcher import LostManifest
+from cache_store.fetcher import LostManifest, NotInBucket
 from cache_store.index import Index
 from cache_store.leases import Leases
 from cache_store.lock import DataDirLock
@@ -190,6 +191,12 @@ class CacheStore:
         try:
             self.tier.fetch_agent(namespace, agent_id, local.generation if local else None)
             self.tier.mark_current(namespace, agent_id)
+        except NotInBucket:
+            assert local is not None
+            if uploaded == local.generation and not self.tier.writers.holds(namespace):
+                self._drop_deleted_elsewhere(local)
+            else:
+                self.tier.mark_current(namespace, agent_id)  # not uploaded yet, or ours
         except LostManifest as exc:
             if not replaces or (local is not None and not deleting):
                 raise AgentLost(
@@ -209,6 +216,20 @@ class CacheStore:
                 ) from exc
             log.warning(f"object store {failure(exc)}: serving the local manifest of {agent_id!r}")
         return False
+
+    def _drop_deleted_elsewhere(self, local: AgentRecord) -> None:
+        """Drops a standby's copy of an agent the bucket held at that generation and holds
+        no longer: the namespace's writer deleted it (served on, it came back once this
+        store took the namespace over)."""
+        ns, agent_id = local.namespace, local.agent_id
+        with self.index.write() as txn:
+            try:
+                manifests.delete(self.index, txn, ns, agent_id, local.generation)
+            except (AgentNotFound, GenerationConflict):
+                return  # changed here meanwhile: that copy stands
+            self.index.delete_uploaded(txn, ns, agent_id)
+        self.capacity.forget_agent(ns, agent_id)
+        log.info("agent deleted in the object store: dropped here", extra={"agent": agent_id})
 
     def list_agents(
         self, namespace: str, page_token: str, page_size: int

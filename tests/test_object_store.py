@@ -1005,6 +1005,38 @@ def test_two_stores_racing_for_a_namespace_one_writes(weed, bucket, tmp_path):
             s.stop()
 
 
+def test_an_agent_the_writer_deleted_is_gone_from_a_store_that_read_it(weed, bucket, tmp_path):
+    """A store that only reads a namespace (another store holds its writer lease) keeps a
+    copy of each agent it reads. The writer deleted one, in the bucket too; the reader
+    served its copy on (its bucket check found no newer generation, and no manifest at
+    all), and once it took the namespace over the agent came back. It is gone there too
+    now: the bucket held it at that generation, and holds it no longer."""
+    writer = start_store(tmp_path, "writer", tier_args(weed, bucket))
+    reader = start_store(tmp_path, "reader", tier_args(weed, bucket))
+    try:
+        with writer.client() as w, reader.client() as r:
+            for agent in ("gone", "kept"):
+                save(w, agent, list(range(1, 100)))
+            wait_for("the uploads", lambda: uploaded(w))
+            assert r.get_agent(NS, "gone").generation == 1  # a copy on the reader now
+            w.delete_agent(NS, "gone")
+            wait_for("the deletion's upload", lambda: uploaded(w))
+            with pytest.raises(AgentNotFound):
+                r.get_agent(NS, "gone")
+            assert r.get_agent(NS, "kept").generation == 1
+        writer.stop()  # a clean stop hands the lease back: the reader may write
+        with reader.client() as r:
+            with pytest.raises(AgentNotFound):
+                r.get_agent(NS, "gone")
+            save(r, "kept", list(range(1, 150)), gen=1)  # it writes the namespace now
+            wait_for("the reader's uploads", lambda: uploaded(r))
+        assert set(bucket_manifests(weed, bucket)) == {f"{bucket}/{NS}/agents/kept"}
+        assert "agent deleted in the object store: dropped here" in reader.log_text()
+    finally:
+        writer.stop()
+        reader.stop()
+
+
 def test_a_worker_on_a_store_that_only_reads_the_namespace_says_so_and_keeps_the_turn(
     weed, bucket, tmp_path, tiny_model_dirs
 ):
