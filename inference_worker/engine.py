@@ -21,10 +21,12 @@ from agentkv import ids
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
     AgentBusy,
+    AgentExists,
     AgentKVError,
     DeadlineExceeded,
     MarkNotFound,
     ServerBusy,
+    SystemPromptDiffers,
     TurnTaken,
     Unavailable,
 )
@@ -39,7 +41,7 @@ from inference_worker.freshness import StoreView, is_current
 from inference_worker.grammar import Ask, Forms, Grammars
 from inference_worker.hot_agents import HotAgents
 from inference_worker.metrics import WorkerMetrics
-from inference_worker.persistence import Persister, turn_not_durable
+from inference_worker.persistence import Persister, not_committed, turn_not_durable
 from inference_worker.restore import Fetched, Restorer
 from inference_worker.runtime import Runtime
 from inference_worker.scheduler import Request, Scheduler
@@ -217,7 +219,8 @@ class Engine:
             self.hot.pop(hot.id)
             hot = None
         if hot is not None:  # the RPC thread asked the store
-            raise agent_exists(ns, agent_id, hot.metadata, system, job.tools)
+            self._exists(job, hot, agent_exists(ns, agent_id, hot.metadata, system, job.tools))
+            return
         tokens, chat = start
         caches = self.restorer.empty_caches()
         agent = Agent(ns, agent_id, tokens, caches, phase=job.phase, metadata=metadata, chat=chat)
@@ -383,6 +386,19 @@ class Engine:
         self.metrics.turn_failures.labels(scope=scope).inc()
         turn.job.end(error=error)
 
+    def _exists(self, job: TurnJob, agent: Agent, exists: AgentExists) -> None:
+        """Ends a CreateAgent of an agent made already with `exists`: a durable one once the
+        agent is in the store (its write in flight lands), else with what kept it out (an
+        SDK takes AgentExists for "made", and a durable caller for "stored")."""
+        if not job.durable or agent.durable or isinstance(exists, SystemPromptDiffers):
+            job.end(error=exists)
+        elif agent.pending is not None and not agent.pending.done():
+            agent.pending.add_done_callback(
+                lambda write: job.end(error=turn_not_durable(agent, write.result()) or exists)
+            )
+        else:
+            job.end(error=not_committed(agent, agent.persist_error, "the agent was made, but"))
+
     def _turn_done(self, turn: ActiveTurn) -> None:
         """A turn left the batch: persist the agent, then end its stream (a durable turn's
         once its commit is done, on the writer thread)."""
@@ -417,7 +433,7 @@ class Engine:
                 exists = agent_exists(
                     agent.namespace, agent.agent_id, agent.metadata, system, waiting.tools
                 )
-                waiting.end(error=exists)
+                self._exists(waiting, agent, exists)
         else:
             self.metrics.turns.labels(state=usage.cache_state).inc()
         if job.durable and agent.pending is not None:

@@ -1091,6 +1091,28 @@ def test_a_durable_memory_s_new_agent_is_in_the_store_when_it_is_returned(
         assert len(stored.token_ids) == w.describe("ns", "kept").num_tokens
 
 
+def test_a_durable_create_of_an_agent_made_but_not_stored_waits_for_its_write(
+    tiny_model_dirs, store_process, launched, tmp_path
+):
+    """A durable CreateAgent of an agent this worker made already, its write still on its
+    way (or failed), was answered AgentExists at once, which the SDK takes for "made": a
+    retry of a durable create (its first call lost, or refused NotCommitted) returned an
+    agent the store did not hold. It now waits for that write, as a durable turn does."""
+    held = tmp_path / "writes-held"
+    model = tiny_model_dirs["llama"]
+    proc = faulty_process(launched, model, store_process, tmp_path, env={WRITES_HELD: str(held)})
+    w = WorkerClient(proc.address, timeout=120)
+    held.touch()
+    w.create_agent("ns", "quick", SYSTEM)  # made, its write held
+    with pytest.raises(DeadlineExceeded):  # the write it waits for is held
+        WorkerClient(proc.address, timeout=2).create_agent("ns", "quick", SYSTEM, durable=True)
+    held.unlink()
+    with pytest.raises(AgentExists):  # once the write has landed
+        w.create_agent("ns", "quick", SYSTEM, durable=True)
+    with store_process.client() as store:
+        assert list(store.get_agent("ns", "quick").token_ids)
+
+
 def test_an_agent_another_worker_committed_meanwhile_leaves_ram_when_asked(
     tiny_model_dirs, store_process, launched, start_worker, tmp_path
 ):
