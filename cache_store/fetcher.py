@@ -192,8 +192,6 @@ class Fetcher:
                     draft = have[key] or layout.draft_block(m, key, parent, pos, count)
                     why = self._land_fetched(downloads.take(key), entry, draft, have[key])
                     fetched += not why
-                elif not why and not self._still_here(have[key]):  # the lease had lapsed
-                    why = "deleted here while the chain was fetched"
                 if why:
                     log.warning(
                         "object store block unusable: the chain ends before it",
@@ -216,11 +214,6 @@ class Fetcher:
                 if self.index.find_block(txn, namespace, key) is None:  # demoted: restorable
                     return keys[:i]
         return keys
-
-    def _still_here(self, had: BlockRecord | None) -> bool:
-        with self.index.read() as txn:
-            now = None if had is None else self.index.find_block(txn, had.namespace, had.key)
-        return now is not None and now.local and now.created_ms == had.created_ms
 
     def _land_fetched(
         self, got: Got | None, entry: dict[str, Any], base: BlockRecord, have: BlockRecord | None
