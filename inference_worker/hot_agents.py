@@ -57,6 +57,11 @@ class HotAgents:
         if agent is None:
             return None
         self._check_idle(agent, what)
+        if agent.writing:  # a turn ended after the caller waited (write_pending): not a fault
+            raise AgentBusy(
+                f"agent {agent_id!r} ended a turn meanwhile, and that turn's write is in "
+                f"flight; {what} it once the write lands"
+            )
         if not agent.durable or agent.persist_failed:
             raise not_committed(agent, agent.persist_error, "the cache")
         return agent

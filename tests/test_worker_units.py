@@ -436,3 +436,23 @@ def test_a_token_is_marked_sent_before_it_goes_and_only_on_a_live_call(live):
     )
     assert next(stream).tokens.text == "The"  # handed to gRPC; the stream not yet resumed
     assert job.streamed is live
+
+
+def test_an_evict_or_fork_meeting_a_write_begun_since_it_waited_is_busy_not_unreachable():
+    """Evict and Fork wait for the agent's write (write_pending), then take the agent idle
+    and committed (durable_agent). A turn that ended in between queued a write: that is
+    AgentBusy, to send again, where it was NotCommitted "the store is unreachable"."""
+    from agentkv.errors import AgentBusy
+    from inference_worker.hot_agents import HotAgents
+
+    tier = HotTier(budget_bytes=1000)
+    a = agent("a", 100, durable=False)  # its last turn's tokens, not yet committed
+    a.pending = Future()  # ... their write in flight
+    tier.put(a)
+    agents = HotAgents(tier, SimpleNamespace(holds=lambda agent: False), None)
+    for what in ("evict", "fork"):
+        with pytest.raises(AgentBusy, match=f"write is in flight; {what} it once"):
+            agents.durable_agent("ns", "a", what)
+    a.pending.set_result(None)
+    a.persisted_tokens = 10  # the write landed
+    assert agents.evict("ns", "a") == (True, 100)
