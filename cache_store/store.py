@@ -14,6 +14,7 @@ from typing import Any
 
 from agentkv import ids
 from agentkv.errors import (
+    AgentKVError,
     AgentLost,
     AgentNotFound,
     BucketUnreachable,
@@ -251,7 +252,29 @@ class CacheStore:
         except ObjectStoreDown as exc:
             log.warning("listing this store's agents only: %s", exc.message)
             return views, after
-        return merge_pages(views, after, bucket, bucket_after, limit)
+        views, after = merge_pages(views, after, bucket, bucket_after, limit)
+        if self.tier.writers.holds(ns):
+            return views, after
+        listed = {v.record.agent_id for v in bucket}
+        return [v for v in views if not self._gone_from(listed, bucket_after, v.record)], after
+
+    def _gone_from(self, listed: set[str], listed_to: str, local: AgentRecord) -> bool:
+        """Whether a standby's copy of an agent that the bucket's listing passed over (it
+        listed `listed` up to `listed_to`, "" for the end), which the bucket held at that
+        generation, was deleted by the namespace's writer: it is checked, as a read of it
+        is, and dropped if so."""
+        ns, agent_id = local.namespace, local.agent_id
+        if agent_id in listed or (listed_to and agent_id > listed_to):
+            return False
+        with self.index.read() as txn:
+            if self.index.uploaded_generation(txn, ns, agent_id) != local.generation:
+                return False  # not uploaded yet, or deleted here
+        try:
+            self._fetch_if_newer(ns, agent_id)
+        except AgentKVError:  # an unreadable manifest there, say: a read of it says so
+            return False
+        with self.index.read() as txn:
+            return self.index.find_agent(txn, ns, agent_id) is None
 
     def delete_agent(
         self, namespace: str, agent_id: str, expected_generation: int = 0, counter: str = ""

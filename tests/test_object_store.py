@@ -1009,8 +1009,8 @@ def test_an_agent_the_writer_deleted_is_gone_from_a_store_that_read_it(weed, buc
     """A store that only reads a namespace (another store holds its writer lease) keeps a
     copy of each agent it reads. The writer deleted one, in the bucket too; the reader
     served its copy on (its bucket check found no newer generation, and no manifest at
-    all), and once it took the namespace over the agent came back. It is gone there too
-    now: the bucket held it at that generation, and holds it no longer."""
+    all), and listed it, and once it took the namespace over the agent came back. It is
+    gone there too now: the bucket held it at that generation, and holds it no longer."""
     writer = start_store(tmp_path, "writer", tier_args(weed, bucket))
     reader = start_store(tmp_path, "reader", tier_args(weed, bucket))
     try:
@@ -1021,6 +1021,7 @@ def test_an_agent_the_writer_deleted_is_gone_from_a_store_that_read_it(weed, buc
             assert r.get_agent(NS, "gone").generation == 1  # a copy on the reader now
             w.delete_agent(NS, "gone")
             wait_for("the deletion's upload", lambda: uploaded(w))
+            assert [a.agent_id for a in r.list_agents(NS)] == ["kept"]  # it listed "gone"
             with pytest.raises(AgentNotFound):
                 r.get_agent(NS, "gone")
             assert r.get_agent(NS, "kept").generation == 1
