@@ -207,7 +207,8 @@ class Checkpoint:
         return all(rewound)
 
 
-MAX_PINNED = 1024  # agents pinned on one worker (PinAgent)
+MAX_PINNED = 1024  # agents pinned on one worker in one namespace (PinAgent) ...
+MAX_PINNED_IN_ALL = 65536  # ... and in all: one tenant's pins leave others room
 EVICTED = {  # what the log says of an agent evicted, by reason
     "budget": "agent evicted to the store",
     "waiting_turn": "agent evicted for a waiting turn",
@@ -232,8 +233,16 @@ class HotTier:
         self.metrics.hot_bytes.set(self.figures[1])
 
     def pin(self, agent_id: AgentId, pinned: bool) -> None:
-        if pinned and agent_id not in self.pinned and len(self.pinned) >= MAX_PINNED:
-            raise ResourceExhausted(f"{MAX_PINNED} agents are pinned on this worker already")
+        if pinned and agent_id not in self.pinned:
+            ns = agent_id[0]
+            if sum(p[0] == ns for p in self.pinned) >= MAX_PINNED:
+                raise ResourceExhausted(
+                    f"{MAX_PINNED} agents of namespace {ns!r} are pinned on this worker already"
+                )
+            if len(self.pinned) >= MAX_PINNED_IN_ALL:
+                raise ResourceExhausted(
+                    f"{MAX_PINNED_IN_ALL} agents are pinned on this worker already"
+                )
         (self.pinned.add if pinned else self.pinned.discard)(agent_id)
 
     def _by_eviction(self) -> list[Agent]:

@@ -456,3 +456,21 @@ def test_an_evict_or_fork_meeting_a_write_begun_since_it_waited_is_busy_not_unre
     a.pending.set_result(None)
     a.persisted_tokens = 10  # the write landed
     assert agents.evict("ns", "a") == (True, 100)
+
+
+def test_one_namespace_pinning_its_most_leaves_other_namespaces_room_to_pin():
+    """PinAgent's limit was one for the worker: one tenant's 1,024 pins refused every
+    other tenant's. It is per namespace now, under a larger one for all."""
+    from agentkv.errors import ResourceExhausted
+    from inference_worker.agents import MAX_PINNED
+
+    tier = HotTier(budget_bytes=1000)
+    for i in range(MAX_PINNED):
+        tier.pin(("greedy", f"a{i}"), True)
+    with pytest.raises(ResourceExhausted, match="agents of namespace 'greedy' are pinned"):
+        tier.pin(("greedy", "one-more"), True)
+    tier.pin(("greedy", "a0"), True)  # pinned already: not one more
+    tier.pin(("other", "a0"), True)
+    tier.pin(("greedy", "a1"), False)
+    tier.pin(("greedy", "one-more"), True)  # room again once one is unpinned
+    assert len(tier.pinned) == MAX_PINNED + 1
