@@ -103,10 +103,15 @@ def _parse(cur: _Cursor) -> Header:
     metadata = {}
     for _ in range(num_kv):
         key = cur.string()
+        if key in metadata:  # llama.cpp refuses it too: which one is meant?
+            raise GGUFError(f"GGUF {cur.path} holds metadata key {key!r} twice")
         metadata[key] = cur.value(cur.unpack("<I")[0])
-    infos = []
+    infos, names = [], set()
     for _ in range(num_tensors):
         name = cur.string()
+        if name in names:
+            raise GGUFError(f"GGUF {cur.path} holds tensor {name!r} twice")
+        names.add(name)
         dims = cur.unpack(f"<{cur.unpack('<I')[0]}q")  # int64, as llama.cpp reads them
         kind, offset = cur.unpack("<IQ")
         infos.append((name, GGML_TYPES.get(kind, f"type {kind}"), tuple(reversed(dims)), offset))

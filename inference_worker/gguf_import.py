@@ -66,6 +66,7 @@ IMPORTED_FILES = (
     RECORD,
 )
 INSIDE = ".import."  # a staging directory inside --out (a mount point's)
+LOCK = "import.lock"  # in the model cache: imports into it take turns on it
 
 
 def file_hash(path: Path) -> str:
@@ -180,7 +181,11 @@ def write_model(path: Path, out: Path, weights: str = "float32") -> None:
     except RuntimeError as exc:  # MLX's words for a failed write ("Unable to write N bytes")
         free = shutil.disk_usage(out).free
         raise OSError(f"{target}: {exc} ({free} bytes free there)") from exc
-    tokenizer.save(str(out / "tokenizer.json"))
+    try:
+        tokenizer.save(str(out / "tokenizer.json"))
+    except Exception as exc:  # the tokenizers library's words for a failed write
+        free = shutil.disk_usage(out).free
+        raise OSError(f"{out / 'tokenizer.json'}: {exc} ({free} bytes free there)") from exc
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_json, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _check_loads(path, out)  # before its record: one that does not load is no import
@@ -227,8 +232,14 @@ def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
     if "model.embed_tokens.weight" not in hf:
         raise GGUFError(f"GGUF {path} has no token_embd.weight (the token embeddings)")
     tokenizer, tokenizer_json = build_tokenizer(meta), tokenizer_config(meta)
+    rows = int(hf["model.embed_tokens.weight"].shape[0])
+    if tokenizer.get_vocab_size() > rows:  # its last tokens would read past the embeddings
+        raise GGUFError(
+            f"GGUF {path} has {tokenizer.get_vocab_size()} tokens (tokenizer.ggml.tokens) but "
+            f"token_embd.weight has {rows} rows: one per token at least"
+        )
     tied = "lm_head.weight" not in hf
-    config = model_config(meta, int(hf["model.embed_tokens.weight"].shape[0]), tied)
+    config = model_config(meta, rows, tied)
     if ROPE_FREQS in tensors:
         theta, head_dim = config["rope_theta"], config["head_dim"]
         config["rope_scaling"] = llama3_rope(tensors[ROPE_FREQS], head_dim, theta)
@@ -330,6 +341,9 @@ def _import_into(path: Path, weights: str, cache_dir: Path, key: str, alone: boo
     try:
         write_model(path, staging, weights)
         staging.rename(target)
+    except OSError as exc:  # another import landed first (turns not held: no flock here)
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or damage(target):
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -337,12 +351,13 @@ def _import_into(path: Path, weights: str, cache_dir: Path, key: str, alone: boo
 
 @contextmanager
 def _taking_turns(directory: Path) -> Iterator[bool]:
-    """Holds an exclusive flock on a lock file beside `directory` (waiting for it; beside, so
-    the cache holds imports alone) while the block runs; yields whether it holds it. A
+    """Holds an exclusive flock on a lock file in `directory` (waiting for it; in it, so that
+    every path to the cache, a link's or another mount's, takes turns on the one file, and
+    the cache's parent need not be writable) while the block runs; yields whether it holds it. A
     filesystem without such locks (some NFS and SMB mounts refuse flock, or turn it into a
     byte-range lock, for which the file is opened to write) yields False: the import goes on,
     but must not take another's staging directory for a dead one's."""
-    lock = directory.parent / f".{directory.name}.import-lock"
+    lock = directory / LOCK
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:

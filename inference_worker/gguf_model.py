@@ -111,6 +111,7 @@ TENSOR_TYPES = f"{', '.join(READABLE[:-1])} and {READABLE[-1]}"
 # What `native` keeps a tensor it decodes to floats in (F32/F16 stay as they are): the dtype
 # MLX's own reader gave Q2_K and Q6_K, and half the memory of float32.
 NATIVE_FLOAT = "float16"
+FLOAT16_MAX = 65504.0
 
 
 def check_tensor_types(path: Path) -> None:
@@ -164,8 +165,11 @@ def _read_tensor(path: Path, data: np.ndarray, info: TensorInfo, weights: str) -
     half = target == "float16" and info.kind in BLOCKS  # decoded straight into float16
     decoded = dequantize(raw, info.kind, info.shape, np.float16 if half else np.float32)
     _check_finite(path, info, decoded)
+    kept = info.kind in ("F32", "F16")  # as stored here; cast to `weights` once converted
+    if (weights if kept else target) == "float16" and decoded.dtype != np.float16:
+        _check_fits_float16(path, info, decoded)
     array = mx.array(decoded)
-    if info.kind not in ("F32", "F16"):
+    if not kept:
         array = array.astype(getattr(mx, target))
         mx.eval(array)  # now, so that only one tensor's float32 is held at a time
     return {info.name: array}
@@ -181,6 +185,18 @@ def _check_finite(path: Path, info: TensorInfo, *arrays: np.ndarray, per: int = 
     raise GGUFError(
         f"GGUF {path}: tensor {info.name!r} holds {count:,} weights that are NaN or infinite"
     )
+
+
+def _check_fits_float16(path: Path, info: TensorInfo, decoded: np.ndarray) -> None:
+    """Refuses a tensor with weights past float16's range, which the cast to it would make
+    infinite (as _check_finite refuses those)."""
+    largest = float(np.abs(decoded).max(initial=0.0))
+    if largest > FLOAT16_MAX:
+        raise GGUFError(
+            f"GGUF {path}: tensor {info.name!r} holds weights up to {largest:.4g}, past "
+            f"float16's {FLOAT16_MAX:g}: import it in float32 (the worker's --gguf-weights "
+            "float32, or agentkv model import --weights float32)"
+        )
 
 
 def _all_finite(array: np.ndarray) -> bool:

@@ -25,6 +25,7 @@ from mlx_lm import load
 from inference_worker import model_import
 from inference_worker.gguf_import import (
     IMPORTED_FILES,
+    LOCK,
     GGUFError,
     cached_import,
     damage,
@@ -259,7 +260,7 @@ def test_an_unsupported_architecture_is_one_line(tmp_path):
         resolve_model(str(gguf), "float32", cache_dir=tmp_path / "cache")
     message = str(err.value)
     assert "'mamba' is not supported" in message and "llama" in message and "\n" not in message
-    assert not list((tmp_path / "cache").glob("*"))  # nothing half-imported
+    assert {p.name for p in (tmp_path / "cache").glob("*")} <= {LOCK}  # nothing half-imported
 
 
 def worker_error(model, tmp_path, *args: str) -> str:
@@ -323,6 +324,69 @@ def test_a_gguf_lacking_what_a_model_needs_is_one_line(
     assert says in err
     with pytest.raises(ModelError, match=says):
         resolve_model(str(gguf), "float32", cache_dir=tmp_path / "cache")
+
+
+def _renamed(gguf: Path, old: str, new: str) -> Path:
+    """`gguf` with its first `old` (a key or tensor name) renamed `new`, of the same length."""
+    data = gguf.read_bytes()
+    gguf.write_bytes(data.replace(old.encode(), new.encode(), 1))
+    return gguf
+
+
+def _short_embedding(w: dict) -> dict:
+    return {**w, "model.embed_tokens.weight": w["model.embed_tokens.weight"][:-40]}
+
+
+def _past_float16(w: dict) -> dict:
+    norm = np.array(w["model.norm.weight"], dtype=np.float32)
+    norm[0] = 1e5
+    return {**w, "model.norm.weight": norm}
+
+
+WRONG_FILES = {  # the reviewer's, each imported "successfully"
+    # its last 40 tokens read past the embeddings, and its end token could never be sampled
+    "short-embedding": (_short_embedding, None, "float32", "but token_embd.weight has"),
+    # the last of the two was used, silently
+    "tensor-twice": (
+        None,
+        ("blk.0.attn_q.weight", "blk.0.attn_k.weight"),
+        "float32",
+        "holds tensor 'blk.0.attn_k.weight' twice",
+    ),
+    "key-twice": (
+        None,
+        ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"),
+        "float32",
+        "holds metadata key 'tokenizer.ggml.eos_token_id' twice",
+    ),
+    # checked finite in float32, then cast to float16: an infinite weight
+    "past-float16": (_past_float16, None, "float16", "'output_norm.weight' holds weights up to"),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_FILES)
+def test_a_gguf_llama_cpp_would_refuse_is_one_line(sources, tmp_path, capsys, case):
+    """From `agentkv model import` (its own process's main) and the worker's resolve_model."""
+    path, config, _, _, w = sources["llama"]
+    harm_weights, rename, weights, says = WRONG_FILES[case]
+    gguf = write_gguf(tmp_path / "bad.gguf", (harm_weights or dict)(w), config, path)
+    if rename:
+        _renamed(gguf, *rename)
+    with pytest.raises(SystemExit) as exit_:
+        model_import.main([str(gguf), "--out", str(tmp_path / "out"), "--weights", weights])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: GGUF") and err.count("\n") == 1
+    assert says in err, err
+    with pytest.raises(ModelError, match=re.escape(says)):
+        resolve_model(str(gguf), weights, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_past_float16_import_whole_in_float32(sources, tmp_path):
+    path, config, _, _, w = sources["llama"]
+    gguf = write_gguf(tmp_path / "m.gguf", _past_float16(w), config, path)
+    model, _ = load(str(import_gguf(gguf, tmp_path / "out", "float32")))
+    assert model.model.norm.weight[0].item() == 1e5
 
 
 MAMBA = {
@@ -575,12 +639,16 @@ def staging_left(sources, tmp_path: Path, suffix: str) -> tuple[Path, Path, Path
     return gguf, cache, target, staging
 
 
+@pytest.mark.parametrize("held_via", ["cache", "link"])
 def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(
-    sources, tmp_path, caplog
+    sources, tmp_path, caplog, held_via
 ):
     """A staging directory of the same import that nobody holds (its process was killed) goes
     at the next import; one an import in progress holds (another process) stays meanwhile.
-    The import that waits says so (it waited without a word: a worker's start, silent)."""
+    The import that waits says so (it waited without a word: a worker's start, silent).
+    Imports into the cache by another path (a link to it, or another mount of it) take
+    turns with it too: the lock file is in the cache (it was beside the path each named,
+    so each took the other's staging for a killed import's, and removed it)."""
     import fcntl
     import threading
 
@@ -590,8 +658,9 @@ def test_a_killed_imports_staging_directory_is_removed_by_the_next_import(
     (stale / "model.safetensors").write_bytes(b"half of it")
     other = cache / ".another-model-0123456789abcdef-float32-v4.x1"
     other.mkdir()
-    # as an import in progress holds the cache: its lock file beside it
-    held = os.open(tmp_path / ".cache.import-lock", os.O_RDWR | os.O_CREAT)
+    (tmp_path / "link").symlink_to(cache)
+    # as an import in progress holds the cache: its lock file in it
+    held = os.open(tmp_path / held_via / "import.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
     importing = threading.Thread(target=cached_import, args=(gguf, "float32", cache))
     waiting = "waiting for another import into the model cache to end"
@@ -654,6 +723,33 @@ def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path,
     assert maybe_live.exists()
 
 
+def test_an_import_another_landed_first_is_taken_where_flock_is_refused(
+    sources, tmp_path, monkeypatch
+):
+    """Without flock, two imports of one file run at once: the second to move its staging
+    into place met the first's (ENOTEMPTY) and stopped its worker saying the cache "cannot
+    hold imports". It takes the import that landed."""
+    import errno
+    import fcntl
+
+    from inference_worker import gguf_import
+
+    def refused(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    gguf, cache, target, _ = staging_left(sources, tmp_path, "n0l0ck")
+    write_model = gguf_import.write_model
+
+    def landed_meanwhile(path: Path, out: Path, weights: str) -> None:
+        write_model(path, out, weights)
+        shutil.copytree(out, target)  # another process's import, the same, landed first
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    monkeypatch.setattr(gguf_import, "write_model", landed_meanwhile)
+    assert cached_import(gguf, "float32", cache) == target
+    assert damage(target) == ""
+
+
 def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
     """Llama 3.x GGUFs carry RoPE scaling only as llama.cpp's precomputed rope_freqs
     tensor; the importer recognises Llama 3's settings from it, and the logits match."""
@@ -700,7 +796,7 @@ def test_a_worker_serves_a_gguf_file_directly(sources, tmp_path, start_worker, m
     worker.create_agent("ns", "a", "You are terse.")
     reply = worker.turn("ns", "a", [("user", "Hello there.")], max_tokens=4)
     assert len(reply.token_ids) == 4
-    (imported,) = (tmp_path / "cache").iterdir()
+    (imported,) = [p for p in (tmp_path / "cache").iterdir() if p.name != LOCK]
     assert imported.name.startswith("tiny-qwen3-") and imported.name.endswith(
         f"-float32-v{format_version('float32')}"
     )
@@ -871,3 +967,23 @@ def test_a_quantized_block_with_a_nan_scale_is_refused_under_every_weights(tmp_p
     gguf = _bare_gguf(tmp_path / "t.gguf", "llama", data, Q.Q8_0)
     with pytest.raises(GGUFError, match=r"'token_embd\.weight' holds 32 weights that are NaN"):
         read_gguf(gguf, weights)
+
+
+def test_an_import_whose_tokenizer_meets_a_full_disk_is_one_line_and_leaves_nothing(
+    sources, tmp_path, small_disk
+):
+    """The weights fit, tokenizer.json does not: the tokenizers library's bare Exception
+    ("No space left on device") was a traceback from the CLI, and would stop a worker."""
+    path, config, _, _, w = sources["llama"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    whole = import_gguf(gguf, tmp_path / "whole")
+    weights = (whole / "model.safetensors").stat().st_size
+    assert (whole / "tokenizer.json").stat().st_size > 8192  # more than the room left
+    disk = small_disk(f"{(-(-weights // 4096) + 2) * 4}k")  # the weights' pages and 8 KiB
+    cli = [sys.executable, "-m", "agentkv.cli", "model", "import", str(gguf)]
+    run = subprocess.run([*cli, "--out", str(disk / "out")], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 2 and run.stderr.startswith("error: "), run.stderr
+    assert run.stderr.count("\n") == 1 and "tokenizer.json" in run.stderr, run.stderr
+    assert "bytes free there" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert list(disk.iterdir()) == []
