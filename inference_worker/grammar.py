@@ -43,7 +43,7 @@ from typing import Any
 from agentkv.errors import FailedPrecondition, InvalidArgument, ModelLacks
 from inference_worker.llg import Compiler
 from inference_worker.masks import Constraint
-from inference_worker.tools import ToolFormat, loads
+from inference_worker.tools import MAX_TOOLS_DEPTH, ToolFormat, loads, nesting
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
@@ -414,6 +414,11 @@ def _entry(form: OutputForm) -> dict:
             raise InvalidArgument(f"output format json_schema is not JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise InvalidArgument("output format json_schema must be a JSON object")
+        if (depth := nesting(schema)) > MAX_TOOLS_DEPTH:  # compiling it would recurse past
+            raise InvalidArgument(  # Python's limit: INTERNAL, as tools so deep were
+                f"output format json_schema is nested {depth} JSON levels deep; at most "
+                f"{MAX_TOOLS_DEPTH} are taken"
+            )
     options = schema.get("x-guidance")
     options = {**JSON_OPTIONS, **(options if isinstance(options, dict) else {})}
     return {"name": "form", "json_schema": {**schema, "x-guidance": options}}

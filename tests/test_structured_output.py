@@ -391,6 +391,8 @@ BAD_FORMS = [
     (pb.OutputFormat(regex="(("), "unclosed group"),
     (pb.OutputFormat(lark="start: nowhere"), "unknown name"),
     (pb.OutputFormat(json_object=False), "json_object must be true"),
+    # under the JSON parser's limit, past what compiling it takes: it was INTERNAL
+    (pb.OutputFormat(json_schema='{"a": ' + "[" * 979 + "]" * 979 + "}"), "nested 980 JSON"),
 ]
 
 
