@@ -251,7 +251,8 @@ class Batcher:
         calls = []
         if turn.calls is not None:
             text, calls = turn.calls.feed(text)
-        if turn.usage.generated_tokens == 1:  # the prompt's cost, told at once
+        if tokens and turn.usage.generated_tokens == 1:  # the prompt's cost, told at once
+            # (with the first token: text held back for stop strings may follow, tokenless)
             turn.job.events.put(StartEvent(replace(turn.usage, finish_reason="")))
         turn.job.events.put(TokenEvent(text, tokens, calls))
 

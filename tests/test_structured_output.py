@@ -137,6 +137,23 @@ def test_a_regex_and_a_lark_grammar_shape_the_whole_reply(llama):
     assert usage.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_started_comes_once_before_the_first_token(llama, max_tokens):
+    """worker.proto: `started` comes once, just before the first generated token. A turn
+    that ended at its first token with text held back (for a stop string that might have
+    begun) sent it twice, the second time after that token."""
+    _create(llama, "once")
+    request = pb.TurnRequest(
+        namespace=NS,
+        agent_id="once",
+        messages=ASK,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, stop=["zzzzzzzz"]),
+    )
+    kinds = [r.WhichOneof("item") for r in llama.Turn(request, timeout=120)]
+    assert kinds.count("started") == 1 and kinds.index("started") < kinds.index("tokens")
+    assert kinds[-1] == "usage" and kinds.count("tokens") >= 1, kinds
+
+
 def test_a_form_cut_by_max_tokens_ends_length(llama):
     text, _, usage = _turn(llama, "cut", max_tokens=3, format=pb.OutputFormat(json_object=True))
     assert usage.finish_reason == "length" and usage.generated_tokens == 3
