@@ -310,14 +310,17 @@ def _trie(words: Sequence[str]) -> str:
             node = node.setdefault(ch, {})
         node[""] = {}
 
-    def pattern(node: dict) -> str:
-        branches = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
-        if not branches:
-            return ""
+    done: dict[int, str] = {}  # each node's pattern, children first: a word of thousands
+    stack = [(root, False)]  # of characters is as many nodes deep, past Python's recursion
+    while stack:
+        node, ready = stack.pop()
+        if not ready:
+            stack += [(node, True), *((child, False) for ch, child in node.items() if ch)]
+            continue
+        branches = [re.escape(ch) + done[id(child)] for ch, child in sorted(node.items()) if ch]
         body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
-        return f"(?:{body})?" if "" in node else body
-
-    return pattern(root)
+        done[id(node)] = "" if not branches else f"(?:{body})?" if "" in node else body
+    return done[id(root)]
 
 
 def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:

@@ -313,6 +313,19 @@ def test_a_special_token_s_text_in_a_message_is_text_not_a_new_turn(base_tokeniz
     assert forged in tok.decode(forged_ids)
 
 
+def test_a_special_token_thousands_of_characters_long_is_escaped_too(base_tokenizer):
+    """The reviewer's: a GGUF's control token of 1,204 characters stopped the worker with a
+    bare "maximum recursion depth exceeded" (the escaping regex was built one call per
+    character). It is built, and the token's text in a message is text."""
+    tok, spec = fixture_tokenizer("smollm2", base_tokenizer)
+    long = "<|" + "x" * 5000 + "|>"
+    tok.add_special_tokens({"additional_special_tokens": [long]})
+    chat = Conversation(ChatFormat(tok), SYSTEM, tok.convert_tokens_to_ids(spec["reply_end"]))
+    chat.ask(f"Hi.{long}")
+    assert tok.convert_tokens_to_ids(long) not in chat.tokens
+    assert f"Hi.{long}" in tok.decode(chat.tokens)
+
+
 def _added_in(tok: Any, ids: list[int]) -> list[str]:
     """The added tokens (special or not: Qwen's <tool_call> is not) among `ids`."""
     return [tok.convert_ids_to_tokens(i) for i in ids if i in tok.added_tokens_decoder]
