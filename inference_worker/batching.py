@@ -259,6 +259,9 @@ class Batcher:
     # joining and leaving the batch
 
     def _join(self, turns: list[ActiveTurn]) -> None:
+        for turn in turns:  # its own caches now only undo a failure (Agent.rewind): the
+            for cache in turn.agent.caches:  # fp16 copy of its prefill goes, not at its end
+                cache.end_turn()
         per_layer = list(zip(*(t.agent.caches for t in turns), strict=True))
         if self.batch is None:
             self.batch = [BatchQuantizedKV.merge(list(caches), self.qmax) for caches in per_layer]

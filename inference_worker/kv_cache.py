@@ -5,8 +5,9 @@ Attention path, per query length (DESIGN.md, measured on CPU):
   K/V quantized, then attends over the past dequantized and over the turn's own tokens in
   full precision (fp16), as an fp prefill would: on SmolLM2-135M that took Q4's perplexity
   from +14% of FP16's to +0.4% (benchmarks/perplexity.py). The turn's K/V are kept aside in
-  fp16 until it ends, so the result does not depend on how its prefill is split into
-  chunks; then they are dropped, so the next turn sees exactly what is stored and restored:
+  fp16 until its prefill ends (the batcher drops them as the turn joins the batch to
+  decode), so the result does not depend on how its prefill is split into chunks; then
+  they are dropped, so the next turn sees exactly what is stored and restored:
   a restored agent continues bit for bit like a hot one. Outside a turn a chunk attends
   over the whole cache dequantized, its own tokens included. Dequantizing is faster on CPU
   than quantized matmul for these queries;

@@ -474,3 +474,48 @@ def test_one_namespace_pinning_its_most_leaves_other_namespaces_room_to_pin():
     tier.pin(("greedy", "a1"), False)
     tier.pin(("greedy", "one-more"), True)  # room again once one is unpinned
     assert len(tier.pinned) == MAX_PINNED + 1
+
+
+def test_a_turn_s_fp16_copy_of_its_own_tokens_goes_once_it_decodes(tiny_model_dirs):
+    """A turn's prefill keeps its own K/V in fp16 beside the Q4 (kv_cache.py): working
+    memory that the hot budget leaves out, "while it prefills". It was held until the turn
+    ended, all its decode long: 3.6x the Q4 bytes of every token prefilled that turn, past
+    --hot-budget with a batch of long prompts. It goes as the turn joins the batch."""
+    from mlx_lm import load
+
+    from agentkv.layers import KVFormat
+    from inference_worker.batching import ActiveTurn, Batcher
+    from inference_worker.config import WorkerConfig
+    from inference_worker.kv_cache import QuantizedKV
+    from inference_worker.layer_spec import cache_windows
+    from inference_worker.scheduler import Request, Scheduler
+    from inference_worker.turns import TokenEvent, TurnJob, UsageEvent
+
+    model, tokenizer = load(str(tiny_model_dirs["llama"]))
+    scheduler = Scheduler(WorkerConfig(store="127.0.0.1:1"))
+    done = []
+    batcher = Batcher(model, set(), scheduler, 1, done.append, lambda *failed: None)
+    prompt = [5 + (7 * i) % 400 for i in range(300)]
+    caches = [QuantizedKV(KVFormat(), 1, w, 256) for w in cache_windows(model)]
+    for cache in caches:
+        cache.begin_turn()
+    agent = Agent("ns", "long", list(prompt), caches)
+    job = TurnJob("ns", "long", [], Sampling(max_tokens=6))
+    turn = ActiveTurn(
+        job, agent, UsageEvent(), Request("1", len(prompt), 6, 1), prompt, tokenizer.detokenizer
+    )
+    batcher.add(turn)
+    while not batcher.rows:  # prefilling
+        step = batcher.schedule()
+        batcher.run(step)
+        scheduler.complete(step)
+    assert all(cache._turn is None for cache in caches)  # 300 tokens' fp16 K/V, before
+    while batcher.active:
+        step = batcher.schedule()
+        batcher.run(step)
+        scheduler.complete(step)
+    tokens = []
+    while not job.events.empty():
+        if isinstance(event := job.events.get(), TokenEvent):
+            tokens += event.token_ids
+    assert done == [turn] and len(tokens) == 6
