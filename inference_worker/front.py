@@ -98,23 +98,28 @@ class Front:
             raise InvalidArgument("whole_conversation needs the conversation: no message came")
         _check_fits(self.engine.runtime, job.messages)
         view = read_view(self.client, ns, agent_id, self.check_timeout)
+        if job.forms is not None and job.own_tools:  # its form, with tools known only here
+            self._warm(job, self._mlx(self.engine.agents.tools_of, ns, agent_id))
         if not self._mlx(self.engine.start_turn, job, view, None):  # not hot: restore it
             with self._busy(ns, agent_id, self._restoring, self._deleting, "is being deleted"):
                 fetched = self.engine.restorer.fetch(ns, agent_id)
-                self._warm(job, fetched.manifest)
+                self._warm(job, _tools_of(fetched.manifest))
                 self._mlx(self.engine.start_turn, job, view, fetched)
 
-    def _warm(self, job: TurnJob, manifest: Any) -> None:
-        """For a turn on the agent's own tools (it sends none), compiles their strict
-        grammar here, from the restored manifest, where the MLX thread would at the turn's
-        start (an agent this worker did not create: restarted, or moved here)."""
-        if not job.own_tools or not job.sampling.max_tokens:
+    def _warm(self, job: TurnJob, tools: str | None) -> None:
+        """For a turn on the agent's own tools (it sends none; None: not in RAM here),
+        compiles here what holds its reply (their strict grammar, the turn's form with
+        them), where the MLX thread would at the turn's start, every turn in flight waiting
+        (an agent this worker did not create, restarted or moved here; or a form)."""
+        if tools is None or not job.own_tools or not job.sampling.max_tokens:
             return
-        try:
-            tools = chat_state(dict(manifest.metadata)).tools
-        except AgentKVError:  # the restore reports a corrupt record
+        if job.forms is None:
+            self.engine.grammars.warm(tools)
             return
-        self.engine.grammars.warm(tools)
+        settled = self.engine.grammars.settled(job.forms, tools)  # as Engine._forms does
+        if settled is job.forms:
+            settled.compile(tools)
+        job.forms = settled
 
     def count_tokens(self, messages: list[ChatMessage], tools: str) -> int:
         """A conversation's tokens (ChatFormat.count), here on the RPC thread; one too long
@@ -286,3 +291,12 @@ def _check_fits(rt: Runtime, messages: list[ChatMessage], more: int = 0) -> None
             f"{rt.max_context} tokens however they tokenize (no token of its vocabulary "
             f"spells more than {rt.token_chars} characters)"
         )
+
+
+def _tools_of(manifest: Any) -> str | None:
+    """The tools of a restored agent's conversation; None for a corrupt record (which the
+    restore reports)."""
+    try:
+        return chat_state(dict(manifest.metadata)).tools
+    except AgentKVError:
+        return None

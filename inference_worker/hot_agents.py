@@ -27,6 +27,11 @@ class HotAgents:
         info.pinned = agent.id in self.hot.pinned
         return info
 
+    def tools_of(self, ns: str, agent_id: str) -> str | None:
+        """The tools of the agent's conversation if it is in RAM here, else None."""
+        agent = self.hot.get((ns, agent_id))
+        return None if agent is None else agent.chat.tools
+
     def pin(self, ns: str, agent_id: str, pinned: bool) -> None:
         """Pins the agent (it need not be in RAM now), or unpins it: see HotTier."""
         self.hot.pin((ns, agent_id), pinned)

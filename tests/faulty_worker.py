@@ -27,6 +27,9 @@ tenant's turn fail inside a batch as a bug or a bad input would:
   its first token, and is read at the next;
 - WRITES_HELD (an environment variable naming a file): while that file exists, the worker's
   writes to the store wait (its agents stay in RAM, not yet durable);
+- COMPILED_LOG (an environment variable naming a file): each grammar compiled (not found
+  among those kept) appends the name of the thread that compiled it ("agentkv-mlx": every
+  turn in flight waited for it);
 - REPLY_LOST_PHASE: an injection or a turn into that phase is taken (and, durable,
   committed), or a fork into that phase is committed, then the process dies before its reply
   (a turn's first response) is sent, as a worker lost at that moment does.
@@ -59,8 +62,29 @@ HELD_STEP_GATE = "AGENTKV_TEST_HELD_STEP_GATE"
 FINISHED_LOG = "AGENTKV_TEST_FINISHED_LOG"
 BATCH_BYTES_LOG = "AGENTKV_TEST_BATCH_BYTES_LOG"
 STARTED_LOG = "AGENTKV_TEST_STARTED_LOG"
+COMPILED_LOG = "AGENTKV_TEST_COMPILED_LOG"
 REPLY_LOST_PHASE = "reply-lost"
 SECRET = "tenant-a-secret-7f3e"
+
+
+def log_compiles(path: Path) -> None:
+    """Each grammar compiled appends its thread's name to `path` (COMPILED_LOG)."""
+    import json
+    import threading
+
+    from inference_worker.llg import Compiler
+
+    compile_matcher = Compiler.matcher
+
+    def logged(self, grammar):
+        with self._lock:
+            kept = json.dumps(grammar) in self._kept
+        if not kept:
+            with open(path, "a") as log:
+                log.write(f"{threading.current_thread().name}\n")
+        return compile_matcher(self, grammar)
+
+    Compiler.matcher = logged
 
 
 def install() -> None:
@@ -127,6 +151,8 @@ def install() -> None:
                 log.write(f"{len(self.rows)} {held}\n")
         return decode(self)
 
+    if path := os.environ.get(COMPILED_LOG):
+        log_compiles(Path(path))
     save = Persister._save
 
     def save_once_let(self, agent, snap):

@@ -512,6 +512,42 @@ def test_an_agent_s_own_strict_tools_hold_its_calls(qwen, start_worker, tool_mod
     assert units == {"own-loose": "celsius", "own-strict": "kelvin", "moved": "kelvin"}
 
 
+@pytest.mark.parametrize("where", ["hot", "restored"])
+def test_a_form_on_an_agent_s_own_tools_is_compiled_off_the_mlx_thread(
+    store_process, tool_model, tmp_path, where
+):
+    """A turn that sends no tools and asks for a form has it compiled with its agent's
+    tools, known only once the agent is found. That was on the MLX thread, at the turn's
+    start: every turn in flight waited (1.8 s for a 520 KB schema, the reviewer measured),
+    again for every new schema. It is compiled on the turn's RPC thread now."""
+    from agentkv.launch import ServiceProcess
+    from tests.faulty_worker import COMPILED_LOG
+
+    compiled = tmp_path / "compiled"
+    args = ["--model", str(tool_model), "--store", store_process.address]
+    args += ["--listen", "127.0.0.1:0", "--block-tokens", "64"]
+    log = tmp_path / "faulty.log"
+    worker = ServiceProcess("tests.faulty_worker", args, log, env={COMPILED_LOG: str(compiled)})
+    worker.start()
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.InferenceWorkerStub(channel)
+            tools = json.dumps([strict(WEATHER_TOOL)])
+            made = pb.CreateAgentRequest(namespace=NS, agent_id="own", tools=tools)
+            stub.CreateAgent(made, timeout=60)
+            if where == "restored":
+                stub.EvictAgent(pb.EvictAgentRequest(namespace=NS, agent_id="own"), timeout=60)
+            compiled.write_text("")  # what the create compiled
+            for n in range(2):  # a new schema each time: nothing kept to find
+                verdict = {**VERDICT, "properties": {**VERDICT["properties"], f"n{n}": {}}}
+                text, calls, usage = _turn(stub, "own", format=_schema(verdict))
+                assert usage.generated_tokens and (calls or json.loads(text)), text
+        threads = compiled.read_text().split()
+        assert threads and "agentkv-mlx" not in threads, threads
+    finally:
+        worker.stop()
+
+
 def test_the_agent_s_own_tools_are_allowed_at_the_turn_s_start(qwen):
     """A turn that sends no tools has its agent's: the tools allowed are checked against
     them once the turn starts, and a refusal there changes nothing."""
