@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from cache_store.tier import ObjectTier
 
 log = logging.getLogger("agentkv.store")
+MAX_REASON_CHARS = 1024  # of a ReportCorruptBlock's reason: the rest is not kept
 
 
 @dataclass(slots=True)
@@ -161,6 +162,7 @@ class BlockReads:
         """Quarantines a block whose payload fails a check, or, on a namespace writer's word
         (`does_not_fit`), one whose tensors cannot belong to its model."""
         ns, key = ids.namespace(namespace), ids.key(key)
+        reason = reason[:MAX_REASON_CHARS]  # it is logged, and kept with the quarantined block
         with self.index.read() as txn:
             record = self.index.get_block(txn, ns, key)
         if record is None:

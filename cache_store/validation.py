@@ -11,7 +11,7 @@ from typing import NamedTuple
 from agentkv.errors import InvalidArgument
 from agentkv.ids import show
 
-TENSOR_NAME_RE = re.compile(r"layers\.(\d{1,5})\.[A-Za-z0-9_.]{1,64}")
+TENSOR_NAME_RE = re.compile(r"layers\.([0-9]{1,5})\.[A-Za-z0-9_.]{1,64}")  # ASCII digits
 MAX_TENSORS = 8192
 
 DTYPE_SIZES: dict[str, int] = {

@@ -338,6 +338,11 @@ BAD_PUTS: dict[str, tuple[list[bytes], type[AgentKVError], list[str]]] = {
         InvalidArgument,
         ["invalid tensor name 'layers.x.keys'"],
     ),
+    "non-ascii-layer": (  # Python's \d takes "٣" as 3, beside layers.3: not in any other language
+        [header(tensors=(("layers.\u0663.keys", "U8", (4,)),)), chunk(4)],
+        InvalidArgument,
+        ["invalid tensor name 'layers.\u0663.keys'"],
+    ),
     "layers-out-of-order": (
         [header(tensors=(("layers.1.keys", "U8", (4,)), LAYER0)), chunk(8)],
         InvalidArgument,

@@ -20,7 +20,7 @@ from agentkv.client.blocks import Block
 from agentkv.client.store import StoreClient
 from agentkv.errors import BlockNotFound, CorruptBlock
 from agentkv.v1 import store_pb2 as pb
-from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes
+from tests.helpers import FP, NS, StoreProcess, make_chain, same_bytes, until
 
 AGENT = "victim"
 TOKENS = list(range(150))  # blocks of 64, 64 and 22 tokens
@@ -183,6 +183,18 @@ def test_damage_found_at_start_up_is_quarantined(stored, damage):
         restarted = dataclasses.replace(stored, client=client)
         assert_gone(restarted, moved)
         assert_rest_intact(restarted)
+
+
+def test_a_report_s_reason_is_kept_and_logged_cut_short(stored):
+    """A reason of megabytes was logged whole: any caller could fill the store's log."""
+    before = stored.proc.log_path.stat().st_size
+    reply = stored.client.call(
+        "ReportCorruptBlock",
+        pb.ReportCorruptBlockRequest(namespace=NS, key=stored.victim, reason="x" * (1 << 20)),
+    )
+    assert reply.quarantined is False
+    until(lambda: "corruption report not confirmed" in stored.proc.log_text(), "the log line")
+    assert stored.proc.log_path.stat().st_size - before < 10_000
 
 
 def test_report_of_a_sound_block_is_not_confirmed(stored):
