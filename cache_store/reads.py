@@ -5,6 +5,7 @@ the longest stored prefix of a token sequence."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from agentkv.errors import BlockNotFound, CorruptBlock, InvalidArgument
 from agentkv.keys import block_key
 from agentkv.wire import MAX_KEYS_PER_READ
 from cache_store.capacity import Capacity
+from cache_store.leases import StreamLease
 from cache_store.parts import Parts
 from cache_store.records import BlockRecord, Segment
 from cache_store.validation import TensorLayout
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from cache_store.tier import ObjectTier
 
 log = logging.getLogger("agentkv.store")
+MAX_PREFIX_BLOCKS = 4096  # a FindLongestPrefix searches so many past its greedy chain
 MAX_REASON_CHARS = 1024  # of a ReportCorruptBlock's reason: the rest is not kept
 
 
@@ -69,18 +72,31 @@ class BlockReads:
         return [select_layers(r, set(layers)) for r in records]
 
     @contextmanager
-    def reading(self, selections: Sequence[Selection]) -> Iterator[None]:
-        """Holds a lease on the blocks for the duration of a streamed read."""
-        lease_id, _ = self.leases.grant(
-            selections[0].record.namespace,
-            [(s.record.namespace, s.record.key) for s in selections],
-            self.config.max_lease_seconds,
-        )
+    def reading(self, selections: Sequence[Selection]) -> Iterator[Callable[[], None]]:
+        """Holds a lease on the blocks while a streamed read runs; yields `moved`, for the
+        stream to call as its peer takes each message: the lease is renewed past half its
+        life, so it lasts as long as the stream moves (one lease of max_lease_seconds ran
+        out under a slow reader, whose blocks a collection then deleted mid-read)."""
+        seconds = self.config.max_lease_seconds
+        lease = StreamLease(self.leases, seconds)
+        lease.hold(*[(s.record.namespace, s.record.key) for s in selections])
+        renew_at = time.monotonic() + seconds / 2
+
+        def moved() -> None:
+            nonlocal renew_at
+            if time.monotonic() < renew_at:
+                return
+            renew_at = time.monotonic() + seconds / 2
+            if lease.renew():  # lapsed, the stream paused that long: its blocks may be gone
+                with self.index.read() as txn:
+                    for s in selections:
+                        self._still_there(txn, s.record)
+
         try:
             self._ensure_local(selections)
-            yield
+            yield moved
         finally:
-            self.leases.release(lease_id)
+            lease.release()
 
     def read(self, selection: Selection, max_run: int) -> Iterator[memoryview]:
         """The selected bytes in verified runs; a bad payload is quarantined (CorruptBlock)."""
@@ -185,29 +201,43 @@ class BlockReads:
     ) -> list[BlockRecord]:
         ns, fp = ids.namespace(namespace), ids.fingerprint(fingerprint)
         tokens = ids.token_ids(token_ids, self.config.max_agent_tokens)
-        chain: list[BlockRecord] = []
-        parent, pos = b"", 0
+        # Depth first, each block's longest matching child first: the first way down is the
+        # greedy chain, whole (where chains are cut alike, a worker's, the longest). Chains
+        # cut otherwise (a raw client's spans) are searched after it, MAX_PREFIX_BLOCKS more.
+        nodes: list[tuple[BlockRecord, int]] = []  # (a block, its parent's index; -1: none)
+        paths, best, best_pos = [(-1, 0)], -1, 0  # (node index, tokens through it)
+        budget = len(tokens) + MAX_PREFIX_BLOCKS  # the greedy chain has at most len(tokens)
         with self.index.read() as txn:
-            while pos < len(tokens):
-                record = self._longest_child(txn, ns, fp, parent, tokens, pos)
-                if record is None:
-                    break
-                chain.append(record)
-                parent, pos = record.key, pos + len(record.token_ids)
+            while paths and budget and best_pos < len(tokens):  # none beats a whole match
+                at, pos = paths.pop()
+                budget -= 1
+                if pos > best_pos:
+                    best, best_pos = at, pos
+                parent = nodes[at][0].key if at >= 0 else b""
+                for record in self._children(txn, ns, fp, parent, tokens, pos):
+                    nodes.append((record, at))
+                    paths.append((len(nodes) - 1, pos + len(record.token_ids)))
+        chain = []
+        while best >= 0:
+            record, best = nodes[best]
+            chain.append(record)
+        chain.reverse()
         (self.metrics.prefix_hits if chain else self.metrics.prefix_misses).inc()
         return chain
 
-    def _longest_child(
+    def _children(
         self, txn: Any, ns: str, fp: str, parent: bytes, tokens: list[int], pos: int
-    ) -> BlockRecord | None:
+    ) -> list[BlockRecord]:
+        """The parent's children whose tokens come next, the longest last."""
         children = self.index.children(txn, ns, parent)
         keys = {key for _, key in children}
-        for n in sorted({n for n, _ in children}, reverse=True):
+        found = []
+        for n in sorted({n for n, _ in children}):
             if pos + n <= len(tokens):
                 key = block_key(fp, parent, tokens[pos : pos + n])
-                if key in keys:
-                    return self.index.find_block(txn, ns, key)
-        return None
+                if key in keys and (record := self.index.find_block(txn, ns, key)):
+                    found.append(record)
+        return found
 
 
 def read_keys(keys: Sequence[bytes]) -> list[bytes]:

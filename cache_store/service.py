@@ -87,11 +87,12 @@ class CacheStoreServicer:
         )
         last = None
         with self.streams.open("GetBlocks", context) as beat:
-            with self.store.reading(selections):
+            with self.store.reading(selections) as moved:
                 for message in self._stream(selections):
                     if last is not None:
                         yield last
                         beat()  # the peer took it
+                        moved()
                     last = message
             # The lease ends before the last message goes out (its bytes are already copied),
             # so a client that has everything never sees the read's lease still held; the

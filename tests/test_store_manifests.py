@@ -133,6 +133,20 @@ def test_longest_prefix_follows_full_and_partial_blocks(store):
     assert store.longest_prefix(NS, FP + "-other", tokens).num_tokens == 0
 
 
+def test_longest_prefix_finds_a_chain_cut_otherwise_past_a_longer_first_block(store):
+    """The reviewer's: chains [1, 2, 3, 4] and [1, 2] -> [3, 4] -> [5, 6]. The longest first
+    block was taken and never given up: 4 tokens found of the 6 stored (a raw client's
+    spans, or two workers cutting at different --block-tokens under one fingerprint)."""
+    whole, whole_keys = make_chain([1, 2, 3, 4], block_tokens=4)
+    cut, keys = make_chain([1, 2, 3, 4, 5, 6], block_tokens=2)
+    store.put_blocks(NS, FP, whole)
+    store.put_blocks(NS, FP, cut)
+    hit = store.longest_prefix(NS, FP, [1, 2, 3, 4, 5, 6, 7])
+    assert hit.num_tokens == 6 and list(hit.keys) == keys
+    hit = store.longest_prefix(NS, FP, [1, 2, 3, 4, 9])  # as long either way: one block
+    assert hit.num_tokens == 4 and list(hit.keys) == whole_keys
+
+
 def test_list_agents_pages(store):
     blocks, keys = make_chain(list(range(64)), block_tokens=64)
     store.put_blocks(NS, FP, blocks)

@@ -196,6 +196,36 @@ def test_a_block_under_a_read_lease_outlives_its_expired_agent(store, clock):
     assert store.collect_garbage("t")[0] == 2  # unreferenced now: the next collection
 
 
+def test_a_slow_read_s_lease_lasts_while_its_stream_moves(store, clock, monkeypatch):
+    """GetBlocks took one lease of max_lease_seconds (600 s) and never renewed it, though
+    a stream that moves is cut only after 30 s without a message: a slow reader's blocks
+    (a long chain, a slow link) could be collected mid-read, its stream then DATA_LOSS
+    "payload file is missing". The lease is renewed as the stream moves (the peer takes
+    each message); a lease that lapsed all the same is taken anew, the blocks checked."""
+    import time
+
+    from agentkv.errors import BlockNotFound
+
+    later = [0.0]  # seconds past the real monotonic clock, for the leases
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + later[0])
+    keys = save(store, "t", "read", list(range(2 * BLOCK)))
+    store.delete_agent("t", "read")  # unreferenced: only the read's lease keeps them
+    selections = store.select("t", FP, keys, [])
+    lease_seconds = store.config.max_lease_seconds
+    with store.reading(selections) as moved:
+        for _ in range(4):  # a message taken every 0.4 leases: 1.6 leases in all
+            later[0] += 0.4 * lease_seconds
+            moved()
+        assert store.collect_garbage("t")[0] == 0
+        assert store.stats()["num_leases"] == 1
+        later[0] += 1.5 * lease_seconds  # a pause past the lease, and a collection
+        assert store.collect_garbage("t")[0] == 2
+        with pytest.raises(BlockNotFound, match="was deleted"):
+            moved()  # the next message would have met missing files: DATA_LOSS
+    assert store.stats()["num_leases"] == 0
+
+
 def test_a_read_for_use_and_a_fork_count_as_use_and_an_inspection_does_not(store, clock):
     for agent in ("restored", "template", "inspected"):
         save(store, "t", agent, list(range(BLOCK)))
