@@ -16,6 +16,7 @@ from agentkv.errors import (
     CorruptBlock,
     FailedPrecondition,
     InvalidArgument,
+    ReplyTooLarge,
 )
 from agentkv.keys import block_key
 from cache_store import validation
@@ -25,6 +26,8 @@ from cache_store.parts import Parts
 from cache_store.payloads import BlockWriter, safetensors_header
 from cache_store.records import BlockRecord
 from cache_store.validation import TensorLayout
+
+PUT_RESULT_BYTES = 64  # the most a PutBlockResult takes in a PutBlocksResponse, framed
 
 
 @dataclass(slots=True)
@@ -99,6 +102,7 @@ class Uploads:
                 if isinstance(item, PutHeader):
                     if upload is not None:
                         self._finish(upload)  # raises: the open block is short
+                    self._check_reply_room(len(results))
                     upload = self.begin(item, lease)
                 else:
                     self._write(upload, item)
@@ -115,6 +119,17 @@ class Uploads:
             lease.release()
             raise
         return results, lease.lease_id, lease.expires
+
+    def _check_reply_room(self, stored: int) -> None:
+        """Refuses a stream's next block past what its reply can name (one result each
+        within the message limit): the whole stream would be stored, then its reply, the
+        lease with it, refused by gRPC."""
+        most = self.config.max_message_bytes // PUT_RESULT_BYTES
+        if stored >= most:
+            raise ReplyTooLarge(
+                f"a PutBlocks stream takes at most {most} blocks (its reply names each, within "
+                f"{self.config.max_message_bytes} bytes): put the rest in another stream"
+            )
 
     def begin(self, header: PutHeader, lease: StreamLease) -> BlockUpload:
         """Opens a block's upload; its key is leased before the store looks for a twin, so

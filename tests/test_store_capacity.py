@@ -174,6 +174,27 @@ def test_a_tenant_s_collection_removes_its_own_orphan_files_only(store_process):
         assert [len(list(c.list_blocks(ns))) for ns in orphans] == [1, 1]  # theirs stay
 
 
+def test_a_put_stream_past_what_its_reply_can_name_is_refused_at_that_block(tmp_path):
+    """The reviewer's: a PutBlocks stream of more blocks than its reply (one result each)
+    can name in a message stored and leased them all, then gRPC refused the reply
+    (RESOURCE_EXHAUSTED, no agentkv-error): the lease's id never reached the client. The
+    block past what the reply can name is refused, before it is stored, with the reason.
+    (In one process, the message limit lowered to name 100.)"""
+    from agentkv.errors import ReplyTooLarge
+
+    store = local_store(tmp_path / "data", max_message_bytes=64 * 100, max_chunk_bytes=1024)
+    try:
+        tiny = {"num_layers": 1, "kv_heads": 1}
+        blocks, keys = make_chain(list(range(101)), block_tokens=1, **tiny)
+        with pytest.raises(ReplyTooLarge, match="takes at most 100 blocks"):
+            store.put_stream(put_items(NS, FP, blocks))
+        assert store.stats()["num_blocks"] == 100 and store.stats()["num_leases"] == 0
+        results, lease, _ = store.put_stream(put_items(NS, FP, blocks[100:]))  # the rest
+        assert [r.key for r in results] == keys[100:] and lease
+    finally:
+        store.close()
+
+
 def test_a_block_s_parent_stays_while_the_block_comes_in(tmp_path):
     """A block's parent, stored by an earlier stream whose lease was let go, was checked
     when the block's header came but not leased: a collection while the block's bytes came
