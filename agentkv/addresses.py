@@ -40,11 +40,29 @@ def listen_host(listen: str) -> str | None:
     if listen.startswith("unix:"):
         if len(listen) <= len("unix:"):
             raise ValueError("unix socket address needs a path: unix:/path/to.sock")
+        if listen.startswith("unix://") and not listen.startswith("unix:///"):
+            raise ValueError(  # gRPC reads unix://NAME as a host: no path it can dial
+                f"{listen!r} names no socket path: give unix:PATH (relative or absolute) or "
+                f"unix:///ABSOLUTE/PATH (unix:{listen[len('unix://') :]})"
+            )
         return None
     host, sep, port = listen.rpartition(":")
+    if _ipv6(listen) or _ipv6(host):
+        raise ValueError(
+            f"an IPv6 address goes in brackets, then its port: [{host if _ipv6(host) else listen}]"
+            f":PORT, got {listen!r}"
+        )
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"an address must be HOST:PORT or unix:PATH, got {listen!r}")
     return host
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def client_address(address: str) -> str:

@@ -92,6 +92,12 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
             "argument --umask: an octal mode such as 077 or 027, got '999'",
         ),
         ("cache_store", ["--data-dir", "d", "--workers", "1"], "error: --workers must be >= 2"),
+        # the reviewer's: a socket bound at /rel.sock, then an address no client could dial
+        ("cache_store", ["--data-dir", "d", "--listen", "unix://rel.sock"], "names no socket path"),
+        # "::1" was "beyond loopback: needs --auth-tokens", "::1:0" a C-core log line
+        ("cache_store", ["--data-dir", "d", "--listen", "::1"], "in brackets, then its port: [::"),
+        ("agentkv.cli", ["store", "stats", "--store", "::1:4011"], "in brackets, then its port"),
+        ("agentkv.gateway", ["--worker", "h:1", "--listen", "::1:0"], "IPv6 address goes in"),
         (
             "inference_worker",
             ["--store", "h:1", "--max-batch", "0"],
@@ -106,6 +112,10 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
         "model-command",
         "umask",
         "store-workers",
+        "unix-relative",
+        "ipv6-no-brackets",
+        "cli-ipv6",
+        "gateway-ipv6",
         "worker-batch",
     ],
 )
