@@ -4,9 +4,11 @@ RPC threads and security, each flag defined once: agentkv.flags) and the server 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,9 +147,8 @@ def serve_until_signal(
     endpoints, logs "serving" (with `facts`), and on SIGTERM or SIGINT drains and stops."""
     for warning in config.security_warnings():
         log.warning(warning, extra={"listen": config.listen})
-    address_file = Path(config.address_file) if config.address_file else None
-    if address_file:
-        address_file.unlink(missing_ok=True)  # what a script finds is this run's
+    address_file = AddressFile(config.address_file)
+    address_file.clear_stale()  # what a script finds is this run's
     check_bindable(config.listen)  # before the data dir is made or the model loads
     served = create()
     health_server = None
@@ -157,8 +158,7 @@ def serve_until_signal(
         served.server.start()
         health_server, health_address = start_health(config.health_listen, served.health)
         extra = {"address": served.address, **facts, "metrics": metrics, "health": health_address}
-        if address_file:
-            write_atomically(address_file, json.dumps(extra) + "\n")
+        address_file.write(json.dumps(extra) + "\n")
         log.info("serving", extra=extra)
         signals.wait()
         log.info("stopping")
@@ -166,8 +166,7 @@ def serve_until_signal(
         served.stop()
         if health_server is not None:
             health_server.stop(0)
-        if address_file:
-            address_file.unlink(missing_ok=True)
+        address_file.remove()
 
 
 def check_address_file(name: str) -> None:
@@ -193,6 +192,56 @@ def check_address_file(name: str) -> None:
             f"--address-file {name} holds a file that is no address file (JSON with an "
             '"address"), which the service would remove: name a file of its own'
         )
+
+
+class AddressFile:
+    """--address-file: where a service writes the addresses it serves at, for scripts to
+    read. An earlier run's is removed as this one starts, unless a service still answers
+    at the address it names: a second start of a service, refused next (its data dir or
+    port in use), removed the running one's file, and a script could no longer find it.
+    At the stop, only the file this run wrote is removed, not one a later run wrote."""
+
+    def __init__(self, name: str) -> None:
+        self.path = Path(name) if name else None
+        self.written: str | None = None
+
+    def clear_stale(self) -> None:
+        if self.path is None:
+            return
+        try:
+            address = json.loads(self.path.read_text()).get("address")
+        except (OSError, ValueError, AttributeError):  # none, or no address file's
+            address = None
+        if not (isinstance(address, str) and answers(address)):
+            self.path.unlink(missing_ok=True)
+
+    def write(self, text: str) -> None:
+        if self.path is not None:
+            write_atomically(self.path, text)
+            self.written = text
+
+    def remove(self) -> None:
+        if self.path is None or self.written is None:
+            return
+        with contextlib.suppress(OSError):
+            if self.path.read_text() == self.written:
+                self.path.unlink()
+
+
+def answers(address: str) -> bool:
+    """Whether something accepts a connection at HOST:PORT or unix:PATH now."""
+    try:
+        if address.startswith("unix:"):
+            path = address.removeprefix("unix:").removeprefix("//")
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(1.0)
+                sock.connect(path)
+        else:
+            host, _, port = address.rpartition(":")
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -13,7 +13,6 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import uvicorn
 
@@ -22,7 +21,7 @@ from agentkv.addresses import bound_socket
 from agentkv.flags import parse_config
 from agentkv.gateway.app import create_app
 from agentkv.gateway.config import GatewayConfig
-from agentkv.serving import write_atomically
+from agentkv.serving import AddressFile
 
 log = logging.getLogger("agentkv.gateway")
 
@@ -30,9 +29,11 @@ log = logging.getLogger("agentkv.gateway")
 class Server(uvicorn.Server):
     """uvicorn's server, logging the "serving" event with the address it bound."""
 
-    def __init__(self, config: uvicorn.Config, gateway: GatewayConfig) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gateway: GatewayConfig, address_file: AddressFile
+    ) -> None:
         super().__init__(config)
-        self.gateway = gateway
+        self.gateway, self.address_file = gateway, address_file
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -41,8 +42,8 @@ class Server(uvicorn.Server):
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
         facts = {"address": address, "workers": self.gateway.workers, "store": self.gateway.store}
-        if self.gateway.address_file:  # before "serving", as the services write theirs
-            write_atomically(Path(self.gateway.address_file), json.dumps({"address": address}))
+        # before "serving", as the services write theirs
+        self.address_file.write(json.dumps({"address": address}))
         log.info("serving", extra=facts)
 
     async def shutdown(self, sockets=None) -> None:
@@ -74,13 +75,12 @@ def main(argv: list[str] | None = None, prog: str = "agentkv-gateway") -> None:
     uvicorn_log.addFilter(_cut_by_the_stop)
     for warning in config.security.warnings(config.listen, False, None)[1:]:
         log.warning(warning)
-    address_file = Path(config.address_file) if config.address_file else None
+    address_file = AddressFile(config.address_file)
     try:
-        if address_file:
-            address_file.unlink(missing_ok=True)  # what a script finds is this run's
+        address_file.clear_stale()  # what a script finds is this run's
         app = create_app(config)  # reads the token table
         listener = bound_socket(config.listen)
-        serve(Server(server_config(app, config), config), listener)
+        serve(Server(server_config(app, config), config, address_file), listener)
     except (ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None, prog: str = "agentkv-gateway") -> None:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     finally:
-        if address_file:
-            address_file.unlink(missing_ok=True)
+        address_file.remove()
 
 
 def _cut_by_the_stop(record: logging.LogRecord) -> bool:

@@ -251,6 +251,45 @@ def test_an_empty_address_file_made_for_the_service_is_taken(tmp_path):
         store.stop()
 
 
+@pytest.mark.parametrize("program", ["cache_store", "agentkv.gateway"])
+def test_a_refused_second_start_leaves_the_running_service_s_address_file(program, tmp_path):
+    """The reviewer's: a second start on the first's data dir or port, refused, removed the
+    running one's --address-file as it began, and a script could no longer find it; and a
+    stop removed the file even where another run had written its own since. An earlier
+    run's file is removed only when nothing answers at its address; at the stop, only the
+    file this run wrote."""
+    from agentkv.launch import ServiceProcess
+
+    address_file = tmp_path / "service.json"
+    own = {  # the store's data dir, or the gateway's worker: the same for every start
+        "cache_store": ["--data-dir", str(tmp_path / "data")],
+        "agentkv.gateway": ["--worker", free_address()],
+    }[program] + ["--address-file", str(address_file)]
+
+    def start(listen: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", program, *own, "--listen", listen],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    first = ServiceProcess(program, [*own, "--listen", "127.0.0.1:0"], tmp_path / "first.log")
+    first.start()
+    try:
+        written = address_file.read_text()
+        second = start("127.0.0.1:0" if program == "cache_store" else first.address)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+        assert address_file.read_text() == written  # the running one's, still there
+        address_file.write_text(json.dumps({"address": "127.0.0.1:1"}))  # another run's
+    finally:
+        first.stop()
+    assert json.loads(address_file.read_text()) == {"address": "127.0.0.1:1"}  # kept
+    with socket.socket() as taken:  # refused on a port in use, as the second was; nothing
+        taken.bind(("127.0.0.1", 0))  # answers at 127.0.0.1:1: that file is an earlier
+        taken.listen()  # run's, which a script must not read, and goes
+        refused = start(f"127.0.0.1:{taken.getsockname()[1]}")
+    assert refused.returncode == 2 and not address_file.exists(), refused.stderr
+
+
 def test_a_gateway_given_one_worker_twice_says_so_in_one_line():
     worker = free_address()
     proc = subprocess.run(
