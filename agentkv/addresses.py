@@ -31,6 +31,8 @@ def tcp_listen(name: str, listen: str | None) -> None:
 
 def listen_host(listen: str) -> str | None:
     """The host part of a listen address; None for a unix socket. Raises ValueError if malformed."""
+    if listen != listen.strip() or any(c.isspace() for c in listen):
+        raise ValueError(f"an address holds no spaces, got {listen!r}")
     scheme, sep, rest = listen.partition("://")
     if sep and scheme in ("http", "https", "grpc", "grpcs"):  # gRPC's own targets pass
         raise ValueError(

@@ -254,7 +254,7 @@ def _addresses_from_env(parser: argparse.ArgumentParser, args: argparse.Namespac
         name = "AGENTKV_WORKERS"
         if getattr(args, "worker", "") is None:
             workers = os.environ.get(name) or defaults.WORKER_ADDRESS
-            args.worker = [client_address(w) for w in workers.split(",")]
+            args.worker = [client_address(w.strip()) for w in workers.split(",")]
     except ValueError as exc:
         parser.error(f"env {name}: {exc}")
 
@@ -310,14 +310,22 @@ def cmd_run(args: argparse.Namespace) -> None:
     with AgentMemory(
         _workers(args), args.store, namespace, timeout=args.timeout, security=_security(args)
     ) as mem:
-        run_scenario(
-            scenario,
-            mem,
-            mode=args.mode,
-            on_record=print_record,
-            on_phase=lambda name: print(f"  phase {name}"),
-            reset=not args.no_reset,
-        )
+        try:
+            run_scenario(
+                scenario,
+                mem,
+                mode=args.mode,
+                on_record=print_record,
+                on_phase=lambda name: print(f"  phase {name}"),
+                reset=not args.no_reset,
+            )
+        except AgentNotFound as exc:  # one of its own agents, made by this run
+            if not exc.remote:
+                raise
+            raise AgentNotFound(
+                f"{exc.message}: gone while this run used it; another agentkv run in "
+                f"namespace {namespace!r}? (give each its own -n NAME)"
+            ) from None
 
 
 def cmd_list_agents(args: argparse.Namespace) -> None:

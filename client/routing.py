@@ -81,6 +81,7 @@ class Attempts:
     retries: int
     backoff: float
     tried: list[str] = field(default_factory=list)
+    last: str = ""  # why the last try failed, gRPC's words
 
     def __iter__(self) -> Iterator[tuple[float, str]]:
         """(seconds to wait first, worker address) for every try."""
@@ -96,12 +97,14 @@ class Attempts:
             raise exc
         self.router.mark_down(address)
         self.tried.append(address)
+        self.last = exc.message
 
     def succeeded(self, address: str) -> None:
         self.router.mark_up(address)
 
     def exhausted(self, agent_id: str) -> Unavailable:
-        return Unavailable(
+        last = f"; the last: {self.last}" if self.last else ""  # a name that does not
+        return Unavailable(  # resolve, TLS that does not fit: the CLI reads it
             f"no worker could be reached for agent {agent_id!r} "
-            f"({len(self.tried)} tries over {', '.join(self.router.workers)})"
+            f"({len(self.tried)} tries over {', '.join(self.router.workers)}{last})"
         )

@@ -435,3 +435,27 @@ def test_a_reader_that_leaves_ends_the_cli_quietly_as_a_pipe_does():
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 141, stderr
     assert stderr == b""
+
+
+def test_a_run_whose_agent_another_run_deleted_says_to_give_each_its_own_namespace(
+    monkeypatch, capsys
+):
+    """The reviewer's: two `agentkv run`s of one scenario in one namespace, the second's
+    reset deleting the first's agents mid-run: the first ended "AgentNotFound: agent
+    'warden' not found in namespace 'prisoners'", an agent it had just made. (In one
+    process: the deletion must land mid-run.)"""
+    from agentkv import cli
+    from agentkv.client import scenario
+    from agentkv.errors import AgentNotFound
+
+    def deleted_meanwhile(*args, **kwargs):
+        gone = AgentNotFound("agent 'warden' not found in namespace 'prisoners'")
+        gone.remote = True  # the worker's word
+        raise gone
+
+    monkeypatch.setattr(scenario, "run_scenario", deleted_meanwhile)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "prisoners_dilemma", "--store", "127.0.0.1:1", "--worker", "127.0.0.1:2"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert "another agentkv run in namespace 'prisoners'? (give each its own -n NAME)" in err

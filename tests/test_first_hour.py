@@ -59,6 +59,32 @@ def test_a_host_name_that_does_not_resolve_is_one_line_naming_the_flag():
         ), proc.stderr
 
 
+def test_a_worker_host_name_that_does_not_resolve_is_one_line_naming_the_flag(store_process):
+    """The reviewer's: a worker's was "no worker answers at ... (start agentkv-worker)", the
+    reason dropped with the tries; and AGENTKV_WORKERS written "a:1, b:2" dialed " b:2"."""
+    from tests.helpers import FP, make_chain
+
+    blocks, _ = make_chain(list(range(64)))
+    with store_process.client() as store:
+        store.save_agent("crew", "lead", FP, list(range(64)), blocks)
+    for args, env in (
+        (["--worker", "nohost.invalid:50061"], {}),
+        ([], {"AGENTKV_WORKERS": " nohost.invalid:50061"}),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "agentkv.cli", "agents", "-n", "crew", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "AGENTKV_STORE": store_process.address, **env},
+        )
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith(
+            "error: the worker at nohost.invalid:50061: its host name does not resolve "
+            "(check --worker / AGENTKV_WORKERS; gRPC: "
+        ), proc.stderr
+
+
 def test_a_server_that_takes_the_connection_but_does_not_answer_is_not_called_absent(
     store_process, tmp_path
 ):
