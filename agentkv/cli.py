@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from agentkv.errors import (
     DeadlineExceeded,
     FingerprintMismatch,
     InvalidArgument,
+    Unauthenticated,
     Unavailable,
     connect_failure,
 )
@@ -120,7 +122,9 @@ def _store_parser(store: argparse.ArgumentParser) -> None:
                 "--namespace",
                 type=namespace_flag,
                 default=None if name in ("verify", "gc") else "default",
-                help="namespace (verify and gc: all when omitted)",
+                help="namespace (every one when omitted)"
+                if name in ("verify", "gc")
+                else "namespace (default: default)",
             )
         if name in ("agent", "delete"):
             p.add_argument("agent_id", help="the agent's id")
@@ -196,11 +200,27 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
         help="context tokens, e.g. 8192 or 8K; repeat for several",
     )
     p.add_argument("--budget", type=telling(parse_size), help="e.g. 10.2Gi (2^30) or 10.2G (10^9)")
-    p.add_argument("--bits", type=int, default=4, help="quantized K/V bits")
-    p.add_argument("--group-size", type=int, default=64, help="elements per scale and bias")
+    p.add_argument("--bits", type=_at_least(1), default=4, help="quantized K/V bits")
     p.add_argument(
-        "--chunk", type=int, default=0, help="prefill chunk in flight, held beyond the window"
+        "--group-size", type=_at_least(1), default=64, help="elements per scale and bias"
     )
+    p.add_argument(
+        "--chunk",
+        type=_at_least(0),
+        default=0,
+        help="prefill chunk in flight, held beyond the window",
+    )
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    """A whole number of at least `least`, the usage error naming the flag as typed."""
+
+    def whole(text: str) -> int:
+        if not text.strip().lstrip("-").isdigit() or int(text) < least:
+            raise ValueError(f"a whole number of at least {least}, got {text!r}")
+        return int(text)
+
+    return telling(whole)
 
 
 def _store_flag(p: argparse.ArgumentParser) -> None:
@@ -434,6 +454,8 @@ def _main(argv: list[str]) -> None:
             STORE_COMMANDS[args.store_command][0](client, args)
     except AgentKVError as exc:
         line = _unreachable(exc, args) or f"{type(exc).__name__} ({exc.code.name}): {exc.message}"
+        if isinstance(exc, Unauthenticated) and exc.remote:  # the server's word: say the fix
+            line += " (give the token: --token-file FILE, or env AGENTKV_TOKEN)"
         print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except BrokenPipeError:

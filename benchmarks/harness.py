@@ -109,7 +109,9 @@ def parser(
     settings = ", ".join(f"{k.replace('_', ' ')} {shown(v)}" for k, v in quick.items())
     text = f"{quick_help}: {settings}" if settings else quick_help
     p.add_argument("--quick", action="store_true", help=text)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for its results"
+    )
     return p
 
 

@@ -325,7 +325,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "mlx-lm model directory, as agentkv-worker --model takes (default: the worker's "
         "default, smollm2-135m-instruct)",
     )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/report"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/report"),
+        help="directory for report.md, its JSON and plots (default: %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():

@@ -127,8 +127,8 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"hot_budget_bytes must be > 0, got {self.hot_budget_bytes}")
         if not 0 < self.store_check_timeout <= self.store_timeout:
             raise ValueError(
-                f"store_check_timeout must be in (0, store_timeout={self.store_timeout}], "
-                f"got {self.store_check_timeout}"
+                f"store_check_timeout must be over 0 and at most {self.store_timeout:g} s "
+                f"(the worker's store calls' timeout), got {self.store_check_timeout:g}"
             )
         if min(self.max_batch, self.step_tokens, self.queue_limit) < 1:  # a turn waits first
             raise ValueError("max_batch, step_tokens and queue_limit must be >= 1")

@@ -98,6 +98,16 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
         ("cache_store", ["--data-dir", "d", "--listen", "::1"], "in brackets, then its port: [::"),
         ("agentkv.cli", ["store", "stats", "--store", "::1:4011"], "in brackets, then its port"),
         ("agentkv.gateway", ["--worker", "h:1", "--listen", "::1:0"], "IPv6 address goes in"),
+        (  # "group_size must be positive", the field's name
+            "agentkv.cli",
+            ["plan", "--context", "8K", "--budget", "1G", "--group-size", "0"],
+            "argument --group-size: a whole number of at least 1, got '0'",
+        ),
+        (  # it cited store_timeout=60.0, which no flag sets
+            "inference_worker",
+            ["--store", "h:1", "--store-check-timeout", "0"],
+            "--store-check-timeout must be over 0 and at most 60 s",
+        ),
         (
             "inference_worker",
             ["--store", "h:1", "--max-batch", "0"],
@@ -116,6 +126,8 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
         "ipv6-no-brackets",
         "cli-ipv6",
         "gateway-ipv6",
+        "plan-group-size",
+        "worker-check-timeout",
         "worker-batch",
     ],
 )

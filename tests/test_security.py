@@ -602,6 +602,7 @@ def test_cli_carries_a_token(secured_store, tmp_path):
 
     refused = cli("stats")
     assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
+    assert "(give the token: --token-file FILE, or env AGENTKV_TOKEN)" in refused.stderr
     assert cli("stats", AGENTKV_TOKEN=OPS).returncode == 0
     (tmp_path / "a.token").write_text(TEAM_A)
     denied = cli("--token-file", str(tmp_path / "a.token"), "agents", "-n", "b")
