@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from agentkv import defaults, ids, tether
 from agentkv.addresses import client_address
 from agentkv.channels import ClientSecurity, header_token
-from agentkv.client.inspect import STORE_COMMANDS
+from agentkv.client.inspect import STORE_COMMANDS, print_elsewhere
 from agentkv.client.store import StoreClient
 from agentkv.errors import (
     NOT_HTTP2,
@@ -355,11 +355,8 @@ def cmd_list_agents(args: argparse.Namespace) -> None:
         _workers(args), args.store, args.namespace, timeout=args.timeout, security=_security(args)
     ) as mem:
         rows, failure = _agent_rows(mem, list(mem.store.list_agents(args.namespace)))
-        elsewhere = [] if rows else _namespaces_with_agents(mem.store)
-    print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
-    if elsewhere:
-        found = ", ".join(f"{name} ({count})" for name, count in elsewhere)
-        print(f"no agents in namespace {args.namespace!r}; agents are in: {found} (pass -n NAME)")
+        print(table(["agent", "tier", "tokens", "bytes", "phase", "worker"], rows))
+        print_elsewhere(mem.store, args.namespace, rows)
     if failure is not None:  # some tiers are unknown: the listing is incomplete
         raise failure
 
@@ -393,17 +390,6 @@ def _agent_rows(
         where = mem.worker_for(summary.agent_id)
         rows.append([summary.agent_id, tier, state.num_tokens, size, state.phase, where])
     return rows, failure
-
-
-def _namespaces_with_agents(store: StoreClient) -> list[tuple[str, int]]:
-    """(namespace, agents) of every namespace holding any, that the token may see."""
-    from agentkv.v1 import store_pb2 as pb
-
-    try:
-        reply = store.call("ListNamespaces", pb.ListNamespacesRequest())
-    except AgentKVError:  # a token for one namespace may not list them all: no hint then
-        return []
-    return [(n.name, n.num_agents) for n in reply.namespaces if n.num_agents]
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

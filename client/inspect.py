@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from agentkv.client.store import StoreClient
+from agentkv.errors import AgentKVError
 from agentkv.units import human_bytes, human_seconds, table, utc_time
 from agentkv.v1 import store_pb2 as pb
 
@@ -84,6 +85,20 @@ def cmd_agents(client: StoreClient, args: argparse.Namespace) -> None:
         for a in client.list_agents(args.namespace)
     ]
     print(table(["agent", "tokens", "blocks", "bytes", "phase", "gen", "updated (UTC)"], rows))
+    print_elsewhere(client, args.namespace, rows)
+
+
+def print_elsewhere(store: StoreClient, namespace: str, rows: list) -> None:
+    """For a listing of no agents: the namespaces that hold some, and how to name one."""
+    if rows:
+        return
+    try:
+        reply = store.call("ListNamespaces", pb.ListNamespacesRequest())
+    except AgentKVError:  # a token for one namespace may not list them all: no hint then
+        return
+    found = ", ".join(f"{n.name} ({n.num_agents})" for n in reply.namespaces if n.num_agents)
+    if found:
+        print(f"no agents in namespace {namespace!r}; agents are in: {found} (pass -n NAME)")
 
 
 def cmd_agent(client: StoreClient, args: argparse.Namespace) -> None:

@@ -339,6 +339,10 @@ def test_agents_in_an_empty_namespace_points_at_the_namespaces_that_have_some(st
     assert proc.stdout.splitlines()[-1] == (
         "no agents in namespace 'default'; agents are in: team-a (2) (pass -n NAME)"
     )
+    listed = agentkv("store", "agents", "--store", store_process.address)  # the store's own
+    assert listed.returncode == 0 and listed.stdout.splitlines()[-1] == (
+        "no agents in namespace 'default'; agents are in: team-a (2) (pass -n NAME)"
+    ), listed.stdout
 
 
 def test_an_agent_asked_for_with_another_system_prompt_is_an_error_or_replaced(
