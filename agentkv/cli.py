@@ -11,6 +11,12 @@ agentkv plan [--config NAME] --context 8K --budget 10.2Gi   how many agents' KV 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m: its imports below run as the console script's do
+    from agentkv.entry import agentkv
+
+    agentkv()
+    raise SystemExit
+
 import argparse
 import contextlib
 import dataclasses
@@ -516,7 +522,3 @@ def _unreachable(exc: AgentKVError, args: argparse.Namespace) -> str | None:
         f"no worker answers at {workers} (start agentkv-worker, or pass --worker / "
         f"AGENTKV_WORKERS): {exc.message}"
     )
-
-
-if __name__ == "__main__":
-    main()

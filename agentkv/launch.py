@@ -129,7 +129,9 @@ def stopping(services: Collection[ServiceProcess], interrupted: bool = False) ->
             if service.proc is not None:
                 service.proc.send_signal(signal.SIGKILL)
 
-    previous = signal.signal(signal.SIGINT, insist)
+    previous = signal.getsignal(signal.SIGINT)
+    if previous != signal.SIG_IGN:  # nohup's, or a script's background job: it stays ignored
+        signal.signal(signal.SIGINT, insist)
     try:
         for service in reversed(list(services)):
             service.stop(interrupted=interrupted)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m: its imports below run as the console script's do
+    from agentkv.entry import store
+
+    store()
+    raise SystemExit
+
 import sys
 
 from agentkv import logs
@@ -31,7 +37,3 @@ def main(argv: list[str] | None = None) -> None:
 
 def _said(exc: AgentKVError | OSError) -> str:
     return exc.message if isinstance(exc, AgentKVError) else os_error_words(exc)
-
-
-if __name__ == "__main__":
-    main()

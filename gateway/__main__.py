@@ -5,6 +5,12 @@ client that resends its whole history prefills only what is new."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m: its imports below run as the console script's do
+    from agentkv.entry import gateway
+
+    gateway()
+    raise SystemExit
+
 import asyncio
 import contextlib
 import json
@@ -117,7 +123,3 @@ def server_config(app, config: GatewayConfig) -> uvicorn.Config:
 def serve(server: Server, listener: socket.socket) -> None:
     with listener:
         asyncio.run(server.serve(sockets=[listener]))
-
-
-if __name__ == "__main__":
-    main()

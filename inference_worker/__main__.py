@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m: its imports below run as the console script's do
+    from agentkv.entry import worker
+
+    worker()
+    raise SystemExit
+
 import logging
 import os
 import sys
@@ -57,7 +63,3 @@ def start(config: WorkerConfig) -> None:
         logging.getLogger("agentkv.worker").error("cannot start", extra={"error": error})
         print(f"agentkv-worker: error: {error}", file=sys.stderr)
         sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -200,6 +200,48 @@ def test_ctrl_c_while_a_command_waits_on_a_service_is_one_line(job, blackhole, c
     assert_interrupted(code, err)
 
 
+# Installed into a program's PYTHONPATH: once agentkv.flags is imported (by the program's
+# own imports: gRPC's and numpy's are under way), it touches $AGENTKV_TEST_IMPORTING_MARK
+# and waits, so a Ctrl-C lands among the imports, whatever the machine's load.
+IMPORTING_THEN_WAIT = on_import(
+    "agentkv.flags",
+    """\
+def patch(module):
+    open(os.environ["AGENTKV_TEST_IMPORTING_MARK"], "w").close()
+    time.sleep(600)
+""",
+)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "cache_store", "--data-dir", "DATA"],
+        ["-m", "inference_worker", "--store", "127.0.0.1:1"],
+        ["-m", "agentkv.gateway", "--worker", "127.0.0.1:1"],
+        ["-m", "agentkv.cli", "store", "stats"],
+    ],
+    ids=["store", "worker", "gateway", "cli"],
+)
+def test_ctrl_c_while_a_program_imports_is_one_line(job, tmp_path, args):
+    """The reviewer's: a Ctrl-C in the first second of any program (its imports: gRPC,
+    numpy, MLX) was a traceback of the import under way, exit -2 (SIGINT); after them, one
+    line and exit 130, as the README says of every command."""
+    site, mark = tmp_path / "site", tmp_path / "importing"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(IMPORTING_THEN_WAIT)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "AGENTKV_TEST_IMPORTING_MARK": str(mark),
+    }
+    cmd = job(*[str(tmp_path / "data") if a == "DATA" else a for a in args], env=env)
+    cmd.wait_for(mark.exists)
+    cmd.signal()
+    code, _, err = cmd.finish()
+    assert_interrupted(code, err)
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize("group", [True, False], ids=["ctrl-c", "sigint-to-the-cli-alone"])
 def test_ctrl_c_in_model_import_leaves_no_directory_and_is_one_line(job, tmp_path, group):
     """The signal lands once the import has written its weights, before its config: the
@@ -676,3 +718,18 @@ def test_a_gateway_whose_port_is_taken_says_so_in_one_line(job):
     assert code == 2, err
     assert err.startswith(f"agentkv-gateway: error: could not bind {listen}: "), err
     assert err.count("\n") == 1, err
+
+
+def test_services_stopped_under_an_ignored_sigint_leave_it_ignored():
+    """The reviewer's: a command run where SIGINT is ignored (a script's background job,
+    nohup) took it back while it stopped its services, and a stray SIGINT then SIGKILLed
+    them mid-stop. (In one process: the handler it installs is what is asserted.)"""
+    from agentkv.launch import stopping
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stopping([]):
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
