@@ -178,6 +178,11 @@ class Index:
         raw = txn.get(k, db=self._blocks)
         return self._checked(BlockRecord.decode, k, raw) if raw is not None else None
 
+    def block_bytes(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> bytes | None:
+        """The block's record as stored, undecoded; None if absent."""
+        raw = txn.get(ns_key(namespace, key), db=self._blocks)
+        return bytes(raw) if raw is not None else None
+
     def find_block(self, txn: lmdb.Transaction, namespace: str, key: bytes) -> BlockRecord | None:
         """Like get_block, but a block whose record is bad reads as absent (and is noted)."""
         try:

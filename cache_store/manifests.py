@@ -44,20 +44,40 @@ class AgentView:
     remote_block_keys: list[bytes] = field(default_factory=list)  # in the object store only
 
 
-def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> AgentRecord:
-    old, lost = _for_update(index, txn, c.namespace, c.agent_id)
-    current = old.generation if old else 0
-    if c.expected_generation != current:
-        state = f"is at generation {current}" if old else "does not exist (generation 0)"
-        if lost:
-            state = "is lost, its manifest quarantined (generation 0)"
-        raise GenerationConflict(
-            f"agent {c.agent_id!r} in namespace {c.namespace!r} {state}; "
-            f"the commit expected generation {c.expected_generation}",
-            current,
-        )
+@dataclass
+class Chain:
+    """A commit's chain, checked in a read transaction, before the write: each block's
+    record as read (`raw`), so that the write only confirms it unchanged (decoding and
+    checking a long chain held the write, which every other tenant's put waits for)."""
+
+    blocks: list[BlockRecord]
+    raw: list[bytes]
+
+
+def checked_chain(index: Index, txn: lmdb.Transaction, c: Commit) -> Chain:
+    """The commit's chain, its generation, parents and tokens checked (GenerationConflict
+    first, then InvalidArgument, BlockNotFound, FingerprintMismatch naming the block)."""
+    _expected(index, txn, c)
     blocks = _chain(index, txn, c.namespace, c.fingerprint, c.block_keys)
     _check_tokens(blocks, c.token_ids)
+    raw = [index.block_bytes(txn, c.namespace, b.key) or b"" for b in blocks]
+    return Chain(blocks, raw)
+
+
+def commit(
+    index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int, chain: Chain | None = None
+) -> AgentRecord:
+    """Writes the agent's manifest over `chain` (checked_chain's, confirmed here unchanged,
+    else checked again, and updated so; checked here when not given)."""
+    old = _expected(index, txn, c)
+    if chain is None or any(
+        index.block_bytes(txn, c.namespace, b.key) != raw
+        for b, raw in zip(chain.blocks, chain.raw, strict=True)
+    ):  # a block changed since it was checked (its refcount, say): checked again, here
+        fresh = checked_chain(index, txn, c)
+        chain = chain or fresh
+        chain.blocks, chain.raw = fresh.blocks, fresh.raw
+    blocks = chain.blocks
     record = AgentRecord(
         namespace=c.namespace,
         agent_id=c.agent_id,
@@ -69,11 +89,28 @@ def commit(index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int) -> Agent
         phase=c.phase,
         created_ms=old.created_ms if old else now_ms,
         updated_ms=now_ms,
-        generation=current + 1 if old else index.first_generation(txn),
+        generation=old.generation + 1 if old else index.first_generation(txn),
     )
     _move_refs(index, txn, c.namespace, old.block_keys if old else [], record.block_keys)
     index.put_agent(txn, record, created=old is None)
     return record
+
+
+def _expected(index: Index, txn: lmdb.Transaction, c: Commit) -> AgentRecord | None:
+    """The manifest the commit replaces (None: none, or a quarantined one), when it is at
+    the generation the commit expects; else GenerationConflict."""
+    old, lost = _for_update(index, txn, c.namespace, c.agent_id)
+    current = old.generation if old else 0
+    if c.expected_generation != current:
+        state = f"is at generation {current}" if old else "does not exist (generation 0)"
+        if lost:
+            state = "is lost, its manifest quarantined (generation 0)"
+        raise GenerationConflict(
+            f"agent {c.agent_id!r} in namespace {c.namespace!r} {state}; "
+            f"the commit expected generation {c.expected_generation}",
+            current,
+        )
+    return old
 
 
 def install(
@@ -154,6 +191,12 @@ def get(index: Index, txn: lmdb.Transaction, namespace: str, agent_id: str) -> A
     if record is None:
         raise AgentNotFound(f"agent {agent_id!r} not found in namespace {namespace!r}")
     return record
+
+
+def view_of(record: AgentRecord, blocks: list[BlockRecord]) -> AgentView:
+    """The view of a manifest just committed over `blocks` (all there, as committed)."""
+    remote = [b.key for b in blocks if not b.local]
+    return AgentView(record, [], sum(b.num_bytes for b in blocks), remote)
 
 
 def view(index: Index, txn: lmdb.Transaction, record: AgentRecord) -> AgentView:

@@ -129,9 +129,11 @@ class CacheStore:
         return result
 
     def _commit(self, c: manifests.Commit) -> tuple[Any, manifests.AgentView]:
+        with self.index.read() as txn:  # checked before the write, which other puts wait for
+            chain = manifests.checked_chain(self.index, txn, c)
         with self.index.write() as txn:
-            record = manifests.commit(self.index, txn, c, now_ms())
-            return record, manifests.view(self.index, txn, record)
+            record = manifests.commit(self.index, txn, c, now_ms(), chain)
+        return record, manifests.view_of(record, chain.blocks)
 
     def get_agent(
         self, namespace: str, agent_id: str, fingerprint: str = "", peek: bool = False

@@ -195,6 +195,49 @@ def test_a_put_stream_past_what_its_reply_can_name_is_refused_at_that_block(tmp_
         store.close()
 
 
+@pytest.mark.parametrize("meanwhile", ["collected", "shared"])
+def test_a_commit_s_chain_changed_between_its_check_and_its_write(tmp_path, meanwhile):
+    """A commit's chain is checked in a read transaction now, before the write (decoding a
+    long chain held the write every tenant's put waits for); the write confirms each block
+    unchanged. Between the two: its blocks collected, and the commit is refused, nothing
+    written; or committed by another agent too (each block's refcount changed), and it is
+    checked again and taken, both agents counted. (In one process: the change lands in
+    the gap.)"""
+    from cache_store.manifests import Commit
+
+    store = local_store(tmp_path / "data")
+    try:
+        tokens = list(range(2 * BLOCK_TOKENS))
+        blocks, keys = make_chain(tokens, block_tokens=BLOCK_TOKENS)
+        _, lease, _ = store.put_stream(put_items(NS, FP, blocks))
+        store.leases.release(lease)  # unleased and no agent's: collectable
+        write, gap = store.index.write, []
+
+        def in_the_gap():
+            if not gap:  # the commit's own write, the first: the change lands before it
+                gap.append(None)
+                gap[0] = (
+                    store.collect_garbage(NS)[0]
+                    if meanwhile == "collected"
+                    else store.commit_agent(Commit(NS, "other", FP, 0, tokens, keys))
+                )
+            return write()
+
+        store.index.write = in_the_gap
+        if meanwhile == "collected":
+            with pytest.raises(BlockNotFound, match=r"block_keys\[0\]"):
+                store.commit_agent(Commit(NS, "a", FP, 0, tokens, keys))
+            assert gap == [2] and store.list_agents(NS, "", 10)[0] == []
+            return
+        view = store.commit_agent(Commit(NS, "a", FP, 0, tokens, keys))
+        assert view.record.block_keys == keys and view.missing_block_keys == []
+        blocks_now = {b.key: b.refcount for b in store.list_blocks(NS, b"", 10)[0]}
+        assert blocks_now == {k: 2 for k in keys}
+    finally:
+        store.index.write = write
+        store.close()
+
+
 def test_a_block_s_parent_stays_while_the_block_comes_in(tmp_path):
     """A block's parent, stored by an earlier stream whose lease was let go, was checked
     when the block's header came but not leased: a collection while the block's bytes came
