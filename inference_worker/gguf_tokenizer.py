@@ -53,11 +53,21 @@ def _pre_tokenizer(pre: str):
     raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not supported (agentkv knows {known})")
 
 
+MAX_TOKEN_CHARS = 4096
+
+
 def vocabulary(meta: dict) -> list[str]:
     """The file's tokens, in id order."""
     if "tokenizer.ggml.tokens" not in meta:
         raise GGUFError("GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
-    return list(meta["tokenizer.ggml.tokens"])
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]), default=None)
+    if longest is not None and len(tokens[longest]) > MAX_TOKEN_CHARS:  # no model's is near
+        raise GGUFError(  # it: a merge table rebuilt from it takes time squared in its length
+            f"GGUF tokenizer.ggml.tokens[{longest}] is {len(tokens[longest]):,} characters "
+            f"long, past the {MAX_TOKEN_CHARS:,} a token may be"
+        )
+    return tokens
 
 
 def _token(meta: dict, tokens: list[str], key: str) -> str | None:

@@ -382,6 +382,16 @@ def test_a_gguf_llama_cpp_would_refuse_is_one_line(sources, tmp_path, capsys, ca
     assert not (tmp_path / "out").exists()
 
 
+def test_a_token_longer_than_any_model_s_is_refused_naming_it(sources, tmp_path):
+    """The reviewer's: a merge table rebuilt from a token takes time squared in its length
+    (a 1 MB token: minutes of a worker's start)."""
+    path, config, _, _, w = sources["llama"]
+    tokens = {"tokenizer.ggml.tokens": ["a", "b" * 5000, "c"]}
+    gguf = write_gguf(tmp_path / "long.gguf", w, config, path, metadata=tokens)
+    with pytest.raises(GGUFError, match=r"tokens\[1\] is 5,000 characters long, past the 4,096"):
+        import_gguf(gguf, tmp_path / "out")
+
+
 def test_weights_past_float16_import_whole_in_float32(sources, tmp_path):
     path, config, _, _, w = sources["llama"]
     gguf = write_gguf(tmp_path / "m.gguf", _past_float16(w), config, path)
