@@ -222,7 +222,8 @@ def _at_least(least: int) -> Callable[[str], int]:
     """A whole number of at least `least`, the usage error naming the flag as typed."""
 
     def whole(text: str) -> int:
-        if not text.strip().lstrip("-").isdigit() or int(text) < least:
+        digits = text.strip().lstrip("-")
+        if not (digits.isascii() and digits.isdigit()) or int(text) < least:
             raise ValueError(f"a whole number of at least {least}, got {text!r}")
         return int(text)
 
@@ -276,7 +277,7 @@ def _addresses_from_env(parser: argparse.ArgumentParser, args: argparse.Namespac
     name = "AGENTKV_STORE"
     try:
         if getattr(args, "store", "") is None:  # "": a command without the flag
-            args.store = client_address(os.environ.get(name) or defaults.STORE_ADDRESS)
+            args.store = client_address((os.environ.get(name) or defaults.STORE_ADDRESS).strip())
         name = "AGENTKV_WORKERS"
         if getattr(args, "worker", "") is None:
             workers = os.environ.get(name) or defaults.WORKER_ADDRESS

@@ -88,9 +88,7 @@ class BlockReads:
                 return
             renew_at = time.monotonic() + seconds / 2
             if lease.renew():  # lapsed, the stream paused that long: its blocks may be gone
-                with self.index.read() as txn:
-                    for s in selections:
-                        self._still_there(txn, s.record)
+                self._ensure_local(selections)  # or demoted: NOT_FOUND, or fetched back
 
         try:
             self._ensure_local(selections)

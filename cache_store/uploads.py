@@ -128,7 +128,8 @@ class Uploads:
         if stored >= most:
             raise ReplyTooLarge(
                 f"a PutBlocks stream takes at most {most} blocks (its reply names each, within "
-                f"{self.config.max_message_bytes} bytes): put the rest in another stream"
+                f"{self.config.max_message_bytes} bytes): put them in streams of at most "
+                f"{most}, this one's again too (they are not leased; stored, they deduplicate)"
             )
 
     def begin(self, header: PutHeader, lease: StreamLease) -> BlockUpload:

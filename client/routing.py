@@ -104,7 +104,7 @@ class Attempts:
 
     def exhausted(self, agent_id: str) -> Unavailable:
         last = f"; the last: {self.last}" if self.last else ""  # a name that does not
-        return Unavailable(  # resolve, TLS that does not fit: the CLI reads it
+        return Unavailable(  # resolve, TLS that does not fit: the CLI reads it, at the end
             f"no worker could be reached for agent {agent_id!r} "
-            f"({len(self.tried)} tries over {', '.join(self.router.workers)}{last})"
+            f"({len(self.tried)} tries over {', '.join(self.router.workers)}){last}"
         )

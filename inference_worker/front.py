@@ -116,10 +116,11 @@ class Front:
         if job.forms is None:
             self.engine.grammars.warm(tools)
             return
-        settled = self.engine.grammars.settled(job.forms, tools)  # as Engine._forms does
-        if settled is job.forms:
-            settled.compile(tools)
-        job.forms = settled
+        # As Engine._forms does: strict tools' forms are compiled now and kept (llg.Compiler),
+        # to be found there; others are kept in the turn's forms, by these tools. Neither is
+        # taken for the turn's if its tools are others by then (its agent restored anew).
+        if self.engine.grammars.settled(job.forms, tools) is job.forms:
+            job.forms.compile(tools)
 
     def count_tokens(self, messages: list[ChatMessage], tools: str) -> int:
         """A conversation's tokens (ChatFormat.count), here on the RPC thread; one too long

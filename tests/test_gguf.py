@@ -382,6 +382,22 @@ def test_a_gguf_llama_cpp_would_refuse_is_one_line(sources, tmp_path, capsys, ca
     assert not (tmp_path / "out").exists()
 
 
+def test_a_vocabulary_one_token_past_the_embeddings_is_refused_though_a_token_repeats(
+    sources, tmp_path
+):
+    """The reviewer's: the rows were checked against the tokenizer's vocabulary size, which
+    counts a repeated token once, while its id is its last place: one past the rows."""
+    path, config, _, _, w = sources["llama"]
+    _, meta = read_gguf(write_gguf(tmp_path / "whole.gguf", w, config, path))
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    rows = w["model.embed_tokens.weight"].shape[0]
+    assert len(tokens) <= rows
+    repeated = {"tokenizer.ggml.tokens": tokens + [tokens[0]] * (rows + 1 - len(tokens))}
+    gguf = write_gguf(tmp_path / "bad.gguf", w, config, path, metadata=repeated)
+    with pytest.raises(GGUFError, match=f"has {rows + 1} tokens .* has {rows} rows"):
+        import_gguf(gguf, tmp_path / "out")
+
+
 def test_a_token_longer_than_any_model_s_is_refused_naming_it(sources, tmp_path):
     """The reviewer's: a merge table rebuilt from a token takes time squared in its length
     (a 1 MB token: minutes of a worker's start)."""

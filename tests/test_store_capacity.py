@@ -189,8 +189,10 @@ def test_a_put_stream_past_what_its_reply_can_name_is_refused_at_that_block(tmp_
         with pytest.raises(ReplyTooLarge, match="takes at most 100 blocks"):
             store.put_stream(put_items(NS, FP, blocks))
         assert store.stats()["num_blocks"] == 100 and store.stats()["num_leases"] == 0
-        results, lease, _ = store.put_stream(put_items(NS, FP, blocks[100:]))  # the rest
-        assert [r.key for r in results] == keys[100:] and lease
+        first, _, _ = store.put_stream(put_items(NS, FP, blocks[:100]))  # again, as it says
+        rest, lease, _ = store.put_stream(put_items(NS, FP, blocks[100:]))
+        assert [r.key for r in first + rest] == keys and all(r.deduplicated for r in first)
+        assert lease
     finally:
         store.close()
 
