@@ -7,18 +7,18 @@ other method uses the generated message classes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 
-from agentkv import auth, wire
+from agentkv import auth, ids, wire
 from agentkv.errors import InvalidArgument, ReplyTooLarge
 from agentkv.rpc import service_handlers
 from agentkv.v1 import store_pb2 as pb
 from cache_store import manifests, replies
 from cache_store.reads import Selection
 from cache_store.store import CacheStore
-from cache_store.streams import StreamGuard
+from cache_store.streams import Beat, StreamGuard
 from cache_store.uploads import PutHeader
 
 SERVICE_NAME = "agentkv.v1.CacheStore"
@@ -86,7 +86,7 @@ class CacheStoreServicer:
             request.namespace, request.fingerprint, request.keys, request.layers
         )
         last = None
-        with self.streams.open("GetBlocks", context) as beat:
+        with self.streams.open("GetBlocks", context, selections[0].record.namespace) as beat:
             with self.store.reading(selections) as moved:
                 for message in self._stream(selections):
                     if last is not None:
@@ -298,9 +298,7 @@ def _allowed_or_all(namespace: str, what: str) -> None:
         auth.check_all_namespaces(what)
 
 
-def _put_items(
-    raw_messages: Iterator[bytes], beat: Callable[[], None]
-) -> Iterator[PutHeader | memoryview]:
+def _put_items(raw_messages: Iterator[bytes], beat: Beat) -> Iterator[PutHeader | memoryview]:
     for raw in raw_messages:
         beat()
         try:
@@ -312,6 +310,7 @@ def _put_items(
         elif item.WhichOneof("item") == "header":
             h = item.header
             auth.check_namespace(h.namespace)
+            beat.tenant(ids.namespace(h.namespace))  # its share of streams: its first block's
             yield PutHeader(
                 h.namespace,
                 h.fingerprint,

@@ -2,7 +2,8 @@
 
 Each PutBlocks or GetBlocks holds an RPC thread for as long as its peer keeps it open. At
 most `limit` streams of each kind run at once (the next is refused with RESOURCE_EXHAUSTED),
-so the threads left always serve other calls; a stream that moves no message for
+so the threads left always serve other calls, and one namespace's at most half of them, so
+one tenant's slow or stalled streams leave other tenants theirs; a stream that moves no message for
 `idle_seconds` (a stalled reader, a writer that sent a header and went quiet) is cancelled,
 which frees its thread, its disk reservation and its leases.
 """
@@ -29,6 +30,22 @@ class _Watch:
     context: grpc.ServicerContext
     last: float
     cancelled: bool = False
+    namespace: str = ""  # whose share it counts in, once known
+
+
+class Beat:
+    """A stream's: called on every message moved; `tenant` names its namespace (a PutBlocks
+    knows it at its first header), ServerBusy past that namespace's share."""
+
+    def __init__(self, guard: StreamGuard, watch: _Watch) -> None:
+        self._guard, self._watch = guard, watch
+
+    def __call__(self) -> None:
+        self._watch.last = time.monotonic()
+
+    def tenant(self, namespace: str) -> None:
+        if not self._watch.namespace:  # the first block's namespace: the stream's
+            self._guard.claim(self._watch, namespace)
 
 
 class StreamGuard:
@@ -47,8 +64,11 @@ class StreamGuard:
         self._stop.set()
 
     @contextmanager
-    def open(self, method: str, context: grpc.ServicerContext) -> Iterator[Callable[[], None]]:
-        """A slot for one stream of `method`; yields the beat to call on every message moved."""
+    def open(
+        self, method: str, context: grpc.ServicerContext, namespace: str = ""
+    ) -> Iterator[Beat]:
+        """A slot for one stream of `method` (of `namespace`, when known); yields the beat to
+        call on every message moved."""
         with self._lock:
             slots = self._slots.setdefault(method, threading.BoundedSemaphore(self.limit))
         if not slots.acquire(blocking=False):
@@ -56,14 +76,30 @@ class StreamGuard:
                 f"the store is serving {self.limit} {method} streams, its limit; retry shortly"
             )
         watch = _Watch(method, context, time.monotonic())
-        with self._lock:
-            self._watches.add(watch)
         try:
-            yield lambda: setattr(watch, "last", time.monotonic())
+            with self._lock:
+                self._watches.add(watch)
+            beat = Beat(self, watch)
+            if namespace:
+                beat.tenant(namespace)
+            yield beat
         finally:
             with self._lock:
                 self._watches.discard(watch)
             slots.release()
+
+    def claim(self, watch: _Watch, namespace: str) -> None:
+        """Counts the stream in its namespace's share: at most half the limit (one at least)
+        of one kind at once; ServerBusy past it."""
+        share = max(1, self.limit // 2)
+        with self._lock:
+            held = sum(w.method == watch.method and w.namespace == namespace for w in self._watches)
+            if held >= share:
+                raise ServerBusy(
+                    f"namespace {namespace!r} holds {share} {watch.method} streams, its share "
+                    f"of the store's {self.limit}; retry shortly"
+                )
+            watch.namespace = namespace
 
     def _patrol(self) -> None:
         while not self._stop.wait(min(1.0, self.idle_seconds / 4)):
