@@ -13,7 +13,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from agentkv import ids
@@ -118,9 +118,11 @@ class Front:
             return
         # As Engine._forms does: strict tools' forms are compiled now and kept (llg.Compiler),
         # to be found there; others are kept in the turn's forms, by these tools. Neither is
-        # taken for the turn's if its tools are others by then (its agent restored anew).
-        if self.engine.grammars.settled(job.forms, tools) is job.forms:
-            job.forms.compile(tools)
+        # taken for the turn's if its tools are others by then (its agent restored anew), and
+        # a form these tools refuse is refused at the turn's start, by its own tools.
+        with suppress(InvalidArgument):
+            if self.engine.grammars.settled(job.forms, tools) is job.forms:
+                job.forms.compile(tools)
 
     def count_tokens(self, messages: list[ChatMessage], tools: str) -> int:
         """A conversation's tokens (ChatFormat.count), here on the RPC thread; one too long
