@@ -140,7 +140,7 @@ class StoreConfig(ServerConfig):
     max_streams: int = flag(
         12,
         "RPC threads each payload stream kind (PutBlocks, GetBlocks) may hold at once; "
-        "below --workers, so other calls always find one; one namespace's, half of them",
+        "below --workers, so other calls always find one; one namespace's, 3/4 of them",
     )
     stream_idle_seconds: float = flag(
         30.0, "cancel a payload stream that moves no message for this long"

@@ -2,10 +2,10 @@
 
 Each PutBlocks or GetBlocks holds an RPC thread for as long as its peer keeps it open. At
 most `limit` streams of each kind run at once (the next is refused with RESOURCE_EXHAUSTED),
-so the threads left always serve other calls, and one namespace's at most half of them, so
-one tenant's slow or stalled streams leave other tenants theirs; a stream that moves no message for
-`idle_seconds` (a stalled reader, a writer that sent a header and went quiet) is cancelled,
-which frees its thread, its disk reservation and its leases.
+so the threads left always serve other calls, and one namespace never takes the last
+quarter of them, so one tenant's slow or stalled streams leave other tenants some. A stream
+that moves no message for `idle_seconds` (a stalled reader, a writer that sent a header and
+went quiet) is cancelled, which frees its thread, its disk reservation and its leases.
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class StreamGuard:
             slots.release()
 
     def claim(self, watch: _Watch, namespace: str) -> None:
-        """Counts the stream in its namespace's share: at most half the limit (one at least)
-        of one kind at once; ServerBusy past it."""
-        share = max(1, self.limit // 2)
+        """Counts the stream in its namespace's share: all but the last quarter of the limit
+        (one at least) of one kind at once; ServerBusy past it."""
+        share = max(1, self.limit - max(1, self.limit // 4))
         with self._lock:
             held = sum(w.method == watch.method and w.namespace == namespace for w in self._watches)
             if held >= share:

@@ -125,6 +125,8 @@ class CacheStoreServicer:
         """Uploads blocks: for each block, one header then its tensor bytes as chunks.
         Each block is stored durably as soon as its bytes are complete; if the stream fails later,
         the blocks before the failure stay stored (unreferenced, so collectable) and the rest do not.
+        A stream takes at most (the store's message limit / 64) blocks, 262,144 at 16 MiB: its
+        reply names each; the next is refused, RESOURCE_EXHAUSTED (ReplyTooLarge).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
