@@ -64,20 +64,19 @@ def checked_chain(index: Index, txn: lmdb.Transaction, c: Commit) -> Chain:
     return Chain(blocks, raw)
 
 
-def commit(
-    index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int, chain: Chain | None = None
-) -> AgentRecord:
-    """Writes the agent's manifest over `chain` (checked_chain's, confirmed here unchanged,
-    else checked again, and updated so; checked here when not given)."""
-    old = _expected(index, txn, c)
-    if chain is None or any(
-        index.block_bytes(txn, c.namespace, b.key) != raw
+def unchanged(index: Index, txn: lmdb.Transaction, namespace: str, chain: Chain) -> bool:
+    """Whether every block of `chain` is stored as it was when checked."""
+    return all(
+        index.block_bytes(txn, namespace, b.key) == raw
         for b, raw in zip(chain.blocks, chain.raw, strict=True)
-    ):  # a block changed since it was checked (its refcount, say): checked again, here
-        fresh = checked_chain(index, txn, c)
-        chain = chain or fresh
-        chain.blocks, chain.raw = fresh.blocks, fresh.raw
-    blocks = chain.blocks
+    )
+
+
+def commit(
+    index: Index, txn: lmdb.Transaction, c: Commit, now_ms: int, blocks: list[BlockRecord]
+) -> AgentRecord:
+    """Writes the agent's manifest over `blocks`, its chain as checked_chain checked it."""
+    old = _expected(index, txn, c)
     record = AgentRecord(
         namespace=c.namespace,
         agent_id=c.agent_id,

@@ -132,7 +132,9 @@ class CacheStore:
         with self.index.read() as txn:  # checked before the write, which other puts wait for
             chain = manifests.checked_chain(self.index, txn, c)
         with self.index.write() as txn:
-            record = manifests.commit(self.index, txn, c, now_ms(), chain)
+            if not manifests.unchanged(self.index, txn, c.namespace, chain):  # its refcount,
+                chain = manifests.checked_chain(self.index, txn, c)  # say: checked again here
+            record = manifests.commit(self.index, txn, c, now_ms(), chain.blocks)
         return record, manifests.view_of(record, chain.blocks)
 
     def get_agent(
