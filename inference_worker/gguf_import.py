@@ -37,12 +37,7 @@ from inference_worker.gguf_model import (
     model_config,
     read_gguf,
 )
-from inference_worker.gguf_tokenizer import (
-    GGUFError,
-    build_tokenizer,
-    tokenizer_config,
-    vocabulary,
-)
+from inference_worker.gguf_tokenizer import GGUFError, build_tokenizer, tokenizer_config
 from inference_worker.model_cache import cache_env, default_cache_dir, remembered
 
 WEIGHTS = ("float32", "float16", "bfloat16", "native")
@@ -237,7 +232,7 @@ def _convert(path: Path, weights: str) -> tuple[dict, Any, dict, dict]:
     if "model.embed_tokens.weight" not in hf:
         raise GGUFError(f"GGUF {path} has no token_embd.weight (the token embeddings)")
     tokenizer, tokenizer_json = build_tokenizer(meta), tokenizer_config(meta)
-    rows, count = int(hf["model.embed_tokens.weight"].shape[0]), len(vocabulary(meta))
+    rows, count = int(hf["model.embed_tokens.weight"].shape[0]), len(meta["tokenizer.ggml.tokens"])
     if count > rows:  # its last tokens' ids would read past the embeddings
         raise GGUFError(
             f"GGUF {path} has {count} tokens (tokenizer.ggml.tokens) but token_embd.weight "
