@@ -734,17 +734,22 @@ def test_an_import_into_a_mount_point_is_written_inside_it(sources, tmp_path, mo
     assert mx.array_equal(logits(imported, tok), logits(model, tok))
 
 
-def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path, monkeypatch):
-    """Some NFS and SMB mounts refuse flock (ENOLCK, or EBADF where it becomes a byte-range
-    lock): the import goes on, and leaves staging directories it cannot judge alone."""
+def refuse_flock(monkeypatch) -> None:
+    """From here on, flock is refused, as some NFS and SMB mounts refuse it (ENOLCK)."""
     import errno
     import fcntl
 
     def refused(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    gguf, cache, _, maybe_live = staging_left(sources, tmp_path, "n0l0ck")
     monkeypatch.setattr(fcntl, "flock", refused)
+
+
+def test_an_import_goes_on_where_the_filesystem_refuses_flock(sources, tmp_path, monkeypatch):
+    """Some NFS and SMB mounts refuse flock (ENOLCK, or EBADF where it becomes a byte-range
+    lock): the import goes on, and leaves staging directories it cannot judge alone."""
+    gguf, cache, _, maybe_live = staging_left(sources, tmp_path, "n0l0ck")
+    refuse_flock(monkeypatch)
     assert (cached_import(gguf, "float32", cache) / "config.json").exists()
     assert maybe_live.exists()
 
@@ -755,13 +760,7 @@ def test_an_import_another_landed_first_is_taken_where_flock_is_refused(
     """Without flock, two imports of one file run at once: the second to move its staging
     into place met the first's (ENOTEMPTY) and stopped its worker saying the cache "cannot
     hold imports". It takes the import that landed."""
-    import errno
-    import fcntl
-
     from inference_worker import gguf_import
-
-    def refused(fd: int, op: int) -> None:
-        raise OSError(errno.ENOLCK, "No locks available")
 
     gguf, cache, target, _ = staging_left(sources, tmp_path, "n0l0ck")
     write_model = gguf_import.write_model
@@ -770,7 +769,7 @@ def test_an_import_another_landed_first_is_taken_where_flock_is_refused(
         write_model(path, out, weights)
         shutil.copytree(out, target)  # another process's import, the same, landed first
 
-    monkeypatch.setattr(fcntl, "flock", refused)
+    refuse_flock(monkeypatch)
     monkeypatch.setattr(gguf_import, "write_model", landed_meanwhile)
     assert cached_import(gguf, "float32", cache) == target
     assert damage(target) == ""
