@@ -28,36 +28,24 @@ def rank(workers: Sequence[str], key: str) -> list[str]:
     return sorted(workers, key=score, reverse=True)
 
 
-class Router:
-    """Rendezvous order with failover. Thread-safe."""
+class Down:
+    """Workers that failed to answer, each skipped for `down_for` seconds. Thread-safe."""
 
-    def __init__(self, workers: Sequence[str], down_for: float = 5.0) -> None:
-        if not workers:
-            raise ValueError("at least one worker address is needed")
-        if len(set(workers)) != len(workers):
-            raise ValueError(f"worker addresses repeat: {list(workers)}")
-        for address in workers:
-            client_address(address)  # ValueError: "an address must be HOST:PORT or ..."
-        self.workers = list(workers)
+    def __init__(self, down_for: float) -> None:
         self.down_for = down_for
-        self._down: dict[str, float] = {}  # worker -> when it may be tried again
+        self._down: dict[str, float] = {}  # worker -> when it was marked down
         self._lock = threading.Lock()
 
-    def candidates(self, key: str) -> list[str]:
-        """Workers to try for `key`, in order: those up by rank, then those down by rank."""
-        ranked = rank(self.workers, key)
-        now = time.monotonic()
+    def last(self, workers: list[str]) -> list[str]:
+        """`workers` in their order, those down moved last."""
+        since = time.monotonic() - self.down_for
         with self._lock:
-            down = {w for w, until in self._down.items() if until > now}
-        return [w for w in ranked if w not in down] + [w for w in ranked if w in down]
-
-    def home(self, key: str) -> str:
-        """The worker `key` goes to now."""
-        return self.candidates(key)[0]
+            down = {w for w, at in self._down.items() if at > since}
+        return [w for w in workers if w not in down] + [w for w in workers if w in down]
 
     def mark_down(self, worker: str) -> None:
         with self._lock:
-            self._down[worker] = time.monotonic() + self.down_for
+            self._down[worker] = time.monotonic()
 
     def was_down(self, worker: str) -> bool:
         """Whether the worker was marked down and has not answered since (its time out may
@@ -68,6 +56,28 @@ class Router:
     def mark_up(self, worker: str) -> None:
         with self._lock:
             self._down.pop(worker, None)
+
+
+class Router(Down):
+    """Rendezvous order with failover. Thread-safe."""
+
+    def __init__(self, workers: Sequence[str], down_for: float = 5.0) -> None:
+        if not workers:
+            raise ValueError("at least one worker address is needed")
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"worker addresses repeat: {list(workers)}")
+        for address in workers:
+            client_address(address)  # ValueError: "an address must be HOST:PORT or ..."
+        super().__init__(down_for)
+        self.workers = list(workers)
+
+    def candidates(self, key: str) -> list[str]:
+        """Workers to try for `key`, in order: those up by rank, then those down by rank."""
+        return self.last(rank(self.workers, key))
+
+    def home(self, key: str) -> str:
+        """The worker `key` goes to now."""
+        return self.candidates(key)[0]
 
 
 @dataclass

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
+from agentkv.client.routing import Down
 from agentkv.errors import AgentKVError
 from agentkv.gateway.config import INFO_TIMEOUT
 from agentkv.gateway.errors import HTTPError
@@ -41,7 +41,7 @@ class Served:
     def __init__(self, workers: dict[str, Any], model_name: str) -> None:
         self.workers, self.model_id = workers, model_name
         self.fingerprint = ""  # the workers' model's, once asked (info)
-        self.passed_at: dict[str, float] = {}  # address -> when first_worker last passed it by
+        self.passed = Down(PASSED_FOR)  # the workers first_worker passed by
 
     async def model(self) -> str:
         """The served model's id: --model-name, else the first worker's model."""
@@ -61,10 +61,10 @@ class Served:
         too old for the call, refusing the gateway's own credentials) is passed by; any
         other error is the request's, raised. None answers: a 503 saying the last why."""
         last = "no worker is configured"
-        for address in self._in_turn():
+        for address in self.passed.last(list(self.workers)):  # a hung one cost every call
             try:
                 answer = await asyncio.wait_for(ask(self.workers[address]), INFO_TIMEOUT)
-                self.passed_at.pop(address, None)
+                self.passed.mark_up(address)
                 return answer
             except AgentKVError as exc:
                 if exc.code not in PASSED_BY:
@@ -72,15 +72,9 @@ class Served:
                 last = f"{address}: {exc.message}"
             except asyncio.TimeoutError:
                 last = f"{address}: no answer within {INFO_TIMEOUT:g} s"
-            self.passed_at[address] = time.monotonic()
+            self.passed.mark_down(address)
         message = f"no worker answers (last: {last})"
         raise HTTPError(503, message, "service_unavailable", code="unavailable", retry=True)
-
-    def _in_turn(self) -> list[str]:
-        """The workers in their order, those passed by within PASSED_FOR seconds last (a
-        hung one cost every count_tokens its INFO_TIMEOUT)."""
-        recent = time.monotonic() - PASSED_FOR
-        return sorted(self.workers, key=lambda a: self.passed_at.get(a, 0.0) > recent)
 
     async def model_key(self) -> str:
         """A short hash of the workers' model fingerprint: what tells this model's anonymous

@@ -891,6 +891,6 @@ def test_a_worker_that_did_not_answer_is_asked_last_for_a_while(monkeypatch):
 
     assert asyncio.run(twice()) == ["b", "b"]
     assert asked == ["a", "b", "b"]  # the hung one once, not on every call
-    monkeypatch.setattr(gateway_workers, "PASSED_FOR", 0.0)  # its while over: asked first again
+    monkeypatch.setattr(served.passed, "down_for", 0.0)  # its while over: asked first again
     asked.clear()
     assert asyncio.run(twice()) == ["b", "b"] and asked == ["a", "b", "a", "b"]
