@@ -19,15 +19,46 @@ def quiet_interrupt(prog: str) -> Iterator[None]:
         yield
         return
 
-    def interrupted(signum: int, frame: object) -> None:
-        print(f"{prog}: interrupted" if prog else "interrupted", file=sys.stderr)
-        sys.exit(130)
+    def on_sigint(signum: int, frame: object) -> None:
+        stop(prog, "interrupted", 130)
 
-    previous = signal.signal(signal.SIGINT, interrupted)
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM before the process serves (docker stop, systemctl stop): it unwinds as a
+    Ctrl-C does, so that an import under way removes what it was writing."""
+
+
+def unwind_on_sigterm() -> None:
+    """From now until the process installs its own handling: SIGTERM raises Terminated."""
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
+def interrupted(exc: BaseException) -> bool:
+    """A Ctrl-C, also one that came while an extension module loaded: MLX's turns it into an
+    ImportError ("Encountered an error while initializing the extension") caused by it."""
+    return isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt)
+
+
+def interrupted_exit(exc: BaseException, prog: str) -> None:
+    """The one line and exit status of a process a Ctrl-C (130) or SIGTERM (143) ended."""
+    if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
+        stop(prog, "stopped (SIGTERM)", 143)
+    stop(prog, "interrupted", 130)
+
+
+def stop(prog: str, why: str, status: int) -> None:
+    print(f"{prog}: {why}" if prog else why, file=sys.stderr)
+    sys.exit(status)
 
 
 def _run(prog: str, module: str) -> None:

@@ -14,8 +14,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from agentkv import logs
+from agentkv.entry import interrupted, interrupted_exit, unwind_on_sigterm
 from agentkv.flags import parse_config
-from inference_worker.model_import import interrupted, interrupted_exit, unwind_on_sigterm
 
 if TYPE_CHECKING:
     from inference_worker.config import WorkerConfig
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, ImportError) as exc:  # once it serves, SIGINT stops it gracefully
         if not interrupted(exc):
             raise
-        interrupted_exit(exc, "agentkv-worker: ")
+        interrupted_exit(exc, "agentkv-worker")
 
 
 def start(config: WorkerConfig) -> None:

@@ -5,33 +5,11 @@ the worker's modules."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
 
-
-class Terminated(KeyboardInterrupt):
-    """A SIGTERM before the process serves (docker stop, systemctl stop): it unwinds as a
-    Ctrl-C does, so that an import under way removes what it was writing."""
-
-
-def unwind_on_sigterm() -> None:
-    """From now until the process installs its own handling: SIGTERM raises Terminated."""
-
-    def terminated(signum: int, frame: object) -> None:
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, terminated)
-
-
-def interrupted_exit(exc: BaseException, prog: str) -> None:
-    """The one line and exit status of a process a Ctrl-C (130) or SIGTERM (143) ended."""
-    if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
-        print(f"{prog}stopped (SIGTERM)", file=sys.stderr)
-        sys.exit(143)
-    print(f"{prog}interrupted", file=sys.stderr)
-    sys.exit(130)
+from agentkv.entry import interrupted, interrupted_exit, unwind_on_sigterm
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,12 +22,6 @@ def main(argv: list[str] | None = None) -> None:
         if not interrupted(exc):
             raise
         interrupted_exit(exc, "")
-
-
-def interrupted(exc: BaseException) -> bool:
-    """A Ctrl-C, also one that came while an extension module loaded: MLX's turns it into an
-    ImportError ("Encountered an error while initializing the extension") caused by it."""
-    return isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt)
 
 
 def _import(argv: list[str] | None) -> None:
