@@ -331,8 +331,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     from agentkv.client.memory import AgentMemory
     from agentkv.client.scenario import load_scenario, run_scenario
 
-    scenario = load_scenario(scenario_path(args.scenario))
-    namespace = args.namespace or scenario.namespace
+    scenario = load_scenario(scenario_path(args.scenario), namespace=args.namespace or "")
+    namespace = scenario.namespace
     print(f"{scenario.name} ({args.mode}) in namespace {namespace!r}: {scenario.description}")
     with AgentMemory(
         _workers(args), args.store, namespace, timeout=args.timeout, security=_security(args)

@@ -20,8 +20,9 @@ A `document` is text an agent sees ahead of its first message: `{text: ...}`, or
 `{module: NAME, chars: N}` for the first N characters of a Python standard-library module's
 source as this interpreter ships it (PSF License; read at run time, nothing copied).
 Every error names the file and the place in it. A file is at most 1 MiB, and as much with
-its aliases (*name) written out; it gives each key once; a max_tokens is at most 2^21, as
-many as an agent holds with its context in a store at its defaults.
+its aliases (*name) written out; its documents are 1 Mi characters at most in all; it gives
+each key once; a max_tokens is at most 2^21, as many as an agent holds with its context in a
+store at its defaults.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
 # max_agent_tokens): a turn asking more is absurd whatever the model, whose context the
 # scenario cannot know (a worker refuses a turn past it).
 MAX_TOKENS = 1 << 21
+MAX_DOCUMENTS = 1 << 20  # characters, every agent's document together (a module's is read
+# anew for each agent that names it: a 1 MiB file naming one 15,000 times asked for 23 GB)
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -88,22 +91,28 @@ class Scenario:
     sampling: dict[str, Any]
 
 
-def load_scenario(path: str | Path, document_chars: int | None = None) -> Scenario:
+def load_scenario(
+    path: str | Path, document_chars: int | None = None, namespace: str = ""
+) -> Scenario:
     """Reads and checks a scenario file. `document_chars` caps every module document (tests
-    run the shipped scenarios on tiny models with short contexts)."""
+    run the shipped scenarios on tiny models with short contexts); `namespace`, given, is
+    the one it runs in, whatever the file says (`agentkv run -n`)."""
     path = Path(path)
-    return parse_scenario(read_yaml(path), str(path), document_chars)
+    return parse_scenario(read_yaml(path), str(path), document_chars, namespace)
 
 
-def parse_scenario(data: Any, source: str = "scenario", document_chars: int | None = None):
+def parse_scenario(
+    data: Any, source: str = "scenario", document_chars: int | None = None, namespace: str = ""
+) -> Scenario:
     check = Checker(source)
     top = check.mapping(
         data, "", {"name", "namespace", "description", "sampling"}, {"agents", "phases"}
     )
     name = check.text(top.get("name", Path(source).stem), "name")
     sampling = _sampling(check, top.get("sampling", {}))
+    documents = _Documents(check, document_chars)
     roles = tuple(
-        _role(check, item, f"agents[{i}]", document_chars)
+        _role(check, item, f"agents[{i}]", documents)
         for i, item in enumerate(check.sequence(top["agents"], "agents"))
     )
     ids = [r.id for r in roles]
@@ -123,7 +132,7 @@ def parse_scenario(data: Any, source: str = "scenario", document_chars: int | No
             check.fail(f"phases[{i}].name", f"phase {phase.name!r} is defined twice")
     return Scenario(
         name,
-        _namespace(check, top, name),
+        namespace or _namespace(check, top, name),
         check.text(top.get("description", ""), "description", empty=True),
         roles,
         phases,
@@ -203,7 +212,7 @@ def check_fits(scenario: Scenario, memory: AgentMemory) -> None:
             )
 
 
-def _role(check: Checker, item: Any, where: str, document_chars: int | None) -> Role:
+def _role(check: Checker, item: Any, where: str, documents: _Documents) -> Role:
     fields = check.mapping(item, where, {"system", "permanent", "hears", "document"}, {"id"})
     hears = fields.get("hears")
     if hears is not None:
@@ -213,7 +222,7 @@ def _role(check: Checker, item: Any, where: str, document_chars: int | None) -> 
         )
     document = ""
     if "document" in fields:
-        document = _document(check, fields["document"], f"{where}.document", document_chars)
+        document = documents.add(fields["document"], f"{where}.document")
     return Role(
         check.ident(fields["id"], f"{where}.id"),
         check.text(fields.get("system", ""), f"{where}.system", empty=True),
@@ -223,35 +232,60 @@ def _role(check: Checker, item: Any, where: str, document_chars: int | None) -> 
     )
 
 
-def _document(check: Checker, item: Any, where: str, cap: int | None) -> str:
-    fields = check.mapping(item, where, {"text", "module", "chars"})
-    if ("text" in fields) == ("module" in fields):
-        check.fail(where, "give exactly one of text or module")
-    if "text" in fields:
-        return check.text(fields["text"], f"{where}.text")
-    module = check.text(fields["module"], f"{where}.module")
-    chars = fields.get("chars", 14000)
-    if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
-        check.fail(f"{where}.chars", f"must be a positive integer, not {shown(chars)}")
-    origin = _stdlib_source(module) if _MODULE.fullmatch(module) else None
-    if origin is None:
-        check.fail(
-            f"{where}.module", f"{shown(module)} is not a pure-Python standard-library module"
-        )
-    try:
-        text = origin.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "cannot be read"
-        check.fail(f"{where}.module", f"{module!r} ({origin}) {reason}")
-    return text[: min(chars, cap or chars)]
+class _Documents:
+    """The agents' documents as they are read: each module's source once, and every
+    document's characters together at most MAX_DOCUMENTS."""
+
+    def __init__(self, check: Checker, cap: int | None) -> None:
+        self.check, self.cap, self.total = check, cap, 0
+        self.sources: dict[str, str] = {}  # module -> its source
+
+    def add(self, item: Any, where: str) -> str:
+        check = self.check
+        fields = check.mapping(item, where, {"text", "module", "chars"})
+        if ("text" in fields) == ("module" in fields):
+            check.fail(where, "give exactly one of text or module")
+        if "text" in fields:
+            if "chars" in fields:
+                check.fail(f"{where}.chars", "goes with a module, not a text")
+            text = check.text(fields["text"], f"{where}.text")
+        else:
+            module = check.text(fields["module"], f"{where}.module")
+            chars = fields.get("chars", 14000)
+            if not isinstance(chars, int) or isinstance(chars, bool) or chars < 1:
+                check.fail(f"{where}.chars", f"must be a positive integer, not {shown(chars)}")
+            text = self._source(module, f"{where}.module")[: min(chars, self.cap or chars)]
+        self.total += len(text)
+        if self.total > MAX_DOCUMENTS:
+            check.fail(where, f"the documents pass {MAX_DOCUMENTS:,} characters in all, the limit")
+        return text
+
+    def _source(self, module: str, where: str) -> str:
+        if module in self.sources:
+            return self.sources[module]
+        origin = _stdlib_source(module) if _MODULE.fullmatch(module) else None
+        if origin is None:
+            self.check.fail(where, f"{shown(module)} is not a pure-Python standard-library module")
+        try:
+            text = origin.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = (
+                "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "cannot be read"
+            )
+            self.check.fail(where, f"{module!r} ({origin}) {reason}")
+        self.sources[module] = text
+        return text
 
 
 def _stdlib_source(module: str) -> Path | None:
     """The source file of a standard-library module, found without importing anything."""
     base = Path(sysconfig.get_paths()["stdlib"]).joinpath(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
+        try:
+            if path.is_file():
+                return path
+        except OSError:  # a name too long for the file system is no module
+            return None
     return None
 
 

@@ -47,6 +47,8 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parse
         return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):  # `!!set [1]`: yaml's own error says so
+            return super().construct_mapping(node, deep)
         seen = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
@@ -121,6 +123,14 @@ def read_yaml(path: Path) -> Any:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ScenarioError(f"{path}:{where}: not valid YAML: {problem}") from None
+    except RecursionError:  # yaml's pure-Python parser, where libyaml is not built
+        raise ScenarioError(f"{path}: not valid YAML: it nests too deeply") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        # a tagged value its tag cannot hold (`!!bool maybe`, `!!float abc`, `!!timestamp x`,
+        # an int past Python's 4,300 digits): yaml's constructors raise these bare
+        said = str(exc) if len(str(exc)) <= 200 else str(exc)[:197] + "..."
+        message = f"{path}: not valid YAML: a value its tag cannot hold ({said})"
+        raise ScenarioError(message) from None
     return data
 
 

@@ -41,8 +41,8 @@ class Role:
 @dataclass(frozen=True, slots=True)
 class Said:
     phase: str
-    speaker: str
-    text: str
+    speaker: str  # "": the phase's brief, which every role hears
+    text: str  # a brief taken back (its phase failed to start): ""
 
 
 @dataclass(slots=True)
@@ -69,7 +69,6 @@ class _Member:
     heard: int = 0  # transcript entries before this index were delivered (or its own)
     primed: bool = False  # its agent has had a first turn (what only a first turn carries)
     history: list[tuple[str, str]] = field(default_factory=list)  # messages, for cold mode
-    pending: list[str] = field(default_factory=list)  # briefs not yet delivered
 
 
 class Workflow:
@@ -115,18 +114,18 @@ class Workflow:
     # phases
 
     def _begin(self, phase: Phase) -> None:
-        """Briefs every member and injects (or, cold, drops) each permanent agent. A start
-        that fails leaves no phase open and takes the phase's brief back from every member
-        that has not had it yet (the injections that went through keep theirs)."""
+        """Briefs every member (the brief joins the transcript) and injects (or, cold, drops)
+        each permanent agent. A start that fails leaves no phase open and takes the brief
+        back from every member that has not had it yet (the injections that went through
+        keep theirs)."""
         if self.current is not None:
             raise InvalidArgument(f"phase {phase.name!r} starts inside {self.current.name!r}")
         self.current = phase
-        briefed: list[_Member] = []
+        brief = len(self.transcript)
+        if phase.brief:
+            self.transcript.append(Said(phase.name, "", phase.brief))
         try:
             for member in self.members.values():
-                if phase.brief:
-                    member.pending.append(phase.brief)
-                    briefed.append(member)
                 if member.agent is None or not member.role.permanent:
                     continue  # created at their first turn, with everything they heard
                 if self.mode == "cold":
@@ -135,9 +134,8 @@ class Workflow:
                     self._inject(member, phase.name)
         except BaseException:
             self.current = None
-            for member in briefed:
-                if member.pending:  # a delivery takes every brief up to this one, the last
-                    member.pending.pop()
+            if phase.brief:  # kept in its place: the transcript's indices stay as delivered
+                self.transcript[brief] = Said(phase.name, "", "")
             raise
 
     def _end(self, phase: Phase, failed: bool) -> None:
@@ -185,7 +183,8 @@ class Workflow:
             self._create(member, phase.name)
         first = not member.primed  # also the retry of a first turn that failed
         if first:
-            if not member.history and member.role.document:
+            if member.agent.created and not member.history and member.role.document:
+                # an agent that already existed (`agentkv run --no-reset`) holds it already
                 message = f"{member.role.document}\n\n{message}"
             messages = [*self._carried(member), ("user", message)]
         reply = member.agent.say(messages, phase=phase.name, **{**self.sampling, **sampling})
@@ -265,22 +264,25 @@ class Workflow:
         )
 
     def _news(self, member: _Member) -> tuple[list[str], Callable[[], None]]:
-        """Briefs and heard replies not yet delivered to the member, and what marks them
-        delivered, once the turn that carries them has gone through (a failed one keeps
-        them for the next)."""
-        hears = member.role.hears
+        """Briefs and heard replies not yet delivered to the member, in the order they came,
+        and what marks them delivered, once the turn that carries them has gone through (a
+        failed one keeps them for the next)."""
         upto = len(self.transcript)  # first: other threads may append while this reads
-        heard = [
-            f'{said.speaker.capitalize()} said: "{said.text.strip()}"'
-            for said in self.transcript[member.heard : upto]
-            if said.speaker != member.role.id and (hears is None or said.speaker in hears)
-        ]
-        briefs = len(member.pending)
+        news = [self._told(said, member.role) for said in self.transcript[member.heard : upto]]
 
         def delivered() -> None:
-            member.pending, member.heard = member.pending[briefs:], max(member.heard, upto)
+            member.heard = max(member.heard, upto)
 
-        return [*member.pending, *heard], delivered
+        return [told for told in news if told], delivered
+
+    @staticmethod
+    def _told(said: Said, role: Role) -> str:
+        """What `role` hears of `said`: a brief whole, another's reply it hears quoted."""
+        if not said.speaker:
+            return said.text
+        if said.speaker == role.id or (role.hears is not None and said.speaker not in role.hears):
+            return ""
+        return f'{said.speaker.capitalize()} said: "{said.text.strip()}"'
 
     def _record(self, record: Record) -> Record:
         self.records.append(record)
