@@ -92,7 +92,7 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
         return _import_inside(path, out, weights)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging = _staging(f".{out.name}.", out.parent)
     except OSError as exc:  # the import is staged beside --out: a folder that takes none
         message = f"--out {out}: nothing can be written in {out.parent} ({exc.strerror})"
         raise GGUFError(message) from None
@@ -102,6 +102,17 @@ def import_gguf(path: Path, out: Path, weights: str = "float32") -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _staging(prefix: str, parent: Path) -> Path:
+    """A new directory in `parent` to write an import in and rename into place, of the mode
+    mkdir gives (0777 less the umask), not mkdtemp's 0700: an import run as root (an image's
+    build, `sudo agentkv model import`) is read by the service's user."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    return staging
 
 
 def _import_inside(path: Path, out: Path, weights: str) -> Path:
@@ -337,7 +348,7 @@ def _import_into(path: Path, weights: str, cache_dir: Path, key: str, alone: boo
         shutil.rmtree(aside, ignore_errors=True)
     for stale in cache_dir.glob(f".{glob.escape(key)}.*") if alone else ():
         shutil.rmtree(stale, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+    staging = _staging(f".{key}.", cache_dir)
     try:
         write_model(path, staging, weights)
         staging.rename(target)

