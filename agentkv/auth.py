@@ -28,10 +28,9 @@ import grpc
 
 from agentkv import ids
 from agentkv.errors import PermissionDenied, Unauthenticated
-from agentkv.rpc import guarded
+from agentkv.rpc import OPEN_PREFIXES, guarded
 
 ALL = "*"
-OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 TOKEN_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: what a header carries
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import AbstractContextManager, contextmanager
@@ -60,16 +61,23 @@ def message_options(max_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+HEALTH = "/grpc.health.v1.Health/"
+REFLECTION = "/grpc.reflection."
+OPEN_PREFIXES = (HEALTH, REFLECTION)  # what anyone may call, with no token
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Turns typed errors into statuses, and anything unexpected into a logged INTERNAL."""
+    """Turns typed errors into statuses, and anything unexpected into a logged INTERNAL.
+    grpc's health service is left as it is: wrapped, its Watch lost grpc's non-blocking
+    mark and held an RPC thread while its client kept it open."""
 
     def __init__(self, on_error: Callable[[grpc.StatusCode], None] | None = None) -> None:
         self._on_error = on_error
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
-        if handler is None:
-            return None
+        if handler is None or details.method.startswith(HEALTH):
+            return handler
         return guarded(handler, partial(self._answering, details.method))
 
     @contextmanager
@@ -136,6 +144,33 @@ def guarded(
     return handler._replace(stream_stream=stream(handler.stream_stream))
 
 
+class ReflectionLimit(grpc.ServerInterceptor):
+    """At most `limit` reflection streams at once, each of which holds an RPC thread while
+    its client keeps it open: they need no token, and unbounded they could hold them all."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(REFLECTION):
+            return handler
+        return guarded(handler, self._slot)
+
+    @contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limit} reflection streams are open, the server's limit; retry shortly",
+            )
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
 def new_server(
     workers: int,
     max_message_bytes: int,
@@ -146,7 +181,11 @@ def new_server(
     run first, outside it."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
-        interceptors=[*(interceptors or []), ErrorInterceptor(on_error)],
+        interceptors=[
+            ReflectionLimit(max(1, workers // 8)),
+            *(interceptors or []),
+            ErrorInterceptor(on_error),
+        ],
         options=[*message_options(max_message_bytes), *ONE_SERVER_PER_PORT, *ALLOW_KEEPALIVE],
     )
 

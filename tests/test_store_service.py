@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -290,3 +291,59 @@ def test_service_process_reports_a_crash_at_start(tmp_path):
     proc = ServiceProcess("cache_store", ["--data-dir", str(tmp_path / "file")], tmp_path / "log")
     with pytest.raises(RuntimeError, match="exited"):
         proc.start(timeout=30)
+
+
+def test_open_streams_anyone_may_start_leave_threads_for_every_call(tmp_path):
+    """The reviewer's: a health Watch held an RPC thread for as long as its client kept it
+    (the error interceptor's wrapper hid grpc's non-blocking Watch), and so did a reflection
+    stream; both need no token, so --workers of them stopped every call. Watches hold no
+    thread now, and reflection streams are a few at a time."""
+    import queue
+
+    flags = ["--workers", "4", "--max-streams", "2"]
+    store = StoreProcess(tmp_path / "data", tmp_path / "log", flags)
+    store.start()
+    requests: queue.Queue = queue.Queue()
+    try:
+        with grpc.insecure_channel(store.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="")
+            watches = [health.Watch(request, timeout=120) for _ in range(6)]
+            for watch in watches:  # each is served, and stays open
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with store.client(timeout=60) as client:
+                assert list(client.list_agents(NS)) == []  # a call with work to do, answered
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            held = stub.ServerReflectionInfo(iter(requests.get, None))
+            requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            assert next(held).list_services_response.service  # one open reflection stream
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.ServerReflectionInfo(iter([request]), timeout=60))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "reflection streams" in refused.value.details()
+            with store.client(timeout=60) as client:
+                assert list(client.list_agents(NS)) == []
+            requests.put(None)  # the held stream ends: its slot is free again
+            assert list(held) == []
+            again = None
+            deadline = time.monotonic() + 60  # the slot is freed as the server's handler ends
+            while again is None and time.monotonic() < deadline:
+                again = _reflected(stub, request)
+            assert again and again[0].list_services_response.service
+            for watch in watches:
+                watch.cancel()
+    finally:
+        requests.put(None)
+        store.stop()
+
+
+def _reflected(stub, request):
+    try:
+        return list(stub.ServerReflectionInfo(iter([request]), timeout=60))
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None
