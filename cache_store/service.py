@@ -60,7 +60,7 @@ class CacheStoreServicer:
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PutBlocksResponse:
         start = time.perf_counter()
-        with self.streams.open("PutBlocks", context) as beat:
+        with self.streams.open("PutBlocks", context, **_put_share()) as beat:
             results, lease_id, expires = self.store.put_stream(_put_items(request_iterator, beat))
         self.store.metrics.put_seconds.observe(time.perf_counter() - start)
         return pb.PutBlocksResponse(
@@ -331,3 +331,16 @@ def rpc_handlers(servicer: CacheStoreServicer) -> grpc.GenericRpcHandler:
         raw_requests=frozenset({"PutBlocks"}),
         raw_responses=frozenset({"GetBlocks"}),
     )
+
+
+def _put_share() -> dict[str, str]:
+    """Where a PutBlocks counts before its first header names its namespace: in the one its
+    token allows, or among the token's streams; nowhere, where tokens are not checked (any
+    caller may name any namespace there) or its token allows every namespace (the workers')."""
+    caller = auth.current()
+    if caller is None or caller.namespaces is None:
+        return {}
+    if len(caller.namespaces) == 1:
+        (namespace,) = caller.namespaces
+        return {"namespace": namespace}
+    return {"token": caller.name}

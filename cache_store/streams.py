@@ -3,7 +3,10 @@
 Each PutBlocks or GetBlocks holds an RPC thread for as long as its peer keeps it open. At
 most `limit` streams of each kind run at once (the next is refused with RESOURCE_EXHAUSTED),
 so the threads left always serve other calls, and one namespace never takes the last
-quarter of them, so one tenant's slow or stalled streams leave other tenants some. A stream
+quarter of them, so one tenant's slow or stalled streams leave other tenants some. Where
+tokens are checked, a PutBlocks counts from its start, before its first header names its
+namespace: in its token's namespace, where the token allows one, else among its token's. A
+stream
 that moves no message for `idle_seconds` (a stalled reader, a writer that sent a header and
 went quiet) is cancelled, which frees its thread, its disk reservation and its leases.
 """
@@ -30,7 +33,8 @@ class _Watch:
     context: grpc.ServicerContext
     last: float
     cancelled: bool = False
-    namespace: str = ""  # whose share it counts in, once known
+    share: str | None = None  # the namespace (or "\0" and a token's name) it counts in
+    named: bool = False  # its namespace is known
 
 
 class Beat:
@@ -44,7 +48,7 @@ class Beat:
         self._watch.last = time.monotonic()
 
     def tenant(self, namespace: str) -> None:
-        if not self._watch.namespace:  # the first block's namespace: the stream's
+        if not self._watch.named:  # the first block's namespace: the stream's
             self._guard.claim(self._watch, namespace)
 
 
@@ -65,10 +69,14 @@ class StreamGuard:
 
     @contextmanager
     def open(
-        self, method: str, context: grpc.ServicerContext, namespace: str = ""
+        self,
+        method: str,
+        context: grpc.ServicerContext,
+        namespace: str | None = None,
+        token: str | None = None,
     ) -> Iterator[Beat]:
-        """A slot for one stream of `method` (of `namespace`, when known); yields the beat to
-        call on every message moved."""
+        """A slot for one stream of `method` (of `namespace`, when known; else counted among
+        the `token`'s until it is, given one); yields the beat to call on every message moved."""
         with self._lock:
             slots = self._slots.setdefault(method, threading.BoundedSemaphore(self.limit))
         if not slots.acquire(blocking=False):
@@ -77,29 +85,40 @@ class StreamGuard:
             )
         watch = _Watch(method, context, time.monotonic())
         try:
-            with self._lock:
-                self._watches.add(watch)
-            beat = Beat(self, watch)
-            if namespace:
-                beat.tenant(namespace)
-            yield beat
+            if namespace is not None:
+                self.claim(watch, namespace)
+            elif token is not None:
+                self._count(watch, "\0" + token, f"the token {token!r}")
+            else:
+                with self._lock:
+                    self._watches.add(watch)
+            yield Beat(self, watch)
         finally:
             with self._lock:
                 self._watches.discard(watch)
             slots.release()
 
     def claim(self, watch: _Watch, namespace: str) -> None:
-        """Counts the stream in its namespace's share: all but the last quarter of the limit
-        (one at least) of one kind at once; ServerBusy past it."""
-        share = max(1, self.limit - max(1, self.limit // 4))
+        """Counts the stream in its namespace's share; ServerBusy past it."""
+        self._count(watch, namespace, f"namespace {namespace!r}")
+        watch.named = True
+
+    def _count(self, watch: _Watch, share: str, who: str) -> None:
+        """Counts the stream in `share`: all but the last quarter of the limit (one at least)
+        of one kind at once; ServerBusy past it. The stream joins the watched ones."""
+        most = max(1, self.limit - max(1, self.limit // 4))
         with self._lock:
-            held = sum(w.method == watch.method and w.namespace == namespace for w in self._watches)
-            if held >= share:
+            held = sum(
+                w is not watch and w.method == watch.method and w.share == share
+                for w in self._watches
+            )
+            if held >= most:
                 raise ServerBusy(
-                    f"namespace {namespace!r} holds {share} {watch.method} streams, its share "
-                    f"of the store's {self.limit}; retry shortly"
+                    f"{who} holds {most} {watch.method} streams, its share of the store's "
+                    f"{self.limit}; retry shortly"
                 )
-            watch.namespace = namespace
+            watch.share = share
+            self._watches.add(watch)
 
     def _patrol(self) -> None:
         while not self._stop.wait(min(1.0, self.idle_seconds / 4)):

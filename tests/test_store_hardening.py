@@ -385,6 +385,42 @@ def test_one_namespace_never_takes_the_last_stream_slots(tmp_path, launched, hol
         assert client.put_blocks("other", FP, blocks).blocks  # another tenant's put goes in
 
 
+@pytest.mark.parametrize("allows", [["a"], ["a", "b"]], ids=["one-namespace", "two"])
+def test_a_token_s_streams_that_never_name_their_namespace_never_take_the_last_slots(
+    tmp_path, launched, hold, allows
+):
+    """The reviewer's: a PutBlocks counted in a namespace's share only at its first header,
+    so one tenant's streams that never sent one took every slot, and every other tenant's
+    puts were refused. Where tokens are checked, they count from their start now."""
+    team, other = "team-token-0123456789abcdef", "other-token-0123456789abcdef"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"name": "team", "token": team, "namespaces": allows},
+                    {"name": "other", "token": other, "namespaces": ["other"]},
+                ]
+            }
+        )
+    )
+    tokens.chmod(0o600)
+    flags = ["--workers", "8", "--max-streams", "4", "--stream-idle-seconds", "60"]
+    flags += ["--auth-tokens", str(tokens)]
+    proc = launched(StoreProcess(tmp_path / "data", tmp_path / "store.log", flags))
+    with proc.client(security=ClientSecurity(token=team)) as client:
+        held = [hold(client, []) for _ in range(4)]
+        until(lambda: any(s.future.done() for s in held), "a refusal")
+        (refused,) = [s for s in held if s.future.done()]
+        error = refused.future.exception()
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        who = "namespace 'a'" if allows == ["a"] else "the token 'team'"
+        assert f"{who} holds 3 PutBlocks streams, its share of the store's 4" in error.details()
+        with proc.client(security=ClientSecurity(token=other)) as theirs:  # the three held
+            blocks, _ = make_chain(list(range(64)))
+            assert theirs.put_blocks("other", FP, blocks).blocks  # another tenant's goes in
+
+
 class Context:
     """The part of a grpc.ServicerContext the stream guard uses."""
 
