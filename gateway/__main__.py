@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from agentkv import logs
-from agentkv.addresses import bound_socket
+from agentkv.addresses import bound_socket, is_loopback
 from agentkv.flags import parse_config
 from agentkv.gateway.app import create_app
 from agentkv.gateway.config import GatewayConfig
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None, prog: str = "agentkv-gateway") -> None:
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.setLevel(logging.WARNING)  # "serving" says it started
     uvicorn_log.addFilter(_cut_by_the_stop)
-    for warning in config.security.warnings(config.listen, False, None)[1:]:
+    for warning in config.security.warnings(config.listen, is_loopback(config.listen), None):
         log.warning(warning)
     address_file = AddressFile(config.address_file)
     try:

@@ -421,3 +421,32 @@ def test_a_worker_whose_store_does_not_answer_warns_and_says_so_in_health(
         worker.stop()
         if store is not None:
             store.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--allow-unauthenticated"], "LISTENING BEYOND LOOPBACK WITH NO AUTHENTICATION"),
+        (["--auth-tokens", "TABLE", "--allow-plaintext-tokens"], "BEARER TOKENS IN CLEAR TEXT"),
+    ],
+    ids=["no-auth", "clear-tokens"],
+)
+def test_a_gateway_beyond_loopback_logs_what_it_exposes(tmp_path, flags, warned):
+    """The reviewer's: the gateway dropped the first of its security warnings, whatever it
+    was, so one listening to all with no authentication said nothing of it."""
+    from agentkv.launch import ServiceProcess
+
+    table = tmp_path / "tokens.json"
+    token = {"name": "a", "token": "a" * 20, "namespaces": ["*"]}
+    table.write_text(json.dumps({"tokens": [token]}))
+    table.chmod(0o644)  # and readable by others: that is said too
+    args = [f.replace("TABLE", str(table)) for f in flags]
+    args += ["--worker", free_address(), "--listen", "0.0.0.0:0"]
+    gateway = ServiceProcess("agentkv.gateway", args, tmp_path / "gateway.log").start()
+    try:
+        log = gateway.log_path.read_text()
+        assert warned in log, log
+        if "--auth-tokens" in flags:
+            assert f"TOKEN FILE READABLE BY OTHERS: {table} has mode 644" in log, log
+    finally:
+        gateway.stop()
