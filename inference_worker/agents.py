@@ -227,9 +227,16 @@ class HotTier:
         # (budget, bytes held, agents) as of the last change, for other threads to read
         # (GetWorkerInfo) without waiting for the MLX thread, which a flood keeps busy
         self.figures = (budget_bytes, 0, 0)
+        self.by_namespace: dict[str, tuple[int, int]] = {}  # ns -> (bytes, agents), as figures
 
     def _publish(self) -> None:
-        self.figures = (self.budget_bytes, self.nbytes, len(self._agents))
+        by_namespace: dict[str, tuple[int, int]] = {}
+        for (ns, _), agent in self._agents.items():
+            nbytes, count = by_namespace.get(ns, (0, 0))
+            by_namespace[ns] = (nbytes + agent.nbytes, count + 1)
+        self.by_namespace = by_namespace
+        held = sum(nbytes for nbytes, _ in by_namespace.values())
+        self.figures = (self.budget_bytes, held, len(self._agents))
         self.metrics.hot_bytes.set(self.figures[1])
 
     def pin(self, agent_id: AgentId, pinned: bool) -> None:

@@ -251,9 +251,14 @@ class Front:
                 if not doing[key]:
                     del doing[key]
 
-    def hot_tier(self) -> tuple[int, int, int]:
-        """(budget, bytes held, agents) of the hot tier, as of its last change."""
-        return self.engine.hot.figures
+    def hot_tier(self, namespaces: frozenset[str] | None = None) -> tuple[int, int, int]:
+        """(budget, bytes held, agents) of the hot tier, as of its last change; of the agents
+        of `namespaces` only, given (a token's: what other tenants hold is theirs)."""
+        hot = self.engine.hot
+        if namespaces is None:
+            return hot.figures
+        held = [hot.by_namespace.get(ns, (0, 0)) for ns in namespaces]
+        return hot.figures[0], sum(h[0] for h in held), sum(h[1] for h in held)
 
     def _wait_durable(self, ns: str, agent_id: str) -> None:
         """Waits here for the agent's write in flight, then for one more if that failed."""

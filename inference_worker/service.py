@@ -193,7 +193,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         return pb.CountTokensResponse(prompt_tokens=count)
 
     def GetWorkerInfo(self, request: pb.GetWorkerInfoRequest, context) -> pb.GetWorkerInfoResponse:
-        budget, used, count = self.front.hot_tier()
+        caller = auth.current()  # a token of some namespaces sees their agents' figures
+        budget, used, count = self.front.hot_tier(caller.namespaces if caller else None)
         return pb.GetWorkerInfoResponse(
             **self.info, hot_budget_bytes=budget, hot_bytes=used, num_hot_agents=count
         )

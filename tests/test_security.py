@@ -540,6 +540,15 @@ def test_worker_enforces_tokens_and_reaches_a_secured_store(
         assert tokens > 0 and refused == "Unauthenticated"
         ops = StoreClient(secured_store.address, security=ClientSecurity(token=OPS))
         assert ops.get_agent("a", "alice").agent_id == "alice"
+        # The reviewer's: GetWorkerInfo told any token the worker's whole hot tier; one of
+        # some namespaces is told of their agents only, as the store's GetStats refuses it.
+        admin = WorkerClient(worker.address, security=ClientSecurity(token=OPS))
+        admin.create_agent("b", "bob", "You are Bob. " * 20)
+        everyone, own = admin.info(), team_a.info()
+        assert (everyone.num_hot_agents, own.num_hot_agents) == (2, 1)
+        alice = team_a.describe("a", "alice")
+        assert 0 < own.hot_bytes == alice.num_bytes < everyone.hot_bytes
+        assert own.hot_budget_bytes == everyone.hot_budget_bytes
     finally:
         worker.stop()
 
