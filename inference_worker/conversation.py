@@ -124,6 +124,8 @@ def resume(
     The turn keeps only the cache a fresh agent told this conversation turn by turn would
     hold there, so that it answers exactly as that agent does: Q4 KV of tokens from an
     earlier turn is not bit for bit what a turn computes for its own."""
+    if messages and messages[0].role == "system" and not messages[0].content:
+        messages = messages[1:]  # no system prompt, as the agent was made: its marks chain none
     at: dict[str, int] = {}
     digest = tools_digest(tools)
     for i, message in enumerate(messages):

@@ -58,6 +58,19 @@ def test_a_resent_conversation_prefills_only_what_is_new(smollm2, start_worker):
         history.append(("assistant", reply.text))
 
 
+def test_a_conversation_with_an_empty_system_message_resumes_too(smollm2, start_worker):
+    """The reviewer's: an empty system message was dropped from the marks' chain but not
+    from a resend's, so no mark ever matched and every turn prefilled the whole history."""
+    w = WorkerClient(start_worker(smollm2).address)
+    w.create_agent(NS, "empty-system", "")
+    history = [("system", ""), ("user", ASK[0])]
+    first = whole(w, "empty-system", history)
+    history += [("assistant", first.text), ("user", ASK[1])]
+    second = whole(w, "empty-system", history)
+    assert second.usage.reused_hot_tokens == held(first.usage)
+    assert second.usage.prefilled_tokens == second.usage.prompt_tokens - held(first.usage)
+
+
 def test_an_edited_history_answers_as_a_fresh_agent_would(smollm2, start_worker):
     w = WorkerClient(start_worker(smollm2).address)
     w.create_agent(NS, "edited", SYSTEM)
