@@ -229,7 +229,10 @@ class Batcher:
             self._send(turn, self._rest(turn), [token])
             return "stop"
         turn.detok.add_token(token)
-        text, stopped = turn.stops.feed(turn.detok.last_segment)
+        segment = turn.detok.last_segment
+        if turn.calls is not None:  # a call opens with its special token, not its spelling
+            segment = turn.calls.marked(segment, token)
+        text, stopped = turn.stops.feed(segment)
         self._send(turn, text, [token])
         return "stop" if stopped or (turn.calls is not None and turn.calls.full) else ""
 

@@ -144,7 +144,15 @@ class ChatFormat:
         tools, when given) out of its text, for a conversation with tools."""
         if not tools or self.tool_format is None:
             return None
-        return ReplyCalls(self.tool_format, json.loads(tools), limit, frozenset(allowed))
+        opening = self._encode(self.tool_format.start)
+        special = len(opening) == 1 and self.tool_format.start in self._index
+        return ReplyCalls(
+            self.tool_format,
+            json.loads(tools),
+            limit,
+            frozenset(allowed),
+            opening[0] if special else None,
+        )
 
     def extend(
         self,

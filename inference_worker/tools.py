@@ -3,8 +3,9 @@ reply's tool calls, taken out of its text as the model writes them and parsed wi
 model's own format (mlx-lm's tool parser for its chat template, e.g. Qwen 2.5's
 `<tool_call>{json}</tool_call>`).
 
-Tool-call text the parser refuses, or one cut before its end, goes out as text: nothing the
-model wrote is dropped.
+Tool-call text the parser refuses, a call of a tool not declared, or one cut before its end,
+goes out as text: nothing the model wrote is dropped (but calls past a reply's limit, which
+ends it). Where a call opens with a special token, only that token opens one.
 """
 
 from __future__ import annotations
@@ -183,53 +184,82 @@ class ToolFormat:
         return cls(name, tokenizer.tool_call_start, tokenizer.tool_call_end, parser)
 
 
+OPENED = "\U000f0002"  # a call's opening, generated as its special token (ReplyCalls.marked)
+
+
 @dataclass(slots=True)
 class ReplyCalls:
-    """Splits one reply's text, as it comes, into text to send and the tool calls in it."""
+    """Splits one reply's text, as it comes, into text to send and the tool calls in it.
+
+    Where the format's opening is one special token (`opening`, Qwen's <tool_call>), only
+    that token opens a call: the reply's text has it as OPENED (`marked`), and the same
+    characters spelled in ordinary tokens (a page the model quotes, whose <tool_call> the
+    prompt escaped) are text, as mlx-lm's server reads them."""
 
     format: ToolFormat
     tools: list[dict]
     limit: int = 0  # the reply ends after this many calls; 0: no limit
     # The tools its calls may be of (tool_call_allowed, or all, for strict tools; empty:
-    # any): a call of another goes out as text. The grammar makes none, but a reply whose
-    # strict constraint was dropped mid-reply is free.
+    # those declared, or any where none are): a call of another goes out as text. The grammar
+    # makes none, but a reply whose strict constraint was dropped mid-reply is free.
     allowed: frozenset[str] = frozenset()
+    opening: int | None = None  # the opening's special token, where it is one
     calls: list[ToolCall] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)  # the text that went out as text
-    _held: str = ""
+    _held: str = ""  # outside a call: a marker's start, maybe; inside: its end's, maybe
+    _call: list[str] = field(default_factory=list)  # the call's text so far (inside one)
     _in_call: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.allowed:
+            declared = {t.get("function", {}).get("name") for t in self.tools}
+            self.allowed = frozenset(n for n in declared if isinstance(n, str))
+
+    def marked(self, segment: str, token: int) -> str:
+        """The detokenizer's text for `token`, its call opening OPENED where it is that
+        special token."""
+        start = self.format.start
+        if token == self.opening and segment.endswith(start):
+            return segment[: -len(start)] + OPENED
+        return segment
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """The text safe to send now, and the calls written whole by now."""
         held, out, made = self._held + text, [], []
         start, end = self.format.start, self.format.end
+        opens = OPENED if self.opening is not None else start
         while True:
             if self._in_call:
                 at = held.find(end) if end else -1  # no end: the call runs to the reply's
-                if at < 0:
+                if at < 0:  # kept aside, not searched again (a long call was quadratic)
+                    keep = _partial_suffix(held, end) if end else 0
+                    self._call.append(held[: len(held) - keep])
+                    held = held[len(held) - keep :]
                     break
-                parsed = self._parse(held[:at])
+                body, self._call = "".join([*self._call, held[:at]]), []
+                parsed = self._parse(body)
                 made += parsed
-                out += [] if parsed else [start, held[:at], end]
+                self.calls += parsed  # at once: a second call in this text counts the first
+                out += [] if parsed else [start, body, end]
                 held, self._in_call = held[at + len(end) :], False
                 continue
-            at = held.find(start)
+            at = held.find(opens)
             if at < 0:
-                keep = _partial_suffix(held, start)
+                keep = _partial_suffix(held, opens)
                 out.append(held[: len(held) - keep])
                 held = held[len(held) - keep :]
                 break
             out.append(held[:at])
-            held, self._in_call = held[at + len(start) :], True
+            held, self._in_call = held[at + len(opens) :], True
         self._held = held
-        self.calls += made
         self.sent += out
         return "".join(out), made
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """At the reply's end: what is still held, as text (a call cut before its end, with
         its opening text), or the last call (a format whose calls end with the reply)."""
-        held, self._held = self._held, ""
+        held = "".join([*self._call, self._held]) if self._in_call else self._held
+        self._held, self._call = "", []
         made = self._parse(held) if self._in_call and not self.format.end else []
         out = "" if made else (self.format.start if self._in_call else "") + held
         self._in_call = False
@@ -247,15 +277,17 @@ class ReplyCalls:
         return "".join(self.sent)
 
     def _parse(self, text: str) -> list[ToolCall]:
-        """The calls in one call's text; none when the parser refuses it."""
+        """The calls in one call's text, as many as the reply may still make (the reply
+        ends there); none when the parser refuses it."""
         try:
             parsed = self.format.parser(text, self.tools)
             items = parsed if isinstance(parsed, list) else [parsed]
             calls = [_call(item) for item in items]
         except Exception:  # the model's text, not ours: it goes out as text
             return []
-        allowed = self.allowed or {call.name for call in calls}
-        return calls if all(call.name in allowed for call in calls) else []
+        if not all(call.name in self.allowed for call in calls) and self.allowed:
+            return []
+        return calls[: self.limit - len(self.calls)] if self.limit else calls
 
 
 def _call(item: Any) -> ToolCall:

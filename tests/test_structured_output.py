@@ -908,10 +908,10 @@ def test_a_failed_optional_constraint_is_dropped_and_a_required_one_fails(qwen_g
 
 
 def test_a_spelled_call_of_a_tool_not_allowed_goes_out_as_text(qwen_grammars):
-    """The grammar masks the calls' opening token, but text may spell the opening in ordinary
-    tokens, and the reply's text is read for calls: one of a tool not allowed is text."""
+    """A reply whose strict constraint was dropped mid-reply is free: a call of a tool not
+    allowed, opened by its special token (which the batcher marks OPENED), is text."""
     from inference_worker.chat import ChatFormat
-    from inference_worker.tools import canonical_tools
+    from inference_worker.tools import OPENED, canonical_tools
 
     _, tokenizer = qwen_grammars
     tools = canonical_tools(json.dumps(TOOLS))
@@ -919,7 +919,9 @@ def test_a_spelled_call_of_a_tool_not_allowed_goes_out_as_text(qwen_grammars):
     on = _call({"name": "set_mode", "arguments": {"mode": "on", "fast": True}})
     for allowed, made in ((("set_mode",), ["set_mode"]), ((), ["get_weather", "set_mode"])):
         calls = ChatFormat(tokenizer).reply_calls(tools, 0, allowed)
-        text, first = calls.feed(f"{lyon}\n{on}")
+        text, first = calls.feed(f"{lyon}\n{on}".replace("<tool_call>", OPENED))
         rest, last = calls.flush()
         assert [call.name for call in first + last] == made
-        assert (lyon in text + rest) is bool(allowed)
+        assert (lyon in text + rest) is bool(allowed)  # refused: as the model spelled it
+        spelled = ChatFormat(tokenizer).reply_calls(tools, 0, allowed)  # ordinary tokens
+        assert spelled.feed(f"{lyon}\n{on}") == (f"{lyon}\n{on}", [])  # text, as quoted
