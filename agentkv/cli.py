@@ -306,7 +306,7 @@ def cmd_bench(rest: list[str]) -> int:
             f"error: {script} not found: agentkv bench runs from a source checkout", file=sys.stderr
         )
         return 2
-    return _run_child([str(script), *rest], cwd=script.parent.parent)
+    return _run_child([str(script), *rest])  # in this directory: --out and --model are its
 
 
 def cmd_with_services(args: argparse.Namespace) -> None:

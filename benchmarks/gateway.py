@@ -426,9 +426,12 @@ def measure(args: Any, tokenizer: Any, root: Path) -> tuple[list, list, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import importlib.util
     import tempfile
 
     args = parse_args(argv)
+    if importlib.util.find_spec("openai") is None:  # every system's client: before any starts
+        sys.exit("benchmarks/gateway.py needs the openai package: pip install -e '.[bench]'")
     tokenizer = h.open_model(args)
     from agentkv.units import parse_bytes
 

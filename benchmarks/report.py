@@ -151,7 +151,7 @@ def resolve_model(spec: str | None) -> tuple[str, Path, str]:
     from agentkv import defaults
 
     spec = spec or defaults.MODEL
-    path = harness.model_dir(spec)
+    path = harness.model_dir(spec).absolute()  # the sections run in the source tree
     return spec, path, harness.describe_model(path, spec)
 
 
@@ -328,11 +328,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("benchmarks/results/report"),
-        help="directory for report.md, its JSON and plots (default: %(default)s)",
+        default=ROOT / "benchmarks" / "results" / "report",
+        help="directory for report.md, its JSON and plots (default: benchmarks/results/report "
+        "in the source tree)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
+    args.out = args.out.absolute()  # the sections run in the source tree
     if args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file: give a directory (made, or its report replaced)")
     return args
@@ -351,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = kept_results(args.out, mode) if args.only else {}
     staging = args.out.with_name(f".{args.out.name}.{os.getpid()}.partial")
     try:
-        stage(staging, args.out, [name for name in previous if name not in args.only])
+        try:
+            stage(staging, args.out, [name for name in previous if name not in args.only])
+        except OSError as exc:  # a folder that does not take it: nothing was run
+            said = f"{exc.strerror} ({exc.filename})" if exc.strerror else str(exc)
+            print(f"agentkv bench: error: --out {args.out}: {said}", file=sys.stderr)
+            return 2
         facts = machine(described)
         facts["plots"] = plots()
         print(f"model: {facts['model']}\nplots: {facts['plots']}", flush=True)
@@ -379,12 +386,17 @@ def kept_results(out: Path, mode: str) -> dict[str, Result]:
     """The sections of the report in `out`, when it is one of this mode."""
     if not (out / "report.json").exists():
         return {}
-    old = json.loads((out / "report.json").read_text())
-    if old.get("mode") != mode:
+    try:
+        old = json.loads((out / "report.json").read_text())
+        if old.get("mode") != mode:
+            return {}
+        for r in old["sections"]:
+            r["targets"] = [tuple(t) for t in r["targets"]]
+        return {r["section"]: Result(**r) for r in old["sections"]}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        # cut short, or an older version's fields: its sections are not kept, not a traceback
+        print(f"{out / 'report.json'} cannot be read ({exc!r}): its sections are not kept")
         return {}
-    for r in old["sections"]:
-        r["targets"] = [tuple(t) for t in r["targets"]]
-    return {r["section"]: Result(**r) for r in old["sections"]}
 
 
 def stage(staging: Path, out: Path, kept: list[str]) -> None:

@@ -73,3 +73,32 @@ def test_a_model_the_bench_cannot_use_is_a_usage_error_in_one_line(command, tmp_
         "(shipped: smollm2-135m-instruct)"
     )
     assert "Traceback" not in run.stderr
+
+
+def test_paths_given_to_the_bench_are_the_user_s_directory_s(tmp_path):
+    """The reviewer's: `agentkv bench` ran in the source tree, so a relative --out wrote
+    there (and said it wrote "relrep/REPORT.md"), and a relative --model was not found."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "toy").symlink_to(TOY_MODEL)
+    args = ["--quick", "--quiet", "--only", "capacity", "--model", "models/toy", "--out", "rel"]
+    run = subprocess.run([*BENCH, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (tmp_path / "rel" / "REPORT.md").exists() and not (ROOT / "rel").exists()
+    assert f"wrote {tmp_path / 'rel' / 'REPORT.md'}" in run.stdout
+    (tmp_path / "rel" / "report.json").write_text('{"mode": "quick", "sect')  # cut short
+    run = subprocess.run([*BENCH, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert "report.json cannot be read" in run.stdout  # its sections not kept, said so
+    assert json.loads((tmp_path / "rel" / "report.json").read_text())["sections"]
+
+
+@pytest.mark.parametrize("where", ["file/sub", "/proc/none/report"], ids=["under-a-file", "proc"])
+def test_an_out_the_bench_cannot_write_is_one_line(tmp_path, where):
+    (tmp_path / "file").write_text("a file")
+    out = tmp_path / where if not where.startswith("/") else Path(where)
+    run = subprocess.run(
+        [*BENCH, "--quick", "--only", "capacity", "--model", str(TOY_MODEL), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.splitlines()[-1].startswith(f"agentkv bench: error: --out {out}: ")
