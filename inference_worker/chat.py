@@ -133,7 +133,7 @@ class ChatFormat:
         does not render them again (Mistral v0.3 renders them before the last one)."""
         try:
             user = ChatMessage("user", "again-q7Zx")
-            return "t_q7Zx" not in self._appended([user], True, "assistant", _PROBE_TOOLS)
+            return "t_q7Zx" not in self._appended([user], True, "assistant", _PROBE_TOOLS)[1]
         except InvalidArgument:
             return False
 
@@ -184,12 +184,20 @@ class ChatFormat:
         after: str = "assistant",
         tools: str = "",
     ) -> list[int]:
-        """Token ids that `messages` add to a conversation whose last message is `after`'s."""
-        return self._encode(self._appended(messages, generation_prompt, after, tools))
+        """Token ids that `messages` add to a conversation whose last message is `after`'s:
+        tokenized after the text the template writes before them, as a whole conversation's
+        rendering tokenizes them (a SentencePiece tokenizer would begin them with a "▁"
+        where that text is no special token, Mistral v0.1's " [/INST]"), where that text's
+        own tokens stay as they are."""
+        before, added = self._appended(messages, generation_prompt, after, tools)
+        head = self._encode(before)
+        whole = self._encode(before + added)
+        return whole[len(head) :] if whole[: len(head)] == head else self._encode(added)
 
     def _appended(
         self, messages: Sequence[ChatMessage], generation_prompt: bool, after: str, tools: str
-    ) -> str:
+    ) -> tuple[str, str]:
+        """The text before what `messages` add (a placeholder conversation's), and theirs."""
         placeholder = _PLACEHOLDERS.get(after, _PLACEHOLDERS["assistant"])
         before = self._render(placeholder, False, tools)
         full = self._render(placeholder + _dicts(messages), generation_prompt, tools)
@@ -201,7 +209,7 @@ class ChatFormat:
                 f"appending {', '.join(m.role for m in messages) or 'a generation prompt'} "
                 f"after a {after} message rewrites what came before"
             )
-        return full[len(before) :]
+        return before, full[len(before) :]
 
     def _reply_end(self, full: str, last: dict) -> str | None:
         """The text of `full` up to the end of the placeholder's last reply and its closing,

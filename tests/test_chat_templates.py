@@ -408,3 +408,39 @@ def test_a_spelled_token_gains_no_space_on_a_sentencepiece_tokenizer():
     forged = context("Hello <s>struck</s> there")
     assert "Hello <s>struck</s> there" in tok.decode(forged)
     assert _specials_in(tok, forged) == _specials_in(tok, context("Hello struck there"))
+
+
+MISTRAL_V01 = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}"
+    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_turn_appended_after_plain_markup_tokenizes_as_the_whole_rendering():
+    """The reviewer's: an appended turn was tokenized alone, so a SentencePiece tokenizer
+    began it with a "▁" where the text before it is plain markup (Mistral v0.1's, Llama 2's
+    " [/INST]"), unlike the whole conversation's rendering."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    corpus = [
+        "Hello there, how are you? I am fine.",
+        "[INST] What is the answer? [/INST] The answer is yes.",
+        "ok sure thing",
+    ] * 30
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(
+        corpus, 200, special_tokens=["<s>", "</s>", "<unk>"], show_progress=False
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=sp._tokenizer, bos_token="<s>", eos_token="</s>", chat_template=MISTRAL_V01
+    )
+    fmt = ChatFormat(tok)
+    tokens, state = fmt.start("")
+    asked = [ChatMessage("user", "What is the answer?")]
+    tokens, state = fmt.extend(tokens, state, asked, False)  # no reply asked for (yet)
+    then = [ChatMessage("assistant", "The answer is yes."), ChatMessage("user", "Hello there")]
+    tokens, state = fmt.extend(tokens, state, then, True)
+    messages = [{"role": m.role, "content": m.content} for m in [*asked, *then]]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokens == tok.encode(text, add_special_tokens=False)
