@@ -430,6 +430,10 @@ def _main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.command == "plan" and not (args.context and args.budget):
         _command_parser(parser, args).error("plan needs --context and --budget")
+    if args.command == "run" and args.mode == "cold" and args.no_reset:  # it failed mid-run
+        _command_parser(parser, args).error(
+            "--mode cold starts every agent from nothing: --no-reset has nothing to keep"
+        )
     _addresses_from_env(_command_parser(parser, args), args)
     try:
         if args.command in ("walkthrough", "demo"):

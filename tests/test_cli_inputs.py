@@ -113,6 +113,11 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
             ["--store", "h:1", "--max-batch", "0"],
             "error: --max-batch, --step-tokens and --queue-limit must be >= 1",
         ),
+        (  # the reviewer's: it failed mid-run, SystemPromptDiffers, the flag it named unknown
+            "agentkv.cli",
+            ["run", "prisoners_dilemma", "--mode", "cold", "--no-reset"],
+            "--mode cold starts every agent from nothing: --no-reset has nothing to keep",
+        ),
     ],
     ids=[
         "cli-url",
@@ -129,6 +134,7 @@ def test_a_gateway_given_a_malformed_address_refuses_to_start_naming_its_flag(ar
         "plan-group-size",
         "worker-check-timeout",
         "worker-batch",
+        "cold-no-reset",
     ],
 )
 def test_usage_errors_name_what_the_user_typed(program, args, said, tmp_path):
