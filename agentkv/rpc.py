@@ -89,18 +89,32 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
     def _abort(self, exc: Exception, context: grpc.ServicerContext, method: str) -> None:
         if isinstance(exc, AgentKVError):
-            code, message, trailers = exc.code, from_peer(exc), exc.trailing_metadata()
+            code, message, trailers = exc.code, _bounded(from_peer(exc)), exc.trailing_metadata()
             log.info("rpc failed", extra={"method": method, "code": code.name, "error": message})
         elif isinstance(exc, grpc.RpcError) and not context.is_active():
             raise exc  # the client went away; nothing to answer
         else:
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            code = grpc.StatusCode.INTERNAL
+            message = _bounded(f"internal error: {type(exc).__name__}: {exc}")
             trailers = ((ERROR_KEY, "AgentKVError"),)
             log.exception("rpc crashed", extra={"method": method})
         if self._on_error is not None:
             self._on_error(code)
         context.set_trailing_metadata(trailers)
         context.abort(code, message)
+
+
+MAX_DETAILS_BYTES = 4000  # UTF-8 bytes of a status message: percent-encoded, within gRPC's
+# 16 KiB of metadata (a caller's 3 MB page_token, echoed whole, was RESOURCE_EXHAUSTED there)
+
+
+def _bounded(message: str) -> str:
+    """`message`, cut to MAX_DETAILS_BYTES (a value a caller sent may be in it)."""
+    raw = message.encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return message
+    cut = raw[: MAX_DETAILS_BYTES - 40].decode(errors="ignore")
+    return f"{cut}... ({len(raw) - len(cut.encode())} bytes more, cut)"
 
 
 def from_peer(exc: AgentKVError) -> str:

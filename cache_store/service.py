@@ -247,7 +247,7 @@ class CacheStoreServicer:
         try:
             after = bytes.fromhex(request.page_token)
         except ValueError as exc:
-            raise InvalidArgument(f"invalid page_token {request.page_token!r}") from exc
+            raise InvalidArgument(f"invalid page_token {ids.show(request.page_token)}") from exc
         records, after = self.store.list_blocks(request.namespace, after, request.page_size)
         return pb.ListBlocksResponse(
             blocks=[replies.block_summary(r, self.store.last_access_ms(r)) for r in records],

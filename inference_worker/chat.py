@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentkv.errors import InvalidArgument
+from agentkv.ids import show
 from inference_worker.conversation import (
     ChatMessage,
     ChatState,
@@ -342,7 +343,7 @@ def _trie(words: Sequence[str]) -> str:
 def _dicts(messages: Sequence[ChatMessage]) -> list[dict]:
     for m in messages:
         if m.role not in ROLES:
-            raise InvalidArgument(f"message role {m.role!r} is not one of {', '.join(ROLES)}")
+            raise InvalidArgument(f"message role {show(m.role)} is not one of {', '.join(ROLES)}")
         if (m.tool_calls and m.role != "assistant") or (m.tool_call_id and m.role != "tool"):
             raise InvalidArgument(
                 f"a {m.role} message has tool calls or answers one: only an assistant's calls "

@@ -577,6 +577,7 @@ def test_read_of_a_layer_the_block_lacks(seeded, rpc):
         LAYER_CALLS[rpc](seeded, [0, 4, 9])
 
 
+HUGE = "z" * (3 << 20)
 MISC_CALLS: dict[str, tuple[Callable[[StoreClient], object], list[str]]] = {
     "GetBlocks-no-keys": (lambda c: list(c.get_blocks(NS, FP, [])), ["no keys"]),
     "LocateBlocks-lease-too-long": (
@@ -591,6 +592,11 @@ MISC_CALLS: dict[str, tuple[Callable[[StoreClient], object], list[str]]] = {
     "ListBlocks-bad-page-token": (
         lambda c: c.call("ListBlocks", pb.ListBlocksRequest(namespace=NS, page_token="zz")),
         ["invalid page_token 'zz'"],
+    ),
+    "ListBlocks-huge-page-token": (  # the reviewer's: echoed whole, a 3 MB log line, and
+        # RESOURCE_EXHAUSTED at the client (its metadata past gRPC's 16 KiB)
+        lambda c: c.call("ListBlocks", pb.ListBlocksRequest(namespace=NS, page_token=HUGE)),
+        ["invalid page_token 'zzzz", "zzz...'"],
     ),
     "ListAgents-bad-page-token": (  # the red team's: an empty page, as if the last
         lambda c: c.call("ListAgents", pb.ListAgentsRequest(namespace=NS, page_token="\xff x")),
@@ -770,3 +776,14 @@ def test_every_store_call_says_its_error_came_from_the_store_and_a_closed_client
     for call in calls.values():
         with pytest.raises(Unavailable, match="store client was closed"):
             call(store)
+
+
+def test_a_status_message_is_cut_to_what_grpc_metadata_carries():
+    """Whatever an error's message echoes, its status details stay within gRPC's 16 KiB of
+    metadata once percent-encoded (3 bytes a byte at most): cut at a character's edge."""
+    from agentkv.rpc import MAX_DETAILS_BYTES, _bounded
+
+    assert _bounded("short") == "short"
+    cut = _bounded("invalid: " + "é" * 100_000)
+    assert len(cut.encode()) <= MAX_DETAILS_BYTES and 3 * MAX_DETAILS_BYTES < 16 << 10
+    assert cut.startswith("invalid: éé") and cut.endswith("bytes more, cut)")
