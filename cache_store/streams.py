@@ -5,7 +5,8 @@ most `limit` streams of each kind run at once (the next is refused with RESOURCE
 so the threads left always serve other calls, and one namespace never takes the last
 quarter of them, so one tenant's slow or stalled streams leave other tenants some. Where
 tokens are checked, a PutBlocks counts from its start, before its first header names its
-namespace: in its token's namespace, where the token allows one, else among its token's. A
+namespace: in its token's namespace, where the token allows one, else among its token's
+streams, where it stays (a token of two namespaces does not take 9 in each). A
 stream
 that moves no message for `idle_seconds` (a stalled reader, a writer that sent a header and
 went quiet) is cancelled, which frees its thread, its disk reservation and its leases.
@@ -33,8 +34,8 @@ class _Watch:
     context: grpc.ServicerContext
     last: float
     cancelled: bool = False
-    share: str | None = None  # the namespace (or "\0" and a token's name) it counts in
-    named: bool = False  # its namespace is known
+    namespace: str | None = None  # whose share it counts in, once known
+    token: str | None = None  # the token whose share it counts in too (of some namespaces)
 
 
 class Beat:
@@ -48,7 +49,7 @@ class Beat:
         self._watch.last = time.monotonic()
 
     def tenant(self, namespace: str) -> None:
-        if not self._watch.named:  # the first block's namespace: the stream's
+        if self._watch.namespace is None:  # the first block's namespace: the stream's
             self._guard.claim(self._watch, namespace)
 
 
@@ -85,13 +86,12 @@ class StreamGuard:
             )
         watch = _Watch(method, context, time.monotonic())
         try:
+            if token is not None:
+                self._count(watch, "token", token, f"the token {token!r}")
             if namespace is not None:
                 self.claim(watch, namespace)
-            elif token is not None:
-                self._count(watch, "\0" + token, f"the token {token!r}")
-            else:
-                with self._lock:
-                    self._watches.add(watch)
+            with self._lock:
+                self._watches.add(watch)
             yield Beat(self, watch)
         finally:
             with self._lock:
@@ -100,16 +100,16 @@ class StreamGuard:
 
     def claim(self, watch: _Watch, namespace: str) -> None:
         """Counts the stream in its namespace's share; ServerBusy past it."""
-        self._count(watch, namespace, f"namespace {namespace!r}")
-        watch.named = True
+        self._count(watch, "namespace", namespace, f"namespace {namespace!r}")
 
-    def _count(self, watch: _Watch, share: str, who: str) -> None:
-        """Counts the stream in `share`: all but the last quarter of the limit (one at least)
-        of one kind at once; ServerBusy past it. The stream joins the watched ones."""
+    def _count(self, watch: _Watch, field: str, value: str, who: str) -> None:
+        """Counts the stream among those whose `field` (namespace, token) is `value`: all but
+        the last quarter of the limit (one at least) of one kind at once; ServerBusy past it.
+        The stream joins the watched ones."""
         most = max(1, self.limit - max(1, self.limit // 4))
         with self._lock:
             held = sum(
-                w is not watch and w.method == watch.method and w.share == share
+                w is not watch and w.method == watch.method and getattr(w, field) == value
                 for w in self._watches
             )
             if held >= most:
@@ -117,7 +117,7 @@ class StreamGuard:
                     f"{who} holds {most} {watch.method} streams, its share of the store's "
                     f"{self.limit}; retry shortly"
                 )
-            watch.share = share
+            setattr(watch, field, value)
             self._watches.add(watch)
 
     def _patrol(self) -> None:

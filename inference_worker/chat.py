@@ -191,7 +191,8 @@ class ChatFormat:
         where that text is no special token, Mistral v0.1's " [/INST]"), where that text's
         own tokens stay as they are."""
         before, added = self._appended(messages, generation_prompt, after, tools)
-        head = self._encode(before)
+        before = before[max(0, before.rfind(_PROBE)) :]  # from the placeholder's last words:
+        head = self._encode(before)  # a turn costs its tail, not its tools' rendering
         whole = self._encode(before + added)
         return whole[len(head) :] if whole[: len(head)] == head else self._encode(added)
 

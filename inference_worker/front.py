@@ -257,7 +257,8 @@ class Front:
         hot = self.engine.hot
         if namespaces is None:
             return hot.figures
-        held = [hot.by_namespace.get(ns, (0, 0)) for ns in namespaces]
+        by_namespace = hot.by_namespace  # one publish's (the MLX thread swaps in a new one)
+        held = [by_namespace.get(ns, (0, 0)) for ns in namespaces]
         return hot.figures[0], sum(h[0] for h in held), sum(h[1] for h in held)
 
     def _wait_durable(self, ns: str, agent_id: str) -> None:

@@ -109,10 +109,17 @@ def _staging(prefix: str, parent: Path) -> Path:
     mkdir gives (0777 less the umask), not mkdtemp's 0700: an import run as root (an image's
     build, `sudo agentkv model import`) is read by the service's user."""
     staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
+    staging.chmod(0o777 & ~_umask())
     return staging
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for every thread)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0o022)  # no /proc (macOS): set and put back at once
+    os.umask(umask)
+    return umask
 
 
 def _import_inside(path: Path, out: Path, weights: str) -> Path:

@@ -229,6 +229,9 @@ class ReplyCalls:
         start, end = self.format.start, self.format.end
         opens = OPENED if self.opening is not None else start
         while True:
+            if self.full:  # the reply ends at its last call: what follows is not sent
+                held, self._in_call, self._call = "", False, []
+                break
             if self._in_call:
                 at = held.find(end) if end else -1  # no end: the call runs to the reply's
                 if at < 0:  # kept aside, not searched again (a long call was quadratic)
@@ -259,6 +262,7 @@ class ReplyCalls:
         """At the reply's end: what is still held, as text (a call cut before its end, with
         its opening text), or the last call (a format whose calls end with the reply)."""
         held = "".join([*self._call, self._held]) if self._in_call else self._held
+        held = "" if self.full else held  # the reply ended at its last call
         self._held, self._call = "", []
         made = self._parse(held) if self._in_call and not self.format.end else []
         out = "" if made else (self.format.start if self._in_call else "") + held
@@ -287,7 +291,7 @@ class ReplyCalls:
             return []
         if not all(call.name in self.allowed for call in calls) and self.allowed:
             return []
-        return calls[: self.limit - len(self.calls)] if self.limit else calls
+        return calls[: self.limit - len(self.calls)] if self.limit else calls  # not full yet
 
 
 def _call(item: Any) -> ToolCall:

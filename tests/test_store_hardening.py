@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -34,12 +35,14 @@ from agentkv.errors import (
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    ServerBusy,
     Unavailable,
 )
 from agentkv.v1 import store_pb2 as pb
 from cache_store import leases
 from cache_store.service import CacheStoreServicer
 from cache_store.store import CacheStore
+from cache_store.streams import StreamGuard
 from cache_store.uploads import PutHeader
 from tests.helpers import (
     FP,
@@ -426,6 +429,23 @@ class Context:
 
     def cancel(self) -> None:
         raise AssertionError("no stream here idles long enough to be cancelled")
+
+
+def test_a_token_of_two_namespaces_never_takes_the_last_slots_across_them():
+    """The diff review's: a token's streams left its share once their headers named a
+    namespace, so a token of {a, b} held 6 in each, all 12. They stay in it."""
+    guard = StreamGuard(limit=12, idle_seconds=60)
+    try:
+        with ExitStack() as held:
+            for i in range(9):
+                held.enter_context(guard.open("PutBlocks", Context(), token="t")).tenant(
+                    "ab"[i % 2]
+                )
+            with pytest.raises(ServerBusy, match="the token 't' holds 9 PutBlocks streams"):
+                held.enter_context(guard.open("PutBlocks", Context(), token="t"))
+            held.enter_context(guard.open("PutBlocks", Context(), namespace="other"))  # room
+    finally:
+        guard.close()
 
 
 def test_a_get_holds_its_stream_slot_until_its_last_message_is_taken(tmp_path):

@@ -490,9 +490,10 @@ def test_a_reply_limited_to_one_call_makes_one_whatever_one_parse_returns():
     calls = ReplyCalls(mistral, [F], limit=1)
     calls.feed('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "f"}]')
     assert [json.loads(c.arguments) for c in calls.flush()[1]] == [{"a": 1}]
-    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call>' * 2
+    two = 'x<tool_call>{"name": "f", "arguments": {}}</tool_call>y' * 2
     calls = ReplyCalls(JSON_FORMAT, [F], limit=1)
-    assert len(calls.feed(two)[1]) == 1 and calls.full
+    text, made = calls.feed(two)
+    assert (text, len(made), calls.full, calls.flush()) == ("x", 1, True, ("", []))
 
 
 def test_a_long_call_split_over_many_pieces_is_found_whole():
