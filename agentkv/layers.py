@@ -176,6 +176,10 @@ def layer_specs(config: dict) -> list[LayerSpec]:
         raise ValueError(f"{model_type} config has a field of the wrong type: {exc}") from None
 
 
+MAX_LAYERS = 10_000  # a config's layers: the largest models have a few hundred
+MAX_COUNT = 1 << 24  # any other count (heads, dims, windows)
+
+
 def _count(config: dict, key: str, default: int | None = None) -> int:
     """`config[key]` (`default` when absent or null) as a positive int: a 0 or a "2" would
     divide by zero or fail later with no word of which field. KeyError when it is missing."""
@@ -185,6 +189,9 @@ def _count(config: dict, key: str, default: int | None = None) -> int:
     value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key} must be a positive integer; got {value!r}")
+    most = MAX_LAYERS if key == "num_hidden_layers" else MAX_COUNT
+    if value > most:  # a list of specs per layer would not fit in memory: a traceback
+        raise ValueError(f"{key} is {value}, past {most:,}: no model has so many")
     return value
 
 
@@ -218,6 +225,10 @@ def _dense(config: dict) -> list[LayerSpec]:
     that slide over `sliding_window`."""
     heads = _count(config, "num_attention_heads")
     kv_heads = _count(config, "num_key_value_heads", heads)
+    if heads % kv_heads:  # each key/value head serves a whole group of query heads
+        raise ValueError(
+            f"num_key_value_heads must divide num_attention_heads; got {kv_heads} and {heads}"
+        )
     if config.get("head_dim"):
         head_dim = _count(config, "head_dim")
     else:

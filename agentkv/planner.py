@@ -6,8 +6,9 @@ For one agent holding `context` tokens, summed over the layers of `layers.layer_
     FP16:      2 bytes per element
     Q4:        bits/8 bytes per element, plus a scale and a bias (`scale_bytes` each) per group
                of `group_size` elements; 4 bits, group 64, fp16 scales: 0.5625 bytes (4.5 bits)
-    held:      FP16 and Q4 hold the whole context in every layer (what agentkv's worker stores
-               today); Q4 window-aware holds min(context, window + chunk - 1) in a sliding layer
+    held:      FP16 and Q4 hold the whole context in every layer (as the paper counts); Q4
+               window-aware holds min(context, window + chunk - 1) in a sliding layer, as
+               agentkv's worker does (its cache trimmed at block boundaries: a block more)
     agents   = floor(budget / bytes per agent)
 
 Nothing else is counted: no weights, activations, allocator slack or cache growth steps.
@@ -23,6 +24,7 @@ from pathlib import Path
 from agentkv.layers import FP16, KVStorage, kv_bytes_per_token, kv_bytes_window_aware, layer_specs
 
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is kilobytes
 
 UNITS = {
     "": 1,
@@ -50,13 +52,19 @@ def load_config(name_or_path: str | Path) -> dict:
             f"no model config at {str(name_or_path)!r}: not a config.json, a directory with "
             f"one, or a shipped name ({', '.join(shipped_names())})"
         )
+    with path.open("rb") as file:
+        raw = file.read(MAX_CONFIG_BYTES + 1)  # not a GGUF's gigabytes, read whole
     try:
-        config = json.loads(path.read_text())
+        if raw.startswith(b"GGUF") or len(raw) > MAX_CONFIG_BYTES:
+            raise UnicodeDecodeError("utf-8", raw[:1], 0, 1, "a GGUF, or too big for a config")
+        config = json.loads(raw.decode())
     except UnicodeDecodeError:  # a weights file, say, or a GGUF
         raise ValueError(
             f"{path} is no text file: --config takes a model's config.json, its directory, or "
             "a shipped name (a GGUF's: `agentkv model import` it, then give the directory)"
         ) from None
+    except RecursionError:
+        raise ValueError(f"{path}: its JSON nests too deeply") from None
     except ValueError as exc:  # not JSON
         raise ValueError(f"{path}: {exc}") from None
     if not isinstance(config, dict):

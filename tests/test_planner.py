@@ -196,6 +196,9 @@ def test_load_config_paths_and_errors(tmp_path):
         ("num_attention_heads", 0, "num_attention_heads must be a positive integer; got 0"),
         ("num_hidden_layers", "2", "num_hidden_layers must be a positive integer; got '2'"),
         ("num_key_value_heads", 1.5, "num_key_value_heads must be a positive integer; got 1.5"),
+        # the reviewer's: 10^8 layers took 50 s and 2.8 GB, then a MemoryError traceback
+        ("num_hidden_layers", 10**8, "num_hidden_layers is 100000000, past 10,000"),
+        ("num_key_value_heads", 64, "num_key_value_heads must divide num_attention_heads; got 64"),
     ],
 )
 def test_a_config_with_a_bad_count_names_the_field_and_file(tmp_path, field, value, message):
@@ -215,6 +218,15 @@ def test_a_config_that_is_not_json_names_the_file(tmp_path):
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00\xc3\x28")
     with pytest.raises(ValueError, match=f"{gguf} is no text file: --config takes"):
         load_config(gguf)
+    big = tmp_path / "big.gguf"  # read whole, 2.5 times its size (an 8 GB GGUF: 20 GB)
+    with big.open("wb") as file:
+        file.write(b"GGUF\x03\x00\x00\x00")
+        file.truncate(1 << 30)  # sparse
+    with pytest.raises(ValueError, match=f"{big} is no text file"):
+        load_config(big)
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    with pytest.raises(ValueError, match="nests too deeply"):
+        load_config(tmp_path / "deep.json")
 
 
 # the paper's Table 14
@@ -331,8 +343,22 @@ def test_capacity_benchmark_sets_table14_beside_the_planner(tmp_path):
         (["--config", "llama3_1_8b", "--context", "8K", "--budget", "lots"], "argument --budget"),
         (["--config", "llama3_1_8b", "--context", "8K", "--budget", "0"], "positive number"),
         (["--config", "llama3_1_8b", "--context", "8K"], "needs --context and --budget"),
+        # the reviewer's: figures for formats no worker stores
+        (
+            ["--config", "deepseek_coder_v2_lite", "--context", "8K", "--budget", "1G"]
+            + ["--group-size", "128"],
+            "head dims [128, 192] are not multiples of --group-size 128; use 32 or 64",
+        ),
+        (
+            ["--config", "llama3_1_8b", "--context", "8K", "--budget", "1G", "--group-size", "7"],
+            "--group-size 7: a worker's is 32 or 64 or 128",
+        ),
+        (
+            ["--config", "llama3_1_8b", "--context", "8K", "--budget", "1G", "--bits", "16"],
+            "--bits 16: a worker stores 2, 3, 4, 5, 6, 8 bits",
+        ),
     ],
-    ids=["missing-file", "bad-budget", "zero-budget", "no-budget"],
+    ids=["missing-file", "bad-budget", "zero-budget", "no-budget", "group-128", "group-7", "bits"],
 )
 def test_cli_plan_errors(args, message):
     out = agentkv("plan", *args)
