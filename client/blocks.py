@@ -116,43 +116,79 @@ class CorruptFile(CorruptBlock):
         self.key = key
 
 
+class FilesUnreadable(Exception):
+    """The located files cannot be read here: another host's or another mount's (a store
+    on loopback need not share this filesystem), another user's, or a read that did not
+    end within the timeout (`stuck`: the reader may still write into the buffer). Not the
+    store's fault: GetBlocks streams the same blocks."""
+
+    def __init__(self, message: str, stuck: bool = False, missing: bytes = b"") -> None:
+        super().__init__(message)
+        self.stuck = stuck
+        self.missing = missing  # the key of a block whose file is not here (the store's too?)
+
+
 def read_locations(
-    locations: Sequence[pb.BlockLocation], view: memoryview, reader: Executor
+    locations: Sequence[pb.BlockLocation],
+    view: memoryview,
+    reader: Executor,
+    timeout: float | None = None,
 ) -> list[StoredBlock]:
     """Reads located blocks back to back into `view`, verifying each.
 
     The reader thread's preadv releases the GIL, so the next block is read while this
-    thread checksums the last one. Raises CorruptFile for the first bad block.
+    thread checksums the last one. Raises CorruptFile for the first bad block, and
+    FilesUnreadable for one that cannot be read here, or not within `timeout` seconds.
     """
     slices, pos = [], 0
     for location in locations:
         slices.append(view[pos : pos + located_bytes(location)])
         pos += len(slices[-1])
     pending = [reader.submit(_read_file, loc, v) for loc, v in zip(locations, slices, strict=True)]
+    stuck = False
     try:
         blocks = []
         for location, block_view, read in zip(locations, slices, pending, strict=True):
-            read.result()
+            try:
+                read.result(timeout)
+            except TimeoutError:  # a hung mount: preadv cannot be interrupted
+                stuck = True
+                raise FilesUnreadable(
+                    f"block {location.key.hex()}: {location.path} was not read within "
+                    f"{timeout:g} s",
+                    stuck=True,
+                ) from None
             _verify(location, block_view)
             blocks.append(block_from_header(location, block_view))
         return blocks
     finally:
         for read in pending:
             read.cancel()
-        wait(pending)  # nothing may still write into the caller's buffer
+        if not stuck:
+            wait(pending)  # nothing may still write into the caller's buffer
 
 
 def _read_file(location: pb.BlockLocation, view: memoryview) -> None:
     """One preadv per run of adjacent segments: one syscall (and one GIL release) a block."""
     key = location.key
     try:
-        fd = os.open(location.path, os.O_RDONLY)
-    except FileNotFoundError as exc:
-        raise CorruptFile(f"block {key.hex()} file {location.path} is missing", key) from exc
+        fd = os.open(location.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there: no hang
+    except FileNotFoundError as exc:  # lost, or another mount's: the store knows which
+        said = f"block {key.hex()} file {location.path} is missing"
+        raise FilesUnreadable(said, missing=key) from exc
+    except OSError as exc:  # under its lease the store keeps it: it is not ours to read
+        said = f"block {key.hex()}: {location.path} cannot be read here ({exc.strerror})"
+        raise FilesUnreadable(said) from exc
     try:
         pos = 0
         for offset, size in _runs(location.segments):
-            if os.preadv(fd, [view[pos : pos + size]], offset) != size:
+            try:
+                read = os.preadv(fd, [view[pos : pos + size]], offset)
+            except OSError as exc:  # EIO, or no file to read at an offset: the store judges
+                raise FilesUnreadable(
+                    f"block {key.hex()}: {location.path}: {exc.strerror}"
+                ) from exc
+            if read != size:
                 raise CorruptFile(f"block {key.hex()} file is truncated at {offset}", key)
             pos += size
     finally:

@@ -15,6 +15,7 @@ from agentkv.channels import ClientSecurity, call_timeout
 from agentkv.client.blocks import (
     Block,
     CorruptFile,
+    FilesUnreadable,
     StoredBlock,
     alloc,
     block_from_header,
@@ -149,16 +150,28 @@ class StoreClient:
 
         All blocks land back to back in `buffer` (reuse one across restores to skip page
         faults) or in one fresh buffer. A checksum failure is reported to the store, which
-        quarantines the file, and raised.
+        quarantines the file, and raised. Files this process cannot read raise
+        FilesUnreadable (get_blocks streams them); one whose read is stuck past the timeout
+        leaves its reader thread behind, and `buffer` is no longer the caller's to reuse.
         """
         leases: list[str] = []
         try:
             locations = self._locate(namespace, fingerprint, keys, layers, leases)
             total = sum(located_bytes(loc) for loc in locations)
             view = buffer if buffer is not None and len(buffer) >= total else alloc(total)
-            return read_locations(locations, view, self._reader())
+            return read_locations(locations, view, self._reader(), self.timeout)
         except CorruptFile as exc:
             self._report(namespace, exc)
+            raise
+        except FilesUnreadable as exc:
+            if exc.stuck:  # its one thread is stuck in the read: later reads get another
+                with self._lock:
+                    pool, self._read_pool = self._read_pool, None
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
+            lost = CorruptFile(str(exc), exc.missing)
+            if exc.missing and self._report(namespace, lost):  # the store lost it too
+                raise lost from None
             raise
         finally:
             # The bytes are read (or the read's own error is on its way): a lease the store
@@ -218,11 +231,14 @@ class StoreClient:
         )
         return self.call("ReportCorruptBlock", request).quarantined
 
-    def _report(self, namespace: str, exc: CorruptFile) -> None:
+    def _report(self, namespace: str, exc: CorruptFile) -> bool:
+        """Whether the store, checking the block's file itself, confirmed the damage (and
+        quarantined it)."""
         request = pb.ReportCorruptBlockRequest(namespace=namespace, key=exc.key, reason=exc.message)
         # The store may have quarantined it already; the read failed either way.
         with contextlib.suppress(AgentKVError):
-            self.call("ReportCorruptBlock", request)
+            return self.call("ReportCorruptBlock", request).quarantined
+        return False
 
     def save_agent(
         self,

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentkv.client.blocks import StoredBlock, alloc
+from agentkv.client.blocks import FilesUnreadable, StoredBlock, alloc
 from agentkv.client.store import StoreClient
 from agentkv.errors import AgentKVError, BlockMisfit, CorruptBlock, CorruptRecord
 from inference_worker.agents import Agent
@@ -72,12 +72,22 @@ class Fetched:
     bytes_read: int = 0
 
 
+@dataclass(slots=True)
+class _Read:
+    """How one restore read its blocks: `path`, and whether a local read is `stuck` (in the
+    reused buffer, which is then dropped)."""
+
+    path: str
+    stuck: bool = False
+
+
 class Restorer:
     def __init__(self, config: WorkerConfig, runtime: Runtime, store: StoreClient) -> None:
         self.store, self.fingerprint, self.fmt = store, runtime.fingerprint, config.kv
         self.specs = runtime.layers  # every restored tensor must fit them
         self.windows = runtime.windows
         self.block_tokens, self.path = config.block_tokens, runtime.restore_path
+        self.chosen = config.restore_path != "auto"  # else: locate, as the store is on loopback
         self.quantized_query_max = runtime.quantized_query_max
         self.vocab_size = runtime.vocab_size
         self._buffer: memoryview | None = None  # reused across restores; fetch copies out
@@ -107,9 +117,8 @@ class Restorer:
         fetched.failure = f"{len(missing)} block(s) missing in the store" if missing else ""
         if not keys:
             return fetched
-        fetched.path = self.path
         try:
-            layers, read = self._read_layers(namespace, keys, counts, manifest.token_ids)
+            layers, read = self._read_layers(namespace, keys, counts, manifest.token_ids, fetched)
         except (AgentKVError, OSError, KeyError, ValueError) as exc:
             log.warning(
                 "restore failed, re-prefilling", extra={"agent": agent_id, "error": str(exc)}
@@ -137,7 +146,7 @@ class Restorer:
             keys, counts = list(hit.keys), list(hit.block_num_tokens)
             if hit.num_tokens != len(tokens):
                 return None
-            layers, read = self._read_layers(namespace, keys, counts, tokens)
+            layers, read = self._read_layers(namespace, keys, counts, tokens, None)
         except (AgentKVError, OSError, KeyError, ValueError) as exc:
             log.warning("shared prefix unusable, prefilling", extra={"error": str(exc)})
             return None
@@ -209,42 +218,77 @@ class Restorer:
         return Restored(agent, sum(counts), fetched.path, fetched.failure, fetched.bytes_read)
 
     def _read_layers(
-        self, namespace: str, keys: list[bytes], counts: list[int], token_ids: Any
+        self,
+        namespace: str,
+        keys: list[bytes],
+        counts: list[int],
+        token_ids: Any,
+        fetched: Fetched | None,
     ) -> tuple[list[HostLayer], int]:
         """The blocks' layers in host memory, checked (check_chain, host_layers' specs), and
-        the payload bytes read. The reused buffer is this call's alone until it returns."""
+        the payload bytes read; `fetched.path` says how. The reused buffer is this call's
+        alone until it returns (or, a read stuck in it, no one's again)."""
         buffer = self._take_buffer()
+        read = _Read(self.path)
         try:
-            blocks = self._read(namespace, keys, counts, buffer)
+            blocks = self._read(namespace, keys, counts, buffer, read)
             check_chain(blocks, keys, counts, token_ids)
             layers = host_layers(blocks, self.windows, self.fmt, self.block_tokens, self.specs)
             used = sum(t.num_bytes for b in blocks for t in b.tensors)
         finally:
-            self._give_back(buffer)
+            self._give_back(None if read.stuck else buffer)
+            if fetched is not None:
+                fetched.path = read.path
         if self.path == "locate" and (buffer is None or used > len(buffer)):
             self._give_back(alloc(2 * used))  # the next restore reads in place
         return layers, used
 
     def _read(
-        self, namespace: str, keys: list[bytes], counts: list[int], buffer: memoryview | None
+        self,
+        namespace: str,
+        keys: list[bytes],
+        counts: list[int],
+        buffer: memoryview | None,
+        read: _Read,
     ) -> list[StoredBlock]:
         """The blocks, each with the layers a restore needs from it (block_layers): one read
-        per run of blocks that need the same layers."""
+        per run of blocks that need the same layers. Files this worker cannot read are
+        streamed instead (`read` says so)."""
         plan = block_layers(counts, self.windows, self.block_tokens)
         blocks: list[StoredBlock] = []
         for layers, run in itertools.groupby(zip(plan, keys, strict=True), key=lambda x: x[0]):
             run_keys = [k for _, k in run]
-            if self.path == "stream":
-                blocks += self.store.get_blocks(namespace, self.fingerprint, run_keys, layers)
-                continue
-            blocks += self.store.read_blocks_local(
-                namespace,
-                self.fingerprint,
-                run_keys,
-                layers,
-                buffer=buffer if not blocks else None,  # later runs: their own
-            )
+            if read.path == "locate":
+                try:
+                    blocks += self.store.read_blocks_local(
+                        namespace,
+                        self.fingerprint,
+                        run_keys,
+                        layers,
+                        buffer=buffer if not blocks else None,  # later runs: their own
+                    )
+                    continue
+                except FilesUnreadable as exc:
+                    read.path, read.stuck = "stream", read.stuck or exc.stuck
+                    # the store reads them (a file it lost is its DATA_LOSS, and quarantined)
+                    blocks += self.store.get_blocks(namespace, self.fingerprint, run_keys, layers)
+                    self._unreadable(exc)
+                    continue
+            blocks += self.store.get_blocks(namespace, self.fingerprint, run_keys, layers)
         return blocks
+
+    def _unreadable(self, exc: FilesUnreadable) -> None:
+        """The store read files this worker cannot: this read streamed them, and, where the
+        worker chose to locate only because the store is on loopback, every later one will."""
+        if not self.chosen and self.path == "locate":
+            self.path = "stream"
+            log.warning(
+                "the store's files cannot be read here: restores stream from now on "
+                "(--restore-path stream says so up front)",
+                extra={"error": str(exc)},
+            )
+        else:
+            log.warning("a located file cannot be read here: streamed", extra={"error": str(exc)})
 
     def _take_buffer(self) -> memoryview | None:
         with self._lock:

@@ -92,3 +92,36 @@ def test_racing_uploads_of_one_block_keep_file_and_index_in_step(store):
     (back,) = store.get_blocks(NS, FP, [results[0].key])
     winner = versions[[r.deduplicated for r in results].index(False)][0]
     assert same_bytes(winner, back)
+
+
+def test_a_direct_read_stuck_past_the_timeout_is_unreadable_and_later_reads_go_on(
+    store_process, monkeypatch
+):
+    """The reviewer's: a direct read on a hung mount (preadv cannot be interrupted) blocked
+    its restore for good, and every later direct read queued behind it on the one reader
+    thread. It ends at the client's timeout now, FilesUnreadable (stuck), and the next read
+    gets a reader of its own."""
+    import threading
+
+    from agentkv.client import blocks as blocks_module
+    from agentkv.client.blocks import FilesUnreadable
+
+    blocks, keys = make_chain(list(range(200)), block_tokens=128)
+    release, read_file = threading.Event(), blocks_module._read_file
+
+    def hung(location, view):
+        if location.key == keys[0]:
+            release.wait()  # as a read on a hung NFS mount
+        read_file(location, view)
+
+    monkeypatch.setattr(blocks_module, "_read_file", hung)
+    with store_process.client(timeout=2) as store:
+        store.put_blocks(NS, FP, blocks)
+        try:
+            with pytest.raises(FilesUnreadable, match="was not read within 2 s") as caught:
+                store.read_blocks_local(NS, FP, keys)
+            assert caught.value.stuck
+            got = store.read_blocks_local(NS, FP, keys[1:])  # not behind the stuck one
+            assert all(same_bytes(b, g) for b, g in zip(blocks[1:], got, strict=True))
+        finally:
+            release.set()

@@ -198,6 +198,45 @@ def test_corrupt_block_costs_a_reprefill_not_a_wrong_answer(
     assert b"agentkv_worker_restore_failures_total 3.0" in text
 
 
+def test_a_worker_that_cannot_see_the_store_s_files_streams_them(
+    tiny_model_dirs, store_process, tmp_path
+):
+    """The reviewer's: under --restore-path auto a store on loopback meant its files were
+    readable here, which a worker in another mount namespace (a sidecar, a container on the
+    host's network) cannot: every restore failed, "missing", was reported as corruption,
+    and re-prefilled. The store reads them instead (GetBlocks), and later restores stream."""
+    import subprocess
+
+    from agentkv.launch import worker_process
+
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespaces here (unshare -m)")
+    hidden = f'mount -t tmpfs none {store_process.data_dir} && exec "$@"'
+    proc = worker_process(
+        str(tiny_model_dirs["llama"]),
+        store_process.address,
+        tmp_path / "worker.log",
+        extra_args=["--block-tokens", "64"],
+    )
+    proc.prefix = ("unshare", "-m", "sh", "-c", hidden, "sh")
+    proc.start()
+    try:
+        w = WorkerClient(proc.address)
+        w.create_agent("ns", "warden", SYSTEM)
+        w.turn("ns", "warden", Q1, max_tokens=8)
+        for _ in range(2):
+            w.wait_durable("ns", "warden")
+            w.evict("ns", "warden")
+            reply = w.turn("ns", "warden", Q2, max_tokens=4)
+            assert reply.usage.cache_state == "warm", reply.usage.restore_failure
+            assert reply.usage.restore_path == "stream" and not reply.usage.restore_failure
+        assert "restores stream from now on" in proc.log_tail(200_000)
+        with store_process.client() as store:  # asked, the store found its files whole
+            assert store.stats().num_quarantined == 0
+    finally:
+        proc.stop()
+
+
 def test_fit_max_tokens_generates_into_the_room_left(tiny_model_dirs, start_worker):
     """With fit_max_tokens (a gateway request naming no max_tokens), a turn whose prompt plus
     max_tokens passes the model's 4,096 tokens generates into the room left, up to the limit,
