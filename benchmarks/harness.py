@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
@@ -585,7 +585,7 @@ def machine(**extra: object) -> dict[str, object]:
         pass
     blas = "Accelerate" if sys.platform == "darwin" else find_openblas() or "reference (none found)"
     facts = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "os": f"{platform.system()} {platform.release()}",

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import harness as h
@@ -215,7 +215,7 @@ def summary(args: argparse.Namespace, load: Load, replay: Replay, budget: Counte
     ttft = [r["ttft_ms"] for r in records]
     caches = {s: sum(r["cache"] == s for r in records) for s in ("hot", "warm", "cold")}
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "agents": len(load.agents),
         "agents_at_once": args.agents,
         "threads": args.threads,
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> dict:
     if report(result):
         shutil.rmtree(root, ignore_errors=True)  # kept, logs and all, when the run failed
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"load-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
+    path = args.out / f"load-{datetime.now(UTC):%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps({**result, "records": load.records}, indent=2))
     print(f"wrote {path}")
     return result

@@ -331,7 +331,7 @@ async def _silence(worker: Any) -> str:
         return ""
     except AgentKVError as exc:
         return exc.message
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return f"no answer within {INFO_TIMEOUT:g} s"
 
 

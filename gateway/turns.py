@@ -93,7 +93,7 @@ async def check_features(memory: AsyncAgentMemory, agent_id: str, call: ChatCall
         try:
             call = worker.call("GetWorkerInfo", INFO_REQUEST)
             return await asyncio.wait_for(call, INFO_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             message = f"agent {agent_id!r}'s worker did not answer within {INFO_TIMEOUT:g} s"
             raise Unavailable(message) from None
 

@@ -70,7 +70,7 @@ class Served:
                 if exc.code not in PASSED_BY:
                     raise
                 last = f"{address}: {exc.message}"
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 last = f"{address}: no answer within {INFO_TIMEOUT:g} s"
             self.passed.mark_down(address)
         message = f"no worker answers (last: {last})"

@@ -16,11 +16,11 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-import tomllib
 import yaml
 
 from agentkv.auth import TokenTable
