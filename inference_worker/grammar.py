@@ -43,7 +43,7 @@ from typing import Any
 from agentkv.errors import FailedPrecondition, InvalidArgument, ModelLacks
 from inference_worker.llg import Compiler
 from inference_worker.masks import Constraint
-from inference_worker.tools import MAX_TOOLS_DEPTH, ToolFormat, loads, nesting
+from inference_worker.tools import JSON_CALLS, MAX_TOOLS_DEPTH, ToolFormat, loads, nesting
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_FORM_CHARS = 1 << 20
@@ -58,7 +58,6 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 CALL_JSON_OPTIONS = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 CALL_JSON_OPTIONS["lenient"] = True
 CALL_REST = "rest: <[*]>*\n"  # any token, added ones included (llguidance's special)
-JSON_CALLS = ("json_tools",)  # formats whose call is {"name", "arguments"} between markers
 
 
 @dataclass(frozen=True, slots=True)

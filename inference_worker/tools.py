@@ -184,6 +184,7 @@ class ToolFormat:
         return cls(name, tokenizer.tool_call_start, tokenizer.tool_call_end, parser)
 
 
+JSON_CALLS = ("json_tools",)  # formats whose call is {"name", "arguments"} between markers
 OPENED = "\U000f0002"  # a call's opening, generated as its special token (ReplyCalls.marked)
 
 
@@ -233,7 +234,7 @@ class ReplyCalls:
                 held, self._in_call, self._call = "", False, []
                 break
             if self._in_call:
-                at = held.find(end) if end else -1  # no end: the call runs to the reply's
+                at = self._end_at(held) if end else -1  # no end: the call runs to the reply's
                 if at < 0:  # kept aside, not searched again (a long call was quadratic)
                     keep = _partial_suffix(held, end) if end else 0
                     self._call.append(held[: len(held) - keep])
@@ -257,6 +258,16 @@ class ReplyCalls:
         self._held = held
         self.sent += out
         return "".join(out), made
+
+    def _end_at(self, held: str) -> int:
+        """Where the call's end marker is in `held` (-1: not yet): for JSON calls, not one
+        inside a string of its JSON (an argument may hold "</tool_call>")."""
+        end, at = self.format.end, held.find(self.format.end)
+        if self.format.name not in JSON_CALLS:
+            return at
+        while at >= 0 and _in_string("".join([*self._call, held[:at]])):
+            at = held.find(end, at + 1)
+        return at
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """At the reply's end: what is still held, as text (a call cut before its end, with
@@ -311,6 +322,19 @@ def _call(item: Any) -> ToolCall:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is no JSON value")
+
+
+def _in_string(text: str) -> bool:
+    """Whether JSON text ends inside a string (its quotes, less the escaped ones, are odd)."""
+    inside, escaped = False, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = inside
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def _partial_suffix(text: str, marker: str) -> int:

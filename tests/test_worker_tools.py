@@ -496,6 +496,15 @@ def test_a_reply_limited_to_one_call_makes_one_whatever_one_parse_returns():
     assert (text, len(made), calls.full, calls.flush()) == ("x", 1, True, ("", []))
 
 
+def test_an_end_marker_inside_a_json_string_does_not_end_the_call():
+    """The reviewer's: {"s": "a</tool_call>b"} was cut at the marker inside the string, and
+    the call went out as text."""
+    body = json.dumps({"name": "f", "arguments": {"s": 'a</tool_call>b\\"</tool_call>'}})
+    text, calls, rest = _split(["<tool_call>", body[:20], body[20:], "</tool_call> after"])
+    assert (text, rest) == (" after", "")
+    assert json.loads(calls[0].arguments) == {"s": 'a</tool_call>b\\"</tool_call>'}
+
+
 def test_a_long_call_split_over_many_pieces_is_found_whole():
     body = json.dumps({"name": "f", "arguments": {"s": "x" * 5000}})
     pieces = ["<tool_call>", *body, "</tool_", "call>"]  # one character a piece
