@@ -48,6 +48,7 @@ def start(config: WorkerConfig) -> None:
 
     blas = load_optimized_blas()  # before anything imports mlx
     from agentkv.errors import AgentKVError
+    from inference_worker.chat import chat_template_stuck
     from inference_worker.models import ModelError
     from inference_worker.server import serve
 
@@ -62,4 +63,7 @@ def start(config: WorkerConfig) -> None:
             error += " (give the model one that works with --chat-template FILE)"
         logging.getLogger("agentkv.worker").error("cannot start", extra={"error": error})
         print(f"agentkv-worker: error: {error}", file=sys.stderr)
+        if chat_template_stuck():  # its thread still renders: no interpreter shutdown under it
+            sys.stderr.flush()
+            os._exit(2)
         sys.exit(2)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ _PLACEHOLDERS = {  # a conversation ending with each role
     ],
 }
 _PROBE = "q7Zx"
+PROBE_SECONDS = 10.0  # a real template renders one message in milliseconds
+PROBE_CHARS = 1 << 20
 _PROBE_TOOLS = canonical_tools(json.dumps([{"type": "function", "function": {"name": "t_q7Zx"}}]))
 _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is stable
 # An added token's text in what a caller wrote, as rendered: the template passes these
@@ -67,6 +70,11 @@ _FIRST_WORDS = ("Alpha", "Bravo")  # two first user turns; what they share is st
 _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
 _ESCAPED = re.compile(f"{_OPEN}([0-9]+){_CLOSE}")
 _MARKERS = re.compile(f"[{_OPEN}{_CLOSE}]")
+
+
+def chat_template_stuck() -> bool:
+    """Whether a chat template's first render is still running past its time limit."""
+    return any(t.name == "template-probe" and t.is_alive() for t in threading.enumerate())
 
 
 class NotAppendOnly(InvalidArgument):
@@ -84,7 +92,7 @@ class ChatFormat:
         self._special = re.compile(_trie(specials) or "(?!)")  # what an assistant's text escapes
         self._control = re.compile(_trie(self._added) or "(?!)")  # what all else escapes
         self._newline = self._plain("\n")  # what _piece strips: "\n" before a piece
-        asked = self._render([_PING], generation_prompt=True)
+        asked = self._first_render()
         if _PING["content"] not in asked:
             raise InvalidArgument(  # a template rendering no message: every turn unheard
                 f"the model's chat template leaves out what a user says (a user message "
@@ -95,6 +103,35 @@ class ChatFormat:
         ids = getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
         self.eos_ids = {ids} if isinstance(ids, int) else set(ids)
         self.tool_format = ToolFormat.of(tokenizer) if self._tools_stay_put() else None
+
+    def _first_render(self) -> str:
+        """A one-message conversation rendered, within PROBE_SECONDS and PROBE_CHARS: a
+        template (a GGUF's, anyone's) that loops for hours or writes gigabytes stops the
+        worker at its start in one line, not at a turn (its thread ends with the process)."""
+        done: list[Any] = []
+
+        def render() -> None:
+            try:
+                done.append(self._render([_PING], generation_prompt=True))
+            except BaseException as exc:  # raised on this thread, below
+                done.append(exc)
+
+        thread = threading.Thread(target=render, name="template-probe", daemon=True)
+        thread.start()
+        thread.join(PROBE_SECONDS)
+        if not done:
+            raise InvalidArgument(
+                "the model's chat template did not render a one-message conversation within "
+                f"{PROBE_SECONDS:g} s"
+            )
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        if len(done[0]) > PROBE_CHARS:
+            raise InvalidArgument(
+                f"the model's chat template renders a one-message conversation as "
+                f"{len(done[0]):,} characters, past {PROBE_CHARS:,}"
+            )
+        return done[0]
 
     def start(self, system: str, tools: str = "") -> tuple[list[int], ChatState]:
         """A new conversation: its stable prefix (the tokens every first user turn renders

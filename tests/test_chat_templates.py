@@ -251,7 +251,15 @@ def test_tools_are_taken_only_where_the_template_renders_them_once(base_tokenize
     [
         ("not a template {{", "unexpected 'end of template'"),
         ('{{ raise_exception("no system prompts here") }}', "no system prompts here"),
+        # the reviewer's: a template that loops for hours hung the worker's start, and one
+        # writing 300 MB allocated it at every render
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            "did not render a one-message conversation within 10 s",
+        ),
+        ("{{ 'x' * 3000000 }}{{ messages[0]['content'] }}", "as 3,000,009 characters, past"),
     ],
+    ids=["syntax", "raise", "endless", "huge"],
 )
 def test_a_chat_template_that_cannot_render_stops_the_worker_in_one_line(
     tiny_model_dirs, tmp_path, template, says
