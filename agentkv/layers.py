@@ -78,6 +78,10 @@ class KVStorage:
 FP16 = KVStorage()
 
 
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what KVFormat stores K and V in
+GROUP_SIZES = (32, 64, 128)
+
+
 @dataclass(frozen=True, slots=True)
 class KVFormat:
     """How K and V are stored: bits each, quantization group, and the scales' dtype."""
@@ -89,9 +93,9 @@ class KVFormat:
 
     def __post_init__(self) -> None:
         for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
-            if bits not in (2, 3, 4, 5, 6, 8):
+            if bits not in KV_BITS:
                 raise ValueError(f"{name} must be one of 2, 3, 4, 5, 6, 8; got {bits}")
-        if self.group_size not in (32, 64, 128):
+        if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be float16 or float32; got {self.scale_dtype}")
@@ -108,7 +112,7 @@ class KVFormat:
         dims = sorted({d for s in specs for d in (s.k_head_dim, s.v_head_dim)})
         if all(d % self.group_size == 0 for d in dims):
             return
-        fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+        fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
         raise ValueError(
             f"the model's head dims {dims} are not multiples of --group-size {self.group_size}"
             + (f"; use {' or '.join(map(str, fits))}" if fits else "; no group size fits them")

@@ -5,12 +5,9 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from agentkv.layers import KVFormat, describe, layer_specs
+from agentkv.layers import GROUP_SIZES, KV_BITS, KVFormat, describe, layer_specs
 from agentkv.planner import load_config, plan
 from agentkv.units import table
-
-BITS = (2, 3, 4, 5, 6, 8)  # KVFormat's
-GROUPS = (32, 64, 128)
 
 
 def _gib(num_bytes: int) -> str:
@@ -28,10 +25,12 @@ def print_plan(
     """`agentkv plan`: per-agent KV bytes and how many agents fit in `budget`, per context."""
     config = load_config(name)
     specs = layer_specs(config)
-    if bits not in BITS:  # what a worker stores, as its --k-bits and --v-bits take
-        raise ValueError(f"--bits {bits}: a worker stores {', '.join(map(str, BITS))} bits")
-    if group not in GROUPS:
-        raise ValueError(f"--group-size {group}: a worker's is {' or '.join(map(str, GROUPS))}")
+    if bits not in KV_BITS:  # KVFormat's, said as the flags were typed
+        raise ValueError(f"--bits {bits}: a worker stores {', '.join(map(str, KV_BITS))} bits")
+    if group not in GROUP_SIZES:
+        raise ValueError(
+            f"--group-size {group}: a worker's is {' or '.join(map(str, GROUP_SIZES))}"
+        )
     KVFormat(bits, bits, group).check_fits(specs)  # "... not multiples of --group-size 128"
     caps = [plan(config, n, budget, bits, group, chunk_tokens=chunk) for n in contexts]
     print(f"{name}: {describe(specs)}")
