@@ -256,6 +256,7 @@ class Restorer:
         streamed instead (`read` says so)."""
         plan = block_layers(counts, self.windows, self.block_tokens)
         blocks: list[StoredBlock] = []
+        unreadable = None
         for layers, run in itertools.groupby(zip(plan, keys, strict=True), key=lambda x: x[0]):
             run_keys = [k for _, k in run]
             if read.path == "locate":
@@ -268,13 +269,12 @@ class Restorer:
                         buffer=buffer if not blocks else None,  # later runs: their own
                     )
                     continue
-                except FilesUnreadable as exc:
-                    read.path, read.stuck = "stream", read.stuck or exc.stuck
-                    # the store reads them (a file it lost is its DATA_LOSS, and quarantined)
-                    blocks += self.store.get_blocks(namespace, self.fingerprint, run_keys, layers)
-                    self._unreadable(exc)
-                    continue
+                except FilesUnreadable as exc:  # this run and the rest stream
+                    unreadable, read.path, read.stuck = exc, "stream", exc.stuck
+            # a file the store lost too is its DATA_LOSS (quarantined), raised here
             blocks += self.store.get_blocks(namespace, self.fingerprint, run_keys, layers)
+        if unreadable is not None:  # the store read what this worker could not
+            self._unreadable(unreadable)
         return blocks
 
     def _unreadable(self, exc: FilesUnreadable) -> None:
