@@ -6,10 +6,9 @@ so the threads left always serve other calls, and one namespace never takes the 
 quarter of them, so one tenant's slow or stalled streams leave other tenants some. Where
 tokens are checked, a PutBlocks counts from its start, before its first header names its
 namespace: in its token's namespace, where the token allows one, else among its token's
-streams, where it stays (a token of two namespaces does not take 9 in each). A
-stream
-that moves no message for `idle_seconds` (a stalled reader, a writer that sent a header and
-went quiet) is cancelled, which frees its thread, its disk reservation and its leases.
+streams, where it stays (a token of two namespaces does not take 9 in each). A stream that
+moves no message for `idle_seconds` (a stalled reader, a writer that sent a header and went
+quiet) is cancelled, which frees its thread, its disk reservation and its leases.
 """
 
 from __future__ import annotations

@@ -169,9 +169,10 @@ class StoreClient:
                     pool, self._read_pool = self._read_pool, None
                 if pool is not None:
                     pool.shutdown(wait=False, cancel_futures=True)
-            lost = CorruptFile(str(exc), exc.missing)
-            if exc.missing and self._report(namespace, lost):  # the store lost it too
-                raise lost from None
+            if exc.missing:  # the store checks its own file: lost there too, or not ours
+                lost = CorruptFile(str(exc), exc.missing)
+                if self._report(namespace, lost):
+                    raise lost from None
             raise
         finally:
             # The bytes are read (or the read's own error is on its way): a lease the store
