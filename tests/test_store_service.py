@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -19,7 +18,7 @@ from agentkv.errors import AgentKVError, AgentNotFound
 from agentkv.launch import ServiceProcess
 from agentkv.units import parse_bytes
 from cache_store.__main__ import build_config
-from tests.helpers import FP, NS, StoreProcess, cli, make_chain
+from tests.helpers import FP, NS, StoreProcess, cli, make_chain, until
 
 
 def test_health_and_reflection(store_process):
@@ -328,10 +327,8 @@ def test_open_streams_anyone_may_start_leave_threads_for_every_call(tmp_path):
                 assert list(client.list_agents(NS)) == []
             requests.put(None)  # the held stream ends: its slot is free again
             assert list(held) == []
-            again = None
-            deadline = time.monotonic() + 60  # the slot is freed as the server's handler ends
-            while again is None and time.monotonic() < deadline:
-                again = _reflected(stub, request)
+            # the slot is freed as the server's handler ends
+            again = until(lambda: _reflected(stub, request), "a reflection slot")
             assert again and again[0].list_services_response.service
             for watch in watches:
                 watch.cancel()
